@@ -1,0 +1,31 @@
+"""workbench: take a small language model from a Hugging Face checkpoint to an edge NPU, and
+show with numbers and pictures what each quantization choice costs.
+
+The main verbs::
+
+    from workbench import load_model, QuantPlan, evaluate, encode_text, Workspace
+"""
+from __future__ import annotations
+
+import os
+import warnings
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+warnings.filterwarnings("ignore", message=".*_C_mxfp8.*")
+
+from .errors import DataError, ModelLoadError, PlanError, WorkbenchError, WorkspaceError  # noqa: E402
+from .evaluate import EvalReport, encode_text, evaluate, paired_difference, read_text  # noqa: E402
+from .models import DEMO_MODEL_DIR, LayerInfo, LoadedModel, demo_text_path, load_model  # noqa: E402
+from .plan import PRECISIONS, Precision, QuantPlan, get_precision, register_precision  # noqa: E402
+from .workspace import Artifact, Workspace  # noqa: E402
+
+__version__ = "0.1.0"
+__all__ = [
+    "WorkbenchError", "ModelLoadError", "PlanError", "DataError", "WorkspaceError",
+    "EvalReport", "encode_text", "evaluate", "paired_difference", "read_text",
+    "DEMO_MODEL_DIR", "LayerInfo", "LoadedModel", "demo_text_path", "load_model",
+    "PRECISIONS", "Precision", "QuantPlan", "get_precision", "register_precision",
+    "Artifact", "Workspace", "__version__",
+]

@@ -1,0 +1,39 @@
+"""Show a model's quantizable layers and its size at each precision."""
+from __future__ import annotations
+
+from ..models import load_model
+from .common import add_json_flag, add_model_argument, format_bytes, print_json
+
+HELP = "layer table and size per precision"
+PRECISIONS = ("fp32", "fp16", "int8", "int4")
+
+
+def add_arguments(p):
+    add_model_argument(p)
+    add_json_flag(p)
+    p.add_argument("--trust-remote-code", action="store_true", help="allow the model's own Python code to run")
+
+
+def run(args) -> int:
+    lm = load_model(args.model, load_tokenizer=False, trust_remote_code=args.trust_remote_code)
+    cfg = lm.config
+    sizes = {p: lm.size_bytes(precision=p) for p in PRECISIONS}
+    if args.json:
+        print_json({"model": str(lm.path), "model_type": cfg.model_type, "vocab_size": cfg.vocab_size,
+                    "parameters": lm.parameters, "hidden_size": cfg.hidden_size,
+                    "num_hidden_layers": cfg.num_hidden_layers, "size_bytes": sizes,
+                    "layers": [layer.to_dict() for layer in lm.layers]})
+        return 0
+    print(f"{lm.path}  ({cfg.model_type}, {lm.parameters / 1e6:.2f} M parameters, vocab {cfg.vocab_size})")
+    header = f"{'layer':<40} {'shape':>12} {'params':>11} " + " ".join(f"{p:>10}" for p in PRECISIONS)
+    print(header)
+    print("-" * len(header))
+    for layer in lm.layers:
+        shape = "x".join(map(str, layer.shape))
+        tied = "  (tied)" if layer.tied_to else ""
+        print(f"{layer.name:<40} {shape:>12} {layer.parameters:>11,} "
+              + " ".join(f"{format_bytes(layer.bytes_at(p)):>10}" for p in PRECISIONS) + tied)
+    print("-" * len(header))
+    print(f"{'model total (tied weights once, norms at fp16)':<65}"
+          + " ".join(f"{format_bytes(sizes[p]):>10}" for p in PRECISIONS))
+    return 0

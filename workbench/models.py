@@ -1,0 +1,231 @@
+"""Load a local Hugging Face causal LM safely, and describe its quantizable layers.
+
+    lm = load_model("demo")                 # the bundled model; any local HF directory works
+    for layer in lm.layers: print(layer.name, layer.shape, layer.bytes_at("int4"))
+
+Never downloads, never runs remote code unless ``trust_remote_code=True`` is asked for, prefers
+safetensors and loads pickled weights only with ``weights_only=True``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .errors import ModelLoadError
+from .plan import DEFAULT_GROUP_SIZE, get_precision
+
+__all__ = ["DEMO_MODEL_DIR", "ASSETS_DIR", "LayerInfo", "LoadedModel", "resolve_model_path", "load_model",
+           "quantizable_layers", "check_safetensors_file", "demo_text_path"]
+
+ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
+DEMO_MODEL_DIR = ASSETS_DIR / "demo-model"
+MODEL_ALIASES = {"demo": DEMO_MODEL_DIR}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is ever fetched from a hub
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+
+
+def demo_text_path(kind: str) -> Path:
+    """The bundled ``heldout`` evaluation text or ``calibration`` text of the demo model."""
+    if kind not in ("heldout", "calibration"):
+        raise ValueError(f"kind must be 'heldout' or 'calibration', not {kind!r}")
+    return DEMO_MODEL_DIR / f"{kind}.txt"
+
+
+def resolve_model_path(name_or_path: str | os.PathLike) -> Path:
+    """``demo`` names the bundled model; anything else is a local directory."""
+    if str(name_or_path) in MODEL_ALIASES:
+        return MODEL_ALIASES[str(name_or_path)]
+    return Path(name_or_path).expanduser()
+
+
+@dataclass(frozen=True)
+class LayerInfo:
+    """A quantizable layer: a Linear (or the token embedding) named by its FQN."""
+
+    name: str
+    kind: str  # "linear" or "embedding"
+    shape: tuple[int, int]  # (out_features, in_features) as stored in the weight
+    tied_to: str | None = None  # set on lm_head when it shares the embedding's weight
+
+    @property
+    def parameters(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+    @property
+    def block(self) -> str:
+        """``layers.3`` for block layers, else the top-level part (``embed_tokens``, ``lm_head``)."""
+        parts = self.name.split(".")
+        if "layers" in parts:
+            i = parts.index("layers")
+            return ".".join(parts[i:i + 2])
+        return parts[-1]
+
+    @property
+    def role(self) -> str:
+        """The short layer type: q_proj, k_proj, ..., down_proj, embed_tokens, lm_head."""
+        return self.name.rsplit(".", 1)[-1]
+
+    def bytes_at(self, precision: str, group_size: int | None = DEFAULT_GROUP_SIZE, symmetric: bool = True) -> int:
+        p = get_precision(precision)
+        return p.weight_bytes(self.shape[0], self.shape[1], group_size, symmetric)
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "kind": self.kind, "shape": list(self.shape), "parameters": self.parameters,
+                "tied_to": self.tied_to,
+                "bytes": {p: self.bytes_at(p) for p in ("fp32", "fp16", "int8", "int4")}}
+
+
+def quantizable_layers(model: nn.Module) -> list[LayerInfo]:
+    """Every ``nn.Linear`` and ``nn.Embedding`` in module order, with tied weights marked."""
+    out: list[LayerInfo] = []
+    seen: dict[int, str] = {}
+    for name, mod in model.named_modules():
+        if isinstance(mod, (nn.Linear, nn.Embedding)):
+            w = mod.weight
+            tied = seen.get(id(w))
+            seen.setdefault(id(w), name)
+            kind = "embedding" if isinstance(mod, nn.Embedding) else "linear"
+            out.append(LayerInfo(name, kind, (int(w.shape[0]), int(w.shape[1])), tied))
+    return out
+
+
+@dataclass
+class LoadedModel:
+    """A model, its tokenizer and where they came from."""
+
+    model: nn.Module
+    tokenizer: object
+    path: Path
+    name: str
+    layers: list[LayerInfo] = field(default_factory=list)
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def parameters(self) -> int:
+        return sum(p.numel() for p in {id(p): p for p in self.model.parameters()}.values())
+
+    def layer(self, name: str) -> LayerInfo:
+        for info in self.layers:
+            if info.name == name:
+                return info
+        raise KeyError(name)
+
+    def size_bytes(self, plan=None, precision: str | None = None) -> int:
+        """Weight bytes under a plan (or one precision for everything); tied weights counted once
+        when both uses have the same precision. Non-layer parameters (norms) count at fp16."""
+        total, by_weight = 0, {}
+        for info in self.layers:
+            p = precision or (plan.precision_name_for(info.name) if plan else "fp16") or "fp16"
+            gs = plan.group_size if plan else DEFAULT_GROUP_SIZE
+            sym = plan.symmetric if plan else True
+            key = (info.tied_to or info.name, p)
+            if key not in by_weight:
+                by_weight[key] = info.bytes_at(p, gs, sym)
+        total = sum(by_weight.values())
+        layer_params = {id(m.weight) for n, m in self.model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))}
+        other = sum(p.numel() for p in self.model.parameters() if id(p) not in layer_params)
+        return total + 2 * other
+
+
+def check_safetensors_file(path: Path) -> None:
+    """Fail with a clear message when a safetensors file is truncated or its header is corrupt."""
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise ModelLoadError(f"weights file '{path}' is truncated ({size} bytes): re-copy or re-download it")
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8 or n > 100_000_000:
+                raise ModelLoadError(f"weights file '{path}' is corrupt: header length {n} exceeds the file size "
+                                     f"{size}; the file is truncated or not safetensors")
+            header = json.loads(f.read(n))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise ModelLoadError(f"weights file '{path}' has a corrupt safetensors header; re-copy it") from None
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    if 8 + n + end > size:
+        raise ModelLoadError(f"weights file '{path}' is truncated: its header describes {8 + n + end:,} bytes but "
+                             f"the file has {size:,}; re-copy it")
+
+
+def _check_directory(path: Path, name: str) -> dict:
+    if not path.exists():
+        hint = " (the bundled demo model is missing: run scripts/build_demo_model.py)" if name == "demo" else \
+            "; pass a local Hugging Face model directory, or 'demo' for the bundled model"
+        raise ModelLoadError(f"model path '{path}' does not exist{hint}")
+    if not path.is_dir():
+        raise ModelLoadError(f"model path '{path}' is a file; pass the directory that holds config.json")
+    cfg_path = path / "config.json"
+    if not cfg_path.is_file():
+        raise ModelLoadError(f"'{path}' has no config.json: not a Hugging Face model directory "
+                             "(save one with model.save_pretrained(dir))")
+    try:
+        cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"'{cfg_path}' is not valid JSON: {e}") from None
+    st = sorted(path.glob("*.safetensors"))
+    bins = sorted(path.glob("pytorch_model*.bin"))
+    if not st and not bins:
+        raise ModelLoadError(f"'{path}' has no weights: expected model.safetensors (or pytorch_model.bin)")
+    for f in st:
+        check_safetensors_file(f)
+    return cfg
+
+
+def load_model(path: str | os.PathLike = "demo", *, dtype: str | torch.dtype = "float32", device: str = "cpu",
+               trust_remote_code: bool = False, load_tokenizer: bool = True) -> LoadedModel:
+    """Load a local causal-LM directory (or ``demo``) for evaluation on ``device`` in ``dtype``."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()  # progress bars and notices go nowhere useful in a CLI or panel
+    hf_logging.disable_progress_bar()
+
+    name = str(path)
+    p = resolve_model_path(path)
+    raw_cfg = _check_directory(p, name)
+    model_type = raw_cfg.get("model_type")
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not trust_remote_code:
+        arch = ", ".join(raw_cfg.get("architectures") or []) or "unknown architecture"
+        raise ModelLoadError(f"'{p}' is model_type '{model_type}' ({arch}), not a causal language model this "
+                             "workbench can load; supported include qwen2, qwen3 and llama")
+    torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    if not isinstance(torch_dtype, torch.dtype):
+        raise ModelLoadError(f"unknown dtype '{dtype}'; use float32, float16 or bfloat16")
+    try:
+        config = AutoConfig.from_pretrained(p, trust_remote_code=trust_remote_code, local_files_only=True)
+        use_st = any(p.glob("*.safetensors"))
+        model = AutoModelForCausalLM.from_pretrained(
+            p, config=config, dtype=torch_dtype, trust_remote_code=trust_remote_code, local_files_only=True,
+            use_safetensors=use_st)
+    except ModelLoadError:
+        raise
+    except Exception as e:  # transformers raises many types; give one clear line
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelLoadError(f"could not load model weights from '{p}': {first}") from e
+    model.to(device).eval()
+    tokenizer = None
+    if load_tokenizer:
+        if not any((p / f).is_file() for f in TOKENIZER_FILES):
+            raise ModelLoadError(f"'{p}' has no tokenizer (expected tokenizer.json or tokenizer.model); copy the "
+                                 "tokenizer files of the base model into it")
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(p, trust_remote_code=trust_remote_code, local_files_only=True)
+        except Exception as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ModelLoadError(f"could not load the tokenizer in '{p}': {first}") from e
+        tokenizer.model_max_length = 1 << 30  # evaluation windows whole texts itself; silence the length notice
+    return LoadedModel(model=model, tokenizer=tokenizer, path=p, name=name, layers=quantizable_layers(model))

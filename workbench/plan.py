@@ -1,0 +1,241 @@
+"""Precisions and the quantization plan: which precision every layer gets.
+
+A plan is ordered rules over PyTorch module names (FQNs from ``named_modules()``):
+an exact name beats a pattern, and a pattern beats the default. Patterns are globs
+(``*.q_proj``) or regular expressions (``re:.*layers\\.[0-3]\\..*``); among patterns the one
+added last wins, so a bulk rule added later overrides an earlier one. A precision of ``None``
+means "leave the layer as it is".
+
+    plan = QuantPlan.uniform("int4").with_override("model.layers.0.self_attn.q_proj", "fp16")
+    plan.save("plan.json"); QuantPlan.load("plan.json") == plan
+"""
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import json
+import re
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Iterable, Mapping
+
+from .errors import PlanError
+
+__all__ = [
+    "Precision", "PRECISIONS", "register_precision", "get_precision", "PlanRule", "QuantPlan",
+    "PLAN_VERSION", "DEFAULT_GROUP_SIZE",
+]
+
+PLAN_VERSION = 1
+DEFAULT_GROUP_SIZE = 128  # what AWQ, GPTQ and practitioners use; smaller = more scales, bigger file
+SCALE_BYTES = 2  # one fp16 scale per group (per output channel when per-channel)
+
+
+@dataclass(frozen=True)
+class Precision:
+    """A storage precision for a layer's weights."""
+
+    name: str
+    bits: int
+    is_float: bool
+    description: str = ""
+
+    def weight_bytes(self, out_features: int, in_features: int, group_size: int | None = DEFAULT_GROUP_SIZE,
+                     symmetric: bool = True) -> int:
+        """Bytes to store an out x in weight: packed integers plus fp16 scales (and zero points)."""
+        n = out_features * in_features
+        if self.is_float:
+            return n * self.bits // 8
+        groups_per_row = 1 if not group_size else -(-in_features // group_size)
+        groups = out_features * groups_per_row
+        zero_bytes = 0 if symmetric else -(-groups * self.bits // 8)
+        return -(-n * self.bits // 8) + groups * SCALE_BYTES + zero_bytes
+
+
+PRECISIONS: dict[str, Precision] = {}
+
+
+def register_precision(p: Precision) -> Precision:
+    """Add a precision to the registry, so plans, the UI and the CLI can name it."""
+    PRECISIONS[p.name] = p
+    return p
+
+
+for _p in (
+    Precision("fp32", 32, True, "float32: the unquantized reference"),
+    Precision("fp16", 16, True, "float16: kept in floating point"),
+    Precision("int8", 8, False, "8-bit integer weights, fp16 scales"),
+    Precision("int4", 4, False, "4-bit integer weights, fp16 scales"),
+):
+    register_precision(_p)
+
+
+def get_precision(name: str | Precision | None) -> Precision | None:
+    """Look a precision up by name; ``None`` stays ``None`` (leave the layer alone)."""
+    if name is None or isinstance(name, Precision):
+        return name
+    key = str(name).lower()
+    if key not in PRECISIONS:
+        raise PlanError(f"unknown precision '{name}'; choose one of: {', '.join(PRECISIONS)}")
+    return PRECISIONS[key]
+
+
+def _is_pattern(text: str) -> bool:
+    return text.startswith("re:") or any(c in text for c in "*?[")
+
+
+@dataclass(frozen=True)
+class PlanRule:
+    """``pattern`` is an exact FQN, a glob, or ``re:`` + a regular expression."""
+
+    pattern: str
+    precision: str | None
+
+    def __post_init__(self):
+        get_precision(self.precision)
+        if self.pattern.startswith("re:"):
+            try:
+                re.compile(self.pattern[3:])
+            except re.error as e:
+                raise PlanError(f"rule '{self.pattern}': invalid regular expression: {e}") from None
+
+    @property
+    def is_exact(self) -> bool:
+        return not _is_pattern(self.pattern)
+
+    def matches(self, name: str) -> bool:
+        if self.pattern.startswith("re:"):
+            return re.fullmatch(self.pattern[3:], name) is not None
+        if self.is_exact:
+            return name == self.pattern
+        return fnmatch.fnmatchcase(name, self.pattern)
+
+
+@dataclass(frozen=True)
+class QuantPlan:
+    """Ordered precision rules over layer names plus a default; immutable, JSON round-trips."""
+
+    default: str | None = "int8"
+    rules: tuple[PlanRule, ...] = ()
+    group_size: int | None = DEFAULT_GROUP_SIZE  # None = per output channel
+    symmetric: bool = True
+    method: str = "rtn"
+    version: int = PLAN_VERSION
+    meta: Mapping[str, object] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self):
+        get_precision(self.default)
+        if self.group_size is not None and (not isinstance(self.group_size, int) or self.group_size <= 0):
+            raise PlanError(f"group_size must be a positive integer or null (per-channel), got {self.group_size!r}")
+        if self.version > PLAN_VERSION:
+            raise PlanError(f"plan version {self.version} is newer than this workbench understands ({PLAN_VERSION})")
+        object.__setattr__(self, "rules", tuple(
+            r if isinstance(r, PlanRule) else PlanRule(**r) for r in self.rules))
+
+    # -- construction -------------------------------------------------------------------------
+    @classmethod
+    def uniform(cls, precision: str, *, keep_embeddings: str | None = "fp16", **kw) -> "QuantPlan":
+        """Every linear layer at ``precision``; embeddings and lm_head at ``keep_embeddings``."""
+        rules = () if keep_embeddings is None else (
+            PlanRule("*embed_tokens", keep_embeddings), PlanRule("lm_head", keep_embeddings))
+        return cls(default=precision, rules=rules, **kw)
+
+    def with_override(self, pattern: str, precision: str | None) -> "QuantPlan":
+        """A new plan where ``pattern`` (a name or a pattern) maps to ``precision``."""
+        rules = [r for r in self.rules if r.pattern != pattern] + [PlanRule(pattern, precision)]
+        return replace(self, rules=tuple(rules))
+
+    def without_rule(self, pattern: str) -> "QuantPlan":
+        return replace(self, rules=tuple(r for r in self.rules if r.pattern != pattern))
+
+    # -- lookup -------------------------------------------------------------------------------
+    def precision_name_for(self, name: str) -> str | None:
+        for r in self.rules:
+            if r.is_exact and r.pattern == name:
+                return r.precision
+        for r in reversed(self.rules):
+            if not r.is_exact and r.matches(name):
+                return r.precision
+        return self.default
+
+    def precision_for(self, name: str) -> Precision | None:
+        return get_precision(self.precision_name_for(name))
+
+    def resolve(self, layer_names: Iterable[str]) -> dict[str, str | None]:
+        """Map every layer name to its precision name (or None)."""
+        return {n: self.precision_name_for(n) for n in layer_names}
+
+    def validate(self, layer_names: Iterable[str]) -> None:
+        """Raise ``PlanError`` for a rule that matches no layer, naming the closest real layers."""
+        names = list(layer_names)
+        for r in self.rules:
+            if not any(r.matches(n) for n in names):
+                close = difflib.get_close_matches(r.pattern.removeprefix("re:"), names, n=3, cutoff=0.4)
+                hint = f"; closest layer names: {', '.join(close)}" if close else \
+                    f"; layers look like: {', '.join(names[:3])}"
+                raise PlanError(f"plan rule '{r.pattern}' matches no layer of this model{hint}")
+
+    # -- serialisation ------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return {"version": self.version, "default": self.default, "group_size": self.group_size,
+                "symmetric": self.symmetric, "method": self.method,
+                "rules": [{"pattern": r.pattern, "precision": r.precision} for r in self.rules],
+                **({"meta": dict(self.meta)} if self.meta else {})}
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "QuantPlan":
+        if not isinstance(d, Mapping):
+            raise PlanError("a plan must be a JSON object with 'version', 'default' and 'rules'")
+        known = {"version", "default", "group_size", "symmetric", "method", "rules", "meta"}
+        unknown = set(d) - known
+        if unknown:
+            raise PlanError(f"unknown plan field(s) {sorted(unknown)}; allowed: {sorted(known)}")
+        if "version" not in d:
+            raise PlanError("plan has no 'version' field; is this a workbench plan file?")
+        rules = d.get("rules", [])
+        if not isinstance(rules, list) or any(not isinstance(r, Mapping) or set(r) != {"pattern", "precision"}
+                                              for r in rules):
+            raise PlanError("plan 'rules' must be a list of {\"pattern\": ..., \"precision\": ...} objects")
+        return cls(default=d.get("default", "int8"), rules=tuple(PlanRule(**r) for r in rules),
+                   group_size=d.get("group_size", DEFAULT_GROUP_SIZE), symmetric=bool(d.get("symmetric", True)),
+                   method=d.get("method", "rtn"), version=int(d["version"]), meta=d.get("meta", {}))
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> "QuantPlan":
+        try:
+            return cls.from_dict(json.loads(text))
+        except json.JSONDecodeError as e:
+            raise PlanError(f"plan is not valid JSON: {e}") from None
+
+    def save(self, path: str | Path) -> Path:
+        from .workspace import atomic_write_text
+        return atomic_write_text(Path(path), self.to_json() + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "QuantPlan":
+        p = Path(path)
+        if not p.is_file():
+            raise PlanError(f"plan file '{p}' does not exist")
+        try:
+            return cls.from_json(p.read_text(encoding="utf-8"))
+        except PlanError as e:
+            raise PlanError(f"{p}: {e}") from None
+
+    # -- display ------------------------------------------------------------------------------
+    def table(self, layers: Iterable) -> str:
+        """A readable table: layer, shape, parameters, precision, bytes at that precision."""
+        rows = [("layer", "shape", "params", "precision", "bytes")]
+        total = 0
+        for info in layers:
+            pname = self.precision_name_for(info.name)
+            nbytes = info.bytes_at(pname or "fp16", self.group_size, self.symmetric)
+            total += nbytes
+            rows.append((info.name, "x".join(map(str, info.shape)), f"{info.parameters:,}",
+                         pname or "(unchanged)", f"{nbytes:,}"))
+        rows.append(("total", "", "", "", f"{total:,}"))
+        widths = [max(len(r[i]) for r in rows) for i in range(5)]
+        return "\n".join("  ".join(c.ljust(w) if i in (0, 3) else c.rjust(w) for i, (c, w) in
+                                   enumerate(zip(r, widths))) for r in rows)

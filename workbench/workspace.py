@@ -1,0 +1,200 @@
+"""The artifact store: every heavy step's result lives in ``<root>/<step>/<key>/``.
+
+``key`` is a hash of the step's inputs, so the same inputs find the same artifact. An artifact
+is complete exactly when its ``manifest.json`` exists: the payload is written into a
+``.partial-<key>`` directory that is renamed into place only after the manifest is written, so
+a killed step never leaves something that looks whole. A step that is interrupted can resume
+from the files it left in its partial directory (``get_or_compute`` hands the same directory
+back on the next call).
+
+    ws = Workspace()                              # ./workspace, or $WORKBENCH_WORKSPACE
+    art = ws.get_or_compute("calibrate", {"model": "demo", "samples": 128}, compute)
+    art.path / "stats.safetensors"
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Mapping
+
+from .errors import WorkspaceError
+
+__all__ = ["Workspace", "Artifact", "atomic_write_bytes", "atomic_write_text", "atomic_write_json",
+           "hash_inputs", "file_sha256", "library_versions", "DEFAULT_WORKSPACE"]
+
+DEFAULT_WORKSPACE = Path(os.environ.get("WORKBENCH_WORKSPACE", "workspace"))
+MANIFEST = "manifest.json"
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> Path:
+    """Write via a temporary file in the same directory and ``os.replace``: all or nothing."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def atomic_write_text(path: Path, text: str) -> Path:
+    return atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_json(path: Path, obj) -> Path:
+    return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def _canonical(obj):
+    if isinstance(obj, Mapping):
+        return {str(k): _canonical(v) for k, v in sorted(obj.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(obj, (list, tuple)):
+        return [_canonical(v) for v in obj]
+    if isinstance(obj, Path):
+        return str(obj)
+    if hasattr(obj, "to_dict"):
+        return _canonical(obj.to_dict())
+    return obj if isinstance(obj, (str, int, float, bool, type(None))) else repr(obj)
+
+
+def hash_inputs(inputs: Mapping) -> str:
+    """A short stable key for a dict of inputs (order-independent)."""
+    blob = json.dumps(_canonical(inputs), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def file_sha256(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def library_versions() -> dict[str, str]:
+    """Versions that decide whether a cached artifact is still what a rerun would produce."""
+    from importlib.metadata import PackageNotFoundError, version
+    out = {"python": platform.python_version()}
+    for pkg in ("workbench", "torch", "transformers", "onnx", "onnxruntime"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            pass
+    return out
+
+
+@dataclass(frozen=True)
+class Artifact:
+    """A complete artifact directory and its manifest."""
+
+    step: str
+    key: str
+    path: Path
+    manifest: dict
+
+    def file(self, name: str) -> Path:
+        p = self.path / name
+        if not p.exists():
+            raise WorkspaceError(f"artifact {self.step}/{self.key} has no file '{name}'")
+        return p
+
+    @property
+    def result(self) -> dict:
+        """The JSON-able summary the step returned (``manifest['result']``)."""
+        return self.manifest.get("result") or {}
+
+    def verify(self) -> None:
+        """Re-hash every file and compare with the manifest."""
+        for name, meta in self.manifest.get("files", {}).items():
+            p = self.path / name
+            if not p.is_file() or p.stat().st_size != meta["size"] or file_sha256(p) != meta["sha256"]:
+                raise WorkspaceError(f"artifact {self.step}/{self.key}: file '{name}' is missing or changed; "
+                                     f"delete {self.path} to recompute it")
+
+
+class Workspace:
+    """A directory of step artifacts keyed by the hash of their inputs."""
+
+    def __init__(self, root: str | Path | None = None):
+        self.root = Path(root) if root is not None else DEFAULT_WORKSPACE
+
+    def __repr__(self) -> str:
+        return f"Workspace({str(self.root)!r})"
+
+    def key(self, inputs: Mapping) -> str:
+        return hash_inputs(inputs)
+
+    def path(self, step: str, key: str) -> Path:
+        return self.root / step / key
+
+    def partial_path(self, step: str, key: str) -> Path:
+        return self.root / step / f".partial-{key}"
+
+    def find(self, step: str, inputs_or_key: Mapping | str) -> Artifact | None:
+        key = inputs_or_key if isinstance(inputs_or_key, str) else self.key(inputs_or_key)
+        p = self.path(step, key)
+        mf = p / MANIFEST
+        if not mf.is_file():
+            return None
+        return Artifact(step, key, p, json.loads(mf.read_text()))
+
+    def list(self, step: str | None = None) -> list[Artifact]:
+        steps = [step] if step else sorted(d.name for d in self.root.iterdir() if d.is_dir()) \
+            if self.root.is_dir() else []
+        out = []
+        for s in steps:
+            d = self.root / s
+            for k in sorted(x.name for x in d.iterdir()) if d.is_dir() else []:
+                if not k.startswith(".") and (a := self.find(s, k)):
+                    out.append(a)
+        return out
+
+    def get_or_compute(self, step: str, inputs: Mapping, compute: Callable[[Path], Mapping | None], *,
+                       upstream: Iterable[Artifact | str] = (), force: bool = False) -> Artifact:
+        """Return the artifact for ``inputs``, computing it with ``compute(partial_dir)`` if absent.
+
+        ``compute`` writes its files into the directory it is given (which may already hold what
+        an interrupted earlier run left there, for resuming) and may return a JSON-able summary,
+        stored as ``manifest['result']``.
+        """
+        key = self.key(inputs)
+        if not force and (found := self.find(step, key)):
+            return found
+        partial = self.partial_path(step, key)
+        partial.mkdir(parents=True, exist_ok=True)
+        result = compute(partial)
+        files = {}
+        for f in sorted(partial.rglob("*")):
+            if f.is_file() and f.name != MANIFEST:
+                rel = f.relative_to(partial).as_posix()
+                files[rel] = {"size": f.stat().st_size, "sha256": file_sha256(f)}
+        manifest = {
+            "step": step, "key": key, "inputs": _canonical(inputs),
+            "upstream": [a.key if isinstance(a, Artifact) else str(a) for a in upstream],
+            "versions": library_versions(), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "files": files, "result": _canonical(dict(result)) if result else {},
+        }
+        atomic_write_json(partial / MANIFEST, manifest)
+        final = self.path(step, key)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(partial, final)
+        return Artifact(step, key, final, manifest)
+
+    def remove(self, step: str, key: str) -> None:
+        for p in (self.path(step, key), self.partial_path(step, key)):
+            if p.exists():
+                shutil.rmtree(p)
