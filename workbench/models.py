@@ -198,11 +198,13 @@ def load_model(path: str | os.PathLike = "demo", *, dtype: str | torch.dtype = "
     p = resolve_model_path(path)
     raw_cfg = _check_directory(p, name)
     model_type = raw_cfg.get("model_type")
-    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not trust_remote_code:
-        arch = ", ".join(raw_cfg.get("architectures") or []) or "unknown architecture"
+    archs = raw_cfg.get("architectures") or []
+    causal_arch = any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs)
+    if (archs and not causal_arch) or (model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not trust_remote_code):
+        arch = ", ".join(archs) or "unknown architecture"
         raise ModelLoadError(f"'{p}' is model_type '{model_type}' ({arch}), not a causal language model this "
                              "workbench can load; supported include qwen2, qwen3 and llama")
-    torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    torch_dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
     if not isinstance(torch_dtype, torch.dtype):
         raise ModelLoadError(f"unknown dtype '{dtype}'; use float32, float16 or bfloat16")
     try:

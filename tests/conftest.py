@@ -1,0 +1,61 @@
+"""Shared fixtures: tiny models built from a config (never downloaded), and a scratch workspace."""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+from workbench.models import DEMO_MODEL_DIR  # noqa: E402
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def build_tiny_model(path: Path, arch: str = "qwen3", *, hidden: int = 64, intermediate: int = 128, layers: int = 2,
+                     heads: int = 4, kv_heads: int = 2, seed: int = 0, tie: bool = True, **overrides) -> Path:
+    """Write a randomly initialised tiny causal LM with the demo tokenizer to ``path``."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    classes = {"qwen3": (Qwen3Config, Qwen3ForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+               "llama": (LlamaConfig, LlamaForCausalLM)}
+    cfg_cls, model_cls = classes[arch]
+    kw = dict(vocab_size=4096, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+              num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256,
+              tie_word_embeddings=tie, eos_token_id=0, pad_token_id=0)
+    if arch == "qwen3":
+        kw["head_dim"] = hidden // heads
+    kw.update(overrides)
+    torch.manual_seed(seed)
+    model = model_cls(cfg_cls(**kw)).eval()
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    for f in TOKENIZER_FILES:
+        shutil.copy(DEMO_MODEL_DIR / f, path / f)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A tiny Qwen3 (hidden 64, 2 layers) saved as a local HF directory."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "qwen3")
+
+
+@pytest.fixture
+def make_tiny_model(tmp_path):
+    """Factory: ``make_tiny_model(arch="llama", hidden=96, ...)`` -> directory."""
+    counter = iter(range(1000))
+
+    def make(arch: str = "qwen3", **kw) -> Path:
+        return build_tiny_model(tmp_path / f"{arch}-{next(counter)}", arch, **kw)
+    return make
+
+
+@pytest.fixture
+def workspace(tmp_path):
+    from workbench.workspace import Workspace
+    return Workspace(tmp_path / "ws")

@@ -1,0 +1,61 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from workbench.cli import main
+
+
+def run_json(capsys, *argv):
+    assert main(list(argv)) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_info_json(capsys, tiny_model_dir):
+    out = run_json(capsys, "info", str(tiny_model_dir), "--json")
+    assert out["vocab_size"] == 4096 and out["parameters"] > 0
+    names = [layer["name"] for layer in out["layers"]]
+    assert "model.layers.1.mlp.up_proj" in names
+    q = next(layer for layer in out["layers"] if layer["name"].endswith("0.self_attn.q_proj"))
+    assert q["shape"] == [64, 64] and q["parameters"] == 4096
+    assert out["size_bytes"]["int4"] < out["size_bytes"]["int8"] < out["size_bytes"]["fp16"]
+
+
+def test_info_table(capsys, tiny_model_dir):
+    assert main(["info", str(tiny_model_dir)]) == 0
+    text = capsys.readouterr().out
+    assert "model.layers.0.self_attn.q_proj" in text and "int4" in text and "(tied)" in text
+
+
+def test_eval_against_itself(capsys, tiny_model_dir, tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 40)
+    out = run_json(capsys, "eval", str(tiny_model_dir), "--ref", str(tiny_model_dir), "--text", str(text),
+                   "--ctx", "64", "--json")
+    assert out["kl_divergence"] == pytest.approx(0.0, abs=1e-7) and out["top1_agreement"] == 1.0
+    assert out["tokens"] > 100 and out["perplexity"] > 1
+
+
+def test_eval_stride(capsys, tiny_model_dir, tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("Lists are mutable sequences, typically used to store collections. " * 30)
+    a = run_json(capsys, "eval", str(tiny_model_dir), "--text", str(text), "--ctx", "64", "--json")
+    b = run_json(capsys, "eval", str(tiny_model_dir), "--text", str(text), "--ctx", "64", "--stride", "32", "--json")
+    assert b["tokens"] > a["tokens"] and b["stride"] == 32 and "kl_divergence" in a and a["kl_divergence"] is None
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["info", "/nonexistent/model"], "does not exist"),
+    (["eval", "demo", "--text", "/nonexistent.txt"], "does not exist"),
+    (["eval", "demo", "--ctx", "4096"], "max_position_embeddings"),
+])
+def test_errors_are_one_line(capsys, argv, message):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1 and err.startswith(f"workbench {argv[0]}: error:")
+
+
+def test_console_script_runs():
+    r = subprocess.run([sys.executable, "-m", "workbench.cli", "info", "/nonexistent"], capture_output=True, text=True)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "does not exist" in r.stderr

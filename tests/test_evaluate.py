@@ -1,0 +1,118 @@
+import math
+
+import pytest
+import torch
+
+from workbench.errors import DataError
+from workbench.evaluate import (capture_reference, encode_text, evaluate, paired_difference, read_text,
+                                strided_windows)
+from workbench.models import load_model
+
+
+@pytest.fixture(scope="module")
+def lm(tiny_model_dir):
+    return load_model(tiny_model_dir)
+
+
+def hand_perplexity(model, ids, ctx, stride):
+    """The Hugging Face perplexity guide's loop, written independently: labels masked with -100."""
+    nll_sum, n_tokens, prev_end = 0.0, 0, 0
+    for begin in range(0, len(ids), stride):
+        end = min(begin + ctx, len(ids))
+        trg_len = end - prev_end
+        x = ids[begin:end][None]
+        labels = x.clone()
+        labels[:, :-trg_len] = -100
+        with torch.no_grad():
+            logits = model(x).logits[0, :-1]
+        lab = labels[0, 1:]
+        mask = lab != -100
+        nll_sum += torch.nn.functional.cross_entropy(logits[mask], lab[mask], reduction="sum").item()
+        n_tokens += int(mask.sum())
+        prev_end = end
+        if end == len(ids):
+            break
+    return math.exp(nll_sum / n_tokens), n_tokens
+
+
+def test_windows_score_each_token_at_most_once():
+    for n, ctx, stride in [(100, 16, 16), (100, 16, 8), (17, 16, 5), (5, 16, 16)]:
+        ws = strided_windows(n, ctx, stride)
+        scored = [t for w in ws for t in range(w.score_from, w.end)]
+        assert scored == sorted(set(scored)) and all(w.end - w.begin <= ctx for w in ws)
+        if stride < ctx:  # overlapping windows give every token (but the first) some context
+            assert scored == list(range(1, n)), (n, ctx, stride)
+        else:  # non-overlapping: a window's first token has no context and is not scored
+            assert len(scored) == n - len(ws)
+
+
+@pytest.mark.parametrize("ctx, stride", [(16, 16), (16, 8), (32, 5)])
+def test_perplexity_matches_hand_computation(lm, ctx, stride):
+    torch.manual_seed(0)
+    ids = torch.randint(0, 4096, (101,))
+    expected, n = hand_perplexity(lm.model, ids, ctx, stride)
+    report = evaluate(lm.model, ids, ctx=ctx, stride=stride, batch_size=3, progress=False)
+    assert report.tokens == n == (100 if stride < ctx else 101 - len(strided_windows(101, ctx, stride)))
+    assert report.perplexity == pytest.approx(expected, rel=1e-5)
+
+
+def test_model_against_itself(lm):
+    ids = torch.randint(0, 4096, (80,), generator=torch.Generator().manual_seed(1))
+    report = evaluate(lm.model, ids, reference=lm.model, ctx=32, progress=False)
+    assert report.kl_divergence == pytest.approx(0.0, abs=1e-7)
+    assert report.top1_agreement == 1.0
+    assert report.reference_perplexity == pytest.approx(report.perplexity)
+
+
+def test_kl_and_agreement_detect_a_different_model(lm, make_tiny_model):
+    other = load_model(make_tiny_model(seed=5)).model
+    ids = torch.randint(0, 4096, (80,), generator=torch.Generator().manual_seed(1))
+    report = evaluate(other, ids, reference=lm.model, ctx=32, progress=False)
+    assert report.kl_divergence > 1e-3 and report.top1_agreement < 1.0
+    # KL computed by hand on the first scored token
+    with torch.no_grad():
+        p = torch.log_softmax(lm.model(ids[None, :2]).logits[0, 0], -1)
+        q = torch.log_softmax(other(ids[None, :2]).logits[0, 0], -1)
+    first = (p.exp() * (p - q)).sum().item()
+    assert report.window_kl[0] >= first * 0.999  # window sum includes the first token
+
+
+def test_captured_reference_gives_same_numbers(lm, make_tiny_model):
+    other = load_model(make_tiny_model(seed=5)).model
+    ids = torch.randint(0, 4096, (80,), generator=torch.Generator().manual_seed(2))
+    direct = evaluate(other, ids, reference=lm.model, ctx=32, progress=False)
+    ref = capture_reference(lm.model, ids, ctx=32, progress=False)
+    cached = evaluate(other, ids, reference=ref, ctx=32, progress=False)
+    assert cached.kl_divergence == pytest.approx(direct.kl_divergence, rel=1e-6)
+    assert cached.top1_agreement == direct.top1_agreement
+    with pytest.raises(ValueError, match="capture them again"):
+        evaluate(other, ids, reference=ref, ctx=16, progress=False)
+
+
+def test_paired_difference(lm, make_tiny_model):
+    other = load_model(make_tiny_model(seed=5)).model
+    ids = torch.randint(0, 4096, (120,), generator=torch.Generator().manual_seed(3))
+    a = evaluate(other, ids, ctx=16, progress=False)
+    b = evaluate(lm.model, ids, ctx=16, progress=False)
+    d = paired_difference(a, b)
+    assert d["mean"] == pytest.approx(a.nll - b.nll)
+    assert d["stderr"] > 0 and d["windows"] == a.windows
+    assert paired_difference(b, b) == {"mean": 0.0, "stderr": 0.0, "windows": b.windows}
+
+
+def test_ctx_beyond_model_limit(lm):
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        evaluate(lm.model, torch.arange(10), ctx=100_000, progress=False)
+
+
+def test_empty_text_errors(lm, tmp_path):
+    with pytest.raises(DataError, match="empty"):
+        encode_text(lm.tokenizer, "   ")
+    (tmp_path / "e.txt").write_text("")
+    with pytest.raises(DataError, match="empty"):
+        read_text(tmp_path / "e.txt")
+    with pytest.raises(DataError, match="does not exist"):
+        read_text(tmp_path / "missing.txt")
+    (tmp_path / "b.txt").write_bytes(b"\xff\xfe\x00bad")
+    with pytest.raises(DataError, match="not UTF-8"):
+        read_text(tmp_path / "b.txt")

@@ -1,0 +1,115 @@
+import json
+import shutil
+
+import pytest
+import torch
+
+from workbench.errors import ModelLoadError
+from workbench.models import load_model, quantizable_layers, resolve_model_path, DEMO_MODEL_DIR
+
+
+def test_demo_alias():
+    assert resolve_model_path("demo") == DEMO_MODEL_DIR
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama"])
+def test_loads_supported_architectures(make_tiny_model, arch):
+    path = make_tiny_model(arch)
+    lm = load_model(path)
+    assert lm.model.dtype == torch.float32 and not lm.model.training
+    names = [layer.name for layer in lm.layers]
+    assert "model.layers.0.self_attn.q_proj" in names and "model.layers.1.mlp.down_proj" in names
+    assert names[0] == "model.embed_tokens" and names[-1] == "lm_head"
+    assert lm.layer("lm_head").tied_to == "model.embed_tokens"
+    q = lm.layer("model.layers.0.self_attn.q_proj")
+    assert q.shape == (64, 64) and q.parameters == 4096 and q.role == "q_proj" and q.block == "layers.0"
+    assert q.bytes_at("fp16") == 8192 and q.bytes_at("int8", group_size=None) == 4096 + 64 * 2
+    assert lm.tokenizer is not None
+
+
+def test_dtype_choice(tiny_model_dir):
+    assert load_model(tiny_model_dir, dtype="bfloat16").model.dtype == torch.bfloat16
+    with pytest.raises(ModelLoadError, match="unknown dtype"):
+        load_model(tiny_model_dir, dtype="float7")
+
+
+def test_size_counts_tied_weights_once(tiny_model_dir):
+    lm = load_model(tiny_model_dir)
+    fp16 = lm.size_bytes(precision="fp16")
+    params = lm.parameters
+    assert fp16 == 2 * params
+
+
+def test_missing_path(tmp_path):
+    with pytest.raises(ModelLoadError, match="does not exist.*local Hugging Face model directory"):
+        load_model(tmp_path / "nowhere")
+
+
+def test_missing_config(tmp_path):
+    (tmp_path / "m").mkdir()
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        load_model(tmp_path / "m")
+
+
+def test_not_a_causal_lm(tiny_model_dir, tmp_path):
+    d = tmp_path / "bert"
+    shutil.copytree(tiny_model_dir, d)
+    (d / "config.json").write_text(json.dumps({"model_type": "bert", "architectures": ["BertModel"]}))
+    with pytest.raises(ModelLoadError, match="'bert' \\(BertModel\\), not a causal language model"):
+        load_model(d)
+
+
+def test_truncated_weights(tiny_model_dir, tmp_path):
+    d = tmp_path / "trunc"
+    shutil.copytree(tiny_model_dir, d)
+    f = d / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ModelLoadError, match="truncated"):
+        load_model(d)
+
+
+def test_corrupt_weights_header(tiny_model_dir, tmp_path):
+    d = tmp_path / "corrupt"
+    shutil.copytree(tiny_model_dir, d)
+    f = d / "model.safetensors"
+    data = bytearray(f.read_bytes())
+    data[8:20] = b"\xff" * 12
+    f.write_bytes(bytes(data))
+    with pytest.raises(ModelLoadError, match="corrupt"):
+        load_model(d)
+
+
+def test_no_weights(tiny_model_dir, tmp_path):
+    d = tmp_path / "noweights"
+    shutil.copytree(tiny_model_dir, d)
+    (d / "model.safetensors").unlink()
+    with pytest.raises(ModelLoadError, match="no weights"):
+        load_model(d)
+
+
+def test_missing_tokenizer(tiny_model_dir, tmp_path):
+    d = tmp_path / "notok"
+    shutil.copytree(tiny_model_dir, d)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (d / f).unlink()
+    with pytest.raises(ModelLoadError, match="no tokenizer"):
+        load_model(d)
+    assert load_model(d, load_tokenizer=False).tokenizer is None
+
+
+def test_pickled_weights_load_with_weights_only(tiny_model_dir, tmp_path):
+    d = tmp_path / "bin"
+    shutil.copytree(tiny_model_dir, d)
+    ref = load_model(tiny_model_dir)
+    (d / "model.safetensors").unlink()
+    torch.save(ref.model.state_dict(), d / "pytorch_model.bin")
+    lm = load_model(d)
+    x = torch.tensor([[1, 2, 3]])
+    assert torch.allclose(lm.model(x).logits, ref.model(x).logits)
+
+
+def test_quantizable_layers_marks_untied(make_tiny_model):
+    lm = load_model(make_tiny_model(tie=False))
+    assert lm.layer("lm_head").tied_to is None
+    assert [i.kind for i in quantizable_layers(lm.model)].count("embedding") == 1

@@ -1,0 +1,108 @@
+import pytest
+
+from workbench.errors import PlanError
+from workbench.models import LayerInfo
+from workbench.plan import PRECISIONS, Precision, QuantPlan, get_precision, register_precision
+
+NAMES = [
+    "model.embed_tokens",
+    "model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.v_proj", "model.layers.0.mlp.down_proj",
+    "model.layers.1.self_attn.q_proj", "model.layers.1.self_attn.v_proj", "model.layers.1.mlp.down_proj",
+    "lm_head",
+]
+
+
+def test_exact_beats_pattern_beats_default():
+    plan = (QuantPlan(default="int4")
+            .with_override("*.q_proj", "int8")
+            .with_override("model.layers.1.self_attn.q_proj", "fp16"))
+    assert plan.precision_name_for("model.layers.0.self_attn.q_proj") == "int8"
+    assert plan.precision_name_for("model.layers.1.self_attn.q_proj") == "fp16"
+    assert plan.precision_name_for("model.layers.0.mlp.down_proj") == "int4"
+    # an exact rule wins even when a pattern is added after it
+    later = plan.with_override("model.layers.*", "int8")
+    assert later.precision_name_for("model.layers.1.self_attn.q_proj") == "fp16"
+
+
+def test_last_pattern_wins_and_regex_and_none():
+    plan = QuantPlan(default="int8").with_override("*.mlp.*", "int4").with_override("re:.*layers\\.1\\..*", None)
+    assert plan.precision_name_for("model.layers.0.mlp.down_proj") == "int4"
+    assert plan.precision_name_for("model.layers.1.mlp.down_proj") is None
+    assert plan.precision_for("model.layers.1.mlp.down_proj") is None
+
+
+def test_uniform_keeps_embeddings_fp16():
+    plan = QuantPlan.uniform("int4")
+    resolved = plan.resolve(NAMES)
+    assert resolved["model.embed_tokens"] == "fp16" and resolved["lm_head"] == "fp16"
+    assert resolved["model.layers.0.mlp.down_proj"] == "int4"
+
+
+def test_json_round_trip(tmp_path):
+    plan = QuantPlan.uniform("int4", group_size=64, symmetric=False).with_override("*.v_proj", "int8")
+    path = plan.save(tmp_path / "plan.json")
+    again = QuantPlan.load(path)
+    assert again == plan
+    assert again.to_dict()["version"] == 1
+    assert again.resolve(NAMES) == plan.resolve(NAMES)
+
+
+def test_with_override_returns_new_plan():
+    plan = QuantPlan(default="int8")
+    other = plan.with_override("lm_head", "fp16")
+    assert plan.rules == () and other.precision_name_for("lm_head") == "fp16"
+    assert other.with_override("lm_head", "int4").rules[-1].precision == "int4"
+    assert len(other.with_override("lm_head", "int4").rules) == 1
+
+
+def test_validation_names_closest_layers():
+    plan = QuantPlan(default="int8").with_override("model.layers.0.self_attn.q_prj", "fp16")
+    with pytest.raises(PlanError, match="matches no layer.*model.layers.0.self_attn.q_proj"):
+        plan.validate(NAMES)
+    QuantPlan(default="int8").with_override("*.q_proj", "fp16").validate(NAMES)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("{not json", "not valid JSON"),
+    ('{"default": "int8"}', "no 'version'"),
+    ('{"version": 1, "default": "int3"}', "unknown precision 'int3'"),
+    ('{"version": 1, "defualt": "int8"}', "unknown plan field"),
+    ('{"version": 1, "rules": [{"pattern": "x"}]}', "rules"),
+    ('{"version": 1, "group_size": 0}', "group_size"),
+    ('{"version": 99}', "newer"),
+    ('{"version": 1, "rules": [{"pattern": "re:(", "precision": "int8"}]}', "invalid regular expression"),
+])
+def test_bad_plan_json(text, message):
+    with pytest.raises(PlanError, match=message):
+        QuantPlan.from_json(text)
+
+
+def test_missing_plan_file(tmp_path):
+    with pytest.raises(PlanError, match="does not exist"):
+        QuantPlan.load(tmp_path / "nope.json")
+
+
+def test_precision_bytes():
+    int4, int8, fp16 = (get_precision(n) for n in ("int4", "int8", "fp16"))
+    assert fp16.weight_bytes(256, 256) == 256 * 256 * 2
+    # 4-bit codes + one fp16 scale per 128-group
+    assert int4.weight_bytes(256, 256, 128) == 256 * 256 // 2 + 256 * 2 * 2
+    assert int8.weight_bytes(256, 256, None) == 256 * 256 + 256 * 2
+    # asymmetric adds packed zero points
+    assert int4.weight_bytes(256, 256, 128, symmetric=False) == int4.weight_bytes(256, 256, 128) + 256 * 2 // 2
+
+
+def test_registry_has_room_for_more():
+    register_precision(Precision("int6", 6, False, "test"))
+    try:
+        assert QuantPlan(default="int6").precision_for("x").bits == 6
+    finally:
+        PRECISIONS.pop("int6")
+
+
+def test_table_lists_layers_and_total():
+    plan = QuantPlan.uniform("int4")
+    layers = [LayerInfo("model.layers.0.mlp.down_proj", "linear", (256, 768)), LayerInfo("lm_head", "linear", (4096, 256))]
+    table = plan.table(layers)
+    assert "int4" in table and "fp16" in table and "total" in table
+    assert f"{4096 * 256 * 2:,}" in table

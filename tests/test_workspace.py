@@ -1,0 +1,76 @@
+import json
+
+import pytest
+
+from workbench.errors import WorkspaceError
+from workbench.workspace import atomic_write_text, hash_inputs
+
+
+def test_get_or_compute_caches_on_inputs(workspace):
+    calls = []
+
+    def compute(d):
+        calls.append(d)
+        (d / "payload.txt").write_text("hello")
+        return {"answer": 42}
+
+    a = workspace.get_or_compute("step", {"x": 1, "y": [1, 2]}, compute)
+    b = workspace.get_or_compute("step", {"y": [1, 2], "x": 1}, compute)
+    assert len(calls) == 1 and a.key == b.key and a.path == b.path
+    assert a.result == {"answer": 42}
+    m = json.loads((a.path / "manifest.json").read_text())
+    assert m["files"]["payload.txt"]["size"] == 5 and len(m["files"]["payload.txt"]["sha256"]) == 64
+    assert m["inputs"] == {"x": 1, "y": [1, 2]} and "torch" in m["versions"] and m["created"]
+    c = workspace.get_or_compute("step", {"x": 2, "y": [1, 2]}, compute)
+    assert len(calls) == 2 and c.key != a.key
+
+
+def test_killed_step_leaves_no_complete_artifact_and_resumes(workspace):
+    inputs = {"n": 3}
+
+    def crashing(d):
+        (d / "progress.json").write_text('{"done": 1}')
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        workspace.get_or_compute("sweep", inputs, crashing)
+    assert workspace.find("sweep", inputs) is None
+    assert workspace.list("sweep") == []
+
+    seen = {}
+
+    def resuming(d):
+        seen["progress"] = json.loads((d / "progress.json").read_text())
+        return {}
+
+    art = workspace.get_or_compute("sweep", inputs, resuming)
+    assert seen["progress"] == {"done": 1}
+    assert workspace.find("sweep", inputs).path == art.path
+    assert not workspace.partial_path("sweep", art.key).exists()
+
+
+def test_verify_detects_changed_file(workspace):
+    art = workspace.get_or_compute("s", {"a": 1}, lambda d: (d / "f.bin").write_bytes(b"abc") and None)
+    art.verify()
+    (art.path / "f.bin").write_bytes(b"abd")
+    with pytest.raises(WorkspaceError, match="missing or changed"):
+        art.verify()
+    with pytest.raises(WorkspaceError, match="no file 'other'"):
+        art.file("other")
+
+
+def test_upstream_keys_recorded(workspace):
+    up = workspace.get_or_compute("calibrate", {"m": 1}, lambda d: None)
+    down = workspace.get_or_compute("quantize", {"m": 1, "calib": up.key}, lambda d: None, upstream=[up])
+    assert down.manifest["upstream"] == [up.key]
+
+
+def test_atomic_write_leaves_no_temp_files(tmp_path):
+    p = atomic_write_text(tmp_path / "sub" / "a.txt", "x")
+    assert p.read_text() == "x"
+    assert [f.name for f in p.parent.iterdir()] == ["a.txt"]
+
+
+def test_hash_inputs_stable():
+    assert hash_inputs({"a": 1, "b": 2}) == hash_inputs({"b": 2, "a": 1})
+    assert hash_inputs({"a": 1}) != hash_inputs({"a": 2})
