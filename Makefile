@@ -21,7 +21,8 @@ $(STAMP): requirements.txt constraints.txt pyproject.toml
 	touch $(STAMP)
 
 app: install
-	$(BIN)/jupyter lab notebooks/ --ServerApp.ip=127.0.0.1 --port=$(PORT) --no-browser
+	$(BIN)/jupyter lab notebooks/ --ServerApp.ip=127.0.0.1 --port=$(PORT) --no-browser \
+		--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate
 
 test: install
 	$(BIN)/python -m pytest tests/ --nbmake notebooks/ -q

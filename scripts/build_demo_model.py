@@ -3,7 +3,7 @@
 Everything comes from text that ships with CPython (the reference-manual topics in
 ``pydoc_data`` and the docstrings of the standard library), so the build needs no network.
 
-    python scripts/build_demo_model.py                 # ~18 min on 2 CPU cores
+    python scripts/build_demo_model.py                 # ~15 min on 2 idle CPU cores
     python scripts/build_demo_model.py --steps 50      # quick smoke build
 
 Writes ``assets/demo-model/`` (safetensors + config + tokenizer), and the held-out evaluation
@@ -85,19 +85,38 @@ def train_tokenizer(texts: list[str], vocab_size: int):
                                    model_max_length=1 << 20)
 
 
+def write_unigram_counts(tokenizer, train_docs: list[str], out: Path) -> None:
+    """Token counts of the training text: the unigram baseline that ``bench/eval.py`` compares with."""
+    counts = [0] * len(tokenizer)
+    for d in train_docs:
+        for i in tokenizer(d)["input_ids"] + [tokenizer.eos_token_id]:
+            counts[i] += 1
+    (out / "unigram_counts.json").write_text(json.dumps({"source": "training split", "counts": counts}) + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=1000)
+    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--counts-only", action="store_true",
+                    help="only rewrite unigram_counts.json from the corpus with the existing tokenizer")
     args = ap.parse_args()
+    if args.counts_only:
+        from transformers import AutoTokenizer
+        write_unigram_counts(AutoTokenizer.from_pretrained(args.out), split_documents(stdlib_documents())["train"],
+                             args.out)
+        return
 
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     t0 = time.time()
     docs = stdlib_documents()
@@ -126,8 +145,18 @@ def main() -> None:
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / args.steps))) * 0.95 + 0.05)
     gen = torch.Generator().manual_seed(args.seed)
+    ckpt = args.out.with_name(args.out.name + ".checkpoint.pt")
+    start = 0
+    if ckpt.is_file():  # resume an interrupted build exactly where it stopped
+        state = torch.load(ckpt, weights_only=True)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        sched.load_state_dict(state["sched"])
+        gen.set_state(state["gen"])
+        start = state["step"]
+        print(f"resuming from step {start}", flush=True)
     model.train()
-    for step in range(args.steps):
+    for step in range(start, args.steps):
         starts = torch.randint(0, len(data) - args.seq_len - 1, (args.batch,), generator=gen)
         batch = torch.stack([data[s:s + args.seq_len] for s in starts.tolist()])
         loss = model(input_ids=batch, labels=batch).loss
@@ -136,8 +165,12 @@ def main() -> None:
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
-        if step % 100 == 0 or step == args.steps - 1:
+        if step % 50 == 0 or step == args.steps - 1:
             print(f"step {step:5d}  loss {loss.item():.3f}  {time.time() - t0:6.0f} s", flush=True)
+            tmp = ckpt.with_suffix(".tmp")
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
+                        "gen": gen.get_state(), "step": step + 1}, tmp)
+            tmp.replace(ckpt)
 
     args.out.mkdir(parents=True, exist_ok=True)
     model.eval()
@@ -145,11 +178,13 @@ def main() -> None:
     tokenizer.save_pretrained(args.out)
     (args.out / "heldout.txt").write_text("\n\n".join(split["heldout"]) + "\n", encoding="utf-8")
     (args.out / "calibration.txt").write_text("\n\n".join(split["calibration"]) + "\n", encoding="utf-8")
+    write_unigram_counts(tokenizer, split["train"], args.out)
     (args.out / "BUILD.json").write_text(json.dumps({
         "script": "scripts/build_demo_model.py", "args": {k: str(v) for k, v in vars(args).items()},
         "python": sys.version.split()[0], "torch": torch.__version__, "train_tokens": len(data),
         "parameters": n_params, "seconds": round(time.time() - t0, 1),
     }, indent=2) + "\n")
+    ckpt.unlink(missing_ok=True)
     print(f"wrote {args.out} in {time.time() - t0:.0f} s", flush=True)
 
 

@@ -21,6 +21,14 @@ __all__ = ["main", "COMMANDS"]
 COMMANDS = {
     "info": "info",
     "eval": "eval_cmd",
+    "calibrate": "calibrate",
+    "quantize": "quantize",
+    "sensitivity": "sensitivity",
+    "plan": "plan_cmd",
+    "overrides": "overrides_cmd",
+    "export": "export",
+    "inspect": "inspect_cmd",
+    "convert": "convert",
 }
 
 

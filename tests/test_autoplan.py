@@ -1,0 +1,125 @@
+"""The automatic plan: optimal under its prediction, within budget, and measured for real."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from workbench.autoplan import (measure_plan, pareto_points, plan_footprint, plan_for_budget, predict_damage,
+                                compare_points)
+from workbench.errors import PlanError
+from workbench.models import load_model
+from workbench.plan import QuantPlan
+from workbench.sensitivity import LayerSensitivity, PlanEvaluator, SensitivityReport, evaluation_tokens, run_sensitivity
+
+
+@pytest.fixture(scope="module")
+def lm(tiny_model_dir):
+    return load_model(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def evaluator(lm):
+    return PlanEvaluator(lm, evaluation_tokens(lm, tokens=256))
+
+
+@pytest.fixture(scope="module")
+def sens(lm, evaluator):
+    return run_sensitivity(lm, evaluator=evaluator, progress=False)
+
+
+def _synthetic(lm, names, seed=0):
+    """A sensitivity report with made-up damages for a few layers (to check the optimiser exactly)."""
+    import random
+    rng = random.Random(seed)
+    layers = []
+    for info in lm.layers:
+        if info.name in names:
+            d8 = rng.uniform(0, 1e-3)
+            layers.append(LayerSensitivity(info.name, info.block, info.role, info.shape, info.parameters, info.tied_to,
+                                           {"int8": {"kl": d8, "nll_delta": d8},
+                                            "int4": {"kl": d8 * rng.uniform(2, 40), "nll_delta": d8 * 3}}))
+    return SensitivityReport("tiny", ("int8", "int4"), 256, 256, 128, True, 10.0, layers)
+
+
+def test_knapsack_matches_brute_force(lm):
+    names = ["model.layers.0.self_attn.q_proj", "model.layers.0.mlp.up_proj", "model.layers.1.mlp.down_proj",
+             "model.layers.1.self_attn.v_proj", "model.layers.0.mlp.gate_proj"]
+    sens = _synthetic(lm, names)
+    others = {info.name: "fp16" for info in lm.layers if info.name not in names}
+    full = plan_footprint(lm, QuantPlan(default="fp16"))["size_bytes"]
+    low = plan_footprint(lm, QuantPlan(default="fp16", rules=tuple({"pattern": n, "precision": "int4"}
+                                                                    for n in names)))["size_bytes"]
+    for budget in (int(low + f * (full - low)) for f in (0.2, 0.5, 0.8)):
+        best = None
+        for combo in itertools.product(("fp16", "int8", "int4"), repeat=len(names)):
+            assign = {**others, **dict(zip(names, combo))}
+            plan = QuantPlan(default="fp16", rules=tuple({"pattern": n, "precision": p} for n, p in assign.items()))
+            if plan_footprint(lm, plan)["size_bytes"] <= budget:
+                dmg = predict_damage(sens, assign)["kl_divergence"]
+                best = dmg if best is None else min(best, dmg)
+        auto = plan_for_budget(lm, sens, size_bytes=budget)
+        assert auto.size_bytes <= budget
+        assert auto.predicted_kl == pytest.approx(best, rel=1e-9, abs=1e-15)
+        assert all(auto.assignments[n] == "fp16" for n in others)
+
+
+def test_plan_at_int8_size_is_no_worse_than_uniform_int8_predicted(lm, sens):
+    int8 = QuantPlan.uniform("int8")
+    size = plan_footprint(lm, int8)["size_bytes"]
+    auto = plan_for_budget(lm, sens, size_bytes=size)
+    assert auto.size_bytes <= size
+    assert auto.predicted_kl <= predict_damage(sens, int8.resolve(i.name for i in lm.layers))["kl_divergence"]
+    by_bits = plan_for_budget(lm, sens, bits_per_weight=8 * size / lm.parameters)
+    assert by_bits.size_bytes <= size
+    assert auto.plan.resolve(i.name for i in lm.layers) == auto.assignments
+    assert QuantPlan.from_json(auto.plan.to_json()) == auto.plan
+
+
+def test_impossible_budgets_say_the_smallest_that_fits(lm, sens):
+    with pytest.raises(PlanError, match="smallest with fp16/int8/int4 is"):
+        plan_for_budget(lm, sens, size_bytes=1000)
+    with pytest.raises(PlanError, match="exactly one budget"):
+        plan_for_budget(lm, sens)
+    with pytest.raises(PlanError, match="positive"):
+        plan_for_budget(lm, sens, bits_per_weight=-1)
+
+
+def test_measured_plan_reports_prediction_beside_measurement(lm, sens, evaluator):
+    size4 = plan_footprint(lm, QuantPlan.uniform("int4"))["size_bytes"]
+    auto = plan_for_budget(lm, sens, size_bytes=int(size4 * 1.1))
+    point = measure_plan(lm, auto.plan, evaluator, label="auto", prediction=auto)
+    fast = evaluator.evaluate(auto.plan)
+    assert point.kl_divergence == pytest.approx(fast.kl_divergence, rel=1e-6)
+    assert point.predicted_kl == auto.predicted_kl
+    assert point.size_bytes == auto.size_bytes and point.bits_per_weight < 16
+    d = point.to_dict()
+    assert {"kl_divergence", "perplexity", "predicted_kl", "bits_per_weight", "plan"} <= set(d)
+
+
+def test_pareto_points_cover_uniform_and_automatic_plans(lm, sens, evaluator):
+    points = pareto_points(lm, sens, evaluator, budgets=(1.0, 1.3))
+    labels = [p.label for p in points]
+    assert labels[:2] == ["uniform int8", "uniform int4"]
+    autos = [p for p in points if p.label.startswith("auto")]
+    assert len(autos) >= 2
+    int4 = points[1]
+    assert int4.kl_divergence > points[0].kl_divergence
+    same_size = min(autos, key=lambda p: p.size_bytes)
+    assert same_size.size_bytes <= int4.size_bytes
+    diff = compare_points(same_size, int4)
+    assert set(diff) == {"mean", "stderr", "windows"}
+
+
+def test_pareto_figure_plots_measured_and_predicted_points(lm, sens, evaluator):
+    from workbench.charts.precision import make_pareto_figure
+    size4 = plan_footprint(lm, QuantPlan.uniform("int4"))["size_bytes"]
+    auto = plan_for_budget(lm, sens, size_bytes=int(size4 * 1.2))
+    points = [measure_plan(lm, QuantPlan.uniform("int4"), evaluator, label="uniform int4"),
+              measure_plan(lm, auto.plan, evaluator, label="auto", prediction=auto)]
+    fig = make_pareto_figure(points)
+    names = [t.name for t in fig.data]
+    assert names.count("uniform") == 2 and names.count("auto") == 2 and "auto (predicted)" in names
+    kl_trace = next(t for t in fig.data if t.name == "auto" and t.xaxis == "x")
+    assert kl_trace.y[0] == pytest.approx(points[1].kl_divergence)
+    assert make_pareto_figure([p.to_dict() for p in points], x="size_bytes").data[0].x[0] == points[0].size_bytes

@@ -1,0 +1,64 @@
+"""`workbench sensitivity`, `workbench plan` and `workbench overrides` end to end on a tiny model."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from workbench.cli import main
+from workbench.plan import QuantPlan
+
+
+def run_json(capsys, *argv):
+    assert main([str(a) for a in argv]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.fixture(scope="module")
+def ws(tmp_path_factory):
+    return tmp_path_factory.mktemp("ws")
+
+
+def test_sensitivity_json_lists_every_layer_with_damage_per_precision(capsys, tiny_model_dir, ws):
+    out = run_json(capsys, "sensitivity", tiny_model_dir, "--tokens", 256, "--workspace", ws, "--json")
+    names = [layer["name"] for layer in out["layers"]]
+    assert "model.layers.1.mlp.down_proj" in names and "lm_head" in names
+    for layer in out["layers"]:
+        assert layer["int8"]["kl"] >= 0 and "ppl_delta" in layer["int4"]
+    assert out["trials_run"] == 2 * len(names)
+    again = run_json(capsys, "sensitivity", tiny_model_dir, "--tokens", 256, "--workspace", ws, "--json")
+    assert again["trials_run"] == 0 and again["layers"] == out["layers"]
+    assert main(["sensitivity", str(tiny_model_dir), "--tokens", "256", "--workspace", str(ws)]) == 0
+    assert "most sensitive at int4" in capsys.readouterr().out
+
+
+def test_plan_json_has_measured_and_predicted_figures(capsys, tiny_model_dir, ws, tmp_path):
+    out_path = tmp_path / "plan.json"
+    out = run_json(capsys, "plan", tiny_model_dir, "--bits-per-weight", 14, "--out", out_path, "--tokens", 256,
+                   "--eval-tokens", 512, "--workspace", ws, "--json")
+    for key in ("bits_per_weight", "size_bytes", "kl_divergence", "perplexity", "predicted_kl_divergence",
+                "predicted_perplexity"):
+        assert isinstance(out[key], float | int), key
+    assert out["bits_per_weight"] <= 14 and 500 < out["eval_tokens"] < 512
+    plan = QuantPlan.load(out_path)
+    assert plan.to_dict()["rules"] == out["plan"]["rules"]
+
+
+@pytest.mark.parametrize("fmt", ["qnn", "ort", "llamacpp", "mnn"])
+def test_overrides_for_each_format(capsys, tiny_model_dir, tmp_path, fmt):
+    plan_path = QuantPlan.uniform("int8").with_override("*.q_proj", "fp16").save(tmp_path / "plan.json")
+    out = run_json(capsys, "overrides", plan_path, "--model", tiny_model_dir, "--format", fmt, "--out",
+                   tmp_path / f"out.{fmt}", "--json")
+    assert out["tensors"] > 0 and (tmp_path / f"out.{fmt}").is_file()
+    if fmt in ("qnn", "ort"):
+        assert (tmp_path / "out-onnx" / "prefill.onnx").is_file()
+
+
+def test_bad_inputs_exit_2_with_one_line(capsys, tiny_model_dir, tmp_path):
+    assert main(["overrides", str(tmp_path / "nope.json"), "--model", str(tiny_model_dir), "--format", "mnn",
+                 "--out", str(tmp_path / "x.json")]) == 2
+    assert "plan file" in capsys.readouterr().err
+    assert main(["plan", str(tiny_model_dir), "--size", "100", "--out", str(tmp_path / "p.json"), "--tokens", "256",
+                 "--workspace", str(tmp_path / "ws")]) == 2
+    err = capsys.readouterr().err
+    assert "no plan fits 100 bytes" in err and len(err.strip().splitlines()) == 1

@@ -1,0 +1,99 @@
+"""ONNX export with KV cache: parity with PyTorch, weight naming, inventory, and bad files."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from workbench.errors import ModelLoadError
+from workbench.graph import OnnxCausalLM, export_onnx, load_onnx, operator_inventory
+from workbench.models import load_model
+
+
+@pytest.fixture(scope="module")
+def tiny_lm(tiny_model_dir):
+    return load_model(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def exported(tiny_lm, tmp_path_factory):
+    return export_onnx(tiny_lm, tmp_path_factory.mktemp("onnx"), greedy_steps=12)
+
+
+def test_export_matches_pytorch_and_decodes_greedily(exported):
+    assert exported.prefill_path.is_file() and exported.decode_path.is_file()
+    assert exported.max_abs_diff < 1e-4
+    assert set(exported.diffs) == {"prefill.logits", "prefill.kv", "decode.logits", "decode.kv"}
+    assert exported.greedy_match_steps == 12
+    assert exported.onnx_tokens == exported.torch_tokens
+
+
+def test_every_layer_weight_has_a_named_initializer(exported, tiny_lm):
+    proto = onnx.load(str(exported.prefill_path))
+    inits = {i.name: i for i in proto.graph.initializer}
+    assert set(exported.weight_names) == {info.name for info in tiny_lm.layers}
+    for fqn, name in exported.weight_names.items():
+        assert name in inits, fqn
+        assert name.startswith(fqn)
+    q = exported.weight_names["model.layers.0.self_attn.q_proj"]
+    assert q == "model.layers.0.self_attn.q_proj.weight.T" and exported.weight_layouts["model.layers.0.self_attn.q_proj"] == "in_out"
+    w = tiny_lm.model.get_submodule("model.layers.0.self_attn.q_proj").weight.detach().numpy()
+    np.testing.assert_array_equal(onnx.numpy_helper.to_array(inits[q]), w.T)
+    assert exported.weight_names["model.embed_tokens"] == "model.embed_tokens.weight"
+
+
+def test_decode_graph_accepts_other_past_lengths_and_batches(exported, tiny_lm):
+    runner = OnnxCausalLM(exported.prefill_path, exported.decode_path)
+    ids = torch.randint(0, 4096, (3, 7))
+    with torch.no_grad():
+        ref = tiny_lm.model(input_ids=ids).logits.numpy()
+    assert np.abs(runner.logits(ids.numpy()) - ref).max() < 1e-4
+    prompt = ids[0].tolist()
+    _, _, kv = runner.run_prefill(prompt[:3])
+    for pos in range(3, 7):
+        last, kv, _ = runner.run_decode(prompt[pos], kv, pos)
+    assert np.abs(last - ref[0, -1]).max() < 1e-4
+
+
+def test_static_export_has_fixed_shapes_and_matches(tiny_lm, tmp_path):
+    res = export_onnx(tiny_lm, tmp_path, static=(16, 48), greedy_steps=8)
+    proto = onnx.load(str(res.decode_path))
+    dims = {vi.name: [d.dim_value for d in vi.type.tensor_type.shape.dim] for vi in proto.graph.input}
+    assert dims["input_ids"] == [1, 1] and dims["attention_mask"] == [1, 49]
+    assert dims["past_key_values.0.key"][2] == 48
+    assert not any(n.op_type in ("Shape", "Range", "ConstantOfShape") for n in proto.graph.node)  # folded
+    assert res.max_abs_diff < 1e-4 and res.greedy_match_steps == 8
+
+
+def test_operator_inventory_counts_every_node(exported):
+    proto = onnx.load(str(exported.prefill_path))
+    inv = operator_inventory(exported.prefill_path)
+    assert sum(r.count for r in inv) == len(proto.graph.node)
+    matmul = next(r for r in inv if r.op_type == "MatMul")
+    assert matmul.domain == "ai.onnx" and matmul.opset == 17 and matmul.count >= 2 * 7 + 1
+
+
+def test_non_onnx_file_is_rejected(tmp_path):
+    p = tmp_path / "plan.onnx"
+    p.write_text('{"version": 1}')
+    with pytest.raises(ModelLoadError, match="is not an ONNX model"):
+        load_onnx(p)
+    empty = tmp_path / "empty.onnx"
+    empty.write_bytes(b"")
+    with pytest.raises(ModelLoadError, match="is empty"):
+        load_onnx(empty)
+
+
+def test_truncated_onnx_is_rejected(exported, tmp_path):
+    data = exported.prefill_path.read_bytes()
+    cut = tmp_path / "cut.onnx"
+    cut.write_bytes(data[: len(data) // 3])
+    with pytest.raises(ModelLoadError, match="truncated"):
+        load_onnx(cut)
+
+
+def test_export_refuses_half_precision(tiny_model_dir, tmp_path):
+    lm = load_model(tiny_model_dir, dtype="float16")
+    with pytest.raises(ModelLoadError, match="float32"):
+        export_onnx(lm, tmp_path)

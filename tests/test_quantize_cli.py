@@ -1,0 +1,64 @@
+"""`workbench quantize`: JSON output with the measured cost and per-layer report; bad input exits 2."""
+import json
+
+import pytest
+
+from workbench.cli import main
+
+
+@pytest.fixture
+def heldout(tmp_path):
+    from workbench.models import demo_text_path
+    p = tmp_path / "heldout.txt"
+    p.write_text(demo_text_path("heldout").read_text(encoding="utf-8")[:3000], encoding="utf-8")
+    return p
+
+
+def test_quantize_json(tiny_model_dir, tmp_path, heldout, capsys):
+    out = tmp_path / "q8"
+    rc = main(["quantize", str(tiny_model_dir), "--out", str(out), "--bits", "8", "--group-size", "32",
+               "--text", str(heldout), "--ctx", "128", "--json"])
+    assert rc == 0
+    data = json.loads(capsys.readouterr().out)
+    for key in ("perplexity", "reference_perplexity", "kl_divergence", "top1_agreement", "bits_per_weight",
+                "size_bytes", "perplexity_change_stderr", "kl_divergence_stderr", "nll_difference_stderr"):
+        assert isinstance(data[key], float | int), key
+    layers = {r["name"]: r for r in data["layers"]}
+    assert layers["model.layers.0.self_attn.q_proj"] == {**layers["model.layers.0.self_attn.q_proj"],
+                                                         "precision": "int8", "group_size": 32, "fallback": None}
+    assert layers["lm_head"]["precision"] == "fp16" and layers["lm_head"]["group_size"] is None
+    assert data["size_bytes"] == sum(f.stat().st_size for f in out.glob("*.safetensors"))
+    assert json.loads((out / "report.json").read_text())["perplexity"] == data["perplexity"]
+
+
+def test_quantize_table_output_with_a_plan_and_fallback(tiny_model_dir, tmp_path, heldout, capsys):
+    from workbench.plan import QuantPlan
+    plan = tmp_path / "plan.json"
+    QuantPlan.uniform("int4").with_override("*.down_proj", "int8").save(plan)
+    rc = main(["quantize", str(tiny_model_dir), "--out", str(tmp_path / "q"), "--plan", str(plan),
+               "--text", str(heldout), "--ctx", "128"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "group size 128 does not divide 64 input features; using 64" in text
+    assert "perplexity" in text and "KL" in text and "top-1 agreement" in text
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--strict"], "layer 'model.layers.0.self_attn.q_proj': group size 128 does not divide 64"),
+    (["--group-size", "-4"], "--group-size must be positive"),
+])
+def test_bad_input_exits_2_with_one_line(tiny_model_dir, tmp_path, heldout, capsys, extra, message):
+    rc = main(["quantize", str(tiny_model_dir), "--out", str(tmp_path / "q"), "--text", str(heldout),
+               "--ctx", "128", *extra])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_plan_naming_a_missing_layer(tiny_model_dir, tmp_path, capsys):
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"version": 1, "default": "int4", "rules": [
+        {"pattern": "model.layers.7.mlp.up_proj", "precision": "fp16"}]}))
+    rc = main(["quantize", str(tiny_model_dir), "--out", str(tmp_path / "q"), "--plan", str(plan)])
+    assert rc == 2
+    assert "plan rule 'model.layers.7.mlp.up_proj' matches no layer of this model" in capsys.readouterr().err

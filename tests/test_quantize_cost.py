@@ -1,0 +1,64 @@
+"""Measured cost: perplexity change, KL, top-1 with standard errors, sizes from files, the warning."""
+import math
+
+import pytest
+import torch
+
+from workbench.evaluate import encode_text
+from workbench.models import demo_text_path, load_model
+from workbench.plan import QuantPlan
+from workbench.quantize import measure_cost, measure_reference, quantize_model
+from workbench.quantize.io import weight_file_bytes
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from conftest import build_tiny_model
+    lm = load_model(build_tiny_model(tmp_path_factory.mktemp("cost") / "m"))
+    ids = encode_text(lm.tokenizer, demo_text_path("heldout").read_text(encoding="utf-8"))[:1200]
+    return lm, measure_reference(lm.model, ids, ctx=128, progress=False)
+
+
+def test_cost_is_measured_against_the_reference(setup, tmp_path):
+    lm, base = setup
+    qm = quantize_model(lm, QuantPlan.uniform("int4", group_size=32), progress=False)
+    out = qm.save(tmp_path / "q")
+    cost = measure_cost(qm, base, saved_dir=out, progress=False)
+    assert cost.reference_perplexity == base.report.perplexity
+    assert cost.perplexity_change == pytest.approx(cost.perplexity - cost.reference_perplexity)
+    assert cost.perplexity_change_relative == pytest.approx(cost.perplexity / cost.reference_perplexity - 1)
+    assert cost.kl_divergence > 0 and 0 < cost.top1_agreement <= 1
+    for se in (cost.kl_divergence_stderr, cost.nll_difference_stderr, cost.perplexity_change_stderr,
+               cost.top1_agreement_stderr):
+        assert math.isfinite(se) and se >= 0
+    assert cost.windows == base.report.windows and cost.tokens == base.report.tokens
+    assert cost.size_bytes == weight_file_bytes(out) == sum(f.stat().st_size for f in out.glob("*.safetensors"))
+    assert cost.size_bytes < weight_file_bytes(lm.path)
+    assert cost.bits_per_weight == qm.bits_per_weight
+    assert set(cost.to_dict()) >= {"perplexity", "reference_perplexity", "kl_divergence", "top1_agreement",
+                                   "bits_per_weight", "size_bytes", "kl_divergence_stderr", "warnings"}
+
+
+def test_int8_costs_less_than_int4(setup):
+    lm, base = setup
+    c8 = measure_cost(quantize_model(lm, QuantPlan.uniform("int8", group_size=32), progress=False), base,
+                      progress=False)
+    c4 = measure_cost(quantize_model(lm, QuantPlan.uniform("int4", group_size=32), progress=False), base,
+                      progress=False)
+    assert c8.kl_divergence < c4.kl_divergence
+    assert c8.top1_agreement >= c4.top1_agreement
+
+
+def test_warning_names_likely_causes_above_the_threshold(setup):
+    lm, base = setup
+    qm = quantize_model(lm, QuantPlan.uniform("int4", keep_embeddings="int4", group_size=None), progress=False)
+    cost = measure_cost(qm, base, threshold=-1.0, progress=False)  # any change passes a negative threshold
+    assert len(cost.warnings) == 1
+    w = cost.warnings[0]
+    assert "above the -1.0 threshold. Likely causes:" in w
+    assert "layers with the largest weight error" in w
+    assert "embedding / lm_head is quantized" in w
+    assert "try method 'awq'" in w
+    assert "group size per-channel is coarse" in w
+    quiet = measure_cost(qm, base, threshold=1e9, progress=False)
+    assert quiet.warnings == []

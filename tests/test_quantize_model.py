@@ -1,0 +1,113 @@
+"""Plan application: group-size fallback per layer, strict mode, mixed precisions, ties, bad plans."""
+import copy
+
+import pytest
+import torch
+
+from workbench.errors import PlanError
+from workbench.models import load_model
+from workbench.plan import PRECISIONS, Precision, QuantPlan
+from workbench.quantize import quantize_model, resolve_group_size
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from conftest import build_tiny_model
+    return load_model(build_tiny_model(tmp_path_factory.mktemp("q") / "m", hidden=64, intermediate=128))
+
+
+@pytest.mark.parametrize("in_features,group,expected", [
+    (768, 128, 128), (192, 128, 96), (64, 128, 64), (160, 128, 32), (172, 128, None), (256, None, None)])
+def test_resolve_group_size(in_features, group, expected):
+    g, note = resolve_group_size(in_features, group)
+    assert g == expected
+    assert (note is None) == (group is None or in_features % group == 0)
+    if note:
+        assert f"does not divide {in_features}" in note
+        assert ("per-channel" in note) == (expected is None)
+
+
+def test_fallback_is_reported_per_layer_and_strict_names_the_layer(make_tiny_model):
+    lm = load_model(make_tiny_model(hidden=96, intermediate=160, heads=4, kv_heads=2))
+    qm = quantize_model(lm, QuantPlan.uniform("int4", group_size=128), progress=False)
+    q = qm.layer("model.layers.0.self_attn.q_proj")
+    assert q.group_size == 96 and "group size 128 does not divide 96 input features; using 96" in q.fallback
+    down = qm.layer("model.layers.0.mlp.down_proj")
+    assert down.group_size == 32 and "160" in down.fallback
+    assert qm.weights["model.layers.0.mlp.down_proj"].group_size == 32
+    assert set(qm.fallbacks) == {r.name for r in qm.layers if r.name in qm.weights}
+    with pytest.raises(PlanError, match="layer 'model.layers.0.self_attn.q_proj': group size 128 does not divide 96 "
+                                        ".*strict"):
+        quantize_model(lm, QuantPlan.uniform("int4", group_size=128), strict=True, progress=False)
+    ok = quantize_model(lm, QuantPlan.uniform("int4", group_size=32), strict=True, progress=False)
+    assert not ok.fallbacks
+
+
+def test_mixed_plan_gives_exactly_the_precisions_asked_for(tiny):
+    plan = (QuantPlan.uniform("int4", group_size=32)
+            .with_override("model.layers.0.self_attn.q_proj", "fp16")
+            .with_override("*.mlp.down_proj", "int8")
+            .with_override("model.layers.1.self_attn.o_proj", None)
+            .with_override("model.embed_tokens", "int8"))
+    names = [info.name for info in tiny.layers]
+    qm = quantize_model(tiny, plan, progress=False)
+    assert qm.precisions == plan.resolve(names)
+    for name, prec in qm.precisions.items():
+        if prec in ("int4", "int8"):
+            assert qm.weights[name].bits == int(prec[3:]), name
+        else:
+            assert name not in qm.weights, name
+    assert qm.precisions["model.layers.0.self_attn.q_proj"] == "fp16"
+    assert qm.precisions["model.layers.1.mlp.down_proj"] == "int8"
+    assert qm.precisions["model.layers.1.self_attn.o_proj"] is None
+    assert qm.precisions["lm_head"] == "fp16" and qm.layer("lm_head").untied
+
+
+def test_apply_writes_dequantized_weights_and_leaves_the_source_alone(tiny):
+    before = {k: v.clone() for k, v in tiny.model.state_dict().items()}
+    plan = QuantPlan.uniform("int4", group_size=32).with_override("model.layers.0.mlp.up_proj", "fp16")
+    qm = quantize_model(tiny, plan, progress=False)
+    assert all(torch.equal(before[k], v) for k, v in tiny.model.state_dict().items())
+    model = qm.apply_(copy.deepcopy(tiny.model))
+    q = model.get_submodule("model.layers.1.mlp.gate_proj").weight
+    assert torch.equal(q, qm.weights["model.layers.1.mlp.gate_proj"].dequantize())
+    up = model.get_submodule("model.layers.0.mlp.up_proj").weight
+    assert torch.equal(up, before["model.layers.0.mlp.up_proj.weight"].half().float())
+    assert 0 < qm.layer("model.layers.1.mlp.gate_proj").weight_error < 0.2
+
+
+def test_tied_embeddings_untie_only_when_precisions_differ(tiny):
+    assert tiny.model.lm_head.weight is tiny.model.model.embed_tokens.weight
+    same = quantize_model(tiny, QuantPlan.uniform("int8", keep_embeddings="int8", group_size=32), progress=False)
+    assert same.weights["lm_head"] is same.weights["model.embed_tokens"] and not same.unties_embeddings
+    m = same.apply_(copy.deepcopy(tiny.model))
+    assert m.lm_head.weight is m.model.embed_tokens.weight
+    plan = QuantPlan.uniform("int8", group_size=32).with_override("model.embed_tokens", "int8")
+    diff = quantize_model(tiny, plan, progress=False)
+    assert diff.unties_embeddings and "lm_head" not in diff.weights
+    m = diff.apply_(copy.deepcopy(tiny.model))
+    assert m.lm_head.weight is not m.model.embed_tokens.weight and not m.config.tie_word_embeddings
+    assert torch.equal(m.lm_head.weight, tiny.model.lm_head.weight.half().float())
+    assert torch.equal(m.model.embed_tokens.weight, diff.weights["model.embed_tokens"].dequantize())
+
+
+def test_bad_plans_are_named(tiny, monkeypatch):
+    with pytest.raises(PlanError, match="plan rule 'model.layers.0.self_attn.qproj' matches no layer.*closest layer "
+                                        "names: model.layers.0.self_attn.q_proj"):
+        quantize_model(tiny, QuantPlan.uniform("int4").with_override("model.layers.0.self_attn.qproj", "fp16"),
+                       progress=False)
+    monkeypatch.setitem(PRECISIONS, "int3", Precision("int3", 3, False))
+    with pytest.raises(PlanError, match="layer 'model.layers.0.self_attn.q_proj': int3 \\(3-bit\\) weights are not "
+                                        "supported; weight quantization supports int4, int8"):
+        quantize_model(tiny, QuantPlan.uniform("int3"), progress=False)
+    with pytest.raises(PlanError, match="unknown quantization method 'gptq'; choose one of: rtn, awq"):
+        quantize_model(tiny, QuantPlan.uniform("int4"), method="gptq", progress=False)
+    with pytest.raises(PlanError, match="AWQ needs calibration data"):
+        quantize_model(tiny, QuantPlan.uniform("int4"), method="awq", progress=False)
+
+
+def test_bits_per_weight_counts_scales_and_tied_weights_once(tiny):
+    qm = quantize_model(tiny, QuantPlan.uniform("int8", keep_embeddings=None, group_size=32), progress=False)
+    # every layer int8 with one float16 scale per 32 weights: 8 + 16/32 bits
+    assert qm.bits_per_weight == pytest.approx(8.5)
+    assert qm.parameters == sum(r.shape[0] * r.shape[1] for r in qm.layers if r.name != "lm_head")

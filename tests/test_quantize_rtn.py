@@ -1,0 +1,82 @@
+"""Round-to-nearest: code ranges, error bounds, exactness, clipping, bad inputs."""
+import pytest
+import torch
+
+from workbench.errors import PlanError
+from workbench.quantize import fake_quantize, quantize_weight
+
+
+def _weights(seed=0, out=16, inp=256):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(out, inp, generator=g) * torch.rand(out, 1, generator=g) * 3
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group_size", [32, 128, None])
+def test_symmetric_codes_and_error_bound(bits, group_size):
+    w = _weights()
+    qw = quantize_weight(w, bits, group_size, True)
+    lo, hi = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+    assert qw.qweight.dtype == torch.int8 and qw.zeros is None
+    assert lo <= int(qw.qweight.min()) and int(qw.qweight.max()) <= hi
+    g = group_size or w.shape[1]
+    assert qw.scales.shape == (w.shape[0], w.shape[1] // g)
+    # the largest magnitude of each group maps to the largest code, so nothing is clipped
+    err = (w - qw.dequantize()).abs().view(w.shape[0], -1, g).amax(-1)
+    assert torch.all(err <= qw.scales / 2 * (1 + 1e-3) + 1e-7)
+    # scales are float16 values, exactly what is saved
+    assert torch.equal(qw.scales.half().float(), qw.scales)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_asymmetric_codes_zeros_and_error_bound(bits):
+    w = _weights(1) + 0.7  # off-centre: asymmetric quantization should use the whole range
+    qw = quantize_weight(w, bits, 64, False)
+    assert qw.qweight.dtype == torch.uint8 and qw.zeros.dtype == torch.uint8
+    assert int(qw.qweight.max()) <= 2 ** bits - 1 and int(qw.zeros.max()) <= 2 ** bits - 1
+    err = (w - qw.dequantize()).abs().view(w.shape[0], -1, 64).amax(-1)
+    assert torch.all(err <= qw.scales / 2 * (1 + 1e-3) + 1e-7)
+    sym = quantize_weight(w, bits, 64, True)
+    assert (w - qw.dequantize()).pow(2).mean() < (w - sym.dequantize()).pow(2).mean()
+
+
+def test_representable_weights_are_exact():
+    codes = torch.randint(-7, 8, (8, 64), generator=torch.Generator().manual_seed(2)).float()
+    codes[:, 0] = 7  # every row reaches the top code, so the scale is found exactly
+    w = codes * 0.25
+    qw = quantize_weight(w, 4, None, True)
+    assert torch.equal(qw.dequantize(), w)
+    assert torch.equal(qw.qweight.float(), codes)
+
+
+def test_all_zero_group_has_no_nan():
+    w = torch.zeros(4, 64)
+    w[0, :32] = torch.linspace(-1, 1, 32)
+    for sym in (True, False):
+        deq = quantize_weight(w, 4, 32, sym).dequantize()
+        assert torch.isfinite(deq).all() and torch.equal(deq[1:], w[1:])
+
+
+def test_clip_max_limits_the_range():
+    w = _weights(3, 4, 64)
+    clip = torch.full((4, 2), 0.1)
+    deq = quantize_weight(w, 8, 32, True, clip_max=clip).dequantize()
+    assert float(deq.abs().max()) <= 0.1 * (1 + 1e-3)  # the float16 scale is rounded up by at most 2^-11
+
+
+def test_fake_quantize_matches_quantize_weight():
+    w = _weights(4)
+    for sym in (True, False):
+        assert torch.equal(fake_quantize(w, 4, 32, sym), quantize_weight(w, 4, 32, sym).dequantize())
+
+
+def test_bad_inputs_are_named():
+    w = _weights(out=4, inp=96)
+    with pytest.raises(PlanError, match="group size 64 does not divide the 96 input features"):
+        quantize_weight(w, 4, 64)
+    with pytest.raises(PlanError, match="2-bit weights are not supported"):
+        quantize_weight(w, 2, 32)
+    with pytest.raises(PlanError, match="only 2-D weights"):
+        quantize_weight(torch.zeros(4), 4, 32)
+    with pytest.raises(PlanError, match="group_size must be a positive integer"):
+        quantize_weight(w, 4, 0)

@@ -1,0 +1,153 @@
+"""The sensitivity sweep: tensors swapped and restored, numbers equal to the real quantize step, resumable."""
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+import workbench.sensitivity as sensitivity_module
+from workbench.errors import PlanError
+from workbench.evaluate import evaluate
+from workbench.models import load_model
+from workbench.plan import QuantPlan
+from workbench.quantize import quantize_model
+from workbench.sensitivity import (PROGRESS_FILE, SENSITIVITY_STEP, LayerVariants, PlanEvaluator, SensitivityReport,
+                                   evaluation_tokens, run_sensitivity)
+
+TOKENS = 256
+
+
+@pytest.fixture(scope="module")
+def lm(tiny_model_dir):
+    return load_model(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def evaluator(lm):
+    return PlanEvaluator(lm, evaluation_tokens(lm, tokens=TOKENS))
+
+
+def _state(model):
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_swapped_restores_weights_and_tie_even_after_an_error(lm):
+    variants = LayerVariants(lm)
+    before = _state(lm.model)
+    with pytest.raises(RuntimeError):
+        with variants.swapped({"lm_head": "int4", "model.layers.0.mlp.up_proj": "int8"}) as model:
+            assert not torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
+            raise RuntimeError("boom")
+    after = lm.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert lm.model.lm_head.weight is lm.model.model.embed_tokens.weight
+
+
+def test_each_layer_is_quantized_once_per_precision(lm, monkeypatch):
+    import workbench.quantize as q
+    calls = []
+    real = q.quantize_weight
+    monkeypatch.setattr(q, "quantize_weight", lambda *a, **k: calls.append(1) or real(*a, **k))
+    variants = LayerVariants(lm)
+    for _ in range(3):
+        variants.weight("model.layers.1.mlp.down_proj", "int4")
+        variants.weight("model.layers.1.mlp.down_proj", "int8")
+    assert len(calls) == 2
+
+
+def test_fast_evaluation_equals_quantize_model_then_evaluate(lm, evaluator):
+    plan = QuantPlan.uniform("int4").with_override("*.v_proj", "fp16").with_override("lm_head", "int8")
+    fast = evaluator.evaluate(plan)
+    model = copy.deepcopy(lm.model)
+    quantize_model(lm, plan, progress=False).apply_(model)
+    real = evaluate(model, evaluator.ids, reference=evaluator.reference, ctx=evaluator.ctx, progress=False)
+    assert fast.kl_divergence == pytest.approx(real.kl_divergence, rel=1e-6, abs=1e-12)
+    assert fast.perplexity == pytest.approx(real.perplexity, rel=1e-9)
+    assert fast.kl_divergence > 0
+
+
+def test_sweep_measures_every_layer_and_int4_hurts_more_than_int8(lm, evaluator):
+    report = run_sensitivity(lm, evaluator=evaluator, progress=False)
+    assert [layer.name for layer in report.layers] == [info.name for info in lm.layers]
+    assert report.trials_run == 2 * len(lm.layers)
+    for layer in report.layers:
+        assert set(layer.damage) == {"int8", "int4"}
+        assert layer.damage["int8"]["kl"] >= 0 and layer.damage["int4"]["kl"] >= 0
+    total8 = sum(layer.damage["int8"]["kl"] for layer in report.layers)
+    total4 = sum(layer.damage["int4"]["kl"] for layer in report.layers)
+    assert total4 > 4 * total8
+    ranked = report.ranking("int4")
+    assert ranked[0][1] >= ranked[-1][1]
+    again = SensitivityReport.from_dict(json.loads(json.dumps(report.to_dict())))
+    assert again.damage(ranked[0][0], "int4") == ranked[0][1]
+
+
+def test_killed_sweep_resumes_where_it_stopped(lm, workspace, monkeypatch):
+    real = sensitivity_module.evaluate
+    calls = {"n": 0}
+
+    def failing(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 6:  # the baseline plus four trials, then the process "dies"
+            raise KeyboardInterrupt("killed")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(sensitivity_module, "evaluate", failing)
+    with pytest.raises(KeyboardInterrupt):
+        run_sensitivity(lm, tokens=TOKENS, workspace=workspace, progress=False)
+    partial = next((workspace.root / SENSITIVITY_STEP).glob(".partial-*"))
+    done = json.loads((partial / PROGRESS_FILE).read_text())["trials"]
+    assert len(done) == 4
+
+    monkeypatch.setattr(sensitivity_module, "evaluate", real)
+    resumed = run_sensitivity(lm, tokens=TOKENS, workspace=workspace, progress=False)
+    assert resumed.trials_run == 2 * len(lm.layers) - 4
+    fresh = run_sensitivity(lm, tokens=TOKENS, progress=False)
+    for a, b in zip(resumed.layers, fresh.layers):
+        assert a.damage["int4"]["kl"] == pytest.approx(b.damage["int4"]["kl"], rel=1e-9)
+    cached = run_sensitivity(lm, tokens=TOKENS, workspace=workspace, progress=False)
+    assert cached.trials_run == 0
+    assert not list((workspace.root / SENSITIVITY_STEP).glob(".partial-*"))
+
+
+def test_bad_requests_name_what_is_wrong(lm, evaluator):
+    with pytest.raises(PlanError, match="integer precisions"):
+        run_sensitivity(lm, evaluator=evaluator, precisions=("fp16",), progress=False)
+    with pytest.raises(PlanError, match="not quantizable layers"):
+        run_sensitivity(lm, evaluator=evaluator, layers=["model.layers.9.mlp.up_proj"], progress=False)
+    report = run_sensitivity(lm, evaluator=evaluator, layers=["model.layers.0.mlp.up_proj"], precisions=("int4",),
+                             progress=False)
+    with pytest.raises(PlanError, match="no int8 measurement"):
+        report.damage("model.layers.0.mlp.up_proj", "int8")
+    with pytest.raises(PlanError, match="not in this sensitivity report"):
+        report.damage("lm_head", "int4")
+
+
+def test_sensitivity_figure_groups_bars_by_block_and_by_layer_type(lm, evaluator):
+    from workbench.charts.precision import make_sensitivity_figure
+    report = run_sensitivity(lm, evaluator=evaluator, progress=False)
+    by_block = make_sensitivity_figure(report, precision="int4", by="block")
+    assert {t.name for t in by_block.data} >= {"q_proj", "down_proj"}
+    q = next(t for t in by_block.data if t.name == "q_proj")
+    assert list(q.x) == ["layers.0", "layers.1"]
+    assert q.y[0] == pytest.approx(report.damage("model.layers.0.self_attn.q_proj", "int4"))
+    by_role = make_sensitivity_figure(report.to_dict(), precision="int8", by="role", log_y=False)
+    assert {t.name for t in by_role.data} >= {"layers.0", "layers.1"}
+    with pytest.raises(ValueError, match="by must be"):
+        make_sensitivity_figure(report, by="head")
+
+
+def test_variants_reuse_the_quantize_steps_weights(lm, monkeypatch):
+    import workbench.quantize as q
+    qm8 = quantize_model(lm, QuantPlan.uniform("int8"), progress=False)
+    qm4 = quantize_model(lm, QuantPlan.uniform("int4"), progress=False)
+    monkeypatch.setattr(q, "quantize_weight", lambda *a, **k: pytest.fail("re-quantized a layer"))
+    variants = LayerVariants.from_quantized(lm, qm8, qm4)
+    name = "model.layers.1.mlp.up_proj"
+    assert variants.quantized(name, "int4") is qm4.weights[name]
+    assert torch.equal(variants.weight(name, "int8"), qm8.weights[name].dequantize())
+    with pytest.raises(PlanError, match="different group sizes"):
+        LayerVariants.from_quantized(lm, qm8, quantize_model(lm, QuantPlan.uniform("int4", group_size=None),
+                                                             progress=False))

@@ -1,0 +1,135 @@
+"""Per-target compatibility rules: unsupported ops, dynamic shapes, fp16 hazards, mixed MatMuls, memory."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from workbench.errors import WorkbenchError
+from workbench.graph import export_onnx
+from workbench.models import load_model
+from workbench.targets import TARGETS, RULES_DIR, inspect_graph, load_rules
+from workbench.targets.base import _check_memory
+
+
+def _save(tmp_path, nodes, inputs, outputs, inits=(), name="g.onnx", ms_domain=False):
+    graph = helper.make_graph(nodes, "g", inputs, outputs, list(inits))
+    opsets = [helper.make_opsetid("", 17)] + ([helper.make_opsetid("com.microsoft", 1)] if ms_domain else [])
+    path = tmp_path / name
+    onnx.save(helper.make_model(graph, opset_imports=opsets), str(path))
+    return path
+
+
+@pytest.fixture
+def rotary_graph(tmp_path):
+    """A fused RotaryEmbedding (com.microsoft) and a DynamicQuantizeLinear, static shapes."""
+    f = lambda n, s: helper.make_tensor_value_info(n, TensorProto.FLOAT, s)  # noqa: E731
+    inits = [numpy_helper.from_array(np.zeros((16, 4), np.float32), "cos_cache"),
+             numpy_helper.from_array(np.zeros((16, 4), np.float32), "sin_cache"),
+             numpy_helper.from_array(np.arange(8, dtype=np.int64).reshape(1, 8), "pos")]
+    nodes = [helper.make_node("RotaryEmbedding", ["x", "pos", "cos_cache", "sin_cache"], ["rot"], name="rope_q",
+                              domain="com.microsoft"),
+             helper.make_node("DynamicQuantizeLinear", ["rot"], ["q", "q_scale", "q_zp"], name="dynq_0")]
+    outs = [helper.make_tensor_value_info("q", TensorProto.UINT8, [1, 8, 8]),
+            helper.make_tensor_value_info("q_scale", TensorProto.FLOAT, []),
+            helper.make_tensor_value_info("q_zp", TensorProto.UINT8, [])]
+    return _save(tmp_path, nodes, [f("x", [1, 8, 8])], outs, inits, ms_domain=True)
+
+
+def test_every_rule_table_names_its_source():
+    for t in TARGETS:
+        rules = json.loads((RULES_DIR / f"{t}.json").read_text())
+        assert rules["target"] == t and rules["sources"] and all(s["where"] for s in rules["sources"])
+        assert rules["ops"]["mode"] in ("allow", "deny") and rules["ops"]["domains"]
+
+
+def test_unsupported_ops_are_named_with_their_fix(rotary_graph):
+    report = inspect_graph(rotary_graph, "qnn")
+    assert not report.ok
+    by_op = {f.op_type: f for f in report.findings if f.rule == "unsupported-op"}
+    assert by_op["RotaryEmbedding"].nodes == ["rope_q"]
+    assert "com.microsoft" in by_op["RotaryEmbedding"].message
+    assert "Sin/Cos" in by_op["RotaryEmbedding"].fix
+    assert by_op["DynamicQuantizeLinear"].nodes == ["dynq_0"]
+    assert "static quantization" in by_op["DynamicQuantizeLinear"].fix
+
+
+def test_same_graph_is_fine_for_onnxruntime_cpu(rotary_graph):
+    report = inspect_graph(rotary_graph, "ort")
+    assert not [f for f in report.findings if f.rule == "unsupported-op"]
+    assert {r.op_type for r in report.inventory} == {"RotaryEmbedding", "DynamicQuantizeLinear"}
+
+
+def test_deny_list_targets_reject_other_domains(rotary_graph):
+    for target in ("tensorrt", "rknn"):
+        report = inspect_graph(rotary_graph, target)
+        ops = {f.op_type for f in report.findings if f.rule == "unsupported-op"}
+        assert {"RotaryEmbedding", "DynamicQuantizeLinear"} <= ops, target
+
+
+def test_unknown_target_lists_the_known_ones(rotary_graph):
+    with pytest.raises(WorkbenchError, match="unknown target 'hexagon'.*qnn"):
+        load_rules("hexagon")
+
+
+def test_small_layernorm_epsilon_is_flagged_for_fp16_targets(tmp_path):
+    f = lambda n, s: helper.make_tensor_value_info(n, TensorProto.FLOAT, s)  # noqa: E731
+    inits = [numpy_helper.from_array(np.ones(8, np.float32), "gamma")]
+    nodes = [helper.make_node("LayerNormalization", ["x", "gamma"], ["y"], name="ln_0", epsilon=1e-6)]
+    path = _save(tmp_path, nodes, [f("x", [1, 4, 8])], [f("y", [1, 4, 8])], inits)
+    eps = [f for f in inspect_graph(path, "qnn").findings if f.rule == "fp16-epsilon"]
+    assert eps and eps[0].nodes == ["ln_0"] and "1e-06" in eps[0].message
+    assert not [f for f in inspect_graph(path, "ort").findings if f.rule == "fp16-epsilon"]
+
+
+def test_mixed_fixed_point_and_float_matmul_is_named(tmp_path):
+    f = lambda n, s: helper.make_tensor_value_info(n, TensorProto.FLOAT, s)  # noqa: E731
+    inits = [numpy_helper.from_array(np.ones((8, 8), np.uint8), "w_q"),
+             numpy_helper.from_array(np.array(0.1, np.float32), "w_scale"),
+             numpy_helper.from_array(np.array(0, np.uint8), "w_zp"),
+             numpy_helper.from_array(np.ones((8, 8), np.float32), "w_float")]
+    nodes = [helper.make_node("DequantizeLinear", ["w_q", "w_scale", "w_zp"], ["w_deq"], name="dq_w"),
+             helper.make_node("MatMul", ["x", "w_deq"], ["h"], name="quantized_mm"),
+             helper.make_node("MatMul", ["h", "w_float"], ["y"], name="float_mm")]
+    path = _save(tmp_path, nodes, [f("x", [1, 8])], [f("y", [1, 8])], inits)
+    mixed = [f for f in inspect_graph(path, "qnn").findings if f.rule == "mixed-matmul"]
+    assert len(mixed) == 1 and mixed[0].severity == "error"
+    assert mixed[0].nodes == ["quantized_mm"]  # x is float, w is fixed point; float_mm has two float inputs
+
+
+def test_context_memory_limits():
+    rules = load_rules("qnn")
+    three_gib = _check_memory(3 << 30, rules)
+    assert [f.severity for f in three_gib] == ["warning"] and "2 GiB" in three_gib[0].message
+    assert [f.severity for f in _check_memory(5 << 30, rules)] == ["warning", "error"]
+    assert _check_memory(1 << 30, rules) == []
+
+
+@pytest.fixture(scope="module")
+def exported_pair(tiny_model_dir, tmp_path_factory):
+    lm = load_model(tiny_model_dir)
+    dyn = export_onnx(lm, tmp_path_factory.mktemp("dyn"), check=False)
+    static = export_onnx(lm, tmp_path_factory.mktemp("static"), static=(16, 32), check=False)
+    return dyn, static
+
+
+def test_dynamic_export_needs_static_shapes_on_qnn_but_not_on_ort(exported_pair):
+    dyn, static = exported_pair
+    report = inspect_graph(dyn.decode_path, "qnn")
+    dynamic = [f for f in report.findings if f.rule == "dynamic-shape"]
+    assert dynamic and all(f.severity == "error" for f in dynamic)
+    assert any("past_key_values.0.key" in f.nodes for f in dynamic)
+    assert "--static" in dynamic[0].fix
+    assert inspect_graph(dyn.decode_path, "ort").ok
+    static_report = inspect_graph(static.decode_path, "qnn")
+    assert static_report.ok and static_report.folded
+    assert {f.rule for f in static_report.findings} <= {"int64", "fp16-epsilon", "fp16-overflow"}
+
+
+def test_rknn_rejects_neg_from_the_rotary(exported_pair):
+    _, static = exported_pair
+    neg = [f for f in inspect_graph(static.prefill_path, "rknn").findings if f.op_type == "Neg"]
+    assert neg and neg[0].severity == "error" and "Mul(x, -1)" in neg[0].fix

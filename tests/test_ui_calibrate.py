@@ -1,0 +1,43 @@
+"""CalibratePanel headless: run fills the coverage and the charts; bad input shows an error and unfreezes."""
+from __future__ import annotations
+
+import pytest
+
+from workbench.models import load_model
+from workbench.ui.calibrate import CalibratePanel
+
+
+@pytest.fixture(scope="module")
+def lm(tiny_model_dir):
+    return load_model(tiny_model_dir)
+
+
+def test_run_fills_the_panel(lm, workspace):
+    panel = CalibratePanel(lm, samples=3, seq_len=64, workspace=workspace)
+    stats = panel.run()
+    assert stats is panel.stats and panel.error is None
+    assert panel.calib_set.report.samples == 3
+    assert "3 samples" in panel.coverage.value and "computed in" in panel.status.value
+    assert list(panel.layer.options) == list(stats.layers)
+    assert panel.layer.value == max(stats.layers, key=lambda n: stats.layers[n].max_to_median)
+    assert set(panel.figures) == {"coverage", "overview", "channels", "heatmap"}
+    assert "outlier" in panel.figures["overview"].layout.title.text
+    assert not any(w.disabled for w in panel.controls)
+    panel.sort_by.value = "kurtosis"  # redraws without running again
+    panel.layer.value = "lm_head"
+    assert "kurtosis" in panel.figures["overview"].layout.title.text
+    assert panel.figures["channels"].layout.title.text.startswith("lm_head:")
+
+
+def test_second_run_reads_back(lm, workspace):
+    CalibratePanel(lm, samples=2, seq_len=64, workspace=workspace).run()
+    panel = CalibratePanel(lm, samples=2, seq_len=64, workspace=workspace)
+    panel.run()
+    assert panel.stats.cached and "read back from the workspace" in panel.status.value
+
+
+def test_bad_file_shows_the_error(lm, workspace, tmp_path):
+    panel = CalibratePanel(lm, data=tmp_path / "missing.jsonl", samples=2, seq_len=64, workspace=workspace)
+    assert panel.run() is None
+    assert "does not exist" in panel.error and "error:" in panel.status.value
+    assert not any(w.disabled for w in panel.controls) and panel.stats is None

@@ -1,0 +1,73 @@
+"""The override panel without a browser: dropdowns change the plan and totals, rules, undo, evaluate, files."""
+from __future__ import annotations
+
+import pytest
+
+from workbench.models import load_model
+from workbench.plan import QuantPlan
+from workbench.sensitivity import PlanEvaluator, evaluation_tokens, run_sensitivity
+from workbench.ui.overrides import OverridePanel
+
+Q0 = "model.layers.0.self_attn.q_proj"
+
+
+@pytest.fixture(scope="module")
+def lm(tiny_model_dir):
+    return load_model(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def evaluator(lm):
+    return PlanEvaluator(lm, evaluation_tokens(lm, tokens=256))
+
+
+def test_dropdown_changes_plan_and_totals_and_undo_restores(lm, evaluator):
+    panel = OverridePanel(lm, evaluator=evaluator)
+    before_plan, before = panel.plan, panel.totals
+    assert panel.dropdowns[Q0].value == "int8"
+    panel.dropdowns[Q0].value = "fp16"  # what a click does
+    assert panel.plan.precision_name_for(Q0) == "fp16"
+    assert panel.totals["size_bytes"] == before["size_bytes"] + (lm.layer(Q0).bytes_at("fp16") -
+                                                                 lm.layer(Q0).bytes_at("int8"))
+    assert panel.totals["bits_per_weight"] > before["bits_per_weight"]
+    assert f"{panel.totals['size_bytes']:,}" in panel.totals_label.value
+    assert panel.undo() and panel.plan == before_plan and panel.totals == before
+    assert panel.dropdowns[Q0].value == "int8" and panel.undo_button.disabled
+
+
+def test_bulk_rule_overrides_earlier_choices_and_bad_patterns_are_refused(lm, evaluator):
+    panel = OverridePanel(lm, evaluator=evaluator)
+    panel.set_precision(Q0, "int4")
+    assert panel.apply_rule("*.q_proj", "fp16")
+    assert all(panel.dropdowns[n].value == "fp16" for n in panel.dropdowns if n.endswith("q_proj"))
+    assert not panel.apply_rule("*.qkv_proj", "fp16")
+    assert panel.plan.precision_name_for(Q0) == "fp16"
+    panel.undo()
+    assert panel.plan.precision_name_for(Q0) == "int4"
+
+
+def test_evaluate_measures_the_current_plan_and_adds_a_point(lm, evaluator):
+    sens = run_sensitivity(lm, evaluator=evaluator, progress=False)
+    panel = OverridePanel(lm, evaluator=evaluator, sensitivity=sens)
+    first = panel.evaluate()
+    panel.apply_rule("*.mlp.*", "int4")
+    second = panel.evaluate()
+    assert len(panel.points) == 2 and second.kl_divergence > first.kl_divergence
+    assert second.kl_divergence == pytest.approx(evaluator.evaluate(panel.plan).kl_divergence)
+    assert second.predicted_kl is not None and second.bits_per_weight < first.bits_per_weight
+    assert "KL" in panel.result_label.value and not panel.evaluate_button.disabled
+    assert len(panel.chart.data) > 0
+    uniform = panel.evaluate_uniform()
+    assert [p.label for p in uniform] == ["uniform int8", "uniform int4"]
+
+
+def test_save_and_load_plan(lm, evaluator, tmp_path):
+    panel = OverridePanel(lm, evaluator=evaluator)
+    panel.apply_rule("*.v_proj", "fp16")
+    path = tmp_path / "plan.json"
+    panel.save(str(path))
+    other = OverridePanel(lm, evaluator=evaluator, plan=QuantPlan.uniform("int4"))
+    assert other.load(str(path)) and other.plan == panel.plan
+    assert other.dropdowns["model.layers.1.self_attn.v_proj"].value == "fp16"
+    assert not other.load(str(tmp_path / "missing.json"))
+    assert other.plan == panel.plan

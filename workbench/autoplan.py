@@ -1,0 +1,290 @@
+"""Choose per-layer precisions under a size budget, then measure the choice for real.
+
+The sensitivity sweep gives, per layer and precision, the KL divergence that layer alone adds.
+Assuming damages add up, the best plan under a budget is a multiple-choice knapsack: every layer
+(a tied embedding/lm_head pair counts as one unit, stored once when both share a precision)
+picks one precision, total bytes <= budget, total predicted KL minimal. It is solved exactly by
+dynamic programming over bytes (rounded up to 1/4000 of the budget, so the budget always holds).
+The prediction is then checked: the plan is quantized with ``quantize_model`` and evaluated
+against the unquantized model, and both figures are reported side by side.
+
+    sens = run_sensitivity(lm, workspace=ws)
+    auto = plan_for_budget(lm, sens, size_bytes=int(1.1 * plan_footprint(lm, QuantPlan.uniform("int4"))["size_bytes"]))
+    point = measure_plan(lm, auto.plan, PlanEvaluator(lm, evaluation_tokens(lm)), label="auto", prediction=auto)
+    point.kl_divergence, point.predicted_kl
+"""
+from __future__ import annotations
+
+import copy
+import itertools
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from .errors import PlanError
+from .evaluate import EvalReport, evaluate, paired_difference
+from .models import LoadedModel
+from .plan import DEFAULT_GROUP_SIZE, QuantPlan, get_precision
+from .sensitivity import PlanEvaluator, SensitivityReport
+
+__all__ = ["PlanPrediction", "PlanPoint", "budget_bytes", "check_budget", "plan_footprint", "predict_damage", "plan_for_budget", "measure_plan",
+           "pareto_points", "compare_points", "DEFAULT_CHOICES"]
+
+DEFAULT_CHOICES = ("fp16", "int8", "int4")
+_RESOLUTION = 4000  # knapsack byte buckets per budget: exact enough, a few milliseconds to solve
+
+
+def _other_bytes(lm: LoadedModel) -> int:
+    """Bytes of everything that is not a quantizable layer (norms), counted at fp16 as in ``size_bytes``."""
+    return lm.size_bytes(precision="fp16") - _layer_bytes(lm, {info.name: "fp16" for info in lm.layers}, None, True)
+
+
+def _layer_bytes(lm: LoadedModel, assignments: Mapping[str, str | None], group_size, symmetric) -> int:
+    by_weight: dict[tuple[str, str], int] = {}
+    for info in lm.layers:
+        p = assignments.get(info.name) or "fp16"
+        key = (info.tied_to or info.name, p)
+        if key not in by_weight:
+            by_weight[key] = info.bytes_at(p, group_size, symmetric)
+    return sum(by_weight.values())
+
+
+def plan_footprint(lm: LoadedModel, plan: QuantPlan) -> dict:
+    """Size in bytes and average bits per weight of a plan, from the layer shapes alone (no model run)."""
+    size = lm.size_bytes(plan)
+    return {"size_bytes": int(size), "bits_per_weight": 8.0 * size / lm.parameters}
+
+
+def predict_damage(sensitivity: SensitivityReport, assignments: Mapping[str, str | None]) -> dict:
+    """Predicted KL and perplexity of a plan: per-layer damages summed (KL, and NLL for perplexity)."""
+    kl = nll = 0.0
+    for name, p in assignments.items():
+        prec = get_precision(p)
+        if prec is None or prec.is_float:
+            continue
+        kl += sensitivity.damage(name, prec.name, "kl")
+        nll += sensitivity.damage(name, prec.name, "nll_delta")
+    return {"kl_divergence": kl, "perplexity": sensitivity.reference_perplexity * math.exp(nll)}
+
+
+@dataclass
+class PlanPrediction:
+    """An automatic plan and what the sensitivity sweep predicts for it."""
+
+    plan: QuantPlan
+    assignments: dict[str, str]
+    size_bytes: int
+    bits_per_weight: float
+    budget_bytes: int
+    predicted_kl: float
+    predicted_perplexity: float
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict:
+        return {"plan": self.plan.to_dict(), "assignments": dict(self.assignments), "size_bytes": self.size_bytes,
+                "bits_per_weight": self.bits_per_weight, "budget_bytes": self.budget_bytes,
+                "predicted_kl_divergence": self.predicted_kl, "predicted_perplexity": self.predicted_perplexity}
+
+
+def _units(lm: LoadedModel, names: Sequence[str]) -> list[list[str]]:
+    """Layers grouped so that tied weights (embedding + lm_head) are decided together."""
+    groups: dict[str, list[str]] = {}
+    for info in lm.layers:
+        if info.name in names:
+            groups.setdefault(info.tied_to or info.name, []).append(info.name)
+    return list(groups.values())
+
+
+def _plan_from_assignments(assignments: Mapping[str, str], group_size, symmetric, meta: Mapping) -> QuantPlan:
+    """A readable plan: the most common precision as default, exact rules for the rest."""
+    counts: dict[str, int] = {}
+    for p in assignments.values():
+        counts[p] = counts.get(p, 0) + 1
+    default = max(counts, key=lambda p: (counts[p], p))
+    rules = tuple({"pattern": n, "precision": p} for n, p in assignments.items() if p != default)
+    return QuantPlan(default=default, rules=rules, group_size=group_size, symmetric=symmetric, method="rtn",
+                     meta=dict(meta))
+
+
+def budget_bytes(lm: LoadedModel, *, size_bytes: int | None = None, bits_per_weight: float | None = None) -> int:
+    """A budget given as bytes or as average bits per weight, in bytes."""
+    if (size_bytes is None) == (bits_per_weight is None):
+        raise PlanError("give exactly one budget: size_bytes or bits_per_weight")
+    if bits_per_weight is not None:
+        if not bits_per_weight > 0:
+            raise PlanError(f"bits per weight must be positive, got {bits_per_weight}")
+        size_bytes = int(bits_per_weight * lm.parameters / 8)
+    if size_bytes <= 0:
+        raise PlanError(f"size budget must be a positive number of bytes, got {size_bytes}")
+    return int(size_bytes)
+
+
+def check_budget(lm: LoadedModel, size: int, *, group_size=DEFAULT_GROUP_SIZE, symmetric: bool = True,
+                 choices: Sequence[str] = DEFAULT_CHOICES) -> None:
+    """Fail before any sweep when even the smallest precision everywhere exceeds ``size`` bytes."""
+    smallest_p = min(choices, key=lambda c: get_precision(c).bits)
+    smallest = lm.size_bytes(QuantPlan(default=smallest_p, group_size=group_size, symmetric=symmetric))
+    if smallest > size:
+        raise PlanError(f"no plan fits {size:,} bytes ({8 * size / lm.parameters:.2f} bits/weight): the smallest "
+                        f"with {'/'.join(choices)} is {smallest:,} bytes ({8 * smallest / lm.parameters:.2f} "
+                        "bits/weight); raise the budget")
+
+
+def plan_for_budget(lm: LoadedModel, sensitivity: SensitivityReport, *, size_bytes: int | None = None,
+                    bits_per_weight: float | None = None, choices: Sequence[str] = DEFAULT_CHOICES,
+                    metric: str = "kl") -> PlanPrediction:
+    """The plan with the least predicted damage whose size fits the budget (bytes or bits/weight).
+
+    Layers the sweep did not measure keep fp16. Raises ``PlanError`` when even the smallest
+    choice for every layer does not fit, naming the smallest size that does.
+    """
+    t0 = time.perf_counter()
+    size_bytes = budget_bytes(lm, size_bytes=size_bytes, bits_per_weight=bits_per_weight)
+    choices = [get_precision(c).name for c in choices]
+    gs, sym = sensitivity.group_size, sensitivity.symmetric
+    measured = {layer.name for layer in sensitivity.layers}
+    fixed = {info.name: "fp16" for info in lm.layers if info.name not in measured}
+    units = _units(lm, [n for n in (info.name for info in lm.layers) if n in measured])
+    base = _other_bytes(lm) + _layer_bytes_subset(lm, fixed, gs, sym)  # norms + unmeasured layers: constant
+    capacity_bytes = size_bytes - base
+    options: list[list[tuple[dict[str, str], int, float]]] = []
+    for unit in units:
+        opts = []
+        for combo in itertools.product(choices, repeat=len(unit)):
+            assign = dict(zip(unit, combo))
+            nbytes = _layer_bytes_subset(lm, assign, gs, sym)
+            dmg = sum(sensitivity.damage(n, p, metric) for n, p in assign.items())
+            opts.append((assign, nbytes, dmg))
+        options.append(opts)
+    smallest = base + sum(min(o[1] for o in opts) for opts in options)
+    if smallest > size_bytes:
+        raise PlanError(f"no plan fits {size_bytes:,} bytes ({8 * size_bytes / lm.parameters:.2f} bits/weight): the "
+                        f"smallest with {'/'.join(choices)} is {smallest:,} bytes "
+                        f"({8 * smallest / lm.parameters:.2f} bits/weight); raise the budget")
+    step = max(1.0, capacity_bytes / _RESOLUTION)
+    cap = int(capacity_bytes // step)
+    inf = float("inf")
+    dp = np.full(cap + 1, inf)
+    dp[0] = 0.0
+    picks = []
+    for opts in options:
+        new = np.full(cap + 1, inf)
+        pick = np.full(cap + 1, -1, dtype=np.int32)
+        for k, (_, nbytes, dmg) in enumerate(opts):
+            cost = int(math.ceil(nbytes / step))
+            if cost > cap:
+                continue
+            cand = np.full(cap + 1, inf)
+            cand[cost:] = dp[:cap + 1 - cost] + dmg
+            better = cand < new
+            new[better] = cand[better]
+            pick[better] = k
+        dp = new
+        picks.append(pick)
+    c = int(np.argmin(dp))
+    if not math.isfinite(dp[c]):  # rounding bytes up can exclude the only plans that fit exactly
+        raise PlanError(f"no plan fits {size_bytes:,} bytes once sizes are rounded; raise the budget slightly")
+    assignments: dict[str, str] = dict(fixed)
+    for opts, pick in zip(reversed(options), reversed(picks)):
+        k = int(pick[c])
+        assign, nbytes, _ = opts[k]
+        assignments.update(assign)
+        c -= int(math.ceil(nbytes / step))
+    ordered = {info.name: assignments[info.name] for info in lm.layers}
+    plan = _plan_from_assignments(ordered, gs, sym, {"budget_bytes": int(size_bytes), "chosen_by": "plan_for_budget",
+                                                      "metric": metric})
+    foot = plan_footprint(lm, plan)
+    pred = predict_damage(sensitivity, ordered)
+    return PlanPrediction(plan, ordered, foot["size_bytes"], foot["bits_per_weight"], int(size_bytes),
+                          pred["kl_divergence"], pred["perplexity"], time.perf_counter() - t0)
+
+
+def _layer_bytes_subset(lm: LoadedModel, assign: Mapping[str, str], group_size, symmetric) -> int:
+    by_weight: dict[tuple[str, str], int] = {}
+    for name, p in assign.items():
+        info = lm.layer(name)
+        key = (info.tied_to or info.name, p)
+        if key not in by_weight:
+            by_weight[key] = info.bytes_at(p, group_size, symmetric)
+    return sum(by_weight.values())
+
+
+@dataclass
+class PlanPoint:
+    """One measured plan: a point of the Pareto chart, with the prediction beside it when there is one."""
+
+    label: str
+    size_bytes: int
+    bits_per_weight: float
+    kl_divergence: float
+    perplexity: float
+    top1_agreement: float
+    reference_perplexity: float
+    tokens: int
+    predicted_kl: float | None = None
+    predicted_perplexity: float | None = None
+    seconds: float = 0.0
+    plan: QuantPlan | None = field(default=None, repr=False)
+    report: EvalReport | None = field(default=None, repr=False)
+
+    def to_dict(self) -> dict:
+        d = {k: v for k, v in asdict(self).items() if k not in ("plan", "report")}
+        d["plan"] = self.plan.to_dict() if self.plan is not None else None
+        return d
+
+
+def measure_plan(lm: LoadedModel, plan: QuantPlan, evaluator: PlanEvaluator, *, label: str = "plan",
+                 prediction: PlanPrediction | None = None, sensitivity: SensitivityReport | None = None,
+                 calibration=None, progress: bool = False) -> PlanPoint:
+    """Quantize ``plan`` with ``quantize_model``, apply it to a copy of the model and evaluate it.
+
+    This is the real measurement: the weights evaluated are the ones exporters read. The
+    evaluator supplies the tokens and the reference log-probs (captured once).
+    """
+    from .quantize import quantize_model
+    t0 = time.perf_counter()
+    qm = quantize_model(lm, plan, calibration=calibration, progress=progress)
+    model = copy.deepcopy(lm.model)
+    qm.apply_(model)
+    report = evaluate(model, evaluator.ids, reference=evaluator.reference, ctx=evaluator.ctx,
+                      batch_size=evaluator.batch_size, progress=progress, desc=label)
+    del model
+    foot = plan_footprint(lm, plan)
+    pred_kl = prediction.predicted_kl if prediction else None
+    pred_ppl = prediction.predicted_perplexity if prediction else None
+    if prediction is None and sensitivity is not None:
+        pred = predict_damage(sensitivity, plan.resolve(info.name for info in lm.layers))
+        pred_kl, pred_ppl = pred["kl_divergence"], pred["perplexity"]
+    return PlanPoint(label, foot["size_bytes"], foot["bits_per_weight"], report.kl_divergence, report.perplexity,
+                     report.top1_agreement, report.reference_perplexity, report.tokens, pred_kl, pred_ppl,
+                     time.perf_counter() - t0, plan, report)
+
+
+def pareto_points(lm: LoadedModel, sensitivity: SensitivityReport, evaluator: PlanEvaluator, *,
+                  budgets: Sequence[float] = (1.0, 1.1, 1.25, 1.5, 1.75), progress: bool = False) -> list[PlanPoint]:
+    """Uniform INT8, uniform INT4 and automatic plans at budgets between them, all measured.
+
+    ``budgets`` are multiples of the uniform-INT4 size; those above the uniform-INT8 size are
+    dropped, and the INT8 size itself is always included.
+    """
+    kw = {"group_size": sensitivity.group_size, "symmetric": sensitivity.symmetric}
+    int8, int4 = QuantPlan.uniform("int8", **kw), QuantPlan.uniform("int4", **kw)
+    points = [measure_plan(lm, int8, evaluator, label="uniform int8", sensitivity=sensitivity, progress=progress),
+              measure_plan(lm, int4, evaluator, label="uniform int4", sensitivity=sensitivity, progress=progress)]
+    s8, s4 = points[0].size_bytes, points[1].size_bytes
+    sizes = sorted({int(b * s4) for b in budgets if b * s4 <= s8} | {s8})
+    for size in sizes:
+        auto = plan_for_budget(lm, sensitivity, size_bytes=size)
+        points.append(measure_plan(lm, auto.plan, evaluator, label=f"auto {8 * size / lm.parameters:.2f} b/w",
+                                   prediction=auto, progress=progress))
+    return points
+
+
+def compare_points(candidate: PlanPoint, baseline: PlanPoint, metric: str = "kl") -> dict:
+    """Per-token difference candidate - baseline with its standard error over the evaluation windows."""
+    if candidate.report is None or baseline.report is None:
+        raise PlanError("both points need their evaluation reports to be compared")
+    return paired_difference(candidate.report, baseline.report, metric=metric)

@@ -1,0 +1,56 @@
+"""Figures for graphs and conversions: the operator histogram, bytes per block, agreement per target.
+
+    make_op_histogram_figure(operator_inventory("out/onnx/decode.onnx"))
+    make_block_bytes_figure(initializer_bytes_by_block("out/onnx/decode.onnx"))
+    make_conversion_figure([report.to_dict() for report in reports])
+
+Pure functions: data in, ``plotly.graph_objects.Figure`` out.
+"""
+from __future__ import annotations
+
+import plotly.graph_objects as go
+
+__all__ = ["make_op_histogram_figure", "make_block_bytes_figure", "make_conversion_figure", "DOMAIN_COLORS"]
+
+DOMAIN_COLORS = {"ai.onnx": "#457b9d", "com.microsoft": "#e76f51"}
+PROBLEM_COLOR = "#c0392b"
+
+
+def make_op_histogram_figure(inventory, problem_ops=(), title: str = "Operators in the graph") -> go.Figure:
+    """One bar per op type (count), coloured by domain; ops a target rejects in red."""
+    rows = sorted(inventory, key=lambda r: r.count)
+    bad = set(problem_ops)
+    colors = [PROBLEM_COLOR if r.op_type in bad else DOMAIN_COLORS.get(r.domain, "#8d99ae") for r in rows]
+    fig = go.Figure(go.Bar(
+        x=[r.count for r in rows], y=[r.op_type for r in rows], orientation="h", marker_color=colors,
+        customdata=[[r.domain, r.opset] for r in rows],
+        hovertemplate="%{y}: %{x} node(s)<br>domain %{customdata[0]}, opset %{customdata[1]}<extra></extra>"))
+    fig.update_layout(title=title, xaxis_title="nodes", height=max(300, 18 * len(rows) + 120),
+                      margin=dict(l=10, r=10, t=50, b=40))
+    return fig
+
+
+def make_block_bytes_figure(block_bytes: dict[str, int], title: str = "Parameter bytes per block") -> go.Figure:
+    """Bars of initializer bytes per block, in model order, labelled in MB."""
+    names = list(block_bytes)
+    mb = [block_bytes[n] / 2**20 for n in names]
+    fig = go.Figure(go.Bar(x=names, y=mb, marker_color="#2a9d8f", text=[f"{v:.2f}" for v in mb],
+                           textposition="outside", hovertemplate="%{x}: %{y:.3f} MB<extra></extra>"))
+    fig.update_layout(title=title, yaxis_title="MB (as stored)", margin=dict(l=10, r=10, t=50, b=40))
+    return fig
+
+
+def make_conversion_figure(reports: list[dict], title: str = "Converted models against the simulation") -> go.Figure:
+    """Grouped bars per target: KL to the float model (converted vs simulation); top-1 vs simulation as text."""
+    runnable = [r for r in reports if r.get("kl_divergence") is not None]
+    targets = [r["target"] for r in runnable]
+    fig = go.Figure([
+        go.Bar(name="simulation", x=targets, y=[r["simulation"]["kl_divergence"] for r in runnable],
+               marker_color="#a8dadc"),
+        go.Bar(name="converted", x=targets, y=[r["kl_divergence"] for r in runnable],
+               marker_color=[PROBLEM_COLOR if r.get("gap") else "#457b9d" for r in runnable],
+               text=[f"top-1 vs sim {r['top1_agreement_vs_simulation']:.3f}" for r in runnable],
+               textposition="outside")])
+    fig.update_layout(title=title, barmode="group", yaxis_title="KL divergence to the float model",
+                      margin=dict(l=10, r=10, t=50, b=40))
+    return fig

@@ -1,0 +1,60 @@
+"""Convert a model for a deployment target, run the result, and compare it with the float model and the simulation.
+
+    workbench convert demo --bits 4 --target ort-int4 --out out/int4
+    workbench convert out/demo-int4 --target mnn --out out/mnn --json     # a `workbench quantize` output
+    workbench convert demo --plan plan.json --target qnn --out out/qnn    # bundle + measured QDQ twin
+
+JSON: files, kl_divergence and top1_agreement (against the float model),
+top1_agreement_vs_simulation (against the workbench's own quantized model), and the simulation's numbers.
+"""
+from __future__ import annotations
+
+from ..convert import CONVERT_TARGETS, convert
+from .common import add_json_flag, add_model_argument, format_bytes, print_json
+from .export import parse_static
+
+HELP = "convert for a target (ort-int4, ort-qdq, mnn, qnn, tensorrt, rknn) and compare with the simulation"
+
+
+def add_arguments(p):
+    add_model_argument(p, "a float model directory or 'demo' (with --plan or --bits), or a `workbench quantize` "
+                          "output directory")
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--plan", help="quantization plan JSON for a float model")
+    group.add_argument("--bits", type=int, choices=(4, 8), help="uniform INT4 or INT8 plan for a float model")
+    p.add_argument("--target", required=True, choices=CONVERT_TARGETS)
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--text", help="evaluation text (default: the demo model's held-out text)")
+    p.add_argument("--max-tokens", type=int, help="evaluate on the first N tokens only")
+    p.add_argument("--ctx", type=int, help="evaluation window (default 512 or the model's maximum)")
+    p.add_argument("--activation-bits", type=int, choices=(8, 16), default=16, help="QDQ/QNN activations (default 16)")
+    p.add_argument("--accuracy-level", type=int, choices=(0, 1, 2, 3, 4), default=4,
+                   help="MatMulNBits accuracy_level: 4 = int8 activation compute (fast), 0 = float (default 4)")
+    p.add_argument("--static", metavar="SEQ,PAST", default="128,512", help="static shapes for qnn/rknn (default 128,512)")
+    add_json_flag(p)
+
+
+def run(args) -> int:
+    report = convert(args.model, args.target, args.out, plan=args.plan, bits=args.bits, text=args.text,
+                     max_tokens=args.max_tokens, ctx=args.ctx, activation_bits=args.activation_bits,
+                     accuracy_level=args.accuracy_level, static=parse_static(args.static),
+                     progress=not args.json, log=None if args.json else print)
+    if args.json:
+        print_json(report.to_dict())
+        return 0
+    for f in report.files:
+        print(f"wrote {f['path']} ({format_bytes(f['bytes'])})")
+    for n in report.notes:
+        print(f"note: {n}")
+    if report.runnable:
+        s = report.simulation
+        print(f"{'':<24} {'KL':>10} {'top-1 vs float':>15} {'perplexity':>11}")
+        print(f"{'simulation':<24} {s['kl_divergence']:>10.5f} {s['top1_agreement']:>15.4f} {s['perplexity']:>11.3f}")
+        print(f"{args.target:<24} {report.kl_divergence:>10.5f} {report.top1_agreement:>15.4f} "
+              f"{report.perplexity:>11.3f}")
+        print(f"top-1 agreement with the simulation: {report.top1_agreement_vs_simulation:.4f} "
+              f"({report.eval_tokens:,} tokens, ctx {report.ctx}; measured on {report.measured_on})")
+        if report.gap:
+            print(f"GAP: {report.gap}")
+    print(f"{report.seconds:.1f} s")
+    return 0

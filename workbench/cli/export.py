@@ -1,0 +1,70 @@
+"""Export a model to ONNX prefill and decode graphs with a KV cache, and check them against PyTorch.
+
+    workbench export demo --out out/onnx
+    workbench export demo --out out/onnx-static --static 128,511 --json
+    workbench export out/demo-int4 --out out/onnx-int4     # a `workbench quantize` output: its simulated weights
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import WorkbenchError
+from ..graph import DEFAULT_OPSET, export_onnx
+from .common import add_json_flag, add_model_argument, format_bytes, print_json
+
+HELP = "ONNX prefill/decode graphs with KV cache, checked against PyTorch"
+
+
+def parse_static(value: str | None) -> tuple[int, int] | None:
+    """``"128,512"`` -> (128, 512)."""
+    if not value:
+        return None
+    try:
+        seq, past = (int(v) for v in value.split(","))
+    except ValueError:
+        raise WorkbenchError(f"--static must be SEQ,PAST (two integers, e.g. 128,512), got '{value}'") from None
+    return seq, past
+
+
+def load_for_export(model: str):
+    """A float model directory (or 'demo'), or a quantized-model directory (its simulated weights)."""
+    from ..models import load_model
+    if (Path(model) / "quantization.json").is_file():
+        from ..quantize import load_quantized
+        lm, _ = load_quantized(model)
+        return lm
+    return load_model(model)
+
+
+def add_arguments(p):
+    add_model_argument(p, "a local Hugging Face model directory, 'demo', or a `workbench quantize` output directory")
+    p.add_argument("--out", required=True, help="directory for prefill.onnx, decode.onnx and weight_names.json")
+    p.add_argument("--static", metavar="SEQ,PAST", help="fixed shapes for NPU compilers, e.g. 128,511")
+    p.add_argument("--opset", type=int, default=DEFAULT_OPSET, help=f"ONNX opset (default {DEFAULT_OPSET})")
+    p.add_argument("--steps", type=int, default=32, help="greedy decoding steps compared with PyTorch (default 32)")
+    p.add_argument("--no-check", action="store_true", help="skip the onnxruntime checks")
+    add_json_flag(p)
+
+
+def run(args) -> int:
+    static = parse_static(args.static)
+    lm = load_for_export(args.model)
+    result = export_onnx(lm, args.out, static=static, opset=args.opset, check=not args.no_check,
+                         greedy_steps=args.steps, progress=None if args.json else print)
+    d = result.to_dict()
+    out = {"model": str(lm.path), "files": d["files"], "max_abs_diff": result.max_abs_diff,
+           "greedy_match_steps": result.greedy_match_steps, "greedy_steps": result.greedy_steps,
+           "diffs": result.diffs, "static": d["static"], "opset": result.opset,
+           "export_seconds": result.export_seconds, "check_seconds": result.check_seconds, "seconds": result.seconds,
+           "weight_names": result.weight_names}
+    if args.json:
+        print_json(out)
+        return 0
+    for f in d["files"]:
+        print(f"wrote {f['path']} ({format_bytes(f['bytes'])})")
+    print(f"export {result.export_seconds:.1f} s, checks {result.check_seconds:.1f} s")
+    if result.max_abs_diff is not None:
+        print(f"onnxruntime vs PyTorch: max abs diff {result.max_abs_diff:.2e} "
+              f"({', '.join(f'{k} {v:.1e}' for k, v in result.diffs.items())}); greedy tokens identical for "
+              f"{result.greedy_match_steps}/{result.greedy_steps} steps")
+    return 0 if result.greedy_match_steps in (None, result.greedy_steps) else 1

@@ -1,0 +1,64 @@
+"""Choose per-layer precisions under a size budget from the sensitivity sweep, then measure the plan.
+
+    workbench plan demo --bits-per-weight 8 --out plan.json
+    workbench plan demo --size 4000000 --out plan.json --json
+
+The sweep is read from (or written to) the workspace; the plan is quantized with quantize_model
+and evaluated against the unquantized model, and the predicted figures are shown beside the
+measured ones.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..autoplan import budget_bytes, check_budget, measure_plan, plan_for_budget
+from ..models import load_model
+from ..sensitivity import PlanEvaluator, evaluation_tokens
+from .common import add_json_flag, add_model_argument, format_bytes, print_json
+from .sensitivity import add_sweep_arguments, sweep
+
+HELP = "automatic mixed-precision plan under a size or bits/weight budget, predicted and measured"
+
+
+def add_arguments(p):
+    add_model_argument(p)
+    budget = p.add_mutually_exclusive_group(required=True)
+    budget.add_argument("--bits-per-weight", type=float, help="average bits per weight (all parameters)")
+    budget.add_argument("--size", type=int, help="total weight bytes")
+    p.add_argument("--out", required=True, help="where to write the plan JSON")
+    p.add_argument("--eval-tokens", type=int, default=None,
+                   help="tokens to measure the chosen plan on (default: the whole text)")
+    add_sweep_arguments(p)
+    add_json_flag(p)
+
+
+def run(args) -> int:
+    lm = load_model(args.model)
+    budget = budget_bytes(lm, size_bytes=args.size, bits_per_weight=args.bits_per_weight)
+    check_budget(lm, budget, group_size=args.group_size or None, symmetric=not args.asymmetric)
+    sens = sweep(lm, args, progress=not args.json)
+    auto = plan_for_budget(lm, sens, size_bytes=budget)
+    evaluator = PlanEvaluator(lm, evaluation_tokens(lm, args.data, args.eval_tokens))
+    point = measure_plan(lm, auto.plan, evaluator, label="auto", prediction=auto, progress=not args.json)
+    saved = auto.plan.save(Path(args.out))
+    out = {"model": str(lm.path), "plan_path": str(saved), "budget_bytes": auto.budget_bytes,
+           "bits_per_weight": point.bits_per_weight, "size_bytes": point.size_bytes,
+           "kl_divergence": point.kl_divergence, "perplexity": point.perplexity,
+           "top1_agreement": point.top1_agreement, "reference_perplexity": point.reference_perplexity,
+           "predicted_kl_divergence": auto.predicted_kl, "predicted_perplexity": auto.predicted_perplexity,
+           "eval_tokens": point.tokens, "sweep_tokens": sens.tokens, "assignments": auto.assignments,
+           "plan": auto.plan.to_dict()}
+    if args.json:
+        print_json(out)
+        return 0
+    counts: dict[str, int] = {}
+    for prec in auto.assignments.values():
+        counts[prec] = counts.get(prec, 0) + 1
+    print(f"plan for {format_bytes(auto.budget_bytes)}: {format_bytes(point.size_bytes)}, "
+          f"{point.bits_per_weight:.2f} bits/weight ({', '.join(f'{n} {p}' for p, n in sorted(counts.items()))})")
+    print(f"{'':<14}{'predicted':>12}{'measured':>12}")
+    print(f"{'KL':<14}{auto.predicted_kl:>12.3e}{point.kl_divergence:>12.3e}")
+    print(f"{'perplexity':<14}{auto.predicted_perplexity:>12.3f}{point.perplexity:>12.3f}   "
+          f"(float {point.reference_perplexity:.3f}, {point.tokens:,} tokens)")
+    print(f"top-1 agreement {point.top1_agreement:.4f}; plan written to {saved}")
+    return 0

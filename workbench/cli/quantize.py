@@ -1,0 +1,97 @@
+"""Quantize a model by a plan (RTN or AWQ), save it, and measure what it cost on held-out text.
+
+    workbench quantize demo --out out/demo-int4 --bits 4
+    workbench quantize demo --out out/demo-awq --bits 4 --method awq --json
+    workbench quantize demo --out out/mixed --plan plan.json --strict
+
+Perplexity, KL divergence and top-1 agreement are measured against the unquantized model on the
+held-out text (default: the bundled one), with standard errors of the per-window differences.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+from ..evaluate import DEFAULT_CTX
+from ..models import load_model
+from ..plan import QuantPlan
+from .common import add_json_flag, add_model_argument, format_bytes, print_json
+
+HELP = "quantize by plan (RTN / AWQ, INT8 / INT4), save, and measure the cost"
+
+
+def add_arguments(p):
+    add_model_argument(p)
+    p.add_argument("--out", required=True, help="directory to write the quantized model to")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--plan", help="a plan JSON file (per-layer precisions)")
+    src.add_argument("--bits", type=int, choices=(4, 8), help="quantize every linear layer to this many bits "
+                     "(embeddings and lm_head stay fp16); default 4 when no --plan")
+    p.add_argument("--group-size", type=int, help="columns per scale (default: the plan's, 128); 0 = per-channel")
+    p.add_argument("--asymmetric", action="store_true", help="unsigned codes with zero points")
+    p.add_argument("--method", choices=("rtn", "awq"), help="round-to-nearest or AWQ (default: the plan's, rtn)")
+    p.add_argument("--data", help="calibration text for AWQ (default: the bundled calibration text)")
+    p.add_argument("--samples", type=int, default=128, help="calibration samples (AWQ)")
+    p.add_argument("--seq-len", type=int, default=512, help="calibration sample length in tokens (AWQ)")
+    p.add_argument("--text", help="held-out text to measure on (default: the bundled held-out text)")
+    p.add_argument("--ctx", type=int, default=DEFAULT_CTX, help=f"evaluation window (default {DEFAULT_CTX})")
+    p.add_argument("--threshold", type=float, default=0.5, help="warn when perplexity rises more than this")
+    p.add_argument("--strict", action="store_true", help="fail instead of falling back when the group size "
+                   "does not divide a layer")
+    add_json_flag(p)
+
+
+def _plan_from_args(args) -> QuantPlan:
+    plan = QuantPlan.load(args.plan) if args.plan else QuantPlan.uniform(f"int{args.bits or 4}")
+    changes = {}
+    if args.group_size is not None:
+        if args.group_size < 0:
+            raise ValueError(f"--group-size must be positive, or 0 for per-channel; got {args.group_size}")
+        changes["group_size"] = args.group_size or None
+    if args.asymmetric:
+        changes["symmetric"] = False
+    if args.method:
+        changes["method"] = args.method
+    return replace(plan, **changes) if changes else plan
+
+
+def run(args) -> int:
+    from ..quantize import heldout_ids, measure_cost, measure_reference, quantize_model, write_report
+    from ..quantize.io import weight_file_bytes
+    plan = _plan_from_args(args)
+    lm = load_model(args.model, dtype="float32")
+    progress = not args.json
+    calibration = None
+    if plan.method == "awq":
+        from ..calibrate import calibrate
+        calibration = calibrate(lm, data=args.data, samples=args.samples, seq_len=args.seq_len, progress=progress)
+    t0 = time.perf_counter()
+    qm = quantize_model(lm, plan, calibration=calibration, strict=args.strict, progress=progress)
+    quantize_seconds = time.perf_counter() - t0
+    out = qm.save(args.out)
+    ids = heldout_ids(lm, args.text)
+    t1 = time.perf_counter()
+    baseline = measure_reference(lm.model, ids, ctx=args.ctx, progress=progress)
+    cost = measure_cost(qm, baseline, saved_dir=out, threshold=args.threshold, progress=progress)
+    result = {"model": str(lm.path), "out": str(out), "method": qm.method, "plan": plan.to_dict(),
+              **cost.to_dict(), "reference_size_bytes": weight_file_bytes(lm.path),
+              "quantize_seconds": quantize_seconds, "evaluate_seconds": time.perf_counter() - t1,
+              "layers": [{"name": r.name, "precision": r.precision,
+                          "group_size": r.group_size if r.name in qm.weights else None,
+                          "fallback": r.fallback, "weight_error": r.weight_error} for r in qm.layers]}
+    write_report(out, result)
+    if args.json:
+        print_json(result)
+        return 0
+    print(qm.table())
+    print()
+    print(f"saved {out}: {format_bytes(cost.size_bytes)} of weight files "
+          f"(source {format_bytes(result['reference_size_bytes'])}), {cost.bits_per_weight:.2f} bits per weight; "
+          f"{qm.method} took {quantize_seconds:.1f} s")
+    print(f"perplexity {cost.perplexity:.3f} vs {cost.reference_perplexity:.3f} "
+          f"({cost.perplexity_change:+.3f} ± {cost.perplexity_change_stderr:.3f}, {cost.perplexity_change_relative:+.2%}); "
+          f"KL {cost.kl_divergence:.5f} ± {cost.kl_divergence_stderr:.5f}; top-1 agreement {cost.top1_agreement:.2%} "
+          f"({cost.tokens:,} tokens, {cost.windows} windows)")
+    for w in cost.warnings:
+        print(f"warning: {w}")
+    return 0

@@ -1,0 +1,70 @@
+"""Per-layer sensitivity: each quantizable layer alone at int8 and int4, KL divergence and perplexity change.
+
+    workbench sensitivity demo
+    workbench sensitivity demo --data heldout.txt --tokens 4096 --json
+
+Results are cached in the workspace (``--workspace``, default ./workspace) and the sweep resumes
+where it stopped when interrupted.
+"""
+from __future__ import annotations
+
+from ..models import load_model
+from ..sensitivity import DEFAULT_SWEEP_TOKENS, SWEEP_PRECISIONS, run_sensitivity
+from ..workspace import Workspace
+from .common import add_json_flag, add_model_argument, print_json
+
+HELP = "per-layer sensitivity sweep (KL and perplexity change of each layer quantized alone)"
+
+
+def add_sweep_arguments(p) -> None:
+    """Arguments shared with `workbench plan`, which runs (or finds) the same sweep."""
+    p.add_argument("--data", help="UTF-8 text to measure on (default: the bundled held-out text)")
+    p.add_argument("--tokens", type=int, default=DEFAULT_SWEEP_TOKENS,
+                   help=f"evaluation budget in tokens per trial (default {DEFAULT_SWEEP_TOKENS})")
+    p.add_argument("--group-size", type=int, default=128, help="quantization group size (0 = per-channel)")
+    p.add_argument("--asymmetric", action="store_true", help="asymmetric quantization (zero points)")
+    p.add_argument("--workspace", help="workspace directory for the cached sweep (default ./workspace)")
+    p.add_argument("--force", action="store_true", help="recompute the sweep even when it is cached")
+
+
+def add_arguments(p):
+    add_model_argument(p)
+    add_sweep_arguments(p)
+    p.add_argument("--precisions", default=",".join(SWEEP_PRECISIONS), help="comma-separated (default int8,int4)")
+    add_json_flag(p)
+
+
+def sweep(lm, args, progress: bool):
+    precisions = tuple(getattr(args, "precisions", ",".join(SWEEP_PRECISIONS)).split(","))
+    return run_sensitivity(lm, text_path=args.data, tokens=args.tokens, precisions=precisions,
+                           group_size=args.group_size or None, symmetric=not args.asymmetric,
+                           workspace=Workspace(args.workspace) if args.workspace else Workspace(),
+                           force=args.force, progress=progress)
+
+
+def run(args) -> int:
+    lm = load_model(args.model)
+    report = sweep(lm, args, progress=not args.json)
+    layers = [{"name": layer.name, "block": layer.block, "role": layer.role, "shape": list(layer.shape),
+               "parameters": layer.parameters, "tied_to": layer.tied_to, **layer.damage} for layer in report.layers]
+    out = {"model": str(lm.path), "precisions": list(report.precisions), "tokens": report.tokens, "ctx": report.ctx,
+           "group_size": report.group_size, "symmetric": report.symmetric,
+           "reference_perplexity": report.reference_perplexity, "sweep_seconds": report.seconds,
+           "trials_run": report.trials_run, "metric": "kl: nats/token vs the unquantized model; ppl_delta: "
+           "perplexity change", "layers": layers}
+    if args.json:
+        print_json(out)
+        return 0
+    cached = " (from the workspace)" if report.trials_run == 0 else ""
+    print(f"sensitivity of {len(layers)} layers on {report.tokens:,} tokens, float perplexity "
+          f"{report.reference_perplexity:.3f}; sweep {report.seconds:.1f} s{cached}")
+    heads = "".join(f"  {p + ' KL':>11}  {p + ' dppl':>10}" for p in report.precisions)
+    width = max(len(layer.name) for layer in report.layers)
+    print(f"{'layer':<{width}}  {'params':>9}{heads}")
+    for layer in report.layers:
+        cells = "".join(f"  {layer.damage[p]['kl']:>11.3e}  {layer.damage[p]['ppl_delta']:>+10.4f}"
+                        for p in report.precisions)
+        print(f"{layer.name:<{width}}  {layer.parameters:>9,}{cells}")
+    worst = report.ranking(report.precisions[-1])[:3]
+    print("most sensitive at " + report.precisions[-1] + ": " + ", ".join(n for n, _ in worst))
+    return 0

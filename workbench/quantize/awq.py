@@ -1,0 +1,382 @@
+"""AWQ (activation-aware weight quantization) in float32: a scale search, then a clip search.
+
+For every decoder block, the block's inputs on calibration samples are captured. For each
+scalable group (``input_layernorm -> q/k/v``, ``v_proj -> o_proj``, ``post_attention_layernorm
+-> gate/up``, ``up_proj -> down_proj``) the search tries ``s = mean|x| ^ alpha`` for alpha on a
+grid that includes 0 (the identity, i.e. plain round-to-nearest), quantizes ``W * s``, and keeps
+the alpha with the smallest output error of the inspected module (attention, o_proj, MLP,
+down_proj). ``1/s`` is folded into the op before, so the float model computes the same function.
+A clip search (shrink ratio 1.0 first, i.e. no clipping) then picks per-group clipping of the
+scaled weights. With GQA, ``v_proj -> o_proj`` scales are shared by the query heads of one
+key/value head, so the fold stays exact.
+
+Search and apply are separate: :func:`search_awq` returns a plain dict (tensors and numbers)
+that can be cached; :func:`fold_awq_scales` turns it into new float tensors.
+
+    result = search_awq(lm.model, samples, quant_spec)   # quant_spec: fqn -> (bits, group, symmetric)
+    new_params = fold_awq_scales(lm.model, result)       # {param_name: tensor}; the model is unchanged
+"""
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..errors import PlanError
+from .rtn import fake_quantize
+
+__all__ = ["ScaleGroup", "find_decoder_blocks", "scale_groups", "search_awq", "fold_awq_scales", "apply_awq_scales_",
+           "DEFAULT_GRID", "DEFAULT_SEARCH_TOKENS"]
+
+DEFAULT_GRID = 20  # alphas 0, 0.05, ..., 0.95 as in the AWQ paper's code; 0 is the identity
+DEFAULT_SEARCH_TOKENS = 8192  # calibration tokens whose block outputs drive the search (speed vs. fidelity)
+CLIP_TOKENS = 512  # tokens used by the per-group clip search (as in the AWQ code)
+CLIP_STEPS = 10  # shrink ratios 1.0, 0.95, ..., 0.55 (1.0 = no clipping)
+
+
+class _StopForward(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class ScaleGroup:
+    """Linears sharing one input whose channels are scaled by ``s``, and the op ``1/s`` is folded into.
+
+    ``prev`` is a norm (its weight is divided by ``s``) or a linear (its output rows are).
+    ``repeat`` > 1 means the layers' input has ``repeat`` copies of each ``prev`` head (GQA):
+    ``head_dim`` channels per head.
+    """
+
+    block: str
+    prev: str
+    layers: tuple[str, ...]
+    inspect: str
+    repeat: int = 1
+    head_dim: int = 0
+
+    @property
+    def key(self) -> str:
+        return f"{self.prev}->{'+'.join(n.rsplit('.', 1)[-1] for n in self.layers)}"
+
+
+def find_decoder_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """The ModuleList of decoder blocks (``model.layers``) and its name."""
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.ModuleList) and name.endswith("layers") and len(mod) and \
+                hasattr(mod[0], "self_attn") and hasattr(mod[0], "mlp"):
+            return name, mod
+    raise PlanError("AWQ needs a model with Llama/Qwen-style decoder blocks (a 'layers' list of blocks with "
+                    "self_attn and mlp); use method='rtn' for this model")
+
+
+_REQUIRED = ("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+             "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def scale_groups(model: nn.Module) -> list[ScaleGroup]:
+    """The scalable groups of every block, in block order."""
+    prefix, blocks = find_decoder_blocks(model)
+    cfg = getattr(model, "config", None)
+    groups = []
+    for i, blk in enumerate(blocks):
+        b = f"{prefix}.{i}"
+        for part in _REQUIRED:
+            try:
+                blk.get_submodule(part)
+            except AttributeError:
+                raise PlanError(f"AWQ: block '{b}' has no '{part}'; only Llama/Qwen-style blocks are supported, "
+                                "use method='rtn' for this model") from None
+        groups.append(ScaleGroup(b, f"{b}.input_layernorm", tuple(f"{b}.self_attn.{p}_proj" for p in "qkv"),
+                                 f"{b}.self_attn"))
+        v, o = blk.self_attn.v_proj, blk.self_attn.o_proj
+        if v.out_features == o.in_features:
+            groups.append(ScaleGroup(b, f"{b}.self_attn.v_proj", (f"{b}.self_attn.o_proj",), f"{b}.self_attn.o_proj"))
+        else:
+            head_dim = getattr(blk.self_attn, "head_dim", None) or getattr(cfg, "head_dim", None)
+            if head_dim and o.in_features % v.out_features == 0 and v.out_features % head_dim == 0:
+                groups.append(ScaleGroup(b, f"{b}.self_attn.v_proj", (f"{b}.self_attn.o_proj",),
+                                         f"{b}.self_attn.o_proj", o.in_features // v.out_features, head_dim))
+        groups.append(ScaleGroup(b, f"{b}.post_attention_layernorm", (f"{b}.mlp.gate_proj", f"{b}.mlp.up_proj"),
+                                 f"{b}.mlp"))
+        groups.append(ScaleGroup(b, f"{b}.mlp.up_proj", (f"{b}.mlp.down_proj",), f"{b}.mlp.down_proj"))
+    return groups
+
+
+def _expand(s: torch.Tensor, g: ScaleGroup) -> torch.Tensor:
+    """Scale on the layers' input channels from the scale on ``prev``'s output (GQA repeat)."""
+    if g.repeat == 1:
+        return s
+    kv = s.numel() // g.head_dim
+    return s.view(kv, 1, g.head_dim).expand(kv, g.repeat, g.head_dim).reshape(-1)
+
+
+def _reduce(x_mean: torch.Tensor, g: ScaleGroup) -> torch.Tensor:
+    """Mean |x| on ``prev``'s output channels from the layers' input channels (GQA: mean over heads)."""
+    if g.repeat == 1:
+        return x_mean
+    return x_mean.view(-1, g.repeat, g.head_dim).mean(1).reshape(-1)
+
+
+def _check_norm_foldable(norm: nn.Module, name: str) -> None:
+    """A norm can absorb ``1/s`` only when its output is linear in its weight (``w * x_hat``)."""
+    w = getattr(norm, "weight", None)
+    if not isinstance(w, torch.Tensor) or w.dim() != 1:
+        raise PlanError(f"AWQ: '{name}' has no per-channel weight to fold scales into; use method='rtn'")
+    x = torch.randn(2, w.numel(), generator=torch.Generator().manual_seed(0)).to(w.dtype)
+    s = torch.linspace(0.5, 2.0, w.numel(), dtype=w.dtype)
+    n = copy.deepcopy(norm)
+    with torch.no_grad():
+        ref = n(x)
+        n.weight.div_(s)
+        if getattr(n, "bias", None) is not None:
+            n.bias.div_(s)
+        ok = torch.allclose(n(x) * s, ref, rtol=1e-4, atol=1e-5)
+    if not ok:
+        raise PlanError(f"AWQ: '{name}' does not scale linearly with its weight (e.g. a (1 + w) norm); "
+                        "use method='rtn' for this model")
+
+
+def fold_awq_scales(model: nn.Module, result: dict) -> dict[str, torch.Tensor]:
+    """New float32 tensors ``{param_name: tensor}`` with every group's scale folded in; model unchanged.
+
+    Layers' weight columns are multiplied by ``s``, ``prev``'s weight (norm) or output rows
+    (linear, with its bias) divided by it, so the float model computes the same function.
+    """
+    return _fold(dict(model.named_parameters(remove_duplicate=False)), result)
+
+
+def _fold(params: dict[str, torch.Tensor], result: dict) -> dict[str, torch.Tensor]:
+    new: dict[str, torch.Tensor] = {}
+
+    def get(name):
+        if name not in new:
+            if name not in params:
+                raise PlanError(f"AWQ result names '{name}', which this model does not have; search again")
+            new[name] = params[name].detach().to(torch.float32).clone()
+        return new[name]
+
+    for entry in result["groups"]:
+        g = ScaleGroup(**entry["group"])
+        s = entry["scales"].to(torch.float32)
+        prev = get(f"{g.prev}.weight")
+        if prev.dim() == 1:
+            prev.div_(s)
+        else:
+            prev.div_(s[:, None])
+        if f"{g.prev}.bias" in params and params[f"{g.prev}.bias"] is not None:
+            get(f"{g.prev}.bias").div_(s)
+        s_in = _expand(s, g)
+        for name in g.layers:
+            get(f"{name}.weight").mul_(s_in[None, :])
+    return new
+
+
+@torch.no_grad()
+def apply_awq_scales_(model: nn.Module, result: dict) -> nn.Module:
+    """Fold the scales into ``model`` in place (float; no rounding): the function is unchanged."""
+    new = fold_awq_scales(model, result)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for name, t in new.items():
+        params[name].data.copy_(t.to(params[name].dtype))
+    return model
+
+
+# ---------------------------------------------------------------------------------------------
+# search
+def _capture_block_inputs(model: nn.Module, blocks: nn.ModuleList, samples: list[torch.Tensor],
+                          max_tokens: int, batch_size: int = 8):
+    """Run the model up to the first block on calibration samples; keep (hidden, kwargs) per batch."""
+    chosen, total = [], 0
+    for s in samples:
+        s = s.reshape(-1).long()
+        if s.numel() < 2:
+            continue
+        if total >= max_tokens:
+            break
+        chosen.append(s[: max_tokens - total] if total + s.numel() > max_tokens else s)
+        total += chosen[-1].numel()
+    if not chosen:
+        raise PlanError("AWQ needs calibration samples with at least 2 tokens; none were given")
+    by_len: dict[int, list[torch.Tensor]] = {}
+    for s in chosen:
+        by_len.setdefault(s.numel(), []).append(s)
+    units = []
+
+    def grab(_mod, args, kwargs):
+        hidden = args[0] if args else kwargs.pop("hidden_states")
+        kw = {k: v for k, v in kwargs.items() if k != "hidden_states"}
+        units.append([hidden.detach(), kw])
+        raise _StopForward
+
+    handle = blocks[0].register_forward_pre_hook(grab, with_kwargs=True)
+    device = next(model.parameters()).device
+    try:
+        for _length, group in sorted(by_len.items()):
+            for i in range(0, len(group), batch_size):
+                try:
+                    model(input_ids=torch.stack(group[i:i + batch_size]).to(device), use_cache=False)
+                except _StopForward:
+                    pass
+    finally:
+        handle.remove()
+    return units, total
+
+
+def _run_with_inputs(blk: nn.Module, units, watch: dict[str, nn.Module]):
+    """Run ``blk`` on every unit; record what each watched module receives and the block outputs."""
+    seen = {k: [] for k in watch}
+    handles = []
+    for key, mod in watch.items():
+        def hook(_m, args, kwargs, key=key):
+            seen[key].append((args, kwargs))
+        handles.append(mod.register_forward_pre_hook(hook, with_kwargs=True))
+    outs = []
+    try:
+        for hidden, kw in units:
+            out = blk(hidden, **kw)
+            outs.append(out[0] if isinstance(out, tuple) else out)
+    finally:
+        for h in handles:
+            h.remove()
+    return seen, outs
+
+
+def _first_tensor(args, kwargs) -> torch.Tensor:
+    return args[0] if args else kwargs.get("hidden_states", next(iter(kwargs.values())))
+
+
+def _output(mod: nn.Module, calls) -> list[torch.Tensor]:
+    outs = []
+    for args, kwargs in calls:
+        out = mod(*args, **kwargs)
+        outs.append(out[0] if isinstance(out, tuple) else out)
+    return outs
+
+
+def _mse(outs: list[torch.Tensor], refs: list[torch.Tensor]) -> float:
+    err = sum(float(torch.nn.functional.mse_loss(a, b, reduction="sum")) for a, b in zip(outs, refs))
+    return err / sum(r.numel() for r in refs)
+
+
+def _search_group_scale(g: ScaleGroup, blk: nn.Module, block_name: str, calls, x_mean: torch.Tensor,
+                        spec: dict, n_grid: int) -> dict:
+    """Grid-search alpha for one group; alpha = 0 (identity) comes first and wins ties."""
+    rel = lambda fqn: fqn[len(block_name) + 1:]  # noqa: E731
+    inspect = blk.get_submodule(rel(g.inspect))
+    linears = [(name, blk.get_submodule(rel(name))) for name in g.layers]
+    originals = [lin.weight.detach().clone() for _, lin in linears]
+    refs = _output(inspect, calls)
+    x_prev = _reduce(x_mean.to(torch.float32), g)
+    best = None
+    losses = []
+    try:
+        for i in range(n_grid):
+            alpha = i / n_grid
+            s = x_prev.pow(alpha).clamp_min(1e-4)
+            s = s / (s.max() * s.min()).sqrt()
+            s_in = _expand(s, g)
+            for (name, lin), w in zip(linears, originals):
+                if name in spec:
+                    bits, gs, sym = spec[name]
+                    lin.weight.data = (fake_quantize(w * s_in[None, :], bits, gs, sym) / s_in[None, :]).to(w.dtype)
+            loss = _mse(_output(inspect, calls), refs)
+            losses.append(loss)
+            if best is None or loss < best[0]:
+                best = (loss, alpha, s.clone())
+    finally:
+        for (_, lin), w in zip(linears, originals):
+            lin.weight.data = w
+    return {"group": g.__dict__ | {"layers": list(g.layers)}, "alpha": best[1], "loss": best[0],
+            "identity_loss": losses[0], "losses": losses, "scales": best[2]}
+
+
+def _search_clip(w: torch.Tensor, x: torch.Tensor, bits: int, gs: int | None, sym: bool) -> tuple[torch.Tensor, float, float]:
+    """Per-(row, group) clip maximum minimising the group's output error; ratio 1.0 (no clip) first."""
+    out, inp = w.shape
+    g = gs or inp
+    ng = inp // g
+    wg = w.view(out, ng, g)
+    xg = x.view(-1, ng, g)
+    ref = torch.einsum("tgk,ogk->otg", xg, wg)
+    org_max = wg.abs().amax(-1)
+    best_max, best_err, first = org_max.clone(), None, None
+    for i in range(CLIP_STEPS):
+        cur = org_max * (1 - i / DEFAULT_GRID)
+        q = fake_quantize(w, bits, gs, sym, clip_max=cur).view(out, ng, g)
+        err = (torch.einsum("tgk,ogk->otg", xg, q) - ref).pow(2).mean(1)  # [out, ng]
+        if best_err is None:
+            best_err, first = err, err.sum().item()
+        else:
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best_max = torch.where(better, cur, best_max)
+    return best_max, first, best_err.sum().item()
+
+
+@torch.no_grad()
+def search_awq(model: nn.Module, samples: list[torch.Tensor], spec: dict[str, tuple[int, int | None, bool]], *,
+               mean_abs: dict[str, torch.Tensor] | None = None, n_grid: int = DEFAULT_GRID,
+               max_tokens: int = DEFAULT_SEARCH_TOKENS, clip: bool = True, progress: bool = True) -> dict:
+    """Search AWQ scales and clips; returns a plain, cacheable dict (the model is not changed).
+
+    ``spec`` maps each integer-quantized layer to ``(bits, group_size, symmetric)`` (group sizes
+    already resolved per layer). ``mean_abs`` maps a layer to the per-channel mean |input| from
+    calibration statistics; missing layers use the captured calibration inputs.
+    """
+    from tqdm.auto import tqdm
+    t0 = time.perf_counter()
+    model_dtype = next(model.parameters()).dtype
+    if model_dtype != torch.float32:
+        raise PlanError(f"AWQ searches in float32; load the model with dtype='float32' (it is {model_dtype})")
+    prefix, blocks = find_decoder_blocks(model)
+    all_groups = scale_groups(model)
+    for g in all_groups:
+        if not isinstance(model.get_submodule(g.prev), nn.Linear):
+            _check_norm_foldable(model.get_submodule(g.prev), g.prev)
+    units, tokens = _capture_block_inputs(model, blocks, samples, max_tokens)
+    result = {"version": 1, "method": "awq", "grid": [i / n_grid for i in range(n_grid)], "tokens": tokens,
+              "groups": [], "clips": {}, "clip_stats": {}}
+    for i in tqdm(range(len(blocks)), desc="awq", unit="block", disable=not progress, leave=False):
+        bname = f"{prefix}.{i}"
+        groups = [g for g in all_groups if g.block == bname and any(n in spec for n in g.layers)]
+        blk_orig = blocks[i]
+        watch = {g.inspect: blk_orig.get_submodule(g.inspect[len(bname) + 1:]) for g in groups}
+        watch.update({n: blk_orig.get_submodule(n[len(bname) + 1:]) for g in groups for n in g.layers[:1]})
+        watch.update({n: blk_orig.get_submodule(n[len(bname) + 1:]) for n in spec if n.startswith(bname + ".")})
+        seen, outs = _run_with_inputs(blk_orig, units, watch)
+        if groups:
+            blk = copy.deepcopy(blk_orig)
+            for g in groups:
+                xs = [_first_tensor(a, k) for a, k in seen[g.layers[0]]]
+                x_mean = (mean_abs or {}).get(g.layers[0])
+                if x_mean is None:
+                    x_mean = torch.cat([x.reshape(-1, x.shape[-1]) for x in xs]).abs().mean(0)
+                result["groups"].append(_search_group_scale(g, blk, bname, seen[g.inspect], x_mean, spec, n_grid))
+            del blk
+            if clip:
+                block_result = {"groups": [e for e in result["groups"] if e["group"]["block"] == bname]}
+                folded = _fold({f"{bname}.{n}": p for n, p in blk_orig.named_parameters()}, block_result)
+                s_in = {}
+                for e in block_result["groups"]:
+                    g = ScaleGroup(**e["group"])
+                    for n in g.layers:
+                        s_in[n] = _expand(e["scales"], g)
+                for name, (bits, gs, sym) in spec.items():
+                    if not name.startswith(bname + ".") or name.endswith(("q_proj", "k_proj")):
+                        continue  # q/k feed a softmax: clipping by output error misleads (as in AWQ)
+                    w = folded.get(f"{name}.weight", blk_orig.get_submodule(name[len(bname) + 1:]).weight.float())
+                    x = torch.cat([_first_tensor(a, k).reshape(-1, w.shape[1]) for a, k in seen[name]])
+                    if name in s_in:
+                        x = x / s_in[name][None, :]
+                    step = max(1, x.shape[0] // CLIP_TOKENS)
+                    clip_max, err0, err1 = _search_clip(w, x[::step][:CLIP_TOKENS], bits, gs, sym)
+                    result["clips"][name] = clip_max
+                    result["clip_stats"][name] = {"error_unclipped": err0, "error_clipped": err1}
+        del seen
+        units = [[o, kw] for o, (_, kw) in zip(outs, units)]
+    result["seconds"] = time.perf_counter() - t0
+    return result
+

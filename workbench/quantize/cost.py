@@ -1,0 +1,146 @@
+"""What quantization cost: perplexity and its change, KL and top-1 against the unquantized model.
+
+    baseline = measure_reference(lm.model, ids)          # once per model and text
+    cost = measure_cost(qm, baseline, saved_dir="out/demo-int4")
+    cost.perplexity_change, cost.kl_divergence, cost.warnings
+
+Every difference comes with the standard error of its per-window values (the same windows are
+scored for both models), so a gap can be told apart from the text's own noise. Sizes come from
+the saved files; bits per weight from the tensors as stored.
+"""
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..evaluate import (DEFAULT_CTX, EvalReport, ReferenceOutputs, capture_reference, encode_text, evaluate,
+                        paired_difference, read_text)
+from .io import weight_file_bytes
+
+__all__ = ["Baseline", "QuantCost", "measure_reference", "measure_cost", "heldout_ids", "likely_causes",
+           "DEFAULT_PPL_THRESHOLD"]
+
+DEFAULT_PPL_THRESHOLD = 0.5  # practitioners' rule: INT8 raises perplexity 0.1-0.3; above 0.5, look for a cause
+
+
+def heldout_ids(lm, path: str | Path | None = None) -> torch.Tensor:
+    """Token ids of an evaluation text (default: the bundled held-out text of the demo model)."""
+    from ..models import demo_text_path
+    p = Path(path) if path else demo_text_path("heldout")
+    return encode_text(lm.tokenizer, read_text(p), source=str(p))
+
+
+@dataclass
+class Baseline:
+    """The unquantized model's log-probs and its own per-window report on one text."""
+
+    outputs: ReferenceOutputs
+    report: EvalReport
+    ids: torch.Tensor
+
+
+def measure_reference(model: nn.Module, ids: torch.Tensor, *, ctx: int = DEFAULT_CTX, progress: bool = True) -> Baseline:
+    """Run the reference once; every candidate is then compared on exactly these windows."""
+    outputs = capture_reference(model, ids, ctx=ctx, progress=progress)
+    report = evaluate(model, ids, reference=outputs, ctx=ctx, progress=progress, desc="reference")
+    return Baseline(outputs, report, ids)
+
+
+@dataclass
+class QuantCost:
+    """Measured cost of one quantized model against its reference."""
+
+    perplexity: float
+    reference_perplexity: float
+    perplexity_change: float
+    perplexity_change_relative: float
+    perplexity_change_stderr: float
+    nll_difference: float  # mean per-token log-perplexity difference (candidate - reference)
+    nll_difference_stderr: float
+    kl_divergence: float
+    kl_divergence_stderr: float
+    top1_agreement: float
+    top1_agreement_stderr: float
+    bits_per_weight: float
+    weight_bytes: int  # layer weights as stored
+    size_bytes: int | None  # weight files on disk, when saved
+    tokens: int
+    windows: int
+    ctx: int
+    warnings: list[str] = field(default_factory=list)
+    report: EvalReport | None = field(default=None, repr=False)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("report")
+        return d
+
+
+def _stderr(values: list[float]) -> float:
+    n = len(values)
+    if n < 2:
+        return float("nan")
+    m = sum(values) / n
+    return math.sqrt(sum((v - m) ** 2 for v in values) / (n - 1) / n)
+
+
+def likely_causes(qm, cost: "QuantCost") -> list[str]:
+    """Specific reasons a quantized model may have lost more than the threshold, worst first."""
+    causes = []
+    int4 = [r for r in qm.layers if r.precision == "int4"]
+    worst = sorted((r for r in qm.layers if r.weight_error is not None), key=lambda r: -r.weight_error)[:3]
+    if worst:
+        causes.append("layers with the largest weight error: " + ", ".join(
+            f"{r.name} ({r.precision}, {r.weight_error:.3f})" for r in worst) + "; keep them at int8 or fp16")
+    if any(r.kind == "embedding" or r.name.endswith("lm_head") for r in qm.layers if r.name in qm.weights):
+        causes.append("the embedding / lm_head is quantized; these are often the most sensitive: keep them fp16")
+    if int4 and qm.method == "rtn":
+        causes.append("4-bit round-to-nearest: try method 'awq' with a calibration set from the real inputs")
+    if int4 and qm.method == "awq":
+        causes.append("AWQ calibration may not match the evaluation text (domain, language mix); check its coverage")
+    if qm.plan.group_size is None or (qm.plan.group_size or 0) > 128:
+        causes.append(f"group size {qm.plan.group_size or 'per-channel'} is coarse: try 128 or 64")
+    per_channel = [r.name for r in qm.layers if r.fallback and r.group_size is None]
+    if per_channel:
+        causes.append(f"{len(per_channel)} layer(s) fell back to per-channel scales (e.g. {per_channel[0]})")
+    if cost.top1_agreement < 0.9:
+        causes.append(f"top-1 agreement is only {cost.top1_agreement:.1%}: the model's predictions changed, "
+                      "not only its confidence")
+    return causes
+
+
+def measure_cost(qm, baseline: Baseline, *, candidate: nn.Module | None = None, saved_dir: str | Path | None = None,
+                 threshold: float = DEFAULT_PPL_THRESHOLD, progress: bool = True) -> QuantCost:
+    """Evaluate the quantized model against ``baseline`` on the same text and windows.
+
+    ``candidate`` is a float model with the quantized weights applied; by default a copy of the
+    source model is made and ``qm.apply_`` is called on it.
+    """
+    if candidate is None:
+        candidate = qm.apply_(copy.deepcopy(qm.source.model))
+    ref = baseline.report
+    rep = evaluate(candidate, baseline.ids, reference=baseline.outputs, ctx=ref.ctx, stride=ref.stride,
+                   progress=progress, desc="quantized")
+    d_nll = paired_difference(rep, ref, "nll")
+    d_kl = paired_difference(rep, ref, "kl")
+    top1 = [t / n for t, n in zip(rep.window_top1, rep.window_tokens)]
+    ref_ppl = ref.perplexity
+    cost = QuantCost(
+        perplexity=rep.perplexity, reference_perplexity=ref_ppl,
+        perplexity_change=rep.perplexity - ref_ppl, perplexity_change_relative=rep.perplexity / ref_ppl - 1,
+        perplexity_change_stderr=rep.perplexity * d_nll["stderr"],  # delta method on exp(mean nll)
+        nll_difference=d_nll["mean"], nll_difference_stderr=d_nll["stderr"],
+        kl_divergence=rep.kl_divergence, kl_divergence_stderr=d_kl["stderr"],
+        top1_agreement=rep.top1_agreement, top1_agreement_stderr=_stderr(top1),
+        bits_per_weight=qm.bits_per_weight, weight_bytes=qm.storage_bytes(),
+        size_bytes=weight_file_bytes(saved_dir) if saved_dir else None,
+        tokens=rep.tokens, windows=rep.windows, ctx=rep.ctx, report=rep)
+    if cost.perplexity_change > threshold:
+        cost.warnings.append(f"perplexity rose by {cost.perplexity_change:.3f} ({cost.perplexity_change_relative:+.1%}), "
+                             f"above the {threshold} threshold. Likely causes: " + "; ".join(likely_causes(qm, cost)))
+    return cost

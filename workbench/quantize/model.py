@@ -1,0 +1,244 @@
+"""Apply a plan to a model: which layers become which integers, with what group size, by RTN or AWQ.
+
+    qm = quantize_model(lm, QuantPlan.uniform("int4"), method="rtn")
+    qm.layers            # per layer: precision, group size, fallback note
+    qm.apply_(model)     # write the dequantized weights into a float model (the simulation)
+    qm.save("out/demo-int4")
+
+When a layer's input size is not a multiple of the plan's group size, the layer falls back to the
+largest group size below it that is a multiple of 32 and divides the input size, else to
+per-channel, and its report says so (``strict=True`` makes that an error instead).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..errors import PlanError
+from ..plan import QuantPlan, get_precision
+from .qtensor import SUPPORTED_BITS, QuantizedWeight
+from .rtn import quantize_weight
+
+__all__ = ["LayerQuantReport", "QuantizedModel", "quantize_model", "resolve_group_size", "METHODS"]
+
+METHODS = ("rtn", "awq")
+FALLBACK_MULTIPLE = 32  # fallback group sizes stay multiples of 32, as kernels and NPUs expect
+
+
+def resolve_group_size(in_features: int, group_size: int | None) -> tuple[int | None, str | None]:
+    """The group size a layer with ``in_features`` inputs gets, and a note when it had to fall back."""
+    if group_size is None or in_features % group_size == 0:
+        return group_size, None
+    for g in range(group_size - group_size % FALLBACK_MULTIPLE, 0, -FALLBACK_MULTIPLE):
+        if g and in_features % g == 0:
+            return g, f"group size {group_size} does not divide {in_features} input features; using {g}"
+    return None, (f"group size {group_size} does not divide {in_features} input features and no multiple of "
+                  f"{FALLBACK_MULTIPLE} does; using per-channel scales")
+
+
+@dataclass
+class LayerQuantReport:
+    """What happened to one layer."""
+
+    name: str
+    kind: str
+    shape: tuple[int, int]
+    precision: str | None  # None = left as it was
+    group_size: int | None = None  # the group size actually used (None = per-channel or float)
+    fallback: str | None = None  # why the group size differs from the plan's
+    tied_to: str | None = None
+    untied: bool = False  # tied to the embedding in the source, stored separately here
+    weight_error: float | None = None  # ||W - dequantized|| / ||W|| (in the stored, AWQ-scaled, coordinates)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["shape"] = list(self.shape)
+        return d
+
+
+@dataclass
+class QuantizedModel:
+    """A plan's result: integer weights per layer plus any float tensors the method changed."""
+
+    plan: QuantPlan
+    method: str
+    weights: dict[str, QuantizedWeight]
+    layers: list[LayerQuantReport]
+    float_overrides: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)  # param name -> float32
+    source: object = field(default=None, repr=False, compare=False)  # the LoadedModel it came from
+    awq: dict | None = field(default=None, repr=False)
+    seconds: float = 0.0
+
+    # -- lookup ----------------------------------------------------------------------------------
+    def layer(self, name: str) -> LayerQuantReport:
+        for r in self.layers:
+            if r.name == name:
+                return r
+        raise KeyError(name)
+
+    @property
+    def precisions(self) -> dict[str, str | None]:
+        return {r.name: r.precision for r in self.layers}
+
+    @property
+    def fallbacks(self) -> dict[str, str]:
+        return {r.name: r.fallback for r in self.layers if r.fallback}
+
+    @property
+    def unties_embeddings(self) -> bool:
+        return any(r.untied for r in self.layers)
+
+    # -- use -------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def apply_(self, model: nn.Module) -> nn.Module:
+        """Write the dequantized weights (and changed float tensors) into ``model`` in place.
+
+        fp16 layers are rounded to float16 values, so the float model computes what the saved
+        and exported model computes. Tied embeddings are untied first when the plan gives
+        ``lm_head`` and the embedding different precisions.
+        """
+        if self.unties_embeddings:
+            untie_embeddings_(model)
+        params = dict(model.named_parameters(remove_duplicate=False))
+        for name, t in self.float_overrides.items():
+            if name not in params:
+                raise PlanError(f"parameter '{name}' of the quantized model is missing from the model it is "
+                                "applied to; apply it to the architecture it was made from")
+            params[name].data.copy_(t.to(params[name].dtype))
+        for r in self.layers:
+            mod = model.get_submodule(r.name)
+            if r.name in self.weights:
+                mod.weight.data.copy_(self.weights[r.name].dequantize().to(mod.weight.dtype))
+            elif r.precision is not None and get_precision(r.precision).bits == 16:
+                mod.weight.data.copy_(mod.weight.data.to(torch.float16).to(mod.weight.dtype))
+        return model
+
+    def save(self, directory: str | Path, *, report: dict | None = None) -> Path:
+        """Save as a directory a float model loader and every exporter can read (see ``io``)."""
+        from .io import save_quantized
+        return save_quantized(self, directory, report=report)
+
+    def storage_bytes(self) -> int:
+        """Bytes of all layer weights as stored (packed integers + scales + zeros, float layers)."""
+        from .io import layer_storage
+        return sum(t.numel() * t.element_size() for t in layer_storage(self).values())
+
+    @property
+    def parameters(self) -> int:
+        return sum(r.shape[0] * r.shape[1] for r in self.layers if not (r.tied_to and not r.untied))
+
+    @property
+    def bits_per_weight(self) -> float:
+        """Average stored bits per layer weight (scales and zero points included; tied weights once)."""
+        return 8 * self.storage_bytes() / self.parameters
+
+    def table(self) -> str:
+        rows = [("layer", "shape", "precision", "group", "error", "note")]
+        for r in self.layers:
+            note = r.fallback or (f"untied from {r.tied_to}" if r.untied else (f"tied to {r.tied_to}" if r.tied_to
+                                                                                  else ""))
+            rows.append((r.name, "x".join(map(str, r.shape)), r.precision or "(unchanged)",
+                         "-" if r.name not in self.weights else str(r.group_size or "channel"),
+                         "" if r.weight_error is None else f"{r.weight_error:.4f}", note))
+        widths = [max(len(row[i]) for row in rows) for i in range(6)]
+        return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
+
+    def to_dict(self) -> dict:
+        return {"method": self.method, "plan": self.plan.to_dict(), "seconds": self.seconds,
+                "bits_per_weight": self.bits_per_weight, "layers": [r.to_dict() for r in self.layers]}
+
+
+def untie_embeddings_(model: nn.Module) -> nn.Module:
+    """Give ``lm_head`` its own copy of the embedding matrix and mark the config untied."""
+    out, inp = model.get_output_embeddings(), model.get_input_embeddings()
+    if out is not None and inp is not None and out.weight is inp.weight:
+        out.weight = nn.Parameter(inp.weight.detach().clone(), requires_grad=inp.weight.requires_grad)
+    for cfg in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
+        cfg.tie_word_embeddings = False
+    return model
+
+
+def _samples_and_stats(calibration, stats):
+    """Accept a CalibrationSet, a (CalibrationSet, CalibrationStats) pair or a list of token tensors."""
+    if isinstance(calibration, tuple) and len(calibration) == 2 and hasattr(calibration[1], "layers"):
+        calibration, stats = calibration
+    samples = getattr(calibration, "samples", calibration)
+    if not isinstance(samples, (list, tuple)) or not samples or not all(isinstance(s, torch.Tensor) for s in samples):
+        raise PlanError("AWQ needs calibration data: pass calibration=CalibrationSet (workbench.data."
+                        "load_calibration_set) or a list of 1-D token-id tensors")
+    mean_abs = None
+    if stats is not None:
+        mean_abs = {name: st.mean_abs for name, st in stats.layers.items() if getattr(st, "mean_abs", None) is not None}
+    return list(samples), mean_abs
+
+
+def quantize_model(lm, plan: QuantPlan, *, calibration=None, method: str | None = None, strict: bool = False,
+                   progress: bool = True, stats=None, awq_search: dict | None = None,
+                   awq_tokens: int | None = None) -> QuantizedModel:
+    """Quantize ``lm`` (a LoadedModel) by ``plan``; ``lm.model`` is not changed.
+
+    ``method`` defaults to ``plan.method``. AWQ needs ``calibration`` (samples; statistics via
+    ``stats`` or a ``(set, stats)`` pair supply mean |x| per channel); a cached ``awq_search``
+    result skips the search.
+    """
+    from tqdm.auto import tqdm
+    t0 = time.perf_counter()
+    method = (method or plan.method or "rtn").lower()
+    if method not in METHODS:
+        raise PlanError(f"unknown quantization method '{method}'; choose one of: {', '.join(METHODS)}")
+    model = lm.model
+    layers = list(lm.layers)
+    names = [info.name for info in layers]
+    plan.validate(names)
+    reports, spec = [], {}
+    precision_of = plan.resolve(names)
+    for info in layers:
+        pname = precision_of[info.name]
+        prec = get_precision(pname)
+        r = LayerQuantReport(info.name, info.kind, info.shape, pname, tied_to=info.tied_to)
+        if info.tied_to is not None and pname != precision_of[info.tied_to]:
+            r.untied = True
+        if prec is not None and not prec.is_float:
+            if prec.bits not in SUPPORTED_BITS:
+                raise PlanError(f"layer '{info.name}': {prec.name} ({prec.bits}-bit) weights are not supported; "
+                                f"weight quantization supports {', '.join(f'int{b}' for b in SUPPORTED_BITS)}")
+            gs, note = resolve_group_size(info.shape[1], plan.group_size)
+            if note and strict:
+                raise PlanError(f"layer '{info.name}': {note} (strict mode); choose a group size that divides "
+                                f"{info.shape[1]} or drop --strict to allow the fallback")
+            r.group_size, r.fallback = gs, note
+            if not (info.tied_to and not r.untied):
+                spec[info.name] = (prec.bits, gs, plan.symmetric)
+        reports.append(r)
+
+    float_overrides: dict[str, torch.Tensor] = {}
+    clips: dict[str, torch.Tensor] = {}
+    if method == "awq" and spec:
+        from .awq import fold_awq_scales, search_awq
+        if awq_search is None:
+            samples, mean_abs = _samples_and_stats(calibration, stats)
+            kw = {"max_tokens": awq_tokens} if awq_tokens else {}
+            awq_search = search_awq(model, samples, spec, mean_abs=mean_abs, progress=progress, **kw)
+        float_overrides = fold_awq_scales(model, awq_search)
+        clips = awq_search.get("clips", {})
+
+    params = dict(model.named_parameters(remove_duplicate=False))
+    weights: dict[str, QuantizedWeight] = {}
+    for r in tqdm(reports, desc="quantize", unit="layer", disable=not progress, leave=False):
+        if r.name not in spec:
+            if r.tied_to and r.tied_to in weights and not r.untied:
+                weights[r.name] = weights[r.tied_to]
+                r.weight_error = reports[names.index(r.tied_to)].weight_error
+            continue
+        bits, gs, sym = spec[r.name]
+        key = f"{r.name}.weight"
+        w = float_overrides.pop(key) if key in float_overrides else params[key].detach().float()
+        qw = quantize_weight(w, bits, gs, sym, clip_max=clips.get(r.name))
+        weights[r.name] = qw
+        r.weight_error = float((w - qw.dequantize()).norm() / w.norm().clamp_min(1e-12))
+    return QuantizedModel(plan, method, weights, reports, float_overrides, source=lm, awq=awq_search,
+                          seconds=time.perf_counter() - t0)

@@ -1,0 +1,102 @@
+"""MNN: convert an ONNX graph to ``.mnn`` with the MNN Python package, and run it for evaluation.
+
+    convert_to_mnn("sim/prefill.onnx", "mnn/prefill.mnn", weight_bits=4, block_size=128)
+    runner = MnnCausalLM("mnn/prefill.mnn"); logits = runner.logits(ids)
+
+The converter is the package's compiled extension (``_tools.mnnconvert``), called directly:
+``MNN.tools.mnnconvert`` (what the ``mnnconvert`` command runs) installs a logging SDK with pip
+and sends usage data on import, which nothing here may do.
+
+Weights: MNN re-quantizes float weights itself (``--weightQuantBits``, symmetric, per block of
+``--weightQuantBlock``). Fed the workbench's simulated (already dequantized) weights with the
+same bits and block, its symmetric max-abs rounding lands on the same grid, so the integers
+match; it applies to every MatMul with constant weights, including layers a plan keeps in
+float (for example a tied ``lm_head``), which ``convert`` reports.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import WorkbenchError
+
+__all__ = ["convert_to_mnn", "MnnCausalLM", "mnn_command_line"]
+
+
+def mnn_command_line(onnx_path: str | Path, mnn_path: str | Path, weight_bits: int | None = None,
+                     block_size: int | None = None, asymmetric: bool = False) -> list[str]:
+    """The MNNConvert arguments (also valid for the ``MNNConvert`` binary built from MNN's sources)."""
+    args = ["mnnconvert", "-f", "ONNX", "--modelFile", str(onnx_path), "--MNNModel", str(mnn_path),
+            "--bizCode", "workbench"]
+    if weight_bits:
+        args += ["--weightQuantBits", str(weight_bits)]
+        if block_size:
+            args += ["--weightQuantBlock", str(block_size)]
+        if asymmetric:
+            args.append("--weightQuantAsymmetric")
+    return args
+
+
+@contextlib.contextmanager
+def _quiet_fds():
+    """The converter prints from C++ straight to file descriptors 1 and 2; keep that out of CLI/JSON output."""
+    saved = [os.dup(1), os.dup(2)]
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), 1)
+        os.dup2(null.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in saved:
+                os.close(fd)
+
+
+def convert_to_mnn(onnx_path: str | Path, mnn_path: str | Path, *, weight_bits: int | None = None,
+                   block_size: int | None = None, asymmetric: bool = False, quiet: bool = True) -> Path:
+    """Run MNN's ONNX converter in-process; the output is written atomically."""
+    try:
+        import _tools  # the MNN wheel's converter extension
+    except ImportError:
+        raise WorkbenchError("the MNN converter is not available: install the MNN package "
+                             "(pip install -c constraints.txt MNN)") from None
+    out = Path(mnn_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".partial")
+    tmp.unlink(missing_ok=True)
+    args = mnn_command_line(onnx_path, tmp, weight_bits, block_size, asymmetric)
+    ctx = _quiet_fds() if quiet else contextlib.nullcontext()
+    with ctx, contextlib.redirect_stdout(io.StringIO()):
+        _tools.mnnconvert(args)
+    if not tmp.is_file() or tmp.stat().st_size == 0:
+        raise WorkbenchError(f"MNN's converter wrote nothing for '{onnx_path}'; run `{' '.join(args)}` to see why")
+    tmp.replace(out)
+    return out
+
+
+class MnnCausalLM:
+    """A converted prefill graph run by MNN's Python runtime: ``logits(ids)`` for evaluation."""
+
+    def __init__(self, mnn_path: str | Path, threads: int = 1):
+        import MNN.expr as F
+        import MNN.nn as nn
+        self._F = F
+        config = {"backend": "CPU", "precision": "high", "numThread": threads}
+        rt = nn.create_runtime_manager((config,))
+        self.module = nn.load_module_from_file(str(mnn_path), ["input_ids", "attention_mask", "position_ids"],
+                                               ["logits"], runtime_manager=rt)
+
+    def logits(self, input_ids: np.ndarray) -> np.ndarray:
+        F = self._F
+        ids = np.asarray(input_ids, dtype=np.int32)
+        b, n = ids.shape
+        mask = np.ones_like(ids)
+        pos = np.broadcast_to(np.arange(n, dtype=np.int32), ids.shape).copy()
+        inputs = [F.const(a.flatten().tolist(), list(a.shape), F.NCHW, F.int) for a in (ids, mask, pos)]
+        out = self.module.forward(inputs)[0]
+        return np.array(out.read(), dtype=np.float32).reshape(b, n, -1)

@@ -1,0 +1,226 @@
+"""Panels for the graph step: inspect an ONNX graph for a target (with Netron), and convert a model.
+
+    panel = GraphPanel("out/onnx/decode.onnx", target="qnn", serve_netron=False)
+    panel.run()            # what the Inspect button does; returns the GraphReport
+    display(panel)         # "Open in Netron" serves the file on 127.0.0.1; closing the panel stops it
+
+    convert_panel = ConvertPanel("demo", bits=4, out_dir="out/convert")
+    convert_panel.run("ort-int4")   # what the Convert button does; returns the ConversionReport
+"""
+from __future__ import annotations
+
+import html
+import socket
+from pathlib import Path
+
+import ipywidgets as widgets
+from IPython.display import display
+
+from ..charts.graph import make_block_bytes_figure, make_conversion_figure, make_op_histogram_figure
+from ..convert import CONVERT_TARGETS, ConversionReport, convert, prepare_models
+from ..errors import WorkbenchError
+from ..graph import initializer_bytes_by_block
+from ..targets import TARGETS, GraphReport, inspect_graph
+
+__all__ = ["GraphPanel", "ConvertPanel", "NetronServer"]
+
+SEVERITY_COLORS = {"error": "#c0392b", "warning": "#d68910", "info": "#5d6d7e"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class NetronServer:
+    """Netron serving one file on the loopback interface only; ``stop()`` is safe to call twice."""
+
+    def __init__(self):
+        self.address: tuple[str, int] | None = None
+
+    def start(self, path: str | Path) -> tuple[str, int]:
+        import netron
+        self.stop()
+        self.address = netron.start(str(path), address=("127.0.0.1", _free_port()), browse=False)
+        return self.address
+
+    @property
+    def url(self) -> str | None:
+        return f"http://{self.address[0]}:{self.address[1]}" if self.address else None
+
+    def stop(self) -> None:
+        if self.address is not None:
+            import netron
+            netron.stop(self.address)
+            self.address = None
+
+
+def _findings_html(report: GraphReport) -> str:
+    if not report.findings:
+        return f"<p>No problems found for {html.escape(report.title)}.</p>"
+    rows = []
+    for f in report.findings:
+        nodes = ", ".join(html.escape(n) for n in f.nodes[:4]) + (" ..." if len(f.nodes) > 4 else "")
+        rows.append(f"<tr><td style='color:{SEVERITY_COLORS[f.severity]};font-weight:bold'>{f.severity}</td>"
+                    f"<td>{html.escape(f.rule)}</td><td>{html.escape(f.message)}<br><small>{nodes}</small></td>"
+                    f"<td>{html.escape(f.fix)}</td></tr>")
+    return ("<table><tr><th>severity</th><th>rule</th><th>what</th><th>fix</th></tr>" + "".join(rows) + "</table>")
+
+
+class GraphPanel(widgets.VBox):
+    """ONNX file and target; Inspect shows findings, the op histogram and bytes per block; Netron on demand."""
+
+    def __init__(self, path: str | Path | None = None, *, target: str = "qnn", serve_netron: bool = True):
+        self.report: GraphReport | None = None
+        self.figures: dict = {}
+        self.error: str | None = None
+        self.netron = NetronServer()
+        self.path = widgets.Text(value=str(path or ""), description="ONNX file", layout={"width": "640px"})
+        self.target = widgets.Dropdown(options=list(TARGETS), value=target, description="target")
+        self.inspect_button = widgets.Button(description="Inspect", button_style="primary", icon="search")
+        self.inspect_button.on_click(lambda _: self.run())
+        self.netron_button = widgets.Button(description="Open in Netron", icon="project-diagram",
+                                            disabled=not serve_netron)
+        self.netron_button.on_click(lambda _: self.open_netron())
+        self.status = widgets.HTML()
+        self.log_output = widgets.Output(layout={"border": "1px solid #ddd", "max_height": "120px", "overflow": "auto"})
+        self.findings = widgets.HTML()
+        self.histogram_plot, self.bytes_plot = widgets.Output(), widgets.Output()
+        self.netron_view = widgets.HTML()
+        self.controls = [self.path, self.target, self.inspect_button]
+        super().__init__([
+            widgets.HTML("<b>Inspect a graph</b>: operators, target compatibility, parameter bytes"),
+            self.path, widgets.HBox([self.target, self.inspect_button, self.netron_button]), self.status,
+            self.log_output, self.findings, widgets.HBox([self.histogram_plot, self.bytes_plot]), self.netron_view])
+
+    def _freeze(self, frozen: bool) -> None:
+        for w in self.controls:
+            w.disabled = frozen
+
+    def run(self) -> GraphReport | None:
+        """Inspect the file for the chosen target and draw the results."""
+        self._freeze(True)
+        self.error = None
+        self.status.value = "inspecting..."
+        try:
+            with self.log_output:
+                self.report = inspect_graph(self.path.value.strip(), self.target.value)
+                blocks = initializer_bytes_by_block(self.path.value.strip())
+        except (WorkbenchError, ValueError) as e:
+            self.error = str(e)
+            self.status.value = f"<span style='color:#c0392b'>error: {html.escape(str(e))}</span>"
+            return None
+        finally:
+            self._freeze(False)
+        self.status.value = html.escape(self.report.summary())
+        self.findings.value = _findings_html(self.report)
+        bad = {f.op_type for f in self.report.findings if f.severity == "error" and f.op_type}
+        self._plot(self.histogram_plot, "operators", make_op_histogram_figure(self.report.inventory, bad))
+        self._plot(self.bytes_plot, "bytes", make_block_bytes_figure(blocks))
+        return self.report
+
+    def _plot(self, out: widgets.Output, key: str, fig) -> None:
+        self.figures[key] = fig
+        out.clear_output(wait=True)
+        with out:
+            display(fig)
+
+    def open_netron(self) -> str | None:
+        """Serve the file with Netron on 127.0.0.1 and embed it (works where the browser runs on this host)."""
+        try:
+            with self.log_output:
+                self.netron.start(self.path.value.strip())
+        except Exception as e:  # a port clash or an unreadable file: say so in the panel
+            self.status.value = f"<span style='color:#c0392b'>Netron: {html.escape(str(e))}</span>"
+            return None
+        self.netron_view.value = (f"<iframe src='{self.netron.url}' width='100%' height='640' "
+                                  "style='border:1px solid #ddd'></iframe>")
+        return self.netron.url
+
+    def close(self):
+        self.netron.stop()
+        super().close()
+
+
+def _conversion_rows(reports: list[ConversionReport]) -> str:
+    head = ("<tr><th>target</th><th>KL (converted)</th><th>KL (simulation)</th><th>top-1 vs float</th>"
+            "<th>top-1 vs simulation</th><th>MB written</th><th>seconds</th><th>gap</th></tr>")
+    rows = []
+    for r in reports:
+        mb = sum(f["bytes"] for f in r.files) / 2**20
+        if r.runnable and r.kl_divergence is not None:
+            cells = (f"<td>{r.kl_divergence:.5f}</td><td>{r.simulation['kl_divergence']:.5f}</td>"
+                     f"<td>{r.top1_agreement:.4f}</td><td>{r.top1_agreement_vs_simulation:.4f}</td>")
+        else:
+            cells = "<td colspan=4>not runnable here: commands and inputs written</td>"
+        gap = f"<span style='color:#c0392b'>{html.escape(r.gap)}</span>" if r.gap else ""
+        rows.append(f"<tr><td>{r.target}</td>{cells}<td>{mb:.2f}</td><td>{r.seconds:.1f}</td><td>{gap}</td></tr>")
+    return "<table>" + head + "".join(rows) + "</table>"
+
+
+class ConvertPanel(widgets.VBox):
+    """Target, output folder and options; Convert runs the converted model and compares it with the simulation."""
+
+    def __init__(self, model, *, plan=None, bits: int | None = 4, out_dir: str | Path = "out/convert",
+                 max_tokens: int | None = None, accuracy_level: int = 4, activation_bits: int = 16):
+        self.model = model
+        self.plan, self.bits = plan, (None if plan is not None else bits)
+        self.prepared = None
+        self.reports: list[ConversionReport] = []
+        self.figure = None
+        self.error: str | None = None
+        self.target = widgets.Dropdown(options=list(CONVERT_TARGETS), value="ort-int4", description="target")
+        self.out_dir = widgets.Text(value=str(out_dir), description="output", layout={"width": "480px"})
+        self.accuracy_level = widgets.Dropdown(options=[0, 4], value=accuracy_level, description="INT4 acc. level")
+        self.activation_bits = widgets.Dropdown(options=[16, 8], value=activation_bits, description="QDQ act. bits")
+        self.max_tokens = widgets.IntText(value=max_tokens or 0, description="eval tokens",
+                                          tooltip="0 = the whole evaluation text")
+        self.convert_button = widgets.Button(description="Convert", button_style="primary", icon="cogs")
+        self.convert_button.on_click(lambda _: self.run())
+        self.status = widgets.HTML()
+        self.log_output = widgets.Output(layout={"border": "1px solid #ddd", "max_height": "160px", "overflow": "auto"})
+        self.table = widgets.HTML()
+        self.plot = widgets.Output()
+        self.controls = [self.target, self.out_dir, self.accuracy_level, self.activation_bits, self.max_tokens,
+                         self.convert_button]
+        super().__init__([
+            widgets.HTML(f"<b>Convert</b> {html.escape(str(model))}: run the converted model and compare it with "
+                         "the workbench's simulation"),
+            widgets.HBox([self.target, self.out_dir]),
+            widgets.HBox([self.accuracy_level, self.activation_bits, self.max_tokens, self.convert_button]),
+            self.status, self.log_output, self.table, self.plot])
+
+    def _freeze(self, frozen: bool) -> None:
+        for w in self.controls:
+            w.disabled = frozen
+
+    def run(self, target: str | None = None) -> ConversionReport | None:
+        """Convert for ``target`` (default: the dropdown) into ``<output>/<target>``; show the comparison."""
+        if target is not None:
+            self.target.value = target
+        self._freeze(True)
+        self.error = None
+        self.status.value = f"converting for {self.target.value}..."
+        try:
+            with self.log_output:
+                if self.prepared is None:
+                    self.prepared = prepare_models(self.model, plan=self.plan, bits=self.bits, progress=True)
+                report = convert(self.model, self.target.value, Path(self.out_dir.value) / self.target.value,
+                                 prepared=self.prepared, max_tokens=self.max_tokens.value or None,
+                                 accuracy_level=self.accuracy_level.value, activation_bits=self.activation_bits.value,
+                                 progress=True, log=print)
+        except (WorkbenchError, ValueError) as e:
+            self.error = str(e)
+            self.status.value = f"<span style='color:#c0392b'>error: {html.escape(str(e))}</span>"
+            return None
+        finally:
+            self._freeze(False)
+        self.reports = [r for r in self.reports if r.target != report.target] + [report]
+        self.status.value = html.escape(report.summary())
+        self.table.value = _conversion_rows(self.reports)
+        self.figure = make_conversion_figure([r.to_dict() for r in self.reports])
+        self.plot.clear_output(wait=True)
+        with self.plot:
+            display(self.figure)
+        return report

@@ -1,0 +1,318 @@
+"""The override panel: pick each layer's precision, see size and bits/weight live, measure the plan.
+
+    panel = OverridePanel(lm, sensitivity=report)        # report from run_sensitivity (optional)
+    panel.set_precision("model.layers.0.self_attn.q_proj", "fp16")
+    panel.apply_rule("*.v_proj", "fp16"); panel.totals  # size and bits/weight, no model run
+    panel.evaluate()                                     # the Evaluate button: ppl, KL, top-1, a Pareto point
+    panel.undo(); panel.save("plan.json")
+    display(panel)
+
+Evaluate swaps cached quantized weights into the float model and scores it against reference
+log-probs captured once (``PlanEvaluator``), so after the first press it costs one forward pass
+over the token budget.
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Sequence
+
+import ipywidgets as widgets
+
+from ..autoplan import PlanPoint, plan_footprint, predict_damage
+from ..charts.precision import make_pareto_figure
+from ..errors import WorkbenchError
+from ..models import LoadedModel
+from ..plan import PlanRule, QuantPlan, get_precision
+from ..sensitivity import DEFAULT_SWEEP_TOKENS, LayerVariants, PlanEvaluator, SensitivityReport, evaluation_tokens
+
+__all__ = ["OverridePanel", "PRECISION_CHOICES"]
+
+PRECISION_CHOICES = (("INT4", "int4"), ("INT8", "int8"), ("FP16", "fp16"))
+_KEEP = "keep"  # dropdown value for a layer the plan leaves alone (precision None)
+
+
+def _bar_html(value: float | None, lo: float, hi: float) -> str:
+    """A small horizontal bar, log-scaled between the least and most sensitive layer."""
+    if value is None:
+        return "<span style='color:#999'>no sweep</span>"
+    frac = 0.0 if hi <= lo else (math.log10(max(value, lo)) - math.log10(lo)) / (math.log10(hi) - math.log10(lo))
+    width = int(4 + 96 * min(max(frac, 0.0), 1.0))
+    colour = "#d62728" if frac > 0.75 else "#ff7f0e" if frac > 0.4 else "#2ca02c"
+    return (f"<div style='display:flex;align-items:center;gap:6px'><div style='width:{width}px;height:10px;"
+            f"background:{colour}'></div><span style='font-size:11px'>{value:.2e}</span></div>")
+
+
+class OverridePanel(widgets.VBox):
+    """Every layer with its shape, parameters, sensitivity and a precision dropdown; totals; Evaluate."""
+
+    def __init__(self, lm: LoadedModel, *, sensitivity: SensitivityReport | None = None,
+                 plan: QuantPlan | None = None, evaluator: PlanEvaluator | None = None,
+                 tokens: int = DEFAULT_SWEEP_TOKENS, points: Sequence[PlanPoint] = (),
+                 sensitivity_precision: str = "int4"):
+        self.lm = lm
+        self.sensitivity = sensitivity
+        self.tokens = tokens
+        self.plan = plan or QuantPlan.uniform("int8", **({"group_size": sensitivity.group_size,
+                                                          "symmetric": sensitivity.symmetric} if sensitivity else {}))
+        self.plan.validate([info.name for info in lm.layers])
+        self._evaluator = evaluator
+        self._history: list[QuantPlan] = []
+        self._syncing = False
+        self.points: list[PlanPoint] = list(points)
+        self.last_seconds: float | None = None
+        self.log_output = widgets.Output(layout={"border": "1px solid #ddd", "max_height": "160px", "overflow": "auto"})
+
+        damages = {}
+        if sensitivity is not None:
+            for layer in sensitivity.layers:
+                d = layer.damage.get(sensitivity_precision)
+                if d is not None:
+                    damages[layer.name] = float(d["kl"])
+        positive = [v for v in damages.values() if v > 0]
+        lo, hi = (min(positive), max(positive)) if positive else (1e-9, 1e-9)
+        options = list(PRECISION_CHOICES) + [("unchanged", _KEEP)]
+        self.dropdowns: dict[str, widgets.Dropdown] = {}
+        header = widgets.HTML("<b style='display:inline-block;width:300px'>layer</b>"
+                              "<b style='display:inline-block;width:90px'>shape</b>"
+                              "<b style='display:inline-block;width:90px'>params</b>"
+                              f"<b style='display:inline-block;width:170px'>KL alone at {sensitivity_precision}</b>"
+                              "<b>precision</b>")
+        rows = [header]
+        for info in lm.layers:
+            dd = widgets.Dropdown(options=options, value=self._value_for(info.name),
+                                  layout={"width": "110px"}, description="")
+            dd.observe(self._on_dropdown(info.name), names="value")
+            self.dropdowns[info.name] = dd
+            tied = f" <i style='color:#999'>(tied to {info.tied_to})</i>" if info.tied_to else ""
+            rows.append(widgets.HBox([
+                widgets.HTML(f"<code>{info.name}</code>{tied}", layout={"width": "300px"}),
+                widgets.HTML("x".join(map(str, info.shape)), layout={"width": "90px"}),
+                widgets.HTML(f"{info.parameters:,}", layout={"width": "90px"}),
+                widgets.HTML(_bar_html(damages.get(info.name), lo, hi), layout={"width": "170px"}),
+                dd]))
+        self.table = widgets.VBox(rows, layout={"max_height": "420px", "overflow": "auto"})
+
+        self.pattern = widgets.Text(placeholder="*.q_proj  or  re:.*layers\\.[0-1]\\..*", description="pattern",
+                                    layout={"width": "360px"})
+        self.rule_precision = widgets.Dropdown(options=list(PRECISION_CHOICES), value="fp16", layout={"width": "100px"})
+        self.apply_button = widgets.Button(description="Apply rule", icon="check")
+        self.apply_button.on_click(lambda _: self.apply_rule(self.pattern.value, self.rule_precision.value))
+        self.undo_button = widgets.Button(description="Undo", icon="undo", disabled=True)
+        self.undo_button.on_click(lambda _: self.undo())
+        self.evaluate_button = widgets.Button(description="Evaluate", icon="play", button_style="primary")
+        self.evaluate_button.on_click(lambda _: self.evaluate())
+        self.baselines_button = widgets.Button(description="Uniform INT8/INT4", icon="plus",
+                                               tooltip="evaluate uniform INT8 and INT4 for the Pareto chart")
+        self.baselines_button.on_click(lambda _: self.evaluate_uniform())
+        self.path = widgets.Text(value="plan.json", description="plan file", layout={"width": "360px"})
+        self.save_button = widgets.Button(description="Save", icon="save")
+        self.save_button.on_click(lambda _: self.save(self.path.value))
+        self.load_button = widgets.Button(description="Load", icon="folder-open")
+        self.load_button.on_click(lambda _: self.load(self.path.value))
+        self.totals_label = widgets.HTML()
+        self.result_label = widgets.HTML()
+        self.chart = self._make_chart()
+        self._controls = [self.apply_button, self.undo_button, self.evaluate_button, self.baselines_button,
+                          self.save_button, self.load_button, self.pattern, self.rule_precision,
+                          *self.dropdowns.values()]
+        self._refresh_totals()
+        super().__init__([
+            widgets.HTML("<h3>Per-layer precision</h3>"),
+            self.totals_label,
+            self.table,
+            widgets.HBox([self.pattern, self.rule_precision, self.apply_button, self.undo_button]),
+            widgets.HBox([self.evaluate_button, self.baselines_button, self.result_label]),
+            widgets.HBox([self.path, self.save_button, self.load_button]),
+            self.chart,
+            self.log_output,
+        ])
+
+    # -- plan editing -------------------------------------------------------------------------------
+    def _value_for(self, name: str) -> str:
+        p = self.plan.precision_name_for(name)
+        return p if p in dict((v, k) for k, v in PRECISION_CHOICES) else _KEEP
+
+    def _on_dropdown(self, name: str):
+        def handler(change):
+            if self._syncing:
+                return
+            value = None if change["new"] == _KEEP else change["new"]
+            self._set_plan(self.plan.with_override(name, value), f"{name} -> {value}")
+        return handler
+
+    def _set_plan(self, plan: QuantPlan, what: str = "", *, record: bool = True) -> None:
+        if record:
+            self._history.append(self.plan)
+        self.plan = plan
+        self.undo_button.disabled = not self._history
+        self._sync_dropdowns()
+        self._refresh_totals()
+        if what:
+            self._log(what)
+
+    def _sync_dropdowns(self) -> None:
+        self._syncing = True
+        try:
+            for name, dd in self.dropdowns.items():
+                value = self._value_for(name)
+                if dd.value != value:
+                    dd.value = value
+        finally:
+            self._syncing = False
+
+    def set_precision(self, name: str, precision: str | None) -> None:
+        """Change one layer (what its dropdown does)."""
+        if name not in self.dropdowns:
+            raise KeyError(f"'{name}' is not a layer of this model")
+        self.dropdowns[name].value = _KEEP if precision is None else get_precision(precision).name
+
+    def apply_rule(self, pattern: str, precision: str | None) -> bool:
+        """Add a bulk rule (glob or ``re:``); a pattern matching no layer is refused with a message."""
+        pattern = (pattern or "").strip()
+        if not pattern:
+            self._log("type a pattern first, e.g. *.q_proj")
+            return False
+        try:
+            new = self.plan
+            for rule in self.plan.rules:  # a later bulk rule wins over earlier per-layer choices it covers
+                if rule.is_exact and rule.pattern != pattern and PlanRule(pattern, None).matches(rule.pattern):
+                    new = new.without_rule(rule.pattern)
+            new = new.with_override(pattern, precision)
+            new.validate(self.dropdowns)
+        except WorkbenchError as e:
+            self._log(f"rule not applied: {e}")
+            return False
+        self._set_plan(new, f"rule {pattern} -> {precision}")
+        return True
+
+    def undo(self) -> bool:
+        if not self._history:
+            self._log("nothing to undo")
+            return False
+        self._set_plan(self._history.pop(), "undone", record=False)
+        return True
+
+    def save(self, path: str) -> None:
+        try:
+            saved = self.plan.save(path)
+        except (WorkbenchError, OSError) as e:
+            self._log(f"could not save: {e}")
+            return
+        self._log(f"saved plan to {saved}")
+
+    def load(self, path: str) -> bool:
+        try:
+            plan = QuantPlan.load(path)
+            plan.validate(self.dropdowns)
+        except WorkbenchError as e:
+            self._log(f"could not load: {e}")
+            return False
+        self._set_plan(plan, f"loaded {path}")
+        return True
+
+    # -- totals and evaluation ----------------------------------------------------------------------
+    @property
+    def totals(self) -> dict:
+        """Size in bytes and bits per weight of the current plan, from layer shapes only."""
+        return plan_footprint(self.lm, self.plan)
+
+    def _refresh_totals(self) -> None:
+        t = self.totals
+        counts: dict[str, int] = {}
+        for p in self.plan.resolve(self.dropdowns).values():
+            counts[p or "unchanged"] = counts.get(p or "unchanged", 0) + 1
+        mix = ", ".join(f"{n} {p}" for p, n in sorted(counts.items()))
+        pred = ""
+        if self.sensitivity is not None:
+            try:
+                d = predict_damage(self.sensitivity, self.plan.resolve(self.dropdowns))
+                pred = f" &nbsp; predicted KL <b>{d['kl_divergence']:.2e}</b>"
+            except WorkbenchError:
+                pred = ""
+        self.totals_label.value = (f"total <b>{t['size_bytes'] / 2**20:.2f} MiB</b> ({t['size_bytes']:,} bytes), "
+                                   f"<b>{t['bits_per_weight']:.2f}</b> bits/weight &nbsp; [{mix}]{pred}")
+
+    def _evaluator_for(self, plan: QuantPlan) -> PlanEvaluator:
+        ev = self._evaluator
+        if ev is None or (ev.variants.group_size, ev.variants.symmetric) != (plan.group_size, plan.symmetric):
+            ids = ev.ids if ev is not None else evaluation_tokens(self.lm, tokens=self.tokens)
+            reference = ev.reference if ev is not None else None
+            ev = PlanEvaluator(self.lm, ids, variants=LayerVariants.for_plan(self.lm, plan), reference=reference)
+            self._evaluator = ev
+        return ev
+
+    def _measure(self, plan: QuantPlan, label: str) -> PlanPoint:
+        t0 = time.perf_counter()
+        report = self._evaluator_for(plan).evaluate(plan)
+        foot = plan_footprint(self.lm, plan)
+        pred_kl = pred_ppl = None
+        if self.sensitivity is not None:
+            try:
+                d = predict_damage(self.sensitivity, plan.resolve(self.dropdowns))
+                pred_kl, pred_ppl = d["kl_divergence"], d["perplexity"]
+            except WorkbenchError:
+                pass
+        point = PlanPoint(label, foot["size_bytes"], foot["bits_per_weight"], report.kl_divergence, report.perplexity,
+                          report.top1_agreement, report.reference_perplexity, report.tokens, pred_kl, pred_ppl,
+                          time.perf_counter() - t0, plan, report)
+        self.points.append(point)
+        return point
+
+    def evaluate(self) -> PlanPoint | None:
+        """Measure the current plan (perplexity, KL, top-1) and add it to the Pareto chart."""
+        self._freeze(True)
+        try:
+            t0 = time.perf_counter()
+            point = self._measure(self.plan, f"plan {sum(1 for p in self.points if p.label.startswith('plan')) + 1}")
+            self.last_seconds = time.perf_counter() - t0
+        except WorkbenchError as e:
+            self._log(f"evaluation failed: {e}")
+            return None
+        finally:
+            self._freeze(False)
+        self.result_label.value = (f"perplexity <b>{point.perplexity:.3f}</b> (float {point.reference_perplexity:.3f}),"
+                                   f" KL <b>{point.kl_divergence:.2e}</b>, top-1 <b>{point.top1_agreement:.4f}</b> "
+                                   f"on {point.tokens:,} tokens, {self.last_seconds:.2f} s")
+        self._log(f"{point.label}: {point.bits_per_weight:.2f} bits/weight, KL {point.kl_divergence:.3e}, "
+                  f"ppl {point.perplexity:.3f}, top-1 {point.top1_agreement:.4f} ({self.last_seconds:.2f} s)")
+        self._update_chart()
+        return point
+
+    def evaluate_uniform(self) -> list[PlanPoint]:
+        """Add uniform INT8 and INT4 (same group size and symmetry as the current plan) to the chart."""
+        self._freeze(True)
+        out = []
+        try:
+            for p in ("int8", "int4"):
+                plan = QuantPlan.uniform(p, group_size=self.plan.group_size, symmetric=self.plan.symmetric)
+                out.append(self._measure(plan, f"uniform {p}"))
+                self._log(f"uniform {p}: KL {out[-1].kl_divergence:.3e}, ppl {out[-1].perplexity:.3f}")
+        except WorkbenchError as e:
+            self._log(f"evaluation failed: {e}")
+        finally:
+            self._freeze(False)
+        self._update_chart()
+        return out
+
+    # -- display helpers ----------------------------------------------------------------------------
+    def _make_chart(self):
+        import plotly.graph_objects as go
+        return go.FigureWidget(make_pareto_figure(self.points))
+
+    def _update_chart(self) -> None:
+        fig = make_pareto_figure(self.points)
+        with self.chart.batch_update():
+            self.chart.data = ()
+            self.chart.add_traces(list(fig.data))
+            self.chart.layout = fig.layout
+
+    def _freeze(self, frozen: bool) -> None:
+        for w in self._controls:
+            w.disabled = frozen
+        if not frozen:
+            self.undo_button.disabled = not self._history
+
+    def _log(self, message: str) -> None:
+        with self.log_output:
+            print(message)
