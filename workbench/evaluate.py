@@ -120,15 +120,16 @@ def _batches(windows: Sequence[Window], batch_size: int):
         i = j
 
 
-def _window_log_probs(model: nn.Module, ids: torch.Tensor, batch: Sequence[Window]) -> list[torch.Tensor]:
+def _window_logits(model: nn.Module, ids: torch.Tensor, batch: Sequence[Window]) -> list[torch.Tensor]:
+    """Float32 logits at the scored positions of each window (position j predicts token j + 1)."""
     device = next(model.parameters()).device
     x = torch.stack([ids[w.begin:w.end] for w in batch]).to(device)
     logits = model(input_ids=x, use_cache=False).logits
-    out = []
-    for row, w in zip(logits, batch):
-        # logits at position j predict token j + 1
-        out.append(torch.log_softmax(row[w.score_from - w.begin - 1: w.end - w.begin - 1].float(), dim=-1))
-    return out
+    return [row[w.score_from - w.begin - 1: w.end - w.begin - 1].float() for row, w in zip(logits, batch)]
+
+
+def _window_log_probs(model: nn.Module, ids: torch.Tensor, batch: Sequence[Window]) -> list[torch.Tensor]:
+    return [torch.log_softmax(lg, dim=-1) for lg in _window_logits(model, ids, batch)]
 
 
 @torch.inference_mode()
@@ -165,14 +166,18 @@ def evaluate(model: nn.Module, ids: torch.Tensor, *, reference: nn.Module | Refe
     t0 = time.perf_counter()
     with tqdm(total=len(windows), desc=desc, unit="win", disable=not progress, leave=False) as bar:
         for start, batch in _batches(windows, batch_size):
-            lps = _window_log_probs(model, ids, batch)
+            # without a reference, the fused cross-entropy is all that is needed (as fast as model.loss)
+            lps = _window_log_probs(model, ids, batch) if reference is not None else _window_logits(model, ids, batch)
             if isinstance(reference, nn.Module):
                 ref_lps = _window_log_probs(reference, ids, batch)
             elif reference is not None:
                 ref_lps = reference.log_probs[start:start + len(batch)]
             for k, (lp, w) in enumerate(zip(lps, batch)):
                 targets = ids[w.score_from:w.end].to(lp.device)
-                nll = -lp.gather(1, targets[:, None]).sum().item()
+                if reference is None:
+                    nll = torch.nn.functional.cross_entropy(lp, targets, reduction="sum").item()
+                else:
+                    nll = -lp.gather(1, targets[:, None]).sum().item()
                 report.window_nll.append(nll)
                 report.window_tokens.append(w.scored)
                 if reference is not None:

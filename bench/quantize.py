@@ -1,0 +1,153 @@
+"""What does each quantization method cost on the demo model, and how long and how much memory does it take?
+
+    python bench/quantize.py [--model demo] [--group-size 128] [--samples 128] [--seq-len 512] [--threads N]
+
+Each method (INT8 RTN, INT4 RTN, INT4 AWQ) runs in its own subprocess, so its wall time (after a
+warm-up run) and peak resident memory (ru_maxrss) are its own; it saves its result to a
+temporary directory. This process then reloads every saved model (what is evaluated is what was
+saved) and evaluates it against the float model on the bundled held-out text, on the same
+windows: perplexity, KL divergence, top-1 agreement, bits per weight, size of the weight files,
+and the paired standard error of the per-window AWQ-vs-RTN differences.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+METHODS = [("INT8 RTN", 8, "rtn"), ("INT4 RTN", 4, "rtn"), ("INT4 AWQ", 4, "awq")]
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def run_one(args) -> None:
+    """Child: quantize once to warm up, once timed; save; print one JSON line."""
+    from workbench.models import load_model
+    from workbench.plan import QuantPlan
+    from workbench.quantize import quantize_model
+    from workbench.workspace import Workspace
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    lm = load_model(args.model, dtype="float32")
+    plan = QuantPlan.uniform(f"int{args.bits}", group_size=args.group_size or None, method=args.method)
+    calibration = None
+    calib_seconds = None
+    if args.method == "awq":
+        from workbench.calibrate import calibrate
+        t0 = time.perf_counter()
+        calibration = calibrate(lm, samples=args.samples, seq_len=args.seq_len, workspace=Workspace(args.workspace),
+                                progress=False)
+        calib_seconds = time.perf_counter() - t0
+        # warm-up on a small slice, so one-time costs (allocator, kernels) are not in the timed run
+        quantize_model(lm, plan, calibration=calibration, progress=False, awq_tokens=512)
+    else:
+        quantize_model(lm, plan, progress=False)
+    rss_before = _rss_mb()
+    t0 = time.perf_counter()
+    qm = quantize_model(lm, plan, calibration=calibration, progress=False)
+    seconds = time.perf_counter() - t0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    qm.save(args.out)
+    fp32 = sum(p.numel() for p in {id(p): p for p in lm.model.parameters()}.values()) * 4 / 2**20
+    print(json.dumps({"seconds": seconds, "rss_before_mb": rss_before, "peak_rss_mb": peak, "fp32_model_mb": fp32,
+                      "threads": torch.get_num_threads(), "calibration_seconds": calib_seconds,
+                      "awq_tokens": (qm.awq or {}).get("tokens"),
+                      "awq_alphas": [e["alpha"] for e in (qm.awq or {}).get("groups", [])]}))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="demo")
+    ap.add_argument("--group-size", type=int, default=128)
+    ap.add_argument("--samples", type=int, default=128, help="AWQ calibration samples")
+    ap.add_argument("--seq-len", type=int, default=512, help="AWQ calibration sample length")
+    ap.add_argument("--ctx", type=int, default=512, help="evaluation window")
+    ap.add_argument("--threads", type=int, help="torch threads for the quantization runs (default: torch's)")
+    ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--bits", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--method", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    ap.add_argument("--workspace", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.one:
+        return run_one(args)
+
+    from workbench.evaluate import paired_difference
+    from workbench.models import load_model
+    from workbench.quantize import heldout_ids, load_quantized, measure_cost, measure_reference
+    from workbench.quantize.io import weight_file_bytes
+
+    print(f"model {args.model}, group size {args.group_size}, AWQ calibration {args.samples} x {args.seq_len} "
+          f"tokens (bundled calibration text); load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    lm = load_model(args.model, dtype="float32")
+    ids = heldout_ids(lm)
+    baseline = measure_reference(lm.model, ids, ctx=args.ctx, progress=False)
+    ref = baseline.report
+    rows = [{"label": "FP (fp16 file)", "perplexity": ref.perplexity, "kl": 0.0, "top1": 1.0, "bits": 16.0,
+             "size": weight_file_bytes(lm.path)}]
+    reports = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for label, bits, method in METHODS:
+            out = Path(tmp) / label.replace(" ", "-")
+            cmd = [sys.executable, __file__, "--one", "--model", args.model, "--bits", str(bits), "--method", method,
+                   "--group-size", str(args.group_size), "--samples", str(args.samples), "--seq-len",
+                   str(args.seq_len), "--out", str(out), "--workspace", str(Path(tmp) / "ws")]
+            if args.threads:
+                cmd += ["--threads", str(args.threads)]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode:
+                sys.exit(f"{label} failed:\n{proc.stderr[-3000:]}")
+            run = json.loads(proc.stdout.strip().splitlines()[-1])
+            qlm, qm = load_quantized(out)
+            cost = measure_cost(qm, baseline, candidate=qlm.model, saved_dir=out, progress=False)
+            reports[label] = cost.report
+            rows.append({"label": label, "perplexity": cost.perplexity, "dppl": cost.perplexity_change,
+                         "dppl_se": cost.perplexity_change_stderr, "rel": cost.perplexity_change_relative,
+                         "kl": cost.kl_divergence, "kl_se": cost.kl_divergence_stderr, "top1": cost.top1_agreement,
+                         "bits": cost.bits_per_weight, "size": cost.size_bytes, **run})
+    print(f"held-out text: {ref.tokens:,} scored tokens in {ref.windows} windows of {ref.ctx}; "
+          f"quantization runs with {rows[1]['threads']} torch thread(s)\n")
+    head = (f"{'':<15}{'perplexity':>11}{'change':>18}{'KL':>20}{'top-1':>8}{'bits/w':>8}{'size MB':>9}"
+            f"{'time s':>8}{'peak RSS MB':>13}{'(+delta)':>10}")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        change = "" if "dppl" not in r else f"{r['dppl']:+.3f}±{r['dppl_se']:.3f} ({r['rel']:+.2%})"
+        kl = "" if "kl_se" not in r else f"{r['kl']:.5f}±{r['kl_se']:.5f}"
+        timing = "" if "seconds" not in r else (f"{r['seconds']:8.2f}{r['peak_rss_mb']:13.0f}"
+                                                f"{r['peak_rss_mb'] - r['rss_before_mb']:+10.0f}")
+        print(f"{r['label']:<15}{r['perplexity']:>11.3f}{change:>18}{kl:>20}{r['top1']:>8.2%}{r['bits']:>8.2f}"
+              f"{r['size'] / 1e6:>9.2f}{timing}")
+    awq, rtn = reports["INT4 AWQ"], reports["INT4 RTN"]
+    d_nll, d_kl = paired_difference(awq, rtn, "nll"), paired_difference(awq, rtn, "kl")
+    print(f"\nINT4 AWQ - INT4 RTN, per token over {d_nll['windows']} windows: log-perplexity "
+          f"{d_nll['mean']:+.5f} ± {d_nll['stderr']:.5f} (s.e.), KL {d_kl['mean']:+.6f} ± {d_kl['stderr']:.6f} (s.e.)")
+    a = rows[3]
+    print(f"AWQ: {a['awq_tokens']:,} search tokens, calibration statistics {a['calibration_seconds']:.1f} s "
+          f"(not in the AWQ time); alphas per group: {a['awq_alphas']}")
+    print(f"FP32 model {a['fp32_model_mb']:.0f} MB; peak RSS deltas above are what each method added to the "
+          "process after the model was loaded")
+    i8 = rows[1]
+    verdict = lambda ok: "yes" if ok else "NO"  # noqa: E731
+    print(f"targets: INT8 RTN rise < 1% relative: {verdict(i8['rel'] < 0.01)}; INT4 AWQ <= INT4 RTN in KL: "
+          f"{verdict(rows[3]['kl'] <= rows[2]['kl'])}, in perplexity: {verdict(rows[3]['perplexity'] <= rows[2]['perplexity'])}; "
+          f"RTN < 5 s: {verdict(max(rows[1]['seconds'], rows[2]['seconds']) < 5)}; AWQ < 60 s: "
+          f"{verdict(rows[3]['seconds'] < 60)}")
+
+
+if __name__ == "__main__":
+    main()
