@@ -85,11 +85,11 @@ def main() -> None:
     print(f"throughput plain loop {report.tokens / t_plain:10,.0f} tok/s  ({t_plain:.2f} s, best of {args.repeats})")
     print(f"time ratio workbench / plain: {t_wb / t_plain:.3f} (target <= 1.10)")
 
-    prompt = "Return a new list"
-    x = lm.tokenizer(prompt, return_tensors="pt")
-    with torch.inference_mode():
-        out = lm.model.generate(**x, max_new_tokens=60, do_sample=False)
-    print("greedy sample:", json.dumps(lm.tokenizer.decode(out[0])))
+    for prompt in ("If the argument is", "The os module", "Raise ValueError if"):
+        x = lm.tokenizer(prompt, return_tensors="pt")
+        with torch.inference_mode():
+            out = lm.model.generate(**x, max_new_tokens=40, do_sample=False)
+        print("greedy sample:", json.dumps(lm.tokenizer.decode(out[0])))
 
 
 if __name__ == "__main__":
