@@ -4,6 +4,8 @@ PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
 PORT    ?= 8888
+# jupyter refuses root unless told; the extension manager would otherwise query PyPI
+ROOTFLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 STAMP   := $(VENV)/.installed
 
 .PHONY: install app test bench demo-model clean
@@ -22,7 +24,7 @@ $(STAMP): requirements.txt constraints.txt pyproject.toml
 
 app: install
 	$(BIN)/jupyter lab notebooks/ --ServerApp.ip=127.0.0.1 --port=$(PORT) --no-browser \
-		--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate
+		--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate --LabApp.extension_manager=readonly $(ROOTFLAG)
 
 test: install
 	$(BIN)/python -m pytest tests/ --nbmake notebooks/ -q
