@@ -67,11 +67,12 @@ def test_statistics_match_a_direct_computation(lm, calib_set):
         assert s.mean == pytest.approx(mu, rel=1e-4, abs=1e-6)
         assert s.std == pytest.approx(sd, rel=1e-4)
         assert s.kurtosis == pytest.approx(kurt, rel=1e-3, abs=1e-3)
-        logs = np.clip(np.log10(a.flatten().numpy()), HIST_EDGES[0], HIST_EDGES[-1])
-        counts, _ = np.histogram(logs, bins=np.array(HIST_EDGES))
-        assert int(s.hist_counts.sum()) == flat.numel()
-        assert np.abs(s.hist_counts.numpy() - counts).sum() <= 0.001 * flat.numel()  # bin-edge rounding only
-        # percentiles and near-zero come from a random subsample: close, not exact
+        # percentiles, histogram and near-zero come from a random subsample: close, not exact
+        with np.errstate(divide="ignore"):
+            logs = np.clip(np.log10(a.flatten().numpy()), HIST_EDGES[0], HIST_EDGES[-1])
+        shares = np.histogram(logs, bins=np.array(HIST_EDGES))[0] / flat.numel()
+        got = s.hist_counts.numpy() / s.hist_counts.sum().item()
+        assert np.abs(got - shares).max() < 0.01
         for key, q in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99)):
             assert s.percentiles[key] == pytest.approx(torch.quantile(a.flatten().float(), q).item(), rel=0.05)
         near = (a < a.max() / 254).double().mean().item()

@@ -237,6 +237,8 @@ def test_empty_dataset_after_filtering(tmp_path, tok):
 def test_bad_parameters(tmp_path, tok):
     p = tmp_path / "c.txt"
     p.write_text(EN, encoding="utf-8")
+    with pytest.raises(ValueError, match="a tokenizer is needed"):
+        load_calibration_set(p, tokenizer=None)
     with pytest.raises(ValueError, match="samples must be at least 1"):
         load_calibration_set(p, tokenizer=tok, samples=0)
     with pytest.raises(ValueError, match="min_tokens must be between 1 and seq_len"):

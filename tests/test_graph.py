@@ -97,3 +97,11 @@ def test_export_refuses_half_precision(tiny_model_dir, tmp_path):
     lm = load_model(tiny_model_dir, dtype="float16")
     with pytest.raises(ModelLoadError, match="float32"):
         export_onnx(lm, tmp_path)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_other_architectures_export_with_parity(make_tiny_model, tmp_path, arch):
+    lm = load_model(make_tiny_model(arch, tie=False))
+    res = export_onnx(lm, tmp_path / arch, greedy_steps=6)
+    assert res.max_abs_diff < 1e-4 and res.greedy_match_steps == 6
+    assert res.weight_names["lm_head"] == "lm_head.weight.T"  # untied: its own initializer

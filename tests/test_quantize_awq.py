@@ -185,3 +185,19 @@ def test_cross_check_against_autoawq(make_tiny_model, monkeypatch):
         ("autoawq", theirs))}
     assert kl["ours"] < kl["rtn"], kl
     assert kl["ours"] <= kl["autoawq"] * 1.1, kl
+
+
+def test_search_is_cached_in_the_workspace(tiny_model_dir, workspace):
+    lm = load_model(tiny_model_dir)
+    plan = QuantPlan.uniform("int4", group_size=32)
+    calib = _samples(3, 64, seed=4)
+    first = quantize_model(lm, plan, method="awq", calibration=calib, workspace=workspace, progress=False)
+    assert len(workspace.list("awq")) == 1
+    art = workspace.list("awq")[0]
+    again = quantize_model(lm, plan, method="awq", calibration=calib, workspace=workspace, progress=False)
+    assert workspace.list("awq")[0].manifest["created"] == art.manifest["created"]  # read back, not recomputed
+    assert [e["alpha"] for e in again.awq["groups"]] == [e["alpha"] for e in first.awq["groups"]]
+    assert all(torch.equal(first.weights[n].qweight, again.weights[n].qweight) for n in first.weights)
+    other = quantize_model(lm, plan, method="awq", calibration=_samples(3, 64, seed=5), workspace=workspace,
+                           progress=False)
+    assert len(workspace.list("awq")) == 2 and other.awq["tokens"] == 3 * 64

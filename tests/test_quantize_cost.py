@@ -2,7 +2,6 @@
 import math
 
 import pytest
-import torch
 
 from workbench.evaluate import encode_text
 from workbench.models import demo_text_path, load_model
@@ -62,3 +61,12 @@ def test_warning_names_likely_causes_above_the_threshold(setup):
     assert "group size per-channel is coarse" in w
     quiet = measure_cost(qm, base, threshold=1e9, progress=False)
     assert quiet.warnings == []
+
+
+def test_reference_report_matches_a_full_evaluation(setup):
+    from workbench.evaluate import evaluate
+    lm, base = setup
+    full = evaluate(lm.model, base.ids, ctx=128, progress=False)
+    assert base.report.perplexity == pytest.approx(full.perplexity, rel=1e-6)  # float32 sums in another order
+    assert base.report.window_nll == pytest.approx(full.window_nll, rel=1e-6)  # float32 sums in another order
+    assert base.report.window_tokens == full.window_tokens

@@ -7,7 +7,6 @@ import json
 import pytest
 import torch
 
-import workbench.sensitivity as sensitivity_module
 from workbench.errors import PlanError
 from workbench.evaluate import evaluate
 from workbench.models import load_model
@@ -84,24 +83,20 @@ def test_sweep_measures_every_layer_and_int4_hurts_more_than_int8(lm, evaluator)
     assert again.damage(ranked[0][0], "int4") == ranked[0][1]
 
 
-def test_killed_sweep_resumes_where_it_stopped(lm, workspace, monkeypatch):
-    real = sensitivity_module.evaluate
-    calls = {"n": 0}
+def test_killed_sweep_resumes_where_it_stopped(lm, workspace):
+    seen = []
 
-    def failing(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 6:  # the baseline plus four trials, then the process "dies"
+    def die_after_four(name, precision, result):
+        seen.append(name)
+        if len(seen) == 4:  # the fourth trial's result is on disk; then the process "dies"
             raise KeyboardInterrupt("killed")
-        return real(*args, **kwargs)
 
-    monkeypatch.setattr(sensitivity_module, "evaluate", failing)
     with pytest.raises(KeyboardInterrupt):
-        run_sensitivity(lm, tokens=TOKENS, workspace=workspace, progress=False)
+        run_sensitivity(lm, tokens=TOKENS, workspace=workspace, progress=False, on_trial=die_after_four)
     partial = next((workspace.root / SENSITIVITY_STEP).glob(".partial-*"))
     done = json.loads((partial / PROGRESS_FILE).read_text())["trials"]
     assert len(done) == 4
 
-    monkeypatch.setattr(sensitivity_module, "evaluate", real)
     resumed = run_sensitivity(lm, tokens=TOKENS, workspace=workspace, progress=False)
     assert resumed.trials_run == 2 * len(lm.layers) - 4
     fresh = run_sensitivity(lm, tokens=TOKENS, progress=False)
@@ -151,3 +146,18 @@ def test_variants_reuse_the_quantize_steps_weights(lm, monkeypatch):
     with pytest.raises(PlanError, match="different group sizes"):
         LayerVariants.from_quantized(lm, qm8, quantize_model(lm, QuantPlan.uniform("int4", group_size=None),
                                                              progress=False))
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_replaying_unchanged_blocks_gives_the_same_numbers(make_tiny_model, arch):
+    lm = load_model(make_tiny_model(arch, layers=3))
+    fast = PlanEvaluator(lm, evaluation_tokens(lm, tokens=TOKENS))
+    fast.evaluate_baseline()
+    assert fast.replay.enabled and fast.replay.outputs is not None
+    full = PlanEvaluator(lm, fast.ids, reference=fast.reference, variants=fast.variants)  # never recorded
+    for name in ("model.layers.2.mlp.down_proj", "model.layers.1.self_attn.k_proj", "lm_head"):
+        a = fast.evaluate_assignments({name: "int4"})
+        b = full.evaluate_assignments({name: "int4"})
+        assert a.kl_divergence == pytest.approx(b.kl_divergence, rel=1e-6, abs=1e-12) and a.kl_divergence > 0
+        assert a.nll == pytest.approx(b.nll, rel=1e-7)
+    assert [type(m).__name__ for m in lm.model.model.layers].count("_Replay") == 0

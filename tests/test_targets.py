@@ -133,3 +133,25 @@ def test_rknn_rejects_neg_from_the_rotary(exported_pair):
     _, static = exported_pair
     neg = [f for f in inspect_graph(static.prefill_path, "rknn").findings if f.op_type == "Neg"]
     assert neg and neg[0].severity == "error" and "Mul(x, -1)" in neg[0].fix
+
+
+def test_graph_panel_inspects_and_stops_netron_on_close(exported_pair, tmp_path):
+    import socket
+
+    from workbench.ui.graph import GraphPanel
+    _, static = exported_pair
+    panel = GraphPanel(static.decode_path, target="qnn")
+    report = panel.run()
+    assert report.ok and set(panel.figures) == {"operators", "bytes"}
+    assert "layers.0" in panel.figures["bytes"].data[0].x
+    url = panel.open_netron()
+    host, port = panel.netron.address
+    assert host == "127.0.0.1" and url.endswith(str(port)) and "iframe" in panel.netron_view.value
+    with socket.create_connection((host, port), timeout=5):
+        pass
+    panel.close()
+    assert panel.netron.address is None
+    with pytest.raises(OSError):
+        socket.create_connection((host, port), timeout=2).close()
+    bad = GraphPanel(tmp_path / "missing.onnx", target="qnn", serve_netron=False)
+    assert bad.run() is None and "does not exist" in bad.error and not bad.inspect_button.disabled

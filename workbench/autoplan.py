@@ -3,8 +3,9 @@
 The sensitivity sweep gives, per layer and precision, the KL divergence that layer alone adds.
 Assuming damages add up, the best plan under a budget is a multiple-choice knapsack: every layer
 (a tied embedding/lm_head pair counts as one unit, stored once when both share a precision)
-picks one precision, total bytes <= budget, total predicted KL minimal. It is solved exactly by
-dynamic programming over bytes (rounded up to 1/4000 of the budget, so the budget always holds).
+picks one precision, total bytes <= budget, total predicted KL minimal. It is solved by dynamic
+programming over bytes: exactly when the layer sizes' common divisor keeps the table under a
+million cells, else with sizes rounded up to a millionth of the budget (the budget always holds).
 The prediction is then checked: the plan is quantized with ``quantize_model`` and evaluated
 against the unquantized model, and both figures are reported side by side.
 
@@ -34,7 +35,7 @@ __all__ = ["PlanPrediction", "PlanPoint", "budget_bytes", "check_budget", "plan_
            "pareto_points", "compare_points", "DEFAULT_CHOICES"]
 
 DEFAULT_CHOICES = ("fp16", "int8", "int4")
-_RESOLUTION = 4000  # knapsack byte buckets per budget: exact enough, a few milliseconds to solve
+_MAX_CELLS = 1_000_000  # knapsack table size: exact for small models, 1e-6 of the budget for large ones
 
 
 def _other_bytes(lm: LoadedModel) -> int:
@@ -164,7 +165,14 @@ def plan_for_budget(lm: LoadedModel, sensitivity: SensitivityReport, *, size_byt
         raise PlanError(f"no plan fits {size_bytes:,} bytes ({8 * size_bytes / lm.parameters:.2f} bits/weight): the "
                         f"smallest with {'/'.join(choices)} is {smallest:,} bytes "
                         f"({8 * smallest / lm.parameters:.2f} bits/weight); raise the budget")
-    step = max(1.0, capacity_bytes / _RESOLUTION)
+    # exact when the byte sizes share a large enough divisor, else sizes are rounded up to 1/_MAX_CELLS
+    # of the budget (the plan still fits, and is optimal to within that rounding)
+    unit = 0
+    for opts in options:
+        for _, nbytes, _ in opts:
+            unit = math.gcd(unit, int(nbytes))
+    unit = max(unit, 1)
+    step = unit if capacity_bytes / unit <= _MAX_CELLS else math.ceil(capacity_bytes / _MAX_CELLS)
     cap = int(capacity_bytes // step)
     inf = float("inf")
     dp = np.full(cap + 1, inf)

@@ -10,11 +10,12 @@ not touched; the hooks are removed even when the forward fails). Per layer:
 
 * per input channel: abs-max, mean |x| and RMS, exact over every calibration token;
 * for the whole layer: mean, standard deviation and excess kurtosis (from sums of x .. x^4 over
-  every value, accumulated in float64), and a histogram of log10 |x| over every value (the first
-  bin also holds zeros, the last everything above its edge);
-* percentiles of |x| and the near-zero fraction, from a deterministic random subsample of at
-  most ``sample_budget`` values per layer (exact percentiles over 10^8 values would need the
-  values kept in memory). Near zero means below half a step of per-tensor symmetric INT8,
+  every value, accumulated in float64);
+* percentiles of |x|, a histogram of log10 |x| (the first bin also holds zeros, the last
+  everything above its edge) and the near-zero fraction, from a deterministic random subsample
+  of at most ``sample_budget`` values per layer, drawn evenly from every batch (exact
+  percentiles over 10^8 values would need them all in memory; 2^18 values pin a share to about
+  0.2%). Near zero means below half a step of per-tensor symmetric INT8,
   ``|x| < abs_max / 254``: values that such a quantizer would round to 0;
 * outlier channels: channels whose abs-max exceeds ``outlier_factor`` (default 6) times the
   layer's median channel abs-max. Outlier channels in LLM activations are usually 10-100x the
@@ -29,6 +30,7 @@ import hashlib
 import json
 import math
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,7 +50,7 @@ OUTLIER_FACTOR = 6.0
 PERCENTILES = (50.0, 90.0, 99.0, 99.9, 99.99)
 HIST_LOW, HIST_HIGH, HIST_BINS = -6.0, 4.0, 40  # log10 |x| from 1e-6 to 1e4, a quarter decade per bin
 HIST_EDGES = [HIST_LOW + i * (HIST_HIGH - HIST_LOW) / HIST_BINS for i in range(HIST_BINS + 1)]
-SAMPLE_BUDGET = 1 << 18  # values per layer kept for percentiles and the near-zero fraction
+SAMPLE_BUDGET = 1 << 18  # values per layer kept for percentiles, the histogram and the near-zero fraction
 NEAR_ZERO_DIVISOR = 254.0  # |x| < abs_max / 254: rounds to 0 under per-tensor symmetric INT8
 STATS_FILE, META_FILE = "stats.safetensors", "stats.json"
 VECTOR_FIELDS = ("abs_max", "mean_abs", "rms")
@@ -64,7 +66,7 @@ class LayerStats:
     abs_max: torch.Tensor  # [in_features] float32
     mean_abs: torch.Tensor  # [in_features] float32
     rms: torch.Tensor  # [in_features] float32
-    hist_counts: torch.Tensor  # [HIST_BINS] int64, log10 |x| over HIST_EDGES
+    hist_counts: torch.Tensor  # [HIST_BINS] int64: the subsample's log10 |x| over HIST_EDGES
     mean: float
     std: float
     kurtosis: float  # excess (Fisher): 0 for a normal distribution
@@ -189,8 +191,6 @@ class _BatchMoments:
         # would need |mean| >> std, which layer inputs (normalised or gated) do not have.
         self.powers = (float(x.sum()), float(self.ch_sq_sum.sum()),
                        float(torch.dot(x2f, xf)), float(torch.dot(x2f, x2f)))
-        logs = torch.log10(a).clamp_(HIST_LOW, HIST_HIGH)  # log10(0) = -inf lands in the first bin
-        self.hist = torch.histc(logs, HIST_BINS, HIST_LOW, HIST_HIGH).long()
         k = min(keep, self.n)
         idx = torch.randint(0, self.n, (k,), generator=generator)
         self.sample = x.reshape(-1)[idx].clone()
@@ -204,7 +204,6 @@ class _LayerAccumulator:
         self.ch_sq_sum = torch.zeros(in_features, dtype=torch.float64)
         self.n = 0
         self.powers = [0.0, 0.0, 0.0, 0.0]  # sums of x, x^2, x^3, x^4
-        self.hist = torch.zeros(HIST_BINS, dtype=torch.long)
         self.samples: list[torch.Tensor] = []
 
     def add(self, b: _BatchMoments) -> None:
@@ -212,7 +211,6 @@ class _LayerAccumulator:
         torch.maximum(self.ch_max, b.ch_max, out=self.ch_max)
         self.ch_abs_sum += b.ch_abs_sum
         self.ch_sq_sum += b.ch_sq_sum
-        self.hist += b.hist
         self.samples.append(b.sample)
         self.n += b.n
         for i, v in enumerate(b.powers):
@@ -233,6 +231,9 @@ class _LayerAccumulator:
             values = torch.cat(self.samples).abs().numpy() if self.samples else np.zeros(1, np.float32)
             sorted_cache[key] = np.sort(values)  # numpy's sort is far faster than torch's on CPU
         sample = sorted_cache[key]
+        with np.errstate(divide="ignore"):  # log10(0) = -inf lands in the first bin
+            logs = np.clip(np.log10(sample), HIST_LOW, HIST_HIGH)
+        hist = torch.from_numpy(np.histogram(logs, bins=HIST_BINS, range=(HIST_LOW, HIST_HIGH))[0].astype(np.int64))
         abs_max = self.ch_max.clone()
         qs = [_sorted_quantile(sample, p / 100) for p in PERCENTILES]
         mean, var, kurt = self.moments()
@@ -240,7 +241,7 @@ class _LayerAccumulator:
         return LayerStats(
             name=name, in_features=abs_max.numel(), tokens=self.rows, abs_max=abs_max,
             mean_abs=(self.ch_abs_sum / max(self.rows, 1)).float(),
-            rms=(self.ch_sq_sum / max(self.rows, 1)).sqrt().float(), hist_counts=self.hist.clone(),
+            rms=(self.ch_sq_sum / max(self.rows, 1)).sqrt().float(), hist_counts=hist,
             mean=mean, std=math.sqrt(var), kurtosis=kurt,
             percentiles={f"p{p:g}": float(v) for p, v in zip(PERCENTILES, qs)},
             near_zero_fraction=near, outlier_factor=outlier_factor)
@@ -252,6 +253,20 @@ def _sorted_quantile(values: np.ndarray, q: float) -> float:
     lo = int(pos)
     hi = min(lo + 1, values.size - 1)
     return float(values[lo]) + (pos - lo) * (float(values[hi]) - float(values[lo]))
+
+
+@contextmanager
+def _one_thread():
+    """Run the statistics on one thread: these memory-bound reductions gain nothing from more, and
+    on a busy machine a multi-threaded team spends several times the CPU waiting for its members."""
+    n = torch.get_num_threads()
+    if n > 1:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        if n > 1:
+            torch.set_num_threads(n)
 
 
 class _StopForward(Exception):
@@ -290,7 +305,8 @@ def run_calibration(model: nn.Module, calib_set: CalibrationSet, progress: bool 
         def hook(module, args):
             x = args[0]
             if last["x"] is not x:
-                last["x"], last["moments"] = x, _BatchMoments(x.detach(), gen, keep)
+                with _one_thread():
+                    last["x"], last["moments"] = x, _BatchMoments(x.detach(), gen, keep)
             acc[name].add(last["moments"])
             if stop:
                 raise _StopForward
@@ -316,9 +332,9 @@ def run_calibration(model: nn.Module, calib_set: CalibrationSet, progress: bool 
         for h in handles:
             h.remove()
         model.train(was_training)
-    seconds = time.perf_counter() - t0
     sorted_cache: dict = {}
     stats = {name: a.finish(name, outlier_factor, sorted_cache) for name, a in acc.items() if a.rows}
+    seconds = time.perf_counter() - t0
     missing = [n for n in layers if n not in stats]
     meta = {"samples": len(calib_set), "tokens": calib_set.tokens, "seq_len": calib_set.seq_len,
             "calibration": calib_set.fingerprint, "batch_size": batch_size, "seconds": seconds,

@@ -370,6 +370,9 @@ def load_calibration_set(path: str | Path | None = None, *, tokenizer, samples: 
     when Chinese:English (by tokens) is below 1:1. ``split_long=False`` drops records longer than
     ``seq_len`` (as "too long") instead of splitting them.
     """
+    if tokenizer is None:
+        raise ValueError("a tokenizer is needed to cut calibration text into tokens; load the model with its "
+                         "tokenizer (load_model(..., load_tokenizer=True))")
     if samples < 1:
         raise ValueError(f"samples must be at least 1, got {samples}")
     if seq_len < 2:

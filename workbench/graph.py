@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -33,10 +32,11 @@ import torch
 from torch import nn
 
 from .errors import ModelLoadError
+from .workspace import atomic_write_json
 
 __all__ = ["ExportResult", "OpCount", "export_onnx", "load_onnx", "operator_inventory", "OnnxCausalLM",
-           "LogitsModule", "greedy_tokens_torch", "fold_constants", "input_names", "output_names", "DEFAULT_OPSET", "PREFILL_FILE", "DECODE_FILE",
-           "initializer_bytes", "initializer_bytes_by_block"]
+           "LogitsModule", "greedy_tokens_torch", "fold_constants", "input_names", "output_names", "DEFAULT_OPSET",
+           "PREFILL_FILE", "DECODE_FILE", "initializer_bytes", "initializer_bytes_by_block"]
 
 DEFAULT_OPSET = 17  # the oldest opset every target here accepts; LayerNormalization exists from 17
 PREFILL_FILE = "prefill.onnx"
@@ -122,6 +122,17 @@ def _eager_attention(model: nn.Module):
     finally:
         if before and before != "eager":
             model.set_attn_implementation(before)
+
+
+@contextlib.contextmanager
+def _single_thread():
+    """Decode-sized matmuls are fastest on one thread; more threads oversubscribe a busy CPU badly."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _kv_geometry(config) -> tuple[int, int, int]:
@@ -365,6 +376,8 @@ class OnnxCausalLM:
         if self.static_seq is not None:
             if n > self.static_seq:
                 raise ValueError(f"window of {n} tokens exceeds the static graph's sequence length {self.static_seq}")
+            if b > 1:  # a static graph has batch 1
+                return np.concatenate([self.logits(row[None]) for row in ids])
             mask = np.zeros((b, self.static_seq), np.int64)
             mask[:, :n] = 1
             ids = np.pad(ids, ((0, 0), (0, self.static_seq - n)))
@@ -411,7 +424,8 @@ class OnnxCausalLM:
             feed[f"past_key_values.{i}.value"] = kv[2 * i + 1]
         return feed
 
-    def run_decode(self, token: int, kv: list[np.ndarray], position: int) -> tuple[np.ndarray, list[np.ndarray], list[np.ndarray]]:
+    def run_decode(self, token: int, kv: list[np.ndarray],
+                   position: int) -> tuple[np.ndarray, list[np.ndarray], list[np.ndarray]]:
         """One step: logits for ``token`` at ``position``, the grown compact KV, and the graph's raw present."""
         if self.decode is None:
             raise ValueError("no decode graph was given")
@@ -526,7 +540,7 @@ def export_onnx(lm, out_dir: str | Path, *, static: tuple[int, int] | None = Non
     wrapper = _KVCacheWrapper(model, n_layers).eval()
     t0 = time.perf_counter()
     prefill_path, decode_path = out / PREFILL_FILE, out / DECODE_FILE
-    with _eager_attention(model), torch.inference_mode(False), torch.no_grad():
+    with _eager_attention(model), _single_thread(), torch.inference_mode(False), torch.no_grad():
         seq, past = static or (8, 4)
         ids = torch.zeros((1, seq), dtype=torch.long)
         log(f"exporting prefill graph ({'sequence ' + str(seq) if static else 'dynamic shapes'})")
@@ -549,7 +563,7 @@ def export_onnx(lm, out_dir: str | Path, *, static: tuple[int, int] | None = Non
         names = graph_names
         tmp.replace(final)
     export_seconds = time.perf_counter() - t0
-    (out / "weight_names.json").write_text(json.dumps({"weight_names": names, "weight_layouts": layouts}, indent=1))
+    atomic_write_json(out / "weight_names.json", {"weight_names": names, "weight_layouts": layouts})
     result = ExportResult(prefill_path, decode_path, names, layouts, None, None, greedy_steps, static, opset, n_layers,
                           export_seconds, 0.0)
     if not check:
@@ -557,16 +571,17 @@ def export_onnx(lm, out_dir: str | Path, *, static: tuple[int, int] | None = Non
     t1 = time.perf_counter()
     log("checking: onnx checker and shape inference")
     _check_graphs(result.files)
-    runner = OnnxCausalLM(prefill_path, decode_path)
+    runner = OnnxCausalLM(prefill_path, decode_path, threads=1)
     tokens = _prompt_tokens(lm, prompt)
     if static:
         tokens = tokens[:max(1, min(static[0], static[1] - greedy_steps))]
     log("checking: onnxruntime vs PyTorch on logits and KV cache")
-    result.diffs = _parity(model, runner, tokens)
-    result.max_abs_diff = max(result.diffs.values())
-    log(f"checking: greedy decoding for {greedy_steps} steps")
-    result.onnx_tokens = runner.generate_greedy(tokens, greedy_steps)
-    result.torch_tokens = greedy_tokens_torch(model, tokens, greedy_steps)
+    with _single_thread():
+        result.diffs = _parity(model, runner, tokens)
+        result.max_abs_diff = max(result.diffs.values())
+        log(f"checking: greedy decoding for {greedy_steps} steps")
+        result.onnx_tokens = runner.generate_greedy(tokens, greedy_steps)
+        result.torch_tokens = greedy_tokens_torch(model, tokens, greedy_steps)
     match = 0
     for a, b in zip(result.onnx_tokens, result.torch_tokens):
         if a != b:

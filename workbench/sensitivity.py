@@ -3,8 +3,10 @@
 For every quantizable layer and every precision (int8, int4) the sweep quantizes that layer alone,
 swaps its weight into the float model, measures KL divergence to the unquantized model (primary)
 and the perplexity change (secondary) on a fixed token budget, and puts the weight back. Each
-layer is quantized once per precision (``LayerVariants`` caches the dequantized tensors) and the
-reference model runs once (``capture_reference``), so a trial costs one forward pass.
+layer is quantized once per precision (``LayerVariants`` caches the dequantized tensors), the
+reference model runs once (``capture_reference``), and the blocks before the quantized layer,
+unchanged in that trial, are replayed from a recording of the baseline run (``BlockReplay``), so
+a trial costs at most one forward pass and usually less.
 
     report = run_sensitivity(load_model("demo"), workspace=Workspace())   # cached, resumable
     report.damage("model.layers.0.mlp.down_proj", "int4")                 # KL, nats per token
@@ -18,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import re
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -32,7 +35,7 @@ from .models import LoadedModel, demo_text_path
 from .plan import DEFAULT_GROUP_SIZE, QuantPlan, get_precision
 from .workspace import Workspace, atomic_write_json
 
-__all__ = ["LayerVariants", "PlanEvaluator", "LayerSensitivity", "SensitivityReport", "run_sensitivity",
+__all__ = ["LayerVariants", "BlockReplay", "PlanEvaluator", "LayerSensitivity", "SensitivityReport", "run_sensitivity",
            "evaluation_tokens", "model_fingerprint", "SWEEP_PRECISIONS", "DEFAULT_SWEEP_TOKENS", "SENSITIVITY_STEP"]
 
 SWEEP_PRECISIONS = ("int8", "int4")
@@ -177,6 +180,95 @@ class LayerVariants:
         self._float.clear()
 
 
+MAX_REPLAY_BYTES = 1 << 30  # recorded block outputs kept for replay; above this every trial runs in full
+_BLOCK_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+class _Replay(nn.Module):
+    """Stands in for a decoder block: passes its input through, or returns the block's recorded output."""
+
+    def __init__(self, outputs: list[torch.Tensor] | None = None):
+        super().__init__()
+        self.outputs = outputs
+        self.calls = 0
+
+    def forward(self, hidden_states, *args, **kwargs):
+        if self.outputs is None:
+            return hidden_states
+        out = self.outputs[self.calls]
+        self.calls += 1
+        if out.shape != hidden_states.shape:
+            raise RuntimeError("a replayed block output does not match the batch; evaluate the same tokens")
+        return out
+
+
+class BlockReplay:
+    """Skip the blocks before the first changed layer: their outputs are recorded once and replayed.
+
+    A trial that quantizes a layer of block ``k`` leaves blocks ``0..k-1`` unchanged, so their
+    outputs on the fixed tokens are those of the float model. ``record()`` keeps them during the
+    baseline evaluation; ``skipping(k)`` replaces those blocks by a replay of the recording for the
+    duration of a trial. Checked once against a full run; any mismatch turns it off.
+    """
+
+    def __init__(self, model: nn.Module):
+        inner = getattr(model, "model", None)
+        blocks = getattr(inner, "layers", None)
+        n = getattr(getattr(model, "config", None), "num_hidden_layers", None)
+        self.blocks = blocks if isinstance(blocks, nn.ModuleList) and len(blocks) == n else None
+        self.outputs: list[list[torch.Tensor]] | None = None
+        self.enabled = self.blocks is not None
+
+    @property
+    def depth(self) -> int:
+        return len(self.blocks) if self.blocks is not None else 0
+
+    def block_of(self, name: str) -> int:
+        """Index of the first block a layer's change affects: its own block, 0 for embeddings, all for the head."""
+        m = _BLOCK_RE.search(name)
+        if m:
+            return int(m.group(1))
+        return self.depth if name.endswith("lm_head") else 0
+
+    @contextlib.contextmanager
+    def record(self, n_tokens: int, hidden: int) -> Iterator[None]:
+        if not self.enabled or self.depth * n_tokens * hidden * 4 > MAX_REPLAY_BYTES:
+            self.enabled = False
+            yield
+            return
+        outputs: list[list[torch.Tensor]] = [[] for _ in range(self.depth)]
+
+        def hook(i):
+            def keep(module, args, output):
+                if not isinstance(output, torch.Tensor):
+                    self.enabled = False  # an architecture whose blocks return tuples: no replay
+                    return
+                outputs[i].append(output.detach().clone())
+            return keep
+        handles = [block.register_forward_hook(hook(i)) for i, block in enumerate(self.blocks)]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+        self.outputs = outputs if self.enabled else None
+
+    @contextlib.contextmanager
+    def skipping(self, start: int) -> Iterator[None]:
+        if start <= 0 or not self.enabled or self.outputs is None:
+            yield
+            return
+        originals = [self.blocks[j] for j in range(start)]
+        try:
+            for j in range(start - 1):
+                self.blocks[j] = _Replay()
+            self.blocks[start - 1] = _Replay(self.outputs[start - 1])
+            yield
+        finally:
+            for j, block in enumerate(originals):
+                self.blocks[j] = block
+
+
 class PlanEvaluator:
     """Measure plans fast on a fixed token budget: reference log-probs captured once, weights cached.
 
@@ -194,6 +286,7 @@ class PlanEvaluator:
         self.variants = variants or LayerVariants(lm)
         self._reference = reference
         self.baseline: EvalReport | None = None
+        self.replay = BlockReplay(lm.model)
 
     @property
     def reference(self) -> ReferenceOutputs:
@@ -203,15 +296,31 @@ class PlanEvaluator:
         return self._reference
 
     def evaluate_baseline(self) -> EvalReport:
-        """The unquantized model itself (KL 0): the anchor every damage is relative to."""
+        """The unquantized model itself (KL 0): the anchor every damage is relative to.
+
+        Its block outputs are recorded for replay, then the replay is checked: the head alone on
+        the recorded last block must reproduce the baseline, or replay is turned off.
+        """
         if self.baseline is None:
-            self.baseline = evaluate(self.lm.model, self.ids, reference=self.reference, ctx=self.ctx,
+            ref = self.reference
+            hidden = int(getattr(self.lm.config, "hidden_size", 0) or 0)
+            with self.replay.record(len(self.ids), hidden):
+                self.baseline = evaluate(self.lm.model, self.ids, reference=ref, ctx=self.ctx,
+                                         batch_size=self.batch_size, progress=False)
+            if self.replay.outputs is not None:
+                with self.replay.skipping(self.replay.depth):
+                    check = evaluate(self.lm.model, self.ids, reference=ref, ctx=self.ctx,
                                      batch_size=self.batch_size, progress=False)
+                if abs(check.nll - self.baseline.nll) > 1e-6 * max(1.0, abs(self.baseline.nll)):
+                    self.replay.enabled = False
         return self.baseline
 
     def evaluate_assignments(self, assignments: Mapping[str, str | None], *, desc: str = "evaluate") -> EvalReport:
+        """Evaluate with ``assignments`` swapped in; blocks before the first changed one are replayed."""
         ref = self.reference
-        with self.variants.swapped(assignments) as model:
+        changed = [n for n, p in assignments.items() if get_precision(p) is not None]
+        start = min((self.replay.block_of(n) for n in changed), default=0)
+        with self.variants.swapped(assignments) as model, self.replay.skipping(start):
             return evaluate(model, self.ids, reference=ref, ctx=self.ctx, batch_size=self.batch_size,
                             progress=False, desc=desc)
 

@@ -61,12 +61,16 @@ def run(args) -> int:
     plan = _plan_from_args(args)
     lm = load_model(args.model, dtype="float32")
     progress = not args.json
-    calibration = None
+    calibration = workspace = None
     if plan.method == "awq":
         from ..calibrate import calibrate
-        calibration = calibrate(lm, data=args.data, samples=args.samples, seq_len=args.seq_len, progress=progress)
+        from ..workspace import Workspace
+        workspace = Workspace()  # calibration statistics and the AWQ search are cached there
+        calibration = calibrate(lm, data=args.data, samples=args.samples, seq_len=args.seq_len, workspace=workspace,
+                                progress=progress)
     t0 = time.perf_counter()
-    qm = quantize_model(lm, plan, calibration=calibration, strict=args.strict, progress=progress)
+    qm = quantize_model(lm, plan, calibration=calibration, strict=args.strict, progress=progress,
+                        workspace=workspace)
     quantize_seconds = time.perf_counter() - t0
     out = qm.save(args.out)
     ids = heldout_ids(lm, args.text)

@@ -8,7 +8,7 @@ Modules: ``qtensor`` (the representation, int4 packing), ``rtn`` (round-to-neare
 (scale and clip search, folding), ``model`` (plan application, group-size fallback), ``io``
 (save / load), ``cost`` (perplexity, KL, top-1, size against the unquantized model).
 """
-from .awq import apply_awq_scales_, fold_awq_scales, search_awq
+from .awq import apply_awq_scales_, fold_awq_scales, load_awq_search, save_awq_search, search_awq
 from .cost import Baseline, QuantCost, heldout_ids, measure_cost, measure_reference
 from .io import load_quantized, save_quantized, write_report
 from .model import LayerQuantReport, QuantizedModel, quantize_model, resolve_group_size
@@ -17,5 +17,5 @@ from .rtn import fake_quantize, quantize_weight
 
 __all__ = ["QuantizedWeight", "quantize_weight", "fake_quantize", "pack_int4", "unpack_int4", "quantize_model",
            "QuantizedModel", "LayerQuantReport", "resolve_group_size", "save_quantized", "load_quantized",
-           "write_report", "search_awq", "fold_awq_scales", "apply_awq_scales_", "Baseline", "QuantCost",
+           "write_report", "search_awq", "fold_awq_scales", "apply_awq_scales_", "save_awq_search", "load_awq_search", "Baseline", "QuantCost",
            "measure_reference", "measure_cost", "heldout_ids"]

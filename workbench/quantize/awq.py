@@ -29,10 +29,13 @@ from ..errors import PlanError
 from .rtn import fake_quantize
 
 __all__ = ["ScaleGroup", "find_decoder_blocks", "scale_groups", "search_awq", "fold_awq_scales", "apply_awq_scales_",
-           "DEFAULT_GRID", "DEFAULT_SEARCH_TOKENS"]
+           "save_awq_search", "load_awq_search", "DEFAULT_GRID", "DEFAULT_SEARCH_TOKENS", "SEARCH_VERSION"]
 
 DEFAULT_GRID = 20  # alphas 0, 0.05, ..., 0.95 as in the AWQ paper's code; 0 is the identity
-DEFAULT_SEARCH_TOKENS = 8192  # calibration tokens whose block outputs drive the search (speed vs. fidelity)
+# calibration tokens whose block outputs drive the search: the AWQ paper finds 16 sequences of 512
+# enough (it needs far less data than GPTQ); statistics for mean |x| may still cover the whole set
+DEFAULT_SEARCH_TOKENS = 8192
+SEARCH_VERSION = 1  # bump when the search changes, so cached results are recomputed
 CLIP_TOKENS = 512  # tokens used by the per-group clip search (as in the AWQ code)
 CLIP_STEPS = 10  # shrink ratios 1.0, 0.95, ..., 0.55 (1.0 = no clipping)
 
@@ -187,7 +190,7 @@ def apply_awq_scales_(model: nn.Module, result: dict) -> nn.Module:
 # ---------------------------------------------------------------------------------------------
 # search
 def _capture_block_inputs(model: nn.Module, blocks: nn.ModuleList, samples: list[torch.Tensor],
-                          max_tokens: int, batch_size: int = 8):
+                          max_tokens: int, batch_size: int = 2):
     """Run the model up to the first block on calibration samples; keep (hidden, kwargs) per batch."""
     chosen, total = [], 0
     for s in samples:
@@ -368,11 +371,12 @@ def search_awq(model: nn.Module, samples: list[torch.Tensor], spec: dict[str, tu
                     if not name.startswith(bname + ".") or name.endswith(("q_proj", "k_proj")):
                         continue  # q/k feed a softmax: clipping by output error misleads (as in AWQ)
                     w = folded.get(f"{name}.weight", blk_orig.get_submodule(name[len(bname) + 1:]).weight.float())
-                    x = torch.cat([_first_tensor(a, k).reshape(-1, w.shape[1]) for a, k in seen[name]])
+                    rows = [_first_tensor(a, k).reshape(-1, w.shape[1]) for a, k in seen[name]]
+                    step = max(1, sum(r.shape[0] for r in rows) // CLIP_TOKENS)  # evenly spaced tokens
+                    x = torch.cat([r[::step] for r in rows])[:CLIP_TOKENS]
                     if name in s_in:
                         x = x / s_in[name][None, :]
-                    step = max(1, x.shape[0] // CLIP_TOKENS)
-                    clip_max, err0, err1 = _search_clip(w, x[::step][:CLIP_TOKENS], bits, gs, sym)
+                    clip_max, err0, err1 = _search_clip(w, x, bits, gs, sym)
                     result["clips"][name] = clip_max
                     result["clip_stats"][name] = {"error_unclipped": err0, "error_clipped": err1}
         del seen
@@ -380,3 +384,38 @@ def search_awq(model: nn.Module, samples: list[torch.Tensor], spec: dict[str, tu
     result["seconds"] = time.perf_counter() - t0
     return result
 
+
+
+# ---------------------------------------------------------------------------------------------
+# caching: the search result as files (tensors in safetensors, the rest in JSON)
+def save_awq_search(result: dict, directory) -> None:
+    """Write a search result to ``directory``: ``awq_scales.safetensors`` + ``awq_search.json``."""
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    from ..workspace import atomic_write_json
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    tensors = {f"scales.{i}": e["scales"].contiguous() for i, e in enumerate(result["groups"])}
+    tensors.update({f"clip.{name}": t.contiguous() for name, t in result.get("clips", {}).items()})
+    save_file(tensors, d / "awq_scales.safetensors")
+    meta = {k: v for k, v in result.items() if k not in ("groups", "clips")}
+    meta["groups"] = [{k: v for k, v in e.items() if k != "scales"} for e in result["groups"]]
+    meta["clipped"] = sorted(result.get("clips", {}))
+    atomic_write_json(d / "awq_search.json", meta)
+
+
+def load_awq_search(directory) -> dict:
+    """Read a search result written by :func:`save_awq_search`."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+    d = Path(directory)
+    meta = json.loads((d / "awq_search.json").read_text(encoding="utf-8"))
+    tensors = load_file(d / "awq_scales.safetensors")
+    result = {k: v for k, v in meta.items() if k not in ("groups", "clipped")}
+    result["groups"] = [{**e, "scales": tensors[f"scales.{i}"]} for i, e in enumerate(meta["groups"])]
+    result["clips"] = {name: tensors[f"clip.{name}"] for name in meta["clipped"]}
+    return result

@@ -176,14 +176,43 @@ def _samples_and_stats(calibration, stats):
     return list(samples), mean_abs
 
 
+def _cached_awq_search(workspace, model, samples, mean_abs, spec, awq_tokens, progress) -> dict:
+    """The AWQ search through the workspace: keyed by weights, calibration tokens, layer spec and settings."""
+    import hashlib
+
+    from ..calibrate import model_fingerprint
+    from .awq import DEFAULT_GRID, DEFAULT_SEARCH_TOKENS, SEARCH_VERSION, load_awq_search, save_awq_search, search_awq
+    h = hashlib.sha256()
+    for s in samples:
+        h.update(s.reshape(-1).to(torch.int64).numpy().tobytes() + b"|")
+    stats_key = None
+    if mean_abs:
+        hs = hashlib.sha256()
+        for name in sorted(mean_abs):
+            hs.update(name.encode() + mean_abs[name].to(torch.float32).numpy().tobytes())
+        stats_key = hs.hexdigest()[:16]
+    inputs = {"weights": model_fingerprint(model), "calibration": h.hexdigest()[:16], "mean_abs": stats_key,
+              "spec": {k: list(v) for k, v in sorted(spec.items())}, "grid": DEFAULT_GRID,
+              "tokens": awq_tokens or DEFAULT_SEARCH_TOKENS, "version": SEARCH_VERSION}
+
+    def compute(partial):
+        result = search_awq(model, samples, spec, mean_abs=mean_abs, progress=progress,
+                            max_tokens=awq_tokens or DEFAULT_SEARCH_TOKENS)
+        save_awq_search(result, partial)
+        return {"groups": len(result["groups"]), "tokens": result["tokens"], "seconds": result["seconds"]}
+
+    art = workspace.get_or_compute("awq", inputs, compute)
+    return load_awq_search(art.path)
+
+
 def quantize_model(lm, plan: QuantPlan, *, calibration=None, method: str | None = None, strict: bool = False,
                    progress: bool = True, stats=None, awq_search: dict | None = None,
-                   awq_tokens: int | None = None) -> QuantizedModel:
+                   awq_tokens: int | None = None, workspace=None) -> QuantizedModel:
     """Quantize ``lm`` (a LoadedModel) by ``plan``; ``lm.model`` is not changed.
 
     ``method`` defaults to ``plan.method``. AWQ needs ``calibration`` (samples; statistics via
     ``stats`` or a ``(set, stats)`` pair supply mean |x| per channel); a cached ``awq_search``
-    result skips the search.
+    result skips the search, and a ``workspace`` stores and finds search results by their inputs.
     """
     from tqdm.auto import tqdm
     t0 = time.perf_counter()
@@ -221,8 +250,11 @@ def quantize_model(lm, plan: QuantPlan, *, calibration=None, method: str | None 
         from .awq import fold_awq_scales, search_awq
         if awq_search is None:
             samples, mean_abs = _samples_and_stats(calibration, stats)
-            kw = {"max_tokens": awq_tokens} if awq_tokens else {}
-            awq_search = search_awq(model, samples, spec, mean_abs=mean_abs, progress=progress, **kw)
+            if workspace is not None:
+                awq_search = _cached_awq_search(workspace, model, samples, mean_abs, spec, awq_tokens, progress)
+            else:
+                kw = {"max_tokens": awq_tokens} if awq_tokens else {}
+                awq_search = search_awq(model, samples, spec, mean_abs=mean_abs, progress=progress, **kw)
         float_overrides = fold_awq_scales(model, awq_search)
         clips = awq_search.get("clips", {})
 

@@ -7,11 +7,14 @@ The converter is the package's compiled extension (``_tools.mnnconvert``), calle
 ``MNN.tools.mnnconvert`` (what the ``mnnconvert`` command runs) installs a logging SDK with pip
 and sends usage data on import, which nothing here may do.
 
-Weights: MNN re-quantizes float weights itself (``--weightQuantBits``, symmetric, per block of
+Weights: MNN re-quantizes float weights itself (``--weightQuantBits``, per block of
 ``--weightQuantBlock``). Fed the workbench's simulated (already dequantized) weights with the
-same bits and block, its symmetric max-abs rounding lands on the same grid, so the integers
-match; it applies to every MatMul with constant weights, including layers a plan keeps in
-float (for example a tied ``lm_head``), which ``convert`` reports.
+same bits and block, its asymmetric (min/max) mode reproduces them exactly (measured: zero
+difference on a 4-bit grid), while its symmetric mode rescales and moves codes (about 5% of the
+weight range). It applies to every MatMul with constant weights, including layers a plan keeps
+in float (for example a tied ``lm_head``) unless ``keep_matmul_weights_float`` gives those weights
+a leading batch axis of 1: MNN leaves batched constant MatMul operands in float (measured), and
+the product is unchanged by broadcasting.
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ import numpy as np
 
 from ..errors import WorkbenchError
 
-__all__ = ["convert_to_mnn", "MnnCausalLM", "mnn_command_line"]
+__all__ = ["convert_to_mnn", "MnnCausalLM", "mnn_command_line", "keep_matmul_weights_float"]
 
 
 def mnn_command_line(onnx_path: str | Path, mnn_path: str | Path, weight_bits: int | None = None,
@@ -39,6 +42,28 @@ def mnn_command_line(onnx_path: str | Path, mnn_path: str | Path, weight_bits: i
         if asymmetric:
             args.append("--weightQuantAsymmetric")
     return args
+
+
+def keep_matmul_weights_float(onnx_path: str | Path, out_path: str | Path, initializers: list[str]) -> list[str]:
+    """Reshape the named 2-D MatMul weights to ``[1, K, N]`` so ``--weightQuantBits`` leaves them in float."""
+    import onnx
+    from onnx import numpy_helper
+    proto = onnx.load(str(onnx_path))
+    wanted = set(initializers)
+    users: dict[str, list] = {}
+    for node in proto.graph.node:
+        for i, x in enumerate(node.input):
+            if x in wanted:
+                users.setdefault(x, []).append((node, i))
+    kept = []
+    for init in proto.graph.initializer:
+        if init.name in wanted and len(init.dims) == 2 and all(n.op_type == "MatMul" and i == 1
+                                                                for n, i in users.get(init.name, [])):
+            arr = numpy_helper.to_array(init)
+            init.CopyFrom(numpy_helper.from_array(arr[None], init.name))
+            kept.append(init.name)
+    onnx.save(proto, str(out_path))
+    return kept
 
 
 @contextlib.contextmanager

@@ -96,13 +96,14 @@ class QuantizePanel(widgets.VBox):
                     ref = self.baseline.report
                     self.rows.append({"label": "float (reference)", "perplexity": ref.perplexity,
                                       "bits_per_weight": 16.0, "seconds": None})
-                calibration = None
+                calibration = workspace = None
                 if plan.method == "awq":
                     from ..calibrate import calibrate
+                    workspace = self.workspace or Workspace()  # statistics and the AWQ search are cached there
                     calibration = calibrate(self.lm, self.data.value.strip() or None, samples=self.samples_n,
-                                            seq_len=self.seq_len, workspace=self.workspace)
+                                            seq_len=self.seq_len, workspace=workspace)
                 t0 = time.perf_counter()
-                self.qm = quantize_model(self.lm, plan, calibration=calibration)
+                self.qm = quantize_model(self.lm, plan, calibration=calibration, workspace=workspace)
                 seconds = time.perf_counter() - t0
                 self.cost = measure_cost(self.qm, self.baseline)
         except (WorkbenchError, ValueError) as e:
