@@ -53,6 +53,12 @@ def test_read_alpaca_joins_fields(tmp_path):
     assert records[1].where == "record 1"
 
 
+def test_jsonl_line_may_be_an_alpaca_record(tmp_path):
+    p = write_jsonl(tmp_path / "c.jsonl", [{"instruction": "Name a colour", "input": None, "output": "blue"}])
+    records, _ = read_records(p)
+    assert records[0].text == "Name a colour\n\nblue" and records[0].where == "line 1"
+
+
 def test_missing_file(tmp_path):
     with pytest.raises(DataError, match=r"calibration file '.*nope\.jsonl' does not exist"):
         read_records(tmp_path / "nope.jsonl")

@@ -161,3 +161,17 @@ def test_replaying_unchanged_blocks_gives_the_same_numbers(make_tiny_model, arch
         assert a.kl_divergence == pytest.approx(b.kl_divergence, rel=1e-6, abs=1e-12) and a.kl_divergence > 0
         assert a.nll == pytest.approx(b.nll, rel=1e-7)
     assert [type(m).__name__ for m in lm.model.model.layers].count("_Replay") == 0
+
+
+def test_editing_a_plan_replays_the_blocks_before_the_edit_exactly(lm):
+    ids = evaluation_tokens(lm, tokens=TOKENS)
+    editing = PlanEvaluator(lm, ids)
+    plan = QuantPlan.uniform("int8")
+    editing.evaluate(plan)
+    for name, precision in (("model.layers.1.mlp.down_proj", "int4"), ("lm_head", "int4"),
+                            ("model.layers.0.self_attn.q_proj", "fp16"), ("lm_head", "int4")):
+        plan = plan.with_override(name, precision)
+        a = editing.evaluate(plan)
+        b = PlanEvaluator(lm, ids, reference=editing.reference, variants=editing.variants).evaluate(plan)
+        assert a.nll == pytest.approx(b.nll, rel=1e-9) and a.kl_divergence == pytest.approx(b.kl_divergence,
+                                                                                              rel=1e-7, abs=1e-12)

@@ -236,6 +236,7 @@ class BlockReplay:
             self.enabled = False
             yield
             return
+        previous = self.outputs
         outputs: list[list[torch.Tensor]] = [[] for _ in range(self.depth)]
 
         def hook(i):
@@ -251,7 +252,9 @@ class BlockReplay:
         finally:
             for h in handles:
                 h.remove()
-        self.outputs = outputs if self.enabled else None
+        if previous is not None:  # blocks replayed during this run kept their earlier outputs
+            outputs = [new if new else old for new, old in zip(outputs, previous)]
+        self.outputs = outputs if self.enabled and all(outputs) else None
 
     @contextlib.contextmanager
     def skipping(self, start: int) -> Iterator[None]:
@@ -286,7 +289,9 @@ class PlanEvaluator:
         self.variants = variants or LayerVariants(lm)
         self._reference = reference
         self.baseline: EvalReport | None = None
-        self.replay = BlockReplay(lm.model)
+        self.replay = BlockReplay(lm.model)  # recorded on the float model: for single-layer trials
+        self._plan_replay = BlockReplay(lm.model)  # recorded on the last plan evaluated: for small edits
+        self._last_plan: dict[str, str | None] | None = None
 
     @property
     def reference(self) -> ReferenceOutputs:
@@ -325,11 +330,34 @@ class PlanEvaluator:
                             progress=False, desc=desc)
 
     def evaluate(self, plan: QuantPlan) -> EvalReport:
+        """Evaluate a whole plan. Blocks before the first layer that differs from the last plan
+        evaluated here are replayed from that evaluation, so changing one layer re-runs only the
+        blocks from that layer on."""
         if (plan.group_size, plan.symmetric) != (self.variants.group_size, self.variants.symmetric):
             raise PlanError(f"this evaluator caches weights at group size {self.variants.group_size}, symmetric="
                             f"{self.variants.symmetric}; the plan asks for group size {plan.group_size}, "
                             f"symmetric={plan.symmetric}: make a new evaluator for it")
-        return self.evaluate_assignments(self.variants.assignments(plan))
+        assignments = self.variants.assignments(plan)
+        replay = self._plan_replay
+        start = 0
+        if self._last_plan is not None and replay.outputs is not None:
+            changed = [n for n in assignments if _effective(assignments[n]) != _effective(self._last_plan.get(n))]
+            start = min((replay.block_of(n) for n in changed), default=replay.depth)
+        ref = self.reference
+        hidden = int(getattr(self.lm.config, "hidden_size", 0) or 0)
+        self._last_plan = None  # if this run fails, the recording no longer matches a known plan
+        with self.variants.swapped(assignments) as model, replay.record(len(self.ids), hidden), \
+                replay.skipping(start):
+            report = evaluate(model, self.ids, reference=ref, ctx=self.ctx, batch_size=self.batch_size,
+                              progress=False)
+        self._last_plan = dict(assignments)
+        return report
+
+
+def _effective(precision: str | None) -> str | None:
+    """Precisions that put the same tensor in the model compare equal (None and fp32 leave it as loaded)."""
+    p = get_precision(precision)
+    return None if p is None or (p.is_float and p.bits >= 32) else p.name
 
 
 @dataclass

@@ -8,8 +8,9 @@
     display(panel)
 
 Evaluate swaps cached quantized weights into the float model and scores it against reference
-log-probs captured once (``PlanEvaluator``), so after the first press it costs one forward pass
-over the token budget.
+log-probs captured once (``PlanEvaluator``); blocks before the first layer changed since the last
+press are replayed from that press, so after the first press a one-layer change re-runs only the
+blocks from that layer on, over the token budget.
 """
 from __future__ import annotations
 
