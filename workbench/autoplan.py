@@ -68,7 +68,7 @@ def predict_damage(sensitivity: SensitivityReport, assignments: Mapping[str, str
             continue
         kl += sensitivity.damage(name, prec.name, "kl")
         nll += sensitivity.damage(name, prec.name, "nll_delta")
-    return {"kl_divergence": kl, "perplexity": sensitivity.reference_perplexity * math.exp(nll)}
+    return {"kl_divergence": kl, "nll_delta": nll, "perplexity": sensitivity.reference_perplexity * math.exp(nll)}
 
 
 @dataclass
@@ -81,13 +81,15 @@ class PlanPrediction:
     bits_per_weight: float
     budget_bytes: int
     predicted_kl: float
-    predicted_perplexity: float
+    predicted_perplexity: float  # on the sweep's tokens; measure_plan rescales it to the text it measures
+    predicted_nll_delta: float = 0.0
     seconds: float = 0.0
 
     def to_dict(self) -> dict:
         return {"plan": self.plan.to_dict(), "assignments": dict(self.assignments), "size_bytes": self.size_bytes,
                 "bits_per_weight": self.bits_per_weight, "budget_bytes": self.budget_bytes,
-                "predicted_kl_divergence": self.predicted_kl, "predicted_perplexity": self.predicted_perplexity}
+                "predicted_kl_divergence": self.predicted_kl, "predicted_perplexity": self.predicted_perplexity,
+                "predicted_nll_delta": self.predicted_nll_delta}
 
 
 def _units(lm: LoadedModel, names: Sequence[str]) -> list[list[str]]:
@@ -207,7 +209,7 @@ def plan_for_budget(lm: LoadedModel, sensitivity: SensitivityReport, *, size_byt
     foot = plan_footprint(lm, plan)
     pred = predict_damage(sensitivity, ordered)
     return PlanPrediction(plan, ordered, foot["size_bytes"], foot["bits_per_weight"], int(size_bytes),
-                          pred["kl_divergence"], pred["perplexity"], time.perf_counter() - t0)
+                          pred["kl_divergence"], pred["perplexity"], pred["nll_delta"], time.perf_counter() - t0)
 
 
 def _layer_bytes_subset(lm: LoadedModel, assign: Mapping[str, str], group_size, symmetric) -> int:
@@ -261,11 +263,14 @@ def measure_plan(lm: LoadedModel, plan: QuantPlan, evaluator: PlanEvaluator, *, 
                       batch_size=evaluator.batch_size, progress=progress, desc=label)
     del model
     foot = plan_footprint(lm, plan)
-    pred_kl = prediction.predicted_kl if prediction else None
-    pred_ppl = prediction.predicted_perplexity if prediction else None
-    if prediction is None and sensitivity is not None:
+    pred_kl = pred_ppl = None
+    if prediction is not None:
+        pred_kl, delta = prediction.predicted_kl, prediction.predicted_nll_delta
+    elif sensitivity is not None:
         pred = predict_damage(sensitivity, plan.resolve(info.name for info in lm.layers))
-        pred_kl, pred_ppl = pred["kl_divergence"], pred["perplexity"]
+        pred_kl, delta = pred["kl_divergence"], pred["nll_delta"]
+    if pred_kl is not None:  # the predicted change applied to the float model's perplexity on this text
+        pred_ppl = report.reference_perplexity * math.exp(delta)
     return PlanPoint(label, foot["size_bytes"], foot["bits_per_weight"], report.kl_divergence, report.perplexity,
                      report.top1_agreement, report.reference_perplexity, report.tokens, pred_kl, pred_ppl,
                      time.perf_counter() - t0, plan, report)

@@ -269,7 +269,8 @@ def convert(model, target: str, out_dir: str | Path, *, plan: QuantPlan | str | 
     max_pos = getattr(prep.float_lm.model.config, "max_position_embeddings", None)
     if max_pos and static[1] + 1 > max_pos:
         static = (min(static[0], max_pos - 1), max_pos - 1)
-        report.notes.append(f"static past shortened to {static[1]}: the model has {max_pos} positions")
+        if target in ("ort-qdq", "qnn", "rknn"):
+            report.notes.append(f"static past shortened to {static[1]}: the model has {max_pos} positions")
     evaluator = None
     work = Path(tempfile.mkdtemp(prefix="workbench-convert-"))
     try:

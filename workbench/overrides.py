@@ -139,6 +139,7 @@ def qnn_encodings(quantized, export, *, calibration=None, activation_bitwidth: i
     weight_names, _ = _graph_names(export)
     params: dict[str, list[dict]] = {}
     precisions: dict[str, str | None] = {}
+    blockwise: list[str] = []
     for r in quantized.layers:
         precisions[r.name] = r.precision
         prec = get_precision(r.precision)
@@ -157,8 +158,11 @@ def qnn_encodings(quantized, export, *, calibration=None, activation_bitwidth: i
                                 "for it; quantize with the same plan")
             params[tensor] = _int_encodings(qw)
             if qw.group_size is not None and qw.n_groups > 1:
-                notes.append(f"{r.name}: {qw.n_groups} blocks of {qw.group_size} per output channel written as "
-                             "per-block encodings (channel-major); use group_size null for per-channel encodings")
+                blockwise.append(r.name)
+    if blockwise:
+        notes.append(f"{len(blockwise)} layer(s) have several blocks per output channel (group size "
+                     f"{quantized.plan.group_size}): written as per-block encodings, channel-major; plan with "
+                     "group_size null for one encoding per output channel")
     doc = {"version": QNN_ENCODINGS_VERSION, "activation_encodings": {}, "param_encodings": params}
     if calibration is not None:
         prefill = getattr(export, "prefill_path", None)

@@ -45,7 +45,7 @@ def run(args) -> int:
            "bits_per_weight": point.bits_per_weight, "size_bytes": point.size_bytes,
            "kl_divergence": point.kl_divergence, "perplexity": point.perplexity,
            "top1_agreement": point.top1_agreement, "reference_perplexity": point.reference_perplexity,
-           "predicted_kl_divergence": auto.predicted_kl, "predicted_perplexity": auto.predicted_perplexity,
+           "predicted_kl_divergence": auto.predicted_kl, "predicted_perplexity": point.predicted_perplexity,
            "eval_tokens": point.tokens, "sweep_tokens": sens.tokens, "assignments": auto.assignments,
            "plan": auto.plan.to_dict()}
     if args.json:
@@ -58,7 +58,7 @@ def run(args) -> int:
           f"{point.bits_per_weight:.2f} bits/weight ({', '.join(f'{n} {p}' for p, n in sorted(counts.items()))})")
     print(f"{'':<14}{'predicted':>12}{'measured':>12}")
     print(f"{'KL':<14}{auto.predicted_kl:>12.3e}{point.kl_divergence:>12.3e}")
-    print(f"{'perplexity':<14}{auto.predicted_perplexity:>12.3f}{point.perplexity:>12.3f}   "
+    print(f"{'perplexity':<14}{point.predicted_perplexity:>12.3f}{point.perplexity:>12.3f}   "
           f"(float {point.reference_perplexity:.3f}, {point.tokens:,} tokens)")
     print(f"top-1 agreement {point.top1_agreement:.4f}; plan written to {saved}")
     return 0

@@ -86,7 +86,8 @@ def convert_to_mnn(onnx_path: str | Path, mnn_path: str | Path, *, weight_bits: 
                    block_size: int | None = None, asymmetric: bool = False, quiet: bool = True) -> Path:
     """Run MNN's ONNX converter in-process; the output is written atomically."""
     try:
-        import _tools  # the MNN wheel's converter extension
+        with _quiet_fds():  # importing the extension prints the CPU's features to stdout
+            import _tools  # the MNN wheel's converter extension
     except ImportError:
         raise WorkbenchError("the MNN converter is not available: install the MNN package "
                              "(pip install -c constraints.txt MNN)") from None
@@ -108,13 +109,14 @@ class MnnCausalLM:
     """A converted prefill graph run by MNN's Python runtime: ``logits(ids)`` for evaluation."""
 
     def __init__(self, mnn_path: str | Path, threads: int = 1):
-        import MNN.expr as F
-        import MNN.nn as nn
+        with _quiet_fds():  # MNN prints CPU features and the precision mode to stdout
+            import MNN.expr as F
+            import MNN.nn as nn
+            config = {"backend": "CPU", "precision": "high", "numThread": threads}
+            rt = nn.create_runtime_manager((config,))
+            self.module = nn.load_module_from_file(str(mnn_path), ["input_ids", "attention_mask", "position_ids"],
+                                                   ["logits"], runtime_manager=rt)
         self._F = F
-        config = {"backend": "CPU", "precision": "high", "numThread": threads}
-        rt = nn.create_runtime_manager((config,))
-        self.module = nn.load_module_from_file(str(mnn_path), ["input_ids", "attention_mask", "position_ids"],
-                                               ["logits"], runtime_manager=rt)
 
     def logits(self, input_ids: np.ndarray) -> np.ndarray:
         F = self._F

@@ -251,7 +251,7 @@ class OverridePanel(widgets.VBox):
         if self.sensitivity is not None:
             try:
                 d = predict_damage(self.sensitivity, plan.resolve(self.dropdowns))
-                pred_kl, pred_ppl = d["kl_divergence"], d["perplexity"]
+                pred_kl, pred_ppl = d["kl_divergence"], report.reference_perplexity * math.exp(d["nll_delta"])
             except WorkbenchError:
                 pass
         point = PlanPoint(label, foot["size_bytes"], foot["bits_per_weight"], report.kl_divergence, report.perplexity,
