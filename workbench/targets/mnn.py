@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -69,6 +70,8 @@ def keep_matmul_weights_float(onnx_path: str | Path, out_path: str | Path, initi
 @contextlib.contextmanager
 def _quiet_fds():
     """The converter prints from C++ straight to file descriptors 1 and 2; keep that out of CLI/JSON output."""
+    sys.stdout.flush()
+    sys.stderr.flush()
     saved = [os.dup(1), os.dup(2)]
     with open(os.devnull, "w") as null:
         os.dup2(null.fileno(), 1)
