@@ -13,16 +13,14 @@ from __future__ import annotations
 import html
 
 import ipywidgets as widgets
-from IPython import get_ipython
-from IPython.display import display
 
 from ..calibrate import CalibrationStats, calibrate
 from ..charts.calibration import (make_channel_magnitude_figure, make_layer_overview_figure,
                                   make_stat_heatmap_figure, make_token_length_figure)
 from ..data import DEFAULT_SAMPLES, DEFAULT_SEQ_LEN, CalibrationSet
-from ..errors import WorkbenchError
 from ..models import LoadedModel, demo_text_path
 from ..workspace import Workspace
+from .base import StepPanel
 
 __all__ = ["CalibratePanel"]
 
@@ -30,7 +28,7 @@ SORT_CHOICES = [("outlier ratio", "outlier_ratio"), ("max / median", "max_to_med
                 ("abs-max", "abs_max"), ("near-zero fraction", "near_zero_fraction"), ("module order", "order")]
 
 
-class CalibratePanel(widgets.VBox):
+class CalibratePanel(StepPanel):
     """Data file, samples, sequence length; Run; coverage summary and the calibration charts."""
 
     def __init__(self, lm: LoadedModel, *, data=None, samples: int = DEFAULT_SAMPLES, seq_len: int = DEFAULT_SEQ_LEN,
@@ -39,8 +37,7 @@ class CalibratePanel(widgets.VBox):
         self.workspace = workspace
         self.calib_set: CalibrationSet | None = None
         self.stats: CalibrationStats | None = None
-        self.error: str | None = None
-        self.figures: dict = {}  # the figures on show: coverage, overview, channels, heatmap
+        self._setup()  # figures on show: coverage, overview, channels, heatmap
         max_len = getattr(lm.model.config, "max_position_embeddings", None) or 1 << 20
         self.data = widgets.Text(value=str(data or demo_text_path("calibration")), description="data",
                                  placeholder="plain text, .jsonl or Alpaca .json", layout={"width": "640px"})
@@ -50,9 +47,6 @@ class CalibratePanel(widgets.VBox):
         self.bilingual = widgets.Checkbox(value=bilingual, description="bilingual (zh/en) model", indent=False)
         self.run_button = widgets.Button(description="Run calibration", button_style="primary", icon="play")
         self.run_button.on_click(lambda _: self.run())
-        self.status = widgets.HTML()
-        self.log_output = widgets.Output(layout={"border": "1px solid #ddd", "max_height": "160px",
-                                                 "overflow": "auto"})
         self.coverage = widgets.HTML()
         self.sort_by = widgets.Dropdown(options=SORT_CHOICES, value="outlier_ratio", description="sort by")
         self.sort_by.observe(lambda _: self._draw_overview(), names="value")
@@ -74,26 +68,14 @@ class CalibratePanel(widgets.VBox):
             self.data, widgets.HBox([self.samples, self.seq_len, self.seed]),
             widgets.HBox([self.bilingual, self.run_button]), self.status, self.log_output, tabs])
 
-    def _freeze(self, frozen: bool) -> None:
-        for w in self.controls:
-            w.disabled = frozen
-
     def run(self) -> CalibrationStats | None:
         """Load the calibration set and compute (or read back) the statistics; show the results."""
-        self._freeze(True)
-        self.error = None
-        self.status.value = "running..."
-        try:
-            with self.log_output:
-                self.calib_set, self.stats = calibrate(
-                    self.lm, self.data.value.strip() or None, samples=self.samples.value, seq_len=self.seq_len.value,
-                    workspace=self.workspace, seed=self.seed.value, bilingual=self.bilingual.value, progress=True)
-        except (WorkbenchError, ValueError) as e:
-            self.error = str(e)
-            self.status.value = f"<span style='color:#c0392b'>error: {html.escape(str(e))}</span>"
+        ok, result = self._attempt("running...", lambda: calibrate(
+            self.lm, self.data.value.strip() or None, samples=self.samples.value, seq_len=self.seq_len.value,
+            workspace=self.workspace, seed=self.seed.value, bilingual=self.bilingual.value, progress=True))
+        if not ok:
             return None
-        finally:
-            self._freeze(False)
+        self.calib_set, self.stats = result
         meta = self.stats.meta
         how = "read back from the workspace" if self.stats.cached else f"computed in {meta['seconds']:.1f} s"
         self.status.value = (f"{len(self.stats.layers)} layers over {meta['tokens']:,} tokens, {how}"
@@ -124,11 +106,6 @@ class CalibratePanel(widgets.VBox):
             self._plot("channels", make_channel_magnitude_figure(self.stats.layers[self.layer.value]))
 
     def _plot(self, which: str, fig) -> None:
-        self.figures[which] = fig
         out = {"coverage": self.coverage_plot, "overview": self.overview_plot, "channels": self.channel_plot,
                "heatmap": self.heatmap_plot}[which]
-        if get_ipython() is None:  # no front end to show it (a script or a test): keep it in .figures only
-            return
-        out.clear_output(wait=True)
-        with out:
-            display(fig)
+        super()._plot(which, fig, out)

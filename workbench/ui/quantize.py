@@ -15,23 +15,21 @@ import time
 from dataclasses import replace
 
 import ipywidgets as widgets
-from IPython import get_ipython
-from IPython.display import display
 
 from ..charts.quantize import make_cost_table_figure, make_layer_error_figure
-from ..errors import WorkbenchError
 from ..evaluate import DEFAULT_CTX
 from ..models import LoadedModel, demo_text_path
 from ..plan import QuantPlan
 from ..quantize import heldout_ids, measure_cost, measure_reference, quantize_model
 from ..workspace import Workspace
+from .base import StepPanel
 
 __all__ = ["QuantizePanel"]
 
 GROUP_CHOICES = [("32", 32), ("64", 64), ("128", 128), ("256", 256), ("per-channel", None)]
 
 
-class QuantizePanel(widgets.VBox):
+class QuantizePanel(StepPanel):
     """Choose method, bits, group size and symmetry; Run quantizes, evaluates and shows the cost."""
 
     def __init__(self, lm: LoadedModel, *, method: str = "rtn", bits: int = 4, group_size: int | None = 128,
@@ -44,9 +42,8 @@ class QuantizePanel(widgets.VBox):
         self.text_path = text
         self.baseline = None
         self.qm = self.cost = None
-        self.error: str | None = None
         self.rows: list[dict] = []
-        self.figures: dict = {}
+        self._setup()
         bit_options = [("INT4", 4), ("INT8", 8)] + ([("plan", "plan")] if plan is not None else [])
         self.method = widgets.Dropdown(options=[("round-to-nearest", "rtn"), ("AWQ", "awq")], value=method,
                                        description="method")
@@ -58,9 +55,6 @@ class QuantizePanel(widgets.VBox):
                                  placeholder="used by AWQ", layout={"width": "640px"})
         self.run_button = widgets.Button(description="Run", button_style="primary", icon="play")
         self.run_button.on_click(lambda _: self.run())
-        self.status = widgets.HTML()
-        self.log_output = widgets.Output(layout={"border": "1px solid #ddd", "max_height": "160px",
-                                                 "overflow": "auto"})
         self.table_plot, self.error_plot = widgets.Output(), widgets.Output()
         self.warnings = widgets.HTML()
         self.controls = [self.method, self.bits, self.group_size, self.symmetric, self.data, self.run_button]
@@ -69,10 +63,6 @@ class QuantizePanel(widgets.VBox):
                          "against the unquantized model"),
             widgets.HBox([self.method, self.bits, self.group_size, self.symmetric]), self.data, self.run_button,
             self.status, self.log_output, self.warnings, self.table_plot, self.error_plot])
-
-    def _freeze(self, frozen: bool) -> None:
-        for w in self.controls:
-            w.disabled = frozen
 
     def current_plan(self) -> QuantPlan:
         """The plan the controls describe (the given plan with these settings, or a uniform one)."""
@@ -84,34 +74,10 @@ class QuantizePanel(widgets.VBox):
 
     def run(self):
         """Quantize by the current plan, evaluate against the float model, show the results."""
-        self._freeze(True)
-        self.error = None
-        self.status.value = "running..."
-        try:
-            with self.log_output:
-                plan = self.current_plan()
-                if self.baseline is None:
-                    self.baseline = measure_reference(self.lm.model, heldout_ids(self.lm, self.text_path),
-                                                      ctx=self.ctx)
-                    ref = self.baseline.report
-                    self.rows.append({"label": "float (reference)", "perplexity": ref.perplexity,
-                                      "bits_per_weight": 16.0, "seconds": None})
-                calibration = workspace = None
-                if plan.method == "awq":
-                    from ..calibrate import calibrate
-                    workspace = self.workspace or Workspace()  # statistics and the AWQ search are cached there
-                    calibration = calibrate(self.lm, self.data.value.strip() or None, samples=self.samples_n,
-                                            seq_len=self.seq_len, workspace=workspace)
-                t0 = time.perf_counter()
-                self.qm = quantize_model(self.lm, plan, calibration=calibration, workspace=workspace)
-                seconds = time.perf_counter() - t0
-                self.cost = measure_cost(self.qm, self.baseline)
-        except (WorkbenchError, ValueError) as e:
-            self.error = str(e)
-            self.status.value = f"<span style='color:#c0392b'>error: {html.escape(str(e))}</span>"
+        ok, result = self._attempt("running...", self._quantize_and_measure)
+        if not ok:
             return None
-        finally:
-            self._freeze(False)
+        plan, seconds = result
         label = (f"{'plan' if self.bits.value == 'plan' else f'INT{self.bits.value}'} {plan.method.upper()} "
                  f"g{plan.group_size or 'channel'}{'' if plan.symmetric else ' asym'}")
         self.rows.append({"label": label, **self.cost.to_dict(), "seconds": seconds})
@@ -125,10 +91,23 @@ class QuantizePanel(widgets.VBox):
         self._plot("errors", make_layer_error_figure(self.qm.layers), self.error_plot)
         return self.cost
 
-    def _plot(self, which: str, fig, out: widgets.Output) -> None:
-        self.figures[which] = fig
-        if get_ipython() is None:  # no front end to show it (a script or a test): keep it in .figures only
-            return
-        out.clear_output(wait=True)
-        with out:
-            display(fig)
+    def _quantize_and_measure(self):
+        """The library calls behind Run: reference (once), calibration for AWQ, quantize, measure."""
+        plan = self.current_plan()
+        if self.baseline is None:
+            self.baseline = measure_reference(self.lm.model, heldout_ids(self.lm, self.text_path),
+                                              ctx=self.ctx)
+            ref = self.baseline.report
+            self.rows.append({"label": "float (reference)", "perplexity": ref.perplexity,
+                              "bits_per_weight": 16.0, "seconds": None})
+        calibration = workspace = None
+        if plan.method == "awq":
+            from ..calibrate import calibrate
+            workspace = self.workspace or Workspace()  # statistics and the AWQ search are cached there
+            calibration = calibrate(self.lm, self.data.value.strip() or None, samples=self.samples_n,
+                                    seq_len=self.seq_len, workspace=workspace)
+        t0 = time.perf_counter()
+        self.qm = quantize_model(self.lm, plan, calibration=calibration, workspace=workspace)
+        seconds = time.perf_counter() - t0
+        self.cost = measure_cost(self.qm, self.baseline)
+        return plan, seconds
