@@ -12,7 +12,6 @@ from typing import Callable, TypeVar
 
 import ipywidgets as widgets
 from IPython import get_ipython
-from IPython.display import display
 
 from ..errors import WorkbenchError
 
@@ -59,6 +58,7 @@ class StepPanel(widgets.VBox):
         self.figures[key] = fig
         if get_ipython() is None:  # a script or a test: keep it in .figures only
             return
-        out.clear_output(wait=True)
-        with out:
-            display(fig)
+        # append_display_data sends the figure's mime bundle; `with out: display(fig)` makes a
+        # headless kernel (nbmake, Voila pre-render) wait for a front end that never answers
+        out.clear_output()
+        out.append_display_data(fig)

@@ -14,13 +14,12 @@ import socket
 from pathlib import Path
 
 import ipywidgets as widgets
-from IPython.display import display
 
 from ..charts.graph import make_block_bytes_figure, make_conversion_figure, make_op_histogram_figure
 from ..convert import CONVERT_TARGETS, ConversionReport, convert, prepare_models
-from ..errors import WorkbenchError
 from ..graph import initializer_bytes_by_block
 from ..targets import TARGETS, GraphReport, inspect_graph
+from .base import StepPanel
 
 __all__ = ["GraphPanel", "ConvertPanel", "NetronServer"]
 
@@ -68,13 +67,12 @@ def _findings_html(report: GraphReport) -> str:
     return ("<table><tr><th>severity</th><th>rule</th><th>what</th><th>fix</th></tr>" + "".join(rows) + "</table>")
 
 
-class GraphPanel(widgets.VBox):
+class GraphPanel(StepPanel):
     """ONNX file and target; Inspect shows findings, the op histogram and bytes per block; Netron on demand."""
 
     def __init__(self, path: str | Path | None = None, *, target: str = "qnn", serve_netron: bool = True):
         self.report: GraphReport | None = None
-        self.figures: dict = {}
-        self.error: str | None = None
+        self._setup(log_height="120px")
         self.netron = NetronServer()
         self.path = widgets.Text(value=str(path or ""), description="ONNX file", layout={"width": "640px"})
         self.target = widgets.Dropdown(options=list(TARGETS), value=target, description="target")
@@ -83,8 +81,6 @@ class GraphPanel(widgets.VBox):
         self.netron_button = widgets.Button(description="Open in Netron", icon="project-diagram",
                                             disabled=not serve_netron)
         self.netron_button.on_click(lambda _: self.open_netron())
-        self.status = widgets.HTML()
-        self.log_output = widgets.Output(layout={"border": "1px solid #ddd", "max_height": "120px", "overflow": "auto"})
         self.findings = widgets.HTML()
         self.histogram_plot, self.bytes_plot = widgets.Output(), widgets.Output()
         self.netron_view = widgets.HTML()
@@ -94,37 +90,21 @@ class GraphPanel(widgets.VBox):
             self.path, widgets.HBox([self.target, self.inspect_button, self.netron_button]), self.status,
             self.log_output, self.findings, widgets.HBox([self.histogram_plot, self.bytes_plot]), self.netron_view])
 
-    def _freeze(self, frozen: bool) -> None:
-        for w in self.controls:
-            w.disabled = frozen
-
     def run(self) -> GraphReport | None:
         """Inspect the file for the chosen target and draw the results."""
-        self._freeze(True)
-        self.error = None
-        self.status.value = "inspecting..."
-        try:
-            with self.log_output:
-                self.report = inspect_graph(self.path.value.strip(), self.target.value)
-                blocks = initializer_bytes_by_block(self.path.value.strip())
-        except (WorkbenchError, ValueError) as e:
-            self.error = str(e)
-            self.status.value = f"<span style='color:#c0392b'>error: {html.escape(str(e))}</span>"
+        path = self.path.value.strip()
+        ok, result = self._attempt("inspecting...", lambda: (inspect_graph(path, self.target.value),
+                                                             initializer_bytes_by_block(path)))
+        if not ok:
             return None
-        finally:
-            self._freeze(False)
+        self.report, blocks = result
         self.status.value = html.escape(self.report.summary())
         self.findings.value = _findings_html(self.report)
         bad = {f.op_type for f in self.report.findings if f.severity == "error" and f.op_type}
-        self._plot(self.histogram_plot, "operators", make_op_histogram_figure(self.report.inventory, bad))
-        self._plot(self.bytes_plot, "bytes", make_block_bytes_figure(blocks))
+        self._plot("operators", make_op_histogram_figure(self.report.inventory, bad), self.histogram_plot)
+        self._plot("bytes", make_block_bytes_figure(blocks), self.bytes_plot)
         return self.report
 
-    def _plot(self, out: widgets.Output, key: str, fig) -> None:
-        self.figures[key] = fig
-        out.clear_output(wait=True)
-        with out:
-            display(fig)
 
     def open_netron(self) -> str | None:
         """Serve the file with Netron on 127.0.0.1 and embed it (works where the browser runs on this host)."""
@@ -159,7 +139,7 @@ def _conversion_rows(reports: list[ConversionReport]) -> str:
     return "<table>" + head + "".join(rows) + "</table>"
 
 
-class ConvertPanel(widgets.VBox):
+class ConvertPanel(StepPanel):
     """Target, output folder and options; Convert runs the converted model and compares it with the simulation."""
 
     def __init__(self, model, *, plan=None, bits: int | None = 4, out_dir: str | Path = "out/convert",
@@ -169,7 +149,7 @@ class ConvertPanel(widgets.VBox):
         self.prepared = None
         self.reports: list[ConversionReport] = []
         self.figure = None
-        self.error: str | None = None
+        self._setup()
         self.target = widgets.Dropdown(options=list(CONVERT_TARGETS), value="ort-int4", description="target")
         self.out_dir = widgets.Text(value=str(out_dir), description="output", layout={"width": "480px"})
         self.accuracy_level = widgets.Dropdown(options=[0, 4], value=accuracy_level, description="INT4 acc. level")
@@ -178,8 +158,6 @@ class ConvertPanel(widgets.VBox):
                                           tooltip="0 = the whole evaluation text")
         self.convert_button = widgets.Button(description="Convert", button_style="primary", icon="cogs")
         self.convert_button.on_click(lambda _: self.run())
-        self.status = widgets.HTML()
-        self.log_output = widgets.Output(layout={"border": "1px solid #ddd", "max_height": "160px", "overflow": "auto"})
         self.table = widgets.HTML()
         self.plot = widgets.Output()
         self.controls = [self.target, self.out_dir, self.accuracy_level, self.activation_bits, self.max_tokens,
@@ -191,36 +169,25 @@ class ConvertPanel(widgets.VBox):
             widgets.HBox([self.accuracy_level, self.activation_bits, self.max_tokens, self.convert_button]),
             self.status, self.log_output, self.table, self.plot])
 
-    def _freeze(self, frozen: bool) -> None:
-        for w in self.controls:
-            w.disabled = frozen
-
     def run(self, target: str | None = None) -> ConversionReport | None:
         """Convert for ``target`` (default: the dropdown) into ``<output>/<target>``; show the comparison."""
         if target is not None:
             self.target.value = target
-        self._freeze(True)
-        self.error = None
-        self.status.value = f"converting for {self.target.value}..."
-        try:
-            with self.log_output:
-                if self.prepared is None:
-                    self.prepared = prepare_models(self.model, plan=self.plan, bits=self.bits, progress=True)
-                report = convert(self.model, self.target.value, Path(self.out_dir.value) / self.target.value,
-                                 prepared=self.prepared, max_tokens=self.max_tokens.value or None,
-                                 accuracy_level=self.accuracy_level.value, activation_bits=self.activation_bits.value,
-                                 progress=True, log=print)
-        except (WorkbenchError, ValueError) as e:
-            self.error = str(e)
-            self.status.value = f"<span style='color:#c0392b'>error: {html.escape(str(e))}</span>"
+        ok, report = self._attempt(f"converting for {self.target.value}...", self._convert)
+        if not ok:
             return None
-        finally:
-            self._freeze(False)
         self.reports = [r for r in self.reports if r.target != report.target] + [report]
         self.status.value = html.escape(report.summary())
         self.table.value = _conversion_rows(self.reports)
         self.figure = make_conversion_figure([r.to_dict() for r in self.reports])
-        self.plot.clear_output(wait=True)
-        with self.plot:
-            display(self.figure)
+        self._plot("conversions", self.figure, self.plot)
         return report
+
+    def _convert(self) -> ConversionReport:
+        """The library calls behind Convert: prepare the float and simulated models once, then convert."""
+        if self.prepared is None:
+            self.prepared = prepare_models(self.model, plan=self.plan, bits=self.bits, progress=True)
+        return convert(self.model, self.target.value, Path(self.out_dir.value) / self.target.value,
+                       prepared=self.prepared, max_tokens=self.max_tokens.value or None,
+                       accuracy_level=self.accuracy_level.value, activation_bits=self.activation_bits.value,
+                       progress=True, log=print)
