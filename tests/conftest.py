@@ -45,6 +45,13 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "qwen3")
 
 
+@pytest.fixture(scope="module")
+def lm(tiny_model_dir):
+    """The tiny model loaded once per test module."""
+    from workbench.models import load_model
+    return load_model(tiny_model_dir)
+
+
 @pytest.fixture
 def make_tiny_model(tmp_path):
     """Factory: ``make_tiny_model(arch="llama", hidden=96, ...)`` -> directory."""

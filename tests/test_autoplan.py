@@ -8,14 +8,8 @@ import pytest
 from workbench.autoplan import (measure_plan, pareto_points, plan_footprint, plan_for_budget, predict_damage,
                                 compare_points)
 from workbench.errors import PlanError
-from workbench.models import load_model
 from workbench.plan import QuantPlan
 from workbench.sensitivity import LayerSensitivity, PlanEvaluator, SensitivityReport, evaluation_tokens, run_sensitivity
-
-
-@pytest.fixture(scope="module")
-def lm(tiny_model_dir):
-    return load_model(tiny_model_dir)
 
 
 @pytest.fixture(scope="module")

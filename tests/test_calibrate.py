@@ -17,11 +17,6 @@ TEXT = ("Quantization maps floating point weights to a few integer levels; calib
 
 
 @pytest.fixture(scope="module")
-def lm(tiny_model_dir):
-    return load_model(tiny_model_dir)
-
-
-@pytest.fixture(scope="module")
 def calib_file(tmp_path_factory):
     p = tmp_path_factory.mktemp("calib") / "calib.txt"
     p.write_text(TEXT, encoding="utf-8")

@@ -9,11 +9,6 @@ from workbench.evaluate import (capture_reference, encode_text, evaluate, paired
 from workbench.models import load_model
 
 
-@pytest.fixture(scope="module")
-def lm(tiny_model_dir):
-    return load_model(tiny_model_dir)
-
-
 def hand_perplexity(model, ids, ctx, stride):
     """The Hugging Face perplexity guide's loop, written independently: labels masked with -100."""
     nll_sum, n_tokens, prev_end = 0.0, 0, 0

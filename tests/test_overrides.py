@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 
 from workbench.errors import PlanError
-from workbench.models import load_model
 from workbench.overrides import (OVERRIDE_FORMATS, gguf_tensor_name, graph_tensor_names, load_ort_overrides,
                                  mnn_op_name, read_overrides, read_qnn_encodings, validate_qnn_encodings,
                                  write_overrides, write_qnn_encodings)
@@ -15,11 +14,6 @@ from workbench.plan import QuantPlan
 from workbench.quantize import quantize_model
 
 QV_FP16 = QuantPlan.uniform("int8").with_override("*.q_proj", "fp16").with_override("*.v_proj", "fp16")
-
-
-@pytest.fixture(scope="module")
-def lm(tiny_model_dir):
-    return load_model(tiny_model_dir)
 
 
 @pytest.fixture(scope="module")

@@ -19,11 +19,6 @@ TOKENS = 256
 
 
 @pytest.fixture(scope="module")
-def lm(tiny_model_dir):
-    return load_model(tiny_model_dir)
-
-
-@pytest.fixture(scope="module")
 def evaluator(lm):
     return PlanEvaluator(lm, evaluation_tokens(lm, tokens=TOKENS))
 

@@ -3,13 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from workbench.models import load_model
 from workbench.ui.calibrate import CalibratePanel
-
-
-@pytest.fixture(scope="module")
-def lm(tiny_model_dir):
-    return load_model(tiny_model_dir)
 
 
 def test_run_fills_the_panel(lm, workspace):

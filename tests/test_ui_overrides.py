@@ -3,17 +3,11 @@ from __future__ import annotations
 
 import pytest
 
-from workbench.models import load_model
 from workbench.plan import QuantPlan
 from workbench.sensitivity import PlanEvaluator, evaluation_tokens, run_sensitivity
 from workbench.ui.overrides import OverridePanel
 
 Q0 = "model.layers.0.self_attn.q_proj"
-
-
-@pytest.fixture(scope="module")
-def lm(tiny_model_dir):
-    return load_model(tiny_model_dir)
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,7 @@ import numpy as np
 from .errors import PlanError
 from .models import LoadedModel
 from .plan import QuantPlan, get_precision
-from .workspace import atomic_write_json, atomic_write_text
+from .workspace import atomic_write_json, atomic_write_text, read_json_file
 
 __all__ = ["OverrideFile", "OVERRIDE_FORMATS", "QNN_ENCODINGS_VERSION", "qnn_encodings", "write_qnn_encodings",
            "read_qnn_encodings", "validate_qnn_encodings", "ort_overrides", "write_ort_overrides",
@@ -250,14 +250,8 @@ def validate_qnn_encodings(doc_or_path, *, onnx_path: str | Path | None = None,
                            tensor_names: Iterable[str] | None = None) -> None:
     """Raise ``PlanError`` listing every problem: fields, value consistency, and names absent from the graph."""
     if isinstance(doc_or_path, (str, Path)):
-        p = Path(doc_or_path)
-        if not p.is_file():
-            raise PlanError(f"QNN encodings file '{p}' does not exist")
-        try:
-            doc = json.loads(p.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as e:
-            raise PlanError(f"QNN encodings file '{p}' is not valid JSON: {e}") from None
-        where = str(p)
+        doc = read_json_file(doc_or_path, "QNN encodings file", error=PlanError)
+        where = str(Path(doc_or_path))
     else:
         doc, where = doc_or_path, "QNN encodings"
     problems: list[str] = []
@@ -632,15 +626,9 @@ def read_mnn_quant_config(path: str | Path, lm: LoadedModel) -> dict[str, str]:
 # -- dispatch ---------------------------------------------------------------------------------------
 
 def _read_json(path, what: str) -> dict:
-    p = Path(path)
-    if not p.is_file():
-        raise PlanError(f"{what} file '{p}' does not exist")
-    try:
-        doc = json.loads(p.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise PlanError(f"{what} file '{p}' is not valid JSON: {e}") from None
+    doc = read_json_file(path, f"{what} file", error=PlanError)
     if not isinstance(doc, dict):
-        raise PlanError(f"{what} file '{p}' must hold a JSON object")
+        raise PlanError(f"{what} file '{Path(path)}' must hold a JSON object")
     return doc
 
 

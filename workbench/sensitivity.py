@@ -33,7 +33,7 @@ from .errors import DataError, PlanError, WorkspaceError
 from .evaluate import DEFAULT_CTX, EvalReport, ReferenceOutputs, capture_reference, encode_text, evaluate, read_text
 from .models import LoadedModel, demo_text_path
 from .plan import DEFAULT_GROUP_SIZE, QuantPlan, get_precision
-from .workspace import Workspace, atomic_write_json
+from .workspace import Workspace, atomic_write_json, read_json_file
 
 __all__ = ["LayerVariants", "BlockReplay", "PlanEvaluator", "LayerSensitivity", "SensitivityReport", "run_sensitivity",
            "evaluation_tokens", "model_fingerprint", "SWEEP_PRECISIONS", "DEFAULT_SWEEP_TOKENS", "SENSITIVITY_STEP"]
@@ -441,13 +441,8 @@ class SensitivityReport:
 
     @classmethod
     def load(cls, path: str | Path) -> "SensitivityReport":
-        p = Path(path)
-        if not p.is_file():
-            raise WorkspaceError(f"sensitivity report '{p}' does not exist; run `workbench sensitivity MODEL` first")
-        try:
-            return cls.from_dict(json.loads(p.read_text(encoding="utf-8")))
-        except json.JSONDecodeError as e:
-            raise WorkspaceError(f"sensitivity report '{p}' is not valid JSON: {e}") from None
+        return cls.from_dict(read_json_file(path, "sensitivity report", error=WorkspaceError,
+                                            hint="; run `workbench sensitivity MODEL` first"))
 
 
 def _trial_key(name: str, precision: str) -> str:

@@ -26,7 +26,7 @@ from typing import Callable, Iterable, Mapping
 
 from .errors import WorkspaceError
 
-__all__ = ["Workspace", "Artifact", "atomic_write_bytes", "atomic_write_text", "atomic_write_json",
+__all__ = ["Workspace", "Artifact", "atomic_write_bytes", "atomic_write_text", "atomic_write_json", "read_json_file",
            "hash_inputs", "file_sha256", "library_versions", "DEFAULT_WORKSPACE"]
 
 DEFAULT_WORKSPACE = Path(os.environ.get("WORKBENCH_WORKSPACE", "workspace"))
@@ -56,6 +56,17 @@ def atomic_write_text(path: Path, text: str) -> Path:
 
 def atomic_write_json(path: Path, obj) -> Path:
     return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def read_json_file(path: str | Path, what: str, *, error: type[Exception] = WorkspaceError, hint: str = ""):
+    """Parse a JSON file, raising ``error`` that names ``what`` and the path when it is missing or not JSON."""
+    p = Path(path)
+    if not p.is_file():
+        raise error(f"{what} '{p}' does not exist{hint}")
+    try:
+        return json.loads(p.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise error(f"{what} '{p}' is not valid JSON: {e}") from None
 
 
 def _canonical(obj):
