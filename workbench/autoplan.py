@@ -38,21 +38,6 @@ DEFAULT_CHOICES = ("fp16", "int8", "int4")
 _MAX_CELLS = 1_000_000  # knapsack table size: exact for small models, 1e-6 of the budget for large ones
 
 
-def _other_bytes(lm: LoadedModel) -> int:
-    """Bytes of everything that is not a quantizable layer (norms), counted at fp16 as in ``size_bytes``."""
-    return lm.size_bytes(precision="fp16") - _layer_bytes(lm, {info.name: "fp16" for info in lm.layers}, None, True)
-
-
-def _layer_bytes(lm: LoadedModel, assignments: Mapping[str, str | None], group_size, symmetric) -> int:
-    by_weight: dict[tuple[str, str], int] = {}
-    for info in lm.layers:
-        p = assignments.get(info.name) or "fp16"
-        key = (info.tied_to or info.name, p)
-        if key not in by_weight:
-            by_weight[key] = info.bytes_at(p, group_size, symmetric)
-    return sum(by_weight.values())
-
-
 def plan_footprint(lm: LoadedModel, plan: QuantPlan) -> dict:
     """Size in bytes and average bits per weight of a plan, from the layer shapes alone (no model run)."""
     size = lm.size_bytes(plan)
@@ -151,14 +136,14 @@ def plan_for_budget(lm: LoadedModel, sensitivity: SensitivityReport, *, size_byt
     measured = {layer.name for layer in sensitivity.layers}
     fixed = {info.name: "fp16" for info in lm.layers if info.name not in measured}
     units = _units(lm, [n for n in (info.name for info in lm.layers) if n in measured])
-    base = _other_bytes(lm) + _layer_bytes_subset(lm, fixed, gs, sym)  # norms + unmeasured layers: constant
+    base = lm.other_bytes + lm.layer_bytes(fixed, gs, sym, names=fixed)  # norms + unmeasured layers: constant
     capacity_bytes = size_bytes - base
     options: list[list[tuple[dict[str, str], int, float]]] = []
     for unit in units:
         opts = []
         for combo in itertools.product(choices, repeat=len(unit)):
             assign = dict(zip(unit, combo))
-            nbytes = _layer_bytes_subset(lm, assign, gs, sym)
+            nbytes = lm.layer_bytes(assign, gs, sym, names=assign)
             dmg = sum(sensitivity.damage(n, p, metric) for n, p in assign.items())
             opts.append((assign, nbytes, dmg))
         options.append(opts)
@@ -210,16 +195,6 @@ def plan_for_budget(lm: LoadedModel, sensitivity: SensitivityReport, *, size_byt
     pred = predict_damage(sensitivity, ordered)
     return PlanPrediction(plan, ordered, foot["size_bytes"], foot["bits_per_weight"], int(size_bytes),
                           pred["kl_divergence"], pred["perplexity"], pred["nll_delta"], time.perf_counter() - t0)
-
-
-def _layer_bytes_subset(lm: LoadedModel, assign: Mapping[str, str], group_size, symmetric) -> int:
-    by_weight: dict[tuple[str, str], int] = {}
-    for name, p in assign.items():
-        info = lm.layer(name)
-        key = (info.tied_to or info.name, p)
-        if key not in by_weight:
-            by_weight[key] = info.bytes_at(p, group_size, symmetric)
-    return sum(by_weight.values())
 
 
 @dataclass

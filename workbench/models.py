@@ -13,6 +13,7 @@ import os
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterable, Mapping
 
 import torch
 from torch import nn
@@ -122,21 +123,30 @@ class LoadedModel:
                 return info
         raise KeyError(name)
 
-    def size_bytes(self, plan=None, precision: str | None = None) -> int:
-        """Weight bytes under a plan (or one precision for everything); tied weights counted once
-        when both uses have the same precision. Non-layer parameters (norms) count at fp16."""
-        total, by_weight = 0, {}
-        for info in self.layers:
-            p = precision or (plan.precision_name_for(info.name) if plan else "fp16") or "fp16"
-            gs = plan.group_size if plan else DEFAULT_GROUP_SIZE
-            sym = plan.symmetric if plan else True
+    def layer_bytes(self, assignments: Mapping[str, str | None], group_size: int | None = DEFAULT_GROUP_SIZE,
+                    symmetric: bool = True, names: Iterable[str] | None = None) -> int:
+        """Weight bytes of the named layers (all by default) at the assigned precisions (missing or None:
+        fp16); a tied weight is counted once when both its uses have the same precision."""
+        by_weight: dict[tuple[str, str], int] = {}
+        for info in self.layers if names is None else [self.layer(n) for n in names]:
+            p = assignments.get(info.name) or "fp16"
             key = (info.tied_to or info.name, p)
             if key not in by_weight:
-                by_weight[key] = info.bytes_at(p, gs, sym)
-        total = sum(by_weight.values())
-        layer_params = {id(m.weight) for n, m in self.model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))}
-        other = sum(p.numel() for p in self.model.parameters() if id(p) not in layer_params)
-        return total + 2 * other
+                by_weight[key] = info.bytes_at(p, group_size, symmetric)
+        return sum(by_weight.values())
+
+    @property
+    def other_bytes(self) -> int:
+        """Bytes of the parameters outside the quantizable layers (norms), counted at fp16."""
+        layer_params = {id(m.weight) for m in self.model.modules() if isinstance(m, (nn.Linear, nn.Embedding))}
+        return 2 * sum(p.numel() for p in self.model.parameters() if id(p) not in layer_params)
+
+    def size_bytes(self, plan=None, precision: str | None = None) -> int:
+        """Weight bytes under a plan (or one precision for everything), norms included at fp16."""
+        names = [info.name for info in self.layers]
+        assignments = {n: precision for n in names} if precision else plan.resolve(names) if plan else {}
+        group_size, symmetric = (plan.group_size, plan.symmetric) if plan else (DEFAULT_GROUP_SIZE, True)
+        return self.layer_bytes(assignments, group_size, symmetric) + self.other_bytes
 
 
 def check_safetensors_file(path: Path) -> None:
