@@ -109,4 +109,7 @@ def test_mnn_keeps_float_weights_when_group_sizes_differ(prepared, tiny_model_di
     report = convert(tiny_model_dir, "mnn", tmp_path, prepared=prepared, **EVAL)
     assert report.details["mnn"]["weight_bits"] is None
     assert any("stores the simulated weights in float" in n for n in report.notes)
-    assert report.top1_agreement_vs_simulation >= 0.99  # float storage of the simulated weights is exact
+    # Float storage of the simulated weights: MNN's error against the float model is the simulation's own.
+    # Top-1 is held to 0.95, not 1.0: on a random tiny model some rows have near-tied logits, and MNN's x86
+    # float kernels differ between CPUs (one CI run saw 11 of 595 rows flip; here all 595 agree).
+    assert report.top1_agreement_vs_simulation >= 0.95 and report.gap is None  # gap: KL within the simulation's
