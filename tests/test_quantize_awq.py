@@ -82,6 +82,22 @@ def test_search_includes_the_identity_and_never_loses_to_it(tiny_model_dir):
     assert _kl(ref, out) < 1e-5
 
 
+def test_streamed_search_matches_the_search_over_all_tokens_at_once(tiny_model_dir):
+    """Chunking the activations only bounds memory: the summed losses, alphas and clips are the same."""
+    lm = load_model(tiny_model_dir)
+    spec = {i.name: (4, 32, False) for i in lm.layers if ".layers." in i.name}
+    samples = _samples(6, 64)
+    whole = search_awq(lm.model, samples, spec, progress=False, chunk_tokens=10_000)
+    chunked = search_awq(lm.model, samples, spec, progress=False, chunk_tokens=64)  # one captured batch a chunk
+    assert [e["alpha"] for e in chunked["groups"]] == [e["alpha"] for e in whole["groups"]]
+    for a, b in zip(whole["groups"], chunked["groups"]):
+        assert b["losses"] == pytest.approx(a["losses"], rel=1e-5)
+        assert torch.equal(a["scales"], b["scales"])
+    assert sorted(chunked["clips"]) == sorted(whole["clips"])
+    for name, clip in whole["clips"].items():
+        torch.testing.assert_close(chunked["clips"][name], clip)
+
+
 def test_awq_beats_rtn_on_its_calibration_data(tiny_model_dir):
     lm = load_model(tiny_model_dir)
     plan = QuantPlan.uniform("int4", group_size=32)

@@ -10,6 +10,11 @@ A clip search (shrink ratio 1.0 first, i.e. no clipping) then picks per-group cl
 scaled weights. With GQA, ``v_proj -> o_proj`` scales are shared by the query heads of one
 key/value head, so the fold stays exact.
 
+Memory: only the block inputs for all calibration tokens are held; inside a block the
+activations are captured a chunk of tokens at a time and each alpha's squared error is summed
+over chunks (the same loss as over all tokens at once), and the clip search scores clipping
+through one Gram matrix per weight group instead of the layer's outputs on every token.
+
 Search and apply are separate: :func:`search_awq` returns a plain dict (tensors and numbers)
 that can be cached; :func:`fold_awq_scales` turns it into new float tensors.
 
@@ -26,10 +31,12 @@ import torch
 from torch import nn
 
 from ..errors import PlanError
+from ..memory import release_freed_memory
 from .rtn import fake_quantize
 
 __all__ = ["ScaleGroup", "find_decoder_blocks", "scale_groups", "search_awq", "fold_awq_scales", "apply_awq_scales_",
-           "save_awq_search", "load_awq_search", "DEFAULT_GRID", "DEFAULT_SEARCH_TOKENS", "SEARCH_VERSION"]
+           "save_awq_search", "load_awq_search", "DEFAULT_GRID", "DEFAULT_SEARCH_TOKENS", "DEFAULT_CHUNK_TOKENS",
+           "SEARCH_VERSION"]
 
 DEFAULT_GRID = 20  # alphas 0, 0.05, ..., 0.95 as in the AWQ paper's code; 0 is the identity
 # calibration tokens whose block outputs drive the search: the AWQ paper finds 16 sequences of 512
@@ -38,6 +45,9 @@ DEFAULT_SEARCH_TOKENS = 8192
 SEARCH_VERSION = 1  # bump when the search changes, so cached results are recomputed
 CLIP_TOKENS = 512  # tokens used by the per-group clip search (as in the AWQ code)
 CLIP_STEPS = 10  # shrink ratios 1.0, 0.95, ..., 0.55 (1.0 = no clipping)
+# tokens whose activations inside a block are held at once; the loss is summed over chunks, so the
+# result does not depend on it, only memory (smaller) and time (each chunk re-quantizes every alpha)
+DEFAULT_CHUNK_TOKENS = 1024
 
 
 class _StopForward(Exception):
@@ -190,7 +200,7 @@ def apply_awq_scales_(model: nn.Module, result: dict) -> nn.Module:
 # ---------------------------------------------------------------------------------------------
 # search
 def _capture_block_inputs(model: nn.Module, blocks: nn.ModuleList, samples: list[torch.Tensor],
-                          max_tokens: int, batch_size: int = 2):
+                          max_tokens: int, batch_size: int = 1):
     """Run the model up to the first block on calibration samples; keep (hidden, kwargs) per batch."""
     chosen, total = [], 0
     for s in samples:
@@ -208,9 +218,24 @@ def _capture_block_inputs(model: nn.Module, blocks: nn.ModuleList, samples: list
         by_len.setdefault(s.numel(), []).append(s)
     units = []
 
+    shared: dict[tuple, list[torch.Tensor]] = {}
+
+    def dedupe(t):
+        """One copy of equal side inputs (rotary cos/sin, masks, positions) shared by every unit."""
+        if isinstance(t, tuple):
+            return tuple(dedupe(x) for x in t)
+        if not isinstance(t, torch.Tensor):
+            return t
+        seen = shared.setdefault((t.shape, t.dtype), [])
+        for u in seen:
+            if torch.equal(u, t):
+                return u
+        seen.append(t)
+        return t
+
     def grab(_mod, args, kwargs):
         hidden = args[0] if args else kwargs.pop("hidden_states")
-        kw = {k: v for k, v in kwargs.items() if k != "hidden_states"}
+        kw = {k: dedupe(v) for k, v in kwargs.items() if k != "hidden_states"}
         units.append([hidden.detach(), kw])
         raise _StopForward
 
@@ -228,8 +253,23 @@ def _capture_block_inputs(model: nn.Module, blocks: nn.ModuleList, samples: list
     return units, total
 
 
-def _run_with_inputs(blk: nn.Module, units, watch: dict[str, nn.Module]):
-    """Run ``blk`` on every unit; record what each watched module receives and the block outputs."""
+def _token_chunks(units, chunk_tokens: int) -> list[list[int]]:
+    """Consecutive unit indices, at most ``chunk_tokens`` tokens a chunk (at least one unit each)."""
+    chunks, cur, n = [], [], 0
+    for i, (hidden, _kw) in enumerate(units):
+        t = hidden.shape[0] * hidden.shape[1]
+        if cur and n + t > chunk_tokens:
+            chunks.append(cur)
+            cur, n = [], 0
+        cur.append(i)
+        n += t
+    if cur:
+        chunks.append(cur)
+    return chunks
+
+
+def _run_block(blk: nn.Module, units, idx: list[int], watch: dict[str, nn.Module]):
+    """Run ``blk`` on the units ``idx``; record what each watched module receives and the block outputs."""
     seen = {k: [] for k in watch}
     handles = []
     for key, mod in watch.items():
@@ -238,7 +278,8 @@ def _run_with_inputs(blk: nn.Module, units, watch: dict[str, nn.Module]):
         handles.append(mod.register_forward_pre_hook(hook, with_kwargs=True))
     outs = []
     try:
-        for hidden, kw in units:
+        for i in idx:
+            hidden, kw = units[i]
             out = blk(hidden, **kw)
             outs.append(out[0] if isinstance(out, tuple) else out)
     finally:
@@ -259,57 +300,75 @@ def _output(mod: nn.Module, calls) -> list[torch.Tensor]:
     return outs
 
 
-def _mse(outs: list[torch.Tensor], refs: list[torch.Tensor]) -> float:
-    err = sum(float(torch.nn.functional.mse_loss(a, b, reduction="sum")) for a, b in zip(outs, refs))
-    return err / sum(r.numel() for r in refs)
+def _sse(outs: list[torch.Tensor], refs: list[torch.Tensor]) -> float:
+    return sum(float(torch.nn.functional.mse_loss(a, b, reduction="sum")) for a, b in zip(outs, refs))
 
 
-def _search_group_scale(g: ScaleGroup, blk: nn.Module, block_name: str, calls, x_mean: torch.Tensor,
-                        spec: dict, n_grid: int) -> dict:
-    """Grid-search alpha for one group; alpha = 0 (identity) comes first and wins ties."""
-    rel = lambda fqn: fqn[len(block_name) + 1:]  # noqa: E731
-    inspect = blk.get_submodule(rel(g.inspect))
-    linears = [(name, blk.get_submodule(rel(name))) for name in g.layers]
-    originals = [lin.weight.detach().clone() for _, lin in linears]
-    refs = _output(inspect, calls)
-    x_prev = _reduce(x_mean.to(torch.float32), g)
-    best = None
-    losses = []
-    try:
+class _ScaleSearch:
+    """One group's alpha grid search, fed chunk by chunk: squared output errors are summed per alpha.
+
+    Streaming keeps only one chunk of activations alive; the loss is the same sum as over all
+    tokens at once. alpha = 0 (the identity, plain round-to-nearest) comes first and wins ties.
+    """
+
+    def __init__(self, g: ScaleGroup, blk: nn.Module, block_name: str, x_mean: torch.Tensor, spec: dict,
+                 n_grid: int):
+        rel = lambda fqn: fqn[len(block_name) + 1:]  # noqa: E731
+        self.g, self.spec = g, spec
+        self.inspect = blk.get_submodule(rel(g.inspect))
+        self.linears = [(name, blk.get_submodule(rel(name))) for name in g.layers]
+        x_prev = _reduce(x_mean.to(torch.float32), g)
+        self.scales = []
         for i in range(n_grid):
-            alpha = i / n_grid
-            s = x_prev.pow(alpha).clamp_min(1e-4)
-            s = s / (s.max() * s.min()).sqrt()
-            s_in = _expand(s, g)
-            for (name, lin), w in zip(linears, originals):
-                if name in spec:
-                    bits, gs, sym = spec[name]
-                    lin.weight.data = (fake_quantize(w * s_in[None, :], bits, gs, sym) / s_in[None, :]).to(w.dtype)
-            loss = _mse(_output(inspect, calls), refs)
-            losses.append(loss)
-            if best is None or loss < best[0]:
-                best = (loss, alpha, s.clone())
-    finally:
-        for (_, lin), w in zip(linears, originals):
-            lin.weight.data = w
-    return {"group": g.__dict__ | {"layers": list(g.layers)}, "alpha": best[1], "loss": best[0],
-            "identity_loss": losses[0], "losses": losses, "scales": best[2]}
+            s = x_prev.pow(i / n_grid).clamp_min(1e-4)
+            self.scales.append(s / (s.max() * s.min()).sqrt())
+        self.alphas = [i / n_grid for i in range(n_grid)]
+        self.sse = [0.0] * n_grid
+        self.numel = 0
+
+    def add(self, calls) -> None:
+        """Score every alpha on one chunk of the inspected module's calls."""
+        refs = _output(self.inspect, calls)
+        self.numel += sum(r.numel() for r in refs)
+        originals = [lin.weight.data for _, lin in self.linears]  # swapped, never written: restored below
+        try:
+            for i, s in enumerate(self.scales):
+                s_in = _expand(s, self.g)
+                for (name, lin), w in zip(self.linears, originals):
+                    if name in self.spec:
+                        bits, gs, sym = self.spec[name]
+                        lin.weight.data = (fake_quantize(w * s_in[None, :], bits, gs, sym)
+                                           / s_in[None, :]).to(w.dtype)
+                self.sse[i] += _sse(_output(self.inspect, calls), refs)
+        finally:
+            for (_, lin), w in zip(self.linears, originals):
+                lin.weight.data = w
+
+    def result(self) -> dict:
+        losses = [e / max(self.numel, 1) for e in self.sse]
+        best = min(range(len(losses)), key=lambda i: (losses[i], i))
+        return {"group": self.g.__dict__ | {"layers": list(self.g.layers)}, "alpha": self.alphas[best],
+                "loss": losses[best], "identity_loss": losses[0], "losses": losses, "scales": self.scales[best].clone()}
 
 
 def _search_clip(w: torch.Tensor, x: torch.Tensor, bits: int, gs: int | None, sym: bool) -> tuple[torch.Tensor, float, float]:
-    """Per-(row, group) clip maximum minimising the group's output error; ratio 1.0 (no clip) first."""
+    """Per-(row, group) clip maximum minimising the group's output error; ratio 1.0 (no clip) first.
+
+    The error of a group's output over the tokens, mean_t (x_t . dw)^2, is the quadratic form
+    dw^T (X^T X / T) dw: one [g, g] Gram matrix per group replaces the [out, tokens, groups] outputs.
+    """
     out, inp = w.shape
     g = gs or inp
     ng = inp // g
     wg = w.view(out, ng, g)
-    xg = x.view(-1, ng, g)
-    ref = torch.einsum("tgk,ogk->otg", xg, wg)
+    xg = x.view(-1, ng, g).transpose(0, 1)  # [ng, t, g]
+    gram = xg.transpose(1, 2) @ xg / xg.shape[1]  # [ng, g, g]
     org_max = wg.abs().amax(-1)
     best_max, best_err, first = org_max.clone(), None, None
     for i in range(CLIP_STEPS):
         cur = org_max * (1 - i / DEFAULT_GRID)
-        q = fake_quantize(w, bits, gs, sym, clip_max=cur).view(out, ng, g)
-        err = (torch.einsum("tgk,ogk->otg", xg, q) - ref).pow(2).mean(1)  # [out, ng]
+        d = (fake_quantize(w, bits, gs, sym, clip_max=cur).view(out, ng, g) - wg).transpose(0, 1)  # [ng, out, g]
+        err = ((d @ gram) * d).sum(-1).transpose(0, 1)  # [out, ng]
         if best_err is None:
             best_err, first = err, err.sum().item()
         else:
@@ -319,15 +378,39 @@ def _search_clip(w: torch.Tensor, x: torch.Tensor, bits: int, gs: int | None, sy
     return best_max, first, best_err.sum().item()
 
 
+def _input_mean_abs(blk: nn.Module, units, names: list[str], block_name: str) -> dict[str, torch.Tensor]:
+    """Per-channel mean |x| of the named layers' inputs over all units (when statistics do not supply it)."""
+    sums: dict[str, torch.Tensor] = {}
+    counts = dict.fromkeys(names, 0)
+    handles = []
+    for name in names:
+        def hook(_m, args, kwargs, name=name):
+            x = _first_tensor(args, kwargs)
+            x = x.reshape(-1, x.shape[-1]).abs()
+            sums[name] = sums.get(name, 0) + x.sum(0)
+            counts[name] += x.shape[0]
+        handles.append(blk.get_submodule(name[len(block_name) + 1:]).register_forward_pre_hook(hook, with_kwargs=True))
+    try:
+        for hidden, kw in units:
+            blk(hidden, **kw)
+    finally:
+        for h in handles:
+            h.remove()
+    return {n: sums[n] / counts[n] for n in names}
+
+
 @torch.no_grad()
 def search_awq(model: nn.Module, samples: list[torch.Tensor], spec: dict[str, tuple[int, int | None, bool]], *,
                mean_abs: dict[str, torch.Tensor] | None = None, n_grid: int = DEFAULT_GRID,
-               max_tokens: int = DEFAULT_SEARCH_TOKENS, clip: bool = True, progress: bool = True) -> dict:
+               max_tokens: int = DEFAULT_SEARCH_TOKENS, clip: bool = True, progress: bool = True,
+               chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> dict:
     """Search AWQ scales and clips; returns a plain, cacheable dict (the model is not changed).
 
     ``spec`` maps each integer-quantized layer to ``(bits, group_size, symmetric)`` (group sizes
     already resolved per layer). ``mean_abs`` maps a layer to the per-channel mean |input| from
-    calibration statistics; missing layers use the captured calibration inputs.
+    calibration statistics; missing layers use the captured calibration inputs. Only the block
+    inputs and outputs are held for all ``max_tokens``; the activations inside a block are
+    captured ``chunk_tokens`` at a time, so memory stays near the model's own size.
     """
     from tqdm.auto import tqdm
     t0 = time.perf_counter()
@@ -340,50 +423,53 @@ def search_awq(model: nn.Module, samples: list[torch.Tensor], spec: dict[str, tu
         if not isinstance(model.get_submodule(g.prev), nn.Linear):
             _check_norm_foldable(model.get_submodule(g.prev), g.prev)
     units, tokens = _capture_block_inputs(model, blocks, samples, max_tokens)
+    chunks = _token_chunks(units, chunk_tokens)
+    clip_step = max(1, tokens // CLIP_TOKENS)  # evenly spaced tokens for the clip search, as over all at once
     result = {"version": 1, "method": "awq", "grid": [i / n_grid for i in range(n_grid)], "tokens": tokens,
               "groups": [], "clips": {}, "clip_stats": {}}
     for i in tqdm(range(len(blocks)), desc="awq", unit="block", disable=not progress, leave=False):
         bname = f"{prefix}.{i}"
         groups = [g for g in all_groups if g.block == bname and any(n in spec for n in g.layers)]
         blk_orig = blocks[i]
-        watch = {g.inspect: blk_orig.get_submodule(g.inspect[len(bname) + 1:]) for g in groups}
-        watch.update({n: blk_orig.get_submodule(n[len(bname) + 1:]) for g in groups for n in g.layers[:1]})
-        watch.update({n: blk_orig.get_submodule(n[len(bname) + 1:]) for n in spec if n.startswith(bname + ".")})
-        seen, outs = _run_with_inputs(blk_orig, units, watch)
-        if groups:
-            blk = copy.deepcopy(blk_orig)
-            for g in groups:
-                xs = [_first_tensor(a, k) for a, k in seen[g.layers[0]]]
-                x_mean = (mean_abs or {}).get(g.layers[0])
-                if x_mean is None:
-                    x_mean = torch.cat([x.reshape(-1, x.shape[-1]) for x in xs]).abs().mean(0)
-                result["groups"].append(_search_group_scale(g, blk, bname, seen[g.inspect], x_mean, spec, n_grid))
-            del blk
-            if clip:
-                block_result = {"groups": [e for e in result["groups"] if e["group"]["block"] == bname]}
-                folded = _fold({f"{bname}.{n}": p for n, p in blk_orig.named_parameters()}, block_result)
-                s_in = {}
-                for e in block_result["groups"]:
-                    g = ScaleGroup(**e["group"])
-                    for n in g.layers:
-                        s_in[n] = _expand(e["scales"], g)
-                for name, (bits, gs, sym) in spec.items():
-                    if not name.startswith(bname + ".") or name.endswith(("q_proj", "k_proj")):
-                        continue  # q/k feed a softmax: clipping by output error misleads (as in AWQ)
-                    w = folded.get(f"{name}.weight", blk_orig.get_submodule(name[len(bname) + 1:]).weight.float())
-                    rows = [_first_tensor(a, k).reshape(-1, w.shape[1]) for a, k in seen[name]]
-                    step = max(1, sum(r.shape[0] for r in rows) // CLIP_TOKENS)  # evenly spaced tokens
-                    x = torch.cat([r[::step] for r in rows])[:CLIP_TOKENS]
-                    if name in s_in:
-                        x = x / s_in[name][None, :]
-                    clip_max, err0, err1 = _search_clip(w, x, bits, gs, sym)
-                    result["clips"][name] = clip_max
-                    result["clip_stats"][name] = {"error_unclipped": err0, "error_clipped": err1}
-        del seen
-        units = [[o, kw] for o, (_, kw) in zip(outs, units)]
+        sub = lambda fqn: blk_orig.get_submodule(fqn[len(bname) + 1:])  # noqa: E731
+        clip_layers = [n for n in spec if n.startswith(bname + ".") and not n.endswith(("q_proj", "k_proj"))] \
+            if clip and groups else []  # q/k feed a softmax: clipping by output error misleads (as in AWQ)
+        missing = [g.layers[0] for g in groups if (mean_abs or {}).get(g.layers[0]) is None]
+        x_means = {**(mean_abs or {}), **(_input_mean_abs(blk_orig, units, missing, bname) if missing else {})}
+        # the search swaps quantized weights into this block's linears and always swaps the originals back
+        searches = [_ScaleSearch(g, blk_orig, bname, x_means[g.layers[0]], spec, n_grid) for g in groups]
+        watch = {g.inspect: sub(g.inspect) for g in groups}
+        watch.update({n: sub(n) for n in clip_layers})
+        clip_rows: dict[str, list[torch.Tensor]] = {n: [] for n in clip_layers}
+        for idx in chunks:
+            seen, outs = _run_block(blk_orig, units, idx, watch)
+            for search in searches:
+                search.add(seen[search.g.inspect])
+            for n in clip_layers:
+                for a, k in seen[n]:
+                    x = _first_tensor(a, k)
+                    clip_rows[n].append(x.reshape(-1, x.shape[-1])[::clip_step].clone())
+            del seen
+            for j, out in zip(idx, outs):  # this chunk's inputs are done with: its outputs feed the next block
+                units[j][0].copy_(out)  # in place: long-lived buffers stay where they were, the heap stays compact
+            del outs
+            release_freed_memory()
+        block_groups = [s.result() for s in searches]
+        result["groups"] += block_groups
+        if clip_layers:
+            folded = _fold({f"{bname}.{n}": p for n, p in blk_orig.named_parameters()}, {"groups": block_groups})
+            s_in = {n: _expand(e["scales"], ScaleGroup(**e["group"])) for e in block_groups for n in e["group"]["layers"]}
+            for name in clip_layers:
+                bits, gs, sym = spec[name]
+                w = folded.get(f"{name}.weight", sub(name).weight.float())
+                x = torch.cat(clip_rows.pop(name))[:CLIP_TOKENS]
+                if name in s_in:
+                    x = x / s_in[name][None, :]
+                clip_max, err0, err1 = _search_clip(w, x, bits, gs, sym)
+                result["clips"][name] = clip_max
+                result["clip_stats"][name] = {"error_unclipped": err0, "error_clipped": err1}
     result["seconds"] = time.perf_counter() - t0
     return result
-
 
 
 # ---------------------------------------------------------------------------------------------

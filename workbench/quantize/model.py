@@ -246,6 +246,7 @@ def quantize_model(lm, plan: QuantPlan, *, calibration=None, method: str | None 
 
     float_overrides: dict[str, torch.Tensor] = {}
     clips: dict[str, torch.Tensor] = {}
+    unfolded: dict[str, list[dict]] = {}  # AWQ search entries by block, not yet folded into float copies
     if method == "awq" and spec:
         from .awq import fold_awq_scales, search_awq
         if awq_search is None:
@@ -255,8 +256,15 @@ def quantize_model(lm, plan: QuantPlan, *, calibration=None, method: str | None 
             else:
                 kw = {"max_tokens": awq_tokens} if awq_tokens else {}
                 awq_search = search_awq(model, samples, spec, mean_abs=mean_abs, progress=progress, **kw)
-        float_overrides = fold_awq_scales(model, awq_search)
+        for entry in awq_search["groups"]:
+            unfolded.setdefault(entry["group"]["block"], []).append(entry)
         clips = awq_search.get("clips", {})
+
+    def fold_blocks(name: str | None = None) -> None:
+        """Fold AWQ scales one block at a time (the block holding ``name``; all left when None), so only
+        one block's float copies are alive beside the model while its layers are quantized."""
+        for block in [b for b in unfolded if name is None or name.startswith(b + ".")]:
+            float_overrides.update(fold_awq_scales(model, {"groups": unfolded.pop(block)}))
 
     params = dict(model.named_parameters(remove_duplicate=False))
     weights: dict[str, QuantizedWeight] = {}
@@ -268,9 +276,11 @@ def quantize_model(lm, plan: QuantPlan, *, calibration=None, method: str | None 
             continue
         bits, gs, sym = spec[r.name]
         key = f"{r.name}.weight"
+        fold_blocks(r.name)
         w = float_overrides.pop(key) if key in float_overrides else params[key].detach().float()
         qw = quantize_weight(w, bits, gs, sym, clip_max=clips.get(r.name))
         weights[r.name] = qw
         r.weight_error = float((w - qw.dequantize()).norm() / w.norm().clamp_min(1e-12))
+    fold_blocks()  # blocks whose layers all stay float still carry their scales
     return QuantizedModel(plan, method, weights, reports, float_overrides, source=lm, awq=awq_search,
                           seconds=time.perf_counter() - t0)
