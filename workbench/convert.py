@@ -238,7 +238,8 @@ def _mnn_weight_args(prepared: PreparedModels) -> tuple[int | None, int | None, 
     kinds = {(q.bits, q.effective_group_size if q.group_size else None) for q in qws}
     if len(kinds) > 1:
         return None, None, ["the plan mixes bit widths or group sizes, which one MNN --weightQuantBits setting cannot "
-                            "express: MNN stores the simulated weights in float (exact, not smaller)"]
+                            "express: MNN stores the simulated weights in float (the simulation's values, not a "
+                            "smaller file)"]
     bits, group = next(iter(kinds))
     floats = [r.name for r in prepared.qm.layers if r.name not in prepared.qm.weights and r.kind == "linear"]
     notes = [f"MNN re-quantizes the simulated weights with --weightQuantBits {bits} --weightQuantBlock {group or -1} "
