@@ -1,8 +1,8 @@
 """AWQ: the fold preserves the float model, the grid holds the identity, and it beats RTN on its objective.
 
-The cross-check against autoawq 0.2.9 runs where that package imports (it is installed without its
-dependencies); its CPU scale search aliases its saved weights (``.cpu()`` on a CPU tensor is the
-same tensor), which is patched here by copying, as described in docs/STACK.md.
+The cross-check against autoawq 0.2.9 (``workbench.quantize.crosscheck``) runs where that package
+imports (it is installed without its dependencies); its CPU scale search aliases its saved weights
+(``.cpu()`` on a CPU tensor is the same tensor), which the cross-check patches by copying.
 """
 import copy
 
@@ -137,68 +137,21 @@ def test_awq_refuses_what_it_cannot_do(tiny_model_dir):
         search_awq(lm.model, [torch.tensor([1])], {"model.layers.0.mlp.up_proj": (4, 32, True)}, progress=False)
 
 
-def _import_autoawq(monkeypatch):
-    """autoawq 0.2.9, its CPU aliasing fixed; skip with the reason when it cannot import here."""
-    import importlib
-    import inspect
-    import sys
-    import textwrap
-    import types
-    if "datasets" not in sys.modules:
-        try:
-            importlib.import_module("datasets")
-        except ImportError:  # only autoawq's hub loaders use it; calibration texts are passed directly here
-            stub = types.ModuleType("datasets")
-            stub.load_dataset = None
-            monkeypatch.setitem(sys.modules, "datasets", stub)
-    try:
-        qz = importlib.import_module("awq.quantize.quantizer")
-        from awq import AutoAWQForCausalLM
-    except Exception as e:  # noqa: BLE001 - any import failure means the cross-check cannot run
-        pytest.skip(f"autoawq cannot be imported here ({type(e).__name__}: {e})")
-    src = textwrap.dedent(inspect.getsource(qz.AwqQuantizer._compute_best_scale))
-    if "v.cpu()" not in src:
-        pytest.skip("autoawq's scale search changed; the aliasing patch no longer applies")
-    namespace = {}
-    exec(compile(src.replace("v.cpu()", "v.detach().clone()"), qz.__file__, "exec"), vars(qz), namespace)
-    monkeypatch.setattr(qz.AwqQuantizer, "_compute_best_scale", namespace["_compute_best_scale"])
-    return AutoAWQForCausalLM
-
-
-def test_cross_check_against_autoawq(make_tiny_model, monkeypatch):
+def test_cross_check_against_autoawq(make_tiny_model):
     """On a tiny Llama, our AWQ beats RTN in KL and is at least as good as autoawq's (aliasing fixed)."""
-    from workbench.evaluate import encode_text, evaluate
+    from workbench.evaluate import encode_text
     from workbench.models import demo_text_path
-    from workbench.quantize import fake_quantize
-    auto_awq = _import_autoawq(monkeypatch)
+    from workbench.quantize.crosscheck import (AutoAwqUnavailable, calibration_texts, compare_with_autoawq,
+                                               patched_autoawq)
     path = make_tiny_model(arch="llama", hidden=128, intermediate=256, heads=4, kv_heads=2)  # sizes autoawq accepts
     lm = load_model(path)
-    lines = [p for p in demo_text_path("calibration").read_text(encoding="utf-8").split("\n") if p.strip()]
-    chunks, cur = [], ""
-    for line in lines:
-        cur += line + "\n"
-        if len(cur) > 300:
-            chunks.append(cur)
-            cur = ""
-    chunks = chunks[:12]
-    group = 64
-    aw = auto_awq.from_pretrained(str(path), torch_dtype=torch.float32, device_map="cpu")
-    aw.quantize(lm.tokenizer, quant_config={"zero_point": True, "q_group_size": group, "w_bit": 4, "version": "GEMM"},
-                calib_data=chunks, max_calib_samples=len(chunks), max_calib_seq_len=128, export_compatible=True)
-    theirs = aw.model.float().eval()
-    names = [i.name for i in lm.layers if ".layers." in i.name]
-    with torch.no_grad():
-        for n in names:  # their scaled and clipped float weights, rounded by the same quantizer as ours
-            mod = theirs.get_submodule(n)
-            mod.weight.data = fake_quantize(mod.weight.data.float(), 4, group, False)
-    plan = QuantPlan.uniform("int4", group_size=group, symmetric=False)
-    ours = quantize_model(lm, plan, method="awq", calibration=[encode_text(lm.tokenizer, c)[:128] for c in chunks],
-                          progress=False)
-    rtn = quantize_model(lm, plan, progress=False)
+    texts = calibration_texts(demo_text_path("calibration").read_text(encoding="utf-8"), 12, 300)
     ids = encode_text(lm.tokenizer, demo_text_path("heldout").read_text(encoding="utf-8"))[:2048]
-    kl = {name: evaluate(m, ids, ctx=256, reference=lm.model, progress=False).kl_divergence for name, m in (
-        ("rtn", rtn.apply_(copy.deepcopy(lm.model))), ("ours", ours.apply_(copy.deepcopy(lm.model))),
-        ("autoawq", theirs))}
+    try:
+        with patched_autoawq() as auto_awq:
+            kl = compare_with_autoawq(lm, texts, auto_awq, group_size=64, seq_len=128, eval_ids=ids, ctx=256)
+    except AutoAwqUnavailable as e:
+        pytest.skip(str(e))
     assert kl["ours"] < kl["rtn"], kl
     assert kl["ours"] <= kl["autoawq"] * 1.1, kl
 

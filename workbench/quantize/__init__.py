@@ -6,7 +6,8 @@
 
 Modules: ``qtensor`` (the representation, int4 packing), ``rtn`` (round-to-nearest), ``awq``
 (scale and clip search, folding), ``model`` (plan application, group-size fallback), ``io``
-(save / load), ``cost`` (perplexity, KL, top-1, size against the unquantized model).
+(save / load), ``cost`` (perplexity, KL, top-1, size against the unquantized model), ``crosscheck``
+(AWQ against autoawq, where it imports).
 """
 from .awq import apply_awq_scales_, fold_awq_scales, load_awq_search, save_awq_search, search_awq
 from .cost import Baseline, QuantCost, heldout_ids, measure_cost, measure_reference
