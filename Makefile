@@ -1,14 +1,16 @@
 # make app    set up .venv (once) and start JupyterLab on the notebooks, bound to 127.0.0.1
 # make test   set up .venv (once) and run the whole test suite, notebooks included
+# make voila  set up .venv (once) and serve the click-through app (notebooks/app.ipynb) on 127.0.0.1
 PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
 PORT    ?= 8888
+VOILA_PORT ?= 8866
 # jupyter refuses root unless told; the extension manager would otherwise query PyPI
 ROOTFLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 STAMP   := $(VENV)/.installed
 
-.PHONY: install app test bench demo-model clean
+.PHONY: install app voila test bench demo-model clean
 
 install: $(STAMP)
 
@@ -25,6 +27,9 @@ $(STAMP): requirements.txt constraints.txt pyproject.toml
 app: install
 	$(BIN)/jupyter lab notebooks/ --ServerApp.ip=127.0.0.1 --port=$(PORT) --no-browser \
 		--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate --LabApp.extension_manager=readonly $(ROOTFLAG)
+
+voila: install
+	$(BIN)/python -m workbench.ui.serve --port $(VOILA_PORT)
 
 test: install
 	$(BIN)/python -m pytest tests/ --nbmake notebooks/ -q

@@ -1,0 +1,43 @@
+"""Serve the click-through app (``notebooks/app.ipynb``) with Voila, on 127.0.0.1 only.
+
+    python -m workbench.ui.serve [--port 8866] [--notebook notebooks/app.ipynb]
+
+``make voila`` runs this. Voila executes the notebook in a fresh kernel for each visitor and shows
+only its widgets; the server and its kernels listen on the loopback address alone.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+from pathlib import Path
+
+__all__ = ["voila_command", "DEFAULT_APP_NOTEBOOK", "DEFAULT_PORT"]
+
+DEFAULT_APP_NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "app.ipynb"
+DEFAULT_PORT = 8866
+
+
+def voila_command(notebook: str | Path = DEFAULT_APP_NOTEBOOK, port: int = DEFAULT_PORT) -> list[str]:
+    """The Voila command line: loopback only, no browser."""
+    exe = shutil.which("voila", path=str(Path(sys.executable).parent)) or shutil.which("voila")
+    if exe is None:
+        raise SystemExit("voila is not installed: run `make install` (or pip install -c constraints.txt voila)")
+    return [exe, str(notebook), "--Voila.ip=127.0.0.1", f"--port={port}", "--no-browser"]
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--port", type=int, default=DEFAULT_PORT)
+    ap.add_argument("--notebook", default=str(DEFAULT_APP_NOTEBOOK))
+    args = ap.parse_args(argv)
+    if not Path(args.notebook).is_file():
+        raise SystemExit(f"no app notebook at '{args.notebook}'")
+    cmd = voila_command(args.notebook, args.port)
+    os.chdir(Path(args.notebook).parent)  # the notebook's relative paths (workspace, out/) start beside it
+    os.execv(cmd[0], cmd)
+
+
+if __name__ == "__main__":
+    main()
