@@ -153,31 +153,31 @@ def _read_json(path: Path, raw: str) -> list[TextRecord]:
     return [_parse_record(obj, path, f"record {i}") for i, obj in enumerate(data)]
 
 
-def read_records(path: str | Path) -> tuple[list[TextRecord], str]:
-    """Read a calibration file into records; returns ``(records, format)``.
+def read_records(path: str | Path, kind: str = "calibration") -> tuple[list[TextRecord], str]:
+    """Read a text file (``kind``: what it is for, named in errors) into records; returns ``(records, format)``.
 
     ``format`` is ``text``, ``jsonl``, ``alpaca`` (a JSON list) or ``json``. Raises DataError naming
     the file, the record and the field for anything malformed, and for a missing or empty file.
     """
     p = Path(path).expanduser()
     if not p.exists():
-        raise DataError(f"calibration file '{p}' does not exist; pass a plain text, .jsonl or Alpaca .json file")
+        raise DataError(f"{kind} file '{p}' does not exist; pass a plain text, .jsonl or Alpaca .json file")
     if p.is_dir():
-        raise DataError(f"calibration path '{p}' is a directory; pass a plain text, .jsonl or Alpaca .json file")
+        raise DataError(f"{kind} path '{p}' is a directory; pass a plain text, .jsonl or Alpaca .json file")
     try:
         raw = p.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
-        raise DataError(f"calibration file '{p}' is not UTF-8 text ({e.reason} at byte {e.start}); "
+        raise DataError(f"{kind} file '{p}' is not UTF-8 text ({e.reason} at byte {e.start}); "
                         "convert it to UTF-8") from None
     if not raw.strip():
-        raise DataError(f"calibration file '{p}' is empty; it needs text to calibrate on")
+        raise DataError(f"{kind} file '{p}' is empty; it needs text")
     suffix = p.suffix.lower()
     if suffix in JSONL_SUFFIXES:
         return _read_jsonl(p, raw), "jsonl"
     if suffix == ".json":
         records = _read_json(p, raw)
         if not records:
-            raise DataError(f"calibration file '{p}' is an empty JSON list; it needs at least one record")
+            raise DataError(f"{kind} file '{p}' is an empty JSON list; it needs at least one record")
         return records, "alpaca"
     return [TextRecord(raw, "whole file")], "text"
 

@@ -21,6 +21,7 @@ __all__ = ["main", "COMMANDS"]
 COMMANDS = {
     "info": "info",
     "eval": "eval_cmd",
+    "finetune": "finetune",
     "calibrate": "calibrate",
     "quantize": "quantize",
     "sensitivity": "sensitivity",

@@ -1,0 +1,38 @@
+"""Figure for fine-tuning: training loss per step, the held-back windows' loss, the step merged.
+
+    make_loss_figure(report)        # a FinetuneReport or its to_dict()
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import plotly.graph_objects as go
+
+__all__ = ["make_loss_figure"]
+
+
+def make_loss_figure(report) -> go.Figure:
+    """Loss per step and its running mean, validation loss and the chosen step; the title carries perplexity
+    before -> after."""
+    r = report if isinstance(report, Mapping) else report.to_dict()
+    losses = r["losses"]
+    steps = list(range(1, len(losses) + 1))
+    k = max(1, len(losses) // 20)
+    smooth = [sum(losses[max(0, i - k + 1):i + 1]) / len(losses[max(0, i - k + 1):i + 1]) for i in range(len(losses))]
+    fig = go.Figure()
+    fig.add_scatter(x=steps, y=losses, mode="lines", name="loss", line={"color": "#9ecae1"})
+    fig.add_scatter(x=steps, y=smooth, mode="lines", name=f"mean of {k}", line={"color": "#08519c", "width": 2})
+    if r.get("validation"):
+        vs, vl = zip(*r["validation"])
+        fig.add_scatter(x=list(vs), y=list(vl), mode="lines+markers", name="held-back windows",
+                        line={"color": "#d62728"})
+        if r.get("best_step") is not None:
+            fig.add_vline(x=r["best_step"], line_dash="dot", line_color="#d62728",
+                          annotation_text=f"merged: step {r['best_step']}")
+    title = "LoRA fine-tuning: training loss"
+    if r.get("perplexity_before") is not None and r.get("perplexity_after") is not None:
+        title += (f" (held-out perplexity {r['perplexity_before']:.2f} -> {r['perplexity_after']:.2f} on "
+                  f"{r['eval_tokens']:,} tokens)")
+    fig.update_layout(title=title, xaxis_title="step", yaxis_title="cross-entropy (nats/token)",
+                      template="plotly_white", height=380)
+    return fig
