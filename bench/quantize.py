@@ -27,37 +27,20 @@ import torch
 METHODS = [("INT8 RTN", 8, "rtn"), ("INT4 RTN", 4, "rtn"), ("INT4 AWQ", 4, "awq")]
 
 
-def _status_mb(field: str) -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
-
-
-def _reset_peak_rss() -> bool:
-    """Reset the kernel's peak-RSS mark (VmHWM), so the peak read afterwards is the timed run's own."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
 def _settled_rss() -> float:
     """Resident memory once garbage is collected and free heap pages are handed back (glibc), so a
     later peak counts what a step needs, not what an earlier step left cached in the allocator."""
     import gc
 
-    from workbench.memory import release_freed_memory
+    from workbench.memory import release_freed_memory, rss_mb
     gc.collect()
     release_freed_memory()
-    return _status_mb("VmRSS")
+    return rss_mb("VmRSS")
 
 
 def run_one(args) -> None:
     """Child: quantize once to warm up, once timed; save; print one JSON line."""
+    from workbench.memory import reset_peak_rss, rss_mb
     from workbench.models import load_model
     from workbench.plan import QuantPlan
     from workbench.quantize import quantize_model
@@ -77,17 +60,17 @@ def run_one(args) -> None:
         quantize_model(lm, plan, progress=False)
     # the runtime's own working set: one forward of the decoder (no lm_head) on a calibration-sized input
     rss_before = _settled_rss()
-    reset = _reset_peak_rss()
+    reset = reset_peak_rss()
     with torch.no_grad():
         lm.model.base_model(input_ids=torch.zeros(1, args.seq_len, dtype=torch.long), use_cache=False)
-    forward_peak = _status_mb("VmHWM") if reset else float("nan")
+    forward_peak = rss_mb("VmHWM") if reset else float("nan")
     rss_before = _settled_rss()
-    reset = _reset_peak_rss()
+    reset = reset_peak_rss()
     t0 = time.perf_counter()
     qm = quantize_model(lm, plan, calibration=calibration, progress=False)
     seconds = time.perf_counter() - t0
     # the timed run's own peak where the kernel allows resetting it; else the whole process's peak
-    peak = _status_mb("VmHWM") if reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak = rss_mb("VmHWM") if reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     qm.save(args.out)
     fp32 = sum(p.numel() for p in {id(p): p for p in lm.model.parameters()}.values()) * 4 / 2**20
     print(json.dumps({"seconds": seconds, "rss_before_mb": rss_before, "peak_rss_mb": peak, "fp32_model_mb": fp32,

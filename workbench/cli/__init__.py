@@ -30,6 +30,7 @@ COMMANDS = {
     "export": "export",
     "inspect": "inspect_cmd",
     "convert": "convert",
+    "profile": "profile_cmd",
 }
 
 

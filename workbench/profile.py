@@ -1,0 +1,187 @@
+"""Speed, size and memory of exported and converted models, run on this machine's CPU.
+
+    profiles = profile_directory("out/convert")        # every prefill/decode pair found below it
+    profiles[0].decode_tokens_per_second, profiles[0].prefill_ms[128], profiles[0].size_bytes
+
+Each runtime (onnxruntime for ``.onnx``, MNN for ``.mnn``) is loaded, warmed up once, then timed
+``repeats`` times; the median is reported. Prefill is timed per prompt length, decode as tokens
+per second over ``decode_steps`` steps after a prompt. Sizes are the files on disk (external data
+included); memory is the peak resident memory the runtime added while loading and running (Linux).
+These are CPU figures: they rank choices against each other here, they do not predict an NPU's.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from .errors import WorkbenchError
+
+__all__ = ["RuntimeProfile", "find_runtimes", "profile_runtime", "profile_directory", "build_candidates",
+           "DEFAULT_PROMPT_LENGTHS", "DEFAULT_CANDIDATES"]
+
+DEFAULT_PROMPT_LENGTHS = (32, 128)
+PREFILL_NAMES = ("prefill.onnx", "prefill.qdq.onnx", "prefill.mnn")
+DEFAULT_CANDIDATES = ("float", "ort-int4", "mnn")  # "float": the unquantized export; the rest: convert targets
+
+
+@dataclass
+class RuntimeProfile:
+    """What one model costs to run here: prefill latency, decode speed, size on disk, memory."""
+
+    name: str
+    runtime: str
+    files: list[str]
+    size_bytes: int
+    threads: int
+    repeats: int
+    prefill_ms: dict[int, float] = field(default_factory=dict)  # prompt length -> median milliseconds
+    decode_tokens_per_second: float | None = None
+    load_seconds: float = 0.0
+    peak_rss_added_mb: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def summary(self) -> str:
+        pre = ", ".join(f"{n} tokens {ms:.1f} ms" for n, ms in self.prefill_ms.items())
+        dec = f"; decode {self.decode_tokens_per_second:.0f} tok/s" if self.decode_tokens_per_second else ""
+        mem = f"; +{self.peak_rss_added_mb:.0f} MB RSS" if self.peak_rss_added_mb is not None else ""
+        return f"{self.name} ({self.runtime}): {self.size_bytes / 1e6:.2f} MB; prefill {pre}{dec}{mem}"
+
+
+def find_runtimes(directory: str | Path) -> list[tuple[str, Path, Path | None]]:
+    """``(name, prefill, decode or None)`` for every prefill graph below ``directory``, named by its folder."""
+    root = Path(directory)
+    if not root.is_dir():
+        raise WorkbenchError(f"'{root}' is not a directory; pass the output of `workbench export` or "
+                             "`workbench convert`")
+    found = []
+    for prefill in sorted(p for name in PREFILL_NAMES for p in root.rglob(name)):
+        if ".partial" in str(prefill.relative_to(root)):
+            continue
+        decode = prefill.with_name(prefill.name.replace("prefill", "decode"))
+        rel = prefill.parent.relative_to(root)
+        name = str(rel) if str(rel) != "." else root.name
+        if prefill.name == "prefill.qdq.onnx":
+            name += " (qdq)"
+        found.append((name, prefill, decode if decode.is_file() else None))
+    if not found:
+        raise WorkbenchError(f"no prefill.onnx, prefill.qdq.onnx or prefill.mnn below '{root}'; export or convert "
+                             "a model there first")
+    return found
+
+
+def _files_of(path: Path) -> list[Path]:
+    """The graph and its external-data files (same folder, named in the ONNX model)."""
+    files = [path]
+    if path.suffix == ".onnx":
+        import onnx
+        from onnx.external_data_helper import uses_external_data
+        proto = onnx.load(str(path), load_external_data=False)
+        for init in proto.graph.initializer:
+            if uses_external_data(init):
+                loc = next((e.value for e in init.external_data if e.key == "location"), None)
+                if loc and (path.parent / loc) not in files:
+                    files.append(path.parent / loc)
+    return files
+
+
+def _median_ms(fn, repeats: int) -> float:
+    fn()  # warm-up: first-run allocation and kernel choice are not the steady state
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1000)
+    return statistics.median(times)
+
+
+def profile_runtime(name: str, prefill: str | Path, decode: str | Path | None = None, *,
+                    prompt_lengths: Sequence[int] = DEFAULT_PROMPT_LENGTHS, decode_steps: int = 32,
+                    repeats: int = 5, threads: int = 1, vocab_size: int | None = None) -> RuntimeProfile:
+    """Time one prefill (+ decode) pair; prompts are fixed pseudo-random token ids (seeded)."""
+    from .memory import release_freed_memory, reset_peak_rss, rss_mb
+    prefill, decode = Path(prefill), Path(decode) if decode else None
+    if repeats < 1 or decode_steps < 1 or not prompt_lengths or min(prompt_lengths) < 1:
+        raise WorkbenchError("profile: repeats, decode_steps and every prompt length must be at least 1")
+    files = _files_of(prefill) + (_files_of(decode) if decode else [])
+    release_freed_memory()
+    before = rss_mb("VmRSS")
+    reset = reset_peak_rss()
+    t = time.perf_counter()
+    if prefill.suffix == ".mnn":
+        from .targets.mnn import MnnCausalLM
+        runner, runtime = MnnCausalLM(prefill, threads=threads), "MNN"
+    else:
+        from .graph import OnnxCausalLM
+        runner, runtime = OnnxCausalLM(prefill, decode, threads=threads), "onnxruntime"
+    load_seconds = time.perf_counter() - t
+    report = RuntimeProfile(name, runtime, [str(f) for f in files], sum(f.stat().st_size for f in files), threads,
+                            repeats, load_seconds=load_seconds)
+    vocab = vocab_size or 1000
+    rng = np.random.default_rng(0)
+    for n in prompt_lengths:
+        static = getattr(runner, "static_seq", None)
+        if static is not None and n > static:
+            report.notes.append(f"prompt of {n} tokens skipped: the static graph takes {static}")
+            continue
+        if static is not None and n < static:
+            report.notes.append(f"prompt of {n} tokens runs padded to the static graph's {static}")
+        ids = rng.integers(1, vocab, size=(1, n))
+        if runtime == "MNN":
+            report.prefill_ms[n] = _median_ms(lambda ids=ids: runner.logits(ids), repeats)
+        else:
+            report.prefill_ms[n] = _median_ms(lambda ids=ids: runner.prefill.run(None, runner.prefill_feed(ids[0])),
+                                              repeats)
+    if runtime == "onnxruntime" and runner.decode is not None:
+        prompt = rng.integers(1, vocab, size=min(prompt_lengths)).tolist()
+        _, _, kv0 = runner.run_prefill(prompt)
+        limit = runner.static_past
+        steps = decode_steps if limit is None else max(1, min(decode_steps, limit - len(prompt)))
+
+        def decode_run():
+            kv, pos = kv0, len(prompt)
+            for i in range(steps):
+                _, kv, _ = runner.run_decode(int(prompt[i % len(prompt)]), kv, pos)
+                pos += 1
+        report.decode_tokens_per_second = steps / (_median_ms(decode_run, repeats) / 1000)
+    elif decode is not None:
+        report.notes.append("decode not timed: the MNN runner here drives the prefill graph only")
+    if reset and before is not None:
+        report.peak_rss_added_mb = (rss_mb("VmHWM") or before) - before
+    return report
+
+
+def profile_directory(directory: str | Path, *, vocab_size: int | None = None, **kwargs) -> list[RuntimeProfile]:
+    """Profile every prefill/decode pair below ``directory`` (see :func:`find_runtimes`), one after another."""
+    return [profile_runtime(name, prefill, decode, vocab_size=vocab_size, **kwargs)
+            for name, prefill, decode in find_runtimes(directory)]
+
+
+def build_candidates(model="demo", out_dir: str | Path = "out/profile", *, plan=None, bits: int | None = 4,
+                     candidates: Sequence[str] = DEFAULT_CANDIDATES, progress: bool = False) -> Path:
+    """Export the float model and convert it for each target into ``out_dir/<candidate>``, ready to profile.
+
+    Conversions here skip their accuracy evaluation (``workbench convert`` does that); this only
+    builds the files whose speed and size are compared.
+    """
+    from .convert import CONVERT_TARGETS, convert, prepare_models
+    from .graph import export_onnx
+    unknown = [c for c in candidates if c != "float" and c not in CONVERT_TARGETS]
+    if unknown:
+        raise WorkbenchError(f"unknown candidate(s) {unknown}; choose from float, {', '.join(CONVERT_TARGETS)}")
+    out = Path(out_dir)
+    prepared = prepare_models(model, plan=plan, bits=None if plan is not None else bits, progress=progress)
+    for c in candidates:
+        if c == "float":
+            export_onnx(prepared.float_lm, out / "float", check=False)
+        else:
+            convert(model, c, out / c, prepared=prepared, evaluate_outputs=False, calibration_samples=4,
+                    calibration_seq_len=64, progress=progress)
+    return out
