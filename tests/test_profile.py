@@ -43,6 +43,6 @@ def test_bad_input(tmp_path, candidates, capsys):
     with pytest.raises(WorkbenchError, match="at least 1"):
         profile_directory(candidates, repeats=0)
     assert main(["profile", str(candidates), "--prompt-lengths", "eight"]) == 2
-    assert "comma-separated integers" in capsys.readouterr().err
+    assert "comma-separated positive integers, e.g. 32,128" in capsys.readouterr().err
     with pytest.raises(WorkbenchError, match="unknown candidate"):
         build_candidates("demo", tmp_path / "x", candidates=("coreml",))

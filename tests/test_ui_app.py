@@ -36,3 +36,8 @@ def test_sweep_then_plan_reaches_quantize_and_export(app):
     assert app.quantize_panel.bits.value == "plan" and app.quantize_panel.current_plan().precision_name_for(name) == "fp16"
     assert app.convert_panel.plan is plan and app.convert_panel.bits is None
     assert app.tabs.children[2] is app.quantize_panel and "bits/weight" in app.plan_label.value
+
+
+def test_profile_tab_times_what_export_writes(app):
+    assert app.tabs.children[4] is app.profile_panel
+    assert app.profile_panel.directory.value == str(app.out_dir / "convert") == app.convert_panel.out_dir.value

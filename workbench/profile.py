@@ -22,6 +22,7 @@ import numpy as np
 from .errors import WorkbenchError
 
 __all__ = ["RuntimeProfile", "find_runtimes", "profile_runtime", "profile_directory", "build_candidates",
+           "parse_prompt_lengths",
            "DEFAULT_PROMPT_LENGTHS", "DEFAULT_CANDIDATES"]
 
 DEFAULT_PROMPT_LENGTHS = (32, 128)
@@ -53,6 +54,17 @@ class RuntimeProfile:
         dec = f"; decode {self.decode_tokens_per_second:.0f} tok/s" if self.decode_tokens_per_second else ""
         mem = f"; +{self.peak_rss_added_mb:.0f} MB RSS" if self.peak_rss_added_mb is not None else ""
         return f"{self.name} ({self.runtime}): {self.size_bytes / 1e6:.2f} MB; prefill {pre}{dec}{mem}"
+
+
+def parse_prompt_lengths(text: str) -> tuple[int, ...]:
+    """``"32,128"`` -> ``(32, 128)``, with an error that shows the expected form."""
+    try:
+        lengths = tuple(int(x) for x in str(text).split(",") if x.strip())
+    except ValueError:
+        lengths = ()
+    if not lengths or min(lengths) < 1:
+        raise WorkbenchError(f"prompt lengths are comma-separated positive integers, e.g. 32,128; got '{text}'")
+    return lengths
 
 
 def find_runtimes(directory: str | Path) -> list[tuple[str, Path, Path | None]]:

@@ -5,18 +5,10 @@
 """
 from __future__ import annotations
 
-from ..errors import WorkbenchError
-from ..profile import DEFAULT_PROMPT_LENGTHS, profile_directory
+from ..profile import DEFAULT_PROMPT_LENGTHS, parse_prompt_lengths, profile_directory
 from .common import add_json_flag, format_bytes, print_json
 
 HELP = "prefill latency, decode tokens/s, size and memory of exported / converted models (this CPU)"
-
-
-def _lengths(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise WorkbenchError(f"--prompt-lengths takes comma-separated integers, e.g. 32,128; got '{text}'") from None
 
 
 def add_arguments(p):
@@ -31,7 +23,7 @@ def add_arguments(p):
 
 
 def run(args) -> int:
-    profiles = profile_directory(args.directory, prompt_lengths=_lengths(args.prompt_lengths),
+    profiles = profile_directory(args.directory, prompt_lengths=parse_prompt_lengths(args.prompt_lengths),
                                  decode_steps=args.decode_steps, repeats=args.repeats, threads=args.threads,
                                  vocab_size=args.vocab_size)
     if args.json:

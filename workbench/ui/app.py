@@ -1,5 +1,8 @@
 """The click-through app: the step panels in tabs, one model, one per-layer plan.
 
+Tabs: Calibrate, Precisions (sensitivity and per-layer choices), Quantize, Export (convert and
+compare), Profile (speed and size of what Export wrote).
+
     app = WorkbenchApp("demo")      # any local Hugging Face model directory
     app.load()                      # what the Load button does
     app.run_sensitivity()           # fills the Precisions tab's sensitivity bars
@@ -25,11 +28,12 @@ from .base import StepPanel
 from .calibrate import CalibratePanel
 from .graph import ConvertPanel
 from .overrides import OverridePanel
+from .profile import ProfilePanel
 from .quantize import QuantizePanel
 
 __all__ = ["WorkbenchApp", "TAB_TITLES"]
 
-TAB_TITLES = ("Calibrate", "Precisions", "Quantize", "Export")
+TAB_TITLES = ("Calibrate", "Precisions", "Quantize", "Export", "Profile")
 
 
 class WorkbenchApp(StepPanel):
@@ -43,6 +47,7 @@ class WorkbenchApp(StepPanel):
         self.workspace = workspace or Workspace()
         self.sensitivity = None
         self.calibrate_panel = self.override_panel = self.quantize_panel = self.convert_panel = None
+        self.profile_panel = None
         self._setup()
         self.model_path = widgets.Text(value=str(model), description="model", layout={"width": "560px"},
                                        placeholder="demo, or a local Hugging Face model directory")
@@ -78,9 +83,8 @@ class WorkbenchApp(StepPanel):
                                         self.override_panel]
         self.quantize_panel = QuantizePanel(lm, samples=self.samples, seq_len=self.seq_len, workspace=self.workspace)
         self.convert_panel = self._convert_panel(None)
-        self.tabs.children = [self.calibrate_panel, self.precisions_box, self.quantize_panel, self.convert_panel]
-        for i, title in enumerate(TAB_TITLES):
-            self.tabs.set_title(i, title)
+        self.profile_panel = ProfilePanel(self.out_dir / "convert")
+        self._show_tabs()
         self.plan_label.value = "Quantize and Export use uniform INT4 until you press <i>Use this plan</i>"
         self.status.value = html.escape(f"loaded {lm.name}: {len(lm.layers)} quantizable layers")
         return lm
@@ -108,15 +112,19 @@ class WorkbenchApp(StepPanel):
         self.quantize_panel = QuantizePanel(self.lm, plan=plan, samples=self.samples, seq_len=self.seq_len,
                                             workspace=self.workspace)
         self.convert_panel = self._convert_panel(plan)
-        self.tabs.children = [self.calibrate_panel, self.precisions_box, self.quantize_panel, self.convert_panel]
-        for i, title in enumerate(TAB_TITLES):
-            self.tabs.set_title(i, title)
+        self._show_tabs()
         totals = self.override_panel.totals
         self.plan_label.value = html.escape(f"Quantize and Export use this plan ({totals['bits_per_weight']:.2f} "
                                             f"bits/weight, {totals['size_bytes'] / 1e6:.2f} MB)")
         return plan
 
     # -- helpers -------------------------------------------------------------------------------------
+    def _show_tabs(self) -> None:
+        self.tabs.children = [self.calibrate_panel, self.precisions_box, self.quantize_panel, self.convert_panel,
+                              self.profile_panel]
+        for i, title in enumerate(TAB_TITLES):
+            self.tabs.set_title(i, title)
+
     def _convert_panel(self, plan: QuantPlan | None) -> ConvertPanel:
         return ConvertPanel(str(self.lm.path), plan=plan, bits=None if plan is not None else 4,
                             out_dir=self.out_dir / "convert", max_tokens=2048)

@@ -1,0 +1,20 @@
+"""The profile panel without a browser: Run fills the table and the chart; a bad folder is a status line."""
+from workbench.profile import build_candidates
+from workbench.ui.profile import ProfilePanel
+
+
+def test_run_fills_table_and_chart(tiny_model_dir, tmp_path):
+    out = build_candidates(tiny_model_dir, tmp_path / "c", candidates=("float",))
+    panel = ProfilePanel(out, prompt_lengths=(8,), repeats=1)
+    profiles = panel.run()
+    assert [p.name for p in profiles] == ["float"] and panel.error is None
+    assert "<td>float</td>" in panel.table.value and "prefill 8 ms" in panel.table.value
+    assert panel.figures["profile"].data
+
+
+def test_bad_folder_and_bad_lengths_are_status_lines(tmp_path):
+    panel = ProfilePanel(tmp_path / "missing")
+    assert panel.run() is None and "is not a directory" in panel.error
+    panel.prompt_lengths.value = "32,abc"
+    panel.directory.value = str(tmp_path)
+    assert panel.run() is None and "comma-separated positive integers" in panel.error

@@ -1,0 +1,68 @@
+"""The profile panel: time every export or conversion below a folder; a table and the speed/size chart.
+
+    panel = ProfilePanel("out/convert")
+    panel.run()                       # what the Run button does; returns the RuntimeProfile list
+    display(panel)
+"""
+from __future__ import annotations
+
+import html
+from pathlib import Path
+
+import ipywidgets as widgets
+
+from ..charts.profile import make_profile_figure
+from ..profile import DEFAULT_PROMPT_LENGTHS, RuntimeProfile, parse_prompt_lengths, profile_directory
+from .base import StepPanel
+
+__all__ = ["ProfilePanel"]
+
+
+def _rows(profiles: list[RuntimeProfile]) -> str:
+    lengths = sorted({n for p in profiles for n in p.prefill_ms})
+    head = ("<tr><th>model</th><th>runtime</th><th>MB</th>" + "".join(f"<th>prefill {n} ms</th>" for n in lengths)
+            + "<th>decode tok/s</th><th>+RSS MB</th></tr>")
+    rows = []
+    for p in profiles:
+        cells = "".join(f"<td>{p.prefill_ms[n]:.1f}</td>" if n in p.prefill_ms else "<td>-</td>" for n in lengths)
+        dec = f"{p.decode_tokens_per_second:.0f}" if p.decode_tokens_per_second else "-"
+        mem = f"{p.peak_rss_added_mb:.0f}" if p.peak_rss_added_mb is not None else "-"
+        rows.append(f"<tr><td>{html.escape(p.name)}</td><td>{p.runtime}</td><td>{p.size_bytes / 1e6:.2f}</td>{cells}"
+                    f"<td>{dec}</td><td>{mem}</td></tr>")
+    return "<table>" + head + "".join(rows) + "</table>"
+
+
+class ProfilePanel(StepPanel):
+    """Folder, prompt lengths, threads; Run times every model found there."""
+
+    def __init__(self, directory: str | Path = "out/convert", *, prompt_lengths=DEFAULT_PROMPT_LENGTHS, threads: int = 1,
+                 repeats: int = 5):
+        self.profiles: list[RuntimeProfile] = []
+        self._setup()
+        self.directory = widgets.Text(value=str(directory), description="folder", layout={"width": "560px"},
+                                      placeholder="output of Export / workbench convert / workbench export")
+        self.prompt_lengths = widgets.Text(value=",".join(map(str, prompt_lengths)), description="prompts")
+        self.threads = widgets.BoundedIntText(value=threads, min=1, max=256, description="threads")
+        self.repeats = widgets.BoundedIntText(value=repeats, min=1, max=1000, description="repeats")
+        self.run_button = widgets.Button(description="Profile", button_style="primary", icon="tachometer-alt")
+        self.run_button.on_click(lambda _: self.run())
+        self.table = widgets.HTML()
+        self.plot = widgets.Output()
+        self.controls = [self.directory, self.prompt_lengths, self.threads, self.repeats, self.run_button]
+        super().__init__([
+            widgets.HTML("<b>Profile</b> every exported or converted model in a folder: prefill latency, decode "
+                         "speed, size, memory (this machine's CPU; an NPU's own numbers come from its SDK)"),
+            self.directory, widgets.HBox([self.prompt_lengths, self.threads, self.repeats, self.run_button]),
+            self.status, self.log_output, self.table, self.plot])
+
+    def run(self) -> list[RuntimeProfile] | None:
+        ok, profiles = self._attempt("profiling...", lambda: profile_directory(
+            self.directory.value.strip(), prompt_lengths=parse_prompt_lengths(self.prompt_lengths.value), threads=self.threads.value,
+            repeats=self.repeats.value))
+        if not ok:
+            return None
+        self.profiles = profiles
+        self.table.value = _rows(profiles)
+        self.status.value = html.escape(f"{len(profiles)} model(s) timed, median of {self.repeats.value} runs")
+        self._plot("profile", make_profile_figure(profiles), self.plot)
+        return profiles
