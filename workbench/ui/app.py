@@ -54,18 +54,20 @@ class WorkbenchApp(StepPanel):
         self.load_button = widgets.Button(description="Load", button_style="primary", icon="upload")
         self.load_button.on_click(lambda _: self.load())
         self.sweep_button = widgets.Button(description="Run sensitivity sweep", icon="chart-bar",
-                                           tooltip="each layer alone at INT8 and INT4: how much it hurts")
+                                           tooltip="each layer alone at INT8 and INT4: how much it hurts",
+                                           layout={"width": "auto"})
         self.sweep_button.on_click(lambda _: self.run_sensitivity())
         self.use_plan_button = widgets.Button(description="Use this plan", icon="arrow-right",
-                                              tooltip="Quantize and Export take the per-layer plan shown here")
+                                              tooltip="Quantize and Export take the per-layer plan shown here",
+                                              layout={"width": "auto"})
         self.use_plan_button.on_click(lambda _: self.use_plan())
         self.plan_label = widgets.HTML()
         self.precisions_box = widgets.VBox()
         self.tabs = widgets.Tab()
         self.controls = [self.model_path, self.load_button, self.sweep_button, self.use_plan_button]
         super().__init__([
-            widgets.HTML("<h2>workbench</h2><p>Choose per-layer INT4 / INT8 / FP16, see what it costs in "
-                         "perplexity, KL divergence and size, and export for a target.</p>"),
+            widgets.HTML("<p>Choose per-layer INT4 / INT8 / FP16, see what it costs in perplexity, KL divergence "
+                         "and size, and export for a target.</p>"),
             widgets.HBox([self.model_path, self.load_button]), self.status, self.log_output, self.tabs])
 
     # -- actions (the buttons call these) ------------------------------------------------------------

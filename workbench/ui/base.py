@@ -12,12 +12,22 @@ from typing import Callable, TypeVar
 
 import ipywidgets as widgets
 from IPython import get_ipython
+from IPython.display import display
 
 from ..errors import WorkbenchError
 
 __all__ = ["StepPanel"]
 
 T = TypeVar("T")
+
+
+def _in_widget_callback() -> bool:
+    """True while the kernel handles a widget message (a button press), not a cell execution."""
+    kernel = getattr(get_ipython(), "kernel", None)
+    try:
+        return kernel.get_parent()["header"]["msg_type"] == "comm_msg"
+    except Exception:  # noqa: BLE001 - no kernel, or an ipykernel without get_parent: not a callback
+        return False
 
 
 class StepPanel(widgets.VBox):
@@ -58,7 +68,14 @@ class StepPanel(widgets.VBox):
         self.figures[key] = fig
         if get_ipython() is None:  # a script or a test: keep it in .figures only
             return
-        # append_display_data sends the figure's mime bundle; `with out: display(fig)` makes a
-        # headless kernel (nbmake, Voila pre-render) wait for a front end that never answers
-        out.clear_output()
-        out.append_display_data(fig)
+        if _in_widget_callback():
+            # a button press: a front end is there to capture a display message, and Voila renders a
+            # plotly figure only when it arrives this way (one set as the `outputs` trait stays blank)
+            out.clear_output()
+            with out:
+                display(fig)
+        else:
+            # a cell being run (nbmake, a notebook, Voila's first render): `with out: display(fig)`
+            # can wait on a front end that never answers, so the figure is set as the widget's state
+            out.outputs = ()
+            out.append_display_data(fig)

@@ -91,7 +91,7 @@ class OverridePanel(widgets.VBox):
                 widgets.HTML("x".join(map(str, info.shape)), layout={"width": "90px"}),
                 widgets.HTML(f"{info.parameters:,}", layout={"width": "90px"}),
                 widgets.HTML(_bar_html(damages.get(info.name), lo, hi), layout={"width": "170px"}),
-                dd]))
+                dd], layout={"flex": "0 0 auto"}))  # rows keep their height; the table scrolls instead
         self.table = widgets.VBox(rows, layout={"max_height": "420px", "overflow": "auto"})
 
         self.pattern = widgets.Text(placeholder="*.q_proj  or  re:.*layers\\.[0-1]\\..*", description="pattern",
