@@ -27,20 +27,9 @@ import torch
 METHODS = [("INT8 RTN", 8, "rtn"), ("INT4 RTN", 4, "rtn"), ("INT4 AWQ", 4, "awq")]
 
 
-def _settled_rss() -> float:
-    """Resident memory once garbage is collected and free heap pages are handed back (glibc), so a
-    later peak counts what a step needs, not what an earlier step left cached in the allocator."""
-    import gc
-
-    from workbench.memory import release_freed_memory, rss_mb
-    gc.collect()
-    release_freed_memory()
-    return rss_mb("VmRSS")
-
-
 def run_one(args) -> None:
     """Child: quantize once to warm up, once timed; save; print one JSON line."""
-    from workbench.memory import reset_peak_rss, rss_mb
+    from workbench.memory import reset_peak_rss, rss_mb, settled_rss_mb
     from workbench.models import load_model
     from workbench.plan import QuantPlan
     from workbench.quantize import quantize_model
@@ -59,12 +48,12 @@ def run_one(args) -> None:
     else:
         quantize_model(lm, plan, progress=False)
     # the runtime's own working set: one forward of the decoder (no lm_head) on a calibration-sized input
-    rss_before = _settled_rss()
+    rss_before = settled_rss_mb()
     reset = reset_peak_rss()
     with torch.no_grad():
         lm.model.base_model(input_ids=torch.zeros(1, args.seq_len, dtype=torch.long), use_cache=False)
     forward_peak = rss_mb("VmHWM") if reset else float("nan")
-    rss_before = _settled_rss()
+    rss_before = settled_rss_mb()
     reset = reset_peak_rss()
     t0 = time.perf_counter()
     qm = quantize_model(lm, plan, calibration=calibration, progress=False)

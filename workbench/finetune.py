@@ -32,7 +32,7 @@ from .data import read_records
 from .errors import DataError, WorkbenchError
 from .evaluate import encode_text, evaluate, read_text
 from .models import LoadedModel, demo_text_path, load_model
-from .workspace import atomic_write_json, hash_inputs
+from .workspace import atomic_write_json, file_sha256, hash_inputs
 
 __all__ = ["FinetuneConfig", "FinetuneReport", "finetune_lora", "training_windows", "DEFAULT_TARGETS"]
 
@@ -232,7 +232,7 @@ def finetune_lora(model: str | Path | LoadedModel = "demo", data: str | Path | N
     partial = out.with_name(out.name + ".partial")
     partial.mkdir(parents=True, exist_ok=True)
     checkpoint = _Checkpoint(partial / CHECKPOINT, hash_inputs({
-        "model": str(lm.path), "weights": model_fingerprint(lm.model), "data": _file_digest(data_path),
+        "model": str(lm.path), "weights": model_fingerprint(lm.model), "data": file_sha256(data_path),
         "config": asdict(cfg)}))
 
     base = copy.deepcopy(lm.model)  # the caller's model stays as it was
@@ -324,10 +324,3 @@ def _source_dtype(lm: LoadedModel) -> torch.dtype:
     config = json.loads((lm.path / "config.json").read_text(encoding="utf-8"))
     name = str(config.get("dtype") or config.get("torch_dtype") or "float32")
     return {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(name, torch.float32)
-
-
-
-
-def _file_digest(path: Path) -> str:
-    import hashlib
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]

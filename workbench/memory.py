@@ -10,7 +10,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 
-__all__ = ["release_freed_memory", "rss_mb", "reset_peak_rss"]
+__all__ = ["release_freed_memory", "rss_mb", "reset_peak_rss", "settled_rss_mb"]
 
 _trim = None
 
@@ -49,3 +49,12 @@ def reset_peak_rss() -> bool:
         return True
     except OSError:
         return False
+
+
+def settled_rss_mb() -> float | None:
+    """Resident memory once garbage is collected and free heap pages are handed back, so a peak read
+    later counts what a step needs, not what an earlier step left cached in the allocator."""
+    import gc
+    gc.collect()
+    release_freed_memory()
+    return rss_mb("VmRSS")

@@ -3,7 +3,7 @@
     lm = load_model("demo")                 # the bundled model; any local HF directory works
     for layer in lm.layers: print(layer.name, layer.shape, layer.bytes_at("int4"))
 
-Never downloads, never runs remote code unless ``trust_remote_code=True`` is asked for, prefers
+Never downloads, never runs remote code unless the caller opts in (``trust_remote_code``), prefers
 safetensors and loads pickled weights only with ``weights_only=True``.
 """
 from __future__ import annotations

@@ -118,13 +118,12 @@ def profile_runtime(name: str, prefill: str | Path, decode: str | Path | None = 
                     prompt_lengths: Sequence[int] = DEFAULT_PROMPT_LENGTHS, decode_steps: int = 32,
                     repeats: int = 5, threads: int = 1, vocab_size: int | None = None) -> RuntimeProfile:
     """Time one prefill (+ decode) pair; prompts are fixed pseudo-random token ids (seeded)."""
-    from .memory import release_freed_memory, reset_peak_rss, rss_mb
+    from .memory import reset_peak_rss, rss_mb, settled_rss_mb
     prefill, decode = Path(prefill), Path(decode) if decode else None
     if repeats < 1 or decode_steps < 1 or not prompt_lengths or min(prompt_lengths) < 1:
         raise WorkbenchError("profile: repeats, decode_steps and every prompt length must be at least 1")
     files = _files_of(prefill) + (_files_of(decode) if decode else [])
-    release_freed_memory()
-    before = rss_mb("VmRSS")
+    before = settled_rss_mb()
     reset = reset_peak_rss()
     t = time.perf_counter()
     if prefill.suffix == ".mnn":

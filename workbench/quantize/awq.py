@@ -434,8 +434,10 @@ def search_awq(model: nn.Module, samples: list[torch.Tensor], spec: dict[str, tu
         sub = lambda fqn: blk_orig.get_submodule(fqn[len(bname) + 1:])  # noqa: E731
         clip_layers = [n for n in spec if n.startswith(bname + ".") and not n.endswith(("q_proj", "k_proj"))] \
             if clip and groups else []  # q/k feed a softmax: clipping by output error misleads (as in AWQ)
-        missing = [g.layers[0] for g in groups if (mean_abs or {}).get(g.layers[0]) is None]
-        x_means = {**(mean_abs or {}), **(_input_mean_abs(blk_orig, units, missing, bname) if missing else {})}
+        x_means = {g.layers[0]: (mean_abs or {}).get(g.layers[0]) for g in groups}
+        missing = [n for n, m in x_means.items() if m is None]
+        if missing:  # statistics did not cover these inputs: one extra pass over the block measures them
+            x_means.update(_input_mean_abs(blk_orig, units, missing, bname))
         # the search swaps quantized weights into this block's linears and always swaps the originals back
         searches = [_ScaleSearch(g, blk_orig, bname, x_means[g.layers[0]], spec, n_grid) for g in groups]
         watch = {g.inspect: sub(g.inspect) for g in groups}
