@@ -1,0 +1,85 @@
+"""Random-weight models shaped like real Qwen checkpoints: what a step costs depends on shapes, not values.
+
+    python bench/shapes.py qwen2.5-0.5b --out /tmp/shapes/qwen2.5-0.5b      # 494 M parameters, bf16
+    python bench/shapes.py qwen3-4b --out /tmp/shapes/qwen3-4b --layers 2  # the real widths, 2 blocks
+
+Each directory is a plain Hugging Face model directory (config.json, model.safetensors in bfloat16)
+with the demo model's tokenizer copied in, so every workbench step can load it offline. The
+vocabulary stays at the real 151,936 rows (the demo tokenizer only ever emits ids below 4,096).
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = ROOT / "assets" / "demo-model"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+# The published configs' shapes (hidden, layers, MLP, heads, KV heads, head_dim, vocabulary, tying).
+SHAPES: dict[str, dict] = {
+    "qwen2.5-0.5b": dict(model_type="qwen2", hidden_size=896, num_hidden_layers=24, intermediate_size=4864,
+                         num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
+                         tie_word_embeddings=True, max_position_embeddings=32768, rope_theta=1000000.0),
+    "qwen2.5-1.5b": dict(model_type="qwen2", hidden_size=1536, num_hidden_layers=28, intermediate_size=8960,
+                         num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
+                         tie_word_embeddings=True, max_position_embeddings=32768, rope_theta=1000000.0),
+    "qwen3-4b": dict(model_type="qwen3", hidden_size=2560, num_hidden_layers=36, intermediate_size=9728,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                     tie_word_embeddings=True, max_position_embeddings=40960, rope_theta=1000000.0),
+    # the decode benchmark's shape: 301 M parameters, untied, a 32,000-token vocabulary
+    "qwen2-301m": dict(model_type="qwen2", hidden_size=1024, num_hidden_layers=20, intermediate_size=2816,
+                       num_attention_heads=16, num_key_value_heads=8, vocab_size=32000,
+                       tie_word_embeddings=False, max_position_embeddings=32768, rope_theta=1000000.0),
+}
+
+
+def build_shape(name: str, out: str | Path, *, layers: int | None = None, seed: int = 0) -> Path:
+    """Write a random bf16 model of shape ``name`` (optionally only ``layers`` blocks) to ``out``; reuse it if there."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if name not in SHAPES:
+        raise SystemExit(f"unknown shape '{name}'; choose one of: {', '.join(SHAPES)}")
+    out = Path(out)
+    if (out / "model.safetensors").is_file() and (out / "config.json").is_file():
+        return out
+    spec = dict(SHAPES[name])
+    model_type = spec.pop("model_type")
+    if layers:
+        spec["num_hidden_layers"] = layers
+    cfg = AutoConfig.for_model(model_type, **spec, rms_norm_eps=1e-6, hidden_act="silu", bos_token_id=0,
+                               eos_token_id=0, pad_token_id=0)
+    cfg.architectures = [{"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[model_type]]
+    torch.manual_seed(seed)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # never hold an fp32 copy of a 4 B model
+    try:
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    finally:
+        torch.set_default_dtype(previous)
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    for f in TOKENIZER_FILES:
+        shutil.copy(DEMO / f, tmp / f)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("shape", choices=sorted(SHAPES))
+    ap.add_argument("--out", required=True, help="directory to write (reused when it already holds the model)")
+    ap.add_argument("--layers", type=int, default=None, help="keep only this many decoder blocks")
+    args = ap.parse_args()
+    t0 = time.perf_counter()
+    path = build_shape(args.shape, args.out, layers=args.layers)
+    print(f"{args.shape}: {path} ({time.perf_counter() - t0:.1f} s)")
+
+
+if __name__ == "__main__":
+    main()
