@@ -23,7 +23,8 @@ from torch import nn
 from .errors import DataError
 
 __all__ = ["Window", "strided_windows", "encode_text", "EvalReport", "ReferenceOutputs", "capture_reference",
-           "evaluate", "paired_difference", "DEFAULT_CTX"]
+           "evaluate", "paired_difference", "DEFAULT_CTX", "default_token_budget", "reference_report",
+           "EVAL_BUDGET"]
 
 DEFAULT_CTX = 512  # llama.cpp's llama-perplexity default; the demo model's full context
 
@@ -90,8 +91,27 @@ class EvalReport:
     window_kl: list[float] = field(default_factory=list, repr=False)
     window_top1: list[int] = field(default_factory=list, repr=False)
 
+    def _window_stderr(self, sums: list[float]) -> float:
+        """Standard error of the per-token mean from the spread of per-window means (nan with one window)."""
+        per = [x / t for x, t in zip(sums, self.window_tokens)]
+        n = len(per)
+        if n < 2:
+            return float("nan")
+        m = sum(per) / n
+        return math.sqrt(sum((v - m) ** 2 for v in per) / (n - 1) / n)
+
+    @property
+    def perplexity_stderr(self) -> float:
+        """Delta method on exp(mean NLL): the text's own sampling noise at this budget."""
+        return self.perplexity * self._window_stderr(self.window_nll)
+
+    @property
+    def kl_stderr(self) -> float | None:
+        return self._window_stderr(self.window_kl) if self.window_kl else None
+
     def to_dict(self, windows: bool = False) -> dict:
         d = asdict(self)
+        d["perplexity_stderr"], d["kl_stderr"] = self.perplexity_stderr, self.kl_stderr
         if not windows:
             for k in ("window_nll", "window_tokens", "window_kl", "window_top1"):
                 d.pop(k)
@@ -100,12 +120,37 @@ class EvalReport:
 
 @dataclass
 class ReferenceOutputs:
-    """A reference model's log-probabilities at the scored positions, captured once and reused."""
+    """A reference model's outputs on the scored positions, compact enough to keep for many comparisons.
+
+    Not its log-probabilities (tokens x vocabulary: 14 GB for 23 k tokens of a Qwen vocabulary)
+    but what they are computed from: the final hidden state of every scored token and the output
+    layer's weight, in float32. Log-probabilities are rebuilt exactly, a chunk of tokens at a time.
+    """
 
     ctx: int
     stride: int
     n_tokens: int
-    log_probs: list[torch.Tensor]  # one [scored, vocab] tensor per window
+    hidden: list[torch.Tensor]  # one float32 [scored, hidden_size] tensor per window
+    head_weight: torch.Tensor | None  # float32 [vocab, hidden_size]; None when ``hidden`` holds logits
+    head_bias: torch.Tensor | None = None
+    head_source: torch.Tensor | None = field(default=None, repr=False)  # the model's own weight tensor
+
+    def window_log_probs(self, k: int) -> torch.Tensor:
+        """Log-probabilities of window ``k`` ([scored, vocab]); materialises one window, for small models."""
+        return torch.log_softmax(_logits(self.hidden[k], self.head_weight, self.head_bias), dim=-1)
+
+    @property
+    def log_probs(self) -> list[torch.Tensor]:
+        return [self.window_log_probs(k) for k in range(len(self.hidden))]
+
+    @property
+    def nbytes(self) -> int:
+        head = 0 if self.head_weight is None else self.head_weight.numel() * 4
+        return sum(h.numel() * 4 for h in self.hidden) + head
+
+
+class _StopForward(Exception):
+    pass
 
 
 def _batches(windows: Sequence[Window], batch_size: int):
@@ -120,37 +165,168 @@ def _batches(windows: Sequence[Window], batch_size: int):
         i = j
 
 
-def _window_logits(model: nn.Module, ids: torch.Tensor, batch: Sequence[Window]) -> list[torch.Tensor]:
-    """Float32 logits at the scored positions of each window (position j predicts token j + 1)."""
+# Architectures whose logits are exactly ``lm_head(final hidden state)``; others are checked once.
+PLAIN_HEAD_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral", "qwen2_moe", "qwen3_moe", "phi3", "olmo2"})
+HEAD_CHUNK_TOKENS = 256  # tokens x vocabulary float32 held at once: 156 MB for a 151,936-token vocabulary
+
+
+def _logits(hidden: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+    if weight is None:  # the rows are logits already
+        return hidden.float()
+    return torch.nn.functional.linear(hidden.to(weight.dtype), weight, bias)
+
+
+def _head(model: nn.Module) -> nn.Module:
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is None:
+        raise ValueError("the model has no output layer (get_output_embeddings() is None); it is not a causal LM")
+    return head
+
+
+def _head_tensors(model: nn.Module, reference: "ReferenceOutputs | None" = None):
+    """The output layer's weight (float32; shared with ``reference`` when it is the same tensor) and bias."""
+    from .compute import float32_weight
+    head = _head(model)
+    source = getattr(head, "weight", None) if isinstance(head, nn.Linear) else None
+    bias = getattr(head, "bias", None)
+    bias = None if bias is None else bias.detach().to(torch.float32)
+    if reference is not None and source is not None and source is reference.head_source:
+        return reference.head_weight, bias, source
+    return float32_weight(head), bias, source
+
+
+def _hidden_states(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Float32 inputs of the output layer for a batch of token ids (the head itself is not run)."""
+    got = []
+
+    def grab(_mod, args):
+        got.append(args[0])
+        raise _StopForward
+
+    handle = _head(model).register_forward_pre_hook(grab, prepend=True)
+    try:
+        model(input_ids=x, use_cache=False)
+    except _StopForward:
+        pass
+    finally:
+        handle.remove()
+    if not got:
+        raise RuntimeError("the model never called its output layer; it cannot be evaluated here")
+    return got[0].to(torch.float32)
+
+
+def _check_plain_head(model: nn.Module, ids: torch.Tensor) -> bool:
+    """Whether ``model(ids).logits == lm_head(hidden)`` (no logit scaling or soft-capping)."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type in PLAIN_HEAD_TYPES:
+        return True
+    device = next(model.parameters()).device
+    x = ids[: min(8, len(ids))][None].to(device)
+    full = model(input_ids=x, use_cache=False).logits.float()
+    w, b, _ = _head_tensors(model)
+    mine = _logits(_hidden_states(model, x), w, b)
+    return bool(torch.allclose(full, mine, rtol=1e-4, atol=1e-4))
+
+
+def _window_hidden(model: nn.Module, ids: torch.Tensor, batch: Sequence[Window]) -> list[torch.Tensor]:
+    """Float32 final hidden states at the scored positions of each window (position j predicts j + 1)."""
+    device = next(model.parameters()).device
+    x = torch.stack([ids[w.begin:w.end] for w in batch]).to(device)
+    h = _hidden_states(model, x)
+    return [row[w.score_from - w.begin - 1: w.end - w.begin - 1] for row, w in zip(h, batch)]
+
+
+def _window_logits_full(model: nn.Module, ids: torch.Tensor, batch: Sequence[Window]) -> list[torch.Tensor]:
+    """Float32 logits from the model's own forward (for heads that are not a plain linear layer)."""
     device = next(model.parameters()).device
     x = torch.stack([ids[w.begin:w.end] for w in batch]).to(device)
     logits = model(input_ids=x, use_cache=False).logits
     return [row[w.score_from - w.begin - 1: w.end - w.begin - 1].float() for row, w in zip(logits, batch)]
 
 
-def _window_log_probs(model: nn.Module, ids: torch.Tensor, batch: Sequence[Window]) -> list[torch.Tensor]:
-    return [torch.log_softmax(lg, dim=-1) for lg in _window_logits(model, ids, batch)]
+class _Scorer:
+    """Per-token log-probabilities of one model, chunk by chunk: from hidden states and the head, or full logits."""
+
+    def __init__(self, model: nn.Module, ids: torch.Tensor, reference: "ReferenceOutputs | None" = None):
+        self.model = model
+        self.plain = _check_plain_head(model, ids)
+        self.head = _head_tensors(model, reference) if self.plain else None
+
+    def windows(self, ids, batch) -> list[torch.Tensor]:
+        """Hidden states (plain head) or logits, one tensor per window."""
+        return _window_hidden(self.model, ids, batch) if self.plain else _window_logits_full(self.model, ids, batch)
+
+    def logits(self, rows: torch.Tensor) -> torch.Tensor:
+        return _logits(rows, self.head[0], self.head[1]) if self.plain else rows
 
 
 @torch.inference_mode()
 def capture_reference(model: nn.Module, ids: torch.Tensor, *, ctx: int = DEFAULT_CTX, stride: int | None = None,
                       batch_size: int = 4, progress: bool = True) -> ReferenceOutputs:
-    """Run the reference once and keep its log-probs, for many comparisons on the same tokens."""
+    """Run the reference once and keep its final hidden states and output layer, for many comparisons."""
     from tqdm.auto import tqdm
     windows = strided_windows(len(ids), ctx, stride)
-    lps: list[torch.Tensor] = []
+    scorer = _Scorer(model, ids)
+    # logits that are not lm_head(hidden) are kept whole (head_weight None); only small models have such heads here
+    weight, bias, source = scorer.head if scorer.plain else (None, None, None)
+    hidden: list[torch.Tensor] = []
     with tqdm(total=len(windows), desc="reference", unit="win", disable=not progress, leave=False) as bar:
         for _, batch in _batches(windows, batch_size):
-            lps.extend(lp.cpu() for lp in _window_log_probs(model, ids, batch))
+            hidden.extend(h.cpu().clone() for h in scorer.windows(ids, batch))
             bar.update(len(batch))
-    return ReferenceOutputs(ctx, stride or ctx, len(ids), lps)
+    return ReferenceOutputs(ctx, stride or ctx, len(ids), hidden, weight, bias, source)
+
+
+@torch.inference_mode()
+def reference_report(reference: ReferenceOutputs, ids: torch.Tensor) -> EvalReport:
+    """The reference's own per-window report (KL 0, top-1 1), read off its stored outputs without a forward pass."""
+    ids = ids.reshape(-1).long()
+    windows = strided_windows(len(ids), reference.ctx, reference.stride)
+    report = EvalReport(0.0, 0.0, 0, len(windows), reference.ctx, reference.stride, 0.0, 0.0)
+    t0 = time.perf_counter()
+    for w, h in zip(windows, reference.hidden):
+        targets = ids[w.score_from:w.end]
+        nll = 0.0
+        for c in range(0, w.scored, HEAD_CHUNK_TOKENS):
+            logits = _logits(h[c:c + HEAD_CHUNK_TOKENS], reference.head_weight, reference.head_bias)
+            nll += torch.nn.functional.cross_entropy(logits, targets[c:c + HEAD_CHUNK_TOKENS], reduction="sum").item()
+        report.window_nll.append(nll)
+        report.window_tokens.append(w.scored)
+        report.window_kl.append(0.0)
+        report.window_top1.append(w.scored)
+    report.tokens = sum(report.window_tokens)
+    report.nll = sum(report.window_nll) / report.tokens
+    report.perplexity = report.reference_perplexity = math.exp(report.nll)
+    report.kl_divergence, report.top1_agreement = 0.0, 1.0
+    report.seconds = time.perf_counter() - t0
+    report.tokens_per_second = report.tokens / report.seconds if report.seconds else float("inf")
+    return report
+
+
+def default_token_budget(model: nn.Module, n_tokens: int, ctx: int = DEFAULT_CTX) -> int:
+    """Tokens to evaluate by default: the whole text on small models, about a minute of a 2-core CPU on big ones.
+
+    ``EVAL_BUDGET`` parameter-tokens (forward cost grows with both) rounded up to whole windows, never
+    fewer than ``MIN_EVAL_WINDOWS`` windows: enough for the standard error that comes with every figure.
+    """
+    params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    budget = max(MIN_EVAL_WINDOWS * ctx, -(-int(EVAL_BUDGET // max(params, 1)) // ctx) * ctx)
+    return min(n_tokens, budget + 1)  # + 1: the first token is never scored
+
+
+EVAL_BUDGET = 2e12  # parameter-tokens: 4,096 tokens of a 0.5 B model, the whole bundled text of the demo model
+MIN_EVAL_WINDOWS = 4
 
 
 @torch.inference_mode()
 def evaluate(model: nn.Module, ids: torch.Tensor, *, reference: nn.Module | ReferenceOutputs | None = None,
              ctx: int = DEFAULT_CTX, stride: int | None = None, batch_size: int = 4, progress: bool = True,
              desc: str = "evaluate") -> EvalReport:
-    """Perplexity of ``model`` on ``ids``; with ``reference``, also KL and top-1 agreement."""
+    """Perplexity of ``model`` on ``ids``; with ``reference``, also KL and top-1 agreement.
+
+    Streams: per window the final hidden states, then the output layer a chunk of
+    ``HEAD_CHUNK_TOKENS`` tokens at a time, so tokens x vocabulary is never held for the whole text.
+    """
     from tqdm.auto import tqdm
     ids = ids.reshape(-1).long()
     max_pos = getattr(getattr(model, "config", None), "max_position_embeddings", None)
@@ -164,28 +340,43 @@ def evaluate(model: nn.Module, ids: torch.Tensor, *, reference: nn.Module | Refe
     report = EvalReport(0.0, 0.0, 0, len(windows), ctx, stride, 0.0, 0.0)
     ref_nll = 0.0
     t0 = time.perf_counter()
+    stored = reference if isinstance(reference, ReferenceOutputs) else None
+    scorer = _Scorer(model, ids, stored)
+    ref_scorer = _Scorer(reference, ids) if isinstance(reference, nn.Module) else None
     with tqdm(total=len(windows), desc=desc, unit="win", disable=not progress, leave=False) as bar:
         for start, batch in _batches(windows, batch_size):
-            # without a reference, the fused cross-entropy is all that is needed (as fast as model.loss)
-            lps = _window_log_probs(model, ids, batch) if reference is not None else _window_logits(model, ids, batch)
-            if isinstance(reference, nn.Module):
-                ref_lps = _window_log_probs(reference, ids, batch)
-            elif reference is not None:
-                ref_lps = reference.log_probs[start:start + len(batch)]
-            for k, (lp, w) in enumerate(zip(lps, batch)):
-                targets = ids[w.score_from:w.end].to(lp.device)
-                if reference is None:
-                    nll = torch.nn.functional.cross_entropy(lp, targets, reduction="sum").item()
-                else:
-                    nll = -lp.gather(1, targets[:, None]).sum().item()
+            rows = scorer.windows(ids, batch)
+            if ref_scorer is not None:
+                ref_rows = ref_scorer.windows(ids, batch)
+            elif stored is not None:
+                ref_rows = stored.hidden[start:start + len(batch)]
+            for k, (row, w) in enumerate(zip(rows, batch)):
+                targets_all = ids[w.score_from:w.end].to(row.device)
+                nll = kl = 0.0
+                top1 = 0
+                for c in range(0, w.scored, HEAD_CHUNK_TOKENS):
+                    sl = slice(c, c + HEAD_CHUNK_TOKENS)
+                    logits, targets = scorer.logits(row[sl]), targets_all[sl]
+                    if reference is None:
+                        nll += torch.nn.functional.cross_entropy(logits, targets, reduction="sum").item()
+                        continue
+                    lp = torch.log_softmax(logits, dim=-1)
+                    del logits  # at most three chunk-sized tensors are alive at once
+                    nll += -lp.gather(1, targets[:, None]).sum().item()
+                    ref_logits = ref_scorer.logits(ref_rows[k][sl]) if ref_scorer is not None else \
+                        _logits(ref_rows[k][sl].to(lp.device), stored.head_weight, stored.head_bias)
+                    rlp = torch.log_softmax(ref_logits, dim=-1)
+                    del ref_logits
+                    top1 += int((rlp.argmax(-1) == lp.argmax(-1)).sum().item())
+                    ref_nll += -rlp.gather(1, targets[:, None]).sum().item()
+                    diff = lp.neg_().add_(rlp)  # log p_ref - log p, in place
+                    kl += (rlp.exp_() * diff).sum(-1).clamp_min(0).sum().item()
+                    del lp, rlp, diff
                 report.window_nll.append(nll)
                 report.window_tokens.append(w.scored)
                 if reference is not None:
-                    rlp = ref_lps[k].to(lp.device)
-                    kl = (rlp.exp() * (rlp - lp)).sum(-1).clamp_min(0).sum().item()
                     report.window_kl.append(kl)
-                    report.window_top1.append(int((rlp.argmax(-1) == lp.argmax(-1)).sum().item()))
-                    ref_nll += -rlp.gather(1, targets[:, None]).sum().item()
+                    report.window_top1.append(top1)
             bar.update(len(batch))
     report.seconds = time.perf_counter() - t0
     report.tokens = sum(report.window_tokens)

@@ -194,9 +194,22 @@ def _check_directory(path: Path, name: str) -> dict:
     return cfg
 
 
-def load_model(path: str | os.PathLike = "demo", *, dtype: str | torch.dtype = "float32", device: str = "cpu",
-               trust_remote_code: bool = False, load_tokenizer: bool = True) -> LoadedModel:
-    """Load a local causal-LM directory (or ``demo``) for evaluation on ``device`` in ``dtype``."""
+def _stored_dtype(raw_cfg: dict) -> torch.dtype:
+    """The dtype a checkpoint's config says its weights are stored in (float32 when it does not say)."""
+    name = raw_cfg.get("dtype") or raw_cfg.get("torch_dtype") or "float32"
+    dt = getattr(torch, str(name).replace("torch.", ""), None)
+    return dt if isinstance(dt, torch.dtype) and dt.is_floating_point else torch.float32
+
+
+def load_model(path: str | os.PathLike = "demo", *, dtype: str | torch.dtype = "auto", device: str = "cpu",
+               trust_remote_code: bool = False, load_tokenizer: bool = True,
+               float32_compute: bool = True) -> LoadedModel:
+    """Load a local causal-LM directory (or ``demo``) on ``device``.
+
+    ``dtype="auto"`` keeps the weights in the dtype they are stored in (bfloat16 / float16 for most
+    checkpoints: half the memory of float32); ``float32_compute`` then widens each block to float32
+    only while it runs (``workbench.compute``), so figures are float32 figures.
+    """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     from transformers.utils import logging as hf_logging
@@ -214,9 +227,12 @@ def load_model(path: str | os.PathLike = "demo", *, dtype: str | torch.dtype = "
         arch = ", ".join(archs) or "unknown architecture"
         raise ModelLoadError(f"'{p}' is model_type '{model_type}' ({arch}), not a causal language model this "
                              "workbench can load; supported include qwen2, qwen3 and llama")
-    torch_dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+    if dtype == "auto":
+        torch_dtype = _stored_dtype(raw_cfg)
+    else:
+        torch_dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
     if not isinstance(torch_dtype, torch.dtype):
-        raise ModelLoadError(f"unknown dtype '{dtype}'; use float32, float16 or bfloat16")
+        raise ModelLoadError(f"unknown dtype '{dtype}'; use auto, float32, float16 or bfloat16")
     try:
         config = AutoConfig.from_pretrained(p, trust_remote_code=trust_remote_code, local_files_only=True)
         use_st = any(p.glob("*.safetensors"))
@@ -229,6 +245,9 @@ def load_model(path: str | os.PathLike = "demo", *, dtype: str | torch.dtype = "
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelLoadError(f"could not load model weights from '{p}': {first}") from e
     model.to(device).eval()
+    if float32_compute:
+        from .compute import enable_float32_compute
+        enable_float32_compute(model)
     tokenizer = None
     if load_tokenizer:
         if not any((p / f).is_file() for f in TOKENIZER_FILES):

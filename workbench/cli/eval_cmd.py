@@ -1,9 +1,9 @@
 """Perplexity (strided) of a model on a text; with --ref, KL divergence and top-1 agreement."""
 from __future__ import annotations
 
-from ..evaluate import DEFAULT_CTX, encode_text, evaluate, read_text
+from ..evaluate import DEFAULT_CTX, default_token_budget, encode_text, evaluate, read_text
 from ..models import demo_text_path, load_model
-from .common import add_json_flag, add_model_argument, print_json
+from .common import add_budget_argument, add_json_flag, add_model_argument, print_json
 
 HELP = "perplexity, and KL / top-1 agreement against a reference model"
 
@@ -15,6 +15,7 @@ def add_arguments(p):
     p.add_argument("--ctx", type=int, default=DEFAULT_CTX, help=f"window length in tokens (default {DEFAULT_CTX})")
     p.add_argument("--stride", type=int, help="window stride in tokens (default: ctx, non-overlapping)")
     p.add_argument("--batch-size", type=int, default=4, help="windows per forward pass")
+    add_budget_argument(p)
     add_json_flag(p)
 
 
@@ -22,6 +23,8 @@ def run(args) -> int:
     lm = load_model(args.model)
     text_path = args.text or demo_text_path("heldout")
     ids = encode_text(lm.tokenizer, read_text(text_path), source=str(text_path))
+    budget = default_token_budget(lm.model, len(ids), args.ctx) if args.max_tokens == "auto" else args.max_tokens
+    ids = ids[:budget] if budget else ids
     ref = load_model(args.ref).model if args.ref else None
     report = evaluate(lm.model, ids, reference=ref, ctx=args.ctx, stride=args.stride,
                       batch_size=args.batch_size, progress=not args.json)
@@ -29,9 +32,10 @@ def run(args) -> int:
     if args.json:
         print_json(out)
         return 0
-    print(f"perplexity {report.perplexity:.3f} over {report.tokens:,} tokens "
+    print(f"perplexity {report.perplexity:.3f} ± {report.perplexity_stderr:.3f} over {report.tokens:,} tokens "
           f"({report.windows} windows, ctx {report.ctx}, stride {report.stride}; {report.tokens_per_second:,.0f} tok/s)")
     if ref is not None:
-        print(f"reference perplexity {report.reference_perplexity:.3f}; KL divergence {report.kl_divergence:.6f}; "
+        print(f"reference perplexity {report.reference_perplexity:.3f}; KL divergence {report.kl_divergence:.6f} "
+              f"± {report.kl_stderr:.6f}; "
               f"top-1 agreement {report.top1_agreement:.4f}")
     return 0

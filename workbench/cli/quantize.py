@@ -15,7 +15,7 @@ from dataclasses import replace
 from ..evaluate import DEFAULT_CTX
 from ..models import load_model
 from ..plan import QuantPlan
-from .common import add_json_flag, add_model_argument, format_bytes, print_json
+from .common import add_budget_argument, add_json_flag, add_model_argument, format_bytes, print_json
 
 HELP = "quantize by plan (RTN / AWQ, INT8 / INT4), save, and measure the cost"
 
@@ -35,6 +35,7 @@ def add_arguments(p):
     p.add_argument("--seq-len", type=int, default=512, help="calibration sample length in tokens (AWQ)")
     p.add_argument("--text", help="held-out text to measure on (default: the bundled held-out text)")
     p.add_argument("--ctx", type=int, default=DEFAULT_CTX, help=f"evaluation window (default {DEFAULT_CTX})")
+    add_budget_argument(p)
     p.add_argument("--threshold", type=float, default=0.5, help="warn when perplexity rises more than this")
     p.add_argument("--strict", action="store_true", help="fail instead of falling back when the group size "
                    "does not divide a layer")
@@ -64,7 +65,7 @@ def run(args) -> int:
     if args.threads:
         import torch
         torch.set_num_threads(args.threads)
-    lm = load_model(args.model, dtype="float32")
+    lm = load_model(args.model)
     progress = not args.json
     calibration = workspace = None
     if plan.method == "awq":
@@ -78,9 +79,9 @@ def run(args) -> int:
                         workspace=workspace)
     quantize_seconds = time.perf_counter() - t0
     out = qm.save(args.out)
-    ids = heldout_ids(lm, args.text)
+    ids = heldout_ids(lm, args.text, args.max_tokens, args.ctx)
     t1 = time.perf_counter()
-    baseline = measure_reference(lm.model, ids, ctx=args.ctx, progress=progress)
+    baseline = measure_reference(lm.model, ids, ctx=min(args.ctx, len(ids)), progress=progress)
     cost = measure_cost(qm, baseline, saved_dir=out, threshold=args.threshold, progress=progress)
     result = {"model": str(lm.path), "out": str(out), "method": qm.method, "plan": plan.to_dict(),
               **cost.to_dict(), "reference_size_bytes": weight_file_bytes(lm.path),

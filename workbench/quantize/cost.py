@@ -10,7 +10,6 @@ the saved files; bits per weight from the tensors as stored.
 """
 from __future__ import annotations
 
-import copy
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -20,7 +19,7 @@ import torch
 from torch import nn
 
 from ..evaluate import (DEFAULT_CTX, EvalReport, ReferenceOutputs, capture_reference, encode_text, evaluate,
-                        paired_difference, read_text, strided_windows)
+                        default_token_budget, paired_difference, read_text, reference_report)
 from .io import weight_file_bytes
 
 __all__ = ["Baseline", "QuantCost", "measure_reference", "measure_cost", "heldout_ids", "likely_causes",
@@ -29,11 +28,23 @@ __all__ = ["Baseline", "QuantCost", "measure_reference", "measure_cost", "heldou
 DEFAULT_PPL_THRESHOLD = 0.5  # practitioners' rule: INT8 raises perplexity 0.1-0.3; above 0.5, look for a cause
 
 
-def heldout_ids(lm, path: str | Path | None = None) -> torch.Tensor:
-    """Token ids of an evaluation text (default: the bundled held-out text of the demo model)."""
+def heldout_ids(lm, path: str | Path | None = None, max_tokens: int | str | None = None,
+                ctx: int = DEFAULT_CTX) -> torch.Tensor:
+    """Token ids of an evaluation text (default: the bundled held-out text of the demo model).
+
+    ``max_tokens``: None for the whole text, a number, or ``"auto"`` for ``default_token_budget``
+    (the whole text on small models, a few thousand tokens on 0.5 B and larger).
+    """
     from ..models import demo_text_path
     p = Path(path) if path else demo_text_path("heldout")
-    return encode_text(lm.tokenizer, read_text(p), source=str(p))
+    ids = encode_text(lm.tokenizer, read_text(p), source=str(p))
+    if max_tokens == "auto":
+        max_tokens = default_token_budget(lm.model, len(ids), ctx)
+    if max_tokens is not None:
+        if int(max_tokens) < 2:
+            raise ValueError(f"--max-tokens must be at least 2, got {max_tokens}")
+        ids = ids[:int(max_tokens)]
+    return ids
 
 
 @dataclass
@@ -48,21 +59,11 @@ class Baseline:
 def measure_reference(model: nn.Module, ids: torch.Tensor, *, ctx: int = DEFAULT_CTX, progress: bool = True) -> Baseline:
     """Run the reference once; every candidate is then compared on exactly these windows.
 
-    The reference's own per-window report is read off its captured log-probs (no second pass).
+    The reference's own per-window report is read off its captured outputs (no second pass).
     """
     t0 = time.perf_counter()
     outputs = capture_reference(model, ids, ctx=ctx, progress=progress)
-    windows = strided_windows(len(ids), ctx)
-    report = EvalReport(0.0, 0.0, 0, len(windows), ctx, outputs.stride, 0.0, 0.0)
-    for w, lp in zip(windows, outputs.log_probs):
-        report.window_nll.append(-lp.gather(1, ids[w.score_from:w.end, None]).sum().item())
-        report.window_tokens.append(w.scored)
-        report.window_kl.append(0.0)
-        report.window_top1.append(w.scored)
-    report.tokens = sum(report.window_tokens)
-    report.nll = sum(report.window_nll) / report.tokens
-    report.perplexity = report.reference_perplexity = math.exp(report.nll)
-    report.kl_divergence, report.top1_agreement = 0.0, 1.0
+    report = reference_report(outputs, ids)
     report.seconds = time.perf_counter() - t0
     report.tokens_per_second = report.tokens / report.seconds if report.seconds else float("inf")
     return Baseline(outputs, report, ids)
@@ -135,11 +136,11 @@ def measure_cost(qm, baseline: Baseline, *, candidate: nn.Module | None = None, 
                  threshold: float = DEFAULT_PPL_THRESHOLD, progress: bool = True) -> QuantCost:
     """Evaluate the quantized model against ``baseline`` on the same text and windows.
 
-    ``candidate`` is a float model with the quantized weights applied; by default a copy of the
-    source model is made and ``qm.apply_`` is called on it.
+    ``candidate`` is a model computing the quantized weights; by default ``qm.build_model()``, which
+    shares the source's unchanged tensors and holds integer layers as codes (no second float copy).
     """
     if candidate is None:
-        candidate = qm.apply_(copy.deepcopy(qm.source.model))
+        candidate = qm.build_model()
     ref = baseline.report
     rep = evaluate(candidate, baseline.ids, reference=baseline.outputs, ctx=ref.ctx, stride=ref.stride,
                    progress=progress, desc="quantized")

@@ -117,6 +117,52 @@ class QuantizedModel:
                 mod.weight.data.copy_(mod.weight.data.to(torch.float16).to(mod.weight.dtype))
         return model
 
+    @torch.no_grad()
+    def build_model(self, model: nn.Module | None = None) -> nn.Module:
+        """The quantized network as a module, without a second float copy of ``model`` (default: the source).
+
+        A copy of the module tree that shares every tensor the plan leaves alone; integer layers
+        become ``QuantLinear`` / ``QuantEmbedding`` (computing from the codes), fp16 layers are
+        rounded to float16 values, and tensors AWQ changed are swapped in. ``model`` is unchanged.
+        """
+        import copy
+
+        from .layers import QuantEmbedding, QuantLinear
+        model = model if model is not None else getattr(self.source, "model", None)
+        if model is None:
+            raise PlanError("build_model needs the model this result was made from")
+        memo = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+        new = copy.deepcopy(model, memo)
+        if self.unties_embeddings:
+            for cfg in {id(c): c for c in (new.config, new.config.get_text_config())}.values():
+                cfg.tie_word_embeddings = False
+        params = dict(new.named_parameters(remove_duplicate=False))
+        rounded_by_id: dict[int, nn.Parameter] = {}  # a tied weight is rounded once and stays tied
+        for name, t in self.float_overrides.items():
+            if name not in params:
+                raise PlanError(f"parameter '{name}' of the quantized model is missing from the model it is "
+                                "applied to; use the architecture it was made from")
+            owner, _, leaf = name.rpartition(".")
+            setattr(new.get_submodule(owner), leaf, nn.Parameter(t, requires_grad=False))
+        for r in self.layers:
+            owner, _, leaf = r.name.rpartition(".")
+            parent = new.get_submodule(owner) if owner else new
+            mod = getattr(parent, leaf)
+            if r.name in self.weights:
+                qw = self.weights[r.name]
+                if isinstance(mod, nn.Embedding):
+                    setattr(parent, leaf, QuantEmbedding(qw, mod.padding_idx))
+                else:
+                    setattr(parent, leaf, QuantLinear(qw, getattr(mod, "bias", None)))
+            elif r.precision is not None and get_precision(r.precision).bits == 16:
+                w = mod.weight
+                if id(w) not in rounded_by_id:
+                    rounded = w.detach().to(torch.float16).to(w.dtype)
+                    rounded_by_id[id(w)] = w if torch.equal(rounded, w.detach()) else \
+                        nn.Parameter(rounded, requires_grad=False)
+                mod.weight = rounded_by_id[id(w)]
+        return new.eval()
+
     def save(self, directory: str | Path, *, report: dict | None = None) -> Path:
         """Save as a directory a float model loader and every exporter can read (see ``io``)."""
         from .io import save_quantized
