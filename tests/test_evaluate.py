@@ -111,3 +111,58 @@ def test_empty_text_errors(lm, tmp_path):
     (tmp_path / "b.txt").write_bytes(b"\xff\xfe\x00bad")
     with pytest.raises(DataError, match="not UTF-8"):
         read_text(tmp_path / "b.txt")
+
+
+def _log_probs_from_full_logits(model, ids, ctx):
+    """The plain method: the model's own logits, whole windows at once."""
+    from workbench.evaluate import strided_windows
+    out = []
+    with torch.no_grad():
+        for w in strided_windows(len(ids), ctx):
+            logits = model(input_ids=ids[w.begin:w.end][None]).logits[0].float()
+            out.append(torch.log_softmax(logits[w.score_from - w.begin - 1: w.end - w.begin - 1], -1))
+    return out
+
+
+def test_streaming_evaluation_equals_full_logits(tiny_model_dir, monkeypatch):
+    """Hidden states + the head a chunk of tokens at a time give the figures of whole-window logits."""
+    import sys
+
+    from workbench.evaluate import capture_reference, evaluate, reference_report, strided_windows
+    from workbench.models import load_model
+    monkeypatch.setattr(sys.modules["workbench.evaluate"], "HEAD_CHUNK_TOKENS", 7)  # several chunks per window
+    ref = load_model(tiny_model_dir)
+    cand = load_model(tiny_model_dir)
+    with torch.no_grad():
+        for p in cand.model.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(3)) * 0.01)
+    ids = torch.randint(0, 4096, (300,), generator=torch.Generator().manual_seed(2))
+    ctx = 64
+    ref_lp, cand_lp = _log_probs_from_full_logits(ref.model, ids, ctx), _log_probs_from_full_logits(cand.model, ids, ctx)
+    windows = strided_windows(len(ids), ctx)
+    nll = -sum(lp.gather(1, ids[w.score_from:w.end, None]).sum() for lp, w in zip(cand_lp, windows))
+    kl = sum((r.exp() * (r - c)).sum(-1).clamp_min(0).sum() for r, c in zip(ref_lp, cand_lp))
+    n = sum(w.scored for w in windows)
+    stored = capture_reference(ref.model, ids, ctx=ctx, progress=False)
+    for reference in (ref.model, stored):
+        rep = evaluate(cand.model, ids, reference=reference, ctx=ctx, progress=False)
+        assert rep.nll == pytest.approx(float(nll) / n, rel=1e-6)
+        assert rep.kl_divergence == pytest.approx(float(kl) / n, rel=1e-5)
+    # the compact reference holds hidden states and one head, far less than tokens x vocabulary
+    assert stored.nbytes < n * 4096 * 4
+    own = reference_report(stored, ids)
+    plain = evaluate(ref.model, ids, ctx=ctx, progress=False)
+    assert own.perplexity == pytest.approx(plain.perplexity, rel=1e-6)
+
+
+def test_default_budget_is_the_whole_text_on_small_models_and_whole_windows_on_big_ones(lm):
+    from workbench.evaluate import EVAL_BUDGET, MIN_EVAL_WINDOWS, default_token_budget
+    assert default_token_budget(lm.model, 23_000, 512) == 23_000
+    params = sum(p.numel() for p in {id(p): p for p in lm.model.parameters()}.values())
+
+    class Big(torch.nn.Module):  # parameter count of a 0.5 B model without allocating it
+        def parameters(self):
+            return iter([torch.empty(1).expand(494_000_000)])
+    budget = default_token_budget(Big(), 23_000, 512)
+    assert (budget - 1) % 512 == 0 and budget - 1 >= EVAL_BUDGET / 494e6 and budget - 1 >= MIN_EVAL_WINDOWS * 512
+    assert params < 494e6

@@ -128,10 +128,23 @@ def test_cached_search_result_is_reused_and_fp16_layers_take_folded_scales(tiny_
         assert torch.equal(first.apply_(copy.deepcopy(lm.model))(input_ids=ids).logits, lm2.model(input_ids=ids).logits)
 
 
+def test_awq_on_a_16_bit_model_searches_in_float32(tiny_model_dir):
+    """A float16-stored model is widened block by block: the same search as on its float32 copy."""
+    spec = {"model.layers.0.mlp.up_proj": (4, 32, True), "model.layers.1.self_attn.q_proj": (4, 32, True)}
+    half = load_model(tiny_model_dir, dtype="float16")
+    full = load_model(tiny_model_dir, dtype="float32")
+    with torch.no_grad():  # the float32 model holds exactly the float16 values
+        for p32, p16 in zip(full.model.parameters(), half.model.parameters()):
+            p32.copy_(p16.float())
+    a = search_awq(half.model, _samples(2), spec, progress=False)
+    b = search_awq(full.model, _samples(2), spec, progress=False)
+    assert [e["alpha"] for e in a["groups"]] == [e["alpha"] for e in b["groups"]]
+    for ea, eb in zip(a["groups"], b["groups"]):
+        assert torch.allclose(ea["scales"], eb["scales"], rtol=1e-5)
+    assert all(p.dtype == torch.float16 for p in half.model.parameters())  # left as it was stored
+
+
 def test_awq_refuses_what_it_cannot_do(tiny_model_dir):
-    lm = load_model(tiny_model_dir, dtype="float16")
-    with pytest.raises(PlanError, match="AWQ searches in float32; load the model with dtype='float32'"):
-        search_awq(lm.model, _samples(1), {"model.layers.0.mlp.up_proj": (4, 32, True)}, progress=False)
     lm = load_model(tiny_model_dir)
     with pytest.raises(PlanError, match="AWQ needs calibration samples with at least 2 tokens"):
         search_awq(lm.model, [torch.tensor([1])], {"model.layers.0.mlp.up_proj": (4, 32, True)}, progress=False)

@@ -111,3 +111,22 @@ def test_bits_per_weight_counts_scales_and_tied_weights_once(tiny):
     # every layer int8 with one float16 scale per 32 weights: 8 + 16/32 bits
     assert qm.bits_per_weight == pytest.approx(8.5)
     assert qm.parameters == sum(r.shape[0] * r.shape[1] for r in qm.layers if r.name != "lm_head")
+
+
+def test_build_model_computes_the_quantized_weights_without_a_float_copy(lm):
+    """QuantLinear layers give the logits of the dequantized float model; untouched tensors are shared."""
+    import copy
+
+    from workbench.quantize.layers import QuantLinear
+    plan = QuantPlan.uniform("int4").with_override("*.v_proj", "int8").with_override("*.o_proj", "fp16")
+    qm = quantize_model(lm, plan, progress=False)
+    built = qm.build_model()
+    applied = qm.apply_(copy.deepcopy(lm.model))
+    ids = torch.randint(0, 4096, (2, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.allclose(built(input_ids=ids).logits, applied(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
+    assert isinstance(built.get_submodule("model.layers.0.mlp.down_proj"), QuantLinear)
+    source = dict(lm.model.named_parameters())
+    shared = dict(built.named_parameters())
+    assert shared["model.norm.weight"] is source["model.norm.weight"]  # not copied
+    assert not any(isinstance(m, QuantLinear) for m in lm.model.modules())  # the source is left as it was

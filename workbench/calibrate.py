@@ -363,12 +363,13 @@ def model_fingerprint(model: nn.Module) -> str:
 def calibrate(lm, data: str | Path | None = None, samples: int = 128, seq_len: int = 512,
               workspace: Workspace | None = None, *, seed: int = 0, bilingual: bool = False, batch_size: int = 8,
               outlier_factor: float = OUTLIER_FACTOR, progress: bool = True,
-              force: bool = False) -> tuple[CalibrationSet, CalibrationStats]:
+              force: bool = False, compute: bool = True) -> tuple[CalibrationSet, CalibrationStats | None]:
     """Load the calibration set, then compute (or find in the workspace) the model's activation statistics.
 
     ``data`` defaults to the demo model's calibration text; ``workspace`` to ``Workspace()``. The
     artifact is keyed by the model's weights, the calibration token ids and these parameters,
-    so a changed model or text recomputes and an unchanged one is read back.
+    so a changed model or text recomputes and an unchanged one is read back. ``compute=False``
+    returns ``(set, None)`` instead of running the statistics pass when they are not stored yet.
     """
     from .models import demo_text_path
     max_pos = getattr(getattr(lm.model, "config", None), "max_position_embeddings", None)
@@ -384,8 +385,10 @@ def calibrate(lm, data: str | Path | None = None, samples: int = 128, seq_len: i
               "batch_size": batch_size, "outlier_factor": outlier_factor, "version": STATS_VERSION}
 
     computed = []
+    if not compute and not force and ws.find("calibrate", inputs) is None:
+        return cs, None  # the caller only wants statistics that are already there
 
-    def compute(partial: Path) -> dict:
+    def run(partial: Path) -> dict:
         computed.append(True)
         stats = run_calibration(lm.model, cs, progress=progress, batch_size=batch_size,
                                 outlier_factor=outlier_factor, seed=seed)
@@ -397,7 +400,7 @@ def calibrate(lm, data: str | Path | None = None, samples: int = 128, seq_len: i
                 "seconds": stats.meta["seconds"], "most_outlying_layer": worst.name,
                 "max_to_median": worst.max_to_median}
 
-    art = ws.get_or_compute("calibrate", inputs, compute, force=force)
+    art = ws.get_or_compute("calibrate", inputs, run, force=force)
     stats = CalibrationStats.load(art.path)
     stats.artifact, stats.cached = art, not computed
     return cs, stats

@@ -14,11 +14,13 @@ stays exactly what was loaded and can be saved, copied or exported as before.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
 __all__ = ["enable_float32_compute", "disable_float32_compute", "float32_compute_enabled", "compute_units",
-           "float32_weight", "stored_dtype"]
+           "float32_weight", "stored_dtype", "widened", "widen_", "narrow_"]
 
 _HANDLES = "_workbench_float32_handles"
 _SAVED = "_workbench_float32_saved"
@@ -51,21 +53,41 @@ def compute_units(model: nn.Module) -> list[nn.Module]:
     return units
 
 
-def _widen(module: nn.Module, args) -> None:
+def widen_(module: nn.Module) -> list:
+    """Give every 16-bit parameter of ``module`` a float32 copy as its data; ``narrow_`` puts the originals back."""
     saved = []
     for p in module.parameters():
         if p.dtype in _NARROW:
             saved.append((p, p.data))
             p.data = p.data.to(torch.float32)
-    module.__dict__[_SAVED] = saved
+    return saved
+
+
+def narrow_(saved: list) -> None:
+    """Undo ``widen_``: the very tensors that were there before (nothing rounded, nothing copied)."""
+    for p, data in saved:
+        p.data = data
+
+
+@contextlib.contextmanager
+def widened(module: nn.Module):
+    """``module`` with float32 parameters for the duration (a search that swaps weights in one block)."""
+    saved = widen_(module)
+    try:
+        yield module
+    finally:
+        narrow_(saved)
+
+
+def _widen(module: nn.Module, args) -> None:
+    module.__dict__[_SAVED] = widen_(module)
     if args and isinstance(args[0], torch.Tensor) and args[0].dtype in _NARROW:
         return (args[0].to(torch.float32), *args[1:])
     return None
 
 
 def _narrow(module: nn.Module, args, output):
-    for p, data in module.__dict__.pop(_SAVED, []):
-        p.data = data
+    narrow_(module.__dict__.pop(_SAVED, []))
     return None
 
 

@@ -17,6 +17,7 @@ from ..models import load_model
 from ..plan import QuantPlan
 from .common import add_budget_argument, add_json_flag, add_model_argument, format_bytes, print_json
 
+FULL_STATS_MAX_PARAMETERS = 100_000_000  # above this the statistics pass costs minutes: opt in, or calibrate first
 HELP = "quantize by plan (RTN / AWQ, INT8 / INT4), save, and measure the cost"
 
 
@@ -33,6 +34,11 @@ def add_arguments(p):
     p.add_argument("--data", help="calibration text for AWQ (default: the bundled calibration text)")
     p.add_argument("--samples", type=int, default=128, help="calibration samples (AWQ)")
     p.add_argument("--seq-len", type=int, default=512, help="calibration sample length in tokens (AWQ)")
+    p.add_argument("--full-stats", action="store_true", help="AWQ: run the calibration statistics pass over every "
+                   "sample even on models over 100 M parameters (by default those use statistics already in the "
+                   "workspace from `workbench calibrate`, else mean |x| over the search's own tokens, as AutoAWQ does)")
+    p.add_argument("--awq-tokens", type=int, help="AWQ: calibration tokens the search runs on (default: 8,192, "
+                   "fewer on big models: 2,048 at 0.5 B parameters)")
     p.add_argument("--text", help="held-out text to measure on (default: the bundled held-out text)")
     p.add_argument("--ctx", type=int, default=DEFAULT_CTX, help=f"evaluation window (default {DEFAULT_CTX})")
     add_budget_argument(p)
@@ -72,11 +78,15 @@ def run(args) -> int:
         from ..calibrate import calibrate
         from ..workspace import Workspace
         workspace = Workspace()  # calibration statistics and the AWQ search are cached there
+        full = args.full_stats or lm.parameters <= FULL_STATS_MAX_PARAMETERS
         calibration = calibrate(lm, data=args.data, samples=args.samples, seq_len=args.seq_len, workspace=workspace,
-                                progress=progress)
+                                progress=progress, compute=full)
+        if calibration[1] is None and progress:
+            print("AWQ: mean |x| from the search's own calibration tokens (no stored statistics for this model and "
+                  "set; `workbench calibrate` first, or --full-stats, to use every sample)")
     t0 = time.perf_counter()
     qm = quantize_model(lm, plan, calibration=calibration, strict=args.strict, progress=progress,
-                        workspace=workspace)
+                        workspace=workspace, awq_tokens=args.awq_tokens)
     quantize_seconds = time.perf_counter() - t0
     out = qm.save(args.out)
     ids = heldout_ids(lm, args.text, args.max_tokens, args.ctx)

@@ -31,17 +31,30 @@ import torch
 from torch import nn
 
 from ..errors import PlanError
+from ..compute import widened
 from ..memory import release_freed_memory
 from .rtn import fake_quantize
 
 __all__ = ["ScaleGroup", "find_decoder_blocks", "scale_groups", "search_awq", "fold_awq_scales", "apply_awq_scales_",
-           "save_awq_search", "load_awq_search", "DEFAULT_GRID", "DEFAULT_SEARCH_TOKENS", "DEFAULT_CHUNK_TOKENS",
+           "save_awq_search", "load_awq_search", "DEFAULT_GRID", "DEFAULT_SEARCH_TOKENS", "DEFAULT_CHUNK_TOKENS", "default_search_tokens",
            "SEARCH_VERSION"]
 
 DEFAULT_GRID = 20  # alphas 0, 0.05, ..., 0.95 as in the AWQ paper's code; 0 is the identity
 # calibration tokens whose block outputs drive the search: the AWQ paper finds 16 sequences of 512
 # enough (it needs far less data than GPTQ); statistics for mean |x| may still cover the whole set
 DEFAULT_SEARCH_TOKENS = 8192
+SEARCH_BUDGET = 1e12  # parameter-tokens for models too big for the full default on a 2-core CPU
+
+
+def default_search_tokens(model: nn.Module) -> int:
+    """Search tokens by model size: 8,192 up to ~120 M parameters, then fewer (2,048 at 0.5 B), never under 1,024.
+
+    The search runs the grid (20 alphas) over every group, about 20 forward passes' worth of work
+    per token: at 0.5 B parameters 8,192 tokens would take most of an hour on 2 CPU cores.
+    """
+    params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    tokens = int(SEARCH_BUDGET // max(params, 1))
+    return max(1024, min(DEFAULT_SEARCH_TOKENS, -(-tokens // 1024) * 1024))
 SEARCH_VERSION = 1  # bump when the search changes, so cached results are recomputed
 CLIP_TOKENS = 512  # tokens used by the per-group clip search (as in the AWQ code)
 CLIP_STEPS = 10  # shrink ratios 1.0, 0.95, ..., 0.55 (1.0 = no clipping)
@@ -138,9 +151,9 @@ def _check_norm_foldable(norm: nn.Module, name: str) -> None:
     w = getattr(norm, "weight", None)
     if not isinstance(w, torch.Tensor) or w.dim() != 1:
         raise PlanError(f"AWQ: '{name}' has no per-channel weight to fold scales into; use method='rtn'")
-    x = torch.randn(2, w.numel(), generator=torch.Generator().manual_seed(0)).to(w.dtype)
-    s = torch.linspace(0.5, 2.0, w.numel(), dtype=w.dtype)
-    n = copy.deepcopy(norm)
+    x = torch.randn(2, w.numel(), generator=torch.Generator().manual_seed(0))
+    s = torch.linspace(0.5, 2.0, w.numel())
+    n = copy.deepcopy(norm).float()  # checked in float32: a 16-bit norm rounds more than the tolerance
     with torch.no_grad():
         ref = n(x)
         n.weight.div_(s)
@@ -236,7 +249,7 @@ def _capture_block_inputs(model: nn.Module, blocks: nn.ModuleList, samples: list
     def grab(_mod, args, kwargs):
         hidden = args[0] if args else kwargs.pop("hidden_states")
         kw = {k: dedupe(v) for k, v in kwargs.items() if k != "hidden_states"}
-        units.append([hidden.detach(), kw])
+        units.append([hidden.detach().to(torch.float32), kw])
         raise _StopForward
 
     handle = blocks[0].register_forward_pre_hook(grab, with_kwargs=True)
@@ -414,9 +427,6 @@ def search_awq(model: nn.Module, samples: list[torch.Tensor], spec: dict[str, tu
     """
     from tqdm.auto import tqdm
     t0 = time.perf_counter()
-    model_dtype = next(model.parameters()).dtype
-    if model_dtype != torch.float32:
-        raise PlanError(f"AWQ searches in float32; load the model with dtype='float32' (it is {model_dtype})")
     prefix, blocks = find_decoder_blocks(model)
     all_groups = scale_groups(model)
     for g in all_groups:
@@ -428,50 +438,58 @@ def search_awq(model: nn.Module, samples: list[torch.Tensor], spec: dict[str, tu
     result = {"version": 1, "method": "awq", "grid": [i / n_grid for i in range(n_grid)], "tokens": tokens,
               "groups": [], "clips": {}, "clip_stats": {}}
     for i in tqdm(range(len(blocks)), desc="awq", unit="block", disable=not progress, leave=False):
-        bname = f"{prefix}.{i}"
-        groups = [g for g in all_groups if g.block == bname and any(n in spec for n in g.layers)]
-        blk_orig = blocks[i]
-        sub = lambda fqn: blk_orig.get_submodule(fqn[len(bname) + 1:])  # noqa: E731
-        clip_layers = [n for n in spec if n.startswith(bname + ".") and not n.endswith(("q_proj", "k_proj"))] \
-            if clip and groups else []  # q/k feed a softmax: clipping by output error misleads (as in AWQ)
-        x_means = {g.layers[0]: (mean_abs or {}).get(g.layers[0]) for g in groups}
-        missing = [n for n, m in x_means.items() if m is None]
-        if missing:  # statistics did not cover these inputs: one extra pass over the block measures them
-            x_means.update(_input_mean_abs(blk_orig, units, missing, bname))
-        # the search swaps quantized weights into this block's linears and always swaps the originals back
-        searches = [_ScaleSearch(g, blk_orig, bname, x_means[g.layers[0]], spec, n_grid) for g in groups]
-        watch = {g.inspect: sub(g.inspect) for g in groups}
-        watch.update({n: sub(n) for n in clip_layers})
-        clip_rows: dict[str, list[torch.Tensor]] = {n: [] for n in clip_layers}
-        for idx in chunks:
-            seen, outs = _run_block(blk_orig, units, idx, watch)
-            for search in searches:
-                search.add(seen[search.g.inspect])
-            for n in clip_layers:
-                for a, k in seen[n]:
-                    x = _first_tensor(a, k)
-                    clip_rows[n].append(x.reshape(-1, x.shape[-1])[::clip_step].clone())
-            del seen
-            for j, out in zip(idx, outs):  # this chunk's inputs are done with: its outputs feed the next block
-                units[j][0].copy_(out)  # in place: long-lived buffers stay where they were, the heap stays compact
-            del outs
-            release_freed_memory()
-        block_groups = [s.result() for s in searches]
-        result["groups"] += block_groups
-        if clip_layers:
-            folded = _fold({f"{bname}.{n}": p for n, p in blk_orig.named_parameters()}, {"groups": block_groups})
-            s_in = {n: _expand(e["scales"], ScaleGroup(**e["group"])) for e in block_groups for n in e["group"]["layers"]}
-            for name in clip_layers:
-                bits, gs, sym = spec[name]
-                w = folded.get(f"{name}.weight", sub(name).weight.float())
-                x = torch.cat(clip_rows.pop(name))[:CLIP_TOKENS]
-                if name in s_in:
-                    x = x / s_in[name][None, :]
-                clip_max, err0, err1 = _search_clip(w, x, bits, gs, sym)
-                result["clips"][name] = clip_max
-                result["clip_stats"][name] = {"error_unclipped": err0, "error_clipped": err1}
+        with widened(blocks[i]):  # the search runs in float32 one block at a time, whatever the stored dtype
+            _search_block(i, prefix, blocks, all_groups, spec, units, chunks, clip, clip_step, mean_abs, n_grid,
+                          result)
     result["seconds"] = time.perf_counter() - t0
     return result
+
+
+def _search_block(i, prefix, blocks, all_groups, spec, units, chunks, clip, clip_step, mean_abs, n_grid,
+                  result) -> None:
+    """Scale and clip search of block ``i``; its inputs in ``units`` are replaced by its outputs."""
+    bname = f"{prefix}.{i}"
+    groups = [g for g in all_groups if g.block == bname and any(n in spec for n in g.layers)]
+    blk_orig = blocks[i]
+    sub = lambda fqn: blk_orig.get_submodule(fqn[len(bname) + 1:])  # noqa: E731
+    clip_layers = [n for n in spec if n.startswith(bname + ".") and not n.endswith(("q_proj", "k_proj"))] \
+        if clip and groups else []  # q/k feed a softmax: clipping by output error misleads (as in AWQ)
+    x_means = {g.layers[0]: (mean_abs or {}).get(g.layers[0]) for g in groups}
+    missing = [n for n, m in x_means.items() if m is None]
+    if missing:  # statistics did not cover these inputs: one extra pass over the block measures them
+        x_means.update(_input_mean_abs(blk_orig, units, missing, bname))
+    # the search swaps quantized weights into this block's linears and always swaps the originals back
+    searches = [_ScaleSearch(g, blk_orig, bname, x_means[g.layers[0]], spec, n_grid) for g in groups]
+    watch = {g.inspect: sub(g.inspect) for g in groups}
+    watch.update({n: sub(n) for n in clip_layers})
+    clip_rows: dict[str, list[torch.Tensor]] = {n: [] for n in clip_layers}
+    for idx in chunks:
+        seen, outs = _run_block(blk_orig, units, idx, watch)
+        for search in searches:
+            search.add(seen[search.g.inspect])
+        for n in clip_layers:
+            for a, k in seen[n]:
+                x = _first_tensor(a, k)
+                clip_rows[n].append(x.reshape(-1, x.shape[-1])[::clip_step].clone())
+        del seen
+        for j, out in zip(idx, outs):  # this chunk's inputs are done with: its outputs feed the next block
+            units[j][0].copy_(out)  # in place: long-lived buffers stay where they were, the heap stays compact
+        del outs
+        release_freed_memory()
+    block_groups = [s.result() for s in searches]
+    result["groups"] += block_groups
+    if clip_layers:
+        folded = _fold({f"{bname}.{n}": p for n, p in blk_orig.named_parameters()}, {"groups": block_groups})
+        s_in = {n: _expand(e["scales"], ScaleGroup(**e["group"])) for e in block_groups for n in e["group"]["layers"]}
+        for name in clip_layers:
+            bits, gs, sym = spec[name]
+            w = folded.get(f"{name}.weight", sub(name).weight.float())
+            x = torch.cat(clip_rows.pop(name))[:CLIP_TOKENS]
+            if name in s_in:
+                x = x / s_in[name][None, :]
+            clip_max, err0, err1 = _search_clip(w, x, bits, gs, sym)
+            result["clips"][name] = clip_max
+            result["clip_stats"][name] = {"error_unclipped": err0, "error_clipped": err1}
 
 
 # ---------------------------------------------------------------------------------------------

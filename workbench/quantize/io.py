@@ -44,8 +44,10 @@ FLOAT_FILE, QUANT_FILE = "model.safetensors", "quantized.safetensors"
 
 
 def _lossless_float(t: torch.Tensor) -> torch.Tensor:
-    """float16 when that keeps every value exactly, else float32."""
+    """A 16-bit tensor as it is; a float32 one as float16 when that keeps every value exactly, else float32."""
     t = t.detach()
+    if t.dtype in (torch.float16, torch.bfloat16):
+        return t
     t16 = t.to(torch.float16)
     return t16 if torch.equal(t16.to(t.dtype), t) else t.to(torch.float32)
 

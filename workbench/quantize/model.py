@@ -210,8 +210,9 @@ def untie_embeddings_(model: nn.Module) -> nn.Module:
 
 def _samples_and_stats(calibration, stats):
     """Accept a CalibrationSet, a (CalibrationSet, CalibrationStats) pair or a list of token tensors."""
-    if isinstance(calibration, tuple) and len(calibration) == 2 and hasattr(calibration[1], "layers"):
-        calibration, stats = calibration
+    if isinstance(calibration, tuple) and len(calibration) == 2 and \
+            (calibration[1] is None or hasattr(calibration[1], "layers")):
+        calibration, stats = calibration[0], calibration[1] or stats
     samples = getattr(calibration, "samples", calibration)
     if not isinstance(samples, (list, tuple)) or not samples or not all(isinstance(s, torch.Tensor) for s in samples):
         raise PlanError("AWQ needs calibration data: pass calibration=CalibrationSet (workbench.data."
@@ -227,7 +228,7 @@ def _cached_awq_search(workspace, model, samples, mean_abs, spec, awq_tokens, pr
     import hashlib
 
     from ..calibrate import model_fingerprint
-    from .awq import DEFAULT_GRID, DEFAULT_SEARCH_TOKENS, SEARCH_VERSION, load_awq_search, save_awq_search, search_awq
+    from .awq import DEFAULT_GRID, SEARCH_VERSION, load_awq_search, save_awq_search, search_awq
     h = hashlib.sha256()
     for s in samples:
         h.update(s.reshape(-1).to(torch.int64).numpy().tobytes() + b"|")
@@ -239,11 +240,11 @@ def _cached_awq_search(workspace, model, samples, mean_abs, spec, awq_tokens, pr
         stats_key = hs.hexdigest()[:16]
     inputs = {"weights": model_fingerprint(model), "calibration": h.hexdigest()[:16], "mean_abs": stats_key,
               "spec": {k: list(v) for k, v in sorted(spec.items())}, "grid": DEFAULT_GRID,
-              "tokens": awq_tokens or DEFAULT_SEARCH_TOKENS, "version": SEARCH_VERSION}
+              "tokens": awq_tokens, "version": SEARCH_VERSION}
 
     def compute(partial):
         result = search_awq(model, samples, spec, mean_abs=mean_abs, progress=progress,
-                            max_tokens=awq_tokens or DEFAULT_SEARCH_TOKENS)
+                            max_tokens=awq_tokens)
         save_awq_search(result, partial)
         return {"groups": len(result["groups"]), "tokens": result["tokens"], "seconds": result["seconds"]}
 
@@ -297,11 +298,13 @@ def quantize_model(lm, plan: QuantPlan, *, calibration=None, method: str | None 
         from .awq import fold_awq_scales, search_awq
         if awq_search is None:
             samples, mean_abs = _samples_and_stats(calibration, stats)
+            from .awq import default_search_tokens
+            awq_tokens = awq_tokens or default_search_tokens(model)
             if workspace is not None:
                 awq_search = _cached_awq_search(workspace, model, samples, mean_abs, spec, awq_tokens, progress)
             else:
-                kw = {"max_tokens": awq_tokens} if awq_tokens else {}
-                awq_search = search_awq(model, samples, spec, mean_abs=mean_abs, progress=progress, **kw)
+                awq_search = search_awq(model, samples, spec, mean_abs=mean_abs, progress=progress,
+                                        max_tokens=awq_tokens)
         for entry in awq_search["groups"]:
             unfolded.setdefault(entry["group"]["block"], []).append(entry)
         clips = awq_search.get("clips", {})

@@ -1,0 +1,71 @@
+"""Float32 compute on 16-bit weights: same figures as a float32 model, weights never changed or held twice."""
+import pytest
+import torch
+
+from workbench.compute import (disable_float32_compute, enable_float32_compute, float32_compute_enabled,
+                               stored_dtype, widened)
+from workbench.models import load_model
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_model_dir):
+    """The tiny model stored in bfloat16, and a float32 model holding exactly the same values."""
+    half = load_model(tiny_model_dir, dtype="bfloat16")
+    full = load_model(tiny_model_dir, dtype="float32")
+    with torch.no_grad():
+        for p32, p16 in zip(full.model.parameters(), half.model.parameters()):
+            p32.copy_(p16.float())
+    return half, full
+
+
+def test_load_keeps_the_stored_dtype_and_computes_in_float32(pair):
+    half, full = pair
+    assert stored_dtype(half.model) == torch.bfloat16 and float32_compute_enabled(half.model)
+    ids = torch.randint(0, 4096, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a = half.model(input_ids=ids).logits
+        b = full.model(input_ids=ids).logits
+    assert a.dtype == torch.float32
+    assert torch.allclose(a, b, atol=1e-5, rtol=1e-5)
+    assert all(p.dtype == torch.bfloat16 for p in half.model.parameters())
+
+
+def test_without_the_hooks_a_16_bit_model_computes_in_16_bit(pair):
+    half, _ = pair
+    ids = torch.randint(0, 4096, (1, 16), generator=torch.Generator().manual_seed(1))
+    disable_float32_compute(half.model)
+    try:
+        with torch.no_grad():
+            assert half.model(input_ids=ids).logits.dtype == torch.bfloat16
+    finally:
+        enable_float32_compute(half.model)
+    assert float32_compute_enabled(half.model)
+
+
+def test_parameters_are_restored_when_the_forward_raises(pair):
+    half, _ = pair
+    before = {n: p.data.data_ptr() for n, p in half.model.named_parameters()}
+
+    class Stop(Exception):
+        pass
+
+    def stop(*_):
+        raise Stop
+    h = half.model.model.layers[1].mlp.register_forward_pre_hook(stop)
+    try:
+        with pytest.raises(Stop), torch.no_grad():
+            half.model(input_ids=torch.tensor([[1, 2, 3]]))
+    finally:
+        h.remove()
+    after = {n: p.data.data_ptr() for n, p in half.model.named_parameters()}
+    assert before == after  # the very same 16-bit tensors, not float32 copies left behind
+
+
+def test_widened_is_float32_inside_and_the_same_tensors_after(pair):
+    half, _ = pair
+    block = half.model.model.layers[0]
+    ptrs = [p.data_ptr() for p in block.parameters()]
+    with widened(block):
+        assert all(p.dtype == torch.float32 for p in block.parameters())
+    assert [p.data_ptr() for p in block.parameters()] == ptrs
+    assert all(p.dtype == torch.bfloat16 for p in block.parameters())
