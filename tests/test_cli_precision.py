@@ -28,8 +28,20 @@ def test_sensitivity_json_lists_every_layer_with_damage_per_precision(capsys, ti
     assert out["trials_run"] == 2 * len(names)
     again = run_json(capsys, "sensitivity", tiny_model_dir, "--tokens", 256, "--workspace", ws, "--json")
     assert again["trials_run"] == 0 and again["layers"] == out["layers"]
+    assert out["score"] == "kl" and out["score_reason"].startswith("auto")
     assert main(["sensitivity", str(tiny_model_dir), "--tokens", "256", "--workspace", str(ws)]) == 0
-    assert "most sensitive at int4" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "most sensitive at int4" in text and "score: measured KL (auto:" in text
+
+
+def test_sensitivity_proxy_score_says_it_is_an_estimate(capsys, tiny_model_dir, ws):
+    out = run_json(capsys, "sensitivity", tiny_model_dir, "--tokens", 256, "--score", "proxy", "--workspace", ws,
+                   "--json")
+    assert out["score"] == "proxy" and "estimated" in out["metric"]
+    assert all(layer["int4"]["kl"] > layer["int8"]["kl"] > 0 for layer in out["layers"])
+    assert main(["sensitivity", str(tiny_model_dir), "--tokens", "256", "--score", "proxy", "--workspace",
+                 str(ws)]) == 0
+    assert "score: estimated KL (Fisher proxy) (proxy asked for; read from the workspace)" in capsys.readouterr().out
 
 
 def test_plan_json_has_measured_and_predicted_figures(capsys, tiny_model_dir, ws, tmp_path):
@@ -42,6 +54,11 @@ def test_plan_json_has_measured_and_predicted_figures(capsys, tiny_model_dir, ws
     assert out["bits_per_weight"] <= 14 and 500 < out["eval_tokens"] < 512
     plan = QuantPlan.load(out_path)
     assert plan.to_dict()["rules"] == out["plan"]["rules"]
+    assert out["score"] == "kl" and plan.meta["score"] == "kl"
+    assert main(["plan", str(tiny_model_dir), "--bits-per-weight", "14", "--out", str(out_path), "--tokens", "256",
+                 "--eval-tokens", "512", "--score", "proxy", "--workspace", str(ws)]) == 0
+    text = capsys.readouterr().out
+    assert "predicted from the sweep's estimated KL (Fisher proxy)" in text and "measured" in text
 
 
 @pytest.mark.parametrize("fmt", ["qnn", "ort", "llamacpp", "mnn"])

@@ -30,13 +30,52 @@ def _state(model):
 def test_swapped_restores_weights_and_tie_even_after_an_error(lm):
     variants = LayerVariants(lm)
     before = _state(lm.model)
+    head, up = lm.model.lm_head, lm.model.model.layers[0].mlp.up_proj
     with pytest.raises(RuntimeError):
-        with variants.swapped({"lm_head": "int4", "model.layers.0.mlp.up_proj": "int8"}) as model:
+        with variants.swapped({"lm_head": "int4", "model.layers.0.mlp.up_proj": "int8",
+                               "model.layers.1.mlp.up_proj": "fp16"}) as model:
             assert not torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
+            assert type(model.model.layers[0].mlp.up_proj).__name__ == "QuantLinear"
             raise RuntimeError("boom")
     after = lm.model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
+    assert lm.model.lm_head is head and lm.model.model.layers[0].mlp.up_proj is up
     assert lm.model.lm_head.weight is lm.model.model.embed_tokens.weight
+
+
+def test_variants_keep_integer_codes_only_within_their_budget(lm):
+    names = [info.name for info in lm.layers if info.kind == "linear" and not info.tied_to]
+    lean = LayerVariants(lm, cache_bytes=0)
+    for name in names:
+        lean.quantized(name, "int4")
+    assert lean.cached_bytes == 0
+    one = lean.quantized(names[0], "int8")
+    one_bytes = one.qweight.numel() + 4 * one.scales.numel()
+    small = LayerVariants(lm, cache_bytes=3 * one_bytes)
+    for name in names[:5]:
+        small.quantized(name, "int8")
+    assert 0 < small.cached_bytes <= 3 * one_bytes
+    assert small.quantized(names[4], "int8") is small.quantized(names[4], "int8")  # most recent: still there
+    default = LayerVariants(lm)
+    assert default.cache_bytes == sum(p.numel() * p.element_size() for p in {id(p): p for p in lm.model.parameters()}.values())
+    assert default.quantized("lm_head", "int4") is default.quantized("model.embed_tokens", "int4")  # tied: one copy
+
+
+def test_lean_sweep_gives_the_figures_of_swapping_float_copies(lm):
+    """Codes swapped in as QuantLinear / QuantEmbedding give exactly what a dequantized float copy gives."""
+    from workbench.quantize import quantize_weight
+    ev = PlanEvaluator(lm, evaluation_tokens(lm, tokens=TOKENS))
+    report = run_sensitivity(lm, evaluator=ev, score="kl", progress=False,
+                             layers=["model.embed_tokens", "model.layers.1.self_attn.v_proj", "lm_head"])
+    for layer in report.layers:
+        for precision, bits in (("int8", 8), ("int4", 4)):
+            model = copy.deepcopy(lm.model)
+            mod = model.get_submodule(layer.name)
+            w = quantize_weight(mod.weight.detach(), bits, ev.variants.group_size_for(layer.name)).dequantize()
+            mod.weight = torch.nn.Parameter(w, requires_grad=False)  # untied, as the sweep's trial is
+            old = evaluate(model, ev.ids, reference=ev.reference, ctx=ev.ctx, progress=False)
+            assert layer.damage[precision]["kl"] == pytest.approx(old.kl_divergence, rel=1e-6, abs=1e-12)
+            assert layer.damage[precision]["ppl"] == pytest.approx(old.perplexity, rel=1e-9)
 
 
 def test_each_layer_is_quantized_once_per_precision(lm, monkeypatch):
@@ -51,15 +90,18 @@ def test_each_layer_is_quantized_once_per_precision(lm, monkeypatch):
     assert len(calls) == 2
 
 
-def test_fast_evaluation_equals_quantize_model_then_evaluate(lm, evaluator):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fast_evaluation_equals_quantize_model_then_evaluate(tiny_model_dir, dtype):
+    lm = load_model(tiny_model_dir, dtype=dtype)
+    evaluator = PlanEvaluator(lm, evaluation_tokens(lm, tokens=TOKENS))
     plan = QuantPlan.uniform("int4").with_override("*.v_proj", "fp16").with_override("lm_head", "int8")
     fast = evaluator.evaluate(plan)
-    model = copy.deepcopy(lm.model)
-    quantize_model(lm, plan, progress=False).apply_(model)
-    real = evaluate(model, evaluator.ids, reference=evaluator.reference, ctx=evaluator.ctx, progress=False)
+    real = evaluate(quantize_model(lm, plan, progress=False).build_model(), evaluator.ids,
+                    reference=evaluator.reference, ctx=evaluator.ctx, progress=False)
     assert fast.kl_divergence == pytest.approx(real.kl_divergence, rel=1e-6, abs=1e-12)
     assert fast.perplexity == pytest.approx(real.perplexity, rel=1e-9)
     assert fast.kl_divergence > 0
+    assert all(p.dtype == getattr(torch, dtype) for p in lm.model.parameters())
 
 
 def test_sweep_measures_every_layer_and_int4_hurts_more_than_int8(lm, evaluator):

@@ -65,3 +65,13 @@ def test_save_and_load_plan(lm, evaluator, tmp_path):
     assert other.dropdowns["model.layers.1.self_attn.v_proj"].value == "fp16"
     assert not other.load(str(tmp_path / "missing.json"))
     assert other.plan == panel.plan
+
+
+def test_a_proxy_sweep_is_labelled_as_an_estimate(lm, evaluator):
+    from workbench.charts.precision import make_sensitivity_figure
+    sens = run_sensitivity(lm, evaluator=evaluator, score="proxy", progress=False)
+    panel = OverridePanel(lm, evaluator=evaluator, sensitivity=sens)
+    assert "est. KL alone at int4" in panel.table.children[0].value
+    assert "estimated" in make_sensitivity_figure(sens).layout.title.text
+    assert "measured" in make_sensitivity_figure(run_sensitivity(lm, evaluator=evaluator, score="kl",
+                                                                 progress=False)).layout.title.text

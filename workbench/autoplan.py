@@ -16,7 +16,6 @@ against the unquantized model, and both figures are reported side by side.
 """
 from __future__ import annotations
 
-import copy
 import itertools
 import math
 import time
@@ -69,12 +68,13 @@ class PlanPrediction:
     predicted_perplexity: float  # on the sweep's tokens; measure_plan rescales it to the text it measures
     predicted_nll_delta: float = 0.0
     seconds: float = 0.0
+    score: str = "kl"  # the sweep's: per-layer damages measured ("kl") or estimated ("proxy")
 
     def to_dict(self) -> dict:
         return {"plan": self.plan.to_dict(), "assignments": dict(self.assignments), "size_bytes": self.size_bytes,
                 "bits_per_weight": self.bits_per_weight, "budget_bytes": self.budget_bytes,
                 "predicted_kl_divergence": self.predicted_kl, "predicted_perplexity": self.predicted_perplexity,
-                "predicted_nll_delta": self.predicted_nll_delta}
+                "predicted_nll_delta": self.predicted_nll_delta, "score": self.score}
 
 
 def _units(lm: LoadedModel, names: Sequence[str]) -> list[list[str]]:
@@ -190,11 +190,12 @@ def plan_for_budget(lm: LoadedModel, sensitivity: SensitivityReport, *, size_byt
         c -= int(math.ceil(nbytes / step))
     ordered = {info.name: assignments[info.name] for info in lm.layers}
     plan = _plan_from_assignments(ordered, gs, sym, {"budget_bytes": int(size_bytes), "chosen_by": "plan_for_budget",
-                                                      "metric": metric})
+                                                      "metric": metric, "score": sensitivity.score})
     foot = plan_footprint(lm, plan)
     pred = predict_damage(sensitivity, ordered)
     return PlanPrediction(plan, ordered, foot["size_bytes"], foot["bits_per_weight"], int(size_bytes),
-                          pred["kl_divergence"], pred["perplexity"], pred["nll_delta"], time.perf_counter() - t0)
+                          pred["kl_divergence"], pred["perplexity"], pred["nll_delta"], time.perf_counter() - t0,
+                          sensitivity.score)
 
 
 @dataclass
@@ -224,16 +225,17 @@ class PlanPoint:
 def measure_plan(lm: LoadedModel, plan: QuantPlan, evaluator: PlanEvaluator, *, label: str = "plan",
                  prediction: PlanPrediction | None = None, sensitivity: SensitivityReport | None = None,
                  calibration=None, progress: bool = False) -> PlanPoint:
-    """Quantize ``plan`` with ``quantize_model``, apply it to a copy of the model and evaluate it.
+    """Quantize ``plan`` with ``quantize_model`` and evaluate the quantized network it builds.
 
-    This is the real measurement: the weights evaluated are the ones exporters read. The
-    evaluator supplies the tokens and the reference log-probs (captured once).
+    This is the real measurement: the weights evaluated are the ones exporters read, computed from
+    their integer codes (``QuantizedModel.build_model``: no second float copy of the model). The
+    evaluator supplies the tokens and the reference outputs (captured once).
     """
     from .quantize import quantize_model
     t0 = time.perf_counter()
     qm = quantize_model(lm, plan, calibration=calibration, progress=progress)
-    model = copy.deepcopy(lm.model)
-    qm.apply_(model)
+    model = qm.build_model()
+    del qm
     report = evaluate(model, evaluator.ids, reference=evaluator.reference, ctx=evaluator.ctx,
                       batch_size=evaluator.batch_size, progress=progress, desc=label)
     del model

@@ -20,8 +20,10 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import re
 import time
+from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Mapping, Sequence
@@ -32,14 +34,23 @@ from torch import nn
 from .errors import DataError, PlanError, WorkspaceError
 from .evaluate import DEFAULT_CTX, EvalReport, ReferenceOutputs, capture_reference, encode_text, evaluate, read_text
 from .models import LoadedModel, demo_text_path
+from .proxy import PROXY_VERSION, decoder_blocks, proxy_scores, proxy_supported
 from .plan import DEFAULT_GROUP_SIZE, QuantPlan, get_precision
 from .workspace import Workspace, atomic_write_json, read_json_file
 
 __all__ = ["LayerVariants", "BlockReplay", "PlanEvaluator", "LayerSensitivity", "SensitivityReport", "run_sensitivity",
-           "evaluation_tokens", "model_fingerprint", "SWEEP_PRECISIONS", "DEFAULT_SWEEP_TOKENS", "SENSITIVITY_STEP"]
+           "choose_score", "evaluation_tokens", "model_fingerprint", "SWEEP_PRECISIONS", "DEFAULT_SWEEP_TOKENS",
+           "SENSITIVITY_STEP", "SCORES", "AUTO_KL_MAX_WORK"]
 
 SWEEP_PRECISIONS = ("int8", "int4")
 DEFAULT_SWEEP_TOKENS = 1024  # 2 windows of 512 on the demo model: enough to rank layers, ~0.5 s a trial
+SCORES = ("kl", "proxy")
+# trials x tokens x parameters above which `auto` estimates instead of measuring: the demo model's sweep is
+# 2.6e11 (measured, seconds); Qwen2.5-0.5B's is 1.7e14 (measured, about an hour on 2 cores: estimated instead)
+AUTO_KL_MAX_WORK = 1e13
+METRICS = {"kl": "kl: nats/token vs the unquantized model, measured with each layer quantized alone",
+           "proxy": "kl: nats/token vs the unquantized model, estimated as 1/2 sum F (W - Q(W))^2 with F the "
+                    "diagonal Fisher information (one forward and backward pass; workbench.proxy)"}
 SENSITIVITY_STEP = "sensitivity"
 PROGRESS_FILE = "progress.json"
 REPORT_FILE = "sensitivity.json"
@@ -70,25 +81,30 @@ def _module(model: nn.Module, name: str) -> nn.Module:
 
 
 class LayerVariants:
-    """Each layer's weight at each precision, quantized once and kept as a float tensor to swap in.
+    """Each layer at each precision, quantized on demand and swapped into the model as integer codes.
 
     ``quantized(name, "int4")`` is the ``QuantizedWeight`` (the same RTN that ``quantize_model``
-    uses, with its group-size fallback); ``weight(name, p)`` is what the simulation evaluates:
-    the dequantized weight, the weight rounded to float16 for ``fp16``, the original otherwise.
-    ``swapped(assignments)`` puts chosen variants into the model and always restores it.
+    uses, with its group-size fallback). ``swapped(assignments)`` puts the chosen variants into the
+    model the way ``QuantizedModel.build_model`` builds a quantized one: an integer layer becomes a
+    ``QuantLinear`` / ``QuantEmbedding`` computing from the codes (dequantized to float32 one layer at
+    a time, during its forward pass), an fp16 layer gets its weight rounded to float16 values, and
+    everything is restored on exit. No float copy of a variant is kept: only codes (one byte a
+    weight), least recently used first out once they pass ``cache_bytes`` (default: the model's own
+    size as stored; 0 keeps nothing, as a sweep that uses each variant once does).
     """
 
     def __init__(self, lm: LoadedModel, *, group_size: int | None = DEFAULT_GROUP_SIZE, symmetric: bool = True,
-                 weights: Mapping[str, Mapping[str, object]] | None = None):
+                 weights: Mapping[str, Mapping[str, object]] | None = None, cache_bytes: int | None = None):
         self.lm = lm
         self.group_size = group_size
         self.symmetric = symmetric
+        self.cache_bytes = _stored_bytes(lm.model) if cache_bytes is None else int(cache_bytes)
         self._names = [info.name for info in lm.layers]
-        self._quantized: dict[tuple[str, str], object] = {}
-        self._float: dict[tuple[str, str], torch.Tensor] = {}
-        for precision, by_layer in (weights or {}).items():  # weights of an earlier quantize step, reused
+        self._given: dict[tuple[str, str], object] = {}  # weights of an earlier quantize step, reused as they are
+        self._cache: OrderedDict[tuple[str, str], object] = OrderedDict()
+        for precision, by_layer in (weights or {}).items():
             for name, qw in by_layer.items():
-                self._quantized[(name, precision)] = qw
+                self._given[(self._canonical(name), precision)] = qw
 
     @classmethod
     def for_plan(cls, lm: LoadedModel, plan: QuantPlan) -> "LayerVariants":
@@ -124,32 +140,46 @@ class LayerVariants:
         from .quantize import resolve_group_size
         return resolve_group_size(self.original(name).shape[1], self.group_size)[0]
 
+    def _canonical(self, name: str) -> str:
+        try:
+            return self.lm.layer(name).tied_to or name
+        except KeyError:
+            return name
+
+    @property
+    def cached_bytes(self) -> int:
+        return sum(_code_bytes(qw) for qw in self._cache.values())
+
     def quantized(self, name: str, precision: str):
-        """The ``QuantizedWeight`` of ``name`` at an integer precision (computed once)."""
+        """The ``QuantizedWeight`` of ``name`` at an integer precision (kept while the cache has room)."""
         from .quantize import quantize_weight
         p = get_precision(precision)
         if p is None or p.is_float:
             raise PlanError(f"'{precision}' is not an integer precision; only int8/int4 layers have quantized weights")
-        key = (name, p.name)
-        if key not in self._quantized:
-            self._quantized[key] = quantize_weight(self.original(name), p.bits, self.group_size_for(name),
-                                                   self.symmetric)
-        return self._quantized[key]
+        key = (self._canonical(name), p.name)  # a tied lm_head shares the embedding's codes
+        if key in self._given:
+            return self._given[key]
+        if key in self._cache:
+            self._cache.move_to_end(key)
+            return self._cache[key]
+        qw = quantize_weight(self.original(name).to(torch.float32), p.bits, self.group_size_for(name),
+                             self.symmetric)
+        size = _code_bytes(qw)
+        if size <= self.cache_bytes:
+            while self._cache and self.cached_bytes + size > self.cache_bytes:
+                self._cache.popitem(last=False)
+            self._cache[key] = qw
+        return qw
 
     def weight(self, name: str, precision: str | None) -> torch.Tensor:
-        """The float tensor the simulation uses for ``name`` at ``precision``."""
+        """The weight ``name`` computes with at ``precision``: float32 for integer precisions, made on demand."""
         p = get_precision(precision)
         orig = self.original(name)
         if p is None or (p.is_float and p.bits >= 32):
             return orig
-        key = (name, p.name)
-        if key not in self._float:
-            if p.is_float:
-                w = orig.to(torch.float16).to(orig.dtype)
-            else:
-                w = self.quantized(name, p.name).dequantize().to(orig.dtype)
-            self._float[key] = w.to(orig.device)
-        return self._float[key]
+        if p.is_float:
+            return orig.to(torch.float16).to(orig.dtype)
+        return self.quantized(name, p.name).dequantize()
 
     def assignments(self, plan: QuantPlan) -> dict[str, str | None]:
         return plan.resolve(self._names)
@@ -158,26 +188,50 @@ class LayerVariants:
     def swapped(self, assignments: Mapping[str, str | None]) -> Iterator[nn.Module]:
         """The model with ``assignments`` (layer -> precision) swapped in; restored on exit, even on error.
 
-        Each module gets its own parameter, so a tied lm_head can differ from the embedding
-        during the trial; the shared parameter object is put back afterwards.
+        Integer layers are replaced by modules computing from their codes, so a tied lm_head can
+        differ from the embedding during the trial; the original modules and parameters (and the
+        tie) are put back afterwards.
         """
+        from .quantize.layers import QuantEmbedding, QuantLinear
         model = self.lm.model
-        saved: list[tuple[nn.Module, nn.Parameter]] = []
+        saved: list[tuple[nn.Module, str, object]] = []  # (owner, attribute, original value)
+        rounded: dict[int, nn.Parameter] = {}  # a tied weight rounded to fp16 once
         try:
             for name, precision in assignments.items():
-                if get_precision(precision) is None:
+                p = get_precision(precision)
+                if p is None or (p.is_float and p.bits >= 32):
                     continue
                 mod = _module(model, name)
-                saved.append((mod, mod.weight))
-                mod.weight = nn.Parameter(self.weight(name, precision), requires_grad=False)
+                if p.is_float:
+                    w = mod.weight
+                    if id(w) not in rounded:
+                        rounded[id(w)] = nn.Parameter(self.weight(name, p.name), requires_grad=False)
+                    saved.append((mod, "weight", w))
+                    mod.weight = rounded[id(w)]
+                    continue
+                owner, _, leaf = name.rpartition(".")
+                parent = _module(model, owner) if owner else model
+                qw = self.quantized(name, p.name)
+                swap = QuantEmbedding(qw, mod.padding_idx) if isinstance(mod, nn.Embedding) else \
+                    QuantLinear(qw, getattr(mod, "bias", None))
+                saved.append((parent, leaf, mod))
+                setattr(parent, leaf, swap)
             yield model
         finally:
-            for mod, param in reversed(saved):
-                mod.weight = param
+            for owner, attr, value in reversed(saved):
+                setattr(owner, attr, value)
 
     def clear(self) -> None:
-        self._quantized.clear()
-        self._float.clear()
+        self._cache.clear()
+
+
+def _code_bytes(qw) -> int:
+    """Memory a QuantizedWeight holds: codes, scales and zero points."""
+    return sum(t.numel() * t.element_size() for t in (qw.qweight, qw.scales, qw.zeros) if t is not None)
+
+
+def _stored_bytes(model: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
 
 
 MAX_REPLAY_BYTES = 1 << 30  # recorded block outputs kept for replay; above this every trial runs in full
@@ -212,10 +266,7 @@ class BlockReplay:
     """
 
     def __init__(self, model: nn.Module):
-        inner = getattr(model, "model", None)
-        blocks = getattr(inner, "layers", None)
-        n = getattr(getattr(model, "config", None), "num_hidden_layers", None)
-        self.blocks = blocks if isinstance(blocks, nn.ModuleList) and len(blocks) == n else None
+        self.blocks = decoder_blocks(model)
         self.outputs: list[list[torch.Tensor]] | None = None
         self.enabled = self.blocks is not None
 
@@ -273,15 +324,18 @@ class BlockReplay:
 
 
 class PlanEvaluator:
-    """Measure plans fast on a fixed token budget: reference log-probs captured once, weights cached.
+    """Measure plans fast on a fixed token budget: reference outputs captured once, integer codes cached.
 
     ``evaluate(plan)`` returns an ``EvalReport`` (perplexity, KL, top-1 against the float model)
-    after swapping the plan's cached weights in: no re-quantization, no second reference run.
+    after swapping the plan's layers in: no second reference run, and no re-quantization of the
+    layers whose codes are still cached. ``progress`` shows bars for the reference and baseline runs.
     """
 
     def __init__(self, lm: LoadedModel, ids: torch.Tensor, *, variants: LayerVariants | None = None,
-                 ctx: int | None = None, batch_size: int = 4, reference: ReferenceOutputs | None = None):
+                 ctx: int | None = None, batch_size: int = 4, reference: ReferenceOutputs | None = None,
+                 progress: bool = False):
         self.lm = lm
+        self.progress = progress
         self.ids = ids
         max_pos = getattr(lm.config, "max_position_embeddings", None) or DEFAULT_CTX
         self.ctx = min(ctx or DEFAULT_CTX, max_pos, len(ids))
@@ -297,7 +351,7 @@ class PlanEvaluator:
     def reference(self) -> ReferenceOutputs:
         if self._reference is None:
             self._reference = capture_reference(self.lm.model, self.ids, ctx=self.ctx, batch_size=self.batch_size,
-                                                progress=False)
+                                                progress=self.progress)
         return self._reference
 
     def evaluate_baseline(self) -> EvalReport:
@@ -311,7 +365,7 @@ class PlanEvaluator:
             hidden = int(getattr(self.lm.config, "hidden_size", 0) or 0)
             with self.replay.record(len(self.ids), hidden):
                 self.baseline = evaluate(self.lm.model, self.ids, reference=ref, ctx=self.ctx,
-                                         batch_size=self.batch_size, progress=False)
+                                         batch_size=self.batch_size, progress=self.progress, desc="float model")
             if self.replay.outputs is not None:
                 with self.replay.skipping(self.replay.depth):
                     check = evaluate(self.lm.model, self.ids, reference=ref, ctx=self.ctx,
@@ -396,7 +450,14 @@ class SensitivityReport:
     reference_perplexity: float
     layers: list[LayerSensitivity]
     seconds: float = 0.0
-    trials_run: int = 0  # trials measured by this call (0 when everything came from the cache)
+    trials_run: int = 0  # trials measured (or layers x precisions scored) by this call; 0 when cached
+    score: str = "kl"  # "kl": measured per trial; "proxy": estimated in one pass (workbench.proxy)
+    score_reason: str = ""
+
+    @property
+    def score_label(self) -> str:
+        """How the damages were obtained, for tables and chart titles."""
+        return "measured KL" if self.score == "kl" else "estimated KL (Fisher proxy)"
 
     def layer(self, name: str) -> LayerSensitivity:
         for layer in self.layers:
@@ -405,7 +466,7 @@ class SensitivityReport:
         raise PlanError(f"layer '{name}' is not in this sensitivity report ({len(self.layers)} layers)")
 
     def damage(self, name: str, precision: str, metric: str = "kl") -> float:
-        """Measured damage of ``name`` alone at ``precision``; 0 for float precisions."""
+        """Damage of ``name`` alone at ``precision`` (measured or estimated: ``score``); 0 for float precisions."""
         p = get_precision(precision)
         if p is None or p.is_float:
             return 0.0
@@ -423,8 +484,8 @@ class SensitivityReport:
         return {"model": self.model, "precisions": list(self.precisions), "tokens": self.tokens, "ctx": self.ctx,
                 "group_size": self.group_size, "symmetric": self.symmetric,
                 "reference_perplexity": self.reference_perplexity, "seconds": self.seconds,
-                "trials_run": self.trials_run, "metric": "kl (nats/token, vs the unquantized model)",
-                "layers": [layer.to_dict() for layer in self.layers]}
+                "trials_run": self.trials_run, "score": self.score, "score_reason": self.score_reason,
+                "metric": METRICS[self.score], "layers": [layer.to_dict() for layer in self.layers]}
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "SensitivityReport":
@@ -432,7 +493,7 @@ class SensitivityReport:
             return cls(d["model"], tuple(d["precisions"]), int(d["tokens"]), int(d["ctx"]), d["group_size"],
                        bool(d["symmetric"]), float(d["reference_perplexity"]),
                        [LayerSensitivity.from_dict(x) for x in d["layers"]], float(d.get("seconds", 0.0)),
-                       int(d.get("trials_run", 0)))
+                       int(d.get("trials_run", 0)), str(d.get("score", "kl")), str(d.get("score_reason", "")))
         except (KeyError, TypeError, ValueError) as e:
             raise WorkspaceError(f"sensitivity report is malformed (field {e}); delete it and sweep again") from None
 
@@ -485,17 +546,63 @@ def _sweep(evaluator: PlanEvaluator, layers: Sequence, precisions: Sequence[str]
     return trials, base.perplexity, ran, float(state.get("seconds", 0.0))
 
 
+def choose_score(lm: LoadedModel, trials: int, tokens: int, score: str = "auto") -> tuple[str, str]:
+    """``"kl"`` or ``"proxy"`` for a sweep of ``trials`` trials on ``tokens`` tokens, and why.
+
+    ``auto`` measures KL while trials x tokens x parameters stays under ``AUTO_KL_MAX_WORK`` (a
+    few minutes of a 2-core CPU) and uses the one-pass proxy above it, where the proxy can follow
+    the model's blocks.
+    """
+    if score not in ("auto", *SCORES):
+        raise PlanError(f"score must be one of auto, {', '.join(SCORES)}; got '{score}'")
+    if score != "auto":
+        return score, f"{score} asked for"
+    work = trials * tokens * lm.parameters
+    size = f"{trials} trials x {tokens:,} tokens x {lm.parameters / 1e6:,.1f} M parameters"
+    if work <= AUTO_KL_MAX_WORK:
+        return "kl", f"auto: {size} is within the {AUTO_KL_MAX_WORK:.0e} limit for measured KL"
+    if not proxy_supported(lm.model):
+        return "kl", f"auto: {size} is above the {AUTO_KL_MAX_WORK:.0e} limit, but the proxy cannot follow " \
+                     "this architecture's blocks"
+    return "proxy", f"auto: {size} is above the {AUTO_KL_MAX_WORK:.0e} limit for measured KL"
+
+
+def _proxy_trials(evaluator: PlanEvaluator, layers: Sequence, precisions: Sequence[str], progress: bool,
+                  on_trial: Callable[[str, str, dict], None] | None) -> tuple[dict, float, int, float]:
+    """Every layer x precision scored in one pass; the same shape of result as a sweep of measured trials.
+
+    The NLL change is taken equal to the estimated KL (what it is in expectation over text drawn
+    from the model itself).
+    """
+    v = evaluator.variants
+    scores = proxy_scores(evaluator.lm, evaluator.ids, precisions, group_size=v.group_size, symmetric=v.symmetric,
+                          ctx=evaluator.ctx, progress=progress)
+    ref = scores.reference_perplexity
+    trials = {}
+    for info in layers:
+        for p in precisions:
+            kl = scores.damage[info.name][p]
+            trials[_trial_key(info.name, p)] = result = {"kl": kl, "nll_delta": kl, "ppl": ref * math.exp(kl),
+                                                         "ppl_delta": ref * math.expm1(kl)}
+            if on_trial is not None:
+                on_trial(info.name, p, result)
+    return trials, ref, len(trials), scores.seconds
+
+
 def run_sensitivity(lm: LoadedModel, *, ids: torch.Tensor | None = None, text_path: str | Path | None = None,
                     tokens: int = DEFAULT_SWEEP_TOKENS, precisions: Sequence[str] = SWEEP_PRECISIONS,
                     group_size: int | None = DEFAULT_GROUP_SIZE, symmetric: bool = True, ctx: int | None = None,
                     layers: Iterable[str] | None = None, evaluator: PlanEvaluator | None = None,
-                    workspace: Workspace | None = None, force: bool = False, progress: bool = True,
-                    on_trial: Callable[[str, str, dict], None] | None = None) -> SensitivityReport:
+                    score: str = "auto", workspace: Workspace | None = None, force: bool = False,
+                    progress: bool = True, on_trial: Callable[[str, str, dict], None] | None = None
+                    ) -> SensitivityReport:
     """Sweep every quantizable layer x precision; cached and resumable when a ``workspace`` is given.
 
     ``ids`` (or ``text_path``, default the held-out text) is cut to ``tokens`` tokens. Pass an
     ``evaluator`` to share its cached weights and reference outputs (the override panel does).
-    ``on_trial(name, precision, result)`` is called after each measured trial.
+    ``score``: ``kl`` measures each trial, ``proxy`` estimates every trial in one pass
+    (``workbench.proxy``), ``auto`` picks by the sweep's size (``choose_score``); the report says
+    which, and why. ``on_trial(name, precision, result)`` is called after each trial.
     """
     for p in precisions:
         prec = get_precision(p)
@@ -507,17 +614,27 @@ def run_sensitivity(lm: LoadedModel, *, ids: torch.Tensor | None = None, text_pa
             ids = evaluation_tokens(lm, text_path, tokens)
         else:
             ids = ids.reshape(-1)[:tokens]
-        evaluator = PlanEvaluator(lm, ids, ctx=ctx,
-                                  variants=LayerVariants(lm, group_size=group_size, symmetric=symmetric))
+        # a sweep uses each layer's codes once: keep none of them
+        evaluator = PlanEvaluator(lm, ids, ctx=ctx, progress=progress,
+                                  variants=LayerVariants(lm, group_size=group_size, symmetric=symmetric,
+                                                         cache_bytes=0))
     variants = evaluator.variants
     names = list(layers) if layers is not None else [info.name for info in lm.layers]
     unknown = [n for n in names if n not in {info.name for info in lm.layers}]
     if unknown:
         raise PlanError(f"layer(s) {unknown[:3]} are not quantizable layers of this model")
     infos = [lm.layer(n) for n in names]
+    score, reason = choose_score(lm, len(infos) * len(precisions), len(evaluator.ids), score)
     inputs = {"model": model_fingerprint(lm), "tokens": hashlib.sha256(evaluator.ids.numpy().tobytes()).hexdigest()[:16],
               "n_tokens": int(len(evaluator.ids)), "ctx": evaluator.ctx, "precisions": list(precisions),
               "group_size": variants.group_size, "symmetric": variants.symmetric, "layers": names, "method": "rtn"}
+    if score == "proxy":  # measured sweeps keep the inputs (and cache keys) they always had
+        inputs.update(score="proxy", proxy=PROXY_VERSION)
+
+    def measure(progress_path: Path | None) -> tuple[dict, float, int, float]:
+        if score == "proxy":
+            return _proxy_trials(evaluator, infos, precisions, progress, on_trial)
+        return _sweep(evaluator, infos, precisions, progress_path, progress, on_trial)
 
     def build(trials: dict, ref_ppl: float, ran: int, seconds: float) -> SensitivityReport:
         out = []
@@ -525,24 +642,24 @@ def run_sensitivity(lm: LoadedModel, *, ids: torch.Tensor | None = None, text_pa
             out.append(LayerSensitivity(info.name, info.block, info.role, tuple(info.shape), info.parameters,
                                         info.tied_to, {p: trials[_trial_key(info.name, p)] for p in precisions}))
         return SensitivityReport(str(lm.name), precisions, int(len(evaluator.ids)), evaluator.ctx, variants.group_size,
-                                 variants.symmetric, ref_ppl, out, seconds, ran)
+                                 variants.symmetric, ref_ppl, out, seconds, ran, score, reason)
 
     if workspace is None:
-        trials, ref_ppl, ran, seconds = _sweep(evaluator, infos, precisions, None, progress, on_trial)
-        return build(trials, ref_ppl, ran, seconds)
+        return build(*measure(None))
 
     ran_here = {"n": 0}
 
     def compute(partial: Path) -> dict:
-        trials, ref_ppl, ran, seconds = _sweep(evaluator, infos, precisions, partial / PROGRESS_FILE, progress,
-                                               on_trial)
+        trials, ref_ppl, ran, seconds = measure(partial / PROGRESS_FILE)
         ran_here["n"] = ran
         report = build(trials, ref_ppl, ran, seconds)
         report.save(partial / REPORT_FILE)
-        return {"layers": len(infos), "precisions": list(precisions), "tokens": report.tokens,
+        return {"layers": len(infos), "precisions": list(precisions), "tokens": report.tokens, "score": score,
                 "seconds": round(seconds, 3), "reference_perplexity": ref_ppl}
 
     artifact = workspace.get_or_compute(SENSITIVITY_STEP, inputs, compute, force=force)
     report = SensitivityReport.load(artifact.file(REPORT_FILE))
     report.trials_run = ran_here["n"]
+    if ran_here["n"] == 0:
+        report.score_reason = f"{reason}; read from the workspace"
     return report

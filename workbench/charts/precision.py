@@ -46,8 +46,12 @@ def make_sensitivity_figure(report, precision: str = "int4", metric: str = "kl",
         xs = [g for g in groups if g in values]
         fig.add_bar(name=colour, x=xs, y=[values[g] for g in xs], customdata=[names[colour][g] for g in xs],
                     hovertemplate="%{customdata}<br>%{y:.3g}<extra></extra>")
-    fig.update_layout(barmode="group", title=f"Sensitivity at {precision}: each layer quantized alone "
-                      f"({data.get('tokens', '?')} tokens)", xaxis_title=by, yaxis_title=_METRIC_TITLES.get(metric, metric),
+    estimated = data.get("score", "kl") == "proxy"  # damages estimated in one pass, not measured per layer
+    how = "estimated by the Fisher proxy" if estimated else "measured"
+    y_title = _METRIC_TITLES.get(metric, metric)
+    fig.update_layout(barmode="group", title=f"Sensitivity at {precision}: each layer quantized alone, {how} "
+                      f"({data.get('tokens', '?')} tokens)", xaxis_title=by,
+                      yaxis_title=f"estimated {y_title}" if estimated else y_title,
                       legend_title=other, template="plotly_white", height=420)
     if log_y:
         fig.update_yaxes(type="log")

@@ -2,14 +2,17 @@
 
     workbench sensitivity demo
     workbench sensitivity demo --data heldout.txt --tokens 4096 --json
+    workbench sensitivity ./qwen2.5-0.5b --score proxy
 
-Results are cached in the workspace (``--workspace``, default ./workspace) and the sweep resumes
-where it stopped when interrupted.
+``--score kl`` measures every trial, ``--score proxy`` estimates them all in one forward and
+backward pass (Fisher-weighted weight error), ``auto`` (default) measures small models and
+estimates large ones; the output says which was used. Results are cached in the workspace
+(``--workspace``, default ./workspace) and a measured sweep resumes where it stopped when interrupted.
 """
 from __future__ import annotations
 
 from ..models import load_model
-from ..sensitivity import DEFAULT_SWEEP_TOKENS, SWEEP_PRECISIONS, run_sensitivity
+from ..sensitivity import DEFAULT_SWEEP_TOKENS, METRICS, SWEEP_PRECISIONS, run_sensitivity
 from ..workspace import Workspace
 from .common import add_json_flag, add_model_argument, print_json
 
@@ -23,6 +26,9 @@ def add_sweep_arguments(p) -> None:
                    help=f"evaluation budget in tokens per trial (default {DEFAULT_SWEEP_TOKENS})")
     p.add_argument("--group-size", type=int, default=128, help="quantization group size (0 = per-channel)")
     p.add_argument("--asymmetric", action="store_true", help="asymmetric quantization (zero points)")
+    p.add_argument("--score", choices=("auto", "kl", "proxy"), default="auto",
+                   help="kl: measure each layer x precision; proxy: estimate all in one pass (Fisher-weighted "
+                        "weight error); auto (default): kl for small models, proxy for large ones")
     p.add_argument("--workspace", help="workspace directory for the cached sweep (default ./workspace)")
     p.add_argument("--force", action="store_true", help="recompute the sweep even when it is cached")
 
@@ -37,7 +43,7 @@ def add_arguments(p):
 def sweep(lm, args, progress: bool):
     precisions = tuple(getattr(args, "precisions", ",".join(SWEEP_PRECISIONS)).split(","))
     return run_sensitivity(lm, text_path=args.data, tokens=args.tokens, precisions=precisions,
-                           group_size=args.group_size or None, symmetric=not args.asymmetric,
+                           group_size=args.group_size or None, symmetric=not args.asymmetric, score=args.score,
                            workspace=Workspace(args.workspace) if args.workspace else Workspace(),
                            force=args.force, progress=progress)
 
@@ -50,14 +56,15 @@ def run(args) -> int:
     out = {"model": str(lm.path), "precisions": list(report.precisions), "tokens": report.tokens, "ctx": report.ctx,
            "group_size": report.group_size, "symmetric": report.symmetric,
            "reference_perplexity": report.reference_perplexity, "sweep_seconds": report.seconds,
-           "trials_run": report.trials_run, "metric": "kl: nats/token vs the unquantized model; ppl_delta: "
-           "perplexity change", "layers": layers}
+           "trials_run": report.trials_run, "score": report.score, "score_reason": report.score_reason,
+           "metric": METRICS[report.score] + "; ppl_delta: perplexity change", "layers": layers}
     if args.json:
         print_json(out)
         return 0
     cached = " (from the workspace)" if report.trials_run == 0 else ""
     print(f"sensitivity of {len(layers)} layers on {report.tokens:,} tokens, float perplexity "
           f"{report.reference_perplexity:.3f}; sweep {report.seconds:.1f} s{cached}")
+    print(f"score: {report.score_label} ({report.score_reason})")
     heads = "".join(f"  {p + ' KL':>11}  {p + ' dppl':>10}" for p in report.precisions)
     width = max(len(layer.name) for layer in report.layers)
     print(f"{'layer':<{width}}  {'params':>9}{heads}")

@@ -72,12 +72,14 @@ class OverridePanel(widgets.VBox):
                     damages[layer.name] = float(d["kl"])
         positive = [v for v in damages.values() if v > 0]
         lo, hi = (min(positive), max(positive)) if positive else (1e-9, 1e-9)
+        kl_title = "est. KL" if sensitivity is not None and sensitivity.score == "proxy" else "KL"
         options = list(PRECISION_CHOICES) + [("unchanged", _KEEP)]
         self.dropdowns: dict[str, widgets.Dropdown] = {}
         header = widgets.HTML("<b style='display:inline-block;width:300px'>layer</b>"
                               "<b style='display:inline-block;width:90px'>shape</b>"
                               "<b style='display:inline-block;width:90px'>params</b>"
-                              f"<b style='display:inline-block;width:170px'>KL alone at {sensitivity_precision}</b>"
+                              f"<b style='display:inline-block;width:170px'>{kl_title} alone at "
+                              f"{sensitivity_precision}</b>"
                               "<b>precision</b>")
         rows = [header]
         for info in lm.layers:

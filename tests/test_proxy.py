@@ -1,0 +1,84 @@
+"""The one-pass proxy score: it ranks layers as measured KL does, and leaves the model as it was."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from workbench.errors import PlanError
+from workbench.models import load_model
+from workbench.proxy import proxy_scores, proxy_supported, spearman
+from workbench.sensitivity import (AUTO_KL_MAX_WORK, SensitivityReport, choose_score, evaluation_tokens,
+                                   run_sensitivity)
+
+TOKENS = 256
+DAMAGED = "model.layers.1.mlp.up_proj"
+
+
+def test_spearman_matches_hand_computed_ranks():
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert spearman([1, 2, 2, 3], [1, 2, 3, 4]) == pytest.approx(0.9486833)  # ties share their average rank
+    assert spearman([1, 1], [1, 2]) != spearman([1, 1], [1, 2])  # nan: no ranking to compare
+
+
+def test_proxy_ranks_like_measured_kl_and_estimates_its_size(lm):
+    ids = evaluation_tokens(lm, tokens=TOKENS)
+    kl = run_sensitivity(lm, ids=ids, score="kl", progress=False)
+    px = run_sensitivity(lm, ids=ids, score="proxy", progress=False)
+    assert (kl.score, px.score) == ("kl", "proxy") and px.score_label.startswith("estimated")
+    assert [layer.name for layer in px.layers] == [layer.name for layer in kl.layers]
+    for p in ("int8", "int4"):
+        measured = [kl.damage(layer.name, p) for layer in kl.layers]
+        estimated = [px.damage(layer.name, p) for layer in kl.layers]
+        assert spearman(measured, estimated) > 0.8
+        assert 0.3 < sum(estimated) / sum(measured) < 3
+    assert px.reference_perplexity == pytest.approx(kl.reference_perplexity, rel=1e-4)
+    again = SensitivityReport.from_dict(json.loads(json.dumps(px.to_dict())))
+    assert again.score == "proxy" and "estimated" in px.to_dict()["metric"]
+
+
+def test_proxy_ranks_a_deliberately_damaged_layer_first(make_tiny_model):
+    lm = load_model(make_tiny_model())
+    with torch.no_grad():  # a huge weight on an input that is always 0: harmless in float, but every row's
+        lm.model.model.layers[1].post_attention_layernorm.weight[3] = 0  # int4 scale grows and its other
+        w = lm.model.get_submodule(DAMAGED).weight  # weights round to 0
+        w[:, 3] = 1000 * w.abs().max()
+    ids = evaluation_tokens(lm, tokens=TOKENS)
+    px = run_sensitivity(lm, ids=ids, score="proxy", progress=False)
+    assert px.ranking("int4")[0][0] == DAMAGED
+    kl = run_sensitivity(lm, ids=ids, score="kl", progress=False, layers=[DAMAGED, "model.layers.1.mlp.gate_proj"])
+    assert kl.ranking("int4")[0][0] == DAMAGED  # the damage is real, not only in the proxy's eyes
+
+
+def test_proxy_on_a_bfloat16_model_changes_nothing(tiny_model_dir):
+    lm = load_model(tiny_model_dir, dtype="bfloat16")
+    before = {k: v.clone() for k, v in lm.model.state_dict().items()}
+    scores = proxy_scores(lm, evaluation_tokens(lm, tokens=TOKENS), progress=False)
+    assert set(scores.damage) == {info.name for info in lm.layers}
+    assert all(d["int4"] > d["int8"] > 0 for d in scores.damage.values())
+    after = lm.model.state_dict()
+    assert all(after[k].dtype == torch.bfloat16 and torch.equal(before[k], after[k]) for k in before)
+    assert all(p.grad is None for p in lm.model.parameters())
+    again = proxy_scores(lm, evaluation_tokens(lm, tokens=TOKENS), progress=False)
+    assert again.damage == scores.damage  # labels are drawn from a seeded generator
+
+
+def test_auto_measures_small_sweeps_and_estimates_large_ones(lm):
+    assert choose_score(lm, 30, 1024)[0] == "kl"
+    score, why = choose_score(lm, 340, 1024 * 100_000)
+    assert score == "proxy" and f"{AUTO_KL_MAX_WORK:.0e}" in why
+    assert choose_score(lm, 340, 10 ** 9, "kl") == ("kl", "kl asked for")
+    with pytest.raises(PlanError, match="score must be"):
+        choose_score(lm, 1, 1, "hessian")
+    assert proxy_supported(lm.model) and not proxy_supported(torch.nn.Linear(2, 2))
+
+
+def test_proxy_sweeps_are_cached_apart_from_measured_ones(lm, workspace):
+    first = run_sensitivity(lm, tokens=TOKENS, score="proxy", workspace=workspace, progress=False)
+    assert first.trials_run == 2 * len(lm.layers)
+    cached = run_sensitivity(lm, tokens=TOKENS, score="proxy", workspace=workspace, progress=False)
+    assert cached.trials_run == 0 and cached.score == "proxy" and "read from the workspace" in cached.score_reason
+    measured = run_sensitivity(lm, tokens=TOKENS, score="kl", workspace=workspace, progress=False)
+    assert measured.score == "kl" and measured.trials_run == 2 * len(lm.layers)
