@@ -124,16 +124,17 @@ class ReferenceOutputs:
 
     Not its log-probabilities (tokens x vocabulary: 14 GB for 23 k tokens of a Qwen vocabulary)
     but what they are computed from: the final hidden state of every scored token and the output
-    layer's weight, in float32. Log-probabilities are rebuilt exactly, a chunk of tokens at a time.
+    layer's weight. Log-probabilities are rebuilt exactly, a chunk of tokens at a time.
     """
 
     ctx: int
     stride: int
     n_tokens: int
     hidden: list[torch.Tensor]  # one float32 [scored, hidden_size] tensor per window
-    head_weight: torch.Tensor | None  # float32 [vocab, hidden_size]; None when ``hidden`` holds logits
+    # the reference's own output-layer weight, shared, not copied (steps that quantize build new modules
+    # and never write into it); None when ``hidden`` holds logits
+    head_weight: torch.Tensor | None
     head_bias: torch.Tensor | None = None
-    head_source: torch.Tensor | None = field(default=None, repr=False)  # the model's own weight tensor
 
     def window_log_probs(self, k: int) -> torch.Tensor:
         """Log-probabilities of window ``k`` ([scored, vocab]); materialises one window, for small models."""
@@ -145,8 +146,7 @@ class ReferenceOutputs:
 
     @property
     def nbytes(self) -> int:
-        head = 0 if self.head_weight is None else self.head_weight.numel() * 4
-        return sum(h.numel() * 4 for h in self.hidden) + head
+        return sum(h.numel() * 4 for h in self.hidden)  # the head is the model's own tensor
 
 
 class _StopForward(Exception):
@@ -168,12 +168,22 @@ def _batches(windows: Sequence[Window], batch_size: int):
 # Architectures whose logits are exactly ``lm_head(final hidden state)``; others are checked once.
 PLAIN_HEAD_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral", "qwen2_moe", "qwen3_moe", "phi3", "olmo2"})
 HEAD_CHUNK_TOKENS = 256  # tokens x vocabulary float32 held at once: 156 MB for a 151,936-token vocabulary
+VOCAB_SLICE = 16384  # rows of a 16-bit output layer widened at once (56 MB at hidden size 896)
 
 
 def _logits(hidden: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+    """Float32 logits; a 16-bit head is widened ``VOCAB_SLICE`` rows at a time, never held whole in float32."""
     if weight is None:  # the rows are logits already
         return hidden.float()
-    return torch.nn.functional.linear(hidden.to(weight.dtype), weight, bias)
+    hidden = hidden.to(torch.float32)
+    if weight.dtype == torch.float32:
+        return torch.nn.functional.linear(hidden, weight, bias)
+    out = torch.empty(hidden.shape[0], weight.shape[0], dtype=torch.float32, device=hidden.device)
+    for v in range(0, weight.shape[0], VOCAB_SLICE):
+        torch.matmul(hidden, weight[v:v + VOCAB_SLICE].to(torch.float32).T, out=out[:, v:v + VOCAB_SLICE])
+    if bias is not None:
+        out += bias
+    return out
 
 
 def _head(model: nn.Module) -> nn.Module:
@@ -183,16 +193,13 @@ def _head(model: nn.Module) -> nn.Module:
     return head
 
 
-def _head_tensors(model: nn.Module, reference: "ReferenceOutputs | None" = None):
-    """The output layer's weight (float32; shared with ``reference`` when it is the same tensor) and bias."""
+def _head_tensors(model: nn.Module):
+    """The output layer's weight as the model holds it (no copy; dequantized for a quantized head) and bias."""
     from .compute import float32_weight
     head = _head(model)
-    source = getattr(head, "weight", None) if isinstance(head, nn.Linear) else None
+    weight = head.weight.detach() if isinstance(head, nn.Linear) else float32_weight(head)
     bias = getattr(head, "bias", None)
-    bias = None if bias is None else bias.detach().to(torch.float32)
-    if reference is not None and source is not None and source is reference.head_source:
-        return reference.head_weight, bias, source
-    return float32_weight(head), bias, source
+    return weight, None if bias is None else bias.detach().to(torch.float32)
 
 
 def _hidden_states(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -223,7 +230,7 @@ def _check_plain_head(model: nn.Module, ids: torch.Tensor) -> bool:
     device = next(model.parameters()).device
     x = ids[: min(8, len(ids))][None].to(device)
     full = model(input_ids=x, use_cache=False).logits.float()
-    w, b, _ = _head_tensors(model)
+    w, b = _head_tensors(model)
     mine = _logits(_hidden_states(model, x), w, b)
     return bool(torch.allclose(full, mine, rtol=1e-4, atol=1e-4))
 
@@ -247,10 +254,10 @@ def _window_logits_full(model: nn.Module, ids: torch.Tensor, batch: Sequence[Win
 class _Scorer:
     """Per-token log-probabilities of one model, chunk by chunk: from hidden states and the head, or full logits."""
 
-    def __init__(self, model: nn.Module, ids: torch.Tensor, reference: "ReferenceOutputs | None" = None):
+    def __init__(self, model: nn.Module, ids: torch.Tensor):
         self.model = model
         self.plain = _check_plain_head(model, ids)
-        self.head = _head_tensors(model, reference) if self.plain else None
+        self.head = _head_tensors(model) if self.plain else None
 
     def windows(self, ids, batch) -> list[torch.Tensor]:
         """Hidden states (plain head) or logits, one tensor per window."""
@@ -268,13 +275,13 @@ def capture_reference(model: nn.Module, ids: torch.Tensor, *, ctx: int = DEFAULT
     windows = strided_windows(len(ids), ctx, stride)
     scorer = _Scorer(model, ids)
     # logits that are not lm_head(hidden) are kept whole (head_weight None); only small models have such heads here
-    weight, bias, source = scorer.head if scorer.plain else (None, None, None)
+    weight, bias = scorer.head if scorer.plain else (None, None)
     hidden: list[torch.Tensor] = []
     with tqdm(total=len(windows), desc="reference", unit="win", disable=not progress, leave=False) as bar:
         for _, batch in _batches(windows, batch_size):
             hidden.extend(h.cpu().clone() for h in scorer.windows(ids, batch))
             bar.update(len(batch))
-    return ReferenceOutputs(ctx, stride or ctx, len(ids), hidden, weight, bias, source)
+    return ReferenceOutputs(ctx, stride or ctx, len(ids), hidden, weight, bias)
 
 
 @torch.inference_mode()
@@ -341,7 +348,7 @@ def evaluate(model: nn.Module, ids: torch.Tensor, *, reference: nn.Module | Refe
     ref_nll = 0.0
     t0 = time.perf_counter()
     stored = reference if isinstance(reference, ReferenceOutputs) else None
-    scorer = _Scorer(model, ids, stored)
+    scorer = _Scorer(model, ids)
     ref_scorer = _Scorer(reference, ids) if isinstance(reference, nn.Module) else None
     with tqdm(total=len(windows), desc=desc, unit="win", disable=not progress, leave=False) as bar:
         for start, batch in _batches(windows, batch_size):

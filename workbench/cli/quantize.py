@@ -13,6 +13,7 @@ import time
 from dataclasses import replace
 
 from ..evaluate import DEFAULT_CTX
+from ..memory import release_freed_memory
 from ..models import load_model
 from ..plan import QuantPlan
 from .common import add_budget_argument, add_json_flag, add_model_argument, format_bytes, print_json
@@ -89,6 +90,7 @@ def run(args) -> int:
                         workspace=workspace, awq_tokens=args.awq_tokens)
     quantize_seconds = time.perf_counter() - t0
     out = qm.save(args.out)
+    release_freed_memory()  # the per-layer float32 temporaries of quantizing and saving
     ids = heldout_ids(lm, args.text, args.max_tokens, args.ctx)
     t1 = time.perf_counter()
     baseline = measure_reference(lm.model, ids, ctx=min(args.ctx, len(ids)), progress=progress)
