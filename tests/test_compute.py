@@ -69,3 +69,28 @@ def test_widened_is_float32_inside_and_the_same_tensors_after(pair):
         assert all(p.dtype == torch.float32 for p in block.parameters())
     assert [p.data_ptr() for p in block.parameters()] == ptrs
     assert all(p.dtype == torch.bfloat16 for p in block.parameters())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_quantize_and_evaluate_on_cuda_give_the_cpu_figures(tiny_model_dir):
+    from workbench.evaluate import capture_reference, evaluate
+    from workbench.plan import QuantPlan
+    from workbench.quantize import quantize_model
+    ids = torch.randint(0, 4096, (200,), generator=torch.Generator().manual_seed(0))
+    figures = []
+    for device in ("cpu", "cuda"):
+        lm = load_model(tiny_model_dir, device=device)
+        qm = quantize_model(lm, QuantPlan.uniform("int4"), progress=False)
+        ref = capture_reference(lm.model, ids, ctx=64, progress=False)
+        rep = evaluate(qm.build_model(), ids, reference=ref, ctx=64, progress=False)
+        figures.append((rep.perplexity, rep.kl_divergence))
+    assert figures[0] == pytest.approx(figures[1], rel=1e-3)
+
+
+def test_device_option_says_what_to_do_without_a_gpu(capsys):
+    from workbench.cli import main
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    with pytest.raises(SystemExit):
+        main(["eval", "demo", "--device", "cuda"])
+    assert "sees no CUDA GPU; leave --device out" in capsys.readouterr().err

@@ -182,10 +182,10 @@ class _BatchMoments:
         a = x.abs()
         self.rows = x.shape[0]
         self.n = x.numel()
-        self.ch_max = a.amax(0)
-        self.ch_abs_sum = a.sum(0).double()
+        self.ch_max = a.amax(0).cpu()  # totals live on the CPU whatever device the model runs on
+        self.ch_abs_sum = a.sum(0).double().cpu()
         x2 = x * x
-        self.ch_sq_sum = x2.sum(0).double()
+        self.ch_sq_sum = x2.sum(0).double().cpu()
         x2f, xf = x2.reshape(-1), x.reshape(-1)
         # raw power sums, accumulated in float64: central moments follow at the end. Cancellation
         # would need |mean| >> std, which layer inputs (normalised or gated) do not have.
@@ -193,7 +193,7 @@ class _BatchMoments:
                        float(torch.dot(x2f, xf)), float(torch.dot(x2f, x2f)))
         k = min(keep, self.n)
         idx = torch.randint(0, self.n, (k,), generator=generator)
-        self.sample = x.reshape(-1)[idx].clone()
+        self.sample = x.reshape(-1)[idx.to(x.device)].cpu()
 
 
 class _LayerAccumulator:

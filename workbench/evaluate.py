@@ -175,7 +175,7 @@ def _logits(hidden: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tenso
     """Float32 logits; a 16-bit head is widened ``VOCAB_SLICE`` rows at a time, never held whole in float32."""
     if weight is None:  # the rows are logits already
         return hidden.float()
-    hidden = hidden.to(torch.float32)
+    hidden = hidden.to(weight.device, torch.float32)
     if weight.dtype == torch.float32:
         return torch.nn.functional.linear(hidden, weight, bias)
     out = torch.empty(hidden.shape[0], weight.shape[0], dtype=torch.float32, device=hidden.device)

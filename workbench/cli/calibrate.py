@@ -9,7 +9,7 @@ from ..calibrate import OUTLIER_FACTOR, calibrate
 from ..data import DEFAULT_SAMPLES, DEFAULT_SEQ_LEN
 from ..models import load_model
 from ..workspace import Workspace
-from .common import add_json_flag, add_model_argument, print_json
+from .common import add_device_argument, add_json_flag, add_model_argument, print_json
 
 HELP = "activation statistics (per-channel magnitudes, outliers) over a calibration set"
 
@@ -30,11 +30,12 @@ def add_arguments(p):
                         f"(default {OUTLIER_FACTOR:g})")
     p.add_argument("--workspace", help="workspace directory (default ./workspace or $WORKBENCH_WORKSPACE)")
     p.add_argument("--force", action="store_true", help="recompute even if the workspace has the result")
+    add_device_argument(p)
     add_json_flag(p)
 
 
 def run(args) -> int:
-    lm = load_model(args.model)
+    lm = load_model(args.model, device=args.device)
     ws = Workspace(args.workspace) if args.workspace else Workspace()
     seq_len = args.seq_len
     if seq_len is None:

@@ -45,3 +45,22 @@ def _budget(value: str):
     if n < 2:
         raise argparse.ArgumentTypeError(f"must be at least 2, got {n}")
     return n
+
+
+def add_device_argument(p):
+    """``--device``: where the model runs (CPU by default; ``cuda`` when a GPU is present)."""
+    p.add_argument("--device", type=_device, default="cpu",
+                   help="run the model on this device: cpu (default), cuda or cuda:N (needs a CUDA build of torch "
+                        "and a GPU)")
+
+
+def _device(value: str) -> str:
+    import torch
+    if value == "cpu":
+        return value
+    if not value.startswith("cuda"):
+        raise argparse.ArgumentTypeError(f"unknown device {value!r}: use cpu, cuda or cuda:N")
+    if not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{value} was asked for but this torch ({torch.__version__}) sees no CUDA "
+                                         "GPU; leave --device out to run on the CPU")
+    return value

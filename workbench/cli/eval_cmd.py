@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from ..evaluate import DEFAULT_CTX, default_token_budget, encode_text, evaluate, read_text
 from ..models import demo_text_path, load_model
-from .common import add_budget_argument, add_json_flag, add_model_argument, print_json
+from .common import add_device_argument, add_budget_argument, add_json_flag, add_model_argument, print_json
 
 HELP = "perplexity, and KL / top-1 agreement against a reference model"
 
@@ -16,16 +16,17 @@ def add_arguments(p):
     p.add_argument("--stride", type=int, help="window stride in tokens (default: ctx, non-overlapping)")
     p.add_argument("--batch-size", type=int, default=4, help="windows per forward pass")
     add_budget_argument(p)
+    add_device_argument(p)
     add_json_flag(p)
 
 
 def run(args) -> int:
-    lm = load_model(args.model)
+    lm = load_model(args.model, device=args.device)
     text_path = args.text or demo_text_path("heldout")
     ids = encode_text(lm.tokenizer, read_text(text_path), source=str(text_path))
     budget = default_token_budget(lm.model, len(ids), args.ctx) if args.max_tokens == "auto" else args.max_tokens
     ids = ids[:budget] if budget else ids
-    ref = load_model(args.ref).model if args.ref else None
+    ref = load_model(args.ref, device=args.device).model if args.ref else None
     report = evaluate(lm.model, ids, reference=ref, ctx=args.ctx, stride=args.stride,
                       batch_size=args.batch_size, progress=not args.json)
     out = {"model": str(lm.path), "reference": args.ref, "text": str(text_path), **report.to_dict()}

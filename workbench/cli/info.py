@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from ..models import load_model
-from .common import add_json_flag, add_model_argument, format_bytes, print_json
+from .common import add_device_argument, add_json_flag, add_model_argument, format_bytes, print_json
 
 HELP = "layer table and size per precision"
 PRECISIONS = ("fp32", "fp16", "int8", "int4")
@@ -10,12 +10,13 @@ PRECISIONS = ("fp32", "fp16", "int8", "int4")
 
 def add_arguments(p):
     add_model_argument(p)
+    add_device_argument(p)
     add_json_flag(p)
     p.add_argument("--trust-remote-code", action="store_true", help="allow the model's own Python code to run")
 
 
 def run(args) -> int:
-    lm = load_model(args.model, load_tokenizer=False, trust_remote_code=args.trust_remote_code)
+    lm = load_model(args.model, device=args.device, load_tokenizer=False, trust_remote_code=args.trust_remote_code)
     cfg = lm.config
     sizes = {p: lm.size_bytes(precision=p) for p in PRECISIONS}
     if args.json:

@@ -16,7 +16,7 @@ from ..evaluate import DEFAULT_CTX
 from ..memory import release_freed_memory
 from ..models import load_model
 from ..plan import QuantPlan
-from .common import add_budget_argument, add_json_flag, add_model_argument, format_bytes, print_json
+from .common import add_device_argument, add_budget_argument, add_json_flag, add_model_argument, format_bytes, print_json
 
 FULL_STATS_MAX_PARAMETERS = 100_000_000  # above this the statistics pass costs minutes: opt in, or calibrate first
 HELP = "quantize by plan (RTN / AWQ, INT8 / INT4), save, and measure the cost"
@@ -48,6 +48,7 @@ def add_arguments(p):
                    "does not divide a layer")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's; on a busy shared CPU, 1 is "
                    "often several times faster for the AWQ search)")
+    add_device_argument(p)
     add_json_flag(p)
 
 
@@ -72,7 +73,7 @@ def run(args) -> int:
     if args.threads:
         import torch
         torch.set_num_threads(args.threads)
-    lm = load_model(args.model)
+    lm = load_model(args.model, device=args.device)
     progress = not args.json
     calibration = workspace = None
     if plan.method == "awq":

@@ -186,8 +186,8 @@ def _fold(params: dict[str, torch.Tensor], result: dict) -> dict[str, torch.Tens
 
     for entry in result["groups"]:
         g = ScaleGroup(**entry["group"])
-        s = entry["scales"].to(torch.float32)
         prev = get(f"{g.prev}.weight")
+        s = entry["scales"].to(prev.device, torch.float32)  # a cached search is read back on the CPU
         if prev.dim() == 1:
             prev.div_(s)
         else:
@@ -503,8 +503,8 @@ def save_awq_search(result: dict, directory) -> None:
     from ..workspace import atomic_write_json
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    tensors = {f"scales.{i}": e["scales"].contiguous() for i, e in enumerate(result["groups"])}
-    tensors.update({f"clip.{name}": t.contiguous() for name, t in result.get("clips", {}).items()})
+    tensors = {f"scales.{i}": e["scales"].cpu().contiguous() for i, e in enumerate(result["groups"])}
+    tensors.update({f"clip.{name}": t.cpu().contiguous() for name, t in result.get("clips", {}).items()})
     save_file(tensors, d / "awq_scales.safetensors")
     meta = {k: v for k, v in result.items() if k not in ("groups", "clips")}
     meta["groups"] = [{k: v for k, v in e.items() if k != "scales"} for e in result["groups"]]

@@ -150,10 +150,11 @@ class QuantizedModel:
             mod = getattr(parent, leaf)
             if r.name in self.weights:
                 qw = self.weights[r.name]
+                device = next(mod.parameters()).device
                 if isinstance(mod, nn.Embedding):
-                    setattr(parent, leaf, QuantEmbedding(qw, mod.padding_idx))
+                    setattr(parent, leaf, QuantEmbedding(qw, mod.padding_idx).to(device))
                 else:
-                    setattr(parent, leaf, QuantLinear(qw, getattr(mod, "bias", None)))
+                    setattr(parent, leaf, QuantLinear(qw, getattr(mod, "bias", None)).to(device))
             elif r.precision is not None and get_precision(r.precision).bits == 16:
                 w = mod.weight
                 if id(w) not in rounded_by_id:
@@ -327,9 +328,9 @@ def quantize_model(lm, plan: QuantPlan, *, calibration=None, method: str | None 
         key = f"{r.name}.weight"
         fold_blocks(r.name)
         w = float_overrides.pop(key) if key in float_overrides else params[key].detach().float()
-        qw = quantize_weight(w, bits, gs, sym, clip_max=clips.get(r.name))
-        weights[r.name] = qw
+        qw = quantize_weight(w, bits, gs, sym, clip_max=None if r.name not in clips else clips[r.name].to(w.device))
         r.weight_error = float((w - qw.dequantize()).norm() / w.norm().clamp_min(1e-12))
+        weights[r.name] = qw.to("cpu")  # codes are kept and saved on the CPU; build_model moves them back
     fold_blocks()  # blocks whose layers all stay float still carry their scales
     return QuantizedModel(plan, method, weights, reports, float_overrides, source=lm, awq=awq_search,
                           seconds=time.perf_counter() - t0)

@@ -81,6 +81,13 @@ class QuantizedWeight:
             q = q - self.zeros.to(torch.float32)[..., None]
         return (q * self.scales.to(torch.float32)[..., None]).view(out, inp)
 
+    def to(self, device) -> "QuantizedWeight":
+        """The same weight with its tensors on ``device`` (itself when they are there already)."""
+        if self.qweight.device == torch.device(device):
+            return self
+        return QuantizedWeight(self.qweight.to(device), self.scales.to(device),
+                               None if self.zeros is None else self.zeros.to(device), self.bits, self.group_size)
+
     def storage_codes(self) -> torch.Tensor:
         """uint8 codes as stored: symmetric codes offset by ``2^(b-1)`` so every code is >= 0."""
         if self.symmetric:
