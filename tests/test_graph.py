@@ -93,10 +93,14 @@ def test_truncated_onnx_is_rejected(exported, tmp_path):
         load_onnx(cut)
 
 
-def test_export_refuses_half_precision(tiny_model_dir, tmp_path):
-    lm = load_model(tiny_model_dir, dtype="float16")
-    with pytest.raises(ModelLoadError, match="float32"):
-        export_onnx(lm, tmp_path)
+def test_half_precision_model_exports_its_values_in_float32(tiny_model_dir, tmp_path):
+    lm = load_model(tiny_model_dir, dtype="float16")  # stored dtype; no float32 copy of the model is made
+    res = export_onnx(lm, tmp_path, greedy_steps=6)
+    assert res.max_abs_diff < 1e-4 and res.greedy_match_steps == 6
+    inits = {i.name: i for i in onnx.load(str(res.prefill_path)).graph.initializer}
+    w = lm.model.get_submodule("model.layers.1.mlp.down_proj").weight
+    got = onnx.numpy_helper.to_array(inits["model.layers.1.mlp.down_proj.weight.T"])
+    assert got.dtype == np.float32 and np.array_equal(got, w.detach().float().numpy().T)
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])

@@ -12,10 +12,16 @@ flagged: that is the "fine in simulation, gibberish on device" failure, caught o
 Targets: ``ort-int4`` (MatMulNBits with the workbench's own integers), ``ort-qdq`` (QDQ for
 onnxruntime's QNN execution provider, run on its CPU), ``mnn`` (.mnn, run by MNN), and bundles for
 SDKs not installable here: ``qnn`` (its QDQ twin is what gets measured), ``tensorrt``, ``rknn``.
+
+Memory stays near the model's stored size: the float model keeps its stored dtype (float32
+arithmetic a block at a time), the simulation shares its tensors and holds integer layers as codes
+(``QuantizedModel.build_model``), graphs are built a tensor at a time, and evaluation keeps only
+the reference's final hidden states, computing log-probabilities a window and a chunk at a time.
+Big models are evaluated on a token budget by default (``default_eval_tokens``), said in the notes.
 """
 from __future__ import annotations
 
-import copy
+import itertools
 import json
 import math
 import shutil
@@ -29,25 +35,39 @@ import numpy as np
 import torch
 
 from .errors import ModelLoadError, PlanError
-from .evaluate import DEFAULT_CTX, encode_text, evaluate, read_text, strided_windows
-from .graph import LogitsModule, OnnxCausalLM, export_onnx, greedy_tokens_torch
+from .evaluate import DEFAULT_CTX, Window, encode_text, read_text, strided_windows
+from .memory import release_freed_memory
+from .graph import OnnxCausalLM, export_onnx, greedy_agreement, share_external_data
 from .models import LoadedModel, demo_text_path, load_model
 from .plan import QuantPlan, get_precision
 from .workspace import atomic_write_json
 
 __all__ = ["CONVERT_TARGETS", "ConversionReport", "PreparedModels", "prepare_models", "convert", "GAP_TOP1",
-           "calibration_feeds"]
+           "calibration_feeds", "default_eval_tokens", "EVAL_PARAMETER_TOKENS", "MIN_EVAL_TOKENS"]
 
 CONVERT_TARGETS = ("ort-int4", "ort-qdq", "mnn", "qnn", "tensorrt", "rknn")
 GAP_TOP1 = 0.95  # below this top-1 agreement with the simulation, the converted model is not what was evaluated
 GAP_KL_RATIO = 1.5  # ... or when its KL to the float model exceeds the simulation's by this factor (+ GAP_KL_FLOOR)
 GAP_KL_FLOOR = 0.002
 DEFAULT_STATIC = (128, 512)
+# Default evaluation budget: the whole text while parameters x tokens stays under this (the demo model's
+# 23 k held-out tokens), else this many parameter-tokens, never under MIN_EVAL_TOKENS: a conversion runs
+# four models over the text (float, simulation, two accuracy levels), about 1.5 minutes for 0.5 B on 2 cores.
+EVAL_PARAMETER_TOKENS = 5e11
+MIN_EVAL_TOKENS = 1024
+VOCAB_CHUNK = 32768  # output-layer rows widened to float32 at a time when rebuilding reference logits
+REF_ROWS = 256  # reference tokens whose logits are rebuilt together (155 MB for a 151,936-token vocabulary)
+ROW_CHUNK = 64  # tokens whose log-probabilities are compared at once
+EVAL_BATCH = 4  # windows per PyTorch forward pass (their hidden states only: the output layer runs per window)
 
 
 @dataclass
 class PreparedModels:
-    """The unquantized reference, the simulation (dequantized weights) and the integer weights behind it."""
+    """The unquantized reference, the simulation of the plan and the integer weights behind it.
+
+    ``float_lm`` keeps its stored dtype (float32 arithmetic); ``sim_lm`` computes with the plan's
+    dequantized weights and shares every other tensor with ``float_lm`` (no second float copy).
+    """
 
     float_lm: LoadedModel
     sim_lm: LoadedModel
@@ -89,9 +109,8 @@ def prepare_models(model, *, plan: QuantPlan | str | Path | None = None, bits: i
     except PlanError as e:
         raise PlanError(f"the plan does not fit model '{model}': {e}") from None
     qm = quantize_model(float_lm, plan, progress=progress)
-    sim_lm = LoadedModel(copy.deepcopy(float_lm.model), float_lm.tokenizer, float_lm.path, f"{float_lm.name} (simulated)",
-                         float_lm.layers)
-    qm.apply_(sim_lm.model)
+    sim_lm = LoadedModel(qm.build_model(float_lm.model), float_lm.tokenizer, float_lm.path,
+                         f"{float_lm.name} (simulated)", float_lm.layers)
     return PreparedModels(float_lm, sim_lm, qm, str(model))
 
 
@@ -157,43 +176,186 @@ def _files(out: Path) -> list[dict]:
             if p.is_file() and "calibration" not in p.relative_to(out).parts]
 
 
-class _Evaluator:
-    """Reference and simulation outputs computed once; candidates scored against both."""
+def default_eval_tokens(parameters: int, n_tokens: int) -> int:
+    """Tokens a conversion evaluates by default: all of them on small models, a budget on big ones."""
+    if parameters * n_tokens <= EVAL_PARAMETER_TOKENS:
+        return n_tokens
+    return min(n_tokens, max(MIN_EVAL_TOKENS, int(EVAL_PARAMETER_TOKENS // parameters)))
 
-    def __init__(self, prepared: PreparedModels, text: str | Path | None, max_tokens: int | None, ctx: int | None,
+
+class _Stop(Exception):
+    pass
+
+
+@dataclass
+class _Scores:
+    """One model's agreement with the reference (and with the simulation) over the evaluated windows."""
+
+    tokens: int = 0
+    nll: float = 0.0
+    kl: float = 0.0
+    top1: int = 0
+    reference_nll: float = 0.0
+    vs_simulation: int = 0
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(self.nll / self.tokens)
+
+    @property
+    def reference_perplexity(self) -> float:
+        return math.exp(self.reference_nll / self.tokens)
+
+    @property
+    def kl_divergence(self) -> float:
+        return self.kl / self.tokens
+
+    @property
+    def top1_agreement(self) -> float:
+        return self.top1 / self.tokens
+
+    @property
+    def top1_agreement_vs_simulation(self) -> float:
+        return self.vs_simulation / self.tokens
+
+
+def _head_logits(head: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """Float32 logits ``hidden @ W.T (+ b)``, widening (or dequantizing) ``VOCAB_CHUNK`` rows of W at a time.
+
+    The output layer is never held in float32 whole: 545 MB for Qwen2.5-0.5B, 1.6 GB for Qwen3-4B.
+    """
+    from .quantize import QuantizedWeight
+    qw = getattr(head, "quantized", None)
+    weight = None if qw is not None else head.weight.detach()
+    vocab = qw.shape[0] if qw is not None else weight.shape[0]
+    logits = torch.empty((hidden.shape[0], vocab), dtype=torch.float32)
+    for v in range(0, vocab, VOCAB_CHUNK):
+        rows = slice(v, v + VOCAB_CHUNK)
+        if qw is not None:
+            w = QuantizedWeight(qw.qweight[rows], qw.scales[rows], None if qw.zeros is None else qw.zeros[rows],
+                                qw.bits, qw.group_size).dequantize()
+        else:
+            w = weight[rows].to(torch.float32)
+        torch.matmul(hidden, w.T, out=logits[:, rows])
+    bias = getattr(head, "bias", None)
+    if bias is not None:
+        logits += bias.detach().to(torch.float32)
+    return logits
+
+
+class _Evaluator:
+    """The float model's outputs captured once; the simulation and each converted model scored against them.
+
+    PyTorch models run their decoder on several windows at once and keep only the final hidden
+    states at the scored positions (tokens x hidden); logits come from the output layer a window at
+    a time, so tokens x vocabulary is never held beyond one window. Converted models run one after
+    another (``score``): only one runtime is loaded at a time.
+    """
+
+    def __init__(self, prep: PreparedModels, text: str | Path | None, max_tokens: int | None, ctx: int | None,
                  progress: bool):
-        from .evaluate import capture_reference
-        lm = prepared.float_lm
+        lm = prep.float_lm
         text_path = text or demo_text_path("heldout")
         ids = encode_text(lm.tokenizer, read_text(text_path), source=str(text_path))
-        if max_tokens:
-            ids = ids[:max_tokens]
+        self.text_tokens = len(ids)
+        budget = max_tokens or default_eval_tokens(lm.parameters, len(ids))
+        self.budget_note = None
+        if max_tokens is None and budget < len(ids):
+            self.budget_note = (f"evaluated on the first {budget:,} of {len(ids):,} tokens: the default budget for a "
+                                f"{lm.parameters / 1e6:,.0f} M-parameter model (--max-tokens N to change)")
+        self.ids = ids[:budget]
         max_pos = getattr(lm.model.config, "max_position_embeddings", None) or DEFAULT_CTX
-        self.ctx = min(ctx or DEFAULT_CTX, max_pos, len(ids))
-        self.ids = ids
+        self.ctx = min(ctx or DEFAULT_CTX, max_pos, len(self.ids))
+        self.windows = strided_windows(len(self.ids), self.ctx)
         self.progress = progress
-        self.reference = capture_reference(lm.model, ids, ctx=self.ctx, progress=progress)
-        sim = prepared.sim_lm.model
-        sim_module = LogitsModule(lambda x: sim(input_ids=torch.from_numpy(x)).logits.numpy(),
-                                  record_argmax=True)
-        self.sim_report = evaluate(sim_module, ids, reference=self.reference, ctx=self.ctx, progress=progress,
-                                   desc="simulation")
-        self.sim_top1 = self._scored(sim_module.argmax_rows)
+        self.head = lm.model.get_output_embeddings()
+        self.hidden = self._final_hidden(lm.model, "reference")
+        self.sim_top1: list[torch.Tensor] | None = None
+        sim = prep.sim_lm.model
+        sim_hidden, sim_head = self._final_hidden(sim, "simulation"), sim.get_output_embeddings()
+        self.sim_report = self._score(lambda k, w: _head_logits(sim_head, sim_hidden[k]), "simulation", record=True)
 
-    def _scored(self, rows: list[np.ndarray]) -> np.ndarray:
-        windows = strided_windows(len(self.ids), self.ctx)
-        if len(rows) != len(windows):
-            raise RuntimeError(f"recorded {len(rows)} rows for {len(windows)} windows")
-        return np.concatenate([r[w.score_from - w.begin - 1:w.end - w.begin - 1] for r, w in zip(rows, windows)])
+    def _bar(self, desc: str, total: int | None = None):
+        from tqdm.auto import tqdm
+        return tqdm(total=total or len(self.windows), desc=desc, unit="window", disable=not self.progress,
+                    leave=False)
 
-    def score(self, run_logits: Callable[[np.ndarray], np.ndarray], desc: str) -> tuple[object, float]:
-        module = LogitsModule(run_logits, record_argmax=True)
-        report = evaluate(module, self.ids, reference=self.reference, ctx=self.ctx, progress=self.progress, desc=desc)
-        vs_sim = float((self._scored(module.argmax_rows) == self.sim_top1).mean())
-        return report, vs_sim
+    def _rows(self, w: Window) -> slice:
+        """Positions of a window whose next-token predictions are scored."""
+        return slice(w.score_from - w.begin - 1, w.end - w.begin - 1)
 
-    def fill(self, report: ConversionReport, candidate, vs_sim: float, measured_on: Path) -> None:
+    @torch.inference_mode()
+    def _final_hidden(self, model, desc: str) -> list[torch.Tensor]:
+        """The output layer's inputs at the scored positions of each window; windows of equal length batched."""
+        got: list[torch.Tensor] = []
+
+        def grab(_module, args):
+            got.append(args[0])
+            raise _Stop
+        hidden: list[torch.Tensor] = []
+        handle = model.get_output_embeddings().register_forward_pre_hook(grab, prepend=True)
+        try:
+            with self._bar(desc) as bar:
+                k = 0
+                while k < len(self.windows):
+                    n = self.windows[k].end - self.windows[k].begin
+                    batch = list(itertools.takewhile(lambda w: w.end - w.begin == n, self.windows[k:k + EVAL_BATCH]))
+                    try:
+                        model(input_ids=torch.stack([self.ids[w.begin:w.end] for w in batch]), use_cache=False)
+                    except _Stop:
+                        pass
+                    h = got.pop()
+                    hidden += [h[b, self._rows(w)].to(torch.float32).clone() for b, w in enumerate(batch)]
+                    k += len(batch)
+                    bar.update(len(batch))
+        finally:
+            handle.remove()
+        return hidden
+
+    @torch.inference_mode()
+    def _score(self, window_logits: Callable[[int, Window], torch.Tensor], desc: str, *,
+               record: bool = False) -> _Scores:
+        """KL, top-1 agreement and perplexity from each window's float32 logits at its scored positions."""
+        scores, argmax = _Scores(), []
+        with self._bar(desc) as bar:
+            for k, w in enumerate(self.windows):
+                logits, targets, picks = window_logits(k, w), self.ids[w.score_from:w.end], []
+                for r in range(0, w.scored, REF_ROWS):
+                    ref = _head_logits(self.head, self.hidden[k][r:r + REF_ROWS])
+                    for c in range(0, ref.shape[0], ROW_CHUNK):
+                        rlp = ref[c:c + ROW_CHUNK]
+                        rlp -= torch.logsumexp(rlp, dim=-1, keepdim=True)  # in place: log-probabilities
+                        lp = torch.log_softmax(logits[r + c:r + c + ROW_CHUNK], dim=-1)
+                        t = targets[r + c:r + c + ROW_CHUNK, None]
+                        scores.nll -= lp.gather(1, t).sum().item()
+                        scores.reference_nll -= rlp.gather(1, t).sum().item()
+                        scores.kl += (rlp.exp() * (rlp - lp)).sum(-1).clamp_min(0).sum().item()
+                        pick = lp.argmax(-1)
+                        scores.top1 += int((rlp.argmax(-1) == pick).sum())
+                        picks.append(pick)
+                    del ref
+                picks = torch.cat(picks)
+                if self.sim_top1 is not None:
+                    scores.vs_simulation += int((picks == self.sim_top1[k]).sum())
+                argmax.append(picks)
+                scores.tokens += w.scored
+                del logits
+                bar.update(1)
+        if record:
+            self.sim_top1 = argmax
+            scores.vs_simulation = scores.tokens
+        return scores
+
+    def score(self, run_logits: Callable[[np.ndarray], np.ndarray], desc: str) -> _Scores:
+        """Score a runtime: ``run_logits`` maps ids [1, n] to logits [1, n, vocab] (onnxruntime, MNN)."""
+        def window_logits(_k: int, w: Window) -> torch.Tensor:
+            out = np.ascontiguousarray(run_logits(self.ids[w.begin:w.end][None].numpy()), dtype=np.float32)
+            return torch.from_numpy(out)[0, self._rows(w)]
+        return self._score(window_logits, desc)
+
+    def fill(self, report: ConversionReport, candidate: _Scores, measured_on: Path) -> None:
         s = self.sim_report
+        vs_sim = candidate.top1_agreement_vs_simulation
         report.measured_on = str(measured_on)
         report.kl_divergence, report.top1_agreement = candidate.kl_divergence, candidate.top1_agreement
         report.perplexity = candidate.perplexity
@@ -202,6 +364,10 @@ class _Evaluator:
                              "perplexity": s.perplexity}
         report.reference_perplexity = s.reference_perplexity
         report.eval_tokens, report.ctx = candidate.tokens, self.ctx
+        report.details["evaluation"] = {"tokens_scored": candidate.tokens, "text_tokens": self.text_tokens,
+                                        "windows": len(self.windows), "ctx": self.ctx}
+        if self.budget_note and self.budget_note not in report.notes:
+            report.notes.append(self.budget_note)
         worse = candidate.kl_divergence > s.kl_divergence
         if candidate.kl_divergence > GAP_KL_RATIO * s.kl_divergence + GAP_KL_FLOOR:
             report.gap = (f"KL to the float model is {candidate.kl_divergence:.4f} against the simulation's "
@@ -257,13 +423,19 @@ def convert(model, target: str, out_dir: str | Path, *, plan: QuantPlan | str | 
             accuracy_level: int = 4, static: tuple[int, int] = DEFAULT_STATIC, calibration_samples: int = 16,
             calibration_seq_len: int = 128, greedy_steps: int = 32, evaluate_outputs: bool = True,
             progress: bool = False, log: Callable[[str], None] | None = None) -> ConversionReport:
-    """Convert for ``target`` into ``out_dir``; run and compare the result where it can run here."""
+    """Convert for ``target`` into ``out_dir``; run and compare the result where it can run here.
+
+    ``max_tokens`` None evaluates on ``default_eval_tokens`` (the whole text for small models).
+    """
     from .targets import inspect_graph
     say = log or (lambda m: None)
     if target not in CONVERT_TARGETS:
         raise PlanError(f"unknown conversion target '{target}'; choose one of: {', '.join(CONVERT_TARGETS)}")
+    if max_tokens is not None and max_tokens < 2:
+        raise PlanError(f"--max-tokens must be at least 2 (one token is predicted from another), got {max_tokens}")
     t0 = time.perf_counter()
     prep = prepared or prepare_models(model, plan=plan, bits=bits, progress=progress)
+    release_freed_memory()  # quantization's temporaries: hand their pages back before the graphs are built
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     report = ConversionReport(target, out, [], 0.0, runnable=target in ("ort-int4", "ort-qdq", "mnn", "qnn"))
@@ -272,43 +444,16 @@ def convert(model, target: str, out_dir: str | Path, *, plan: QuantPlan | str | 
         static = (min(static[0], max_pos - 1), max_pos - 1)
         if target in ("ort-qdq", "qnn", "rknn"):
             report.notes.append(f"static past shortened to {static[1]}: the model has {max_pos} positions")
-    evaluator = None
+
+    def evaluator(eval_ctx=None) -> _Evaluator | None:
+        if not evaluate_outputs:
+            return None
+        say("evaluating the float model and the simulation")
+        return _Evaluator(prep, text, max_tokens, eval_ctx or ctx, progress)
     work = Path(tempfile.mkdtemp(prefix="workbench-convert-"))
     try:
         if target == "ort-int4":
-            from .targets.ort import ACCURACY_LEVELS, build_matmulnbits_onnx
-            say("exporting the simulation to ONNX")
-            ex = export_onnx(prep.sim_lm, work / "sim", check=False)
-            built = {}
-            for level in sorted({accuracy_level, 0}):
-                sub = out if level == accuracy_level else work / f"level{level}"
-                built[level] = [build_matmulnbits_onnx(p, sub / p.name, prep.qm, ex.weight_names, ex.weight_layouts,
-                                                       accuracy_level=level) for p in ex.files]
-            main = built[accuracy_level][0]
-            report.details.update(accuracy_level=accuracy_level, accuracy_level_meaning=ACCURACY_LEVELS[accuracy_level],
-                                  replaced_layers=len(main.replaced), kept_float=main.kept_float)
-            report.notes += [f"{k}: {v}" for k, v in main.kept_float.items()]
-            runner = OnnxCausalLM(out / ex.prefill_path.name, out / ex.decode_path.name)
-            tokens = prep.float_lm.tokenizer("The workbench measures what each choice costs.",
-                                             add_special_tokens=False)["input_ids"]
-            onnx_tokens = runner.generate_greedy(tokens, greedy_steps)
-            sim_tokens = greedy_tokens_torch(prep.sim_lm.model, tokens, greedy_steps)
-            report.details["greedy_match_steps_vs_simulation"] = next(
-                (i for i, (a, b) in enumerate(zip(onnx_tokens, sim_tokens)) if a != b), greedy_steps)
-            report.details["decode_tokens_per_second"] = {}
-            for level, builds in built.items():
-                r = OnnxCausalLM(builds[0].path, builds[1].path, threads=1)
-                report.details["decode_tokens_per_second"][level] = _decode_speed(r, tokens)
-            if evaluate_outputs:
-                evaluator = _Evaluator(prep, text, max_tokens, ctx, progress)
-                levels = {}
-                for level, builds in built.items():
-                    cand, vs_sim = evaluator.score(OnnxCausalLM(builds[0].path).logits, f"int4 level {level}")
-                    levels[level] = {"kl_divergence": cand.kl_divergence, "top1_agreement": cand.top1_agreement,
-                                     "top1_agreement_vs_simulation": vs_sim}
-                    if level == accuracy_level:
-                        evaluator.fill(report, cand, vs_sim, main.path)
-                report.details["accuracy_levels"] = levels
+            _convert_ort_int4(prep, out, report, accuracy_level, greedy_steps, evaluator, progress, say)
         elif target in ("ort-qdq", "qnn"):
             from .targets.ort import quantize_qdq
             say(f"exporting the float model to ONNX with static shapes {static}")
@@ -316,14 +461,18 @@ def convert(model, target: str, out_dir: str | Path, *, plan: QuantPlan | str | 
             srunner = OnnxCausalLM(sx.prefill_path, sx.decode_path)
             feeds = calibration_feeds(prep.float_lm, samples=calibration_samples, seq_len=calibration_seq_len,
                                       runner=srunner)
+            del srunner
             wbits, notes = _plan_bits_for_qdq(prep, sx.weight_names)
             report.notes += notes
             qdq_dir = out if target == "ort-qdq" else out / "ort-qdq-twin"
             say(f"quantizing to QDQ (A{activation_bits}W8)")
-            infos = {}
+            infos, qdq_paths = {}, []
             for name, path in (("prefill", sx.prefill_path), ("decode", sx.decode_path)):
-                infos[name] = _quiet_quantize(quantize_qdq, path, qdq_dir / f"{name}.qdq.onnx", feeds[name],
+                qdq_paths.append(qdq_dir / f"{name}.qdq.onnx")
+                infos[name] = _quiet_quantize(quantize_qdq, path, qdq_paths[-1], feeds[name],
                                               activation_bits=activation_bits, weight_bits_by_initializer=wbits)
+            if share_external_data(qdq_paths, "weights.qdq.data"):
+                report.notes.append("the QDQ graphs keep their weights in one shared weights.qdq.data")
             report.details["qdq"] = {"activation_bits": activation_bits, "weight_bits": 8, "static": list(static),
                                      "mask_tensors": len(infos["prefill"]["mask_tensors"]),
                                      "mask_range": infos["prefill"]["mask_range"]}
@@ -338,36 +487,36 @@ def convert(model, target: str, out_dir: str | Path, *, plan: QuantPlan | str | 
                                     "graphs (same bit widths, same mask fix) in onnxruntime CPU")
                 for g in ("prefill", "decode"):
                     report.details[f"inspection_{g}"] = inspect_graph(out / f"{g}.onnx", "qnn").summary()
-            if evaluate_outputs:
-                eval_ctx = min(ctx or static[0], static[0])
+            eval_ctx = min(ctx or static[0], static[0])
+            ev = evaluator(eval_ctx)
+            if ev is not None:
                 if eval_ctx != (ctx or DEFAULT_CTX):
                     report.notes.append(f"evaluated with {eval_ctx}-token windows, the static graph's sequence length "
                                         "(the simulation is scored on the same windows)")
-                evaluator = _Evaluator(prep, text, max_tokens, eval_ctx, progress)
-                cand, vs_sim = evaluator.score(OnnxCausalLM(qdq_dir / "prefill.qdq.onnx").logits, "qdq")
-                evaluator.fill(report, cand, vs_sim, qdq_dir / "prefill.qdq.onnx")
+                cand = ev.score(OnnxCausalLM(qdq_dir / "prefill.qdq.onnx").logits, "qdq")
+                ev.fill(report, cand, qdq_dir / "prefill.qdq.onnx")
         elif target == "mnn":
             from .targets.mnn import MnnCausalLM, convert_to_mnn, keep_matmul_weights_float
             say("exporting the simulation to ONNX")
             ex = export_onnx(prep.sim_lm, work / "sim", check=False)
             wb, block, notes = _mnn_weight_args(prep)
-            report.notes += notes
+            report.notes += notes + ["MNN stores each graph's weights in its own .mnn file"]
             float_inits = [ex.weight_names[r.name] for r in prep.qm.layers if r.name in ex.weight_names
                            and r.name not in prep.qm.weights and ex.weight_layouts.get(r.name) == "in_out"]
             say("converting to MNN")
             kept: list[str] = []
-            for p in ex.files:
+            for p in (ex.prefill_path, ex.decode_path):
                 src = p
                 if wb and float_inits:
-                    src = work / f"float-kept-{p.name}"
+                    src = p.with_name(f"float-kept-{p.name}")
                     kept = keep_matmul_weights_float(p, src, float_inits)
                 convert_to_mnn(src, out / p.with_suffix(".mnn").name, weight_bits=wb, block_size=block, asymmetric=True)
+            shutil.rmtree(work / "sim", ignore_errors=True)
             report.details["mnn"] = {"weight_bits": wb, "block": block, "asymmetric": True, "kept_float": kept}
-            if evaluate_outputs:
-                evaluator = _Evaluator(prep, text, max_tokens, ctx, progress)
-                runner = MnnCausalLM(out / "prefill.mnn", threads=2)
-                cand, vs_sim = evaluator.score(runner.logits, "mnn")
-                evaluator.fill(report, cand, vs_sim, out / "prefill.mnn")
+            ev = evaluator()
+            if ev is not None:
+                cand = ev.score(MnnCausalLM(out / "prefill.mnn", threads=2).logits, "mnn")
+                ev.fill(report, cand, out / "prefill.mnn")
         elif target == "tensorrt":
             from .targets.tensorrt import write_tensorrt_bundle
             ex = export_onnx(prep.sim_lm, out, check=False)
@@ -394,6 +543,60 @@ def convert(model, target: str, out_dir: str | Path, *, plan: QuantPlan | str | 
     atomic_write_json(out / "conversion.json", json.loads(json.dumps(report.to_dict(), default=str)))
     report.files = _files(out)
     return report
+
+
+def _storage_notes(prep: PreparedModels, kept_float: dict[str, str]) -> list[str]:
+    """What the plan's float layers became in the ONNX Runtime graphs (never silently float32)."""
+    half = [r.name for r in prep.qm.layers if r.precision and get_precision(r.precision).is_float
+            and get_precision(r.precision).bits == 16 and not (r.tied_to and not r.untied)]
+    notes = [f"{k}: {v}" for k, v in kept_float.items()]
+    if half:
+        shown = ", ".join(half[:4]) + (f" and {len(half) - 4} more" if len(half) > 4 else "")
+        notes.append(f"{shown}: float16 in the plan, stored as float16 (onnxruntime's CPU widens float16 weights to "
+                     "float32 when it loads the model: on the CPU they compute as float32)")
+    return notes
+
+
+def _convert_ort_int4(prep: PreparedModels, out: Path, report: ConversionReport, accuracy_level: int,
+                      greedy_steps: int, evaluator: Callable[[], "_Evaluator | None"], progress: bool,
+                      say: Callable[[str], None]) -> None:
+    """MatMulNBits graphs from the plan's integers; greedy tokens, decode speed and accuracy per accuracy level."""
+    from .targets.ort import ACCURACY_LEVELS, build_nbits_onnx
+    say("building the ONNX Runtime graphs from the plan's integers")
+    build = build_nbits_onnx(prep.sim_lm.model, out, prep.qm.precisions, accuracy_level=accuracy_level,
+                             progress=progress)
+    graphs = build.graphs
+    report.details.update(accuracy_level=accuracy_level, accuracy_level_meaning=ACCURACY_LEVELS[accuracy_level],
+                          replaced_layers=len(build.replaced), kept_float=build.kept_float,
+                          weight_bytes=graphs.weight_bytes, external_data=graphs.data_path is not None)
+    report.notes += _storage_notes(prep, build.kept_float)
+    if graphs.data_path is not None:
+        report.notes.append(f"prefill.onnx and decode.onnx share their weights in {graphs.data_path.name}; the decode "
+                            "graph also runs prefill (a past of length 0)")
+    release_freed_memory()
+    ev = evaluator()
+    release_freed_memory()
+    prompt = prep.float_lm.tokenizer("The workbench measures what each choice costs.",
+                                     add_special_tokens=False)["input_ids"]
+    report.details["decode_tokens_per_second"], levels = {}, {}
+    for level in [accuracy_level] + ([0] if accuracy_level != 0 else []):
+        say(f"running accuracy level {level} in onnxruntime")
+        runner = OnnxCausalLM(graphs.prefill_path, graphs.decode_path, threads=1,
+                              accuracy_level=None if level == accuracy_level else level)
+        if level == accuracy_level:
+            tokens = runner.generate_greedy(prompt, greedy_steps)
+            report.details["greedy_match_steps_vs_simulation"] = greedy_agreement(prep.sim_lm.model, prompt, tokens)[0]
+        report.details["decode_tokens_per_second"][level] = _decode_speed(runner, prompt)
+        if ev is not None:
+            cand = ev.score(runner.logits, f"ort-int4 level {level}")
+            levels[level] = {"kl_divergence": cand.kl_divergence, "top1_agreement": cand.top1_agreement,
+                             "top1_agreement_vs_simulation": cand.top1_agreement_vs_simulation}
+            if level == accuracy_level:
+                ev.fill(report, cand, graphs.prefill_path)
+        del runner  # one runtime in memory at a time
+        release_freed_memory()
+    if levels:
+        report.details["accuracy_levels"] = levels
 
 
 def _quiet_quantize(fn, *args, **kw):

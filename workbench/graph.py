@@ -7,21 +7,23 @@
 
 The prefill graph takes ``input_ids``, ``attention_mask``, ``position_ids`` and returns ``logits``
 plus ``present.{i}.key/value``; the decode graph also takes ``past_key_values.{i}.key/value``
-(the names onnxruntime-genai and Optimum use). Export goes through the TorchScript exporter
-(``dynamo=False``, eager attention): about a second on a small model, where the dynamo exporter
-takes ~18 s and cannot express the ``past + sequence`` dimension.
+(the names onnxruntime-genai and Optimum use). A dynamic decode graph accepts a past of length 0,
+so it serves prefill as well: ``OnnxCausalLM`` then runs that one session.
+
+The graphs are built op by op from the model's modules (``workbench.graph_build``), whatever dtype
+the model is stored in: each weight is widened to float32 on its own and written once. Above
+``INLINE_LIMIT`` bytes the weights live in one ONNX external-data file (``weights.data``) that both
+graphs reference; smaller models keep them inline in each graph.
 
 Each quantizable layer's weight is stored under a name derived from its PyTorch FQN
-(``model.layers.0.self_attn.q_proj.weight.T`` when the exporter folded the transpose of a Linear
-into the initializer), so per-tensor encodings (QNN overrides, ONNX Runtime tensor overrides)
-can be written against the plan's layer names; ``ExportResult.weight_names`` records the map.
+(``model.layers.0.self_attn.q_proj.weight.T``: the Linear weight transposed to ``[in, out]`` for
+MatMul), so per-tensor encodings (QNN overrides, ONNX Runtime tensor overrides) can be written
+against the plan's layer names; ``ExportResult.weight_names`` records the map.
 """
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import time
-import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -32,16 +34,19 @@ import torch
 from torch import nn
 
 from .errors import ModelLoadError
+from .graph_build import DATA_FILE, INLINE_LIMIT, build_graphs, input_names, output_names
 from .workspace import atomic_write_json
 
 __all__ = ["ExportResult", "OpCount", "export_onnx", "load_onnx", "operator_inventory", "OnnxCausalLM",
-           "LogitsModule", "greedy_tokens_torch", "fold_constants", "input_names", "output_names", "DEFAULT_OPSET",
-           "PREFILL_FILE", "DECODE_FILE", "initializer_bytes", "initializer_bytes_by_block"]
+           "LogitsModule", "greedy_agreement", "fold_constants", "input_names", "output_names", "DEFAULT_OPSET",
+           "PREFILL_FILE", "DECODE_FILE", "DATA_FILE", "INLINE_LIMIT", "initializer_bytes",
+           "initializer_bytes_by_block", "external_data_files", "share_external_data"]
 
 DEFAULT_OPSET = 17  # the oldest opset every target here accepts; LayerNormalization exists from 17
 PREFILL_FILE = "prefill.onnx"
 DECODE_FILE = "decode.onnx"
 DEFAULT_PROMPT = "The workbench measures what each quantization choice costs before the model reaches a device."
+SHAPE_OPS = ("Shape", "Size", "Range", "ConstantOfShape", "NonZero")  # run-time shape arithmetic
 
 
 @dataclass
@@ -63,10 +68,11 @@ class ExportResult:
     diffs: dict[str, float] = field(default_factory=dict)  # per output group, e.g. "decode.logits"
     onnx_tokens: list[int] = field(default_factory=list, repr=False)
     torch_tokens: list[int] = field(default_factory=list, repr=False)
+    data_path: Path | None = None  # the external-data file both graphs share; None when weights are inline
 
     @property
     def files(self) -> list[Path]:
-        return [self.prefill_path, self.decode_path]
+        return [self.prefill_path, self.decode_path] + ([self.data_path] if self.data_path else [])
 
     @property
     def seconds(self) -> float:
@@ -75,53 +81,10 @@ class ExportResult:
     def to_dict(self) -> dict:
         d = asdict(self)
         d.update(prefill_path=str(self.prefill_path), decode_path=str(self.decode_path),
+                 data_path=str(self.data_path) if self.data_path else None,
                  files=[{"path": str(p), "bytes": p.stat().st_size} for p in self.files], seconds=self.seconds,
                  static=list(self.static) if self.static else None)
         return d
-
-
-def input_names(num_layers: int, with_past: bool) -> list[str]:
-    names = ["input_ids", "attention_mask", "position_ids"]
-    if with_past:
-        names += [f"past_key_values.{i}.{kv}" for i in range(num_layers) for kv in ("key", "value")]
-    return names
-
-
-def output_names(num_layers: int) -> list[str]:
-    return ["logits"] + [f"present.{i}.{kv}" for i in range(num_layers) for kv in ("key", "value")]
-
-
-class _KVCacheWrapper(nn.Module):
-    """Flat tensors in and out, so the exporter sees the KV cache as graph inputs and outputs."""
-
-    def __init__(self, model: nn.Module, num_layers: int):
-        super().__init__()
-        self.model = model
-        self.num_layers = num_layers
-
-    def forward(self, input_ids, attention_mask, position_ids, *past):
-        from transformers import DynamicCache
-        cache = DynamicCache()
-        for i in range(len(past) // 2):
-            cache.update(past[2 * i], past[2 * i + 1], i)
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         past_key_values=cache, use_cache=True)
-        flat = [out.logits]
-        for layer in out.past_key_values.layers[:self.num_layers]:
-            flat += [layer.keys, layer.values]
-        return tuple(flat)
-
-
-@contextlib.contextmanager
-def _eager_attention(model: nn.Module):
-    """Eager attention traces to plain MatMul/Softmax; SDPA would bake shape checks into the trace."""
-    before = getattr(model.config, "_attn_implementation", None)
-    model.set_attn_implementation("eager")
-    try:
-        yield
-    finally:
-        if before and before != "eager":
-            model.set_attn_implementation(before)
 
 
 @contextlib.contextmanager
@@ -135,84 +98,72 @@ def _single_thread():
         torch.set_num_threads(before)
 
 
-def _kv_geometry(config) -> tuple[int, int, int]:
-    layers = config.num_hidden_layers
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return layers, kv_heads, head_dim
-
-
-def _export_one(wrapper: nn.Module, path: Path, args: tuple, with_past: bool, static: bool, opset: int) -> None:
-    n = wrapper.num_layers
-    ins, outs = input_names(n, with_past), output_names(n)
-    dynamic_axes = None
-    if not static:
-        total = "total_sequence"
-        dynamic_axes = {"input_ids": {0: "batch", 1: "sequence"}, "position_ids": {0: "batch", 1: "sequence"},
-                        "attention_mask": {0: "batch", 1: total if with_past else "sequence"},
-                        "logits": {0: "batch", 1: "sequence"}}
-        for name in ins[3:]:
-            dynamic_axes[name] = {0: "batch", 2: "past_sequence"}
-        for name in outs[1:]:
-            dynamic_axes[name] = {0: "batch", 2: total if with_past else "sequence"}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # tracer warnings about cache bookkeeping that is constant per graph
-        torch.onnx.export(wrapper, args, str(path), input_names=ins, output_names=outs, dynamic_axes=dynamic_axes,
-                          opset_version=opset, dynamo=False, do_constant_folding=True,
-                          keep_initializers_as_inputs=False)
-
-
-def _digest(a: np.ndarray) -> str:
-    return hashlib.sha1(np.ascontiguousarray(a, dtype=np.float32).tobytes()).hexdigest()
-
-
-def _name_weights(path: Path, model: nn.Module, layers) -> tuple[dict[str, str], dict[str, str]]:
-    """Find each layer's weight among the initializers (by content) and give it a stable FQN-based name."""
-    import onnx
-    from onnx import numpy_helper
-
-    proto = onnx.load(str(path))
-    modules = dict(model.named_modules())
-    wanted: dict[tuple[tuple[int, ...], str], list[tuple[str, str]]] = {}
-    for info in layers:
-        w = modules[info.name].weight.detach().float().cpu().numpy()
-        wanted.setdefault((w.shape, _digest(w)), []).append((info.name, "out_in"))
-        wanted.setdefault((w.T.shape, _digest(w.T)), []).append((info.name, "in_out"))
-    names, layouts, renames = {}, {}, {}
-    taken = {init.name for init in proto.graph.initializer}
+def external_data_files(proto, base_dir: str | Path) -> dict[Path, int]:
+    """External-data files a graph reads, with the bytes it needs from each (largest offset + length)."""
+    from onnx.external_data_helper import uses_external_data
+    need: dict[Path, int] = {}
     for init in proto.graph.initializer:
-        if init.data_type != onnx.TensorProto.FLOAT or len(init.dims) != 2:
-            continue
-        arr = numpy_helper.to_array(init)
-        for fqn, layout in wanted.get((arr.shape, _digest(arr)), []):
-            if fqn in names:
-                continue
-            new = f"{fqn}.weight" if layout == "out_in" else f"{fqn}.weight.T"
-            if new != init.name and new not in taken:
-                renames[init.name] = new
-                taken.add(new)
-            names[fqn], layouts[fqn] = renames.get(init.name, init.name), layout
-            break  # one initializer holds one layer (a tied pair has two layouts, hence two initializers)
-    for init in proto.graph.initializer:  # the export wrapper's "model." prefix says nothing to a reader
-        if init.name not in renames and init.name.startswith(("model.model.", "model.lm_head.")):
-            new = init.name[len("model."):]
-            if new not in taken:
-                renames[init.name] = new
-                taken.add(new)
-    if renames:
-        for init in proto.graph.initializer:
-            if init.name in renames:
-                init.name = renames[init.name]
-        for node in proto.graph.node:
-            for i, name in enumerate(node.input):
-                if name in renames:
-                    node.input[i] = renames[name]
-        onnx.save(proto, str(path))
-    missing = [info.name for info in layers if info.name not in names]
-    if missing:
-        raise RuntimeError(f"export lost track of the weights of {', '.join(missing[:3])}: no initializer holds "
-                           "them unchanged")
-    return names, layouts
+        if uses_external_data(init):
+            info = {e.key: e.value for e in init.external_data}
+            f = Path(base_dir) / info.get("location", "")
+            end = int(info.get("offset", 0)) + int(info.get("length", 0))
+            need[f] = max(need.get(f, 0), end)
+    return need
+
+
+def _uses_external_data(path: Path) -> bool:
+    import onnx
+    return bool(external_data_files(onnx.load(str(path), load_external_data=False), path.parent))
+
+
+def share_external_data(paths: Sequence[str | Path], data_name: str = DATA_FILE) -> Path | None:
+    """Move the external data of graphs in one folder into one file, each identical tensor stored once.
+
+    For graphs written separately (QDQ prefill and decode): a tensor with the same name and bytes in
+    several graphs is written once and all of them point at it. Streams one tensor at a time; old
+    data files are removed. Returns the shared file, or None when no graph uses external data.
+    """
+    import hashlib
+    import os
+
+    import onnx
+    from onnx.external_data_helper import uses_external_data
+    paths = [Path(p) for p in paths]
+    folder = paths[0].parent
+    protos = [onnx.load(str(p), load_external_data=False) for p in paths]
+    if not any(uses_external_data(i) for proto in protos for i in proto.graph.initializer):
+        return None
+    target, tmp = folder / data_name, folder / (data_name + ".partial")
+    old, seen = set(), {}
+    with open(tmp, "wb") as out:
+        for proto in protos:
+            for init in proto.graph.initializer:
+                if not uses_external_data(init):
+                    continue
+                info = {e.key: e.value for e in init.external_data}
+                src = folder / info["location"]
+                old.add(src)
+                with open(src, "rb") as f:
+                    f.seek(int(info.get("offset", 0)))
+                    data = f.read(int(info["length"])) if "length" in info else f.read()
+                key = (init.name, hashlib.sha1(data).hexdigest())
+                if key not in seen:
+                    if len(data) >= 2**20 and out.tell() % 2**16:
+                        out.write(b"\0" * (2**16 - out.tell() % 2**16))
+                    seen[key] = out.tell()
+                    out.write(data)
+                del init.external_data[:]
+                for k, v in (("location", data_name), ("offset", str(seen[key])), ("length", str(len(data)))):
+                    e = init.external_data.add()
+                    e.key, e.value = k, v
+    for p, proto in zip(paths, protos):
+        p.with_name(p.name + ".partial").write_bytes(proto.SerializeToString())
+    os.replace(tmp, target)
+    for p in paths:
+        os.replace(p.with_name(p.name + ".partial"), p)
+    for f in old - {target}:
+        f.unlink(missing_ok=True)
+    return target
 
 
 def fold_constants(src: str | Path, dst: str | Path | None = None) -> Path:
@@ -220,6 +171,7 @@ def fold_constants(src: str | Path, dst: str | Path | None = None) -> Path:
 
     With static shapes, the Shape/Range/Equal/Where chains that build positions and the causal
     mask become initializers, which is what NPU converters expect (they reject or fall back on them).
+    A graph with external data gets its folded weights in ``<dst>.data``.
     """
     import onnxruntime as ort
     src = Path(src)
@@ -229,13 +181,20 @@ def fold_constants(src: str | Path, dst: str | Path | None = None) -> Path:
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
     opts.optimized_model_filepath = str(tmp)
     opts.log_severity_level = 3
+    if _uses_external_data(src):
+        opts.add_session_config_entry("session.optimized_model_external_initializers_file_name", dst.name + ".data")
+        opts.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
     ort.InferenceSession(str(src), opts, providers=["CPUExecutionProvider"])
     tmp.replace(dst)
     return dst
 
 
-def load_onnx(path: str | Path, *, load_external_data: bool = True):
-    """Read an ONNX file, saying clearly when it is missing, not ONNX, or cut short."""
+def load_onnx(path: str | Path, *, load_external_data: bool = False):
+    """Read an ONNX file, saying clearly when it is missing, not ONNX, or cut short (its external data too).
+
+    Weights kept in external data are not read unless ``load_external_data``: inspection needs
+    shapes and small constants, not gigabytes of weights.
+    """
     import onnx
     from google.protobuf.message import DecodeError
 
@@ -251,11 +210,11 @@ def load_onnx(path: str | Path, *, load_external_data: bool = True):
         raise ModelLoadError(f"'{p}' is not an ONNX model (it starts like a text/JSON/archive file); pass the "
                              ".onnx file written by `workbench export`")
     try:
-        proto = onnx.load(str(p), load_external_data=load_external_data)
+        proto = onnx.load(str(p), load_external_data=False)
     except DecodeError as e:
         raise ModelLoadError(f"'{p}' is not a valid ONNX model ({size:,} bytes could not be parsed: {e}); the file "
                              "is truncated or not ONNX: export it again") from None
-    except Exception as e:  # external data missing, unreadable
+    except Exception as e:
         raise ModelLoadError(f"could not read ONNX model '{p}': {e}") from None
     if not proto.graph.node:
         raise ModelLoadError(f"'{p}' parsed as ONNX but has no graph nodes; the file is truncated or not an ONNX "
@@ -267,6 +226,15 @@ def load_onnx(path: str | Path, *, load_external_data: bool = True):
     if lost:
         raise ModelLoadError(f"'{p}' is incomplete: graph outputs {', '.join(lost[:3])} are produced by no node; "
                              "the file is truncated: export it again")
+    for data, needed in external_data_files(proto, p.parent).items():
+        have = data.stat().st_size if data.is_file() else None
+        if have is None or have < needed:
+            state = "is missing" if have is None else f"holds {have:,} of the {needed:,} bytes the graph reads"
+            raise ModelLoadError(f"'{p}' keeps its weights in '{data.name}', which {state}: copy it next to the "
+                                 "graph or export again")
+    if load_external_data:
+        from onnx.external_data_helper import load_external_data_for_model
+        load_external_data_for_model(proto, str(p.parent))
     return proto
 
 
@@ -347,27 +315,56 @@ def initializer_bytes_by_block(model) -> dict[str, int]:
 class OnnxCausalLM:
     """Prefill + decode graphs in onnxruntime: greedy generation and logits for evaluation.
 
-    Static graphs (fixed sequence / past) are driven the way a device runtime drives them: the
-    prompt is right-padded to the graph's sequence length, the past is a fixed buffer whose unused
-    slots the attention mask hides.
+    A dynamic decode graph also runs prefill (past of length 0): then only that session is
+    created, and ``prefill`` is the same session. Static graphs (fixed sequence / past) are
+    driven the way a device runtime drives them: the prompt is right-padded to the graph's
+    sequence length, the past is a fixed buffer whose unused slots the attention mask hides.
+    ``accuracy_level`` runs the same files with every ``MatMulNBits`` at another accuracy level.
     """
 
     def __init__(self, prefill_path: str | Path, decode_path: str | Path | None = None, *,
-                 providers: Sequence[str] = ("CPUExecutionProvider",), threads: int | None = None):
-        import onnxruntime as ort
-        opts = ort.SessionOptions()
-        opts.log_severity_level = 3
-        if threads:
-            opts.intra_op_num_threads = threads
-        self.prefill = ort.InferenceSession(str(prefill_path), opts, providers=list(providers))
-        self.decode = ort.InferenceSession(str(decode_path), opts, providers=list(providers)) if decode_path else None
-        shape = {i.name: i.shape for i in self.prefill.get_inputs()}["input_ids"]
-        self.static_seq = shape[1] if isinstance(shape[1], int) else None
-        self.num_layers = (len(self.prefill.get_outputs()) - 1) // 2
-        self.static_past = None
+                 providers: Sequence[str] = ("CPUExecutionProvider",), threads: int | None = None,
+                 accuracy_level: int | None = None):
+        self.providers, self.threads, self.accuracy_level = list(providers), threads, accuracy_level
+        self.decode = self._session(decode_path) if decode_path else None
+        self.static_past = self.kv_shape = None
         if self.decode is not None:
             past = {i.name: i.shape for i in self.decode.get_inputs()}["past_key_values.0.key"]
             self.static_past = past[2] if isinstance(past[2], int) else None
+            self.kv_shape = (past[1], past[3])
+        self.serves_prefill = self.decode is not None and self.static_past is None
+        self.prefill = self.decode if self.serves_prefill else self._session(prefill_path)
+        shape = {i.name: i.shape for i in self.prefill.get_inputs()}["input_ids"]
+        self.static_seq = shape[1] if isinstance(shape[1], int) else None
+        self.num_layers = (len(self.prefill.get_outputs()) - 1) // 2
+        self.vocab = self.prefill.get_outputs()[0].shape[-1]
+
+    def _session(self, path: str | Path):
+        import onnxruntime as ort
+        opts = ort.SessionOptions()
+        opts.log_severity_level = 3
+        if self.threads:
+            opts.intra_op_num_threads = self.threads
+        if self.accuracy_level is None:
+            return ort.InferenceSession(str(path), opts, providers=self.providers)
+        import onnx
+        from onnx import helper
+        proto = onnx.load(str(path), load_external_data=False)
+        for node in proto.graph.node:
+            if node.op_type == "MatMulNBits":
+                kept = [a for a in node.attribute if a.name != "accuracy_level"]
+                del node.attribute[:]
+                node.attribute.extend(kept + [helper.make_attribute("accuracy_level", self.accuracy_level)])
+        opts.add_session_config_entry("session.model_external_initializers_file_folder_path", str(Path(path).parent))
+        return ort.InferenceSession(proto.SerializeToString(), opts, providers=self.providers)
+
+    def _empty_past(self, batch: int) -> dict[str, np.ndarray]:
+        """Zero-length past tensors, when the decode session also runs prefill."""
+        if not self.serves_prefill:
+            return {}
+        heads, dim = self.kv_shape
+        empty = np.zeros((batch, heads, 0, dim), np.float32)
+        return {name: empty for name in input_names(self.num_layers, True)[3:]}
 
     def logits(self, input_ids: np.ndarray) -> np.ndarray:
         """Logits [batch, seq, vocab] of the prefill graph for unpadded windows of equal length."""
@@ -384,7 +381,18 @@ class OnnxCausalLM:
         else:
             mask = np.ones_like(ids)
         pos = np.broadcast_to(np.arange(ids.shape[1], dtype=np.int64), ids.shape).copy()
-        out = self.prefill.run(["logits"], {"input_ids": ids, "attention_mask": mask, "position_ids": pos})[0]
+        feed = {"input_ids": ids, "attention_mask": mask, "position_ids": pos, **self._empty_past(b)}
+        if not isinstance(self.vocab, int):  # a graph from elsewhere with a symbolic vocabulary size
+            return self.prefill.run(["logits"], feed)[0][:, :n]
+        # onnxruntime writes the logits straight into this array: no arena copy of tokens x vocabulary kept
+        out = np.empty((b, ids.shape[1], self.vocab), np.float32)
+        binding = self.prefill.io_binding()
+        for name, value in feed.items():
+            binding.bind_cpu_input(name, value)
+        binding.bind_output("logits", "cpu", 0, np.float32, list(out.shape), out.ctypes.data)
+        for o in self.prefill.get_outputs()[1:]:
+            binding.bind_output(o.name, "cpu")
+        self.prefill.run_with_iobinding(binding)
         return out[:, :n]
 
     def run_prefill(self, prompt: Sequence[int]) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
@@ -404,7 +412,8 @@ class OnnxCausalLM:
                 raise ValueError(f"prompt of {n} tokens exceeds the static graph's sequence length {self.static_seq}")
             ids = np.pad(ids, ((0, 0), (0, self.static_seq - n)))
             mask = np.pad(mask, ((0, 0), (0, self.static_seq - n)))
-        return {"input_ids": ids, "attention_mask": mask, "position_ids": np.arange(ids.shape[1], dtype=np.int64)[None]}
+        return {"input_ids": ids, "attention_mask": mask, "position_ids": np.arange(ids.shape[1], dtype=np.int64)[None],
+                **self._empty_past(1)}
 
     def decode_feed(self, token: int, kv: list[np.ndarray], position: int) -> dict[str, np.ndarray]:
         """Inputs of the decode graph: one token, the compact KV cache padded to a static past if needed."""
@@ -467,20 +476,23 @@ class LogitsModule(nn.Module):
 
 
 @torch.inference_mode()
-def greedy_tokens_torch(model: nn.Module, prompt: Sequence[int], steps: int) -> list[int]:
-    """Greedy decoding in PyTorch with a KV cache: the reference for ``OnnxCausalLM.generate_greedy``."""
-    from transformers import DynamicCache
-    cache = DynamicCache()
-    ids = torch.tensor([list(prompt)])
-    out = model(input_ids=ids, past_key_values=cache, use_cache=True)
-    tokens = []
-    for _ in range(steps):
-        tok = int(out.logits[0, -1].argmax())
-        tokens.append(tok)
-        if len(tokens) == steps:
-            break
-        out = model(input_ids=torch.tensor([[tok]]), past_key_values=out.past_key_values, use_cache=True)
-    return tokens
+def greedy_agreement(model: nn.Module, prompt: Sequence[int], tokens: Sequence[int]) -> tuple[int, list[int]]:
+    """How many leading ``tokens`` (another runtime's greedy continuation of ``prompt``) ``model`` picks too.
+
+    One forward pass over ``prompt + tokens`` instead of a decode loop: greedy decoding agrees for
+    exactly as long as the model's argmax at each position is the next given token. Returns that
+    count and the model's own greedy tokens as far as they are determined (one past the first
+    disagreement).
+    """
+    tokens = [int(t) for t in tokens]
+    if not tokens:
+        return 0, []
+    ids = torch.tensor([list(prompt) + tokens[:-1]])
+    picks = model(input_ids=ids, use_cache=False).logits[0, len(prompt) - 1:].argmax(-1).tolist()
+    match = 0
+    while match < len(tokens) and picks[match] == tokens[match]:
+        match += 1
+    return match, picks[:match + 1]
 
 
 def _check_graphs(paths: Sequence[Path]) -> None:
@@ -499,31 +511,30 @@ def _parity(model: nn.Module, runner: OnnxCausalLM, prompt: list[int]) -> dict[s
     ref = model(input_ids=ids, past_key_values=DynamicCache(), use_cache=True)
     ref_kv = [t for layer in ref.past_key_values.layers for t in (layer.keys, layer.values)]
     _, logits, kv = runner.run_prefill(prompt)
-    diffs = {"prefill.logits": float(np.abs(logits - ref.logits.numpy()).max()),
-             "prefill.kv": max(float(np.abs(a - b.numpy()).max()) for a, b in zip(kv, ref_kv))}
+    diffs = {"prefill.logits": float(np.abs(logits - ref.logits.float().numpy()).max()),
+             "prefill.kv": max(float(np.abs(a - b.float().numpy()).max()) for a, b in zip(kv, ref_kv))}
     tok = int(ref.logits[0, -1].argmax())
     ref2 = model(input_ids=torch.tensor([[tok]]), past_key_values=ref.past_key_values, use_cache=True)
     ref2_kv = [t for layer in ref2.past_key_values.layers for t in (layer.keys, layer.values)]
     last, kv2, _ = runner.run_decode(tok, kv, len(prompt))
-    diffs["decode.logits"] = float(np.abs(last - ref2.logits[0, -1].numpy()).max())
-    diffs["decode.kv"] = max(float(np.abs(a - b.numpy()).max()) for a, b in zip(kv2, ref2_kv))
+    diffs["decode.logits"] = float(np.abs(last - ref2.logits[0, -1].float().numpy()).max())
+    diffs["decode.kv"] = max(float(np.abs(a - b.float().numpy()).max()) for a, b in zip(kv2, ref2_kv))
     return diffs
 
 
 def export_onnx(lm, out_dir: str | Path, *, static: tuple[int, int] | None = None, opset: int = DEFAULT_OPSET,
                 check: bool = True, greedy_steps: int = 32, prompt: str | Sequence[int] | None = None,
-                progress: Callable[[str], None] | None = None) -> ExportResult:
+                progress: Callable[[str], None] | None = None, inline_limit: int | None = None) -> ExportResult:
     """Export ``lm`` (a ``LoadedModel``) to ``out_dir/prefill.onnx`` and ``out_dir/decode.onnx``.
 
     ``static=(seq, past)`` fixes every shape (batch 1): the prefill graph takes ``seq`` tokens, the
-    decode graph one token and a past of ``past`` positions. With ``check`` the graphs are verified:
-    onnx checker and strict shape inference, onnxruntime vs PyTorch on logits and KV, and greedy
-    decoding for ``greedy_steps`` tokens through prefill + decode.
+    decode graph one token and a past of ``past`` positions. Weights above ``inline_limit`` bytes
+    (default ``INLINE_LIMIT``) go to one shared ``weights.data``. With ``check`` the graphs are
+    verified: onnx checker and strict shape inference, onnxruntime vs PyTorch on logits and KV, and
+    greedy decoding for ``greedy_steps`` tokens through prefill + decode.
     """
     log = progress or (lambda msg: None)
     model = lm.model
-    if next(model.parameters()).dtype != torch.float32:
-        raise ModelLoadError("export needs a float32 model: load it with load_model(path, dtype='float32')")
     if opset < 17:
         raise ValueError(f"opset {opset} is too old; use 17 or newer")
     if static is not None:
@@ -535,43 +546,24 @@ def export_onnx(lm, out_dir: str | Path, *, static: tuple[int, int] | None = Non
             raise ValueError(f"static past {past} + 1 exceeds the model's max_position_embeddings ({max_pos})")
         static = (seq, past)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    n_layers, kv_heads, head_dim = _kv_geometry(model.config)
-    wrapper = _KVCacheWrapper(model, n_layers).eval()
     t0 = time.perf_counter()
-    prefill_path, decode_path = out / PREFILL_FILE, out / DECODE_FILE
-    with _eager_attention(model), _single_thread(), torch.inference_mode(False), torch.no_grad():
-        seq, past = static or (8, 4)
-        ids = torch.zeros((1, seq), dtype=torch.long)
-        log(f"exporting prefill graph ({'sequence ' + str(seq) if static else 'dynamic shapes'})")
-        _export_one(wrapper, prefill_path.with_suffix(".tmp"), (ids, torch.ones_like(ids), torch.arange(seq)[None]),
-                    False, static is not None, opset)
-        dseq = 1 if static else 2
-        past_kv = [torch.zeros((1, kv_heads, past, head_dim)) for _ in range(2 * n_layers)]
-        ids = torch.zeros((1, dseq), dtype=torch.long)
-        log("exporting decode graph")
-        _export_one(wrapper, decode_path.with_suffix(".tmp"),
-                    (ids, torch.ones((1, past + dseq), dtype=torch.long), torch.arange(past, past + dseq)[None],
-                     *past_kv), True, static is not None, opset)
-    names, layouts = {}, {}
-    for tmp, final in ((prefill_path.with_suffix(".tmp"), prefill_path), (decode_path.with_suffix(".tmp"), decode_path)):
-        if static:
-            fold_constants(tmp)
-        graph_names, layouts = _name_weights(tmp, model, lm.layers)
-        if names and graph_names != names:
-            raise RuntimeError("prefill and decode graphs named the layer weights differently")
-        names = graph_names
-        tmp.replace(final)
-    export_seconds = time.perf_counter() - t0
+    log(f"building prefill and decode graphs ({'static ' + str(static) if static else 'dynamic shapes'})")
+    built = build_graphs(model, out, static=static, opset=opset, inline_limit=inline_limit, progress=progress is not None)
+    missing = [info.name for info in lm.layers if info.name not in built.weight_names]
+    if missing:
+        raise RuntimeError(f"the graphs hold no weight for {', '.join(missing[:3])}: the model has layers the export "
+                           "does not know")
+    names = {info.name: built.weight_names[info.name] for info in lm.layers}
+    layouts = {info.name: built.weight_layouts[info.name] for info in lm.layers}
     atomic_write_json(out / "weight_names.json", {"weight_names": names, "weight_layouts": layouts})
-    result = ExportResult(prefill_path, decode_path, names, layouts, None, None, greedy_steps, static, opset, n_layers,
-                          export_seconds, 0.0)
+    result = ExportResult(built.prefill_path, built.decode_path, names, layouts, None, None, greedy_steps, static, opset,
+                          len(model.model.layers), time.perf_counter() - t0, 0.0, data_path=built.data_path)
     if not check:
         return result
     t1 = time.perf_counter()
     log("checking: onnx checker and shape inference")
-    _check_graphs(result.files)
-    runner = OnnxCausalLM(prefill_path, decode_path, threads=1)
+    _check_graphs([result.prefill_path, result.decode_path])
+    runner = OnnxCausalLM(result.prefill_path, result.decode_path, threads=1)
     tokens = _prompt_tokens(lm, prompt)
     if static:
         tokens = tokens[:max(1, min(static[0], static[1] - greedy_steps))]
@@ -581,13 +573,7 @@ def export_onnx(lm, out_dir: str | Path, *, static: tuple[int, int] | None = Non
         result.max_abs_diff = max(result.diffs.values())
         log(f"checking: greedy decoding for {greedy_steps} steps")
         result.onnx_tokens = runner.generate_greedy(tokens, greedy_steps)
-        result.torch_tokens = greedy_tokens_torch(model, tokens, greedy_steps)
-    match = 0
-    for a, b in zip(result.onnx_tokens, result.torch_tokens):
-        if a != b:
-            break
-        match += 1
-    result.greedy_match_steps = match
+        result.greedy_match_steps, result.torch_tokens = greedy_agreement(model, tokens, result.onnx_tokens)
     result.check_seconds = time.perf_counter() - t1
     return result
 

@@ -122,7 +122,7 @@ def profile_runtime(name: str, prefill: str | Path, decode: str | Path | None = 
     prefill, decode = Path(prefill), Path(decode) if decode else None
     if repeats < 1 or decode_steps < 1 or not prompt_lengths or min(prompt_lengths) < 1:
         raise WorkbenchError("profile: repeats, decode_steps and every prompt length must be at least 1")
-    files = _files_of(prefill) + (_files_of(decode) if decode else [])
+    files = list(dict.fromkeys(_files_of(prefill) + (_files_of(decode) if decode else [])))  # shared data once
     before = settled_rss_mb()
     reset = reset_peak_rss()
     t = time.perf_counter()

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import WorkbenchError
-from ..graph import OpCount, fold_constants, initializer_bytes, load_onnx, operator_inventory
+from ..graph import SHAPE_OPS, OpCount, fold_constants, initializer_bytes, load_onnx, operator_inventory
 from ..models import ASSETS_DIR
 
 __all__ = ["RULES_DIR", "Finding", "GraphReport", "load_rules", "inspect_graph", "graph_is_static",
@@ -111,9 +111,10 @@ def _dynamic_dims(vi) -> list[str]:
 def _constant_values(proto) -> dict[str, np.ndarray]:
     """Initializers and Constant-node outputs small enough to read (scalars and short vectors)."""
     from onnx import numpy_helper
+    from onnx.external_data_helper import uses_external_data
     out = {}
     for init in proto.graph.initializer:
-        if int(np.prod(init.dims or [1])) <= 16:
+        if int(np.prod(init.dims or [1])) <= 16 and not uses_external_data(init):
             out[init.name] = numpy_helper.to_array(init)
     for node in proto.graph.node:
         if node.op_type == "Constant":
@@ -289,22 +290,29 @@ def _check_memory(total: int, rules: dict) -> list[Finding]:
 
 
 def inspect_graph(path: str | Path, target: str, *, fold: bool = True) -> GraphReport:
-    """Check an ONNX graph against ``target``'s rules; each finding names its nodes and the fix."""
+    """Check an ONNX graph against ``target``'s rules; each finding names its nodes and the fix.
+
+    Weights in external data are never read: the checks need shapes and small constants. A static
+    graph with run-time shape arithmetic is constant-folded first (as converters do); one without
+    (what ``workbench export --static`` writes) is already folded.
+    """
     rules = load_rules(target)
     p = Path(path)
     proto = load_onnx(p)
     static = graph_is_static(proto)
     folded = False
     if static and fold:
-        with tempfile.TemporaryDirectory() as tmp:
-            try:
-                out = fold_constants(p, Path(tmp) / "folded.onnx")
-                proto = load_onnx(out)
-                folded = True
-            except WorkbenchError:
-                raise
-            except Exception:  # a graph onnxruntime itself cannot load is still inspected as written
-                pass
+        if not any(n.op_type in SHAPE_OPS for n in proto.graph.node):
+            folded = True
+        else:
+            with tempfile.TemporaryDirectory() as tmp:
+                try:
+                    proto = load_onnx(fold_constants(p, Path(tmp) / "folded.onnx"))
+                    folded = True
+                except WorkbenchError:
+                    raise
+                except Exception:  # a graph onnxruntime itself cannot load is still inspected as written
+                    pass
     sizes = initializer_bytes(proto)
     total = sum(sizes.values())
     findings = (_check_ops(proto, rules, static) + _check_dynamic(proto, rules) + _check_int64(proto, rules) +

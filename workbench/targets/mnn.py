@@ -46,10 +46,15 @@ def mnn_command_line(onnx_path: str | Path, mnn_path: str | Path, weight_bits: i
 
 
 def keep_matmul_weights_float(onnx_path: str | Path, out_path: str | Path, initializers: list[str]) -> list[str]:
-    """Reshape the named 2-D MatMul weights to ``[1, K, N]`` so ``--weightQuantBits`` leaves them in float."""
+    """Reshape the named 2-D MatMul weights to ``[1, K, N]`` so ``--weightQuantBits`` leaves them in float.
+
+    Weights in external data keep their bytes (the shape is all that changes), so ``out_path`` must sit
+    in the same folder as ``onnx_path`` to find them.
+    """
     import onnx
     from onnx import numpy_helper
-    proto = onnx.load(str(onnx_path))
+    from onnx.external_data_helper import uses_external_data
+    proto = onnx.load(str(onnx_path), load_external_data=False)
     wanted = set(initializers)
     users: dict[str, list] = {}
     for node in proto.graph.node:
@@ -60,10 +65,14 @@ def keep_matmul_weights_float(onnx_path: str | Path, out_path: str | Path, initi
     for init in proto.graph.initializer:
         if init.name in wanted and len(init.dims) == 2 and all(n.op_type == "MatMul" and i == 1
                                                                 for n, i in users.get(init.name, [])):
-            arr = numpy_helper.to_array(init)
-            init.CopyFrom(numpy_helper.from_array(arr[None], init.name))
+            if uses_external_data(init):
+                dims = list(init.dims)
+                del init.dims[:]
+                init.dims.extend([1] + dims)
+            else:
+                init.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(init)[None], init.name))
             kept.append(init.name)
-    onnx.save(proto, str(out_path))
+    Path(out_path).write_bytes(proto.SerializeToString())
     return kept
 
 

@@ -2,16 +2,20 @@
 
     qdq = quantize_qdq("onnx/prefill.onnx", "ort-qdq/prefill.qdq.onnx", feeds, activation_bits=16,
                        weight_bits_by_initializer={"lm_head.weight.T": 16})
-    int4 = build_matmulnbits_onnx("onnx/prefill.onnx", "ort-int4/prefill.onnx", qm, export.weight_names,
-                                  export.weight_layouts, accuracy_level=4)
+    int4 = build_nbits_onnx(sim_model, "ort-int4", qm.precisions, accuracy_level=4)
 
-``build_matmulnbits_onnx`` writes the integer codes, scales and zero points of the workbench's
-``QuantizedModel`` into ``MatMulNBits`` nodes unchanged (no second quantization): the ONNX model
-computes what the simulation computes, up to kernel arithmetic. ``accuracy_level`` 4 lets the
-kernel quantize activations to int8 (faster decode on AVX2/NEON, small extra error); 0 keeps them
-float. The causal-mask fix for QDQ: the mask is built from float32's minimum, which min/max
-calibration turns into a scale of ~1e34 that wipes out attention; the mask tensors are pinned
-to [-MASK_RANGE, MASK_RANGE] instead.
+``build_nbits_onnx`` builds the graphs straight from the workbench's simulation of a plan
+(``QuantizedModel.build_model()``): integer layers become ``MatMulNBits`` and an integer embedding
+``GatherBlockQuantized``, carrying the codes, scales and zero points unchanged (no second
+quantization), so the ONNX model computes what the simulation computes, up to kernel arithmetic.
+A tied ``lm_head`` reads the embedding's bytes (written once). Layers the plan keeps in float16 are
+stored as float16 (onnxruntime's CPU widens them when it loads the model). ``accuracy_level`` 4
+lets the kernel quantize activations to int8 (faster decode on AVX2/NEON, small extra error); 0
+keeps them float.
+
+The causal-mask fix for QDQ: the mask is built from float32's minimum, which min/max calibration
+turns into a scale of ~1e34 that wipes out attention; the mask tensors are pinned to
+[-MASK_RANGE, MASK_RANGE] instead.
 """
 from __future__ import annotations
 
@@ -21,7 +25,9 @@ from typing import Iterable, Mapping
 
 import numpy as np
 
-__all__ = ["MASK_RANGE", "Int4Build", "causal_mask_tensors", "quantize_qdq", "build_matmulnbits_onnx",
+from ..graph_build import FloatWeights, GraphBuilder, as_array
+
+__all__ = ["MASK_RANGE", "Int4Build", "NBitsWeights", "causal_mask_tensors", "quantize_qdq", "build_nbits_onnx",
            "matmulnbits_block_size", "ACCURACY_LEVELS"]
 
 MASK_RANGE = 100.0  # exp(-100) is 0 in every float format: masked keys stay masked, real scores keep their resolution
@@ -31,9 +37,10 @@ ACCURACY_LEVELS = {0: "unset (float activations)", 1: "fp32", 2: "fp16", 3: "bf1
 def causal_mask_tensors(proto, threshold: float = -1e30) -> list[str]:
     """Float tensors downstream of a huge negative constant, up to (not past) the Softmax that consumes them."""
     from onnx import numpy_helper
+    from onnx.external_data_helper import uses_external_data
     seeds = set()
     for init in proto.graph.initializer:
-        if init.data_type in (1, 10, 16) and int(np.prod(init.dims or [1])) <= 16:
+        if init.data_type in (1, 10, 16) and int(np.prod(init.dims or [1])) <= 16 and not uses_external_data(init):
             if float(numpy_helper.to_array(init).min(initial=0)) <= threshold:
                 seeds.add(init.name)
     for node in proto.graph.node:
@@ -73,7 +80,10 @@ def quantize_qdq(float_onnx: str | Path, out_path: str | Path, feeds: Iterable[M
 
     Activations get ``activation_bits`` (16 or 8, unsigned, as HTP wants); weights 8 bit unless
     ``weight_bits_by_initializer`` names another width (16 for layers the plan keeps in float).
+    A graph with external data gives a QDQ graph with external data (``<out_path>.data``).
     """
+    import shutil
+
     import onnx
     from onnxruntime.quantization import QuantType, quantize
     from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
@@ -81,8 +91,7 @@ def quantize_qdq(float_onnx: str | Path, out_path: str | Path, feeds: Iterable[M
     if activation_bits not in (8, 16):
         raise ValueError(f"activation_bits must be 8 or 16, got {activation_bits}")
     types = {8: QuantType.QUInt8, 16: QuantType.QUInt16}
-    proto = onnx.load(str(float_onnx))
-    mask = causal_mask_tensors(proto)
+    mask = causal_mask_tensors(onnx.load(str(float_onnx), load_external_data=False))
     overrides: dict[str, list[dict]] = {t: [{"rmin": np.array(-mask_range, np.float32),
                                              "rmax": np.array(mask_range, np.float32)}] for t in mask}
     for name, bits in (weight_bits_by_initializer or {}).items():
@@ -90,14 +99,19 @@ def quantize_qdq(float_onnx: str | Path, out_path: str | Path, feeds: Iterable[M
             raise ValueError(f"weight bits for '{name}' must be 8 or 16, got {bits}")
         if bits != 8:
             overrides[name] = [{"quant_type": types[bits]}]
-    config = get_qnn_qdq_config(proto, _FeedReader(feeds), activation_type=types[activation_bits],
+    config = get_qnn_qdq_config(str(float_onnx), _FeedReader(feeds), activation_type=types[activation_bits],
                                 weight_type=QuantType.QUInt8, per_channel=per_channel,
                                 init_overrides=overrides or None)
     out_path = Path(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_path.with_name(out_path.name + ".partial")
-    quantize(proto, tmp, config)
-    tmp.replace(out_path)
+    partial = out_path.parent / f".{out_path.name}.partial"  # graph and its data file named as they will stay
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    try:
+        quantize(str(float_onnx), partial / out_path.name, config)
+        for f in sorted(partial.iterdir(), key=lambda f: f.suffix == ".onnx"):  # the graph last
+            f.replace(out_path.parent / f.name)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
     return {"mask_tensors": mask, "mask_range": mask_range, "activation_bits": activation_bits,
             "weight_overrides": {k: v for k, v in (weight_bits_by_initializer or {}).items() if v != 8},
             "per_channel": per_channel}
@@ -111,11 +125,12 @@ def matmulnbits_block_size(group_size: int) -> int | None:
 
 @dataclass
 class Int4Build:
-    """What ``build_matmulnbits_onnx`` replaced and what it had to leave as dequantized float."""
+    """What ``build_nbits_onnx`` wrote, which layers became integer ops, and which could not."""
 
-    path: Path
-    replaced: dict[str, str] = field(default_factory=dict)  # layer FQN -> MatMulNBits node name
-    kept_float: dict[str, str] = field(default_factory=dict)  # layer FQN -> why (e.g. an embedding Gather)
+    path: Path  # the prefill graph
+    graphs: object = None  # graph_build.BuiltGraphs: both graphs and the shared data file
+    replaced: dict[str, str] = field(default_factory=dict)  # layer FQN -> MatMulNBits / GatherBlockQuantized node
+    kept_float: dict[str, str] = field(default_factory=dict)  # layer FQN -> why it stayed float (and at what width)
     accuracy_level: int = 0
 
 
@@ -140,74 +155,126 @@ def _nbits_tensors(qw, block: int):
     return b.numpy(), scales.numpy().astype(np.float32), None if zeros is None else zeros.numpy()
 
 
-def build_matmulnbits_onnx(float_onnx: str | Path, out_path: str | Path, qm, weight_names: Mapping[str, str],
-                           weight_layouts: Mapping[str, str], *, accuracy_level: int = 0) -> Int4Build:
-    """Replace each quantized layer's MatMul with ``MatMulNBits`` carrying the workbench's own codes and scales.
+def _written() -> np.ndarray:
+    raise AssertionError("tensor expected in the store already")
 
-    ``float_onnx`` must be exported from the simulation (``qm.apply_``), so layers that stay float
-    (or that MatMulNBits cannot express) already hold exactly the simulated values.
+
+class NBitsWeights(FloatWeights):
+    """The plan's integers as ``MatMulNBits`` / ``GatherBlockQuantized``; float16 layers stored as float16.
+
+    Reads modules of the simulation: a module with a ``quantized`` QuantizedWeight is an integer
+    layer. Codes are written once per tensor: a tied ``lm_head`` aliases the embedding's bytes.
     """
-    import onnx
-    from onnx import helper, numpy_helper
 
-    if accuracy_level not in ACCURACY_LEVELS:
-        raise ValueError(f"accuracy_level must be one of {sorted(ACCURACY_LEVELS)}, got {accuracy_level}")
-    proto = onnx.load(str(float_onnx))
-    graph = proto.graph
-    build = Int4Build(Path(out_path), accuracy_level=accuracy_level)
-    consumers: dict[str, list] = {}
-    for node in graph.node:
-        for x in node.input:
-            consumers.setdefault(x, []).append(node)
-    new_nodes: dict[int, object] = {}
-    new_inits, drop_inits = [], set()
-    done_weights: dict[str, tuple[str, str, str | None]] = {}
-    for fqn, qw in qm.weights.items():
-        init_name = weight_names.get(fqn)
-        if init_name is None:
-            build.kept_float[fqn] = "no initializer recorded for this layer"
-            continue
-        if weight_layouts.get(fqn) != "in_out":
-            build.kept_float[fqn] = "weight is read by a Gather (embedding lookup), not a MatMul: kept as dequantized float"
-            continue
-        users = consumers.get(init_name, [])
-        if not users or any(u.op_type != "MatMul" or u.input[1] != init_name for u in users):
-            build.kept_float[fqn] = "weight feeds something other than MatMul's B input: kept as dequantized float"
-            continue
+    def __init__(self, precisions: Mapping[str, str | None], accuracy_level: int = 0):
+        super().__init__()
+        if accuracy_level not in ACCURACY_LEVELS:
+            raise ValueError(f"accuracy_level must be one of {sorted(ACCURACY_LEVELS)}, got {accuracy_level}")
+        self.precisions, self.accuracy_level = dict(precisions), accuracy_level
+        self.replaced: dict[str, str] = {}
+        self._codes: dict[int, tuple[str, str, str | None]] = {}  # id(codes tensor) -> (qweight, scales, zeros)
+
+    def _half(self, fqn: str) -> bool:
+        from ..plan import get_precision
+        p = get_precision(self.precisions.get(fqn)) if self.precisions.get(fqn) else None
+        return p is not None and p.is_float and p.bits == 16
+
+    def _block(self, fqn: str, qw) -> int | None:
         block = matmulnbits_block_size(qw.effective_group_size)
         if block is None:
-            build.kept_float[fqn] = (f"group size {qw.effective_group_size} has no power-of-two block >= 16: kept as "
-                                     "dequantized float")
-            continue
+            self.notes[fqn] = (f"group size {qw.effective_group_size} has no power-of-two block >= 16, which "
+                               "onnxruntime's integer ops need: kept as dequantized float32")
+        return block
+
+    def _tensors(self, g: GraphBuilder, qw, fqn: str, block: int, kind: str) -> tuple[str, str, str | None]:
+        """Initializer names of codes, scales, zeros, shaped for ``kind`` ("matmul" or "gather"); written once."""
         n, k = qw.shape
-        if init_name not in done_weights:
-            b, scales, zeros = _nbits_tensors(qw, block)
-            base = init_name[:-2] if init_name.endswith(".T") else init_name
-            names = (f"{base}.qweight", f"{base}.scales", f"{base}.zeros" if zeros is not None else None)
-            new_inits += [numpy_helper.from_array(b, names[0]), numpy_helper.from_array(scales, names[1])]
-            if zeros is not None:
-                new_inits.append(numpy_helper.from_array(zeros, names[2]))
-            done_weights[init_name] = names
-            drop_inits.add(init_name)
-        qname, sname, zname = done_weights[init_name]
-        for u in users:
-            inputs = [u.input[0], qname, sname] + ([zname] if zname else [])
-            node = helper.make_node("MatMulNBits", inputs, list(u.output), name=f"{u.name or fqn}/MatMulNBits",
-                                    domain="com.microsoft", K=k, N=n, bits=qw.bits, block_size=block,
-                                    accuracy_level=accuracy_level)
-            new_nodes[id(u)] = node
-            build.replaced[fqn] = node.name
-    rebuilt = [new_nodes.get(id(node), node) for node in graph.node]
-    del graph.node[:]
-    graph.node.extend(rebuilt)
-    kept = [i for i in graph.initializer if i.name not in drop_inits]
-    del graph.initializer[:]
-    graph.initializer.extend(kept + new_inits)
-    if not any(o.domain == "com.microsoft" for o in proto.opset_import):
-        proto.opset_import.append(helper.make_opsetid("com.microsoft", 1))
-    out = Path(out_path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".partial")
-    onnx.save(proto, str(tmp))
-    tmp.replace(out)
-    return build
+        shapes = {"matmul": ([n, k // block, block * qw.bits // 8], [n, k // block]),
+                  "gather": ([n, k * qw.bits // 8], [n, k // block])}[kind]
+        names = (f"{fqn}.weight.qweight", f"{fqn}.weight.scales", f"{fqn}.weight.zeros" if qw.zeros is not None else None)
+        first = self._codes.get(id(qw.qweight))
+        if first is None:
+            arrays: dict[int, np.ndarray] = {}
+
+            def part(i: int) -> np.ndarray:
+                if not arrays:
+                    arrays.update(enumerate(_nbits_tensors(qw, block)))
+                return arrays.pop(i).reshape(shapes[0]) if i == 0 else arrays.pop(i)
+            for i, name in enumerate(names):
+                if name:
+                    g.weight(name, lambda i=i: part(i))
+            self._codes[id(qw.qweight)] = names
+            return names
+        for name in first:  # already written (by the other graph, or by the layer these codes are tied to)
+            if name:
+                g.weight(name, _written)
+        if first[0] == names[0]:
+            return first
+        return (g.alias(names[0], first[0], shapes[0]), first[1], first[2])  # same bytes, this op's shape
+
+    def linear(self, g: GraphBuilder, module, fqn: str, x: str) -> str:
+        from onnx import TensorProto
+        qw = getattr(module, "quantized", None)
+        if qw is not None and self._block(fqn, qw):
+            block = matmulnbits_block_size(qw.effective_group_size)
+            qweight, scales, zeros = self._tensors(g, qw, fqn, block, "matmul")
+            n, k = qw.shape
+            name = f"/{fqn}/MatMulNBits"
+            y = g.op("MatMulNBits", [x, qweight, scales] + ([zeros] if zeros else []), domain="com.microsoft",
+                     name=name, K=k, N=n, bits=qw.bits, block_size=block, accuracy_level=self.accuracy_level)
+            self.record(fqn, qweight, "nbits")
+            self.replaced[fqn] = name
+            return self.bias(g, module, fqn, y)
+        if qw is None and self._half(fqn):
+            w = g.weight(f"{fqn}.weight.T", lambda: as_array(module.weight.T, np.float16))
+            self.record(fqn, w, "in_out")
+            y = g.op("MatMul", [x, g.op("Cast", [w], to=TensorProto.FLOAT)], name=f"/{fqn}/MatMul")
+            return self.bias(g, module, fqn, y)
+        return super().linear(g, module, fqn, x)
+
+    def embedding(self, g: GraphBuilder, module, fqn: str, ids: str) -> str:
+        from onnx import TensorProto
+        qw = getattr(module, "quantized", None)
+        if qw is not None and self._block(fqn, qw):
+            block = matmulnbits_block_size(qw.effective_group_size)
+            qweight, scales, zeros = self._tensors(g, qw, fqn, block, "gather")
+            name = f"/{fqn}/GatherBlockQuantized"
+            self.record(fqn, qweight, "nbits")
+            self.replaced[fqn] = name
+            return g.op("GatherBlockQuantized", [qweight, ids, scales] + ([zeros] if zeros else []),
+                        domain="com.microsoft", name=name, gather_axis=0, quantize_axis=1, block_size=block,
+                        bits=qw.bits)
+        if qw is None and self._half(fqn):
+            w = g.weight(f"{fqn}.weight", lambda: as_array(module.weight, np.float16))
+            self.record(fqn, w, "out_in")
+            return g.op("Cast", [g.op("Gather", [w, ids], axis=0, name=f"/{fqn}/Gather")], to=TensorProto.FLOAT)
+        return super().embedding(g, module, fqn, ids)
+
+    def lm_head(self, g: GraphBuilder, module, fqn: str, x: str, embedding) -> str:
+        """A tied float16 head reads the embedding's float16 table (transposed and widened when loaded)."""
+        from onnx import TensorProto
+        tied = getattr(module, "weight", None) is not None and module.weight is getattr(embedding, "weight", None)
+        if getattr(module, "quantized", None) is None and tied and self._half(fqn) and \
+                self.weight_names.get("model.embed_tokens") == "model.embed_tokens.weight":
+            table = self.weight_names["model.embed_tokens"]
+            self.record(fqn, table, "out_in")
+            w = g.op("Cast", [g.op("Transpose", [table], perm=[1, 0])], to=TensorProto.FLOAT)
+            return self.bias(g, module, fqn, g.op("MatMul", [x, w], name=f"/{fqn}/MatMul"))
+        return self.linear(g, module, fqn, x)
+
+
+def build_nbits_onnx(sim_model, out_dir: str | Path, precisions: Mapping[str, str | None], *,
+                     accuracy_level: int = 0, inline_limit: int | None = None, progress: bool = False) -> Int4Build:
+    """Prefill and decode graphs of ``sim_model`` (a plan's simulation) with its integers in ONNX Runtime ops.
+
+    ``precisions`` maps layer names to the plan's precision (``QuantizedModel.precisions``): float16
+    layers are stored as float16. What could not be expressed is listed in ``kept_float``.
+    """
+    from ..graph_build import build_graphs
+    policy = NBitsWeights(precisions, accuracy_level)
+    built = build_graphs(sim_model, out_dir, policy=policy, progress=progress, inline_limit=inline_limit)
+    kept = dict(policy.notes)
+    for fqn, prec in precisions.items():
+        if fqn not in policy.replaced and fqn not in kept and prec and prec.startswith("int"):
+            kept[fqn] = f"{prec} in the plan, but the layer reached the graph as float"
+    return Int4Build(built.prefill_path, built, dict(policy.replaced), kept, accuracy_level)
