@@ -4,7 +4,9 @@
     for layer in lm.layers: print(layer.name, layer.shape, layer.bytes_at("int4"))
 
 Never downloads, never runs remote code unless the caller opts in (``trust_remote_code``), prefers
-safetensors and loads pickled weights only with ``weights_only=True``.
+safetensors and loads pickled weights only with ``weights_only=True``. A directory written by
+``workbench quantize`` loads as the quantized model (``lm.quantized`` holds its QuantizedModel), and
+weights that do not cover the model exactly are refused, never initialised at random.
 """
 from __future__ import annotations
 
@@ -22,7 +24,8 @@ from .errors import ModelLoadError
 from .plan import DEFAULT_GROUP_SIZE, get_precision
 
 __all__ = ["DEMO_MODEL_DIR", "ASSETS_DIR", "LayerInfo", "LoadedModel", "resolve_model_path", "load_model",
-           "quantizable_layers", "check_safetensors_file", "demo_text_path"]
+           "quantizable_layers", "check_safetensors_file", "demo_text_path", "is_quantized_dir",
+           "weights_mismatch_error"]
 
 ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
 DEMO_MODEL_DIR = ASSETS_DIR / "demo-model"
@@ -86,28 +89,38 @@ class LayerInfo:
 
 
 def quantizable_layers(model: nn.Module) -> list[LayerInfo]:
-    """Every ``nn.Linear`` and ``nn.Embedding`` in module order, with tied weights marked."""
+    """Every linear and embedding layer in module order, with tied weights marked.
+
+    ``QuantLinear`` / ``QuantEmbedding`` (integer layers computing from their codes) count as the
+    layers they replace, with the shape of their codes, so a loaded quantized model lists them too.
+    """
+    from .quantize.layers import QuantEmbedding, QuantLinear
     out: list[LayerInfo] = []
     seen: dict[int, str] = {}
     for name, mod in model.named_modules():
-        if isinstance(mod, (nn.Linear, nn.Embedding)):
-            w = mod.weight
+        if isinstance(mod, (nn.Linear, nn.Embedding, QuantLinear, QuantEmbedding)):
+            w = mod.qweight if isinstance(mod, (QuantLinear, QuantEmbedding)) else mod.weight
             tied = seen.get(id(w))
             seen.setdefault(id(w), name)
-            kind = "embedding" if isinstance(mod, nn.Embedding) else "linear"
+            kind = "embedding" if isinstance(mod, (nn.Embedding, QuantEmbedding)) else "linear"
             out.append(LayerInfo(name, kind, (int(w.shape[0]), int(w.shape[1])), tied))
     return out
 
 
 @dataclass
 class LoadedModel:
-    """A model, its tokenizer and where they came from."""
+    """A model, its tokenizer and where they came from.
+
+    ``quantized`` is the QuantizedModel behind a model loaded from a ``workbench quantize`` directory
+    (its integer layers compute from their codes); None for a float model.
+    """
 
     model: nn.Module
     tokenizer: object
     path: Path
     name: str
     layers: list[LayerInfo] = field(default_factory=list)
+    quantized: object = field(default=None, repr=False)
 
     @property
     def config(self):
@@ -115,7 +128,12 @@ class LoadedModel:
 
     @property
     def parameters(self) -> int:
-        return sum(p.numel() for p in {id(p): p for p in self.model.parameters()}.values())
+        """Weights of the network, an integer layer counted as its codes (tied weights once)."""
+        from .quantize.layers import QuantEmbedding, QuantLinear
+        tensors = {id(p): p for p in self.model.parameters()}
+        tensors.update({id(m.qweight): m.qweight for m in self.model.modules()
+                        if isinstance(m, (QuantLinear, QuantEmbedding))})
+        return sum(t.numel() for t in tensors.values())
 
     def layer(self, name: str) -> LayerInfo:
         for info in self.layers:
@@ -170,6 +188,38 @@ def check_safetensors_file(path: Path) -> None:
                              f"the file has {size:,}; re-copy it")
 
 
+def is_quantized_dir(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a directory written by ``workbench quantize`` (``QuantizedModel.save``)."""
+    meta = resolve_model_path(path) / "quantization.json"
+    if not meta.is_file():
+        return False
+    try:
+        return json.loads(meta.read_text(encoding="utf-8")).get("format") == "workbench-quantized"
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        return False
+
+
+def weights_mismatch_error(where, missing=(), unexpected=(), mismatched=()) -> ModelLoadError:
+    """One line naming the tensors that keep a directory's weights from covering its model exactly.
+
+    ``mismatched`` holds ``(name, shape in the file, shape in the model)``.
+    """
+    def names(kind: str, items: list[str]) -> str:
+        more = f" and {len(items) - 3} more" if len(items) > 3 else ""
+        return f"{len(items)} {kind} ({', '.join(items[:3])}{more})"
+    missing, unexpected, mismatched = sorted(missing), sorted(unexpected), sorted(mismatched)
+    parts = []
+    if missing:
+        parts.append(names("missing", missing))
+    if unexpected:
+        parts.append(names("unexpected", unexpected))
+    if mismatched:
+        parts.append(names("with another shape", [f"{n} {list(a)} vs {list(b)}" for n, a, b in mismatched]))
+    return ModelLoadError(f"the weights in '{where}' do not match the model its config.json describes: "
+                          f"{'; '.join(parts)} tensors; fix config.json or the weights files (nothing is "
+                          "initialised at random)")
+
+
 def _check_directory(path: Path, name: str) -> dict:
     if not path.exists():
         hint = " (the bundled demo model is missing: run scripts/build_demo_model.py)" if name == "demo" else \
@@ -201,6 +251,16 @@ def _stored_dtype(raw_cfg: dict) -> torch.dtype:
     return dt if isinstance(dt, torch.dtype) and dt.is_floating_point else torch.float32
 
 
+def resolve_dtype(dtype: str | torch.dtype, raw_cfg: dict) -> torch.dtype:
+    """``auto`` is the dtype the checkpoint is stored in; else a torch dtype or its name."""
+    if dtype == "auto":
+        return _stored_dtype(raw_cfg)
+    torch_dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+    if not isinstance(torch_dtype, torch.dtype) or not torch_dtype.is_floating_point:
+        raise ModelLoadError(f"unknown dtype '{dtype}'; use auto, float32, float16 or bfloat16")
+    return torch_dtype
+
+
 def load_model(path: str | os.PathLike = "demo", *, dtype: str | torch.dtype = "auto", device: str = "cpu",
                trust_remote_code: bool = False, load_tokenizer: bool = True,
                float32_compute: bool = True) -> LoadedModel:
@@ -210,7 +270,7 @@ def load_model(path: str | os.PathLike = "demo", *, dtype: str | torch.dtype = "
     checkpoints: half the memory of float32); ``float32_compute`` then widens each block to float32
     only while it runs (``workbench.compute``), so figures are float32 figures.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     from transformers.utils import logging as hf_logging
 
@@ -219,6 +279,12 @@ def load_model(path: str | os.PathLike = "demo", *, dtype: str | torch.dtype = "
 
     name = str(path)
     p = resolve_model_path(path)
+    if is_quantized_dir(p):
+        from .quantize.io import load_quantized
+        lm, _ = load_quantized(p, dtype=dtype, device=device, trust_remote_code=trust_remote_code,
+                               load_tokenizer=load_tokenizer, require_tokenizer=True, float32_compute=float32_compute)
+        lm.name = name
+        return lm
     raw_cfg = _check_directory(p, name)
     model_type = raw_cfg.get("model_type")
     archs = raw_cfg.get("architectures") or []
@@ -227,36 +293,41 @@ def load_model(path: str | os.PathLike = "demo", *, dtype: str | torch.dtype = "
         arch = ", ".join(archs) or "unknown architecture"
         raise ModelLoadError(f"'{p}' is model_type '{model_type}' ({arch}), not a causal language model this "
                              "workbench can load; supported include qwen2, qwen3 and llama")
-    if dtype == "auto":
-        torch_dtype = _stored_dtype(raw_cfg)
-    else:
-        torch_dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
-    if not isinstance(torch_dtype, torch.dtype):
-        raise ModelLoadError(f"unknown dtype '{dtype}'; use auto, float32, float16 or bfloat16")
+    torch_dtype = resolve_dtype(dtype, raw_cfg)
     try:
         config = AutoConfig.from_pretrained(p, trust_remote_code=trust_remote_code, local_files_only=True)
         use_st = any(p.glob("*.safetensors"))
-        model = AutoModelForCausalLM.from_pretrained(
+        model, info = AutoModelForCausalLM.from_pretrained(
             p, config=config, dtype=torch_dtype, trust_remote_code=trust_remote_code, local_files_only=True,
-            use_safetensors=use_st)
+            use_safetensors=use_st, output_loading_info=True, ignore_mismatched_sizes=True)  # refused below, by name
     except ModelLoadError:
         raise
     except Exception as e:  # transformers raises many types; give one clear line
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelLoadError(f"could not load model weights from '{p}': {first}") from e
+    mismatched = [(k, tuple(a), tuple(b)) for k, a, b in info.get("mismatched_keys") or ()]
+    if info.get("missing_keys") or info.get("unexpected_keys") or mismatched:
+        raise weights_mismatch_error(p, info.get("missing_keys") or (), info.get("unexpected_keys") or (), mismatched)
     model.to(device).eval()
     if float32_compute:
         from .compute import enable_float32_compute
         enable_float32_compute(model)
-    tokenizer = None
-    if load_tokenizer:
-        if not any((p / f).is_file() for f in TOKENIZER_FILES):
-            raise ModelLoadError(f"'{p}' has no tokenizer (expected tokenizer.json or tokenizer.model); copy the "
-                                 "tokenizer files of the base model into it")
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(p, trust_remote_code=trust_remote_code, local_files_only=True)
-        except Exception as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise ModelLoadError(f"could not load the tokenizer in '{p}': {first}") from e
-        tokenizer.model_max_length = 1 << 30  # evaluation windows whole texts itself; silence the length notice
+    tokenizer = load_tokenizer_from(p, trust_remote_code=trust_remote_code) if load_tokenizer else None
     return LoadedModel(model=model, tokenizer=tokenizer, path=p, name=name, layers=quantizable_layers(model))
+
+
+def load_tokenizer_from(p: Path, *, trust_remote_code: bool = False, required: bool = True):
+    """The tokenizer saved in model directory ``p`` (None when there is none and it is not ``required``)."""
+    from transformers import AutoTokenizer
+    if not any((p / f).is_file() for f in TOKENIZER_FILES):
+        if not required:
+            return None
+        raise ModelLoadError(f"'{p}' has no tokenizer (expected tokenizer.json or tokenizer.model); copy the "
+                             "tokenizer files of the base model into it")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(p, trust_remote_code=trust_remote_code, local_files_only=True)
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelLoadError(f"could not load the tokenizer in '{p}': {first}") from e
+    tokenizer.model_max_length = 1 << 30  # evaluation windows whole texts itself; silence the length notice
+    return tokenizer

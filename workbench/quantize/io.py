@@ -2,20 +2,29 @@
 
 Layout (written atomically: built in a temporary sibling directory, then renamed into place)::
 
-    config.json, tokenizer files   the source model's, with tie_word_embeddings cleared if untied
-    model.safetensors              every float tensor: norms, biases, float layers (fp16 layers as
-                                   float16; the rest float16 when that is exact, else float32)
-    quantized.safetensors          per integer layer: <fqn>.qweight, <fqn>.scales (float16),
-                                   <fqn>.zeros (asymmetric only); 4-bit codes packed two per byte
+    config.json, tokenizer files   the source model's, with tie_word_embeddings cleared if untied, and a
+                                   compressed-tensors ``quantization_config`` when transformers can load it
+    model.safetensors              every tensor, in the compressed-tensors "pack-quantized" layout that
+                                   transformers (with the compressed-tensors package) and vLLM read:
+                                   float tensors (norms, biases, float layers: fp16 layers as float16, the
+                                   rest float16 when that is exact, else float32) and per integer layer
+                                   <fqn>.weight_packed, <fqn>.weight_scale (float16 [out, groups]),
+                                   <fqn>.weight_shape, <fqn>.weight_zero_point (asymmetric only)
+    workbench.safetensors          instead of model.safetensors when an embedding is integer: transformers
+                                   cannot build one (see ``TRANSFORMERS_CANNOT``), so it finds no weights
+                                   file there and says so instead of loading a random network
     plan.json                      the QuantPlan
-    quantization.json              method, per-layer precision / group size / fallback / storage
+    quantization.json              method, weights file, per-layer precision / group size / fallback
     report.json                    measured cost (when given)
     manifest.json                  every file with its size and sha256
 
-Codes as stored: int8 symmetric as int8; int8 asymmetric as uint8 with uint8 zero points; int4 as
-uint8 nibbles (low nibble = even column), symmetric codes offset by +8, zero points packed likewise.
+Codes as stored: symmetric codes offset by ``2^(b-1)``, asymmetric codes as they are (both equal to
+compressed-tensors' signed code plus its offset), packed ``32 / b`` to an int32 along the input axis,
+the first code in the lowest bits; zero points likewise, packed along the output axis. Version 1
+directories (``quantized.safetensors`` beside a float-only ``model.safetensors``) still load.
 
-    qm.save("out/demo-int4"); lm, qm = load_quantized("out/demo-int4")
+    qm.save("out/demo-int4"); lm, qm = load_quantized("out/demo-int4")    # lm.model computes from the codes
+    AutoModelForCausalLM.from_pretrained("out/demo-int4", dtype=torch.float32)  # the same logits
 """
 from __future__ import annotations
 
@@ -23,12 +32,16 @@ import copy
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+from torch.nn import functional as F
 
 from ..errors import ModelLoadError, WorkspaceError
 from ..plan import QuantPlan, get_precision
@@ -36,11 +49,20 @@ from ..workspace import atomic_write_json, file_sha256, library_versions
 from .qtensor import QuantizedWeight, pack_int4, unpack_int4
 
 __all__ = ["save_quantized", "load_quantized", "layer_storage", "float_storage", "write_report", "FORMAT",
-           "weight_file_bytes"]
+           "weight_file_bytes", "pack_int32", "unpack_int32", "compressed_tensors_config", "WEIGHTS_FILE",
+           "WORKBENCH_WEIGHTS_FILE", "TRANSFORMERS_CANNOT"]
 
 FORMAT = "workbench-quantized"
-FORMAT_VERSION = 1
-FLOAT_FILE, QUANT_FILE = "model.safetensors", "quantized.safetensors"
+FORMAT_VERSION = 2
+WEIGHTS_FILE = "model.safetensors"  # the file transformers looks for
+WORKBENCH_WEIGHTS_FILE = "workbench.safetensors"  # integer embeddings: a name transformers does not look for
+V1_FLOAT_FILE, V1_QUANT_FILE = "model.safetensors", "quantized.safetensors"
+CT_FORMAT = "pack-quantized"
+# Measured with transformers 5.17 and compressed-tensors 0.20.1: a pack-quantized nn.Embedding fails in
+# transformers' weight initialisation, so such a directory is kept out of its reach.
+TRANSFORMERS_CANNOT = ("an integer embedding: transformers 5.17 with compressed-tensors 0.20 fails to build one "
+                       "(AttributeError: 'Embedding' object has no attribute 'weight'); load it with "
+                       "workbench.load_model")
 
 
 def _lossless_float(t: torch.Tensor) -> torch.Tensor:
@@ -52,17 +74,91 @@ def _lossless_float(t: torch.Tensor) -> torch.Tensor:
     return t16 if torch.equal(t16.to(t.dtype), t) else t.to(torch.float32)
 
 
+# -- compressed-tensors pack-quantized tensors ------------------------------------------------------
+
+def pack_int32(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 codes ``[rows, cols]`` (4 or 8 bits) -> int32 ``[rows, ceil(cols * bits / 32)]``.
+
+    ``32 / bits`` codes a word, the first in the lowest bits: compressed-tensors' ``pack_to_int32``
+    of the signed codes. Built byte-wise (nibble pairs for int4), so no wider temporary than the codes.
+    """
+    if sys.byteorder != "little":  # the int32 words are read as their little-endian bytes
+        raise NotImplementedError("packing quantized weights needs a little-endian machine")
+    per_word = 32 // bits
+    codes = codes.to(torch.uint8)
+    pad = -codes.shape[-1] % per_word
+    if pad:
+        codes = F.pad(codes, (0, pad))
+    packed = pack_int4(codes) if bits == 4 else codes
+    return packed.contiguous().flatten().view(torch.int32).view(*packed.shape[:-1], -1)
+
+
+def unpack_int32(packed: torch.Tensor, bits: int, length: int) -> torch.Tensor:
+    """Inverse of :func:`pack_int32`: uint8 codes, the last axis cut to ``length``."""
+    if sys.byteorder != "little":
+        raise NotImplementedError("unpacking quantized weights needs a little-endian machine")
+    raw = packed.contiguous().flatten().view(torch.uint8).view(*packed.shape[:-1], -1)
+    return unpack_int4(raw, length) if bits == 4 else raw[..., :length]
+
+
+def _packed_shape(rows: int, cols: int, bits: int) -> tuple[int, int]:
+    return rows, -(-cols * bits // 32)
+
+
+def _ct_shapes(name: str, shape: tuple[int, int], bits: int, group_size: int | None, symmetric: bool) -> dict:
+    """The tensors (name -> shape) one integer layer is stored as."""
+    out_f, in_f = shape
+    groups = in_f // (group_size or in_f)
+    d = {f"{name}.weight_packed": _packed_shape(out_f, in_f, bits), f"{name}.weight_scale": (out_f, groups),
+         f"{name}.weight_shape": (2,)}
+    if not symmetric:
+        d[f"{name}.weight_zero_point"] = _packed_shape(groups, out_f, bits)[::-1]  # packed along the output axis
+    return d
+
+
 def _quant_tensors(name: str, qw: QuantizedWeight) -> dict[str, torch.Tensor]:
-    codes = qw.storage_codes()
-    out = {f"{name}.scales": qw.scales.to(torch.float16)}
-    if qw.bits == 4:
-        out[f"{name}.qweight"] = pack_int4(codes)
-    else:
-        out[f"{name}.qweight"] = qw.qweight.clone()  # int8 (symmetric) or uint8 (asymmetric)
+    """One integer layer's packed codes, float16 scales and packed zero points (without its shape record)."""
+    out = {f"{name}.weight_packed": pack_int32(qw.storage_codes(), qw.bits),
+           f"{name}.weight_scale": qw.scales.to(torch.float16)}
     if qw.zeros is not None:
-        out[f"{name}.zeros"] = pack_int4(qw.zeros) if qw.bits == 4 else qw.zeros.clone()
+        out[f"{name}.weight_zero_point"] = pack_int32(qw.zeros.t(), qw.bits).t()
     return {k: v.contiguous() for k, v in out.items()}
 
+
+def _file_tensors(name: str, qw: QuantizedWeight) -> dict[str, torch.Tensor]:
+    return {**_quant_tensors(name, qw), f"{name}.weight_shape": torch.tensor(qw.shape, dtype=torch.int64)}
+
+
+def _weight_from_file(name: str, t: dict, bits: int, group_size: int | None) -> QuantizedWeight:
+    out_f, in_f = (int(x) for x in t[f"{name}.weight_shape"])
+    codes = unpack_int32(t[f"{name}.weight_packed"], bits, in_f)
+    zp = t.get(f"{name}.weight_zero_point")
+    zeros = None if zp is None else unpack_int32(zp.t(), bits, out_f).t()
+    return QuantizedWeight.from_storage_codes(codes, t[f"{name}.weight_scale"], zeros, bits, group_size)
+
+
+def _stored_integer_layers(qm) -> list:
+    """Integer layers with their own tensors (a tied copy is stored once, under the embedding)."""
+    return [r for r in qm.layers if r.name in qm.weights and not (r.tied_to and not r.untied)]
+
+
+def compressed_tensors_config(qm) -> dict:
+    """The ``quantization_config`` transformers reads: one config group per (bits, group size, symmetry)."""
+    groups: dict[tuple, list[str]] = {}
+    for r in _stored_integer_layers(qm):
+        qw = qm.weights[r.name]
+        groups.setdefault((qw.bits, qw.group_size, qw.symmetric), []).append(r.name)
+    config_groups = {}
+    for i, ((bits, g, sym), names) in enumerate(groups.items()):
+        config_groups[f"group_{i}"] = {
+            "targets": names, "input_activations": None, "output_activations": None,
+            "weights": {"num_bits": bits, "type": "int", "symmetric": sym, "strategy": "group" if g else "channel",
+                        "group_size": g, "dynamic": False}}
+    return {"quant_method": "compressed-tensors", "format": CT_FORMAT, "quantization_status": "compressed",
+            "config_groups": config_groups, "ignore": []}
+
+
+# -- saving -----------------------------------------------------------------------------------------
 
 def _source_params(qm) -> dict[str, torch.Tensor]:
     if qm.source is None:
@@ -73,7 +169,7 @@ def _source_params(qm) -> dict[str, torch.Tensor]:
 
 
 def layer_storage(qm) -> dict[str, torch.Tensor]:
-    """Every layer weight exactly as stored (tied weights once): integer parts and float layers."""
+    """Every layer weight as stored (tied weights once): packed codes, scales, zero points, float layers."""
     params = _source_params(qm)
     out: dict[str, torch.Tensor] = {}
     for r in qm.layers:
@@ -94,7 +190,7 @@ def layer_storage(qm) -> dict[str, torch.Tensor]:
 
 
 def float_storage(qm) -> dict[str, torch.Tensor]:
-    """Float tensors for ``model.safetensors``: float layer weights plus every non-layer parameter."""
+    """Float tensors: float layer weights plus every non-layer parameter."""
     params = _source_params(qm)
     layer_weights = {f"{r.name}.weight" for r in qm.layers}
     stored = {k: v for k, v in layer_storage(qm).items() if k.endswith(".weight") and k in layer_weights}
@@ -116,7 +212,7 @@ def _layer_entry(qm, r) -> dict:
     qw = qm.weights.get(r.name)
     if qw is not None and not (r.tied_to and not r.untied):
         d.update(bits=qw.bits, symmetric=qw.symmetric, storage_bytes=qw.storage_bytes(),
-                 tensors=sorted(_quant_tensors(r.name, qw)))
+                 tensors=sorted(_ct_shapes(r.name, qw.shape, qw.bits, qw.group_size, qw.symmetric)))
     return d
 
 
@@ -125,6 +221,20 @@ def _write_manifest(directory: Path, extra: dict) -> None:
              for f in sorted(directory.iterdir()) if f.is_file() and f.name != "manifest.json"}
     atomic_write_json(directory / "manifest.json", {"format": FORMAT, "version": FORMAT_VERSION, **extra,
                                                     "versions": library_versions(), "files": files})
+
+
+def _write_config(qm, directory: Path, transformers_loads: bool) -> None:
+    config = copy.deepcopy(qm.source.model.config)
+    if qm.unties_embeddings:
+        for cfg in {id(c): c for c in (config, config.get_text_config())}.values():
+            cfg.tie_word_embeddings = False
+    config.save_pretrained(directory)
+    path = directory / "config.json"
+    raw = json.loads(path.read_text(encoding="utf-8"))
+    raw.pop("quantization_config", None)
+    if transformers_loads:
+        raw["quantization_config"] = compressed_tensors_config(qm)
+    atomic_write_json(path, raw)
 
 
 def save_quantized(qm, directory: str | Path, *, report: dict | None = None) -> Path:
@@ -137,23 +247,25 @@ def save_quantized(qm, directory: str | Path, *, report: dict | None = None) -> 
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.partial-"))
     try:
         lm = qm.source
-        config = copy.deepcopy(lm.model.config)
-        if qm.unties_embeddings:
-            for cfg in {id(c): c for c in (config, config.get_text_config())}.values():
-                cfg.tie_word_embeddings = False
-        config.save_pretrained(tmp)
+        stored = _stored_integer_layers(qm)
+        transformers_loads = not any(r.kind == "embedding" for r in stored)
+        weights_file = WEIGHTS_FILE if transformers_loads else WORKBENCH_WEIGHTS_FILE
+        _write_config(qm, tmp, transformers_loads)
         if lm.tokenizer is not None:
             lm.tokenizer.save_pretrained(tmp)
-        save_file(float_storage(qm), tmp / FLOAT_FILE, metadata={"format": "pt"})
-        quant = {}
-        for r in qm.layers:
-            if r.name in qm.weights and not (r.tied_to and not r.untied):
-                quant.update(_quant_tensors(r.name, qm.weights[r.name]))
-        save_file(quant, tmp / QUANT_FILE, metadata={"format": FORMAT})
+        tensors = float_storage(qm)
+        for r in stored:
+            tensors.update(_file_tensors(r.name, qm.weights[r.name]))
+        save_file(tensors, tmp / weights_file, metadata={"format": "pt"})
+        del tensors
         qm.plan.save(tmp / "plan.json")
         meta = {"format": FORMAT, "version": FORMAT_VERSION, "method": qm.method, "source": str(lm.path),
                 "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "seconds": qm.seconds,
-                "bits_per_weight": qm.bits_per_weight, "layers": [_layer_entry(qm, r) for r in qm.layers]}
+                "bits_per_weight": qm.bits_per_weight, "weights_file": weights_file,
+                "transformers": {"loads": transformers_loads,
+                                 "format": f"compressed-tensors {CT_FORMAT}" if transformers_loads else None,
+                                 "why_not": None if transformers_loads else TRANSFORMERS_CANNOT},
+                "layers": [_layer_entry(qm, r) for r in qm.layers]}
         if qm.awq:
             meta["awq"] = {"tokens": qm.awq.get("tokens"), "grid": qm.awq.get("grid"),
                            "search_seconds": qm.awq.get("seconds"),
@@ -189,6 +301,8 @@ def write_report(directory: str | Path, report: dict) -> Path:
     return d / "report.json"
 
 
+# -- loading ----------------------------------------------------------------------------------------
+
 def _read_json(path: Path) -> dict:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
@@ -196,24 +310,135 @@ def _read_json(path: Path) -> dict:
         raise ModelLoadError(f"'{path}' is not valid JSON: {e}") from None
 
 
-def load_quantized(directory: str | Path, *, verify: bool = True):
-    """Load a saved quantized model: ``(LoadedModel with the quantized weights applied, QuantizedModel)``."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+class _Tensors:
+    """The tensors of a directory's weight files: names and shapes from the headers, data on demand."""
+
+    def __init__(self, files: list[Path]):
+        self.where: dict[str, object] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        for f in files:
+            st = safe_open(f, "pt")
+            for k in st.keys():
+                self.where[k] = st
+                self.shapes[k] = tuple(st.get_slice(k).get_shape())
+
+    def get(self, name: str) -> torch.Tensor:
+        return self.where[name].get_tensor(name)
+
+    def group(self, names) -> dict[str, torch.Tensor]:
+        return {n: self.get(n) for n in names if n in self.where}
+
+
+def _v1_layer(name: str, t: dict, shape: tuple[int, int], bits: int, g: int | None) -> QuantizedWeight:
+    """A layer as format version 1 stored it (qweight / scales / zeros in quantized.safetensors)."""
+    in_f = shape[1]
+    zeros = t.get(f"{name}.zeros")
+    if bits == 4:
+        codes = unpack_int4(t[f"{name}.qweight"], in_f)
+        zeros = None if zeros is None else unpack_int4(zeros, in_f // (g or in_f))
+        return QuantizedWeight.from_storage_codes(codes, t[f"{name}.scales"], zeros, 4, g)
+    return QuantizedWeight(t[f"{name}.qweight"], t[f"{name}.scales"].float(), zeros, bits, g)
+
+
+def _v1_shapes(name: str, shape: tuple[int, int], bits: int, g: int | None, symmetric: bool) -> dict:
+    out_f, in_f = shape
+    groups = in_f // (g or in_f)
+    d = {f"{name}.qweight": (out_f, -(-in_f // 2) if bits == 4 else in_f), f"{name}.scales": (out_f, groups)}
+    if not symmetric:
+        d[f"{name}.zeros"] = (out_f, -(-groups // 2) if bits == 4 else groups)
+    return d
+
+
+def _skeleton(config, dtype: torch.dtype, trust_remote_code: bool) -> nn.Module:
+    """The model the config describes with every parameter on the meta device: no memory, nothing random."""
+    from transformers import AutoModelForCausalLM
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code).eval()
+
+
+def _check_cover(d: Path, tensors: _Tensors, params: dict, buffers: dict, expected_quant: dict,
+                 integer_weights: set[str]) -> None:
+    """Refuse, naming the tensors, unless the files hold exactly the model's tensors in its shapes."""
+    from ..models import weights_mismatch_error
+    by_id: dict[int, list[str]] = {}
+    for k, p in params.items():
+        by_id.setdefault(id(p), []).append(k)
+    missing, unexpected, mismatched = [], [], []
+    covered = {id(params[k]) for k in integer_weights}
+    for k, shape in tensors.shapes.items():
+        if k in expected_quant:
+            if shape != tuple(expected_quant[k]):
+                mismatched.append((k, shape, tuple(expected_quant[k])))
+        elif k in params:
+            covered.add(id(params[k]))
+            if shape != tuple(params[k].shape):
+                mismatched.append((k, shape, tuple(params[k].shape)))
+        elif k in buffers:
+            if shape != tuple(buffers[k].shape):
+                mismatched.append((k, shape, tuple(buffers[k].shape)))
+        else:
+            unexpected.append(k)
+    missing += [k for k in expected_quant if k not in tensors.shapes]
+    missing += [names[0] for i, names in by_id.items() if i not in covered]
+    if missing or unexpected or mismatched:
+        raise weights_mismatch_error(d, missing, unexpected, mismatched)
+
+
+def _materialize_buffers(model: nn.Module, loaded: dict[str, torch.Tensor]) -> None:
+    """Buffers left on the meta device (rotary frequencies): computed again by the model's own initialisation."""
+    owners = set()
+    for name, b in list(model.named_buffers()):
+        if not b.is_meta:
+            continue
+        owner, _, leaf = name.rpartition(".")
+        mod = model.get_submodule(owner) if owner else model
+        mod._buffers[leaf] = loaded[name] if name in loaded else torch.empty_like(b, device="cpu")
+        if name not in loaded:
+            owners.add(owner)
+    init = getattr(model, "_init_weights", None)
+    for owner in owners:
+        mod = model.get_submodule(owner) if owner else model
+        for p in mod.parameters(recurse=False):
+            p._is_hf_initialized = True  # loaded: transformers' init functions leave these alone
+        if init is not None:
+            init(mod)
+
+
+def load_quantized(directory: str | Path, *, verify: bool = True, dtype: str | torch.dtype = "auto",
+                   device: str = "cpu", trust_remote_code: bool = False, load_tokenizer: bool = True,
+                   require_tokenizer: bool = False, float32_compute: bool = True, float_model: bool = False):
+    """Load a saved quantized model: ``(LoadedModel, QuantizedModel)``, the first with ``quantized`` set.
+
+    The model is built from the config on the meta device, takes the float tensors in the stored dtype
+    (``dtype="auto"``; a float32 tensor that float16 cannot hold exactly stays float32) and
+    ``QuantLinear`` / ``QuantEmbedding`` for integer layers, computing from the codes
+    (``QuantizedModel.build_model``): no float copy of an integer layer, nothing initialised at
+    random. Weights that do not cover the model exactly are refused, naming the tensors.
+    ``float_model=True`` gives the dequantized weights as ordinary float32 parameters instead.
+    """
+    from transformers import AutoConfig
     from transformers.utils import logging as hf_logging
 
-    from ..models import LoadedModel, check_safetensors_file, quantizable_layers
+    from ..models import LoadedModel, check_safetensors_file, load_tokenizer_from, quantizable_layers, resolve_dtype
     from .model import LayerQuantReport, QuantizedModel
     hf_logging.set_verbosity_error()
     d = Path(directory)
     if not d.is_dir():
         raise ModelLoadError(f"quantized model directory '{d}' does not exist")
-    for name in ("config.json", "quantization.json", "plan.json", FLOAT_FILE, QUANT_FILE, "manifest.json"):
+    for name in ("config.json", "quantization.json", "plan.json", "manifest.json"):
         if not (d / name).is_file():
             raise ModelLoadError(f"'{d}' has no {name}: not a complete quantized model (save it again with "
                                  "QuantizedModel.save or `workbench quantize --out`)")
     meta = _read_json(d / "quantization.json")
-    if meta.get("format") != FORMAT or meta.get("version", 0) > FORMAT_VERSION:
-        raise ModelLoadError(f"'{d / 'quantization.json'}' is not a {FORMAT} v{FORMAT_VERSION} description")
+    version = meta.get("version", 0)
+    if meta.get("format") != FORMAT or not 1 <= version <= FORMAT_VERSION:
+        raise ModelLoadError(f"'{d / 'quantization.json'}' is not a {FORMAT} v1-v{FORMAT_VERSION} description; "
+                             "upgrade workbench or quantize the model again")
+    files = [V1_FLOAT_FILE, V1_QUANT_FILE] if version == 1 else [meta.get("weights_file", WEIGHTS_FILE)]
+    for name in files:
+        if not (d / name).is_file():
+            raise ModelLoadError(f"'{d}' has no {name}: not a complete quantized model (save it again with "
+                                 "QuantizedModel.save or `workbench quantize --out`)")
     if verify:
         manifest = _read_json(d / "manifest.json")
         for name, info in manifest.get("files", {}).items():
@@ -222,51 +447,116 @@ def load_quantized(directory: str | Path, *, verify: bool = True):
                     (name.endswith(".safetensors") and file_sha256(f) != info["sha256"]):
                 raise ModelLoadError(f"'{f}' is missing or differs from the manifest; the directory was changed "
                                      "or partly copied: save the quantized model again")
-    for f in (d / FLOAT_FILE, d / QUANT_FILE):
-        check_safetensors_file(f)
-    config = AutoConfig.from_pretrained(d, local_files_only=True)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    floats = load_file(d / FLOAT_FILE)
-    quant = load_file(d / QUANT_FILE)
-    params = dict(model.named_parameters(remove_duplicate=False))
-    reports, weights = [], {}
+    for name in files:
+        check_safetensors_file(d / name)
+    raw_cfg = _read_json(d / "config.json")
+    torch_dtype = resolve_dtype(dtype, raw_cfg)
+    config = AutoConfig.from_pretrained(d, local_files_only=True, trust_remote_code=trust_remote_code)
+    if hasattr(config, "quantization_config"):  # for transformers' own loader; the integer layers are built here
+        del config.quantization_config
+    try:
+        skeleton = _skeleton(config, torch_dtype, trust_remote_code)
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelLoadError(f"could not build the model '{d / 'config.json'}' describes: {first}") from e
+    params = dict(skeleton.named_parameters(remove_duplicate=False))
+    buffers = dict(skeleton.named_buffers())
+    tensors = _Tensors([d / f for f in files])
+
+    reports, expected_quant, integer = [], {}, {}
     for entry in meta["layers"]:
         r = LayerQuantReport(entry["name"], entry["kind"], tuple(entry["shape"]), entry["precision"],
                              entry.get("group_size"), entry.get("fallback"), entry.get("tied_to"),
                              entry.get("untied", False), entry.get("weight_error"))
         reports.append(r)
         if "bits" in entry:
-            n = r.name
-            out_f, in_f = r.shape
-            bits, g = entry["bits"], entry["group_size"]
-            zeros = quant.get(f"{n}.zeros")
-            if f"{n}.qweight" not in quant:
-                raise ModelLoadError(f"'{d / QUANT_FILE}' has no tensor '{n}.qweight' for layer '{n}'")
-            if bits == 4:
-                codes = unpack_int4(quant[f"{n}.qweight"], in_f)
-                if zeros is not None:
-                    zeros = unpack_int4(zeros, in_f // (g or in_f))
-                weights[n] = QuantizedWeight.from_storage_codes(codes, quant[f"{n}.scales"], zeros, 4, g)
-            else:
-                weights[n] = QuantizedWeight(quant[f"{n}.qweight"], quant[f"{n}.scales"].float(), zeros, bits, g)
+            spec = (entry["bits"], entry["group_size"], entry.get("symmetric", f"{r.name}.zeros" not in tensors.shapes))
+            shapes = (_v1_shapes if version == 1 else _ct_shapes)(r.name, r.shape, *spec)
+            expected_quant.update(shapes)
+            integer[r.name] = (spec, shapes)
+    integer_weights = {f"{r.name}.weight" for r in reports
+                       if r.name in integer or (r.tied_to in integer and not r.untied)}
+    unknown = sorted(n for n in integer_weights if n not in params)
+    bad = [(f"{r.name}.weight", r.shape, tuple(params[f"{r.name}.weight"].shape)) for r in reports
+           if f"{r.name}.weight" in params and tuple(params[f"{r.name}.weight"].shape) != tuple(r.shape)]
+    if unknown or bad:  # quantization.json describes layers the config's model does not have
+        from ..models import weights_mismatch_error
+        raise weights_mismatch_error(d, (), unknown, bad)
+    _check_cover(d, tensors, params, buffers, expected_quant, integer_weights)
+
+    weights = {}
+    for n, (spec, shapes) in integer.items():
+        t = tensors.group(shapes)
+        bits, g, _ = spec
+        weights[n] = _v1_layer(n, t, tuple(next(r.shape for r in reports if r.name == n)), bits, g) \
+            if version == 1 else _weight_from_file(n, t, bits, g)
     for r in reports:
         if r.tied_to and not r.untied and r.tied_to in weights:
             weights[r.name] = weights[r.tied_to]
-    covered = {id(params[k]) for k in floats if k in params}
-    covered |= {id(params[f"{n}.weight"]) for n in weights}
-    missing = [k for k, p in params.items() if id(p) not in covered]
-    unknown = [k for k in floats if k not in params]
-    if missing or unknown:
-        raise ModelLoadError(f"'{d}' does not match its config: missing {missing[:3]} unexpected {unknown[:3]}")
-    with torch.no_grad():
-        for k, t in floats.items():
-            params[k].data.copy_(t.to(torch.float32))
-    tokenizer = None
-    if any((d / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
-        tokenizer = AutoTokenizer.from_pretrained(d, local_files_only=True)
-        tokenizer.model_max_length = 1 << 30
-    lm = LoadedModel(model=model, tokenizer=tokenizer, path=d, name=str(directory), layers=quantizable_layers(model))
-    qm = QuantizedModel(QuantPlan.load(d / "plan.json"), meta["method"], weights, reports, {}, source=lm,
+
+    # float tensors into the skeleton: one Parameter for every name a tied weight goes by
+    by_id: dict[int, list[str]] = {}
+    for k, p in params.items():
+        by_id.setdefault(id(p), []).append(k)
+    loaded_buffers = {}
+    for k in tensors.shapes:
+        if k in expected_quant:
+            continue
+        t = tensors.get(k)
+        if dtype == "auto":
+            cast = t.to(torch_dtype)
+            t = cast if torch.equal(cast.to(t.dtype), t) else t
+        else:
+            t = t.to(torch_dtype)
+        if k in buffers:
+            loaded_buffers[k] = t
+            continue
+        param = nn.Parameter(t, requires_grad=False)
+        for name in by_id[id(params[k])]:
+            owner, _, leaf = name.rpartition(".")
+            skeleton.get_submodule(owner)._parameters[leaf] = param
+    _materialize_buffers(skeleton, loaded_buffers)
+    for k in integer_weights:  # a one-element stand-in on the CPU until the layer is replaced: never read
+        p = params[k]
+        stand_in = nn.Parameter(torch.zeros((), dtype=p.dtype).expand(p.shape), requires_grad=False)
+        for name in by_id[id(p)]:
+            owner, _, leaf = name.rpartition(".")
+            skeleton.get_submodule(owner)._parameters[leaf] = stand_in
+
+    qm = QuantizedModel(QuantPlan.load(d / "plan.json"), meta["method"], weights, reports, {},
                         seconds=meta.get("seconds", 0.0))
-    qm.apply_(model)
+    if float_model:
+        model = _float_model(skeleton, qm)
+    else:
+        model = qm.build_model(skeleton)
+    del skeleton
+    left = [k for k, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise ModelLoadError(f"'{d}': {len(left)} tensors of the model were not loaded ({', '.join(left[:3])}); "
+                             "this architecture is not supported for quantized loading")
+    model.to(device).eval()
+    if float32_compute:
+        from ..compute import enable_float32_compute
+        enable_float32_compute(model)
+    tokenizer = load_tokenizer_from(d, trust_remote_code=trust_remote_code, required=require_tokenizer) \
+        if load_tokenizer else None
+    lm = LoadedModel(model=model, tokenizer=tokenizer, path=d, name=str(directory), layers=quantizable_layers(model),
+                     quantized=qm)
+    qm.source = lm
     return lm, qm
+
+
+def _float_model(skeleton: nn.Module, qm) -> nn.Module:
+    """The dequantized weights as float32 parameters (the simulation as an ordinary float model)."""
+    params = dict(skeleton.named_parameters(remove_duplicate=False))
+    by_id: dict[int, list[str]] = {}
+    for k, p in params.items():
+        by_id.setdefault(id(p), []).append(k)
+    for r in qm.layers:
+        if r.name not in qm.weights or (r.tied_to and not r.untied):
+            continue
+        param = nn.Parameter(qm.weights[r.name].dequantize(), requires_grad=False)
+        for name in by_id[id(params[f"{r.name}.weight"])]:
+            owner, _, leaf = name.rpartition(".")
+            skeleton.get_submodule(owner)._parameters[leaf] = param
+    return skeleton.to(torch.float32)
