@@ -113,3 +113,118 @@ def test_mnn_keeps_float_weights_when_group_sizes_differ(prepared, tiny_model_di
     # Top-1 is held to 0.95, not 1.0: on a random tiny model some rows have near-tied logits, and MNN's x86
     # float kernels differ between CPUs (one CI run saw 11 of 595 rows flip; here all 595 agree).
     assert report.top1_agreement_vs_simulation >= 0.95 and report.gap is None  # gap: KL within the simulation's
+
+
+def _initializers(path):
+    return {i.name: i for i in onnx.load(str(path), load_external_data=False).graph.initializer}
+
+
+def _nodes(path, op_type):
+    return [n for n in onnx.load(str(path), load_external_data=False).graph.node if n.op_type == op_type]
+
+
+def test_int4_graphs_share_one_weights_file(prepared, tiny_model_dir, tmp_path, monkeypatch):
+    from onnx.external_data_helper import uses_external_data
+
+    from workbench.profile import profile_runtime
+    monkeypatch.setattr("workbench.graph_build.INLINE_LIMIT", 0)  # the path graphs over 2 GB take
+    report = convert(tiny_model_dir, "ort-int4", tmp_path, prepared=prepared, **EVAL)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["conversion.json", "decode.onnx", "prefill.onnx",
+                                                         "weights.data"]
+    pre, dec = _initializers(tmp_path / "prefill.onnx"), _initializers(tmp_path / "decode.onnx")
+    big = {n for n, i in pre.items() if uses_external_data(i)}
+    assert "model.layers.0.mlp.down_proj.weight.qweight" in big
+    assert all(pre[n].external_data == dec[n].external_data for n in big)  # decode reads prefill's bytes
+    assert report.details["external_data"] and report.top1_agreement_vs_simulation >= 0.95
+    assert report.details["accuracy_levels"][0]["top1_agreement_vs_simulation"] >= 0.99
+    size = profile_runtime("x", tmp_path / "prefill.onnx", tmp_path / "decode.onnx", prompt_lengths=(4,),
+                           decode_steps=2, repeats=1).size_bytes
+    assert size == sum((tmp_path / f).stat().st_size for f in ("prefill.onnx", "decode.onnx", "weights.data"))
+
+
+@pytest.mark.parametrize("embedding, head", [("int4", "int4"), ("fp16", "int8"), ("int8", "fp16")])
+def test_lm_head_and_embedding_follow_the_plan(tiny_model_dir, tmp_path, embedding, head):
+    plan = QuantPlan.uniform("int4").with_override("model.embed_tokens", embedding).with_override("lm_head", head)
+    report = convert(tiny_model_dir, "ort-int4", tmp_path, plan=plan, accuracy_level=0, **EVAL)
+    graph = tmp_path / "decode.onnx"
+    inits = _initializers(graph)
+    heads = [n for n in _nodes(graph, "MatMulNBits") if n.output[0] == "logits"]
+    gathers = _nodes(graph, "GatherBlockQuantized")
+    if head == "fp16":
+        assert not heads and inits["lm_head.weight.T"].data_type == onnx.TensorProto.FLOAT16
+    else:
+        bits = {a.name: a.i for a in heads[0].attribute}["bits"]
+        assert bits == int(head[3:]) and heads[0].input[1] == "lm_head.weight.qweight"
+    if embedding == "fp16":
+        assert not gathers and inits["model.embed_tokens.weight"].data_type == onnx.TensorProto.FLOAT16
+    else:
+        assert {a.name: a.i for a in gathers[0].attribute}["bits"] == int(embedding[3:])
+    assert report.details["kept_float"] == {}  # nothing silently left in float32
+    assert not [i for i in inits.values() if i.data_type == onnx.TensorProto.FLOAT and len(i.dims) == 2
+                and i.dims[0] * i.dims[1] >= 4096 * 64]  # no float32 embedding or head
+    assert report.top1_agreement_vs_simulation >= 0.99  # accuracy level 0: the simulation's own numbers
+
+
+def test_tied_int4_head_reads_the_embedding_codes(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr("workbench.graph_build.INLINE_LIMIT", 0)
+    plan = QuantPlan.uniform("int4").with_override("model.embed_tokens", "int4").with_override("lm_head", "int4")
+    convert(tiny_model_dir, "ort-int4", tmp_path, plan=plan, evaluate_outputs=False, greedy_steps=4)
+    inits = _initializers(tmp_path / "prefill.onnx")
+    table, head = inits["model.embed_tokens.weight.qweight"], inits["lm_head.weight.qweight"]
+    assert list(table.dims) == [4096, 32] and list(head.dims) == [4096, 1, 32]  # [V, H/2] and [N, blocks, blob]
+    assert table.external_data == head.external_data  # one copy of the codes on disk
+
+
+def test_float16_layers_are_stored_as_float16_and_said_so(prepared, tiny_model_dir, tmp_path):
+    report = convert(tiny_model_dir, "ort-int4", tmp_path, prepared=prepared, evaluate_outputs=False, greedy_steps=4)
+    inits = _initializers(tmp_path / "prefill.onnx")
+    assert inits["model.embed_tokens.weight"].data_type == onnx.TensorProto.FLOAT16
+    assert "lm_head.weight.T" not in inits  # the tied head reads the embedding's float16 table
+    assert any("float16 in the plan, stored as float16" in n for n in report.notes)
+
+
+def test_default_evaluation_budget_on_big_models(prepared, tiny_model_dir, tmp_path, monkeypatch):
+    from workbench.convert import MIN_EVAL_TOKENS, default_eval_tokens
+    assert default_eval_tokens(4_200_000, 23_000) == 23_000  # the demo model: the whole text
+    assert default_eval_tokens(494_000_000, 23_000) == MIN_EVAL_TOKENS
+    monkeypatch.setattr("workbench.convert.EVAL_PARAMETER_TOKENS", 1e6)
+    monkeypatch.setattr("workbench.convert.MIN_EVAL_TOKENS", 300)
+    report = convert(tiny_model_dir, "ort-int4", tmp_path, prepared=prepared, ctx=128, greedy_steps=4)
+    assert report.eval_tokens == 300 - 3  # three windows of 128, 128 and 44 tokens; each window's first unscored
+    assert any(n.startswith("evaluated on the first 300 of ") for n in report.notes)
+
+
+def test_conversion_metrics_match_a_direct_computation(prepared, tiny_model_dir, tmp_path):
+    import torch
+
+    from workbench.evaluate import encode_text, read_text, strided_windows
+    from workbench.models import demo_text_path
+    report = convert(tiny_model_dir, "ort-int4", tmp_path, prepared=prepared, max_tokens=300, ctx=128,
+                     greedy_steps=4)
+    ids = encode_text(prepared.float_lm.tokenizer, read_text(demo_text_path("heldout")))[:300]
+    kl = top1 = n = 0
+    with torch.no_grad():
+        for w in strided_windows(len(ids), 128):
+            x = ids[w.begin:w.end][None]
+            rows = slice(w.score_from - w.begin - 1, w.end - w.begin - 1)
+            ref = torch.log_softmax(prepared.float_lm.model(input_ids=x).logits[0, rows].float(), -1)
+            sim = torch.log_softmax(prepared.sim_lm.model(input_ids=x).logits[0, rows].float(), -1)
+            kl += (ref.exp() * (ref - sim)).sum(-1).clamp_min(0).sum().item()
+            top1 += int((ref.argmax(-1) == sim.argmax(-1)).sum())
+            n += w.scored
+    assert report.eval_tokens == n
+    assert report.simulation["kl_divergence"] == pytest.approx(kl / n, rel=1e-4)
+    assert report.simulation["top1_agreement"] == pytest.approx(top1 / n)
+
+
+def test_mnn_and_qdq_read_external_data(make_tiny_model, tmp_path, monkeypatch):
+    monkeypatch.setattr("workbench.graph_build.INLINE_LIMIT", 0)
+    model_dir = make_tiny_model(hidden=128, intermediate=256, heads=4, kv_heads=2)
+    prep = prepare_models(model_dir, bits=4)
+    mnn = convert(model_dir, "mnn", tmp_path / "mnn", prepared=prep, **EVAL)
+    assert mnn.details["mnn"]["kept_float"] == ["lm_head.weight.T"] and mnn.top1_agreement_vs_simulation >= 0.99
+    qdq = convert(model_dir, "ort-qdq", tmp_path / "qdq", prepared=prep, static=(16, 32),
+                  **{**EVAL, "max_tokens": 200})
+    files = sorted(p.name for p in (tmp_path / "qdq").iterdir())
+    assert files == ["conversion.json", "decode.qdq.onnx", "prefill.qdq.onnx", "weights.qdq.data"]
+    assert 0 <= qdq.kl_divergence < 1

@@ -109,3 +109,41 @@ def test_other_architectures_export_with_parity(make_tiny_model, tmp_path, arch)
     res = export_onnx(lm, tmp_path / arch, greedy_steps=6)
     assert res.max_abs_diff < 1e-4 and res.greedy_match_steps == 6
     assert res.weight_names["lm_head"] == "lm_head.weight.T"  # untied: its own initializer
+
+
+def _external(proto) -> dict[str, tuple[str, int, int]]:
+    """initializer -> (location, offset, length) for weights kept in external data."""
+    from onnx.external_data_helper import uses_external_data
+    out = {}
+    for init in proto.graph.initializer:
+        if uses_external_data(init):
+            info = {e.key: e.value for e in init.external_data}
+            out[init.name] = (info["location"], int(info["offset"]), int(info["length"]))
+    return out
+
+
+def test_graph_over_the_inline_limit_shares_one_external_data_file(tiny_lm, tmp_path):
+    res = export_onnx(tiny_lm, tmp_path, greedy_steps=8, inline_limit=0)  # as if over protobuf's 2 GB
+    assert res.data_path == tmp_path / "weights.data" and res.data_path in res.files
+    assert res.max_abs_diff < 1e-4 and res.greedy_match_steps == 8
+    pre, dec = (_external(onnx.load(str(p), load_external_data=False)) for p in (res.prefill_path, res.decode_path))
+    assert pre == dec and {loc for loc, _, _ in pre.values()} == {"weights.data"}  # both graphs read the same bytes
+    assert set(res.weight_names.values()) <= set(pre)
+    spans = sorted((off, off + n) for _, off, n in pre.values())
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # every tensor written once, none overlapping
+    written = sum(n for _, _, n in pre.values())
+    assert written <= res.data_path.stat().st_size < written + 64 * 2**10 * len(pre)
+    assert res.prefill_path.stat().st_size < 64 * 2**10  # the graph itself holds no weights
+    runner = OnnxCausalLM(res.prefill_path, res.decode_path)
+    assert runner.serves_prefill and runner.prefill is runner.decode  # one session, prefill as a past of 0
+
+
+def test_missing_or_short_external_data_is_named(tiny_lm, tmp_path):
+    res = export_onnx(tiny_lm, tmp_path, check=False, inline_limit=0)
+    data = res.data_path.read_bytes()
+    res.data_path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ModelLoadError, match="weights.data', which holds .* bytes the graph reads"):
+        load_onnx(res.decode_path)
+    res.data_path.unlink()
+    with pytest.raises(ModelLoadError, match="weights.data', which is missing"):
+        load_onnx(res.prefill_path)

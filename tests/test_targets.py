@@ -162,3 +162,12 @@ def test_graph_panel_inspects_and_stops_netron_on_close(exported_pair, tmp_path)
     assert closed
     bad = GraphPanel(tmp_path / "missing.onnx", target="qnn", serve_netron=False)
     assert bad.run() is None and "does not exist" in bad.error and not bad.inspect_button.disabled
+
+
+def test_inspection_reads_no_external_weights(tiny_model_dir, tmp_path):
+    static = export_onnx(load_model(tiny_model_dir), tmp_path, static=(16, 32), check=False, inline_limit=0)
+    data = static.data_path.read_bytes()
+    static.data_path.write_bytes(b"\0" * len(data))  # same size, no weights: inspection must not need them
+    report = inspect_graph(static.decode_path, "qnn")
+    assert report.ok and report.folded and report.static  # built with constant shapes: nothing left to fold
+    assert report.initializer_bytes > 0.9 * len(data)  # counted from shapes, not read

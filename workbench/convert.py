@@ -435,10 +435,12 @@ def convert(model, target: str, out_dir: str | Path, *, plan: QuantPlan | str | 
         raise PlanError(f"--max-tokens must be at least 2 (one token is predicted from another), got {max_tokens}")
     t0 = time.perf_counter()
     prep = prepared or prepare_models(model, plan=plan, bits=bits, progress=progress)
+    report_seconds = {"prepare": time.perf_counter() - t0}
     release_freed_memory()  # quantization's temporaries: hand their pages back before the graphs are built
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     report = ConversionReport(target, out, [], 0.0, runnable=target in ("ort-int4", "ort-qdq", "mnn", "qnn"))
+    report.details["seconds"] = report_seconds  # per stage; ort-int4 adds its own
     max_pos = getattr(prep.float_lm.model.config, "max_position_embeddings", None)
     if max_pos and static[1] + 1 > max_pos:
         static = (min(static[0], max_pos - 1), max_pos - 1)
@@ -562,6 +564,7 @@ def _convert_ort_int4(prep: PreparedModels, out: Path, report: ConversionReport,
                       say: Callable[[str], None]) -> None:
     """MatMulNBits graphs from the plan's integers; greedy tokens, decode speed and accuracy per accuracy level."""
     from .targets.ort import ACCURACY_LEVELS, build_nbits_onnx
+    seconds, t = report.details["seconds"], time.perf_counter()
     say("building the ONNX Runtime graphs from the plan's integers")
     build = build_nbits_onnx(prep.sim_lm.model, out, prep.qm.precisions, accuracy_level=accuracy_level,
                              progress=progress)
@@ -573,14 +576,18 @@ def _convert_ort_int4(prep: PreparedModels, out: Path, report: ConversionReport,
     if graphs.data_path is not None:
         report.notes.append(f"prefill.onnx and decode.onnx share their weights in {graphs.data_path.name}; the decode "
                             "graph also runs prefill (a past of length 0)")
+    seconds["build"] = time.perf_counter() - t
     release_freed_memory()
+    t = time.perf_counter()
     ev = evaluator()
     release_freed_memory()
+    seconds["reference_and_simulation"] = time.perf_counter() - t
     prompt = prep.float_lm.tokenizer("The workbench measures what each choice costs.",
                                      add_special_tokens=False)["input_ids"]
     report.details["decode_tokens_per_second"], levels = {}, {}
     for level in [accuracy_level] + ([0] if accuracy_level != 0 else []):
         say(f"running accuracy level {level} in onnxruntime")
+        t = time.perf_counter()
         runner = OnnxCausalLM(graphs.prefill_path, graphs.decode_path, threads=1,
                               accuracy_level=None if level == accuracy_level else level)
         if level == accuracy_level:
@@ -595,6 +602,7 @@ def _convert_ort_int4(prep: PreparedModels, out: Path, report: ConversionReport,
                 ev.fill(report, cand, graphs.prefill_path)
         del runner  # one runtime in memory at a time
         release_freed_memory()
+        seconds[f"accuracy_level_{level}"] = time.perf_counter() - t
     if levels:
         report.details["accuracy_levels"] = levels
 
