@@ -60,7 +60,7 @@ CLIP_TOKENS = 512  # tokens used by the per-group clip search (as in the AWQ cod
 CLIP_STEPS = 10  # shrink ratios 1.0, 0.95, ..., 0.55 (1.0 = no clipping)
 # tokens whose activations inside a block are held at once; the loss is summed over chunks, so the
 # result does not depend on it, only memory (smaller) and time (each chunk re-quantizes every alpha)
-DEFAULT_CHUNK_TOKENS = 1024
+DEFAULT_CHUNK_TOKENS = 4096  # each chunk re-quantizes every alpha: fewer chunks, less of that repeated work
 
 
 class _StopForward(Exception):
