@@ -57,7 +57,8 @@ def test_variants_keep_integer_codes_only_within_their_budget(lm):
     assert 0 < small.cached_bytes <= 3 * one_bytes
     assert small.quantized(names[4], "int8") is small.quantized(names[4], "int8")  # most recent: still there
     default = LayerVariants(lm)
-    assert default.cache_bytes == sum(p.numel() * p.element_size() for p in {id(p): p for p in lm.model.parameters()}.values())
+    stored = {id(p): p.numel() * p.element_size() for p in lm.model.parameters()}
+    assert default.cache_bytes == sum(stored.values())
     assert default.quantized("lm_head", "int4") is default.quantized("model.embed_tokens", "int4")  # tied: one copy
 
 

@@ -107,7 +107,6 @@ class ProxyScores:
     reference_perplexity: float
     seconds: float
     samples: int = 1
-    meta: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -186,17 +185,73 @@ def _weight_error(weight: torch.Tensor, fisher: torch.Tensor, precisions: Sequen
     return out
 
 
+def _head_pass(norm: nn.Module, head: nn.Linear, groups: Sequence[_Group], samples: int,
+               gen: torch.Generator) -> tuple[torch.Tensor, float]:
+    """The output layer's Fisher (sum over tokens of p(1 - p) x h^2) and the NLL of the real next tokens.
+
+    Sets each group's ``grads``: the gradient of log p(y), for ``samples`` label sets drawn from
+    the model's own predictions, at the last block's output (through the final norm).
+    """
+    from .compute import float32_weight, widened
+    w_head = float32_weight(head)
+    b_head = None if head.bias is None else head.bias.detach().to(torch.float32)
+    fisher = torch.zeros_like(w_head)
+    nll = 0.0
+    with torch.enable_grad(), widened(norm):
+        for g in groups:
+            last = g.last.clone().requires_grad_(True)
+            hf = norm(last)
+            flat = hf.detach().reshape(-1, hf.shape[-1])
+            sel = g.scored.reshape(-1).nonzero().squeeze(1)
+            targets = g.targets.reshape(-1)
+            grad_hf = torch.zeros(samples, *flat.shape)
+            for chunk in sel.split(HEAD_CHUNK):
+                h = flat[chunk]
+                logp = torch.log_softmax(F.linear(h, w_head, b_head), dim=-1)
+                nll -= float(logp.gather(1, targets[chunk, None]).sum())
+                prob = logp.exp_()
+                fisher.addmm_(torch.addcmul(prob, prob, prob, value=-1).T, h * h)  # p (1 - p)
+                pw = prob @ w_head
+                cdf = prob.cumsum_(-1)  # labels drawn by inverse CDF (prob is not needed again)
+                for s in range(samples):
+                    u = torch.rand(len(chunk), 1, generator=gen) * cdf[:, -1:]
+                    y = torch.searchsorted(cdf, u).clamp_max_(cdf.shape[1] - 1).squeeze(1)
+                    grad_hf[s, chunk] = w_head[y] - pw  # the gradient of log p(y) is onehot(y) - p
+            g.grads = [torch.autograd.grad(hf, last, gs.view_as(hf), retain_graph=True)[0] for gs in grad_hf]
+            g.last = None
+    return fisher, nll
+
+
+def _block_pass(block: nn.Module, index: int, linears: dict[str, nn.Linear],
+                groups: Sequence[_Group]) -> dict[str, torch.Tensor]:
+    """Each linear layer's ``sum_t g_t^2 x_t^2`` in one block; moves every group's ``grads`` to the block's input."""
+    from .compute import widened
+    fishers = {n: torch.zeros(m.weight.shape) for n, m in linears.items()}
+    handles = [m.register_forward_hook(_accumulate(fishers[n])) for n, m in linears.items()]
+    try:
+        with torch.enable_grad(), widened(block):
+            for g in groups:
+                h, args, kwargs = g.inputs[index]
+                x = h.clone().requires_grad_(True)
+                out = _first(block(x, *args, **kwargs))
+                g.grads = [torch.autograd.grad(out, x, gs, retain_graph=k + 1 < len(g.grads))[0]
+                           for k, gs in enumerate(g.grads)]
+                g.inputs[index] = None
+    finally:
+        for hd in handles:
+            hd.remove()
+    return fishers
+
+
 def proxy_scores(lm: LoadedModel, ids: torch.Tensor, precisions: Sequence[str] = ("int8", "int4"), *,
                  group_size: int | None = DEFAULT_GROUP_SIZE, symmetric: bool = True, ctx: int | None = None,
                  samples: int = 1, seed: int = PROXY_SEED, progress: bool = True) -> ProxyScores:
     """Estimated KL of every quantizable layer alone at each precision, from one forward and one backward pass.
 
-    ``samples`` labels are drawn per position for the blocks' Fisher (more: less noise, one more
-    backward pass each).
+    ``samples`` label sets are drawn per position for the blocks' Fisher (more: less noise, one
+    more backward pass each).
     """
     from tqdm.auto import tqdm
-
-    from .compute import float32_weight, widened
     t0 = time.perf_counter()
     model = lm.model
     parts = _parts(model)
@@ -206,82 +261,37 @@ def proxy_scores(lm: LoadedModel, ids: torch.Tensor, precisions: Sequence[str] =
     blocks, norm, head, embed = parts
     names = {id(m): n for n, m in model.named_modules()}
     known = {info.name for info in lm.layers}
-    head_name, embed_name = names[id(head)], names[id(embed)]
     max_pos = getattr(lm.config, "max_position_embeddings", None) or DEFAULT_CTX
-    ctx = min(ctx or DEFAULT_CTX, max_pos, len(ids))
     ids = ids.reshape(-1).long()
-    groups = _groups(ids, ctx)
+    groups = _groups(ids, min(ctx or DEFAULT_CTX, max_pos, len(ids)))
     n_scored = int(sum(g.scored.sum() for g in groups))
     gen = torch.Generator().manual_seed(seed)
     damage: dict[str, dict[str, float]] = {}
-    nll = 0.0
+
+    def score(name: str, weight: torch.Tensor, fisher: torch.Tensor, draws: int, rows=None) -> None:
+        if name in known:
+            damage[name] = _weight_error(weight, fisher.div_(n_scored * draws), precisions, group_size, symmetric,
+                                         rows)
+
     with tqdm(total=len(groups) + 1 + len(blocks), desc="proxy score", unit="step",
               disable=not progress, leave=False) as bar:
         for g in groups:
             _record(model, blocks, head, g)
             bar.update(1)
-        # output layer: exact Fisher p(1 - p) of the logits; gradient of log p(y) for labels drawn from p
-        w_head = float32_weight(head)
-        b_head = None if head.bias is None else head.bias.detach().to(torch.float32)
-        fisher = torch.zeros_like(w_head)
-        grads_at_norm = []
-        with torch.enable_grad(), widened(norm):
-            for g in groups:
-                last = g.last.clone().requires_grad_(True)
-                hf = norm(last)
-                flat = hf.detach().reshape(-1, hf.shape[-1])
-                sel = g.scored.reshape(-1).nonzero().squeeze(1)
-                targets = g.targets.reshape(-1)
-                grad_hf = torch.zeros(samples, *flat.shape)
-                for chunk in sel.split(HEAD_CHUNK):
-                    h = flat[chunk]
-                    logp = torch.log_softmax(F.linear(h, w_head, b_head), dim=-1)
-                    nll -= float(logp.gather(1, targets[chunk, None]).sum())
-                    prob = logp.exp_()
-                    fisher.addmm_((prob * (1 - prob)).T, h * h)
-                    for s in range(samples):
-                        y = torch.multinomial(prob, 1, generator=gen).squeeze(1)
-                        d = -prob
-                        d[torch.arange(len(chunk)), y] += 1
-                        grad_hf[s, chunk] = d @ w_head
-                grads_at_norm.append([torch.autograd.grad(hf, last, gs.view_as(hf), retain_graph=True)[0]
-                                      for gs in grad_hf])
-        del w_head
-        if head_name in known:
-            damage[head_name] = _weight_error(head.weight, fisher.div_(n_scored), precisions, group_size, symmetric)
+        fisher, nll = _head_pass(norm, head, groups, samples, gen)
+        score(names[id(head)], head.weight, fisher, 1)  # the exact expectation: no draws to average
         del fisher
         bar.update(1)
-        # blocks, from the top: recompute each from its recorded input, backpropagate the drawn labels' gradients
-        for g, grads in zip(groups, grads_at_norm):
-            g.grads = grads
-        for i in reversed(range(len(blocks))):
-            block = blocks[i]
-            linears = {names[id(m)]: m for m in block.modules() if isinstance(m, nn.Linear) and names[id(m)] in known}
-            fishers = {n: torch.zeros(m.weight.shape) for n, m in linears.items()}
-            handles = [m.register_forward_hook(_accumulate(fishers[n])) for n, m in linears.items()]
-            try:
-                with torch.enable_grad(), widened(block):
-                    for g in groups:
-                        h, args, kwargs = g.inputs[i]
-                        x = h.clone().requires_grad_(True)
-                        out = _first(block(x, *args, **kwargs))
-                        g.grads = [torch.autograd.grad(out, x, gs, retain_graph=k + 1 < samples)[0]
-                                   for k, gs in enumerate(g.grads)]
-                        g.inputs[i] = None
-            finally:
-                for hd in handles:
-                    hd.remove()
-            for n, m in linears.items():
-                damage[n] = _weight_error(m.weight, fishers[n].div_(n_scored * samples), precisions, group_size,
-                                          symmetric)
-            del fishers
+        for i in reversed(range(len(blocks))):  # from the top, each block recomputed from its recorded input
+            linears = {names[id(m)]: m for m in blocks[i].modules() if isinstance(m, nn.Linear)}
+            for n, f in _block_pass(blocks[i], i, linears, groups).items():
+                score(n, linears[n].weight, f, samples)
             bar.update(1)
-        if embed_name in known:  # the gradient at block 0's input is the embedding output's (Llama/Qwen)
-            rows, inverse = torch.unique(torch.cat([g.ids.reshape(-1) for g in groups]), return_inverse=True)
-            g2 = torch.cat([sum(gs.square() for gs in g.grads).reshape(-1, g.grads[0].shape[-1]) for g in groups])
-            fe = torch.zeros(len(rows), g2.shape[1]).index_add_(0, inverse, g2)
-            damage[embed_name] = _weight_error(embed.weight, fe.div_(n_scored * samples), precisions, group_size,
-                                               symmetric, rows=rows)
+        # the gradient at block 0's input is the embedding output's (Llama/Qwen); only the rows used have Fisher
+        rows, inverse = torch.unique(torch.cat([g.ids.reshape(-1) for g in groups]), return_inverse=True)
+        g2 = torch.cat([sum(gs.square() for gs in g.grads).reshape(-1, g.grads[0].shape[-1]) for g in groups])
+        score(names[id(embed)], embed.weight, torch.zeros(len(rows), g2.shape[1]).index_add_(0, inverse, g2),
+              samples, rows)
     ordered = {info.name: damage[info.name] for info in lm.layers if info.name in damage}
     return ProxyScores(ordered, n_scored, math.exp(nll / n_scored), time.perf_counter() - t0, samples)
 
