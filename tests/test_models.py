@@ -113,3 +113,71 @@ def test_quantizable_layers_marks_untied(make_tiny_model):
     lm = load_model(make_tiny_model(tie=False))
     assert lm.layer("lm_head").tied_to is None
     assert [i.kind for i in quantizable_layers(lm.model)].count("embedding") == 1
+
+
+def _edit_weights(d, edit):
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(d / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_weights_that_do_not_cover_the_model_are_refused_by_name(make_tiny_model):
+    """Never a randomly initialised layer: missing, unexpected and reshaped tensors are named (first few + count)."""
+    def case(config=None, weights=None):
+        d = make_tiny_model("llama")
+        if config:
+            cfg = json.loads((d / "config.json").read_text())
+            (d / "config.json").write_text(json.dumps({**cfg, **config}))
+        if weights:
+            _edit_weights(d, weights)
+        return d
+
+    gpt2 = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_embd": 64, "n_layer": 2, "n_head": 4}
+    with pytest.raises(ModelLoadError, match=r"do not match the model its config.json describes: \d+ missing "
+                                             r"\(lm_head.weight, transformer\..* and \d+ more\); \d+ unexpected "
+                                             r"\(model.embed_tokens.weight, .* and \d+ more\) tensors"):
+        load_model(case(config=gpt2))
+    with pytest.raises(ModelLoadError, match=r"6 with another shape \(model.layers.0.mlp.down_proj.weight "
+                                             r"\[64, 128\] vs \[64, 96\], .* and 3 more\)"):
+        load_model(case(config={"intermediate_size": 96}))
+    with pytest.raises(ModelLoadError, match=r": 1 missing \(model.layers.0.mlp.up_proj.weight\) tensors"):
+        load_model(case(weights=lambda t: t.pop("model.layers.0.mlp.up_proj.weight")))
+    with pytest.raises(ModelLoadError, match=r": 1 unexpected \(model.layers.0.mlp.extra\) tensors"):
+        load_model(case(weights=lambda t: t.update({"model.layers.0.mlp.extra": torch.zeros(2)})))
+    with pytest.raises(ModelLoadError, match=r": 1 missing \(lm_head.weight\) tensors"):
+        load_model(case(config={"tie_word_embeddings": False}))  # a tied checkpoint read as untied
+
+
+def test_pickled_weights_that_do_not_cover_the_model_are_refused(tiny_model_dir, tmp_path):
+    d = tmp_path / "bin"
+    shutil.copytree(tiny_model_dir, d)
+    state = load_model(tiny_model_dir).model.state_dict()
+    del state["model.norm.weight"]
+    (d / "model.safetensors").unlink()
+    torch.save(state, d / "pytorch_model.bin")
+    with pytest.raises(ModelLoadError, match=r"1 missing \(model.norm.weight\)"):
+        load_model(d)
+
+
+def test_a_quantized_directory_loads_as_the_quantized_model(tiny_model_dir, tmp_path):
+    from workbench.plan import QuantPlan
+    from workbench.quantize import quantize_model
+    from workbench.quantize.layers import QuantLinear
+    lm = load_model(tiny_model_dir)
+    qm = quantize_model(lm, QuantPlan.uniform("int4", group_size=32), progress=False)
+    out = qm.save(tmp_path / "q")
+    q = load_model(out)
+    assert q.quantized is not None and q.quantized.precisions == qm.precisions and q.name == str(out)
+    assert isinstance(q.model.model.layers[0].mlp.down_proj, QuantLinear)
+    assert [(i.name, i.kind, i.shape, i.tied_to) for i in quantizable_layers(q.model)] == \
+        [(i.name, i.kind, i.shape, i.tied_to) for i in lm.layers]
+    assert q.parameters == lm.parameters and q.size_bytes(precision="int4") == lm.size_bytes(precision="int4")
+    assert lm.quantized is None and load_model(out, load_tokenizer=False).tokenizer is None
+    lm.require_float("sensitivity")
+    with pytest.raises(ModelLoadError, match=r"is already quantized \(rtn\); run sensitivity on the float model it "
+                                             r"was made from \(.*qwen3\)"):
+        q.require_float("sensitivity")
+    x = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        assert torch.equal(q.model(x).logits, qm.build_model()(x).logits)

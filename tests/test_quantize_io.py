@@ -1,16 +1,19 @@
-"""Save and reload: same logits, same perplexity, packed int4 on disk, clear errors for broken directories."""
+"""Save and reload: same logits, same perplexity, compressed-tensors packing on disk, refusal of any directory
+whose tensors do not cover its model, and transformers loading the same logits (or refusing loudly)."""
 import copy
 import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from workbench.errors import ModelLoadError, WorkspaceError
 from workbench.evaluate import evaluate
 from workbench.models import load_model
 from workbench.plan import QuantPlan
-from workbench.quantize import load_quantized, quantize_model
+from workbench.quantize import load_quantized, pack_int4, quantize_model
+from workbench.quantize.io import _write_manifest, pack_int32, unpack_int32
+from workbench.quantize.layers import QuantEmbedding, QuantLinear
 
 
 @pytest.fixture(scope="module")
@@ -23,6 +26,16 @@ def _ids(n=300, seed=0):
     return torch.randint(0, 4096, (n,), generator=torch.Generator().manual_seed(seed))
 
 
+def _rewrite(out, edit):
+    """Change the tensors of a saved directory and refresh its manifest, as a careless copy tool would."""
+    meta = json.loads((out / "quantization.json").read_text())
+    path = out / meta["weights_file"]
+    tensors = load_file(path)
+    edit(tensors)
+    save_file(tensors, path, metadata={"format": "pt"})
+    _write_manifest(out, {"method": meta["method"], "source": meta["source"]})
+
+
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_reload_gives_the_same_logits_and_perplexity(tiny, tmp_path, symmetric):
     plan = (QuantPlan.uniform("int4", group_size=32, symmetric=symmetric)
@@ -31,12 +44,13 @@ def test_reload_gives_the_same_logits_and_perplexity(tiny, tmp_path, symmetric):
     simulated = qm.apply_(copy.deepcopy(tiny.model))
     out = qm.save(tmp_path / "q")
     lm2, qm2 = load_quantized(out)
-    assert qm2.precisions == qm.precisions
+    assert qm2.precisions == qm.precisions and lm2.quantized is qm2 and qm2.source is lm2
     ids = _ids()
     with torch.no_grad():
         a = simulated(input_ids=ids[None, :128]).logits
         b = lm2.model(input_ids=ids[None, :128]).logits
-    assert torch.equal(a, b)
+        c = qm.build_model()(input_ids=ids[None, :128]).logits
+    assert torch.equal(a, b) and torch.equal(b, c)
     ra = evaluate(simulated, ids, ctx=128, progress=False)
     rb = evaluate(lm2.model, ids, ctx=128, progress=False)
     assert ra.perplexity == rb.perplexity
@@ -44,24 +58,125 @@ def test_reload_gives_the_same_logits_and_perplexity(tiny, tmp_path, symmetric):
     assert lm2.tokenizer is not None
 
 
-def test_files_hold_packed_int4_and_a_manifest(tiny, tmp_path):
+def test_loaded_model_computes_from_the_codes_in_the_stored_dtype(make_tiny_model, tmp_path):
+    """No float copy of an integer layer; float tensors in the checkpoint's dtype, computing in float32."""
+    from transformers import AutoModelForCausalLM
+
+    from workbench.compute import float32_compute_enabled
+    src = make_tiny_model("qwen2", tie=False)  # q/k/v biases, untied head
+    AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).save_pretrained(src)
+    lm = load_model(src)
+    qm = quantize_model(lm, QuantPlan.uniform("int4", group_size=32).with_override("lm_head", "int8"), progress=False)
+    out = qm.save(tmp_path / "q")
+    lm2 = load_model(out)
+    assert lm2.quantized is not None and float32_compute_enabled(lm2.model)
+    q_proj = lm2.model.model.layers[0].self_attn.q_proj
+    assert isinstance(q_proj, QuantLinear) and q_proj.bias.dtype == torch.bfloat16
+    assert isinstance(lm2.model.lm_head, QuantLinear) and lm2.model.lm_head.bits == 8
+    assert {p.dtype for p in lm2.model.parameters()} == {torch.bfloat16}  # fp16 layers: bf16 values fit float16
+    float_bytes = sum(p.numel() * p.element_size() for p in lm2.model.parameters())
+    assert float_bytes < 0.6 * sum(p.numel() * p.element_size() for p in lm.model.parameters())
+    assert [(i.name, i.kind, i.shape, i.tied_to) for i in lm2.layers] == \
+        [(i.name, i.kind, i.shape, i.tied_to) for i in lm.layers]
+    assert lm2.parameters == lm.parameters
+    ids = _ids()[None, :96]
+    with torch.no_grad():
+        assert torch.equal(lm2.model(input_ids=ids).logits, qm.build_model()(input_ids=ids).logits)
+
+
+def test_files_hold_compressed_tensors_packing_and_a_manifest(tiny, tmp_path):
     qm = quantize_model(tiny, QuantPlan.uniform("int4", group_size=32, symmetric=False), progress=False)
     out = qm.save(tmp_path / "q", report={"note": "x"})
     names = {p.name for p in out.iterdir()}
-    assert {"config.json", "tokenizer.json", "model.safetensors", "quantized.safetensors", "plan.json",
-            "quantization.json", "report.json", "manifest.json"} <= names
-    q = load_file(out / "quantized.safetensors")
-    qw = q["model.layers.0.mlp.gate_proj.qweight"]
-    assert qw.dtype == torch.uint8 and tuple(qw.shape) == (128, 32)  # [out, in / 2]
-    assert q["model.layers.0.mlp.gate_proj.scales"].dtype == torch.float16
-    assert tuple(q["model.layers.0.mlp.gate_proj.zeros"].shape) == (128, 1)  # 2 groups, packed two per byte
-    assert not any(k.endswith(".qweight") for k in load_file(out / "model.safetensors"))
+    assert {"config.json", "tokenizer.json", "model.safetensors", "plan.json", "quantization.json", "report.json",
+            "manifest.json"} == names - {"tokenizer_config.json"}
+    t = load_file(out / "model.safetensors")
+    name = "model.layers.0.mlp.gate_proj"  # [128, 64]: 2 groups of 32
+    assert t[f"{name}.weight_packed"].dtype == torch.int32 and tuple(t[f"{name}.weight_packed"].shape) == (128, 8)
+    assert t[f"{name}.weight_scale"].dtype == torch.float16 and tuple(t[f"{name}.weight_scale"].shape) == (128, 2)
+    assert tuple(t[f"{name}.weight_zero_point"].shape) == (16, 2)  # packed along the output axis
+    assert t[f"{name}.weight_shape"].tolist() == [128, 64]
+    assert f"{name}.weight" not in t and "model.norm.weight" in t and "lm_head.weight" not in t  # tied: once
+    qw = qm.weights[name]
+    assert torch.equal(unpack_int32(t[f"{name}.weight_packed"], 4, 64), qw.storage_codes())
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert config["quant_method"] == "compressed-tensors" and config["format"] == "pack-quantized"
+    (group,) = config["config_groups"].values()
+    assert group["weights"] == {"num_bits": 4, "type": "int", "symmetric": False, "strategy": "group",
+                                "group_size": 32, "dynamic": False}
+    assert len(group["targets"]) == 14 and name in group["targets"]
+    meta = json.loads((out / "quantization.json").read_text())
+    assert meta["version"] == 2 and meta["weights_file"] == "model.safetensors" and meta["transformers"]["loads"]
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["files"]["quantized.safetensors"]["size"] == (out / "quantized.safetensors").stat().st_size
+    assert manifest["files"]["model.safetensors"]["size"] == (out / "model.safetensors").stat().st_size
     assert QuantPlan.load(out / "plan.json") == qm.plan
     # integer bytes on disk match the accounting: packed codes + float16 scales + packed zeros
-    expected = sum(w.storage_bytes() for n, w in qm.weights.items() if n != "lm_head")
-    assert sum(t.numel() * t.element_size() for t in q.values()) == expected
+    integer = [k for k in t if k.rsplit(".", 1)[1] in ("weight_packed", "weight_scale", "weight_zero_point")]
+    assert sum(t[k].numel() * t[k].element_size() for k in integer) == sum(w.storage_bytes() for w in qm.weights.values()
+                                                                          if w is not qm.weights.get("lm_head"))
+
+
+@pytest.mark.parametrize("bits,shape", [(4, (5, 37)), (4, (3, 64)), (8, (4, 30)), (8, (2, 8))])
+def test_int32_packing_round_trips_and_matches_int4_byte_packing(bits, shape):
+    codes = torch.randint(0, 1 << bits, shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    packed = pack_int32(codes, bits)
+    assert packed.dtype == torch.int32 and packed.shape == (shape[0], -(-shape[1] * bits // 32))
+    assert torch.equal(unpack_int32(packed, bits, shape[1]), codes)
+    assert torch.equal(unpack_int32(pack_int32(codes.t(), bits).t().contiguous().t(), bits, shape[0]), codes.t())
+    if bits == 4 and shape[1] % 8 == 0:  # the first code in the lowest bits: the int4 byte packing, four bytes a word
+        assert torch.equal(packed.flatten().view(torch.uint8).view(shape[0], -1), pack_int4(codes))
+
+
+def test_packing_matches_compressed_tensors():
+    helpers = pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers")
+    for bits in (4, 8):
+        codes = torch.randint(0, 1 << bits, (6, 45), dtype=torch.uint8)
+        signed = (codes.to(torch.int16) - (1 << (bits - 1))).to(torch.int8)
+        assert torch.equal(pack_int32(codes, bits), helpers.pack_to_int32(signed, bits))
+        assert torch.equal(pack_int32(codes.t(), bits).t(), helpers.pack_to_int32(signed, bits, packed_dim=0))
+
+
+@pytest.mark.parametrize("plan", [QuantPlan.uniform("int4", group_size=32),
+                                  QuantPlan.uniform("int8", group_size=None, symmetric=False)
+                                  .with_override("lm_head", "int4").with_override("*.v_proj", "fp16")],
+                         ids=["int4", "mixed-untied"])
+def test_transformers_loads_the_same_logits_or_fails_loudly(tiny, tmp_path, plan):
+    """With compressed-tensors installed, plain transformers gives the workbench's logits; without it, an ImportError."""
+    from transformers import AutoModelForCausalLM
+    qm = quantize_model(tiny, plan, progress=False)
+    out = qm.save(tmp_path / "q")
+    ids = _ids()[None, :64]
+    try:
+        import compressed_tensors  # noqa: F401
+    except ImportError:
+        with pytest.raises(ImportError, match="compressed-tensors"):
+            AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+        return
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    with torch.no_grad():
+        ours = load_model(out).model(input_ids=ids).logits
+        theirs = model(input_ids=ids).logits
+    assert (ours - theirs).abs().max() < 1e-4
+
+
+def test_integer_embeddings_are_kept_out_of_transformers_reach(tiny, tmp_path):
+    """transformers cannot build a pack-quantized embedding: it finds no weights file and says so."""
+    from transformers import AutoModelForCausalLM
+    qm = quantize_model(tiny, QuantPlan.uniform("int8", keep_embeddings=None, group_size=32), progress=False)
+    out = qm.save(tmp_path / "q")
+    meta = json.loads((out / "quantization.json").read_text())
+    assert meta["weights_file"] == "workbench.safetensors" and not meta["transformers"]["loads"]
+    assert "Embedding" in meta["transformers"]["why_not"]
+    assert not (out / "model.safetensors").exists()
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    with pytest.raises(OSError, match="no file named model.safetensors"):
+        AutoModelForCausalLM.from_pretrained(out)
+    lm2 = load_model(out)
+    assert isinstance(lm2.model.model.embed_tokens, QuantEmbedding) and isinstance(lm2.model.lm_head, QuantLinear)
+    assert lm2.layer("lm_head").tied_to == "model.embed_tokens"
+    ids = _ids()[None, :64]
+    with torch.no_grad():
+        assert torch.equal(lm2.model(input_ids=ids).logits, qm.build_model()(input_ids=ids).logits)
 
 
 def test_saving_replaces_an_earlier_result_but_not_a_foreign_directory(tiny, tmp_path):
@@ -77,16 +192,101 @@ def test_saving_replaces_an_earlier_result_but_not_a_foreign_directory(tiny, tmp
     assert not [p for p in tmp_path.iterdir() if ".partial-" in p.name]
 
 
+def test_a_loaded_quantized_model_saves_again_to_the_same_files(tiny, tmp_path):
+    qm = quantize_model(tiny, QuantPlan.uniform("int4", group_size=32), progress=False)
+    first = qm.save(tmp_path / "a")
+    _, qm2 = load_quantized(first)
+    second = qm2.save(tmp_path / "b")
+    a, b = load_file(first / "model.safetensors"), load_file(second / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_broken_directories_give_clear_errors(tiny, tmp_path):
     with pytest.raises(ModelLoadError, match="does not exist"):
         load_quantized(tmp_path / "missing")
     qm = quantize_model(tiny, QuantPlan.uniform("int8", group_size=32), progress=False)
     out = qm.save(tmp_path / "q")
-    data = bytearray((out / "quantized.safetensors").read_bytes())
+    data = bytearray((out / "model.safetensors").read_bytes())
     data[-1] ^= 0xFF
-    (out / "quantized.safetensors").write_bytes(bytes(data))
-    with pytest.raises(ModelLoadError, match="quantized.safetensors' is missing or differs from the manifest"):
+    (out / "model.safetensors").write_bytes(bytes(data))
+    with pytest.raises(ModelLoadError, match="model.safetensors' is missing or differs from the manifest"):
         load_quantized(out)
+    with pytest.raises(ModelLoadError, match="model.safetensors' is missing or differs from the manifest"):
+        load_model(out)
     (out / "plan.json").unlink()
     with pytest.raises(ModelLoadError, match="has no plan.json: not a complete quantized model"):
         load_quantized(out)
+
+
+def test_missing_extra_or_reshaped_tensors_are_refused_by_name(tiny, tmp_path):
+    """A tensor gone, added or reshaped (manifest refreshed, so only the tensors tell) is refused, never random."""
+    qm = quantize_model(tiny, QuantPlan.uniform("int4", group_size=32), progress=False)
+    cases = {
+        "missing": (lambda t: t.pop("model.layers.1.mlp.up_proj.weight_scale"),
+                    r"1 missing \(model\.layers\.1\.mlp\.up_proj\.weight_scale\)"),
+        "missing-float": (lambda t: t.pop("model.norm.weight"), r"1 missing \(model\.norm\.weight\)"),
+        "unexpected": (lambda t: t.update({"model.layers.0.extra": torch.zeros(2)}),
+                       r"1 unexpected \(model\.layers\.0\.extra\)"),
+        "reshaped": (lambda t: t.update({"model.layers.0.input_layernorm.weight": torch.ones(32)}),
+                     r"with another shape \(model\.layers\.0\.input_layernorm\.weight \[32\] vs \[64\]\)"),
+        "repacked": (lambda t: t.update({"model.layers.0.mlp.down_proj.weight_packed": torch.zeros(64, 8,
+                                                                                                   dtype=torch.int32)}),
+                     r"model\.layers\.0\.mlp\.down_proj\.weight_packed \[64, 8\] vs \[64, 16\]"),
+    }
+    for case, (edit, message) in cases.items():
+        out = qm.save(tmp_path / case)
+        _rewrite(out, edit)
+        with pytest.raises(ModelLoadError, match="do not match the model its config.json describes: .*" + message):
+            load_model(out)
+        with pytest.raises(ModelLoadError, match=message):
+            load_quantized(out, verify=False)
+
+
+def test_a_config_that_does_not_match_the_quantized_weights_is_refused(tiny, tmp_path):
+    qm = quantize_model(tiny, QuantPlan.uniform("int4", group_size=32), progress=False)
+    out = qm.save(tmp_path / "q")
+    cfg = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 96}))
+    _write_manifest(out, {})
+    with pytest.raises(ModelLoadError, match=r"6 with another shape \(model\.layers\.0\.mlp\.down_proj\.weight "
+                                             r"\[64, 128\] vs \[64, 96\]"):
+        load_model(out)
+    (out / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 1, "layer_types": cfg["layer_types"][:1]}))
+    _write_manifest(out, {})
+    with pytest.raises(ModelLoadError, match=r"7 unexpected \(model\.layers\.1\.mlp\.down_proj\.weight"):
+        load_model(out)
+    (out / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 1}))
+    _write_manifest(out, {})
+    with pytest.raises(ModelLoadError, match="could not build the model .*config.json.*num_hidden_layers"):
+        load_model(out)
+
+
+def test_version_1_directories_still_load(tiny, tmp_path):
+    """The earlier layout: float model.safetensors beside quantized.safetensors (qweight / scales / zeros)."""
+    qm = quantize_model(tiny, QuantPlan.uniform("int4", group_size=32, symmetric=False)
+                        .with_override("*.down_proj", "int8"), progress=False)
+    out = qm.save(tmp_path / "q")
+    t = load_file(out / "model.safetensors")
+    floats = {k: v for k, v in t.items() if not k.rsplit(".", 1)[1].startswith("weight_")}
+    quant = {}
+    for name, qw in qm.weights.items():
+        if name == "lm_head":
+            continue
+        codes = qw.storage_codes()
+        quant[f"{name}.qweight"] = pack_int4(codes) if qw.bits == 4 else qw.qweight.clone()
+        quant[f"{name}.scales"] = qw.scales.to(torch.float16)
+        quant[f"{name}.zeros"] = pack_int4(qw.zeros) if qw.bits == 4 else qw.zeros.clone()
+    save_file(floats, out / "model.safetensors", metadata={"format": "pt"})
+    save_file({k: v.contiguous() for k, v in quant.items()}, out / "quantized.safetensors", metadata={"format": "x"})
+    meta = json.loads((out / "quantization.json").read_text())
+    meta.update(version=1)
+    del meta["weights_file"], meta["transformers"]
+    (out / "quantization.json").write_text(json.dumps(meta))
+    cfg = json.loads((out / "config.json").read_text())
+    del cfg["quantization_config"]
+    (out / "config.json").write_text(json.dumps(cfg))
+    _write_manifest(out, {})
+    lm2 = load_model(out)
+    ids = _ids()[None, :64]
+    with torch.no_grad():
+        assert torch.equal(lm2.model(input_ids=ids).logits, qm.build_model()(input_ids=ids).logits)

@@ -135,6 +135,13 @@ class LoadedModel:
                         if isinstance(m, (QuantLinear, QuantEmbedding))})
         return sum(t.numel() for t in tensors.values())
 
+    def require_float(self, step: str) -> None:
+        """Refuse, in one line, a step that re-quantizes (sensitivity, plan) on an already quantized model."""
+        if self.quantized is not None:
+            source = _quantized_source(self.path)
+            raise ModelLoadError(f"'{self.path}' is already quantized ({self.quantized.method}); run {step} on the "
+                                 f"float model it was made from{f' ({source})' if source else ''}")
+
     def layer(self, name: str) -> LayerInfo:
         for info in self.layers:
             if info.name == name:
@@ -165,6 +172,13 @@ class LoadedModel:
         assignments = {n: precision for n in names} if precision else plan.resolve(names) if plan else {}
         group_size, symmetric = (plan.group_size, plan.symmetric) if plan else (DEFAULT_GROUP_SIZE, True)
         return self.layer_bytes(assignments, group_size, symmetric) + self.other_bytes
+
+
+def _quantized_source(path: Path) -> str | None:
+    try:
+        return json.loads((Path(path) / "quantization.json").read_text(encoding="utf-8")).get("source")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def check_safetensors_file(path: Path) -> None:

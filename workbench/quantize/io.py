@@ -451,14 +451,14 @@ def load_quantized(directory: str | Path, *, verify: bool = True, dtype: str | t
         check_safetensors_file(d / name)
     raw_cfg = _read_json(d / "config.json")
     torch_dtype = resolve_dtype(dtype, raw_cfg)
-    config = AutoConfig.from_pretrained(d, local_files_only=True, trust_remote_code=trust_remote_code)
-    if hasattr(config, "quantization_config"):  # for transformers' own loader; the integer layers are built here
-        del config.quantization_config
     try:
+        config = AutoConfig.from_pretrained(d, local_files_only=True, trust_remote_code=trust_remote_code)
+        if hasattr(config, "quantization_config"):  # for transformers' own loader; the integer layers are built here
+            del config.quantization_config
         skeleton = _skeleton(config, torch_dtype, trust_remote_code)
     except Exception as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ModelLoadError(f"could not build the model '{d / 'config.json'}' describes: {first}") from e
+        why = " ".join(str(e).split())[:300] or type(e).__name__
+        raise ModelLoadError(f"could not build the model '{d / 'config.json'}' describes: {why}") from e
     params = dict(skeleton.named_parameters(remove_duplicate=False))
     buffers = dict(skeleton.named_buffers())
     tensors = _Tensors([d / f for f in files])

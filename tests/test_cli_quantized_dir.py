@@ -1,0 +1,43 @@
+"""What you measure is what you ship: a `workbench quantize` directory given to later steps is the quantized model."""
+import json
+
+import pytest
+
+from workbench.cli import main
+
+
+@pytest.fixture
+def heldout(tmp_path):
+    from workbench.models import demo_text_path
+    p = tmp_path / "heldout.txt"
+    p.write_text(demo_text_path("heldout").read_text(encoding="utf-8")[:3000], encoding="utf-8")
+    return p
+
+
+@pytest.mark.parametrize("bits", ["4", "8"])
+def test_eval_of_a_quantize_output_equals_its_report(tiny_model_dir, tmp_path, heldout, capsys, bits):
+    out = tmp_path / "q"
+    assert main(["quantize", str(tiny_model_dir), "--out", str(out), "--bits", bits, "--group-size", "32",
+                 "--text", str(heldout), "--ctx", "128", "--json"]) == 0
+    capsys.readouterr()
+    report = json.loads((out / "report.json").read_text())
+    assert main(["eval", str(out), "--text", str(heldout), "--ctx", "128", "--json"]) == 0
+    measured = json.loads(capsys.readouterr().out)
+    assert measured["tokens"] == report["tokens"]
+    # the same model; only the summation order of the two evaluation paths differs
+    assert measured["perplexity"] == pytest.approx(report["perplexity"], rel=1e-6)
+    assert measured["perplexity"] != pytest.approx(report["reference_perplexity"], rel=1e-6)
+    assert main(["info", str(out), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert "model.layers.0.mlp.down_proj" in json.dumps(info)
+
+
+def test_a_mismatched_directory_exits_with_the_tensor_names(tiny_model_dir, tmp_path, capsys):
+    import shutil
+    d = tmp_path / "m"
+    shutil.copytree(tiny_model_dir, d)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 96}))
+    assert main(["eval", str(d), "--json"]) != 0
+    err = capsys.readouterr().err
+    assert "model.layers.0.mlp.down_proj.weight [64, 128] vs [64, 96]" in err
