@@ -1,21 +1,42 @@
-"""The app without a browser: load, bad path, sweep, a plan handed from Precisions to Quantize and Export."""
+"""The app without a browser: one session shared by every tab, AWQ from Quantize to Export, the run's archive."""
+import json
+import zipfile
+from dataclasses import replace
+
 import pytest
 
+from workbench.models import load_model
+from workbench.plan import QuantPlan
 from workbench.ui.app import TAB_TITLES, WorkbenchApp
+from workbench.ui.session import AppSession, plan_hash
+
+EVAL_TOKENS = 512
 
 
 @pytest.fixture
 def app(tiny_model_dir, workspace, tmp_path):
-    a = WorkbenchApp(str(tiny_model_dir), samples=4, seq_len=32, sweep_tokens=64, out_dir=tmp_path / "out",
-                     workspace=workspace)
+    a = WorkbenchApp(str(tiny_model_dir), samples=4, seq_len=32, sweep_tokens=64, eval_tokens=EVAL_TOKENS,
+                     finetune_steps=2, out_dir=tmp_path / "run", workspace=workspace)
     assert a.load() is not None and a.error is None
     return a
 
 
-def test_load_builds_every_tab(app):
+def test_load_builds_every_tab_on_one_session(app, tmp_path):
     assert [app.tabs.get_title(i) for i in range(len(TAB_TITLES))] == list(TAB_TITLES)
-    assert app.tabs.children[0] is app.calibrate_panel and app.tabs.children[3] is app.convert_panel
-    assert app.quantize_panel.bits.value == 4 and app.convert_panel.bits == 4
+    assert app.tabs.children[1] is app.calibrate_panel and app.tabs.children[4] is app.convert_panel
+    s = app.session
+    assert s.lm is app.lm and s.plan == QuantPlan.uniform("int4") and s.quantized is None
+    assert app.quantize_panel.session is s and app.convert_panel.session is s and app.profile_panel.session is s
+    assert app.quantize_panel.bits.value == "plan" and app.quantize_panel.current_plan() == s.plan
+    assert app.override_panel.plan == s.plan
+    assert f"plan {plan_hash(s.plan)}" in app.precisions_label.value and "none yet" in app.precisions_label.value
+    assert s.out_dir == (tmp_path / "run").resolve()
+
+
+def test_default_outputs_are_under_the_workspace(tiny_model_dir, workspace):
+    a = WorkbenchApp(str(tiny_model_dir), workspace=workspace)
+    assert a.out_dir.is_absolute() and a.out_dir.parent == (workspace.root / "app").resolve()
+    assert not a.out_dir.exists()  # nothing is written before something is made
 
 
 def test_bad_model_path_is_a_status_line_not_a_traceback(tmp_path, workspace):
@@ -25,19 +46,121 @@ def test_bad_model_path_is_a_status_line_not_a_traceback(tmp_path, workspace):
     assert a.run_sensitivity() is None and a.error == "load a model first"
 
 
-def test_sweep_then_plan_reaches_quantize_and_export(app):
+def test_quantize_keeps_the_plans_settings(app):
+    name = app.lm.layers[0].name
+    plan = replace(QuantPlan.uniform("int4").with_override(name, "fp16"), group_size=32, symmetric=False,
+                   method="awq")
+    app.override_panel.set_plan(plan)
+    app.use_plan()
+    q = app.quantize_panel
+    assert (q.method.value, q.group_size.value, q.symmetric.value, q.bits.value) == ("awq", 32, False, "plan")
+    assert q.current_plan() == plan == app.session.plan
+
+
+def test_sweep_then_plan_reaches_quantize_and_precisions_follows_quantize(app):
     report = app.run_sensitivity()
-    assert report is not None and app.override_panel.sensitivity is report
-    assert len(report.layers) == len(app.lm.layers)
+    assert report is not None and app.override_panel.sensitivity is report is app.session.sensitivity
     name = app.lm.layers[0].name
     app.override_panel.dropdowns[name].value = "fp16"
     plan = app.use_plan()
-    assert plan.precision_name_for(name) == "fp16"
-    assert app.quantize_panel.bits.value == "plan" and app.quantize_panel.current_plan().precision_name_for(name) == "fp16"
-    assert app.convert_panel.plan is plan and app.convert_panel.bits is None
-    assert app.tabs.children[2] is app.quantize_panel and "bits/weight" in app.plan_label.value
+    assert plan.precision_name_for(name) == "fp16" and app.session.plan is plan
+    assert app.quantize_panel.current_plan().precision_name_for(name) == "fp16"
+    assert "bits/weight" in app.plan_label.value
+    app.quantize_panel.bits.value = 8  # Quantize runs another plan: it becomes the session's, Precisions shows it
+    assert app.quantize_panel.run() is not None
+    assert app.session.plan == QuantPlan.uniform("int8") == app.override_panel.plan
+    assert app.session.quantized.plan == app.session.plan and app.quantize_panel.bits.value == "plan"
+    app.override_panel.dropdowns[name].value = "int4"
+    app.use_plan()
+    assert "is not of the current plan" in app.precisions_label.value
 
 
-def test_profile_tab_times_what_export_writes(app):
-    assert app.tabs.children[4] is app.profile_panel
-    assert app.profile_panel.directory.value == str(app.out_dir / "convert") == app.convert_panel.out_dir.value
+def test_precisions_evaluate_says_rtn_preview_for_an_awq_plan(app):
+    app.override_panel.set_plan(replace(app.session.plan, method="awq"))
+    point = app.override_panel.evaluate()
+    assert point is not None and "RTN preview" in point.label
+    assert "RTN preview" in app.override_panel.result_label.value
+
+
+def test_awq_from_quantize_is_what_export_converts(app):
+    """Quantize with AWQ in the app, convert to ort-int4: the simulation Export compares with is that AWQ model."""
+    assert app.calibrate_panel.run() is not None
+    app.quantize_panel.method.value = "awq"
+    cost = app.quantize_panel.run()
+    assert cost is not None, app.quantize_panel.error
+    s = app.session
+    qm = s.quantized
+    assert qm.method == "awq" and qm.awq is not None and s.cost is cost and s.plan.method == "awq"
+    assert s.quantized_path.is_dir() and s.quantized_path.is_relative_to(s.out_dir)
+    assert "awq" in app.convert_panel.children[1].value.lower()  # the Export tab names the plan and the model
+    report = app.convert_panel.run("ort-int4")
+    assert report is not None, app.convert_panel.error
+    assert s.prepared().qm is qm  # no reload, no re-quantization
+    assert report.gap is None  # the converted model's KL is within the gap of the simulation's
+    assert report.eval_tokens == cost.tokens
+    assert report.simulation["kl_divergence"] == pytest.approx(cost.kl_divergence, rel=1e-3, abs=1e-6)
+    assert report.kl_divergence == pytest.approx(report.simulation["kl_divergence"], rel=0.5, abs=2e-3)
+    doc = json.loads((report.out_dir / "conversion.json").read_text())
+    assert doc["details"]["plan"]["hash"] == plan_hash(qm.plan) and doc["details"]["plan"]["method"] == "awq"
+    assert doc["details"]["quantized_model"] == str(s.quantized_path)
+    assert report.out_dir.is_relative_to(s.conversion_dir)
+    assert "Quantize tab measured this model" in app.convert_panel.status.value
+
+
+def test_export_before_quantize_says_what_to_do(app):
+    assert app.convert_panel.run("ort-int4") is None
+    assert "quantize first" in app.convert_panel.error
+
+
+def test_download_packs_the_run(app, tmp_path):
+    assert app.calibrate_panel.run() is not None
+    assert app.quantize_panel.run() is not None
+    assert app.convert_panel.run("ort-int4") is not None
+    app.profile_panel.prompt_lengths.value, app.profile_panel.repeats.value = "8", 1
+    assert app.profile_panel.run() is not None and app.session.profiles
+    path = app.download()
+    assert path is not None and app.error is None and path.parent == app.out_dir
+    assert app.download_link.sent == path.name
+    run = app.out_dir.name
+    with zipfile.ZipFile(path) as z:
+        names = set(z.namelist())
+        z.extractall(tmp_path / "unpacked")
+    for member in ("model/quantization.json", "model/plan.json", "convert/ort-int4/conversion.json",
+                   "convert/ort-int4/prefill.onnx", "plan.json", "report.json", "report.md",
+                   "overrides/llamacpp-tensor-types.txt", "overrides/mnn-quant-config.json", "figures/figures.html",
+                   "figures/quantize-cost.json", "figures/calibrate-heatmap.json"):
+        assert f"{run}/{member}" in names
+    report = json.loads((tmp_path / "unpacked" / run / "report.json").read_text())
+    assert report["quantized"]["cost"]["kl_divergence"] == app.session.cost.kl_divergence
+    assert [c["target"] for c in report["conversions"]] == ["ort-int4"] and report["profiles"]
+    model = load_model(tmp_path / "unpacked" / run / "model")  # what `workbench eval` reads
+    assert model.quantized is not None and model.quantized.plan == app.session.plan
+
+
+def test_finetune_tab_and_continue_with_its_model(app):
+    assert app.tabs.children[0].children[1] is app.finetune_panel
+    assert app.use_finetuned() is None and "fine-tune first" in app.error
+    app.finetune_panel.batch_size.value, app.finetune_panel.seq_len.value = 2, 32
+    tuned = app.finetune_panel.run()
+    assert tuned is not None and tuned.out_dir.startswith(str(app.out_dir))
+    lm = app.use_finetuned()
+    assert lm is not None and app.session.lm is lm and str(lm.path) == tuned.out_dir
+    assert app.calibrate_panel.lm is lm and app.session.quantized is None
+
+
+def test_outputs_folder_can_be_chosen(app, tmp_path):
+    app.out_dir_text.value = str(tmp_path / "elsewhere")
+    assert app.session.out_dir == (tmp_path / "elsewhere").resolve()
+    assert app.convert_panel.out_dir.value.startswith(str(app.session.out_dir))
+    assert app.profile_panel.directory.value.startswith(str(app.session.out_dir))
+
+
+def test_session_resets_on_a_new_model(tiny_model_dir, workspace, tmp_path):
+    s = AppSession(out_dir=tmp_path / "r", workspace=workspace)
+    s.load(tiny_model_dir)
+    s.plan = QuantPlan.uniform("int8")
+    s.calibration = ("set", "stats")
+    seen = []
+    s.observe(lambda c: seen.append(c["name"]), names=["lm", "plan", "calibration"])
+    s.load(tiny_model_dir)
+    assert s.plan == QuantPlan.uniform("int4") and s.calibration is None and set(seen) == {"lm", "plan", "calibration"}

@@ -1,17 +1,22 @@
-"""The click-through app: the step panels in tabs, one model, one per-layer plan.
+"""The click-through app: the step panels in tabs around one session (model, plan, quantized model).
 
-Tabs: Calibrate, Precisions (sensitivity and per-layer choices), Quantize, Export (convert and
-compare), Profile (speed and size of what Export wrote).
+Tabs: Fine-tune (optional LoRA), Calibrate, Precisions (sensitivity and per-layer choices),
+Quantize, Export (convert and compare), Profile (speed and size of what Export wrote). Download packs
+the run into one zip: the quantized model, the converted files, override files, the plan, the figures
+and a report of what was measured.
 
     app = WorkbenchApp("demo")      # any local Hugging Face model directory
     app.load()                      # what the Load button does
     app.run_sensitivity()           # fills the Precisions tab's sensitivity bars
-    app.use_plan()                  # Quantize and Export take the plan from the Precisions tab
+    app.use_plan()                  # the Precisions tab's plan becomes the session's plan
+    app.quantize_panel.run(); app.convert_panel.run("ort-int4"); app.download()
     display(app)
 
-``notebooks/app.ipynb`` shows it; ``make voila`` serves that notebook as a page on 127.0.0.1 for
-people who never open a notebook. The app holds no library logic: each tab is the same panel the
-step notebooks display, and the plan edited in Precisions is the one Quantize and Export use.
+Every tab reads and writes ``app.session`` (``workbench.ui.session.AppSession``): the plan edited in
+Precisions is the plan Quantize runs (with its method, group size and symmetry), the model Quantize
+makes is what Export converts, and each tab says which plan and which quantized model it shows.
+Outputs go to the session's folder (``<workspace>/app/run-<time>`` unless chosen in the app), never
+beside the notebooks. ``notebooks/app.ipynb`` shows the app; ``make voila`` serves it on 127.0.0.1.
 """
 from __future__ import annotations
 
@@ -20,39 +25,50 @@ from pathlib import Path
 
 import ipywidgets as widgets
 
-from ..models import LoadedModel, load_model
+from ..models import LoadedModel
 from ..plan import QuantPlan
 from ..sensitivity import run_sensitivity
 from ..workspace import Workspace
-from .base import StepPanel
+from .base import FileDownload, StepPanel
 from .calibrate import CalibratePanel
+from .finetune import FinetunePanel
 from .graph import ConvertPanel
 from .overrides import OverridePanel
 from .profile import ProfilePanel
 from .quantize import QuantizePanel
+from .session import ARCHIVE_SEND_LIMIT, AppSession, SessionLabel
 
 __all__ = ["WorkbenchApp", "TAB_TITLES"]
 
-TAB_TITLES = ("Calibrate", "Precisions", "Quantize", "Export", "Profile")
+TAB_TITLES = ("Fine-tune", "Calibrate", "Precisions", "Quantize", "Export", "Profile")
 
 
 class WorkbenchApp(StepPanel):
-    """Model chooser and Load; then tabs Calibrate, Precisions, Quantize, Export."""
+    """Model chooser, Load, output folder and Download; then the tabs, all on ``self.session``."""
 
     def __init__(self, model: str = "demo", *, samples: int = 64, seq_len: int = 256, sweep_tokens: int = 256,
-                 out_dir: str | Path = "out/app", workspace: Workspace | None = None):
-        self.lm: LoadedModel | None = None
+                 eval_tokens: int | None = None, finetune_steps: int = 100, out_dir: str | Path | None = None,
+                 workspace: Workspace | None = None):
+        self.session = AppSession(out_dir=out_dir, workspace=workspace)
         self.samples, self.seq_len, self.sweep_tokens = samples, seq_len, sweep_tokens
-        self.out_dir = Path(out_dir)
-        self.workspace = workspace or Workspace()
-        self.sensitivity = None
-        self.calibrate_panel = self.override_panel = self.quantize_panel = self.convert_panel = None
-        self.profile_panel = None
+        self.eval_tokens, self.finetune_steps = eval_tokens, finetune_steps
+        self.finetune_panel = self.calibrate_panel = self.override_panel = self.quantize_panel = None
+        self.convert_panel = self.profile_panel = None
         self._setup()
         self.model_path = widgets.Text(value=str(model), description="model", layout={"width": "560px"},
                                        placeholder="demo, or a local Hugging Face model directory")
         self.load_button = widgets.Button(description="Load", button_style="primary", icon="upload")
         self.load_button.on_click(lambda _: self.load())
+        self.out_dir_text = widgets.Text(value=str(self.session.out_dir), description="outputs",
+                                         continuous_update=False, layout={"width": "560px"},
+                                         tooltip="every file this app writes goes below this folder")
+        self.out_dir_text.observe(self._on_out_dir, names="value")
+        self.download_button = widgets.Button(description="Download run (zip)", icon="download",
+                                              tooltip="quantized model, converted files, override files, plan, "
+                                                      "figures and a report of what was measured",
+                                              layout={"width": "auto"})
+        self.download_button.on_click(lambda _: self.download())
+        self.download_link = FileDownload()
         self.sweep_button = widgets.Button(description="Run sensitivity sweep", icon="chart-bar",
                                            tooltip="each layer alone at INT8 and INT4: how much it hurts",
                                            layout={"width": "auto"})
@@ -61,75 +77,158 @@ class WorkbenchApp(StepPanel):
                                               tooltip="Quantize and Export take the per-layer plan shown here",
                                               layout={"width": "auto"})
         self.use_plan_button.on_click(lambda _: self.use_plan())
+        self.continue_button = widgets.Button(description="Continue with the fine-tuned model", icon="arrow-right",
+                                              tooltip="load the merged model in every tab", layout={"width": "auto"})
+        self.continue_button.on_click(lambda _: self.use_finetuned())
         self.plan_label = widgets.HTML()
-        self.precisions_box = widgets.VBox()
+        self.finetune_box, self.precisions_box = widgets.VBox(), widgets.VBox()
+        self.finetune_label, self.precisions_label = SessionLabel(self.session), SessionLabel(self.session)
         self.tabs = widgets.Tab()
-        self.controls = [self.model_path, self.load_button, self.sweep_button, self.use_plan_button]
+        self.controls = [self.model_path, self.load_button, self.out_dir_text, self.download_button,
+                         self.sweep_button, self.use_plan_button, self.continue_button]
+        self.session.observe(self._on_plan, names="plan")
         super().__init__([
             widgets.HTML("<p>Choose per-layer INT4 / INT8 / FP16, see what it costs in perplexity, KL divergence "
                          "and size, and export for a target.</p>"),
-            widgets.HBox([self.model_path, self.load_button]), self.status, self.log_output, self.tabs])
+            widgets.HBox([self.model_path, self.load_button]),
+            widgets.HBox([self.out_dir_text, self.download_button, self.download_link]),
+            self.status, self.log_output, self.tabs])
+
+    # -- what the session holds, under the names the app has always used -----------------------------
+    @property
+    def lm(self) -> LoadedModel | None:
+        return self.session.lm
+
+    @property
+    def workspace(self) -> Workspace:
+        return self.session.workspace
+
+    @property
+    def out_dir(self) -> Path:
+        return self.session.out_dir
+
+    @property
+    def sensitivity(self):
+        return self.session.sensitivity
 
     # -- actions (the buttons call these) ------------------------------------------------------------
     def load(self, model: str | None = None) -> LoadedModel | None:
-        """Load the model and build every tab; a bad path becomes a red status line."""
+        """Load the model into the session and build every tab; a bad path becomes a red status line."""
         if model is not None:
             self.model_path.value = str(model)
-        ok, lm = self._attempt(f"loading {self.model_path.value}...", lambda: load_model(self.model_path.value.strip()))
+        ok, lm = self._attempt(f"loading {self.model_path.value}...", lambda: self.session.load(self.model_path.value))
         if not ok:
             return None
-        self.lm, self.sensitivity = lm, None
-        self.calibrate_panel = CalibratePanel(lm, samples=self.samples, seq_len=self.seq_len, workspace=self.workspace)
-        self.override_panel = OverridePanel(lm, tokens=self.sweep_tokens)
-        self.precisions_box.children = [widgets.HBox([self.sweep_button, self.use_plan_button, self.plan_label]),
-                                        self.override_panel]
-        self.quantize_panel = QuantizePanel(lm, samples=self.samples, seq_len=self.seq_len, workspace=self.workspace)
-        self.convert_panel = self._convert_panel(None)
-        self.profile_panel = ProfilePanel(self.out_dir / "convert")
-        self._show_tabs()
+        for panel in (self.finetune_panel, self.calibrate_panel, self.quantize_panel, self.convert_panel,
+                      self.profile_panel):
+            if panel is not None:
+                panel.close()  # they stop observing the session
+        s = self.session
+        self.finetune_panel = FinetunePanel(str(lm.path), out_dir=s.out_dir / "finetuned", steps=self.finetune_steps)
+        self.finetune_box.children = [self.finetune_label, self.finetune_panel, self.continue_button]
+        self.calibrate_panel = CalibratePanel(lm, samples=self.samples, seq_len=self.seq_len, session=s)
+        self._set_override_panel(OverridePanel(lm, plan=s.plan, tokens=self.sweep_tokens))
+        self.quantize_panel = QuantizePanel(lm, samples=self.samples, seq_len=self.seq_len, max_tokens=self.eval_tokens,
+                                            session=s)
+        self.convert_panel = ConvertPanel(session=s, max_tokens=self.eval_tokens)
+        self.profile_panel = ProfilePanel(session=s)
+        self.tabs.children = [self.finetune_box, self.calibrate_panel, self.precisions_box, self.quantize_panel,
+                              self.convert_panel, self.profile_panel]
+        for i, title in enumerate(TAB_TITLES):
+            self.tabs.set_title(i, title)
+        self.tabs.selected_index = 1  # Calibrate: fine-tuning is optional
         self.plan_label.value = "Quantize and Export use uniform INT4 until you press <i>Use this plan</i>"
-        self.status.value = html.escape(f"loaded {lm.name}: {len(lm.layers)} quantizable layers")
+        self.status.value = html.escape(f"loaded {lm.name}: {len(lm.layers)} quantizable layers; outputs go to "
+                                        f"{s.out_dir}")
         return lm
 
     def run_sensitivity(self):
         """Sweep every layer at INT8 and INT4 (cached in the workspace); the Precisions tab shows the bars."""
-        if self._require_model():
-            ok, report = self._attempt("sweeping layer sensitivity...", lambda: run_sensitivity(
-                self.lm, tokens=self.sweep_tokens, workspace=self.workspace, progress=True))
-            if ok:
-                self.sensitivity = report
-                self.override_panel = OverridePanel(self.lm, sensitivity=report, plan=self.override_panel.plan,
-                                                    tokens=self.sweep_tokens)
-                self.precisions_box.children = [self.precisions_box.children[0], self.override_panel]
-                self.status.value = html.escape(f"sensitivity of {len(report.layers)} layers measured on "
-                                                f"{self.sweep_tokens} tokens")
-                return report
-        return None
-
-    def use_plan(self) -> QuantPlan | None:
-        """Hand the Precisions tab's plan to the Quantize and Export tabs."""
         if not self._require_model():
             return None
         plan = self.override_panel.plan
-        self.quantize_panel = QuantizePanel(self.lm, plan=plan, samples=self.samples, seq_len=self.seq_len,
-                                            workspace=self.workspace)
-        self.convert_panel = self._convert_panel(plan)
-        self._show_tabs()
+        ok, report = self._attempt("sweeping layer sensitivity...", lambda: run_sensitivity(
+            self.lm, tokens=self.sweep_tokens, group_size=plan.group_size, symmetric=plan.symmetric,
+            workspace=self.workspace, progress=True))
+        if not ok:
+            return None
+        self.session.sensitivity = report
+        self._set_override_panel(OverridePanel(self.lm, sensitivity=report, plan=plan, tokens=self.sweep_tokens,
+                                               points=self.override_panel.points))
+        self.status.value = html.escape(f"sensitivity of {len(report.layers)} layers measured on "
+                                        f"{self.sweep_tokens} tokens")
+        return report
+
+    def use_plan(self) -> QuantPlan | None:
+        """Make the Precisions tab's plan the session's: Quantize runs it, Export converts its result."""
+        if not self._require_model():
+            return None
+        plan = self.override_panel.plan
+        self.session.plan = plan
         totals = self.override_panel.totals
         self.plan_label.value = html.escape(f"Quantize and Export use this plan ({totals['bits_per_weight']:.2f} "
                                             f"bits/weight, {totals['size_bytes'] / 1e6:.2f} MB)")
         return plan
 
-    # -- helpers -------------------------------------------------------------------------------------
-    def _show_tabs(self) -> None:
-        self.tabs.children = [self.calibrate_panel, self.precisions_box, self.quantize_panel, self.convert_panel,
-                              self.profile_panel]
-        for i, title in enumerate(TAB_TITLES):
-            self.tabs.set_title(i, title)
+    def use_finetuned(self) -> LoadedModel | None:
+        """Load the model the Fine-tune tab merged, in every tab."""
+        report = self.finetune_panel.report if self.finetune_panel is not None else None
+        if report is None:
+            self._show_error("fine-tune first (the Fine-tune button above)")
+            return None
+        return self.load(report.out_dir)
 
-    def _convert_panel(self, plan: QuantPlan | None) -> ConvertPanel:
-        return ConvertPanel(str(self.lm.path), plan=plan, bits=None if plan is not None else 4,
-                            out_dir=self.out_dir / "convert", max_tokens=2048)
+    def download(self) -> Path | None:
+        """Pack the run into one zip under the output folder and hand it to the browser."""
+        if not self._require_model():
+            return None
+        ok, path = self._attempt("packing the run...", lambda: self.session.write_archive(
+            self.figures_on_show(), self.override_panel.points if self.override_panel else ()))
+        if not ok:
+            return None
+        size = path.stat().st_size
+        if size <= ARCHIVE_SEND_LIMIT:
+            self.download_link.send_file(path)
+            self.status.value = html.escape(f"downloading {path.name} ({size / 1e6:.1f} MB); also kept at {path}")
+        else:
+            self.status.value = html.escape(f"{path} is {size / 1e9:.1f} GB, too big to send through the page: "
+                                            "copy it from there")
+        return path
+
+    def figures_on_show(self) -> dict:
+        """Every figure the tabs show, by tab and name (what Download packs)."""
+        figures = {}
+        for tab, panel in (("finetune", self.finetune_panel), ("calibrate", self.calibrate_panel),
+                           ("quantize", self.quantize_panel), ("export", self.convert_panel),
+                           ("profile", self.profile_panel)):
+            for name, fig in (panel.figures if panel is not None else {}).items():
+                figures[f"{tab}-{name}"] = fig
+        if self.override_panel is not None and self.override_panel.points:
+            figures["precisions-pareto"] = self.override_panel.chart
+        return figures
+
+    # -- helpers -------------------------------------------------------------------------------------
+    def _set_override_panel(self, panel: OverridePanel) -> None:
+        if self.override_panel is not None:
+            self.override_panel.close()
+        self.override_panel = panel
+        panel.path.value = str(self.session.out_dir / "plan.json")  # its Save / Load file, in the outputs folder
+        self.precisions_box.children = [self.precisions_label,
+                                        widgets.HBox([self.sweep_button, self.use_plan_button, self.plan_label]),
+                                        panel]
+
+    def _on_plan(self, change) -> None:
+        """Another tab changed the session's plan (Quantize ran a different one): Precisions shows it too."""
+        plan, panel = change["new"], self.override_panel
+        if panel is not None and plan is not None and panel.lm is self.session.lm and panel.plan != plan:
+            panel.set_plan(plan, "plan from the Quantize tab")
+
+    def _on_out_dir(self, change) -> None:
+        new = Path(change["new"].strip() or str(self.session.out_dir)).expanduser().resolve()
+        self.session.out_dir = new
+        if self.override_panel is not None:
+            self.override_panel.path.value = str(new / "plan.json")
+        self.status.value = html.escape(f"outputs go to {new}")
 
     def _require_model(self) -> bool:
         if self.lm is None:

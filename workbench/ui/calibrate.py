@@ -6,7 +6,8 @@
     display(panel)
 
 Results are cached in the workspace (see ``workbench.calibrate.calibrate``), so a second run with
-the same model, text and settings reads them back.
+the same model, text and settings reads them back. In the app (``session=``) the result becomes the
+session's calibration, which AWQ in the Quantize tab uses.
 """
 from __future__ import annotations
 
@@ -32,9 +33,9 @@ class CalibratePanel(StepPanel):
     """Data file, samples, sequence length; Run; coverage summary and the calibration charts."""
 
     def __init__(self, lm: LoadedModel, *, data=None, samples: int = DEFAULT_SAMPLES, seq_len: int = DEFAULT_SEQ_LEN,
-                 seed: int = 0, bilingual: bool = False, workspace: Workspace | None = None):
-        self.lm = lm
-        self.workspace = workspace
+                 seed: int = 0, bilingual: bool = False, workspace: Workspace | None = None, session=None):
+        self.lm, self.session = lm, session
+        self.workspace = workspace if workspace is not None or session is None else session.workspace
         self.calib_set: CalibrationSet | None = None
         self.stats: CalibrationStats | None = None
         self._setup()  # figures on show: coverage, overview, channels, heatmap
@@ -62,10 +63,13 @@ class CalibratePanel(StepPanel):
         for i, title in enumerate(("Coverage", "Layers", "Channels", "Heat map")):
             tabs.set_title(i, title)
         self.controls = [self.data, self.samples, self.seq_len, self.seed, self.bilingual, self.run_button]
+        head = [widgets.HTML(f"<b>Calibrate</b> {html.escape(lm.name)}: activation statistics of every linear "
+                             "layer's input" + (" (AWQ in the Quantize tab uses this calibration)" if session else ""))]
+        if session is not None:
+            from .session import SessionLabel
+            head.append(self._own(SessionLabel(session)))
         super().__init__([
-            widgets.HTML(f"<b>Calibrate</b> {html.escape(lm.name)}: activation statistics of every linear "
-                         "layer's input"),
-            self.data, widgets.HBox([self.samples, self.seq_len, self.seed]),
+            *head, self.data, widgets.HBox([self.samples, self.seq_len, self.seed]),
             widgets.HBox([self.bilingual, self.run_button]), self.status, self.log_output, tabs])
 
     def run(self) -> CalibrationStats | None:
@@ -76,6 +80,8 @@ class CalibratePanel(StepPanel):
         if not ok:
             return None
         self.calib_set, self.stats = result
+        if self.session is not None:
+            self.session.calibration = result
         meta = self.stats.meta
         how = "read back from the workspace" if self.stats.cached else f"computed in {meta['seconds']:.1f} s"
         self.status.value = (f"{len(self.stats.layers)} layers over {meta['tokens']:,} tokens, {how}"

@@ -140,18 +140,23 @@ def _conversion_rows(reports: list[ConversionReport]) -> str:
 
 
 class ConvertPanel(StepPanel):
-    """Target, output folder and options; Convert runs the converted model and compares it with the simulation."""
+    """Target, output folder and options; Convert runs the converted model and compares it with the simulation.
 
-    def __init__(self, model, *, plan=None, bits: int | None = 4, out_dir: str | Path = "out/convert",
-                 max_tokens: int | None = None, accuracy_level: int = 4, activation_bits: int = 16):
-        self.model = model
+    In the app (``session=``) it converts exactly the session's quantized model (the Quantize tab's
+    result, AWQ included) into the session's output folder, and shows which plan and model that is.
+    """
+
+    def __init__(self, model=None, *, plan=None, bits: int | None = 4, out_dir: str | Path = "out/convert",
+                 max_tokens: int | None = None, accuracy_level: int = 4, activation_bits: int = 16, session=None):
+        self.model, self.session = model, session
         self.plan, self.bits = plan, (None if plan is not None else bits)
         self.prepared = None
         self.reports: list[ConversionReport] = []
         self.figure = None
         self._setup()
         self.target = widgets.Dropdown(options=list(CONVERT_TARGETS), value="ort-int4", description="target")
-        self.out_dir = widgets.Text(value=str(out_dir), description="output", layout={"width": "480px"})
+        self.out_dir = widgets.Text(value=str(session.conversion_dir if session is not None else out_dir),
+                                    description="output", layout={"width": "640px"})
         self.accuracy_level = widgets.Dropdown(options=[0, 4], value=accuracy_level, description="INT4 acc. level")
         self.activation_bits = widgets.Dropdown(options=[16, 8], value=activation_bits, description="QDQ act. bits")
         self.max_tokens = widgets.IntText(value=max_tokens or 0, description="eval tokens",
@@ -162,12 +167,29 @@ class ConvertPanel(StepPanel):
         self.plot = widgets.Output()
         self.controls = [self.target, self.out_dir, self.accuracy_level, self.activation_bits, self.max_tokens,
                          self.convert_button]
+        if session is not None:
+            from .session import SessionLabel
+            head = [widgets.HTML("<b>Convert</b> the Quantize tab's model: run the converted model and compare it "
+                                 "with the workbench's simulation of that same model"),
+                    self._own(SessionLabel(session))]
+            self._watch(session, self._on_session_quantized, ["quantized", "out_dir"])
+        else:
+            head = [widgets.HTML(f"<b>Convert</b> {html.escape(str(model))}: run the converted model and compare it "
+                                 "with the workbench's simulation")]
         super().__init__([
-            widgets.HTML(f"<b>Convert</b> {html.escape(str(model))}: run the converted model and compare it with "
-                         "the workbench's simulation"),
-            widgets.HBox([self.target, self.out_dir]),
+            *head, widgets.HBox([self.target, self.out_dir]),
             widgets.HBox([self.accuracy_level, self.activation_bits, self.max_tokens, self.convert_button]),
             self.status, self.log_output, self.table, self.plot])
+
+    def _on_session_quantized(self, change) -> None:
+        """A new quantized model (or output folder): its conversions go to their own folder; the table starts empty."""
+        self.out_dir.value = str(self.session.conversion_dir)
+        if change["name"] == "quantized" and self.reports:
+            self.reports, self.figure = [], None
+            self.figures.pop("conversions", None)
+            self.table.value = ""
+            self.plot.outputs = ()
+            self.status.value = "a new quantized model: convert it again"
 
     def run(self, target: str | None = None) -> ConversionReport | None:
         """Convert for ``target`` (default: the dropdown) into ``<output>/<target>``; show the comparison."""
@@ -177,17 +199,28 @@ class ConvertPanel(StepPanel):
         if not ok:
             return None
         self.reports = [r for r in self.reports if r.target != report.target] + [report]
-        self.status.value = html.escape(report.summary())
+        self.status.value = html.escape(report.summary()) + self._against_quantize_tab(report)
         self.table.value = _conversion_rows(self.reports)
         self.figure = make_conversion_figure([r.to_dict() for r in self.reports])
         self._plot("conversions", self.figure, self.plot)
         return report
 
+    def _against_quantize_tab(self, report: ConversionReport) -> str:
+        """The simulation measured here beside what the Quantize tab measured for the same model."""
+        cost = self.session.cost if self.session is not None else None
+        if cost is None or not report.runnable or not report.simulation:
+            return ""
+        return html.escape(f"; the Quantize tab measured this model at KL {cost.kl_divergence:.5f} on "
+                           f"{cost.tokens:,} tokens (simulation here: {report.simulation['kl_divergence']:.5f} on "
+                           f"{report.eval_tokens:,})")
+
     def _convert(self) -> ConversionReport:
         """The library calls behind Convert: prepare the float and simulated models once, then convert."""
+        kwargs = dict(max_tokens=self.max_tokens.value or None, accuracy_level=self.accuracy_level.value,
+                      activation_bits=self.activation_bits.value, progress=True, log=print)
+        out = Path(self.out_dir.value.strip()) / self.target.value
+        if self.session is not None:
+            return self.session.convert(self.target.value, out, **kwargs)
         if self.prepared is None:
             self.prepared = prepare_models(self.model, plan=self.plan, bits=self.bits, progress=True)
-        return convert(self.model, self.target.value, Path(self.out_dir.value) / self.target.value,
-                       prepared=self.prepared, max_tokens=self.max_tokens.value or None,
-                       accuracy_level=self.accuracy_level.value, activation_bits=self.activation_bits.value,
-                       progress=True, log=print)
+        return convert(self.model, self.target.value, out, prepared=self.prepared, **kwargs)

@@ -189,6 +189,11 @@ class OverridePanel(widgets.VBox):
         self._set_plan(new, f"rule {pattern} -> {precision}")
         return True
 
+    def set_plan(self, plan: QuantPlan, what: str = "plan set") -> None:
+        """Show ``plan`` (e.g. the app session's, changed in another tab); Undo goes back to the previous one."""
+        plan.validate(self.dropdowns)
+        self._set_plan(plan, what)
+
     def undo(self) -> bool:
         if not self._history:
             self._log("nothing to undo")
@@ -267,16 +272,21 @@ class OverridePanel(widgets.VBox):
         self._freeze(True)
         try:
             t0 = time.perf_counter()
-            point = self._measure(self.plan, f"plan {sum(1 for p in self.points if p.label.startswith('plan')) + 1}")
+            preview = self.plan.method != "rtn"  # the evaluator swaps in RTN weights, whatever the plan's method
+            point = self._measure(self.plan, f"plan {sum(1 for p in self.points if p.label.startswith('plan')) + 1}"
+                                  + (" (RTN preview)" if preview else ""))
             self.last_seconds = time.perf_counter() - t0
         except WorkbenchError as e:
             self._log(f"evaluation failed: {e}")
             return None
         finally:
             self._freeze(False)
-        self.result_label.value = (f"perplexity <b>{point.perplexity:.3f}</b> (float {point.reference_perplexity:.3f}),"
-                                   f" KL <b>{point.kl_divergence:.2e}</b>, top-1 <b>{point.top1_agreement:.4f}</b> "
-                                   f"on {point.tokens:,} tokens, {self.last_seconds:.2f} s")
+        note = (f"<b style='color:#d68910'>RTN preview</b> (Evaluate rounds to nearest; this plan's "
+                f"{self.plan.method.upper()} is measured by Quantize): " if preview else "")
+        self.result_label.value = (f"{note}perplexity <b>{point.perplexity:.3f}</b> (float "
+                                   f"{point.reference_perplexity:.3f}), KL <b>{point.kl_divergence:.2e}</b>, top-1 "
+                                   f"<b>{point.top1_agreement:.4f}</b> on {point.tokens:,} tokens, "
+                                   f"{self.last_seconds:.2f} s")
         self._log(f"{point.label}: {point.bits_per_weight:.2f} bits/weight, KL {point.kl_divergence:.3e}, "
                   f"ppl {point.perplexity:.3f}, top-1 {point.top1_agreement:.4f} ({self.last_seconds:.2f} s)")
         self._update_chart()

@@ -3,6 +3,9 @@
     panel = ProfilePanel("out/convert")
     panel.run()                       # what the Run button does; returns the RuntimeProfile list
     display(panel)
+
+In the app (``session=``) the folder is where Export writes the session's quantized model's
+conversions, and the figures are kept in the session for the run's archive.
 """
 from __future__ import annotations
 
@@ -35,8 +38,11 @@ def _rows(profiles: list[RuntimeProfile]) -> str:
 class ProfilePanel(StepPanel):
     """Folder, prompt lengths, threads; Run times every model found there."""
 
-    def __init__(self, directory: str | Path = "out/convert", *, prompt_lengths=DEFAULT_PROMPT_LENGTHS, threads: int = 1,
-                 repeats: int = 5):
+    def __init__(self, directory: str | Path | None = "out/convert", *, prompt_lengths=DEFAULT_PROMPT_LENGTHS,
+                 threads: int = 1, repeats: int = 5, session=None):
+        self.session = session
+        if session is not None:
+            directory = session.conversion_dir
         self.profiles: list[RuntimeProfile] = []
         self._setup()
         self.directory = widgets.Text(value=str(directory), description="folder", layout={"width": "560px"},
@@ -49,20 +55,30 @@ class ProfilePanel(StepPanel):
         self.table = widgets.HTML()
         self.plot = widgets.Output()
         self.controls = [self.directory, self.prompt_lengths, self.threads, self.repeats, self.run_button]
+        head = [widgets.HTML("<b>Profile</b> every exported or converted model in a folder: prefill latency, decode "
+                             "speed, size, memory (this machine's CPU; an NPU's own numbers come from its SDK)")]
+        if session is not None:
+            from .session import SessionLabel
+            head.append(self._own(SessionLabel(session)))
+            self._watch(session, self._on_session_folder, ["quantized", "out_dir"])
         super().__init__([
-            widgets.HTML("<b>Profile</b> every exported or converted model in a folder: prefill latency, decode "
-                         "speed, size, memory (this machine's CPU; an NPU's own numbers come from its SDK)"),
-            self.directory, widgets.HBox([self.prompt_lengths, self.threads, self.repeats, self.run_button]),
+            *head, self.directory, widgets.HBox([self.prompt_lengths, self.threads, self.repeats, self.run_button]),
             self.status, self.log_output, self.table, self.plot])
 
     def run(self) -> list[RuntimeProfile] | None:
         ok, profiles = self._attempt("profiling...", lambda: profile_directory(
-            self.directory.value.strip(), prompt_lengths=parse_prompt_lengths(self.prompt_lengths.value), threads=self.threads.value,
-            repeats=self.repeats.value))
+            self.directory.value.strip(), prompt_lengths=parse_prompt_lengths(self.prompt_lengths.value),
+            threads=self.threads.value, repeats=self.repeats.value))
         if not ok:
             return None
         self.profiles = profiles
+        if self.session is not None:
+            self.session.profiles = list(profiles)
         self.table.value = _rows(profiles)
         self.status.value = html.escape(f"{len(profiles)} model(s) timed, median of {self.repeats.value} runs")
         self._plot("profile", make_profile_figure(profiles), self.plot)
         return profiles
+
+    def _on_session_folder(self, _change) -> None:
+        """Follow Export: its conversions of the session's quantized model land in this folder."""
+        self.directory.value = str(self.session.conversion_dir)

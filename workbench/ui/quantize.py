@@ -6,7 +6,10 @@
     display(panel)
 
 Every run adds a row to the results table, so RTN and AWQ, INT8 and INT4 can be compared on the
-same held-out windows (the reference is evaluated once per panel).
+same held-out windows (the reference is evaluated once per panel). Given a plan, the controls start
+from the plan's method, group size and symmetry. In the app (``session=``) the plan is the session's,
+AWQ uses the Calibrate tab's calibration, and each result becomes the session's quantized model
+(saved, and what Export converts).
 """
 from __future__ import annotations
 
@@ -27,42 +30,86 @@ from .base import StepPanel
 __all__ = ["QuantizePanel"]
 
 GROUP_CHOICES = [("32", 32), ("64", 64), ("128", 128), ("256", 256), ("per-channel", None)]
+FROM_PLAN = object()  # default of method / group_size / symmetric: the plan's value (rtn / 128 / True without one)
 
 
 class QuantizePanel(StepPanel):
     """Choose method, bits, group size and symmetry; Run quantizes, evaluates and shows the cost."""
 
-    def __init__(self, lm: LoadedModel, *, method: str = "rtn", bits: int = 4, group_size: int | None = 128,
-                 symmetric: bool = True, plan: QuantPlan | None = None, data=None, text=None, samples: int = 128,
-                 seq_len: int = 512, ctx: int | None = None, workspace: Workspace | None = None):
+    def __init__(self, lm: LoadedModel, *, method=FROM_PLAN, bits: int = 4, group_size=FROM_PLAN,
+                 symmetric=FROM_PLAN, plan: QuantPlan | None = None, data=None, text=None, samples: int = 128,
+                 seq_len: int = 512, ctx: int | None = None, max_tokens: int | None = None,
+                 workspace: Workspace | None = None, session=None):
+        self.session = session
+        if session is not None:
+            plan = plan or session.plan
+            workspace = workspace or session.workspace
         self.lm, self.base_plan, self.workspace = lm, plan, workspace
         max_pos = getattr(lm.model.config, "max_position_embeddings", None) or DEFAULT_CTX
         self.ctx = ctx or min(DEFAULT_CTX, max_pos)  # evaluation window: the model's context, at most 512
         self.samples_n, self.seq_len = samples, seq_len
         self.text_path = text
         self.baseline = None
+        self._baseline_tokens = None  # the eval-tokens setting the baseline was measured with
         self.qm = self.cost = None
         self.rows: list[dict] = []
         self._setup()
-        bit_options = [("INT4", 4), ("INT8", 8)] + ([("plan", "plan")] if plan is not None else [])
+        start = plan or QuantPlan()
+        method = start.method if method is FROM_PLAN else method
+        group_size = start.group_size if group_size is FROM_PLAN else group_size
+        symmetric = start.symmetric if symmetric is FROM_PLAN else symmetric
         self.method = widgets.Dropdown(options=[("round-to-nearest", "rtn"), ("AWQ", "awq")], value=method,
                                        description="method")
-        self.bits = widgets.Dropdown(options=bit_options, value="plan" if plan is not None else bits,
+        self.bits = widgets.Dropdown(options=self._bit_options(plan), value="plan" if plan is not None else bits,
                                      description="bits")
-        self.group_size = widgets.Dropdown(options=GROUP_CHOICES, value=group_size, description="group size")
+        self.group_size = widgets.Dropdown(options=self._group_options(group_size), value=group_size,
+                                           description="group size")
         self.symmetric = widgets.Checkbox(value=symmetric, description="symmetric", indent=False)
+        self.eval_tokens = widgets.IntText(value=max_tokens or 0, description="eval tokens",
+                                           tooltip="held-out tokens the cost is measured on; 0 = the whole text")
         self.data = widgets.Text(value=str(data or demo_text_path("calibration")), description="calibration",
                                  placeholder="used by AWQ", layout={"width": "640px"})
         self.run_button = widgets.Button(description="Run", button_style="primary", icon="play")
         self.run_button.on_click(lambda _: self.run())
         self.table_plot, self.error_plot = widgets.Output(), widgets.Output()
         self.warnings = widgets.HTML()
-        self.controls = [self.method, self.bits, self.group_size, self.symmetric, self.data, self.run_button]
+        self.controls = [self.method, self.bits, self.group_size, self.symmetric, self.data, self.eval_tokens,
+                         self.run_button]
+        head = [widgets.HTML(f"<b>Quantize</b> {html.escape(lm.name)}: weights to integers by plan, cost measured "
+                             "against the unquantized model")]
+        if session is not None:
+            from .session import SessionLabel
+            head.append(self._own(SessionLabel(session)))
+            self._watch(session, self._on_session_plan, "plan")
         super().__init__([
-            widgets.HTML(f"<b>Quantize</b> {html.escape(lm.name)}: weights to integers by plan, cost measured "
-                         "against the unquantized model"),
-            widgets.HBox([self.method, self.bits, self.group_size, self.symmetric]), self.data, self.run_button,
-            self.status, self.log_output, self.warnings, self.table_plot, self.error_plot])
+            *head, widgets.HBox([self.method, self.bits, self.group_size, self.symmetric]), self.data,
+            widgets.HBox([self.eval_tokens, self.run_button]), self.status, self.log_output, self.warnings,
+            self.table_plot, self.error_plot])
+
+    @staticmethod
+    def _bit_options(plan: QuantPlan | None) -> list:
+        return ([("plan", "plan")] if plan is not None else []) + [("INT4", 4), ("INT8", 8)]
+
+    @staticmethod
+    def _group_options(group_size) -> list:
+        known = [v for _, v in GROUP_CHOICES]
+        return GROUP_CHOICES + ([] if group_size in known else [(str(group_size), group_size)])
+
+    def _on_session_plan(self, change) -> None:
+        """The session's plan changed (Use this plan, a load): the controls show it."""
+        self.set_plan(change["new"])
+
+    def set_plan(self, plan: QuantPlan | None) -> None:
+        """Start the controls from ``plan`` (its method, group size and symmetry; bits "plan")."""
+        self.base_plan = plan
+        if plan is None:
+            return
+        self.bits.options = self._bit_options(plan)
+        self.bits.value = "plan"
+        self.method.value = plan.method
+        self.group_size.options = self._group_options(plan.group_size)
+        self.group_size.value = plan.group_size
+        self.symmetric.value = plan.symmetric
 
     def current_plan(self) -> QuantPlan:
         """The plan the controls describe (the given plan with these settings, or a uniform one)."""
@@ -77,37 +124,54 @@ class QuantizePanel(StepPanel):
         ok, result = self._attempt("running...", self._quantize_and_measure)
         if not ok:
             return None
-        plan, seconds = result
-        label = (f"{'plan' if self.bits.value == 'plan' else f'INT{self.bits.value}'} {plan.method.upper()} "
-                 f"g{plan.group_size or 'channel'}{'' if plan.symmetric else ' asym'}")
+        plan, seconds, label = result
         self.rows.append({"label": label, **self.cost.to_dict(), "seconds": seconds})
         fallbacks = len(self.qm.fallbacks)
-        self.status.value = (f"{label}: {len(self.qm.weights)} integer layers in {seconds:.1f} s; "
-                             f"{self.cost.bits_per_weight:.2f} bits per weight"
-                             + (f"; {fallbacks} layer(s) used a smaller group size" if fallbacks else ""))
+        saved = ""
+        if self.session is not None:
+            saved = f"; saved to {self.session.quantized_path}"
+        self.status.value = html.escape(f"{label}: {len(self.qm.weights)} integer layers in {seconds:.1f} s; "
+                                        f"{self.cost.bits_per_weight:.2f} bits per weight"
+                                        + (f"; {fallbacks} layer(s) used a smaller group size" if fallbacks else "")
+                                        + saved)
         self.warnings.value = "".join(f"<p style='color:#c0392b'>warning: {html.escape(w)}</p>"
                                       for w in self.cost.warnings)
         self._plot("cost", make_cost_table_figure(self.rows), self.table_plot)
         self._plot("errors", make_layer_error_figure(self.qm.layers), self.error_plot)
         return self.cost
 
+    def _calibration(self, workspace: Workspace):
+        """AWQ's calibration: the session's (the Calibrate tab's run) when there is one, else computed here."""
+        if self.session is not None and self.session.calibration is not None:
+            return self.session.calibration
+        from ..calibrate import calibrate
+        result = calibrate(self.lm, self.data.value.strip() or None, samples=self.samples_n, seq_len=self.seq_len,
+                           workspace=workspace)
+        if self.session is not None:
+            self.session.calibration = result
+        return result
+
     def _quantize_and_measure(self):
-        """The library calls behind Run: reference (once), calibration for AWQ, quantize, measure."""
+        """The library calls behind Run: reference (once), calibration for AWQ, quantize, measure, keep."""
         plan = self.current_plan()
-        if self.baseline is None:
-            self.baseline = measure_reference(self.lm.model, heldout_ids(self.lm, self.text_path),
-                                              ctx=self.ctx)
+        label = (f"{'plan' if self.bits.value == 'plan' else f'INT{self.bits.value}'} {plan.method.upper()} "
+                 f"g{plan.group_size or 'channel'}{'' if plan.symmetric else ' asym'}")
+        tokens = self.eval_tokens.value or None
+        if self.baseline is None or self._baseline_tokens != tokens:  # rows compare on one text: start them again
+            self.baseline = measure_reference(self.lm.model, heldout_ids(self.lm, self.text_path, tokens), ctx=self.ctx)
+            self._baseline_tokens = tokens
             ref = self.baseline.report
+            self.rows = []
             self.rows.append({"label": "float (reference)", "perplexity": ref.perplexity,
                               "bits_per_weight": 16.0, "seconds": None})
         calibration = workspace = None
         if plan.method == "awq":
-            from ..calibrate import calibrate
             workspace = self.workspace or Workspace()  # statistics and the AWQ search are cached there
-            calibration = calibrate(self.lm, self.data.value.strip() or None, samples=self.samples_n,
-                                    seq_len=self.seq_len, workspace=workspace)
+            calibration = self._calibration(workspace)
         t0 = time.perf_counter()
         self.qm = quantize_model(self.lm, plan, calibration=calibration, workspace=workspace)
         seconds = time.perf_counter() - t0
         self.cost = measure_cost(self.qm, self.baseline)
-        return plan, seconds
+        if self.session is not None:
+            self.session.set_quantized(self.qm, self.cost)  # the session's plan becomes this one
+        return plan, seconds, label

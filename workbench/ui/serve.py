@@ -3,7 +3,9 @@
     python -m workbench.ui.serve [--port 8866] [--notebook notebooks/app.ipynb]
 
 ``make voila`` runs this. Voila executes the notebook in a fresh kernel for each visitor and shows
-only its widgets; the server and its kernels listen on the loopback address alone.
+only its widgets; the server and its kernels listen on the loopback address alone. The workspace
+(``$WORKBENCH_WORKSPACE``, default ``./workspace`` where this is started) is passed on as an
+absolute path, so the app's outputs land there and not beside the notebook.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import shutil
 import sys
 from pathlib import Path
 
-__all__ = ["voila_command", "DEFAULT_APP_NOTEBOOK", "DEFAULT_PORT"]
+__all__ = ["voila_command", "app_environment", "DEFAULT_APP_NOTEBOOK", "DEFAULT_PORT"]
 
 DEFAULT_APP_NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "app.ipynb"
 DEFAULT_PORT = 8866
@@ -27,16 +29,26 @@ def voila_command(notebook: str | Path = DEFAULT_APP_NOTEBOOK, port: int = DEFAU
     return [exe, str(notebook), "--Voila.ip=127.0.0.1", f"--port={port}", "--no-browser"]
 
 
+def app_environment(environ: dict | None = None, cwd: str | Path | None = None) -> dict:
+    """The server's environment: ``WORKBENCH_WORKSPACE`` made absolute (the kernels start beside the notebook)."""
+    env = dict(os.environ if environ is None else environ)
+    ws = Path(env.get("WORKBENCH_WORKSPACE") or "workspace").expanduser()
+    env["WORKBENCH_WORKSPACE"] = str(ws if ws.is_absolute() else Path(cwd or Path.cwd()) / ws)
+    return env
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--port", type=int, default=DEFAULT_PORT)
     ap.add_argument("--notebook", default=str(DEFAULT_APP_NOTEBOOK))
     args = ap.parse_args(argv)
-    if not Path(args.notebook).is_file():
+    notebook = Path(args.notebook).resolve()
+    if not notebook.is_file():
         raise SystemExit(f"no app notebook at '{args.notebook}'")
-    cmd = voila_command(args.notebook, args.port)
-    os.chdir(Path(args.notebook).parent)  # the notebook's relative paths (workspace, out/) start beside it
-    os.execv(cmd[0], cmd)
+    cmd = voila_command(notebook, args.port)
+    env = app_environment()
+    os.chdir(notebook.parent)  # the kernels start beside the notebook; outputs go to the workspace
+    os.execve(cmd[0], cmd, env)
 
 
 if __name__ == "__main__":
