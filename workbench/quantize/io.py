@@ -58,6 +58,7 @@ WEIGHTS_FILE = "model.safetensors"  # the file transformers looks for
 WORKBENCH_WEIGHTS_FILE = "workbench.safetensors"  # integer embeddings: a name transformers does not look for
 V1_FLOAT_FILE, V1_QUANT_FILE = "model.safetensors", "quantized.safetensors"
 CT_FORMAT = "pack-quantized"
+_HALF = {torch.float16, torch.bfloat16}
 # Measured with transformers 5.17 and compressed-tensors 0.20.1: a pack-quantized nn.Embedding fails in
 # transformers' weight initialisation, so such a directory is kept out of its reach.
 TRANSFORMERS_CANNOT = ("an integer embedding: transformers 5.17 with compressed-tensors 0.20 fails to build one "
@@ -350,85 +351,116 @@ def _v1_shapes(name: str, shape: tuple[int, int], bits: int, g: int | None, symm
 
 
 def _skeleton(config, dtype: torch.dtype, trust_remote_code: bool) -> nn.Module:
-    """The model the config describes with every parameter on the meta device: no memory, nothing random."""
+    """The model the config describes with every tensor on the meta device: no memory, nothing random."""
     from transformers import AutoModelForCausalLM
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code).eval()
 
 
-def _check_cover(d: Path, tensors: _Tensors, params: dict, buffers: dict, expected_quant: dict,
-                 integer_weights: set[str]) -> None:
-    """Refuse, naming the tensors, unless the files hold exactly the model's tensors in its shapes."""
+class _Skeleton:
+    """A meta-device model filled in tensor by tensor; a tied weight is one Parameter under all its names."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.params = dict(model.named_parameters(remove_duplicate=False))
+        self.buffers = dict(model.named_buffers())
+        self.aliases: dict[int, list[str]] = {}
+        for k, p in self.params.items():
+            self.aliases.setdefault(id(p), []).append(k)
+
+    def set(self, name: str, value: torch.Tensor) -> None:
+        param = nn.Parameter(value, requires_grad=False)
+        for alias in self.aliases[id(self.params[name])]:
+            owner, _, leaf = alias.rpartition(".")
+            self.model.get_submodule(owner)._parameters[leaf] = param
+
+    def materialize_buffers(self, loaded: dict[str, torch.Tensor]) -> None:
+        """Buffers left on the meta device (rotary frequencies) are computed by the model's own initialisation."""
+        owners = set()
+        for name, b in list(self.model.named_buffers()):
+            if not b.is_meta:
+                continue
+            owner, _, leaf = name.rpartition(".")
+            mod = self.model.get_submodule(owner)
+            mod._buffers[leaf] = loaded[name] if name in loaded else torch.empty_like(b, device="cpu")
+            if name not in loaded:
+                owners.add(owner)
+        init = getattr(self.model, "_init_weights", None)
+        for owner in owners:
+            mod = self.model.get_submodule(owner)
+            for p in mod.parameters(recurse=False):
+                p._is_hf_initialized = True  # loaded: transformers' init functions leave these alone
+            if init is not None:
+                init(mod)
+
+
+def _layer_reports(meta: dict, version: int, tensors: _Tensors) -> tuple[list, dict]:
+    """quantization.json's layers, and per stored integer layer ``(bits, group size, symmetric, tensor shapes)``."""
+    from .model import LayerQuantReport
+    reports, integer = [], {}
+    for entry in meta["layers"]:
+        r = LayerQuantReport(entry["name"], entry["kind"], tuple(entry["shape"]), entry["precision"],
+                             entry.get("group_size"), entry.get("fallback"), entry.get("tied_to"),
+                             entry.get("untied", False), entry.get("weight_error"))
+        reports.append(r)
+        if "bits" in entry:
+            spec = (entry["bits"], entry["group_size"], entry.get("symmetric", f"{r.name}.zeros" not in tensors.shapes))
+            integer[r.name] = (*spec, (_v1_shapes if version == 1 else _ct_shapes)(r.name, r.shape, *spec))
+    return reports, integer
+
+
+def _check_cover(d: Path, sk: _Skeleton, tensors: _Tensors, reports: list, integer: dict) -> set[str]:
+    """Refuse, naming the tensors, unless the files hold exactly the model's tensors in its shapes.
+
+    Returns the weight names the integer layers stand for (tied copies included).
+    """
     from ..models import weights_mismatch_error
-    by_id: dict[int, list[str]] = {}
-    for k, p in params.items():
-        by_id.setdefault(id(p), []).append(k)
+    params, buffers = sk.params, sk.buffers
+    integer_weights = {f"{r.name}.weight" for r in reports
+                       if r.name in integer or (r.tied_to in integer and not r.untied)}
+    unknown = sorted(n for n in integer_weights if n not in params)
+    bad = [(f"{r.name}.weight", r.shape, tuple(params[f"{r.name}.weight"].shape)) for r in reports
+           if f"{r.name}.weight" in params and tuple(params[f"{r.name}.weight"].shape) != tuple(r.shape)]
+    if unknown or bad:  # quantization.json describes layers the config's model does not have
+        raise weights_mismatch_error(d, (), unknown, bad)
+    expected_quant = {k: v for *_, shapes in integer.values() for k, v in shapes.items()}
     missing, unexpected, mismatched = [], [], []
     covered = {id(params[k]) for k in integer_weights}
     for k, shape in tensors.shapes.items():
-        if k in expected_quant:
-            if shape != tuple(expected_quant[k]):
-                mismatched.append((k, shape, tuple(expected_quant[k])))
-        elif k in params:
-            covered.add(id(params[k]))
-            if shape != tuple(params[k].shape):
-                mismatched.append((k, shape, tuple(params[k].shape)))
-        elif k in buffers:
-            if shape != tuple(buffers[k].shape):
-                mismatched.append((k, shape, tuple(buffers[k].shape)))
-        else:
+        want = expected_quant.get(k) or (params[k].shape if k in params else buffers[k].shape if k in buffers else None)
+        if want is None:
             unexpected.append(k)
+            continue
+        if k in params:
+            covered.add(id(params[k]))
+        if shape != tuple(want):
+            mismatched.append((k, shape, tuple(want)))
     missing += [k for k in expected_quant if k not in tensors.shapes]
-    missing += [names[0] for i, names in by_id.items() if i not in covered]
+    missing += [names[0] for i, names in sk.aliases.items() if i not in covered]
     if missing or unexpected or mismatched:
         raise weights_mismatch_error(d, missing, unexpected, mismatched)
+    return integer_weights
 
 
-def _materialize_buffers(model: nn.Module, loaded: dict[str, torch.Tensor]) -> None:
-    """Buffers left on the meta device (rotary frequencies): computed again by the model's own initialisation."""
-    owners = set()
-    for name, b in list(model.named_buffers()):
-        if not b.is_meta:
-            continue
-        owner, _, leaf = name.rpartition(".")
-        mod = model.get_submodule(owner) if owner else model
-        mod._buffers[leaf] = loaded[name] if name in loaded else torch.empty_like(b, device="cpu")
-        if name not in loaded:
-            owners.add(owner)
-    init = getattr(model, "_init_weights", None)
-    for owner in owners:
-        mod = model.get_submodule(owner) if owner else model
-        for p in mod.parameters(recurse=False):
-            p._is_hf_initialized = True  # loaded: transformers' init functions leave these alone
-        if init is not None:
-            init(mod)
+def _exact_cast(t: torch.Tensor, dtype: torch.dtype, chunk: int = 1 << 24) -> torch.Tensor:
+    """``t`` in ``dtype`` when that holds every value exactly, else ``t`` itself (checked a chunk at a time)."""
+    cast = t.to(dtype)
+    flat, flat_cast = t.reshape(-1), cast.reshape(-1)
+    for i in range(0, flat.numel(), chunk):
+        if not torch.equal(flat_cast[i:i + chunk].to(t.dtype), flat[i:i + chunk]):
+            return t
+    return cast
 
 
-def load_quantized(directory: str | Path, *, verify: bool = True, dtype: str | torch.dtype = "auto",
-                   device: str = "cpu", trust_remote_code: bool = False, load_tokenizer: bool = True,
-                   require_tokenizer: bool = False, float32_compute: bool = True, float_model: bool = False):
-    """Load a saved quantized model: ``(LoadedModel, QuantizedModel)``, the first with ``quantized`` set.
-
-    The model is built from the config on the meta device, takes the float tensors in the stored dtype
-    (``dtype="auto"``; a float32 tensor that float16 cannot hold exactly stays float32) and
-    ``QuantLinear`` / ``QuantEmbedding`` for integer layers, computing from the codes
-    (``QuantizedModel.build_model``): no float copy of an integer layer, nothing initialised at
-    random. Weights that do not cover the model exactly are refused, naming the tensors.
-    ``float_model=True`` gives the dequantized weights as ordinary float32 parameters instead.
-    """
-    from transformers import AutoConfig
-    from transformers.utils import logging as hf_logging
-
-    from ..models import LoadedModel, check_safetensors_file, load_tokenizer_from, quantizable_layers, resolve_dtype
-    from .model import LayerQuantReport, QuantizedModel
-    hf_logging.set_verbosity_error()
-    d = Path(directory)
+def _open_directory(d: Path, verify: bool) -> tuple[dict, list[str]]:
+    """quantization.json and the weight files, after checking the directory is complete and unchanged."""
+    from ..models import check_safetensors_file
     if not d.is_dir():
         raise ModelLoadError(f"quantized model directory '{d}' does not exist")
+    incomplete = "not a complete quantized model (save it again with QuantizedModel.save or `workbench quantize --out`)"
     for name in ("config.json", "quantization.json", "plan.json", "manifest.json"):
         if not (d / name).is_file():
-            raise ModelLoadError(f"'{d}' has no {name}: not a complete quantized model (save it again with "
-                                 "QuantizedModel.save or `workbench quantize --out`)")
+            raise ModelLoadError(f"'{d}' has no {name}: {incomplete}")
     meta = _read_json(d / "quantization.json")
     version = meta.get("version", 0)
     if meta.get("format") != FORMAT or not 1 <= version <= FORMAT_VERSION:
@@ -437,8 +469,7 @@ def load_quantized(directory: str | Path, *, verify: bool = True, dtype: str | t
     files = [V1_FLOAT_FILE, V1_QUANT_FILE] if version == 1 else [meta.get("weights_file", WEIGHTS_FILE)]
     for name in files:
         if not (d / name).is_file():
-            raise ModelLoadError(f"'{d}' has no {name}: not a complete quantized model (save it again with "
-                                 "QuantizedModel.save or `workbench quantize --out`)")
+            raise ModelLoadError(f"'{d}' has no {name}: {incomplete}")
     if verify:
         manifest = _read_json(d / "manifest.json")
         for name, info in manifest.get("files", {}).items():
@@ -449,87 +480,82 @@ def load_quantized(directory: str | Path, *, verify: bool = True, dtype: str | t
                                      "or partly copied: save the quantized model again")
     for name in files:
         check_safetensors_file(d / name)
-    raw_cfg = _read_json(d / "config.json")
-    torch_dtype = resolve_dtype(dtype, raw_cfg)
+    return meta, files
+
+
+def load_quantized(directory: str | Path, *, verify: bool = True, dtype: str | torch.dtype = "auto",
+                   device: str = "cpu", trust_remote_code: bool = False, load_tokenizer: bool = True,
+                   require_tokenizer: bool = False, float32_compute: bool = True, float_model: bool = False):
+    """Load a saved quantized model: ``(LoadedModel, QuantizedModel)``, the first with ``quantized`` set.
+
+    The model is built from the config on the meta device, takes the float tensors as stored
+    (``dtype="auto"``: 16-bit ones as they are in the file, float32 ones in the config's dtype when that
+    holds them exactly; any other ``dtype`` casts them) and
+    ``QuantLinear`` / ``QuantEmbedding`` for integer layers, computing from the codes
+    (``QuantizedModel.build_model``): no float copy of an integer layer, nothing initialised at
+    random. Weights that do not cover the model exactly are refused, naming the tensors.
+    ``float_model=True`` gives the dequantized weights as ordinary float32 parameters instead.
+    """
+    from transformers import AutoConfig
+    from transformers.utils import logging as hf_logging
+
+    from ..models import LoadedModel, load_tokenizer_from, quantizable_layers, resolve_dtype
+    from .model import QuantizedModel
+    hf_logging.set_verbosity_error()
+    d = Path(directory)
+    meta, files = _open_directory(d, verify)
+    version = meta["version"]
+    torch_dtype = resolve_dtype(dtype, _read_json(d / "config.json"))
     try:
         config = AutoConfig.from_pretrained(d, local_files_only=True, trust_remote_code=trust_remote_code)
         if hasattr(config, "quantization_config"):  # for transformers' own loader; the integer layers are built here
             del config.quantization_config
-        skeleton = _skeleton(config, torch_dtype, trust_remote_code)
+        sk = _Skeleton(_skeleton(config, torch_dtype, trust_remote_code))
     except Exception as e:
         why = " ".join(str(e).split())[:300] or type(e).__name__
         raise ModelLoadError(f"could not build the model '{d / 'config.json'}' describes: {why}") from e
-    params = dict(skeleton.named_parameters(remove_duplicate=False))
-    buffers = dict(skeleton.named_buffers())
     tensors = _Tensors([d / f for f in files])
+    reports, integer = _layer_reports(meta, version, tensors)
+    integer_weights = _check_cover(d, sk, tensors, reports, integer)
 
-    reports, expected_quant, integer = [], {}, {}
-    for entry in meta["layers"]:
-        r = LayerQuantReport(entry["name"], entry["kind"], tuple(entry["shape"]), entry["precision"],
-                             entry.get("group_size"), entry.get("fallback"), entry.get("tied_to"),
-                             entry.get("untied", False), entry.get("weight_error"))
-        reports.append(r)
-        if "bits" in entry:
-            spec = (entry["bits"], entry["group_size"], entry.get("symmetric", f"{r.name}.zeros" not in tensors.shapes))
-            shapes = (_v1_shapes if version == 1 else _ct_shapes)(r.name, r.shape, *spec)
-            expected_quant.update(shapes)
-            integer[r.name] = (spec, shapes)
-    integer_weights = {f"{r.name}.weight" for r in reports
-                       if r.name in integer or (r.tied_to in integer and not r.untied)}
-    unknown = sorted(n for n in integer_weights if n not in params)
-    bad = [(f"{r.name}.weight", r.shape, tuple(params[f"{r.name}.weight"].shape)) for r in reports
-           if f"{r.name}.weight" in params and tuple(params[f"{r.name}.weight"].shape) != tuple(r.shape)]
-    if unknown or bad:  # quantization.json describes layers the config's model does not have
-        from ..models import weights_mismatch_error
-        raise weights_mismatch_error(d, (), unknown, bad)
-    _check_cover(d, tensors, params, buffers, expected_quant, integer_weights)
-
+    shape_of = {r.name: r.shape for r in reports}
     weights = {}
-    for n, (spec, shapes) in integer.items():
+    for n, (bits, g, _, shapes) in integer.items():
         t = tensors.group(shapes)
-        bits, g, _ = spec
-        weights[n] = _v1_layer(n, t, tuple(next(r.shape for r in reports if r.name == n)), bits, g) \
-            if version == 1 else _weight_from_file(n, t, bits, g)
+        weights[n] = _v1_layer(n, t, shape_of[n], bits, g) if version == 1 else _weight_from_file(n, t, bits, g)
     for r in reports:
         if r.tied_to and not r.untied and r.tied_to in weights:
             weights[r.name] = weights[r.tied_to]
 
-    # float tensors into the skeleton: one Parameter for every name a tied weight goes by
-    by_id: dict[int, list[str]] = {}
-    for k, p in params.items():
-        by_id.setdefault(id(p), []).append(k)
+    integer_tensors = {k for *_, shapes in integer.values() for k in shapes}
     loaded_buffers = {}
     for k in tensors.shapes:
-        if k in expected_quant:
+        if k in integer_tensors:
             continue
-        t = tensors.get(k)
-        if dtype == "auto":
-            cast = t.to(torch_dtype)
-            t = cast if torch.equal(cast.to(t.dtype), t) else t
-        else:
-            t = t.to(torch_dtype)
-        if k in buffers:
+        t = tensors.get(k)  # backed by the file's pages until it is cast
+        if t.is_floating_point() and t.dtype != torch_dtype:
+            if dtype != "auto":
+                t = t.to(torch_dtype)
+            elif not (float32_compute and {t.dtype, torch_dtype} <= _HALF):  # either 16-bit kind is widened
+                t = _exact_cast(t, torch_dtype)
+        if k in sk.buffers:
             loaded_buffers[k] = t
-            continue
-        param = nn.Parameter(t, requires_grad=False)
-        for name in by_id[id(params[k])]:
-            owner, _, leaf = name.rpartition(".")
-            skeleton.get_submodule(owner)._parameters[leaf] = param
-    _materialize_buffers(skeleton, loaded_buffers)
+        else:
+            sk.set(k, t)
+    sk.materialize_buffers(loaded_buffers)
     for k in integer_weights:  # a one-element stand-in on the CPU until the layer is replaced: never read
-        p = params[k]
-        stand_in = nn.Parameter(torch.zeros((), dtype=p.dtype).expand(p.shape), requires_grad=False)
-        for name in by_id[id(p)]:
-            owner, _, leaf = name.rpartition(".")
-            skeleton.get_submodule(owner)._parameters[leaf] = stand_in
+        p = sk.params[k]
+        sk.set(k, torch.zeros((), dtype=p.dtype).expand(p.shape))
 
     qm = QuantizedModel(QuantPlan.load(d / "plan.json"), meta["method"], weights, reports, {},
                         seconds=meta.get("seconds", 0.0))
     if float_model:
-        model = _float_model(skeleton, qm)
+        for r in _stored_integer_layers(qm):
+            sk.set(f"{r.name}.weight", qm.weights[r.name].dequantize())
+        model = sk.model.to(torch.float32)
     else:
-        model = qm.build_model(skeleton)
-    del skeleton
+        model = qm.build_model(sk.model)
+    del sk
     left = [k for k, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:
         raise ModelLoadError(f"'{d}': {len(left)} tensors of the model were not loaded ({', '.join(left[:3])}); "
@@ -543,20 +569,6 @@ def load_quantized(directory: str | Path, *, verify: bool = True, dtype: str | t
     lm = LoadedModel(model=model, tokenizer=tokenizer, path=d, name=str(directory), layers=quantizable_layers(model),
                      quantized=qm)
     qm.source = lm
+    from ..memory import release_freed_memory
+    release_freed_memory()  # the per-layer unpacking temporaries
     return lm, qm
-
-
-def _float_model(skeleton: nn.Module, qm) -> nn.Module:
-    """The dequantized weights as float32 parameters (the simulation as an ordinary float model)."""
-    params = dict(skeleton.named_parameters(remove_duplicate=False))
-    by_id: dict[int, list[str]] = {}
-    for k, p in params.items():
-        by_id.setdefault(id(p), []).append(k)
-    for r in qm.layers:
-        if r.name not in qm.weights or (r.tied_to and not r.untied):
-            continue
-        param = nn.Parameter(qm.weights[r.name].dequantize(), requires_grad=False)
-        for name in by_id[id(params[f"{r.name}.weight"])]:
-            owner, _, leaf = name.rpartition(".")
-            skeleton.get_submodule(owner)._parameters[leaf] = param
-    return skeleton.to(torch.float32)
