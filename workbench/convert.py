@@ -36,6 +36,7 @@ import torch
 
 from .errors import ModelLoadError, PlanError
 from .evaluate import DEFAULT_CTX, Window, encode_text, read_text, strided_windows
+from .logits import final_hidden, head_logits
 from .memory import release_freed_memory
 from .graph import OnnxCausalLM, export_onnx, greedy_agreement, share_external_data
 from .models import LoadedModel, demo_text_path, load_model
@@ -55,8 +56,7 @@ DEFAULT_STATIC = (128, 512)
 # four models over the text (float, simulation, two accuracy levels), about 1.5 minutes for 0.5 B on 2 cores.
 EVAL_PARAMETER_TOKENS = 5e11
 MIN_EVAL_TOKENS = 1024
-VOCAB_CHUNK = 32768  # output-layer rows widened to float32 at a time when rebuilding reference logits
-REF_ROWS = 256  # reference tokens whose logits are rebuilt together (155 MB for a 151,936-token vocabulary)
+REF_ROWS = 128  # reference tokens whose logits are rebuilt together (78 MB for a 151,936-token vocabulary)
 ROW_CHUNK = 64  # tokens whose log-probabilities are compared at once
 EVAL_BATCH = 4  # windows per PyTorch forward pass (their hidden states only: the output layer runs per window)
 
@@ -183,10 +183,6 @@ def default_eval_tokens(parameters: int, n_tokens: int) -> int:
     return min(n_tokens, max(MIN_EVAL_TOKENS, int(EVAL_PARAMETER_TOKENS // parameters)))
 
 
-class _Stop(Exception):
-    pass
-
-
 @dataclass
 class _Scores:
     """One model's agreement with the reference (and with the simulation) over the evaluated windows."""
@@ -219,30 +215,6 @@ class _Scores:
         return self.vs_simulation / self.tokens
 
 
-def _head_logits(head: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """Float32 logits ``hidden @ W.T (+ b)``, widening (or dequantizing) ``VOCAB_CHUNK`` rows of W at a time.
-
-    The output layer is never held in float32 whole: 545 MB for Qwen2.5-0.5B, 1.6 GB for Qwen3-4B.
-    """
-    from .quantize import QuantizedWeight
-    qw = getattr(head, "quantized", None)
-    weight = None if qw is not None else head.weight.detach()
-    vocab = qw.shape[0] if qw is not None else weight.shape[0]
-    logits = torch.empty((hidden.shape[0], vocab), dtype=torch.float32)
-    for v in range(0, vocab, VOCAB_CHUNK):
-        rows = slice(v, v + VOCAB_CHUNK)
-        if qw is not None:
-            w = QuantizedWeight(qw.qweight[rows], qw.scales[rows], None if qw.zeros is None else qw.zeros[rows],
-                                qw.bits, qw.group_size).dequantize()
-        else:
-            w = weight[rows].to(torch.float32)
-        torch.matmul(hidden, w.T, out=logits[:, rows])
-    bias = getattr(head, "bias", None)
-    if bias is not None:
-        logits += bias.detach().to(torch.float32)
-    return logits
-
-
 class _Evaluator:
     """The float model's outputs captured once; the simulation and each converted model scored against them.
 
@@ -273,43 +245,28 @@ class _Evaluator:
         self.sim_top1: list[torch.Tensor] | None = None
         sim = prep.sim_lm.model
         sim_hidden, sim_head = self._final_hidden(sim, "simulation"), sim.get_output_embeddings()
-        self.sim_report = self._score(lambda k, w: _head_logits(sim_head, sim_hidden[k]), "simulation", record=True)
+        self.sim_report = self._score(lambda k, w: head_logits(sim_head, sim_hidden[k]), "simulation", record=True)
 
-    def _bar(self, desc: str, total: int | None = None):
+    def _bar(self, desc: str):
         from tqdm.auto import tqdm
-        return tqdm(total=total or len(self.windows), desc=desc, unit="window", disable=not self.progress,
-                    leave=False)
+        return tqdm(total=len(self.windows), desc=desc, unit="window", disable=not self.progress, leave=False)
 
     def _rows(self, w: Window) -> slice:
         """Positions of a window whose next-token predictions are scored."""
         return slice(w.score_from - w.begin - 1, w.end - w.begin - 1)
 
-    @torch.inference_mode()
     def _final_hidden(self, model, desc: str) -> list[torch.Tensor]:
         """The output layer's inputs at the scored positions of each window; windows of equal length batched."""
-        got: list[torch.Tensor] = []
-
-        def grab(_module, args):
-            got.append(args[0])
-            raise _Stop
         hidden: list[torch.Tensor] = []
-        handle = model.get_output_embeddings().register_forward_pre_hook(grab, prepend=True)
-        try:
-            with self._bar(desc) as bar:
-                k = 0
-                while k < len(self.windows):
-                    n = self.windows[k].end - self.windows[k].begin
-                    batch = list(itertools.takewhile(lambda w: w.end - w.begin == n, self.windows[k:k + EVAL_BATCH]))
-                    try:
-                        model(input_ids=torch.stack([self.ids[w.begin:w.end] for w in batch]), use_cache=False)
-                    except _Stop:
-                        pass
-                    h = got.pop()
-                    hidden += [h[b, self._rows(w)].to(torch.float32).clone() for b, w in enumerate(batch)]
-                    k += len(batch)
-                    bar.update(len(batch))
-        finally:
-            handle.remove()
+        with self._bar(desc) as bar:
+            k = 0
+            while k < len(self.windows):
+                n = self.windows[k].end - self.windows[k].begin
+                batch = list(itertools.takewhile(lambda w: w.end - w.begin == n, self.windows[k:k + EVAL_BATCH]))
+                h = final_hidden(model, torch.stack([self.ids[w.begin:w.end] for w in batch]))
+                hidden += [h[b, self._rows(w)].clone() for b, w in enumerate(batch)]
+                k += len(batch)
+                bar.update(len(batch))
         return hidden
 
     @torch.inference_mode()
@@ -321,7 +278,7 @@ class _Evaluator:
             for k, w in enumerate(self.windows):
                 logits, targets, picks = window_logits(k, w), self.ids[w.score_from:w.end], []
                 for r in range(0, w.scored, REF_ROWS):
-                    ref = _head_logits(self.head, self.hidden[k][r:r + REF_ROWS])
+                    ref = head_logits(self.head, self.hidden[k][r:r + REF_ROWS])
                     for c in range(0, ref.shape[0], ROW_CHUNK):
                         rlp = ref[c:c + ROW_CHUNK]
                         rlp -= torch.logsumexp(rlp, dim=-1, keepdim=True)  # in place: log-probabilities
@@ -398,22 +355,25 @@ def _plan_bits_for_qdq(prepared: PreparedModels, weight_names: dict) -> tuple[di
 
 
 def _mnn_weight_args(prepared: PreparedModels) -> tuple[int | None, int | None, list[str]]:
-    qws = list(prepared.qm.weights.values())
+    qws = [q for name, q in prepared.qm.weights.items() if prepared.qm.layer(name).kind == "linear"]
+    embedded = [r for r in prepared.qm.layers if r.kind == "embedding" and r.name in prepared.qm.weights]
+    notes = [f"{r.name} ({r.precision} in the plan) is a Gather, which MNN's weight quantization does not cover: "
+             "stored as float32 (its simulated values)" for r in embedded]
     if not qws:
-        return None, None, ["the plan quantizes no layer: MNN stores float weights"]
+        return None, None, notes + ["the plan quantizes no linear layer: MNN stores float32 weights"]
     kinds = {(q.bits, q.effective_group_size if q.group_size else None) for q in qws}
     if len(kinds) > 1:
-        return None, None, ["the plan mixes bit widths or group sizes, which one MNN --weightQuantBits setting cannot "
-                            "express: MNN stores the simulated weights in float (the simulation's values, not a "
-                            "smaller file)"]
+        return None, None, notes + ["the plan mixes bit widths or group sizes, which one MNN --weightQuantBits setting "
+                                    "cannot express: MNN stores the simulated weights in float32 (the simulation's "
+                                    "values, not a smaller file)"]
     bits, group = next(iter(kinds))
     floats = [r.name for r in prepared.qm.layers if r.name not in prepared.qm.weights and r.kind == "linear"]
-    notes = [f"MNN re-quantizes the simulated weights with --weightQuantBits {bits} --weightQuantBlock {group or -1} "
-             "--weightQuantAsymmetric: its min/max grid over values already on the workbench's grid reproduces them "
-             "(its symmetric mode does not: it rescales and moves every code)"]
+    notes.append(f"MNN re-quantizes the simulated weights with --weightQuantBits {bits} --weightQuantBlock {group or -1} "
+                 "--weightQuantAsymmetric: its min/max grid over values already on the workbench's grid reproduces them "
+                 "(its symmetric mode does not: it rescales and moves every code)")
     if floats:
         notes.append(f"layers the plan keeps in float ({', '.join(floats[:4])}) get a [1, K, N] weight so MNN leaves "
-                     "them unquantized")
+                     "them unquantized, in float32")
     return bits, group, notes
 
 

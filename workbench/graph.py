@@ -484,11 +484,12 @@ def greedy_agreement(model: nn.Module, prompt: Sequence[int], tokens: Sequence[i
     count and the model's own greedy tokens as far as they are determined (one past the first
     disagreement).
     """
+    from .logits import final_hidden, head_logits
     tokens = [int(t) for t in tokens]
     if not tokens:
         return 0, []
-    ids = torch.tensor([list(prompt) + tokens[:-1]])
-    picks = model(input_ids=ids, use_cache=False).logits[0, len(prompt) - 1:].argmax(-1).tolist()
+    hidden = final_hidden(model, torch.tensor([list(prompt) + tokens[:-1]]))[0, len(prompt) - 1:]
+    picks = head_logits(model.get_output_embeddings(), hidden).argmax(-1).tolist()
     match = 0
     while match < len(tokens) and picks[match] == tokens[match]:
         match += 1

@@ -31,10 +31,11 @@ import numpy as np
 import torch
 from torch import nn
 
+from .compute import float32_weight
 from .errors import ModelLoadError
 
 __all__ = ["DecoderSpec", "TensorStore", "GraphBuilder", "FloatWeights", "BuiltGraphs", "build_graphs",
-           "DATA_FILE", "INLINE_LIMIT", "input_names", "output_names", "float32_weight", "as_array"]
+           "DATA_FILE", "INLINE_LIMIT", "input_names", "output_names", "as_array"]
 
 DATA_FILE = "weights.data"
 INLINE_LIMIT = 64 * 2**20  # weights above this go to one external-data file (protobuf stops at 2 GB)
@@ -52,12 +53,6 @@ def input_names(num_layers: int, with_past: bool) -> list[str]:
 
 def output_names(num_layers: int) -> list[str]:
     return ["logits"] + [f"present.{i}.{kv}" for i in range(num_layers) for kv in ("key", "value")]
-
-
-def float32_weight(module: nn.Module) -> torch.Tensor:
-    """A layer's weight as float32 values: widened from bf16/fp16, or dequantized for a quantized layer."""
-    dequantize = getattr(module, "dequantized_weight", None)
-    return dequantize() if dequantize is not None else module.weight.detach().to(torch.float32)
 
 
 def as_array(t: torch.Tensor, dtype=np.float32) -> np.ndarray:

@@ -6,6 +6,8 @@
 
 JSON: files, kl_divergence and top1_agreement (against the float model),
 top1_agreement_vs_simulation (against the workbench's own quantized model), and the simulation's numbers.
+Models over ~0.5 M parameter-tokens of text are evaluated on a token budget (1,024 tokens for a 0.5 B
+model) unless --max-tokens says otherwise; the output says when.
 """
 from __future__ import annotations
 
@@ -25,7 +27,9 @@ def add_arguments(p):
     p.add_argument("--target", required=True, choices=CONVERT_TARGETS)
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--text", help="evaluation text (default: the demo model's held-out text)")
-    p.add_argument("--max-tokens", type=int, help="evaluate on the first N tokens only")
+    p.add_argument("--max-tokens", type=int,
+                   help="evaluate on the first N tokens (default: the whole text for small models, a budget of at "
+                        "least 1,024 tokens for big ones)")
     p.add_argument("--ctx", type=int, help="evaluation window (default 512 or the model's maximum)")
     p.add_argument("--activation-bits", type=int, choices=(8, 16), default=16, help="QDQ/QNN activations (default 16)")
     p.add_argument("--accuracy-level", type=int, choices=(0, 1, 2, 3, 4), default=4,
@@ -56,5 +60,6 @@ def run(args) -> int:
               f"({report.eval_tokens:,} tokens, ctx {report.ctx}; measured on {report.measured_on})")
         if report.gap:
             print(f"GAP: {report.gap}")
-    print(f"{report.seconds:.1f} s")
+    stages = ", ".join(f"{name.replace('_', ' ')} {sec:.1f}" for name, sec in report.details.get("seconds", {}).items())
+    print(f"{report.seconds:.1f} s" + (f" ({stages})" if stages else ""))
     return 0
