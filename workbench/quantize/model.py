@@ -158,9 +158,8 @@ class QuantizedModel:
             elif r.precision is not None and get_precision(r.precision).bits == 16:
                 w = mod.weight
                 if id(w) not in rounded_by_id:
-                    rounded = w.detach().to(torch.float16).to(w.dtype)
-                    rounded_by_id[id(w)] = w if torch.equal(rounded, w.detach()) else \
-                        nn.Parameter(rounded, requires_grad=False)
+                    rounded_by_id[id(w)] = w if _fp16_exact(w) else \
+                        nn.Parameter(w.detach().to(torch.float16).to(w.dtype), requires_grad=False)
                 mod.weight = rounded_by_id[id(w)]
         return new.eval()
 
@@ -197,6 +196,15 @@ class QuantizedModel:
     def to_dict(self) -> dict:
         return {"method": self.method, "plan": self.plan.to_dict(), "seconds": self.seconds,
                 "bits_per_weight": self.bits_per_weight, "layers": [r.to_dict() for r in self.layers]}
+
+
+def _fp16_exact(w: torch.Tensor, rows: int = 8192) -> bool:
+    """Whether float16 holds every value of ``w`` (checked a slice of rows at a time: no full-size copies)."""
+    if w.dtype == torch.float16:
+        return True
+    w = w.detach()
+    return all(torch.equal(w[i:i + rows].to(torch.float16).to(w.dtype), w[i:i + rows])
+               for i in range(0, w.shape[0], rows))
 
 
 def untie_embeddings_(model: nn.Module) -> nn.Module:
@@ -267,6 +275,8 @@ def quantize_model(lm, plan: QuantPlan, *, calibration=None, method: str | None 
     method = (method or plan.method or "rtn").lower()
     if method not in METHODS:
         raise PlanError(f"unknown quantization method '{method}'; choose one of: {', '.join(METHODS)}")
+    if hasattr(lm, "require_float"):
+        lm.require_float("quantize")  # a quantized model is not re-quantized from its dequantized weights
     model = lm.model
     layers = list(lm.layers)
     names = [info.name for info in layers]
