@@ -57,3 +57,11 @@ def test_voila_serves_the_app_on_loopback_only(tmp_path):
             proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def test_workspace_is_passed_on_as_an_absolute_path(tmp_path):
+    """The kernels start beside the notebook: a relative workspace would put the app's outputs there."""
+    from workbench.ui.serve import app_environment
+    assert app_environment({}, cwd=tmp_path)["WORKBENCH_WORKSPACE"] == str(tmp_path / "workspace")
+    assert app_environment({"WORKBENCH_WORKSPACE": "ws"}, cwd=tmp_path)["WORKBENCH_WORKSPACE"] == str(tmp_path / "ws")
+    assert app_environment({"WORKBENCH_WORKSPACE": "/abs/ws"}, cwd=tmp_path)["WORKBENCH_WORKSPACE"] == "/abs/ws"

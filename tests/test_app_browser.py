@@ -1,0 +1,265 @@
+"""The app as a person meets it: Voila serves it, headless Chromium clicks through the whole flow.
+
+On the demo model: calibrate, sweep, one layer to FP16 by pattern, Evaluate (a point on the chart),
+Use this plan, quantize with AWQ, convert to ort-int4 and MNN, profile, download the run and read
+the downloaded model with ``workbench eval``; then the Fine-tune tab for two steps. After every step
+the page must show the step's figures and tables, and no "Error displaying widget", no "Loading
+widget..." left behind and no Python traceback. A screenshot per step goes to
+``$WORKBENCH_TEST_ARTIFACTS`` (default ``tests/artifacts/``, git-ignored).
+
+Needs Debian's Chromium and the playwright package (its own browser download is not used); skipped,
+saying how to install them, where either is missing. ``.ci/run`` installs Chromium before the tests.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CHROMIUM = os.environ.get("WORKBENCH_CHROMIUM", "/usr/bin/chromium")
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                  "--disable-component-update", "--disable-sync", "--no-first-run"]
+ARTIFACTS = Path(os.environ.get("WORKBENCH_TEST_ARTIFACTS", ROOT / "tests" / "artifacts"))
+WIDGET_ERRORS = ("Error displaying widget", "Traceback (most recent call last)")
+STEP_TIMEOUT_MS = 420_000  # one heavy step (AWQ, a conversion) on a busy 2-core machine
+
+try:
+    from playwright.sync_api import expect, sync_playwright
+except ImportError:  # the skip below says how to install it
+    sync_playwright = None
+
+pytestmark = [
+    pytest.mark.skipif(sync_playwright is None, reason="the browser test needs the playwright package: "
+                       ".venv/bin/pip install -c constraints.txt -r requirements.txt"),
+    pytest.mark.skipif(not Path(CHROMIUM).is_file(), reason=f"the browser test needs Chromium at {CHROMIUM}: "
+                       "apt-get install -y chromium (as root; .ci/run does this), or set WORKBENCH_CHROMIUM"),
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_listening(port: int, proc: subprocess.Popen, log: Path, timeout: float = 120) -> None:
+    """Wait for the port, without requesting the page (each page request starts a kernel)."""
+    deadline = time.time() + timeout
+    while True:
+        assert proc.poll() is None, log.read_text()[-3000:]
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            assert time.time() < deadline, f"voila did not listen on {port} within {timeout:.0f} s"
+            time.sleep(0.5)
+
+
+@pytest.fixture
+def served_app(tmp_path):
+    """``python -m workbench.ui.serve`` on a free loopback port, with a fresh workspace."""
+    port = _free_port()
+    log = tmp_path / "voila.log"
+    env = {**os.environ, "WORKBENCH_WORKSPACE": str(tmp_path / "workspace")}
+    proc = subprocess.Popen([sys.executable, "-m", "workbench.ui.serve", "--port", str(port)], cwd=ROOT, env=env,
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        _wait_listening(port, proc, log)
+        yield f"http://127.0.0.1:{port}/", tmp_path / "workspace"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+class Walk:
+    """The page, plus the checks and the screenshot that close every step."""
+
+    def __init__(self, page, artifacts: Path):
+        self.page, self.artifacts, self.n = page, artifacts, 0
+        self.console_errors: list[str] = []
+        page.on("console", lambda m: self.console_errors.append(m.text) if m.type == "error" else None)
+        self.seconds: dict[str, float] = {}
+        self._t = time.perf_counter()
+
+    def tab(self, title: str) -> None:
+        self.page.locator(".lm-TabBar-tab", has_text=re.compile(rf"^{re.escape(title)}$")).first.click()
+
+    def field(self, label: str):
+        """The visible input, select or textarea whose widget label reads ``label``."""
+        box = self.page.locator(".widget-inline-hbox").filter(visible=True).filter(
+            has=self.page.locator("label", has_text=re.compile(rf"^\s*{re.escape(label)}\s*$")))
+        return box.locator("input, select, textarea").first
+
+    def fill(self, label: str, value) -> None:
+        f = self.field(label)
+        f.fill(str(value))
+        f.press("Enter")
+        f.blur()
+
+    def button(self, name: str):
+        """The visible button reading ``name`` (by its text: an icon's glyph is part of its accessible name)."""
+        return self.page.locator("button").filter(visible=True, has_text=re.compile(rf"^\s*{re.escape(name)}\s*$")).first
+
+    def wait_text(self, text: str | re.Pattern, timeout: int = STEP_TIMEOUT_MS):
+        loc = self.page.get_by_text(text).filter(visible=True).first
+        loc.wait_for(timeout=timeout)
+        return loc
+
+    def done(self, name: str) -> str:
+        """The step finished: no widget errors or tracebacks, nothing left loading; a screenshot."""
+        deadline = time.time() + 60
+        while "Loading widget..." in self.page.inner_text("body") and time.time() < deadline:
+            time.sleep(0.5)
+        self.n += 1
+        self.page.screenshot(path=str(self.artifacts / f"{self.n:02d}-{name}.png"), full_page=True)
+        body = self.page.inner_text("body")
+        for bad in WIDGET_ERRORS + ("Loading widget...",):
+            assert bad not in body, f"after '{name}' the page shows '{bad}'"
+        missing = [e for e in self.console_errors if "model not found" in e]
+        assert not missing, f"after '{name}': {missing[:2]}"
+        now = time.perf_counter()
+        self.seconds[name], self._t = round(now - self._t, 1), now
+        return body
+
+    def visible_charts(self) -> int:
+        return self.page.locator(".js-plotly-plot").filter(visible=True).count()
+
+
+def test_whole_flow_in_headless_chromium(served_app, tmp_path):
+    url, workspace = served_app
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
+        try:
+            # tall: Voila scrolls inside the page, so a screenshot shows the viewport, not the whole document
+            page = browser.new_page(viewport={"width": 1300, "height": 2400}, accept_downloads=True)
+            page.set_default_timeout(120_000)
+            w = Walk(page, ARTIFACTS)
+            page.goto(url, timeout=300_000)
+            page.locator(".lm-TabBar-tab").first.wait_for(timeout=300_000)
+            w.wait_text("quantizable layers")
+            body = w.done("loaded")
+            assert "loaded demo: 30 quantizable layers" in body and str(workspace) in body  # outputs: the workspace
+
+            # Calibrate (small sample counts keep the walk quick)
+            w.fill("samples", 8)
+            w.fill("seq len", 128)
+            w.button("Run calibration").click()
+            w.wait_text("layers over 1,024 tokens")
+            expect(page.locator(".js-plotly-plot").filter(visible=True).first).to_be_visible()
+            body = w.done("calibrate")
+            assert "8 samples, 1,024 tokens kept" in body and w.visible_charts() >= 1
+
+            # Precisions: sweep, one layer to FP16 by pattern, Evaluate, Use this plan
+            w.tab("Precisions")
+            w.button("Run sensitivity sweep").click()
+            w.wait_text("sensitivity of 30 layers measured")
+            w.done("sweep")
+            page.get_by_placeholder(re.compile(r"\*\.q_proj")).fill("*.0.mlp.down_proj")
+            w.button("Apply rule").click()
+            row = page.locator(".widget-hbox").filter(has=page.locator("code", has_text="model.layers.0.mlp.down_proj"))
+            expect(row.locator("select").first).to_have_value("FP16")  # ipywidgets option values are the labels
+            w.button("Evaluate").click()
+            w.wait_text(re.compile(r"perplexity \d+\.\d+ \(float"))
+            chart = page.locator(".js-plotly-plot").filter(visible=True).first
+            expect(chart.locator(".scatterlayer .point").first).to_be_attached()
+            w.done("evaluate")
+            w.button("Use this plan").click()
+            w.wait_text("Quantize and Export use this plan")
+            body = w.done("use-plan")
+            plan_label = re.search(r"plan ([0-9a-f]{8}) \(RTN", body)
+            assert plan_label, "the Precisions tab names the plan it hands on"
+
+            # Quantize with AWQ (calibration from the Calibrate tab)
+            w.tab("Quantize")
+            w.field("method").select_option(label="AWQ")
+            w.fill("eval tokens", 2048)
+            w.button("Run").click()
+            w.wait_text(re.compile(r"plan AWQ g128: \d+ integer layers"))
+            body = w.done("quantize-awq")
+            assert re.search(r"quantized model: .*/quantized/awq-[0-9a-f]{8}", body)
+            assert w.visible_charts() >= 2  # cost table and per-layer errors
+
+            # Export: ort-int4, then MNN, both of that AWQ model
+            w.tab("Export")
+            w.fill("eval tokens", 2048)
+            w.button("Convert").click()
+            status = w.wait_text(re.compile(r"ort-int4: KL \d")).inner_text()
+            sim = re.search(r"simulation here: ([0-9.]+)", status)
+            measured = re.search(r"Quantize tab measured this model at KL ([0-9.]+)", status)
+            assert sim and measured and sim.group(1) == measured.group(1), status  # the AWQ model, same tokens
+            assert "GAP" not in status
+            w.done("convert-ort-int4")
+            w.field("target").select_option(label="mnn")
+            w.button("Convert").click()
+            w.wait_text(re.compile(r"mnn: KL \d"))
+            table = page.locator("table").filter(visible=True).last.inner_text()
+            assert "ort-int4" in table and "mnn" in table
+            w.done("convert-mnn")
+
+            # Profile what Export wrote
+            w.tab("Profile")
+            w.fill("prompts", 16)
+            w.fill("repeats", 1)
+            w.button("Profile").click()
+            w.wait_text("2 model(s) timed")
+            body = w.done("profile")
+            assert "onnxruntime" in body and "MNN" in body and w.visible_charts() >= 1
+            w.tab("Precisions")
+            page.screenshot(path=str(ARTIFACTS / "app.png"),  # the README's picture of the app
+                            clip={"x": 0, "y": 0, "width": 1300, "height": 1000})
+
+            # Download the run; the model in it is one `workbench eval` reads
+            with page.expect_download(timeout=STEP_TIMEOUT_MS) as dl:
+                w.button("Download run (zip)").click()
+            archive = tmp_path / dl.value.suggested_filename
+            dl.value.save_as(archive)
+            w.wait_text("downloading")
+            w.done("download")
+
+            # Fine-tune: two steps, and the tab draws its loss curve
+            w.tab("Fine-tune")
+            w.fill("steps", 2)
+            w.fill("batch", 2)
+            w.fill("seq len", 64)
+            w.button("Fine-tune").click()
+            w.wait_text("held-out perplexity")
+            w.done("finetune")
+            assert w.visible_charts() >= 1
+        finally:
+            browser.close()
+    seconds = round(time.perf_counter() - t0, 1)
+    (ARTIFACTS / "timings.json").write_text(json.dumps({"total": seconds, **w.seconds}, indent=1))
+
+    run = archive.stem
+    with zipfile.ZipFile(archive) as z:
+        names = set(z.namelist())
+        z.extractall(tmp_path / "unpacked")
+    for member in ("model/quantization.json", "convert/ort-int4/conversion.json", "convert/mnn/prefill.mnn",
+                   "plan.json", "report.json", "report.md", "overrides/llamacpp-tensor-types.txt",
+                   "figures/figures.html"):
+        assert f"{run}/{member}" in names, sorted(names)[:20]
+    conversion = json.loads((tmp_path / "unpacked" / run / "convert/ort-int4/conversion.json").read_text())
+    assert conversion["details"]["plan"]["method"] == "awq"
+    report = json.loads((tmp_path / "unpacked" / run / "report.json").read_text())
+    assert report["quantized"]["method"] == "awq" and len(report["profiles"]) == 2
+    model_dir = tmp_path / "unpacked" / run / "model"
+    out = subprocess.run([sys.executable, "-m", "workbench", "eval", str(model_dir), "--max-tokens", "1024", "--json"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout[out.stdout.index("{"):])["perplexity"] > 1
+    shutil.rmtree(tmp_path / "unpacked", ignore_errors=True)
