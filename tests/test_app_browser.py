@@ -111,7 +111,8 @@ class Walk:
 
     def button(self, name: str):
         """The visible button reading ``name`` (by its text: an icon's glyph is part of its accessible name)."""
-        return self.page.locator("button").filter(visible=True, has_text=re.compile(rf"^\s*{re.escape(name)}\s*$")).first
+        text = re.compile(rf"^\s*{re.escape(name)}\s*$")
+        return self.page.locator("button").filter(visible=True, has_text=text).first
 
     def wait_text(self, text: str | re.Pattern, timeout: int = STEP_TIMEOUT_MS):
         loc = self.page.get_by_text(text).filter(visible=True).first

@@ -54,3 +54,23 @@ def test_figures():
     assert tuple(cells[0]) == ("float", "INT4")
     assert tuple(cells[2]) == ("-", "+0.500 ± 0.100")
     assert tuple(cells[3]) == ("-", "0.01000 ± 0.00100")
+
+
+def test_a_plans_settings_are_not_reset_to_the_widget_defaults(tiny_model_dir):
+    from dataclasses import replace
+    lm = load_model(tiny_model_dir)
+    plan = replace(QuantPlan.uniform("int4"), group_size=32, symmetric=False, method="awq")
+    panel = QuantizePanel(lm, plan=plan)
+    assert (panel.method.value, panel.group_size.value, panel.symmetric.value) == ("awq", 32, False)
+    assert panel.current_plan() == plan
+    odd = replace(plan, group_size=96)  # a group size the dropdown does not list is added, not replaced
+    assert QuantizePanel(lm, plan=odd).current_plan() == odd
+
+
+def test_eval_tokens_start_the_comparison_again(tiny_model_dir, heldout):
+    lm = load_model(tiny_model_dir)
+    panel = QuantizePanel(lm, bits=8, group_size=32, text=heldout, max_tokens=300)
+    assert panel.run().tokens < 300
+    panel.eval_tokens.value = 0  # the whole text: a new reference, and the rows start over
+    cost = panel.run()
+    assert cost.tokens > 300 and [r["label"] for r in panel.rows] == ["float (reference)", "INT8 RTN g32"]

@@ -84,10 +84,13 @@ def test_precisions_evaluate_says_rtn_preview_for_an_awq_plan(app):
 
 def test_awq_from_quantize_is_what_export_converts(app):
     """Quantize with AWQ in the app, convert to ort-int4: the simulation Export compares with is that AWQ model."""
+    assert "until the Calibrate tab has run" in app.quantize_panel.calibration_note.value
     assert app.calibrate_panel.run() is not None
+    assert "AWQ uses the Calibrate tab's run: 4 samples" in app.quantize_panel.calibration_note.value
     app.quantize_panel.method.value = "awq"
     cost = app.quantize_panel.run()
     assert cost is not None, app.quantize_panel.error
+    assert cost.size_bytes > 0 and app.quantize_panel.rows[-1]["size_bytes"] == cost.size_bytes
     s = app.session
     qm = s.quantized
     assert qm.method == "awq" and qm.awq is not None and s.cost is cost and s.plan.method == "awq"
@@ -164,3 +167,23 @@ def test_session_resets_on_a_new_model(tiny_model_dir, workspace, tmp_path):
     s.observe(lambda c: seen.append(c["name"]), names=["lm", "plan", "calibration"])
     s.load(tiny_model_dir)
     assert s.plan == QuantPlan.uniform("int4") and s.calibration is None and set(seen) == {"lm", "plan", "calibration"}
+
+
+def test_library_progress_is_a_status_line_not_a_widget(app):
+    """tqdm.auto's widget bars close themselves; captured in a panel's log they became "model not found"."""
+    import tqdm.auto
+
+    from workbench.ui.base import progress_into
+
+    def work():
+        for _ in tqdm.auto.tqdm(range(3), desc="layers", leave=False):
+            pass
+        return type(tqdm.auto.tqdm(disable=True)).__module__
+
+    lines = []
+    with progress_into(lines.append):
+        module = work()
+    assert module == "workbench.ui.base" and lines and "layers" in lines[-1] and "/3" in lines[-1]
+    assert tqdm.auto.tqdm.__module__ != "workbench.ui.base"  # given back afterwards
+    ok, _ = app._attempt("working", work)
+    assert ok and "layers" in app.status.value

@@ -35,3 +35,14 @@ def test_bad_file_shows_the_error(lm, workspace, tmp_path):
     assert panel.run() is None
     assert "does not exist" in panel.error and "error:" in panel.status.value
     assert not any(w.disabled for w in panel.controls) and panel.stats is None
+
+
+def test_in_the_app_the_result_is_the_sessions_calibration(lm, workspace, tmp_path):
+    from workbench.ui.session import AppSession
+    session = AppSession(out_dir=tmp_path / "run", workspace=workspace)
+    session.set_model(lm)
+    panel = CalibratePanel(lm, samples=2, seq_len=64, session=session)
+    assert panel.workspace is workspace
+    panel.run()
+    assert session.calibration == (panel.calib_set, panel.stats)
+    assert "plan " in panel.children[1].value  # the tab names the session's plan

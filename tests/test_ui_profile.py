@@ -18,3 +18,17 @@ def test_bad_folder_and_bad_lengths_are_status_lines(tmp_path):
     panel.prompt_lengths.value = "32,abc"
     panel.directory.value = str(tmp_path)
     assert panel.run() is None and "comma-separated positive integers" in panel.error
+
+
+def test_in_the_app_the_folder_follows_exports_output(tiny_model_dir, workspace, tmp_path):
+    from workbench.models import load_model
+    from workbench.ui.session import AppSession
+    session = AppSession(out_dir=tmp_path / "run", workspace=workspace)
+    session.set_model(load_model(tiny_model_dir))
+    panel = ProfilePanel(session=session)
+    assert panel.directory.value == str(session.conversion_dir)
+    session.out_dir = tmp_path / "other"
+    assert panel.directory.value == str(tmp_path / "other" / "convert" / "not-quantized")
+    panel.close()  # a closed panel no longer follows the session
+    session.out_dir = tmp_path / "third"
+    assert panel.directory.value.startswith(str(tmp_path / "other"))

@@ -77,12 +77,16 @@ class QuantizePanel(StepPanel):
                          self.run_button]
         head = [widgets.HTML(f"<b>Quantize</b> {html.escape(lm.name)}: weights to integers by plan, cost measured "
                              "against the unquantized model")]
+        self.calibration_note = widgets.HTML()
         if session is not None:
             from .session import SessionLabel
             head.append(self._own(SessionLabel(session)))
             self._watch(session, self._on_session_plan, "plan")
+            self._watch(session, self._show_calibration, "calibration")
+            self._show_calibration()
         super().__init__([
-            *head, widgets.HBox([self.method, self.bits, self.group_size, self.symmetric]), self.data,
+            *head, widgets.HBox([self.method, self.bits, self.group_size, self.symmetric]),
+            widgets.HBox([self.data, self.calibration_note]),
             widgets.HBox([self.eval_tokens, self.run_button]), self.status, self.log_output, self.warnings,
             self.table_plot, self.error_plot])
 
@@ -94,6 +98,16 @@ class QuantizePanel(StepPanel):
     def _group_options(group_size) -> list:
         known = [v for _, v in GROUP_CHOICES]
         return GROUP_CHOICES + ([] if group_size in known else [(str(group_size), group_size)])
+
+    def _show_calibration(self, _change=None) -> None:
+        """Say which calibration AWQ will use: the Calibrate tab's run, or this file."""
+        calibration = self.session.calibration
+        if calibration is None:
+            self.calibration_note.value = "<small>AWQ calibrates on this file until the Calibrate tab has run</small>"
+        else:
+            meta = calibration[1].meta
+            self.calibration_note.value = (f"<small>AWQ uses the Calibrate tab's run: {meta.get('samples', '?')} "
+                                           f"samples, {meta.get('tokens', 0):,} tokens</small>")
 
     def _on_session_plan(self, change) -> None:
         """The session's plan changed (Use this plan, a load): the controls show it."""

@@ -108,6 +108,9 @@ class AppSession(traitlets.HasTraits):
         path = self.out_dir / "quantized" / f"{qm.method}-{plan_hash(qm.plan)}"
         report = {"plan": self.plan_info(qm.plan), **({"cost": cost.to_dict()} if cost is not None else {})}
         qm.save(path, report=_jsonable(report))
+        if cost is not None and cost.size_bytes is None:
+            from ..quantize.io import weight_file_bytes
+            cost.size_bytes = weight_file_bytes(path)  # measured before saving: the size on disk is known now
         self._prepared = None
         with self.hold_trait_notifications():
             self.quantized_path, self.cost = path, cost
