@@ -41,3 +41,15 @@ def test_a_mismatched_directory_exits_with_the_tensor_names(tiny_model_dir, tmp_
     assert main(["eval", str(d), "--json"]) != 0
     err = capsys.readouterr().err
     assert "model.layers.0.mlp.down_proj.weight [64, 128] vs [64, 96]" in err
+
+
+@pytest.mark.parametrize("command", [["sensitivity"], ["plan", "--bits-per-weight", "6", "--out", "unused.json"]])
+def test_steps_that_requantize_refuse_a_quantized_directory_by_name(command, tmp_path, capsys):
+    """A quantize output is not swept or re-planned from its dequantized weights: one line names the float source."""
+    from workbench.cli import main
+    out = tmp_path / "q"
+    assert main(["quantize", "demo", "--bits", "4", "--out", str(out), "--max-tokens", "600", "--json"]) == 0
+    capsys.readouterr()
+    assert main([command[0], str(out), *command[1:]]) == 2
+    err = capsys.readouterr().err
+    assert "is already quantized" in err and "float model it was made from" in err

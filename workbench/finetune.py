@@ -217,6 +217,7 @@ def finetune_lora(model: str | Path | LoadedModel = "demo", data: str | Path | N
         raise WorkbenchError(f"'{out}' already exists and is not empty; choose another --out or pass overwrite=True")
     t0 = time.perf_counter()
     lm = model if isinstance(model, LoadedModel) else load_model(model, dtype="float32")
+    lm.require_float("finetune")  # LoRA merges into float weights: train the float model it was made from
     data_path = Path(data) if data is not None else demo_text_path("calibration")
     train, val = _split(training_windows(lm, data_path, cfg.seq_len), cfg.validation_fraction)
     eval_path = Path(eval_text) if eval_text is not None else demo_text_path("heldout")

@@ -609,6 +609,7 @@ def run_sensitivity(lm: LoadedModel, *, ids: torch.Tensor | None = None, text_pa
     (``workbench.proxy``), ``auto`` picks by the sweep's size (``choose_score``); the report says
     which, and why. ``on_trial(name, precision, result)`` is called after each trial.
     """
+    lm.require_float("sensitivity")  # a quantized model's layers are already integers: sweep its float source
     for p in precisions:
         prec = get_precision(p)
         if prec is None or prec.is_float:

@@ -36,6 +36,7 @@ def add_arguments(p):
 
 def run(args) -> int:
     lm = load_model(args.model)
+    lm.require_float("plan")  # a plan is made for the float model; a quantized one already has its plan
     budget = budget_bytes(lm, size_bytes=args.size, bits_per_weight=args.bits_per_weight)
     check_budget(lm, budget, group_size=args.group_size or None, symmetric=not args.asymmetric)
     sens = sweep(lm, args, progress=not args.json)
