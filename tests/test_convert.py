@@ -228,3 +228,17 @@ def test_mnn_and_qdq_read_external_data(make_tiny_model, tmp_path, monkeypatch):
     files = sorted(p.name for p in (tmp_path / "qdq").iterdir())
     assert files == ["conversion.json", "decode.qdq.onnx", "prefill.qdq.onnx", "weights.qdq.data"]
     assert 0 <= qdq.kl_divergence < 1
+
+
+def test_gap_needs_more_top1_changes_than_quantizing_makes():
+    from workbench.convert import _judge, _Scores
+
+    def scores(kl, top1, vs_sim):  # per-token figures over 1,000 tokens
+        return _Scores(tokens=1000, kl=kl * 1000, top1=int(top1 * 1000), vs_simulation=int(vs_sim * 1000))
+    trained = scores(0.007, 0.93, 1.0)
+    assert _judge(scores(0.0072, 0.93, 0.99), trained) == (None, None)
+    assert "does not compute" in _judge(scores(0.0075, 0.90, 0.80), trained)[0]  # 20% changed, quantizing 7%
+    assert "adds error" in _judge(scores(0.05, 0.5, 0.5), trained)[0]
+    near_ties = scores(0.080, 0.05, 1.0)  # random weights: quantizing alone changes 95% of the top-1 picks
+    gap, note = _judge(scores(0.081, 0.05, 0.90), near_ties)
+    assert gap is None and "near-tied logits" in note

@@ -25,7 +25,7 @@ from typing import Iterable, Mapping
 
 import numpy as np
 
-from ..graph_build import FloatWeights, GraphBuilder, as_array
+from ..graph_build import BuiltGraphs, FloatWeights, GraphBuilder, as_array
 
 __all__ = ["MASK_RANGE", "Int4Build", "NBitsWeights", "causal_mask_tensors", "quantize_qdq", "build_nbits_onnx",
            "matmulnbits_block_size", "ACCURACY_LEVELS"]
@@ -128,7 +128,7 @@ class Int4Build:
     """What ``build_nbits_onnx`` wrote, which layers became integer ops, and which could not."""
 
     path: Path  # the prefill graph
-    graphs: object = None  # graph_build.BuiltGraphs: both graphs and the shared data file
+    graphs: BuiltGraphs | None = None  # both graphs and the shared data file
     replaced: dict[str, str] = field(default_factory=dict)  # layer FQN -> MatMulNBits / GatherBlockQuantized node
     kept_float: dict[str, str] = field(default_factory=dict)  # layer FQN -> why it stayed float (and at what width)
     accuracy_level: int = 0
@@ -189,20 +189,14 @@ class NBitsWeights(FloatWeights):
     def _tensors(self, g: GraphBuilder, qw, fqn: str, block: int, kind: str) -> tuple[str, str, str | None]:
         """Initializer names of codes, scales, zeros, shaped for ``kind`` ("matmul" or "gather"); written once."""
         n, k = qw.shape
-        shapes = {"matmul": ([n, k // block, block * qw.bits // 8], [n, k // block]),
-                  "gather": ([n, k * qw.bits // 8], [n, k // block])}[kind]
+        codes_shape = [n, k // block, block * qw.bits // 8] if kind == "matmul" else [n, k * qw.bits // 8]
         names = (f"{fqn}.weight.qweight", f"{fqn}.weight.scales", f"{fqn}.weight.zeros" if qw.zeros is not None else None)
         first = self._codes.get(id(qw.qweight))
         if first is None:
-            arrays: dict[int, np.ndarray] = {}
-
-            def part(i: int) -> np.ndarray:
-                if not arrays:
-                    arrays.update(enumerate(_nbits_tensors(qw, block)))
-                return arrays.pop(i).reshape(shapes[0]) if i == 0 else arrays.pop(i)
-            for i, name in enumerate(names):
+            codes, scales, zeros = _nbits_tensors(qw, block)
+            for name, array in zip(names, (codes.reshape(codes_shape), scales, zeros)):
                 if name:
-                    g.weight(name, lambda i=i: part(i))
+                    g.weight(name, lambda array=array: array)
             self._codes[id(qw.qweight)] = names
             return names
         for name in first:  # already written (by the other graph, or by the layer these codes are tied to)
@@ -210,7 +204,7 @@ class NBitsWeights(FloatWeights):
                 g.weight(name, _written)
         if first[0] == names[0]:
             return first
-        return (g.alias(names[0], first[0], shapes[0]), first[1], first[2])  # same bytes, this op's shape
+        return (g.alias(names[0], first[0], codes_shape), first[1], first[2])  # same bytes, this op's shape
 
     def linear(self, g: GraphBuilder, module, fqn: str, x: str) -> str:
         from onnx import TensorProto
