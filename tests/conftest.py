@@ -66,3 +66,13 @@ def make_tiny_model(tmp_path):
 def workspace(tmp_path):
     from workbench.workspace import Workspace
     return Workspace(tmp_path / "ws")
+
+
+def stop_process(proc, timeout: float = 30) -> None:
+    """Terminate a server a test started, and kill it if it does not exit in ``timeout`` seconds."""
+    import subprocess
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()

@@ -24,6 +24,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from conftest import stop_process
 
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = os.environ.get("WORKBENCH_CHROMIUM", "/usr/bin/chromium")
@@ -77,11 +78,7 @@ def served_app(tmp_path):
         _wait_listening(port, proc, log)
         yield f"http://127.0.0.1:{port}/", tmp_path / "workspace"
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc, 30)
 
 
 class Walk:

@@ -8,6 +8,7 @@ import urllib.request
 import pytest
 
 from workbench.ui.serve import DEFAULT_APP_NOTEBOOK, voila_command
+from conftest import stop_process
 
 
 def _free_port() -> int:
@@ -52,11 +53,7 @@ def test_voila_serves_the_app_on_loopback_only(tmp_path):
         assert "application/vnd.jupyter.widget-view+json" in page  # the notebook ran and left its widgets
         assert "Choose per-layer INT4 / INT8 / FP16" in page
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc, 20)
 
 
 def test_workspace_is_passed_on_as_an_absolute_path(tmp_path):
