@@ -32,7 +32,7 @@ def add_budget_argument(p):
     p.add_argument("--max-tokens", type=_budget, default="auto",
                    help="evaluate on the first N tokens of the text; 'all' for the whole text; default 'auto': the "
                         "whole text for small models, about a minute of a 2-core CPU for large ones "
-                        "(4,096 tokens at 0.5 B parameters); the standard errors shown say what it buys")
+                        "(2,048 tokens at 0.5 B parameters); the standard errors shown say what it buys")
 
 
 def _budget(value: str):

@@ -29,7 +29,7 @@ def add_arguments(p):
     p.add_argument("--out", required=True, help="where to write the plan JSON")
     p.add_argument("--eval-tokens", type=int, default=None,
                    help="tokens to measure the chosen plan on (default: the whole text for small models, about a "
-                        "minute of a 2-core CPU for large ones: 4,096 tokens at 0.5 B parameters)")
+                        "minute of a 2-core CPU for large ones: 2,048 tokens at 0.5 B parameters)")
     add_sweep_arguments(p)
     add_json_flag(p)
 
