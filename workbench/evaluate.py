@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from .errors import DataError
+from .logits import final_hidden, head_logits
 
 __all__ = ["Window", "strided_windows", "encode_text", "EvalReport", "ReferenceOutputs", "capture_reference",
            "evaluate", "paired_difference", "DEFAULT_CTX", "default_token_budget", "reference_report",
@@ -131,14 +132,17 @@ class ReferenceOutputs:
     stride: int
     n_tokens: int
     hidden: list[torch.Tensor]  # one float32 [scored, hidden_size] tensor per window
-    # the reference's own output-layer weight, shared, not copied (steps that quantize build new modules
-    # and never write into it); None when ``hidden`` holds logits
-    head_weight: torch.Tensor | None
-    head_bias: torch.Tensor | None = None
+    # the reference's own output layer, shared, not copied (steps that quantize build new modules and
+    # never write into it); None when ``hidden`` holds logits
+    head: nn.Module | None
+
+    def logits(self, k: int, rows: slice = slice(None)) -> torch.Tensor:
+        """Float32 logits of window ``k`` (the given rows of its scored tokens)."""
+        return _logits(self.head, self.hidden[k][rows])
 
     def window_log_probs(self, k: int) -> torch.Tensor:
         """Log-probabilities of window ``k`` ([scored, vocab]); materialises one window, for small models."""
-        return torch.log_softmax(_logits(self.hidden[k], self.head_weight, self.head_bias), dim=-1)
+        return torch.log_softmax(self.logits(k), dim=-1)
 
     @property
     def log_probs(self) -> list[torch.Tensor]:
@@ -147,10 +151,6 @@ class ReferenceOutputs:
     @property
     def nbytes(self) -> int:
         return sum(h.numel() * 4 for h in self.hidden)  # the head is the model's own tensor
-
-
-class _StopForward(Exception):
-    pass
 
 
 def _batches(windows: Sequence[Window], batch_size: int):
@@ -168,22 +168,11 @@ def _batches(windows: Sequence[Window], batch_size: int):
 # Architectures whose logits are exactly ``lm_head(final hidden state)``; others are checked once.
 PLAIN_HEAD_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral", "qwen2_moe", "qwen3_moe", "phi3", "olmo2"})
 HEAD_CHUNK_TOKENS = 256  # tokens x vocabulary float32 held at once: 156 MB for a 151,936-token vocabulary
-VOCAB_SLICE = 16384  # rows of a 16-bit output layer widened at once (56 MB at hidden size 896)
 
 
-def _logits(hidden: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
-    """Float32 logits; a 16-bit head is widened ``VOCAB_SLICE`` rows at a time, never held whole in float32."""
-    if weight is None:  # the rows are logits already
-        return hidden.float()
-    hidden = hidden.to(weight.device, torch.float32)
-    if weight.dtype == torch.float32:
-        return torch.nn.functional.linear(hidden, weight, bias)
-    out = torch.empty(hidden.shape[0], weight.shape[0], dtype=torch.float32, device=hidden.device)
-    for v in range(0, weight.shape[0], VOCAB_SLICE):
-        torch.matmul(hidden, weight[v:v + VOCAB_SLICE].to(torch.float32).T, out=out[:, v:v + VOCAB_SLICE])
-    if bias is not None:
-        out += bias
-    return out
+def _logits(head: nn.Module | None, rows: torch.Tensor) -> torch.Tensor:
+    """Float32 logits of hidden ``rows`` through ``head`` (a 16-bit or quantized head a slice at a time)."""
+    return rows.float() if head is None else head_logits(head, rows)  # no head: the rows are logits already
 
 
 def _head(model: nn.Module) -> nn.Module:
@@ -191,35 +180,6 @@ def _head(model: nn.Module) -> nn.Module:
     if head is None:
         raise ValueError("the model has no output layer (get_output_embeddings() is None); it is not a causal LM")
     return head
-
-
-def _head_tensors(model: nn.Module):
-    """The output layer's weight as the model holds it (no copy; dequantized for a quantized head) and bias."""
-    from .compute import float32_weight
-    head = _head(model)
-    weight = head.weight.detach() if isinstance(head, nn.Linear) else float32_weight(head)
-    bias = getattr(head, "bias", None)
-    return weight, None if bias is None else bias.detach().to(torch.float32)
-
-
-def _hidden_states(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """Float32 inputs of the output layer for a batch of token ids (the head itself is not run)."""
-    got = []
-
-    def grab(_mod, args):
-        got.append(args[0])
-        raise _StopForward
-
-    handle = _head(model).register_forward_pre_hook(grab, prepend=True)
-    try:
-        model(input_ids=x, use_cache=False)
-    except _StopForward:
-        pass
-    finally:
-        handle.remove()
-    if not got:
-        raise RuntimeError("the model never called its output layer; it cannot be evaluated here")
-    return got[0].to(torch.float32)
 
 
 def _check_plain_head(model: nn.Module, ids: torch.Tensor) -> bool:
@@ -230,8 +190,7 @@ def _check_plain_head(model: nn.Module, ids: torch.Tensor) -> bool:
     device = next(model.parameters()).device
     x = ids[: min(8, len(ids))][None].to(device)
     full = model(input_ids=x, use_cache=False).logits.float()
-    w, b = _head_tensors(model)
-    mine = _logits(_hidden_states(model, x), w, b)
+    mine = _logits(_head(model), final_hidden(model, x)[0])[None]
     return bool(torch.allclose(full, mine, rtol=1e-4, atol=1e-4))
 
 
@@ -239,7 +198,7 @@ def _window_hidden(model: nn.Module, ids: torch.Tensor, batch: Sequence[Window])
     """Float32 final hidden states at the scored positions of each window (position j predicts j + 1)."""
     device = next(model.parameters()).device
     x = torch.stack([ids[w.begin:w.end] for w in batch]).to(device)
-    h = _hidden_states(model, x)
+    h = final_hidden(model, x)
     return [row[w.score_from - w.begin - 1: w.end - w.begin - 1] for row, w in zip(h, batch)]
 
 
@@ -257,14 +216,14 @@ class _Scorer:
     def __init__(self, model: nn.Module, ids: torch.Tensor):
         self.model = model
         self.plain = _check_plain_head(model, ids)
-        self.head = _head_tensors(model) if self.plain else None
+        self.head = _head(model) if self.plain else None
 
     def windows(self, ids, batch) -> list[torch.Tensor]:
         """Hidden states (plain head) or logits, one tensor per window."""
         return _window_hidden(self.model, ids, batch) if self.plain else _window_logits_full(self.model, ids, batch)
 
     def logits(self, rows: torch.Tensor) -> torch.Tensor:
-        return _logits(rows, self.head[0], self.head[1]) if self.plain else rows
+        return _logits(self.head, rows)
 
 
 @torch.inference_mode()
@@ -275,13 +234,13 @@ def capture_reference(model: nn.Module, ids: torch.Tensor, *, ctx: int = DEFAULT
     windows = strided_windows(len(ids), ctx, stride)
     scorer = _Scorer(model, ids)
     # logits that are not lm_head(hidden) are kept whole (head_weight None); only small models have such heads here
-    weight, bias = scorer.head if scorer.plain else (None, None)
+
     hidden: list[torch.Tensor] = []
     with tqdm(total=len(windows), desc="reference", unit="win", disable=not progress, leave=False) as bar:
         for _, batch in _batches(windows, batch_size):
             hidden.extend(h.cpu().clone() for h in scorer.windows(ids, batch))
             bar.update(len(batch))
-    return ReferenceOutputs(ctx, stride or ctx, len(ids), hidden, weight, bias)
+    return ReferenceOutputs(ctx, stride or ctx, len(ids), hidden, scorer.head)
 
 
 @torch.inference_mode()
@@ -291,11 +250,11 @@ def reference_report(reference: ReferenceOutputs, ids: torch.Tensor) -> EvalRepo
     windows = strided_windows(len(ids), reference.ctx, reference.stride)
     report = EvalReport(0.0, 0.0, 0, len(windows), reference.ctx, reference.stride, 0.0, 0.0)
     t0 = time.perf_counter()
-    for w, h in zip(windows, reference.hidden):
+    for k, w in enumerate(windows):
         targets = ids[w.score_from:w.end]
         nll = 0.0
         for c in range(0, w.scored, HEAD_CHUNK_TOKENS):
-            logits = _logits(h[c:c + HEAD_CHUNK_TOKENS], reference.head_weight, reference.head_bias)
+            logits = reference.logits(k, slice(c, c + HEAD_CHUNK_TOKENS))
             nll += torch.nn.functional.cross_entropy(logits, targets[c:c + HEAD_CHUNK_TOKENS], reduction="sum").item()
         report.window_nll.append(nll)
         report.window_tokens.append(w.scored)
@@ -371,7 +330,7 @@ def evaluate(model: nn.Module, ids: torch.Tensor, *, reference: nn.Module | Refe
                     del logits  # at most three chunk-sized tensors are alive at once
                     nll += -lp.gather(1, targets[:, None]).sum().item()
                     ref_logits = ref_scorer.logits(ref_rows[k][sl]) if ref_scorer is not None else \
-                        _logits(ref_rows[k][sl].to(lp.device), stored.head_weight, stored.head_bias)
+                        stored.logits(start + k, sl)
                     rlp = torch.log_softmax(ref_logits, dim=-1)
                     del ref_logits
                     top1 += int((rlp.argmax(-1) == lp.argmax(-1)).sum().item())

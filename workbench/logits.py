@@ -50,8 +50,9 @@ def head_logits(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     qw = getattr(head, "quantized", None)  # a QuantLinear: its codes, never dequantized whole
     weight = None if qw is not None else head.weight.detach()
     vocab = qw.shape[0] if qw is not None else weight.shape[0]
-    hidden = hidden.to(torch.float32)
-    logits = torch.empty((hidden.shape[0], vocab), dtype=torch.float32)
+    device = qw.qweight.device if qw is not None else weight.device
+    hidden = hidden.to(device, torch.float32)
+    logits = torch.empty((hidden.shape[0], vocab), dtype=torch.float32, device=device)
     for v in range(0, vocab, VOCAB_CHUNK):
         rows = slice(v, v + VOCAB_CHUNK)
         if qw is not None:
