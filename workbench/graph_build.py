@@ -220,24 +220,24 @@ class GraphBuilder:
     def __init__(self, store: TensorStore, opset: int, static: tuple[int, int, int] | None):
         self.store, self.opset, self.static = store, opset, static
         self.nodes: list = []
-        self.weights: list[str] = []
+        self.weights: dict[str, None] = {}  # weight initializers this graph reads, in order
         self.constants: dict[str, object] = {}
         self._const_names: dict[tuple, str] = {}
         self._count = 0
         self.scope = ""
         self.ms_domain = False
 
-    def op(self, op_type: str, inputs: Sequence[str], *, outputs: int = 1, domain: str = "", name: str | None = None,
-           **attrs) -> str | list[str]:
+    def op(self, op_type: str, inputs: Sequence[str], *, domain: str = "", name: str | None = None, **attrs) -> str:
+        """Append a node; returns the name of its (single) output."""
         from onnx import helper
         self._count += 1
         if name is None:
             name = f"/{self.scope}/{op_type}_{self._count}" if self.scope else f"/{op_type}_{self._count}"
-        outs = [f"{name}_output_{i}" for i in range(outputs)]
-        self.nodes.append(helper.make_node(op_type, list(inputs), outs, name=name, domain=domain or None, **attrs))
+        out = f"{name}_output_0"
+        self.nodes.append(helper.make_node(op_type, list(inputs), [out], name=name, domain=domain or None, **attrs))
         if domain == "com.microsoft":
             self.ms_domain = True
-        return outs[0] if outputs == 1 else outs
+        return out
 
     def const(self, value, dtype=np.int64) -> str:
         """A small constant (shape, axis, scalar) as an inline initializer, shared by identical values."""
@@ -254,15 +254,14 @@ class GraphBuilder:
         """A weight initializer: ``make()`` runs only the first time any graph asks for ``name``."""
         if name not in self.store:
             self.store.add(name, make())
-        if name not in self.weights:
-            self.weights.append(name)
+        self.weights[name] = None
         return name
 
     def alias(self, name: str, of: str, shape: Sequence[int]) -> str:
+        """A weight initializer reading the bytes of weight ``of`` with another shape."""
         if name not in self.store:
             self.store.alias(name, of, shape)
-        if name not in self.weights:
-            self.weights.append(name)
+        self.weights[name] = None
         return name
 
     def rename(self, old: str, new: str) -> None:
@@ -285,13 +284,20 @@ class GraphBuilder:
         return self.op("Reshape", [x, self.const(list(dims))])
 
     def rms_norm(self, x: str, module: nn.Module, name: str) -> str:
-        """transformers' RMSNorm: ``weight * x / sqrt(mean(x^2) + eps)`` in float32."""
+        """transformers' RMSNorm, ``weight * (x * 1 / sqrt(mean(x^2) + eps))`` in float32.
+
+        Written as onnxruntime's normalisation fusion expects (Sqrt, then Div of 1), so its CPU runs
+        one SimplifiedLayerNormalization kernel; NPU converters map the same pattern to their RMSNorm.
+        """
+        scope, self.scope = self.scope, name
         eps = float(getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6)))
         sq = self.op("Pow", [x, self.const(2.0, np.float32)])
         var = self.op("Add", [self.reduce_mean_last(sq), self.const(eps, np.float32)])
-        inv = self.op("Reciprocal", [self.op("Sqrt", [var])])
+        inv = self.op("Div", [self.const(1.0, np.float32), self.op("Sqrt", [var])])
         w = self.weight(f"{name}.weight", lambda: as_array(module.weight))
-        return self.op("Mul", [w, self.op("Mul", [x, inv])])
+        out = self.op("Mul", [w, self.op("Mul", [x, inv])])
+        self.scope = scope
+        return out
 
 
 # -- weight policies ----------------------------------------------------------------------------
