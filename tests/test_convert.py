@@ -192,6 +192,7 @@ def test_default_evaluation_budget_on_big_models(prepared, tiny_model_dir, tmp_p
     report = convert(tiny_model_dir, "ort-int4", tmp_path, prepared=prepared, ctx=128, greedy_steps=4)
     assert report.eval_tokens == 300 - 3  # three windows of 128, 128 and 44 tokens; each window's first unscored
     assert any(n.startswith("evaluated on the first 300 of ") for n in report.notes)
+    assert report.details["accuracy_levels"][0]["tokens"] == 127  # on a budget, level 0 checks one window
 
 
 def test_conversion_metrics_match_a_direct_computation(prepared, tiny_model_dir, tmp_path):
