@@ -306,7 +306,10 @@ class _Evaluator:
         return scores
 
     def score(self, run_logits: Callable[[np.ndarray], np.ndarray], desc: str, windows: int | None = None) -> _Scores:
-        """Score a runtime (on the first ``windows`` windows): ``run_logits`` maps ids [1, n] to logits [1, n, vocab]."""
+        """Score a runtime on the first ``windows`` windows (all by default).
+
+        ``run_logits`` maps token ids ``[1, n]`` to logits ``[1, n, vocab]`` (onnxruntime, MNN).
+        """
         def window_logits(_k: int, w: Window) -> torch.Tensor:
             out = np.ascontiguousarray(run_logits(self.ids[w.begin:w.end][None].numpy()), dtype=np.float32)
             return torch.from_numpy(out)[0, self._rows(w)]
@@ -388,9 +391,9 @@ def _mnn_weight_args(prepared: PreparedModels) -> tuple[int | None, int | None, 
                                     "values, not a smaller file)"]
     bits, group = next(iter(kinds))
     floats = [r.name for r in prepared.qm.layers if r.name not in prepared.qm.weights and r.kind == "linear"]
-    notes.append(f"MNN re-quantizes the simulated weights with --weightQuantBits {bits} --weightQuantBlock {group or -1} "
-                 "--weightQuantAsymmetric: its min/max grid over values already on the workbench's grid reproduces them "
-                 "(its symmetric mode does not: it rescales and moves every code)")
+    notes.append(f"MNN re-quantizes the simulated weights with --weightQuantBits {bits} --weightQuantBlock "
+                 f"{group or -1} --weightQuantAsymmetric: its min/max grid over values already on the workbench's grid "
+                 "reproduces them (its symmetric mode does not: it rescales and moves every code)")
     if floats:
         notes.append(f"layers the plan keeps in float ({', '.join(floats[:4])}) get a [1, K, N] weight so MNN leaves "
                      "them unquantized, in float32")

@@ -549,7 +549,8 @@ def export_onnx(lm, out_dir: str | Path, *, static: tuple[int, int] | None = Non
     out = Path(out_dir)
     t0 = time.perf_counter()
     log(f"building prefill and decode graphs ({'static ' + str(static) if static else 'dynamic shapes'})")
-    built = build_graphs(model, out, static=static, opset=opset, inline_limit=inline_limit, progress=progress is not None)
+    built = build_graphs(model, out, static=static, opset=opset, inline_limit=inline_limit,
+                         progress=progress is not None)
     missing = [info.name for info in lm.layers if info.name not in built.weight_names]
     if missing:
         raise RuntimeError(f"the graphs hold no weight for {', '.join(missing[:3])}: the model has layers the export "
@@ -557,8 +558,8 @@ def export_onnx(lm, out_dir: str | Path, *, static: tuple[int, int] | None = Non
     names = {info.name: built.weight_names[info.name] for info in lm.layers}
     layouts = {info.name: built.weight_layouts[info.name] for info in lm.layers}
     atomic_write_json(out / "weight_names.json", {"weight_names": names, "weight_layouts": layouts})
-    result = ExportResult(built.prefill_path, built.decode_path, names, layouts, None, None, greedy_steps, static, opset,
-                          len(model.model.layers), time.perf_counter() - t0, 0.0, data_path=built.data_path)
+    result = ExportResult(built.prefill_path, built.decode_path, names, layouts, None, None, greedy_steps, static,
+                          opset, len(model.model.layers), time.perf_counter() - t0, 0.0, data_path=built.data_path)
     if not check:
         return result
     t1 = time.perf_counter()

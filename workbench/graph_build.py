@@ -465,7 +465,8 @@ def _decoder_graph(spec: DecoderSpec, policy: FloatWeights, store: TensorStore, 
               helper.make_tensor_value_info("position_ids", TensorProto.INT64, [dims["batch"], dims["sequence"]])]
     for name in input_names(n, with_past)[3:]:
         inputs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, kv_shape(dims["past_sequence"])))
-    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [dims["batch"], dims["sequence"], spec.vocab])]
+    logits_shape = [dims["batch"], dims["sequence"], spec.vocab]
+    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, logits_shape)]
     outputs += [helper.make_tensor_value_info(name, TensorProto.FLOAT, kv_shape(total)) for name in outs[1:]]
     return g, inputs, outputs
 
@@ -518,7 +519,9 @@ def build_graphs(model: nn.Module, out_dir: str | Path, *, static: tuple[int, in
         for kind, (g, inputs, outputs) in built.items():
             graph = helper.make_graph(g.nodes, f"{kind}", inputs, outputs,
                                       list(g.constants.values()) + [store.proto(w) for w in g.weights])
-            opsets = [helper.make_opsetid("", opset)] + ([helper.make_opsetid("com.microsoft", 1)] if g.ms_domain else [])
+            opsets = [helper.make_opsetid("", opset)]
+            if g.ms_domain:
+                opsets.append(helper.make_opsetid("com.microsoft", 1))
             proto = helper.make_model(graph, opset_imports=opsets, producer_name="workbench")
             proto.ir_version = min(proto.ir_version, 10)  # what onnxruntime and the converters here read
             path = out / f"{kind}.onnx"

@@ -190,7 +190,8 @@ class NBitsWeights(FloatWeights):
         """Initializer names of codes, scales, zeros, shaped for ``kind`` ("matmul" or "gather"); written once."""
         n, k = qw.shape
         codes_shape = [n, k // block, block * qw.bits // 8] if kind == "matmul" else [n, k * qw.bits // 8]
-        names = (f"{fqn}.weight.qweight", f"{fqn}.weight.scales", f"{fqn}.weight.zeros" if qw.zeros is not None else None)
+        names = (f"{fqn}.weight.qweight", f"{fqn}.weight.scales",
+                 f"{fqn}.weight.zeros" if qw.zeros is not None else None)
         first = self._codes.get(id(qw.qweight))
         if first is None:
             codes, scales, zeros = _nbits_tensors(qw, block)
