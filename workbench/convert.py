@@ -382,6 +382,10 @@ def _mnn_weight_args(prepared: PreparedModels) -> tuple[int | None, int | None, 
     embedded = [r for r in prepared.qm.layers if r.kind == "embedding" and r.name in prepared.qm.weights]
     notes = [f"{r.name} ({r.precision} in the plan) is a Gather, which MNN's weight quantization does not cover: "
              "stored as float32 (its simulated values)" for r in embedded]
+    half = _half_layers(prepared)
+    if half:
+        notes.append(f"{half}: float16 in the plan, stored as float32 in the .mnn files (MNN's converter has no "
+                     "per-layer float16 weights)")
     if not qws:
         return None, None, notes + ["the plan quantizes no linear layer: MNN stores float32 weights"]
     kinds = {(q.bits, q.effective_group_size if q.group_size else None) for q in qws}
@@ -531,14 +535,21 @@ def convert(model, target: str, out_dir: str | Path, *, plan: QuantPlan | str | 
     return report
 
 
-def _storage_notes(prep: PreparedModels, kept_float: dict[str, str]) -> list[str]:
-    """What the plan's float layers became in the ONNX Runtime graphs (never silently float32)."""
+def _half_layers(prep: PreparedModels) -> str | None:
+    """The layers the plan keeps in float16 (a tied pair once), as a short list for notes; None if there are none."""
     half = [r.name for r in prep.qm.layers if r.precision and get_precision(r.precision).is_float
             and get_precision(r.precision).bits == 16 and not (r.tied_to and not r.untied)]
+    if not half:
+        return None
+    return ", ".join(half[:4]) + (f" and {len(half) - 4} more" if len(half) > 4 else "")
+
+
+def _storage_notes(prep: PreparedModels, kept_float: dict[str, str]) -> list[str]:
+    """What the plan's float layers became in the ONNX Runtime graphs (never silently float32)."""
     notes = [f"{k}: {v}" for k, v in kept_float.items()]
+    half = _half_layers(prep)
     if half:
-        shown = ", ".join(half[:4]) + (f" and {len(half) - 4} more" if len(half) > 4 else "")
-        notes.append(f"{shown}: float16 in the plan, stored as float16 (onnxruntime's CPU widens float16 weights to "
+        notes.append(f"{half}: float16 in the plan, stored as float16 (onnxruntime's CPU widens float16 weights to "
                      "float32 when it loads the model: on the CPU they compute as float32)")
     return notes
 
