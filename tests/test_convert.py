@@ -195,11 +195,13 @@ def test_default_evaluation_budget_on_big_models(prepared, tiny_model_dir, tmp_p
     assert report.details["accuracy_levels"][0]["tokens"] == 127  # on a budget, level 0 checks one window
 
 
-def test_conversion_metrics_match_a_direct_computation(prepared, tiny_model_dir, tmp_path):
+def test_conversion_metrics_match_a_direct_computation(prepared, tiny_model_dir, tmp_path, monkeypatch):
     import torch
 
     from workbench.evaluate import encode_text, read_text, strided_windows
     from workbench.models import demo_text_path
+    monkeypatch.setattr("workbench.convert.REF_ROWS", 50)  # reference chunks and comparison chunks that do not
+    monkeypatch.setattr("workbench.convert.COMPARE_ELEMENTS", 4096 * 7)  # line up with each other or the windows
     report = convert(tiny_model_dir, "ort-int4", tmp_path, prepared=prepared, max_tokens=300, ctx=128,
                      greedy_steps=4)
     ids = encode_text(prepared.float_lm.tokenizer, read_text(demo_text_path("heldout")))[:300]

@@ -56,7 +56,7 @@ DEFAULT_STATIC = (128, 512)
 # four models over the text (float, simulation, two accuracy levels), about 1.5 minutes for 0.5 B on 2 cores.
 EVAL_PARAMETER_TOKENS = 5e11
 MIN_EVAL_TOKENS = 1024
-REF_ROWS = 512  # reference tokens whose logits are rebuilt together (311 MB for a 151,936-token vocabulary)
+REF_ROWS = 256  # reference tokens whose logits are rebuilt together (156 MB for a 151,936-token vocabulary)
 COMPARE_ELEMENTS = 2**22  # log-probabilities compared at once: 64 tokens of Qwen's vocabulary, 1,024 of the demo's
 EVAL_BATCH = 4  # windows per PyTorch forward pass (their hidden states only: the output layer runs per window)
 
@@ -284,8 +284,8 @@ class _Evaluator:
                     for c in range(0, ref.shape[0], rows):
                         rlp = ref[c:c + rows]
                         rlp -= torch.logsumexp(rlp, dim=-1, keepdim=True)  # in place: log-probabilities
-                        lp = torch.log_softmax(logits[r + c:r + c + rows], dim=-1)
-                        t = targets[r + c:r + c + rows, None]
+                        span = slice(r + c, r + c + rlp.shape[0])
+                        lp, t = torch.log_softmax(logits[span], dim=-1), targets[span, None]
                         scores.nll -= lp.gather(1, t).sum().item()
                         scores.reference_nll -= rlp.gather(1, t).sum().item()
                         scores.kl += (rlp.exp() * (rlp - lp)).sum(-1).clamp_min(0).sum().item()
