@@ -635,14 +635,18 @@ def _quiet_quantize(fn, *args, **kw):
         root.setLevel(level)
 
 
-def _decode_speed(runner: OnnxCausalLM, prompt: list[int], steps: int = 32) -> float:
-    """Decode tokens per second after one warm-up run (prefill excluded)."""
-    _, _, kv = runner.run_prefill(prompt)
-    runner.run_decode(1, kv, len(prompt))  # warm-up
-    t = time.perf_counter()
-    pos = len(prompt)
-    for i in range(steps):
-        _, kv, _ = runner.run_decode(1 + i % 7, kv, pos)
-        pos += 1
-    dt = time.perf_counter() - t
-    return steps / dt if dt > 0 else math.inf
+def _decode_speed(runner: OnnxCausalLM, prompt: list[int], steps: int = 32, repeats: int = 3) -> float:
+    """Decode tokens per second after one warm-up step (prefill excluded): the best of ``repeats`` runs
+    while a run takes under a second, so a busy machine's pauses do not decide a small model's figure."""
+    _, _, kv0 = runner.run_prefill(prompt)
+    runner.run_decode(1, kv0, len(prompt))  # warm-up
+    best = math.inf
+    for _ in range(repeats):
+        kv, pos, t = kv0, len(prompt), time.perf_counter()
+        for i in range(steps):
+            _, kv, _ = runner.run_decode(1 + i % 7, kv, pos)
+            pos += 1
+        best = min(best, time.perf_counter() - t)
+        if best >= 1.0:
+            break
+    return steps / best if best > 0 else math.inf
