@@ -26,7 +26,6 @@ import contextlib
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Callable, Sequence
 
 import numpy as np
@@ -38,7 +37,7 @@ from .graph_build import DATA_FILE, INLINE_LIMIT, build_graphs, input_names, out
 from .workspace import atomic_write_json
 
 __all__ = ["ExportResult", "OpCount", "export_onnx", "load_onnx", "operator_inventory", "OnnxCausalLM",
-           "LogitsModule", "greedy_agreement", "fold_constants", "input_names", "output_names", "DEFAULT_OPSET",
+           "greedy_agreement", "fold_constants", "input_names", "output_names", "DEFAULT_OPSET",
            "PREFILL_FILE", "DECODE_FILE", "DATA_FILE", "INLINE_LIMIT", "initializer_bytes",
            "initializer_bytes_by_block", "external_data_files", "share_external_data"]
 
@@ -453,26 +452,6 @@ class OnnxCausalLM:
             last, kv, _ = self.run_decode(tok, kv, position)
             position += 1
         return tokens
-
-    def as_module(self) -> "LogitsModule":
-        return LogitsModule(self.logits)
-
-
-class LogitsModule(nn.Module):
-    """Wrap any ``ids -> logits`` runtime (onnxruntime, MNN) so ``workbench.evaluate`` scores it unchanged."""
-
-    def __init__(self, run_logits: Callable[[np.ndarray], np.ndarray], config=None, *, record_argmax: bool = False):
-        super().__init__()
-        self.run_logits = run_logits
-        self.config = config
-        self._anchor = nn.Parameter(torch.zeros(()), requires_grad=False)  # evaluate() asks for a device
-        self.argmax_rows: list[np.ndarray] | None = [] if record_argmax else None  # top-1 per row, in call order
-
-    def forward(self, input_ids: torch.Tensor, **_) -> SimpleNamespace:
-        logits = np.ascontiguousarray(self.run_logits(input_ids.cpu().numpy()))
-        if self.argmax_rows is not None:
-            self.argmax_rows.extend(logits.argmax(-1))
-        return SimpleNamespace(logits=torch.from_numpy(logits))
 
 
 @torch.inference_mode()
