@@ -23,8 +23,8 @@ compressed-tensors' signed code plus its offset), packed ``32 / b`` to an int32 
 the first code in the lowest bits; zero points likewise, packed along the output axis. Version 1
 directories (``quantized.safetensors`` beside a float-only ``model.safetensors``) still load.
 
-    qm.save("out/demo-int4"); lm, qm = load_quantized("out/demo-int4")    # lm.model computes from the codes
-    AutoModelForCausalLM.from_pretrained("out/demo-int4", dtype=torch.float32)  # the same logits
+    d = qm.save(Path("out") / "demo-int4"); lm, qm = load_quantized(d)   # lm.model computes from the codes
+    AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, local_files_only=True)  # the same logits
 """
 from __future__ import annotations
 
