@@ -175,6 +175,21 @@ def _logits(head: nn.Module | None, rows: torch.Tensor) -> torch.Tensor:
     return rows.float() if head is None else head_logits(head, rows)  # no head: the rows are logits already
 
 
+class _PinnedHead(nn.Module):
+    """A float output layer's weight and bias as they were at capture: a trial that reassigns the
+    model's ``lm_head.weight`` cannot change the reference (the tensors are shared, not copied)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.weight, self.bias = weight.detach(), None if bias is None else bias.detach()
+
+
+def _pinned_head(head: nn.Module | None) -> nn.Module | None:
+    if isinstance(head, nn.Linear):
+        return _PinnedHead(head.weight, head.bias)
+    return head  # a quantized head's codes are never reassigned in place
+
+
 def _head(model: nn.Module) -> nn.Module:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is None:
@@ -240,7 +255,7 @@ def capture_reference(model: nn.Module, ids: torch.Tensor, *, ctx: int = DEFAULT
         for _, batch in _batches(windows, batch_size):
             hidden.extend(h.cpu().clone() for h in scorer.windows(ids, batch))
             bar.update(len(batch))
-    return ReferenceOutputs(ctx, stride or ctx, len(ids), hidden, scorer.head)
+    return ReferenceOutputs(ctx, stride or ctx, len(ids), hidden, _pinned_head(scorer.head))
 
 
 @torch.inference_mode()
