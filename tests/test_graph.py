@@ -147,3 +147,11 @@ def test_missing_or_short_external_data_is_named(tiny_lm, tmp_path):
     res.data_path.unlink()
     with pytest.raises(ModelLoadError, match="weights.data', which is missing"):
         load_onnx(res.prefill_path)
+
+
+def test_released_model_is_reread_for_the_greedy_check(tiny_model_dir, tmp_path):
+    lm = load_model(tiny_model_dir, dtype="float16")
+    kept = export_onnx(load_model(tiny_model_dir, dtype="float16"), tmp_path / "kept", greedy_steps=6)
+    res = export_onnx(lm, tmp_path / "released", greedy_steps=6, release_model=True)
+    assert next(lm.model.parameters()).device.type == "meta"  # the caller's weights were let go
+    assert res.diffs == kept.diffs and res.torch_tokens == kept.torch_tokens and res.greedy_match_steps == 6

@@ -483,35 +483,64 @@ def _check_graphs(paths: Sequence[Path]) -> None:
         Path(str(p) + ".inferred").unlink()
 
 
+@dataclass
+class _TorchReference:
+    """What PyTorch computed for the parity check: the prompt's logits and KV, then one decode step's."""
+
+    prefill_logits: np.ndarray
+    prefill_kv: list[np.ndarray]
+    token: int
+    decode_logits: np.ndarray
+    decode_kv: list[np.ndarray]
+
+
 @torch.inference_mode()
-def _parity(model: nn.Module, runner: OnnxCausalLM, prompt: list[int]) -> dict[str, float]:
-    """Max abs differences of logits and KV: prefill on the prompt, then one decode step."""
+def _torch_reference(model: nn.Module, prompt: list[int]) -> _TorchReference:
+    """Prefill ``prompt`` and decode its greedy next token, keeping what the onnxruntime check compares.
+
+    Computed before any onnxruntime session exists, so the PyTorch model can be let go meanwhile:
+    a float graph's session holds every weight in float32 again.
+    """
     from transformers import DynamicCache
-    ids = torch.tensor([prompt])
-    ref = model(input_ids=ids, past_key_values=DynamicCache(), use_cache=True)
-    ref_kv = [t for layer in ref.past_key_values.layers for t in (layer.keys, layer.values)]
+
+    def kv(cache) -> list[np.ndarray]:
+        return [t.float().cpu().numpy().copy() for layer in cache.layers for t in (layer.keys, layer.values)]
+
+    device = next(model.parameters()).device
+    out = model(input_ids=torch.tensor([prompt], device=device), past_key_values=DynamicCache(), use_cache=True)
+    logits, cache = out.logits.float().cpu().numpy().copy(), out.past_key_values
+    token = int(logits[0, -1].argmax())
+    prefill_kv = kv(cache)
+    out = model(input_ids=torch.tensor([[token]], device=device), past_key_values=cache, use_cache=True)
+    return _TorchReference(logits, prefill_kv, token, out.logits[0, -1].float().cpu().numpy().copy(),
+                           kv(out.past_key_values))
+
+
+def _parity(ref: _TorchReference, runner: OnnxCausalLM, prompt: list[int]) -> dict[str, float]:
+    """Max abs differences of logits and KV: prefill on the prompt, then one decode step."""
     _, logits, kv = runner.run_prefill(prompt)
-    diffs = {"prefill.logits": float(np.abs(logits - ref.logits.float().numpy()).max()),
-             "prefill.kv": max(float(np.abs(a - b.float().numpy()).max()) for a, b in zip(kv, ref_kv))}
-    tok = int(ref.logits[0, -1].argmax())
-    ref2 = model(input_ids=torch.tensor([[tok]]), past_key_values=ref.past_key_values, use_cache=True)
-    ref2_kv = [t for layer in ref2.past_key_values.layers for t in (layer.keys, layer.values)]
-    last, kv2, _ = runner.run_decode(tok, kv, len(prompt))
-    diffs["decode.logits"] = float(np.abs(last - ref2.logits[0, -1].float().numpy()).max())
-    diffs["decode.kv"] = max(float(np.abs(a - b.float().numpy()).max()) for a, b in zip(kv2, ref2_kv))
+    diffs = {"prefill.logits": float(np.abs(logits - ref.prefill_logits).max()),
+             "prefill.kv": max(float(np.abs(a - b).max()) for a, b in zip(kv, ref.prefill_kv))}
+    last, kv2, _ = runner.run_decode(ref.token, kv, len(prompt))
+    diffs["decode.logits"] = float(np.abs(last - ref.decode_logits).max())
+    diffs["decode.kv"] = max(float(np.abs(a - b).max()) for a, b in zip(kv2, ref.decode_kv))
     return diffs
 
 
 def export_onnx(lm, out_dir: str | Path, *, static: tuple[int, int] | None = None, opset: int = DEFAULT_OPSET,
                 check: bool = True, greedy_steps: int = 32, prompt: str | Sequence[int] | None = None,
-                progress: Callable[[str], None] | None = None, inline_limit: int | None = None) -> ExportResult:
+                progress: Callable[[str], None] | None = None, inline_limit: int | None = None,
+                release_model: bool = False) -> ExportResult:
     """Export ``lm`` (a ``LoadedModel``) to ``out_dir/prefill.onnx`` and ``out_dir/decode.onnx``.
 
     ``static=(seq, past)`` fixes every shape (batch 1): the prefill graph takes ``seq`` tokens, the
     decode graph one token and a past of ``past`` positions. Weights above ``inline_limit`` bytes
     (default ``INLINE_LIMIT``) go to one shared ``weights.data``. With ``check`` the graphs are
     verified: onnx checker and strict shape inference, onnxruntime vs PyTorch on logits and KV, and
-    greedy decoding for ``greedy_steps`` tokens through prefill + decode.
+    greedy decoding for ``greedy_steps`` tokens through prefill + decode. ``release_model`` is for a
+    caller done with ``lm`` whose model is as stored at ``lm.path`` (the CLI): its weights are let go
+    (``lm.release()``) while the check's onnxruntime session holds them in float32, and re-read from
+    disk for the greedy comparison, so the two never sit in memory together.
     """
     log = progress or (lambda msg: None)
     model = lm.model
@@ -542,18 +571,28 @@ def export_onnx(lm, out_dir: str | Path, *, static: tuple[int, int] | None = Non
     if not check:
         return result
     t1 = time.perf_counter()
-    log("checking: onnx checker and shape inference")
-    _check_graphs([result.prefill_path, result.decode_path])
-    runner = OnnxCausalLM(result.prefill_path, result.decode_path, threads=1)
     tokens = _prompt_tokens(lm, prompt)
     if static:
         tokens = tokens[:max(1, min(static[0], static[1] - greedy_steps))]
-    log("checking: onnxruntime vs PyTorch on logits and KV cache")
+    log("checking: PyTorch reference (prefill and one decode step)")
     with _single_thread():
-        result.diffs = _parity(model, runner, tokens)
-        result.max_abs_diff = max(result.diffs.values())
-        log(f"checking: greedy decoding for {greedy_steps} steps")
-        result.onnx_tokens = runner.generate_greedy(tokens, greedy_steps)
+        ref = _torch_reference(model, tokens)
+    if release_model:
+        device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
+        del model
+        lm.release()
+    log("checking: onnx checker and shape inference")
+    _check_graphs([result.prefill_path, result.decode_path])
+    runner = OnnxCausalLM(result.prefill_path, result.decode_path, threads=1)
+    log(f"checking: onnxruntime vs PyTorch on logits and KV cache, then greedy decoding for {greedy_steps} steps")
+    result.diffs = _parity(ref, runner, tokens)
+    result.max_abs_diff = max(result.diffs.values())
+    result.onnx_tokens = runner.generate_greedy(tokens, greedy_steps)
+    del runner
+    if release_model:
+        from .models import load_model
+        model = load_model(lm.path, dtype=dtype, device=device, load_tokenizer=False).model
+    with _single_thread():
         result.greedy_match_steps, result.torch_tokens = greedy_agreement(model, tokens, result.onnx_tokens)
     result.check_seconds = time.perf_counter() - t1
     return result

@@ -10,6 +10,7 @@ weights that do not cover the model exactly are refused, never initialised at ra
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import struct
@@ -141,6 +142,13 @@ class LoadedModel:
             source = _quantized_source(self.path)
             raise ModelLoadError(f"'{self.path}' is already quantized ({self.quantized.method}); run {step} on the "
                                  f"float model it was made from{f' ({source})' if source else ''}")
+
+    def release(self) -> None:
+        """Free the weights (they move to the meta device) for a caller done with the model; any later
+        forward fails instead of computing with freed memory."""
+        self.model.to("meta")
+        self.quantized = None
+        gc.collect()
 
     def layer(self, name: str) -> LayerInfo:
         for info in self.layers:

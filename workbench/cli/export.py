@@ -10,7 +10,8 @@ from pathlib import Path
 
 from ..errors import WorkbenchError
 from ..graph import DEFAULT_OPSET, export_onnx
-from .common import add_json_flag, add_model_argument, format_bytes, print_json
+from ..models import load_model
+from .common import add_device_argument, add_json_flag, add_model_argument, format_bytes, print_json
 
 HELP = "ONNX prefill/decode graphs with KV cache, checked against PyTorch"
 
@@ -26,16 +27,6 @@ def parse_static(value: str | None) -> tuple[int, int] | None:
     return seq, past
 
 
-def load_for_export(model: str):
-    """A float model directory (or 'demo'), or a quantized-model directory (its simulated weights)."""
-    from ..models import load_model
-    if (Path(model) / "quantization.json").is_file():
-        from ..quantize import load_quantized
-        lm, _ = load_quantized(model)
-        return lm
-    return load_model(model)
-
-
 def add_arguments(p):
     add_model_argument(p, "a local Hugging Face model directory, 'demo', or a `workbench quantize` output directory")
     p.add_argument("--out", required=True, help="directory for prefill.onnx, decode.onnx and weight_names.json")
@@ -43,14 +34,15 @@ def add_arguments(p):
     p.add_argument("--opset", type=int, default=DEFAULT_OPSET, help=f"ONNX opset (default {DEFAULT_OPSET})")
     p.add_argument("--steps", type=int, default=32, help="greedy decoding steps compared with PyTorch (default 32)")
     p.add_argument("--no-check", action="store_true", help="skip the onnxruntime checks")
+    add_device_argument(p)
     add_json_flag(p)
 
 
 def run(args) -> int:
     static = parse_static(args.static)
-    lm = load_for_export(args.model)
+    lm = load_model(args.model, device=args.device)  # a quantize output loads as its integer layers
     result = export_onnx(lm, args.out, static=static, opset=args.opset, check=not args.no_check,
-                         greedy_steps=args.steps, progress=None if args.json else print)
+                         greedy_steps=args.steps, progress=None if args.json else print, release_model=True)
     d = result.to_dict()
     out = {"model": str(lm.path), "files": d["files"], "max_abs_diff": result.max_abs_diff,
            "greedy_match_steps": result.greedy_match_steps, "greedy_steps": result.greedy_steps,
