@@ -87,10 +87,32 @@ def test_quantize_and_evaluate_on_cuda_give_the_cpu_figures(tiny_model_dir):
     assert figures[0] == pytest.approx(figures[1], rel=1e-3)
 
 
-def test_device_option_says_what_to_do_without_a_gpu(capsys):
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_sensitivity_scores_on_cuda_give_the_cpu_figures(tiny_model_dir):
+    from workbench.proxy import proxy_scores
+    from workbench.sensitivity import run_sensitivity
+    ids = torch.randint(0, 4096, (300,), generator=torch.Generator().manual_seed(0))
+    figures = []
+    for device in ("cpu", "cuda"):
+        lm = load_model(tiny_model_dir, device=device)
+        proxy = proxy_scores(lm, ids, ctx=128, progress=False).damage
+        kl = run_sensitivity(lm, ids=ids, ctx=128, score="kl", workspace=None, progress=False)
+        figures.append((proxy, {layer.name: layer.damage for layer in kl.layers}))
+    for cpu, cuda in zip(*figures):
+        for name in cpu:
+            for prec in cpu[name]:
+                assert _as_kl(cpu[name][prec]) == pytest.approx(_as_kl(cuda[name][prec]), rel=5e-2, abs=1e-6)
+
+
+def _as_kl(value):
+    return value["kl"] if isinstance(value, dict) else value
+
+
+@pytest.mark.parametrize("command", ["info", "eval", "calibrate", "quantize", "sensitivity", "plan", "export"])
+def test_device_option_says_what_to_do_without_a_gpu(command, capsys):
     from workbench.cli import main
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
     with pytest.raises(SystemExit):
-        main(["eval", "demo", "--device", "cuda"])
+        main([command, "demo", "--device", "cuda"])
     assert "sees no CUDA GPU; leave --device out" in capsys.readouterr().err

@@ -129,8 +129,8 @@ def _groups(ids: torch.Tensor, ctx: int) -> list[_Group]:
     out = []
     for length, ws in by_len.items():
         x = torch.stack([ids[w.begin:w.end] for w in ws])
-        scored = torch.zeros(len(ws), length, dtype=torch.bool)
-        targets = torch.zeros(len(ws), length, dtype=torch.long)
+        scored = torch.zeros(len(ws), length, dtype=torch.bool, device=ids.device)
+        targets = torch.zeros(len(ws), length, dtype=torch.long, device=ids.device)
         for k, w in enumerate(ws):
             a, b = w.score_from - w.begin - 1, w.end - w.begin - 1
             scored[k, a:b] = True
@@ -157,7 +157,7 @@ def _record(model: nn.Module, blocks: nn.ModuleList, head: nn.Module, group: _Gr
     handles.append(head.register_forward_pre_hook(stop, prepend=True))
     try:
         with torch.no_grad():
-            model(input_ids=group.ids.to(next(model.parameters()).device), use_cache=False)
+            model(input_ids=group.ids, use_cache=False)
     except _Stop:
         pass
     finally:
@@ -204,7 +204,7 @@ def _head_pass(norm: nn.Module, head: nn.Linear, groups: Sequence[_Group], sampl
             flat = hf.detach().reshape(-1, hf.shape[-1])
             sel = g.scored.reshape(-1).nonzero().squeeze(1)
             targets = g.targets.reshape(-1)
-            grad_hf = torch.zeros(samples, *flat.shape)
+            grad_hf = torch.zeros(samples, *flat.shape, device=flat.device)
             for chunk in sel.split(HEAD_CHUNK):
                 h = flat[chunk]
                 logp = torch.log_softmax(F.linear(h, w_head, b_head), dim=-1)
@@ -214,7 +214,7 @@ def _head_pass(norm: nn.Module, head: nn.Linear, groups: Sequence[_Group], sampl
                 pw = prob @ w_head
                 cdf = prob.cumsum_(-1)  # labels drawn by inverse CDF (prob is not needed again)
                 for s in range(samples):
-                    u = torch.rand(len(chunk), 1, generator=gen) * cdf[:, -1:]
+                    u = torch.rand(len(chunk), 1, generator=gen).to(cdf.device) * cdf[:, -1:]
                     y = torch.searchsorted(cdf, u).clamp_max_(cdf.shape[1] - 1).squeeze(1)
                     grad_hf[s, chunk] = w_head[y] - pw  # the gradient of log p(y) is onehot(y) - p
             g.grads = [torch.autograd.grad(hf, last, gs.view_as(hf), retain_graph=True)[0] for gs in grad_hf]
@@ -226,7 +226,7 @@ def _block_pass(block: nn.Module, index: int, linears: dict[str, nn.Linear],
                 groups: Sequence[_Group]) -> dict[str, torch.Tensor]:
     """Each linear layer's ``sum_t g_t^2 x_t^2`` in one block; moves every group's ``grads`` to the block's input."""
     from .compute import widened
-    fishers = {n: torch.zeros(m.weight.shape) for n, m in linears.items()}
+    fishers = {n: torch.zeros(m.weight.shape, device=m.weight.device) for n, m in linears.items()}
     handles = [m.register_forward_hook(_accumulate(fishers[n])) for n, m in linears.items()]
     try:
         with torch.enable_grad(), widened(block):
@@ -262,7 +262,7 @@ def proxy_scores(lm: LoadedModel, ids: torch.Tensor, precisions: Sequence[str] =
     names = {id(m): n for n, m in model.named_modules()}
     known = {info.name for info in lm.layers}
     max_pos = getattr(lm.config, "max_position_embeddings", None) or DEFAULT_CTX
-    ids = ids.reshape(-1).long()
+    ids = ids.reshape(-1).long().to(next(model.parameters()).device)  # every group's tensors live beside the model
     groups = _groups(ids, min(ctx or DEFAULT_CTX, max_pos, len(ids)))
     n_scored = int(sum(g.scored.sum() for g in groups))
     gen = torch.Generator().manual_seed(seed)
@@ -290,7 +290,7 @@ def proxy_scores(lm: LoadedModel, ids: torch.Tensor, precisions: Sequence[str] =
         # the gradient at block 0's input is the embedding output's (Llama/Qwen); only the rows used have Fisher
         rows, inverse = torch.unique(torch.cat([g.ids.reshape(-1) for g in groups]), return_inverse=True)
         g2 = torch.cat([sum(gs.square() for gs in g.grads).reshape(-1, g.grads[0].shape[-1]) for g in groups])
-        score(names[id(embed)], embed.weight, torch.zeros(len(rows), g2.shape[1]).index_add_(0, inverse, g2),
+        score(names[id(embed)], embed.weight, torch.zeros(len(rows), g2.shape[1], device=g2.device).index_add_(0, inverse, g2),
               samples, rows)
     ordered = {info.name: damage[info.name] for info in lm.layers if info.name in damage}
     return ProxyScores(ordered, n_scored, math.exp(nll / n_scored), time.perf_counter() - t0, samples)

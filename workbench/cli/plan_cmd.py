@@ -15,7 +15,7 @@ from ..autoplan import budget_bytes, check_budget, measure_plan, plan_for_budget
 from ..evaluate import default_token_budget
 from ..models import load_model
 from ..sensitivity import PlanEvaluator, evaluation_tokens
-from .common import add_json_flag, add_model_argument, format_bytes, print_json
+from .common import add_device_argument, add_json_flag, add_model_argument, format_bytes, print_json
 from .sensitivity import add_sweep_arguments, sweep
 
 HELP = "automatic mixed-precision plan under a size or bits/weight budget, predicted and measured"
@@ -35,7 +35,7 @@ def add_arguments(p):
 
 
 def run(args) -> int:
-    lm = load_model(args.model)
+    lm = load_model(args.model, device=args.device)
     lm.require_float("plan")  # a plan is made for the float model; a quantized one already has its plan
     budget = budget_bytes(lm, size_bytes=args.size, bits_per_weight=args.bits_per_weight)
     check_budget(lm, budget, group_size=args.group_size or None, symmetric=not args.asymmetric)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from ..models import load_model
 from ..sensitivity import DEFAULT_SWEEP_TOKENS, METRICS, SWEEP_PRECISIONS, run_sensitivity
 from ..workspace import Workspace
-from .common import add_json_flag, add_model_argument, print_json
+from .common import add_device_argument, add_json_flag, add_model_argument, print_json
 
 HELP = "per-layer sensitivity sweep (KL and perplexity change of each layer quantized alone)"
 
@@ -31,6 +31,7 @@ def add_sweep_arguments(p) -> None:
                         "weight error); auto (default): kl for small models, proxy for large ones")
     p.add_argument("--workspace", help="workspace directory for the cached sweep (default ./workspace)")
     p.add_argument("--force", action="store_true", help="recompute the sweep even when it is cached")
+    add_device_argument(p)
 
 
 def add_arguments(p):
@@ -49,7 +50,7 @@ def sweep(lm, args, progress: bool):
 
 
 def run(args) -> int:
-    lm = load_model(args.model)
+    lm = load_model(args.model, device=args.device)
     report = sweep(lm, args, progress=not args.json)
     layers = [{"name": layer.name, "block": layer.block, "role": layer.role, "shape": list(layer.shape),
                "parameters": layer.parameters, "tied_to": layer.tied_to, **layer.damage} for layer in report.layers]
