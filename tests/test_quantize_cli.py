@@ -62,3 +62,18 @@ def test_plan_naming_a_missing_layer(tiny_model_dir, tmp_path, capsys):
     rc = main(["quantize", str(tiny_model_dir), "--out", str(tmp_path / "q"), "--plan", str(plan)])
     assert rc == 2
     assert "plan rule 'model.layers.7.mlp.up_proj' matches no layer of this model" in capsys.readouterr().err
+
+
+def test_quantize_gptq_records_its_settings_and_loads_back(tiny_model_dir, tmp_path, heldout, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the calibration statistics go to ./workspace there
+    out = tmp_path / "gptq"
+    rc = main(["quantize", str(tiny_model_dir), "--out", str(out), "--bits", "4", "--group-size", "32",
+               "--method", "gptq", "--act-order", "--data", str(heldout), "--samples", "4", "--seq-len", "64",
+               "--text", str(heldout), "--ctx", "128", "--json"])
+    assert rc == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["method"] == "gptq" and data["kl_divergence"] > 0
+    meta = json.loads((out / "quantization.json").read_text())
+    assert meta["method"] == "gptq" and meta["gptq"]["act_order"] is True and meta["gptq"]["tokens"] > 0
+    assert main(["eval", str(out), "--text", str(heldout), "--ctx", "128", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["perplexity"] == pytest.approx(data["perplexity"], rel=1e-6)

@@ -57,7 +57,7 @@ def test_warning_names_likely_causes_above_the_threshold(setup):
     assert "above the -1.0 threshold. Likely causes:" in w
     assert "layers with the largest weight error" in w
     assert "embedding / lm_head is quantized" in w
-    assert "try method 'awq'" in w
+    assert "try method 'gptq' or 'awq'" in w
     assert "group size per-channel is coarse" in w
     quiet = measure_cost(qm, base, threshold=1e9, progress=False)
     assert quiet.warnings == []

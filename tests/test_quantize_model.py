@@ -100,9 +100,9 @@ def test_bad_plans_are_named(tiny, monkeypatch):
     with pytest.raises(PlanError, match="layer 'model.layers.0.self_attn.q_proj': int3 \\(3-bit\\) weights are not "
                                         "supported; weight quantization supports int4, int8"):
         quantize_model(tiny, QuantPlan.uniform("int3"), progress=False)
-    with pytest.raises(PlanError, match="unknown quantization method 'gptq'; choose one of: rtn, awq"):
-        quantize_model(tiny, QuantPlan.uniform("int4"), method="gptq", progress=False)
-    with pytest.raises(PlanError, match="AWQ needs calibration data"):
+    with pytest.raises(PlanError, match="unknown quantization method 'obq'; choose one of: rtn, awq, gptq"):
+        quantize_model(tiny, QuantPlan.uniform("int4"), method="obq", progress=False)
+    with pytest.raises(PlanError, match="AWQ and GPTQ need calibration data"):
         quantize_model(tiny, QuantPlan.uniform("int4"), method="awq", progress=False)
 
 

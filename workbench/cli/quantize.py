@@ -16,6 +16,7 @@ from ..evaluate import DEFAULT_CTX
 from ..memory import release_freed_memory
 from ..models import load_model
 from ..plan import QuantPlan
+from ..quantize.model import CALIBRATED_METHODS, METHODS
 from .common import add_device_argument, add_budget_argument, add_json_flag, add_model_argument, format_bytes, print_json
 
 FULL_STATS_MAX_PARAMETERS = 100_000_000  # above this the statistics pass costs minutes: opt in, or calibrate first
@@ -31,10 +32,12 @@ def add_arguments(p):
                      "(embeddings and lm_head stay fp16); default 4 when no --plan")
     p.add_argument("--group-size", type=int, help="columns per scale (default: the plan's, 128); 0 = per-channel")
     p.add_argument("--asymmetric", action="store_true", help="unsigned codes with zero points")
-    p.add_argument("--method", choices=("rtn", "awq"), help="round-to-nearest or AWQ (default: the plan's, rtn)")
-    p.add_argument("--data", help="calibration text for AWQ (default: the bundled calibration text)")
-    p.add_argument("--samples", type=int, default=128, help="calibration samples (AWQ)")
-    p.add_argument("--seq-len", type=int, default=512, help="calibration sample length in tokens (AWQ)")
+    p.add_argument("--method", choices=METHODS, help="round-to-nearest, AWQ or GPTQ (default: the plan's, rtn)")
+    p.add_argument("--act-order", action="store_true", help="GPTQ: visit columns by decreasing input energy "
+                   "(group scales then fixed from the original weights)")
+    p.add_argument("--data", help="calibration text for AWQ and GPTQ (default: the bundled calibration text)")
+    p.add_argument("--samples", type=int, default=128, help="calibration samples (AWQ, GPTQ)")
+    p.add_argument("--seq-len", type=int, default=512, help="calibration sample length in tokens (AWQ, GPTQ)")
     p.add_argument("--full-stats", action="store_true", help="AWQ: run the calibration statistics pass over every "
                    "sample even on models over 100 M parameters (by default those use statistics already in the "
                    "workspace from `workbench calibrate`, else mean |x| over the search's own tokens, as AutoAWQ does)")
@@ -76,7 +79,7 @@ def run(args) -> int:
     lm = load_model(args.model, device=args.device)
     progress = not args.json
     calibration = workspace = None
-    if plan.method == "awq":
+    if plan.method in CALIBRATED_METHODS:
         from ..calibrate import calibrate
         from ..workspace import Workspace
         workspace = Workspace()  # calibration statistics and the AWQ search are cached there
@@ -88,7 +91,7 @@ def run(args) -> int:
                   "set; `workbench calibrate` first, or --full-stats, to use every sample)")
     t0 = time.perf_counter()
     qm = quantize_model(lm, plan, calibration=calibration, strict=args.strict, progress=progress,
-                        workspace=workspace, awq_tokens=args.awq_tokens)
+                        workspace=workspace, awq_tokens=args.awq_tokens, act_order=args.act_order)
     quantize_seconds = time.perf_counter() - t0
     out = qm.save(args.out)
     release_freed_memory()  # the per-layer float32 temporaries of quantizing and saving

@@ -1,22 +1,24 @@
-"""Weight quantization by plan: RTN and AWQ, INT8 / INT4, one representation read by everything.
+"""Weight quantization by plan: RTN, AWQ and GPTQ, INT8 / INT4, one representation read by everything.
 
     from workbench.quantize import quantize_model, load_quantized
     qm = quantize_model(lm, QuantPlan.uniform("int4"), method="awq", calibration=calib_set)
     qm.apply_(lm.model); qm.save("out/demo-int4-awq")
 
 Modules: ``qtensor`` (the representation, int4 packing), ``rtn`` (round-to-nearest), ``awq``
-(scale and clip search, folding), ``model`` (plan application, group-size fallback), ``io``
+(scale and clip search, folding), ``gptq`` (error-compensating rounding), ``model`` (plan application, group-size fallback), ``io``
 (save / load), ``cost`` (perplexity, KL, top-1, size against the unquantized model), ``crosscheck``
 (AWQ against autoawq, where it imports).
 """
 from .awq import apply_awq_scales_, fold_awq_scales, load_awq_search, save_awq_search, search_awq
 from .cost import Baseline, QuantCost, heldout_ids, measure_cost, measure_reference
 from .io import load_quantized, save_quantized, write_report
-from .model import LayerQuantReport, QuantizedModel, quantize_model, resolve_group_size
+from .gptq import gptq_quantize_weight, search_gptq
+from .model import CALIBRATED_METHODS, METHODS, LayerQuantReport, QuantizedModel, quantize_model, resolve_group_size
 from .qtensor import QuantizedWeight, pack_int4, unpack_int4
 from .rtn import fake_quantize, quantize_weight
 
 __all__ = ["QuantizedWeight", "quantize_weight", "fake_quantize", "pack_int4", "unpack_int4", "quantize_model",
            "QuantizedModel", "LayerQuantReport", "resolve_group_size", "save_quantized", "load_quantized",
            "write_report", "search_awq", "fold_awq_scales", "apply_awq_scales_", "save_awq_search", "load_awq_search", "Baseline", "QuantCost",
-           "measure_reference", "measure_cost", "heldout_ids"]
+           "measure_reference", "measure_cost", "heldout_ids",
+           "gptq_quantize_weight", "search_gptq", "METHODS", "CALIBRATED_METHODS"]

@@ -118,9 +118,9 @@ def likely_causes(qm, cost: "QuantCost") -> list[str]:
     if any(r.kind == "embedding" or r.name.endswith("lm_head") for r in qm.layers if r.name in qm.weights):
         causes.append("the embedding / lm_head is quantized; these are often the most sensitive: keep them fp16")
     if int4 and qm.method == "rtn":
-        causes.append("4-bit round-to-nearest: try method 'awq' with a calibration set from the real inputs")
-    if int4 and qm.method == "awq":
-        causes.append("AWQ calibration may not match the evaluation text (domain, language mix); check its coverage")
+        causes.append("4-bit round-to-nearest: try method 'gptq' or 'awq' with a calibration set from the real inputs")
+    if int4 and qm.method in ("awq", "gptq"):
+        causes.append(f"{qm.method.upper()} calibration may not match the evaluation text (domain, language mix); check its coverage")
     if qm.plan.group_size is None or (qm.plan.group_size or 0) > 128:
         causes.append(f"group size {qm.plan.group_size or 'per-channel'} is coarse: try 128 or 64")
     per_channel = [r.name for r in qm.layers if r.fallback and r.group_size is None]

@@ -274,6 +274,8 @@ def save_quantized(qm, directory: str | Path, *, report: dict | None = None) -> 
                                        "loss": e["loss"], "identity_loss": e["identity_loss"]}
                                       for e in qm.awq["groups"]],
                            "clipped_layers": sorted(qm.awq.get("clips", {}))}
+        if qm.gptq:
+            meta["gptq"] = dict(qm.gptq)
         atomic_write_json(tmp / "quantization.json", meta)
         if report is not None:
             atomic_write_json(tmp / "report.json", report)

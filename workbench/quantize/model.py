@@ -23,9 +23,11 @@ from ..plan import QuantPlan, get_precision
 from .qtensor import SUPPORTED_BITS, QuantizedWeight
 from .rtn import quantize_weight
 
-__all__ = ["LayerQuantReport", "QuantizedModel", "quantize_model", "resolve_group_size", "METHODS"]
+__all__ = ["LayerQuantReport", "QuantizedModel", "quantize_model", "resolve_group_size", "METHODS",
+           "CALIBRATED_METHODS"]
 
-METHODS = ("rtn", "awq")
+METHODS = ("rtn", "awq", "gptq")
+CALIBRATED_METHODS = ("awq", "gptq")  # they read calibration samples
 FALLBACK_MULTIPLE = 32  # fallback group sizes stay multiples of 32, as kernels and NPUs expect
 
 
@@ -71,6 +73,7 @@ class QuantizedModel:
     float_overrides: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)  # param name -> float32
     source: object = field(default=None, repr=False, compare=False)  # the LoadedModel it came from
     awq: dict | None = field(default=None, repr=False)
+    gptq: dict | None = field(default=None, repr=False)  # settings and seconds of the GPTQ pass
     seconds: float = 0.0
 
     # -- lookup ----------------------------------------------------------------------------------
@@ -224,7 +227,7 @@ def _samples_and_stats(calibration, stats):
         calibration, stats = calibration[0], calibration[1] or stats
     samples = getattr(calibration, "samples", calibration)
     if not isinstance(samples, (list, tuple)) or not samples or not all(isinstance(s, torch.Tensor) for s in samples):
-        raise PlanError("AWQ needs calibration data: pass calibration=CalibrationSet (workbench.data."
+        raise PlanError("AWQ and GPTQ need calibration data: pass calibration=CalibrationSet (workbench.data."
                         "load_calibration_set) or a list of 1-D token-id tensors")
     mean_abs = None
     if stats is not None:
@@ -263,12 +266,15 @@ def _cached_awq_search(workspace, model, samples, mean_abs, spec, awq_tokens, pr
 
 def quantize_model(lm, plan: QuantPlan, *, calibration=None, method: str | None = None, strict: bool = False,
                    progress: bool = True, stats=None, awq_search: dict | None = None,
-                   awq_tokens: int | None = None, workspace=None) -> QuantizedModel:
+                   awq_tokens: int | None = None, workspace=None, gptq_tokens: int | None = None,
+                   act_order: bool = False) -> QuantizedModel:
     """Quantize ``lm`` (a LoadedModel) by ``plan``; ``lm.model`` is not changed.
 
     ``method`` defaults to ``plan.method``. AWQ needs ``calibration`` (samples; statistics via
     ``stats`` or a ``(set, stats)`` pair supply mean |x| per channel); a cached ``awq_search``
     result skips the search, and a ``workspace`` stores and finds search results by their inputs.
+    GPTQ needs ``calibration`` samples too (``gptq_tokens`` of them; ``act_order`` visits columns by
+    decreasing input energy); layers outside the decoder blocks are rounded to nearest.
     """
     from tqdm.auto import tqdm
     t0 = time.perf_counter()
@@ -320,6 +326,15 @@ def quantize_model(lm, plan: QuantPlan, *, calibration=None, method: str | None 
             unfolded.setdefault(entry["group"]["block"], []).append(entry)
         clips = awq_search.get("clips", {})
 
+    gptq_weights: dict[str, QuantizedWeight] = {}
+    gptq_result = None
+    if method == "gptq" and spec:
+        from .gptq import default_gptq_tokens, search_gptq
+        samples, _ = _samples_and_stats(calibration, stats)
+        gptq_result = search_gptq(model, samples, spec, max_tokens=gptq_tokens or default_gptq_tokens(model),
+                                  act_order=act_order, progress=progress)
+        gptq_weights = gptq_result.pop("weights")
+
     def fold_blocks(name: str | None = None) -> None:
         """Fold AWQ scales one block at a time (the block holding ``name``; all left when None), so only
         one block's float copies are alive beside the model while its layers are quantized."""
@@ -338,9 +353,12 @@ def quantize_model(lm, plan: QuantPlan, *, calibration=None, method: str | None 
         key = f"{r.name}.weight"
         fold_blocks(r.name)
         w = float_overrides.pop(key) if key in float_overrides else params[key].detach().float()
-        qw = quantize_weight(w, bits, gs, sym, clip_max=None if r.name not in clips else clips[r.name].to(w.device))
+        qw = gptq_weights.pop(r.name, None)
+        if qw is None:
+            qw = quantize_weight(w, bits, gs, sym, clip_max=None if r.name not in clips else clips[r.name].to(w.device))
+        qw = qw.to(w.device)
         r.weight_error = float((w - qw.dequantize()).norm() / w.norm().clamp_min(1e-12))
         weights[r.name] = qw.to("cpu")  # codes are kept and saved on the CPU; build_model moves them back
     fold_blocks()  # blocks whose layers all stay float still carry their scales
-    return QuantizedModel(plan, method, weights, reports, float_overrides, source=lm, awq=awq_search,
+    return QuantizedModel(plan, method, weights, reports, float_overrides, source=lm, awq=awq_search, gptq=gptq_result,
                           seconds=time.perf_counter() - t0)

@@ -23,7 +23,7 @@ from ..charts.quantize import make_cost_table_figure, make_layer_error_figure
 from ..evaluate import DEFAULT_CTX
 from ..models import LoadedModel, demo_text_path
 from ..plan import QuantPlan
-from ..quantize import heldout_ids, measure_cost, measure_reference, quantize_model
+from ..quantize import CALIBRATED_METHODS, heldout_ids, measure_cost, measure_reference, quantize_model
 from ..workspace import Workspace
 from .base import StepPanel
 
@@ -58,7 +58,7 @@ class QuantizePanel(StepPanel):
         method = start.method if method is FROM_PLAN else method
         group_size = start.group_size if group_size is FROM_PLAN else group_size
         symmetric = start.symmetric if symmetric is FROM_PLAN else symmetric
-        self.method = widgets.Dropdown(options=[("round-to-nearest", "rtn"), ("AWQ", "awq")], value=method,
+        self.method = widgets.Dropdown(options=[("round-to-nearest", "rtn"), ("AWQ", "awq"), ("GPTQ", "gptq")], value=method,
                                        description="method")
         self.bits = widgets.Dropdown(options=self._bit_options(plan), value="plan" if plan is not None else bits,
                                      description="bits")
@@ -179,7 +179,7 @@ class QuantizePanel(StepPanel):
             self.rows.append({"label": "float (reference)", "perplexity": ref.perplexity,
                               "bits_per_weight": 16.0, "seconds": None})
         calibration = workspace = None
-        if plan.method == "awq":
+        if plan.method in CALIBRATED_METHODS:
             workspace = self.workspace or Workspace()  # statistics and the AWQ search are cached there
             calibration = self._calibration(workspace)
         t0 = time.perf_counter()

@@ -1,0 +1,208 @@
+"""GPTQ: round each weight column in turn and push its rounding error onto the columns not yet rounded.
+
+For one linear layer with inputs ``X`` the output error ``||X W^T - X Q^T||^2`` is a quadratic form
+in ``H = X^T X``. GPTQ (Frantar et al., 2022) quantizes the columns of ``W`` left to right; after
+column ``j`` is rounded, the remaining columns are corrected by ``-err_j * Hinv[j, j:] / Hinv[j, j]``
+(the optimal update for that quadratic), using the upper Cholesky factor of ``H^-1`` so the whole
+pass costs one factorisation and ``rows x cols^2`` multiply-adds, done ``block_columns`` at a time.
+
+Options as in the reference code: ``damp`` (a fraction of the mean diagonal added to ``H``, so
+dead or collinear inputs do not blow up the inverse) and ``act_order`` (columns visited in order
+of decreasing ``H[j, j]``, the most-used inputs first). Group scales are taken from the
+partially corrected weights when the pass reaches a group's first column; with ``act_order``
+they are fixed beforehand from the original weights ("static groups"), so every column keeps its
+natural group and the stored layout stays the plain group-wise one every target reads.
+
+The model runs block by block as in AWQ: the block inputs of all calibration tokens are held,
+``H`` of every integer layer in the block is summed over them, the layers are quantized, and the
+block's outputs with the quantized weights become the next block's inputs, so later blocks
+compensate for the error the earlier ones make. The model itself is never changed.
+
+    weights = search_gptq(lm.model, samples, spec)   # spec: fqn -> (bits, group_size, symmetric)
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+from torch import nn
+
+from ..compute import widened
+from ..errors import PlanError
+from ..memory import release_freed_memory
+from .awq import _capture_block_inputs, _run_block, _token_chunks, find_decoder_blocks
+from .qtensor import QuantizedWeight, code_range
+from .rtn import _grouped, _quantize_groups
+
+__all__ = ["gptq_quantize_weight", "search_gptq", "DEFAULT_DAMP", "DEFAULT_BLOCK_COLUMNS", "default_gptq_tokens"]
+
+DEFAULT_DAMP = 0.01  # of the mean of diag(H), as in the GPTQ paper's code
+DEFAULT_BLOCK_COLUMNS = 128  # columns corrected together before the lazy update of the rest
+DEFAULT_GPTQ_TOKENS = 8192
+GPTQ_BUDGET = 1e12  # parameter-tokens: one forward pass per token and block plus the H sums
+
+
+def default_gptq_tokens(model: nn.Module) -> int:
+    """Calibration tokens by model size: 8,192 up to ~120 M parameters, fewer above (2,048 at 0.5 B), never under 1,024."""
+    params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    return max(1024, min(DEFAULT_GPTQ_TOKENS, -(-int(GPTQ_BUDGET // max(params, 1)) // 1024) * 1024))
+
+
+def _group_params(w: torch.Tensor, bits: int, symmetric: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Scales (and zeros) of the columns ``w`` ``[out, g]`` taken as one group, by the RTN rule."""
+    _q, scales, zeros = _quantize_groups(w[:, None, :], bits, symmetric, None)
+    return scales[:, 0], None if zeros is None else zeros[:, 0]
+
+
+def _round(col: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, lo: int, hi: int) -> torch.Tensor:
+    if zero is None:
+        return torch.round(col / scale).clamp_(lo, hi)
+    return (torch.round(col / scale) + zero).clamp_(lo, hi)
+
+
+def _dequant(code: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor:
+    return (code if zero is None else code - zero) * scale
+
+
+def _inverse_factor(h: torch.Tensor, damp: float) -> torch.Tensor:
+    """Upper Cholesky factor of ``(H + damp * mean(diag H) * I)^-1``, with more damping if ``H`` is singular."""
+    n = h.shape[0]
+    eye = torch.eye(n, dtype=h.dtype, device=h.device)
+    mean_diag = float(torch.diag(h).mean()) or 1.0
+    for extra in (1.0, 10.0, 100.0):
+        lower, info = torch.linalg.cholesky_ex(h + (damp * extra * mean_diag) * eye)
+        if int(info) == 0:
+            return torch.linalg.cholesky(torch.cholesky_inverse(lower), upper=True)
+    raise PlanError("GPTQ: this layer's input covariance is not positive definite even with 100x damping; "
+                    "use more calibration tokens or method='rtn'")
+
+
+def gptq_quantize_weight(w: torch.Tensor, h: torch.Tensor, bits: int, group_size: int | None = 128,
+                         symmetric: bool = True, *, damp: float = DEFAULT_DAMP, act_order: bool = False,
+                         block_columns: int = DEFAULT_BLOCK_COLUMNS) -> QuantizedWeight:
+    """Quantize ``w`` ``[out, in]`` minimising ``tr((W - Q) H (W - Q)^T)`` column by column (``H`` = ``X^T X``)."""
+    if w.dim() != 2 or h.shape != (w.shape[1], w.shape[1]):
+        raise PlanError(f"GPTQ needs a 2-D weight and its [in, in] input covariance, got {tuple(w.shape)} and "
+                        f"{tuple(h.shape)}")
+    out, cols = w.shape
+    _grouped(w, group_size)  # the same divisibility error as RTN
+    g = group_size or cols
+    lo, hi = code_range(bits, symmetric)
+    w = w.detach().to(torch.float32).clone()
+    h = h.detach().to(torch.float32).clone()
+    dead = torch.diag(h) == 0  # inputs that were always zero: their weights cannot matter
+    h[dead, dead] = 1.0
+    w[:, dead] = 0.0
+    n_groups = cols // g
+    scales = torch.empty(out, n_groups)
+    zeros = None if symmetric else torch.empty(out, n_groups)
+    if act_order:  # static groups: every group's range from the original weights, before any correction
+        for k in range(n_groups):
+            s, z = _group_params(w[:, k * g:(k + 1) * g], bits, symmetric)
+            scales[:, k] = s
+            if zeros is not None:
+                zeros[:, k] = z
+        perm = torch.argsort(torch.diag(h), descending=True)
+        w, h = w[:, perm], h[perm][:, perm]
+    else:
+        perm = None
+    hinv = _inverse_factor(h, damp)
+    codes = torch.empty(out, cols)
+    for a in range(0, cols, block_columns):
+        b = min(a + block_columns, cols)
+        w1, err1 = w[:, a:b].clone(), torch.empty(out, b - a)
+        hinv1 = hinv[a:b, a:b]
+        for i in range(b - a):
+            j = a + i
+            col = int(perm[j]) if perm is not None else j
+            k = col // g
+            if perm is None and col % g == 0:  # a group starts: its range from the corrected weights
+                s, z = _group_params(torch.cat([w1[:, i:], w[:, b:]], dim=1)[:, :g], bits, symmetric)
+                scales[:, k] = s
+                if zeros is not None:
+                    zeros[:, k] = z
+            s, z = scales[:, k], None if zeros is None else zeros[:, k]
+            c = _round(w1[:, i], s, z, lo, hi)
+            codes[:, j] = c
+            e = (w1[:, i] - _dequant(c, s, z)) / hinv1[i, i]
+            w1[:, i:] -= e[:, None] * hinv1[i, i:][None, :]
+            err1[:, i] = e
+        w[:, b:] -= err1 @ hinv[a:b, b:]
+    if perm is not None:
+        codes = codes[:, torch.argsort(perm)]
+    qdtype = torch.int8 if symmetric else torch.uint8
+    return QuantizedWeight(codes.to(qdtype), scales.contiguous(), None if zeros is None else zeros.to(torch.uint8),
+                           bits, group_size)
+
+
+@contextlib.contextmanager
+def _weights_swapped(mods: dict[str, nn.Module], new: dict[str, torch.Tensor]):
+    """The modules compute with ``new`` weights for the duration; the very original tensors come back after."""
+    saved = {n: m.weight.data for n, m in mods.items()}
+    try:
+        for n, m in mods.items():
+            m.weight.data = new[n].to(saved[n].dtype)
+        yield
+    finally:
+        for n, m in mods.items():
+            m.weight.data = saved[n]
+
+
+def _covariance_hook(h: torch.Tensor, count: list[int]):
+    def hook(_m, args, kwargs):
+        x = (args[0] if args else kwargs["input"]).detach().reshape(-1, h.shape[0]).to(torch.float32)
+        h.addmm_(x.T, x)
+        count[0] += x.shape[0]
+    return hook
+
+
+def search_gptq(model: nn.Module, samples: list[torch.Tensor], spec: dict[str, tuple[int, int | None, bool]], *,
+                max_tokens: int = DEFAULT_GPTQ_TOKENS, damp: float = DEFAULT_DAMP, act_order: bool = False,
+                chunk_tokens: int = 4096, progress: bool = True) -> dict:
+    """GPTQ of every layer in ``spec`` that sits in a decoder block; ``{"weights": {fqn: QuantizedWeight}, ...}``.
+
+    Layers outside the blocks (the embedding, an untied output layer) are left to the caller (RTN).
+    """
+    from tqdm.auto import tqdm
+    t0 = time.perf_counter()
+    prefix, blocks = find_decoder_blocks(model)
+    units, tokens = _capture_block_inputs(model, blocks, samples, max_tokens)
+    chunks = _token_chunks(units, chunk_tokens)
+    weights: dict[str, QuantizedWeight] = {}
+    for i in tqdm(range(len(blocks)), desc="gptq", unit="block", disable=not progress, leave=False):
+        bname = f"{prefix}.{i}"
+        blk = blocks[i]
+        names = [n for n in spec if n.startswith(bname + ".")]
+        with widened(blk):
+            mods = {n: blk.get_submodule(n[len(bname) + 1:]) for n in names}
+            for n, m in mods.items():
+                if not isinstance(m, nn.Linear):
+                    raise PlanError(f"GPTQ quantizes linear layers; '{n}' is a {type(m).__name__}; use method='rtn'")
+            covs = {n: torch.zeros(m.in_features, m.in_features, device=m.weight.device) for n, m in mods.items()}
+            counts = {n: [0] for n in mods}
+            handles = [m.register_forward_pre_hook(_covariance_hook(covs[n], counts[n]), with_kwargs=True)
+                       for n, m in mods.items()]
+            try:
+                for idx in chunks:
+                    _run_block(blk, units, idx, {})
+            finally:
+                for hd in handles:
+                    hd.remove()
+            deq = {}
+            for n, m in mods.items():
+                bits, gs, sym = spec[n]
+                qw = gptq_quantize_weight(m.weight.detach().float().cpu(), covs.pop(n).cpu() / max(counts[n][0], 1),
+                                          bits, gs, sym, damp=damp, act_order=act_order)
+                weights[n] = qw
+                deq[n] = qw.dequantize().to(m.weight.device)
+            with _weights_swapped(mods, deq):  # the next block sees what the quantized block computes
+                for idx in chunks:
+                    _seen, outs = _run_block(blk, units, idx, {})
+                    for j, out in zip(idx, outs):
+                        units[j][0].copy_(out)
+                    del outs
+            del deq
+        release_freed_memory()
+    return {"method": "gptq", "weights": weights, "tokens": tokens, "damp": damp, "act_order": act_order,
+            "seconds": time.perf_counter() - t0}
