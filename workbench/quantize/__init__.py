@@ -13,7 +13,8 @@ from .awq import apply_awq_scales_, fold_awq_scales, load_awq_search, save_awq_s
 from .cost import Baseline, QuantCost, heldout_ids, measure_cost, measure_reference
 from .io import load_quantized, save_quantized, write_report
 from .gptq import gptq_quantize_weight, search_gptq
-from .model import CALIBRATED_METHODS, METHODS, LayerQuantReport, QuantizedModel, quantize_model, resolve_group_size
+from .model import (CALIBRATED_METHODS, METHODS, LayerQuantReport, QuantizedModel, quantize_model,
+                    resolve_group_size)
 from .qtensor import QuantizedWeight, pack_int4, unpack_int4
 from .rtn import fake_quantize, quantize_weight
 

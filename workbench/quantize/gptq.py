@@ -44,7 +44,7 @@ GPTQ_BUDGET = 1e12  # parameter-tokens: one forward pass per token and block plu
 
 
 def default_gptq_tokens(model: nn.Module) -> int:
-    """Calibration tokens by model size: 8,192 up to ~120 M parameters, fewer above (2,048 at 0.5 B), never under 1,024."""
+    """Calibration tokens by size: 8,192 up to ~120 M parameters, fewer above (2,048 at 0.5 B), never under 1,024."""
     params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     return max(1024, min(DEFAULT_GPTQ_TOKENS, -(-int(GPTQ_BUDGET // max(params, 1)) // 1024) * 1024))
 
