@@ -59,8 +59,7 @@ class QuantizePanel(StepPanel):
         group_size = start.group_size if group_size is FROM_PLAN else group_size
         symmetric = start.symmetric if symmetric is FROM_PLAN else symmetric
         self.method = widgets.Dropdown(options=[("round-to-nearest", "rtn"), ("AWQ", "awq"), ("GPTQ", "gptq")],
-                                     value=method,
-                                       description="method")
+                                       value=method, description="method")
         self.bits = widgets.Dropdown(options=self._bit_options(plan), value="plan" if plan is not None else bits,
                                      description="bits")
         self.group_size = widgets.Dropdown(options=self._group_options(group_size), value=group_size,
