@@ -3,12 +3,12 @@
     python bench/quantize.py [--model demo] [--group-size 128] [--samples 128] [--seq-len 512] [--threads N]
 
 Calibration statistics are computed first (timed apart). Each method (INT8 RTN, INT4 RTN, INT4
-AWQ) then runs in its own subprocess, so its wall time (after a warm-up run) and peak resident
+AWQ, INT4 GPTQ) then runs in its own subprocess, so its wall time (after a warm-up run) and peak resident
 memory (VmHWM, reset just before the timed run) are its own; it saves its result to a
 temporary directory. This process then reloads every saved model (what is evaluated is what was
 saved) and evaluates it against the float model on the bundled held-out text, on the same
 windows: perplexity, KL divergence, top-1 agreement, bits per weight, size of the weight files,
-and the paired standard error of the per-window AWQ-vs-RTN differences.
+and the paired standard error of the per-window AWQ-vs-RTN and GPTQ-vs-RTN differences.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-METHODS = [("INT8 RTN", 8, "rtn"), ("INT4 RTN", 4, "rtn"), ("INT4 AWQ", 4, "awq")]
+METHODS = [("INT8 RTN", 8, "rtn"), ("INT4 RTN", 4, "rtn"), ("INT4 AWQ", 4, "awq"), ("INT4 GPTQ", 4, "gptq")]
 
 
 def run_one(args) -> None:
@@ -39,12 +39,12 @@ def run_one(args) -> None:
     lm = load_model(args.model, dtype="float32")
     plan = QuantPlan.uniform(f"int{args.bits}", group_size=args.group_size or None, method=args.method)
     calibration = None
-    if args.method == "awq":  # statistics were computed by the parent: this reads them back from the workspace
+    if args.method in ("awq", "gptq"):  # statistics were computed by the parent: read back from the workspace
         from workbench.calibrate import calibrate
         calibration = calibrate(lm, samples=args.samples, seq_len=args.seq_len, workspace=Workspace(args.workspace),
                                 progress=False)
         # warm-up on a small slice, so one-time costs (allocator, kernels) are not in the timed run
-        quantize_model(lm, plan, calibration=calibration, progress=False, awq_tokens=512)
+        quantize_model(lm, plan, calibration=calibration, progress=False, awq_tokens=512, gptq_tokens=512)
     else:
         quantize_model(lm, plan, progress=False)
     # the runtime's own working set: one forward of the decoder (no lm_head) on a calibration-sized input
@@ -140,10 +140,12 @@ def main() -> None:
                                                 f"{r['peak_rss_mb'] - r['rss_before_mb']:+10.0f}")
         print(f"{r['label']:<15}{r['perplexity']:>11.3f}{change:>18}{kl:>20}{r['top1']:>8.2%}{r['bits']:>8.2f}"
               f"{r['size'] / 1e6:>9.2f}{timing}")
-    awq, rtn = reports["INT4 AWQ"], reports["INT4 RTN"]
-    d_nll, d_kl = paired_difference(awq, rtn, "nll"), paired_difference(awq, rtn, "kl")
-    print(f"\nINT4 AWQ - INT4 RTN, per token over {d_nll['windows']} windows: log-perplexity "
-          f"{d_nll['mean']:+.5f} ± {d_nll['stderr']:.5f} (s.e.), KL {d_kl['mean']:+.6f} ± {d_kl['stderr']:.6f} (s.e.)")
+    print()
+    for label in ("INT4 AWQ", "INT4 GPTQ"):
+        d_nll, d_kl = (paired_difference(reports[label], reports["INT4 RTN"], k) for k in ("nll", "kl"))
+        print(f"{label} - INT4 RTN, per token over {d_nll['windows']} windows: log-perplexity "
+              f"{d_nll['mean']:+.5f} ± {d_nll['stderr']:.5f} (s.e.), KL {d_kl['mean']:+.6f} ± {d_kl['stderr']:.6f} "
+              "(s.e.)")
     a = rows[3]
     print(f"AWQ: {a['awq_tokens']:,} search tokens, calibration statistics {calib_seconds:.1f} s "
           f"(not in the AWQ time); alphas per group: {a['awq_alphas']}")
@@ -160,7 +162,8 @@ def main() -> None:
     print(f"targets: INT8 RTN rise < 1% relative: {verdict(i8['rel'] < 0.01)}; INT4 AWQ <= INT4 RTN in KL: "
           f"{verdict(rows[3]['kl'] <= rows[2]['kl'])}, in perplexity: {verdict(rows[3]['perplexity'] <= rows[2]['perplexity'])}; "
           f"RTN < 5 s: {verdict(max(rows[1]['seconds'], rows[2]['seconds']) < 5)}; AWQ < 60 s: "
-          f"{verdict(rows[3]['seconds'] < 60)}")
+          f"{verdict(rows[3]['seconds'] < 60)}; GPTQ < AWQ in KL: {verdict(rows[4]['kl'] < rows[3]['kl'])}, "
+          f"GPTQ < 120 s: {verdict(rows[4]['seconds'] < 120)}")
 
 
 if __name__ == "__main__":
