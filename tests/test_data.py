@@ -105,6 +105,17 @@ def test_jsonl_invalid_json_line(tmp_path):
         read_records(p)
 
 
+def test_jsonl_raw_line_separator_inside_a_string_is_text(tmp_path):
+    """json.dumps(ensure_ascii=False) leaves U+2028/U+2029/U+0085 raw; only \\n ends a JSONL record."""
+    p = write_jsonl(tmp_path / "c.jsonl", [{"text": "one\u2028two"}, {"text": "three\u2029\x85four"}, {"body": 1}])
+    with pytest.raises(DataError, match=r"c\.jsonl' line 3: missing field 'text'"):
+        read_records(p)
+    p = write_jsonl(tmp_path / "d.jsonl", [{"text": "one\u2028two"}, {"text": "three"}])
+    records, fmt = read_records(p)
+    assert fmt == "jsonl" and [r.text for r in records] == ["one\u2028two", "three"]
+    assert [r.where for r in records] == ["line 1", "line 2"]
+
+
 def test_jsonl_line_not_an_object(tmp_path):
     p = write_jsonl(tmp_path / "c.jsonl", [["a", "list"]])
     with pytest.raises(DataError, match=r"line 1: expected a JSON object .* got array"):

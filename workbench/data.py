@@ -129,7 +129,9 @@ def _parse_record(obj, path: Path, where: str) -> TextRecord:
 
 def _read_jsonl(path: Path, raw: str) -> list[TextRecord]:
     records = []
-    for n, line in enumerate(raw.splitlines(), start=1):
+    # only \n ends a record: str.splitlines would also split at U+2028 and other separators that
+    # json.dumps(..., ensure_ascii=False) leaves raw inside strings (read_text has already folded \r\n)
+    for n, line in enumerate(raw.split("\n"), start=1):
         if not line.strip():
             continue  # a blank line holds no record
         try:
