@@ -59,3 +59,33 @@ def test_errors_are_one_line(capsys, argv, message):
 def test_console_script_runs():
     r = subprocess.run([sys.executable, "-m", "workbench.cli", "info", "/nonexistent"], capture_output=True, text=True)
     assert r.returncode == 2 and "Traceback" not in r.stderr and "does not exist" in r.stderr
+
+
+@pytest.mark.parametrize("exc", [RuntimeError("boom\nsecond line"), KeyError("x"), AttributeError("no attr")])
+def test_unexpected_exception_says_bug_and_logs_the_traceback(capsys, monkeypatch, tmp_path, exc):
+    import workbench.cli.info as info
+    import workbench.workspace as workspace
+
+    def broken(args):
+        raise exc
+    monkeypatch.setattr(info, "run", broken)
+    monkeypatch.setattr(workspace, "DEFAULT_WORKSPACE", tmp_path / "ws")
+    assert main(["info", "demo"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert err.startswith("workbench info: internal error (") and "bug in the workbench" in err
+    logs = list((tmp_path / "ws" / "logs").glob("error-*-info.log"))
+    assert len(logs) == 1 and str(logs[0]) in err
+    text = logs[0].read_text()
+    assert text.startswith("workbench info demo\n") and "Traceback" in text and "in broken" in text
+
+
+def test_library_error_with_newlines_stays_one_line(capsys, monkeypatch):
+    import workbench.cli.info as info
+    from workbench.errors import ModelLoadError
+
+    def broken(args):
+        raise ModelLoadError("first\nsecond")
+    monkeypatch.setattr(info, "run", broken)
+    assert main(["info", "demo"]) == 2
+    assert capsys.readouterr().err == "workbench info: error: first; second\n"

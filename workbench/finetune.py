@@ -124,7 +124,7 @@ def training_windows(lm: LoadedModel, data: str | Path, seq_len: int) -> torch.T
     n = stream.numel() // seq_len
     if n < 1:
         raise DataError(f"training file '{data}' has {stream.numel()} tokens, fewer than one window of {seq_len}; "
-                        "give more text or a smaller seq_len")
+                        "give more text or a smaller --seq-len")
     return stream[: n * seq_len].view(n, seq_len).long()
 
 
