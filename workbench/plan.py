@@ -265,6 +265,20 @@ class QuantPlan:
         except PlanError as e:
             raise PlanError(f"{p}: {e}") from None
 
+    @staticmethod
+    def check_output_file(path: str | Path, option: str = "--out") -> Path:
+        """Refuse to overwrite ``path`` unless it is absent or already a plan file (a user's other file is kept)."""
+        p = Path(path)
+        if p.is_dir():
+            raise PlanError(f"{option} '{p}' is a directory; name the plan JSON file to write, e.g. {p / 'plan.json'}")
+        if p.exists():
+            try:
+                QuantPlan.load(p)
+            except PlanError:
+                raise PlanError(f"{option} '{p}' exists and is not a workbench plan; name a new file, or move that "
+                                "one away") from None
+        return p
+
     # -- display ------------------------------------------------------------------------------
     def table(self, layers: Iterable) -> str:
         """A readable table: layer, shape, parameters, precision, bytes at that precision."""

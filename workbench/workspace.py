@@ -29,10 +29,16 @@ from .errors import WorkspaceError
 
 __all__ = ["Workspace", "Artifact", "atomic_write_bytes", "atomic_write_text", "atomic_write_json", "read_json_file",
            "hash_inputs", "file_sha256", "library_versions", "DEFAULT_WORKSPACE", "check_output_dir", "staged_output",
-           "swap_into_place", "write_output_manifest"]
+           "swap_into_place", "write_output_manifest", "rebase_paths"]
 
 DEFAULT_WORKSPACE = Path(os.environ.get("WORKBENCH_WORKSPACE", "workspace"))
 MANIFEST = "manifest.json"
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> Path:
@@ -41,6 +47,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes it private; the file is an ordinary output
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -154,6 +161,7 @@ def staged_output(path: str | Path, kind: str, option: str = "--out"):
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.partial-"))
     try:
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it private; once swapped in it is an ordinary directory
         yield tmp
         if not (tmp / MANIFEST).is_file():
             write_output_manifest(tmp, kind)
@@ -162,6 +170,28 @@ def staged_output(path: str | Path, kind: str, option: str = "--out"):
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def rebase_paths(obj, old: Path, new: Path):
+    """``obj`` (paths, strings, lists, dicts, dataclasses) with every path under ``old`` moved under ``new``.
+
+    A step run in a staged directory reports the staged paths; this turns them into the final ones.
+    """
+    import dataclasses
+    old_s, new_s = str(old), str(new)
+    if isinstance(obj, Path):
+        return Path(rebase_paths(str(obj), old, new))
+    if isinstance(obj, str):
+        return new_s + obj[len(old_s):] if obj == old_s or obj.startswith(old_s + os.sep) else obj.replace(
+            old_s + os.sep, new_s + os.sep)
+    if isinstance(obj, Mapping):
+        return type(obj)((k, rebase_paths(v, old, new)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(rebase_paths(v, old, new) for v in obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(obj, **{f.name: rebase_paths(getattr(obj, f.name), old, new)
+                                           for f in dataclasses.fields(obj) if f.init})
+    return obj
 
 
 def _canonical(obj):
