@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import sys
 from pathlib import Path
 
@@ -52,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    notes = _print_notes(args.command)
     try:
         return int(args._run(args) or 0)
     except KeyboardInterrupt:
@@ -62,6 +64,20 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"workbench {args.command}: {error_line(e, args, argv)}", file=sys.stderr)
         return 2
+    finally:
+        logging.getLogger("workbench").removeHandler(notes)
+
+
+def _print_notes(command: str) -> logging.Handler:
+    """Show the library's notes (logger ``workbench``, e.g. model code that is not run) as one stderr line each."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(f"workbench {command}: note: %(message)s"))
+    logger = logging.getLogger("workbench")
+    logger.addHandler(handler)
+    logger.propagate = False
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.INFO)
+    return handler
 
 
 def error_line(e: BaseException, args=None, argv: list[str] = ()) -> str:
