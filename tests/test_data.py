@@ -240,14 +240,15 @@ def test_drops_are_counted_with_reasons(tmp_path, tok):
 
 def test_all_too_long_without_splitting(tmp_path, tok):
     p = write_jsonl(tmp_path / "c.jsonl", [{"text": EN * 10}])
-    with pytest.raises(DataError, match=r"no usable samples \(1 too long; .*raise seq_len or allow splitting"):
+    with pytest.raises(DataError, match=r"no usable samples \(1 too long; .*raise --seq-len, or split long records yourself"):
         load_calibration_set(p, tokenizer=tok, samples=4, seq_len=64, split_long=False)
 
 
 def test_empty_dataset_after_filtering(tmp_path, tok):
     p = write_jsonl(tmp_path / "c.jsonl", [{"text": ""}, {"text": "hi"}])
     with pytest.raises(DataError, match=r"c\.jsonl' gave no usable samples \(1 empty; 1 too short; pieces need 8 "
-                                        r"to 64 tokens\): give longer texts"):
+                                        r"to 64 tokens\): give records of at least 8 tokens \(in plain text a "
+                                        r"record is a paragraph"):
         load_calibration_set(p, tokenizer=tok, samples=4, seq_len=64, min_tokens=8)
 
 
