@@ -257,8 +257,11 @@ def _cached_awq_search(workspace, model, samples, mean_abs, spec, awq_tokens, pr
               "tokens": awq_tokens, "version": SEARCH_VERSION}
 
     def compute(partial):
+        import shutil
+        resume = partial / "resume"  # per-block progress; the partial directory is keyed by these inputs
         result = search_awq(model, samples, spec, mean_abs=mean_abs, progress=progress,
-                            max_tokens=awq_tokens)
+                            max_tokens=awq_tokens, checkpoint=resume)
+        shutil.rmtree(resume, ignore_errors=True)
         save_awq_search(result, partial)
         return {"groups": len(result["groups"]), "tokens": result["tokens"], "seconds": result["seconds"]}
 
