@@ -183,3 +183,49 @@ def test_changed_weights_change_the_key(tiny_model_dir, calib_file, workspace):
 def test_seq_len_beyond_the_model(lm, calib_file, workspace):
     with pytest.raises(ValueError, match=r"seq_len 1024 exceeds the model's max_position_embeddings \(256\)"):
         calibrate(lm, calib_file, seq_len=1024, workspace=workspace)
+
+
+def _same_stats(a: CalibrationStats, b: CalibrationStats) -> None:
+    import dataclasses
+    assert list(a.layers) == list(b.layers)
+    for name in a.layers:
+        da, db = dataclasses.asdict(a.layers[name]), dataclasses.asdict(b.layers[name])
+        for key, value in da.items():
+            same = torch.equal(value, db[key]) if isinstance(value, torch.Tensor) else value == db[key]
+            assert same, (name, key)
+
+
+def test_a_killed_calibration_resumes_from_its_checkpoint(lm, calib_file, tmp_path, monkeypatch, caplog):
+    from workbench.workspace import Workspace
+    monkeypatch.setattr(calibrate_mod, "CHECKPOINT_SECONDS", 0.0)  # a checkpoint after every batch
+    kw = dict(samples=6, seq_len=64, batch_size=2, progress=False)
+    _, whole = calibrate(lm, calib_file, workspace=Workspace(tmp_path / "a"), **kw)
+    calls = []
+
+    def killed_at_the_third_batch(module, args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+    handle = lm.model.model.layers[0].register_forward_pre_hook(killed_at_the_third_batch)
+    ws = Workspace(tmp_path / "b")
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            calibrate(lm, calib_file, workspace=ws, **kw)
+    finally:
+        handle.remove()
+    assert ws.list("calibrate") == [] and len(list((tmp_path / "b" / "calibrate").glob(".partial-*/checkpoint.pt"))) == 1
+    with caplog.at_level("INFO", logger="workbench"):
+        _, resumed = calibrate(lm, calib_file, workspace=ws, **kw)
+    assert "calibration resumed after batch 2 of 3" in caplog.text and resumed.meta["resumed_after_batch"] == 2
+    assert whole.meta["resumed_after_batch"] == 0
+    _same_stats(whole, resumed)
+    assert "checkpoint.pt" not in resumed.artifact.manifest["files"] and not list(tmp_path.rglob("checkpoint.pt"))
+
+
+def test_a_checkpoint_for_other_batches_is_not_used(lm, calib_set, tmp_path, monkeypatch):
+    path = tmp_path / "checkpoint.pt"
+    path.write_bytes(b"not a checkpoint")
+    whole = run_calibration(lm.model, calib_set, progress=False, batch_size=2)
+    again = run_calibration(lm.model, calib_set, progress=False, batch_size=2, checkpoint=path)
+    assert again.meta["resumed_after_batch"] == 0
+    _same_stats(whole, again)

@@ -59,3 +59,93 @@ def test_errors_are_one_line(capsys, argv, message):
 def test_console_script_runs():
     r = subprocess.run([sys.executable, "-m", "workbench.cli", "info", "/nonexistent"], capture_output=True, text=True)
     assert r.returncode == 2 and "Traceback" not in r.stderr and "does not exist" in r.stderr
+
+
+@pytest.mark.parametrize("exc", [RuntimeError("boom\nsecond line"), KeyError("x"), AttributeError("no attr")])
+def test_unexpected_exception_says_bug_and_logs_the_traceback(capsys, monkeypatch, tmp_path, exc):
+    import workbench.cli.info as info
+    import workbench.workspace as workspace
+
+    def broken(args):
+        raise exc
+    monkeypatch.setattr(info, "run", broken)
+    monkeypatch.setattr(workspace, "DEFAULT_WORKSPACE", tmp_path / "ws")
+    assert main(["info", "demo"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert err.startswith("workbench info: internal error (") and "bug in the workbench" in err
+    logs = list((tmp_path / "ws" / "logs").glob("error-*-info.log"))
+    assert len(logs) == 1 and str(logs[0]) in err
+    text = logs[0].read_text()
+    assert text.startswith("workbench info demo\n") and "Traceback" in text and "in broken" in text
+
+
+def test_library_error_with_newlines_stays_one_line(capsys, monkeypatch):
+    import workbench.cli.info as info
+    from workbench.errors import ModelLoadError
+
+    def broken(args):
+        raise ModelLoadError("first\nsecond")
+    monkeypatch.setattr(info, "run", broken)
+    assert main(["info", "demo"]) == 2
+    assert capsys.readouterr().err == "workbench info: error: first; second\n"
+
+
+# options of other programs that messages and generated commands name, with the program they belong to
+OTHER_PROGRAMS_OPTIONS = {
+    ("overrides.py", "--tensor-type"): "llama-quantize", ("overrides.py", "--tensor-type-file"): "llama-quantize",
+    ("overrides.py", "--sym"): "llmexport", ("overrides.py", "--path"): "llmexport",
+    ("overrides.py", "--export"): "llmexport", ("overrides_cmd.py", "--tensor-type"): "llama.cpp",
+    ("crosscheck.py", "--no-deps"): "pip install", ("rknn.py", "--platform"): "build_rknn.py",
+    ("serve.py", "--port"): "workbench.ui.serve", ("serve.py", "--notebook"): "workbench.ui.serve",
+    ("serve.py", "--no-browser"): "voila",
+}
+
+
+def _workbench_options() -> set[str]:
+    import argparse
+
+    from workbench.cli import build_parser
+    opts = set()
+    for action in build_parser()._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                opts.update(o for a in sub._actions for o in a.option_strings if o.startswith("--"))
+    return opts
+
+
+def test_every_option_a_message_names_exists_on_the_command_line():
+    """Hints must be something the user can type: each --option in workbench's strings is a real option."""
+    import ast
+    import re
+    from pathlib import Path
+
+    import workbench
+    known = _workbench_options()
+    option = re.compile(r"(?<![\w-])--[a-z][a-z0-9]*(?:-[a-z0-9]+)*(?![\w=-])")
+    unknown = []
+    for f in sorted(Path(workbench.__file__).parent.rglob("*.py")):
+        source = f.read_text(encoding="utf-8")
+        tree = ast.parse(source)
+        defined = set()  # an add_argument call defines options; a list literal is another program's argv
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument":
+                defined.update(id(a) for a in node.args)
+            if isinstance(node, (ast.List, ast.Tuple)):
+                defined.update(id(a) for a in node.elts)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in defined:
+                for name in option.findall(node.value):
+                    program = OTHER_PROGRAMS_OPTIONS.get((f.name, name))
+                    if name not in known and (program is None or program not in source):
+                        unknown.append(f"{f.name}:{node.lineno}: {name}")
+    assert not unknown, "messages name options the command line does not have: " + ", ".join(unknown)
+    assert {"--out", "--seq-len", "--ctx", "--trust-remote-code", "--overwrite", "--score"} <= known
+
+
+def test_option_scan_catches_a_made_up_option(tmp_path, monkeypatch):
+    """The scan above is not vacuous: an option no parser has is reported."""
+    import re
+    option = re.compile(r"(?<![\w-])--[a-z][a-z0-9]*(?:-[a-z0-9]+)*(?![\w=-])")
+    found = option.findall("give longer texts or lower --min-tokens; not x--y or --opt=1 or --flag_name")
+    assert found == ["--min-tokens"] and "--min-tokens" not in _workbench_options()

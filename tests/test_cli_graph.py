@@ -22,6 +22,46 @@ def test_export_json_reports_parity(tiny_model_dir, tmp_path, capsys):
     assert out["weight_names"]["lm_head"] == "lm_head.weight.T"
 
 
+def test_export_of_a_model_whose_config_does_not_match_its_weights(tiny_model_dir, tmp_path, capsys):
+    import shutil
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    cfg = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**cfg, "num_attention_heads": 8}))
+    out = tmp_path / "onnx"
+    assert main(["export", str(model), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "do not match the model its config.json describes" in err
+    assert str(model) in err and not out.exists()
+
+
+def test_export_failing_midway_leaves_nothing_in_out(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    import workbench.graph as graph
+
+    def broken(paths):
+        assert all(p.is_file() for p in paths)  # the graphs were written (staged) before the failure
+        raise RuntimeError("check failed")
+    monkeypatch.setattr(graph, "_check_graphs", broken)
+    out = tmp_path / "onnx"
+    out.mkdir()
+    assert main(["export", str(tiny_model_dir), "--out", str(out), "--steps", "2"]) == 2
+    assert "internal error (RuntimeError: check failed)" in capsys.readouterr().err
+    assert list(out.iterdir()) == [] and [p.name for p in tmp_path.iterdir()] == ["onnx"]
+
+
+def test_export_refuses_an_out_holding_other_files(tiny_model_dir, tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("mine")
+    assert main(["export", str(tiny_model_dir), "--out", str(tmp_path), "--steps", "2"]) == 2
+    assert f"--out '{tmp_path}' is not empty and has no workbench manifest.json" in capsys.readouterr().err
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+    out = tmp_path / "onnx"
+    for _ in range(2):  # an earlier export is replaced
+        assert main(["export", str(tiny_model_dir), "--out", str(out), "--no-check", "--json"]) == 0
+        assert {f["path"] for f in _json(capsys)["files"]} == {str(out / "prefill.onnx"), str(out / "decode.onnx")}
+    assert sorted(p.name for p in out.iterdir()) == ["decode.onnx", "manifest.json", "prefill.onnx",
+                                                     "weight_names.json"]
+
+
 def test_export_rejects_a_malformed_static_spec(tiny_model_dir, tmp_path, capsys):
     assert main(["export", str(tiny_model_dir), "--out", str(tmp_path), "--static", "128"]) == 2
     assert "--static must be SEQ,PAST" in capsys.readouterr().err

@@ -79,3 +79,22 @@ def test_bad_inputs_exit_2_with_one_line(capsys, tiny_model_dir, tmp_path):
                  "--workspace", str(tmp_path / "ws")]) == 2
     err = capsys.readouterr().err
     assert "no plan fits 100 bytes" in err and len(err.strip().splitlines()) == 1
+
+
+def test_plan_out_that_is_not_a_plan_is_refused_before_the_sweep(capsys, tiny_model_dir, tmp_path):
+    notes = tmp_path / "notes.json"
+    notes.write_text('{"mine": true}')
+    argv = ["plan", str(tiny_model_dir), "--bits-per-weight", "8", "--tokens", "256", "--workspace", str(tmp_path / "ws")]
+    assert main([*argv, "--out", str(notes)]) == 2
+    err = capsys.readouterr().err
+    assert f"--out '{notes}' exists and is not a workbench plan" in err and len(err.strip().splitlines()) == 1
+    assert notes.read_text() == '{"mine": true}' and not (tmp_path / "ws").exists()  # no sweep was run
+    assert main([*argv, "--out", str(tmp_path)]) == 2
+    assert "is a directory; name the plan JSON file" in capsys.readouterr().err
+
+
+def test_convert_refuses_an_out_holding_other_files(capsys, tiny_model_dir, tmp_path):
+    (tmp_path / "keep.txt").write_text("mine")
+    assert main(["convert", str(tiny_model_dir), "--bits", "4", "--target", "ort-int4", "--out", str(tmp_path)]) == 2
+    assert f"--out '{tmp_path}' is not empty and has no workbench manifest.json" in capsys.readouterr().err
+    assert [p.name for p in tmp_path.iterdir()] == ["keep.txt"]

@@ -105,6 +105,17 @@ def test_jsonl_invalid_json_line(tmp_path):
         read_records(p)
 
 
+def test_jsonl_raw_line_separator_inside_a_string_is_text(tmp_path):
+    """json.dumps(ensure_ascii=False) leaves U+2028/U+2029/U+0085 raw; only \\n ends a JSONL record."""
+    p = write_jsonl(tmp_path / "c.jsonl", [{"text": "one\u2028two"}, {"text": "three\u2029\x85four"}, {"body": 1}])
+    with pytest.raises(DataError, match=r"c\.jsonl' line 3: missing field 'text'"):
+        read_records(p)
+    p = write_jsonl(tmp_path / "d.jsonl", [{"text": "one\u2028two"}, {"text": "three"}])
+    records, fmt = read_records(p)
+    assert fmt == "jsonl" and [r.text for r in records] == ["one\u2028two", "three"]
+    assert [r.where for r in records] == ["line 1", "line 2"]
+
+
 def test_jsonl_line_not_an_object(tmp_path):
     p = write_jsonl(tmp_path / "c.jsonl", [["a", "list"]])
     with pytest.raises(DataError, match=r"line 1: expected a JSON object .* got array"):
@@ -229,14 +240,15 @@ def test_drops_are_counted_with_reasons(tmp_path, tok):
 
 def test_all_too_long_without_splitting(tmp_path, tok):
     p = write_jsonl(tmp_path / "c.jsonl", [{"text": EN * 10}])
-    with pytest.raises(DataError, match=r"no usable samples \(1 too long; .*raise seq_len or allow splitting"):
+    with pytest.raises(DataError, match=r"no usable samples \(1 too long; .*raise --seq-len, or split long records yourself"):
         load_calibration_set(p, tokenizer=tok, samples=4, seq_len=64, split_long=False)
 
 
 def test_empty_dataset_after_filtering(tmp_path, tok):
     p = write_jsonl(tmp_path / "c.jsonl", [{"text": ""}, {"text": "hi"}])
     with pytest.raises(DataError, match=r"c\.jsonl' gave no usable samples \(1 empty; 1 too short; pieces need 8 "
-                                        r"to 64 tokens\): give longer texts"):
+                                        r"to 64 tokens\): give records of at least 8 tokens \(in plain text a "
+                                        r"record is a paragraph"):
         load_calibration_set(p, tokenizer=tok, samples=4, seq_len=64, min_tokens=8)
 
 

@@ -72,7 +72,7 @@ def test_bad_input_is_refused_with_what_to_do(tiny_model_dir, tmp_path):
         training_windows(lm, empty, 32)
     short = tmp_path / "short.txt"
     short.write_text("a few words")
-    with pytest.raises(DataError, match="fewer than one window of 512; give more text or a smaller seq_len"):
+    with pytest.raises(DataError, match="fewer than one window of 512; give more text or a smaller --seq-len"):
         training_windows(lm, short, 512)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"txt": "no text field"}\n')
@@ -83,9 +83,10 @@ def test_bad_input_is_refused_with_what_to_do(tiny_model_dir, tmp_path):
     occupied = tmp_path / "occupied"
     occupied.mkdir()
     (occupied / "keep.txt").write_text("mine")
-    with pytest.raises(WorkbenchError, match="already exists and is not empty"):
-        finetune_lora(lm, None, occupied, CFG, progress=False)
-    assert (occupied / "keep.txt").read_text() == "mine"
+    for overwrite in (False, True):  # overwrite replaces an earlier fine-tuned model, never a user's files
+        with pytest.raises(WorkbenchError, match="is not empty and has no workbench manifest.json"):
+            finetune_lora(lm, None, occupied, CFG, overwrite=overwrite, progress=False)
+    assert [p.name for p in occupied.iterdir()] == ["keep.txt"]
 
 
 def test_windows_cover_the_text_in_order(tiny_model_dir):

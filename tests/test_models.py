@@ -181,3 +181,63 @@ def test_a_quantized_directory_loads_as_the_quantized_model(tiny_model_dir, tmp_
     x = torch.tensor([[1, 2, 3]])
     with torch.no_grad():
         assert torch.equal(q.model(x).logits, qm.build_model()(x).logits)
+
+
+def test_a_pickle_that_runs_a_command_is_refused_saying_what_and_the_fix(tiny_model_dir, tmp_path):
+    import os
+
+    class RunsACommand:
+        def __reduce__(self):
+            return os.system, (f"touch {tmp_path / 'ran'}",)
+    d = tmp_path / "bin"
+    shutil.copytree(tiny_model_dir, d)
+    (d / "model.safetensors").unlink()
+    torch.save({"model.embed_tokens.weight": RunsACommand()}, d / "pytorch_model.bin")
+    with pytest.raises(ModelLoadError) as e:
+        load_model(d)
+    msg = str(e.value)
+    assert "pytorch_model.bin" in msg and "GLOBAL posix.system" in msg and "weights_only loading refused" in msg
+    assert "convert the checkpoint to safetensors" in msg and "weights_only=False" not in msg and "\n" not in msg
+    assert not (tmp_path / "ran").exists()
+
+
+def _with_config(src, dst, **changes):
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**cfg, **changes}))
+    return dst
+
+
+def test_auto_map_with_a_built_in_type_loads_the_built_in_class_and_says_so(tiny_model_dir, tmp_path, caplog):
+    d = _with_config(tiny_model_dir, tmp_path / "m", auto_map={"AutoModelForCausalLM": "modeling_mine.MyForCausalLM"})
+    with caplog.at_level("WARNING", logger="workbench"):
+        lm = load_model(d)
+    assert type(lm.model).__name__ == "Qwen3ForCausalLM"
+    note = " ".join(r.getMessage() for r in caplog.records)
+    assert "auto_map: modeling_mine.MyForCausalLM" in note and "which is not run" in note
+    assert "built-in class for 'qwen3'" in note and "workbench info --trust-remote-code" in note
+
+
+def test_auto_map_note_is_printed_by_the_cli(tiny_model_dir, tmp_path, capsys):
+    from workbench.cli import main
+    d = _with_config(tiny_model_dir, tmp_path / "m", auto_map={"AutoModelForCausalLM": "modeling_mine.MyForCausalLM"})
+    assert main(["info", str(d), "--json"]) == 0
+    err = capsys.readouterr().err
+    assert err.startswith("workbench info: note: ") and len(err.strip().splitlines()) == 1
+
+
+def test_a_custom_model_type_is_refused_naming_remote_code_and_the_option(tiny_model_dir, tmp_path):
+    d = _with_config(tiny_model_dir, tmp_path / "m", model_type="mine", architectures=["MyForCausalLM"],
+                     auto_map={"AutoConfig": "configuration_mine.MyConfig",
+                               "AutoModelForCausalLM": "modeling_mine.MyForCausalLM"})
+    with pytest.raises(ModelLoadError) as e:
+        load_model(d)
+    msg = str(e.value)
+    assert "model_type 'mine'" in msg and "own code (auto_map: modeling_mine.MyForCausalLM)" in msg
+    assert "which is not run" in msg and "`workbench info --trust-remote-code`" in msg
+
+
+def test_info_has_the_trust_remote_code_option_the_messages_name():
+    from workbench.cli import build_parser
+    args = build_parser().parse_args(["info", "demo", "--trust-remote-code"])
+    assert args.trust_remote_code is True

@@ -1,3 +1,5 @@
+import json
+
 import pytest
 
 from workbench.errors import PlanError
@@ -75,6 +77,38 @@ def test_validation_names_closest_layers():
 def test_bad_plan_json(text, message):
     with pytest.raises(PlanError, match=message):
         QuantPlan.from_json(text)
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"symmetric": "false"}, "field 'symmetric' must be true or false, got \"false\""),
+    ({"symmetric": 0}, "field 'symmetric' must be true or false, got 0"),
+    ({"version": "one"}, "field 'version' must be an integer, got \"one\""),
+    ({"version": True}, "field 'version' must be an integer, got true"),
+    ({"version": 0}, "field 'version' must be 1 or more"),
+    ({"group_size": "128"}, "field 'group_size' must be an integer or null"),
+    ({"group_size": 64.0}, "field 'group_size' must be an integer or null"),
+    ({"default": 4}, "field 'default' must be a precision name or null"),
+    ({"method": ["awq"]}, "field 'method' must be a method name"),
+    ({"rules": {"x": "int8"}}, "field 'rules' must be a list"),
+    ({"rules": [{"pattern": 3, "precision": "int8"}]}, "'rules' item 0 field 'pattern' must be a string"),
+    ({"rules": [{"pattern": "x", "precision": 8}]}, "'rules' item 0 field 'precision' must be a precision name"),
+    ({"rules": ["lm_head"]}, "'rules' item 0 must be a"),
+    ({"meta": "note"}, "field 'meta' must be an object"),
+])
+def test_every_plan_field_is_type_checked_and_named_with_the_file(tmp_path, fields, message):
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps({"version": 1, "default": "int4", **fields}))
+    with pytest.raises(PlanError) as e:
+        QuantPlan.load(path)
+    assert str(e.value).startswith(f"{path}: ") and message in str(e.value)
+
+
+def test_plan_file_not_utf8_or_a_directory(tmp_path):
+    (tmp_path / "p.json").write_bytes(b'{"version": 1, "default": "\xff"}')
+    with pytest.raises(PlanError, match=r"p\.json' is not UTF-8"):
+        QuantPlan.load(tmp_path / "p.json")
+    with pytest.raises(PlanError, match="is a directory"):
+        QuantPlan.load(tmp_path)
 
 
 def test_missing_plan_file(tmp_path):

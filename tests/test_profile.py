@@ -46,3 +46,18 @@ def test_bad_input(tmp_path, candidates, capsys):
     assert "comma-separated positive integers, e.g. 32,128" in capsys.readouterr().err
     with pytest.raises(WorkbenchError, match="unknown candidate"):
         build_candidates("demo", tmp_path / "x", candidates=("coreml",))
+
+
+@pytest.mark.parametrize("damage", ["truncate-prefill", "truncate-decode", "random-bytes"])
+def test_a_damaged_onnx_file_is_named_in_one_line(candidates, tmp_path, capsys, damage):
+    import random
+    import shutil
+    d = tmp_path / "float"
+    shutil.copytree(candidates / "float", d)
+    name = "decode.onnx" if damage == "truncate-decode" else "prefill.onnx"
+    data = (d / name).read_bytes()
+    (d / name).write_bytes(random.Random(0).randbytes(4096) if damage == "random-bytes" else data[:len(data) // 2])
+    assert main(["profile", str(tmp_path), "--repeats", "1", "--prompt-lengths", "8", "--decode-steps", "2"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and f"'{d / name}'" in err and "Traceback" not in err
+    assert err.startswith("workbench profile: error:")

@@ -183,3 +183,45 @@ def test_search_is_cached_in_the_workspace(tiny_model_dir, workspace):
     other = quantize_model(lm, plan, method="awq", calibration=_samples(3, 64, seed=5), workspace=workspace,
                            progress=False)
     assert len(workspace.list("awq")) == 2 and other.awq["tokens"] == 3 * 64
+
+
+def _same_search(a: dict, b: dict) -> None:
+    assert a["tokens"] == b["tokens"] and len(a["groups"]) == len(b["groups"])
+    for x, y in zip(a["groups"], b["groups"]):
+        assert x["group"] == y["group"] and x["alpha"] == y["alpha"] and x["loss"] == y["loss"]
+        assert torch.equal(x["scales"], y["scales"])
+    assert a["clips"].keys() == b["clips"].keys() and a["clip_stats"] == b["clip_stats"]
+    assert all(torch.equal(a["clips"][n], b["clips"][n]) for n in a["clips"])
+
+
+def test_a_killed_search_resumes_after_its_last_block(tiny_model_dir, tmp_path, monkeypatch, caplog):
+    """Killed in block 1 of 2, the search resumes after block 0 (saved), says so, and gives the same result."""
+    import workbench.quantize.awq as awq
+    from workbench.workspace import Workspace
+    lm = load_model(tiny_model_dir)
+    plan = QuantPlan.uniform("int4", group_size=32)
+    calib = _samples(3, 64, seed=4)
+    whole = quantize_model(lm, plan, method="awq", calibration=calib, workspace=Workspace(tmp_path / "a"),
+                           progress=False)
+    search_block, calls = awq._search_block, []
+
+    def killed_in_the_second_block(i, *args):
+        calls.append(i)
+        if i == 1:
+            raise KeyboardInterrupt
+        return search_block(i, *args)
+    monkeypatch.setattr(awq, "_search_block", killed_in_the_second_block)
+    ws = Workspace(tmp_path / "b")
+    with pytest.raises(KeyboardInterrupt):
+        quantize_model(lm, plan, method="awq", calibration=calib, workspace=ws, progress=False)
+    assert calls == [0, 1] and ws.list("awq") == []
+    calls.clear()
+    monkeypatch.setattr(awq, "_search_block", lambda i, *args: (calls.append(i), search_block(i, *args))[1])
+    with caplog.at_level("INFO", logger="workbench"):
+        resumed = quantize_model(lm, plan, method="awq", calibration=calib, workspace=ws, progress=False)
+    assert calls == [1] and "AWQ search resumed after block 1 of 2" in caplog.text
+    assert resumed.awq["resumed_after_block"] == 1 and whole.awq["resumed_after_block"] == 0
+    _same_search(whole.awq, resumed.awq)
+    assert all(torch.equal(whole.weights[n].qweight, resumed.weights[n].qweight) for n in whole.weights)
+    art = ws.list("awq")[0]
+    assert not any(f.startswith("resume") for f in art.manifest["files"]) and not (art.path / "resume").exists()

@@ -64,6 +64,77 @@ def test_plan_naming_a_missing_layer(tiny_model_dir, tmp_path, capsys):
     assert "plan rule 'model.layers.7.mlp.up_proj' matches no layer of this model" in capsys.readouterr().err
 
 
+def _quantize(model_dir, out, heldout, *extra):
+    return main(["quantize", str(model_dir), "--out", str(out), "--bits", "8", "--group-size", "32",
+                 "--text", str(heldout), "--ctx", "128", "--json", *extra])
+
+
+def test_out_holding_other_files_is_refused_not_deleted(tiny_model_dir, tmp_path, heldout, capsys):
+    out = tmp_path / "d"
+    out.mkdir()
+    (out / "thesis.txt").write_text("x")
+    (out / "quantization.json").write_text("{}")  # a file name alone does not make it a workbench output
+    assert _quantize(tiny_model_dir, out, heldout) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and f"--out '{out}'" in err and "no workbench manifest.json" in err
+    assert sorted(p.name for p in out.iterdir()) == ["quantization.json", "thesis.txt"]
+
+
+def test_earlier_output_is_replaced_but_not_when_a_file_was_added(tiny_model_dir, tmp_path, heldout, capsys):
+    out = tmp_path / "q"
+    assert _quantize(tiny_model_dir, out, heldout) == 0
+    (out / "report.json").write_text("{}")  # changed since written: no longer a complete earlier output
+    assert _quantize(tiny_model_dir, out, heldout) == 2
+    assert "is incomplete or was changed after it was written ('report.json')" in capsys.readouterr().err
+    (out / "report.json").unlink()
+    (out / "notes.md").write_text("mine")
+    assert _quantize(tiny_model_dir, out, heldout) == 2
+    assert "holds files the workbench did not write there (notes.md)" in capsys.readouterr().err
+    assert (out / "notes.md").read_text() == "mine"
+    (out / "notes.md").unlink()
+    assert _quantize(tiny_model_dir, out, heldout, "--asymmetric") == 2  # report.json is still gone: incomplete
+    capsys.readouterr()
+
+
+def test_complete_earlier_output_is_replaced(tiny_model_dir, tmp_path, heldout, capsys):
+    out = tmp_path / "q"
+    assert _quantize(tiny_model_dir, out, heldout) == 0
+    assert _quantize(tiny_model_dir, out, heldout, "--asymmetric") == 0
+    capsys.readouterr()
+    assert json.loads((out / "plan.json").read_text())["symmetric"] is False
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+@pytest.mark.parametrize("failure", [RuntimeError("evaluation broke"), KeyboardInterrupt()])
+def test_failed_evaluation_leaves_no_output(tiny_model_dir, tmp_path, heldout, capsys, monkeypatch, failure):
+    import workbench.quantize as quantize
+
+    def broken(*a, **k):
+        raise failure
+    monkeypatch.setattr(quantize, "measure_cost", broken)
+    out = tmp_path / "q"
+    assert _quantize(tiny_model_dir, out, heldout) in (2, 130)
+    capsys.readouterr()
+    assert list(tmp_path.iterdir()) == [heldout]  # neither --out nor a staged sibling is left
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--ctx", "100000"], "--ctx 100000 is out of range for this model: use 2 to"),
+    (["--text", "/nonexistent/heldout.txt"], "does not exist"),
+])
+def test_bad_evaluation_input_fails_before_quantizing(tiny_model_dir, tmp_path, heldout, capsys, monkeypatch,
+                                                     extra, message):
+    import workbench.quantize as quantize
+
+    def must_not_run(*a, **k):
+        raise AssertionError("quantized before checking the evaluation input")
+    monkeypatch.setattr(quantize, "quantize_model", must_not_run)
+    out = tmp_path / "q"
+    assert _quantize(tiny_model_dir, out, heldout, *extra) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1 and not out.exists()
+
+
 def test_quantize_gptq_records_its_settings_and_loads_back(tiny_model_dir, tmp_path, heldout, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the calibration statistics go to ./workspace there
     out = tmp_path / "gptq"

@@ -187,7 +187,7 @@ def test_saving_replaces_an_earlier_result_but_not_a_foreign_directory(tiny, tmp
     foreign = tmp_path / "notes"
     foreign.mkdir()
     (foreign / "readme.txt").write_text("mine")
-    with pytest.raises(WorkspaceError, match="exists and is not a quantized-model directory"):
+    with pytest.raises(WorkspaceError, match="is not empty and has no workbench manifest.json"):
         qm.save(foreign)
     assert (foreign / "readme.txt").read_text() == "mine"
     assert not [p for p in tmp_path.iterdir() if ".partial-" in p.name]

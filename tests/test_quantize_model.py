@@ -17,7 +17,8 @@ def tiny(tmp_path_factory):
 
 
 @pytest.mark.parametrize("in_features,group,expected", [
-    (768, 128, 128), (192, 128, 96), (64, 128, 64), (160, 128, 32), (172, 128, None), (256, None, None)])
+    (768, 128, 128), (192, 128, 96), (64, 128, 64), (160, 128, 32), (172, 128, None), (256, None, None),
+    (256, 7, 32), (256, 100, 64), (96, 40, 32), (224, 200, 32), (100, 7, None), (32, 7, None), (320, 48, 32)])
 def test_resolve_group_size(in_features, group, expected):
     g, note = resolve_group_size(in_features, group)
     assert g == expected
@@ -25,6 +26,10 @@ def test_resolve_group_size(in_features, group, expected):
     if note:
         assert f"does not divide {in_features}" in note
         assert ("per-channel" in note) == (expected is None)
+        if expected is None:  # the note's claim is true: no multiple of 32 below the input size divides it
+            assert all(in_features % g for g in range(32, in_features, 32))
+        else:
+            assert f"using {expected}, the nearest multiple of 32 {'below' if expected < group else 'above'}" in note
 
 
 def test_fallback_is_reported_per_layer_and_strict_names_the_layer(make_tiny_model):

@@ -74,3 +74,46 @@ def test_atomic_write_leaves_no_temp_files(tmp_path):
 def test_hash_inputs_stable():
     assert hash_inputs({"a": 1, "b": 2}) == hash_inputs({"b": 2, "a": 1})
     assert hash_inputs({"a": 1}) != hash_inputs({"a": 2})
+
+
+# -- output directories -------------------------------------------------------------------------
+
+def test_staged_output_writes_new_and_replaces_only_its_own_kind(tmp_path):
+    from workbench.workspace import check_output_dir, staged_output
+    out = tmp_path / "o"
+    with staged_output(out, "workbench-test") as d:
+        assert d.parent == tmp_path and d.name.startswith(".o.partial-") and not out.exists()
+        (d / "sub").mkdir()
+        (d / "sub" / "a.bin").write_bytes(b"1")
+    assert (out / "sub" / "a.bin").read_bytes() == b"1" and (out / "manifest.json").is_file()
+    with staged_output(out, "workbench-test") as d:
+        (d / "b.bin").write_bytes(b"2")
+    assert sorted(p.name for p in out.iterdir()) == ["b.bin", "manifest.json"]
+    with pytest.raises(WorkspaceError, match=r"holds a workbench-test's output, not a workbench-other one"):
+        check_output_dir(out, "workbench-other")
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(WorkspaceError, match=r"--out '.*f' is a file"):
+        check_output_dir(tmp_path / "f", "workbench-test")
+    (tmp_path / "empty").mkdir()
+    assert check_output_dir(tmp_path / "empty", "workbench-test") == tmp_path / "empty"
+
+
+def test_staged_output_failure_keeps_the_earlier_output(tmp_path):
+    from workbench.workspace import staged_output
+    out = tmp_path / "o"
+    with staged_output(out, "workbench-test") as d:
+        (d / "a").write_text("old")
+    with pytest.raises(RuntimeError), staged_output(out, "workbench-test") as d:
+        (d / "a").write_text("new")
+        raise RuntimeError("step failed")
+    assert (out / "a").read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["o"]
+
+
+def test_staged_output_refuses_files_added_while_it_ran(tmp_path):
+    from workbench.workspace import staged_output
+    out = tmp_path / "o"
+    with pytest.raises(WorkspaceError, match="no workbench manifest"), staged_output(out, "workbench-test") as d:
+        (d / "a").write_text("new")
+        out.mkdir()
+        (out / "mine.txt").write_text("x")
+    assert [p.name for p in out.iterdir()] == ["mine.txt"] and sorted(p.name for p in tmp_path.iterdir()) == ["o"]

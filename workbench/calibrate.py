@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import time
 from contextlib import contextmanager
@@ -44,6 +45,8 @@ from .workspace import Artifact, Workspace, atomic_write_bytes, atomic_write_jso
 
 __all__ = ["LayerStats", "CalibrationStats", "run_calibration", "calibrate", "model_fingerprint",
            "OUTLIER_FACTOR", "PERCENTILES", "HIST_EDGES", "SAMPLE_BUDGET", "STATS_VERSION"]
+
+log = logging.getLogger("workbench")
 
 STATS_VERSION = 1
 OUTLIER_FACTOR = 6.0
@@ -279,14 +282,54 @@ def _linear_layers(model: nn.Module) -> dict[str, nn.Linear]:
     return {info.name: modules[info.name] for info in quantizable_layers(model) if info.kind == "linear"}
 
 
+CHECKPOINT_FILE = "checkpoint.pt"
+CHECKPOINT_SECONDS = 30.0  # a killed run loses at most about this much of the pass
+
+
+def _save_checkpoint(path: Path, batches_done: int, n_batches: int, gen: torch.Generator, acc: dict) -> None:
+    """The totals after ``batches_done`` batches, written atomically (a kill mid-write keeps the last one)."""
+    import io
+    state = {"batches_done": batches_done, "n_batches": n_batches, "generator": gen.get_state(),
+             "layers": {name: {"rows": a.rows, "n": a.n, "powers": list(a.powers), "ch_max": a.ch_max,
+                               "ch_abs_sum": a.ch_abs_sum, "ch_sq_sum": a.ch_sq_sum, "samples": a.samples}
+                        for name, a in acc.items()}}
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    atomic_write_bytes(path, buf.getvalue())
+
+
+def _load_checkpoint(path: Path, n_batches: int, acc: dict, gen: torch.Generator) -> int:
+    """Restore the totals a killed run left at ``path``; the number of batches they cover (0: none usable)."""
+    if not path.is_file():
+        return 0
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        if state["n_batches"] != n_batches or set(state["layers"]) != set(acc):
+            return 0
+        for name, a in acc.items():
+            saved = state["layers"][name]
+            a.rows, a.n, a.powers = int(saved["rows"]), int(saved["n"]), [float(v) for v in saved["powers"]]
+            a.ch_max, a.ch_abs_sum, a.ch_sq_sum = saved["ch_max"], saved["ch_abs_sum"], saved["ch_sq_sum"]
+            a.samples = list(saved["samples"])
+        gen.set_state(state["generator"])
+        return int(state["batches_done"])
+    except Exception:  # noqa: BLE001 - a damaged checkpoint only costs the work it held: start over
+        for a in acc.values():
+            a.__init__(a.ch_max.numel())
+        return 0
+
+
 @torch.inference_mode()
 def run_calibration(model: nn.Module, calib_set: CalibrationSet, progress: bool = True, *, batch_size: int = 8,
                     outlier_factor: float = OUTLIER_FACTOR, sample_budget: int = SAMPLE_BUDGET,
-                    seed: int = 0) -> CalibrationStats:
+                    seed: int = 0, checkpoint: Path | None = None,
+                    checkpoint_seconds: float | None = None) -> CalibrationStats:
     """Run every calibration sample through ``model`` and gather its linear layers' input statistics.
 
     The model is left exactly as it was: no weight changes, its train/eval mode restored, and
-    every hook removed even if the forward raises.
+    every hook removed even if the forward raises. With ``checkpoint`` (a file path) the totals
+    are saved every ``checkpoint_seconds`` (default CHECKPOINT_SECONDS; after a batch), and a run that finds one left by a
+    killed run with the same batches resumes from it: the result equals an uninterrupted run's.
     """
     from tqdm.auto import tqdm
     if not len(calib_set):
@@ -316,18 +359,30 @@ def run_calibration(model: nn.Module, calib_set: CalibrationSet, progress: bool 
     device = next(model.parameters()).device
     handles = []
     t0 = time.perf_counter()
+    every = CHECKPOINT_SECONDS if checkpoint_seconds is None else checkpoint_seconds
+    resumed = _load_checkpoint(checkpoint, n_batches, acc, gen) if checkpoint is not None else 0
+    if resumed:
+        log.info(f"calibration resumed after batch {resumed} of {n_batches} (checkpoint {checkpoint})")
     try:
         model.eval()
         for name, m in layers.items():
             handles.append(m.register_forward_pre_hook(make_hook(name, m is output_layer)))
-        with tqdm(total=n_batches, desc="calibrate", unit="batch", disable=not progress, leave=False) as bar:
-            for batch in calib_set.batches(batch_size):
+        saved_at = time.perf_counter()
+        with tqdm(total=n_batches, initial=resumed, desc="calibrate", unit="batch", disable=not progress,
+                  leave=False) as bar:
+            for k, batch in enumerate(calib_set.batches(batch_size)):
+                if k < resumed:
+                    continue
                 try:
                     model(input_ids=batch.to(device), use_cache=False)
                 except _StopForward:
                     pass
                 last["x"] = last["moments"] = None
                 bar.update(1)
+                if checkpoint is not None and k + 1 < n_batches and \
+                        time.perf_counter() - saved_at >= every:
+                    _save_checkpoint(checkpoint, k + 1, n_batches, gen, acc)
+                    saved_at = time.perf_counter()
     finally:
         for h in handles:
             h.remove()
@@ -340,7 +395,7 @@ def run_calibration(model: nn.Module, calib_set: CalibrationSet, progress: bool 
             "calibration": calib_set.fingerprint, "batch_size": batch_size, "seconds": seconds,
             "outlier_factor": outlier_factor, "sample_budget": sample_budget, "seed": seed,
             "near_zero_rule": f"|x| < abs_max / {NEAR_ZERO_DIVISOR:g}", "percentiles_of": "|x|",
-            "unreached_layers": missing}
+            "unreached_layers": missing, "resumed_after_batch": resumed}
     return CalibrationStats(stats, meta)
 
 
@@ -390,10 +445,12 @@ def calibrate(lm, data: str | Path | None = None, samples: int = 128, seq_len: i
 
     def run(partial: Path) -> dict:
         computed.append(True)
+        checkpoint = partial / CHECKPOINT_FILE  # the partial directory is keyed by these inputs: a rerun finds it
         stats = run_calibration(lm.model, cs, progress=progress, batch_size=batch_size,
-                                outlier_factor=outlier_factor, seed=seed)
+                                outlier_factor=outlier_factor, seed=seed, checkpoint=checkpoint)
         stats.meta.update(model=str(lm.path), data=str(data))
         stats.save(partial)
+        checkpoint.unlink(missing_ok=True)
         atomic_write_json(partial / "coverage.json", cs.report.to_dict())
         worst = max(stats.layers.values(), key=lambda s: s.max_to_median)
         return {"layers": len(stats.layers), "samples": len(cs), "tokens": cs.tokens,

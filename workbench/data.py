@@ -129,7 +129,9 @@ def _parse_record(obj, path: Path, where: str) -> TextRecord:
 
 def _read_jsonl(path: Path, raw: str) -> list[TextRecord]:
     records = []
-    for n, line in enumerate(raw.splitlines(), start=1):
+    # only \n ends a record: str.splitlines would also split at U+2028 and other separators that
+    # json.dumps(..., ensure_ascii=False) leaves raw inside strings (read_text has already folded \r\n)
+    for n, line in enumerate(raw.split("\n"), start=1):
         if not line.strip():
             continue  # a blank line holds no record
         try:
@@ -423,8 +425,9 @@ def load_calibration_set(path: str | Path | None = None, *, tokenizer, samples: 
     report.available_tokens = sum(len(p.ids) for p in pieces)
     if not pieces:
         reasons = "; ".join(f"{d['pieces']} {r.replace('_', ' ')}" for r, d in report.dropped.items())
-        hint = "raise seq_len or allow splitting" if "too_long" in report.dropped else \
-            "give longer texts or lower min_tokens"
+        hint = "raise --seq-len, or split long records yourself" if "too_long" in report.dropped else \
+            f"give records of at least {min_tokens} tokens (in plain text a record is a paragraph: join short lines " \
+            "and separate paragraphs by blank lines)"
         raise DataError(f"calibration file '{path}' gave no usable samples ({reasons}; pieces need {min_tokens} to "
                         f"{seq_len} tokens): {hint}")
 
@@ -437,7 +440,7 @@ def load_calibration_set(path: str | Path | None = None, *, tokenizer, samples: 
         if len(pieces) < samples:
             report.warnings.append(
                 f"asked for {samples} samples but only {len(pieces)} usable chunk(s) of up to {seq_len} tokens "
-                f"exist ({report.available_tokens:,} tokens): add text or lower seq_len")
+                f"exist ({report.available_tokens:,} tokens): add text or lower --seq-len")
     else:
         rng = random.Random(seed)
         quota = _allocate({k: len(v) for k, v in groups.items()}, samples)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -32,12 +31,14 @@ from .data import read_records
 from .errors import DataError, WorkbenchError
 from .evaluate import encode_text, evaluate, read_text
 from .models import LoadedModel, demo_text_path, load_model
-from .workspace import atomic_write_json, file_sha256, hash_inputs
+from .workspace import (atomic_write_json, check_output_dir, file_sha256, hash_inputs, swap_into_place,
+                        write_output_manifest)
 
 __all__ = ["FinetuneConfig", "FinetuneReport", "finetune_lora", "training_windows", "DEFAULT_TARGETS"]
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 CHECKPOINT = "checkpoint.pt"
+FORMAT = "workbench-finetune"  # the kind named in the manifest of a fine-tuned --out
 REPORT = "finetune.json"
 
 
@@ -124,7 +125,7 @@ def training_windows(lm: LoadedModel, data: str | Path, seq_len: int) -> torch.T
     n = stream.numel() // seq_len
     if n < 1:
         raise DataError(f"training file '{data}' has {stream.numel()} tokens, fewer than one window of {seq_len}; "
-                        "give more text or a smaller seq_len")
+                        "give more text or a smaller --seq-len")
     return stream[: n * seq_len].view(n, seq_len).long()
 
 
@@ -212,9 +213,10 @@ def finetune_lora(model: str | Path | LoadedModel = "demo", data: str | Path | N
     from tqdm.auto import tqdm
     cfg = config or FinetuneConfig()
     cfg.validate()
-    out = Path(out_dir)
+    out = check_output_dir(out_dir, FORMAT)  # anything but an earlier fine-tuned model is refused, never deleted
     if out.exists() and any(out.iterdir()) and not overwrite:
-        raise WorkbenchError(f"'{out}' already exists and is not empty; choose another --out or pass overwrite=True")
+        raise WorkbenchError(f"--out '{out}' holds an earlier fine-tuned model; pass --overwrite (overwrite=True) to "
+                             "replace it, or choose another --out")
     t0 = time.perf_counter()
     lm = model if isinstance(model, LoadedModel) else load_model(model, dtype="float32")
     lm.require_float("finetune")  # LoRA merges into float weights: train the float model it was made from
@@ -303,9 +305,9 @@ def finetune_lora(model: str | Path | LoadedModel = "demo", data: str | Path | N
                             sum(p.numel() for p in trainable), lm.parameters, losses, validation, best_step,
                             len(val), ppl_before, ppl_after, int(eval_ids.numel()), time.perf_counter() - t0, resumed)
     _write_model(merged, lm, partial, report, dtype)
-    if out.exists():
-        shutil.rmtree(out)
-    partial.rename(out)
+    write_output_manifest(partial, FORMAT, {"source": str(lm.path)})
+    check_output_dir(out, FORMAT)  # still an earlier fine-tuned model (or nothing) after the training
+    swap_into_place(partial, out)
     return report
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import json
+import logging
 import os
 import struct
 from dataclasses import dataclass, field
@@ -32,6 +33,8 @@ ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
 DEMO_MODEL_DIR = ASSETS_DIR / "demo-model"
 MODEL_ALIASES = {"demo": DEMO_MODEL_DIR}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+log = logging.getLogger("workbench")  # notes for the user; the CLI prints them as "workbench <command>: note: ..."
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is ever fetched from a hub
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -283,6 +286,43 @@ def resolve_dtype(dtype: str | torch.dtype, raw_cfg: dict) -> torch.dtype:
     return torch_dtype
 
 
+REMOTE_CODE_OPT_IN = ("`workbench info --trust-remote-code` runs it (only for a directory whose code you trust), "
+                      "other commands never do")
+
+
+def _custom_code(raw_cfg: dict) -> str | None:
+    """What ``auto_map`` in config.json points at (the model's own Python code), or None."""
+    auto_map = raw_cfg.get("auto_map")
+    if not auto_map:
+        return None
+    if isinstance(auto_map, dict):
+        target = auto_map.get("AutoModelForCausalLM") or next(iter(auto_map.values()), None)
+        return f"auto_map: {target if isinstance(target, str) else json.dumps(target)}"
+    return f"auto_map: {json.dumps(auto_map)[:60]}"
+
+
+def _refused_pickle(e: BaseException) -> str | None:
+    """What torch's weights_only unpickler refused in ``e`` or its causes ('GLOBAL posix.system'), or None."""
+    import pickle
+    import re
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        text = str(e)
+        if isinstance(e, pickle.UnpicklingError) or "Weights only load failed" in text:
+            m = re.search(r"GLOBAL\s+([\w.]+)", text)
+            return f"GLOBAL {m.group(1)}" if m else "objects other than tensors"
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _one_line(e: BaseException) -> str:
+    """An exception's message on one line: its non-empty lines joined (the first is often only a heading)."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    text = " ".join(lines) or type(e).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
 def load_model(path: str | os.PathLike = "demo", *, dtype: str | torch.dtype = "auto", device: str = "cpu",
                trust_remote_code: bool = False, load_tokenizer: bool = True,
                float32_compute: bool = True) -> LoadedModel:
@@ -310,11 +350,25 @@ def load_model(path: str | os.PathLike = "demo", *, dtype: str | torch.dtype = "
     raw_cfg = _check_directory(p, name)
     model_type = raw_cfg.get("model_type")
     archs = raw_cfg.get("architectures") or []
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs) or \
+            not isinstance(model_type, (str, type(None))):
+        raise ModelLoadError(f"'{p / 'config.json'}': 'model_type' must be a string and 'architectures' a list of "
+                             f"class names, got {model_type!r} and {archs!r}")
     causal_arch = any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs)
+    custom_code = _custom_code(raw_cfg)
     if (archs and not causal_arch) or (model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not trust_remote_code):
         arch = ", ".join(archs) or "unknown architecture"
-        raise ModelLoadError(f"'{p}' is model_type '{model_type}' ({arch}), not a causal language model this "
-                             "workbench can load; supported include qwen2, qwen3 and llama")
+        if custom_code and model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+            why = (f"which transformers has no built-in class for: it needs the model's own code ({custom_code}), "
+                   f"which is not run; {REMOTE_CODE_OPT_IN}")
+        else:
+            why = "not a causal language model this workbench can load"
+        raise ModelLoadError(f"'{p}' is model_type '{model_type}' ({arch}), {why}; supported include qwen2, qwen3 "
+                             "and llama")
+    if custom_code and not trust_remote_code:
+        log.warning(f"'{p / 'config.json'}' names its own model code ({custom_code}), which is not run: the model is "
+                    f"loaded with transformers' built-in class for '{model_type}', which may differ from it; "
+                    f"{REMOTE_CODE_OPT_IN}")
     torch_dtype = resolve_dtype(dtype, raw_cfg)
     try:
         config = AutoConfig.from_pretrained(p, trust_remote_code=trust_remote_code, local_files_only=True)
@@ -325,8 +379,14 @@ def load_model(path: str | os.PathLike = "demo", *, dtype: str | torch.dtype = "
     except ModelLoadError:
         raise
     except Exception as e:  # transformers raises many types; give one clear line
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ModelLoadError(f"could not load model weights from '{p}': {first}") from e
+        refused = _refused_pickle(e)
+        if refused is not None:
+            bins = ", ".join(f.name for f in sorted(p.glob("pytorch_model*.bin")))
+            raise ModelLoadError(f"'{p}' keeps its weights in a pickle ({bins}) that holds {refused}, not only "
+                                 "tensors: loading it could run code, so weights_only loading refused it; convert "
+                                 "the checkpoint to safetensors (model.safetensors) where you trust its source, "
+                                 "or get a safetensors copy of the model") from e
+        raise ModelLoadError(f"could not load model weights from '{p}': {_one_line(e)}") from e
     mismatched = [(k, tuple(a), tuple(b)) for k, a, b in info.get("mismatched_keys") or ()]
     if info.get("missing_keys") or info.get("unexpected_keys") or mismatched:
         raise weights_mismatch_error(p, info.get("missing_keys") or (), info.get("unexpected_keys") or (), mismatched)
@@ -349,7 +409,7 @@ def load_tokenizer_from(p: Path, *, trust_remote_code: bool = False, required: b
     try:
         tokenizer = AutoTokenizer.from_pretrained(p, trust_remote_code=trust_remote_code, local_files_only=True)
     except Exception as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = _one_line(e)
         raise ModelLoadError(f"could not load the tokenizer in '{p}': {first}") from e
     tokenizer.model_max_length = 1 << 30  # evaluation windows whole texts itself; silence the length notice
     return tokenizer

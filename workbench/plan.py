@@ -111,6 +111,34 @@ class PlanRule:
         return fnmatch.fnmatchcase(name, self.pattern)
 
 
+# JSON type of every plan field: a string "false" must not read as true, nor "one" as a version
+_FIELD_TYPES = {
+    "version": ((int,), "an integer"),
+    "default": ((str, type(None)), "a precision name or null"),
+    "group_size": ((int, type(None)), "an integer or null (per-channel)"),
+    "symmetric": ((bool,), "true or false"),
+    "method": ((str,), "a method name such as \"rtn\" or \"awq\""),
+    "rules": ((list,), "a list of {\"pattern\": ..., \"precision\": ...} objects"),
+    "meta": ((Mapping,), "an object"),
+}
+_RULE_FIELD_TYPES = {
+    "pattern": ((str,), "a string"),
+    "precision": ((str, type(None)), "a precision name or null"),
+}
+
+
+def _has_type(value, types: tuple[type, ...]) -> bool:
+    """JSON-faithful isinstance: true and false are not integers here."""
+    if isinstance(value, bool):
+        return bool in types
+    return isinstance(value, types)
+
+
+def _json_value(value) -> str:
+    text = json.dumps(value, default=str)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 @dataclass(frozen=True)
 class QuantPlan:
     """Ordered precision rules over layer names plus a default; immutable, JSON round-trips."""
@@ -192,13 +220,23 @@ class QuantPlan:
             raise PlanError(f"unknown plan field(s) {sorted(unknown)}; allowed: {sorted(known)}")
         if "version" not in d:
             raise PlanError("plan has no 'version' field; is this a workbench plan file?")
+        for name, (types, expected) in _FIELD_TYPES.items():
+            if name in d and not _has_type(d[name], types):
+                raise PlanError(f"plan field '{name}' must be {expected}, got {_json_value(d[name])}")
         rules = d.get("rules", [])
-        if not isinstance(rules, list) or any(not isinstance(r, Mapping) or set(r) != {"pattern", "precision"}
-                                              for r in rules):
-            raise PlanError("plan 'rules' must be a list of {\"pattern\": ..., \"precision\": ...} objects")
+        for i, r in enumerate(rules):
+            if not isinstance(r, Mapping) or set(r) != {"pattern", "precision"}:
+                raise PlanError(f"plan 'rules' item {i} must be a {{\"pattern\": ..., \"precision\": ...}} object, "
+                                f"got {_json_value(r)}")
+            for name, (types, expected) in _RULE_FIELD_TYPES.items():
+                if not _has_type(r[name], types):
+                    raise PlanError(f"plan 'rules' item {i} field '{name}' must be {expected}, "
+                                    f"got {_json_value(r[name])}")
+        if d["version"] < 1:
+            raise PlanError(f"plan field 'version' must be 1 or more, got {d['version']}")
         return cls(default=d.get("default", "int8"), rules=tuple(PlanRule(**r) for r in rules),
-                   group_size=d.get("group_size", DEFAULT_GROUP_SIZE), symmetric=bool(d.get("symmetric", True)),
-                   method=d.get("method", "rtn"), version=int(d["version"]), meta=d.get("meta", {}))
+                   group_size=d.get("group_size", DEFAULT_GROUP_SIZE), symmetric=d.get("symmetric", True),
+                   method=d.get("method", "rtn"), version=d["version"], meta=d.get("meta", {}))
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
@@ -218,11 +256,28 @@ class QuantPlan:
     def load(cls, path: str | Path) -> "QuantPlan":
         p = Path(path)
         if not p.is_file():
-            raise PlanError(f"plan file '{p}' does not exist")
+            raise PlanError(f"plan file '{p}' {'is a directory' if p.is_dir() else 'does not exist'}; pass a plan "
+                            "JSON file (`workbench plan` writes one)")
         try:
             return cls.from_json(p.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as e:
+            raise PlanError(f"plan file '{p}' is not UTF-8 text ({e.reason} at byte {e.start})") from None
         except PlanError as e:
             raise PlanError(f"{p}: {e}") from None
+
+    @staticmethod
+    def check_output_file(path: str | Path, option: str = "--out") -> Path:
+        """Refuse to overwrite ``path`` unless it is absent or already a plan file (a user's other file is kept)."""
+        p = Path(path)
+        if p.is_dir():
+            raise PlanError(f"{option} '{p}' is a directory; name the plan JSON file to write, e.g. {p / 'plan.json'}")
+        if p.exists():
+            try:
+                QuantPlan.load(p)
+            except PlanError:
+                raise PlanError(f"{option} '{p}' exists and is not a workbench plan; name a new file, or move that "
+                                "one away") from None
+        return p
 
     # -- display ------------------------------------------------------------------------------
     def table(self, layers: Iterable) -> str:

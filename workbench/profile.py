@@ -19,7 +19,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .errors import WorkbenchError
+from .errors import ModelLoadError, WorkbenchError
 
 __all__ = ["RuntimeProfile", "find_runtimes", "profile_runtime", "profile_directory", "build_candidates",
            "parse_prompt_lengths",
@@ -93,9 +93,10 @@ def _files_of(path: Path) -> list[Path]:
     """The graph and its external-data files (same folder, named in the ONNX model)."""
     files = [path]
     if path.suffix == ".onnx":
-        import onnx
         from onnx.external_data_helper import uses_external_data
-        proto = onnx.load(str(path), load_external_data=False)
+
+        from .graph import load_onnx
+        proto = load_onnx(path)  # names the file when it is truncated, empty or not ONNX
         for init in proto.graph.initializer:
             if uses_external_data(init):
                 loc = next((e.value for e in init.external_data if e.key == "location"), None)
@@ -126,12 +127,19 @@ def profile_runtime(name: str, prefill: str | Path, decode: str | Path | None = 
     before = settled_rss_mb()
     reset = reset_peak_rss()
     t = time.perf_counter()
-    if prefill.suffix == ".mnn":
-        from .targets.mnn import MnnCausalLM
-        runner, runtime = MnnCausalLM(prefill, threads=threads), "MNN"
-    else:
-        from .graph import OnnxCausalLM
-        runner, runtime = OnnxCausalLM(prefill, decode, threads=threads), "onnxruntime"
+    try:
+        if prefill.suffix == ".mnn":
+            from .targets.mnn import MnnCausalLM
+            runner, runtime = MnnCausalLM(prefill, threads=threads), "MNN"
+        else:
+            from .graph import OnnxCausalLM
+            runner, runtime = OnnxCausalLM(prefill, decode, threads=threads), "onnxruntime"
+    except WorkbenchError:
+        raise
+    except Exception as e:  # the runtime's own errors for a file that parses but does not load
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelLoadError(f"could not load '{prefill}'" + (f" with '{decode}'" if decode else "")
+                             + f": {first}; export or convert it again") from None
     load_seconds = time.perf_counter() - t
     report = RuntimeProfile(name, runtime, [str(f) for f in files], sum(f.stat().st_size for f in files), threads,
                             repeats, load_seconds=load_seconds)

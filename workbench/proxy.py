@@ -164,7 +164,7 @@ def _record(model: nn.Module, blocks: nn.ModuleList, head: nn.Module, group: _Gr
         for h in handles:
             h.remove()
     if len(group.inputs) != len(blocks) or group.last is None:
-        raise PlanError("the proxy score could not follow this model's blocks; use score='kl'")
+        raise PlanError("the proxy score could not follow this model's blocks; use --score kl (score='kl')")
 
 
 def _weight_error(weight: torch.Tensor, fisher: torch.Tensor, precisions: Sequence[str], group_size: int | None,
@@ -257,7 +257,7 @@ def proxy_scores(lm: LoadedModel, ids: torch.Tensor, precisions: Sequence[str] =
     parts = _parts(model)
     if parts is None:
         raise PlanError("the proxy score needs a Llama/Qwen-style model (model.layers, model.norm, a linear "
-                        "output layer); use score='kl'")
+                        "output layer); use --score kl (score='kl')")
     blocks, norm, head, embed = parts
     names = {id(m): n for n, m in model.named_modules()}
     known = {info.name for info in lm.layers}

@@ -20,6 +20,7 @@ import platform
 import shutil
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Mapping
@@ -27,10 +28,17 @@ from typing import Callable, Iterable, Mapping
 from .errors import WorkspaceError
 
 __all__ = ["Workspace", "Artifact", "atomic_write_bytes", "atomic_write_text", "atomic_write_json", "read_json_file",
-           "hash_inputs", "file_sha256", "library_versions", "DEFAULT_WORKSPACE"]
+           "hash_inputs", "file_sha256", "library_versions", "DEFAULT_WORKSPACE", "check_output_dir", "staged_output",
+           "swap_into_place", "write_output_manifest", "rebase_paths"]
 
 DEFAULT_WORKSPACE = Path(os.environ.get("WORKBENCH_WORKSPACE", "workspace"))
 MANIFEST = "manifest.json"
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> Path:
@@ -39,6 +47,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes it private; the file is an ordinary output
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -67,6 +76,122 @@ def read_json_file(path: str | Path, what: str, *, error: type[Exception] = Work
         return json.loads(p.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise error(f"{what} '{p}' is not valid JSON: {e}") from None
+
+
+# -- output directories (--out) ------------------------------------------------------------------
+# A step writes its --out only when the directory is new, empty, or a complete earlier output of
+# the same kind: its manifest.json names the kind ("format") and lists every file with its size,
+# so a directory holding anything else (a user's own file, a different output, a half-written
+# one) is refused instead of deleted. The new output is written into a hidden sibling directory
+# and swapped in only after the whole step has succeeded.
+
+def _output_problem(p: Path, kind: str) -> str | None:
+    """Why ``p`` (an existing non-empty directory) is not a complete earlier ``kind`` output, or None."""
+    mf = p / MANIFEST
+    if not mf.is_file():
+        return "is not empty and has no workbench manifest.json"
+    try:
+        manifest = json.loads(mf.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError, OSError):
+        return "has a manifest.json that is not valid JSON"
+    if not isinstance(manifest, dict) or manifest.get("format") != kind or not isinstance(manifest.get("files"), dict):
+        found = manifest.get("format") if isinstance(manifest, dict) else None
+        return f"holds {'a ' + str(found) if isinstance(found, str) else 'another program'}'s output, not a {kind} one"
+    listed = manifest["files"]
+    present = {f.relative_to(p).as_posix(): f for f in p.rglob("*") if not f.is_dir() and f.name != MANIFEST}
+    extra = sorted(set(present) - set(listed))
+    if extra:
+        return f"holds files the workbench did not write there ({', '.join(extra[:3])}{', ...' if len(extra) > 3 else ''})"
+    for name, meta in listed.items():
+        f = present.get(name)
+        if f is None or not isinstance(meta, dict) or f.stat().st_size != meta.get("size"):
+            return f"is incomplete or was changed after it was written ('{name}')"
+    return None
+
+
+def check_output_dir(path: str | Path, kind: str, option: str = "--out") -> Path:
+    """Return ``path`` if a ``kind`` step may write it; else raise WorkspaceError saying why and what to do."""
+    p = Path(path)
+    if not p.exists() and not p.is_symlink():
+        return p
+    if not p.is_dir():
+        raise WorkspaceError(f"{option} '{p}' is a file; name a new or empty directory")
+    if not any(p.iterdir()):
+        return p
+    problem = _output_problem(p, kind)
+    if problem:
+        raise WorkspaceError(f"{option} '{p}' {problem}; name a new or empty directory, or move those files away "
+                             f"(only a complete earlier {kind} output is replaced)")
+    return p
+
+
+def write_output_manifest(directory: Path, kind: str, extra: Mapping | None = None) -> dict:
+    """Write ``directory/manifest.json``: the kind, library versions and every file with its size and hash."""
+    files = {f.relative_to(directory).as_posix(): {"size": f.stat().st_size, "sha256": file_sha256(f)}
+             for f in sorted(directory.rglob("*")) if f.is_file() and f.name != MANIFEST}
+    manifest = {"format": kind, **(dict(extra) if extra else {}), "versions": library_versions(), "files": files}
+    atomic_write_json(directory / MANIFEST, manifest)
+    return manifest
+
+
+def swap_into_place(src: Path, dst: Path) -> Path:
+    """Move the finished directory ``src`` to ``dst``, replacing what ``dst`` held only once ``src`` is whole."""
+    src, dst = Path(src), Path(dst)
+    if dst.exists():
+        old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
+        os.replace(dst, old)
+        os.replace(src, dst)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(src, dst)
+    return dst
+
+
+@contextmanager
+def staged_output(path: str | Path, kind: str, option: str = "--out"):
+    """Yield a hidden sibling directory to write a ``kind`` output into; swap it into ``path`` on success.
+
+    The refusal comes before any work; on an exception (a failed evaluation, Ctrl-C) the staged
+    directory is removed and ``path`` is left as it was. A manifest is added if the step wrote none.
+
+        with staged_output(args.out, "workbench-onnx-export") as tmp:
+            export_onnx(lm, tmp)
+    """
+    out = check_output_dir(path, kind, option)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.partial-"))
+    try:
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it private; once swapped in it is an ordinary directory
+        yield tmp
+        if not (tmp / MANIFEST).is_file():
+            write_output_manifest(tmp, kind)
+        check_output_dir(out, kind, option)  # still ours to replace after the (possibly long) step
+        swap_into_place(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def rebase_paths(obj, old: Path, new: Path):
+    """``obj`` (paths, strings, lists, dicts, dataclasses) with every path under ``old`` moved under ``new``.
+
+    A step run in a staged directory reports the staged paths; this turns them into the final ones.
+    """
+    import dataclasses
+    old_s, new_s = str(old), str(new)
+    if isinstance(obj, Path):
+        return Path(rebase_paths(str(obj), old, new))
+    if isinstance(obj, str):
+        return new_s + obj[len(old_s):] if obj == old_s or obj.startswith(old_s + os.sep) else obj.replace(
+            old_s + os.sep, new_s + os.sep)
+    if isinstance(obj, Mapping):
+        return type(obj)((k, rebase_paths(v, old, new)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(rebase_paths(v, old, new) for v in obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(obj, **{f.name: rebase_paths(getattr(obj, f.name), old, new)
+                                           for f in dataclasses.fields(obj) if f.init})
+    return obj
 
 
 def _canonical(obj):

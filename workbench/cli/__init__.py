@@ -5,13 +5,17 @@
 
 Each subcommand lives in its own module of this package with ``add_arguments(parser)`` and
 ``run(args) -> int``; add a module name to ``COMMANDS`` to expose a new one. Errors from bad
-input exit with status 2 and one line on stderr, never a traceback.
+input exit with status 2 and one line on stderr, never a traceback; an unexpected exception (a
+bug) also exits 2 with one line, which names the log file under ``<workspace>/logs`` that holds
+its traceback.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import sys
+from pathlib import Path
 
 from ..errors import WorkbenchError
 
@@ -47,18 +51,72 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    notes = _print_notes(args.command)
     try:
         return int(args._run(args) or 0)
-    except WorkbenchError as e:
-        print(f"workbench {args.command}: error: {e}", file=sys.stderr)
-        return 2
-    except (ValueError, FileNotFoundError) as e:
-        print(f"workbench {args.command}: error: {e}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print(f"workbench {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BaseException as e:  # noqa: BLE001 - every failure leaves as one line; SystemExit passes through
+        if isinstance(e, SystemExit):
+            raise
+        print(f"workbench {args.command}: {error_line(e, args, argv)}", file=sys.stderr)
+        return 2
+    finally:
+        logging.getLogger("workbench").removeHandler(notes)
+
+
+def _print_notes(command: str) -> logging.Handler:
+    """Show the library's notes (logger ``workbench``, e.g. model code that is not run) as one stderr line each."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(f"workbench {command}: note: %(message)s"))
+    logger = logging.getLogger("workbench")
+    logger.addHandler(handler)
+    logger.propagate = False
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.INFO)
+    return handler
+
+
+def error_line(e: BaseException, args=None, argv: list[str] = ()) -> str:
+    """The one line shown for a failure: the message of an input error, else where a bug's traceback went.
+
+    WorkbenchError is bad input with a message saying what to do; ValueError and OSError come from
+    input checks and the file system (a missing file, a full disk) and read the same way. Anything
+    else is a bug in the workbench: its traceback goes to a log file, not the screen.
+    """
+    if isinstance(e, (WorkbenchError, ValueError, OSError)):
+        return "error: " + "; ".join(line.strip() for line in str(e).splitlines() if line.strip())
+    if isinstance(e, MemoryError):
+        return "error: out of memory; close other programs, or use a smaller model, --max-tokens or --samples"
+    log = write_bug_log(e, args, argv)
+    return (f"internal error ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'no message'}); this is a "
+            f"bug in the workbench: please report it with the traceback in {log}")
+
+
+def write_bug_log(e: BaseException, args=None, argv: list[str] = ()) -> Path:
+    """Keep the traceback and the command line under ``<workspace>/logs`` (the temp directory if unwritable)."""
+    import shlex
+    import tempfile
+    import time
+    import traceback
+
+    from ..workspace import DEFAULT_WORKSPACE
+    text = (f"workbench {shlex.join(argv)}\n"
+            + "".join(traceback.format_exception(type(e), e, e.__traceback__)))
+    name = f"error-{time.strftime('%Y%m%d-%H%M%S')}-{getattr(args, 'command', 'workbench')}.log"
+    root = getattr(args, "workspace", None) or DEFAULT_WORKSPACE
+    for folder in (Path(root) / "logs", Path(tempfile.gettempdir())):
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            path = folder / name
+            path.write_text(text, encoding="utf-8")
+            return path.resolve()
+        except OSError:
+            continue
+    return Path("(no writable log directory)")
 
 
 if __name__ == "__main__":

@@ -11,10 +11,14 @@ model) unless --max-tokens says otherwise; the output says when.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 from ..convert import CONVERT_TARGETS, convert
+from ..workspace import check_output_dir, rebase_paths, staged_output
 from .common import add_json_flag, add_model_argument, format_bytes, print_json
 from .export import parse_static
 
+CONVERT_FORMAT = "workbench-convert"  # the kind named in the manifest of a conversion's --out
 HELP = "convert for a target (ort-int4, ort-qdq, mnn, qnn, tensorrt, rknn) and compare with the simulation"
 
 
@@ -25,7 +29,8 @@ def add_arguments(p):
     group.add_argument("--plan", help="quantization plan JSON for a float model")
     group.add_argument("--bits", type=int, choices=(4, 8), help="uniform INT4 or INT8 plan for a float model")
     p.add_argument("--target", required=True, choices=CONVERT_TARGETS)
-    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--out", required=True, help="output directory: new, empty, or an earlier `workbench convert` "
+                   "output (replaced once the new one is written and measured)")
     p.add_argument("--text", help="evaluation text (default: the demo model's held-out text)")
     p.add_argument("--max-tokens", type=int,
                    help="evaluate on the first N tokens (default: the whole text for small models, a budget of at "
@@ -39,10 +44,15 @@ def add_arguments(p):
 
 
 def run(args) -> int:
-    report = convert(args.model, args.target, args.out, plan=args.plan, bits=args.bits, text=args.text,
-                     max_tokens=args.max_tokens, ctx=args.ctx, activation_bits=args.activation_bits,
-                     accuracy_level=args.accuracy_level, static=parse_static(args.static),
-                     progress=not args.json, log=None if args.json else print)
+    static = parse_static(args.static)
+    check_output_dir(args.out, CONVERT_FORMAT)
+    # converted and measured beside --out, swapped in only when the whole conversion has succeeded
+    with staged_output(args.out, CONVERT_FORMAT) as staged:
+        report = convert(args.model, args.target, staged, plan=args.plan, bits=args.bits, text=args.text,
+                         max_tokens=args.max_tokens, ctx=args.ctx, activation_bits=args.activation_bits,
+                         accuracy_level=args.accuracy_level, static=static,
+                         progress=not args.json, log=None if args.json else print)
+    report = rebase_paths(report, staged, Path(args.out))
     if args.json:
         print_json(report.to_dict())
         return 0

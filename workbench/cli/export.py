@@ -11,9 +11,11 @@ from pathlib import Path
 from ..errors import WorkbenchError
 from ..graph import DEFAULT_OPSET, export_onnx
 from ..models import load_model
+from ..workspace import check_output_dir, rebase_paths, staged_output
 from .common import add_device_argument, add_json_flag, add_model_argument, format_bytes, print_json
 
 HELP = "ONNX prefill/decode graphs with KV cache, checked against PyTorch"
+EXPORT_FORMAT = "workbench-onnx-export"  # the kind named in the manifest of an export's --out
 
 
 def parse_static(value: str | None) -> tuple[int, int] | None:
@@ -29,7 +31,8 @@ def parse_static(value: str | None) -> tuple[int, int] | None:
 
 def add_arguments(p):
     add_model_argument(p, "a local Hugging Face model directory, 'demo', or a `workbench quantize` output directory")
-    p.add_argument("--out", required=True, help="directory for prefill.onnx, decode.onnx and weight_names.json")
+    p.add_argument("--out", required=True, help="directory for prefill.onnx, decode.onnx and weight_names.json: new, "
+                   "empty, or an earlier `workbench export` output (replaced once the new one is checked)")
     p.add_argument("--static", metavar="SEQ,PAST", help="fixed shapes for NPU compilers, e.g. 128,511")
     p.add_argument("--opset", type=int, default=DEFAULT_OPSET, help=f"ONNX opset (default {DEFAULT_OPSET})")
     p.add_argument("--steps", type=int, default=32, help="greedy decoding steps compared with PyTorch (default 32)")
@@ -40,9 +43,13 @@ def add_arguments(p):
 
 def run(args) -> int:
     static = parse_static(args.static)
+    check_output_dir(args.out, EXPORT_FORMAT)
     lm = load_model(args.model, device=args.device)  # a quantize output loads as its integer layers
-    result = export_onnx(lm, args.out, static=static, opset=args.opset, check=not args.no_check,
-                         greedy_steps=args.steps, progress=None if args.json else print, release_model=True)
+    # built and checked beside --out, swapped in only when whole: a failure leaves no half-written graph there
+    with staged_output(args.out, EXPORT_FORMAT) as staged:
+        result = export_onnx(lm, staged, static=static, opset=args.opset, check=not args.no_check,
+                             greedy_steps=args.steps, progress=None if args.json else print, release_model=True)
+    result = rebase_paths(result, staged, Path(args.out))
     d = result.to_dict()
     out = {"model": str(lm.path), "files": d["files"], "max_abs_diff": result.max_abs_diff,
            "greedy_match_steps": result.greedy_match_steps, "greedy_steps": result.greedy_steps,

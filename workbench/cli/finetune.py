@@ -28,7 +28,8 @@ def add_arguments(p):
                    help=f"tokens per window (default {_DEFAULTS.seq_len})")
     p.add_argument("--seed", type=int, default=_DEFAULTS.seed)
     p.add_argument("--eval-text", help="held-out text for perplexity before and after (default: the bundled one)")
-    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    p.add_argument("--overwrite", action="store_true", help="replace --out when it holds an earlier `workbench "
+                   "finetune` output (any other non-empty directory is refused)")
     add_json_flag(p)
 
 

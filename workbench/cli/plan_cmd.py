@@ -14,6 +14,7 @@ from pathlib import Path
 from ..autoplan import budget_bytes, check_budget, measure_plan, plan_for_budget
 from ..evaluate import default_token_budget
 from ..models import load_model
+from ..plan import QuantPlan
 from ..sensitivity import PlanEvaluator, evaluation_tokens
 from .common import add_device_argument, add_json_flag, add_model_argument, format_bytes, print_json
 from .sensitivity import add_sweep_arguments, sweep
@@ -26,7 +27,7 @@ def add_arguments(p):
     budget = p.add_mutually_exclusive_group(required=True)
     budget.add_argument("--bits-per-weight", type=float, help="average bits per weight (all parameters)")
     budget.add_argument("--size", type=int, help="total weight bytes")
-    p.add_argument("--out", required=True, help="where to write the plan JSON")
+    p.add_argument("--out", required=True, help="where to write the plan JSON (a new file, or an earlier plan)")
     p.add_argument("--eval-tokens", type=int, default=None,
                    help="tokens to measure the chosen plan on (default: the whole text for small models, about a "
                         "minute of a 2-core CPU for large ones: 2,048 tokens at 0.5 B parameters)")
@@ -35,6 +36,7 @@ def add_arguments(p):
 
 
 def run(args) -> int:
+    QuantPlan.check_output_file(args.out)  # before the sweep, not after it
     lm = load_model(args.model, device=args.device)
     lm.require_float("plan")  # a plan is made for the float model; a quantized one already has its plan
     budget = budget_bytes(lm, size_bytes=args.size, bits_per_weight=args.bits_per_weight)

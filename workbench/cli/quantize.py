@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
+from pathlib import Path
 
 from ..evaluate import DEFAULT_CTX
 from ..memory import release_freed_memory
 from ..models import load_model
+from ..errors import PlanError
 from ..plan import QuantPlan
 from ..quantize.model import CALIBRATED_METHODS, METHODS
+from ..workspace import check_output_dir, staged_output
 from .common import add_device_argument, add_budget_argument, add_json_flag, add_model_argument, format_bytes, print_json
 
 FULL_STATS_MAX_PARAMETERS = 100_000_000  # above this the statistics pass costs minutes: opt in, or calibrate first
@@ -25,7 +28,8 @@ HELP = "quantize by plan (RTN / AWQ, INT8 / INT4), save, and measure the cost"
 
 def add_arguments(p):
     add_model_argument(p)
-    p.add_argument("--out", required=True, help="directory to write the quantized model to")
+    p.add_argument("--out", required=True, help="directory to write the quantized model to: new, empty, or an "
+                   "earlier `workbench quantize` output (replaced once the new one is saved and measured)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--plan", help="a plan JSON file (per-layer precisions)")
     src.add_argument("--bits", type=int, choices=(4, 8), help="quantize every linear layer to this many bits "
@@ -44,7 +48,8 @@ def add_arguments(p):
     p.add_argument("--awq-tokens", type=int, help="AWQ: calibration tokens the search runs on (default: 8,192, "
                    "fewer on big models: 2,048 at 0.5 B parameters)")
     p.add_argument("--text", help="held-out text to measure on (default: the bundled held-out text)")
-    p.add_argument("--ctx", type=int, default=DEFAULT_CTX, help=f"evaluation window (default {DEFAULT_CTX})")
+    p.add_argument("--ctx", type=int, help=f"evaluation window (default {DEFAULT_CTX}, or the model's maximum when "
+                   "that is shorter)")
     add_budget_argument(p)
     p.add_argument("--threshold", type=float, default=0.5, help="warn when perplexity rises more than this")
     p.add_argument("--strict", action="store_true", help="fail instead of falling back when the group size "
@@ -60,7 +65,7 @@ def _plan_from_args(args) -> QuantPlan:
     changes = {}
     if args.group_size is not None:
         if args.group_size < 0:
-            raise ValueError(f"--group-size must be positive, or 0 for per-channel; got {args.group_size}")
+            raise PlanError(f"--group-size must be positive, or 0 for per-channel; got {args.group_size}")
         changes["group_size"] = args.group_size or None
     if args.asymmetric:
         changes["symmetric"] = False
@@ -70,13 +75,17 @@ def _plan_from_args(args) -> QuantPlan:
 
 
 def run(args) -> int:
+    from ..quantize.cost import check_ctx
     from ..quantize import heldout_ids, measure_cost, measure_reference, quantize_model, write_report
-    from ..quantize.io import weight_file_bytes
+    from ..quantize.io import FORMAT, weight_file_bytes
     plan = _plan_from_args(args)
+    check_output_dir(args.out, FORMAT)  # refuse before any heavy work; checked again when swapped in
     if args.threads:
         import torch
         torch.set_num_threads(args.threads)
     lm = load_model(args.model, device=args.device)
+    ctx = check_ctx(lm, args.ctx)  # a bad --ctx or --text fails here, not after quantizing
+    ids = heldout_ids(lm, args.text, args.max_tokens, ctx)
     progress = not args.json
     calibration = workspace = None
     if plan.method in CALIBRATED_METHODS:
@@ -93,19 +102,21 @@ def run(args) -> int:
     qm = quantize_model(lm, plan, calibration=calibration, strict=args.strict, progress=progress,
                         workspace=workspace, awq_tokens=args.awq_tokens, act_order=args.act_order)
     quantize_seconds = time.perf_counter() - t0
-    out = qm.save(args.out)
-    release_freed_memory()  # the per-layer float32 temporaries of quantizing and saving
-    ids = heldout_ids(lm, args.text, args.max_tokens, args.ctx)
-    t1 = time.perf_counter()
-    baseline = measure_reference(lm.model, ids, ctx=min(args.ctx, len(ids)), progress=progress)
-    cost = measure_cost(qm, baseline, saved_dir=out, threshold=args.threshold, progress=progress)
-    result = {"model": str(lm.path), "out": str(out), "method": qm.method, "plan": plan.to_dict(),
-              **cost.to_dict(), "reference_size_bytes": weight_file_bytes(lm.path),
-              "quantize_seconds": quantize_seconds, "evaluate_seconds": time.perf_counter() - t1,
-              "layers": [{"name": r.name, "precision": r.precision,
-                          "group_size": r.group_size if r.name in qm.weights else None,
-                          "fallback": r.fallback, "weight_error": r.weight_error} for r in qm.layers]}
-    write_report(out, result)
+    out = Path(args.out)
+    # the saved model, its evaluation and report.json are staged beside --out and swapped in together
+    with staged_output(out, FORMAT) as staged:
+        qm.save(staged)
+        release_freed_memory()  # the per-layer float32 temporaries of quantizing and saving
+        t1 = time.perf_counter()
+        baseline = measure_reference(lm.model, ids, ctx=min(ctx, len(ids)), progress=progress)
+        cost = measure_cost(qm, baseline, saved_dir=staged, threshold=args.threshold, progress=progress)
+        result = {"model": str(lm.path), "out": str(out), "method": qm.method, "plan": plan.to_dict(),
+                  **cost.to_dict(), "reference_size_bytes": weight_file_bytes(lm.path),
+                  "quantize_seconds": quantize_seconds, "evaluate_seconds": time.perf_counter() - t1,
+                  "layers": [{"name": r.name, "precision": r.precision,
+                              "group_size": r.group_size if r.name in qm.weights else None,
+                              "fallback": r.fallback, "weight_error": r.weight_error} for r in qm.layers]}
+        write_report(staged, result)
     if args.json:
         print_json(result)
         return 0

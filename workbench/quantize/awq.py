@@ -24,6 +24,7 @@ that can be cached; :func:`fold_awq_scales` turns it into new float tensors.
 from __future__ import annotations
 
 import copy
+import logging
 import time
 from dataclasses import dataclass
 
@@ -38,6 +39,8 @@ from .rtn import fake_quantize
 __all__ = ["ScaleGroup", "find_decoder_blocks", "scale_groups", "search_awq", "fold_awq_scales", "apply_awq_scales_",
            "save_awq_search", "load_awq_search", "DEFAULT_GRID", "DEFAULT_SEARCH_TOKENS", "DEFAULT_CHUNK_TOKENS", "default_search_tokens",
            "SEARCH_VERSION"]
+
+log = logging.getLogger("workbench")
 
 DEFAULT_GRID = 20  # alphas 0, 0.05, ..., 0.95 as in the AWQ paper's code; 0 is the identity
 # calibration tokens whose block outputs drive the search: the AWQ paper finds 16 sequences of 512
@@ -416,7 +419,7 @@ def _input_mean_abs(blk: nn.Module, units, names: list[str], block_name: str) ->
 def search_awq(model: nn.Module, samples: list[torch.Tensor], spec: dict[str, tuple[int, int | None, bool]], *,
                mean_abs: dict[str, torch.Tensor] | None = None, n_grid: int = DEFAULT_GRID,
                max_tokens: int = DEFAULT_SEARCH_TOKENS, clip: bool = True, progress: bool = True,
-               chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> dict:
+               chunk_tokens: int = DEFAULT_CHUNK_TOKENS, checkpoint=None) -> dict:
     """Search AWQ scales and clips; returns a plain, cacheable dict (the model is not changed).
 
     ``spec`` maps each integer-quantized layer to ``(bits, group_size, symmetric)`` (group sizes
@@ -424,6 +427,10 @@ def search_awq(model: nn.Module, samples: list[torch.Tensor], spec: dict[str, tu
     calibration statistics; missing layers use the captured calibration inputs. Only the block
     inputs and outputs are held for all ``max_tokens``; the activations inside a block are
     captured ``chunk_tokens`` at a time, so memory stays near the model's own size.
+
+    With ``checkpoint`` (a directory keyed by these inputs) the result so far is saved after
+    every block; a run that finds one left by a killed run replays the finished blocks' float
+    forward (cheap beside their search) and goes on from the next block, to the same result.
     """
     from tqdm.auto import tqdm
     t0 = time.perf_counter()
@@ -437,12 +444,57 @@ def search_awq(model: nn.Module, samples: list[torch.Tensor], spec: dict[str, tu
     clip_step = max(1, tokens // CLIP_TOKENS)  # evenly spaced tokens for the clip search, as over all at once
     result = {"version": 1, "method": "awq", "grid": [i / n_grid for i in range(n_grid)], "tokens": tokens,
               "groups": [], "clips": {}, "clip_stats": {}}
+    done = _load_search_checkpoint(checkpoint, result, len(blocks)) if checkpoint is not None else 0
+    if done:
+        log.info(f"AWQ search resumed after block {done} of {len(blocks)} (checkpoint {checkpoint})")
     for i in tqdm(range(len(blocks)), desc="awq", unit="block", disable=not progress, leave=False):
         with widened(blocks[i]):  # the search runs in float32 one block at a time, whatever the stored dtype
+            if i < done:  # searched before the kill: only its outputs are needed, as the next block's inputs
+                for idx in chunks:
+                    _, outs = _run_block(blocks[i], units, idx, {})
+                    for j, out in zip(idx, outs):
+                        units[j][0].copy_(out)
+                continue
             _search_block(i, prefix, blocks, all_groups, spec, units, chunks, clip, clip_step, mean_abs, n_grid,
                           result)
+        if checkpoint is not None and i + 1 < len(blocks):
+            _save_search_checkpoint(checkpoint, result, i + 1, len(blocks))
     result["seconds"] = time.perf_counter() - t0
+    result["resumed_after_block"] = done
     return result
+
+
+def _save_search_checkpoint(directory, result: dict, blocks_done: int, blocks: int) -> None:
+    """The result after ``blocks_done`` blocks, staged and swapped in whole (a kill mid-write keeps the last)."""
+    import shutil
+    from pathlib import Path
+
+    from ..workspace import atomic_write_json, swap_into_place
+    d = Path(directory)
+    staged = d.with_name(d.name + ".writing")
+    shutil.rmtree(staged, ignore_errors=True)
+    save_awq_search(result, staged)
+    atomic_write_json(staged / "progress.json", {"blocks_done": blocks_done, "blocks": blocks,
+                                                 "tokens": result["tokens"]})
+    swap_into_place(staged, d)
+
+
+def _load_search_checkpoint(directory, result: dict, blocks: int) -> int:
+    """Fill ``result`` from a killed run's checkpoint; the blocks it covers (0 when there is none usable)."""
+    import json
+    from pathlib import Path
+    d = Path(directory)
+    if not (d / "progress.json").is_file():
+        return 0
+    try:
+        progress = json.loads((d / "progress.json").read_text(encoding="utf-8"))
+        saved = load_awq_search(d)
+        if progress["blocks"] != blocks or progress["tokens"] != result["tokens"] or saved["grid"] != result["grid"]:
+            return 0
+        result.update(groups=saved["groups"], clips=saved["clips"], clip_stats=saved["clip_stats"])
+        return int(progress["blocks_done"])
+    except Exception:  # noqa: BLE001 - a damaged checkpoint only costs the blocks it held: start over
+        return 0
 
 
 def _search_block(i, prefix, blocks, all_groups, spec, units, chunks, clip, clip_step, mean_abs, n_grid,

@@ -22,10 +22,24 @@ from ..evaluate import (DEFAULT_CTX, EvalReport, ReferenceOutputs, capture_refer
                         default_token_budget, paired_difference, read_text, reference_report)
 from .io import weight_file_bytes
 
-__all__ = ["Baseline", "QuantCost", "measure_reference", "measure_cost", "heldout_ids", "likely_causes",
+__all__ = ["Baseline", "QuantCost", "measure_reference", "measure_cost", "heldout_ids", "check_ctx", "likely_causes",
            "DEFAULT_PPL_THRESHOLD"]
 
 DEFAULT_PPL_THRESHOLD = 0.5  # practitioners' rule: INT8 raises perplexity 0.1-0.3; above 0.5, look for a cause
+
+
+def check_ctx(lm, ctx: int | None) -> int:
+    """The evaluation window: ``ctx``, or DEFAULT_CTX capped at the model's positions when None.
+
+    Refuses a window the model cannot take before any heavy work is spent.
+    """
+    max_pos = getattr(getattr(lm.model, "config", None), "max_position_embeddings", None)
+    if ctx is None:
+        return min(DEFAULT_CTX, max_pos) if max_pos else DEFAULT_CTX
+    if ctx < 2 or (max_pos and ctx > max_pos):
+        raise ValueError(f"--ctx {ctx} is out of range for this model: use 2 to {max_pos} (its "
+                         "max_position_embeddings)" if max_pos else f"--ctx must be at least 2, got {ctx}")
+    return ctx
 
 
 def heldout_ids(lm, path: str | Path | None = None, max_tokens: int | str | None = None,

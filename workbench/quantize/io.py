@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import shutil
 import sys
 import tempfile
@@ -45,7 +44,7 @@ from torch.nn import functional as F
 
 from ..errors import ModelLoadError, WorkspaceError
 from ..plan import QuantPlan, get_precision
-from ..workspace import atomic_write_json, file_sha256, library_versions
+from ..workspace import atomic_write_json, check_output_dir, file_sha256, library_versions, swap_into_place
 from .qtensor import QuantizedWeight, pack_int4, unpack_int4
 
 __all__ = ["save_quantized", "load_quantized", "layer_storage", "float_storage", "write_report", "FORMAT",
@@ -240,10 +239,7 @@ def _write_config(qm, directory: Path, transformers_loads: bool) -> None:
 
 def save_quantized(qm, directory: str | Path, *, report: dict | None = None) -> Path:
     """Write ``qm`` to ``directory`` (replaced as a whole if it holds an earlier quantized model)."""
-    out = Path(directory)
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / "quantization.json").is_file())):
-        raise WorkspaceError(f"'{out}' exists and is not a quantized-model directory; choose an empty or new "
-                             "--out directory (an earlier quantized model there would be replaced)")
+    out = check_output_dir(directory, FORMAT)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.partial-"))
     try:
@@ -280,13 +276,7 @@ def save_quantized(qm, directory: str | Path, *, report: dict | None = None) -> 
         if report is not None:
             atomic_write_json(tmp / "report.json", report)
         _write_manifest(tmp, {"method": qm.method, "source": str(lm.path)})
-        if out.exists():
-            old = out.with_name(f".{out.name}.old-{os.getpid()}")
-            os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
+        swap_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -6,8 +6,9 @@
     qm.save("out/demo-int4")
 
 When a layer's input size is not a multiple of the plan's group size, the layer falls back to the
-largest group size below it that is a multiple of 32 and divides the input size, else to
-per-channel, and its report says so (``strict=True`` makes that an error instead).
+largest multiple of 32 below the group size that divides the input size, else to the smallest one
+above it that does, else to per-channel, and its report says so (``strict=True`` makes that an
+error instead).
 """
 from __future__ import annotations
 
@@ -35,11 +36,15 @@ def resolve_group_size(in_features: int, group_size: int | None) -> tuple[int | 
     """The group size a layer with ``in_features`` inputs gets, and a note when it had to fall back."""
     if group_size is None or in_features % group_size == 0:
         return group_size, None
-    for g in range(group_size - group_size % FALLBACK_MULTIPLE, 0, -FALLBACK_MULTIPLE):
-        if g and in_features % g == 0:
-            return g, f"group size {group_size} does not divide {in_features} input features; using {g}"
+    below = range(group_size - group_size % FALLBACK_MULTIPLE, 0, -FALLBACK_MULTIPLE)
+    above = range(group_size - group_size % FALLBACK_MULTIPLE + FALLBACK_MULTIPLE, in_features, FALLBACK_MULTIPLE)
+    for candidates, where in ((below, "below"), (above, "above")):
+        for g in candidates:
+            if in_features % g == 0:
+                return g, (f"group size {group_size} does not divide {in_features} input features; using {g}, the "
+                           f"nearest multiple of {FALLBACK_MULTIPLE} {where} it that does")
     return None, (f"group size {group_size} does not divide {in_features} input features and no multiple of "
-                  f"{FALLBACK_MULTIPLE} does; using per-channel scales")
+                  f"{FALLBACK_MULTIPLE} below {in_features} does; using per-channel scales")
 
 
 @dataclass
@@ -255,8 +260,11 @@ def _cached_awq_search(workspace, model, samples, mean_abs, spec, awq_tokens, pr
               "tokens": awq_tokens, "version": SEARCH_VERSION}
 
     def compute(partial):
+        import shutil
+        resume = partial / "resume"  # per-block progress; the partial directory is keyed by these inputs
         result = search_awq(model, samples, spec, mean_abs=mean_abs, progress=progress,
-                            max_tokens=awq_tokens)
+                            max_tokens=awq_tokens, checkpoint=resume)
+        shutil.rmtree(resume, ignore_errors=True)
         save_awq_search(result, partial)
         return {"groups": len(result["groups"]), "tokens": result["tokens"], "seconds": result["seconds"]}
 
