@@ -9,8 +9,10 @@ import pytest
 
 from workbench.convert import convert, prepare_models
 from workbench.errors import PlanError
+from workbench.overrides import validate_qnn_encodings
 from workbench.plan import QuantPlan
-from workbench.targets.ort import causal_mask_tensors, matmulnbits_block_size
+from workbench.targets.ort_int4 import matmulnbits_block_size
+from workbench.targets.ort_qdq import causal_mask_tensors
 
 EVAL = dict(max_tokens=600, ctx=128, calibration_samples=4, calibration_seq_len=32, greedy_steps=8)
 
@@ -82,8 +84,10 @@ def test_qnn_bundle_has_overrides_inputs_and_commands(prepared, tiny_model_dir, 
     enc = json.loads((tmp_path / "quant_overrides_decode.json").read_text())
     assert enc["param_encodings"][names["model.layers.0.self_attn.q_proj"]][0]["bitwidth"] == 4
     assert enc["param_encodings"][names["lm_head"]][0]["dtype"] == "float"
-    mask = [v for v in enc["activation_encodings"].values() if v[0].get("min") == -100.0]
-    assert mask
+    mask = [v[0] for v in enc["activation_encodings"].values() if v[0]["dtype"] == "int"]
+    assert mask and all(abs(e["min"] + 100) <= e["scale"] and abs(e["max"] - 100) <= e["scale"] for e in mask)
+    for g in ("prefill", "decode"):  # the files pass the project's own validator against their graphs
+        validate_qnn_encodings(tmp_path / f"quant_overrides_{g}.json", onnx_path=tmp_path / f"{g}.onnx")
     lines = (tmp_path / "input_list_decode.txt").read_text().split()
     first = dict(part.split(":=") for part in lines[:11])
     assert (tmp_path / first["past_key_values.0.key"]).stat().st_size == 4 * 2 * 32 * 16
