@@ -22,6 +22,7 @@ from ..errors import PlanError
 from ..plan import QuantPlan, get_precision
 from .qtensor import SUPPORTED_BITS, QuantizedWeight
 from .rtn import quantize_weight
+from .storage import layer_storage, save_quantized
 
 __all__ = ["LayerQuantReport", "QuantizedModel", "quantize_model", "resolve_group_size", "METHODS"]
 
@@ -165,12 +166,10 @@ class QuantizedModel:
 
     def save(self, directory: str | Path, *, report: dict | None = None) -> Path:
         """Save as a directory a float model loader and every exporter can read (see ``io``)."""
-        from .io import save_quantized
         return save_quantized(self, directory, report=report)
 
     def storage_bytes(self) -> int:
         """Bytes of all layer weights as stored (packed integers + scales + zeros, float layers)."""
-        from .io import layer_storage
         return sum(t.numel() * t.element_size() for t in layer_storage(self).values())
 
     @property
@@ -258,7 +257,7 @@ def _cached_awq_search(workspace, model, samples, mean_abs, spec, awq_tokens, pr
         return {"groups": len(result["groups"]), "tokens": result["tokens"], "seconds": result["seconds"]}
 
     art = workspace.get_or_compute("awq", inputs, compute)
-    return load_awq_search(art.path)
+    return {**load_awq_search(art.path), "workspace_key": art.key}  # conversions name it as their upstream
 
 
 def quantize_model(lm, plan: QuantPlan, *, calibration=None, method: str | None = None, strict: bool = False,
