@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Mapping
 
 import torch
 from torch import nn
@@ -24,7 +25,7 @@ from .qtensor import SUPPORTED_BITS, QuantizedWeight
 from .rtn import quantize_weight
 from .storage import layer_storage, save_quantized
 
-__all__ = ["LayerQuantReport", "QuantizedModel", "quantize_model", "resolve_group_size", "METHODS"]
+__all__ = ["LayerQuantReport", "QuantizedModel", "quantize_model", "resolve_group_size", "METHODS", "bits_per_weight"]
 
 METHODS = ("rtn", "awq")
 FALLBACK_MULTIPLE = 32  # fallback group sizes stay multiples of 32, as kernels and NPUs expect
@@ -39,6 +40,29 @@ def resolve_group_size(in_features: int, group_size: int | None) -> tuple[int | 
             return g, f"group size {group_size} does not divide {in_features} input features; using {g}"
     return None, (f"group size {group_size} does not divide {in_features} input features and no multiple of "
                   f"{FALLBACK_MULTIPLE} does; using per-channel scales")
+
+
+def bits_per_weight(layers, precisions: Mapping[str, str | None], group_size: int | None = None,
+                    symmetric: bool = True) -> float:
+    """The one bits-per-weight figure: stored bits of the quantizable layers' weights per weight.
+
+    Integer layers count their packed codes, float16 scales and zero points (``Precision.weight_bytes``)
+    at the group size each really gets (``resolve_group_size``), float layers their width, and layers
+    left alone 16 bits; a tied weight counts once when both uses share a precision. Norms and biases
+    are not weights here. Plans (``autoplan.plan_footprint``, from layer shapes) and quantized models
+    (``QuantizedModel.bits_per_weight``) both report this, so the same plan shows the same figure.
+    """
+    counted: dict[tuple[str, str], tuple[int, int]] = {}
+    for info in layers:
+        prec = get_precision(precisions.get(info.name)) or get_precision("fp16")
+        key = (info.tied_to or info.name, prec.name)
+        if key in counted:
+            continue
+        out_features, in_features = info.shape
+        gs = None if prec.is_float else resolve_group_size(in_features, group_size)[0]
+        counted[key] = (prec.weight_bytes(out_features, in_features, gs, symmetric), out_features * in_features)
+    weights = sum(n for _, n in counted.values())
+    return 8 * sum(b for b, _ in counted.values()) / weights if weights else 0.0
 
 
 @dataclass
@@ -178,8 +202,8 @@ class QuantizedModel:
 
     @property
     def bits_per_weight(self) -> float:
-        """Average stored bits per layer weight (scales and zero points included; tied weights once)."""
-        return 8 * self.storage_bytes() / self.parameters
+        """Average stored bits per layer weight (``bits_per_weight``: the same figure as the plan's estimate)."""
+        return bits_per_weight(self.layers, self.precisions, self.plan.group_size, self.plan.symmetric)
 
     def table(self) -> str:
         rows = [("layer", "shape", "precision", "group", "error", "note")]
