@@ -230,10 +230,10 @@ def quantize_qdq(float_onnx: str | Path, out_path: str | Path, feeds: Iterable[M
             "per_channel": per_channel}
 
 
-def qdq_twin(job, static_export, qdq_dir: Path) -> Path:
-    """QDQ prefill/decode graphs of ``static_export`` by the plan (``ort_overrides``); returns the prefill graph."""
+def qdq_twin(job, static_export, qdq_dir: Path, feeds: Mapping[str, list]) -> Path:
+    """QDQ prefill/decode graphs of ``static_export`` by the plan (``ort_overrides``), calibrated on ``feeds``
+    (``job.feeds``); returns the prefill graph."""
     report = job.report
-    feeds = job.feeds(static_export)
     notes: list[str] = []
     doc = ort_overrides(job.prep.qm, static_export, notes=notes)
     report.notes += notes
@@ -266,7 +266,7 @@ def measure_qdq(job, prefill_qdq: Path) -> None:
 def convert_ort_qdq(job) -> None:
     job.say(f"exporting the float model to ONNX with static shapes {job.static}")
     sx = job.export_static(job.work / "static")
-    measure_qdq(job, qdq_twin(job, sx, job.out))
+    measure_qdq(job, qdq_twin(job, sx, job.out, job.feeds(sx)))
 
 
 def _write(path, lm, plan, *, quantized=None, export=None, calibration=None) -> OverrideFile:

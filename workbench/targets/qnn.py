@@ -399,8 +399,9 @@ def convert_qnn(job) -> None:
     """The static graphs with the plan's encodings and the SDK's commands, and their QDQ twin measured here."""
     job.say(f"exporting the float model to ONNX with static shapes {job.static}")
     sx = job.export_static(job.out)
-    prefill_qdq = qdq_twin(job, sx, job.out / "ort-qdq-twin")
-    info = write_qnn_bundle(job.out, sx, job.prep.qm, job.feeds(sx), activation_bits=job.activation_bits)
+    feeds = job.feeds(sx)
+    prefill_qdq = qdq_twin(job, sx, job.out / "ort-qdq-twin", feeds)
+    info = write_qnn_bundle(job.out, sx, job.prep.qm, feeds, activation_bits=job.activation_bits)
     job.report.notes += info["notes"]
     job.report.notes.append("QNN itself cannot run here: the metrics come from the QDQ twin of the same static "
                             "graphs (same bit widths, same mask fix) in onnxruntime CPU")
