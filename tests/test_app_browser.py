@@ -252,7 +252,7 @@ def test_whole_flow_in_headless_chromium(served_app, tmp_path):
                    "figures/figures.html"):
         assert f"{run}/{member}" in names, sorted(names)[:20]
     conversion = json.loads((tmp_path / "unpacked" / run / "convert/ort-int4/conversion.json").read_text())
-    assert conversion["details"]["plan"]["method"] == "awq"
+    assert conversion["plan"]["method"] == "awq" and conversion["quantized_model"]["manifest_sha256"]
     report = json.loads((tmp_path / "unpacked" / run / "report.json").read_text())
     assert report["quantized"]["method"] == "awq" and len(report["profiles"]) == 2
     model_dir = tmp_path / "unpacked" / run / "model"

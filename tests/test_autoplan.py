@@ -117,3 +117,17 @@ def test_pareto_figure_plots_measured_and_predicted_points(lm, sens, evaluator):
     kl_trace = next(t for t in fig.data if t.name == "auto" and t.xaxis == "x")
     assert kl_trace.y[0] == pytest.approx(points[1].kl_divergence)
     assert make_pareto_figure([p.to_dict() for p in points], x="size_bytes").data[0].x[0] == points[0].size_bytes
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_plan_estimate_is_the_quantized_models_bits_per_weight(lm, symmetric):
+    from workbench.quantize import quantize_model
+    # group 48 falls back to 32 on these layers; lm_head is untied from its fp16 embedding by going int8
+    plan = (QuantPlan.uniform("int4", group_size=48, symmetric=symmetric).with_override("*.v_proj", "int8")
+            .with_override("model.layers.0.mlp.down_proj", "fp16").with_override("lm_head", "int8"))
+    qm = quantize_model(lm, plan, progress=False)
+    estimate = plan_footprint(lm, plan)["bits_per_weight"]
+    assert estimate == qm.bits_per_weight
+    assert 4 < estimate < 16
+    if symmetric:  # codes and float16 scales: exactly the bytes stored
+        assert estimate == pytest.approx(8 * qm.storage_bytes() / qm.parameters, rel=1e-12)

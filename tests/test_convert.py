@@ -9,8 +9,10 @@ import pytest
 
 from workbench.convert import convert, prepare_models
 from workbench.errors import PlanError
+from workbench.overrides import validate_qnn_encodings
 from workbench.plan import QuantPlan
-from workbench.targets.ort import causal_mask_tensors, matmulnbits_block_size
+from workbench.targets.ort_int4 import matmulnbits_block_size
+from workbench.targets.ort_qdq import causal_mask_tensors
 
 EVAL = dict(max_tokens=600, ctx=128, calibration_samples=4, calibration_seq_len=32, greedy_steps=8)
 
@@ -82,8 +84,10 @@ def test_qnn_bundle_has_overrides_inputs_and_commands(prepared, tiny_model_dir, 
     enc = json.loads((tmp_path / "quant_overrides_decode.json").read_text())
     assert enc["param_encodings"][names["model.layers.0.self_attn.q_proj"]][0]["bitwidth"] == 4
     assert enc["param_encodings"][names["lm_head"]][0]["dtype"] == "float"
-    mask = [v for v in enc["activation_encodings"].values() if v[0].get("min") == -100.0]
-    assert mask
+    mask = [v[0] for v in enc["activation_encodings"].values() if v[0]["dtype"] == "int"]
+    assert mask and all(abs(e["min"] + 100) <= e["scale"] and abs(e["max"] - 100) <= e["scale"] for e in mask)
+    for g in ("prefill", "decode"):  # the files pass the project's own validator against their graphs
+        validate_qnn_encodings(tmp_path / f"quant_overrides_{g}.json", onnx_path=tmp_path / f"{g}.onnx")
     lines = (tmp_path / "input_list_decode.txt").read_text().split()
     first = dict(part.split(":=") for part in lines[:11])
     assert (tmp_path / first["past_key_values.0.key"]).stat().st_size == 4 * 2 * 32 * 16
@@ -245,3 +249,80 @@ def test_gap_needs_more_top1_changes_than_quantizing_makes():
     near_ties = scores(0.080, 0.05, 1.0)  # random weights: quantizing alone changes 95% of the top-1 picks
     gap, note = _judge(scores(0.081, 0.05, 0.90), near_ties)
     assert gap is None and "near-tied logits" in note
+
+
+def _validate_bundle(out):
+    for g in ("prefill", "decode"):
+        validate_qnn_encodings(out / f"quant_overrides_{g}.json", onnx_path=out / f"{g}.onnx")
+
+
+def test_demo_int4_qnn_bundle_passes_the_validator(tmp_path, capsys):
+    from workbench.cli import main
+    assert main(["convert", "demo", "--bits", "4", "--target", "qnn", "--out", str(tmp_path), "--max-tokens",
+                 "256"]) == 0
+    _validate_bundle(tmp_path)
+    enc = json.loads((tmp_path / "quant_overrides_prefill.json").read_text())
+    ints = [e for encs in enc["param_encodings"].values() for e in encs if e["dtype"] == "int"]
+    assert ints and all({"scale", "offset", "min", "max"} <= set(e) for e in ints)
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_mixed_precision_qnn_bundle_passes_the_validator(tiny_model_dir, tmp_path, symmetric):
+    plan = (QuantPlan.uniform("int4", group_size=32, symmetric=symmetric).with_override("*.v_proj", "int8")
+            .with_override("model.layers.0.mlp.down_proj", "fp16").with_override("lm_head", "int8"))
+    prep = prepare_models(tiny_model_dir, plan=plan)
+    convert(tiny_model_dir, "qnn", tmp_path, prepared=prep, static=(16, 32), evaluate_outputs=False,
+            calibration_samples=2, calibration_seq_len=16)
+    _validate_bundle(tmp_path)
+    names = json.loads((tmp_path / "weight_names.json").read_text())["weight_names"]
+    enc = json.loads((tmp_path / "quant_overrides_decode.json").read_text())
+    down = names["model.layers.0.mlp.down_proj"]
+    assert enc["param_encodings"][down] == [{"bitwidth": 16, "dtype": "float"}]
+    v = enc["param_encodings"][names["model.layers.1.self_attn.v_proj"]]
+    qw = prep.qm.weights["model.layers.1.self_attn.v_proj"]
+    assert {e["bitwidth"] for e in v} == {8} and len(v) == qw.scales.numel()  # one per (channel, block)
+    np.testing.assert_allclose([e["scale"] for e in v], qw.scales.reshape(-1).numpy(), rtol=1e-6)
+    # the float MatMul reads and writes float: HTP never sees float x fixed-point there
+    proto = onnx.load(str(tmp_path / "decode.onnx"), load_external_data=False)
+    matmul = [n for n in proto.graph.node if n.op_type == "MatMul" and down in n.input][0]
+    assert enc["activation_encodings"][matmul.output[0]] == [{"bitwidth": 16, "dtype": "float"}]
+
+
+def test_conversion_json_names_the_plan_and_the_quantized_model(prepared, tiny_model_dir, tmp_path):
+    import hashlib
+    saved = prepared.qm.save(tmp_path / "q")
+    report = convert(saved, "tensorrt", tmp_path / "trt")
+    doc = json.loads((tmp_path / "trt" / "conversion.json").read_text())
+    assert QuantPlan.from_dict(doc["plan"]) == prepared.qm.plan
+    assert doc["quantized_model"]["path"] == str(saved.resolve())
+    assert doc["quantized_model"]["manifest_sha256"] == hashlib.sha256((saved / "manifest.json").read_bytes()).hexdigest()
+    assert doc["quantized_model"]["method"] == "rtn" and doc["upstream"] == {}  # RTN has no workspace step upstream
+    assert report.plan == doc["plan"]
+    direct = convert(tiny_model_dir, "tensorrt", tmp_path / "trt2", prepared=prepared)
+    assert direct.quantized_model["path"] is None and direct.plan == prepared.qm.plan.to_dict()  # quantized on the fly
+
+
+def test_registered_precision_works_through_every_target_or_is_refused_by_name(lm, tiny_model_dir, tmp_path,
+                                                                              monkeypatch):
+    from workbench.graph import export_onnx
+    from workbench.overrides import OVERRIDE_FORMATS, write_overrides
+    from workbench.plan import PRECISIONS, Precision, register_precision
+    monkeypatch.setattr("workbench.plan.PRECISIONS", dict(PRECISIONS))  # registered for this test only
+    register_precision(Precision("w8", 8, False, "8-bit integers under another name"))
+    register_precision(Precision("int6", 6, False, "6-bit integers"))
+    register_precision(Precision("fp8", 8, True, "8-bit float"))
+    export = export_onnx(lm, tmp_path / "onnx", check=False)
+    works = QuantPlan.uniform("int4").with_override("*.v_proj", "w8")
+    for fmt in OVERRIDE_FORMATS:
+        f = write_overrides(fmt, tmp_path / f"w8.{fmt}", lm, works, export=export)
+        assert f.path.is_file() and f.tensors
+    report = convert(tiny_model_dir, "ort-int4", tmp_path / "int4", plan=works, evaluate_outputs=False,
+                     greedy_steps=2)
+    assert report.details["replaced_layers"] == 14
+    for name, bits in (("int6", "6-bit integer"), ("fp8", "8-bit float")):
+        plan = QuantPlan.uniform("int4").with_override("*.v_proj", name)
+        for fmt in ("llamacpp", "mnn"):  # writers that read only the plan
+            with pytest.raises(PlanError, match=f"cannot carry precision '{name}' \\({bits}\\)"):
+                write_overrides(fmt, tmp_path / f"{name}.{fmt}", lm, plan)
+        with pytest.raises(PlanError, match=name):
+            convert(tiny_model_dir, "qnn", tmp_path / name, plan=plan, evaluate_outputs=False)

@@ -101,7 +101,8 @@ def test_ort_overrides_are_accepted_by_onnxruntime(lm, graph, tmp_path):
     up = kwargs["init_overrides"][graph.weight_names["model.layers.0.mlp.up_proj"]]
     assert up[0]["quant_type"] == QuantType.QInt4 and up[0]["axis"] == 1
     np.testing.assert_allclose([e["scale"] for e in up], qm.weights["model.layers.0.mlp.up_proj"].scales.reshape(-1))
-    assert any("q_proj" in n for n in kwargs["nodes_to_exclude"])
+    q = kwargs["init_overrides"][graph.weight_names["model.layers.0.self_attn.q_proj"]]
+    assert q == [{"quant_type": QuantType.QUInt16}]  # float layers: 16-bit weights, never a float x fixed-point MatMul
     assert read_overrides("ort", f.path, lm, export=graph) == plan.resolve(_names(lm))
 
 

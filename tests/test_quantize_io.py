@@ -291,3 +291,21 @@ def test_version_1_directories_still_load(tiny, tmp_path):
     ids = _ids()[None, :64]
     with torch.no_grad():
         assert torch.equal(lm2.model(input_ids=ids).logits, qm.build_model()(input_ids=ids).logits)
+
+
+def test_io_and_model_have_no_import_cycle():
+    """model saves itself through storage; io (the loader) imports model at the top, and model never imports io."""
+    import ast
+    from pathlib import Path
+
+    import workbench.quantize.io as io_module
+    import workbench.quantize.model as model_module
+
+    def relative_imports(module, inside_functions: bool) -> set[str]:
+        tree = ast.parse(Path(module.__file__).read_text())
+        scopes = [f for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))] \
+            if inside_functions else [tree]
+        return {n.module for s in scopes for n in ast.walk(s) if isinstance(n, ast.ImportFrom) and n.level == 1}
+
+    assert "io" not in relative_imports(model_module, False)
+    assert "model" in relative_imports(io_module, False) and "model" not in relative_imports(io_module, True)

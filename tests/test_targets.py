@@ -11,7 +11,7 @@ from onnx import TensorProto, helper, numpy_helper
 from workbench.errors import WorkbenchError
 from workbench.graph import export_onnx
 from workbench.models import load_model
-from workbench.targets import TARGETS, RULES_DIR, inspect_graph, load_rules
+from workbench.targets import RULE_TABLES, RULES_DIR, TARGETS, get_target, inspect_graph, load_rules, target_names
 from workbench.targets.base import _check_memory
 
 
@@ -40,10 +40,24 @@ def rotary_graph(tmp_path):
 
 
 def test_every_rule_table_names_its_source():
-    for t in TARGETS:
+    for t in RULE_TABLES:
         rules = json.loads((RULES_DIR / f"{t}.json").read_text())
         assert rules["target"] == t and rules["sources"] and all(s["where"] for s in rules["sources"])
         assert rules["ops"]["mode"] in ("allow", "deny") and rules["ops"]["domains"]
+
+
+def test_each_target_is_one_module_in_one_registry():
+    builtin = {"ort-int4", "ort-qdq", "qnn", "mnn", "llama.cpp", "tensorrt", "rknn"}
+    assert builtin == set(target_names("convert"))
+    modules = {get_target(n).module for n in builtin}
+    assert len(modules) == len(builtin) and all(m.startswith("workbench.targets.") for m in modules)
+    for name in builtin:
+        t = get_target(name)
+        if t.rules is not None:  # inspect takes the target's name and applies its rule table
+            assert name in TARGETS and load_rules(name) == load_rules(t.rules)
+    assert get_target("llama.cpp").rules is None and "llama.cpp" not in TARGETS  # GGUF, not ONNX
+    assert {get_target(n).overrides.name for n in builtin if get_target(n).overrides} == \
+        {"qnn", "ort", "llamacpp", "mnn"}
 
 
 def test_unsupported_ops_are_named_with_their_fix(rotary_graph):
@@ -171,3 +185,71 @@ def test_inspection_reads_no_external_weights(tiny_model_dir, tmp_path):
     report = inspect_graph(static.decode_path, "qnn")
     assert report.ok and report.folded and report.static  # built with constant shapes: nothing left to fold
     assert report.initializer_bytes > 0.9 * len(data)  # counted from shapes, not read
+
+
+TOY_MODULE = '''"""Toy runtime: the simulation's float graph run by onnxruntime, and a JSON file of layer precisions."""
+import json
+from pathlib import Path
+
+from workbench.graph import OnnxCausalLM, export_onnx
+from workbench.targets import OverrideFormat, Target, register_target
+from workbench.targets.common import OverrideFile, layer_precisions
+
+
+def convert_toy(job):
+    ex = export_onnx(job.prep.sim_lm, job.out, check=False)
+    job.report.details["toy"] = "float graph of the simulation"
+    job.measure(OnnxCausalLM(ex.prefill_path).logits, ex.prefill_path, "toy")
+
+
+def write(path, lm, plan, *, quantized=None, export=None, calibration=None):
+    doc = layer_precisions(lm.layers, plan)
+    Path(path).write_text(json.dumps(doc))
+    return OverrideFile(Path(path), "toy-json", len(doc))
+
+
+def read(path, lm, export=None):
+    return json.loads(Path(path).read_text())
+
+
+TARGET = register_target(Target("toy", "Toy runtime", rules=Path(__file__).with_name("toy.json"),
+                                convert=convert_toy, runnable=True, runner=OnnxCausalLM,
+                                overrides=OverrideFormat("toy-json", write, read), module=__name__))
+'''
+
+TOY_RULES = {"target": "toy", "title": "Toy runtime", "sources": [{"where": "this test"}],
+             "ops": {"mode": "allow", "domains": {"ai.onnx": ["MatMul", "Add", "Mul", "Gather", "Softmax"]}}}
+
+
+@pytest.fixture
+def toy_target(tmp_path, monkeypatch):
+    """A target from a test-local module and rule table, registered for this test only."""
+    import importlib.util
+
+    from workbench.targets import registry
+    monkeypatch.setattr(registry, "_TARGETS", dict(registry._TARGETS))
+    (tmp_path / "toy.json").write_text(json.dumps(TOY_RULES))
+    (tmp_path / "toy_target.py").write_text(TOY_MODULE)
+    spec = importlib.util.spec_from_file_location("toy_target", tmp_path / "toy_target.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.TARGET
+
+
+def test_a_new_target_is_one_module_and_one_rule_table(toy_target, tiny_model_dir, lm, tmp_path):
+    from workbench.cli import main
+    from workbench.convert import CONVERT_TARGETS, convert, prepare_models
+    from workbench.overrides import OVERRIDE_FORMATS, read_overrides, write_overrides
+    from workbench.plan import QuantPlan
+    assert "toy" in CONVERT_TARGETS and "toy" in TARGETS and "toy-json" in OVERRIDE_FORMATS
+    report = convert(tiny_model_dir, "toy", tmp_path / "out", prepared=prepare_models(tiny_model_dir, bits=8),
+                     max_tokens=300, ctx=64)
+    assert report.details["toy"] and report.runnable
+    assert report.top1_agreement_vs_simulation > 0.99  # the simulation's own graph: what was evaluated
+    found = inspect_graph(tmp_path / "out" / "prefill.onnx", "toy")
+    assert found.title == "Toy runtime" and not found.ok
+    assert {"Sqrt", "Sigmoid"} <= {f.op_type for f in found.errors}  # outside the toy's table
+    assert main(["inspect", str(tmp_path / "out" / "prefill.onnx"), "--target", "toy"]) == 1
+    plan = QuantPlan.uniform("int4").with_override("*.v_proj", "int8")
+    f = write_overrides("toy-json", tmp_path / "toy-plan.json", lm, plan)
+    assert read_overrides("toy-json", f.path, lm) == plan.resolve([i.name for i in lm.layers])

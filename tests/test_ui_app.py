@@ -1,4 +1,5 @@
 """The app without a browser: one session shared by every tab, AWQ from Quantize to Export, the run's archive."""
+import hashlib
 import json
 import zipfile
 from dataclasses import replace
@@ -104,8 +105,11 @@ def test_awq_from_quantize_is_what_export_converts(app):
     assert report.simulation["kl_divergence"] == pytest.approx(cost.kl_divergence, rel=1e-3, abs=1e-6)
     assert report.kl_divergence == pytest.approx(report.simulation["kl_divergence"], rel=0.5, abs=2e-3)
     doc = json.loads((report.out_dir / "conversion.json").read_text())
-    assert doc["details"]["plan"]["hash"] == plan_hash(qm.plan) and doc["details"]["plan"]["method"] == "awq"
-    assert doc["details"]["quantized_model"] == str(s.quantized_path)
+    assert plan_hash(QuantPlan.from_dict(doc["plan"])) == plan_hash(qm.plan) and doc["plan"]["method"] == "awq"
+    assert doc["quantized_model"]["path"] == str(s.quantized_path.resolve())  # written by convert() itself
+    assert doc["quantized_model"]["manifest_sha256"] == \
+        hashlib.sha256((s.quantized_path / "manifest.json").read_bytes()).hexdigest()
+    assert doc["upstream"]["awq_search"] == qm.awq["workspace_key"]
     assert report.out_dir.is_relative_to(s.conversion_dir)
     assert "Quantize tab measured this model" in app.convert_panel.status.value
 

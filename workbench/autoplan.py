@@ -28,6 +28,7 @@ from .errors import PlanError
 from .evaluate import EvalReport, evaluate, paired_difference
 from .models import LoadedModel
 from .plan import DEFAULT_GROUP_SIZE, QuantPlan, get_precision
+from .quantize.model import bits_per_weight
 from .sensitivity import PlanEvaluator, SensitivityReport
 
 __all__ = ["PlanPrediction", "PlanPoint", "budget_bytes", "check_budget", "plan_footprint", "predict_damage", "plan_for_budget", "measure_plan",
@@ -38,9 +39,11 @@ _MAX_CELLS = 1_000_000  # knapsack table size: exact for small models, 1e-6 of t
 
 
 def plan_footprint(lm: LoadedModel, plan: QuantPlan) -> dict:
-    """Size in bytes and average bits per weight of a plan, from the layer shapes alone (no model run)."""
-    size = lm.size_bytes(plan)
-    return {"size_bytes": int(size), "bits_per_weight": 8.0 * size / lm.parameters}
+    """Size in bytes (norms included) and bits per weight (``quantize.bits_per_weight``, the quantized model's
+    own figure) of a plan, from the layer shapes alone (no model run)."""
+    names = [info.name for info in lm.layers]
+    return {"size_bytes": int(lm.size_bytes(plan)),
+            "bits_per_weight": bits_per_weight(lm.layers, plan.resolve(names), plan.group_size, plan.symmetric)}
 
 
 def predict_damage(sensitivity: SensitivityReport, assignments: Mapping[str, str | None]) -> dict:

@@ -9,9 +9,16 @@ unquantized PyTorch model, and top-1 agreement against the simulation. A convert
 drifts from the simulation (top-1 below ``GAP_TOP1``, or KL well above the simulation's) is
 flagged: that is the "fine in simulation, gibberish on device" failure, caught on the desk.
 
-Targets: ``ort-int4`` (MatMulNBits with the workbench's own integers), ``ort-qdq`` (QDQ for
-onnxruntime's QNN execution provider, run on its CPU), ``mnn`` (.mnn, run by MNN), and bundles for
-SDKs not installable here: ``qnn`` (its QDQ twin is what gets measured), ``tensorrt``, ``rknn``.
+Targets come from the one registry (``workbench.targets``): ``ort-int4`` (MatMulNBits with the
+workbench's own integers), ``ort-qdq`` (QDQ for onnxruntime's QNN execution provider, run on its
+CPU), ``mnn`` (.mnn, run by MNN), and bundles for SDKs not installable here: ``qnn`` (its QDQ twin
+is what gets measured), ``llama.cpp``, ``tensorrt``, ``rknn``. Each target's converter lives in its
+module and gets a ``ConvertJob``: the prepared models, the output folder, the report to fill, and
+the shared steps (static export, calibration inputs, evaluation against the simulation).
+
+``conversion.json`` (written by ``convert``) records the report, the plan, and the quantized model
+it came from: its directory and the SHA-256 of its ``manifest.json`` when it is a saved one, and
+the workspace keys upstream of it (the AWQ search, when there was one).
 
 Memory stays near the model's stored size: the float model keeps its stored dtype (float32
 arithmetic a block at a time), the simulation shares its tensors and holds integer layers as codes
@@ -21,6 +28,7 @@ Big models are evaluated on a token budget by default (``default_eval_tokens``),
 """
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import math
@@ -29,7 +37,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable
 
 import numpy as np
 import torch
@@ -38,15 +46,17 @@ from .errors import ModelLoadError, PlanError
 from .evaluate import DEFAULT_CTX, Window, encode_text, read_text, strided_windows
 from .logits import final_hidden, head_logits
 from .memory import release_freed_memory
-from .graph import OnnxCausalLM, export_onnx, greedy_agreement, share_external_data
+from .graph import ExportResult, OnnxCausalLM, export_onnx
 from .models import LoadedModel, demo_text_path, load_model
-from .plan import QuantPlan, get_precision
+from .plan import QuantPlan
+from .targets import check_precisions, get_target, target_names
 from .workspace import atomic_write_json
 
-__all__ = ["CONVERT_TARGETS", "ConversionReport", "PreparedModels", "prepare_models", "convert", "GAP_TOP1",
-           "calibration_feeds", "default_eval_tokens", "EVAL_PARAMETER_TOKENS", "MIN_EVAL_TOKENS"]
+__all__ = ["CONVERT_TARGETS", "ConversionReport", "PreparedModels", "ConvertJob", "prepare_models", "convert",
+           "GAP_TOP1", "calibration_feeds", "default_eval_tokens", "EVAL_PARAMETER_TOKENS", "MIN_EVAL_TOKENS",
+           "quantized_model_provenance"]
 
-CONVERT_TARGETS = ("ort-int4", "ort-qdq", "mnn", "qnn", "tensorrt", "rknn")
+CONVERT_TARGETS = target_names("convert")  # ort-int4, ort-qdq, qnn, mnn, llama.cpp, tensorrt, rknn, and any registered
 GAP_TOP1 = 0.95  # below this top-1 agreement with the simulation, the converted model is not what was evaluated
 GAP_KL_RATIO = 1.5  # ... or when its KL to the float model exceeds the simulation's by this factor (+ GAP_KL_FLOOR)
 GAP_KL_FLOOR = 0.002
@@ -135,6 +145,9 @@ class ConversionReport:
     ctx: int = 0
     notes: list[str] = field(default_factory=list)
     details: dict = field(default_factory=dict)
+    plan: dict = field(default_factory=dict)  # the plan converted (QuantPlan.to_dict())
+    quantized_model: dict = field(default_factory=dict)  # path, manifest_sha256, method, source_model
+    upstream: dict = field(default_factory=dict)  # workspace keys the quantized model came from
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -360,48 +373,64 @@ def _judge(candidate: _Scores, sim: _Scores) -> tuple[str | None, str | None]:
                   "logits, not a different computation")
 
 
-def _plan_bits_for_qdq(prepared: PreparedModels, weight_names: dict) -> tuple[dict, list[str]]:
-    """Weight bit widths per ONNX initializer for QDQ: 8 for integer layers, 16 for layers the plan keeps float."""
-    bits, notes = {}, []
-    for r in prepared.qm.layers:
-        init = weight_names.get(r.name)
-        if init is None:
-            continue
-        prec = get_precision(r.precision) if r.precision else None
-        bits[init] = 16 if (prec is None or prec.is_float) else 8
-    if any(get_precision(r.precision).bits == 4 for r in prepared.qm.layers if r.precision):
-        notes.append("int4 layers of the plan get 8-bit weights in the QDQ model (onnxruntime's QNN configuration "
-                     "re-quantizes per channel; for the plan's own INT4 integers use --target ort-int4)")
-    notes.append("layers the plan keeps in float get 16-bit weights (A16W16 MatMul) instead of staying float, "
-                 "which HTP would reject as a float x fixed-point MatMul")
-    return bits, notes
+def quantized_model_provenance(prep: PreparedModels) -> tuple[dict, dict]:
+    """(quantized model, upstream keys) of a conversion: the saved directory and its manifest's SHA-256 when
+    ``prep.source`` is one (else the model quantized on the fly), and the AWQ search's workspace key."""
+    qm, src = prep.qm, Path(prep.source)
+    info = {"path": None, "manifest_sha256": None, "method": qm.method, "source_model": str(prep.float_lm.path)}
+    awq_key = (qm.awq or {}).get("workspace_key")
+    if _is_quantized_dir(src) and (src / "manifest.json").is_file():
+        info["path"] = str(src.resolve())
+        info["manifest_sha256"] = hashlib.sha256((src / "manifest.json").read_bytes()).hexdigest()
+        meta = json.loads((src / "quantization.json").read_text(encoding="utf-8"))
+        awq_key = awq_key or (meta.get("awq") or {}).get("workspace_key")
+    return info, ({"awq_search": awq_key} if awq_key else {})
 
 
-def _mnn_weight_args(prepared: PreparedModels) -> tuple[int | None, int | None, list[str]]:
-    qws = [q for name, q in prepared.qm.weights.items() if prepared.qm.layer(name).kind == "linear"]
-    embedded = [r for r in prepared.qm.layers if r.kind == "embedding" and r.name in prepared.qm.weights]
-    notes = [f"{r.name} ({r.precision} in the plan) is a Gather, which MNN's weight quantization does not cover: "
-             "stored as float32 (its simulated values)" for r in embedded]
-    half = _half_layers(prepared)
-    if half:
-        notes.append(f"{half}: float16 in the plan, stored as float32 in the .mnn files (MNN's converter has no "
-                     "per-layer float16 weights)")
-    if not qws:
-        return None, None, notes + ["the plan quantizes no linear layer: MNN stores float32 weights"]
-    kinds = {(q.bits, q.effective_group_size if q.group_size else None) for q in qws}
-    if len(kinds) > 1:
-        return None, None, notes + ["the plan mixes bit widths or group sizes, which one MNN --weightQuantBits setting "
-                                    "cannot express: MNN stores the simulated weights in float32 (the simulation's "
-                                    "values, not a smaller file)"]
-    bits, group = next(iter(kinds))
-    floats = [r.name for r in prepared.qm.layers if r.name not in prepared.qm.weights and r.kind == "linear"]
-    notes.append(f"MNN re-quantizes the simulated weights with --weightQuantBits {bits} --weightQuantBlock "
-                 f"{group or -1} --weightQuantAsymmetric: its min/max grid over values already on the workbench's grid "
-                 "reproduces them (its symmetric mode does not: it rescales and moves every code)")
-    if floats:
-        notes.append(f"layers the plan keeps in float ({', '.join(floats[:4])}) get a [1, K, N] weight so MNN leaves "
-                     "them unquantized, in float32")
-    return bits, group, notes
+class ConvertJob:
+    """One conversion as a target's converter sees it: models, output folder, report, options, shared steps."""
+
+    def __init__(self, prep: PreparedModels, out: Path, report: ConversionReport, work: Path, *, text, max_tokens,
+                 ctx, activation_bits, accuracy_level, static, calibration_samples, calibration_seq_len,
+                 greedy_steps, evaluate_outputs, progress, say, owns_models):
+        self.prep, self.out, self.report, self.work = prep, out, report, work
+        self.text, self.max_tokens, self.ctx = text, max_tokens, ctx
+        self.activation_bits, self.accuracy_level, self.greedy_steps = activation_bits, accuracy_level, greedy_steps
+        self.calibration_samples, self.calibration_seq_len = calibration_samples, calibration_seq_len
+        self.evaluate_outputs, self.progress, self.say, self.owns_models = evaluate_outputs, progress, say, owns_models
+        self.default_ctx = DEFAULT_CTX
+        max_pos = getattr(prep.float_lm.model.config, "max_position_embeddings", None)
+        self.static = static
+        self._static_note = None
+        if max_pos and static[1] + 1 > max_pos:
+            self.static = (min(static[0], max_pos - 1), max_pos - 1)
+            self._static_note = f"static past shortened to {self.static[1]}: the model has {max_pos} positions"
+
+    def export_static(self, where: Path) -> ExportResult:
+        """The float model's graphs with fixed shapes (``static``), as NPU converters want them."""
+        if self._static_note and self._static_note not in self.report.notes:
+            self.report.notes.append(self._static_note)
+        return export_onnx(self.prep.float_lm, where, static=self.static, check=False)
+
+    def feeds(self, export: ExportResult) -> dict[str, list[dict]]:
+        """Calibration inputs for the prefill and decode graphs of ``export`` (run by the float graphs)."""
+        runner = OnnxCausalLM(export.prefill_path, export.decode_path)
+        return calibration_feeds(self.prep.float_lm, samples=self.calibration_samples,
+                                 seq_len=self.calibration_seq_len, runner=runner)
+
+    def evaluator(self, eval_ctx: int | None = None) -> _Evaluator | None:
+        """The float model's and the simulation's scores (None when outputs are not evaluated)."""
+        if not self.evaluate_outputs:
+            return None
+        self.say("evaluating the float model and the simulation")
+        return _Evaluator(self.prep, self.text, self.max_tokens, eval_ctx or self.ctx, self.progress)
+
+    def measure(self, run_logits: Callable[[np.ndarray], np.ndarray], measured_on: Path, desc: str, *,
+                eval_ctx: int | None = None) -> None:
+        """Score a converted model beside the simulation and fill the report."""
+        ev = self.evaluator(eval_ctx)
+        if ev is not None:
+            ev.fill(self.report, ev.score(run_logits, desc), measured_on)
 
 
 def convert(model, target: str, out_dir: str | Path, *, plan: QuantPlan | str | Path | None = None,
@@ -410,120 +439,34 @@ def convert(model, target: str, out_dir: str | Path, *, plan: QuantPlan | str | 
             accuracy_level: int = 4, static: tuple[int, int] = DEFAULT_STATIC, calibration_samples: int = 16,
             calibration_seq_len: int = 128, greedy_steps: int = 32, evaluate_outputs: bool = True,
             progress: bool = False, log: Callable[[str], None] | None = None) -> ConversionReport:
-    """Convert for ``target`` into ``out_dir``; run and compare the result where it can run here.
+    """Convert for ``target`` (a registered target) into ``out_dir``; run and compare the result where it can run.
 
     ``max_tokens`` None evaluates on ``default_eval_tokens`` (the whole text for small models).
     """
-    from .targets import inspect_graph
     say = log or (lambda m: None)
     if target not in CONVERT_TARGETS:
         raise PlanError(f"unknown conversion target '{target}'; choose one of: {', '.join(CONVERT_TARGETS)}")
+    spec = get_target(target)
     if max_tokens is not None and max_tokens < 2:
         raise PlanError(f"--max-tokens must be at least 2 (one token is predicted from another), got {max_tokens}")
     t0 = time.perf_counter()
     prep = prepared or prepare_models(model, plan=plan, bits=bits, progress=progress)
+    check_precisions(spec, [r.precision for r in prep.qm.layers])
     report_seconds = {"prepare": time.perf_counter() - t0}
     release_freed_memory()  # quantization's temporaries: hand their pages back before the graphs are built
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    report = ConversionReport(target, out, [], 0.0, runnable=target in ("ort-int4", "ort-qdq", "mnn", "qnn"))
-    report.details["seconds"] = report_seconds  # per stage; ort-int4 adds its own
-    max_pos = getattr(prep.float_lm.model.config, "max_position_embeddings", None)
-    if max_pos and static[1] + 1 > max_pos:
-        static = (min(static[0], max_pos - 1), max_pos - 1)
-        if target in ("ort-qdq", "qnn", "rknn"):
-            report.notes.append(f"static past shortened to {static[1]}: the model has {max_pos} positions")
-
-    def evaluator(eval_ctx=None) -> _Evaluator | None:
-        if not evaluate_outputs:
-            return None
-        say("evaluating the float model and the simulation")
-        return _Evaluator(prep, text, max_tokens, eval_ctx or ctx, progress)
+    report = ConversionReport(target, out, [], 0.0, runnable=spec.runnable)
+    report.details["seconds"] = report_seconds  # per stage; targets add their own
+    report.plan = prep.qm.plan.to_dict()
+    report.quantized_model, report.upstream = quantized_model_provenance(prep)
     work = Path(tempfile.mkdtemp(prefix="workbench-convert-"))
     try:
-        if target == "ort-int4":
-            _convert_ort_int4(prep, out, report, accuracy_level, greedy_steps, evaluator, progress, say,
-                              owns_models=prepared is None)
-        elif target in ("ort-qdq", "qnn"):
-            from .targets.ort import quantize_qdq
-            say(f"exporting the float model to ONNX with static shapes {static}")
-            sx = export_onnx(prep.float_lm, out if target == "qnn" else work / "static", static=static, check=False)
-            srunner = OnnxCausalLM(sx.prefill_path, sx.decode_path)
-            feeds = calibration_feeds(prep.float_lm, samples=calibration_samples, seq_len=calibration_seq_len,
-                                      runner=srunner)
-            del srunner
-            wbits, notes = _plan_bits_for_qdq(prep, sx.weight_names)
-            report.notes += notes
-            qdq_dir = out if target == "ort-qdq" else out / "ort-qdq-twin"
-            say(f"quantizing to QDQ (A{activation_bits}W8)")
-            infos, qdq_paths = {}, []
-            for name, path in (("prefill", sx.prefill_path), ("decode", sx.decode_path)):
-                qdq_paths.append(qdq_dir / f"{name}.qdq.onnx")
-                infos[name] = _quiet_quantize(quantize_qdq, path, qdq_paths[-1], feeds[name],
-                                              activation_bits=activation_bits, weight_bits_by_initializer=wbits)
-            if share_external_data(qdq_paths, "weights.qdq.data"):
-                report.notes.append("the QDQ graphs keep their weights in one shared weights.qdq.data")
-            report.details["qdq"] = {"activation_bits": activation_bits, "weight_bits": 8, "static": list(static),
-                                     "mask_tensors": len(infos["prefill"]["mask_tensors"]),
-                                     "mask_range": infos["prefill"]["mask_range"]}
-            for g in ("prefill", "decode"):
-                report.details[f"inspection_qdq_{g}"] = inspect_graph(qdq_dir / f"{g}.qdq.onnx", "qnn").summary()
-            if target == "qnn":
-                from .targets.qnn import write_qnn_bundle
-                info = write_qnn_bundle(out, {"prefill": sx.prefill_path, "decode": sx.decode_path}, prep.qm,
-                                        sx.weight_names, feeds, activation_bits=activation_bits)
-                report.notes += info["notes"]
-                report.notes.append("QNN itself cannot run here: the metrics come from the QDQ twin of the same static "
-                                    "graphs (same bit widths, same mask fix) in onnxruntime CPU")
-                for g in ("prefill", "decode"):
-                    report.details[f"inspection_{g}"] = inspect_graph(out / f"{g}.onnx", "qnn").summary()
-            eval_ctx = min(ctx or static[0], static[0])
-            ev = evaluator(eval_ctx)
-            if ev is not None:
-                if eval_ctx != (ctx or DEFAULT_CTX):
-                    report.notes.append(f"evaluated with {eval_ctx}-token windows, the static graph's sequence length "
-                                        "(the simulation is scored on the same windows)")
-                cand = ev.score(OnnxCausalLM(qdq_dir / "prefill.qdq.onnx").logits, "qdq")
-                ev.fill(report, cand, qdq_dir / "prefill.qdq.onnx")
-        elif target == "mnn":
-            from .targets.mnn import MnnCausalLM, convert_to_mnn, keep_matmul_weights_float
-            say("exporting the simulation to ONNX")
-            ex = export_onnx(prep.sim_lm, work / "sim", check=False)
-            wb, block, notes = _mnn_weight_args(prep)
-            report.notes += notes + ["MNN stores each graph's weights in its own .mnn file"]
-            float_inits = [ex.weight_names[r.name] for r in prep.qm.layers if r.name in ex.weight_names
-                           and r.name not in prep.qm.weights and ex.weight_layouts.get(r.name) == "in_out"]
-            say("converting to MNN")
-            kept: list[str] = []
-            for p in (ex.prefill_path, ex.decode_path):
-                src = p
-                if wb and float_inits:
-                    src = p.with_name(f"float-kept-{p.name}")
-                    kept = keep_matmul_weights_float(p, src, float_inits)
-                convert_to_mnn(src, out / p.with_suffix(".mnn").name, weight_bits=wb, block_size=block, asymmetric=True)
-            shutil.rmtree(work / "sim", ignore_errors=True)
-            report.details["mnn"] = {"weight_bits": wb, "block": block, "asymmetric": True, "kept_float": kept}
-            ev = evaluator()
-            if ev is not None:
-                cand = ev.score(MnnCausalLM(out / "prefill.mnn", threads=2).logits, "mnn")
-                ev.fill(report, cand, out / "prefill.mnn")
-        elif target == "tensorrt":
-            from .targets.tensorrt import write_tensorrt_bundle
-            ex = export_onnx(prep.sim_lm, out, check=False)
-            insp = inspect_graph(ex.prefill_path, "tensorrt")
-            fp32 = [n for f in insp.findings if f.rule in ("fp16-overflow",) for n in f.nodes]
-            info = write_tensorrt_bundle(out, {"prefill": ex.prefill_path, "decode": ex.decode_path}, fp32_layers=fp32)
-            report.notes += info["notes"] + ["the graphs carry the simulated (dequantized) weights of the plan"]
-            report.details["inspection"] = insp.summary()
-        elif target == "rknn":
-            from .targets.rknn import write_rknn_bundle
-            sx = export_onnx(prep.float_lm, out, static=static, check=False)
-            srunner = OnnxCausalLM(sx.prefill_path, sx.decode_path)
-            sfeeds = calibration_feeds(prep.float_lm, samples=calibration_samples, seq_len=calibration_seq_len,
-                                       runner=srunner)
-            info = write_rknn_bundle(out, {"prefill": sx.prefill_path, "decode": sx.decode_path}, sfeeds)
-            report.notes += info["notes"]
-            report.details["inspection"] = inspect_graph(sx.prefill_path, "rknn").summary()
+        spec.convert(ConvertJob(prep, out, report, work, text=text, max_tokens=max_tokens, ctx=ctx,
+                                activation_bits=activation_bits, accuracy_level=accuracy_level, static=static,
+                                calibration_samples=calibration_samples, calibration_seq_len=calibration_seq_len,
+                                greedy_steps=greedy_steps, evaluate_outputs=evaluate_outputs, progress=progress,
+                                say=say, owns_models=prepared is None))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     if not report.runnable:
@@ -533,120 +476,3 @@ def convert(model, target: str, out_dir: str | Path, *, plan: QuantPlan | str | 
     atomic_write_json(out / "conversion.json", json.loads(json.dumps(report.to_dict(), default=str)))
     report.files = _files(out)
     return report
-
-
-def _half_layers(prep: PreparedModels) -> str | None:
-    """The layers the plan keeps in float16 (a tied pair once), as a short list for notes; None if there are none."""
-    half = [r.name for r in prep.qm.layers if r.precision and get_precision(r.precision).is_float
-            and get_precision(r.precision).bits == 16 and not (r.tied_to and not r.untied)]
-    if not half:
-        return None
-    return ", ".join(half[:4]) + (f" and {len(half) - 4} more" if len(half) > 4 else "")
-
-
-def _storage_notes(prep: PreparedModels, kept_float: dict[str, str]) -> list[str]:
-    """What the plan's float layers became in the ONNX Runtime graphs (never silently float32)."""
-    notes = [f"{k}: {v}" for k, v in kept_float.items()]
-    half = _half_layers(prep)
-    if half:
-        notes.append(f"{half}: float16 in the plan, stored as float16 (onnxruntime's CPU widens float16 weights to "
-                     "float32 when it loads the model: on the CPU they compute as float32)")
-    return notes
-
-
-def _release_float_model(prep: PreparedModels, keep: Sequence[torch.nn.Module] = ()) -> None:
-    """Drop the float model once its reference outputs are captured; the simulation keeps what it shares.
-
-    Only for models the conversion loaded itself. The float copies of the integer layers (most of the
-    network) then leave memory before onnxruntime loads the converted model. The loader maps the
-    checkpoint file and parameters are views of that map, so the float tensors still in use (the
-    simulation's, and those of the ``keep`` modules) get their own copies, letting the map close.
-    """
-    lm = prep.float_lm
-    prep.float_lm = LoadedModel(None, lm.tokenizer, lm.path, lm.name, lm.layers)
-    prep.qm.source = None
-    del lm
-    for p in {id(p): p for m in (prep.sim_lm.model, *keep) for p in m.parameters()}.values():
-        p.data = p.data.clone()
-    release_freed_memory()
-
-
-def _convert_ort_int4(prep: PreparedModels, out: Path, report: ConversionReport, accuracy_level: int,
-                      greedy_steps: int, evaluator: Callable[[], "_Evaluator | None"], progress: bool,
-                      say: Callable[[str], None], owns_models: bool = False) -> None:
-    """MatMulNBits graphs from the plan's integers; greedy tokens, decode speed and accuracy per accuracy level."""
-    from .targets.ort import ACCURACY_LEVELS, build_nbits_onnx
-    seconds, t = report.details["seconds"], time.perf_counter()
-    say("building the ONNX Runtime graphs from the plan's integers")
-    build = build_nbits_onnx(prep.sim_lm.model, out, prep.qm.precisions, accuracy_level=accuracy_level,
-                             progress=progress)
-    graphs = build.graphs
-    report.details.update(accuracy_level=accuracy_level, accuracy_level_meaning=ACCURACY_LEVELS[accuracy_level],
-                          replaced_layers=len(build.replaced), kept_float=build.kept_float,
-                          weight_bytes=graphs.weight_bytes, external_data=graphs.data_path is not None)
-    report.notes += _storage_notes(prep, build.kept_float)
-    if graphs.data_path is not None:
-        report.notes.append(f"prefill.onnx and decode.onnx share their weights in {graphs.data_path.name}; the decode "
-                            "graph also runs prefill (a past of length 0)")
-    seconds["build"] = time.perf_counter() - t
-    release_freed_memory()
-    t = time.perf_counter()
-    ev = evaluator()
-    if owns_models:
-        _release_float_model(prep, keep=[ev.head] if ev is not None else [])
-    release_freed_memory()
-    seconds["reference_and_simulation"] = time.perf_counter() - t
-    prompt = prep.float_lm.tokenizer("The workbench measures what each choice costs.",
-                                     add_special_tokens=False)["input_ids"]
-    report.details["decode_tokens_per_second"], levels = {}, {}
-    for level in [accuracy_level] + ([0] if accuracy_level != 0 else []):
-        say(f"running accuracy level {level} in onnxruntime")
-        t = time.perf_counter()
-        runner = OnnxCausalLM(graphs.prefill_path, graphs.decode_path, threads=1,
-                              accuracy_level=None if level == accuracy_level else level)
-        if level == accuracy_level:
-            tokens = runner.generate_greedy(prompt, greedy_steps)
-            report.details["greedy_match_steps_vs_simulation"] = greedy_agreement(prep.sim_lm.model, prompt, tokens)[0]
-        report.details["decode_tokens_per_second"][level] = _decode_speed(runner, prompt)
-        if ev is not None:
-            # the second level checks the integers against the simulation: one window is enough on a budget
-            windows = 1 if level != accuracy_level and ev.budget_note else None
-            cand = ev.score(runner.logits, f"ort-int4 level {level}", windows)
-            levels[level] = {"kl_divergence": cand.kl_divergence, "top1_agreement": cand.top1_agreement,
-                             "top1_agreement_vs_simulation": cand.top1_agreement_vs_simulation, "tokens": cand.tokens}
-            if level == accuracy_level:
-                ev.fill(report, cand, graphs.prefill_path)
-        del runner  # one runtime in memory at a time
-        release_freed_memory()
-        seconds[f"accuracy_level_{level}"] = time.perf_counter() - t
-    if levels:
-        report.details["accuracy_levels"] = levels
-
-
-def _quiet_quantize(fn, *args, **kw):
-    """onnxruntime's quantizer logs advice to the root logger; keep CLI and notebook output clean."""
-    import logging
-    root = logging.getLogger()
-    level = root.level
-    root.setLevel(logging.ERROR)
-    try:
-        return fn(*args, **kw)
-    finally:
-        root.setLevel(level)
-
-
-def _decode_speed(runner: OnnxCausalLM, prompt: list[int], steps: int = 32, repeats: int = 3) -> float:
-    """Decode tokens per second after one warm-up step (prefill excluded): the best of ``repeats`` runs
-    while a run takes under a second, so a busy machine's pauses do not decide a small model's figure."""
-    _, _, kv0 = runner.run_prefill(prompt)
-    runner.run_decode(1, kv0, len(prompt))  # warm-up
-    best = math.inf
-    for _ in range(repeats):
-        kv, pos, t = kv0, len(prompt), time.perf_counter()
-        for i in range(steps):
-            _, kv, _ = runner.run_decode(1 + i % 7, kv, pos)
-            pos += 1
-        best = min(best, time.perf_counter() - t)
-        if best >= 1.0:
-            break
-    return steps / best if best > 0 else math.inf

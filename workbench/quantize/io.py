@@ -1,5 +1,8 @@
 """Save a quantized model to a directory, and load it back to the same logits.
 
+Writing and the stored layout live in ``storage`` (which ``QuantizedModel.save`` uses); this module
+loads, and re-exports the writing side so both directions are importable from here.
+
 Layout (written atomically: built in a temporary sibling directory, then renamed into place)::
 
     config.json, tokenizer files   the source model's, with tie_word_embeddings cleared if untied, and a
@@ -28,270 +31,26 @@ directories (``quantized.safetensors`` beside a float-only ``model.safetensors``
 """
 from __future__ import annotations
 
-import copy
 import json
-import shutil
-import sys
-import tempfile
-import time
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import nn
-from torch.nn import functional as F
 
-from ..errors import ModelLoadError, WorkspaceError
-from ..plan import QuantPlan, get_precision
-from ..workspace import atomic_write_json, check_output_dir, file_sha256, library_versions, swap_into_place
-from .qtensor import QuantizedWeight, pack_int4, unpack_int4
+from ..errors import ModelLoadError
+from ..plan import QuantPlan
+from ..workspace import file_sha256
+from .model import LayerQuantReport, QuantizedModel
+from .qtensor import QuantizedWeight, unpack_int4
+from .storage import (_HALF, FORMAT, FORMAT_VERSION, TRANSFORMERS_CANNOT, V1_FLOAT_FILE, V1_QUANT_FILE, WEIGHTS_FILE,
+                      WORKBENCH_WEIGHTS_FILE, _ct_shapes, _stored_integer_layers, _weight_from_file,
+                      _write_manifest, compressed_tensors_config, float_storage, layer_storage, pack_int32,
+                      save_quantized, unpack_int32, weight_file_bytes, write_report)
 
 __all__ = ["save_quantized", "load_quantized", "layer_storage", "float_storage", "write_report", "FORMAT",
            "weight_file_bytes", "pack_int32", "unpack_int32", "compressed_tensors_config", "WEIGHTS_FILE",
            "WORKBENCH_WEIGHTS_FILE", "TRANSFORMERS_CANNOT"]
-
-FORMAT = "workbench-quantized"
-FORMAT_VERSION = 2
-WEIGHTS_FILE = "model.safetensors"  # the file transformers looks for
-WORKBENCH_WEIGHTS_FILE = "workbench.safetensors"  # integer embeddings: a name transformers does not look for
-V1_FLOAT_FILE, V1_QUANT_FILE = "model.safetensors", "quantized.safetensors"
-CT_FORMAT = "pack-quantized"
-_HALF = {torch.float16, torch.bfloat16}
-# Measured with transformers 5.17 and compressed-tensors 0.20.1: a pack-quantized nn.Embedding fails in
-# transformers' weight initialisation, so such a directory is kept out of its reach.
-TRANSFORMERS_CANNOT = ("an integer embedding: transformers 5.17 with compressed-tensors 0.20 fails to build one "
-                       "(AttributeError: 'Embedding' object has no attribute 'weight'); load it with "
-                       "workbench.load_model")
-
-
-def _lossless_float(t: torch.Tensor) -> torch.Tensor:
-    """A 16-bit tensor as it is; a float32 one as float16 when that keeps every value exactly, else float32."""
-    t = t.detach()
-    if t.dtype in (torch.float16, torch.bfloat16):
-        return t
-    t16 = t.to(torch.float16)
-    return t16 if torch.equal(t16.to(t.dtype), t) else t.to(torch.float32)
-
-
-# -- compressed-tensors pack-quantized tensors ------------------------------------------------------
-
-def pack_int32(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """uint8 codes ``[rows, cols]`` (4 or 8 bits) -> int32 ``[rows, ceil(cols * bits / 32)]``.
-
-    ``32 / bits`` codes a word, the first in the lowest bits: compressed-tensors' ``pack_to_int32``
-    of the signed codes. Built byte-wise (nibble pairs for int4), so no wider temporary than the codes.
-    """
-    if sys.byteorder != "little":  # the int32 words are read as their little-endian bytes
-        raise NotImplementedError("packing quantized weights needs a little-endian machine")
-    per_word = 32 // bits
-    codes = codes.to(torch.uint8)
-    pad = -codes.shape[-1] % per_word
-    if pad:
-        codes = F.pad(codes, (0, pad))
-    packed = pack_int4(codes) if bits == 4 else codes
-    return packed.contiguous().flatten().view(torch.int32).view(*packed.shape[:-1], -1)
-
-
-def unpack_int32(packed: torch.Tensor, bits: int, length: int) -> torch.Tensor:
-    """Inverse of :func:`pack_int32`: uint8 codes, the last axis cut to ``length``."""
-    if sys.byteorder != "little":
-        raise NotImplementedError("unpacking quantized weights needs a little-endian machine")
-    raw = packed.contiguous().flatten().view(torch.uint8).view(*packed.shape[:-1], -1)
-    return unpack_int4(raw, length) if bits == 4 else raw[..., :length]
-
-
-def _packed_shape(rows: int, cols: int, bits: int) -> tuple[int, int]:
-    return rows, -(-cols * bits // 32)
-
-
-def _ct_shapes(name: str, shape: tuple[int, int], bits: int, group_size: int | None, symmetric: bool) -> dict:
-    """The tensors (name -> shape) one integer layer is stored as."""
-    out_f, in_f = shape
-    groups = in_f // (group_size or in_f)
-    d = {f"{name}.weight_packed": _packed_shape(out_f, in_f, bits), f"{name}.weight_scale": (out_f, groups),
-         f"{name}.weight_shape": (2,)}
-    if not symmetric:
-        d[f"{name}.weight_zero_point"] = _packed_shape(groups, out_f, bits)[::-1]  # packed along the output axis
-    return d
-
-
-def _quant_tensors(name: str, qw: QuantizedWeight) -> dict[str, torch.Tensor]:
-    """One integer layer's packed codes, float16 scales and packed zero points (without its shape record)."""
-    out = {f"{name}.weight_packed": pack_int32(qw.storage_codes(), qw.bits),
-           f"{name}.weight_scale": qw.scales.to(torch.float16)}
-    if qw.zeros is not None:
-        out[f"{name}.weight_zero_point"] = pack_int32(qw.zeros.t(), qw.bits).t()
-    return {k: v.contiguous() for k, v in out.items()}
-
-
-def _file_tensors(name: str, qw: QuantizedWeight) -> dict[str, torch.Tensor]:
-    return {**_quant_tensors(name, qw), f"{name}.weight_shape": torch.tensor(qw.shape, dtype=torch.int64)}
-
-
-def _weight_from_file(name: str, t: dict, bits: int, group_size: int | None) -> QuantizedWeight:
-    out_f, in_f = (int(x) for x in t[f"{name}.weight_shape"])
-    codes = unpack_int32(t[f"{name}.weight_packed"], bits, in_f)
-    zp = t.get(f"{name}.weight_zero_point")
-    zeros = None if zp is None else unpack_int32(zp.t(), bits, out_f).t()
-    return QuantizedWeight.from_storage_codes(codes, t[f"{name}.weight_scale"], zeros, bits, group_size)
-
-
-def _stored_integer_layers(qm) -> list:
-    """Integer layers with their own tensors (a tied copy is stored once, under the embedding)."""
-    return [r for r in qm.layers if r.name in qm.weights and not (r.tied_to and not r.untied)]
-
-
-def compressed_tensors_config(qm) -> dict:
-    """The ``quantization_config`` transformers reads: one config group per (bits, group size, symmetry)."""
-    groups: dict[tuple, list[str]] = {}
-    for r in _stored_integer_layers(qm):
-        qw = qm.weights[r.name]
-        groups.setdefault((qw.bits, qw.group_size, qw.symmetric), []).append(r.name)
-    config_groups = {}
-    for i, ((bits, g, sym), names) in enumerate(groups.items()):
-        config_groups[f"group_{i}"] = {
-            "targets": names, "input_activations": None, "output_activations": None,
-            "weights": {"num_bits": bits, "type": "int", "symmetric": sym, "strategy": "group" if g else "channel",
-                        "group_size": g, "dynamic": False}}
-    return {"quant_method": "compressed-tensors", "format": CT_FORMAT, "quantization_status": "compressed",
-            "config_groups": config_groups, "ignore": []}
-
-
-# -- saving -----------------------------------------------------------------------------------------
-
-def _source_params(qm) -> dict[str, torch.Tensor]:
-    if qm.source is None:
-        raise WorkspaceError("this QuantizedModel has no source model to take its float tensors from; "
-                             "create it with quantize_model or load_quantized")
-    params = dict(qm.source.model.named_parameters(remove_duplicate=False))
-    return {**params, **qm.float_overrides}
-
-
-def layer_storage(qm) -> dict[str, torch.Tensor]:
-    """Every layer weight as stored (tied weights once): packed codes, scales, zero points, float layers."""
-    params = _source_params(qm)
-    out: dict[str, torch.Tensor] = {}
-    for r in qm.layers:
-        if r.tied_to and not r.untied:
-            continue  # stored once, under the embedding
-        if r.name in qm.weights:
-            out.update(_quant_tensors(r.name, qm.weights[r.name]))
-            continue
-        w = params[f"{r.name}.weight"].detach()
-        prec = get_precision(r.precision) if r.precision else None
-        if prec is not None and prec.bits == 16:
-            out[f"{r.name}.weight"] = w.to(torch.float16)
-        elif prec is not None and prec.bits == 32:
-            out[f"{r.name}.weight"] = w.to(torch.float32)
-        else:
-            out[f"{r.name}.weight"] = _lossless_float(w)
-    return out
-
-
-def float_storage(qm) -> dict[str, torch.Tensor]:
-    """Float tensors: float layer weights plus every non-layer parameter."""
-    params = _source_params(qm)
-    layer_weights = {f"{r.name}.weight" for r in qm.layers}
-    stored = {k: v for k, v in layer_storage(qm).items() if k.endswith(".weight") and k in layer_weights}
-    seen = {id(p) for k, p in qm.source.model.named_parameters(remove_duplicate=False) if k in layer_weights}
-    for name, p in params.items():
-        if name in layer_weights or (name not in qm.float_overrides and id(p) in seen):
-            continue
-        stored[name] = _lossless_float(p)
-    return {k: v.contiguous() for k, v in stored.items()}
-
-
-def weight_file_bytes(directory: str | Path) -> int:
-    """Bytes of the weight files (``*.safetensors``) in a model directory, from the files themselves."""
-    return sum(f.stat().st_size for f in Path(directory).glob("*.safetensors"))
-
-
-def _layer_entry(qm, r) -> dict:
-    d = r.to_dict()
-    qw = qm.weights.get(r.name)
-    if qw is not None and not (r.tied_to and not r.untied):
-        d.update(bits=qw.bits, symmetric=qw.symmetric, storage_bytes=qw.storage_bytes(),
-                 tensors=sorted(_ct_shapes(r.name, qw.shape, qw.bits, qw.group_size, qw.symmetric)))
-    return d
-
-
-def _write_manifest(directory: Path, extra: dict) -> None:
-    files = {f.name: {"size": f.stat().st_size, "sha256": file_sha256(f)}
-             for f in sorted(directory.iterdir()) if f.is_file() and f.name != "manifest.json"}
-    atomic_write_json(directory / "manifest.json", {"format": FORMAT, "version": FORMAT_VERSION, **extra,
-                                                    "versions": library_versions(), "files": files})
-
-
-def _write_config(qm, directory: Path, transformers_loads: bool) -> None:
-    config = copy.deepcopy(qm.source.model.config)
-    if qm.unties_embeddings:
-        for cfg in {id(c): c for c in (config, config.get_text_config())}.values():
-            cfg.tie_word_embeddings = False
-    config.save_pretrained(directory)
-    path = directory / "config.json"
-    raw = json.loads(path.read_text(encoding="utf-8"))
-    raw.pop("quantization_config", None)
-    if transformers_loads:
-        raw["quantization_config"] = compressed_tensors_config(qm)
-    atomic_write_json(path, raw)
-
-
-def save_quantized(qm, directory: str | Path, *, report: dict | None = None) -> Path:
-    """Write ``qm`` to ``directory`` (replaced as a whole if it holds an earlier quantized model)."""
-    out = check_output_dir(directory, FORMAT)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.partial-"))
-    try:
-        lm = qm.source
-        stored = _stored_integer_layers(qm)
-        transformers_loads = not any(r.kind == "embedding" for r in stored)
-        weights_file = WEIGHTS_FILE if transformers_loads else WORKBENCH_WEIGHTS_FILE
-        _write_config(qm, tmp, transformers_loads)
-        if lm.tokenizer is not None:
-            lm.tokenizer.save_pretrained(tmp)
-        tensors = float_storage(qm)
-        for r in stored:
-            tensors.update(_file_tensors(r.name, qm.weights[r.name]))
-        save_file(tensors, tmp / weights_file, metadata={"format": "pt"})
-        del tensors
-        qm.plan.save(tmp / "plan.json")
-        meta = {"format": FORMAT, "version": FORMAT_VERSION, "method": qm.method, "source": str(lm.path),
-                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "seconds": qm.seconds,
-                "bits_per_weight": qm.bits_per_weight, "weights_file": weights_file,
-                "transformers": {"loads": transformers_loads,
-                                 "format": f"compressed-tensors {CT_FORMAT}" if transformers_loads else None,
-                                 "why_not": None if transformers_loads else TRANSFORMERS_CANNOT},
-                "layers": [_layer_entry(qm, r) for r in qm.layers]}
-        if qm.awq:
-            meta["awq"] = {"tokens": qm.awq.get("tokens"), "grid": qm.awq.get("grid"),
-                           "search_seconds": qm.awq.get("seconds"),
-                           "groups": [{"prev": e["group"]["prev"], "layers": e["group"]["layers"], "alpha": e["alpha"],
-                                       "loss": e["loss"], "identity_loss": e["identity_loss"]}
-                                      for e in qm.awq["groups"]],
-                           "clipped_layers": sorted(qm.awq.get("clips", {}))}
-        if qm.gptq:
-            meta["gptq"] = dict(qm.gptq)
-        atomic_write_json(tmp / "quantization.json", meta)
-        if report is not None:
-            atomic_write_json(tmp / "report.json", report)
-        _write_manifest(tmp, {"method": qm.method, "source": str(lm.path)})
-        swap_into_place(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
-
-
-def write_report(directory: str | Path, report: dict) -> Path:
-    """Add (or replace) ``report.json`` in a saved quantized model and refresh its manifest."""
-    d = Path(directory)
-    if not (d / "manifest.json").is_file():
-        raise WorkspaceError(f"'{d}' is not a saved quantized model (no manifest.json)")
-    manifest = json.loads((d / "manifest.json").read_text())
-    atomic_write_json(d / "report.json", report)
-    _write_manifest(d, {k: manifest[k] for k in ("method", "source") if k in manifest})
-    return d / "report.json"
 
 
 # -- loading ----------------------------------------------------------------------------------------
@@ -388,7 +147,6 @@ class _Skeleton:
 
 def _layer_reports(meta: dict, version: int, tensors: _Tensors) -> tuple[list, dict]:
     """quantization.json's layers, and per stored integer layer ``(bits, group size, symmetric, tensor shapes)``."""
-    from .model import LayerQuantReport
     reports, integer = [], {}
     for entry in meta["layers"]:
         r = LayerQuantReport(entry["name"], entry["kind"], tuple(entry["shape"]), entry["precision"],
@@ -492,7 +250,6 @@ def load_quantized(directory: str | Path, *, verify: bool = True, dtype: str | t
     from transformers.utils import logging as hf_logging
 
     from ..models import LoadedModel, load_tokenizer_from, quantizable_layers, resolve_dtype
-    from .model import QuantizedModel
     hf_logging.set_verbosity_error()
     d = Path(directory)
     meta, files = _open_directory(d, verify)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Mapping
 
 import torch
 from torch import nn
@@ -23,9 +24,10 @@ from ..errors import PlanError
 from ..plan import QuantPlan, get_precision
 from .qtensor import SUPPORTED_BITS, QuantizedWeight
 from .rtn import quantize_weight
+from .storage import layer_storage, save_quantized
 
 __all__ = ["LayerQuantReport", "QuantizedModel", "quantize_model", "resolve_group_size", "METHODS",
-           "CALIBRATED_METHODS"]
+           "CALIBRATED_METHODS", "bits_per_weight"]
 
 METHODS = ("rtn", "awq", "gptq")
 CALIBRATED_METHODS = ("awq", "gptq")  # they read calibration samples
@@ -45,6 +47,29 @@ def resolve_group_size(in_features: int, group_size: int | None) -> tuple[int | 
                            f"nearest multiple of {FALLBACK_MULTIPLE} {where} it that does")
     return None, (f"group size {group_size} does not divide {in_features} input features and no multiple of "
                   f"{FALLBACK_MULTIPLE} below {in_features} does; using per-channel scales")
+
+
+def bits_per_weight(layers, precisions: Mapping[str, str | None], group_size: int | None = None,
+                    symmetric: bool = True) -> float:
+    """The one bits-per-weight figure: stored bits of the quantizable layers' weights per weight.
+
+    Integer layers count their packed codes, float16 scales and zero points (``Precision.weight_bytes``)
+    at the group size each really gets (``resolve_group_size``), float layers their width, and layers
+    left alone 16 bits; a tied weight counts once when both uses share a precision. Norms and biases
+    are not weights here. Plans (``autoplan.plan_footprint``, from layer shapes) and quantized models
+    (``QuantizedModel.bits_per_weight``) both report this, so the same plan shows the same figure.
+    """
+    counted: dict[tuple[str, str], tuple[int, int]] = {}
+    for info in layers:
+        prec = get_precision(precisions.get(info.name)) or get_precision("fp16")
+        key = (info.tied_to or info.name, prec.name)
+        if key in counted:
+            continue
+        out_features, in_features = info.shape
+        gs = None if prec.is_float else resolve_group_size(in_features, group_size)[0]
+        counted[key] = (prec.weight_bytes(out_features, in_features, gs, symmetric), out_features * in_features)
+    weights = sum(n for _, n in counted.values())
+    return 8 * sum(b for b, _ in counted.values()) / weights if weights else 0.0
 
 
 @dataclass
@@ -173,12 +198,10 @@ class QuantizedModel:
 
     def save(self, directory: str | Path, *, report: dict | None = None) -> Path:
         """Save as a directory a float model loader and every exporter can read (see ``io``)."""
-        from .io import save_quantized
         return save_quantized(self, directory, report=report)
 
     def storage_bytes(self) -> int:
         """Bytes of all layer weights as stored (packed integers + scales + zeros, float layers)."""
-        from .io import layer_storage
         return sum(t.numel() * t.element_size() for t in layer_storage(self).values())
 
     @property
@@ -187,8 +210,8 @@ class QuantizedModel:
 
     @property
     def bits_per_weight(self) -> float:
-        """Average stored bits per layer weight (scales and zero points included; tied weights once)."""
-        return 8 * self.storage_bytes() / self.parameters
+        """Average stored bits per layer weight (``bits_per_weight``: the same figure as the plan's estimate)."""
+        return bits_per_weight(self.layers, self.precisions, self.plan.group_size, self.plan.symmetric)
 
     def table(self) -> str:
         rows = [("layer", "shape", "precision", "group", "error", "note")]
@@ -269,7 +292,7 @@ def _cached_awq_search(workspace, model, samples, mean_abs, spec, awq_tokens, pr
         return {"groups": len(result["groups"]), "tokens": result["tokens"], "seconds": result["seconds"]}
 
     art = workspace.get_or_compute("awq", inputs, compute)
-    return load_awq_search(art.path)
+    return {**load_awq_search(art.path), "workspace_key": art.key}  # conversions name it as their upstream
 
 
 def quantize_model(lm, plan: QuantPlan, *, calibration=None, method: str | None = None, strict: bool = False,

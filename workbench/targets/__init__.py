@@ -1,14 +1,29 @@
-"""Deployment targets: operator rules (``assets/targets/*.json``) and, per target, its converter or SDK commands.
+"""Deployment targets, one module each, in one registry; and the operator rules they check graphs against.
 
     report = inspect_graph("out/onnx/decode.onnx", "qnn")
-    print(report.summary())
+    print(report.summary()); get_target("qnn").convert, target_names("convert")
 
-One module per target: ``qnn`` (QNN HTP: static export, encodings overrides, converter commands),
-``ort`` (ONNX Runtime: QDQ for the QNN execution provider, INT4 MatMulNBits), ``mnn`` (MNN
-conversion and runtime), ``rknn`` (RKNN-Toolkit2 build script), ``tensorrt`` (trtexec commands).
+Each module here (``ort_int4``, ``ort_qdq``, ``qnn``, ``mnn``, ``llamacpp``, ``tensorrt``, ``rknn``)
+registers one ``Target``: its rule table (``assets/targets/*.json``), its converter, its runner and
+its override-file format. Every module of this package except the shared ones is imported here, so
+adding a target is one file plus one rule table; a target defined elsewhere registers itself with
+``register_target`` when its module is imported.
 """
+import importlib
+import pkgutil
+
 from .base import RULES_DIR, Finding, GraphReport, graph_is_static, inspect_graph, load_rules
+from .registry import (OverrideFormat, Target, check_precisions, get_target, override_format, register_target,
+                       target_names)
 
-__all__ = ["TARGETS", "RULES_DIR", "Finding", "GraphReport", "inspect_graph", "load_rules", "graph_is_static"]
+__all__ = ["TARGETS", "RULES_DIR", "Finding", "GraphReport", "inspect_graph", "load_rules", "graph_is_static",
+           "Target", "OverrideFormat", "register_target", "get_target", "target_names", "override_format",
+           "check_precisions", "RULE_TABLES"]
 
-TARGETS = ("qnn", "ort", "mnn", "rknn", "tensorrt")  # each has assets/targets/<name>.json
+_SHARED = {"base", "registry", "common"}
+for _m in pkgutil.iter_modules(__path__):
+    if _m.name not in _SHARED:
+        importlib.import_module(f"{__name__}.{_m.name}")
+
+RULE_TABLES = tuple(sorted(p.stem for p in RULES_DIR.glob("*.json")))  # assets/targets/<name>.json
+TARGETS = target_names("rules")  # what `workbench inspect --target` takes: targets with rules (and the tables' names)

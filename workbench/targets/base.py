@@ -20,12 +20,11 @@ import numpy as np
 
 from ..errors import WorkbenchError
 from ..graph import SHAPE_OPS, OpCount, fold_constants, initializer_bytes, load_onnx, operator_inventory
-from ..models import ASSETS_DIR
+from .registry import RULES_DIR, rules_path
 
 __all__ = ["RULES_DIR", "Finding", "GraphReport", "load_rules", "inspect_graph", "graph_is_static",
            "FP16_MIN_NORMAL", "SEVERITIES"]
 
-RULES_DIR = ASSETS_DIR / "targets"
 FP16_MIN_NORMAL = 6.103515625e-05  # smaller values are subnormal in float16 and flushed to zero by many NPUs
 FP16_SQUARE_LIMIT = 255.9  # x * x overflows float16 (max 65504) above this magnitude
 SEVERITIES = ("error", "warning", "info")
@@ -85,12 +84,8 @@ class GraphReport:
 
 
 def load_rules(target: str) -> dict:
-    """The rule table of ``target`` (``assets/targets/<target>.json``)."""
-    path = RULES_DIR / f"{target}.json"
-    if not path.is_file():
-        known = ", ".join(sorted(p.stem for p in RULES_DIR.glob("*.json")))
-        raise WorkbenchError(f"unknown target '{target}'; choose one of: {known}")
-    return json.loads(path.read_text(encoding="utf-8"))
+    """The rule table of ``target``: a registered target's (``Target.rules``), or ``assets/targets/<target>.json``."""
+    return json.loads(rules_path(target).read_text(encoding="utf-8"))
 
 
 def graph_is_static(proto) -> bool:

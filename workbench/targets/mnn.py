@@ -1,7 +1,8 @@
-"""MNN: convert an ONNX graph to ``.mnn`` with the MNN Python package, and run it for evaluation.
+"""MNN, ``mnn``: convert an ONNX graph to ``.mnn`` with the MNN Python package, run it, and write llmexport's config.
 
     convert_to_mnn("sim/prefill.onnx", "mnn/prefill.mnn", weight_bits=4, block_size=128)
     runner = MnnCausalLM("mnn/prefill.mnn"); logits = runner.logits(ids)
+    write_mnn_quant_config("mnn.json", lm, plan)     # llmexport.py --quant_config mnn.json
 
 The converter is the package's compiled extension (``_tools.mnnconvert``), called directly:
 ``MNN.tools.mnnconvert`` (what the ``mnnconvert`` command runs) installs a logging SDK with pip
@@ -23,12 +24,21 @@ import io
 import os
 import sys
 from pathlib import Path
+from typing import Mapping
 
 import numpy as np
 
-from ..errors import WorkbenchError
+from ..errors import PlanError, WorkbenchError
+from ..graph import export_onnx
+from ..models import LoadedModel
+from ..plan import QuantPlan, get_precision
+from ..quantize.model import resolve_group_size
+from ..workspace import atomic_write_json
+from .common import OverrideFile, block_role, half_layers, layer_precisions, read_json_object
+from .registry import OverrideFormat, Target, check_precisions, register_target
 
-__all__ = ["convert_to_mnn", "MnnCausalLM", "mnn_command_line", "keep_matmul_weights_float"]
+__all__ = ["convert_to_mnn", "MnnCausalLM", "mnn_command_line", "keep_matmul_weights_float", "mnn_op_name",
+           "mnn_quant_config", "write_mnn_quant_config", "read_mnn_quant_config", "convert_mnn", "TARGET"]
 
 
 def mnn_command_line(onnx_path: str | Path, mnn_path: str | Path, weight_bits: int | None = None,
@@ -139,3 +149,131 @@ class MnnCausalLM:
         inputs = [F.const(a.flatten().tolist(), list(a.shape), F.NCHW, F.int) for a in (ids, mask, pos)]
         out = self.module.forward(inputs)[0]
         return np.array(out.read(), dtype=np.float32).reshape(b, n, -1)
+
+
+def mnn_op_name(fqn: str) -> str | None:
+    """The op name MNN's ``llmexport.py`` gives a linear layer (its ``--quant_config`` keys)."""
+    if fqn == "lm_head":
+        return "/lm/lm_head/Linear"
+    role = block_role(fqn)
+    return None if role is None else f"/layers.{role[0]}/{role[1].replace('.', '/')}/Linear"
+
+
+def mnn_quant_config(lm: LoadedModel, plan: QuantPlan, *, notes: list[str] | None = None) -> dict:
+    """``{op name: {"bits", "block_size", "symmetric"}}`` as ``llmexport.py --quant_config`` reads it."""
+    notes = notes if notes is not None else []
+    precisions = layer_precisions(lm.layers, plan)
+    check_precisions(TARGET, precisions.values(), "MNN's llmexport")
+    cfg = {}
+    for info in lm.layers:
+        prec = get_precision(precisions[info.name])
+        if prec is None:
+            notes.append(f"{info.name}: left unchanged by the plan; llmexport's --quant_bit applies")
+            continue
+        if info.kind == "embedding":
+            flag = 16 if prec.is_float else prec.bits
+            notes.append(f"{info.name}: embeddings are not in the quant config; pass --embed_bit {flag} to llmexport"
+                         + (" (it also stores them as bf16, not fp32)" if prec.is_float and prec.bits == 32 else ""))
+            continue
+        op = mnn_op_name(info.name)
+        if op is None:
+            notes.append(f"{info.name}: no MNN op name known for this layer; not expressible")
+            continue
+        if prec.is_float:
+            if prec.bits != 16:
+                notes.append(f"{info.name}: MNN keeps float linear weights at 16 bits; {prec.name} written as 16")
+            cfg[op] = {"bits": 16}
+        else:
+            gs, _ = resolve_group_size(info.shape[1], plan.group_size)
+            cfg[op] = {"bits": prec.bits, "block_size": gs or 0, "symmetric": bool(plan.symmetric)}
+        if info.tied_to is not None:
+            notes.append(f"{info.name}: tied to {info.tied_to}; unless llmexport gets --seperate_embed, MNN reuses "
+                         "lm_head's quantized weights for the embedding")
+    if plan.symmetric:
+        notes.append("pass --sym to llmexport: MNN reads symmetry for the whole model when it lays out scales")
+    return cfg
+
+
+def write_mnn_quant_config(path: str | Path, lm: LoadedModel, plan: QuantPlan) -> OverrideFile:
+    notes: list[str] = []
+    cfg = mnn_quant_config(lm, plan, notes=notes)
+    p = atomic_write_json(Path(path), cfg)
+    return OverrideFile(p, "mnn", len(cfg), notes,
+                        f"python llmexport.py --path MODEL --export mnn --quant_config {p}"
+                        + (" --sym" if plan.symmetric else ""))
+
+
+def read_mnn_quant_config(path: str | Path, lm: LoadedModel) -> dict[str, str]:
+    """``{layer: precision}`` from an MNN quant config."""
+    doc = read_json_object(path, "MNN quant config")
+    by_op = {mnn_op_name(info.name): info.name for info in lm.layers if mnn_op_name(info.name)}
+    out = {}
+    for op, spec in doc.items():
+        if op not in by_op:
+            raise PlanError(f"'{path}': op '{op}' is not a linear layer of this model")
+        if not isinstance(spec, Mapping) or not isinstance(spec.get("bits"), int):
+            raise PlanError(f"'{path}': op '{op}' needs an integer 'bits'")
+        out[by_op[op]] = "fp16" if spec["bits"] == 16 else f"int{spec['bits']}"
+    return out
+
+def _mnn_weight_args(qm) -> tuple[int | None, int | None, list[str]]:
+    """MNN's --weightQuantBits / --weightQuantBlock for a quantized model, or (None, None) when one setting
+    cannot express it; plus notes."""
+    qws = [q for name, q in qm.weights.items() if qm.layer(name).kind == "linear"]
+    embedded = [r for r in qm.layers if r.kind == "embedding" and r.name in qm.weights]
+    notes = [f"{r.name} ({r.precision} in the plan) is a Gather, which MNN's weight quantization does not cover: "
+             "stored as float32 (its simulated values)" for r in embedded]
+    half = half_layers(qm)
+    if half:
+        notes.append(f"{half}: float16 in the plan, stored as float32 in the .mnn files (MNN's converter has no "
+                     "per-layer float16 weights)")
+    if not qws:
+        return None, None, notes + ["the plan quantizes no linear layer: MNN stores float32 weights"]
+    kinds = {(q.bits, q.effective_group_size if q.group_size else None) for q in qws}
+    if len(kinds) > 1:
+        return None, None, notes + ["the plan mixes bit widths or group sizes, which one MNN --weightQuantBits setting "
+                                    "cannot express: MNN stores the simulated weights in float32 (the simulation's "
+                                    "values, not a smaller file)"]
+    bits, group = next(iter(kinds))
+    floats = [r.name for r in qm.layers if r.name not in qm.weights and r.kind == "linear"]
+    notes.append(f"MNN re-quantizes the simulated weights with --weightQuantBits {bits} --weightQuantBlock "
+                 f"{group or -1} --weightQuantAsymmetric: its min/max grid over values already on the workbench's grid "
+                 "reproduces them (its symmetric mode does not: it rescales and moves every code)")
+    if floats:
+        notes.append(f"layers the plan keeps in float ({', '.join(floats[:4])}) get a [1, K, N] weight so MNN leaves "
+                     "them unquantized, in float32")
+    return bits, group, notes
+
+
+def convert_mnn(job) -> None:
+    """The simulation exported to ONNX and converted by MNN (which re-quantizes onto the same grid), then run."""
+    prep, out, report = job.prep, job.out, job.report
+    job.say("exporting the simulation to ONNX")
+    ex = export_onnx(prep.sim_lm, job.work / "sim", check=False)
+    wb, block, notes = _mnn_weight_args(prep.qm)
+    report.notes += notes + ["MNN stores each graph's weights in its own .mnn file"]
+    float_inits = [ex.weight_names[r.name] for r in prep.qm.layers if r.name in ex.weight_names
+                   and r.name not in prep.qm.weights and ex.weight_layouts.get(r.name) == "in_out"]
+    job.say("converting to MNN")
+    kept: list[str] = []
+    for p in (ex.prefill_path, ex.decode_path):
+        src = p
+        if wb and float_inits:
+            src = p.with_name(f"float-kept-{p.name}")
+            kept = keep_matmul_weights_float(p, src, float_inits)
+        convert_to_mnn(src, out / p.with_suffix(".mnn").name, weight_bits=wb, block_size=block, asymmetric=True)
+    report.details["mnn"] = {"weight_bits": wb, "block": block, "asymmetric": True, "kept_float": kept}
+    job.measure(MnnCausalLM(out / "prefill.mnn", threads=2).logits, out / "prefill.mnn", "mnn")
+
+
+def _write(path, lm, plan, *, quantized=None, export=None, calibration=None) -> OverrideFile:
+    return write_mnn_quant_config(path, lm, plan)
+
+
+def _read(path, lm, export=None) -> dict[str, str]:
+    return read_mnn_quant_config(path, lm)
+
+
+TARGET = register_target(Target(
+    "mnn", "MNN", rules="mnn", convert=convert_mnn, runnable=True, runner=MnnCausalLM,
+    overrides=OverrideFormat("mnn", _write, _read), module=__name__))

@@ -1,4 +1,4 @@
-"""Rockchip RKNPU2: an RKNN-Toolkit2 build script and calibration dataset (the toolkit is not installable here).
+"""Rockchip RKNPU2, ``rknn``: an RKNN-Toolkit2 build script and calibration dataset (the toolkit is not installable here).
 
 ``rknn.build(do_quantization=True, dataset=...)`` reads a text file whose lines list one ``.npy``
 per model input; ``write_rknn_bundle`` writes those from the calibration text and a
@@ -12,7 +12,10 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["write_rknn_bundle"]
+from .base import inspect_graph
+from .registry import Target, register_target
+
+__all__ = ["write_rknn_bundle", "convert_rknn", "TARGET"]
 
 SCRIPT = '''"""Build RKNN models from the workbench's static graphs. Run where rknn-toolkit2 is installed:
     python build_rknn.py [--platform rk3588]
@@ -68,3 +71,14 @@ def write_rknn_bundle(out_dir: str | Path, graphs: Mapping[str, Path],
     script.write_text(SCRIPT.format(graphs=spec, platform=platform, dtype=dtype))
     return {"commands": str(script), "notes": [f"quantized_dtype {dtype} for {platform}; int64 token ids are fed as "
                                                "given: if the toolkit rejects them, re-export with int32 inputs"]}
+
+
+def convert_rknn(job) -> None:
+    """The float model's static graphs with calibration inputs and the toolkit's build script (it quantizes itself)."""
+    sx = job.export_static(job.out)
+    info = write_rknn_bundle(job.out, {"prefill": sx.prefill_path, "decode": sx.decode_path}, job.feeds(sx))
+    job.report.notes += info["notes"]
+    job.report.details["inspection"] = inspect_graph(sx.prefill_path, "rknn").summary()
+
+
+TARGET = register_target(Target("rknn", "Rockchip RKNPU2", rules="rknn", convert=convert_rknn, module=__name__))

@@ -1,4 +1,4 @@
-"""NVIDIA TensorRT: ``trtexec`` command lines for the exported graphs (TensorRT is not installable here).
+"""NVIDIA TensorRT, ``tensorrt``: ``trtexec`` command lines for the exported graphs (TensorRT is not installable here).
 
 Dynamic axes become an optimization profile (``--minShapes/--optShapes/--maxShapes``); the
 RMSNorm squares and epsilons that the inspection flags for float16 are pinned to float32 with
@@ -10,7 +10,11 @@ import shlex
 from pathlib import Path
 from typing import Mapping, Sequence
 
-__all__ = ["trtexec_command", "write_tensorrt_bundle"]
+from ..graph import export_onnx
+from .base import inspect_graph
+from .registry import Target, register_target
+
+__all__ = ["trtexec_command", "write_tensorrt_bundle", "convert_tensorrt", "TARGET"]
 
 
 def _shape_spec(proto, sizes: Mapping[str, int]) -> str:
@@ -60,3 +64,17 @@ def write_tensorrt_bundle(out_dir: str | Path, graphs: Mapping[str, Path], *, fp
     return {"commands": str(script),
             "notes": ["FP16 engines; INT8 needs a calibration cache or explicit QDQ with symmetric int8 "
                       "(zero point 0), which the QNN-style QDQ model (unsigned, asymmetric) is not"]}
+
+
+def convert_tensorrt(job) -> None:
+    """The simulation's graphs (dequantized weights) and the trtexec commands, RMSNorm squares pinned to fp32."""
+    ex = export_onnx(job.prep.sim_lm, job.out, check=False)
+    insp = inspect_graph(ex.prefill_path, "tensorrt")
+    fp32 = [n for f in insp.findings if f.rule == "fp16-overflow" for n in f.nodes]
+    info = write_tensorrt_bundle(job.out, {"prefill": ex.prefill_path, "decode": ex.decode_path}, fp32_layers=fp32)
+    job.report.notes += info["notes"] + ["the graphs carry the simulated (dequantized) weights of the plan"]
+    job.report.details["inspection"] = insp.summary()
+
+
+TARGET = register_target(Target("tensorrt", "NVIDIA TensorRT", rules="tensorrt", convert=convert_tensorrt,
+                                module=__name__))

@@ -158,11 +158,6 @@ class AppSession(traitlets.HasTraits):
         prep = self.prepared()
         out = Path(out_dir) if out_dir else self.conversion_dir / target
         report = convert(str(self.quantized_path), target, out, prepared=prep, **kwargs)
-        source = {"quantized_model": str(self.quantized_path), "plan": self.plan_info(prep.qm.plan)}
-        report.details.update(source)
-        doc = json.loads((report.out_dir / "conversion.json").read_text(encoding="utf-8"))
-        doc["details"].update(_jsonable(source))
-        atomic_write_json(report.out_dir / "conversion.json", doc)
         self.conversions = [r for r in self.conversions if r.target != report.target] + [report]
         return report
 

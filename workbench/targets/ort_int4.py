@@ -1,8 +1,7 @@
-"""ONNX Runtime: QDQ models for its QNN execution provider, and INT4/INT8 ``MatMulNBits`` models for its CPU.
+"""ONNX Runtime CPU, ``ort-int4``: the plan's own integers as ``MatMulNBits`` / ``GatherBlockQuantized``.
 
-    qdq = quantize_qdq("onnx/prefill.onnx", "ort-qdq/prefill.qdq.onnx", feeds, activation_bits=16,
-                       weight_bits_by_initializer={"lm_head.weight.T": 16})
-    int4 = build_nbits_onnx(sim_model, "ort-int4", qm.precisions, accuracy_level=4)
+    build = build_nbits_onnx(sim_model, "ort-int4", qm.precisions, accuracy_level=4)
+    convert("demo", "ort-int4", "out/int4", bits=4)       # builds, runs and compares (``convert_ort_int4``)
 
 ``build_nbits_onnx`` builds the graphs straight from the workbench's simulation of a plan
 (``QuantizedModel.build_model()``): integer layers become ``MatMulNBits`` and an integer embedding
@@ -11,110 +10,30 @@ quantization), so the ONNX model computes what the simulation computes, up to ke
 A tied ``lm_head`` reads the embedding's bytes (written once). Layers the plan keeps in float16 are
 stored as float16 (onnxruntime's CPU widens them when it loads the model). ``accuracy_level`` 4
 lets the kernel quantize activations to int8 (faster decode on AVX2/NEON, small extra error); 0
-keeps them float.
-
-The causal-mask fix for QDQ: the mask is built from float32's minimum, which min/max calibration
-turns into a scale of ~1e34 that wipes out attention; the mask tensors are pinned to
-[-MASK_RANGE, MASK_RANGE] instead.
+keeps them float. Rules: ``assets/targets/ort.json``; runner: ``OnnxCausalLM``.
 """
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Mapping
 
 import numpy as np
 
-from ..graph_build import BuiltGraphs, FloatWeights, GraphBuilder, as_array
+from ..graph import OnnxCausalLM, greedy_agreement
+from ..graph_build import BuiltGraphs, FloatWeights, GraphBuilder, as_array, build_graphs
+from ..memory import release_freed_memory
+from ..models import LoadedModel
+from ..plan import get_precision
+from .common import half_layers
+from .registry import Target, register_target
 
-__all__ = ["MASK_RANGE", "Int4Build", "NBitsWeights", "causal_mask_tensors", "quantize_qdq", "build_nbits_onnx",
-           "matmulnbits_block_size", "ACCURACY_LEVELS"]
+__all__ = ["Int4Build", "NBitsWeights", "build_nbits_onnx", "matmulnbits_block_size", "ACCURACY_LEVELS",
+           "convert_ort_int4", "decode_speed", "TARGET"]
 
-MASK_RANGE = 100.0  # exp(-100) is 0 in every float format: masked keys stay masked, real scores keep their resolution
 ACCURACY_LEVELS = {0: "unset (float activations)", 1: "fp32", 2: "fp16", 3: "bf16", 4: "int8 activations"}
-
-
-def causal_mask_tensors(proto, threshold: float = -1e30) -> list[str]:
-    """Float tensors downstream of a huge negative constant, up to (not past) the Softmax that consumes them."""
-    from onnx import numpy_helper
-    from onnx.external_data_helper import uses_external_data
-    seeds = set()
-    for init in proto.graph.initializer:
-        if init.data_type in (1, 10, 16) and int(np.prod(init.dims or [1])) <= 16 and not uses_external_data(init):
-            if float(numpy_helper.to_array(init).min(initial=0)) <= threshold:
-                seeds.add(init.name)
-    for node in proto.graph.node:
-        if node.op_type == "Constant":
-            for a in node.attribute:
-                if a.name == "value" and a.t.data_type in (1, 10, 16) and int(np.prod(a.t.dims or [1])) <= 16:
-                    if float(numpy_helper.to_array(a.t).min(initial=0)) <= threshold:
-                        seeds.add(node.output[0])
-    masked, out = set(seeds), []
-    float_ops = {"Where", "Add", "Expand", "Slice", "Reshape", "Concat", "Mul", "Unsqueeze", "Squeeze", "Transpose",
-                 "Min", "Max", "Sub", "Tile", "Gather"}
-    for node in proto.graph.node:
-        if node.op_type in float_ops and any(i in masked for i in node.input):
-            masked.update(node.output)
-            out.extend(node.output)
-    return out
-
-
-class _FeedReader:
-    """onnxruntime's CalibrationDataReader over a list of ready-made input dicts."""
-
-    def __init__(self, feeds: Iterable[Mapping[str, np.ndarray]]):
-        self._feeds = list(feeds)
-        self._it = iter(self._feeds)
-
-    def get_next(self):
-        return next(self._it, None)
-
-    def rewind(self):
-        self._it = iter(self._feeds)
-
-
-def quantize_qdq(float_onnx: str | Path, out_path: str | Path, feeds: Iterable[Mapping[str, np.ndarray]], *,
-                 activation_bits: int = 16, weight_bits_by_initializer: Mapping[str, int] | None = None,
-                 per_channel: bool = True, mask_range: float = MASK_RANGE) -> dict:
-    """Static QDQ quantization with onnxruntime's QNN configuration; returns what was overridden.
-
-    Activations get ``activation_bits`` (16 or 8, unsigned, as HTP wants); weights 8 bit unless
-    ``weight_bits_by_initializer`` names another width (16 for layers the plan keeps in float).
-    A graph with external data gives a QDQ graph with external data (``<out_path>.data``).
-    """
-    import shutil
-
-    import onnx
-    from onnxruntime.quantization import QuantType, quantize
-    from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
-
-    if activation_bits not in (8, 16):
-        raise ValueError(f"activation_bits must be 8 or 16, got {activation_bits}")
-    types = {8: QuantType.QUInt8, 16: QuantType.QUInt16}
-    mask = causal_mask_tensors(onnx.load(str(float_onnx), load_external_data=False))
-    overrides: dict[str, list[dict]] = {t: [{"rmin": np.array(-mask_range, np.float32),
-                                             "rmax": np.array(mask_range, np.float32)}] for t in mask}
-    for name, bits in (weight_bits_by_initializer or {}).items():
-        if bits not in (8, 16):
-            raise ValueError(f"weight bits for '{name}' must be 8 or 16, got {bits}")
-        if bits != 8:
-            overrides[name] = [{"quant_type": types[bits]}]
-    config = get_qnn_qdq_config(str(float_onnx), _FeedReader(feeds), activation_type=types[activation_bits],
-                                weight_type=QuantType.QUInt8, per_channel=per_channel,
-                                init_overrides=overrides or None)
-    out_path = Path(out_path)
-    partial = out_path.parent / f".{out_path.name}.partial"  # graph and its data file named as they will stay
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    try:
-        quantize(str(float_onnx), partial / out_path.name, config)
-        for f in sorted(partial.iterdir(), key=lambda f: f.suffix == ".onnx"):  # the graph last
-            f.replace(out_path.parent / f.name)
-    finally:
-        shutil.rmtree(partial, ignore_errors=True)
-    return {"mask_tensors": mask, "mask_range": mask_range, "activation_bits": activation_bits,
-            "weight_overrides": {k: v for k, v in (weight_bits_by_initializer or {}).items() if v != 8},
-            "per_channel": per_channel}
 
 
 def matmulnbits_block_size(group_size: int) -> int | None:
@@ -175,7 +94,6 @@ class NBitsWeights(FloatWeights):
         self._codes: dict[int, tuple[str, str, str | None]] = {}  # id(codes tensor) -> (qweight, scales, zeros)
 
     def _half(self, fqn: str) -> bool:
-        from ..plan import get_precision
         p = get_precision(self.precisions.get(fqn)) if self.precisions.get(fqn) else None
         return p is not None and p.is_float and p.bits == 16
 
@@ -265,7 +183,6 @@ def build_nbits_onnx(sim_model, out_dir: str | Path, precisions: Mapping[str, st
     ``precisions`` maps layer names to the plan's precision (``QuantizedModel.precisions``): float16
     layers are stored as float16. What could not be expressed is listed in ``kept_float``.
     """
-    from ..graph_build import build_graphs
     policy = NBitsWeights(precisions, accuracy_level)
     built = build_graphs(sim_model, out_dir, policy=policy, progress=progress, inline_limit=inline_limit)
     kept = dict(policy.notes)
@@ -273,3 +190,102 @@ def build_nbits_onnx(sim_model, out_dir: str | Path, precisions: Mapping[str, st
         if fqn not in policy.replaced and fqn not in kept and prec and prec.startswith("int"):
             kept[fqn] = f"{prec} in the plan, but the layer reached the graph as float"
     return Int4Build(built.prefill_path, built, dict(policy.replaced), kept, accuracy_level)
+
+
+def _storage_notes(qm, kept_float: dict[str, str]) -> list[str]:
+    """What the plan's float layers became in the ONNX Runtime graphs (never silently float32)."""
+    notes = [f"{k}: {v}" for k, v in kept_float.items()]
+    half = half_layers(qm)
+    if half:
+        notes.append(f"{half}: float16 in the plan, stored as float16 (onnxruntime's CPU widens float16 weights to "
+                     "float32 when it loads the model: on the CPU they compute as float32)")
+    return notes
+
+
+def _release_float_model(prep, keep=()) -> None:
+    """Drop the float model once its reference outputs are captured; the simulation keeps what it shares.
+
+    Only for models the conversion loaded itself. The float copies of the integer layers (most of the
+    network) then leave memory before onnxruntime loads the converted model. The loader maps the
+    checkpoint file and parameters are views of that map, so the float tensors still in use (the
+    simulation's, and those of the ``keep`` modules) get their own copies, letting the map close.
+    """
+    lm = prep.float_lm
+    prep.float_lm = LoadedModel(None, lm.tokenizer, lm.path, lm.name, lm.layers)
+    prep.qm.source = None
+    del lm
+    for p in {id(p): p for m in (prep.sim_lm.model, *keep) for p in m.parameters()}.values():
+        p.data = p.data.clone()
+    release_freed_memory()
+
+
+def convert_ort_int4(job) -> None:
+    """MatMulNBits graphs from the plan's integers; greedy tokens, decode speed and accuracy per accuracy level."""
+    prep, report, say = job.prep, job.report, job.say
+    seconds, t = report.details["seconds"], time.perf_counter()
+    say("building the ONNX Runtime graphs from the plan's integers")
+    build = build_nbits_onnx(prep.sim_lm.model, job.out, prep.qm.precisions, accuracy_level=job.accuracy_level,
+                             progress=job.progress)
+    graphs = build.graphs
+    report.details.update(accuracy_level=job.accuracy_level, accuracy_level_meaning=ACCURACY_LEVELS[job.accuracy_level],
+                          replaced_layers=len(build.replaced), kept_float=build.kept_float,
+                          weight_bytes=graphs.weight_bytes, external_data=graphs.data_path is not None)
+    report.notes += _storage_notes(prep.qm, build.kept_float)
+    if graphs.data_path is not None:
+        report.notes.append(f"prefill.onnx and decode.onnx share their weights in {graphs.data_path.name}; the decode "
+                            "graph also runs prefill (a past of length 0)")
+    seconds["build"] = time.perf_counter() - t
+    release_freed_memory()
+    t = time.perf_counter()
+    ev = job.evaluator()
+    if job.owns_models:
+        _release_float_model(prep, keep=[ev.head] if ev is not None else [])
+    release_freed_memory()
+    seconds["reference_and_simulation"] = time.perf_counter() - t
+    prompt = prep.float_lm.tokenizer("The workbench measures what each choice costs.",
+                                     add_special_tokens=False)["input_ids"]
+    report.details["decode_tokens_per_second"], levels = {}, {}
+    for level in [job.accuracy_level] + ([0] if job.accuracy_level != 0 else []):
+        say(f"running accuracy level {level} in onnxruntime")
+        t = time.perf_counter()
+        runner = OnnxCausalLM(graphs.prefill_path, graphs.decode_path, threads=1,
+                              accuracy_level=None if level == job.accuracy_level else level)
+        if level == job.accuracy_level:
+            tokens = runner.generate_greedy(prompt, job.greedy_steps)
+            report.details["greedy_match_steps_vs_simulation"] = greedy_agreement(prep.sim_lm.model, prompt, tokens)[0]
+        report.details["decode_tokens_per_second"][level] = decode_speed(runner, prompt)
+        if ev is not None:
+            # the second level checks the integers against the simulation: one window is enough on a budget
+            windows = 1 if level != job.accuracy_level and ev.budget_note else None
+            cand = ev.score(runner.logits, f"ort-int4 level {level}", windows)
+            levels[level] = {"kl_divergence": cand.kl_divergence, "top1_agreement": cand.top1_agreement,
+                             "top1_agreement_vs_simulation": cand.top1_agreement_vs_simulation, "tokens": cand.tokens}
+            if level == job.accuracy_level:
+                ev.fill(report, cand, graphs.prefill_path)
+        del runner  # one runtime in memory at a time
+        release_freed_memory()
+        seconds[f"accuracy_level_{level}"] = time.perf_counter() - t
+    if levels:
+        report.details["accuracy_levels"] = levels
+
+
+def decode_speed(runner: OnnxCausalLM, prompt: list[int], steps: int = 32, repeats: int = 3) -> float:
+    """Decode tokens per second after one warm-up step (prefill excluded): the best of ``repeats`` runs
+    while a run takes under a second, so a busy machine's pauses do not decide a small model's figure."""
+    _, _, kv0 = runner.run_prefill(prompt)
+    runner.run_decode(1, kv0, len(prompt))  # warm-up
+    best = math.inf
+    for _ in range(repeats):
+        kv, pos, t = kv0, len(prompt), time.perf_counter()
+        for i in range(steps):
+            _, kv, _ = runner.run_decode(1 + i % 7, kv, pos)
+            pos += 1
+        best = min(best, time.perf_counter() - t)
+        if best >= 1.0:
+            break
+    return steps / best if best > 0 else math.inf
+
+
+TARGET = register_target(Target(
+    "ort-int4", "ONNX Runtime CPU, INT4/INT8 MatMulNBits", rules="ort", convert=convert_ort_int4, runnable=True,
+    runner=OnnxCausalLM, module=__name__))

@@ -1,0 +1,284 @@
+"""ONNX Runtime QDQ, ``ort-qdq``: static QDQ models for its QNN execution provider, and its override files.
+
+    doc = ort_overrides(qm, export)                        # the plan as TensorQuantOverrides (one policy)
+    quantize_qdq("onnx/prefill.onnx", "prefill.qdq.onnx", feeds, init_overrides=doc["init_overrides"])
+    get_qnn_qdq_config(model, reader, activation_type=QuantType.QUInt16, **load_ort_overrides("ort.json"))
+
+The one ONNX Runtime policy, used by the override file (``workbench overrides --format ort``), the
+``ort-qdq`` conversion and the QDQ twin measured for ``qnn``; it is what onnxruntime 1.32's QDQ
+quantizer accepts and runs on its CPU, and what the QNN execution provider takes:
+
+- integer layers keep the plan's width: int4 as ``QInt4`` (``QUInt4`` when asymmetric), int8 as
+  ``QInt8`` / ``QUInt8``, per output channel; per-channel plans carry their exact scales and zero
+  points, group-wise plans their type, symmetry and axis (QDQ for QNN has no block scales, so
+  onnxruntime computes per-channel scales and the notes say so);
+- layers the plan keeps in float get 16-bit weights (``QUInt16``, an A16W16 MatMul) instead of being
+  excluded: a float weight beside 16-bit activations is the float x fixed-point MatMul HTP rejects;
+- activations are 16-bit (``QUInt16``), and the causal mask is pinned: it is built from float32's
+  minimum, which min/max calibration turns into a scale of ~1e34 that wipes out attention, so the
+  mask tensors get [-MASK_RANGE, MASK_RANGE] instead.
+
+Rules: ``assets/targets/qnn.json`` (QDQ models are for the QNN execution provider); runner:
+``OnnxCausalLM`` on onnxruntime's CPU.
+"""
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+from typing import Iterable, Mapping
+
+import numpy as np
+
+from ..errors import PlanError
+from ..graph import OnnxCausalLM, share_external_data
+from ..plan import get_precision
+from ..workspace import atomic_write_json
+from .base import inspect_graph
+from .common import OverrideFile, graph_names, layers_from_tensors, read_json_object, tensor_for
+from .registry import OverrideFormat, Target, check_precisions, register_target
+
+__all__ = ["MASK_RANGE", "ORT_TYPES", "FLOAT_WEIGHT_TYPE", "causal_mask_tensors", "ort_overrides",
+           "write_ort_overrides", "load_ort_overrides", "read_ort_overrides", "quantize_qdq", "qdq_twin", "TARGET"]
+
+MASK_RANGE = 100.0  # exp(-100) is 0 in every float format: masked keys stay masked, real scores keep their resolution
+ORT_TYPES = {(8, True): "QInt8", (8, False): "QUInt8", (4, True): "QInt4", (4, False): "QUInt4",
+             (16, True): "QInt16", (16, False): "QUInt16"}
+FLOAT_WEIGHT_TYPE = "QUInt16"  # weights of layers the plan keeps in float
+ACTIVATION_TYPES = {8: "QUInt8", 16: "QUInt16"}
+
+
+def causal_mask_tensors(proto, threshold: float = -1e30) -> list[str]:
+    """Float tensors downstream of a huge negative constant, up to (not past) the Softmax that consumes them."""
+    from onnx import numpy_helper
+    from onnx.external_data_helper import uses_external_data
+    seeds = set()
+    for init in proto.graph.initializer:
+        if init.data_type in (1, 10, 16) and int(np.prod(init.dims or [1])) <= 16 and not uses_external_data(init):
+            if float(numpy_helper.to_array(init).min(initial=0)) <= threshold:
+                seeds.add(init.name)
+    for node in proto.graph.node:
+        if node.op_type == "Constant":
+            for a in node.attribute:
+                if a.name == "value" and a.t.data_type in (1, 10, 16) and int(np.prod(a.t.dims or [1])) <= 16:
+                    if float(numpy_helper.to_array(a.t).min(initial=0)) <= threshold:
+                        seeds.add(node.output[0])
+    masked, out = set(seeds), []
+    float_ops = {"Where", "Add", "Expand", "Slice", "Reshape", "Concat", "Mul", "Unsqueeze", "Squeeze", "Transpose",
+                 "Min", "Max", "Sub", "Tile", "Gather"}
+    for node in proto.graph.node:
+        if node.op_type in float_ops and any(i in masked for i in node.input):
+            masked.update(node.output)
+            out.extend(node.output)
+    return out
+
+
+def _ort_axis(layout: str | None, tensor: str) -> int:
+    if layout == "in_out" or (layout is None and tensor.endswith(".T")):
+        return 1
+    return 0
+
+
+def ort_overrides(quantized, export, *, notes: list[str] | None = None) -> dict:
+    """``{"init_overrides": ..., "float_weights": ...}``: the plan in onnxruntime's TensorQuantOverrides."""
+    notes = notes if notes is not None else []
+    weight_names, layouts = graph_names(export)
+    check_precisions(TARGET, [r.precision for r in quantized.layers], "ONNX Runtime QDQ")
+    init_overrides: dict[str, list[dict]] = {}
+    float_weights: dict[str, str] = {}
+    grouped = []
+    for r in quantized.layers:
+        prec = get_precision(r.precision)
+        if prec is None:
+            continue
+        tensor = tensor_for(weight_names, r.name)
+        if tensor in init_overrides:
+            continue  # tied: the tensor is written once
+        if prec.is_float:
+            float_weights[tensor] = prec.name
+            init_overrides[tensor] = [{"quant_type": FLOAT_WEIGHT_TYPE}]
+            continue
+        qw = quantized.weights[r.name]
+        qtype = ORT_TYPES[(qw.bits, qw.symmetric)]
+        axis = _ort_axis(layouts.get(r.name), tensor)
+        if qw.n_groups == 1:
+            scales = qw.scales.reshape(-1).tolist()
+            zeros = [0] * len(scales) if qw.symmetric else qw.zeros.reshape(-1).tolist()
+            init_overrides[tensor] = [{"quant_type": qtype, "axis": axis, "scale": float(s), "zero_point": int(z)}
+                                      for s, z in zip(scales, zeros)]
+        else:
+            init_overrides[tensor] = [{"quant_type": qtype, "axis": axis, "symmetric": bool(qw.symmetric)}]
+            grouped.append(r.name)
+    if grouped:
+        notes.append(f"{len(grouped)} group-wise layer(s) (group size {quantized.plan.group_size}): onnxruntime's QDQ "
+                     "overrides have no block scales, so their type/axis/symmetry are written and onnxruntime "
+                     "computes per-channel scales; use group_size null to carry the exact scales")
+    if float_weights:
+        notes.append(f"{len(float_weights)} layer(s) the plan keeps in float get 16-bit weights ({FLOAT_WEIGHT_TYPE}, "
+                     "an A16W16 MatMul): HTP rejects a float weight beside fixed-point activations")
+    return {"init_overrides": init_overrides, "float_weights": float_weights}
+
+
+def write_ort_overrides(path: str | Path, quantized, export) -> OverrideFile:
+    notes: list[str] = []
+    doc = ort_overrides(quantized, export, notes=notes)
+    p = atomic_write_json(Path(path), doc)
+    return OverrideFile(p, "ort", len(doc["init_overrides"]), notes,
+                        "get_qnn_qdq_config(model, reader, activation_type=QuantType.QUInt16, "
+                        f"**workbench.overrides.load_ort_overrides('{p}'))")
+
+
+def _with_quant_types(init_overrides: Mapping[str, list[dict]], where: str) -> dict[str, list[dict]]:
+    """JSON overrides with ``QuantType`` members and float32 scales, as onnxruntime takes them."""
+    from onnxruntime.quantization import QuantType
+    init = {}
+    for tensor, entries in init_overrides.items():
+        out = []
+        for e in entries:
+            e = dict(e)
+            if "quant_type" in e:
+                try:
+                    e["quant_type"] = QuantType[e["quant_type"]]
+                except KeyError:
+                    raise PlanError(f"{where}: tensor '{tensor}' has unknown quant_type {e.get('quant_type')!r}; "
+                                    f"use one of {list(QuantType.__members__)}") from None
+            for k in ("scale", "rmin", "rmax"):
+                if k in e:
+                    e[k] = np.array(e[k], np.float32)
+            out.append(e)
+        init[tensor] = out
+    return init
+
+
+def load_ort_overrides(path: str | Path) -> dict:
+    """Keyword arguments for ``get_qnn_qdq_config``: ``init_overrides`` with real ``QuantType`` values."""
+    doc = read_json_object(path, "ONNX Runtime overrides")
+    if not isinstance(doc.get("init_overrides"), Mapping):
+        raise PlanError(f"'{path}' has no 'init_overrides' object; write it with `workbench overrides --format ort`")
+    return {"init_overrides": _with_quant_types(doc["init_overrides"], f"'{path}'")}
+
+
+def read_ort_overrides(path: str | Path) -> dict[str, dict]:
+    """``{tensor: {"precision", "symmetric", "scales", "zero_points"}}`` as the file says."""
+    doc = read_json_object(path, "ONNX Runtime overrides")
+    by_type = {v: k for k, v in ORT_TYPES.items()}
+    floats = doc.get("float_weights", {})
+    out = {}
+    for tensor, entries in doc.get("init_overrides", {}).items():
+        if tensor in floats:
+            out[tensor] = {"precision": floats[tensor], "symmetric": None, "scales": None, "zero_points": None}
+            continue
+        bits, sym = by_type[entries[0]["quant_type"]]
+        sym = entries[0].get("symmetric", sym)
+        has = "scale" in entries[0]
+        out[tensor] = {"precision": f"int{bits}", "symmetric": sym,
+                       "scales": np.array([e["scale"] for e in entries]) if has else None,
+                       "zero_points": np.array([e["zero_point"] for e in entries]) if has else None}
+    return out
+
+
+class _FeedReader:
+    """onnxruntime's CalibrationDataReader over a list of ready-made input dicts."""
+
+    def __init__(self, feeds: Iterable[Mapping[str, np.ndarray]]):
+        self._feeds = list(feeds)
+        self._it = iter(self._feeds)
+
+    def get_next(self):
+        return next(self._it, None)
+
+    def rewind(self):
+        self._it = iter(self._feeds)
+
+
+def quantize_qdq(float_onnx: str | Path, out_path: str | Path, feeds: Iterable[Mapping[str, np.ndarray]], *,
+                 init_overrides: Mapping[str, list[dict]] | None = None, activation_bits: int = 16,
+                 per_channel: bool = True, mask_range: float = MASK_RANGE) -> dict:
+    """Static QDQ quantization with onnxruntime's QNN configuration and ``init_overrides`` (``ort_overrides``).
+
+    Activations get ``activation_bits`` (16 or 8, unsigned, as HTP wants); weights without an
+    override 8 bit. A graph with external data gives a QDQ graph with external data.
+    """
+    import onnx
+    from onnxruntime.quantization import QuantType, quantize
+    from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
+
+    if activation_bits not in ACTIVATION_TYPES:
+        raise ValueError(f"activation_bits must be 8 or 16, got {activation_bits}")
+    mask = causal_mask_tensors(onnx.load(str(float_onnx), load_external_data=False))
+    overrides = {t: [{"rmin": -mask_range, "rmax": mask_range}] for t in mask}
+    overrides.update(init_overrides or {})
+    config = get_qnn_qdq_config(str(float_onnx), _FeedReader(feeds),
+                                activation_type=QuantType[ACTIVATION_TYPES[activation_bits]],
+                                weight_type=QuantType.QUInt8, per_channel=per_channel,
+                                init_overrides=_with_quant_types(overrides, str(float_onnx)) or None)
+    out_path = Path(out_path)
+    partial = out_path.parent / f".{out_path.name}.partial"  # graph and its data file named as they will stay
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    root = logging.getLogger()  # the quantizer logs advice to the root logger; keep CLI and notebook output clean
+    level = root.level
+    root.setLevel(logging.ERROR)
+    try:
+        quantize(str(float_onnx), partial / out_path.name, config)
+        for f in sorted(partial.iterdir(), key=lambda f: f.suffix == ".onnx"):  # the graph last
+            f.replace(out_path.parent / f.name)
+    finally:
+        root.setLevel(level)
+        shutil.rmtree(partial, ignore_errors=True)
+    return {"mask_tensors": mask, "mask_range": mask_range, "activation_bits": activation_bits,
+            "per_channel": per_channel}
+
+
+def qdq_twin(job, static_export, qdq_dir: Path, feeds: Mapping[str, list]) -> Path:
+    """QDQ prefill/decode graphs of ``static_export`` by the plan (``ort_overrides``), calibrated on ``feeds``
+    (``job.feeds``); returns the prefill graph."""
+    report = job.report
+    notes: list[str] = []
+    doc = ort_overrides(job.prep.qm, static_export, notes=notes)
+    report.notes += notes
+    job.say(f"quantizing to QDQ (A{job.activation_bits}, weights as the plan says)")
+    infos, paths = {}, []
+    for name, path in (("prefill", static_export.prefill_path), ("decode", static_export.decode_path)):
+        paths.append(qdq_dir / f"{name}.qdq.onnx")
+        infos[name] = quantize_qdq(path, paths[-1], feeds[name], init_overrides=doc["init_overrides"],
+                                   activation_bits=job.activation_bits)
+    if share_external_data(paths, "weights.qdq.data"):
+        report.notes.append("the QDQ graphs keep their weights in one shared weights.qdq.data")
+    bits = sorted({e[0]["quant_type"] for e in doc["init_overrides"].values()})
+    report.details["qdq"] = {"activation_bits": job.activation_bits, "weight_types": bits,
+                             "static": list(job.static), "mask_tensors": len(infos["prefill"]["mask_tensors"]),
+                             "mask_range": infos["prefill"]["mask_range"]}
+    for g in ("prefill", "decode"):
+        report.details[f"inspection_qdq_{g}"] = inspect_graph(qdq_dir / f"{g}.qdq.onnx", "qnn").summary()
+    return paths[0]
+
+
+def measure_qdq(job, prefill_qdq: Path) -> None:
+    """Score the QDQ prefill graph on windows of the static sequence length (the simulation on the same ones)."""
+    eval_ctx = min(job.ctx or job.static[0], job.static[0])
+    if eval_ctx != (job.ctx or job.default_ctx):
+        job.report.notes.append(f"evaluated with {eval_ctx}-token windows, the static graph's sequence length "
+                                "(the simulation is scored on the same windows)")
+    job.measure(OnnxCausalLM(prefill_qdq).logits, prefill_qdq, "qdq", eval_ctx=eval_ctx)
+
+
+def convert_ort_qdq(job) -> None:
+    job.say(f"exporting the float model to ONNX with static shapes {job.static}")
+    sx = job.export_static(job.work / "static")
+    measure_qdq(job, qdq_twin(job, sx, job.out, job.feeds(sx)))
+
+
+def _write(path, lm, plan, *, quantized=None, export=None, calibration=None) -> OverrideFile:
+    return write_ort_overrides(path, quantized, export)
+
+
+def _read(path, lm, export=None) -> dict[str, str]:
+    return layers_from_tensors(read_ort_overrides(path), export, path)
+
+
+TARGET = register_target(Target(
+    "ort-qdq", "ONNX Runtime QDQ for the QNN execution provider", rules="qnn", convert=convert_ort_qdq,
+    runnable=True, runner=OnnxCausalLM, int_bits=(4, 8), float_bits=(16, 32),
+    overrides=OverrideFormat("ort", _write, _read, needs_quantized=True, needs_graph=True),
+    module=__name__))

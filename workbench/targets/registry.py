@@ -1,0 +1,153 @@
+"""The one registry of deployment targets: each target module registers a ``Target`` here.
+
+    register_target(Target("toy", "Toy runtime", rules=Path("toy.json"), convert=convert_toy, runnable=True))
+    get_target("qnn").convert(job); target_names("convert")   # what `workbench convert --target` offers
+
+A target is one module under ``workbench/targets/`` (or anywhere: it only has to call
+``register_target`` when imported) plus its operator rule table (``assets/targets/<rules>.json``,
+or a path). It names its rule table, its converter (``convert(job)``, given a
+``workbench.convert.ConvertJob``), whether the converted model runs here (``runner``), and its
+override-file format (``OverrideFormat``: writer and reader of per-layer precisions). ``inspect``,
+``convert``, ``overrides`` and the app list and dispatch through ``target_names`` and ``get_target``.
+
+Precisions: a target says which weight precisions it can carry, by kind and bit width
+(``int_bits``, ``float_bits``), so a precision added with ``register_precision`` either works
+through it or is refused by name (``check_precisions``).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable
+
+from ..errors import PlanError, WorkbenchError
+from ..models import ASSETS_DIR
+from ..plan import Precision, get_precision
+
+__all__ = ["Target", "OverrideFormat", "register_target", "get_target", "target_names", "override_format",
+           "check_precisions", "TargetNames", "RULES_DIR", "rules_path"]
+
+RULES_DIR = ASSETS_DIR / "targets"
+
+
+@dataclass(frozen=True)
+class OverrideFormat:
+    """A converter's per-layer precision file: ``write(path, lm, plan, quantized, export, calibration)`` returns an
+    ``OverrideFile``; ``read(path, lm, export)`` maps it back to ``{layer: precision}``."""
+
+    name: str  # `workbench overrides --format NAME`
+    write: Callable
+    read: Callable
+    needs_quantized: bool = False  # the writer reads the quantized weights (scales), not only the plan
+    needs_graph: bool = False  # the writer names tensors of the exported ONNX graph
+
+
+@dataclass(frozen=True)
+class Target:
+    """One deployment target: rules, converter, runner and override format, all from its module."""
+
+    name: str
+    title: str
+    rules: str | Path | None = None  # rule table: a name in assets/targets, a JSON path, or None (no ONNX graph)
+    convert: Callable | None = None  # convert(job: ConvertJob) -> None; fills job.report
+    runnable: bool = False  # the converted model runs here, so conversions measure KL and top-1
+    runner: Callable | None = None  # runner(path) -> object with .logits(ids [1, n]) -> [1, n, vocab]
+    overrides: OverrideFormat | None = None
+    int_bits: tuple[int, ...] = (4, 8)  # integer weight widths it carries
+    float_bits: tuple[int, ...] = (16, 32)  # float weight widths it carries
+    module: str = field(default="", compare=False)
+
+
+_TARGETS: dict[str, Target] = {}
+
+
+def register_target(target: Target) -> Target:
+    """Add (or replace) a target; ``inspect``, ``convert``, ``overrides`` and the app then offer it."""
+    if not target.name or any(c.isspace() for c in target.name):
+        raise WorkbenchError(f"target names are single words, got {target.name!r}")
+    _TARGETS[target.name] = target
+    return target
+
+
+def get_target(name: str) -> Target:
+    """The registered target ``name``; an unknown name lists the known ones."""
+    try:
+        return _TARGETS[name]
+    except KeyError:
+        raise PlanError(f"unknown target '{name}'; choose one of: {', '.join(_TARGETS)}") from None
+
+
+class TargetNames(Sequence):
+    """The registered targets' names that have ``what`` (``"convert"``, ``"rules"``, ``"overrides"``),
+    read when used, so a target registered later is offered too (argparse choices, dropdowns)."""
+
+    def __init__(self, what: str):
+        self.what = what
+
+    def _names(self) -> list[str]:
+        if self.what == "overrides":
+            return [t.overrides.name for t in _TARGETS.values() if t.overrides is not None]
+        names = [n for n, t in _TARGETS.items() if getattr(t, self.what) is not None]
+        if self.what == "rules":  # a rule table's own name also names it (`inspect --target ort`)
+            names += [p.stem for p in sorted(RULES_DIR.glob("*.json")) if p.stem not in names]
+        return names
+
+    def __getitem__(self, i):
+        return self._names()[i]
+
+    def __len__(self) -> int:
+        return len(self._names())
+
+    def __contains__(self, name) -> bool:
+        return name in self._names()
+
+    def __repr__(self) -> str:
+        return repr(tuple(self._names()))
+
+
+def target_names(what: str = "convert") -> TargetNames:
+    """Names of targets with a converter (``convert``), a rule table (``rules``) or an override format."""
+    if what not in ("convert", "rules", "overrides"):
+        raise ValueError(f"what must be convert, rules or overrides, got {what!r}")
+    return TargetNames(what)
+
+
+def override_format(name: str) -> tuple[Target, OverrideFormat]:
+    """The target whose override format is ``name`` (``qnn``, ``ort``, ``llamacpp``, ``mnn``, ...)."""
+    for t in _TARGETS.values():
+        if t.overrides is not None and t.overrides.name == name:
+            return t, t.overrides
+    raise PlanError(f"unknown override format '{name}'; choose one of: {', '.join(target_names('overrides'))}")
+
+
+def rules_path(name: str) -> Path:
+    """The rule table of a target (by target name, or by the table's own name in ``assets/targets``)."""
+    t = _TARGETS.get(name)
+    if t is not None and t.rules is not None:
+        rules = t.rules
+        return rules if isinstance(rules, Path) else RULES_DIR / f"{rules}.json"
+    path = RULES_DIR / f"{name}.json"
+    if not path.is_file():
+        raise WorkbenchError(f"unknown target '{name}'; choose one of: {', '.join(target_names('rules'))}")
+    return path
+
+
+def _describe(p: Precision) -> str:
+    return f"{p.bits}-bit {'float' if p.is_float else 'integer'}"
+
+
+def check_precisions(target: Target, precisions: Iterable[str | None], what: str = "") -> None:
+    """Refuse, by name, every precision in ``precisions`` that ``target`` cannot carry."""
+    bad = {}
+    for name in precisions:
+        p = get_precision(name)
+        if p is None:
+            continue
+        if p.bits not in (target.float_bits if p.is_float else target.int_bits):
+            bad[p.name] = p
+    if bad:
+        takes = [f"int{b}" for b in target.int_bits] + [f"{b}-bit float" for b in target.float_bits]
+        names = ", ".join(f"'{n}' ({_describe(p)})" for n, p in bad.items())
+        raise PlanError(f"{what or target.title} cannot carry precision {names}: it takes {', '.join(takes)}; "
+                        "give those layers another precision in the plan")
