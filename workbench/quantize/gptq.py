@@ -157,6 +157,7 @@ def _covariance_hook(h: torch.Tensor, count: list[int]):
     return hook
 
 
+@torch.no_grad()
 def search_gptq(model: nn.Module, samples: list[torch.Tensor], spec: dict[str, tuple[int, int | None, bool]], *,
                 max_tokens: int = DEFAULT_GPTQ_TOKENS, damp: float = DEFAULT_DAMP, act_order: bool = False,
                 chunk_tokens: int = 4096, progress: bool = True) -> dict:
