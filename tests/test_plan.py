@@ -140,3 +140,11 @@ def test_table_lists_layers_and_total():
     table = plan.table(layers)
     assert "int4" in table and "fp16" in table and "total" in table
     assert f"{4096 * 256 * 2:,}" in table
+
+
+def test_scale_search_round_trips_and_is_type_checked():
+    plan = QuantPlan.uniform("int4", scale_search=True)
+    assert QuantPlan.from_json(plan.to_json()) == plan and plan.to_dict()["scale_search"] is True
+    assert "scale_search" not in QuantPlan.uniform("int4").to_dict()  # plans written before it read the same
+    with pytest.raises(PlanError, match="plan field 'scale_search' must be true or false"):
+        QuantPlan.from_dict({**plan.to_dict(), "scale_search": "yes"})

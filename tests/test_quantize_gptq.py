@@ -98,3 +98,21 @@ def test_gptq_model_beats_rtn_and_leaves_the_model_unchanged(lm):
     assert all(torch.equal(p, before[n]) for n, p in lm.model.named_parameters())
     with pytest.raises(PlanError, match="calibration"):
         quantize_model(lm, plan, method="gptq", progress=False)
+
+
+def test_scale_search_weighs_groups_by_input_energy():
+    w, x, h = _layer()
+    plain = gptq_quantize_weight(w, h, 4, 32, True)
+    searched = gptq_quantize_weight(w, h, 4, 32, True, scale_search=True)
+    assert not torch.equal(plain.scales, searched.scales)
+    assert _output_error(w, x, searched) < _output_error(w, x, plain)
+
+
+def test_plan_scale_search_reaches_every_rounded_layer(lm):
+    plain = quantize_model(lm, QuantPlan.uniform("int4", group_size=32), progress=False)
+    searched = quantize_model(lm, QuantPlan.uniform("int4", group_size=32, scale_search=True), progress=False)
+    for r in plain.layers:
+        if r.name in plain.weights:
+            assert searched.layer(r.name).weight_error <= r.weight_error + 1e-6, r.name
+    assert sum(s.weight_error for s in searched.layers if s.name in searched.weights) < \
+        sum(r.weight_error for r in plain.layers if r.name in plain.weights)

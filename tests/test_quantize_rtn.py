@@ -80,3 +80,16 @@ def test_bad_inputs_are_named():
         quantize_weight(torch.zeros(4), 4, 32)
     with pytest.raises(PlanError, match="group_size must be a positive integer"):
         quantize_weight(w, 4, 0)
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_scale_search_never_does_worse_than_min_max_and_usually_better(symmetric):
+    from workbench.quantize.rtn import SEARCH_RATIOS
+    w = torch.randn(64, 256, generator=torch.Generator().manual_seed(3))
+    w[0, 5] = 12.0  # one outlier: min/max wastes most of its group's codes on it
+    plain = quantize_weight(w, 4, 32, symmetric)
+    searched = quantize_weight(w, 4, 32, symmetric, scale_search=True)
+    err = lambda qw: (w - qw.dequantize()).square().reshape(64, 8, 32).sum(-1)  # noqa: E731
+    assert bool((err(searched) <= err(plain) + 1e-6).all())  # ratio 1.0 is in the grid
+    assert float(err(searched).sum()) < 0.98 * float(err(plain).sum())  # 5% (asymmetric) to 20% less here
+    assert 1.0 in SEARCH_RATIOS and searched.qweight.dtype == plain.qweight.dtype

@@ -117,6 +117,7 @@ _FIELD_TYPES = {
     "default": ((str, type(None)), "a precision name or null"),
     "group_size": ((int, type(None)), "an integer or null (per-channel)"),
     "symmetric": ((bool,), "true or false"),
+    "scale_search": ((bool,), "true or false"),
     "method": ((str,), "a method name such as \"rtn\" or \"awq\""),
     "rules": ((list,), "a list of {\"pattern\": ..., \"precision\": ...} objects"),
     "meta": ((Mapping,), "an object"),
@@ -150,6 +151,7 @@ class QuantPlan:
     method: str = "rtn"
     version: int = PLAN_VERSION
     meta: Mapping[str, object] = field(default_factory=dict, compare=False)
+    scale_search: bool = False  # each group's range searched for the least error (RTN, GPTQ), not min/max
 
     def __post_init__(self):
         get_precision(self.default)
@@ -208,13 +210,14 @@ class QuantPlan:
         return {"version": self.version, "default": self.default, "group_size": self.group_size,
                 "symmetric": self.symmetric, "method": self.method,
                 "rules": [{"pattern": r.pattern, "precision": r.precision} for r in self.rules],
+                **({"scale_search": True} if self.scale_search else {}),
                 **({"meta": dict(self.meta)} if self.meta else {})}
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "QuantPlan":
         if not isinstance(d, Mapping):
             raise PlanError("a plan must be a JSON object with 'version', 'default' and 'rules'")
-        known = {"version", "default", "group_size", "symmetric", "method", "rules", "meta"}
+        known = {"version", "default", "group_size", "symmetric", "method", "rules", "meta", "scale_search"}
         unknown = set(d) - known
         if unknown:
             raise PlanError(f"unknown plan field(s) {sorted(unknown)}; allowed: {sorted(known)}")
@@ -236,7 +239,8 @@ class QuantPlan:
             raise PlanError(f"plan field 'version' must be 1 or more, got {d['version']}")
         return cls(default=d.get("default", "int8"), rules=tuple(PlanRule(**r) for r in rules),
                    group_size=d.get("group_size", DEFAULT_GROUP_SIZE), symmetric=d.get("symmetric", True),
-                   method=d.get("method", "rtn"), version=d["version"], meta=d.get("meta", {}))
+                   method=d.get("method", "rtn"), version=d["version"], meta=d.get("meta", {}),
+                   scale_search=d.get("scale_search", False))
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)

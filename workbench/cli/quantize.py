@@ -36,6 +36,8 @@ def add_arguments(p):
                      "(embeddings and lm_head stay fp16); default 4 when no --plan")
     p.add_argument("--group-size", type=int, help="columns per scale (default: the plan's, 128); 0 = per-channel")
     p.add_argument("--asymmetric", action="store_true", help="unsigned codes with zero points")
+    p.add_argument("--scale-search", action="store_true", help="each group's range shrunk to the ratio (1.0 down to "
+                   "0.5) with the least squared error instead of min/max (RTN, GPTQ; AWQ has its clip search)")
     p.add_argument("--method", choices=METHODS, help="round-to-nearest, AWQ or GPTQ (default: the plan's, rtn)")
     p.add_argument("--act-order", action="store_true", help="GPTQ: visit columns by decreasing input energy "
                    "(group scales then fixed from the original weights)")
@@ -69,6 +71,8 @@ def _plan_from_args(args) -> QuantPlan:
         changes["group_size"] = args.group_size or None
     if args.asymmetric:
         changes["symmetric"] = False
+    if args.scale_search:
+        changes["scale_search"] = True
     if args.method:
         changes["method"] = args.method
     return replace(plan, **changes) if changes else plan

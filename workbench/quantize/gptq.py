@@ -49,9 +49,11 @@ def default_gptq_tokens(model: nn.Module) -> int:
     return max(1024, min(DEFAULT_GPTQ_TOKENS, -(-int(GPTQ_BUDGET // max(params, 1)) // 1024) * 1024))
 
 
-def _group_params(w: torch.Tensor, bits: int, symmetric: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Scales (and zeros) of the columns ``w`` ``[out, g]`` taken as one group, by the RTN rule."""
-    _q, scales, zeros = _quantize_groups(w[:, None, :], bits, symmetric, None)
+def _group_params(w: torch.Tensor, bits: int, symmetric: bool, scale_search: bool,
+                  importance: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Scales (and zeros) of the columns ``w`` ``[out, g]`` taken as one group, by the RTN rule (and search)."""
+    _q, scales, zeros = _quantize_groups(w[:, None, :], bits, symmetric, None, scale_search=scale_search,
+                                         importance=importance[None, :])
     return scales[:, 0], None if zeros is None else zeros[:, 0]
 
 
@@ -80,8 +82,11 @@ def _inverse_factor(h: torch.Tensor, damp: float) -> torch.Tensor:
 
 def gptq_quantize_weight(w: torch.Tensor, h: torch.Tensor, bits: int, group_size: int | None = 128,
                          symmetric: bool = True, *, damp: float = DEFAULT_DAMP, act_order: bool = False,
-                         block_columns: int = DEFAULT_BLOCK_COLUMNS) -> QuantizedWeight:
-    """Quantize ``w`` ``[out, in]`` minimising ``tr((W - Q) H (W - Q)^T)`` column by column (``H`` = ``X^T X``)."""
+                         block_columns: int = DEFAULT_BLOCK_COLUMNS, scale_search: bool = False) -> QuantizedWeight:
+    """Quantize ``w`` ``[out, in]`` minimising ``tr((W - Q) H (W - Q)^T)`` column by column (``H`` = ``X^T X``).
+
+    ``scale_search``: each group's range from the RTN scale search, its error weighted by ``diag(H)``.
+    """
     if w.dim() != 2 or h.shape != (w.shape[1], w.shape[1]):
         raise PlanError(f"GPTQ needs a 2-D weight and its [in, in] input covariance, got {tuple(w.shape)} and "
                         f"{tuple(h.shape)}")
@@ -95,11 +100,12 @@ def gptq_quantize_weight(w: torch.Tensor, h: torch.Tensor, bits: int, group_size
     h[dead, dead] = 1.0
     w[:, dead] = 0.0
     n_groups = cols // g
+    energy = torch.diag(h).clone()  # per input column, in the original order: the scale search's weights
     scales = torch.empty(out, n_groups)
     zeros = None if symmetric else torch.empty(out, n_groups)
     if act_order:  # static groups: every group's range from the original weights, before any correction
         for k in range(n_groups):
-            s, z = _group_params(w[:, k * g:(k + 1) * g], bits, symmetric)
+            s, z = _group_params(w[:, k * g:(k + 1) * g], bits, symmetric, scale_search, energy[k * g:(k + 1) * g])
             scales[:, k] = s
             if zeros is not None:
                 zeros[:, k] = z
@@ -118,7 +124,8 @@ def gptq_quantize_weight(w: torch.Tensor, h: torch.Tensor, bits: int, group_size
             col = int(perm[j]) if perm is not None else j
             k = col // g
             if perm is None and col % g == 0:  # a group starts: its range from the corrected weights
-                s, z = _group_params(torch.cat([w1[:, i:], w[:, b:]], dim=1)[:, :g], bits, symmetric)
+                s, z = _group_params(torch.cat([w1[:, i:], w[:, b:]], dim=1)[:, :g], bits, symmetric, scale_search,
+                                     energy[col:col + g])
                 scales[:, k] = s
                 if zeros is not None:
                     zeros[:, k] = z
@@ -160,7 +167,7 @@ def _covariance_hook(h: torch.Tensor, count: list[int]):
 @torch.no_grad()
 def search_gptq(model: nn.Module, samples: list[torch.Tensor], spec: dict[str, tuple[int, int | None, bool]], *,
                 max_tokens: int = DEFAULT_GPTQ_TOKENS, damp: float = DEFAULT_DAMP, act_order: bool = False,
-                chunk_tokens: int = 4096, progress: bool = True) -> dict:
+                chunk_tokens: int = 4096, scale_search: bool = False, progress: bool = True) -> dict:
     """GPTQ of every layer in ``spec`` that sits in a decoder block; ``{"weights": {fqn: QuantizedWeight}, ...}``.
 
     Layers outside the blocks (the embedding, an untied output layer) are left to the caller (RTN).
@@ -194,7 +201,7 @@ def search_gptq(model: nn.Module, samples: list[torch.Tensor], spec: dict[str, t
             for n, m in mods.items():
                 bits, gs, sym = spec[n]
                 qw = gptq_quantize_weight(m.weight.detach().float().cpu(), covs.pop(n).cpu() / max(counts[n][0], 1),
-                                          bits, gs, sym, damp=damp, act_order=act_order)
+                                          bits, gs, sym, damp=damp, act_order=act_order, scale_search=scale_search)
                 weights[n] = qw
                 deq[n] = qw.dequantize().to(m.weight.device)
             with _weights_swapped(mods, deq):  # the next block sees what the quantized block computes
@@ -206,4 +213,4 @@ def search_gptq(model: nn.Module, samples: list[torch.Tensor], spec: dict[str, t
             del deq
         release_freed_memory()
     return {"method": "gptq", "weights": weights, "tokens": tokens, "damp": damp, "act_order": act_order,
-            "seconds": time.perf_counter() - t0}
+            "scale_search": scale_search, "seconds": time.perf_counter() - t0}

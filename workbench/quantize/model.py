@@ -363,7 +363,7 @@ def quantize_model(lm, plan: QuantPlan, *, calibration=None, method: str | None 
         from .gptq import default_gptq_tokens, search_gptq
         samples, _ = _samples_and_stats(calibration, stats)
         gptq_result = search_gptq(model, samples, spec, max_tokens=gptq_tokens or default_gptq_tokens(model),
-                                  act_order=act_order, progress=progress)
+                                  act_order=act_order, scale_search=plan.scale_search, progress=progress)
         gptq_weights = gptq_result.pop("weights")
 
     def fold_blocks(name: str | None = None) -> None:
@@ -386,7 +386,8 @@ def quantize_model(lm, plan: QuantPlan, *, calibration=None, method: str | None 
         w = float_overrides.pop(key) if key in float_overrides else params[key].detach().float()
         qw = gptq_weights.pop(r.name, None)
         if qw is None:
-            qw = quantize_weight(w, bits, gs, sym, clip_max=None if r.name not in clips else clips[r.name].to(w.device))
+            qw = quantize_weight(w, bits, gs, sym, clip_max=None if r.name not in clips else clips[r.name].to(w.device),
+                                 scale_search=plan.scale_search and r.name not in clips)
         qw = qw.to(w.device)
         r.weight_error = float((w - qw.dequantize()).norm() / w.norm().clamp_min(1e-12))
         weights[r.name] = qw.to("cpu")  # codes are kept and saved on the CPU; build_model moves them back

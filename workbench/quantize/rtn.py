@@ -6,6 +6,13 @@
 Symmetric: ``scale = max|w| / (2^(b-1) - 1)``, codes signed. Asymmetric: ``scale = (max - min) /
 (2^b - 1)`` over a range stretched to include 0, ``zero = round(-min / scale)``, codes unsigned. ``clip_max`` (from AWQ's clip
 search) clamps each group to ``[-clip_max, clip_max]`` before the range is taken.
+
+``scale_search`` shrinks each group's range by the ratio in ``SEARCH_RATIOS`` (1.0, 0.95, ..., 0.5)
+that gives the smallest squared error, weighted per input column by ``importance`` when given
+(GPTQ passes the diagonal of ``X^T X``, so columns that see large activations count more): the
+rounding error of the bulk shrinks more than the clipping error of the few largest weights grows,
+as llama.cpp's k-quant search and GPTQModel's MSE option find. Ratio 1.0 is in the grid, so the
+chosen range never does worse than min/max on that objective.
 """
 from __future__ import annotations
 
@@ -17,6 +24,7 @@ from .qtensor import QuantizedWeight, code_range
 __all__ = ["quantize_weight", "fake_quantize"]
 
 _TINY = 2.0 ** -24  # smallest float16 step: an all-zero group gets this scale, never a division by zero
+SEARCH_RATIOS = tuple(1.0 - 0.05 * i for i in range(11))
 
 
 def _fp16_ceil(x: torch.Tensor) -> torch.Tensor:
@@ -37,33 +45,62 @@ def _grouped(w: torch.Tensor, group_size: int | None) -> torch.Tensor:
     return w.reshape(out, inp // g, g)
 
 
-def _quantize_groups(wg: torch.Tensor, bits: int, symmetric: bool, clip_max: torch.Tensor | None):
-    """Codes (float, integral), scales and zeros for grouped weights ``[out, n_groups, g]``."""
-    lo, hi = code_range(bits, symmetric)
+def _quantize_groups(wg: torch.Tensor, bits: int, symmetric: bool, clip_max: torch.Tensor | None, *,
+                     scale_search: bool = False, importance: torch.Tensor | None = None):
+    """Codes (float, integral), scales and zeros for grouped weights ``[out, n_groups, g]``.
+
+    ``importance`` (``[n_groups, g]``, per input column) weighs the error the scale search minimises.
+    """
     if clip_max is not None:
         cm = clip_max.to(wg.dtype)[..., None]
         wg = torch.maximum(torch.minimum(wg, cm), -cm)
+    if not scale_search:
+        return _round_groups(wg, bits, symmetric, 1.0)
+    best, best_err = None, None
+    for ratio in SEARCH_RATIOS:
+        q, scales, zeros = _round_groups(wg, bits, symmetric, ratio)
+        err = (wg - _dequantize_groups(q, scales, zeros)).square_()
+        err = (err if importance is None else err * importance).sum(-1)
+        if best is None:
+            best, best_err = [q, scales, zeros], err
+            continue
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best[0] = torch.where(better[..., None], q, best[0])
+        best[1] = torch.where(better, scales, best[1])
+        if zeros is not None:
+            best[2] = torch.where(better, zeros, best[2])
+    return tuple(best)
+
+
+def _round_groups(wg: torch.Tensor, bits: int, symmetric: bool, ratio: float):
+    """Round-to-nearest with each group's range shrunk by ``ratio`` (1.0: the min/max range)."""
+    lo, hi = code_range(bits, symmetric)
     if symmetric:
-        scales = _fp16_ceil(wg.abs().amax(-1) / hi)
+        scales = _fp16_ceil(wg.abs().amax(-1) * ratio / hi)
         q = torch.round(wg / scales[..., None]).clamp_(lo, hi)
         return q, scales, None
     # the range always holds 0, so the zero point is a valid code and 0 is exact (as torch observers do)
-    wmin, wmax = wg.amin(-1).clamp_max(0), wg.amax(-1).clamp_min(0)
+    wmin, wmax = wg.amin(-1).clamp_max(0) * ratio, wg.amax(-1).clamp_min(0) * ratio
     scales = _fp16_ceil((wmax - wmin) / hi)
     zeros = torch.round(-wmin / scales).clamp_(lo, hi)
     q = (torch.round(wg / scales[..., None]) + zeros[..., None]).clamp_(lo, hi)
     return q, scales, zeros
 
 
+def _dequantize_groups(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None) -> torch.Tensor:
+    return (q if zeros is None else q - zeros[..., None]) * scales[..., None]
+
+
 def quantize_weight(w: torch.Tensor, bits: int, group_size: int | None = 128, symmetric: bool = True, *,
-                    clip_max: torch.Tensor | None = None) -> QuantizedWeight:
+                    clip_max: torch.Tensor | None = None, scale_search: bool = False) -> QuantizedWeight:
     """Round-to-nearest quantization of a 2-D weight ``[out, in]`` (computed in float32)."""
     if w.dim() != 2:
         raise PlanError(f"only 2-D weights can be quantized, got shape {tuple(w.shape)}")
     if group_size is not None and (not isinstance(group_size, int) or group_size <= 0):
         raise PlanError(f"group_size must be a positive integer or None (per-channel), got {group_size!r}")
     w = w.detach().to(torch.float32)
-    q, scales, zeros = _quantize_groups(_grouped(w, group_size), bits, symmetric, clip_max)
+    q, scales, zeros = _quantize_groups(_grouped(w, group_size), bits, symmetric, clip_max, scale_search=scale_search)
     out, inp = w.shape
     qdtype = torch.int8 if symmetric else torch.uint8
     return QuantizedWeight(q.reshape(out, inp).to(qdtype), scales.contiguous(),
@@ -74,7 +111,4 @@ def fake_quantize(w: torch.Tensor, bits: int, group_size: int | None, symmetric:
                   clip_max: torch.Tensor | None = None) -> torch.Tensor:
     """``quantize_weight(...).dequantize()`` without building the container (used inside searches)."""
     wg = _grouped(w.to(torch.float32), group_size)
-    q, scales, zeros = _quantize_groups(wg, bits, symmetric, clip_max)
-    if zeros is not None:
-        q = q - zeros[..., None]
-    return (q * scales[..., None]).reshape(w.shape)
+    return _dequantize_groups(*_quantize_groups(wg, bits, symmetric, clip_max)).reshape(w.shape)
