@@ -326,3 +326,14 @@ def test_registered_precision_works_through_every_target_or_is_refused_by_name(l
                 write_overrides(fmt, tmp_path / f"{name}.{fmt}", lm, plan)
         with pytest.raises(PlanError, match=name):
             convert(tiny_model_dir, "qnn", tmp_path / name, plan=plan, evaluate_outputs=False)
+
+
+def test_llamacpp_bundle_has_the_plans_tensor_types_and_commands(prepared, tiny_model_dir, tmp_path, lm):
+    from workbench.overrides import read_overrides
+    report = convert(tiny_model_dir, "llama.cpp", tmp_path, prepared=prepared)
+    assert not report.runnable and report.kl_divergence is None
+    types = read_overrides("llamacpp", tmp_path / "tensor-types.txt", lm)
+    assert types == prepared.qm.precisions  # the tied lm_head reads token_embd: the same precision
+    cmds = (tmp_path / "commands.sh").read_text()
+    assert "llama-quantize\" --tensor-type-file tensor-types.txt model-f16.gguf model-mixed.gguf Q4_0" in cmds
+    assert str(tiny_model_dir) in cmds and "convert_hf_to_gguf.py" in cmds
