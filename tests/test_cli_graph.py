@@ -49,6 +49,21 @@ def test_export_failing_midway_leaves_nothing_in_out(tiny_model_dir, tmp_path, c
     assert list(out.iterdir()) == [] and [p.name for p in tmp_path.iterdir()] == ["onnx"]
 
 
+def test_export_of_a_model_with_layers_the_graph_does_not_know(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    import dataclasses
+
+    import workbench.cli.export as export_cmd
+    from workbench.models import load_model
+    lm = load_model(tiny_model_dir)
+    lm.layers.append(dataclasses.replace(lm.layers[0], name="model.adapter.proj"))
+    monkeypatch.setattr(export_cmd, "load_for_export", lambda model: lm)
+    out = tmp_path / "onnx"
+    assert main(["export", str(tiny_model_dir), "--out", str(out), "--no-check", "--json"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("workbench export: error: the graphs hold no weight for model.adapter.proj")
+    assert len(err.strip().splitlines()) == 1 and not out.exists() and [p.name for p in tmp_path.iterdir()] == []
+
+
 def test_export_refuses_an_out_holding_other_files(tiny_model_dir, tmp_path, capsys):
     (tmp_path / "notes.txt").write_text("mine")
     assert main(["export", str(tiny_model_dir), "--out", str(tmp_path), "--steps", "2"]) == 2
