@@ -4,8 +4,8 @@ Whatever the content, the reader the CLI calls either accepts it or raises a Wor
 message is one line naming the file (and the line, record or field where there is one): the CLI
 prints that line and exits 2, never a traceback, and leaves no output behind. Plans and ONNX files
 go through the command line itself (``main``); calibration text and model directories through the
-readers the commands call, which is the same path without a model load per example. Examples are
-bounded and derandomized so the module runs in well under a minute as part of `make test`.
+readers the commands call, and through ``workbench calibrate`` / ``workbench info`` whenever the reader
+refuses. Examples are bounded and derandomized so the module runs in well under a minute in `make test`.
 """
 from __future__ import annotations
 
@@ -56,6 +56,20 @@ def _cli(argv: list[str]) -> tuple[int, str]:
     return rc, err.getvalue()
 
 
+def _cli_refuses(argv: list[str], path) -> None:
+    """The command exits 2 with one line on stderr naming ``path``: what the reader's error becomes."""
+    rc, err = _cli(argv)
+    assert rc == 2 and err.count("\n") == 1 and str(path) in err and "Traceback" not in err, err
+    assert err.startswith(f"workbench {argv[0]}: error: "), err
+
+
+def _calibrate_refuses(path) -> None:
+    ws = path.parent / "ws"
+    _cli_refuses(["calibrate", "demo", "--data", str(path), "--samples", "4", "--seq-len", "16", "--workspace",
+                  str(ws), "--json"], path)
+    assert not (ws / "calibrate").exists() or not any((ws / "calibrate").iterdir())  # nothing looks complete
+
+
 def _assert_one_line_naming(e: WorkbenchError, path) -> str:
     line = error_line(e)
     assert "\n" not in line and line.startswith("error: ") and str(path) in line, line
@@ -97,8 +111,7 @@ def test_any_plan_file_loads_or_is_refused_naming_the_file_and_field(scratch, ca
         line = _assert_one_line_naming(e, path)
         if field is not None and "not valid JSON" not in line:
             assert field in line, line
-        rc, err = _cli(["quantize", "demo", "--plan", str(path), "--out", str(d / "out")])
-        assert rc == 2 and err.count("\n") == 1 and str(path) in err and "Traceback" not in err, err
+        _cli_refuses(["quantize", "demo", "--plan", str(path), "--out", str(d / "out")], path)
         assert not (d / "out").exists()
         return
     # accepted: every field has the type the workbench relies on
@@ -147,6 +160,7 @@ def test_jsonl_lines_are_read_or_the_bad_line_is_named(scratch, case):
             assert not any(r.strip() for r in rows) or "empty" in line, line
         else:
             assert f"line {expected}:" in line, line
+        _calibrate_refuses(path)
         return
     assert bad_line is None and fmt == "jsonl" and [r.text for r in records] == rows
 
@@ -173,6 +187,7 @@ def test_alpaca_json_is_read_or_the_bad_record_is_named(scratch, text):
             doc = json.loads(text)
         if isinstance(doc, list) and doc and "record" not in line:
             assert "empty" in line, line
+        _calibrate_refuses(path)
 
 
 @BOUNDED
@@ -185,6 +200,7 @@ def test_plain_text_is_tokenized_or_refused_naming_the_file(scratch, demo_tokeni
         cs = load_calibration_set(path, tokenizer=demo_tokenizer, samples=4, seq_len=16)
     except DataError as e:
         _assert_one_line_naming(e, path)
+        _calibrate_refuses(path)
         return
     assert len(cs) >= 1
 
@@ -249,6 +265,7 @@ def test_a_damaged_model_directory_loads_or_is_refused_in_one_line(scratch, tiny
         load_model(d, load_tokenizer=False)
     except ModelLoadError as e:
         _assert_one_line_naming(e, d)
+        _cli_refuses(["info", str(d), "--json"], d)
 
 
 # ------------------------------------------------------------------------------------ ONNX files
@@ -269,6 +286,4 @@ def test_a_damaged_onnx_file_is_named_by_profile_in_one_line(scratch, exported, 
     target = d / "float" / name
     data = target.read_bytes()
     target.write_bytes(data[:int(len(data) * damage)] if isinstance(damage, float) else damage)
-    rc, err = _cli(["profile", str(d), "--repeats", "1", "--prompt-lengths", "4", "--decode-steps", "1"])
-    assert "Traceback" not in err and rc == 2, err
-    assert err.count("\n") == 1 and err.startswith("workbench profile: error: ") and str(target) in err, err
+    _cli_refuses(["profile", str(d), "--repeats", "1", "--prompt-lengths", "4", "--decode-steps", "1"], target)
