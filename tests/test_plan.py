@@ -140,3 +140,11 @@ def test_table_lists_layers_and_total():
     table = plan.table(layers)
     assert "int4" in table and "fp16" in table and "total" in table
     assert f"{4096 * 256 * 2:,}" in table
+
+
+def test_every_plan_field_has_a_json_type_check():
+    """A field added to QuantPlan without a type check would let a string "false" read as true again."""
+    import dataclasses
+
+    from workbench.plan import _FIELD_TYPES
+    assert {f.name for f in dataclasses.fields(QuantPlan)} == set(_FIELD_TYPES)
