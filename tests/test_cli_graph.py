@@ -41,12 +41,14 @@ def test_export_failing_midway_leaves_nothing_in_out(tiny_model_dir, tmp_path, c
     def broken(paths):
         assert all(p.is_file() for p in paths)  # the graphs were written (staged) before the failure
         raise RuntimeError("check failed")
+    import workbench.workspace as workspace
     monkeypatch.setattr(graph, "_check_graphs", broken)
+    monkeypatch.setattr(workspace, "DEFAULT_WORKSPACE", tmp_path / "ws")  # where a bug's log goes
     out = tmp_path / "onnx"
     out.mkdir()
     assert main(["export", str(tiny_model_dir), "--out", str(out), "--steps", "2"]) == 2
     assert "internal error (RuntimeError: check failed)" in capsys.readouterr().err
-    assert list(out.iterdir()) == [] and [p.name for p in tmp_path.iterdir()] == ["onnx"]
+    assert list(out.iterdir()) == [] and sorted(p.name for p in tmp_path.iterdir()) == ["onnx", "ws"]
 
 
 def test_export_of_a_model_with_layers_the_graph_does_not_know(tiny_model_dir, tmp_path, capsys, monkeypatch):
