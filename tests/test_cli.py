@@ -91,14 +91,13 @@ def test_library_error_with_newlines_stays_one_line(capsys, monkeypatch):
     assert capsys.readouterr().err == "workbench info: error: first; second\n"
 
 
-# options of other programs that messages and generated commands name, with the program they belong to
+# options of other programs that messages and generated commands name -> the program they belong to,
+# which the same source file must name
 OTHER_PROGRAMS_OPTIONS = {
-    ("overrides.py", "--tensor-type"): "llama-quantize", ("overrides.py", "--tensor-type-file"): "llama-quantize",
-    ("overrides.py", "--sym"): "llmexport", ("overrides.py", "--path"): "llmexport",
-    ("overrides.py", "--export"): "llmexport", ("overrides_cmd.py", "--tensor-type"): "llama.cpp",
-    ("crosscheck.py", "--no-deps"): "pip install", ("rknn.py", "--platform"): "build_rknn.py",
-    ("serve.py", "--port"): "workbench.ui.serve", ("serve.py", "--notebook"): "workbench.ui.serve",
-    ("serve.py", "--no-browser"): "voila",
+    "--tensor-type": "llama", "--tensor-type-file": "llama-quantize", "--outtype": "convert_hf_to_gguf",
+    "--outfile": "convert_hf_to_gguf", "--sym": "llmexport", "--path": "llmexport", "--export": "llmexport",
+    "--no-deps": "pip install", "--platform": "build_rknn.py", "--port": "workbench.ui.serve",
+    "--notebook": "workbench.ui.serve", "--no-browser": "voila",
 }
 
 
@@ -136,7 +135,7 @@ def test_every_option_a_message_names_exists_on_the_command_line():
         for node in ast.walk(tree):
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in defined:
                 for name in option.findall(node.value):
-                    program = OTHER_PROGRAMS_OPTIONS.get((f.name, name))
+                    program = OTHER_PROGRAMS_OPTIONS.get(name)
                     if name not in known and (program is None or program not in source):
                         unknown.append(f"{f.name}:{node.lineno}: {name}")
     assert not unknown, "messages name options the command line does not have: " + ", ".join(unknown)

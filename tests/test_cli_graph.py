@@ -41,12 +41,31 @@ def test_export_failing_midway_leaves_nothing_in_out(tiny_model_dir, tmp_path, c
     def broken(paths):
         assert all(p.is_file() for p in paths)  # the graphs were written (staged) before the failure
         raise RuntimeError("check failed")
+    import workbench.workspace as workspace
     monkeypatch.setattr(graph, "_check_graphs", broken)
+    monkeypatch.setattr(workspace, "DEFAULT_WORKSPACE", tmp_path / "ws")  # where a bug's log goes
     out = tmp_path / "onnx"
     out.mkdir()
     assert main(["export", str(tiny_model_dir), "--out", str(out), "--steps", "2"]) == 2
     assert "internal error (RuntimeError: check failed)" in capsys.readouterr().err
-    assert list(out.iterdir()) == [] and [p.name for p in tmp_path.iterdir()] == ["onnx"]
+    assert list(out.iterdir()) == [] and sorted(p.name for p in tmp_path.iterdir()) == ["onnx", "ws"]
+
+
+def test_export_of_a_model_with_layers_the_graph_does_not_know(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    import dataclasses
+
+    import workbench.cli.export as export_cmd
+    real = export_cmd.export_onnx
+
+    def with_an_unknown_layer(lm, *args, **kwargs):
+        lm.layers.append(dataclasses.replace(lm.layers[0], name="model.adapter.proj"))
+        return real(lm, *args, **kwargs)
+    monkeypatch.setattr(export_cmd, "export_onnx", with_an_unknown_layer)
+    out = tmp_path / "onnx"
+    assert main(["export", str(tiny_model_dir), "--out", str(out), "--no-check", "--json"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("workbench export: error: the graphs hold no weight for model.adapter.proj")
+    assert len(err.strip().splitlines()) == 1 and not out.exists() and [p.name for p in tmp_path.iterdir()] == []
 
 
 def test_export_refuses_an_out_holding_other_files(tiny_model_dir, tmp_path, capsys):

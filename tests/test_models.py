@@ -241,3 +241,23 @@ def test_info_has_the_trust_remote_code_option_the_messages_name():
     from workbench.cli import build_parser
     args = build_parser().parse_args(["info", "demo", "--trust-remote-code"])
     assert args.trust_remote_code is True
+
+
+def test_a_config_that_is_not_an_object_or_has_odd_types_is_refused(tiny_model_dir, tmp_path):
+    d = tmp_path / "m"
+    shutil.copytree(tiny_model_dir, d)
+    (d / "config.json").write_text("[1, 2]")
+    with pytest.raises(ModelLoadError, match=r"config.json' holds a JSON list, not an object"):
+        load_model(d)
+    (d / "config.json").write_text(json.dumps({"model_type": ["qwen3"], "architectures": "Qwen3ForCausalLM"}))
+    with pytest.raises(ModelLoadError, match="'model_type' must be a string and 'architectures' a list"):
+        load_model(d)
+
+
+def test_a_safetensors_header_that_is_not_a_tensor_table_is_refused(tiny_model_dir, tmp_path):
+    d = tmp_path / "m"
+    shutil.copytree(tiny_model_dir, d)
+    header = b"[1, 2, 3]"
+    (d / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
+    with pytest.raises(ModelLoadError, match=r"model.safetensors' has a corrupt safetensors header \(not a table"):
+        load_model(d)

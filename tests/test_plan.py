@@ -148,3 +148,11 @@ def test_scale_search_round_trips_and_is_type_checked():
     assert "scale_search" not in QuantPlan.uniform("int4").to_dict()  # plans written before it read the same
     with pytest.raises(PlanError, match="plan field 'scale_search' must be true or false"):
         QuantPlan.from_dict({**plan.to_dict(), "scale_search": "yes"})
+
+
+def test_every_plan_field_has_a_json_type_check():
+    """A field added to QuantPlan without a type check would let a string "false" read as true again."""
+    import dataclasses
+
+    from workbench.plan import _FIELD_TYPES
+    assert {f.name for f in dataclasses.fields(QuantPlan)} == set(_FIELD_TYPES)

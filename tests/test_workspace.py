@@ -1,4 +1,5 @@
 import json
+import os
 
 import pytest
 
@@ -117,3 +118,18 @@ def test_staged_output_refuses_files_added_while_it_ran(tmp_path):
         out.mkdir()
         (out / "mine.txt").write_text("x")
     assert [p.name for p in out.iterdir()] == ["mine.txt"] and sorted(p.name for p in tmp_path.iterdir()) == ["o"]
+
+
+def test_what_a_killed_run_staged_is_removed_by_the_next_run(tmp_path):
+    import subprocess
+    import sys
+
+    from workbench.workspace import staged_output
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = tmp_path / f".o.partial-{int(dead.stdout)}-abc"
+    (stale / "weights").mkdir(parents=True)
+    alive = tmp_path / f".o.partial-{os.getppid()}-def"  # a process that is running
+    alive.mkdir()
+    with staged_output(tmp_path / "o", "workbench-test") as d:
+        (d / "a").write_text("x")
+    assert not stale.exists() and alive.exists() and (tmp_path / "o" / "a").is_file()

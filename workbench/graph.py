@@ -561,8 +561,8 @@ def export_onnx(lm, out_dir: str | Path, *, static: tuple[int, int] | None = Non
                          progress=progress is not None)
     missing = [info.name for info in lm.layers if info.name not in built.weight_names]
     if missing:
-        raise RuntimeError(f"the graphs hold no weight for {', '.join(missing[:3])}: the model has layers the export "
-                           "does not know")
+        raise ModelLoadError(f"the graphs hold no weight for {', '.join(missing[:3])}: the model has layers the export "
+                             "does not know")
     names = {info.name: built.weight_names[info.name] for info in lm.layers}
     layouts = {info.name: built.weight_layouts[info.name] for info in lm.layers}
     atomic_write_json(out / "weight_names.json", {"weight_names": names, "weight_layouts": layouts})

@@ -207,7 +207,11 @@ def check_safetensors_file(path: Path) -> None:
             header = json.loads(f.read(n))
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise ModelLoadError(f"weights file '{path}' has a corrupt safetensors header; re-copy it") from None
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    try:
+        end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+    except (AttributeError, KeyError, IndexError, TypeError, ValueError):
+        raise ModelLoadError(f"weights file '{path}' has a corrupt safetensors header (not a table of tensors "
+                             "with data offsets); re-copy it") from None
     if 8 + n + end > size:
         raise ModelLoadError(f"weights file '{path}' is truncated: its header describes {8 + n + end:,} bytes but "
                              f"the file has {size:,}; re-copy it")
@@ -260,6 +264,8 @@ def _check_directory(path: Path, name: str) -> dict:
         cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ModelLoadError(f"'{cfg_path}' is not valid JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise ModelLoadError(f"'{cfg_path}' holds a JSON {type(cfg).__name__}, not an object of model settings")
     st = sorted(path.glob("*.safetensors"))
     bins = sorted(path.glob("pytorch_model*.bin"))
     if not st and not bins:

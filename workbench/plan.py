@@ -237,7 +237,17 @@ class QuantPlan:
                                     f"got {_json_value(r[name])}")
         if d["version"] < 1:
             raise PlanError(f"plan field 'version' must be 1 or more, got {d['version']}")
-        return cls(default=d.get("default", "int8"), rules=tuple(PlanRule(**r) for r in rules),
+        try:
+            get_precision(d.get("default", "int8"))
+        except PlanError as e:
+            raise PlanError(f"plan field 'default': {e}") from None
+        parsed = []
+        for i, r in enumerate(rules):
+            try:
+                parsed.append(PlanRule(**r))
+            except PlanError as e:
+                raise PlanError(f"plan 'rules' item {i}: {e}") from None
+        return cls(default=d.get("default", "int8"), rules=tuple(parsed),
                    group_size=d.get("group_size", DEFAULT_GROUP_SIZE), symmetric=d.get("symmetric", True),
                    method=d.get("method", "rtn"), version=d["version"], meta=d.get("meta", {}),
                    scale_search=d.get("scale_search", False))

@@ -147,6 +147,21 @@ def swap_into_place(src: Path, dst: Path) -> Path:
     return dst
 
 
+def _remove_stale_staging(out: Path) -> None:
+    """Remove what killed runs staged for ``out`` (their process is gone); a running one's is left alone."""
+    import glob
+    for d in out.parent.glob(f".{glob.escape(out.name)}.partial-*-*"):
+        pid = d.name[len(f".{out.name}.partial-"):].split("-", 1)[0]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(d, ignore_errors=True)
+        except OSError:
+            pass  # alive, under another user
+
+
 @contextmanager
 def staged_output(path: str | Path, kind: str, option: str = "--out"):
     """Yield a hidden sibling directory to write a ``kind`` output into; swap it into ``path`` on success.
@@ -159,7 +174,8 @@ def staged_output(path: str | Path, kind: str, option: str = "--out"):
     """
     out = check_output_dir(path, kind, option)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.partial-"))
+    _remove_stale_staging(out)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.partial-{os.getpid()}-"))
     try:
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it private; once swapped in it is an ordinary directory
         yield tmp

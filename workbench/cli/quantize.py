@@ -79,8 +79,8 @@ def _plan_from_args(args) -> QuantPlan:
 
 
 def run(args) -> int:
-    from ..quantize.cost import check_ctx
     from ..quantize import heldout_ids, measure_cost, measure_reference, quantize_model, write_report
+    from ..quantize.cost import check_ctx
     from ..quantize.io import FORMAT, weight_file_bytes
     plan = _plan_from_args(args)
     check_output_dir(args.out, FORMAT)  # refuse before any heavy work; checked again when swapped in
