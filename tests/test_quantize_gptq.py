@@ -90,11 +90,13 @@ def test_gptq_model_beats_rtn_and_leaves_the_model_unchanged(lm):
     base = measure_reference(lm.model, ids, ctx=128, progress=False)
     plan = QuantPlan.uniform("int4", group_size=32)
     kl = {}
-    for method in ("rtn", "gptq"):
+    for method in ("rtn", "gptq", "awq+gptq"):
         qm = quantize_model(lm, plan, method=method, calibration=samples, progress=False)
         kl[method] = measure_cost(qm, base, progress=False).kl_divergence
-    assert qm.method == "gptq" and qm.gptq["tokens"] == 8 * 128 and not qm.gptq["act_order"]
-    assert kl["gptq"] < kl["rtn"]
+        assert all(torch.equal(p, before[n]) for n, p in lm.model.named_parameters())
+    assert qm.method == "awq+gptq" and qm.gptq["tokens"] == 8 * 128 and not qm.gptq["act_order"]
+    assert qm.awq["groups"] and qm.float_overrides  # the folded norms travel with the quantized model
+    assert kl["gptq"] < kl["rtn"] and kl["awq+gptq"] < kl["rtn"]
     assert all(torch.equal(p, before[n]) for n, p in lm.model.named_parameters())
     with pytest.raises(PlanError, match="calibration"):
         quantize_model(lm, plan, method="gptq", progress=False)

@@ -38,7 +38,8 @@ def add_arguments(p):
     p.add_argument("--asymmetric", action="store_true", help="unsigned codes with zero points")
     p.add_argument("--scale-search", action="store_true", help="each group's range shrunk to the ratio (1.0 down to "
                    "0.5) with the least squared error instead of min/max (RTN, GPTQ; AWQ has its clip search)")
-    p.add_argument("--method", choices=METHODS, help="round-to-nearest, AWQ or GPTQ (default: the plan's, rtn)")
+    p.add_argument("--method", choices=METHODS, help="round-to-nearest, AWQ, GPTQ, or AWQ's scales then GPTQ "
+                   "(default: the plan's, rtn)")
     p.add_argument("--act-order", action="store_true", help="GPTQ: visit columns by decreasing input energy "
                    "(group scales then fixed from the original weights)")
     p.add_argument("--data", help="calibration text for AWQ and GPTQ (default: the bundled calibration text)")

@@ -133,7 +133,7 @@ def likely_causes(qm, cost: "QuantCost") -> list[str]:
         causes.append("the embedding / lm_head is quantized; these are often the most sensitive: keep them fp16")
     if int4 and qm.method == "rtn":
         causes.append("4-bit round-to-nearest: try method 'gptq' or 'awq' with a calibration set from the real inputs")
-    if int4 and qm.method in ("awq", "gptq"):
+    if int4 and qm.method != "rtn":
         causes.append(f"{qm.method.upper()} calibration may not match the evaluation text (domain, language mix); check its coverage")
     if qm.plan.group_size is None or (qm.plan.group_size or 0) > 128:
         causes.append(f"group size {qm.plan.group_size or 'per-channel'} is coarse: try 128 or 64")

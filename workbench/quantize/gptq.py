@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from typing import Callable
 
 import torch
 from torch import nn
@@ -144,16 +145,16 @@ def gptq_quantize_weight(w: torch.Tensor, h: torch.Tensor, bits: int, group_size
 
 
 @contextlib.contextmanager
-def _weights_swapped(mods: dict[str, nn.Module], new: dict[str, torch.Tensor]):
-    """The modules compute with ``new`` weights for the duration; the very original tensors come back after."""
-    saved = {n: m.weight.data for n, m in mods.items()}
+def _swapped(params: dict[str, torch.Tensor], new: dict[str, torch.Tensor]):
+    """The parameters hold ``new`` values for the duration; the very tensors they held come back after."""
+    saved = {n: params[n].data for n in new}
     try:
-        for n, m in mods.items():
-            m.weight.data = new[n].to(saved[n].dtype)
+        for n, t in new.items():
+            params[n].data = t.to(saved[n].dtype).to(saved[n].device)
         yield
     finally:
-        for n, m in mods.items():
-            m.weight.data = saved[n]
+        for n, data in saved.items():
+            params[n].data = data
 
 
 def _covariance_hook(h: torch.Tensor, count: list[int]):
@@ -167,10 +168,13 @@ def _covariance_hook(h: torch.Tensor, count: list[int]):
 @torch.no_grad()
 def search_gptq(model: nn.Module, samples: list[torch.Tensor], spec: dict[str, tuple[int, int | None, bool]], *,
                 max_tokens: int = DEFAULT_GPTQ_TOKENS, damp: float = DEFAULT_DAMP, act_order: bool = False,
-                chunk_tokens: int = 4096, scale_search: bool = False, progress: bool = True) -> dict:
+                chunk_tokens: int = 4096, scale_search: bool = False, progress: bool = True,
+                block_params: Callable[[str], dict[str, torch.Tensor]] | None = None) -> dict:
     """GPTQ of every layer in ``spec`` that sits in a decoder block; ``{"weights": {fqn: QuantizedWeight}, ...}``.
 
     Layers outside the blocks (the embedding, an untied output layer) are left to the caller (RTN).
+    ``block_params(block_name)`` gives new values for some of a block's parameters (AWQ's folded
+    scales), used while that block runs and as the weights GPTQ rounds.
     """
     from tqdm.auto import tqdm
     t0 = time.perf_counter()
@@ -178,11 +182,12 @@ def search_gptq(model: nn.Module, samples: list[torch.Tensor], spec: dict[str, t
     units, tokens = _capture_block_inputs(model, blocks, samples, max_tokens)
     chunks = _token_chunks(units, chunk_tokens)
     weights: dict[str, QuantizedWeight] = {}
+    params = dict(model.named_parameters(remove_duplicate=False))
     for i in tqdm(range(len(blocks)), desc="gptq", unit="block", disable=not progress, leave=False):
         bname = f"{prefix}.{i}"
         blk = blocks[i]
         names = [n for n in spec if n.startswith(bname + ".")]
-        with widened(blk):
+        with widened(blk), _swapped(params, block_params(bname) if block_params else {}):
             mods = {n: blk.get_submodule(n[len(bname) + 1:]) for n in names}
             for n, m in mods.items():
                 if not isinstance(m, nn.Linear):
@@ -203,8 +208,8 @@ def search_gptq(model: nn.Module, samples: list[torch.Tensor], spec: dict[str, t
                 qw = gptq_quantize_weight(m.weight.detach().float().cpu(), covs.pop(n).cpu() / max(counts[n][0], 1),
                                           bits, gs, sym, damp=damp, act_order=act_order, scale_search=scale_search)
                 weights[n] = qw
-                deq[n] = qw.dequantize().to(m.weight.device)
-            with _weights_swapped(mods, deq):  # the next block sees what the quantized block computes
+                deq[f"{n}.weight"] = qw.dequantize()
+            with _swapped(params, deq):  # the next block sees what the quantized block computes
                 for idx in chunks:
                     _seen, outs = _run_block(blk, units, idx, {})
                     for j, out in zip(idx, outs):

@@ -29,8 +29,8 @@ from .storage import layer_storage, save_quantized
 __all__ = ["LayerQuantReport", "QuantizedModel", "quantize_model", "resolve_group_size", "METHODS",
            "CALIBRATED_METHODS", "bits_per_weight"]
 
-METHODS = ("rtn", "awq", "gptq")
-CALIBRATED_METHODS = ("awq", "gptq")  # they read calibration samples
+METHODS = ("rtn", "awq", "gptq", "awq+gptq")
+CALIBRATED_METHODS = ("awq", "gptq", "awq+gptq")  # they read calibration samples
 FALLBACK_MULTIPLE = 32  # fallback group sizes stay multiples of 32, as kernels and NPUs expect
 
 
@@ -305,7 +305,8 @@ def quantize_model(lm, plan: QuantPlan, *, calibration=None, method: str | None 
     ``stats`` or a ``(set, stats)`` pair supply mean |x| per channel); a cached ``awq_search``
     result skips the search, and a ``workspace`` stores and finds search results by their inputs.
     GPTQ needs ``calibration`` samples too (``gptq_tokens`` of them; ``act_order`` visits columns by
-    decreasing input energy); layers outside the decoder blocks are rounded to nearest.
+    decreasing input energy); layers outside the decoder blocks are rounded to nearest. ``awq+gptq``
+    folds AWQ's searched scales into the float weights first, then runs GPTQ on them (without AWQ's clips).
     """
     from tqdm.auto import tqdm
     t0 = time.perf_counter()
@@ -342,7 +343,7 @@ def quantize_model(lm, plan: QuantPlan, *, calibration=None, method: str | None 
     float_overrides: dict[str, torch.Tensor] = {}
     clips: dict[str, torch.Tensor] = {}
     unfolded: dict[str, list[dict]] = {}  # AWQ search entries by block, not yet folded into float copies
-    if method == "awq" and spec:
+    if method in ("awq", "awq+gptq") and spec:
         from .awq import fold_awq_scales, search_awq
         if awq_search is None:
             samples, mean_abs = _samples_and_stats(calibration, stats)
@@ -355,15 +356,20 @@ def quantize_model(lm, plan: QuantPlan, *, calibration=None, method: str | None 
                                         max_tokens=awq_tokens)
         for entry in awq_search["groups"]:
             unfolded.setdefault(entry["group"]["block"], []).append(entry)
-        clips = awq_search.get("clips", {})
+        clips = awq_search.get("clips", {}) if method == "awq" else {}  # GPTQ compensates its rounding itself
 
     gptq_weights: dict[str, QuantizedWeight] = {}
     gptq_result = None
-    if method == "gptq" and spec:
+    if method in ("gptq", "awq+gptq") and spec:
+        from .awq import fold_awq_scales
         from .gptq import default_gptq_tokens, search_gptq
         samples, _ = _samples_and_stats(calibration, stats)
+
+        def folded(block: str) -> dict[str, torch.Tensor]:  # AWQ's scales, folded as the block is reached
+            return fold_awq_scales(model, {"groups": unfolded.get(block, [])}) if unfolded else {}
         gptq_result = search_gptq(model, samples, spec, max_tokens=gptq_tokens or default_gptq_tokens(model),
-                                  act_order=act_order, scale_search=plan.scale_search, progress=progress)
+                                  act_order=act_order, scale_search=plan.scale_search, progress=progress,
+                                  block_params=folded)
         gptq_weights = gptq_result.pop("weights")
 
     def fold_blocks(name: str | None = None) -> None:

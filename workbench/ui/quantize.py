@@ -58,7 +58,8 @@ class QuantizePanel(StepPanel):
         method = start.method if method is FROM_PLAN else method
         group_size = start.group_size if group_size is FROM_PLAN else group_size
         symmetric = start.symmetric if symmetric is FROM_PLAN else symmetric
-        self.method = widgets.Dropdown(options=[("round-to-nearest", "rtn"), ("AWQ", "awq"), ("GPTQ", "gptq")],
+        self.method = widgets.Dropdown(options=[("round-to-nearest", "rtn"), ("AWQ", "awq"), ("GPTQ", "gptq"),
+                                                ("AWQ + GPTQ", "awq+gptq")],
                                        value=method, description="method")
         self.bits = widgets.Dropdown(options=self._bit_options(plan), value="plan" if plan is not None else bits,
                                      description="bits")
