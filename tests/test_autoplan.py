@@ -131,3 +131,21 @@ def test_plan_estimate_is_the_quantized_models_bits_per_weight(lm, symmetric):
     assert 4 < estimate < 16
     if symmetric:  # codes and float16 scales: exactly the bytes stored
         assert estimate == pytest.approx(8 * qm.storage_bytes() / qm.parameters, rel=1e-12)
+
+
+def test_refinement_keeps_the_budget_and_only_accepts_measured_gains(lm, sens, evaluator):
+    from workbench.autoplan import refine_plan
+    budget = int(1.1 * plan_footprint(lm, QuantPlan.uniform("int4", keep_embeddings="int4"))["size_bytes"])
+    auto = plan_for_budget(lm, sens, size_bytes=budget)
+    assert set(auto.assignments.values()) >= {"int4", "int8"}
+    ref = refine_plan(lm, sens, auto, evaluator, trials=6, per_round=2)
+    assert 0 < ref.trials <= 6 and ref.prediction.size_bytes <= budget
+    assert ref.measured_kl <= ref.start_kl
+    assert ref.start_kl == pytest.approx(evaluator.evaluate_assignments(auto.assignments).kl_divergence)
+    assert ref.measured_kl == pytest.approx(evaluator.evaluate_assignments(ref.prediction.assignments).kl_divergence)
+    kls = [m["kl"] for m in ref.moves]
+    assert kls == sorted(kls, reverse=True) and all(k < ref.start_kl for k in kls)  # each accepted move helped
+    for m in ref.moves:
+        assert all(ref.prediction.assignments[n] in ("fp16", "int8", "int4") for n in m["set"])
+    unchanged = refine_plan(lm, sens, auto, evaluator, trials=0)
+    assert unchanged.prediction.assignments == auto.assignments and unchanged.moves == []

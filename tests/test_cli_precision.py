@@ -61,6 +61,15 @@ def test_plan_json_has_measured_and_predicted_figures(capsys, tiny_model_dir, ws
     assert "predicted from the sweep's estimated KL (Fisher proxy)" in text and "measured" in text
 
 
+def test_plan_refined_by_measurement_reports_both_kls(capsys, tiny_model_dir, ws, tmp_path):
+    out = run_json(capsys, "plan", tiny_model_dir, "--bits-per-weight", 5, "--out", tmp_path / "plan.json",
+                   "--tokens", 256, "--eval-tokens", 256, "--refine", 4, "--workspace", ws, "--json")
+    ref = out["refinement"]
+    assert 0 < ref["trials"] <= 4 and ref["measured_kl"] <= ref["start_kl"]
+    assert out["kl_divergence"] == pytest.approx(ref["measured_kl"], rel=1e-6)  # measured on the same tokens
+    assert QuantPlan.load(tmp_path / "plan.json").meta["refined_by"] == "measured KL"
+
+
 @pytest.mark.parametrize("fmt", ["qnn", "ort", "llamacpp", "mnn"])
 def test_overrides_for_each_format(capsys, tiny_model_dir, tmp_path, fmt):
     plan_path = QuantPlan.uniform("int8").with_override("*.q_proj", "fp16").save(tmp_path / "plan.json")

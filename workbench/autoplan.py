@@ -31,7 +31,7 @@ from .plan import DEFAULT_GROUP_SIZE, QuantPlan, get_precision
 from .quantize.model import bits_per_weight
 from .sensitivity import PlanEvaluator, SensitivityReport
 
-__all__ = ["PlanPrediction", "PlanPoint", "budget_bytes", "check_budget", "plan_footprint", "predict_damage", "plan_for_budget", "measure_plan",
+__all__ = ["PlanPrediction", "PlanPoint", "Refinement", "refine_plan", "budget_bytes", "check_budget", "plan_footprint", "predict_damage", "plan_for_budget", "measure_plan",
            "pareto_points", "compare_points", "DEFAULT_CHOICES"]
 
 DEFAULT_CHOICES = ("fp16", "int8", "int4")
@@ -199,6 +199,106 @@ def plan_for_budget(lm: LoadedModel, sensitivity: SensitivityReport, *, size_byt
     return PlanPrediction(plan, ordered, foot["size_bytes"], foot["bits_per_weight"], int(size_bytes),
                           pred["kl_divergence"], pred["perplexity"], pred["nll_delta"], time.perf_counter() - t0,
                           sensitivity.score)
+
+
+@dataclass
+class Refinement:
+    """The automatic plan after moves accepted by measurement, and the measured figures before and after."""
+
+    prediction: PlanPrediction  # the refined plan, with the sweep's prediction for it
+    start_kl: float  # the starting plan's KL, measured by the evaluator
+    measured_kl: float  # the refined plan's KL, measured the same way
+    moves: list[dict] = field(default_factory=list)  # accepted: {"set": {layer: precision}, "kl": measured}
+    trials: int = 0
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict:
+        return {"start_kl": self.start_kl, "measured_kl": self.measured_kl, "moves": self.moves,
+                "trials": self.trials, "seconds": self.seconds}
+
+
+def _moves(lm: LoadedModel, sensitivity: SensitivityReport, assign: Mapping[str, str], units: list[list[str]],
+           choices: Sequence[str], budget: int, gs, sym, metric: str) -> list[tuple[float, dict[str, str]]]:
+    """Budget-respecting raises of one unit's precision, paid for (when needed) by lowering another unit's;
+    each with its predicted gain (damage saved minus damage added), best first. Gains may be negative:
+    the budget's optimum by prediction has no positive one, and measurement is the judge."""
+    def size(a) -> int:
+        return lm.layer_bytes(a, gs, sym) + lm.other_bytes
+
+    def damage(unit, p) -> float:
+        return sum(sensitivity.damage(n, p, metric) for n in unit)
+
+    out = []
+    for u in units:
+        cur = assign[u[0]]
+        for q in choices:
+            gain = damage(u, cur) - damage(u, q)
+            if q == cur or gain <= 0:
+                continue
+            change = {n: q for n in u}
+            need = size({**assign, **change}) - budget
+            if need <= 0:
+                out.append((gain, change))
+                continue
+            best = None  # the cheapest way, by predicted damage, to free ``need`` bytes elsewhere
+            for v in units:
+                if v is u:
+                    continue
+                for r in choices:
+                    pay = {n: r for n in v}
+                    if r == assign[v[0]] or size({**assign, **change, **pay}) > budget:
+                        continue
+                    cost = damage(v, r) - damage(v, assign[v[0]])
+                    if best is None or cost < best[0]:
+                        best = (cost, pay)
+            if best is not None:
+                out.append((gain - best[0], {**change, **best[1]}))
+    return sorted(out, key=lambda m: -m[0])
+
+
+def refine_plan(lm: LoadedModel, sensitivity: SensitivityReport, prediction: PlanPrediction,
+                evaluator: PlanEvaluator, *, trials: int = 12, per_round: int = 3,
+                choices: Sequence[str] = DEFAULT_CHOICES, metric: str = "kl", progress: bool = False) -> Refinement:
+    """Greedy refinement by measured KL: the predicted damages assume layers do not interact; they do.
+
+    Each round measures the ``per_round`` moves with the best predicted gain (a unit to another
+    precision, paid for by lowering another unit when the budget is full) and keeps the one that
+    lowers the measured KL most; it stops when no move measured helps or after ``trials`` measurements.
+    """
+    from tqdm.auto import tqdm
+    t0 = time.perf_counter()
+    gs, sym = sensitivity.group_size, sensitivity.symmetric
+    choices = [get_precision(c).name for c in choices]
+    assign = dict(prediction.assignments)
+    units = _units(lm, [layer.name for layer in sensitivity.layers])
+    start = current = evaluator.evaluate_assignments(assign, desc="refine").kl_divergence
+    moves, tried, seen = [], 0, set()
+    with tqdm(total=trials, desc="refine plan (measured)", unit="trial", disable=not progress, leave=False) as bar:
+        while tried < trials:
+            candidates = [m for m in _moves(lm, sensitivity, assign, units, choices, prediction.budget_bytes, gs, sym,
+                                            metric) if tuple(sorted(m[1].items())) not in seen][:per_round]
+            best = None
+            for _gain, change in candidates[:trials - tried]:
+                seen.add(tuple(sorted(change.items())))
+                kl = evaluator.evaluate_assignments({**assign, **change}, desc="refine").kl_divergence
+                tried += 1
+                bar.update(1)
+                if kl < current and (best is None or kl < best[0]):
+                    best = (kl, change)
+            if best is None:
+                break
+            current = best[0]
+            assign.update(best[1])
+            moves.append({"set": dict(best[1]), "kl": best[0]})
+    ordered = {info.name: assign[info.name] for info in lm.layers}
+    plan = _plan_from_assignments(ordered, gs, sym, {**prediction.plan.meta, "refined_by": "measured KL",
+                                                     "refine_moves": len(moves)})
+    foot = plan_footprint(lm, plan)
+    pred = predict_damage(sensitivity, ordered)
+    refined = PlanPrediction(plan, ordered, foot["size_bytes"], foot["bits_per_weight"], prediction.budget_bytes,
+                             pred["kl_divergence"], pred["perplexity"], pred["nll_delta"],
+                             prediction.seconds + time.perf_counter() - t0, sensitivity.score)
+    return Refinement(refined, start, current, moves, tried, time.perf_counter() - t0)
 
 
 @dataclass

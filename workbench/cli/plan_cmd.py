@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..autoplan import budget_bytes, check_budget, measure_plan, plan_for_budget
+from ..autoplan import budget_bytes, check_budget, measure_plan, plan_for_budget, refine_plan
 from ..evaluate import default_token_budget
 from ..models import load_model
 from ..plan import QuantPlan
@@ -31,6 +31,9 @@ def add_arguments(p):
     p.add_argument("--eval-tokens", type=int, default=None,
                    help="tokens to measure the chosen plan on (default: the whole text for small models, about a "
                         "minute of a 2-core CPU for large ones: 2,048 tokens at 0.5 B parameters)")
+    p.add_argument("--refine", type=int, default=0, metavar="TRIALS",
+                   help="then move layers between precisions by measured KL, at most TRIALS measurements (default 0: "
+                        "the plan that is optimal by the sweep's prediction)")
     add_sweep_arguments(p)
     add_json_flag(p)
 
@@ -46,6 +49,10 @@ def run(args) -> int:
     ids = evaluation_tokens(lm, args.data)
     ids = ids[:args.eval_tokens or default_token_budget(lm.model, len(ids))]
     evaluator = PlanEvaluator(lm, ids, progress=not args.json)
+    refinement = None
+    if args.refine > 0:
+        refinement = refine_plan(lm, sens, auto, evaluator, trials=args.refine, progress=not args.json)
+        auto = refinement.prediction
     point = measure_plan(lm, auto.plan, evaluator, label="auto", prediction=auto, progress=not args.json)
     saved = auto.plan.save(Path(args.out))
     out = {"model": str(lm.path), "plan_path": str(saved), "budget_bytes": auto.budget_bytes,
@@ -55,7 +62,7 @@ def run(args) -> int:
            "predicted_kl_divergence": auto.predicted_kl, "predicted_perplexity": point.predicted_perplexity,
            "eval_tokens": point.tokens, "sweep_tokens": sens.tokens, "score": sens.score,
            "score_reason": sens.score_reason, "assignments": auto.assignments,
-           "plan": auto.plan.to_dict()}
+           "plan": auto.plan.to_dict(), "refinement": refinement.to_dict() if refinement else None}
     if args.json:
         print_json(out)
         return 0
@@ -69,5 +76,8 @@ def run(args) -> int:
     print(f"{'KL':<14}{auto.predicted_kl:>12.3e}{point.kl_divergence:>12.3e}")
     print(f"{'perplexity':<14}{point.predicted_perplexity:>12.3f}{point.perplexity:>12.3f}   "
           f"(float {point.reference_perplexity:.3f}, {point.tokens:,} tokens)")
+    if refinement is not None:
+        print(f"refined by measurement: {len(refinement.moves)} move(s) kept of {refinement.trials} measured; KL "
+              f"{refinement.start_kl:.3e} (the predicted optimum) -> {refinement.measured_kl:.3e}")
     print(f"top-1 agreement {point.top1_agreement:.4f}; plan written to {saved}")
     return 0
