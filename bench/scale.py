@@ -15,6 +15,7 @@ resident memory (the child's ru_maxrss from os.wait4) are its own:
     calibrate     workbench calibrate MODEL                                  (default 128 x 512 tokens)
     quantize-rtn  workbench quantize MODEL --bits 4 --method rtn --out ...   (+ its evaluation, default text)
     quantize-awq  workbench quantize MODEL --bits 4 --method awq --out ...   (+ its evaluation, default text)
+    quantize-gptq workbench quantize MODEL --bits 4 --method gptq --out ...  (+ its evaluation, default text)
     eval          workbench eval MODEL --ref MODEL                           (perplexity, KL, top-1; two models)
     sensitivity   workbench sensitivity MODEL                                (int8/int4 sweep, 1,024 tokens)
     plan          workbench plan MODEL --bits-per-weight 6 --out ...        (automatic plan, measured)
@@ -23,7 +24,7 @@ resident memory (the child's ru_maxrss from os.wait4) are its own:
 
 All steps of one shape share a fresh workspace (WORKBENCH_WORKSPACE) unless --workspace names
 one, so a step pays for what it computes, and reads back only what an earlier step of the same
-run legitimately produced: quantize-awq reads calibrate's statistics (same 128 x 512 defaults),
+run legitimately produced: quantize-awq and -gptq read calibrate's statistics (same 128 x 512 defaults),
 plan reads sensitivity's sweep, convert converts quantize-rtn's saved model. quantize-awq is
 skipped when calibrate failed and plan when sensitivity failed. Each step's stdout and stderr
 go to <run-dir>/<shape>/logs/<step>.out and .err; a failed step shows its last error line.
@@ -57,12 +58,13 @@ sys.path.insert(0, str(BENCH))
 from shapes import SHAPES  # noqa: E402  (no torch import: build_shape imports it, and runs in a child)
 
 SCALE_SHAPES = ("qwen2.5-0.5b", "qwen2.5-1.5b", "qwen3-4b")
-STEPS = ("info", "calibrate", "quantize-rtn", "quantize-awq", "eval", "sensitivity", "plan", "export", "convert")
-ALIASES = {"load": ("info",), "quantize": ("quantize-rtn", "quantize-awq"), "rtn": ("quantize-rtn",),
-           "awq": ("quantize-awq",), "evaluate": ("eval",), "convert-ort-int4": ("convert",)}
-NEEDS = {"quantize-awq": "calibrate", "plan": "sensitivity"}  # skipped when the step it reads from failed
-COMMAND = {"quantize-rtn": "quantize", "quantize-awq": "quantize"}  # step -> workbench subcommand
-OUTPUTS = ("rtn-int4", "awq-int4", "plan.json", "onnx", "ort-int4")  # removed after a shape unless --keep-outputs
+STEPS = ("info", "calibrate", "quantize-rtn", "quantize-awq", "quantize-gptq", "eval", "sensitivity", "plan", "export",
+         "convert")
+ALIASES = {"load": ("info",), "quantize": ("quantize-rtn", "quantize-awq", "quantize-gptq"), "rtn": ("quantize-rtn",),
+           "awq": ("quantize-awq",), "gptq": ("quantize-gptq",), "evaluate": ("eval",), "convert-ort-int4": ("convert",)}
+NEEDS = {"quantize-awq": "calibrate", "quantize-gptq": "calibrate", "plan": "sensitivity"}  # skipped when it failed
+COMMAND = {"quantize-rtn": "quantize", "quantize-awq": "quantize", "quantize-gptq": "quantize"}  # step -> subcommand
+OUTPUTS = ("rtn-int4", "awq-int4", "gptq-int4", "plan.json", "onnx", "ort-int4")  # removed unless --keep-outputs
 GB = 1024.0  # MiB per GiB
 
 # (seconds, peak GiB) limits, None = no limit; a target always requires the step to complete.
@@ -192,6 +194,8 @@ def detail(step: str, out: dict) -> str:
                          num("tokens", "{:,} tokens")],
         "quantize-awq": [num("quantize_seconds", "quantize {:.1f} s"), num("evaluate_seconds", "eval {:.1f} s"),
                          num("tokens", "{:,} tokens")],
+        "quantize-gptq": [num("quantize_seconds", "quantize {:.1f} s"), num("evaluate_seconds", "eval {:.1f} s"),
+                          num("tokens", "{:,} tokens")],
         "eval": [num("tokens", "{:,} tokens"), num("tokens_per_second", "{:,.0f} tok/s")],
         "sensitivity": [num("sweep_seconds", "sweep {:.1f} s"), num("trials_run", "{} trials")],
         "plan": [num("bits_per_weight", "{:.2f} bits/weight"), num("eval_tokens", "{:,} tokens")],
@@ -282,7 +286,7 @@ def step_command(step: str, model: Path, shape_dir: Path, args, rows: dict[str, 
         return ["info", m, "--json"], ""
     if step == "calibrate":
         return ["calibrate", m, "--json"], ""
-    if step in ("quantize-rtn", "quantize-awq"):
+    if step in ("quantize-rtn", "quantize-awq", "quantize-gptq"):
         method = step.split("-")[1]
         return ["quantize", m, "--bits", "4", "--method", method, "--out", str(shape_dir / f"{method}-int4"),
                 "--json"], ""
@@ -433,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", help=f"comma-separated, from {', '.join(SCALE_SHAPES)} (default {SCALE_SHAPES[0]})")
     ap.add_argument("--all", action="store_true", help="every shape: " + ", ".join(SCALE_SHAPES))
     ap.add_argument("--steps", help=f"comma-separated subset of {','.join(STEPS)} (default: all; aliases "
-                    "load, quantize, rtn, awq, evaluate)")
+                    "load, quantize, rtn, awq, gptq, evaluate)")
     ap.add_argument("--layers", type=int, help="truncate every model to this many decoder blocks (smoke runs)")
     ap.add_argument("--models-dir", default=str(Path.home() / ".cache" / "workbench-bench" / "shapes"),
                     help="where the random-weight models are built and reused (default %(default)s)")

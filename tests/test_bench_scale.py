@@ -16,7 +16,9 @@ _spec.loader.exec_module(scale)
 
 def test_parse_steps_keeps_pipeline_order_and_expands_aliases():
     assert scale.parse_steps(None) == list(scale.STEPS)
-    assert scale.parse_steps("convert,load,quantize") == ["info", "quantize-rtn", "quantize-awq", "convert"]
+    assert scale.parse_steps("convert,load,quantize") == ["info", "quantize-rtn", "quantize-awq", "quantize-gptq",
+                                                          "convert"]
+    assert scale.parse_steps("gptq") == ["quantize-gptq"]
     with pytest.raises(ValueError, match="unknown step"):
         scale.parse_steps("info,bogus")
 
