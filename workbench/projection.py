@@ -278,7 +278,7 @@ def check_memory_claim(weight_bytes_or_parameters: int, peak_gb: float, *, bits:
     that many bits per weight). A model's weights are read every token, so they must be resident."""
     weight_bytes = weight_bytes_or_parameters * bits / 8 if bits is not None else weight_bytes_or_parameters
     ok = peak_gb * 1e9 >= weight_bytes
-    detail = f"{weight_bytes_or_parameters / 1e9:g} B parameters x {bits:g} bits / 8" if bits is not None else what
+    detail = f"{weight_bytes_or_parameters / 1e9:.3f} B parameters x {bits:g} bits / 8" if bits is not None else what
     implied = (f"; {peak_gb:g} GB holds {peak_gb * 8e9 / weight_bytes_or_parameters:.4f} bits per weight"
                if bits is not None else "")
     return Claim("peak memory", peak_gb, weight_bytes / 1e9, ok,
