@@ -28,11 +28,43 @@ def test_every_candidate_is_found_and_timed(candidates):
     assert list(fig.data[2].x) == ["float", "ort-int4"]
 
 
-def test_cli_json(candidates, capsys):
+def test_cli_json(candidates, capsys, tmp_path):
     assert main(["profile", str(candidates), "--prompt-lengths", "8", "--repeats", "1", "--decode-steps", "2",
-                 "--json"]) == 0
+                 "--workspace", str(tmp_path / "ws"), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert [p["name"] for p in out["profiles"]] == ["float", "ort-int4"]
+    gbps = out["host_bandwidth"]["read_gbps"]
+    for p in out["profiles"]:
+        assert p["decode_bytes"] == (candidates / p["name"] / "decode.onnx").stat().st_size
+        assert p["decode_bound_tps"] == pytest.approx(gbps * 1e9 / p["decode_bytes"])
+        assert p["fraction_of_bound"] == pytest.approx(p["decode_tokens_per_second"] / p["decode_bound_tps"])
+
+
+def test_cli_table_shows_each_decode_speed_against_the_host_bound(candidates, capsys, tmp_path):
+    assert main(["profile", str(candidates), "--prompt-lengths", "8", "--repeats", "1", "--decode-steps", "2",
+                 "--workspace", str(tmp_path / "ws")]) == 0
+    text = capsys.readouterr().out
+    assert "of bound" in text and "bound: this host's read bandwidth" in text and "host-bandwidth" in text
+
+
+def test_host_bandwidth_is_measured_once_and_cached(tmp_path, monkeypatch):
+    import workbench.profile as prof
+    from workbench.workspace import Workspace
+    calls = []
+    monkeypatch.setattr(prof, "measure_read_bandwidth", lambda: calls.append(1) or 12.5)
+    ws = Workspace(tmp_path / "ws")
+    first = prof.host_bandwidth(ws)
+    assert first["read_gbps"] == 12.5 and prof.host_bandwidth(ws)["read_gbps"] == 12.5 and len(calls) == 1
+    prof.host_bandwidth(ws, force=True)
+    assert len(calls) == 2
+
+
+def test_read_bandwidth_and_the_fraction_of_the_bound():
+    from workbench.profile import RuntimeProfile, measure_read_bandwidth
+    assert measure_read_bandwidth(64 * 2 ** 20, repeats=2) > 0.1  # GB/s: any machine reads faster than this
+    p = RuntimeProfile("x", "onnxruntime", [], 0, 1, 1, decode_tokens_per_second=5.0, decode_bytes=2_000_000_000)
+    assert p.decode_bound(10.0) == pytest.approx(5.0) and p.fraction_of_bound(10.0) == pytest.approx(1.0)
+    assert RuntimeProfile("y", "MNN", [], 0, 1, 1).fraction_of_bound(10.0) is None
 
 
 def test_bad_input(tmp_path, candidates, capsys):
