@@ -22,7 +22,7 @@ import numpy as np
 from .errors import ModelLoadError, WorkbenchError
 
 __all__ = ["RuntimeProfile", "find_runtimes", "profile_runtime", "profile_directory", "build_candidates",
-           "parse_prompt_lengths", "measure_read_bandwidth", "host_bandwidth",
+           "parse_prompt_lengths", "measure_read_bandwidth", "host_bandwidth", "last_level_cache_bytes",
            "DEFAULT_PROMPT_LENGTHS", "DEFAULT_CANDIDATES"]
 
 DEFAULT_PROMPT_LENGTHS = (32, 128)
@@ -246,6 +246,18 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def last_level_cache_bytes() -> int | None:
+    """The largest CPU cache (Linux sysfs), or None: a decode graph smaller than it can beat the DRAM bound."""
+    sizes = []
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        try:
+            text = f.read_text(encoding="ascii").strip().upper()
+            sizes.append(int(text.rstrip("KMG")) * {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30}.get(text[-1:], 1))
+        except (OSError, ValueError):
+            continue
+    return max(sizes) if sizes else None
 
 
 def host_bandwidth(workspace=None, *, force: bool = False) -> dict:

@@ -9,7 +9,8 @@ projection's efficiency (`workbench project`).
 """
 from __future__ import annotations
 
-from ..profile import DEFAULT_PROMPT_LENGTHS, host_bandwidth, parse_prompt_lengths, profile_directory
+from ..profile import (DEFAULT_PROMPT_LENGTHS, host_bandwidth, last_level_cache_bytes, parse_prompt_lengths,
+                       profile_directory)
 from .common import add_json_flag, format_bytes, print_json
 
 HELP = "prefill latency, decode tokens/s, size and memory of exported / converted models (this CPU)"
@@ -48,12 +49,19 @@ def run(args) -> int:
     for p in profiles:
         cells = "".join(f"{p.prefill_ms[n]:>16.1f}" if n in p.prefill_ms else f"{'-':>16}" for n in lengths)
         dec = f"{p.decode_tokens_per_second:>14.0f}" if p.decode_tokens_per_second else f"{'-':>14}"
-        bound, frac = p.decode_bound(gbps), p.fraction_of_bound(gbps)
+        bound = p.decode_bound(gbps) if p.decode_tokens_per_second else None
+        frac = p.fraction_of_bound(gbps)
         dec += (f"{bound:>8.0f}" if bound else f"{'-':>8}") + (f"{frac:>9.2f}" if frac is not None else f"{'-':>9}")
         mem = f"{p.peak_rss_added_mb:>9.0f}" if p.peak_rss_added_mb is not None else f"{'-':>9}"
         print(f"{p.name:<24}{p.runtime:<13}{format_bytes(p.size_bytes):>10}{cells}{dec}{mem}")
         for note in p.notes:
             print(f"  note: {note}")
+        if frac is not None and frac > 1:
+            cache = last_level_cache_bytes()
+            print(f"  note: faster than the memory bound: " + (
+                f"its {format_bytes(p.decode_bytes)} decode graph fits in this CPU's {format_bytes(cache)} "
+                "last-level cache, so it is not read from memory each step" if cache and p.decode_bytes <= cache else
+                "the runtime reads faster than one thread summing a buffer (the bound's measurement)"))
     print(f"\nmedian of {args.repeats} runs after a warm-up, {args.threads} thread(s), on this machine's CPU")
     print(f"bound: this host's read bandwidth {gbps:.1f} GB/s (one thread, measured {host['measured']}, cached in "
           f"{host['artifact']}; --measure-bandwidth measures again) / the decode graph's bytes")
