@@ -61,8 +61,8 @@ def run(args) -> int:
             print(f"  note: faster than the memory bound: " + (
                 f"its {format_bytes(p.decode_bytes)} decode graph fits in this CPU's {format_bytes(cache)} "
                 "last-level cache, so it is not read from memory each step" if cache and p.decode_bytes <= cache else
-                "the runtime reads faster than one thread summing a buffer (the bound's measurement)"))
+                "the runtime reads faster than one thread's reduction over a buffer (the bound's measurement)"))
     print(f"\nmedian of {args.repeats} runs after a warm-up, {args.threads} thread(s), on this machine's CPU")
     print(f"bound: this host's read bandwidth {gbps:.1f} GB/s (one thread, measured {host['measured']}, cached in "
-          f"{host['artifact']}; --measure-bandwidth measures again) / the decode graph's bytes")
+          f"{host['artifact']}; --measure-bandwidth measures again) / the bytes one decode step reads (the decode graph's weights, an embedding table's one row)")
     return 0
