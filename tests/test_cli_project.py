@@ -15,6 +15,9 @@ def test_project_json_from_a_shape_name(capsys):
     assert out["kv_bytes"] == 2048 * out["kv_bytes_per_token"]
     assert 0 < out["projected_decode_tps"] < out["decode_bound_tps"]
     assert out["claims"][0]["possible"] is True
+    assert out["fits_ram"] is None  # a phone SoC's profile does not know the phone's RAM
+    out = run_json(capsys, "project", "qwen2.5-1.5b", "--device", "8gen3", "--bits", "16", "--ram-gb", "2", "--json")
+    assert out["ram_bytes"] == 2_000_000_000 and out["fits_ram"] is False
 
 
 def test_project_table_flags_an_impossible_claim(capsys):

@@ -152,8 +152,9 @@ class Projection:
 
 
 def project(model, device: str | Device, plan: QuantPlan | None = None, *, context: int = DEFAULT_CONTEXT,
-            prompt: int = DEFAULT_PROMPT, fit: "EfficiencyFit | None" = None) -> Projection:
-    """Bounds and projections for ``model`` under ``plan`` (default: its stored precision, fp16) on ``device``."""
+            prompt: int = DEFAULT_PROMPT, fit: "EfficiencyFit | None" = None, ram_gb: float | None = None) -> Projection:
+    """Bounds and projections for ``model`` under ``plan`` (default: fp16) on ``device``; ``ram_gb`` gives the
+    RAM of a particular phone or board where the profile (a SoC's) leaves it unknown or differs."""
     if context < 0 or prompt < 1:
         raise WorkbenchError(f"context must be >= 0 and prompt >= 1 tokens (got {context}, {prompt})")
     lm = model_shape(model)
@@ -179,7 +180,10 @@ def project(model, device: str | Device, plan: QuantPlan | None = None, *, conte
     total = weight_bytes + kv_bytes + buffers
     notes.append("memory counts weights, KV cache and the graph's own buffers, not the runtime's code or the OS")
 
-    ram = None if dev.ram_gb is None else int(dev.ram_gb * 1e9)
+    if ram_gb is not None and ram_gb <= 0:
+        raise WorkbenchError(f"RAM must be positive, got {ram_gb} GB")
+    ram_gb = ram_gb if ram_gb is not None else dev.ram_gb
+    ram = None if ram_gb is None else int(ram_gb * 1e9)
     npu_limit = None if dev.npu_memory_limit_gb is None else int(dev.npu_memory_limit_gb * GIB)
     fits_ram = None if ram is None else total <= ram
     fits_npu = None if npu_limit is None else weight_bytes + kv_bytes <= npu_limit

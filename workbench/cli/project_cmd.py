@@ -30,6 +30,8 @@ def add_arguments(p):
     p.add_argument("--embeddings", default="fp16", help="with --bits: precision of the embedding and lm_head "
                    "(default fp16, as QuantPlan.uniform)")
     p.add_argument("--context", type=int, default=1024, help="tokens in the KV cache while decoding (default 1024)")
+    p.add_argument("--ram-gb", type=float, help="RAM of your phone or board in GB, where the device profile (a "
+                   "SoC's) does not know it or differs")
     p.add_argument("--prompt", type=int, default=128, help="prompt tokens for the prefill bound (default 128)")
     p.add_argument("--claim-decode", type=float, help="a published decode tokens/s to hold against the bound")
     p.add_argument("--claim-peak-gb", type=float, help="a published peak memory (GB) to hold against the weights")
@@ -52,7 +54,8 @@ def run(args) -> int:
     from ..projection import check_claim, project
     if args.context < 0 or args.prompt < 1:
         raise PlanError(f"--context must be >= 0 and --prompt >= 1 (got {args.context}, {args.prompt})")
-    p = project(args.model, args.device, plan_for(args), context=args.context, prompt=args.prompt)
+    p = project(args.model, args.device, plan_for(args), context=args.context, prompt=args.prompt,
+                ram_gb=args.ram_gb)
     claims = check_claim(p, decode_tps=args.claim_decode, peak_gb=args.claim_peak_gb, ttft_ms=args.claim_ttft_ms)
     if args.json:
         print_json({**p.to_dict(), "claims": [c.__dict__ for c in claims]})
