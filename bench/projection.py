@@ -59,8 +59,9 @@ def main() -> None:
         print(v)
     seven_b = model_shape("qwen2.5-7b")
     claim = check_memory_claim(seven_b.parameters, 0.0093, bits=4)
-    print(f"IMPOSSIBLE  'a 7B model in 9.3 MB of peak memory' (the {seven_b.name} shape, {seven_b.parameters / 1e9:.2f} B "
-          f"parameters, at 4 bits, the fewest any registered precision stores): {claim.arithmetic}")
+    print(f"IMPOSSIBLE  'a 7B model in 9.3 MB of peak memory' (the {seven_b.name} shape, "
+          f"{seven_b.parameters / 1e9:.2f} B parameters, at 4 bits, the fewest any registered precision stores): "
+          f"{claim.arithmetic}")
 
 
 if __name__ == "__main__":

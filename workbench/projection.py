@@ -152,7 +152,8 @@ class Projection:
 
 
 def project(model, device: str | Device, plan: QuantPlan | None = None, *, context: int = DEFAULT_CONTEXT,
-            prompt: int = DEFAULT_PROMPT, fit: "EfficiencyFit | None" = None, ram_gb: float | None = None) -> Projection:
+            prompt: int = DEFAULT_PROMPT, fit: "EfficiencyFit | None" = None,
+            ram_gb: float | None = None) -> Projection:
     """Bounds and projections for ``model`` under ``plan`` (default: fp16) on ``device``; ``ram_gb`` gives the
     RAM of a particular phone or board where the profile (a SoC's) leaves it unknown or differs."""
     if context < 0 or prompt < 1:
@@ -171,7 +172,8 @@ def project(model, device: str | Device, plan: QuantPlan | None = None, *, conte
     read_names = [i.name for i in lm.layers if i.kind != "embedding"]
     per_token = lm.layer_bytes(assignments, plan.group_size, plan.symmetric, names=read_names) + lm.other_bytes
     for info in embed:  # a lookup reads one row of the table (tied or not, lm_head reads it all above)
-        per_token += info.bytes_at(assignments.get(info.name) or "fp16", plan.group_size, plan.symmetric) // info.shape[0]
+        table = info.bytes_at(assignments.get(info.name) or "fp16", plan.group_size, plan.symmetric)
+        per_token += table // info.shape[0]
     kv_per_token = 2 * layers * kv_heads * head_dim * KV_BYTES
     kv_bytes = kv_per_token * context
     vocab = cfg.vocab_size

@@ -64,5 +64,6 @@ def run(args) -> int:
                 "the runtime reads faster than one thread's reduction over a buffer (the bound's measurement)"))
     print(f"\nmedian of {args.repeats} runs after a warm-up, {args.threads} thread(s), on this machine's CPU")
     print(f"bound: this host's read bandwidth {gbps:.1f} GB/s (one thread, measured {host['measured']}, cached in "
-          f"{host['artifact']}; --measure-bandwidth measures again) / the bytes one decode step reads (the decode graph's weights, an embedding table's one row)")
+          f"{host['artifact']}; --measure-bandwidth measures again) / the bytes one decode step reads (the decode "
+          "graph's weights, an embedding table's one row)")
     return 0

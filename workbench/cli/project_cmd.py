@@ -77,6 +77,13 @@ def format_bytes(n: float) -> str:
     return f"{n / 1e9:.3f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
 
 
+def _unsupported(layers: list) -> str:
+    if not layers:
+        return "nothing (every layer's precision is supported)"
+    more = f" and {len(layers) - 4} more" if len(layers) > 4 else ""
+    return ", ".join(f"{n} ({q})" for n, q in layers[:4]) + more
+
+
 def format_projection(p) -> list[str]:
     """The table `workbench project` prints (also used by bench/projection.py); GB = 1e9 bytes."""
     gb = 1e9
@@ -93,17 +100,17 @@ def format_projection(p) -> list[str]:
                if p.prefill_bound_ms is not None else "unknown")
     lines = [
         f"{p.model} on {p.device} ({p.parameters / 1e6:,.1f} M parameters, {p.bits_per_weight:.2f} bits/weight)",
-        f"  weights            {format_bytes(p.weight_bytes)} resident, {format_bytes(p.bytes_per_token)} read per token",
+        f"  weights            {format_bytes(p.weight_bytes)} resident, "
+        f"{format_bytes(p.bytes_per_token)} read per token",
         f"  KV cache           {format_bytes(p.kv_bytes)} at {p.context} tokens ({p.kv_bytes_per_token:,} B/token)",
         f"  graph buffers      {format_bytes(p.buffer_bytes)}",
         f"  fits RAM           {_yes(p.fits_ram)} ({format_bytes(p.total_bytes)}"
         + (f" of {format_bytes(p.ram_bytes)})" if p.ram_bytes else ")"),
-        f"  fits NPU limit     {_yes(p.fits_npu)}" + (f" ({format_bytes(p.npu_limit_bytes)})" if p.npu_limit_bytes else ""),
+        f"  fits NPU limit     {_yes(p.fits_npu)}"
+        + (f" ({format_bytes(p.npu_limit_bytes)})" if p.npu_limit_bytes else ""),
         f"  decode             {decode}",
         f"  efficiency         {eff}",
         f"  prefill            {prefill}",
-        f"  NPU cannot run     " + (", ".join(f"{n} ({q})" for n, q in p.unsupported_layers[:4])
-                                    + (f" and {len(p.unsupported_layers) - 4} more" if len(p.unsupported_layers) > 4
-                                       else "") if p.unsupported_layers else "nothing (every layer's precision is supported)"),
+        f"  NPU cannot run     {_unsupported(p.unsupported_layers)}",
     ]
     return lines + [f"  note: {n}" for n in p.notes]
