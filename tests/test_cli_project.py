@@ -62,3 +62,14 @@ def test_devices_refuses_a_bad_user_file_in_one_line(capsys, tmp_path, monkeypat
     assert main(["devices"]) == 2
     err = capsys.readouterr().err
     assert "broken.json': field 'memory_bandwidth_gbps' is missing" in err
+
+
+def test_project_a_quantized_directory_uses_its_own_plan(capsys, lm, tmp_path):
+    from workbench.plan import QuantPlan
+    from workbench.quantize import quantize_model
+    plan = QuantPlan.uniform("int4").with_override("*.down_proj", "int8")
+    qm = quantize_model(lm, plan)
+    out_dir = qm.save(tmp_path / "q")
+    out = run_json(capsys, "project", str(out_dir), "--device", "rk3588", "--json")
+    assert out["bits_per_weight"] == qm.bits_per_weight  # the quantized model's own figure
+    assert out["weight_bytes"] == lm.size_bytes(plan)
