@@ -10,6 +10,7 @@ vocabulary stays at the real 151,936 rows (the demo tokenizer only ever emits id
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import time
 from pathlib import Path
@@ -18,22 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "assets" / "demo-model"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
-# The published configs' shapes (hidden, layers, MLP, heads, KV heads, head_dim, vocabulary, tying).
-SHAPES: dict[str, dict] = {
-    "qwen2.5-0.5b": dict(model_type="qwen2", hidden_size=896, num_hidden_layers=24, intermediate_size=4864,
-                         num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
-                         tie_word_embeddings=True, max_position_embeddings=32768, rope_theta=1000000.0),
-    "qwen2.5-1.5b": dict(model_type="qwen2", hidden_size=1536, num_hidden_layers=28, intermediate_size=8960,
-                         num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
-                         tie_word_embeddings=True, max_position_embeddings=32768, rope_theta=1000000.0),
-    "qwen3-4b": dict(model_type="qwen3", hidden_size=2560, num_hidden_layers=36, intermediate_size=9728,
-                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
-                     tie_word_embeddings=True, max_position_embeddings=40960, rope_theta=1000000.0),
-    # the decode benchmark's shape: 301 M parameters, untied, a 32,000-token vocabulary
-    "qwen2-301m": dict(model_type="qwen2", hidden_size=1024, num_hidden_layers=20, intermediate_size=2816,
-                       num_attention_heads=16, num_key_value_heads=8, vocab_size=32000,
-                       tie_word_embeddings=False, max_position_embeddings=32768, rope_theta=1000000.0),
-}
+# The published configs' shapes, kept as data in assets/model_shapes.json (the projection reads them too).
+SHAPES: dict[str, dict] = json.loads((ROOT / "assets" / "model_shapes.json").read_text(encoding="utf-8"))["shapes"]
 
 
 def build_shape(name: str, out: str | Path, *, layers: int | None = None, seed: int = 0) -> Path:

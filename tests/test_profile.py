@@ -28,11 +28,44 @@ def test_every_candidate_is_found_and_timed(candidates):
     assert list(fig.data[2].x) == ["float", "ort-int4"]
 
 
-def test_cli_json(candidates, capsys):
+def test_cli_json(candidates, capsys, tmp_path):
     assert main(["profile", str(candidates), "--prompt-lengths", "8", "--repeats", "1", "--decode-steps", "2",
-                 "--json"]) == 0
+                 "--workspace", str(tmp_path / "ws"), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert [p["name"] for p in out["profiles"]] == ["float", "ort-int4"]
+    gbps = out["host_bandwidth"]["read_gbps"]
+    for p in out["profiles"]:
+        whole = (candidates / p["name"] / "decode.onnx").stat().st_size
+        assert 0.5 * whole < p["decode_bytes"] < whole  # the embedding table is read one row per step
+        assert p["decode_bound_tps"] == pytest.approx(gbps * 1e9 / p["decode_bytes"])
+        assert p["fraction_of_bound"] == pytest.approx(p["decode_tokens_per_second"] / p["decode_bound_tps"])
+
+
+def test_cli_table_shows_each_decode_speed_against_the_host_bound(candidates, capsys, tmp_path):
+    assert main(["profile", str(candidates), "--prompt-lengths", "8", "--repeats", "1", "--decode-steps", "2",
+                 "--workspace", str(tmp_path / "ws")]) == 0
+    text = capsys.readouterr().out
+    assert "of bound" in text and "bound: this host's read bandwidth" in text and "host-bandwidth" in text
+
+
+def test_host_bandwidth_is_measured_once_and_cached(tmp_path, monkeypatch):
+    import workbench.profile as prof
+    from workbench.workspace import Workspace
+    calls = []
+    monkeypatch.setattr(prof, "measure_read_bandwidth", lambda: calls.append(1) or 12.5)
+    ws = Workspace(tmp_path / "ws")
+    first = prof.host_bandwidth(ws)
+    assert first["read_gbps"] == 12.5 and prof.host_bandwidth(ws)["read_gbps"] == 12.5 and len(calls) == 1
+    prof.host_bandwidth(ws, force=True)
+    assert len(calls) == 2
+
+
+def test_read_bandwidth_and_the_fraction_of_the_bound():
+    from workbench.profile import RuntimeProfile, measure_read_bandwidth
+    assert measure_read_bandwidth(64 * 2 ** 20, repeats=2) > 0.1  # GB/s: any machine reads faster than this
+    p = RuntimeProfile("x", "onnxruntime", [], 0, 1, 1, decode_tokens_per_second=5.0, decode_bytes=2_000_000_000)
+    assert p.decode_bound(10.0) == pytest.approx(5.0) and p.fraction_of_bound(10.0) == pytest.approx(1.0)
+    assert RuntimeProfile("y", "MNN", [], 0, 1, 1).fraction_of_bound(10.0) is None
 
 
 def test_bad_input(tmp_path, candidates, capsys):
@@ -61,3 +94,27 @@ def test_a_damaged_onnx_file_is_named_in_one_line(candidates, tmp_path, capsys, 
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and f"'{d / name}'" in err and "Traceback" not in err
     assert err.startswith("workbench profile: error:")
+
+
+def test_a_decode_step_reads_one_row_of_an_embedding_table(tmp_path):
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from workbench.profile import decode_step_bytes
+
+    def graph(tied: bool):
+        e = numpy_helper.from_array(np.ones((100, 8), np.float32), "E")
+        w = numpy_helper.from_array(np.ones((8, 8), np.float32), "W")
+        nodes = [helper.make_node("Gather", ["E", "ids"], ["h"]), helper.make_node("MatMul", ["h", "W"], ["y"])]
+        if tied:
+            nodes.append(helper.make_node("MatMul", ["y", "E_T"], ["logits"]))
+            nodes.insert(0, helper.make_node("Transpose", ["E"], ["E_T"]))
+        g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("ids", TensorProto.INT64, [1])],
+                              [helper.make_tensor_value_info("logits" if tied else "y", TensorProto.FLOAT, None)],
+                              initializer=[e, w])
+        path = tmp_path / f"decode-{tied}.onnx"
+        onnx.save(helper.make_model(g), path)
+        return path
+    assert decode_step_bytes(graph(tied=False)) == 8 * 4 + 8 * 8 * 4  # one row of E, all of W
+    assert decode_step_bytes(graph(tied=True)) == 100 * 8 * 4 + 8 * 8 * 4  # E also feeds the output layer

@@ -22,7 +22,7 @@ import numpy as np
 from .errors import ModelLoadError, WorkbenchError
 
 __all__ = ["RuntimeProfile", "find_runtimes", "profile_runtime", "profile_directory", "build_candidates",
-           "parse_prompt_lengths",
+           "parse_prompt_lengths", "measure_read_bandwidth", "host_bandwidth", "last_level_cache_bytes",
            "DEFAULT_PROMPT_LENGTHS", "DEFAULT_CANDIDATES"]
 
 DEFAULT_PROMPT_LENGTHS = (32, 128)
@@ -44,10 +44,20 @@ class RuntimeProfile:
     decode_tokens_per_second: float | None = None
     load_seconds: float = 0.0
     peak_rss_added_mb: float | None = None
+    decode_bytes: int | None = None  # the decode graph and its weights: what one decode step reads at most
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def decode_bound(self, read_gbps: float) -> float | None:
+        """Tokens/s this host's read bandwidth allows when every step reads the decode graph's weights once."""
+        return read_gbps * 1e9 / self.decode_bytes if self.decode_bytes else None
+
+    def fraction_of_bound(self, read_gbps: float) -> float | None:
+        """Measured decode tokens/s over that bound: read the same way as a device projection's efficiency."""
+        bound = self.decode_bound(read_gbps)
+        return self.decode_tokens_per_second / bound if bound and self.decode_tokens_per_second else None
 
     def summary(self) -> str:
         pre = ", ".join(f"{n} tokens {ms:.1f} ms" for n, ms in self.prefill_ms.items())
@@ -105,6 +115,29 @@ def _files_of(path: Path) -> list[Path]:
     return files
 
 
+def decode_step_bytes(decode: Path) -> int:
+    """Bytes one decode step reads: the decode graph's weights, except that an embedding table (an initializer
+    only Gather reads) is read one row per token. A non-ONNX graph counts its whole file."""
+    decode = Path(decode)
+    if decode.suffix != ".onnx":
+        return decode.stat().st_size
+    from .graph import initializer_bytes, load_onnx
+    proto = load_onnx(decode)
+    sizes = initializer_bytes(proto)
+    readers: dict[str, set[str]] = {}
+    for node in proto.graph.node:
+        for i, name in enumerate(node.input):
+            if name in sizes:
+                readers.setdefault(name, set()).add(node.op_type if node.op_type.startswith("Gather") and i == 0
+                                                    else "other")
+    dims = {init.name: list(init.dims) for init in proto.graph.initializer}
+    total = 0
+    for name, n in sizes.items():
+        gathered = readers.get(name) and "other" not in readers[name]
+        total += n // max(dims[name][0], 1) if gathered and dims[name] else n
+    return total
+
+
 def _median_ms(fn, repeats: int) -> float:
     fn()  # warm-up: first-run allocation and kernel choice are not the steady state
     times = []
@@ -142,7 +175,8 @@ def profile_runtime(name: str, prefill: str | Path, decode: str | Path | None = 
                              + f": {first}; export or convert it again") from None
     load_seconds = time.perf_counter() - t
     report = RuntimeProfile(name, runtime, [str(f) for f in files], sum(f.stat().st_size for f in files), threads,
-                            repeats, load_seconds=load_seconds)
+                            repeats, load_seconds=load_seconds,
+                            decode_bytes=decode_step_bytes(decode) if decode else None)
     vocab = vocab_size or 1000
     rng = np.random.default_rng(0)
     for n in prompt_lengths:
@@ -204,3 +238,62 @@ def build_candidates(model="demo", out_dir: str | Path = "out/profile", *, plan=
             convert(model, c, out / c, prepared=prepared, evaluate_outputs=False, calibration_samples=4,
                     calibration_seq_len=64, progress=progress)
     return out
+
+
+# -- this host's own bound ------------------------------------------------------------------------------
+BANDWIDTH_STEP = "host-bandwidth"
+BANDWIDTH_METHOD = "numpy float32 max over 256 MiB, one thread, fastest of 5 after a warm-up (v2)"
+
+
+def measure_read_bandwidth(nbytes: int = 256 * 2 ** 20, repeats: int = 5) -> float:
+    """This machine's read bandwidth in GB/s (1e9 bytes/s): one thread reducing (SIMD max) a buffer far larger
+    than its caches, fastest of ``repeats`` (a bound is what the memory can give, not its average under load).
+    A float sum is slower than the memory on some CPUs (it measured half of this max here), so it is not used."""
+    a = np.ones(nbytes // 4, dtype=np.float32)  # written once, so every page is resident before timing
+    a.max()
+    best = min(_timed(a.max) for _ in range(repeats))
+    return a.nbytes / best / 1e9
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def _cpu_model() -> str:
+    import platform
+    try:
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def last_level_cache_bytes() -> int | None:
+    """The largest CPU cache (Linux sysfs), or None: a decode graph smaller than it can beat the DRAM bound."""
+    sizes = []
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        try:
+            text = f.read_text(encoding="ascii").strip().upper()
+            sizes.append(int(text.rstrip("KMG")) * {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30}.get(text[-1:], 1))
+        except (OSError, ValueError):
+            continue
+    return max(sizes) if sizes else None
+
+
+def host_bandwidth(workspace=None, *, force: bool = False) -> dict:
+    """This host's read bandwidth, measured once and cached in the workspace (keyed by host and CPU model):
+    ``{"read_gbps", "method", "host", "cpu", "measured"}``. ``force`` measures again."""
+    import platform
+
+    from .workspace import Workspace
+    ws = workspace if workspace is not None else Workspace()
+    inputs = {"host": platform.node(), "cpu": _cpu_model(), "method": BANDWIDTH_METHOD}
+
+    def compute(_partial: Path) -> dict:
+        return {"read_gbps": measure_read_bandwidth(), "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    art = ws.get_or_compute(BANDWIDTH_STEP, inputs, compute, force=force)
+    return {**inputs, **art.manifest["result"], "artifact": str(art.path)}

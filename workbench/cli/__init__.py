@@ -35,6 +35,8 @@ COMMANDS = {
     "inspect": "inspect_cmd",
     "convert": "convert",
     "profile": "profile_cmd",
+    "project": "project_cmd",
+    "devices": "devices_cmd",
 }
 
 

@@ -2,10 +2,15 @@
 
     workbench profile out/convert
     workbench profile out/onnx --prompt-lengths 16,64,256 --threads 2 --json
+
+Each decode speed is also shown as a fraction of this host's bound: its read bandwidth (measured once, one
+thread, cached in the workspace) over the bytes of the decode graph, the same reading as a device
+projection's efficiency (`workbench project`).
 """
 from __future__ import annotations
 
-from ..profile import DEFAULT_PROMPT_LENGTHS, parse_prompt_lengths, profile_directory
+from ..profile import (DEFAULT_PROMPT_LENGTHS, host_bandwidth, last_level_cache_bytes, parse_prompt_lengths,
+                       profile_directory)
 from .common import add_json_flag, format_bytes, print_json
 
 HELP = "prefill latency, decode tokens/s, size and memory of exported / converted models (this CPU)"
@@ -19,6 +24,10 @@ def add_arguments(p):
     p.add_argument("--repeats", type=int, default=5, help="timed repeats after one warm-up; the median is kept")
     p.add_argument("--threads", type=int, default=1, help="runtime threads (default 1)")
     p.add_argument("--vocab-size", type=int, help="token ids are drawn below this (default 1000)")
+    p.add_argument("--workspace", help="workspace holding the cached host bandwidth (default ./workspace or "
+                   "$WORKBENCH_WORKSPACE)")
+    p.add_argument("--measure-bandwidth", action="store_true", help="measure this host's read bandwidth again "
+                   "instead of using the cached figure")
     add_json_flag(p)
 
 
@@ -26,18 +35,35 @@ def run(args) -> int:
     profiles = profile_directory(args.directory, prompt_lengths=parse_prompt_lengths(args.prompt_lengths),
                                  decode_steps=args.decode_steps, repeats=args.repeats, threads=args.threads,
                                  vocab_size=args.vocab_size)
+    from ..workspace import Workspace
+    host = host_bandwidth(Workspace(args.workspace) if args.workspace else None, force=args.measure_bandwidth)
+    gbps = host["read_gbps"]
     if args.json:
-        print_json({"profiles": [p.to_dict() for p in profiles]})
+        print_json({"host_bandwidth": host,
+                    "profiles": [{**p.to_dict(), "decode_bound_tps": p.decode_bound(gbps),
+                                  "fraction_of_bound": p.fraction_of_bound(gbps)} for p in profiles]})
         return 0
     lengths = sorted({n for p in profiles for n in p.prefill_ms})
     print(f"{'model':<24}{'runtime':<13}{'size':>10}" + "".join(f"{f'prefill {n} ms':>16}" for n in lengths)
-          + f"{'decode tok/s':>14}{'+RSS MB':>9}")
+          + f"{'decode tok/s':>14}{'bound':>8}{'of bound':>9}{'+RSS MB':>9}")
     for p in profiles:
         cells = "".join(f"{p.prefill_ms[n]:>16.1f}" if n in p.prefill_ms else f"{'-':>16}" for n in lengths)
         dec = f"{p.decode_tokens_per_second:>14.0f}" if p.decode_tokens_per_second else f"{'-':>14}"
+        bound = p.decode_bound(gbps) if p.decode_tokens_per_second else None
+        frac = p.fraction_of_bound(gbps)
+        dec += (f"{bound:>8.0f}" if bound else f"{'-':>8}") + (f"{frac:>9.2f}" if frac is not None else f"{'-':>9}")
         mem = f"{p.peak_rss_added_mb:>9.0f}" if p.peak_rss_added_mb is not None else f"{'-':>9}"
         print(f"{p.name:<24}{p.runtime:<13}{format_bytes(p.size_bytes):>10}{cells}{dec}{mem}")
         for note in p.notes:
             print(f"  note: {note}")
+        if frac is not None and frac > 1:
+            cache = last_level_cache_bytes()
+            print(f"  note: faster than the memory bound: " + (
+                f"its {format_bytes(p.decode_bytes)} decode graph fits in this CPU's {format_bytes(cache)} "
+                "last-level cache, so it is not read from memory each step" if cache and p.decode_bytes <= cache else
+                "the runtime reads faster than one thread's reduction over a buffer (the bound's measurement)"))
     print(f"\nmedian of {args.repeats} runs after a warm-up, {args.threads} thread(s), on this machine's CPU")
+    print(f"bound: this host's read bandwidth {gbps:.1f} GB/s (one thread, measured {host['measured']}, cached in "
+          f"{host['artifact']}; --measure-bandwidth measures again) / the bytes one decode step reads (the decode "
+          "graph's weights, an embedding table's one row)")
     return 0

@@ -1,0 +1,75 @@
+import json
+
+import pytest
+
+from workbench.devices import LIST_FIELDS, NUMBER_FIELDS, DeviceError, get_device, load_device, load_devices
+
+REQUIRED = ("Snapdragon 8 Gen 2", "Snapdragon 8 Gen 3", "Snapdragon 8 Elite", "Snapdragon X Elite", "RK3588",
+            "Jetson Orin Nano 8GB", "Jetson Nano 4GB", "Kirin 9000")
+
+
+def _profile(**over) -> dict:
+    d = {"name": "Toy Board", "device_class": "toy", "accelerator": "a toy NPU", "aliases": ["toy"],
+         **{f: {"value": 1.5, "source": "toy datasheet p. 3"} for f in NUMBER_FIELDS},
+         **{f: {"value": ["int8"], "source": "toy datasheet p. 4"} for f in LIST_FIELDS}}
+    d.update(over)
+    return d
+
+
+def test_bundled_profiles_cover_the_field_and_every_figure_is_sourced():
+    devices = load_devices()
+    assert {d.name for d in devices.values()} >= set(REQUIRED)
+    for d in devices.values():
+        for f in (*NUMBER_FIELDS, *LIST_FIELDS):
+            s = d.sources[f]
+            assert ("source" in s) != ("reason" in s)
+            assert (getattr(d, f) is None) == ("reason" in s), (d.key, f)
+    assert get_device("8gen3").npu_int8_tops == 45.0
+    assert get_device("Jetson Nano 4GB").npu_int8_tops is None  # Maxwell: no fast INT8, said why
+    assert "Int8 support: 0" in get_device("jetson-nano").source("npu_int8_tops")
+
+
+def test_a_user_adds_a_device_as_one_file(tmp_path, monkeypatch):
+    (tmp_path / "toy-board.json").write_text(json.dumps(_profile()))
+    devices = load_devices([tmp_path])
+    assert list(devices) == ["toy-board"]
+    assert get_device("TOY", devices).memory_bandwidth_gbps == 1.5
+    monkeypatch.setenv("WORKBENCH_DEVICES", str(tmp_path))
+    everything = load_devices()
+    assert "toy-board" in everything and "rk3588" in everything
+
+
+@pytest.mark.parametrize("field", [*NUMBER_FIELDS, *LIST_FIELDS, "name", "device_class"])
+def test_a_missing_field_is_refused_naming_file_and_field(tmp_path, field):
+    d = _profile()
+    del d[field]
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(d))
+    with pytest.raises(DeviceError, match=rf"'{path}'.*field '{field}' .*missing"):
+        load_device(path)
+
+
+@pytest.mark.parametrize("field", list(NUMBER_FIELDS))
+def test_a_negative_figure_is_refused(tmp_path, field):
+    path = tmp_path / "neg.json"
+    path.write_text(json.dumps(_profile(**{field: {"value": -3, "source": "x"}})))
+    with pytest.raises(DeviceError, match=rf"neg.json'.*field '{field}' is negative"):
+        load_devices([tmp_path])
+
+
+@pytest.mark.parametrize("entry, message", [
+    ({"value": 3}, "no 'source'"),
+    ({"value": None}, "null without a 'reason'"),
+    ({"value": "fast", "source": "x"}, "must be a number"),
+    (7, "must be an object"),
+])
+def test_unsourced_or_malformed_figures_are_refused(tmp_path, entry, message):
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps(_profile(memory_bandwidth_gbps=entry)))
+    with pytest.raises(DeviceError, match=message):
+        load_device(path)
+
+
+def test_unknown_device_names_the_choices():
+    with pytest.raises(DeviceError, match="unknown device 'pixel-99'; choose one of: .*rk3588"):
+        get_device("pixel-99")

@@ -1,0 +1,116 @@
+"""Project a model and plan onto a device: memory fit, decode tokens/s and prefill bounds, before flashing it.
+
+    workbench project qwen2.5-1.5b --device 8gen3 --bits 8 --embeddings int8
+    workbench project ./Qwen2.5-7B/config.json --device rk3588 --plan plan.json --context 2048 --json
+    workbench project qwen3-1.7b --device rk3588 --bits 8 --claim-decode 22 --claim-peak-gb 1.8
+
+MODEL_OR_CONFIG is a model directory, a config.json, 'demo', or a shape in assets/model_shapes.json; only
+shapes are read (no weights), so a 7B projects in seconds. A `workbench quantize` directory uses its own plan.
+Decode tokens/s is bounded by bandwidth / bytes read per token; the projection multiplies the bound by an
+efficiency fitted to published measurements of the device's class, and shows that fit's error.
+"""
+from __future__ import annotations
+
+from ..errors import PlanError
+from ..models import is_quantized_dir, resolve_model_path
+from ..plan import QuantPlan
+from .common import add_json_flag, add_model_argument, print_json
+
+HELP = "project memory, decode tokens/s and prefill time of a model and plan on a device"
+BITS = {16: "fp16", 8: "int8", 4: "int4"}
+
+
+def add_arguments(p):
+    add_model_argument(p, "a model directory, a config.json, 'demo', or a shape name from assets/model_shapes.json "
+                          "(qwen2.5-1.5b, qwen3-1.7b, ...)")
+    p.add_argument("--device", required=True, help="device profile: file name, name or alias (`workbench devices`)")
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--plan", help="quantization plan JSON")
+    group.add_argument("--bits", type=int, choices=sorted(BITS), help="uniform plan: 16 (fp16), 8 or 4")
+    p.add_argument("--embeddings", default="fp16", help="with --bits: precision of the embedding and lm_head "
+                   "(default fp16, as QuantPlan.uniform)")
+    p.add_argument("--context", type=int, default=1024, help="tokens in the KV cache while decoding (default 1024)")
+    p.add_argument("--ram-gb", type=float, help="RAM of your phone or board in GB, where the device profile (a "
+                   "SoC's) does not know it or differs")
+    p.add_argument("--prompt", type=int, default=128, help="prompt tokens for the prefill bound (default 128)")
+    p.add_argument("--claim-decode", type=float, help="a published decode tokens/s to hold against the bound")
+    p.add_argument("--claim-peak-gb", type=float, help="a published peak memory (GB) to hold against the weights")
+    p.add_argument("--claim-ttft-ms", type=float, help="a published time to first token (ms)")
+    add_json_flag(p)
+
+
+def plan_for(args) -> QuantPlan:
+    """--plan, --bits, a quantized directory's own plan, or fp16."""
+    if args.plan:
+        return QuantPlan.load(args.plan)
+    if args.bits:
+        return QuantPlan.uniform(BITS[args.bits], keep_embeddings=args.embeddings)
+    if is_quantized_dir(args.model):
+        return QuantPlan.load(resolve_model_path(args.model) / "plan.json")
+    return QuantPlan.uniform("fp16")
+
+
+def run(args) -> int:
+    from ..projection import check_claim, project
+    if args.context < 0 or args.prompt < 1:
+        raise PlanError(f"--context must be >= 0 and --prompt >= 1 (got {args.context}, {args.prompt})")
+    p = project(args.model, args.device, plan_for(args), context=args.context, prompt=args.prompt,
+                ram_gb=args.ram_gb)
+    claims = check_claim(p, decode_tps=args.claim_decode, peak_gb=args.claim_peak_gb, ttft_ms=args.claim_ttft_ms)
+    if args.json:
+        print_json({**p.to_dict(), "claims": [c.__dict__ for c in claims]})
+        return 0
+    for line in format_projection(p):
+        print(line)
+    for c in claims:
+        verdict = {True: "possible", False: "IMPOSSIBLE", None: "cannot be decided"}[c.possible]
+        print(f"claim {c.what} {c.claimed:g}: {verdict}: {c.arithmetic}")
+    return 0
+
+
+def _yes(x):
+    return "unknown" if x is None else ("yes" if x else "NO")
+
+
+def format_bytes(n: float) -> str:
+    """Decimal units, as bandwidth (GB/s) and published memory figures are given."""
+    return f"{n / 1e9:.3f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
+
+
+def _unsupported(layers: list) -> str:
+    if not layers:
+        return "nothing (every layer's precision is supported)"
+    more = f" and {len(layers) - 4} more" if len(layers) > 4 else ""
+    return ", ".join(f"{n} ({q})" for n, q in layers[:4]) + more
+
+
+def format_projection(p) -> list[str]:
+    """The table `workbench project` prints (also used by bench/projection.py); GB = 1e9 bytes."""
+    gb = 1e9
+    eff = (f"{p.efficiency:.2f} (fit error up to {p.efficiency_error:.0%}; {p.efficiency_basis})"
+           if p.efficiency is not None else p.efficiency_basis)
+    decode = (f"{p.projected_decode_tps:.1f} tok/s projected, bound {p.decode_bound_tps:.1f} tok/s "
+              f"({p.bandwidth_gbps:g} GB/s / {(p.bytes_per_token + p.kv_bytes) / gb:.3f} GB per token)"
+              if p.projected_decode_tps is not None else
+              (f"bound {p.decode_bound_tps:.1f} tok/s" if p.decode_bound_tps is not None else "unknown"))
+    prefill = (f"{p.prefill_bound_ms:.0f} ms bound for {p.prompt} tokens (compute "
+               + (f"{p.prefill_compute_ms:.0f} ms at {p.compute_tops:g} {p.compute_precision} TOPS"
+                  if p.prefill_compute_ms is not None else "unknown")
+               + (f", weights read {p.prefill_memory_ms:.0f} ms)" if p.prefill_memory_ms is not None else ")")
+               if p.prefill_bound_ms is not None else "unknown")
+    lines = [
+        f"{p.model} on {p.device} ({p.parameters / 1e6:,.1f} M parameters, {p.bits_per_weight:.2f} bits/weight)",
+        f"  weights            {format_bytes(p.weight_bytes)} resident, "
+        f"{format_bytes(p.bytes_per_token)} read per token",
+        f"  KV cache           {format_bytes(p.kv_bytes)} at {p.context} tokens ({p.kv_bytes_per_token:,} B/token)",
+        f"  graph buffers      {format_bytes(p.buffer_bytes)}",
+        f"  fits RAM           {_yes(p.fits_ram)} ({format_bytes(p.total_bytes)}"
+        + (f" of {format_bytes(p.ram_bytes)})" if p.ram_bytes else ")"),
+        f"  fits NPU limit     {_yes(p.fits_npu)}"
+        + (f" ({format_bytes(p.npu_limit_bytes)})" if p.npu_limit_bytes else ""),
+        f"  decode             {decode}",
+        f"  efficiency         {eff}",
+        f"  prefill            {prefill}",
+        f"  NPU cannot run     {_unsupported(p.unsupported_layers)}",
+    ]
+    return lines + [f"  note: {n}" for n in p.notes]

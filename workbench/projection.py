@@ -1,0 +1,380 @@
+"""Project a model and a plan onto a device before flashing it: memory, decode and prefill bounds.
+
+    p = project("assets/model_shapes.json:qwen2.5-1.5b", "8gen3", QuantPlan.uniform("int8", keep_embeddings="int8"))
+    p.decode_bound_tps, p.projected_decode_tps, p.fits_ram, p.unsupported_layers
+    check_claim(p, decode_tps=40)            # above the bandwidth bound: impossible, with the arithmetic
+
+Decode is memory-bound: each token reads every weight it uses once (the embedding only its one row)
+plus the KV cache, so tokens/s <= bandwidth / those bytes. Prefill is bounded by compute (2 FLOPs per
+weight per token plus attention, at the accelerator's TOPS for the plan's precision) and by reading
+the weights once. Weight bytes come from the project's one accounting (``LoadedModel.layer_bytes``,
+``quantize.bits_per_weight``); a model is taken as a LoadedModel, a config.json, a model directory,
+a config dict or a name in ``assets/model_shapes.json``: shapes alone are enough, so a 7B is projected
+on the meta device without reading its weights.
+
+Real runtimes reach a fraction of the bound. ``fit_efficiency`` fits that fraction per device class to
+the published measurements in ``assets/field_measurements.json`` (from shared/docs/FIELD.md), reports
+each fit's error, and sets aside any published figure above its bound as impossible.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Mapping
+
+from .devices import Device, get_device, load_devices
+from .errors import ModelLoadError, WorkbenchError
+from .models import ASSETS_DIR, LoadedModel, quantizable_layers, resolve_model_path
+from .plan import QuantPlan, get_precision
+from .quantize.model import bits_per_weight
+
+__all__ = ["Projection", "ClassFit", "EfficiencyFit", "Claim", "model_shape", "load_shape_config", "project",
+           "fit_efficiency", "check_claim", "check_memory_claim", "published_measurements", "plan_from_spec",
+           "SHAPES_FILE", "MEASUREMENTS_FILE", "DEFAULT_CONTEXT", "DEFAULT_PROMPT"]
+
+SHAPES_FILE = ASSETS_DIR / "model_shapes.json"
+MEASUREMENTS_FILE = ASSETS_DIR / "field_measurements.json"
+DEFAULT_CONTEXT = 1024  # tokens in the KV cache when decoding
+DEFAULT_PROMPT = 128  # prompt tokens for prefill (the field's `--input_dim input_ids 1,128`)
+KV_BYTES = 2  # fp16 KV cache
+GIB = 2 ** 30
+
+
+# -- the model's shapes -------------------------------------------------------------------------------
+def load_shape_config(name: str) -> dict:
+    """A config dict from ``assets/model_shapes.json`` by name (``qwen2.5-1.5b``, ``qwen3-1.7b``, ...)."""
+    shapes = json.loads(SHAPES_FILE.read_text(encoding="utf-8"))["shapes"]
+    if name not in shapes:
+        raise ModelLoadError(f"unknown model shape '{name}'; choose one of: {', '.join(shapes)}, or give a "
+                             "config.json or model directory")
+    return dict(shapes[name])
+
+
+def _config_from_path(path: Path) -> dict:
+    cfg_path = path / "config.json" if path.is_dir() else path
+    if not cfg_path.is_file():
+        raise ModelLoadError(f"'{path}' is neither a model directory with config.json, a config.json, nor a shape in "
+                             f"{SHAPES_FILE.name}; pass one of those")
+    try:
+        cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"'{cfg_path}' is not valid JSON ({e}); fix or re-copy it") from None
+    if not isinstance(cfg, dict) or not isinstance(cfg.get("model_type"), str):
+        raise ModelLoadError(f"'{cfg_path}' has no 'model_type' string: not a Hugging Face model config")
+    return cfg
+
+
+def model_shape(source, name: str | None = None) -> LoadedModel:
+    """A LoadedModel whose layers carry the real names and shapes; weights on the meta device (no memory).
+
+    ``source``: a LoadedModel (returned as is), a config dict, a config.json or model directory path, or a
+    shape name from ``assets/model_shapes.json``. Model code named by ``auto_map`` is never run: the
+    config's ``model_type`` picks transformers' own class.
+    """
+    if isinstance(source, LoadedModel):
+        return source
+    if isinstance(source, Mapping):
+        cfg, label = dict(source), name or str(source.get("_name_or_path") or source.get("model_type"))
+    else:
+        text = str(source)
+        path = resolve_model_path(text)
+        if path.exists():
+            cfg, label = _config_from_path(path), name or text
+        else:
+            cfg, label = load_shape_config(text), name or text
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    cfg = {k: v for k, v in cfg.items() if k not in ("auto_map", "quantization_config", "architectures")}
+    model_type = cfg.pop("model_type")
+    try:
+        config = AutoConfig.for_model(model_type, **cfg)
+    except (ValueError, KeyError) as e:
+        raise ModelLoadError(f"cannot build a '{model_type}' config for '{label}' ({e}); projection needs a model "
+                             "type transformers knows") from None
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return LoadedModel(model=model, tokenizer=None, path=Path(label), name=label, layers=quantizable_layers(model))
+
+
+def _attention_dims(config) -> tuple[int, int, int, int]:
+    """(layers, attention heads, KV heads, head_dim) from a transformers config."""
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return config.num_hidden_layers, heads, kv, head_dim
+
+
+# -- projection -----------------------------------------------------------------------------------------
+@dataclass
+class Projection:
+    """What a plan of a model needs on a device and how fast the device's memory and compute allow it to run."""
+
+    model: str
+    device: str
+    device_class: str
+    parameters: int
+    bits_per_weight: float
+    weight_bytes: int  # resident weights (tied once, norms at fp16)
+    bytes_per_token: int  # weights one decode step reads (the embedding: one row)
+    context: int
+    kv_bytes_per_token: int
+    kv_bytes: int  # KV cache at ``context`` tokens
+    buffer_bytes: int  # logits + the largest prefill activations at fp16: what the graph itself needs
+    total_bytes: int
+    ram_bytes: int | None
+    fits_ram: bool | None
+    npu_limit_bytes: int | None
+    fits_npu: bool | None
+    bandwidth_gbps: float | None
+    decode_bound_tps: float | None
+    efficiency: float | None
+    efficiency_error: float | None  # the fit's largest relative error on the published measurements it used
+    efficiency_basis: str
+    projected_decode_tps: float | None
+    prompt: int
+    prefill_flops: float
+    compute_tops: float | None
+    compute_precision: str | None
+    prefill_compute_ms: float | None
+    prefill_memory_ms: float | None
+    prefill_bound_ms: float | None
+    unsupported_layers: list[tuple[str, str]] = field(default_factory=list)  # (layer, precision)
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["unsupported_layers"] = [list(x) for x in self.unsupported_layers]
+        return d
+
+
+def project(model, device: str | Device, plan: QuantPlan | None = None, *, context: int = DEFAULT_CONTEXT,
+            prompt: int = DEFAULT_PROMPT, fit: "EfficiencyFit | None" = None,
+            ram_gb: float | None = None) -> Projection:
+    """Bounds and projections for ``model`` under ``plan`` (default: fp16) on ``device``; ``ram_gb`` gives the
+    RAM of a particular phone or board where the profile (a SoC's) leaves it unknown or differs."""
+    if context < 0 or prompt < 1:
+        raise WorkbenchError(f"context must be >= 0 and prompt >= 1 tokens (got {context}, {prompt})")
+    lm = model_shape(model)
+    dev = device if isinstance(device, Device) else get_device(device)
+    plan = plan or QuantPlan.uniform("fp16")
+    names = [info.name for info in lm.layers]
+    assignments = plan.resolve(names)
+    cfg = lm.config
+    layers, heads, kv_heads, head_dim = _attention_dims(cfg)
+    notes: list[str] = []
+
+    weight_bytes = int(lm.size_bytes(plan))
+    embed = [i for i in lm.layers if i.kind == "embedding"]
+    read_names = [i.name for i in lm.layers if i.kind != "embedding"]
+    per_token = lm.layer_bytes(assignments, plan.group_size, plan.symmetric, names=read_names) + lm.other_bytes
+    for info in embed:  # a lookup reads one row of the table (tied or not, lm_head reads it all above)
+        table = info.bytes_at(assignments.get(info.name) or "fp16", plan.group_size, plan.symmetric)
+        per_token += table // info.shape[0]
+    kv_per_token = 2 * layers * kv_heads * head_dim * KV_BYTES
+    kv_bytes = kv_per_token * context
+    vocab = cfg.vocab_size
+    inter = getattr(cfg, "intermediate_size", 4 * cfg.hidden_size)
+    buffers = vocab * 4 + prompt * (2 * inter + 3 * cfg.hidden_size) * 2 + heads * prompt * prompt * 2
+    total = weight_bytes + kv_bytes + buffers
+    notes.append("memory counts weights, KV cache and the graph's own buffers, not the runtime's code or the OS")
+
+    if ram_gb is not None and ram_gb <= 0:
+        raise WorkbenchError(f"RAM must be positive, got {ram_gb} GB")
+    ram_gb = ram_gb if ram_gb is not None else dev.ram_gb
+    ram = None if ram_gb is None else int(ram_gb * 1e9)
+    npu_limit = None if dev.npu_memory_limit_gb is None else int(dev.npu_memory_limit_gb * GIB)
+    fits_ram = None if ram is None else total <= ram
+    fits_npu = None if npu_limit is None else weight_bytes + kv_bytes <= npu_limit
+    if ram is None:
+        notes.append(f"RAM unknown for {dev.name}: {dev.source('ram_gb')}")
+
+    # layers the accelerator cannot compute at the plan's precision
+    unsupported = []
+    if dev.weight_precisions is not None:
+        for info in lm.layers:
+            p = assignments.get(info.name) or "fp16"
+            if p not in dev.weight_precisions:
+                unsupported.append((info.name, p))
+        if unsupported:
+            kinds = sorted({p for _, p in unsupported})
+            notes.append(f"{len(unsupported)} layer(s) at {', '.join(kinds)}, which {dev.name} does not compute with "
+                         f"({', '.join(dev.weight_precisions)}; {dev.source('weight_precisions')}): they fall back to "
+                         "another unit or precision, or the converter refuses them")
+
+    bandwidth = dev.memory_bandwidth_gbps
+    decode_bytes = per_token + kv_bytes
+    bound = None if bandwidth is None else bandwidth * 1e9 / decode_bytes
+    if bandwidth is None:
+        notes.append(f"no decode bound: bandwidth unknown ({dev.source('memory_bandwidth_gbps')})")
+    fit = fit if fit is not None else fit_efficiency()
+    eff, err, basis = fit.factor_for(dev.device_class)
+    projected = None if bound is None or eff is None else bound * eff
+
+    # prefill: compute at the plan's precision, and one read of the weights
+    linear_params = sum(i.parameters for i in lm.layers if i.kind == "linear" and i.name != "lm_head")
+    lm_head = next((i.parameters for i in lm.layers if i.name == "lm_head"), 0)
+    flops = 2.0 * linear_params * prompt + 2.0 * lm_head + 2.0 * layers * heads * head_dim * prompt * prompt
+    integer = any(not get_precision(p).is_float for p in assignments.values() if p)
+    order = (("int8", dev.npu_int8_tops), ("fp16", dev.npu_fp16_tops))
+    order = order if integer else order[::-1]
+    compute_precision, tops = next(((n, t) for n, t in order if t is not None), (None, None))
+    if tops is not None and compute_precision != order[0][0]:
+        notes.append(f"no {order[0][0]} throughput for {dev.name}; prefill bound at its {compute_precision} figure")
+    compute_ms = None if tops is None else flops / (tops * 1e12) * 1e3
+    memory_ms = None if bandwidth is None else weight_bytes / (bandwidth * 1e9) * 1e3
+    known = [x for x in (compute_ms, memory_ms) if x is not None]
+    return Projection(
+        model=lm.name, device=dev.name, device_class=dev.device_class, parameters=lm.parameters,
+        bits_per_weight=bits_per_weight(lm.layers, assignments, plan.group_size, plan.symmetric),
+        weight_bytes=weight_bytes, bytes_per_token=int(per_token), context=context, kv_bytes_per_token=kv_per_token,
+        kv_bytes=kv_bytes, buffer_bytes=int(buffers), total_bytes=int(total), ram_bytes=ram, fits_ram=fits_ram,
+        npu_limit_bytes=npu_limit, fits_npu=fits_npu, bandwidth_gbps=bandwidth, decode_bound_tps=bound,
+        efficiency=eff, efficiency_error=err, efficiency_basis=basis, projected_decode_tps=projected, prompt=prompt,
+        prefill_flops=flops, compute_tops=tops, compute_precision=compute_precision, prefill_compute_ms=compute_ms,
+        prefill_memory_ms=memory_ms, prefill_bound_ms=max(known) if known else None,
+        unsupported_layers=unsupported, notes=notes)
+
+
+# -- claims -------------------------------------------------------------------------------------------
+@dataclass
+class Claim:
+    """A published figure held against physics: possible or not, and the arithmetic that says so."""
+
+    what: str
+    claimed: float
+    bound: float | None
+    possible: bool | None  # None: the bound is unknown
+    arithmetic: str
+
+
+def check_claim(p: Projection, *, decode_tps: float | None = None, peak_gb: float | None = None,
+                ttft_ms: float | None = None) -> list[Claim]:
+    """Hold claimed decode speed, peak memory and time to first token against a projection's bounds."""
+    out = []
+    if decode_tps is not None:
+        if p.decode_bound_tps is None:
+            out.append(Claim("decode", decode_tps, None, None, "bandwidth unknown: no bound"))
+        else:
+            need = decode_tps * (p.bytes_per_token + p.kv_bytes) / 1e9
+            ok = decode_tps <= p.decode_bound_tps
+            out.append(Claim("decode", decode_tps, p.decode_bound_tps, ok,
+                             f"{decode_tps:g} tok/s x {(p.bytes_per_token + p.kv_bytes) / 1e9:.3f} GB read per token = "
+                             f"{need:.1f} GB/s {'<=' if ok else '>'} {p.bandwidth_gbps:g} GB/s of bandwidth"
+                             f" (bound {p.decode_bound_tps:.1f} tok/s)"))
+    if peak_gb is not None:
+        out.append(check_memory_claim(p.weight_bytes, peak_gb, what=f"{p.bits_per_weight:.2f} bits/weight"))
+    if ttft_ms is not None and p.compute_tops is not None:
+        per_token = p.prefill_flops / p.prompt  # FLOPs per prompt token at this prompt length
+        longest = ttft_ms / 1e3 * p.compute_tops * 1e12 / per_token
+        out.append(Claim("ttft", ttft_ms, p.prefill_bound_ms, None,
+                         f"{ttft_ms:g} ms at {p.compute_tops:g} {p.compute_precision} TOPS covers at most "
+                         f"~{longest:,.0f} prompt tokens ({per_token / 1e9:.2f} GFLOP per token); the prompt length "
+                         f"is not published, so the claim cannot be ruled in or out (bound at {p.prompt} tokens: "
+                         f"{p.prefill_bound_ms:.0f} ms)"))
+    return out
+
+
+def check_memory_claim(weight_bytes_or_parameters: int, peak_gb: float, *, bits: float | None = None,
+                       what: str = "") -> Claim:
+    """A peak-memory claim against the bytes the weights alone take (``bits`` given: a parameter count at
+    that many bits per weight). A model's weights are read every token, so they must be resident."""
+    weight_bytes = weight_bytes_or_parameters * bits / 8 if bits is not None else weight_bytes_or_parameters
+    ok = peak_gb * 1e9 >= weight_bytes
+    detail = f"{weight_bytes_or_parameters / 1e9:.3f} B parameters x {bits:g} bits / 8" if bits is not None else what
+    implied = (f"; {peak_gb:g} GB holds {peak_gb * 8e9 / weight_bytes_or_parameters:.4f} bits per weight"
+               if bits is not None else "")
+    return Claim("peak memory", peak_gb, weight_bytes / 1e9, ok,
+                 f"weights alone: {detail} = {weight_bytes / 1e9:.3f} GB {'<=' if ok else '>'} the claimed "
+                 f"{peak_gb:g} GB{implied}")
+
+
+# -- efficiency fitted to published measurements -----------------------------------------------------------
+def plan_from_spec(spec: Mapping) -> QuantPlan:
+    """A measurement's plan: ``{"precision": "int8", "keep_embeddings": "int8"}`` -> QuantPlan.uniform(...)."""
+    return QuantPlan.uniform(spec["precision"], keep_embeddings=spec.get("keep_embeddings", "fp16"))
+
+
+def published_measurements(path: str | os.PathLike = MEASUREMENTS_FILE) -> list[dict]:
+    return json.loads(Path(path).read_text(encoding="utf-8"))["measurements"]
+
+
+@dataclass
+class ClassFit:
+    """Measured / bound for one device class: the factor (geometric mean), its points and errors."""
+
+    device_class: str
+    factor: float | None
+    points: list[dict]  # label, measured, bound, ratio, error (projected / measured - 1), loo_error
+    impossible: list[dict]  # measurements above their bound, left out of the fit
+
+    @property
+    def max_error(self) -> float | None:
+        errs = [abs(p["error"]) for p in self.points]
+        return max(errs) if errs else None
+
+    @property
+    def max_loo_error(self) -> float | None:
+        errs = [abs(p["loo_error"]) for p in self.points if p.get("loo_error") is not None]
+        return max(errs) if errs else None
+
+
+@dataclass
+class EfficiencyFit:
+    """Per device class, the fraction of the decode bound published runs reach; all classes pooled for the rest."""
+
+    classes: dict[str, ClassFit]
+    pooled: ClassFit
+
+    def factor_for(self, device_class: str) -> tuple[float | None, float | None, str]:
+        c = self.classes.get(device_class)
+        if c is not None and c.factor is not None:
+            return c.factor, c.max_error, f"fitted to {len(c.points)} published {device_class} measurement(s)"
+        if self.pooled.factor is None:
+            return None, None, "no published measurement to fit"
+        return (self.pooled.factor, self.pooled.max_error,
+                f"no possible published {device_class} measurement: all classes pooled ({len(self.pooled.points)})")
+
+
+def _geomean(xs: list[float]) -> float | None:
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
+
+
+def _class_fit(name: str, rows: list[dict]) -> ClassFit:
+    ok = [r for r in rows if r["ratio"] <= 1.0]
+    factor = _geomean([r["ratio"] for r in ok])
+    points = []
+    for r in ok:
+        others = _geomean([o["ratio"] for o in ok if o is not r])
+        points.append({**r, "error": factor * r["bound"] / r["measured"] - 1,
+                       "loo_error": None if others is None else others * r["bound"] / r["measured"] - 1})
+    return ClassFit(name, factor, points, [r for r in rows if r["ratio"] > 1.0])
+
+
+def fit_efficiency(measurements: list[dict] | None = None, devices: dict[str, Device] | None = None) -> EfficiencyFit:
+    """Fit measured decode / bandwidth bound per device class; a measurement above its bound is impossible
+    and set aside (listed in ``impossible``), never fitted."""
+    if measurements is None and devices is None:
+        return _default_fit()
+    measurements = published_measurements() if measurements is None else measurements
+    devices = load_devices() if devices is None else devices
+    rows: dict[str, list[dict]] = {}
+    none = EfficiencyFit({}, ClassFit("all", None, [], []))
+    for m in measurements:
+        dev = get_device(m["device"], devices)
+        p = project(m["shape"], dev, plan_from_spec(m["plan"]), context=m.get("context", DEFAULT_CONTEXT), fit=none)
+        if p.decode_bound_tps is None:
+            continue
+        rows.setdefault(dev.device_class, []).append(
+            {"label": m["label"], "device": dev.name, "measured": m["decode_tps"], "bound": p.decode_bound_tps,
+             "ratio": m["decode_tps"] / p.decode_bound_tps})
+    classes = {c: _class_fit(c, r) for c, r in rows.items()}
+    return EfficiencyFit(classes, _class_fit("all", [r for rs in rows.values() for r in rs]))
+
+
+@lru_cache(maxsize=1)
+def _default_fit() -> EfficiencyFit:
+    return fit_efficiency(published_measurements(), load_devices())
