@@ -191,3 +191,24 @@ def test_library_progress_is_a_status_line_not_a_widget(app):
     assert tqdm.auto.tqdm.__module__ != "workbench.ui.base"  # given back afterwards
     ok, _ = app._attempt("working", work)
     assert ok and "layers" in app.status.value
+
+
+def test_attempt_reports_failure_when_the_output_widget_keeps_the_exception(app, monkeypatch):
+    """In a kernel an Output widget shows an exception's traceback and swallows it: the step must still fail."""
+    import contextlib
+
+    from workbench.errors import PlanError
+
+    @contextlib.contextmanager
+    def kernel_like_output():
+        try:
+            yield
+        except Exception:  # what ipywidgets.Output.__exit__ does inside a kernel
+            pass
+
+    monkeypatch.setattr(app, "log_output", kernel_like_output())
+    assert app._attempt("working", lambda: 1 / 0) == (False, None)
+    assert "unexpected error" in app.status.value
+    monkeypatch.setattr(app, "log_output", kernel_like_output())
+    assert app._attempt("working", lambda: (_ for _ in ()).throw(PlanError("bad plan"))) == (False, None)
+    assert "bad plan" in app.status.value

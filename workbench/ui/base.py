@@ -113,11 +113,16 @@ class StepPanel(widgets.VBox):
 
         def show(line: str) -> None:
             self.status.value = f"{html.escape(message)} <span style='color:#5d6d7e'>{html.escape(line)}</span>"
+        refused = None
         try:
             with self.log_output, progress_into(show):
-                return True, work()
-        except (WorkbenchError, ValueError) as e:
-            self._show_error(e)
+                try:
+                    return True, work()
+                except (WorkbenchError, ValueError) as e:
+                    refused = e
+            # reached without ``refused`` when the output widget showed an unexpected exception's traceback:
+            # in a kernel it keeps exceptions to itself
+            self._show_error(refused or "unexpected error: its traceback is in the log below")
             return False, None
         finally:
             self._freeze(False)
