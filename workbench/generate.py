@@ -309,6 +309,7 @@ class TextGenerator:
     eos_ids: tuple[int, ...] = ()
     max_positions: int | None = None
     threads: int | None = None  # PyTorch's threads while generating (graph runners got theirs when loaded)
+    source: Path | None = None  # the float model it was converted or quantized from; None for a float model
 
     def stream(self, prompt: str | Sequence[int], *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
                sampling: Sampling | None = None, chat: bool = False) -> Generation:
@@ -374,14 +375,15 @@ def _conversion_source(directory: Path) -> tuple[Path | None, str | None]:
 
 
 def _from_loaded(lm: LoadedModel, threads: int | None) -> TextGenerator:
-    from .models import load_tokenizer_from
+    from .models import _quantized_source, load_tokenizer_from
     tokenizer = lm.tokenizer or load_tokenizer_from(lm.path)
     gen_cfg = getattr(lm.model, "generation_config", None)
     eos, positions = _model_settings(lm.model.config.to_dict(), gen_cfg.to_dict() if gen_cfg is not None else {},
                                      tokenizer=tokenizer)
     kind = f"{lm.quantized.method} quantized" if lm.quantized is not None else "float"
-    return TextGenerator(lm.model, tokenizer, Path(lm.path), "PyTorch", f"{lm.name} ({kind}, PyTorch)", eos,
-                         positions, threads)
+    source = _quantized_source(lm.path) if lm.quantized is not None else None
+    return TextGenerator(lm.model, tokenizer, Path(lm.path), "PyTorch", f"{Path(lm.name).name} ({kind}, PyTorch)", eos,
+                         positions, threads, Path(source) if source else None)
 
 
 def open_model(model: str | Path | LoadedModel, *, tokenizer=None, source: str | Path | None = None,
@@ -391,8 +393,9 @@ def open_model(model: str | Path | LoadedModel, *, tokenizer=None, source: str |
     its prefill graph (run by onnxruntime or MNN). Every runtime computes on ``threads`` threads (None:
     its own default).
 
-    A graph folder's tokenizer, end-of-sequence tokens and positions come from ``source`` (the float
-    model directory), else from the model named in its ``conversion.json``, else from ``tokenizer``.
+    A graph folder's tokenizer, end-of-sequence tokens and positions come from the model its
+    ``conversion.json`` names, else from ``source`` (the float model of a folder that names none, such
+    as a ``workbench export`` output), else from ``tokenizer`` alone.
     """
     from .models import load_model, load_tokenizer_from, resolve_model_path
     if isinstance(model, LoadedModel):
@@ -421,8 +424,8 @@ def open_model(model: str | Path | LoadedModel, *, tokenizer=None, source: str |
     if not decode.is_file():
         raise ModelLoadError(f"'{folder}' has {prefill.name} but no {decode.name}: generation needs both graphs; "
                              "convert again")
-    source_dir, target = _conversion_source(folder)
-    src = resolve_model_path(source) if source is not None else source_dir
+    recorded, target = _conversion_source(folder)
+    src = recorded if recorded is not None else resolve_model_path(source) if source is not None else None
     if src is not None and (src / "config.json").is_file():
         tokenizer = tokenizer or load_tokenizer_from(src)
         eos, positions = _model_settings(*_json_docs(src), tokenizer=tokenizer)
@@ -430,7 +433,7 @@ def open_model(model: str | Path | LoadedModel, *, tokenizer=None, source: str |
         eos, positions = _model_settings(tokenizer=tokenizer)
     else:
         raise ModelLoadError(f"'{folder}' does not name the model it was converted from (no conversion.json naming "
-                             "one, or that model is gone): pass the float model as source")
+                             "one, or that model is gone): pass the float model's directory as source")
     if runtime == "MNN":
         from .targets.mnn import MnnCausalLM
         runner = MnnCausalLM(prefill, threads=threads or 1)
@@ -438,4 +441,4 @@ def open_model(model: str | Path | LoadedModel, *, tokenizer=None, source: str |
         from .graph import OnnxCausalLM
         runner = OnnxCausalLM(prefill, decode, threads=threads)
     return TextGenerator(runner, tokenizer, folder, runtime, f"{folder.name} ({target or 'ONNX export'}, {runtime})",
-                         eos, positions, threads)
+                         eos, positions, threads, src)
