@@ -101,8 +101,9 @@ class GenerationStats:
     def summary(self) -> str:
         tps = self.tokens_per_second
         speed = f"{tps:,.1f} tok/s" if tps is not None else "- tok/s"
+        stop = f"; stopped: {self.stop_reason}" if self.stop_reason else ""
         return (f"{self.new_tokens} tokens, {speed} after the first; prefill {self.prompt_tokens} tokens "
-                f"{self.prefill_seconds * 1000:,.1f} ms" + (f"; stopped: {self.stop_reason}" if self.stop_reason else ""))
+                f"{self.prefill_seconds * 1000:,.1f} ms{stop}")
 
 
 class _TorchSteps:

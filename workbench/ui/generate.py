@@ -79,6 +79,7 @@ class GeneratePanel(StepPanel):
         self.prompt = widgets.Textarea(value=prompt, description="prompt", layout={"width": "640px", "height": "70px"})
         self.max_tokens = widgets.BoundedIntText(value=max_new_tokens, min=1, max=4096, description="max tokens")
         self.temperature = widgets.BoundedFloatText(value=0.0, min=0.0, max=5.0, step=0.1, description="temperature",
+                                                    style={"description_width": "initial"},
                                                     tooltip="0: greedy (the most likely token each step)")
         self.top_k = widgets.BoundedIntText(value=0, min=0, max=1_000_000, description="top-k",
                                             tooltip="sample among the k most likely tokens; 0: all of them")
