@@ -81,5 +81,9 @@ def test_standalone_panel_finds_the_float_model_in_conversion_json(demo_app):
     assert results is not None, panel.error
     assert results["float"].model.path == DEMO_MODEL_DIR and results["float"].stats.new_tokens == 6
     panel.temperature.value, panel.top_k.value, panel.seed.value = 1.0, 20, 3
-    first = panel.run()["chosen"].tokens
-    assert panel.run()["chosen"].tokens == first  # seeded sampling repeats
+    first = panel.run()["chosen"]
+    again = panel.run()["chosen"]
+    assert again.tokens == first.tokens  # seeded sampling repeats
+    assert again.model is first.model is results["chosen"].model and len(panel._loaded) == 2  # opened once
+    panel.threads.value = 2  # another thread count opens the runtime again; only two models stay loaded
+    assert panel.run()["chosen"].model is not first.model and len(panel._loaded) == 2

@@ -27,7 +27,7 @@ __all__ = ["GeneratePanel", "FLOAT", "DEFAULT_PROMPT"]
 
 FLOAT = "float"  # the model field's value that means the float model itself
 DEFAULT_PROMPT = "A class definition"
-COLUMNS = ("chosen", "float")
+KEEP_OPEN = 2  # models kept loaded between presses of Generate
 
 
 class _Column(widgets.VBox):
@@ -141,7 +141,8 @@ class GeneratePanel(StepPanel):
 
     # -- models ---------------------------------------------------------------------------------------
     def _open(self, what: str | Path | LoadedModel, **kwargs) -> TextGenerator:
-        """Open a model once per file state and thread count (a folder converted again is opened again)."""
+        """Open a model once per file state and thread count (a folder converted again is opened again); the
+        ``KEEP_OPEN`` most recently used stay loaded."""
         if isinstance(what, LoadedModel):
             key = ("loaded", id(what.model), self.threads.value)
         else:
@@ -149,9 +150,11 @@ class GeneratePanel(StepPanel):
             graphs = find_graphs(p) if p.is_dir() else None
             stamp = graphs[0].stat().st_mtime_ns if graphs else None
             key = (str(p.resolve()) if p.exists() else str(what), stamp, self.threads.value)
-        if key not in self._loaded:
-            self._loaded[key] = open_model(what, threads=self.threads.value, **kwargs)
-        return self._loaded[key]
+        model = self._loaded.pop(key, None) or open_model(what, threads=self.threads.value, **kwargs)
+        self._loaded[key] = model  # the most recently used last
+        while len(self._loaded) > KEEP_OPEN:  # runtimes hold their weights: keep the chosen and the float model
+            self._loaded.pop(next(iter(self._loaded)))
+        return model
 
     def _float_model(self, chosen: TextGenerator | None) -> TextGenerator:
         """The session's model, else the one given, else the model ``chosen`` was converted or quantized from."""
