@@ -189,6 +189,12 @@ def test_prompt_errors_are_one_line(lm):
     with pytest.raises(WorkbenchError, match="no chat template"):
         encode_prompt(lm.tokenizer, "hi", chat=True)
     assert encode_prompt(lm.tokenizer, "héllo") == lm.tokenizer("héllo")["input_ids"]
+    import copy
+    chat = copy.deepcopy(lm.tokenizer)
+    chat.chat_template = ("{% for m in messages %}user: {{ m['content'] }}\n{% endfor %}"
+                          "{% if add_generation_prompt %}model:{% endif %}")
+    rendered = lm.tokenizer("user: hi\nmodel:", add_special_tokens=False)["input_ids"]
+    assert encode_prompt(chat, "hi", chat=True) == rendered
 
 
 def one_line_error(path, **kwargs) -> str:
