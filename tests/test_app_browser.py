@@ -1,7 +1,8 @@
 """The app as a person meets it: Voila serves it, headless Chromium clicks through the whole flow.
 
 On the demo model: calibrate, sweep, one layer to FP16 by pattern, Evaluate (a point on the chart),
-Use this plan, quantize with AWQ, convert to ort-int4 and MNN, profile, download the run and read
+Use this plan, quantize with AWQ, convert to ort-int4 and MNN, profile, generate from the INT4 ONNX
+beside the float model, download the run and read
 the downloaded model with ``workbench eval``; then the Fine-tune tab for two steps. After every step
 the page must show the step's figures and tables, and no "Error displaying widget", no "Loading
 widget..." left behind and no Python traceback. A screenshot per step goes to
@@ -217,6 +218,18 @@ def test_whole_flow_in_headless_chromium(served_app, tmp_path):
             w.wait_text("2 model(s) timed")
             body = w.done("profile")
             assert "onnxruntime" in body and "MNN" in body and w.visible_charts() >= 1
+
+            # Generate: the AWQ model's INT4 ONNX streams beside the float model, each with its tokens/s
+            w.tab("Generate")
+            choose = w.field("choose")
+            options = [o.replace("\xa0", " ") for o in choose.locator("option").all_inner_texts()]
+            assert options[0].startswith("mnn: "), options  # the latest conversion is offered first
+            choose.select_option(index=next(i for i, o in enumerate(options) if o.startswith("ort-int4: ")))
+            w.fill("max tokens", 24)
+            w.button("Generate").click()
+            w.wait_text(re.compile(r"ort-int4 \(ort-int4, onnxruntime\): 24 tokens, [\d,]+\.\d tok/s"))
+            body = w.done("generate")
+            assert len(re.findall(r"[\d,]+\.\d tok/s", body)) >= 4 and "demo (float, PyTorch)" in body  # columns too
             w.tab("Precisions")
             page.screenshot(path=str(ARTIFACTS / "app.png"),  # the README's picture of the app
                             clip={"x": 0, "y": 0, "width": 1300, "height": 1000})

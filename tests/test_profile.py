@@ -28,6 +28,12 @@ def test_every_candidate_is_found_and_timed(candidates):
     assert list(fig.data[2].x) == ["float", "ort-int4"]
 
 
+def test_mnn_decode_is_timed_with_its_kv_cache(tiny_model_dir, tmp_path):
+    out = build_candidates(tiny_model_dir, tmp_path / "out", candidates=("mnn",))
+    [p] = profile_directory(out, prompt_lengths=(8,), decode_steps=4, repeats=1)
+    assert p.runtime == "MNN" and p.prefill_ms[8] > 0 and p.decode_tokens_per_second > 0 and not p.notes
+
+
 def test_cli_json(candidates, capsys, tmp_path):
     assert main(["profile", str(candidates), "--prompt-lengths", "8", "--repeats", "1", "--decode-steps", "2",
                  "--workspace", str(tmp_path / "ws"), "--json"]) == 0

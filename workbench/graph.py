@@ -39,7 +39,7 @@ from .workspace import atomic_write_json
 __all__ = ["ExportResult", "OpCount", "export_onnx", "load_onnx", "operator_inventory", "OnnxCausalLM",
            "greedy_agreement", "fold_constants", "input_names", "output_names", "DEFAULT_OPSET",
            "PREFILL_FILE", "DECODE_FILE", "DATA_FILE", "INLINE_LIMIT", "initializer_bytes",
-           "initializer_bytes_by_block", "external_data_files", "share_external_data"]
+           "initializer_bytes_by_block", "external_data_files", "share_external_data", "torch_threads"]
 
 DEFAULT_OPSET = 17  # the oldest opset every target here accepts; LayerNormalization exists from 17
 PREFILL_FILE = "prefill.onnx"
@@ -87,10 +87,12 @@ class ExportResult:
 
 
 @contextlib.contextmanager
-def _single_thread():
-    """Decode-sized matmuls are fastest on one thread; more threads oversubscribe a busy CPU badly."""
+def torch_threads(threads: int | None = 1):
+    """PyTorch on ``threads`` threads inside (None: unchanged). Decode-sized matmuls are fastest on one
+    thread; more threads oversubscribe a busy CPU badly."""
     before = torch.get_num_threads()
-    torch.set_num_threads(1)
+    if threads:
+        torch.set_num_threads(threads)
     try:
         yield
     finally:
@@ -442,16 +444,9 @@ class OnnxCausalLM:
         return outs[0][0, -1], new_kv, outs[1:]
 
     def generate_greedy(self, prompt: Sequence[int], steps: int) -> list[int]:
-        last, _, kv = self.run_prefill(prompt)
-        tokens, position = [], len(prompt)
-        for _ in range(steps):
-            tok = int(np.argmax(last))
-            tokens.append(tok)
-            if len(tokens) == steps:
-                break
-            last, kv, _ = self.run_decode(tok, kv, position)
-            position += 1
-        return tokens
+        """``steps`` greedy tokens after ``prompt`` (no end-of-sequence stop): ``workbench.generate``'s loop."""
+        from .generate import stream_tokens
+        return list(stream_tokens(self, prompt, steps))
 
 
 @torch.inference_mode()
@@ -575,7 +570,7 @@ def export_onnx(lm, out_dir: str | Path, *, static: tuple[int, int] | None = Non
     if static:
         tokens = tokens[:max(1, min(static[0], static[1] - greedy_steps))]
     log("checking: PyTorch reference (prefill and one decode step)")
-    with _single_thread():
+    with torch_threads(1):
         ref = _torch_reference(model, tokens)
     if release_model:
         device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
@@ -592,7 +587,7 @@ def export_onnx(lm, out_dir: str | Path, *, static: tuple[int, int] | None = Non
     if release_model:
         from .models import load_model
         model = load_model(lm.path, dtype=dtype, device=device, load_tokenizer=False).model
-    with _single_thread():
+    with torch_threads(1):
         result.greedy_match_steps, result.torch_tokens = greedy_agreement(model, tokens, result.onnx_tokens)
     result.check_seconds = time.perf_counter() - t1
     return result

@@ -192,10 +192,10 @@ def profile_runtime(name: str, prefill: str | Path, decode: str | Path | None = 
         else:
             report.prefill_ms[n] = _median_ms(lambda ids=ids: runner.prefill.run(None, runner.prefill_feed(ids[0])),
                                               repeats)
-    if runtime == "onnxruntime" and runner.decode is not None:
+    if decode is not None:  # both runners decode with the KV cache (run_prefill, then run_decode)
         prompt = rng.integers(1, vocab, size=min(prompt_lengths)).tolist()
         _, _, kv0 = runner.run_prefill(prompt)
-        limit = runner.static_past
+        limit = getattr(runner, "static_past", None)
         steps = decode_steps if limit is None else max(1, min(decode_steps, limit - len(prompt)))
 
         def decode_run():
@@ -204,8 +204,6 @@ def profile_runtime(name: str, prefill: str | Path, decode: str | Path | None = 
                 _, kv, _ = runner.run_decode(int(prompt[i % len(prompt)]), kv, pos)
                 pos += 1
         report.decode_tokens_per_second = steps / (_median_ms(decode_run, repeats) / 1000)
-    elif decode is not None:
-        report.notes.append("decode not timed: the MNN runner here drives the prefill graph only")
     if reset and before is not None:
         report.peak_rss_added_mb = (rss_mb("VmHWM") or before) - before
     return report

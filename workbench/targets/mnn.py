@@ -128,9 +128,14 @@ def convert_to_mnn(onnx_path: str | Path, mnn_path: str | Path, *, weight_bits: 
 
 
 class MnnCausalLM:
-    """A converted prefill graph run by MNN's Python runtime: ``logits(ids)`` for evaluation."""
+    """A converted prefill graph run by MNN's Python runtime: ``logits(ids)`` for evaluation.
+
+    ``run_prefill`` / ``run_decode`` (the shapes of ``OnnxCausalLM``'s) drive ``prefill.mnn`` and the
+    ``decode.mnn`` beside it with the KV cache, for generation.
+    """
 
     def __init__(self, mnn_path: str | Path, threads: int = 1):
+        self.path, self.threads, self._graphs = Path(mnn_path), threads, None
         with _quiet_fds():  # MNN prints CPU features and the precision mode to stdout
             import MNN.expr as F
             import MNN.nn as nn
@@ -149,6 +154,47 @@ class MnnCausalLM:
         inputs = [F.const(a.flatten().tolist(), list(a.shape), F.NCHW, F.int) for a in (ids, mask, pos)]
         out = self.module.forward(inputs)[0]
         return np.array(out.read(), dtype=np.float32).reshape(b, n, -1)
+
+    # -- prefill and decode with the KV cache (generation) -------------------------------------------
+    def _const(self, a: np.ndarray):
+        F = self._F
+        return F.const(np.ascontiguousarray(a), list(a.shape), F.NCHW, F.float if a.dtype.kind == "f" else F.int)
+
+    def _stepping(self):
+        """Prefill and decode graphs with their ``present`` outputs, loaded on first use."""
+        if self._graphs is None:
+            decode = self.path.with_name(self.path.name.replace("prefill", "decode"))
+            if decode == self.path or not decode.is_file():
+                raise ValueError(f"no decode graph beside '{self.path}' (expected '{decode.name}'): convert again")
+            with _quiet_fds():
+                import MNN.nn as nn
+                rt = nn.create_runtime_manager(({"backend": "CPU", "precision": "high", "numThread": self.threads},))
+                graphs = []
+                for path in (self.path, decode):
+                    info = nn.load_module_from_file(str(path), [], []).get_info()
+                    graphs.append(nn.load_module_from_file(str(path), info["inputNames"], info["outputNames"],
+                                                           runtime_manager=rt))
+            self._graphs = tuple(graphs)
+        return self._graphs
+
+    def _run(self, module, arrays: list[np.ndarray]) -> list[np.ndarray]:
+        return [np.asarray(v.read(), dtype=np.float32) for v in module.forward([self._const(a) for a in arrays])]
+
+    def run_prefill(self, prompt) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
+        """Last-position logits, the full logits [1, n, vocab], and the KV cache."""
+        n = len(prompt)
+        ids = np.asarray(prompt, dtype=np.int32)[None]
+        outs = self._run(self._stepping()[0], [ids, np.ones_like(ids), np.arange(n, dtype=np.int32)[None]])
+        logits = outs[0].reshape(1, n, -1)
+        return logits[0, -1], logits, outs[1:]
+
+    def run_decode(self, token: int, kv: list[np.ndarray],
+                   position: int) -> tuple[np.ndarray, list[np.ndarray], list[np.ndarray]]:
+        """One step: logits for ``token`` at ``position``, and the grown KV cache (also the graph's present)."""
+        past = kv[0].shape[2]
+        feed = [np.array([[token]], np.int32), np.ones((1, past + 1), np.int32), np.array([[position]], np.int32)]
+        outs = self._run(self._stepping()[1], feed + list(kv))
+        return outs[0].reshape(-1, outs[0].shape[-1])[-1], outs[1:], outs[1:]
 
 
 def mnn_op_name(fqn: str) -> str | None:

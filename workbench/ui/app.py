@@ -1,7 +1,8 @@
 """The click-through app: the step panels in tabs around one session (model, plan, quantized model).
 
 Tabs: Fine-tune (optional LoRA), Calibrate, Precisions (sensitivity and per-layer choices),
-Quantize, Export (convert and compare), Profile (speed and size of what Export wrote). Download packs
+Quantize, Export (convert and compare), Profile (speed and size of what Export wrote), Generate (what
+Export wrote continues a prompt, streamed with its tokens/s, the float model beside it). Download packs
 the run into one zip: the quantized model, the converted files, override files, the plan, the figures
 and a report of what was measured.
 
@@ -9,7 +10,7 @@ and a report of what was measured.
     app.load()                      # what the Load button does
     app.run_sensitivity()           # fills the Precisions tab's sensitivity bars
     app.use_plan()                  # the Precisions tab's plan becomes the session's plan
-    app.quantize_panel.run(); app.convert_panel.run("ort-int4"); app.download()
+    app.quantize_panel.run(); app.convert_panel.run("ort-int4"); app.generate_panel.run(); app.download()
     display(app)
 
 Every tab reads and writes ``app.session`` (``workbench.ui.session.AppSession``): the plan edited in
@@ -32,6 +33,7 @@ from ..workspace import Workspace
 from .base import FileDownload, StepPanel
 from .calibrate import CalibratePanel
 from .finetune import FinetunePanel
+from .generate import GeneratePanel
 from .graph import ConvertPanel
 from .overrides import OverridePanel
 from .profile import ProfilePanel
@@ -40,7 +42,7 @@ from .session import ARCHIVE_SEND_LIMIT, AppSession, SessionLabel
 
 __all__ = ["WorkbenchApp", "TAB_TITLES"]
 
-TAB_TITLES = ("Fine-tune", "Calibrate", "Precisions", "Quantize", "Export", "Profile")
+TAB_TITLES = ("Fine-tune", "Calibrate", "Precisions", "Quantize", "Export", "Profile", "Generate")
 
 
 class WorkbenchApp(StepPanel):
@@ -53,7 +55,7 @@ class WorkbenchApp(StepPanel):
         self.samples, self.seq_len, self.sweep_tokens = samples, seq_len, sweep_tokens
         self.eval_tokens, self.finetune_steps = eval_tokens, finetune_steps
         self.finetune_panel = self.calibrate_panel = self.override_panel = self.quantize_panel = None
-        self.convert_panel = self.profile_panel = None
+        self.convert_panel = self.profile_panel = self.generate_panel = None
         self._setup()
         self.model_path = widgets.Text(value=str(model), description="model", layout={"width": "560px"},
                                        placeholder="demo, or a local Hugging Face model directory")
@@ -120,7 +122,7 @@ class WorkbenchApp(StepPanel):
         if not ok:
             return None
         for panel in (self.finetune_panel, self.calibrate_panel, self.quantize_panel, self.convert_panel,
-                      self.profile_panel):
+                      self.profile_panel, self.generate_panel):
             if panel is not None:
                 panel.close()  # they stop observing the session
         s = self.session
@@ -132,8 +134,9 @@ class WorkbenchApp(StepPanel):
                                             session=s)
         self.convert_panel = ConvertPanel(session=s, max_tokens=self.eval_tokens)
         self.profile_panel = ProfilePanel(session=s)
+        self.generate_panel = GeneratePanel(session=s)
         self.tabs.children = [self.finetune_box, self.calibrate_panel, self.precisions_box, self.quantize_panel,
-                              self.convert_panel, self.profile_panel]
+                              self.convert_panel, self.profile_panel, self.generate_panel]
         for i, title in enumerate(TAB_TITLES):
             self.tabs.set_title(i, title)
         self.tabs.selected_index = 1  # Calibrate: fine-tuning is optional
