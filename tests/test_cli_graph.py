@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -109,6 +110,17 @@ def test_convert_int4_json_has_the_agreement_fields(tiny_model_dir, tmp_path, ca
         assert out[key] is not None, key
     assert out["top1_agreement_vs_simulation"] >= 0.95
     assert any(f["path"].endswith("prefill.onnx") for f in out["files"])
+
+
+def test_conversion_json_names_the_final_directory_not_the_staging_one(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "int4"
+    assert main(["convert", str(tiny_model_dir), "--bits", "4", "--target", "ort-int4", "--out", str(out),
+                 "--max-tokens", "200", "--ctx", "128", "--json"]) == 0
+    capsys.readouterr()
+    doc = json.loads((out / "conversion.json").read_text())
+    assert doc["out_dir"] == str(out) and ".partial" not in json.dumps(doc)
+    assert all(Path(f["path"]).parent == out and Path(f["path"]).is_file() for f in doc["files"])
+    assert Path(doc["measured_on"]).is_file()
 
 
 def test_convert_with_a_plan_for_another_model_fails_clearly(tiny_model_dir, tmp_path, capsys):

@@ -473,6 +473,13 @@ def convert(model, target: str, out_dir: str | Path, *, plan: QuantPlan | str | 
         report.notes.append(f"{target} cannot run here: no KL/top-1 is reported for it")
     report.files = _files(out)
     report.seconds = time.perf_counter() - t0
-    atomic_write_json(out / "conversion.json", json.loads(json.dumps(report.to_dict(), default=str)))
+    write_conversion_json(report)
     report.files = _files(out)
     return report
+
+
+def write_conversion_json(report: ConversionReport, directory: str | Path | None = None) -> Path:
+    """The report as ``conversion.json`` in ``directory`` (default ``report.out_dir``); a caller that stages
+    the output elsewhere first rewrites it there with the final paths."""
+    return atomic_write_json(Path(directory or report.out_dir) / "conversion.json",
+                             json.loads(json.dumps(report.to_dict(), default=str)))

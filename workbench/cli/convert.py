@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..convert import CONVERT_TARGETS, convert
+from ..convert import CONVERT_TARGETS, convert, write_conversion_json
 from ..workspace import check_output_dir, rebase_paths, staged_output
 from .common import add_json_flag, add_model_argument, format_bytes, print_json
 from .export import parse_static
@@ -52,7 +52,9 @@ def run(args) -> int:
                          max_tokens=args.max_tokens, ctx=args.ctx, activation_bits=args.activation_bits,
                          accuracy_level=args.accuracy_level, static=static,
                          progress=not args.json, log=None if args.json else print)
-    report = rebase_paths(report, staged, Path(args.out))
+        report = rebase_paths(report, staged, Path(args.out))
+        # the report names where the files will be once swapped in, not the staging directory
+        write_conversion_json(report, staged)
     if args.json:
         print_json(report.to_dict())
         return 0
