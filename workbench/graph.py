@@ -467,7 +467,8 @@ def greedy_agreement(model: nn.Module, prompt: Sequence[int], tokens: Sequence[i
     tokens = [int(t) for t in tokens]
     if not tokens:
         return 0, []
-    hidden = final_hidden(model, torch.tensor([list(prompt) + tokens[:-1]]))[0, len(prompt) - 1:]
+    ids = torch.tensor([list(prompt) + tokens[:-1]], device=next(model.parameters()).device)
+    hidden = final_hidden(model, ids)[0, len(prompt) - 1:]
     picks = head_logits(model.get_output_embeddings(), hidden).argmax(-1).tolist()
     match = 0
     while match < len(tokens) and picks[match] == tokens[match]:
