@@ -38,6 +38,7 @@ from ..plan import get_precision
 from ..workspace import atomic_write_json
 from .base import inspect_graph
 from .common import OverrideFile, graph_names, layers_from_tensors, read_json_object, tensor_for
+from .ort_int4 import _release_float_model
 from .registry import OverrideFormat, Target, check_precisions, register_target
 
 __all__ = ["MASK_RANGE", "ORT_TYPES", "FLOAT_WEIGHT_TYPE", "causal_mask_tensors", "ort_overrides",
@@ -337,19 +338,31 @@ def qdq_twin(job, static_export, qdq_dir: Path, feeds: Mapping[str, list]) -> Pa
     return paths[0]
 
 
-def measure_qdq(job, prefill_qdq: Path) -> None:
-    """Score the QDQ prefill graph on windows of the static sequence length (the simulation on the same ones)."""
+def qdq_evaluator(job):
+    """The float model's and the simulation's scores on windows of the static sequence length; then the float
+    model, when the conversion loaded it, leaves memory before the QDQ graphs are made (None: no evaluation)."""
     eval_ctx = min(job.ctx or job.static[0], job.static[0])
     if eval_ctx != (job.ctx or job.default_ctx):
         job.report.notes.append(f"evaluated with {eval_ctx}-token windows, the static graph's sequence length "
                                 "(the simulation is scored on the same windows)")
-    job.measure(OnnxCausalLM(prefill_qdq).logits, prefill_qdq, "qdq", eval_ctx=eval_ctx)
+    ev = job.evaluator(eval_ctx)
+    if job.owns_models:
+        _release_float_model(job.prep, keep=[ev.head] if ev is not None else [])
+    return ev
+
+
+def measure_qdq(job, prefill_qdq: Path, ev) -> None:
+    """Score the QDQ prefill graph with ``qdq_evaluator``'s scores beside it."""
+    if ev is not None:
+        ev.fill(job.report, ev.score(OnnxCausalLM(prefill_qdq).logits, "qdq"), prefill_qdq)
 
 
 def convert_ort_qdq(job) -> None:
     job.say(f"exporting the float model to ONNX with static shapes {job.static}")
     sx = job.export_static(job.work / "static")
-    measure_qdq(job, qdq_twin(job, sx, job.out, job.feeds(sx)))
+    feeds = job.feeds(sx)
+    ev = qdq_evaluator(job)
+    measure_qdq(job, qdq_twin(job, sx, job.out, feeds), ev)
 
 
 def _write(path, lm, plan, *, quantized=None, export=None, calibration=None) -> OverrideFile:
