@@ -108,7 +108,7 @@ def _as_kl(value):
     return value["kl"] if isinstance(value, dict) else value
 
 
-@pytest.mark.parametrize("command", ["info", "eval", "calibrate", "quantize", "sensitivity", "plan", "export"])
+@pytest.mark.parametrize("command", ["info", "eval", "calibrate", "quantize", "sensitivity", "plan", "export", "convert"])
 def test_device_option_says_what_to_do_without_a_gpu(command, capsys):
     from workbench.cli import main
     if torch.cuda.is_available():

@@ -337,3 +337,20 @@ def test_llamacpp_bundle_has_the_plans_tensor_types_and_commands(prepared, tiny_
     cmds = (tmp_path / "commands.sh").read_text()
     assert "llama-quantize\" --tensor-type-file tensor-types.txt model-f16.gguf model-mixed.gguf Q4_0" in cmds
     assert str(tiny_model_dir) in cmds and "convert_hf_to_gguf.py" in cmds
+
+
+def test_mnn_weight_file_of_a_large_model_is_kept_with_it(tiny_model_dir, tmp_path, monkeypatch):
+    """Over 2 GB MNN's converter writes <model>.weight beside the .mnn (forced here by --saveExternalData)."""
+    import workbench.targets.mnn as mnn
+    from workbench.graph import OnnxCausalLM, export_onnx
+    from workbench.models import load_model
+    ex = export_onnx(load_model(tiny_model_dir), tmp_path / "onnx", check=False)
+    command_line = mnn.mnn_command_line
+    monkeypatch.setattr(mnn, "mnn_command_line", lambda *a, **k: command_line(*a, **k) + ["--saveExternalData"])
+    (tmp_path / "mnn").mkdir()
+    (tmp_path / "mnn" / "prefill.mnn.weight").write_bytes(b"stale")
+    out = mnn.convert_to_mnn(ex.prefill_path, tmp_path / "mnn" / "prefill.mnn")
+    assert sorted(p.name for p in out.parent.iterdir()) == ["prefill.mnn", "prefill.mnn.weight"]
+    ids = np.arange(5, 25)[None]
+    ref = OnnxCausalLM(ex.prefill_path).logits(ids)
+    np.testing.assert_allclose(mnn.MnnCausalLM(out).logits(ids), ref, atol=1e-3)

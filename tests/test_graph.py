@@ -155,3 +155,22 @@ def test_released_model_is_reread_for_the_greedy_check(tiny_model_dir, tmp_path)
     res = export_onnx(lm, tmp_path / "released", greedy_steps=6, release_model=True)
     assert next(lm.model.parameters()).device.type == "meta"  # the caller's weights were let go
     assert res.diffs == kept.diffs and res.torch_tokens == kept.torch_tokens and res.greedy_match_steps == 6
+
+
+def test_static_sessions_read_shared_external_weights_from_one_map(tiny_lm, tmp_path):
+    """Static prefill and decode sessions use one memory map of weights.data, with the same outputs."""
+    import onnxruntime as ort
+    res = export_onnx(tiny_lm, tmp_path, static=(16, 32), greedy_steps=4, inline_limit=0)
+    runner = OnnxCausalLM(res.prefill_path, res.decode_path)
+    assert not runner.serves_prefill and runner.prefill is not runner.decode
+    maps = [v for v in runner._shared.values() if isinstance(v, np.memmap)]
+    assert len(maps) == 1 and str(maps[0].filename) == str(res.data_path.resolve())
+    assert res.max_abs_diff < 1e-4 and res.greedy_match_steps == 4
+    feed = runner.prefill_feed(list(range(5, 15)))
+    plain = ort.InferenceSession(str(res.prefill_path), providers=["CPUExecutionProvider"])
+    for a, b in zip(runner.prefill.run(None, feed), plain.run(None, feed)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    _, _, kv = runner.run_prefill(list(range(5, 15)))
+    dfeed = runner.decode_feed(20, kv, 10)
+    plain = ort.InferenceSession(str(res.decode_path), providers=["CPUExecutionProvider"])
+    np.testing.assert_allclose(runner.decode.run(None, dfeed)[0], plain.run(None, dfeed)[0], rtol=1e-5, atol=1e-5)

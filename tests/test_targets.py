@@ -253,3 +253,65 @@ def test_a_new_target_is_one_module_and_one_rule_table(toy_target, tiny_model_di
     plan = QuantPlan.uniform("int4").with_override("*.v_proj", "int8")
     f = write_overrides("toy-json", tmp_path / "toy-plan.json", lm, plan)
     assert read_overrides("toy-json", f.path, lm) == plan.resolve([i.name for i in lm.layers])
+
+
+@pytest.fixture(scope="module")
+def static_feeds(tiny_model_dir, exported_pair):
+    from workbench.convert import calibration_feeds
+    from workbench.graph import OnnxCausalLM
+    _, static = exported_pair
+    return calibration_feeds(load_model(tiny_model_dir), samples=3, seq_len=16,
+                             runner=OnnxCausalLM(static.prefill_path, static.decode_path))
+
+
+def _onnxruntime_ranges(graph, feeds, op_types, tmp_path):
+    """Ranges from onnxruntime's own MinMax calibrator, the reference for ``activation_ranges``."""
+    from onnxruntime.quantization.calibrate import CalibrationMethod, create_calibrator
+    calibrator = create_calibrator(graph, op_types, augmented_model_path=str(tmp_path / "augmented.onnx"),
+                                   calibrate_method=CalibrationMethod.MinMax)
+    it = iter(feeds)
+    calibrator.collect_data(type("Reader", (), {"get_next": lambda self: next(it, None)})())
+    return calibrator.compute_data()
+
+
+@pytest.mark.parametrize("graph", ["prefill", "decode"])
+def test_activation_ranges_equal_onnxruntime_calibrators(exported_pair, static_feeds, graph, tmp_path):
+    from workbench.targets.ort_qdq import activation_ranges
+    _, static = exported_pair
+    path = static.prefill_path if graph == "prefill" else static.decode_path
+    from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
+    ops = get_qnn_qdq_config(str(path), None).op_types_to_quantize
+    before = sorted(p.name for p in path.parent.iterdir())
+    ours = activation_ranges(path, static_feeds[graph], ops)
+    theirs = _onnxruntime_ranges(path, static_feeds[graph], ops, tmp_path)
+    assert len(ours.data) > 20 and set(ours.data) == set(theirs.data)
+    for name in theirs.data:
+        for a, b in zip(ours[name].range_value, theirs[name].range_value):
+            assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b), name
+    assert sorted(p.name for p in path.parent.iterdir()) == before  # no scratch graph left beside it
+
+
+def test_quantize_qdq_writes_what_onnxruntimes_calibrated_quantize_writes(exported_pair, static_feeds, tmp_path):
+    """Same scales, zero points, weights and nodes as ``quantize`` with the QNN config and its own calibrator."""
+    from onnxruntime.quantization import QuantType, quantize
+    from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
+    from workbench.targets.ort_qdq import MASK_RANGE, _with_quant_types, causal_mask_tensors, quantize_qdq
+    _, static = exported_pair
+    path = static.prefill_path
+    weight = "model.layers.0.mlp.down_proj.weight.T"
+    overrides = {weight: [{"quant_type": "QInt4", "axis": 1, "symmetric": True}]}
+    quantize_qdq(path, tmp_path / "ours.onnx", static_feeds["prefill"], init_overrides=overrides)
+    pinned = {t: [{"rmin": -MASK_RANGE, "rmax": MASK_RANGE}] for t in causal_mask_tensors(onnx.load(str(path)))}
+    it = iter(static_feeds["prefill"])
+    reader = type("Reader", (), {"get_next": lambda self: next(it, None)})()
+    config = get_qnn_qdq_config(str(path), reader, activation_type=QuantType.QUInt16, weight_type=QuantType.QUInt8,
+                                per_channel=True, init_overrides=_with_quant_types({**pinned, **overrides}, "test"))
+    quantize(str(path), tmp_path / "theirs.onnx", config)
+    ours, theirs = onnx.load(str(tmp_path / "ours.onnx")), onnx.load(str(tmp_path / "theirs.onnx"))
+    a = {i.name: numpy_helper.to_array(i) for i in ours.graph.initializer}
+    b = {i.name: numpy_helper.to_array(i) for i in theirs.graph.initializer}
+    assert set(a) == set(b) and any(k.endswith("_scale") for k in a) and f"{weight}_scale" in a
+    for k in a:
+        assert a[k].dtype == b[k].dtype and np.array_equal(a[k], b[k], equal_nan=True), k
+    assert [(n.op_type, list(n.input), list(n.output)) for n in ours.graph.node] == \
+        [(n.op_type, list(n.input), list(n.output)) for n in theirs.graph.node]

@@ -90,22 +90,25 @@ def _is_quantized_dir(model) -> bool:
 
 
 def prepare_models(model, *, plan: QuantPlan | str | Path | None = None, bits: int | None = None,
-                   progress: bool = False) -> PreparedModels:
-    """Resolve MODEL as a float model with a plan (or ``bits``), or a directory written by ``workbench quantize``."""
+                   progress: bool = False, device: str = "cpu") -> PreparedModels:
+    """Resolve MODEL as a float model with a plan (or ``bits``), or a directory written by ``workbench quantize``.
+
+    The models (and quantization) run on ``device``; graphs and onnxruntime stay on the CPU.
+    """
     from .quantize import load_quantized, quantize_model
     if _is_quantized_dir(model):
         if plan is not None or bits is not None:
             raise PlanError(f"'{model}' is a quantized model with its own plan; drop --plan/--bits, or pass the float "
                             "model with a plan")
-        sim_lm, qm = load_quantized(model)
+        sim_lm, qm = load_quantized(model, device=device)
         meta = json.loads((Path(str(model)) / "quantization.json").read_text(encoding="utf-8"))
         source = meta.get("source")
         if not source or not Path(source).exists():
             raise ModelLoadError(f"the float model '{source}' that '{model}' was quantized from is not there; the "
                                  "comparison needs it: restore it or quantize again from a present model")
-        float_lm = load_model(source)
+        float_lm = load_model(source, device=device)
         return PreparedModels(float_lm, sim_lm, qm, str(model))
-    float_lm = load_model(model)
+    float_lm = load_model(model, device=device)
     if plan is None:
         if bits is None:
             raise PlanError("give a plan (--plan PLAN.json) or --bits 4|8 for a float model")
@@ -277,7 +280,8 @@ class _Evaluator:
             while k < len(self.windows):
                 n = self.windows[k].end - self.windows[k].begin
                 batch = list(itertools.takewhile(lambda w: w.end - w.begin == n, self.windows[k:k + EVAL_BATCH]))
-                h = final_hidden(model, torch.stack([self.ids[w.begin:w.end] for w in batch]))
+                ids = torch.stack([self.ids[w.begin:w.end] for w in batch])
+                h = final_hidden(model, ids.to(next(model.parameters()).device))
                 hidden += [h[b, self._rows(w)].clone() for b, w in enumerate(batch)]
                 k += len(batch)
                 bar.update(len(batch))
@@ -290,7 +294,8 @@ class _Evaluator:
         scores, argmax = _Scores(), []
         with self._bar(desc, windows) as bar:
             for k, w in enumerate(self.windows[:windows]):
-                logits, targets, picks = window_logits(k, w), self.ids[w.score_from:w.end], []
+                logits, picks = window_logits(k, w).to(self.hidden[k].device), []
+                targets = self.ids[w.score_from:w.end].to(logits.device)
                 rows = max(1, COMPARE_ELEMENTS // logits.shape[-1])
                 for r in range(0, w.scored, REF_ROWS):
                     ref = head_logits(self.head, self.hidden[k][r:r + REF_ROWS])
@@ -308,7 +313,7 @@ class _Evaluator:
                     del ref
                 picks = torch.cat(picks)
                 if self.sim_top1 is not None:
-                    scores.vs_simulation += int((picks == self.sim_top1[k]).sum())
+                    scores.vs_simulation += int((picks == self.sim_top1[k].to(picks.device)).sum())
                 argmax.append(picks)
                 scores.tokens += w.scored
                 del logits
@@ -438,10 +443,12 @@ def convert(model, target: str, out_dir: str | Path, *, plan: QuantPlan | str | 
             max_tokens: int | None = None, ctx: int | None = None, activation_bits: int = 16,
             accuracy_level: int = 4, static: tuple[int, int] = DEFAULT_STATIC, calibration_samples: int = 16,
             calibration_seq_len: int = 128, greedy_steps: int = 32, evaluate_outputs: bool = True,
-            progress: bool = False, log: Callable[[str], None] | None = None) -> ConversionReport:
+            progress: bool = False, log: Callable[[str], None] | None = None,
+            device: str = "cpu") -> ConversionReport:
     """Convert for ``target`` (a registered target) into ``out_dir``; run and compare the result where it can run.
 
     ``max_tokens`` None evaluates on ``default_eval_tokens`` (the whole text for small models).
+    ``device`` is where the PyTorch models run (``prepare_models``); ignored with ``prepared``.
     """
     say = log or (lambda m: None)
     if target not in CONVERT_TARGETS:
@@ -450,7 +457,7 @@ def convert(model, target: str, out_dir: str | Path, *, plan: QuantPlan | str | 
     if max_tokens is not None and max_tokens < 2:
         raise PlanError(f"--max-tokens must be at least 2 (one token is predicted from another), got {max_tokens}")
     t0 = time.perf_counter()
-    prep = prepared or prepare_models(model, plan=plan, bits=bits, progress=progress)
+    prep = prepared or prepare_models(model, plan=plan, bits=bits, progress=progress, device=device)
     check_precisions(spec, [r.precision for r in prep.qm.layers])
     report_seconds = {"prepare": time.perf_counter() - t0}
     release_freed_memory()  # quantization's temporaries: hand their pages back before the graphs are built

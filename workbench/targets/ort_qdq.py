@@ -24,8 +24,10 @@ Rules: ``assets/targets/qnn.json`` (QDQ models are for the QNN execution provide
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Iterable, Mapping
 
 import numpy as np
@@ -36,10 +38,11 @@ from ..plan import get_precision
 from ..workspace import atomic_write_json
 from .base import inspect_graph
 from .common import OverrideFile, graph_names, layers_from_tensors, read_json_object, tensor_for
+from .ort_int4 import _release_float_model
 from .registry import OverrideFormat, Target, check_precisions, register_target
 
 __all__ = ["MASK_RANGE", "ORT_TYPES", "FLOAT_WEIGHT_TYPE", "causal_mask_tensors", "ort_overrides",
-           "write_ort_overrides", "load_ort_overrides", "read_ort_overrides", "quantize_qdq", "qdq_twin", "TARGET"]
+           "write_ort_overrides", "load_ort_overrides", "read_ort_overrides", "activation_ranges", "quantize_qdq", "qdq_twin", "TARGET"]
 
 MASK_RANGE = 100.0  # exp(-100) is 0 in every float format: masked keys stay masked, real scores keep their resolution
 ORT_TYPES = {(8, True): "QInt8", (8, False): "QUInt8", (4, True): "QInt4", (4, False): "QUInt4",
@@ -177,18 +180,75 @@ def read_ort_overrides(path: str | Path) -> dict[str, dict]:
     return out
 
 
-class _FeedReader:
-    """onnxruntime's CalibrationDataReader over a list of ready-made input dicts."""
+def _side_graph(float_onnx: Path, tag: str) -> Path:
+    """A scratch graph path beside ``float_onnx``, so its external-data locations resolve unchanged."""
+    return float_onnx.parent / f".{float_onnx.stem}.{tag}.{os.getpid()}.onnx"
 
-    def __init__(self, feeds: Iterable[Mapping[str, np.ndarray]]):
-        self._feeds = list(feeds)
-        self._it = iter(self._feeds)
 
-    def get_next(self):
-        return next(self._it, None)
+def _quantizable_graph(float_onnx: Path, needs_opset21: bool) -> Path | None:
+    """``float_onnx`` moved to opset 21 when 16-bit types need it, converted and written without its weights.
 
-    def rewind(self):
-        self._it = iter(self._feeds)
+    onnxruntime would do this itself on the whole model, weights included (three copies in memory and
+    another on disk); the graph's nodes are all that change. None when no conversion is needed.
+    """
+    import onnx
+    proto = onnx.load(str(float_onnx), load_external_data=False)
+    opset = next(x.version for x in proto.opset_import if x.domain in ("", "ai.onnx"))
+    if opset >= 21 or not needs_opset21:
+        return None
+    inline = [i for i in proto.graph.initializer if i.data_location != onnx.TensorProto.EXTERNAL]
+    converted = onnx.version_converter.convert_version(proto, 21)
+    path = _side_graph(float_onnx, "opset21")
+    if sum(i.ByteSize() for i in inline) >= 1 << 30:  # an inline graph that large: keep its weights out of protobuf
+        onnx.save(converted, str(path), save_as_external_data=True, location=path.name + ".data")
+    else:
+        onnx.save(converted, str(path))
+    return path
+
+
+def activation_ranges(graph: str | Path, feeds: Iterable[Mapping[str, np.ndarray]], op_types: Iterable[str]):
+    """onnxruntime's MinMax calibration ranges (``TensorsData``) from one session over per-tensor ReduceMin/ReduceMax.
+
+    The same tensors as ``MinMaxCalibrater`` (its own selection), the same reductions and the same
+    merge over samples (NaN-ignoring min and max); but each sample's two scalars per tensor are merged
+    as soon as they come back, and the weights stay where they are (external data), read once by the session.
+    """
+    import onnx
+    import onnxruntime as ort
+    from onnxruntime.quantization.calibrate import CalibrationMethod, MinMaxCalibrater, TensorsData
+    graph = Path(graph)
+    proto = onnx.shape_inference.infer_shapes(onnx.load(str(graph), load_external_data=False))
+    tensors, value_infos = MinMaxCalibrater.select_tensors_to_calibrate(
+        SimpleNamespace(op_types_to_calibrate=list(op_types)), proto)
+    tensors = sorted(tensors)
+    del proto.graph.output[:]
+    for t in tensors:
+        elem = value_infos[t].type.tensor_type.elem_type
+        for op in ("ReduceMin", "ReduceMax"):
+            out = f"{t}__wb_{op}"
+            proto.graph.node.append(onnx.helper.make_node(op, [t], [out], keepdims=1, name=out))
+            proto.graph.output.append(onnx.helper.make_tensor_value_info(out, elem, None))
+    side = _side_graph(graph, "ranges")
+    try:
+        onnx.save(proto, str(side))
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # as the calibrator runs it
+        session = ort.InferenceSession(str(side), options, providers=["CPUExecutionProvider"])
+    finally:
+        side.unlink(missing_ok=True)
+    lows: list = [None] * len(tensors)
+    highs: list = [None] * len(tensors)
+    n = 0
+    for feed in feeds:
+        outs = session.run(None, dict(feed))
+        for k in range(len(tensors)):
+            lo, hi = outs[2 * k].reshape(-1), outs[2 * k + 1].reshape(-1)
+            lows[k] = lo if lows[k] is None else np.fmin(lows[k], lo)
+            highs[k] = hi if highs[k] is None else np.fmax(highs[k], hi)
+        n += 1
+    if not n:
+        raise ValueError("no calibration inputs: give at least one feed")
+    return TensorsData(CalibrationMethod.MinMax, {t: (lo, hi) for t, lo, hi in zip(tensors, lows, highs)})
 
 
 def quantize_qdq(float_onnx: str | Path, out_path: str | Path, feeds: Iterable[Mapping[str, np.ndarray]], *,
@@ -197,21 +257,30 @@ def quantize_qdq(float_onnx: str | Path, out_path: str | Path, feeds: Iterable[M
     """Static QDQ quantization with onnxruntime's QNN configuration and ``init_overrides`` (``ort_overrides``).
 
     Activations get ``activation_bits`` (16 or 8, unsigned, as HTP wants); weights without an
-    override 8 bit. A graph with external data gives a QDQ graph with external data.
+    override 8 bit. A graph with external data gives a QDQ graph with external data. The activation
+    ranges are onnxruntime's MinMax calibration, computed by ``activation_ranges`` and handed to its
+    quantizer, and the opset change 16-bit types need is made on the graph alone: the weights are in
+    memory once, while the quantizer writes their QDQ form.
     """
     import onnx
-    from onnxruntime.quantization import QuantType, quantize
+    from onnxruntime.quantization import QuantType, quantize_static
+    from onnxruntime.quantization.calibrate import save_tensors_data
     from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
 
     if activation_bits not in ACTIVATION_TYPES:
         raise ValueError(f"activation_bits must be 8 or 16, got {activation_bits}")
+    float_onnx = Path(float_onnx)
     mask = causal_mask_tensors(onnx.load(str(float_onnx), load_external_data=False))
     overrides = {t: [{"rmin": -mask_range, "rmax": mask_range}] for t in mask}
     overrides.update(init_overrides or {})
-    config = get_qnn_qdq_config(str(float_onnx), _FeedReader(feeds),
+    config = get_qnn_qdq_config(str(float_onnx), None,
                                 activation_type=QuantType[ACTIVATION_TYPES[activation_bits]],
                                 weight_type=QuantType.QUInt8, per_channel=per_channel,
                                 init_overrides=_with_quant_types(overrides, str(float_onnx)) or None)
+    sixteen = {QuantType.QInt16, QuantType.QUInt16}
+    needs_opset21 = config.activation_type in sixteen or config.weight_type in sixteen or any(
+        e.get("quant_type") in sixteen for entries in config.extra_options["TensorQuantOverrides"].values()
+        for e in entries)
     out_path = Path(out_path)
     partial = out_path.parent / f".{out_path.name}.partial"  # graph and its data file named as they will stay
     shutil.rmtree(partial, ignore_errors=True)
@@ -219,13 +288,28 @@ def quantize_qdq(float_onnx: str | Path, out_path: str | Path, feeds: Iterable[M
     root = logging.getLogger()  # the quantizer logs advice to the root logger; keep CLI and notebook output clean
     level = root.level
     root.setLevel(logging.ERROR)
+    converted = None
     try:
-        quantize(str(float_onnx), partial / out_path.name, config)
+        converted = _quantizable_graph(float_onnx, needs_opset21)
+        graph = converted or float_onnx
+        ranges = activation_ranges(graph, feeds, config.op_types_to_quantize)
+        save_tensors_data(ranges, partial / "ranges.json")
+        quantize_static(str(graph), partial / out_path.name, None, calibration_cache_path=partial / "ranges.json",
+                        calibrate_method=config.calibrate_method, quant_format=config.quant_format,
+                        activation_type=config.activation_type, weight_type=config.weight_type,
+                        op_types_to_quantize=config.op_types_to_quantize, nodes_to_quantize=config.nodes_to_quantize,
+                        nodes_to_exclude=config.nodes_to_exclude, per_channel=config.per_channel,
+                        reduce_range=config.reduce_range, use_external_data_format=config.use_external_data_format,
+                        extra_options=config.extra_options)
+        (partial / "ranges.json").unlink()
         for f in sorted(partial.iterdir(), key=lambda f: f.suffix == ".onnx"):  # the graph last
             f.replace(out_path.parent / f.name)
     finally:
         root.setLevel(level)
         shutil.rmtree(partial, ignore_errors=True)
+        if converted is not None:
+            converted.unlink(missing_ok=True)
+            Path(str(converted) + ".data").unlink(missing_ok=True)
     return {"mask_tensors": mask, "mask_range": mask_range, "activation_bits": activation_bits,
             "per_channel": per_channel}
 
@@ -254,19 +338,31 @@ def qdq_twin(job, static_export, qdq_dir: Path, feeds: Mapping[str, list]) -> Pa
     return paths[0]
 
 
-def measure_qdq(job, prefill_qdq: Path) -> None:
-    """Score the QDQ prefill graph on windows of the static sequence length (the simulation on the same ones)."""
+def qdq_evaluator(job):
+    """The float model's and the simulation's scores on windows of the static sequence length; then the float
+    model, when the conversion loaded it, leaves memory before the QDQ graphs are made (None: no evaluation)."""
     eval_ctx = min(job.ctx or job.static[0], job.static[0])
     if eval_ctx != (job.ctx or job.default_ctx):
         job.report.notes.append(f"evaluated with {eval_ctx}-token windows, the static graph's sequence length "
                                 "(the simulation is scored on the same windows)")
-    job.measure(OnnxCausalLM(prefill_qdq).logits, prefill_qdq, "qdq", eval_ctx=eval_ctx)
+    ev = job.evaluator(eval_ctx)
+    if job.owns_models:
+        _release_float_model(job.prep, keep=[ev.head] if ev is not None else [])
+    return ev
+
+
+def measure_qdq(job, prefill_qdq: Path, ev) -> None:
+    """Score the QDQ prefill graph with ``qdq_evaluator``'s scores beside it."""
+    if ev is not None:
+        ev.fill(job.report, ev.score(OnnxCausalLM(prefill_qdq).logits, "qdq"), prefill_qdq)
 
 
 def convert_ort_qdq(job) -> None:
     job.say(f"exporting the float model to ONNX with static shapes {job.static}")
     sx = job.export_static(job.work / "static")
-    measure_qdq(job, qdq_twin(job, sx, job.out, job.feeds(sx)))
+    feeds = job.feeds(sx)
+    ev = qdq_evaluator(job)
+    measure_qdq(job, qdq_twin(job, sx, job.out, feeds), ev)
 
 
 def _write(path, lm, plan, *, quantized=None, export=None, calibration=None) -> OverrideFile:

@@ -35,7 +35,7 @@ from ..plan import get_precision
 from ..workspace import atomic_write_json
 from .base import inspect_graph
 from .common import OverrideFile, graph_consumers, graph_names, layers_from_tensors, read_json_object, tensor_for
-from .ort_qdq import MASK_RANGE, causal_mask_tensors, measure_qdq, qdq_twin
+from .ort_qdq import MASK_RANGE, causal_mask_tensors, measure_qdq, qdq_evaluator, qdq_twin
 from .registry import OverrideFormat, Target, check_precisions, register_target
 
 __all__ = ["QNN_ENCODINGS_VERSION", "DEFAULT_ACTIVATION_BITWIDTH", "qnn_encodings", "write_qnn_encodings",
@@ -400,6 +400,7 @@ def convert_qnn(job) -> None:
     job.say(f"exporting the float model to ONNX with static shapes {job.static}")
     sx = job.export_static(job.out)
     feeds = job.feeds(sx)
+    ev = qdq_evaluator(job)
     prefill_qdq = qdq_twin(job, sx, job.out / "ort-qdq-twin", feeds)
     info = write_qnn_bundle(job.out, sx, job.prep.qm, feeds, activation_bits=job.activation_bits)
     job.report.notes += info["notes"]
@@ -407,7 +408,7 @@ def convert_qnn(job) -> None:
                             "graphs (same bit widths, same mask fix) in onnxruntime CPU")
     for g in ("prefill", "decode"):
         job.report.details[f"inspection_{g}"] = inspect_graph(job.out / f"{g}.onnx", "qnn").summary()
-    measure_qdq(job, prefill_qdq)
+    measure_qdq(job, prefill_qdq, ev)
 
 
 def _write(path, lm, plan, *, quantized=None, export=None, calibration=None) -> OverrideFile:
