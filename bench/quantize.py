@@ -32,14 +32,14 @@ def run_one(args) -> None:
     from workbench.memory import reset_peak_rss, rss_mb, settled_rss_mb
     from workbench.models import load_model
     from workbench.plan import QuantPlan
-    from workbench.quantize import quantize_model
+    from workbench.quantize import CALIBRATED_METHODS, quantize_model
     from workbench.workspace import Workspace
     if args.threads:
         torch.set_num_threads(args.threads)
     lm = load_model(args.model, dtype="float32")
     plan = QuantPlan.uniform(f"int{args.bits}", group_size=args.group_size or None, method=args.method)
     calibration = None
-    if args.method in ("awq", "gptq"):  # statistics were computed by the parent: read back from the workspace
+    if args.method in CALIBRATED_METHODS:  # statistics were computed by the parent: read back from the workspace
         from workbench.calibrate import calibrate
         calibration = calibrate(lm, samples=args.samples, seq_len=args.seq_len, workspace=Workspace(args.workspace),
                                 progress=False)

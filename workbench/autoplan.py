@@ -222,37 +222,32 @@ def _moves(lm: LoadedModel, sensitivity: SensitivityReport, assign: Mapping[str,
     """Budget-respecting raises of one unit's precision, paid for (when needed) by lowering another unit's;
     each with its predicted gain (damage saved minus damage added), best first. Gains may be negative:
     the budget's optimum by prediction has no positive one, and measurement is the judge."""
-    def size(a) -> int:
-        return lm.layer_bytes(a, gs, sym) + lm.other_bytes
-
-    def damage(unit, p) -> float:
-        return sum(sensitivity.damage(n, p, metric) for n in unit)
-
+    # a unit's bytes and damage depend only on its own precision: tabulate them once per call
+    nbytes = [{q: lm.layer_bytes({n: q for n in u}, gs, sym, names=u) for q in choices} for u in units]
+    damage = [{q: sum(sensitivity.damage(n, q, metric) for n in u) for q in choices} for u in units]
+    now = [assign[u[0]] for u in units]
+    size = lm.layer_bytes(assign, gs, sym) + lm.other_bytes
     out = []
-    for u in units:
-        cur = assign[u[0]]
+    for i, u in enumerate(units):
+        cur = now[i]
         for q in choices:
-            gain = damage(u, cur) - damage(u, q)
+            gain = damage[i][cur] - damage[i][q]
             if q == cur or gain <= 0:
                 continue
-            change = {n: q for n in u}
-            need = size({**assign, **change}) - budget
+            need = size + nbytes[i][q] - nbytes[i][cur] - budget
             if need <= 0:
-                out.append((gain, change))
+                out.append((gain, {n: q for n in u}))
                 continue
             best = None  # the cheapest way, by predicted damage, to free ``need`` bytes elsewhere
-            for v in units:
-                if v is u:
-                    continue
+            for j, v in enumerate(units):
                 for r in choices:
-                    pay = {n: r for n in v}
-                    if r == assign[v[0]] or size({**assign, **change, **pay}) > budget:
+                    if j == i or r == now[j] or nbytes[j][now[j]] - nbytes[j][r] < need:
                         continue
-                    cost = damage(v, r) - damage(v, assign[v[0]])
+                    cost = damage[j][r] - damage[j][now[j]]
                     if best is None or cost < best[0]:
-                        best = (cost, pay)
+                        best = (cost, {n: r for n in v})
             if best is not None:
-                out.append((gain - best[0], {**change, **best[1]}))
+                out.append((gain - best[0], {**{n: q for n in u}, **best[1]}))
     return sorted(out, key=lambda m: -m[0])
 
 

@@ -34,7 +34,7 @@ from ..errors import PlanError
 from ..memory import release_freed_memory
 from .awq import _capture_block_inputs, _run_block, _token_chunks, find_decoder_blocks
 from .qtensor import QuantizedWeight, code_range
-from .rtn import _grouped, _quantize_groups
+from .rtn import _grouped, _quantize_groups, dequantize_codes, round_codes
 
 __all__ = ["gptq_quantize_weight", "search_gptq", "DEFAULT_DAMP", "DEFAULT_BLOCK_COLUMNS", "default_gptq_tokens"]
 
@@ -56,16 +56,6 @@ def _group_params(w: torch.Tensor, bits: int, symmetric: bool, scale_search: boo
     _q, scales, zeros = _quantize_groups(w[:, None, :], bits, symmetric, None, scale_search=scale_search,
                                          importance=importance[None, :])
     return scales[:, 0], None if zeros is None else zeros[:, 0]
-
-
-def _round(col: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, lo: int, hi: int) -> torch.Tensor:
-    if zero is None:
-        return torch.round(col / scale).clamp_(lo, hi)
-    return (torch.round(col / scale) + zero).clamp_(lo, hi)
-
-
-def _dequant(code: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor:
-    return (code if zero is None else code - zero) * scale
 
 
 def _inverse_factor(h: torch.Tensor, damp: float) -> torch.Tensor:
@@ -131,9 +121,9 @@ def gptq_quantize_weight(w: torch.Tensor, h: torch.Tensor, bits: int, group_size
                 if zeros is not None:
                     zeros[:, k] = z
             s, z = scales[:, k], None if zeros is None else zeros[:, k]
-            c = _round(w1[:, i], s, z, lo, hi)
+            c = round_codes(w1[:, i], s, z, lo, hi)
             codes[:, j] = c
-            e = (w1[:, i] - _dequant(c, s, z)) / hinv1[i, i]
+            e = (w1[:, i] - dequantize_codes(c, s, z)) / hinv1[i, i]
             w1[:, i:] -= e[:, None] * hinv1[i, i:][None, :]
             err1[:, i] = e
         w[:, b:] -= err1 @ hinv[a:b, b:]

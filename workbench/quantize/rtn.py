@@ -78,18 +78,27 @@ def _round_groups(wg: torch.Tensor, bits: int, symmetric: bool, ratio: float):
     lo, hi = code_range(bits, symmetric)
     if symmetric:
         scales = _fp16_ceil(wg.abs().amax(-1) * ratio / hi)
-        q = torch.round(wg / scales[..., None]).clamp_(lo, hi)
-        return q, scales, None
+        return round_codes(wg, scales[..., None], None, lo, hi), scales, None
     # the range always holds 0, so the zero point is a valid code and 0 is exact (as torch observers do)
     wmin, wmax = wg.amin(-1).clamp_max(0) * ratio, wg.amax(-1).clamp_min(0) * ratio
     scales = _fp16_ceil((wmax - wmin) / hi)
     zeros = torch.round(-wmin / scales).clamp_(lo, hi)
-    q = (torch.round(wg / scales[..., None]) + zeros[..., None]).clamp_(lo, hi)
-    return q, scales, zeros
+    return round_codes(wg, scales[..., None], zeros[..., None], lo, hi), scales, zeros
+
+
+def round_codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, lo: int, hi: int) -> torch.Tensor:
+    """The integer codes (as floats) of ``w`` at ``scale`` and ``zero`` (shapes broadcast against ``w``)."""
+    q = torch.round(w / scale)
+    return (q if zero is None else q + zero).clamp_(lo, hi)
+
+
+def dequantize_codes(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor:
+    """``round_codes``' inverse: the float values the codes stand for."""
+    return (q if zero is None else q - zero) * scale
 
 
 def _dequantize_groups(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None) -> torch.Tensor:
-    return (q if zeros is None else q - zeros[..., None]) * scales[..., None]
+    return dequantize_codes(q, scales[..., None], None if zeros is None else zeros[..., None])
 
 
 def quantize_weight(w: torch.Tensor, bits: int, group_size: int | None = 128, symmetric: bool = True, *,
