@@ -20,6 +20,7 @@ $(STAMP): requirements.txt constraints.txt pyproject.toml
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -c constraints.txt -r requirements.txt
 	$(BIN)/pip install -q --no-deps autoawq==0.2.9
+	$(BIN)/pip install -q --no-deps onnxruntime-genai==0.18.0
 	$(BIN)/pip install -q --no-deps -e .
 	$(BIN)/python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	touch $(STAMP)
