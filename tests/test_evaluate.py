@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from workbench.errors import DataError
-from workbench.evaluate import (capture_reference, encode_text, evaluate, paired_difference, read_text,
-                                strided_windows)
+from workbench.evaluate import (capture_reference, encode_text, eval_windows, evaluate, llamacpp_windows,
+                                paired_difference, read_text, strided_windows)
 from workbench.models import load_model
 
 
@@ -93,6 +93,45 @@ def test_paired_difference(lm, make_tiny_model):
     assert d["mean"] == pytest.approx(a.nll - b.nll)
     assert d["stderr"] > 0 and d["windows"] == a.windows
     assert paired_difference(b, b) == {"mean": 0.0, "stderr": 0.0, "windows": b.windows}
+
+
+def hand_llamacpp_nll(model, ids, ctx):
+    """llama-perplexity's loop, written from its description: per whole chunk, logits at positions
+    ctx/2 .. ctx-2 predict the next token; a partial last chunk is dropped."""
+    nll, n, first = 0.0, 0, ctx // 2
+    for c in range(len(ids) // ctx):
+        x = ids[c * ctx:(c + 1) * ctx]
+        with torch.no_grad():
+            lp = torch.log_softmax(model(x[None]).logits[0], -1)
+        for j in range(first, ctx - 1):
+            nll -= lp[j, x[j + 1]].item()
+            n += 1
+    return nll, n
+
+
+def test_llamacpp_scheme_matches_its_chunks(lm, make_tiny_model):
+    ids = torch.randint(0, 4096, (100,), generator=torch.Generator().manual_seed(4))
+    ws = llamacpp_windows(100, 32)
+    assert [(w.begin, w.end, w.score_from) for w in ws] == [(0, 32, 17), (32, 64, 49), (64, 96, 81)]
+    nll, n = hand_llamacpp_nll(lm.model, ids, 32)
+    report = evaluate(lm.model, ids, ctx=32, progress=False, scheme="llama.cpp")
+    assert report.tokens == n == 3 * 15 and report.scheme == "llama.cpp"
+    assert report.nll == pytest.approx(nll / n, rel=1e-5)
+    # a stored reference remembers its scheme; comparing under another one is refused
+    ref = capture_reference(lm.model, ids, ctx=32, progress=False, scheme="llama.cpp")
+    other = load_model(make_tiny_model(seed=5)).model
+    assert evaluate(other, ids, reference=ref, ctx=32, progress=False, scheme="llama.cpp").kl_divergence > 0
+    with pytest.raises(ValueError, match="capture them again"):
+        evaluate(other, ids, reference=ref, ctx=32, progress=False)
+
+
+def test_llamacpp_scheme_refuses_what_it_cannot_do():
+    with pytest.raises(ValueError, match="fewer than one chunk of 64"):
+        llamacpp_windows(50, 64)
+    with pytest.raises(ValueError, match="drop --stride"):
+        eval_windows(100, 32, 16, "llama.cpp")
+    with pytest.raises(ValueError, match="choose one of strided, llama.cpp"):
+        eval_windows(100, 32, None, "hf")
 
 
 def test_ctx_beyond_model_limit(lm):

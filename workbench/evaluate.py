@@ -6,6 +6,10 @@ once, from the window that first covers it with the most context. ``stride == ct
 default) gives non-overlapping windows. KL(reference || candidate) and top-1 agreement are
 taken on exactly the tokens that perplexity scores.
 
+``scheme="llama.cpp"`` reproduces ``llama-perplexity``'s own windows instead, so figures can be set
+beside its output: whole chunks of ``ctx`` tokens, the first half of each only as context, the
+second half scored (``llamacpp_windows``).
+
     report = evaluate(candidate, ids, reference=reference_model, ctx=512)
     report.perplexity, report.kl_divergence, report.top1_agreement
 """
@@ -23,7 +27,7 @@ from torch import nn
 from .errors import DataError
 from .logits import final_hidden, head_logits
 
-__all__ = ["Window", "strided_windows", "encode_text", "EvalReport", "ReferenceOutputs", "capture_reference",
+__all__ = ["Window", "strided_windows", "llamacpp_windows", "eval_windows", "SCHEMES", "encode_text", "EvalReport", "ReferenceOutputs", "capture_reference",
            "evaluate", "paired_difference", "DEFAULT_CTX", "default_token_budget", "reference_report",
            "EVAL_BUDGET"]
 
@@ -62,6 +66,36 @@ def strided_windows(n_tokens: int, ctx: int, stride: int | None = None) -> list[
     return windows
 
 
+def llamacpp_windows(n_tokens: int, ctx: int) -> list[Window]:
+    """``llama-perplexity``'s windows: whole non-overlapping chunks of ``ctx``, scoring tokens after the first half.
+
+    In chunk ``[b, b + ctx)`` the logits at positions ``ctx // 2 .. ctx - 2`` predict tokens
+    ``b + ctx // 2 + 1 .. b + ctx - 1``: ``ctx - 1 - ctx // 2`` scored tokens per chunk; a partial last
+    chunk is dropped, as llama.cpp does.
+    """
+    if ctx < 4:
+        raise ValueError(f"ctx must be at least 4 for llama.cpp's half-chunk scoring, got {ctx}")
+    if n_tokens < ctx:
+        raise ValueError(f"the text has {n_tokens} tokens, fewer than one chunk of {ctx}; use a longer text or "
+                         "a smaller --ctx")
+    first = ctx // 2
+    return [Window(b, b + ctx, b + first + 1) for b in range(0, n_tokens - ctx + 1, ctx)]
+
+
+SCHEMES = ("strided", "llama.cpp")
+
+
+def eval_windows(n_tokens: int, ctx: int, stride: int | None = None, scheme: str = "strided") -> list[Window]:
+    """The windows of one evaluation scheme (``SCHEMES``)."""
+    if scheme == "strided":
+        return strided_windows(n_tokens, ctx, stride)
+    if scheme == "llama.cpp":
+        if stride not in (None, ctx):
+            raise ValueError("llama.cpp's scheme has no stride: its chunks never overlap; drop --stride")
+        return llamacpp_windows(n_tokens, ctx)
+    raise ValueError(f"unknown evaluation scheme '{scheme}'; choose one of {', '.join(SCHEMES)}")
+
+
 def encode_text(tokenizer, text: str, *, source: str = "text") -> torch.Tensor:
     """Tokenize a whole text into one 1-D tensor of ids; an empty result is an error."""
     if not text or not text.strip():
@@ -91,6 +125,7 @@ class EvalReport:
     reference_perplexity: float | None = None
     window_kl: list[float] = field(default_factory=list, repr=False)
     window_top1: list[int] = field(default_factory=list, repr=False)
+    scheme: str = "strided"
 
     def _window_stderr(self, sums: list[float]) -> float:
         """Standard error of the per-token mean from the spread of per-window means (nan with one window)."""
@@ -135,6 +170,7 @@ class ReferenceOutputs:
     # the reference's own output layer, shared, not copied (steps that quantize build new modules and
     # never write into it); None when ``hidden`` holds logits
     head: nn.Module | None
+    scheme: str = "strided"
 
     def logits(self, k: int, rows: slice = slice(None)) -> torch.Tensor:
         """Float32 logits of window ``k`` (the given rows of its scored tokens)."""
@@ -243,10 +279,10 @@ class _Scorer:
 
 @torch.inference_mode()
 def capture_reference(model: nn.Module, ids: torch.Tensor, *, ctx: int = DEFAULT_CTX, stride: int | None = None,
-                      batch_size: int = 4, progress: bool = True) -> ReferenceOutputs:
+                      batch_size: int = 4, progress: bool = True, scheme: str = "strided") -> ReferenceOutputs:
     """Run the reference once and keep its final hidden states and output layer, for many comparisons."""
     from tqdm.auto import tqdm
-    windows = strided_windows(len(ids), ctx, stride)
+    windows = eval_windows(len(ids), ctx, stride, scheme)
     scorer = _Scorer(model, ids)
     # logits that are not lm_head(hidden) are kept whole (head_weight None); only small models have such heads here
 
@@ -255,15 +291,15 @@ def capture_reference(model: nn.Module, ids: torch.Tensor, *, ctx: int = DEFAULT
         for _, batch in _batches(windows, batch_size):
             hidden.extend(h.cpu().clone() for h in scorer.windows(ids, batch))
             bar.update(len(batch))
-    return ReferenceOutputs(ctx, stride or ctx, len(ids), hidden, _pinned_head(scorer.head))
+    return ReferenceOutputs(ctx, stride or ctx, len(ids), hidden, _pinned_head(scorer.head), scheme)
 
 
 @torch.inference_mode()
 def reference_report(reference: ReferenceOutputs, ids: torch.Tensor) -> EvalReport:
     """The reference's own per-window report (KL 0, top-1 1), read off its stored outputs without a forward pass."""
     ids = ids.reshape(-1).long()
-    windows = strided_windows(len(ids), reference.ctx, reference.stride)
-    report = EvalReport(0.0, 0.0, 0, len(windows), reference.ctx, reference.stride, 0.0, 0.0)
+    windows = eval_windows(len(ids), reference.ctx, reference.stride, reference.scheme)
+    report = EvalReport(0.0, 0.0, 0, len(windows), reference.ctx, reference.stride, 0.0, 0.0, scheme=reference.scheme)
     t0 = time.perf_counter()
     for k, w in enumerate(windows):
         targets = ids[w.score_from:w.end]
@@ -302,7 +338,7 @@ MIN_EVAL_WINDOWS = 4
 @torch.inference_mode()
 def evaluate(model: nn.Module, ids: torch.Tensor, *, reference: nn.Module | ReferenceOutputs | None = None,
              ctx: int = DEFAULT_CTX, stride: int | None = None, batch_size: int = 4, progress: bool = True,
-             desc: str = "evaluate") -> EvalReport:
+             desc: str = "evaluate", scheme: str = "strided") -> EvalReport:
     """Perplexity of ``model`` on ``ids``; with ``reference``, also KL and top-1 agreement.
 
     Streams: per window the final hidden states, then the output layer a chunk of
@@ -313,12 +349,12 @@ def evaluate(model: nn.Module, ids: torch.Tensor, *, reference: nn.Module | Refe
     max_pos = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     if max_pos and ctx > max_pos:
         raise ValueError(f"ctx {ctx} exceeds the model's max_position_embeddings ({max_pos}); use --ctx {max_pos}")
+    windows = eval_windows(len(ids), ctx, stride, scheme)
     stride = stride or ctx
-    windows = strided_windows(len(ids), ctx, stride)
-    if isinstance(reference, ReferenceOutputs) and (reference.ctx, reference.stride, reference.n_tokens) != \
-            (ctx, stride, len(ids)):
-        raise ValueError("reference outputs were captured with another ctx/stride/text; capture them again")
-    report = EvalReport(0.0, 0.0, 0, len(windows), ctx, stride, 0.0, 0.0)
+    if isinstance(reference, ReferenceOutputs) and \
+            (reference.ctx, reference.stride, reference.n_tokens, reference.scheme) != (ctx, stride, len(ids), scheme):
+        raise ValueError("reference outputs were captured with another ctx/stride/scheme/text; capture them again")
+    report = EvalReport(0.0, 0.0, 0, len(windows), ctx, stride, 0.0, 0.0, scheme=scheme)
     ref_nll = 0.0
     t0 = time.perf_counter()
     stored = reference if isinstance(reference, ReferenceOutputs) else None

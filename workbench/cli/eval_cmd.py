@@ -1,7 +1,7 @@
 """Perplexity (strided) of a model on a text; with --ref, KL divergence and top-1 agreement."""
 from __future__ import annotations
 
-from ..evaluate import DEFAULT_CTX, default_token_budget, encode_text, evaluate, read_text
+from ..evaluate import DEFAULT_CTX, SCHEMES, default_token_budget, encode_text, evaluate, read_text
 from ..models import demo_text_path, load_model
 from .common import add_device_argument, add_budget_argument, add_json_flag, add_model_argument, print_json
 
@@ -14,6 +14,9 @@ def add_arguments(p):
     p.add_argument("--text", help="UTF-8 text file to evaluate on (default: the bundled held-out text)")
     p.add_argument("--ctx", type=int, default=DEFAULT_CTX, help=f"window length in tokens (default {DEFAULT_CTX})")
     p.add_argument("--stride", type=int, help="window stride in tokens (default: ctx, non-overlapping)")
+    p.add_argument("--scheme", choices=SCHEMES, default="strided",
+                   help="strided windows (default), or llama.cpp: llama-perplexity's chunks, second half scored, "
+                        "to set beside its output (use --ctx 256 or its -c)")
     p.add_argument("--batch-size", type=int, default=4, help="windows per forward pass")
     add_budget_argument(p)
     add_device_argument(p)
@@ -28,13 +31,14 @@ def run(args) -> int:
     ids = ids[:budget] if budget else ids
     ref = load_model(args.ref, device=args.device).model if args.ref else None
     report = evaluate(lm.model, ids, reference=ref, ctx=args.ctx, stride=args.stride,
-                      batch_size=args.batch_size, progress=not args.json)
+                      batch_size=args.batch_size, progress=not args.json, scheme=args.scheme)
     out = {"model": str(lm.path), "reference": args.ref, "text": str(text_path), **report.to_dict()}
     if args.json:
         print_json(out)
         return 0
+    windows = f"stride {report.stride}" if report.scheme == "strided" else "llama.cpp chunks, second half scored"
     print(f"perplexity {report.perplexity:.3f} ± {report.perplexity_stderr:.3f} over {report.tokens:,} tokens "
-          f"({report.windows} windows, ctx {report.ctx}, stride {report.stride}; {report.tokens_per_second:,.0f} tok/s)")
+          f"({report.windows} windows, ctx {report.ctx}, {windows}; {report.tokens_per_second:,.0f} tok/s)")
     if ref is not None:
         print(f"reference perplexity {report.reference_perplexity:.3f}; KL divergence {report.kl_divergence:.6f} "
               f"± {report.kl_stderr:.6f}; "

@@ -70,13 +70,14 @@ class Baseline:
     ids: torch.Tensor
 
 
-def measure_reference(model: nn.Module, ids: torch.Tensor, *, ctx: int = DEFAULT_CTX, progress: bool = True) -> Baseline:
+def measure_reference(model: nn.Module, ids: torch.Tensor, *, ctx: int = DEFAULT_CTX, progress: bool = True,
+                      scheme: str = "strided") -> Baseline:
     """Run the reference once; every candidate is then compared on exactly these windows.
 
     The reference's own per-window report is read off its captured outputs (no second pass).
     """
     t0 = time.perf_counter()
-    outputs = capture_reference(model, ids, ctx=ctx, progress=progress)
+    outputs = capture_reference(model, ids, ctx=ctx, progress=progress, scheme=scheme)
     report = reference_report(outputs, ids)
     report.seconds = time.perf_counter() - t0
     report.tokens_per_second = report.tokens / report.seconds if report.seconds else float("inf")
@@ -157,7 +158,7 @@ def measure_cost(qm, baseline: Baseline, *, candidate: nn.Module | None = None, 
         candidate = qm.build_model()
     ref = baseline.report
     rep = evaluate(candidate, baseline.ids, reference=baseline.outputs, ctx=ref.ctx, stride=ref.stride,
-                   progress=progress, desc="quantized")
+                   progress=progress, desc="quantized", scheme=ref.scheme)
     d_nll = paired_difference(rep, ref, "nll")
     d_kl = paired_difference(rep, ref, "kl")
     top1 = [t / n for t, n in zip(rep.window_top1, rep.window_tokens)]
