@@ -162,7 +162,7 @@ def make_speed_pareto_figure(points: Sequence, projections: Mapping[str, Sequenc
     for col, xk, yk in panels:
         sel = [(r, b) for r, b in zip(rows, best) if r.get(xk) is not None and r.get(yk) is not None]
         fig.add_scatter(
-            x=[r[xk] for r, _ in sel], y=[r[yk] for r, _ in sel], mode="markers+text", row=1, col=col,
+            x=[r[xk] for r, _ in sel], y=[r[yk] for r, _ in sel], mode="markers+text", row=1, col=col, cliponaxis=False,
             text=[r["label"] for r, _ in sel], textposition="top center", showlegend=False, name="plans",
             marker={"size": 12, "color": [r["tokens_per_second"] or lo for r, _ in sel], "colorscale": "Viridis",
                     "cmin": lo, "cmax": hi if hi > lo else lo + 1, "showscale": col == 3,
