@@ -141,7 +141,8 @@ def gather_run(path: str | Path) -> dict:
         quantized.append({
             "name": d.name, "path": str(d), "method": manifest.get("method"), "source": manifest.get("source"),
             "plan": _read_json(d / "plan.json"), "bits_per_weight": qinfo.get("bits_per_weight"),
-            "cost": qreport.get("cost"), "layers": qinfo.get("layers", []), "created": qinfo.get("created"),
+            "cost": qreport.get("cost") or (qreport if "kl_divergence" in qreport else None),  # app / CLI
+            "layers": qinfo.get("layers", []), "created": qinfo.get("created"),
             "versions": manifest.get("versions", {}), "files": _files_with_hashes(d, manifest),
             "manifest_sha256": file_sha256(d / "manifest.json")})
     quantized.sort(key=lambda q: (q.get("created") or "", q["path"]))
