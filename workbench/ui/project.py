@@ -1,7 +1,8 @@
 """The project panel: candidate plans on chosen devices before anything is flashed.
 
-    panel = ProjectPanel("qwen2.5-1.5b", plans={"int8": QuantPlan.uniform("int8"), "int4": QuantPlan.uniform("int4")})
-    panel.devices.value = ("snapdragon-8-gen-3", "rk3588"); panel.context.value = 2048
+    panel = ProjectPanel("qwen2.5-1.5b", plans={"int8": QuantPlan.uniform("int8"), "int4": QuantPlan.uniform("int4")},
+                         devices=["8gen3", "rk3588"])      # file names, names or aliases
+    panel.context.value = 2048
     panel.run()                       # what the Project button does: {plan label: [Projection per device]}
     display(panel)
 
@@ -19,7 +20,7 @@ from typing import Callable, Mapping, Sequence
 import ipywidgets as widgets
 
 from ..charts.projection import make_device_figure, make_speed_pareto_figure
-from ..devices import load_devices
+from ..devices import get_device, load_devices
 from ..errors import PlanError
 from ..plan import QuantPlan
 from ..projection import DEFAULT_CONTEXT, project_plans
@@ -43,7 +44,8 @@ class ProjectPanel(StepPanel):
         self.rows: list[dict] = []  # measured plans placed on the quality / size / speed chart
         self._setup()
         registry = load_devices()
-        chosen = [k for k in (devices or DEFAULT_DEVICES) if k in registry] or list(registry)[:1]
+        chosen = [get_device(k, registry).key for k in devices] if devices is not None else \
+            [k for k in DEFAULT_DEVICES if k in registry] or list(registry)[:1]
         self.devices = widgets.SelectMultiple(options=[(d.name, k) for k, d in registry.items()], value=chosen,
                                               rows=min(8, len(registry)), description="devices")
         self.context = widgets.BoundedIntText(value=context, min=0, max=1 << 20, description="context",
