@@ -7,7 +7,7 @@ import pytest
 
 from workbench.plan import QuantPlan
 from workbench.projection import project
-from workbench.report import RunNotFound, build_report, find_run, gather_run, write_report
+from workbench.report import RunNotFound, build_report, find_run, write_report
 from workbench.workspace import file_sha256
 
 

@@ -396,7 +396,8 @@ def _render(record: Mapping, figures: Mapping, projections: Mapping, context: in
         info = app.get("plan") or {}
         head = (f"plan {_e(info.get('hash'))}: " if info.get("hash") else "plan: ") + (
             f"{_e(plan.get('method', 'rtn'))}, default {_e(plan.get('default'))}, group size "
-            f"{_e(plan.get('group_size') or 'per-channel')}, {'symmetric' if plan.get('symmetric', True) else 'asymmetric'}")
+            f"{_e(plan.get('group_size') or 'per-channel')}, "
+            f"{'symmetric' if plan.get('symmetric', True) else 'asymmetric'}")
         if info.get("bits_per_weight") is not None:
             head += f", {info['bits_per_weight']:.2f} bits/weight, {info.get('size_bytes', 0):,} bytes"
         parts.append(f"<p>{head}</p>")
@@ -453,7 +454,8 @@ def _render(record: Mapping, figures: Mapping, projections: Mapping, context: in
     host = record.get("host_bandwidth")
     if host:
         parts.append(f"<p>read bandwidth <b>{host['read_gbps']:.1f} GB/s</b> on {_e(host.get('cpu'))} "
-                     f"(host {_e(host.get('host'))}, measured {_e(host.get('measured'))}; {_e(host.get('method'))})</p>")
+                     f"(host {_e(host.get('host'))}, measured {_e(host.get('measured'))}; "
+                     f"{_e(host.get('method'))})</p>")
     else:
         parts.append("<p class='note'>this host's read bandwidth was not measured for this run (`workbench profile` "
                      "measures and caches it)</p>")

@@ -46,7 +46,8 @@ def make_host_bound_figure(profiles: Sequence, read_gbps: float) -> go.Figure:
     fracs = [p.fraction_of_bound(read_gbps) for p in rows]
     fig = go.Figure([
         go.Bar(name=f"bound ({read_gbps:.1f} GB/s / bytes per step)", x=names, y=bounds, marker_color="#d5dbdb",
-               marker_line={"color": "#566573", "width": 1}, hovertemplate="%{x}: bound %{y:,.0f} tok/s<extra></extra>"),
+               marker_line={"color": "#566573", "width": 1},
+               hovertemplate="%{x}: bound %{y:,.0f} tok/s<extra></extra>"),
         go.Bar(name="measured", x=names, y=[p.decode_tokens_per_second for p in rows], marker_color="#2ca02c",
                text=[f"{f:.2f} of bound" for f in fracs], textposition="outside",
                customdata=[p.decode_bytes / 1e6 for p in rows],
