@@ -76,3 +76,23 @@ def stop_process(proc, timeout: float = 30) -> None:
         proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         proc.kill()
+
+
+@pytest.fixture(scope="session")
+def demo_run(tmp_path_factory):
+    """The app's flow on the demo model, once per test session: uniform INT8/INT4 evaluated in Precisions, RTN INT4
+    quantized, converted to ort-int4, profiled, projected, downloaded. Returns ``(workspace root, app)``."""
+    from workbench.ui.app import WorkbenchApp
+    from workbench.workspace import Workspace
+    root = tmp_path_factory.mktemp("demo-run") / "workspace"
+    app = WorkbenchApp("demo", samples=4, seq_len=64, sweep_tokens=128, eval_tokens=1024, workspace=Workspace(root),
+                       out_dir=root / "app" / "run-demo")
+    assert app.load() is not None, app.error
+    assert len(app.override_panel.evaluate_uniform()) == 2
+    assert app.quantize_panel.run() is not None, app.quantize_panel.error
+    assert app.convert_panel.run("ort-int4") is not None, app.convert_panel.error
+    app.profile_panel.prompt_lengths.value, app.profile_panel.repeats.value = "8", 1
+    assert app.profile_panel.run() is not None, app.profile_panel.error
+    assert app.project_panel.run() is not None, app.project_panel.error
+    assert app.download() is not None, app.error
+    return root, app

@@ -2,7 +2,7 @@
 
 On the demo model: calibrate, sweep, one layer to FP16 by pattern, Evaluate (a point on the chart),
 Use this plan, quantize with AWQ, convert to ort-int4 and MNN, profile, generate from the INT4 ONNX
-beside the float model, download the run and read
+beside the float model, project the plans onto devices, download the run and read
 the downloaded model with ``workbench eval``; then the Fine-tune tab for two steps. After every step
 the page must show the step's figures and tables, and no "Error displaying widget", no "Loading
 widget..." left behind and no Python traceback. A screenshot per step goes to
@@ -230,6 +230,13 @@ def test_whole_flow_in_headless_chromium(served_app, tmp_path):
             w.wait_text(re.compile(r"ort-int4 \(ort-int4, onnxruntime\): 24 tokens, [\d,]+\.\d tok/s"))
             body = w.done("generate")
             assert len(re.findall(r"[\d,]+\.\d tok/s", body)) >= 4 and "demo (float, PyTorch)" in body  # columns too
+
+            # Project: the session's plan and the evaluated ones on the default devices; the speed chart
+            w.tab("Project")
+            w.button("Project").click()
+            w.wait_text(re.compile(r"\d plan\(s\) on 4 device\(s\)"))
+            body = w.done("project")
+            assert "Snapdragon 8 Gen 3" in body and "layers the NPU cannot run" in body and w.visible_charts() >= 2
             w.tab("Precisions")
             page.screenshot(path=str(ARTIFACTS / "app.png"),  # the README's picture of the app
                             clip={"x": 0, "y": 0, "width": 1300, "height": 1000})
@@ -261,7 +268,7 @@ def test_whole_flow_in_headless_chromium(served_app, tmp_path):
         names = set(z.namelist())
         z.extractall(tmp_path / "unpacked")
     for member in ("model/quantization.json", "convert/ort-int4/conversion.json", "convert/mnn/prefill.mnn",
-                   "plan.json", "report.json", "report.md", "overrides/llamacpp-tensor-types.txt",
+                   "plan.json", "report.json", "report.md", "report.html", "overrides/llamacpp-tensor-types.txt",
                    "figures/figures.html"):
         assert f"{run}/{member}" in names, sorted(names)[:20]
     conversion = json.loads((tmp_path / "unpacked" / run / "convert/ort-int4/conversion.json").read_text())

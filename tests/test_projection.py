@@ -114,3 +114,16 @@ def test_published_measurements_name_known_devices_shapes_and_sources():
         model_shape(m["shape"])
         plan_from_spec(m["plan"])
         assert m["source"].startswith("shared/docs/FIELD.md") and m["decode_tps"] > 0
+
+
+@pytest.mark.parametrize("name,total,non_embedding", [
+    ("qwen2.5-7b", 7.61e9, 6.53e9),  # Qwen2.5-7B model card: 7.61B, 6.53B non-embedding (untied)
+    ("qwen3-1.7b", 1.7e9, 1.4e9),  # Qwen3-1.7B model card: 1.7B, 1.4B non-embedding (tied)
+])
+def test_shapes_give_the_published_parameter_counts(name, total, non_embedding):
+    lm = model_shape(name)
+    embedding = sum(info.parameters for info in lm.layers if info.kind == "embedding" or info.name == "lm_head")
+    if lm.config.tie_word_embeddings:
+        embedding = lm.model.get_input_embeddings().weight.numel()
+    assert lm.parameters == pytest.approx(total, rel=0.015)
+    assert lm.parameters - embedding == pytest.approx(non_embedding, rel=0.01)

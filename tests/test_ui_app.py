@@ -133,7 +133,7 @@ def test_download_packs_the_run(app, tmp_path):
         names = set(z.namelist())
         z.extractall(tmp_path / "unpacked")
     for member in ("model/quantization.json", "model/plan.json", "convert/ort-int4/conversion.json",
-                   "convert/ort-int4/prefill.onnx", "plan.json", "report.json", "report.md",
+                   "convert/ort-int4/prefill.onnx", "plan.json", "report.json", "report.md", "report.html",
                    "overrides/llamacpp-tensor-types.txt", "overrides/mnn-quant-config.json", "figures/figures.html",
                    "figures/quantize-cost.json", "figures/calibrate-heatmap.json"):
         assert f"{run}/{member}" in names

@@ -3,13 +3,18 @@ from workbench.profile import build_candidates
 from workbench.ui.profile import ProfilePanel
 
 
-def test_run_fills_table_and_chart(tiny_model_dir, tmp_path):
+def test_run_fills_table_and_chart(tiny_model_dir, tmp_path, workspace):
     out = build_candidates(tiny_model_dir, tmp_path / "c", candidates=("float",))
-    panel = ProfilePanel(out, prompt_lengths=(8,), repeats=1)
+    panel = ProfilePanel(out, prompt_lengths=(8,), repeats=1, workspace=workspace)
     profiles = panel.run()
     assert [p.name for p in profiles] == ["float"] and panel.error is None
     assert "<td>float</td>" in panel.table.value and "prefill 8 ms" in panel.table.value
     assert panel.figures["profile"].data
+    # each decode speed against this host's bound: its read bandwidth, cached in the workspace
+    gbps = panel.host["read_gbps"]
+    assert panel.host["artifact"].startswith(str(workspace.root)) and "bound tok/s" in panel.table.value
+    assert f"<td>{profiles[0].decode_bound(gbps):.0f}</td>" in panel.table.value
+    assert panel.figures["decode-bound"].data[0].y[0] == profiles[0].decode_bound(gbps)
 
 
 def test_bad_folder_and_bad_lengths_are_status_lines(tmp_path):

@@ -33,7 +33,8 @@ from .plan import QuantPlan, get_precision
 from .quantize.model import bits_per_weight
 
 __all__ = ["Projection", "ClassFit", "EfficiencyFit", "Claim", "model_shape", "load_shape_config", "project",
-           "fit_efficiency", "check_claim", "check_memory_claim", "published_measurements", "plan_from_spec",
+           "project_plans", "fit_efficiency", "check_claim", "check_memory_claim", "published_measurements",
+           "plan_from_spec",
            "SHAPES_FILE", "MEASUREMENTS_FILE", "DEFAULT_CONTEXT", "DEFAULT_PROMPT"]
 
 SHAPES_FILE = ASSETS_DIR / "model_shapes.json"
@@ -237,6 +238,21 @@ def project(model, device: str | Device, plan: QuantPlan | None = None, *, conte
         prefill_flops=flops, compute_tops=tops, compute_precision=compute_precision, prefill_compute_ms=compute_ms,
         prefill_memory_ms=memory_ms, prefill_bound_ms=max(known) if known else None,
         unsupported_layers=unsupported, notes=notes)
+
+
+def project_plans(model, devices, plans: Mapping[str, QuantPlan], *, context: int = DEFAULT_CONTEXT,
+                  prompt: int = DEFAULT_PROMPT, ram_gb: float | None = None) -> dict[str, list[Projection]]:
+    """Every plan (by label) on every device: ``{label: [Projection per device, in the order given]}``.
+
+    The model's shapes are read once, so the app, the notebook and the run report compare candidate plans
+    on one footing."""
+    lm = model_shape(model)
+    registry = load_devices()
+    devs = [d if isinstance(d, Device) else get_device(d, registry) for d in devices]
+    if not devs:
+        raise WorkbenchError("choose at least one device (`workbench devices` lists them)")
+    return {label: [project(lm, d, plan, context=context, prompt=prompt, ram_gb=ram_gb) for d in devs]
+            for label, plan in plans.items()}
 
 
 # -- claims -------------------------------------------------------------------------------------------

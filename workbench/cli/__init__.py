@@ -37,6 +37,7 @@ COMMANDS = {
     "profile": "profile_cmd",
     "project": "project_cmd",
     "devices": "devices_cmd",
+    "report": "report_cmd",
 }
 
 

@@ -2,7 +2,8 @@
 
 Tabs: Fine-tune (optional LoRA), Calibrate, Precisions (sensitivity and per-layer choices),
 Quantize, Export (convert and compare), Profile (speed and size of what Export wrote), Generate (what
-Export wrote continues a prompt, streamed with its tokens/s, the float model beside it). Download packs
+Export wrote continues a prompt, streamed with its tokens/s, the float model beside it), Project (the plans on
+device profiles: tokens/s bound and projected, memory fit, layers the accelerator cannot run). Download packs
 the run into one zip: the quantized model, the converted files, override files, the plan, the figures
 and a report of what was measured.
 
@@ -37,12 +38,13 @@ from .generate import GeneratePanel
 from .graph import ConvertPanel
 from .overrides import OverridePanel
 from .profile import ProfilePanel
+from .project import ProjectPanel
 from .quantize import QuantizePanel
 from .session import ARCHIVE_SEND_LIMIT, AppSession, SessionLabel
 
 __all__ = ["WorkbenchApp", "TAB_TITLES"]
 
-TAB_TITLES = ("Fine-tune", "Calibrate", "Precisions", "Quantize", "Export", "Profile", "Generate")
+TAB_TITLES = ("Fine-tune", "Calibrate", "Precisions", "Quantize", "Export", "Profile", "Generate", "Project")
 
 
 class WorkbenchApp(StepPanel):
@@ -55,7 +57,7 @@ class WorkbenchApp(StepPanel):
         self.samples, self.seq_len, self.sweep_tokens = samples, seq_len, sweep_tokens
         self.eval_tokens, self.finetune_steps = eval_tokens, finetune_steps
         self.finetune_panel = self.calibrate_panel = self.override_panel = self.quantize_panel = None
-        self.convert_panel = self.profile_panel = self.generate_panel = None
+        self.convert_panel = self.profile_panel = self.generate_panel = self.project_panel = None
         self._setup()
         self.model_path = widgets.Text(value=str(model), description="model", layout={"width": "560px"},
                                        placeholder="demo, or a local Hugging Face model directory")
@@ -122,7 +124,7 @@ class WorkbenchApp(StepPanel):
         if not ok:
             return None
         for panel in (self.finetune_panel, self.calibrate_panel, self.quantize_panel, self.convert_panel,
-                      self.profile_panel, self.generate_panel):
+                      self.profile_panel, self.generate_panel, self.project_panel):
             if panel is not None:
                 panel.close()  # they stop observing the session
         s = self.session
@@ -135,8 +137,9 @@ class WorkbenchApp(StepPanel):
         self.convert_panel = ConvertPanel(session=s, max_tokens=self.eval_tokens)
         self.profile_panel = ProfilePanel(session=s)
         self.generate_panel = GeneratePanel(session=s)
+        self.project_panel = ProjectPanel(session=s, points=lambda: self.override_panel.points)
         self.tabs.children = [self.finetune_box, self.calibrate_panel, self.precisions_box, self.quantize_panel,
-                              self.convert_panel, self.profile_panel, self.generate_panel]
+                              self.convert_panel, self.profile_panel, self.generate_panel, self.project_panel]
         for i, title in enumerate(TAB_TITLES):
             self.tabs.set_title(i, title)
         self.tabs.selected_index = 1  # Calibrate: fine-tuning is optional
@@ -203,7 +206,7 @@ class WorkbenchApp(StepPanel):
         figures = {}
         for tab, panel in (("finetune", self.finetune_panel), ("calibrate", self.calibrate_panel),
                            ("quantize", self.quantize_panel), ("export", self.convert_panel),
-                           ("profile", self.profile_panel)):
+                           ("profile", self.profile_panel), ("project", self.project_panel)):
             for name, fig in (panel.figures if panel is not None else {}).items():
                 figures[f"{tab}-{name}"] = fig
         if self.override_panel is not None and self.override_panel.points:

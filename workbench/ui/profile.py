@@ -1,4 +1,5 @@
-"""The profile panel: time every export or conversion below a folder; a table and the speed/size chart.
+"""The profile panel: time every export or conversion below a folder; a table, the speed/size chart, and each
+decode speed against this host's memory bound (its read bandwidth, measured once and cached in the workspace).
 
     panel = ProfilePanel("out/convert")
     panel.run()                       # what the Run button does; returns the RuntimeProfile list
@@ -15,20 +16,24 @@ from pathlib import Path
 import ipywidgets as widgets
 
 from ..charts.profile import make_profile_figure
-from ..profile import DEFAULT_PROMPT_LENGTHS, RuntimeProfile, parse_prompt_lengths, profile_directory
+from ..charts.projection import make_host_bound_figure
+from ..profile import DEFAULT_PROMPT_LENGTHS, RuntimeProfile, host_bandwidth, parse_prompt_lengths, profile_directory
 from .base import StepPanel
 
 __all__ = ["ProfilePanel"]
 
 
-def _rows(profiles: list[RuntimeProfile]) -> str:
+def _rows(profiles: list[RuntimeProfile], read_gbps: float) -> str:
     lengths = sorted({n for p in profiles for n in p.prefill_ms})
     head = ("<tr><th>model</th><th>runtime</th><th>MB</th>" + "".join(f"<th>prefill {n} ms</th>" for n in lengths)
-            + "<th>decode tok/s</th><th>+RSS MB</th></tr>")
+            + "<th>decode tok/s</th><th>bound tok/s</th><th>of bound</th><th>+RSS MB</th></tr>")
     rows = []
     for p in profiles:
         cells = "".join(f"<td>{p.prefill_ms[n]:.1f}</td>" if n in p.prefill_ms else "<td>-</td>" for n in lengths)
         dec = f"{p.decode_tokens_per_second:.0f}" if p.decode_tokens_per_second else "-"
+        bound, frac = p.decode_bound(read_gbps), p.fraction_of_bound(read_gbps)
+        dec += f"</td><td>{bound:.0f}" if bound else "</td><td>-"
+        dec += f"</td><td>{frac:.2f}" if frac is not None else "</td><td>-"
         mem = f"{p.peak_rss_added_mb:.0f}" if p.peak_rss_added_mb is not None else "-"
         rows.append(f"<tr><td>{html.escape(p.name)}</td><td>{p.runtime}</td><td>{p.size_bytes / 1e6:.2f}</td>{cells}"
                     f"<td>{dec}</td><td>{mem}</td></tr>")
@@ -39,11 +44,14 @@ class ProfilePanel(StepPanel):
     """Folder, prompt lengths, threads; Run times every model found there."""
 
     def __init__(self, directory: str | Path | None = "out/convert", *, prompt_lengths=DEFAULT_PROMPT_LENGTHS,
-                 threads: int = 1, repeats: int = 5, session=None):
+                 threads: int = 1, repeats: int = 5, session=None, workspace=None):
         self.session = session
         if session is not None:
             directory = session.conversion_dir
+            workspace = workspace or session.workspace
+        self.workspace = workspace
         self.profiles: list[RuntimeProfile] = []
+        self.host: dict | None = None  # this host's read bandwidth (host_bandwidth), once something was profiled
         self._setup()
         self.directory = widgets.Text(value=str(directory), description="folder", layout={"width": "560px"},
                                       placeholder="output of Export / workbench convert / workbench export")
@@ -53,7 +61,7 @@ class ProfilePanel(StepPanel):
         self.run_button = widgets.Button(description="Profile", button_style="primary", icon="tachometer-alt")
         self.run_button.on_click(lambda _: self.run())
         self.table = widgets.HTML()
-        self.plot = widgets.Output()
+        self.plot, self.bound_plot = widgets.Output(), widgets.Output()
         self.controls = [self.directory, self.prompt_lengths, self.threads, self.repeats, self.run_button]
         head = [widgets.HTML("<b>Profile</b> every exported or converted model in a folder: prefill latency, decode "
                              "speed, size, memory (this machine's CPU; an NPU's own numbers come from its SDK)")]
@@ -63,20 +71,26 @@ class ProfilePanel(StepPanel):
             self._watch(session, self._on_session_folder, ["quantized", "out_dir"])
         super().__init__([
             *head, self.directory, widgets.HBox([self.prompt_lengths, self.threads, self.repeats, self.run_button]),
-            self.status, self.log_output, self.table, self.plot])
+            self.status, self.log_output, self.table, self.plot, self.bound_plot])
 
     def run(self) -> list[RuntimeProfile] | None:
-        ok, profiles = self._attempt("profiling...", lambda: profile_directory(
+        ok, result = self._attempt("profiling...", lambda: (profile_directory(
             self.directory.value.strip(), prompt_lengths=parse_prompt_lengths(self.prompt_lengths.value),
-            threads=self.threads.value, repeats=self.repeats.value))
+            threads=self.threads.value, repeats=self.repeats.value), host_bandwidth(self.workspace)))
         if not ok:
             return None
+        profiles, self.host = result
         self.profiles = profiles
         if self.session is not None:
-            self.session.profiles = list(profiles)
-        self.table.value = _rows(profiles)
-        self.status.value = html.escape(f"{len(profiles)} model(s) timed, median of {self.repeats.value} runs")
+            with self.session.hold_trait_notifications():
+                self.session.host = self.host
+                self.session.profiles = list(profiles)
+        gbps = self.host["read_gbps"]
+        self.table.value = _rows(profiles, gbps)
+        self.status.value = html.escape(f"{len(profiles)} model(s) timed, median of {self.repeats.value} runs; bound: "
+                                        f"this host's read bandwidth {gbps:.1f} GB/s / bytes one decode step reads")
         self._plot("profile", make_profile_figure(profiles), self.plot)
+        self._plot("decode-bound", make_host_bound_figure(profiles, gbps), self.bound_plot)
         return profiles
 
     def _on_session_folder(self, _change) -> None:

@@ -77,6 +77,7 @@ class AppSession(traitlets.HasTraits):
     cost = traitlets.Any(None, allow_none=True)  # its QuantCost, measured by the Quantize tab
     conversions = traitlets.List()  # ConversionReport of the latest quantized model, one per target
     profiles = traitlets.List()  # RuntimeProfile of what the conversions wrote
+    host = traitlets.Dict(None, allow_none=True)  # this host's read bandwidth when they were timed (host_bandwidth)
     out_dir = traitlets.Instance(Path)
     archive_path = traitlets.Instance(Path, allow_none=True)
 
@@ -96,7 +97,7 @@ class AppSession(traitlets.HasTraits):
         self._prepared = None
         with self.hold_trait_notifications():
             self.calibration = self.sensitivity = self.quantized = self.quantized_path = self.cost = None
-            self.conversions, self.profiles = [], []
+            self.conversions, self.profiles, self.host = [], [], None
             self.archive_path = None
             self.plan = QuantPlan.uniform("int4")
             self.lm = lm
@@ -195,11 +196,14 @@ class AppSession(traitlets.HasTraits):
                                 "cost": self.cost.to_dict() if self.cost is not None else None}
         doc["conversions"] = [r.to_dict() for r in self.conversions]
         doc["profiles"] = [p.to_dict() for p in self.profiles]
+        if self.host is not None:
+            doc["host_bandwidth"] = self.host
         return _jsonable(doc)
 
     def write_archive(self, figures: Mapping[str, object] | None = None, points: Sequence = ()) -> Path:
-        """Write plan, report, figures and override files under ``out_dir``; pack them with the quantized
-        model (``model/``, a directory ``workbench eval`` reads) and the conversions into one zip."""
+        """Write plan, report (JSON, Markdown and the offline HTML page of ``workbench.report``), figures and
+        override files under ``out_dir``; pack them with the quantized model (``model/``, a directory
+        ``workbench eval`` reads) and the conversions into one zip."""
         if self.lm is None or self.plan is None:
             raise PlanError("load a model first")
         out = self.out_dir
@@ -213,12 +217,14 @@ class AppSession(traitlets.HasTraits):
                              "conversions": "convert/" if self.conversions else None}
         atomic_write_json(out / "report.json", report)
         atomic_write_text(out / "report.md", report_markdown(report))
+        from ..report import build_report
+        atomic_write_text(out / "report.html", build_report(out).html)  # the page to send: opens offline
         members: list[tuple[Path, str]] = []
         if self.quantized_path is not None and self.quantized_path.is_dir():
             members += _tree(self.quantized_path, "model")
         if self.conversions and self.conversion_dir.is_dir():
             members += _tree(self.conversion_dir, "convert")
-        for name in ("plan.json", "report.json", "report.md"):
+        for name in ("plan.json", "report.json", "report.md", "report.html"):
             members.append((out / name, name))
         for sub in ("overrides", "figures"):
             if (out / sub).is_dir():

@@ -1,0 +1,75 @@
+"""Projection figures draw exactly what workbench.profile and workbench.projection computed."""
+import pytest
+
+from workbench.charts.projection import (NO_FIT, make_device_figure, make_host_bound_figure,
+                                         make_speed_pareto_figure, pareto_optimal)
+from workbench.errors import WorkbenchError
+from workbench.plan import QuantPlan
+from workbench.profile import RuntimeProfile
+from workbench.projection import project_plans
+
+PLANS = {"fp16": QuantPlan.uniform("fp16"), "int8": QuantPlan.uniform("int8", keep_embeddings="int8"),
+         "int4": QuantPlan.uniform("int4")}
+
+
+@pytest.fixture(scope="module")
+def projections():
+    return project_plans("qwen3-1.7b", ["jetson-nano", "rk3588", "kirin-9000"], PLANS, context=8192)
+
+
+def test_device_figure_shows_bound_projection_and_memory(projections):
+    fig = make_device_figure(projections)
+    by_name = {t.name: t for t in fig.data if t.xaxis == "x"}  # the decode panel
+    for label, ps in projections.items():
+        assert list(by_name[f"{label} bound"].y) == [p.decode_bound_tps for p in ps]
+        assert list(by_name[label].y) == [p.projected_decode_tps for p in ps]
+        memory = next(t for t in fig.data if t.name == label and t.xaxis == "x2")
+        assert list(memory.y) == pytest.approx([p.total_bytes / 1e9 for p in ps])
+    # fp16 weights of 1.7 B parameters and an 8k-token KV cache do not fit the Jetson Nano's 4 GB: the bar is red
+    fp16 = next(t for t in fig.data if t.name == "fp16" and t.xaxis == "x2")
+    assert fp16.marker.color[0] == NO_FIT and projections["fp16"][0].fits_ram is False
+    assert fp16.marker.color[1] != NO_FIT
+    assert "not on NPU" in by_name["int8"].text[0]  # the Nano computes in fp16 only
+    assert [a.x for a in fig.layout.annotations if a.text == "bandwidth unknown"] == ["Kirin 9000"]
+    ram = next(t for t in fig.data if t.name == "RAM")
+    assert list(ram.x) == ["Jetson Nano 4GB", "RK3588"] and list(ram.y) == [4.0, 8.0]
+    assert "8192-token context" in fig.layout.title.text
+
+
+def test_pareto_optimal_marks_the_undominated():
+    rows = [{"kl": 1, "size": 4, "speed": 10}, {"kl": 2, "size": 5, "speed": 9}, {"kl": 0.1, "size": 8, "speed": 5},
+            {"kl": None, "size": 1, "speed": 100}]
+    assert pareto_optimal(rows, (("kl", -1), ("size", -1), ("speed", 1))) == [True, False, True, False]
+    assert pareto_optimal([{"a": 1}, {"a": 1}], (("a", 1),)) == [True, True]  # equals do not dominate
+
+
+def test_speed_pareto_places_measured_plans(projections):
+    points = [{"label": "fp16", "kl_divergence": 1e-6, "bits_per_weight": 16.0},
+              {"label": "int8", "kl_divergence": 2e-5, "bits_per_weight": 8.1},
+              {"label": "int4", "kl_divergence": 7e-3, "bits_per_weight": 4.6},
+              {"label": "worse int4", "kl_divergence": 9e-3, "bits_per_weight": 4.6}]
+    with pytest.raises(WorkbenchError, match="no projected speed on Kirin 9000"):
+        make_speed_pareto_figure(points, projections, "Kirin 9000")
+    with pytest.raises(WorkbenchError, match="was not projected"):
+        make_speed_pareto_figure(points, projections, "Snapdragon 8 Gen 3")
+    fig = make_speed_pareto_figure(points, projections, "RK3588")
+    speed = {label: ps[1].projected_decode_tps for label, ps in projections.items()}
+    kl_vs_speed = fig.data[1]
+    assert list(kl_vs_speed.text) == ["fp16", "int8", "int4"]  # "worse int4" was never projected: no speed
+    assert list(kl_vs_speed.x) == [speed["fp16"], speed["int8"], speed["int4"]]
+    assert list(fig.data[0].marker.line.width) == [3, 3, 3, 0]  # the unprojected one cannot be shown optimal
+    assert "RK3588" in fig.layout.title.text
+    with pytest.raises(WorkbenchError, match="no measured plans"):
+        make_speed_pareto_figure([], projections)
+
+
+def test_host_bound_figure_uses_the_profiles_own_bound():
+    p = RuntimeProfile("ort-int4", "onnxruntime", [], 7_000_000, 1, 1, {32: 1.0}, decode_tokens_per_second=1500.0,
+                       decode_bytes=3_780_000)
+    no_decode = RuntimeProfile("mnn", "MNN", [], 1, 1, 1, {32: 1.0})
+    fig = make_host_bound_figure([p, no_decode.to_dict()], 23.5)
+    bound, measured = fig.data
+    assert list(bound.x) == ["ort-int4"] and bound.y[0] == pytest.approx(p.decode_bound(23.5))
+    assert measured.y[0] == 1500.0 and measured.text[0] == f"{p.fraction_of_bound(23.5):.2f} of bound"
+    empty = make_host_bound_figure([no_decode], 23.5)
+    assert "profile a conversion first" in empty.layout.annotations[0].text

@@ -1,0 +1,137 @@
+"""The run report: found from a workspace or a run folder, read from the run's own files, one offline page."""
+import json
+import shutil
+from html.parser import HTMLParser
+
+import pytest
+
+from workbench.plan import QuantPlan
+from workbench.projection import project
+from workbench.report import RunNotFound, build_report, find_run, write_report
+from workbench.workspace import file_sha256
+
+
+class _Loads(HTMLParser):
+    """Every src / href of the page's own elements (script bodies are not parsed as markup)."""
+
+    def __init__(self):
+        super().__init__()
+        self.urls, self.tags = [], set()
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.add(tag)
+        self.urls += [v for k, v in attrs if k in ("src", "href") and v]
+
+
+def external_loads(page: str) -> list[str]:
+    parser = _Loads()
+    parser.feed(page)
+    return [u for u in parser.urls if u.split(":", 1)[0].lower() in ("http", "https") or u.startswith("//")]
+
+
+@pytest.fixture(scope="module")
+def run(demo_run):
+    root, app = demo_run
+    return root, app, build_report(root)
+
+
+def test_a_workspace_names_its_newest_run(demo_run, tmp_path):
+    root, app = demo_run
+    assert find_run(root) == app.out_dir == find_run(app.out_dir)
+    for path, words in ((tmp_path / "missing", "does not exist"), (tmp_path, "holds no workbench run")):
+        with pytest.raises(RunNotFound, match=words):
+            find_run(path)
+    (tmp_path / "file.txt").write_text("x")
+    with pytest.raises(RunNotFound, match="is a file"):
+        find_run(tmp_path / "file.txt")
+
+
+def test_gathered_from_the_runs_own_files(run):
+    root, app, report = run
+    s = app.session
+    rec = report.record
+    assert rec["run"] == str(app.out_dir)
+    assert QuantPlan.from_dict(rec["plan"]) == s.plan
+    [q] = rec["quantized"]
+    assert q["path"] == str(s.quantized_path) and q["cost"]["kl_divergence"] == s.cost.kl_divergence
+    assert q["cost"]["kl_divergence_stderr"] == s.cost.kl_divergence_stderr
+    files = {f["file"]: f for f in q["files"]}
+    assert files["model.safetensors"]["sha256"] == file_sha256(s.quantized_path / "model.safetensors")
+    assert files["model.safetensors"]["hash_from"] == "manifest"
+    [c] = rec["conversions"]
+    assert c["target"] == "ort-int4" and c["kl_divergence"] == s.conversions[0].kl_divergence
+    onnx = next(f for f in c["files"] if f["file"] == "prefill.onnx")
+    assert onnx["sha256"] == file_sha256(s.conversions[0].out_dir / "prefill.onnx")
+    assert [p["name"] for p in rec["profiles"]] == [p.name for p in s.profiles]
+    assert rec["host_bandwidth"]["read_gbps"] == app.profile_panel.host["read_gbps"] > 0
+    assert rec["versions"]["run"]["workbench"] and rec["versions"]["report"]["torch"]
+
+
+def test_projections_are_the_projection_modules_own(run):
+    root, app, report = run
+    s = app.session
+    label = next(label for label in report.projections if label.startswith("rtn-"))
+    for p in report.projections[label]:
+        direct = project(str(s.quantized_path), p.device, s.quantized.plan)
+        assert p.to_dict() == {**direct.to_dict(), "model": p.model}
+    assert {"uniform int8", label} <= set(report.projections)  # uniform int4 is the same plan as the quantized one
+
+
+def test_one_page_with_every_chart_and_nothing_loaded_from_the_network(run):
+    root, app, report = run
+    page = report.html
+    assert list(report.figures) == ["Precisions: size against damage", "Quantized model: weight error per layer",
+                                    "Conversions against the simulation", "Profile on this host",
+                                    "Host decode against its bound", "Plans on devices",
+                                    "Quality, size and projected speed"]
+    assert page.count("Plotly.newPlot(") == len(report.figures) == page.count("class='workbench-figure'")
+    assert page.count("plotly.js v") == 1  # the library once, inlined
+    assert external_loads(page) == []
+    for text in ("KL", "± ", "ort-int4", "Snapdragon 8 Gen 3", "read bandwidth", "sha256", "transformers"):
+        assert text in page
+    assert (app.out_dir / "report.html").read_text(encoding="utf-8").count("Plotly.newPlot(") == len(report.figures)
+
+
+def test_run_strings_are_escaped(demo_run, tmp_path):
+    root, app = demo_run
+    run = tmp_path / "run"
+    shutil.copytree(app.out_dir, run, ignore=shutil.ignore_patterns("*.zip"))
+    doc = json.loads((run / "report.json").read_text())
+    evil = "</script><img src=x onerror=alert(1)>"
+    doc["precision_evaluations"][0]["label"] = evil
+    doc["model"]["name"] = evil
+    (run / "report.json").write_text(json.dumps(doc))
+    page = build_report(run).html
+    parser = _Loads()
+    parser.feed(page)
+    assert evil not in page and "img" not in parser.tags  # no element made from the run's strings
+    assert "&lt;/script&gt;&lt;img src=x onerror=alert(1)&gt;" in page  # in the tables
+    assert "<\\/script><img src=x onerror=alert(1)>" in page  # in a figure's JSON, which cannot close its script
+
+
+def test_a_folder_of_command_line_outputs(demo_run, tmp_path):
+    """Without the app's report.json: the quantized model and the conversion alone, and a profile.json."""
+    root, app = demo_run
+    s = app.session
+    out = tmp_path / "out"
+    shutil.copytree(s.quantized_path, out / "q")
+    shutil.copytree(s.conversions[0].out_dir, out / "c")
+    (out / "profile.json").write_text(json.dumps({"host_bandwidth": app.profile_panel.host, "profiles": [
+        {**p.to_dict(), "decode_bound_tps": 1.0, "fraction_of_bound": 1.0} for p in s.profiles]}))
+    report = build_report(out, devices=["rk3588"])
+    assert report.record["app_report"] is None and report.record["model"]["path"] == str(s.lm.path)
+    assert [q["name"] for q in report.record["quantized"]] == ["q"]
+    assert "Host decode against its bound" in report.figures and "Precisions: size against damage" not in report.figures
+    assert [p.device for p in report.projections["q"]] == ["RK3588"]
+    single = build_report(out / "q")  # a quantized model's own folder is a run too
+    assert [q["name"] for q in single.record["quantized"]] == ["q"] and single.record["conversions"] == []
+
+
+def test_written_atomically_and_never_into_a_directory(demo_run, tmp_path):
+    root, _ = demo_run
+    with pytest.raises(Exception, match="is a directory"):
+        write_report(root, tmp_path)
+    out = tmp_path / "r.html"
+    write_report(root, out, devices=["8gen3"])
+    assert out.read_text(encoding="utf-8").startswith("<!doctype html>")
+    assert [p.name for p in tmp_path.iterdir()] == ["r.html"]  # no temporary file left

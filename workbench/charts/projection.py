@@ -1,0 +1,184 @@
+"""Figures for speed and memory bounds: this host's measured decode against its bound, candidate plans on devices,
+and quality against size against projected speed.
+
+    make_host_bound_figure(profiles, host["read_gbps"])     # RuntimeProfile objects or their to_dict()
+    make_device_figure(project_plans(lm, ["8gen3", "rk3588"], {"int4": plan}))
+    make_speed_pareto_figure(points, projections, device="RK3588")   # points: PlanPoint or dicts with label, KL, size
+
+Every number comes from ``workbench.profile`` and ``workbench.projection``: these functions only draw them.
+"""
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from ..errors import WorkbenchError
+from ..profile import RuntimeProfile
+from ..projection import Projection
+
+__all__ = ["make_host_bound_figure", "make_device_figure", "make_speed_pareto_figure", "speed_of", "pareto_optimal",
+           "PLAN_COLOURS"]
+
+PLAN_COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#7f7f7f")
+NO_FIT = "#d62728"
+
+
+def _profile(p) -> RuntimeProfile:
+    return p if isinstance(p, RuntimeProfile) else RuntimeProfile(**p)
+
+
+def _projection(p) -> Projection:
+    return p if isinstance(p, Projection) else Projection(**{**p, "unsupported_layers": [
+        tuple(x) for x in p.get("unsupported_layers", [])]})
+
+
+def _as_dict(obj) -> Mapping:
+    return obj if isinstance(obj, Mapping) else obj.to_dict()
+
+
+def make_host_bound_figure(profiles: Sequence, read_gbps: float) -> go.Figure:
+    """Per profiled model: measured decode tokens/s beside this host's bound (read bandwidth / bytes per step)."""
+    rows = [p for p in map(_profile, profiles) if p.decode_tokens_per_second and p.decode_bytes]
+    names = [p.name for p in rows]
+    bounds = [p.decode_bound(read_gbps) for p in rows]
+    fracs = [p.fraction_of_bound(read_gbps) for p in rows]
+    fig = go.Figure([
+        go.Bar(name=f"bound ({read_gbps:.1f} GB/s / bytes per step)", x=names, y=bounds, marker_color="#d5dbdb",
+               marker_line={"color": "#566573", "width": 1},
+               hovertemplate="%{x}: bound %{y:,.0f} tok/s<extra></extra>"),
+        go.Bar(name="measured", x=names, y=[p.decode_tokens_per_second for p in rows], marker_color="#2ca02c",
+               text=[f"{f:.2f} of bound" for f in fracs], textposition="outside",
+               customdata=[p.decode_bytes / 1e6 for p in rows],
+               hovertemplate="%{x}: %{y:,.0f} tok/s measured<br>%{customdata:.2f} MB read per step<extra></extra>")])
+    fig.update_layout(title="Decode on this host: measured against its memory bound", barmode="group",
+                      yaxis_title="tokens/s", template="plotly_white", height=400)
+    if not rows:
+        fig.add_annotation(text="nothing decoded here yet: profile a conversion first", showarrow=False,
+                           xref="paper", yref="paper", x=0.5, y=0.5)
+    return fig
+
+
+def make_device_figure(projections: Mapping[str, Sequence]) -> go.Figure:
+    """Two panels over the devices, one colour per plan: decode tokens/s projected (filled) inside its bandwidth
+    bound (outline), with the layers the accelerator cannot run as text; memory needed against RAM and the NPU's
+    limit (a bar in red does not fit)."""
+    plans = {label: [_projection(p) for p in ps] for label, ps in projections.items()}
+    if not plans:
+        raise WorkbenchError("nothing to draw: project at least one plan onto one device")
+    devices = list(dict.fromkeys(p.device for ps in plans.values() for p in ps))
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("decode tokens/s: projected (filled) and bound (outline)",
+                                                        "memory needed: weights + KV cache + graph buffers"))
+    for i, (label, ps) in enumerate(plans.items()):
+        colour = PLAN_COLOURS[i % len(PLAN_COLOURS)]
+        x = [p.device for p in ps]
+        fig.add_bar(x=x, y=[p.decode_bound_tps for p in ps], offsetgroup=label, legendgroup=label, showlegend=False,
+                    marker={"color": "rgba(0,0,0,0)", "line": {"color": colour, "width": 2}}, name=f"{label} bound",
+                    hovertemplate="%{x}: bound %{y:,.1f} tok/s<extra>" + label + "</extra>", row=1, col=1)
+        fig.add_bar(x=x, y=[p.projected_decode_tps for p in ps], offsetgroup=label, legendgroup=label, name=label,
+                    marker_color=colour, text=[f"{len(p.unsupported_layers)} not on NPU" if p.unsupported_layers
+                                               else "" for p in ps], textposition="inside",
+                    customdata=[[p.efficiency or 0, p.bits_per_weight] for p in ps],
+                    hovertemplate="%{x}: %{y:,.1f} tok/s projected (efficiency %{customdata[0]:.2f})<br>"
+                                  "%{customdata[1]:.2f} bits/weight<extra>" + label + "</extra>", row=1, col=1)
+        fig.add_bar(x=x, y=[p.total_bytes / 1e9 for p in ps], offsetgroup=label, legendgroup=label, showlegend=False,
+                    name=label, marker_color=[NO_FIT if p.fits_ram is False or p.fits_npu is False else colour
+                                              for p in ps],
+                    customdata=[[p.weight_bytes / 1e9, p.kv_bytes / 1e9, p.buffer_bytes / 1e9, p.context] for p in ps],
+                    hovertemplate="%{x}: %{y:.3f} GB<br>weights %{customdata[0]:.3f}, KV %{customdata[1]:.3f} at "
+                                  "%{customdata[3]} tokens, buffers %{customdata[2]:.3f}<extra>" + label + "</extra>",
+                    row=1, col=2)
+    first = next(iter(plans.values()))
+    for name, values, symbol in (("RAM", [p.ram_bytes for p in first], "line-ew"),
+                                 ("NPU limit", [p.npu_limit_bytes for p in first], "triangle-down-open")):
+        known = [(p.device, v / 1e9) for p, v in zip(first, values) if v]
+        if known:
+            fig.add_scatter(x=[d for d, _ in known], y=[v for _, v in known], mode="markers", name=name,
+                            marker={"symbol": symbol, "size": 28 if symbol == "line-ew" else 11, "color": "#17202a",
+                                    "line": {"width": 3 if symbol == "line-ew" else 1.5, "color": "#17202a"}},
+                            hovertemplate="%{x}: " + name + " %{y:g} GB<extra></extra>", row=1, col=2)
+    for d in devices:
+        if all(p.decode_bound_tps is None for ps in plans.values() for p in ps if p.device == d):
+            fig.add_annotation(x=d, y=0.05, xref="x", yref="y domain", text="bandwidth unknown", textangle=-90,
+                               yanchor="bottom", showarrow=False, font={"color": "#7f8c8d"})
+    fig.update_xaxes(categoryorder="array", categoryarray=devices)
+    fig.update_yaxes(type="log", title_text="tokens/s", row=1, col=1)
+    fig.update_yaxes(type="log", title_text="GB (1e9 bytes)", row=1, col=2)
+    ctx = first[0].context
+    fig.update_layout(barmode="group", template="plotly_white", height=460, legend_title="plan",
+                      title=f"Candidate plans on each device ({ctx}-token context; red: does not fit)")
+    return fig
+
+
+def speed_of(p: Projection) -> float | None:
+    """The speed a view ranks by: projected decode tokens/s (the bound times the fitted efficiency)."""
+    return p.projected_decode_tps
+
+
+def pareto_optimal(rows: Sequence[Mapping], keys: Sequence[tuple[str, int]]) -> list[bool]:
+    """For each row, whether no other row is at least as good in every key and better in one.
+    ``keys``: (field, +1 for higher is better, -1 for lower is better); rows missing a field are never optimal."""
+    def vec(r):
+        vals = [r.get(k) for k, _ in keys]
+        return None if any(v is None for v in vals) else [v * s for v, (_, s) in zip(vals, keys)]
+    vecs = [vec(r) for r in rows]
+    out = []
+    for i, a in enumerate(vecs):
+        out.append(a is not None and not any(
+            b is not None and j != i and all(y >= x for x, y in zip(a, b)) and any(y > x for x, y in zip(a, b))
+            for j, b in enumerate(vecs)))
+    return out
+
+
+def make_speed_pareto_figure(points: Sequence, projections: Mapping[str, Sequence], device: str | None = None
+                             ) -> go.Figure:
+    """Quality against size against projected speed on one device, three panels: KL vs bits/weight, KL vs
+    tokens/s, tokens/s vs bits/weight; colour is tokens/s, and the plans no other beats on all three are ringed.
+
+    ``points``: measured plans (``PlanPoint`` or dicts with ``label``, ``kl_divergence``, ``bits_per_weight``);
+    ``projections``: ``{label: [Projection per device]}`` for the same labels; ``device``: a device name in them
+    (default: the first)."""
+    rows = [dict(_as_dict(p)) for p in points]
+    if not rows:
+        raise WorkbenchError("no measured plans to place: evaluate plans first (Precisions tab, Evaluate)")
+    per_plan = {label: [_projection(p) for p in ps] for label, ps in projections.items()}
+    devices = list(dict.fromkeys(p.device for ps in per_plan.values() for p in ps))
+    device = device or (devices[0] if devices else None)
+    if device not in devices:
+        raise WorkbenchError(f"device '{device}' was not projected; choose one of: {', '.join(devices) or 'none'}")
+    for r in rows:
+        p = next((p for p in per_plan.get(r["label"], []) if p.device == device), None)
+        r["tokens_per_second"] = None if p is None else speed_of(p)
+    if all(r["tokens_per_second"] is None for r in rows):
+        raise WorkbenchError(f"no projected speed on {device} (its bandwidth is unknown, or no plan was projected "
+                             "there): choose another device")
+    best = pareto_optimal(rows, (("kl_divergence", -1), ("bits_per_weight", -1), ("tokens_per_second", 1)))
+    speeds = [r["tokens_per_second"] for r in rows]
+    lo, hi = min(s for s in speeds if s is not None), max(s for s in speeds if s is not None)
+    fig = make_subplots(rows=1, cols=3, subplot_titles=("KL against bits/weight", "KL against projected tokens/s",
+                                                        "projected tokens/s against bits/weight"))
+    panels = ((1, "bits_per_weight", "kl_divergence"), (2, "tokens_per_second", "kl_divergence"),
+              (3, "bits_per_weight", "tokens_per_second"))
+    for col, xk, yk in panels:
+        sel = [(r, b) for r, b in zip(rows, best) if r.get(xk) is not None and r.get(yk) is not None]
+        fig.add_scatter(
+            x=[r[xk] for r, _ in sel], y=[r[yk] for r, _ in sel], mode="markers+text", row=1, col=col, cliponaxis=False,
+            text=[r["label"] for r, _ in sel], textposition="top center", showlegend=False, name="plans",
+            marker={"size": 12, "color": [r["tokens_per_second"] or lo for r, _ in sel], "colorscale": "Viridis",
+                    "cmin": lo, "cmax": hi if hi > lo else lo + 1, "showscale": col == 3,
+                    "colorbar": {"title": "tok/s"}, "line": {"width": [3 if b else 0 for _, b in sel],
+                                                            "color": "#c0392b"}},
+            customdata=[[r["label"], r["tokens_per_second"] or 0, r["kl_divergence"], r["bits_per_weight"]]
+                        for r, _ in sel],
+            hovertemplate="%{customdata[0]}<br>KL %{customdata[2]:.3g}, %{customdata[3]:.2f} bits/w<br>"
+                          "%{customdata[1]:,.1f} tok/s projected<extra></extra>")
+    fig.update_xaxes(title_text="bits per weight", row=1, col=1)
+    fig.update_xaxes(title_text="tokens/s", row=1, col=2)
+    fig.update_xaxes(title_text="bits per weight", row=1, col=3)
+    fig.update_yaxes(title_text="KL (nats/token)", type="log", row=1, col=1)
+    fig.update_yaxes(type="log", row=1, col=2)
+    fig.update_yaxes(title_text="tokens/s", row=1, col=3)
+    fig.update_layout(title=f"Quality, size and projected speed on {device} (ringed: no other plan is better in all "
+                            "three)", template="plotly_white", height=420)
+    return fig
