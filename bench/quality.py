@@ -1,0 +1,367 @@
+"""Quality per bit against llama.cpp's k-quants, on llama.cpp's own protocol, in one run.
+
+    python bench/quality.py [--model demo] [--llama-cpp DIR] [--ctx 256] [--types Q3_K_M,...] [--json]
+
+Protocol (``llama-perplexity -c CTX`` on the bundled held-out text): whole chunks of CTX tokens, the
+second half of each scored, KL divergence against the float model, bits per weight over every weight
+of the model (embedding and norms included).
+
+llama.cpp side, when its build is found (``--llama-cpp DIR`` or ``$LLAMA_CPP_DIR``: the source tree,
+with ``build/bin/llama-quantize`` and ``llama-perplexity``; build recipe in the README): the model is
+converted to an f32 GGUF by llama.cpp's own ``convert_hf_to_gguf.py``, quantized by ``llama-quantize``
+to each type, and scored by ``llama-perplexity --kl-divergence`` against the f32 GGUF's logits
+(its figure, with its per-token standard error). Each type's size is the bits of every tensor in its
+GGUF over the model's parameters. The same GGUF weights are also read back (gguf's dequantizer) into
+the PyTorch model and scored by the workbench's evaluator on the same chunks: weights alone, without
+llama.cpp's rounding of activations, and paired chunk by chunk with the workbench's plan.
+
+Workbench side: for each llama.cpp size, the best of the automatic plans at that size (a sensitivity
+sweep per group size and symmetry, ``plan_for_budget`` over every registered integer precision and
+fp16, quantized with GPTQ and scale search), with its KL and standard error over chunks. Its size
+counts every stored code, scale and zero point (``lm.size_bytes``: norms at fp16).
+
+Without llama.cpp the sizes of the issue's table are used (``--sizes``) and llama.cpp's absence is
+printed. Times and peaks are not this bench's concern (``bench/quantize.py``).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+LLAMA_TYPES = ("Q3_K_M", "IQ4_NL", "Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0")
+DEFAULT_SIZES = (4.55, 5.03, 5.26, 5.90, 6.58, 8.52)  # bits/weight of those types on the demo model
+CONFIGS = ((32, True), (32, False), (64, True), (64, False), (128, True), (128, False))
+
+# Runs llama.cpp's converter unchanged, with two local allowances: a byte-level BPE tokenizer whose
+# pre-tokenizer hash llama.cpp does not list is written as "gpt-2" (the same regex), and a model
+# without tokenizer.model skips the sentencepiece attempt (the converter expects sentencepiece installed).
+_CONVERT = r'''
+import runpy, sys
+root = sys.argv[1]
+sys.path[:0] = [root, root + "/gguf-py"]
+import conversion.base as base
+cls = next(c for c in vars(base).values() if isinstance(c, type) and "get_vocab_base_pre" in vars(c))
+pre, sp = cls.get_vocab_base_pre, cls._set_vocab_sentencepiece
+def get_vocab_base_pre(self, tokenizer):
+    try:
+        return pre(self, tokenizer)
+    except NotImplementedError:
+        print("pre-tokenizer hash unknown to llama.cpp: written as gpt-2 (byte-level BPE)", file=sys.stderr)
+        return "gpt-2"
+def set_vocab_sentencepiece(self, *a, **k):
+    if not (self.dir_model / "tokenizer.model").is_file():
+        raise FileNotFoundError("no tokenizer.model")
+    return sp(self, *a, **k)
+cls.get_vocab_base_pre, cls._set_vocab_sentencepiece = get_vocab_base_pre, set_vocab_sentencepiece
+sys.argv = ["convert_hf_to_gguf.py", sys.argv[2], "--outtype", "f32", "--outfile", sys.argv[3]]
+runpy.run_path(root + "/convert_hf_to_gguf.py", run_name="__main__")
+'''
+
+
+@dataclasses.dataclass
+class LlamaCpp:
+    """A llama.cpp source tree with its tools built."""
+
+    root: Path
+
+    @property
+    def bin(self) -> Path:
+        return self.root / "build" / "bin"
+
+    @classmethod
+    def find(cls, where: str | None) -> "LlamaCpp | None":
+        where = where or os.environ.get("LLAMA_CPP_DIR")
+        if not where:
+            return None
+        root = Path(where).expanduser()
+        found = cls(root)
+        missing = [p for p in (found.bin / "llama-quantize", found.bin / "llama-perplexity",
+                               root / "convert_hf_to_gguf.py", root / "gguf-py") if not p.exists()]
+        if missing:
+            sys.exit(f"llama.cpp at {root} lacks {', '.join(map(str, missing))}; build it (README: 'llama.cpp, "
+                     "side by side') or drop --llama-cpp")
+        return found
+
+    def run(self, tool: str, *args: str) -> str:
+        proc = subprocess.run([str(self.bin / tool), *args], capture_output=True, text=True)
+        if proc.returncode:
+            sys.exit(f"{tool} failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}")
+        return proc.stdout + proc.stderr
+
+    def convert(self, model_dir: Path, out: Path) -> str:
+        proc = subprocess.run([sys.executable, "-c", _CONVERT, str(self.root), str(model_dir), str(out)],
+                              capture_output=True, text=True)
+        if proc.returncode:
+            sys.exit(f"convert_hf_to_gguf.py failed:\n{proc.stderr[-3000:]}")
+        return proc.stderr
+
+    def gguf(self):
+        """llama.cpp's own ``gguf`` package (its source tree's copy: not a dependency of the workbench)."""
+        sys.path.insert(0, str(self.root / "gguf-py"))
+        import gguf
+        from gguf.quants import dequantize
+        return gguf, dequantize
+
+
+def parse_kl(output: str) -> dict:
+    """The summary of ``llama-perplexity --kl-divergence``: KL and PPL(Q) with their standard errors."""
+    found = {}
+    for key, pattern in (("kl", r"Mean\s+KLD:\s+([-\d.e]+)\s+±\s+([-\d.e]+)"),
+                         ("perplexity", r"Mean PPL\(Q\)\s+:\s+([-\d.e]+)\s+±\s+([-\d.e]+)"),
+                         ("same_top", r"Same top p:\s+([-\d.e]+)\s+±\s+([-\d.e]+)")):
+        m = re.search(pattern, output)
+        if not m:
+            raise ValueError(f"llama-perplexity output has no '{key}' summary line; is this its --kl-divergence "
+                             f"output? It ends:\n{output[-1500:]}")
+        found[key], found[key + "_se"] = float(m.group(1)), float(m.group(2))
+    found["same_top"] /= 100
+    found["same_top_se"] /= 100
+    return found
+
+
+def parse_perplexity(output: str) -> float:
+    m = re.search(r"Final estimate: PPL = ([\d.]+)", output)
+    if not m:
+        raise ValueError("llama-perplexity output has no 'Final estimate' line")
+    return float(m.group(1))
+
+
+def gguf_bits_per_weight(reader) -> float:
+    """Stored bits of every tensor over every parameter: llama.cpp's own BPW."""
+    return 8 * sum(int(t.n_bytes) for t in reader.tensors) / sum(int(t.n_elements) for t in reader.tensors)
+
+
+def load_gguf_weights(lm, reader, dequantize) -> dict[str, torch.Tensor]:
+    """The GGUF's quantizable weights, dequantized, by the model's own parameter names.
+
+    Qwen2 / Qwen3 GGUFs keep q/k rows in Hugging Face order (no rotary permutation), so the tensors map
+    one to one; other architectures are refused rather than silently mis-mapped.
+    """
+    from workbench.targets.llamacpp import gguf_tensor_name
+    arch = lm.config.model_type
+    if arch not in ("qwen2", "qwen3"):
+        raise SystemExit(f"reading {arch} GGUF weights back is not supported here (llama permutes q/k rows); "
+                         "compare with llama-perplexity's own figures only (--no-readback)")
+    tensors = {t.name: t for t in reader.tensors}
+    out = {}
+    for info in lm.layers:
+        if info.tied_to:
+            continue
+        name = gguf_tensor_name(info.name)
+        t = tensors.get(f"{name}.weight") or (tensors.get("token_embd.weight") if name == "output" else None)
+        if t is None:
+            raise SystemExit(f"GGUF has no tensor for {info.name} ({name}.weight)")
+        w = torch.from_numpy(dequantize(t.data, t.tensor_type).copy()).float()
+        if tuple(w.shape) != tuple(info.shape):
+            raise SystemExit(f"GGUF tensor {t.name} has shape {tuple(w.shape)}, {info.name} has {tuple(info.shape)}")
+        out[info.name] = w
+    return out
+
+
+def evaluate_weights(lm, weights: dict[str, torch.Tensor], baseline):
+    """KL of the float model with ``weights`` swapped in, on the baseline's chunks; the model is restored."""
+    from workbench.evaluate import evaluate
+    modules = dict(lm.model.named_modules())
+    saved = {n: modules[n].weight for n in weights}
+    try:
+        for n, w in weights.items():
+            modules[n].weight = torch.nn.Parameter(w.to(saved[n].dtype), requires_grad=False)
+        ref = baseline.report
+        return evaluate(lm.model, baseline.ids, reference=baseline.outputs, ctx=ref.ctx, progress=False,
+                        scheme=ref.scheme, desc="gguf weights")
+    finally:
+        for n, p in saved.items():
+            modules[n].weight = p
+
+
+def llamacpp_rows(llama: LlamaCpp, lm, baseline, text: Path, ctx: int, types, threads: int, tmp: Path,
+                  readback: bool) -> tuple[list[dict], dict]:
+    """Each type's BPW, llama-perplexity's KL, and (``readback``) the same weights in the workbench's evaluator."""
+    gguf, dequantize = llama.gguf()
+    f32 = tmp / "model-f32.gguf"
+    notes = llama.convert(lm.path, f32)
+    base = tmp / "base.kld"
+    out = llama.run("llama-perplexity", "-m", str(f32), "-f", str(text), "-c", str(ctx), "-t", str(threads),
+                    "--kl-divergence-base", str(base))
+    info = {"f32_perplexity": parse_perplexity(out),
+            "converter_notes": [ln for ln in notes.splitlines() if "gpt-2" in ln]}
+    rows = []
+    for qtype in types:
+        q = tmp / f"model-{qtype}.gguf"
+        llama.run("llama-quantize", str(f32), str(q), qtype, str(threads))
+        row = {"type": qtype, "bits": gguf_bits_per_weight(gguf.GGUFReader(q)), "size": q.stat().st_size,
+               **parse_kl(llama.run("llama-perplexity", "-m", str(q), "-c", str(ctx), "-t", str(threads),
+                                    "--kl-divergence-base", str(base), "--kl-divergence"))}
+        if readback:
+            rep = evaluate_weights(lm, load_gguf_weights(lm, gguf.GGUFReader(q), dequantize), baseline)
+            row.update(readback_kl=rep.kl_divergence, readback_kl_se=rep.kl_stderr, report=rep)
+        rows.append(row)
+    return rows, info
+
+
+def best_plans(lm, baseline, sizes, *, configs, calibration, workspace, sweep_tokens: int,
+               log=print) -> list[dict]:
+    """For each size, the automatic plan (GPTQ, scale search) with the least measured KL among ``configs``."""
+    from workbench.autoplan import plan_for_budget
+    from workbench.errors import PlanError
+    from workbench.plan import PRECISIONS
+    from workbench.quantize import measure_cost, quantize_model
+    from workbench.sensitivity import run_sensitivity
+    integers = [p.name for p in PRECISIONS.values() if not p.is_float and 3 <= p.bits <= 8]
+    integers = sorted(set(integers), key=lambda n: PRECISIONS[n].bits)
+    sweeps = {}
+    for gs, sym in configs:
+        t0 = time.perf_counter()
+        sweeps[gs, sym] = run_sensitivity(lm, tokens=sweep_tokens, precisions=integers, group_size=gs, symmetric=sym,
+                                          workspace=workspace, progress=False)
+        log(f"  sweep g{gs} {'sym' if sym else 'asym'} over {'/'.join(integers)}: {time.perf_counter() - t0:.1f} s")
+    best = []
+    for size in sizes:
+        found = None
+        for (gs, sym), sens in sweeps.items():
+            try:
+                pred = plan_for_budget(lm, sens, bits_per_weight=size, choices=["fp16", *integers])
+            except PlanError:
+                continue  # this group size's scales alone do not fit the size
+            plan = dataclasses.replace(pred.plan, method="gptq", scale_search=True)
+            qm = quantize_model(lm, plan, calibration=calibration, progress=False)
+            cost = measure_cost(qm, baseline, progress=False)
+            bits = 8 * lm.size_bytes(plan) / lm.parameters
+            label = f"g{gs} {'sym' if sym else 'asym'}"
+            log(f"  {size:.2f} bpw: {label:<10} -> {bits:.3f} bpw, KL {cost.kl_divergence:.5f}")
+            if bits <= size + 1e-9 and (found is None or cost.kl_divergence < found["kl"]):
+                mix = {}
+                for p in pred.assignments.values():
+                    mix[p] = mix.get(p, 0) + 1
+                embedding = next((pred.assignments[i.name] for i in lm.layers if i.kind == "embedding"), None)
+                found = {"size": size, "config": label, "bits": bits, "kl": cost.kl_divergence, "embedding": embedding,
+                         "kl_se": cost.kl_divergence_stderr, "perplexity": cost.perplexity, "top1": cost.top1_agreement,
+                         "mix": mix, "plan": plan.to_dict(), "report": cost.report}
+            del qm
+        best.append(found or {"size": size, "config": None})
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="demo")
+    ap.add_argument("--llama-cpp", help="llama.cpp source tree with build/bin (default: $LLAMA_CPP_DIR)")
+    ap.add_argument("--types", default=",".join(LLAMA_TYPES), help="llama-quantize types, comma-separated")
+    ap.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)),
+                    help="bits/weight to plan for when llama.cpp is absent")
+    ap.add_argument("--ctx", type=int, default=256)
+    ap.add_argument("--configs", default=",".join(f"{g}{'s' if s else 'a'}" for g, s in CONFIGS),
+                    help="group size and symmetry of the plans tried, e.g. 32s,128a")
+    ap.add_argument("--sweep-tokens", type=int, default=2048)
+    ap.add_argument("--samples", type=int, default=128, help="GPTQ calibration samples")
+    ap.add_argument("--seq-len", type=int, default=512, help="GPTQ calibration sample length")
+    ap.add_argument("--no-readback", action="store_true", help="skip reading the GGUF weights back")
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from workbench.calibrate import calibrate
+    from workbench.evaluate import paired_difference
+    from workbench.models import demo_text_path, load_model
+    from workbench.quantize import heldout_ids, measure_reference
+    from workbench.workspace import Workspace
+
+    log = (lambda *a, **k: print(*a, file=sys.stderr, **k)) if args.json else print
+    configs = [(int(c[:-1]), c[-1] == "s") for c in args.configs.split(",")]
+    llama = LlamaCpp.find(args.llama_cpp)
+    lm = load_model(args.model, dtype="float32")
+    text = Path(demo_text_path("heldout"))
+    ids = heldout_ids(lm)
+    baseline = measure_reference(lm.model, ids, ctx=args.ctx, progress=False, scheme="llama.cpp")
+    ref = baseline.report
+    log(f"model {lm.path.name}: {lm.parameters:,} weights; held-out text {len(ids):,} tokens, {ref.windows} chunks "
+        f"of {args.ctx}, {ref.tokens:,} scored; float perplexity {ref.perplexity:.3f}")
+    out = {"model": str(lm.path), "parameters": lm.parameters, "ctx": args.ctx, "chunks": ref.windows,
+           "scored_tokens": ref.tokens, "perplexity": ref.perplexity}
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        if llama is None:
+            log("llama.cpp: not found (give --llama-cpp DIR or set LLAMA_CPP_DIR; README 'llama.cpp, side by "
+                "side'); planning for the sizes given by --sizes")
+            lrows, sizes = [], [float(s) for s in args.sizes.split(",")]
+        else:
+            t0 = time.perf_counter()
+            lrows, info = llamacpp_rows(llama, lm, baseline, text, args.ctx, args.types.split(","), args.threads,
+                                        tmp, not args.no_readback)
+            out["llama_cpp"] = {"root": str(llama.root), **info, "seconds": time.perf_counter() - t0}
+            log(f"llama.cpp at {llama.root}: f32 perplexity {info['f32_perplexity']:.3f} (the workbench's "
+                f"{ref.perplexity:.3f}); {len(lrows)} types in {time.perf_counter() - t0:.1f} s")
+            sizes = sorted({round(r["bits"], 4) for r in lrows})
+        ws = Workspace(tmp / "ws")
+        t0 = time.perf_counter()
+        calibration = calibrate(lm, samples=args.samples, seq_len=args.seq_len, workspace=ws, progress=False)
+        best = best_plans(lm, baseline, sizes, configs=configs, calibration=calibration, workspace=ws,
+                          sweep_tokens=args.sweep_tokens, log=log)
+        out["workbench_seconds"] = time.perf_counter() - t0
+    by_size = {b["size"]: b for b in best}
+    rows = []
+    for size in sizes:
+        row = {"bits": size, "workbench": by_size[size]}
+        for r in lrows:
+            if round(r["bits"], 4) == size:
+                row.setdefault("llama_cpp", []).append(r)
+        rows.append(row)
+    for row in rows:
+        wb = row["workbench"]
+        for r in row.get("llama_cpp", []):
+            if "report" in r and "report" in wb:
+                d = paired_difference(wb["report"], r["report"], "kl")
+                r["paired_kl_difference"], r["paired_kl_difference_se"] = d["mean"], d["stderr"]
+    out["rows"] = json.loads(json.dumps(rows, default=lambda o: None))
+    for row in out["rows"]:
+        row["workbench"].pop("report", None)
+        for r in row.get("llama_cpp", []):
+            r.pop("report", None)
+    if args.json:
+        print(json.dumps(out, indent=1))
+        return
+    print()
+    head = (f"{'bpw':>6} {'llama.cpp':<8} {'its KL (llama-perplexity)':>26} {'same weights, here':>19}  "
+            f"{'workbench best plan':<19} {'bpw':>6} {'KL':>19} {'minus llama.cpp (paired)':>25} {'ratio':>6}")
+    print(head)
+    print("-" * len(head))
+    for row in rows:
+        wb = row["workbench"]
+        wkl = f"{wb['kl']:.5f} ± {wb['kl_se']:.5f}" if wb.get("config") else "no plan fits"
+        plan = wb.get("config") or "-"
+        for r in row.get("llama_cpp") or [{}]:
+            theirs = f"{r['kl']:.5f} ± {r['kl_se']:.5f}" if r else "(llama.cpp absent)"
+            here = f"{r['readback_kl']:.5f}" if "readback_kl" in r else ""
+            diff = (f"{r['paired_kl_difference']:+.5f} ± {r['paired_kl_difference_se']:.5f}"
+                    if "paired_kl_difference" in r else "")
+            ratio = f"{wb['kl'] / r['kl']:.2f}x" if r and wb.get("config") else ""
+            print(f"{row['bits']:>6.2f} {r.get('type', ''):<8} {theirs:>26} {here:>19}  {plan:<19} "
+                  f"{wb.get('bits', float('nan')):>6.3f} {wkl:>19} {diff:>25} {ratio:>6}")
+    print("\nKL: mean per scored token, KL(float || quantized). llama-perplexity's ± is its per-token standard "
+          "error; the workbench's is over chunks (larger, honest about correlated tokens). 'same weights, here': "
+          "the GGUF's dequantized weights in the workbench's evaluator (no activation rounding); 'minus llama.cpp' "
+          "pairs the workbench's plan with those weights chunk by chunk. Plans: GPTQ with scale search, "
+          "precisions per layer from the sweep:")
+    for row in rows:
+        wb = row["workbench"]
+        if wb.get("config"):
+            mix = ", ".join(f"{n} {p}" for p, n in sorted(wb["mix"].items()))
+            print(f"  {row['bits']:.2f} bpw ({wb['config']}): {mix} layers, embedding {wb['embedding']}; perplexity {wb['perplexity']:.3f}, "
+                  f"top-1 {wb['top1']:.4f}")
+    print(f"workbench side: {out['workbench_seconds']:.0f} s (calibration, sweeps, {len(configs)} plans per size)")
+
+
+if __name__ == "__main__":
+    main()
