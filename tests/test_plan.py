@@ -67,7 +67,7 @@ def test_validation_names_closest_layers():
 @pytest.mark.parametrize("text, message", [
     ("{not json", "not valid JSON"),
     ('{"default": "int8"}', "no 'version'"),
-    ('{"version": 1, "default": "int3"}', "unknown precision 'int3'"),
+    ('{"version": 1, "default": "int7"}', "unknown precision 'int7'"),
     ('{"version": 1, "defualt": "int8"}', "unknown plan field"),
     ('{"version": 1, "rules": [{"pattern": "x"}]}', "rules"),
     ('{"version": 1, "group_size": 0}', "group_size"),

@@ -34,8 +34,8 @@ def test_code_ranges_and_unsupported_bits():
     assert code_range(4, True) == (-8, 7)
     assert code_range(4, False) == (0, 15)
     assert code_range(8, True) == (-128, 127)
-    with pytest.raises(PlanError, match="3-bit weights are not supported; choose one of \\[4, 8\\]"):
-        code_range(3, True)
+    with pytest.raises(PlanError, match="7-bit weights are not supported; choose one of \\[2, 3, 4, 5, 6, 8\\]"):
+        code_range(7, True)
 
 
 def test_shapes_are_validated():

@@ -74,8 +74,8 @@ def test_bad_inputs_are_named():
     w = _weights(out=4, inp=96)
     with pytest.raises(PlanError, match="group size 64 does not divide the 96 input features"):
         quantize_weight(w, 4, 64)
-    with pytest.raises(PlanError, match="2-bit weights are not supported"):
-        quantize_weight(w, 2, 32)
+    with pytest.raises(PlanError, match="7-bit weights are not supported"):
+        quantize_weight(w, 7, 32)
     with pytest.raises(PlanError, match="only 2-D weights"):
         quantize_weight(torch.zeros(4), 4, 32)
     with pytest.raises(PlanError, match="group_size must be a positive integer"):
