@@ -34,7 +34,16 @@ from .sensitivity import PlanEvaluator, SensitivityReport
 __all__ = ["PlanPrediction", "PlanPoint", "Refinement", "refine_plan", "budget_bytes", "check_budget", "plan_footprint", "predict_damage", "plan_for_budget", "measure_plan",
            "pareto_points", "compare_points", "DEFAULT_CHOICES"]
 
-DEFAULT_CHOICES = ("fp16", "int8", "int4")
+DEFAULT_CHOICES = None  # fp16 and every precision the sweep measured (all registered integer ones by default)
+
+
+def _choices(sensitivity: SensitivityReport | None, choices: Sequence[str] | None,
+             symmetric: bool = True) -> list[str]:
+    """The precisions a plan may give a layer: ``choices``, else fp16 plus the sweep's (or every registered) ones."""
+    from .sensitivity import sweep_precisions
+    if choices is None:
+        choices = ("fp16", *(sensitivity.precisions if sensitivity is not None else sweep_precisions(symmetric)))
+    return [get_precision(c).name for c in choices]
 _MAX_CELLS = 1_000_000  # knapsack table size: exact for small models, 1e-6 of the budget for large ones
 
 
@@ -114,10 +123,10 @@ def budget_bytes(lm: LoadedModel, *, size_bytes: int | None = None, bits_per_wei
 
 
 def check_budget(lm: LoadedModel, size: int, *, group_size=DEFAULT_GROUP_SIZE, symmetric: bool = True,
-                 choices: Sequence[str] = DEFAULT_CHOICES) -> None:
+                 choices: Sequence[str] | None = DEFAULT_CHOICES) -> None:
     """Fail before any sweep when even the smallest precision everywhere exceeds ``size`` bytes."""
-    smallest_p = min(choices, key=lambda c: get_precision(c).bits)
-    smallest = lm.size_bytes(QuantPlan(default=smallest_p, group_size=group_size, symmetric=symmetric))
+    choices = _choices(None, choices, symmetric)
+    smallest = min(lm.size_bytes(QuantPlan(default=c, group_size=group_size, symmetric=symmetric)) for c in choices)
     if smallest > size:
         raise PlanError(f"no plan fits {size:,} bytes ({8 * size / lm.parameters:.2f} bits/weight): the smallest "
                         f"with {'/'.join(choices)} is {smallest:,} bytes ({8 * smallest / lm.parameters:.2f} "
@@ -125,7 +134,7 @@ def check_budget(lm: LoadedModel, size: int, *, group_size=DEFAULT_GROUP_SIZE, s
 
 
 def plan_for_budget(lm: LoadedModel, sensitivity: SensitivityReport, *, size_bytes: int | None = None,
-                    bits_per_weight: float | None = None, choices: Sequence[str] = DEFAULT_CHOICES,
+                    bits_per_weight: float | None = None, choices: Sequence[str] | None = DEFAULT_CHOICES,
                     metric: str = "kl") -> PlanPrediction:
     """The plan with the least predicted damage whose size fits the budget (bytes or bits/weight).
 
@@ -134,7 +143,7 @@ def plan_for_budget(lm: LoadedModel, sensitivity: SensitivityReport, *, size_byt
     """
     t0 = time.perf_counter()
     size_bytes = budget_bytes(lm, size_bytes=size_bytes, bits_per_weight=bits_per_weight)
-    choices = [get_precision(c).name for c in choices]
+    choices = _choices(sensitivity, choices)
     gs, sym = sensitivity.group_size, sensitivity.symmetric
     measured = {layer.name for layer in sensitivity.layers}
     fixed = {info.name: "fp16" for info in lm.layers if info.name not in measured}
@@ -253,7 +262,7 @@ def _moves(lm: LoadedModel, sensitivity: SensitivityReport, assign: Mapping[str,
 
 def refine_plan(lm: LoadedModel, sensitivity: SensitivityReport, prediction: PlanPrediction,
                 evaluator: PlanEvaluator, *, trials: int = 12, per_round: int = 3,
-                choices: Sequence[str] = DEFAULT_CHOICES, metric: str = "kl", progress: bool = False) -> Refinement:
+                choices: Sequence[str] | None = DEFAULT_CHOICES, metric: str = "kl", progress: bool = False) -> Refinement:
     """Greedy refinement by measured KL: the predicted damages assume layers do not interact; they do.
 
     Each round measures the ``per_round`` moves with the best predicted gain (a unit to another
@@ -263,7 +272,7 @@ def refine_plan(lm: LoadedModel, sensitivity: SensitivityReport, prediction: Pla
     from tqdm.auto import tqdm
     t0 = time.perf_counter()
     gs, sym = sensitivity.group_size, sensitivity.symmetric
-    choices = [get_precision(c).name for c in choices]
+    choices = _choices(sensitivity, choices)
     assign = dict(prediction.assignments)
     units = _units(lm, [layer.name for layer in sensitivity.layers])
     start = current = evaluator.evaluate_assignments(assign, desc="refine").kl_divergence

@@ -458,7 +458,7 @@ def convert(model, target: str, out_dir: str | Path, *, plan: QuantPlan | str | 
         raise PlanError(f"--max-tokens must be at least 2 (one token is predicted from another), got {max_tokens}")
     t0 = time.perf_counter()
     prep = prepared or prepare_models(model, plan=plan, bits=bits, progress=progress, device=device)
-    check_precisions(spec, [r.precision for r in prep.qm.layers])
+    check_precisions(spec, prep.qm.precisions)
     report_seconds = {"prepare": time.perf_counter() - t0}
     release_freed_memory()  # quantization's temporaries: hand their pages back before the graphs are built
     out = Path(out_dir)
