@@ -62,8 +62,11 @@ def main() -> None:
     ap.add_argument("--model", default="demo")
     ap.add_argument("--sweep-tokens", type=int, default=DEFAULT_SWEEP_TOKENS)
     ap.add_argument("--eval-tokens", type=int, default=0, help="tokens for the table (0 = the whole held-out text)")
+    ap.add_argument("--precisions", default="int8,int4", help="integer precisions swept and chosen from (default "
+                    "int8,int4, as the README's table; 'all' for every registered one)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    precisions = None if args.precisions == "all" else tuple(args.precisions.split(","))
 
     build = resolve_model_path(args.model) / "BUILD.json"
     steps = json.loads(build.read_text()).get("args", {}).get("steps") if build.is_file() else None
@@ -73,7 +76,8 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:  # a fresh workspace: the sweep really runs
         t0, c0 = time.perf_counter(), time.process_time()
-        sens = run_sensitivity(lm, tokens=args.sweep_tokens, workspace=Workspace(Path(tmp)), progress=False)
+        sens = run_sensitivity(lm, tokens=args.sweep_tokens, precisions=precisions, workspace=Workspace(Path(tmp)),
+                               progress=False)
         sweep_seconds, sweep_cpu = time.perf_counter() - t0, time.process_time() - c0
     out["sweep"] = {"seconds": sweep_seconds, "cpu_seconds": sweep_cpu, "trials": sens.trials_run, "tokens": sens.tokens,
                     "most_sensitive_int4": sens.ranking("int4")[:5], "most_sensitive_int8": sens.ranking("int8")[:3]}

@@ -1,4 +1,4 @@
-"""Weight quantization by plan: RTN, AWQ and GPTQ, INT8 / INT4, one representation read by everything.
+"""Weight quantization by plan: RTN, AWQ and GPTQ, INT2..INT8 and two-level scales, one representation for all.
 
     from workbench.quantize import quantize_model, load_quantized
     qm = quantize_model(lm, QuantPlan.uniform("int4"), method="awq", calibration=calib_set)

@@ -308,6 +308,8 @@ def quantize_model(lm, plan: QuantPlan, *, calibration=None, method: str | None 
     GPTQ needs ``calibration`` samples too (``gptq_tokens`` of them; ``act_order`` visits columns by
     decreasing input energy); layers outside the decoder blocks are rounded to nearest. ``awq+gptq``
     folds AWQ's searched scales into the float weights first, then runs GPTQ on them (without AWQ's clips).
+    Two-level precisions (``int4-lpbq``) are rounded with two-level scales by every method (AWQ searches its
+    scales and clips on the float16-scale grid of the same width, then rounds two-level).
     """
     from tqdm.auto import tqdm
     t0 = time.perf_counter()
