@@ -17,6 +17,7 @@ Prints:
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import io
 import json
@@ -122,6 +123,9 @@ def main() -> None:
         pred = f"{p.predicted_kl:.2e}" if p.predicted_kl is not None else ""
         print(f"{p.label:<24}{p.size_bytes:>10,}{p.bits_per_weight:>8.2f}{p.kl_divergence:>11.3e}{diff:>24}"
               f"{p.perplexity:>9.3f}{p.top1_agreement:>8.4f}{pred:>11}")
+    for label, assignments in (("auto @ int4 size +10%", a4.assignments), ("auto @ int8 size", a8.assignments)):
+        counts = collections.Counter(assignments.values())
+        print(f"{label} layers: " + ", ".join(f"{p} x {n}" for p, n in counts.most_common()))
     print(f"\nauto @ int4 size +10% has lower KL than uniform int4: {out['auto_int4_plus_10_beats_int4']}")
     print(f"auto @ int8 size within noise of uniform int8 (KL diff <= 2 se): {out['auto_int8_within_noise_of_int8']}")
 
