@@ -79,8 +79,8 @@ def test_two_level_weight_dequantizes_exactly_as_code_times_sub_scale_times_chan
     ch = torch.tensor([0.0999755859375, 2.0 ** -20])  # float16 values, one tiny (subnormal in float16)
     qw = QuantizedWeight.two_level_weight(q, sub, ch, 4, 2, 4)
     assert qw.two_level and qw.symmetric and qw.scale_bits == 4
-    expected = [[float(c) * float(s) * float(ch[r]) for c, s in zip(q[r].tolist(), sub[r].repeat_interleave(2).tolist())]
-                for r in range(2)]
+    expected = [[float(c) * float(s) * float(ch[r])
+                 for c, s in zip(q[r].tolist(), sub[r].repeat_interleave(2).tolist())] for r in range(2)]
     assert qw.dequantize().tolist() == expected  # exact: float32 holds every product
     # stored: codes at 4 bits, sub-scales at 4 bits, one float16 per row
     assert qw.storage_bytes() == 8 * 4 // 8 + 4 * 4 // 8 + 2 * 2

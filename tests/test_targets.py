@@ -343,7 +343,8 @@ def test_refusal_names_the_layer_and_the_precision(demo):
         check_precisions(get_target("ort-int4"), precisions)
     two = layer_precisions(demo.layers, QuantPlan.uniform("int8-lpbq"))
     with pytest.raises(PlanError, match="'int8-lpbq' \\(8-bit integer, 4-bit sub-scales\\) for layer\\(s\\) "
-                                        "model.layers.0.self_attn.q_proj, .* and \\d+ more: .*int4 with 4-bit sub-scales"):
+                                        "model.layers.0.self_attn.q_proj, .* and \\d+ more: "
+                                        ".*int4 with 4-bit sub-scales"):
         check_precisions(get_target("qnn"), two)
     for name in ("mnn", "ort-qdq", "llama.cpp"):
         with pytest.raises(PlanError, match="int4-lpbq"):

@@ -262,7 +262,8 @@ def _moves(lm: LoadedModel, sensitivity: SensitivityReport, assign: Mapping[str,
 
 def refine_plan(lm: LoadedModel, sensitivity: SensitivityReport, prediction: PlanPrediction,
                 evaluator: PlanEvaluator, *, trials: int = 12, per_round: int = 3,
-                choices: Sequence[str] | None = DEFAULT_CHOICES, metric: str = "kl", progress: bool = False) -> Refinement:
+                choices: Sequence[str] | None = DEFAULT_CHOICES, metric: str = "kl",
+                progress: bool = False) -> Refinement:
     """Greedy refinement by measured KL: the predicted damages assume layers do not interact; they do.
 
     Each round measures the ``per_round`` moves with the best predicted gain (a unit to another

@@ -95,9 +95,10 @@ def ort_overrides(quantized, export, *, notes: list[str] | None = None, twin: bo
     else:
         lpbq = [n for n, qw in quantized.weights.items() if qw.two_level]
         if lpbq:
-            notes.append(f"the QDQ twin holds {len(lpbq)} two-level (LPBQ) layer(s) as {quantized.weights[lpbq[0]].bits}"
-                         "-bit weights with per-channel scales onnxruntime computes (QDQ has no LPBQ): its figures "
-                         "approximate what HTP runs from the LPBQ encodings")
+            bits = quantized.weights[lpbq[0]].bits
+            notes.append(f"the QDQ twin holds {len(lpbq)} two-level (LPBQ) layer(s) as {bits}-bit weights with "
+                         "per-channel scales onnxruntime computes (QDQ has no LPBQ): its figures approximate what "
+                         "HTP runs from the LPBQ encodings")
     init_overrides: dict[str, list[dict]] = {}
     float_weights: dict[str, str] = {}
     grouped = []

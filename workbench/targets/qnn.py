@@ -47,7 +47,8 @@ from .common import OverrideFile, graph_consumers, graph_names, layers_from_tens
 from .ort_qdq import MASK_RANGE, causal_mask_tensors, measure_qdq, qdq_evaluator, qdq_twin
 from .registry import OverrideFormat, Target, check_precisions, register_target
 
-__all__ = ["QNN_ENCODINGS_VERSION", "QNN_LPBQ_VERSION", "DEFAULT_ACTIVATION_BITWIDTH", "qnn_encodings", "write_qnn_encodings",
+__all__ = ["QNN_ENCODINGS_VERSION", "QNN_LPBQ_VERSION", "DEFAULT_ACTIVATION_BITWIDTH",
+           "qnn_encodings", "write_qnn_encodings",
            "read_qnn_encodings", "validate_qnn_encodings", "graph_tensor_names", "range_encoding",
            "write_qnn_bundle", "write_calibration_raw", "TARGET"]
 
