@@ -75,6 +75,7 @@ def run(args) -> int:
         cells = "".join(f"  {layer.damage[p]['kl']:>11.3e}  {layer.damage[p]['ppl_delta']:>+10.4f}"
                         for p in report.precisions)
         print(f"{layer.name:<{width}}  {layer.parameters:>9,}{cells}")
-    worst = report.ranking(report.precisions[-1])[:3]
-    print("most sensitive at " + report.precisions[-1] + ": " + ", ".join(n for n, _ in worst))
+    at = "int4" if "int4" in report.precisions else report.precisions[-1]  # the width most plans start from
+    worst = report.ranking(at)[:3]
+    print(f"most sensitive at {at}: " + ", ".join(n for n, _ in worst))
     return 0
