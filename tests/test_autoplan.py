@@ -168,3 +168,16 @@ def test_plan_estimate_is_the_stored_bytes_of_every_precision(lm, precision):
     estimate = plan_footprint(lm, plan)["bits_per_weight"]
     assert estimate == qm.bits_per_weight
     assert estimate == pytest.approx(8 * qm.storage_bytes() / qm.parameters, rel=1e-12)
+
+
+def test_auto_plan_keeps_to_what_the_named_targets_carry(lm, sens):
+    budget = plan_footprint(lm, QuantPlan.uniform("int4", keep_embeddings="int4"))["size_bytes"]
+    free = plan_for_budget(lm, sens, size_bytes=int(1.1 * budget))
+    assert set(free.assignments.values()) - {"fp16", "int8", "int4"}  # unrestricted, it takes other precisions
+    for targets, allowed in ((("qnn", "llama.cpp"), {"fp16", "int8", "int4"}),
+                             (("qnn",), {"fp16", "int8", "int4", "int4-lpbq"}),
+                             (("ort-int4",), {"fp16", "int8", "int4", "int2", "int8-lpbq", "int4-lpbq"})):
+        auto = plan_for_budget(lm, sens, size_bytes=int(1.1 * budget), targets=targets)
+        assert set(auto.assignments.values()) <= allowed and auto.size_bytes <= int(1.1 * budget)
+    with pytest.raises(PlanError, match="no precision among .* is carried by every one of qnn"):
+        plan_for_budget(lm, sens, size_bytes=budget, choices=("int3",), targets=("qnn",))
