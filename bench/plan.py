@@ -17,6 +17,7 @@ Prints:
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import io
 import json
@@ -62,8 +63,11 @@ def main() -> None:
     ap.add_argument("--model", default="demo")
     ap.add_argument("--sweep-tokens", type=int, default=DEFAULT_SWEEP_TOKENS)
     ap.add_argument("--eval-tokens", type=int, default=0, help="tokens for the table (0 = the whole held-out text)")
+    ap.add_argument("--precisions", default="int8,int4", help="integer precisions swept and chosen from (default "
+                    "int8,int4, as the README's table; 'all' for every registered one)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    precisions = None if args.precisions == "all" else tuple(args.precisions.split(","))
 
     build = resolve_model_path(args.model) / "BUILD.json"
     steps = json.loads(build.read_text()).get("args", {}).get("steps") if build.is_file() else None
@@ -73,7 +77,8 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:  # a fresh workspace: the sweep really runs
         t0, c0 = time.perf_counter(), time.process_time()
-        sens = run_sensitivity(lm, tokens=args.sweep_tokens, workspace=Workspace(Path(tmp)), progress=False)
+        sens = run_sensitivity(lm, tokens=args.sweep_tokens, precisions=precisions, workspace=Workspace(Path(tmp)),
+                               progress=False)
         sweep_seconds, sweep_cpu = time.perf_counter() - t0, time.process_time() - c0
     out["sweep"] = {"seconds": sweep_seconds, "cpu_seconds": sweep_cpu, "trials": sens.trials_run, "tokens": sens.tokens,
                     "most_sensitive_int4": sens.ranking("int4")[:5], "most_sensitive_int8": sens.ranking("int8")[:3]}
@@ -118,6 +123,9 @@ def main() -> None:
         pred = f"{p.predicted_kl:.2e}" if p.predicted_kl is not None else ""
         print(f"{p.label:<24}{p.size_bytes:>10,}{p.bits_per_weight:>8.2f}{p.kl_divergence:>11.3e}{diff:>24}"
               f"{p.perplexity:>9.3f}{p.top1_agreement:>8.4f}{pred:>11}")
+    for label, assignments in (("auto @ int4 size +10%", a4.assignments), ("auto @ int8 size", a8.assignments)):
+        counts = collections.Counter(assignments.values())
+        print(f"{label} layers: " + ", ".join(f"{p} x {n}" for p, n in counts.most_common()))
     print(f"\nauto @ int4 size +10% has lower KL than uniform int4: {out['auto_int4_plus_10_beats_int4']}")
     print(f"auto @ int8 size within noise of uniform int8 (KL diff <= 2 se): {out['auto_int8_within_noise_of_int8']}")
 

@@ -57,11 +57,13 @@ def main() -> None:
     print()
     for v in verdicts:
         print(v)
+    from workbench.plan import PRECISIONS
     seven_b = model_shape("qwen2.5-7b")
-    claim = check_memory_claim(seven_b.parameters, 0.0093, bits=4)
+    fewest = min(p.bits for p in PRECISIONS.values())
+    claim = check_memory_claim(seven_b.parameters, 0.0093, bits=fewest)
     print(f"IMPOSSIBLE  'a 7B model in 9.3 MB of peak memory' (the {seven_b.name} shape, "
-          f"{seven_b.parameters / 1e9:.2f} B parameters, at 4 bits, the fewest any registered precision stores): "
-          f"{claim.arithmetic}")
+          f"{seven_b.parameters / 1e9:.2f} B parameters, at {fewest} bits, the fewest any registered precision "
+          f"stores): {claim.arithmetic}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """What does each quantization method cost on the demo model, and how long and how much memory does it take?
 
     python bench/quantize.py [--model demo] [--group-size 128] [--samples 128] [--seq-len 512] [--threads N]
+    python bench/quantize.py --formats [--model demo] [--samples 128] [--seq-len 512] [--eval-tokens N]
 
 Calibration statistics are computed first (timed apart). Each method (INT8 RTN, INT4 RTN, INT4
 AWQ, INT4 GPTQ) then runs in its own subprocess, so its wall time (after a warm-up run) and peak resident
@@ -9,6 +10,13 @@ temporary directory. This process then reloads every saved model (what is evalua
 saved) and evaluates it against the float model on the bundled held-out text, on the same
 windows: perplexity, KL divergence, top-1 agreement, bits per weight, size of the weight files,
 and the paired standard error of the per-window AWQ-vs-RTN and GPTQ-vs-RTN differences.
+
+``--formats`` measures quality per stored bit instead (in this process, no timing): INT4 with
+float16 group scales against two-level scales (int4-lpbq) at groups 32, 64 and 128, by RTN, RTN
+with the scale search and GPTQ, then every other registered width (int2 ... int8, int8-lpbq) at
+group 32 by RTN. Each row: KL, top-1 and perplexity on the held-out text, the model's bits per
+weight (the one definition: embeddings included, fp16 here) and the bits per weight of the
+integer layers alone, from their stored bytes.
 """
 from __future__ import annotations
 
@@ -69,6 +77,39 @@ def run_one(args) -> None:
                       "awq_alphas": [e["alpha"] for e in (qm.awq or {}).get("groups", [])]}))
 
 
+FORMAT_ROWS = [(p, g, m) for m in ("rtn", "rtn+search", "gptq") for g in (32, 64, 128) for p in ("int4", "int4-lpbq")]
+WIDTH_ROWS = ["int8", "int8-lpbq", "int6", "int5", "int3", "int2"]
+
+
+def run_formats(args) -> None:
+    """KL and stored bits per weight of every scale format and width on the held-out text (see the docstring)."""
+    from workbench.data import load_calibration_set
+    from workbench.models import load_model
+    from workbench.plan import QuantPlan
+    from workbench.quantize import heldout_ids, measure_cost, measure_reference, quantize_model
+    lm = load_model(args.model, dtype="float32")
+    ids = heldout_ids(lm, max_tokens=args.eval_tokens or None, ctx=args.ctx)
+    baseline = measure_reference(lm.model, ids, ctx=args.ctx, progress=False)
+    calib = load_calibration_set(tokenizer=lm.tokenizer, samples=args.samples, seq_len=args.seq_len)
+    print(f"model {args.model}; held-out text: {baseline.report.tokens:,} scored tokens in {baseline.report.windows} "
+          f"windows of {baseline.report.ctx}; GPTQ on {args.samples} x {args.seq_len} calibration tokens; "
+          f"embeddings and lm_head fp16\n")
+    head = f"{'precision':<11}{'group':>6}{'method':>11}{'KL':>20}{'top-1':>8}{'ppl':>9}{'bits/w':>8}{'int bits/w':>11}"
+    print(head)
+    print("-" * len(head))
+    rows = FORMAT_ROWS + [(p, 32, "rtn") for p in WIDTH_ROWS]
+    for precision, group, method in rows:
+        plan = QuantPlan.uniform(precision, group_size=group, method=method.split("+")[0],
+                                 scale_search=method.endswith("+search"))
+        qm = quantize_model(lm, plan, calibration=calib if method == "gptq" else None, progress=False)
+        cost = measure_cost(qm, baseline, progress=False)
+        integer = [qw for r in qm.layers if (qw := qm.weights.get(r.name)) is not None and not r.tied_to]
+        int_bits = 8 * sum(qw.storage_bytes() for qw in integer) / sum(qw.qweight.numel() for qw in integer)
+        print(f"{precision:<11}{group:>6}{method:>11}{cost.kl_divergence:>11.5f}±{cost.kl_divergence_stderr:.5f}"
+              f"{cost.top1_agreement:>8.2%}{cost.perplexity:>9.3f}{cost.bits_per_weight:>8.3f}{int_bits:>11.3f}",
+              flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="demo")
@@ -78,6 +119,9 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=512, help="evaluation window")
     ap.add_argument("--threads", type=int, help="torch threads for every run (default: torch's); on a busy shared "
                     "CPU one thread avoids stalls at every parallel region")
+    ap.add_argument("--formats", action="store_true", help="quality per stored bit: float16 against two-level "
+                    "scales at groups 32/64/128 (RTN, RTN + scale search, GPTQ), and every registered width")
+    ap.add_argument("--eval-tokens", type=int, default=0, help="--formats: held-out tokens to measure on (0: all)")
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--bits", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--method", help=argparse.SUPPRESS)
@@ -88,6 +132,8 @@ def main() -> None:
         return run_one(args)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.formats:
+        return run_formats(args)
 
     from workbench.evaluate import paired_difference
     from workbench.models import load_model

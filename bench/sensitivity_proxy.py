@@ -30,15 +30,18 @@ def main() -> None:
     ap.add_argument("--model", default="demo")
     ap.add_argument("--tokens", type=int, default=DEFAULT_SWEEP_TOKENS, help="sweep tokens (both scores)")
     ap.add_argument("--eval-tokens", type=int, default=0, help="tokens to measure the plans on (0 = the whole text)")
+    ap.add_argument("--precisions", default="int8,int4", help="integer precisions swept (default int8,int4, as the "
+                    "README's figures; 'all' for every registered one)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    precisions = None if args.precisions == "all" else tuple(args.precisions.split(","))
 
     lm = load_model(args.model)
     ids = evaluation_tokens(lm, tokens=args.tokens)
     runs = {}
     for score in ("kl", "proxy"):
         t0 = time.perf_counter()
-        runs[score] = run_sensitivity(lm, ids=ids, score=score, progress=False)
+        runs[score] = run_sensitivity(lm, ids=ids, score=score, precisions=precisions, progress=False)
         runs[score].seconds = time.perf_counter() - t0
     kl, px = runs["kl"], runs["proxy"]
     out: dict = {"model": str(lm.path), "parameters": lm.parameters, "threads": torch.get_num_threads(),

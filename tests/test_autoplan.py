@@ -71,7 +71,7 @@ def test_plan_at_int8_size_is_no_worse_than_uniform_int8_predicted(lm, sens):
 
 
 def test_impossible_budgets_say_the_smallest_that_fits(lm, sens):
-    with pytest.raises(PlanError, match="smallest with fp16/int8/int4 is"):
+    with pytest.raises(PlanError, match="smallest with fp16/int8/int6/int5/int4/int3/int2/int8-lpbq/int4-lpbq is"):
         plan_for_budget(lm, sens, size_bytes=1000)
     with pytest.raises(PlanError, match="exactly one budget"):
         plan_for_budget(lm, sens)
@@ -137,7 +137,7 @@ def test_refinement_keeps_the_budget_and_only_accepts_measured_gains(lm, sens, e
     from workbench.autoplan import refine_plan
     budget = int(1.1 * plan_footprint(lm, QuantPlan.uniform("int4", keep_embeddings="int4"))["size_bytes"])
     auto = plan_for_budget(lm, sens, size_bytes=budget)
-    assert set(auto.assignments.values()) >= {"int4", "int8"}
+    assert len({p for p in auto.assignments.values() if p != "fp16"}) >= 2  # a mixed plan to refine
     ref = refine_plan(lm, sens, auto, evaluator, trials=6, per_round=2)
     assert 0 < ref.trials <= 6 and ref.prediction.size_bytes <= budget
     assert ref.measured_kl <= ref.start_kl
@@ -146,6 +146,38 @@ def test_refinement_keeps_the_budget_and_only_accepts_measured_gains(lm, sens, e
     kls = [m["kl"] for m in ref.moves]
     assert kls == sorted(kls, reverse=True) and all(k < ref.start_kl for k in kls)  # each accepted move helped
     for m in ref.moves:
-        assert all(ref.prediction.assignments[n] in ("fp16", "int8", "int4") for n in m["set"])
+        assert all(ref.prediction.assignments[n] in ("fp16", *sens.precisions) for n in m["set"])
     unchanged = refine_plan(lm, sens, auto, evaluator, trials=0)
     assert unchanged.prediction.assignments == auto.assignments and unchanged.moves == []
+
+
+def test_auto_plan_chooses_among_every_registered_precision(lm, sens):
+    from workbench.plan import PRECISIONS
+    assert set(sens.precisions) == {p.name for p in PRECISIONS.values() if not p.is_float}
+    budget = plan_footprint(lm, QuantPlan.uniform("int3", keep_embeddings="int3"))["size_bytes"]
+    auto = plan_for_budget(lm, sens, size_bytes=budget)
+    assert auto.size_bytes <= budget
+    assert {"int2", "int3"} & set(auto.assignments.values())  # below 4 bits a weight on average: int4 alone cannot fit
+
+
+@pytest.mark.parametrize("precision", ["int4-lpbq", "int8-lpbq", "int3", "int5", "int6", "int2"])
+def test_plan_estimate_is_the_stored_bytes_of_every_precision(lm, precision):
+    from workbench.quantize import quantize_model
+    plan = QuantPlan.uniform(precision, group_size=32).with_override("lm_head", "int8")  # lm_head untied: stored apart
+    qm = quantize_model(lm, plan, progress=False)
+    estimate = plan_footprint(lm, plan)["bits_per_weight"]
+    assert estimate == qm.bits_per_weight
+    assert estimate == pytest.approx(8 * qm.storage_bytes() / qm.parameters, rel=1e-12)
+
+
+def test_auto_plan_keeps_to_what_the_named_targets_carry(lm, sens):
+    budget = plan_footprint(lm, QuantPlan.uniform("int4", keep_embeddings="int4"))["size_bytes"]
+    free = plan_for_budget(lm, sens, size_bytes=int(1.1 * budget))
+    assert set(free.assignments.values()) - {"fp16", "int8", "int4"}  # unrestricted, it takes other precisions
+    for targets, allowed in ((("qnn", "llama.cpp"), {"fp16", "int8", "int4"}),
+                             (("qnn",), {"fp16", "int8", "int4", "int4-lpbq"}),
+                             (("ort-int4",), {"fp16", "int8", "int4", "int2", "int8-lpbq", "int4-lpbq"})):
+        auto = plan_for_budget(lm, sens, size_bytes=int(1.1 * budget), targets=targets)
+        assert set(auto.assignments.values()) <= allowed and auto.size_bytes <= int(1.1 * budget)
+    with pytest.raises(PlanError, match="no precision among .* is carried by every one of qnn"):
+        plan_for_budget(lm, sens, size_bytes=budget, choices=("int3",), targets=("qnn",))

@@ -25,7 +25,7 @@ def test_sensitivity_json_lists_every_layer_with_damage_per_precision(capsys, ti
     assert "model.layers.1.mlp.down_proj" in names and "lm_head" in names
     for layer in out["layers"]:
         assert layer["int8"]["kl"] >= 0 and "ppl_delta" in layer["int4"]
-    assert out["trials_run"] == 2 * len(names)
+    assert out["trials_run"] == len(out["precisions"]) * len(names) and "int4-lpbq" in out["precisions"]
     again = run_json(capsys, "sensitivity", tiny_model_dir, "--tokens", 256, "--workspace", ws, "--json")
     assert again["trials_run"] == 0 and again["layers"] == out["layers"]
     assert out["score"] == "kl" and out["score_reason"].startswith("auto")

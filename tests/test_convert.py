@@ -354,3 +354,20 @@ def test_mnn_weight_file_of_a_large_model_is_kept_with_it(tiny_model_dir, tmp_pa
     ids = np.arange(5, 25)[None]
     ref = OnnxCausalLM(ex.prefill_path).logits(ids)
     np.testing.assert_allclose(mnn.MnnCausalLM(out).logits(ids), ref, atol=1e-3)
+
+
+def test_two_level_plan_converts_to_a_qnn_bundle_with_lpbq_encodings(tiny_model_dir, tmp_path):
+    plan = QuantPlan.uniform("int4-lpbq", group_size=32).with_override("model.layers.0.mlp.down_proj", "fp16")
+    prep = prepare_models(tiny_model_dir, plan=plan)
+    report = convert(tiny_model_dir, "qnn", tmp_path, prepared=prep, static=(16, 32), calibration_samples=2,
+                     calibration_seq_len=16, max_tokens=200, greedy_steps=4)
+    _validate_bundle(tmp_path)
+    names = json.loads((tmp_path / "weight_names.json").read_text())["weight_names"]
+    enc = json.loads((tmp_path / "quant_overrides_prefill.json").read_text())
+    assert enc["version"] == "1.0.0"
+    by_name = {e["name"]: e for e in enc["param_encodings"]}
+    q = by_name[names["model.layers.1.self_attn.q_proj"]]
+    qw = prep.qm.weights["model.layers.1.self_attn.q_proj"]
+    assert q["enc_type"] == "LPBQ" and q["per_block_int_scale"] == qw.sub_scales.reshape(-1).tolist()
+    assert by_name[names["model.layers.0.mlp.down_proj"]]["dtype"] == "FLOAT"
+    assert any("QDQ twin holds" in n for n in report.notes) and report.top1_agreement is not None

@@ -67,7 +67,7 @@ def test_validation_names_closest_layers():
 @pytest.mark.parametrize("text, message", [
     ("{not json", "not valid JSON"),
     ('{"default": "int8"}', "no 'version'"),
-    ('{"version": 1, "default": "int3"}', "unknown precision 'int3'"),
+    ('{"version": 1, "default": "int7"}', "unknown precision 'int7'"),
     ('{"version": 1, "defualt": "int8"}', "unknown plan field"),
     ('{"version": 1, "rules": [{"pattern": "x"}]}', "rules"),
     ('{"version": 1, "group_size": 0}', "group_size"),
@@ -127,11 +127,31 @@ def test_precision_bytes():
 
 
 def test_registry_has_room_for_more():
-    register_precision(Precision("int6", 6, False, "test"))
+    register_precision(Precision("int7", 7, False, "test"))
     try:
-        assert QuantPlan(default="int6").precision_for("x").bits == 6
+        assert QuantPlan(default="int7").precision_for("x").bits == 7
     finally:
-        PRECISIONS.pop("int6")
+        PRECISIONS.pop("int7")
+
+
+def test_registry_holds_int2_to_int8_and_two_level_precisions():
+    assert {"int2", "int3", "int4", "int5", "int6", "int8", "int4-lpbq", "int8-lpbq"} <= set(PRECISIONS)
+    lpbq = get_precision("int4-lpbq")
+    assert (lpbq.bits, lpbq.scale_bits, lpbq.two_level) == (4, 4, True) and not get_precision("int4").two_level
+    # a plan names them like any other precision, and loads back
+    plan = QuantPlan.uniform("int4-lpbq", group_size=32).with_override("*.down_proj", "int3")
+    assert QuantPlan.from_json(plan.to_json()) == plan
+    with pytest.raises(PlanError, match="scale_bits must be 1..8 on an integer precision"):
+        Precision("fp16-x", 16, True, scale_bits=4)
+
+
+def test_two_level_bytes_count_packed_sub_scales_and_one_float16_per_channel():
+    lpbq, int3, int6 = (get_precision(n) for n in ("int4-lpbq", "int3", "int6"))
+    # 4-bit codes + 4-bit sub-scale per 32-group (8 groups a row) + one float16 per output channel
+    assert lpbq.weight_bytes(256, 256, 32) == 256 * 256 // 2 + 256 * 8 * 4 // 8 + 256 * 2
+    assert lpbq.weight_bytes(256, 256, 32) < get_precision("int4").weight_bytes(256, 256, 64)
+    assert int3.weight_bytes(256, 256, 128) == 256 * 256 * 3 // 8 + 256 * 2 * 2
+    assert int6.weight_bytes(10, 30, None, symmetric=False) == -(-300 * 6 // 8) + 10 * 2 + -(-10 * 6 // 8)
 
 
 def test_table_lists_layers_and_total():

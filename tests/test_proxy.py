@@ -77,8 +77,8 @@ def test_auto_measures_small_sweeps_and_estimates_large_ones(lm):
 
 def test_proxy_sweeps_are_cached_apart_from_measured_ones(lm, workspace):
     first = run_sensitivity(lm, tokens=TOKENS, score="proxy", workspace=workspace, progress=False)
-    assert first.trials_run == 2 * len(lm.layers)
+    assert first.trials_run == len(first.precisions) * len(lm.layers)
     cached = run_sensitivity(lm, tokens=TOKENS, score="proxy", workspace=workspace, progress=False)
     assert cached.trials_run == 0 and cached.score == "proxy" and "read from the workspace" in cached.score_reason
     measured = run_sensitivity(lm, tokens=TOKENS, score="kl", workspace=workspace, progress=False)
-    assert measured.score == "kl" and measured.trials_run == 2 * len(lm.layers)
+    assert measured.score == "kl" and measured.trials_run == len(measured.precisions) * len(lm.layers)

@@ -113,6 +113,21 @@ def test_awq_beats_rtn_on_its_calibration_data(tiny_model_dir):
     assert kl_awq < kl_rtn
 
 
+def test_awq_rounds_two_level_precisions_with_two_level_scales(tiny_model_dir):
+    lm = load_model(tiny_model_dir)
+    plan = QuantPlan.uniform("int4-lpbq", group_size=32)
+    calib = _samples(8, 128, seed=1)
+    awq = quantize_model(lm, plan, method="awq", calibration=calib, progress=False)
+    rtn = quantize_model(lm, plan, progress=False)
+    assert all(qw.two_level and qw.scale_bits == 4 for qw in awq.weights.values())
+    ids = torch.stack(calib)
+    with torch.no_grad():
+        ref = lm.model(input_ids=ids).logits
+        kl_rtn = _kl(ref, rtn.apply_(copy.deepcopy(lm.model))(input_ids=ids).logits)
+        kl_awq = _kl(ref, awq.apply_(copy.deepcopy(lm.model))(input_ids=ids).logits)
+    assert kl_awq < kl_rtn
+
+
 def test_cached_search_result_is_reused_and_fp16_layers_take_folded_scales(tiny_model_dir, tmp_path):
     lm = load_model(tiny_model_dir)
     plan = QuantPlan.uniform("int4", group_size=32).with_override("*.v_proj", "fp16")

@@ -150,3 +150,26 @@ def test_quantize_gptq_records_its_settings_and_loads_back(tiny_model_dir, tmp_p
     assert meta["method"] == "gptq" and meta["gptq"]["act_order"] is True and meta["gptq"]["tokens"] > 0
     assert main(["eval", str(out), "--text", str(heldout), "--ctx", "128", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["perplexity"] == pytest.approx(data["perplexity"], rel=1e-6)
+
+
+@pytest.mark.parametrize("args,precision", [(["--bits", "3"], "int3"), (["--bits", "4", "--two-level"], "int4-lpbq"),
+                                            (["--bits", "8", "--two-level"], "int8-lpbq")])
+def test_quantize_new_widths_and_two_level_scales(tiny_model_dir, tmp_path, heldout, capsys, args, precision):
+    out = tmp_path / "q"
+    rc = main(["quantize", str(tiny_model_dir), "--out", str(out), *args, "--group-size", "32", "--text", str(heldout),
+               "--ctx", "128", "--json"])
+    assert rc == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["plan"]["default"] == precision
+    linear = {r["precision"] for r in data["layers"] if r["name"] != "lm_head" and "embed" not in r["name"]}
+    assert linear == {precision}
+    assert json.loads((out / "quantization.json").read_text())["version"] == 3
+
+
+def test_two_level_needs_a_width_that_has_it(tiny_model_dir, tmp_path, capsys):
+    rc = main(["quantize", str(tiny_model_dir), "--out", str(tmp_path / "q"), "--bits", "3", "--two-level"])
+    assert rc == 2 and "no two-level precision with 3-bit codes is registered (int8-lpbq, int4-lpbq)" in \
+        capsys.readouterr().err
+    rc = main(["quantize", str(tiny_model_dir), "--out", str(tmp_path / "q"), "--bits", "4", "--two-level",
+               "--asymmetric"])
+    assert rc == 2 and "two-level scales, which are symmetric" in capsys.readouterr().err

@@ -118,3 +118,22 @@ def test_plan_scale_search_reaches_every_rounded_layer(lm):
             assert searched.layer(r.name).weight_error <= r.weight_error + 1e-6, r.name
     assert sum(s.weight_error for s in searched.layers if s.name in searched.weights) < \
         sum(r.weight_error for r in plain.layers if r.name in plain.weights)
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_with_two_level_scales_keeps_the_row_scales_and_beats_rtn(act_order):
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(16, 128, generator=g)
+    x = torch.randn(512, 128, generator=g) * torch.rand(128, generator=g) * 3
+    h = x.T @ x / 512
+    rtn = quantize_weight(w, 4, 32, True, scale_bits=4)
+    qw = gptq_quantize_weight(w, h, 4, 32, True, act_order=act_order, scale_bits=4)
+    assert qw.two_level and torch.equal(qw.channel_scales, rtn.channel_scales)  # fixed before any column
+    assert torch.equal(qw.scales, qw.sub_scales.float() * qw.channel_scales[:, None])
+    assert 1 <= int(qw.sub_scales.min()) and int(qw.sub_scales.max()) <= 16
+
+    def err(q):
+        d = w - q.dequantize()
+        return float(torch.trace(d @ h @ d.T))
+    assert err(qw) < err(rtn)
+    assert err(gptq_quantize_weight(w, h, 4, 32, True, act_order=act_order, scale_bits=4, scale_search=True)) < err(qw)

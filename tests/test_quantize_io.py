@@ -293,6 +293,33 @@ def test_version_1_directories_still_load(tiny, tmp_path):
         assert torch.equal(lm2.model(input_ids=ids).logits, qm.build_model()(input_ids=ids).logits)
 
 
+@pytest.mark.parametrize("plan", [QuantPlan.uniform("int4-lpbq", group_size=32), QuantPlan.uniform("int3"),
+                                  QuantPlan.uniform("int6", group_size=32, symmetric=False),
+                                  QuantPlan.uniform("int2", keep_embeddings="int8-lpbq")])
+def test_new_widths_and_two_level_scales_are_stored_as_counted_and_load_back_exactly(tiny, tmp_path, plan):
+    qm = quantize_model(tiny, plan, progress=False)
+    out = qm.save(tmp_path / "q")
+    meta = json.loads((out / "quantization.json").read_text())
+    assert meta["version"] == 3 and meta["weights_file"] == "workbench.safetensors"
+    assert not meta["transformers"]["loads"] and meta["transformers"]["why_not"]
+    t = load_file(out / "workbench.safetensors")
+    stored = [r for r in qm.layers if r.name in qm.weights and not (r.tied_to and not r.untied)]
+    for r in stored:
+        qw = qm.weights[r.name]
+        names = [k for k in t if k.startswith(r.name + ".weight_") and not k.endswith("weight_shape")]
+        assert sum(t[k].numel() * t[k].element_size() for k in names) == qw.storage_bytes()
+        assert (f"{r.name}.weight_sub_scale" in t) == qw.two_level and (f"{r.name}.weight_scale" in t) != qw.two_level
+    assert 8 * qm.storage_bytes() / qm.parameters == pytest.approx(qm.bits_per_weight, rel=1e-12)
+    lm2, qm2 = load_quantized(out)
+    for name, qw in qm.weights.items():
+        back = qm2.weights[name]
+        assert (back.bits, back.two_level) == (qw.bits, qw.two_level)
+        assert torch.equal(back.dequantize(), qw.dequantize())
+    ids = _ids()[None]
+    with torch.no_grad():
+        assert torch.allclose(lm2.model(ids).logits, qm.build_model()(ids).logits, atol=1e-5)
+
+
 def test_io_and_model_have_no_import_cycle():
     """model saves itself through storage; io (the loader) imports model at the top, and model never imports io."""
     import ast

@@ -101,10 +101,10 @@ def test_bad_plans_are_named(tiny, monkeypatch):
                                         "names: model.layers.0.self_attn.q_proj"):
         quantize_model(tiny, QuantPlan.uniform("int4").with_override("model.layers.0.self_attn.qproj", "fp16"),
                        progress=False)
-    monkeypatch.setitem(PRECISIONS, "int3", Precision("int3", 3, False))
-    with pytest.raises(PlanError, match="layer 'model.layers.0.self_attn.q_proj': int3 \\(3-bit\\) weights are not "
-                                        "supported; weight quantization supports int4, int8"):
-        quantize_model(tiny, QuantPlan.uniform("int3"), progress=False)
+    monkeypatch.setitem(PRECISIONS, "int7", Precision("int7", 7, False))
+    with pytest.raises(PlanError, match="layer 'model.layers.0.self_attn.q_proj': int7 \\(7-bit\\) weights are not "
+                                        "supported; weight quantization supports int2, int3, int4, int5, int6, int8"):
+        quantize_model(tiny, QuantPlan.uniform("int7"), progress=False)
     with pytest.raises(PlanError, match="unknown quantization method 'obq'; choose one of: rtn, awq, gptq"):
         quantize_model(tiny, QuantPlan.uniform("int4"), method="obq", progress=False)
     with pytest.raises(PlanError, match="AWQ and GPTQ need calibration data"):

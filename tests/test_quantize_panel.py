@@ -74,3 +74,14 @@ def test_eval_tokens_start_the_comparison_again(tiny_model_dir, heldout):
     panel.eval_tokens.value = 0  # the whole text: a new reference, and the rows start over
     cost = panel.run()
     assert cost.tokens > 300 and [r["label"] for r in panel.rows] == ["float (reference)", "INT8 RTN g32"]
+
+
+def test_panel_offers_every_registered_integer_precision(tiny_model_dir):
+    lm = load_model(tiny_model_dir)
+    panel = QuantizePanel(lm, bits=4, group_size=32)
+    values = [v for _, v in panel.bits.options]
+    assert values[:2] == [4, 8] and {2, 3, 5, 6, "int4-lpbq", "int8-lpbq"} <= set(values)
+    panel.bits.value = "int4-lpbq"
+    assert panel.current_plan().default == "int4-lpbq" and panel.current_plan().group_size == 32
+    panel.bits.value = 3
+    assert panel.current_plan().default == "int3"

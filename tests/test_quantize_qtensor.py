@@ -34,8 +34,8 @@ def test_code_ranges_and_unsupported_bits():
     assert code_range(4, True) == (-8, 7)
     assert code_range(4, False) == (0, 15)
     assert code_range(8, True) == (-128, 127)
-    with pytest.raises(PlanError, match="3-bit weights are not supported; choose one of \\[4, 8\\]"):
-        code_range(3, True)
+    with pytest.raises(PlanError, match="7-bit weights are not supported; choose one of \\[2, 3, 4, 5, 6, 8\\]"):
+        code_range(7, True)
 
 
 def test_shapes_are_validated():
@@ -53,3 +53,54 @@ def test_dequantize_is_codes_minus_zero_times_scale():
     q = torch.tensor([[0, 1, 2, 3]], dtype=torch.uint8)
     qw = QuantizedWeight(q, torch.tensor([[0.5, 2.0]]), torch.tensor([[1, 2]], dtype=torch.uint8), 4, 2)
     assert qw.dequantize().tolist() == [[-0.5, 0.0, 0.0, 2.0]]
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+@pytest.mark.parametrize("length", [1, 7, 64, 1001])
+def test_bit_packing_round_trips_in_exactly_the_counted_bytes(bits, length):
+    from workbench.quantize.qtensor import pack_bits, unpack_bits
+    codes = torch.randint(0, 1 << bits, (length,), dtype=torch.uint8, generator=torch.Generator().manual_seed(bits))
+    packed = pack_bits(codes, bits)
+    assert packed.dtype == torch.uint8 and packed.numel() == -(-length * bits // 8)
+    assert torch.equal(unpack_bits(packed, bits, length), codes)
+
+
+def test_bit_packing_is_int4_packing_at_four_bits_and_lowest_bits_first():
+    from workbench.quantize.qtensor import pack_bits
+    codes = torch.randint(0, 16, (3, 8), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(pack_bits(codes, 4), pack_int4(codes).reshape(-1))
+    assert pack_bits(torch.tensor([1, 2, 3, 0], dtype=torch.uint8), 2).tolist() == [0b00111001]
+    assert pack_bits(torch.tensor([5, 3, 7], dtype=torch.uint8), 3).tolist() == [0b11011101, 0b1]
+
+
+def test_two_level_weight_dequantizes_exactly_as_code_times_sub_scale_times_channel_scale():
+    q = torch.tensor([[-8, 7, 1, -1], [3, 0, -2, 5]], dtype=torch.int8)
+    sub = torch.tensor([[16, 1], [3, 2]], dtype=torch.uint8)
+    ch = torch.tensor([0.0999755859375, 2.0 ** -20])  # float16 values, one tiny (subnormal in float16)
+    qw = QuantizedWeight.two_level_weight(q, sub, ch, 4, 2, 4)
+    assert qw.two_level and qw.symmetric and qw.scale_bits == 4
+    expected = [[float(c) * float(s) * float(ch[r])
+                 for c, s in zip(q[r].tolist(), sub[r].repeat_interleave(2).tolist())] for r in range(2)]
+    assert qw.dequantize().tolist() == expected  # exact: float32 holds every product
+    # stored: codes at 4 bits, sub-scales at 4 bits, one float16 per row
+    assert qw.storage_bytes() == 8 * 4 // 8 + 4 * 4 // 8 + 2 * 2
+    rows = qw.rows(torch.tensor([1]))
+    assert rows.two_level and torch.equal(rows.dequantize(), qw.dequantize()[1:])
+    with pytest.raises(ValueError, match="sub-scales must lie in \\[1, 16\\]"):
+        QuantizedWeight.two_level_weight(q, sub * 0, ch, 4, 2, 4)
+    with pytest.raises(ValueError, match="symmetric"):
+        QuantizedWeight(q.to(torch.uint8), qw.scales, torch.zeros(2, 2, dtype=torch.uint8), 4, 2, sub, ch, 4)
+    with pytest.raises(ValueError, match="together"):
+        QuantizedWeight(q, qw.scales, None, 4, 2, sub, None, 4)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 5, 6])
+def test_new_widths_round_trip_through_storage_codes(bits):
+    w = torch.randn(8, 64, generator=torch.Generator().manual_seed(bits))
+    for symmetric in (True, False):
+        qw = quantize_weight(w, bits, 32, symmetric)
+        lo, hi = code_range(bits, symmetric)
+        assert lo <= int(qw.qweight.min()) and int(qw.qweight.max()) <= hi
+        back = QuantizedWeight.from_storage_codes(qw.storage_codes(), qw.scales, qw.zeros, bits, 32)
+        assert torch.equal(back.dequantize(), qw.dequantize())
+        assert qw.storage_bytes() == 8 * 64 * bits // 8 + 2 * 16 + (0 if symmetric else -(-16 * bits // 8))

@@ -74,8 +74,8 @@ def test_bad_inputs_are_named():
     w = _weights(out=4, inp=96)
     with pytest.raises(PlanError, match="group size 64 does not divide the 96 input features"):
         quantize_weight(w, 4, 64)
-    with pytest.raises(PlanError, match="2-bit weights are not supported"):
-        quantize_weight(w, 2, 32)
+    with pytest.raises(PlanError, match="7-bit weights are not supported"):
+        quantize_weight(w, 7, 32)
     with pytest.raises(PlanError, match="only 2-D weights"):
         quantize_weight(torch.zeros(4), 4, 32)
     with pytest.raises(PlanError, match="group_size must be a positive integer"):
@@ -93,3 +93,35 @@ def test_scale_search_never_does_worse_than_min_max_and_usually_better(symmetric
     assert bool((err(searched) <= err(plain) + 1e-6).all())  # ratio 1.0 is in the grid
     assert float(err(searched).sum()) < 0.98 * float(err(plain).sum())  # 5% (asymmetric) to 20% less here
     assert 1.0 in SEARCH_RATIOS and searched.qweight.dtype == plain.qweight.dtype
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+@pytest.mark.parametrize("group_size", [32, 64])
+def test_two_level_scales_cover_every_group_and_are_stored_parts(bits, group_size):
+    w = _weights(4)
+    qw = quantize_weight(w, bits, group_size, True, scale_bits=4)
+    assert qw.two_level and qw.sub_scales.dtype == torch.uint8
+    assert 1 <= int(qw.sub_scales.min()) and int(qw.sub_scales.max()) <= 16
+    assert torch.equal(qw.channel_scales.half().float(), qw.channel_scales)  # float16 channel scales
+    assert torch.equal(qw.scales, qw.sub_scales.float() * qw.channel_scales[:, None])
+    assert int(qw.sub_scales.amax(-1).min()) == 16  # each row's widest group uses the largest sub-scale
+    err = (w - qw.dequantize()).abs().view(w.shape[0], -1, group_size).amax(-1)
+    assert torch.all(err <= qw.scales / 2 * (1 + 1e-5) + 1e-7)  # ceil keeps every group's range: nothing clipped
+    assert torch.equal(fake_quantize(w, bits, group_size, True, scale_bits=4), qw.dequantize())
+
+
+def test_two_level_g32_beats_float16_scales_at_the_same_bytes():
+    """4-bit sub-scales cost 0.125 bit a weight at g32: the bytes of float16 scales at g128, with finer groups."""
+    w = _weights(5, 64, 512)
+    two = quantize_weight(w, 4, 32, True, scale_bits=4)
+    one = quantize_weight(w, 4, 128, True)
+    assert two.storage_bytes() == one.storage_bytes() + 2 * 64  # the same, plus one float16 per row
+    assert (w - two.dequantize()).pow(2).mean() < (w - one.dequantize()).pow(2).mean()
+    searched = quantize_weight(w, 4, 32, True, scale_bits=4, scale_search=True)
+    assert (w - searched.dequantize()).pow(2).mean() <= (w - two.dequantize()).pow(2).mean()
+    assert torch.equal(searched.channel_scales, two.channel_scales)
+
+
+def test_two_level_scales_are_symmetric_only():
+    with pytest.raises(PlanError, match="two-level scales .* are symmetric"):
+        quantize_weight(_weights(), 4, 32, False, scale_bits=4)

@@ -105,16 +105,19 @@ def test_fast_evaluation_equals_quantize_model_then_evaluate(tiny_model_dir, dty
     assert all(p.dtype == getattr(torch, dtype) for p in lm.model.parameters())
 
 
-def test_sweep_measures_every_layer_and_int4_hurts_more_than_int8(lm, evaluator):
+def test_sweep_measures_every_layer_at_every_registered_precision_and_fewer_bits_hurt_more(lm, evaluator):
+    from workbench.plan import PRECISIONS
     report = run_sensitivity(lm, evaluator=evaluator, progress=False)
     assert [layer.name for layer in report.layers] == [info.name for info in lm.layers]
-    assert report.trials_run == 2 * len(lm.layers)
+    integer = {p.name for p in PRECISIONS.values() if not p.is_float}
+    assert set(report.precisions) == integer >= {"int8", "int6", "int5", "int4", "int3", "int2", "int4-lpbq"}
+    assert report.trials_run == len(integer) * len(lm.layers)
     for layer in report.layers:
-        assert set(layer.damage) == {"int8", "int4"}
-        assert layer.damage["int8"]["kl"] >= 0 and layer.damage["int4"]["kl"] >= 0
-    total8 = sum(layer.damage["int8"]["kl"] for layer in report.layers)
-    total4 = sum(layer.damage["int4"]["kl"] for layer in report.layers)
-    assert total4 > 4 * total8
+        assert set(layer.damage) == integer
+        assert all(layer.damage[p]["kl"] >= 0 for p in integer)
+    total = {p: sum(layer.damage[p]["kl"] for layer in report.layers) for p in integer}
+    assert total["int4"] > 4 * total["int8"]
+    assert total["int2"] > total["int3"] > total["int4"] > total["int5"] > total["int6"] > total["int8"]
     ranked = report.ranking("int4")
     assert ranked[0][1] >= ranked[-1][1]
     again = SensitivityReport.from_dict(json.loads(json.dumps(report.to_dict())))
@@ -123,6 +126,7 @@ def test_sweep_measures_every_layer_and_int4_hurts_more_than_int8(lm, evaluator)
 
 def test_killed_sweep_resumes_where_it_stopped(lm, workspace):
     seen = []
+    two = ("int8", "int4")  # the resumption is what is tested: two precisions keep it short
 
     def die_after_four(name, precision, result):
         seen.append(name)
@@ -130,17 +134,17 @@ def test_killed_sweep_resumes_where_it_stopped(lm, workspace):
             raise KeyboardInterrupt("killed")
 
     with pytest.raises(KeyboardInterrupt):
-        run_sensitivity(lm, tokens=TOKENS, workspace=workspace, progress=False, on_trial=die_after_four)
+        run_sensitivity(lm, tokens=TOKENS, precisions=two, workspace=workspace, progress=False, on_trial=die_after_four)
     partial = next((workspace.root / SENSITIVITY_STEP).glob(".partial-*"))
     done = json.loads((partial / PROGRESS_FILE).read_text())["trials"]
     assert len(done) == 4
 
-    resumed = run_sensitivity(lm, tokens=TOKENS, workspace=workspace, progress=False)
+    resumed = run_sensitivity(lm, tokens=TOKENS, precisions=two, workspace=workspace, progress=False)
     assert resumed.trials_run == 2 * len(lm.layers) - 4
-    fresh = run_sensitivity(lm, tokens=TOKENS, progress=False)
+    fresh = run_sensitivity(lm, tokens=TOKENS, precisions=two, progress=False)
     for a, b in zip(resumed.layers, fresh.layers):
         assert a.damage["int4"]["kl"] == pytest.approx(b.damage["int4"]["kl"], rel=1e-9)
-    cached = run_sensitivity(lm, tokens=TOKENS, workspace=workspace, progress=False)
+    cached = run_sensitivity(lm, tokens=TOKENS, precisions=two, workspace=workspace, progress=False)
     assert cached.trials_run == 0
     assert not list((workspace.root / SENSITIVITY_STEP).glob(".partial-*"))
 

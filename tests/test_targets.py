@@ -315,3 +315,85 @@ def test_quantize_qdq_writes_what_onnxruntimes_calibrated_quantize_writes(export
         assert a[k].dtype == b[k].dtype and np.array_equal(a[k], b[k], equal_nan=True), k
     assert [(n.op_type, list(n.input), list(n.output)) for n in ours.graph.node] == \
         [(n.op_type, list(n.input), list(n.output)) for n in theirs.graph.node]
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return load_model("demo")
+
+
+@pytest.fixture(scope="module")
+def demo_lpbq(demo):
+    from workbench.plan import QuantPlan
+    from workbench.quantize import quantize_model
+    return quantize_model(demo, QuantPlan.uniform("int4-lpbq", group_size=32), progress=False)
+
+
+def test_refusal_names_the_layer_and_the_precision(demo):
+    from workbench.errors import PlanError
+    from workbench.plan import QuantPlan
+    from workbench.targets import check_precisions
+    from workbench.targets.common import layer_precisions
+    plan = QuantPlan.uniform("int4").with_override("model.layers.1.mlp.down_proj", "int3")
+    precisions = layer_precisions(demo.layers, plan)
+    with pytest.raises(PlanError, match="llama.cpp cannot carry precision 'int3' \\(3-bit integer\\) for layer\\(s\\) "
+                                        "model.layers.1.mlp.down_proj: .*Q3_K"):
+        check_precisions(get_target("llama.cpp"), precisions, "llama.cpp")
+    with pytest.raises(PlanError, match="'int3' .* model.layers.1.mlp.down_proj: .*2, 4 and 8-bit codes only"):
+        check_precisions(get_target("ort-int4"), precisions)
+    two = layer_precisions(demo.layers, QuantPlan.uniform("int8-lpbq"))
+    with pytest.raises(PlanError, match="'int8-lpbq' \\(8-bit integer, 4-bit sub-scales\\) for layer\\(s\\) "
+                                        "model.layers.0.self_attn.q_proj, .* and \\d+ more: "
+                                        ".*int4 with 4-bit sub-scales"):
+        check_precisions(get_target("qnn"), two)
+    for name in ("mnn", "ort-qdq", "llama.cpp"):
+        with pytest.raises(PlanError, match="int4-lpbq"):
+            check_precisions(get_target(name), layer_precisions(demo.layers, QuantPlan.uniform("int4-lpbq")))
+    check_precisions(get_target("qnn"), layer_precisions(demo.layers, QuantPlan.uniform("int4-lpbq")))  # LPBQ
+    check_precisions(get_target("ort-int4"), two)  # two-level scales expand into exact float32 block scales
+
+
+def test_qnn_lpbq_encodings_validate_and_carry_the_stored_scales(demo, demo_lpbq, tmp_path):
+    from workbench.errors import PlanError
+    from workbench.overrides import read_qnn_encodings, validate_qnn_encodings, write_qnn_encodings
+    export = export_onnx(demo, tmp_path / "onnx", check=False)
+    f = write_qnn_encodings(tmp_path / "lpbq.json", demo_lpbq, export)
+    doc = json.loads(f.path.read_text())
+    assert doc["version"] == "1.0.0" and isinstance(doc["param_encodings"], list)
+    name = "model.layers.0.mlp.down_proj"
+    entry = next(e for e in doc["param_encodings"] if e["name"] == export.weight_names[name])
+    qw = demo_lpbq.weights[name]
+    assert (entry["enc_type"], entry["bw"], entry["compressed_bw"], entry["block_size"], entry["is_sym"]) == \
+        ("LPBQ", 8, 4, 32, True)
+    assert entry["scale"] == qw.channel_scales.tolist() and entry["offset"] == [-128] * qw.shape[0]
+    assert entry["per_block_int_scale"] == qw.sub_scales.reshape(-1).tolist()
+    # the encoding reproduces the stored weight: q * per_block_int_scale * scale
+    ints = np.array(entry["per_block_int_scale"]).reshape(qw.shape[0], -1)
+    w = qw.qweight.numpy().reshape(qw.shape[0], -1, 32) * (ints * np.array(entry["scale"])[:, None])[..., None]
+    assert np.array_equal(w.reshape(qw.shape).astype(np.float32), qw.dequantize().numpy())
+    embed = next(e for e in doc["param_encodings"] if e["name"] == export.weight_names["model.embed_tokens"])
+    assert embed == {"name": embed["name"], "dtype": "FLOAT", "enc_type": "PER_TENSOR", "bw": 16}
+    back = read_qnn_encodings(f.path)
+    assert back[export.weight_names[name]]["precision"] == "int4-lpbq"
+    validate_qnn_encodings(f.path, onnx_path=export.prefill_path)
+    entry["per_block_int_scale"][0] = 17  # beyond 4 bits
+    with pytest.raises(PlanError, match="per_block_int_scale' must be a list of integers in \\[1, 16\\]"):
+        validate_qnn_encodings(doc, onnx_path=export.prefill_path)
+    entry["per_block_int_scale"][0] = 1
+    entry["scale"] = entry["scale"][:-1]
+    with pytest.raises(PlanError, match="'offset' must be a list of"):
+        validate_qnn_encodings(doc, onnx_path=export.prefill_path)
+
+
+@pytest.mark.parametrize("precision", ["int4-lpbq", "int2"])
+def test_two_level_and_int2_plans_run_in_ort_int4_as_simulated(tmp_path, precision):
+    """MatMulNBits runs the plan's own codes: two-level scales as their exact products, int2 as 2-bit blocks."""
+    from workbench.convert import convert
+    from workbench.plan import QuantPlan
+    report = convert("demo", "ort-int4", tmp_path, plan=QuantPlan.uniform(precision, group_size=32),
+                     max_tokens=2048, ctx=256, greedy_steps=8)
+    assert report.details["replaced_layers"] == 28 and not report.details["kept_float"]
+    assert report.top1_agreement_vs_simulation >= 0.95 and report.gap is None
+    assert report.kl_divergence == pytest.approx(report.simulation["kl_divergence"], rel=0.05)
+    if precision == "int4-lpbq":
+        assert any("exact float32 product" in n for n in report.notes)

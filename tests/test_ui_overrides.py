@@ -75,3 +75,16 @@ def test_a_proxy_sweep_is_labelled_as_an_estimate(lm, evaluator):
     assert "estimated" in make_sensitivity_figure(sens).layout.title.text
     assert "measured" in make_sensitivity_figure(run_sensitivity(lm, evaluator=evaluator, score="kl",
                                                                  progress=False)).layout.title.text
+
+
+def test_every_registered_precision_is_offered_and_sized_as_stored(lm, evaluator):
+    from workbench.plan import PRECISIONS
+    panel = OverridePanel(lm, evaluator=evaluator)
+    offered = {v for _, v in panel.dropdowns[Q0].options}
+    assert {p.name for p in PRECISIONS.values() if not p.is_float} | {"fp16"} <= offered
+    assert {v for _, v in panel.rule_precision.options} >= {"int3", "int4-lpbq"}
+    before = panel.totals
+    panel.dropdowns[Q0].value = "int4-lpbq"
+    assert panel.plan.precision_name_for(Q0) == "int4-lpbq"
+    assert panel.totals["size_bytes"] == before["size_bytes"] + (lm.layer(Q0).bytes_at("int4-lpbq") -
+                                                                 lm.layer(Q0).bytes_at("int8"))

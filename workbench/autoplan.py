@@ -34,7 +34,23 @@ from .sensitivity import PlanEvaluator, SensitivityReport
 __all__ = ["PlanPrediction", "PlanPoint", "Refinement", "refine_plan", "budget_bytes", "check_budget", "plan_footprint", "predict_damage", "plan_for_budget", "measure_plan",
            "pareto_points", "compare_points", "DEFAULT_CHOICES"]
 
-DEFAULT_CHOICES = ("fp16", "int8", "int4")
+DEFAULT_CHOICES = None  # fp16 and every precision the sweep measured (all registered integer ones by default)
+
+
+def _choices(sensitivity: SensitivityReport | None, choices: Sequence[str] | None, symmetric: bool = True,
+             targets: Sequence[str] = ()) -> list[str]:
+    """The precisions a plan may give a layer: ``choices``, else fp16 plus the sweep's (or every registered) ones;
+    with ``targets``, only those every one of these targets carries (their rules: ``Target.carries``)."""
+    from .sensitivity import sweep_precisions
+    from .targets import get_target
+    if choices is None:
+        choices = ("fp16", *(sensitivity.precisions if sensitivity is not None else sweep_precisions(symmetric)))
+    out = [get_precision(c).name for c in choices]
+    rules = [get_target(t) for t in targets]
+    kept = [c for c in out if all(t.carries(get_precision(c)) for t in rules)]
+    if not kept:
+        raise PlanError(f"no precision among {', '.join(out)} is carried by every one of {', '.join(targets)}")
+    return kept
 _MAX_CELLS = 1_000_000  # knapsack table size: exact for small models, 1e-6 of the budget for large ones
 
 
@@ -114,10 +130,10 @@ def budget_bytes(lm: LoadedModel, *, size_bytes: int | None = None, bits_per_wei
 
 
 def check_budget(lm: LoadedModel, size: int, *, group_size=DEFAULT_GROUP_SIZE, symmetric: bool = True,
-                 choices: Sequence[str] = DEFAULT_CHOICES) -> None:
+                 choices: Sequence[str] | None = DEFAULT_CHOICES, targets: Sequence[str] = ()) -> None:
     """Fail before any sweep when even the smallest precision everywhere exceeds ``size`` bytes."""
-    smallest_p = min(choices, key=lambda c: get_precision(c).bits)
-    smallest = lm.size_bytes(QuantPlan(default=smallest_p, group_size=group_size, symmetric=symmetric))
+    choices = _choices(None, choices, symmetric, targets)
+    smallest = min(lm.size_bytes(QuantPlan(default=c, group_size=group_size, symmetric=symmetric)) for c in choices)
     if smallest > size:
         raise PlanError(f"no plan fits {size:,} bytes ({8 * size / lm.parameters:.2f} bits/weight): the smallest "
                         f"with {'/'.join(choices)} is {smallest:,} bytes ({8 * smallest / lm.parameters:.2f} "
@@ -125,16 +141,18 @@ def check_budget(lm: LoadedModel, size: int, *, group_size=DEFAULT_GROUP_SIZE, s
 
 
 def plan_for_budget(lm: LoadedModel, sensitivity: SensitivityReport, *, size_bytes: int | None = None,
-                    bits_per_weight: float | None = None, choices: Sequence[str] = DEFAULT_CHOICES,
-                    metric: str = "kl") -> PlanPrediction:
+                    bits_per_weight: float | None = None, choices: Sequence[str] | None = DEFAULT_CHOICES,
+                    metric: str = "kl", targets: Sequence[str] = ()) -> PlanPrediction:
     """The plan with the least predicted damage whose size fits the budget (bytes or bits/weight).
+
+    ``targets`` (names such as ``"qnn"``, ``"llama.cpp"``) keeps the plan to precisions all of them carry.
 
     Layers the sweep did not measure keep fp16. Raises ``PlanError`` when even the smallest
     choice for every layer does not fit, naming the smallest size that does.
     """
     t0 = time.perf_counter()
     size_bytes = budget_bytes(lm, size_bytes=size_bytes, bits_per_weight=bits_per_weight)
-    choices = [get_precision(c).name for c in choices]
+    choices = _choices(sensitivity, choices, targets=targets)
     gs, sym = sensitivity.group_size, sensitivity.symmetric
     measured = {layer.name for layer in sensitivity.layers}
     fixed = {info.name: "fp16" for info in lm.layers if info.name not in measured}
@@ -253,7 +271,8 @@ def _moves(lm: LoadedModel, sensitivity: SensitivityReport, assign: Mapping[str,
 
 def refine_plan(lm: LoadedModel, sensitivity: SensitivityReport, prediction: PlanPrediction,
                 evaluator: PlanEvaluator, *, trials: int = 12, per_round: int = 3,
-                choices: Sequence[str] = DEFAULT_CHOICES, metric: str = "kl", progress: bool = False) -> Refinement:
+                choices: Sequence[str] | None = DEFAULT_CHOICES, metric: str = "kl",
+                progress: bool = False, targets: Sequence[str] = ()) -> Refinement:
     """Greedy refinement by measured KL: the predicted damages assume layers do not interact; they do.
 
     Each round measures the ``per_round`` moves with the best predicted gain (a unit to another
@@ -263,7 +282,7 @@ def refine_plan(lm: LoadedModel, sensitivity: SensitivityReport, prediction: Pla
     from tqdm.auto import tqdm
     t0 = time.perf_counter()
     gs, sym = sensitivity.group_size, sensitivity.symmetric
-    choices = [get_precision(c).name for c in choices]
+    choices = _choices(sensitivity, choices, targets=targets)
     assign = dict(prediction.assignments)
     units = _units(lm, [layer.name for layer in sensitivity.layers])
     start = current = evaluator.evaluate_assignments(assign, desc="refine").kl_divergence

@@ -112,8 +112,10 @@ def prepare_models(model, *, plan: QuantPlan | str | Path | None = None, bits: i
     if plan is None:
         if bits is None:
             raise PlanError("give a plan (--plan PLAN.json) or --bits 4|8 for a float model")
-        if bits not in (4, 8):
-            raise PlanError(f"--bits must be 4 or 8, got {bits}")
+        from .plan import PRECISIONS
+        if f"int{bits}" not in PRECISIONS:
+            widths = ", ".join(str(p.bits) for p in PRECISIONS.values() if not p.is_float and not p.two_level)
+            raise PlanError(f"--bits must be a registered integer width ({widths}), got {bits}")
         plan = QuantPlan.uniform(f"int{bits}")
     elif not isinstance(plan, QuantPlan):
         plan = QuantPlan.load(plan)
@@ -458,7 +460,7 @@ def convert(model, target: str, out_dir: str | Path, *, plan: QuantPlan | str | 
         raise PlanError(f"--max-tokens must be at least 2 (one token is predicted from another), got {max_tokens}")
     t0 = time.perf_counter()
     prep = prepared or prepare_models(model, plan=plan, bits=bits, progress=progress, device=device)
-    check_precisions(spec, [r.precision for r in prep.qm.layers])
+    check_precisions(spec, prep.qm.precisions)
     report_seconds = {"prepare": time.perf_counter() - t0}
     release_freed_memory()  # quantization's temporaries: hand their pages back before the graphs are built
     out = Path(out_dir)

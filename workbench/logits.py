@@ -46,7 +46,6 @@ def final_hidden(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
 @torch.inference_mode()
 def head_logits(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """Float32 ``hidden @ W.T (+ b)`` for hidden ``[tokens, hidden]``, W widened or dequantized in row slices."""
-    from .quantize import QuantizedWeight
     qw = getattr(head, "quantized", None)  # a QuantLinear: its codes, never dequantized whole
     weight = None if qw is not None else head.weight.detach()
     vocab = qw.shape[0] if qw is not None else weight.shape[0]
@@ -56,8 +55,7 @@ def head_logits(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     for v in range(0, vocab, VOCAB_CHUNK):
         rows = slice(v, v + VOCAB_CHUNK)
         if qw is not None:
-            w = QuantizedWeight(qw.qweight[rows], qw.scales[rows], None if qw.zeros is None else qw.zeros[rows],
-                                qw.bits, qw.group_size).dequantize()
+            w = qw.rows(rows).dequantize()
         else:
             w = weight[rows].to(torch.float32)
         torch.matmul(hidden, w.T, out=logits[:, rows])

@@ -39,17 +39,37 @@ class Precision:
     bits: int
     is_float: bool
     description: str = ""
+    # two-level scales (LPBQ-style): each group's scale is an unsigned ``scale_bits``-bit integer in
+    # [1, 2^scale_bits] times one float16 scale per output channel; None: a float16 scale per group
+    scale_bits: int | None = None
+
+    def __post_init__(self):
+        if self.scale_bits is not None and (self.is_float or not 1 <= self.scale_bits <= 8):
+            raise PlanError(f"precision '{self.name}': scale_bits must be 1..8 on an integer precision, "
+                            f"got {self.scale_bits!r}")
+
+    @property
+    def two_level(self) -> bool:
+        return self.scale_bits is not None
 
     def weight_bytes(self, out_features: int, in_features: int, group_size: int | None = DEFAULT_GROUP_SIZE,
                      symmetric: bool = True) -> int:
-        """Bytes to store an out x in weight: packed integers plus fp16 scales (and zero points)."""
+        """Bytes to store an out x in weight: packed integers plus scales (and zero points), as stored.
+
+        Single-level: a float16 scale per group. Two-level: ``scale_bits`` per group, packed, plus a
+        float16 scale per output channel.
+        """
         n = out_features * in_features
         if self.is_float:
             return n * self.bits // 8
         groups_per_row = 1 if not group_size else -(-in_features // group_size)
         groups = out_features * groups_per_row
         zero_bytes = 0 if symmetric else -(-groups * self.bits // 8)
-        return -(-n * self.bits // 8) + groups * SCALE_BYTES + zero_bytes
+        if self.two_level:
+            scale_bytes = -(-groups * self.scale_bits // 8) + out_features * SCALE_BYTES
+        else:
+            scale_bytes = groups * SCALE_BYTES
+        return -(-n * self.bits // 8) + scale_bytes + zero_bytes
 
 
 PRECISIONS: dict[str, Precision] = {}
@@ -65,7 +85,15 @@ for _p in (
     Precision("fp32", 32, True, "float32: the unquantized reference"),
     Precision("fp16", 16, True, "float16: kept in floating point"),
     Precision("int8", 8, False, "8-bit integer weights, fp16 scales"),
+    Precision("int6", 6, False, "6-bit integer weights, fp16 scales"),
+    Precision("int5", 5, False, "5-bit integer weights, fp16 scales"),
     Precision("int4", 4, False, "4-bit integer weights, fp16 scales"),
+    Precision("int3", 3, False, "3-bit integer weights, fp16 scales"),
+    Precision("int2", 2, False, "2-bit integer weights, fp16 scales"),
+    Precision("int8-lpbq", 8, False, "8-bit integer weights, 4-bit integer group scales under an fp16 scale per "
+              "output channel", scale_bits=4),
+    Precision("int4-lpbq", 4, False, "4-bit integer weights, 4-bit integer group scales under an fp16 scale per "
+              "output channel (Qualcomm's low-power block quantization)", scale_bits=4),
 ):
     register_precision(_p)
 

@@ -180,7 +180,8 @@ def _weight_error(weight: torch.Tensor, fisher: torch.Tensor, precisions: Sequen
         w = (weight[rows[idx]] if rows is not None else weight[idx]).detach().to(torch.float32)
         f = fisher[idx]
         for p in precisions:
-            err = w - fake_quantize(w, get_precision(p).bits, gs, symmetric)
+            prec = get_precision(p)
+            err = w - fake_quantize(w, prec.bits, gs, symmetric, scale_bits=prec.scale_bits)
             out[p] += 0.5 * float((err.square_() * f).sum())
     return out
 

@@ -1,6 +1,7 @@
 """Per-layer sensitivity: how much each layer alone hurts the model at each lower precision.
 
-For every quantizable layer and every precision (int8, int4) the sweep quantizes that layer alone,
+For every quantizable layer and every registered integer precision (int8, int6, int5, int4, int3, int2
+and the two-level int8-lpbq / int4-lpbq; ``sweep_precisions``) the sweep quantizes that layer alone,
 swaps it into the float model (as integer codes, ``LayerVariants``), measures KL divergence to the
 unquantized model (primary) and the perplexity change (secondary) on a fixed token budget, and
 puts the layer back. The reference model runs once (``capture_reference``), and the blocks before
@@ -40,14 +41,13 @@ from .errors import DataError, PlanError, WorkspaceError
 from .evaluate import DEFAULT_CTX, EvalReport, ReferenceOutputs, capture_reference, encode_text, evaluate, read_text
 from .models import LoadedModel, demo_text_path
 from .proxy import PROXY_VERSION, decoder_blocks, proxy_scores, proxy_supported
-from .plan import DEFAULT_GROUP_SIZE, QuantPlan, get_precision
+from .plan import DEFAULT_GROUP_SIZE, PRECISIONS, QuantPlan, get_precision
 from .workspace import Workspace, atomic_write_json, read_json_file
 
 __all__ = ["LayerVariants", "BlockReplay", "PlanEvaluator", "LayerSensitivity", "SensitivityReport", "run_sensitivity",
-           "choose_score", "evaluation_tokens", "model_fingerprint", "SWEEP_PRECISIONS", "DEFAULT_SWEEP_TOKENS",
+           "choose_score", "evaluation_tokens", "model_fingerprint", "sweep_precisions", "DEFAULT_SWEEP_TOKENS",
            "SENSITIVITY_STEP", "SCORES", "AUTO_KL_MAX_WORK"]
 
-SWEEP_PRECISIONS = ("int8", "int4")
 DEFAULT_SWEEP_TOKENS = 1024  # 2 windows of 512 on the demo model: enough to rank layers, ~0.5 s a trial
 SCORES = ("kl", "proxy")
 # trials x tokens x parameters above which `auto` estimates instead of measuring: the demo model's sweep is
@@ -59,6 +59,12 @@ METRICS = {"kl": "kl: nats/token vs the unquantized model, measured with each la
 SENSITIVITY_STEP = "sensitivity"
 PROGRESS_FILE = "progress.json"
 REPORT_FILE = "sensitivity.json"
+
+
+
+def sweep_precisions(symmetric: bool = True) -> tuple[str, ...]:
+    """Every registered integer precision, read when called (two-level ones only for symmetric plans)."""
+    return tuple(p.name for p in PRECISIONS.values() if not p.is_float and (symmetric or not p.two_level))
 
 
 def model_fingerprint(lm: LoadedModel) -> str:
@@ -160,7 +166,7 @@ class LayerVariants:
         from .quantize import quantize_weight
         p = get_precision(precision)
         if p is None or p.is_float:
-            raise PlanError(f"'{precision}' is not an integer precision; only int8/int4 layers have quantized weights")
+            raise PlanError(f"'{precision}' is not an integer precision; only integer layers have quantized weights")
         key = (self._canonical(name), p.name)  # a tied lm_head shares the embedding's codes
         if key in self._given:
             return self._given[key]
@@ -168,7 +174,7 @@ class LayerVariants:
             self._cache.move_to_end(key)
             return self._cache[key]
         qw = quantize_weight(self.original(name).to(torch.float32), p.bits, self.group_size_for(name),
-                             self.symmetric)
+                             self.symmetric, scale_bits=p.scale_bits)
         size = _code_bytes(qw)
         if size <= self.cache_bytes:
             while self._cache and self.cached_bytes + size > self.cache_bytes:
@@ -595,7 +601,7 @@ def _proxy_trials(evaluator: PlanEvaluator, layers: Sequence, precisions: Sequen
 
 
 def run_sensitivity(lm: LoadedModel, *, ids: torch.Tensor | None = None, text_path: str | Path | None = None,
-                    tokens: int = DEFAULT_SWEEP_TOKENS, precisions: Sequence[str] = SWEEP_PRECISIONS,
+                    tokens: int = DEFAULT_SWEEP_TOKENS, precisions: Sequence[str] | None = None,
                     group_size: int | None = DEFAULT_GROUP_SIZE, symmetric: bool = True, ctx: int | None = None,
                     layers: Iterable[str] | None = None, evaluator: PlanEvaluator | None = None,
                     score: str = "auto", workspace: Workspace | None = None, force: bool = False,
@@ -605,15 +611,18 @@ def run_sensitivity(lm: LoadedModel, *, ids: torch.Tensor | None = None, text_pa
 
     ``ids`` (or ``text_path``, default the held-out text) is cut to ``tokens`` tokens. Pass an
     ``evaluator`` to share its cached weights and reference outputs (the override panel does).
+    ``precisions`` None sweeps every registered integer precision (``sweep_precisions``).
     ``score``: ``kl`` measures each trial, ``proxy`` estimates every trial in one pass
     (``workbench.proxy``), ``auto`` picks by the sweep's size (``choose_score``); the report says
     which, and why. ``on_trial(name, precision, result)`` is called after each trial.
     """
     lm.require_float("sensitivity")  # a quantized model's layers are already integers: sweep its float source
+    if precisions is None:
+        precisions = sweep_precisions(evaluator.variants.symmetric if evaluator is not None else symmetric)
     for p in precisions:
         prec = get_precision(p)
         if prec is None or prec.is_float:
-            raise PlanError(f"sensitivity sweeps integer precisions (int8, int4), not '{p}'")
+            raise PlanError(f"sensitivity sweeps integer precisions ({', '.join(sweep_precisions())}), not '{p}'")
     precisions = tuple(get_precision(p).name for p in precisions)
     if evaluator is None:
         if ids is None:

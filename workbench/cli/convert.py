@@ -27,7 +27,8 @@ def add_arguments(p):
                           "output directory")
     group = p.add_mutually_exclusive_group()
     group.add_argument("--plan", help="quantization plan JSON for a float model")
-    group.add_argument("--bits", type=int, choices=(4, 8), help="uniform INT4 or INT8 plan for a float model")
+    group.add_argument("--bits", type=int, choices=(2, 3, 4, 5, 6, 8), help="uniform INTn plan for a float model "
+                       "(each target's rule says which widths it carries)")
     p.add_argument("--target", required=True, choices=CONVERT_TARGETS)
     p.add_argument("--out", required=True, help="output directory: new, empty, or an earlier `workbench convert` "
                    "output (replaced once the new one is written and measured)")

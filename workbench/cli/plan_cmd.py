@@ -34,6 +34,9 @@ def add_arguments(p):
     p.add_argument("--refine", type=int, default=0, metavar="TRIALS",
                    help="then move layers between precisions by measured KL, at most TRIALS measurements (default 0: "
                         "the plan that is optimal by the sweep's prediction)")
+    p.add_argument("--target", action="append", default=[], metavar="NAME",
+                   help="keep the plan to precisions this target carries (repeatable: all of them), e.g. --target qnn "
+                        "--target llama.cpp; default: every registered precision")
     add_sweep_arguments(p)
     add_json_flag(p)
 
@@ -43,15 +46,17 @@ def run(args) -> int:
     lm = load_model(args.model, device=args.device)
     lm.require_float("plan")  # a plan is made for the float model; a quantized one already has its plan
     budget = budget_bytes(lm, size_bytes=args.size, bits_per_weight=args.bits_per_weight)
-    check_budget(lm, budget, group_size=args.group_size or None, symmetric=not args.asymmetric)
+    targets = tuple(args.target)
+    check_budget(lm, budget, group_size=args.group_size or None, symmetric=not args.asymmetric, targets=targets)
     sens = sweep(lm, args, progress=not args.json)
-    auto = plan_for_budget(lm, sens, size_bytes=budget)
+    auto = plan_for_budget(lm, sens, size_bytes=budget, targets=targets)
     ids = evaluation_tokens(lm, args.data)
     ids = ids[:args.eval_tokens or default_token_budget(lm.model, len(ids))]
     evaluator = PlanEvaluator(lm, ids, progress=not args.json)
     refinement = None
     if args.refine > 0:
-        refinement = refine_plan(lm, sens, auto, evaluator, trials=args.refine, progress=not args.json)
+        refinement = refine_plan(lm, sens, auto, evaluator, trials=args.refine, progress=not args.json,
+                                 targets=targets)
         auto = refinement.prediction
     point = measure_plan(lm, auto.plan, evaluator, label="auto", prediction=auto, progress=not args.json)
     saved = auto.plan.save(Path(args.out))

@@ -3,6 +3,7 @@
     workbench quantize demo --out out/demo-int4 --bits 4
     workbench quantize demo --out out/demo-awq --bits 4 --method awq --json
     workbench quantize demo --out out/mixed --plan plan.json --strict
+    workbench quantize demo --out out/demo-lpbq --bits 4 --two-level --group-size 32   # int4-lpbq
 
 Perplexity, KL divergence and top-1 agreement are measured against the unquantized model on the
 held-out text (default: the bundled one), with standard errors of the per-window differences.
@@ -23,7 +24,8 @@ from ..workspace import check_output_dir, staged_output
 from .common import add_device_argument, add_budget_argument, add_json_flag, add_model_argument, format_bytes, print_json
 
 FULL_STATS_MAX_PARAMETERS = 100_000_000  # above this the statistics pass costs minutes: opt in, or calibrate first
-HELP = "quantize by plan (RTN / AWQ, INT8 / INT4), save, and measure the cost"
+HELP = "quantize by plan (RTN / AWQ / GPTQ, INT2..INT8, two-level scales), save, and measure the cost"
+BITS = (2, 3, 4, 5, 6, 8)
 
 
 def add_arguments(p):
@@ -32,8 +34,10 @@ def add_arguments(p):
                    "earlier `workbench quantize` output (replaced once the new one is saved and measured)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--plan", help="a plan JSON file (per-layer precisions)")
-    src.add_argument("--bits", type=int, choices=(4, 8), help="quantize every linear layer to this many bits "
+    src.add_argument("--bits", type=int, choices=BITS, help="quantize every linear layer to this many bits "
                      "(embeddings and lm_head stay fp16); default 4 when no --plan")
+    p.add_argument("--two-level", action="store_true", help="with --bits 4 or 8: two-level scales (int4-lpbq / "
+                   "int8-lpbq: 4-bit integer group scales under a float16 scale per output channel, Qualcomm's LPBQ)")
     p.add_argument("--group-size", type=int, help="columns per scale (default: the plan's, 128); 0 = per-channel")
     p.add_argument("--asymmetric", action="store_true", help="unsigned codes with zero points")
     p.add_argument("--scale-search", action="store_true", help="each group's range shrunk to the ratio (1.0 down to "
@@ -63,8 +67,23 @@ def add_arguments(p):
     add_json_flag(p)
 
 
+def _precision_from_args(args) -> str:
+    """The precision ``--bits`` (and ``--two-level``) name."""
+    from ..plan import PRECISIONS
+    name = f"int{args.bits or 4}"
+    if not getattr(args, "two_level", False):
+        return name
+    if args.plan:
+        raise PlanError("--two-level goes with --bits; a plan names its two-level precisions (int4-lpbq) itself")
+    two = [p.name for p in PRECISIONS.values() if p.two_level and p.bits == (args.bits or 4)]
+    if not two:
+        have = ", ".join(p.name for p in PRECISIONS.values() if p.two_level)
+        raise PlanError(f"no two-level precision with {args.bits}-bit codes is registered ({have}); use --bits 4 or 8")
+    return two[0]
+
+
 def _plan_from_args(args) -> QuantPlan:
-    plan = QuantPlan.load(args.plan) if args.plan else QuantPlan.uniform(f"int{args.bits or 4}")
+    plan = QuantPlan.load(args.plan) if args.plan else QuantPlan.uniform(_precision_from_args(args))
     changes = {}
     if args.group_size is not None:
         if args.group_size < 0:

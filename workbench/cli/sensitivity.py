@@ -12,7 +12,7 @@ estimates large ones; the output says which was used. Results are cached in the 
 from __future__ import annotations
 
 from ..models import load_model
-from ..sensitivity import DEFAULT_SWEEP_TOKENS, METRICS, SWEEP_PRECISIONS, run_sensitivity
+from ..sensitivity import DEFAULT_SWEEP_TOKENS, METRICS, run_sensitivity
 from ..workspace import Workspace
 from .common import add_device_argument, add_json_flag, add_model_argument, print_json
 
@@ -37,12 +37,14 @@ def add_sweep_arguments(p) -> None:
 def add_arguments(p):
     add_model_argument(p)
     add_sweep_arguments(p)
-    p.add_argument("--precisions", default=",".join(SWEEP_PRECISIONS), help="comma-separated (default int8,int4)")
+    p.add_argument("--precisions", help="comma-separated integer precisions (default: every registered one: int8, "
+                   "int6, int5, int4, int3, int2, int8-lpbq, int4-lpbq)")
     add_json_flag(p)
 
 
 def sweep(lm, args, progress: bool):
-    precisions = tuple(getattr(args, "precisions", ",".join(SWEEP_PRECISIONS)).split(","))
+    chosen = getattr(args, "precisions", None)
+    precisions = tuple(chosen.split(",")) if chosen else None
     return run_sensitivity(lm, text_path=args.data, tokens=args.tokens, precisions=precisions,
                            group_size=args.group_size or None, symmetric=not args.asymmetric, score=args.score,
                            workspace=Workspace(args.workspace) if args.workspace else Workspace(),
@@ -73,6 +75,7 @@ def run(args) -> int:
         cells = "".join(f"  {layer.damage[p]['kl']:>11.3e}  {layer.damage[p]['ppl_delta']:>+10.4f}"
                         for p in report.precisions)
         print(f"{layer.name:<{width}}  {layer.parameters:>9,}{cells}")
-    worst = report.ranking(report.precisions[-1])[:3]
-    print("most sensitive at " + report.precisions[-1] + ": " + ", ".join(n for n, _ in worst))
+    at = "int4" if "int4" in report.precisions else report.precisions[-1]  # the width most plans start from
+    worst = report.ranking(at)[:3]
+    print(f"most sensitive at {at}: " + ", ".join(n for n, _ in worst))
     return 0

@@ -1,4 +1,4 @@
-"""Weight quantization by plan: RTN, AWQ and GPTQ, INT8 / INT4, one representation read by everything.
+"""Weight quantization by plan: RTN, AWQ and GPTQ, INT2..INT8 and two-level scales, one representation for all.
 
     from workbench.quantize import quantize_model, load_quantized
     qm = quantize_model(lm, QuantPlan.uniform("int4"), method="awq", calibration=calib_set)
@@ -15,10 +15,10 @@ from .io import load_quantized, save_quantized, write_report
 from .gptq import gptq_quantize_weight, search_gptq
 from .model import (CALIBRATED_METHODS, METHODS, LayerQuantReport, QuantizedModel, quantize_model,
                     resolve_group_size)
-from .qtensor import QuantizedWeight, pack_int4, unpack_int4
+from .qtensor import QuantizedWeight, pack_bits, pack_int4, unpack_bits, unpack_int4
 from .rtn import fake_quantize, quantize_weight
 
-__all__ = ["QuantizedWeight", "quantize_weight", "fake_quantize", "pack_int4", "unpack_int4", "quantize_model",
+__all__ = ["QuantizedWeight", "quantize_weight", "fake_quantize", "pack_int4", "unpack_int4", "pack_bits", "unpack_bits", "quantize_model",
            "QuantizedModel", "LayerQuantReport", "resolve_group_size", "save_quantized", "load_quantized",
            "write_report", "search_awq", "fold_awq_scales", "apply_awq_scales_", "save_awq_search", "load_awq_search", "Baseline", "QuantCost",
            "measure_reference", "measure_cost", "heldout_ids",

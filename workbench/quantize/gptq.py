@@ -12,6 +12,9 @@ of decreasing ``H[j, j]``, the most-used inputs first). Group scales are taken f
 partially corrected weights when the pass reaches a group's first column; with ``act_order``
 they are fixed beforehand from the original weights ("static groups"), so every column keeps its
 natural group and the stored layout stays the plain group-wise one every target reads.
+Two-level scales (``scale_bits``): each row's float16 scale is fixed from the original weights
+before any column is rounded; each group's integer sub-scale is then chosen as the pass reaches
+the group (or beforehand with ``act_order``), by the same rule as RTN.
 
 The model runs block by block as in AWQ: the block inputs of all calibration tokens are held,
 ``H`` of every integer layer in the block is summed over them, the layers are quantized, and the
@@ -34,7 +37,8 @@ from ..errors import PlanError
 from ..memory import release_freed_memory
 from .awq import _capture_block_inputs, _run_block, _token_chunks, find_decoder_blocks
 from .qtensor import QuantizedWeight, code_range
-from .rtn import _grouped, _quantize_groups, dequantize_codes, round_codes
+from .rtn import (_grouped, _quantize_groups, channel_scales_for, check_two_level, dequantize_codes, round_codes,
+                  two_level_groups)
 
 __all__ = ["gptq_quantize_weight", "search_gptq", "DEFAULT_DAMP", "DEFAULT_BLOCK_COLUMNS", "default_gptq_tokens"]
 
@@ -50,12 +54,17 @@ def default_gptq_tokens(model: nn.Module) -> int:
     return max(1024, min(DEFAULT_GPTQ_TOKENS, -(-int(GPTQ_BUDGET // max(params, 1)) // 1024) * 1024))
 
 
-def _group_params(w: torch.Tensor, bits: int, symmetric: bool, scale_search: bool,
-                  importance: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Scales (and zeros) of the columns ``w`` ``[out, g]`` taken as one group, by the RTN rule (and search)."""
+def _group_params(w: torch.Tensor, bits: int, symmetric: bool, scale_search: bool, importance: torch.Tensor,
+                  channel: torch.Tensor | None = None, scale_bits: int | None = None):
+    """Scales, zeros (or None) and sub-scales (two-level, else None) of the columns ``w`` ``[out, g]`` taken as
+    one group, by the RTN rule (and search); two-level under the fixed row scales ``channel``."""
+    if scale_bits is not None:
+        _q, sub, _ = two_level_groups(w[:, None, :], bits, scale_bits, scale_search=scale_search,
+                                      importance=importance[None, :], channel_scales=channel)
+        return sub[:, 0] * channel, None, sub[:, 0]
     _q, scales, zeros = _quantize_groups(w[:, None, :], bits, symmetric, None, scale_search=scale_search,
                                          importance=importance[None, :])
-    return scales[:, 0], None if zeros is None else zeros[:, 0]
+    return scales[:, 0], None if zeros is None else zeros[:, 0], None
 
 
 def _inverse_factor(h: torch.Tensor, damp: float) -> torch.Tensor:
@@ -73,16 +82,19 @@ def _inverse_factor(h: torch.Tensor, damp: float) -> torch.Tensor:
 
 def gptq_quantize_weight(w: torch.Tensor, h: torch.Tensor, bits: int, group_size: int | None = 128,
                          symmetric: bool = True, *, damp: float = DEFAULT_DAMP, act_order: bool = False,
-                         block_columns: int = DEFAULT_BLOCK_COLUMNS, scale_search: bool = False) -> QuantizedWeight:
+                         block_columns: int = DEFAULT_BLOCK_COLUMNS, scale_search: bool = False,
+                         scale_bits: int | None = None) -> QuantizedWeight:
     """Quantize ``w`` ``[out, in]`` minimising ``tr((W - Q) H (W - Q)^T)`` column by column (``H`` = ``X^T X``).
 
     ``scale_search``: each group's range from the RTN scale search, its error weighted by ``diag(H)``.
+    ``scale_bits``: two-level scales (symmetric), as ``quantize_weight``.
     """
     if w.dim() != 2 or h.shape != (w.shape[1], w.shape[1]):
         raise PlanError(f"GPTQ needs a 2-D weight and its [in, in] input covariance, got {tuple(w.shape)} and "
                         f"{tuple(h.shape)}")
     out, cols = w.shape
     _grouped(w, group_size)  # the same divisibility error as RTN
+    check_two_level(scale_bits, symmetric)
     g = group_size or cols
     lo, hi = code_range(bits, symmetric)
     w = w.detach().to(torch.float32).clone()
@@ -94,12 +106,19 @@ def gptq_quantize_weight(w: torch.Tensor, h: torch.Tensor, bits: int, group_size
     energy = torch.diag(h).clone()  # per input column, in the original order: the scale search's weights
     scales = torch.empty(out, n_groups)
     zeros = None if symmetric else torch.empty(out, n_groups)
+    channel = sub_scales = None
+    if scale_bits is not None:  # the row scales from the original weights, before any correction
+        channel = channel_scales_for(_grouped(w, group_size), bits, scale_bits)
+        sub_scales = torch.empty(out, n_groups)
     if act_order:  # static groups: every group's range from the original weights, before any correction
         for k in range(n_groups):
-            s, z = _group_params(w[:, k * g:(k + 1) * g], bits, symmetric, scale_search, energy[k * g:(k + 1) * g])
+            s, z, sub = _group_params(w[:, k * g:(k + 1) * g], bits, symmetric, scale_search,
+                                      energy[k * g:(k + 1) * g], channel, scale_bits)
             scales[:, k] = s
             if zeros is not None:
                 zeros[:, k] = z
+            if sub is not None:
+                sub_scales[:, k] = sub
         perm = torch.argsort(torch.diag(h), descending=True)
         w, h = w[:, perm], h[perm][:, perm]
     else:
@@ -115,11 +134,13 @@ def gptq_quantize_weight(w: torch.Tensor, h: torch.Tensor, bits: int, group_size
             col = int(perm[j]) if perm is not None else j
             k = col // g
             if perm is None and col % g == 0:  # a group starts: its range from the corrected weights
-                s, z = _group_params(torch.cat([w1[:, i:], w[:, b:]], dim=1)[:, :g], bits, symmetric, scale_search,
-                                     energy[col:col + g])
+                s, z, sub = _group_params(torch.cat([w1[:, i:], w[:, b:]], dim=1)[:, :g], bits, symmetric,
+                                          scale_search, energy[col:col + g], channel, scale_bits)
                 scales[:, k] = s
                 if zeros is not None:
                     zeros[:, k] = z
+                if sub is not None:
+                    sub_scales[:, k] = sub
             s, z = scales[:, k], None if zeros is None else zeros[:, k]
             c = round_codes(w1[:, i], s, z, lo, hi)
             codes[:, j] = c
@@ -129,6 +150,9 @@ def gptq_quantize_weight(w: torch.Tensor, h: torch.Tensor, bits: int, group_size
         w[:, b:] -= err1 @ hinv[a:b, b:]
     if perm is not None:
         codes = codes[:, torch.argsort(perm)]
+    if scale_bits is not None:
+        return QuantizedWeight.two_level_weight(codes.to(torch.int8), sub_scales.to(torch.uint8), channel, bits,
+                                                group_size, scale_bits)
     qdtype = torch.int8 if symmetric else torch.uint8
     return QuantizedWeight(codes.to(qdtype), scales.contiguous(), None if zeros is None else zeros.to(torch.uint8),
                            bits, group_size)
@@ -159,8 +183,11 @@ def _covariance_hook(h: torch.Tensor, count: list[int]):
 def search_gptq(model: nn.Module, samples: list[torch.Tensor], spec: dict[str, tuple[int, int | None, bool]], *,
                 max_tokens: int = DEFAULT_GPTQ_TOKENS, damp: float = DEFAULT_DAMP, act_order: bool = False,
                 chunk_tokens: int = 4096, scale_search: bool = False, progress: bool = True,
-                block_params: Callable[[str], dict[str, torch.Tensor]] | None = None) -> dict:
+                block_params: Callable[[str], dict[str, torch.Tensor]] | None = None,
+                scale_bits: dict[str, int] | None = None) -> dict:
     """GPTQ of every layer in ``spec`` that sits in a decoder block; ``{"weights": {fqn: QuantizedWeight}, ...}``.
+
+    ``scale_bits`` maps the layers with two-level scales to their sub-scale width.
 
     Layers outside the blocks (the embedding, an untied output layer) are left to the caller (RTN).
     ``block_params(block_name)`` gives new values for some of a block's parameters (AWQ's folded
@@ -196,7 +223,8 @@ def search_gptq(model: nn.Module, samples: list[torch.Tensor], spec: dict[str, t
             for n, m in mods.items():
                 bits, gs, sym = spec[n]
                 qw = gptq_quantize_weight(m.weight.detach().float().cpu(), covs.pop(n).cpu() / max(counts[n][0], 1),
-                                          bits, gs, sym, damp=damp, act_order=act_order, scale_search=scale_search)
+                                          bits, gs, sym, damp=damp, act_order=act_order, scale_search=scale_search,
+                                          scale_bits=(scale_bits or {}).get(n))
                 weights[n] = qw
                 deq[f"{n}.weight"] = qw.dequantize()
             with _swapped(params, deq):  # the next block sees what the quantized block computes

@@ -21,6 +21,11 @@ Layout (written atomically: built in a temporary sibling directory, then renamed
     report.json                    measured cost (when given)
     manifest.json                  every file with its size and sha256
 
+Layers with 2, 3, 5 or 6-bit codes or two-level scales are stored as dense bitstreams instead
+(``storage._ct_shapes``: ``weight_packed``, ``weight_sub_scale`` + ``weight_channel_scale`` or
+``weight_scale``, ``weight_zero_point``), in workbench.safetensors: compressed-tensors has no layout
+for them.
+
 Codes as stored: symmetric codes offset by ``2^(b-1)``, asymmetric codes as they are (both equal to
 compressed-tensors' signed code plus its offset), packed ``32 / b`` to an int32 along the input axis,
 the first code in the lowest bits; zero points likewise, packed along the output axis. Version 1
@@ -146,7 +151,8 @@ class _Skeleton:
 
 
 def _layer_reports(meta: dict, version: int, tensors: _Tensors) -> tuple[list, dict]:
-    """quantization.json's layers, and per stored integer layer ``(bits, group size, symmetric, tensor shapes)``."""
+    """quantization.json's layers, and per stored integer layer ``(bits, group size, symmetric, sub-scale bits or
+    None, tensor shapes)``."""
     reports, integer = [], {}
     for entry in meta["layers"]:
         r = LayerQuantReport(entry["name"], entry["kind"], tuple(entry["shape"]), entry["precision"],
@@ -155,7 +161,10 @@ def _layer_reports(meta: dict, version: int, tensors: _Tensors) -> tuple[list, d
         reports.append(r)
         if "bits" in entry:
             spec = (entry["bits"], entry["group_size"], entry.get("symmetric", f"{r.name}.zeros" not in tensors.shapes))
-            integer[r.name] = (*spec, (_v1_shapes if version == 1 else _ct_shapes)(r.name, r.shape, *spec))
+            scale_bits = entry.get("scale_bits")
+            shapes = _v1_shapes(r.name, r.shape, *spec) if version == 1 else _ct_shapes(r.name, r.shape, *spec,
+                                                                                      scale_bits)
+            integer[r.name] = (*spec, scale_bits, shapes)
     return reports, integer
 
 
@@ -269,9 +278,10 @@ def load_quantized(directory: str | Path, *, verify: bool = True, dtype: str | t
 
     shape_of = {r.name: r.shape for r in reports}
     weights = {}
-    for n, (bits, g, _, shapes) in integer.items():
+    for n, (bits, g, _, scale_bits, shapes) in integer.items():
         t = tensors.group(shapes)
-        weights[n] = _v1_layer(n, t, shape_of[n], bits, g) if version == 1 else _weight_from_file(n, t, bits, g)
+        weights[n] = _v1_layer(n, t, shape_of[n], bits, g) if version == 1 else \
+            _weight_from_file(n, t, bits, g, scale_bits)
     for r in reports:
         if r.tied_to and not r.untied and r.tied_to in weights:
             weights[r.name] = weights[r.tied_to]

@@ -25,14 +25,17 @@ class _Dequantizing(nn.Module):
 
     def __init__(self, qw: QuantizedWeight):
         super().__init__()
-        self.bits, self.group_size = qw.bits, qw.group_size
+        self.bits, self.group_size, self.scale_bits = qw.bits, qw.group_size, qw.scale_bits
         self.register_buffer("qweight", qw.qweight, persistent=False)
         self.register_buffer("scales", qw.scales, persistent=False)
         self.register_buffer("zeros", qw.zeros, persistent=False)
+        self.register_buffer("sub_scales", qw.sub_scales, persistent=False)  # two-level scales only
+        self.register_buffer("channel_scales", qw.channel_scales, persistent=False)
 
     @property
     def quantized(self) -> QuantizedWeight:
-        return QuantizedWeight(self.qweight, self.scales, self.zeros, self.bits, self.group_size)
+        return QuantizedWeight(self.qweight, self.scales, self.zeros, self.bits, self.group_size, self.sub_scales,
+                               self.channel_scales, self.scale_bits)
 
     def dequantized_weight(self) -> torch.Tensor:
         """The float32 weight this layer computes with."""
@@ -59,7 +62,8 @@ class QuantLinear(_Dequantizing):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, " \
-               f"group_size={self.group_size or 'channel'}"
+               f"group_size={self.group_size or 'channel'}" + \
+               (f", two-level scales ({self.scale_bits}-bit)" if self.scale_bits else "")
 
 
 class QuantEmbedding(_Dequantizing):
@@ -71,9 +75,7 @@ class QuantEmbedding(_Dequantizing):
         self.padding_idx = padding_idx
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        flat = ids.reshape(-1)
-        zeros = None if self.zeros is None else self.zeros[flat]
-        rows = QuantizedWeight(self.qweight[flat], self.scales[flat], zeros, self.bits, self.group_size)
+        rows = self.quantized.rows(ids.reshape(-1))
         return rows.dequantize().view(*ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:

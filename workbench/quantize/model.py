@@ -53,7 +53,8 @@ def bits_per_weight(layers, precisions: Mapping[str, str | None], group_size: in
                     symmetric: bool = True) -> float:
     """The one bits-per-weight figure: stored bits of the quantizable layers' weights per weight.
 
-    Integer layers count their packed codes, float16 scales and zero points (``Precision.weight_bytes``)
+    Integer layers count their packed codes, scales as stored (float16 per group, or two-level: integer
+    sub-scales plus float16 per channel) and zero points (``Precision.weight_bytes``)
     at the group size each really gets (``resolve_group_size``), float layers their width, and layers
     left alone 16 bits; a tied weight counts once when both uses share a precision. Norms and biases
     are not weights here. Plans (``autoplan.plan_footprint``, from layer shapes) and quantized models
@@ -307,6 +308,8 @@ def quantize_model(lm, plan: QuantPlan, *, calibration=None, method: str | None 
     GPTQ needs ``calibration`` samples too (``gptq_tokens`` of them; ``act_order`` visits columns by
     decreasing input energy); layers outside the decoder blocks are rounded to nearest. ``awq+gptq``
     folds AWQ's searched scales into the float weights first, then runs GPTQ on them (without AWQ's clips).
+    Two-level precisions (``int4-lpbq``) are rounded with two-level scales by every method (AWQ searches its
+    scales and clips on the float16-scale grid of the same width, then rounds two-level).
     """
     from tqdm.auto import tqdm
     t0 = time.perf_counter()
@@ -320,6 +323,7 @@ def quantize_model(lm, plan: QuantPlan, *, calibration=None, method: str | None 
     names = [info.name for info in layers]
     plan.validate(names)
     reports, spec = [], {}
+    scale_bits: dict[str, int] = {}  # layers with two-level scales: their sub-scale width
     precision_of = plan.resolve(names)
     for info in layers:
         pname = precision_of[info.name]
@@ -331,6 +335,10 @@ def quantize_model(lm, plan: QuantPlan, *, calibration=None, method: str | None 
             if prec.bits not in SUPPORTED_BITS:
                 raise PlanError(f"layer '{info.name}': {prec.name} ({prec.bits}-bit) weights are not supported; "
                                 f"weight quantization supports {', '.join(f'int{b}' for b in SUPPORTED_BITS)}")
+            if prec.two_level and not plan.symmetric:
+                raise PlanError(f"layer '{info.name}': {prec.name} has two-level scales, which are symmetric; plan "
+                                "with symmetric=true (drop --asymmetric) or give the layer a precision with float16 "
+                                "scales")
             gs, note = resolve_group_size(info.shape[1], plan.group_size)
             if note and strict:
                 raise PlanError(f"layer '{info.name}': {note} (strict mode); choose a group size that divides "
@@ -338,6 +346,8 @@ def quantize_model(lm, plan: QuantPlan, *, calibration=None, method: str | None 
             r.group_size, r.fallback = gs, note
             if not (info.tied_to and not r.untied):
                 spec[info.name] = (prec.bits, gs, plan.symmetric)
+                if prec.two_level:
+                    scale_bits[info.name] = prec.scale_bits
         reports.append(r)
 
     float_overrides: dict[str, torch.Tensor] = {}
@@ -369,7 +379,7 @@ def quantize_model(lm, plan: QuantPlan, *, calibration=None, method: str | None 
             return fold_awq_scales(model, {"groups": unfolded.get(block, [])}) if unfolded else {}
         gptq_result = search_gptq(model, samples, spec, max_tokens=gptq_tokens or default_gptq_tokens(model),
                                   act_order=act_order, scale_search=plan.scale_search, progress=progress,
-                                  block_params=folded)
+                                  block_params=folded, scale_bits=scale_bits)
         gptq_weights = gptq_result.pop("weights")
 
     def fold_blocks(name: str | None = None) -> None:
@@ -393,7 +403,8 @@ def quantize_model(lm, plan: QuantPlan, *, calibration=None, method: str | None 
         qw = gptq_weights.pop(r.name, None)
         if qw is None:
             qw = quantize_weight(w, bits, gs, sym, clip_max=None if r.name not in clips else clips[r.name].to(w.device),
-                                 scale_search=plan.scale_search and r.name not in clips)
+                                 scale_search=plan.scale_search and r.name not in clips,
+                                 scale_bits=scale_bits.get(r.name))
         qw = qw.to(w.device)
         r.weight_error = float((w - qw.dequantize()).norm() / w.norm().clamp_min(1e-12))
         weights[r.name] = qw.to("cpu")  # codes are kept and saved on the CPU; build_model moves them back

@@ -5,6 +5,11 @@ per row when ``group_size`` is None: per-channel). Each group has one scale (and
 one zero point); ``W ~= (q - zero) * scale``. Scales are kept at float16 precision (they are
 stored as float16), so the weights evaluated are bit-for-bit the weights saved.
 
+Two-level scales (LPBQ-style, symmetric only): each group's scale is an integer sub-scale in
+``[1, 2^scale_bits]`` times one float16 scale per output channel, and only those two are stored;
+``scales`` still holds their products (exact in float32: at most 11 + 8 significant bits), so
+every reader of ``scales`` computes the same weights.
+
     qw = QuantizedWeight(qweight, scales, zeros, bits=4, group_size=128)
     w_hat = qw.dequantize()             # float32 [out, in]
     packed = pack_int4(qw.storage_codes())   # two 4-bit codes per byte, for files
@@ -17,9 +22,9 @@ import torch
 
 from ..errors import PlanError
 
-__all__ = ["QuantizedWeight", "SUPPORTED_BITS", "code_range", "pack_int4", "unpack_int4"]
+__all__ = ["QuantizedWeight", "SUPPORTED_BITS", "code_range", "pack_int4", "unpack_int4", "pack_bits", "unpack_bits"]
 
-SUPPORTED_BITS = (4, 8)
+SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
 
 
 def code_range(bits: int, symmetric: bool) -> tuple[int, int]:
@@ -37,6 +42,8 @@ class QuantizedWeight:
     when asymmetric, since unsigned 8-bit codes do not fit int8. ``scales``: float32
     ``[out, n_groups]`` holding float16-representable values. ``zeros``: uint8 ``[out, n_groups]``
     or None (symmetric). ``group_size``: columns per group, None for per-channel.
+    Two-level scales: ``sub_scales`` uint8 ``[out, n_groups]`` in ``[1, 2^scale_bits]``,
+    ``channel_scales`` float32 ``[out]`` (float16 values), and ``scales == sub_scales * channel_scales``.
     """
 
     qweight: torch.Tensor
@@ -44,6 +51,9 @@ class QuantizedWeight:
     zeros: torch.Tensor | None
     bits: int
     group_size: int | None
+    sub_scales: torch.Tensor | None = None
+    channel_scales: torch.Tensor | None = None
+    scale_bits: int | None = None
 
     def __post_init__(self):
         out, inp = self.qweight.shape
@@ -55,6 +65,30 @@ class QuantizedWeight:
         if self.zeros is not None and tuple(self.zeros.shape) != tuple(self.scales.shape):
             raise ValueError("zeros must have the same shape as scales")
         code_range(self.bits, self.symmetric)
+        parts = (self.sub_scales is None, self.channel_scales is None, self.scale_bits is None)
+        if len(set(parts)) > 1:
+            raise ValueError("two-level scales need sub_scales, channel_scales and scale_bits together")
+        if self.two_level:
+            if not self.symmetric:
+                raise ValueError("two-level scales are symmetric: they have no zero points")
+            if tuple(self.sub_scales.shape) != tuple(self.scales.shape) or \
+                    tuple(self.channel_scales.shape) != (out,):
+                raise ValueError(f"sub_scales must be {tuple(self.scales.shape)} and channel_scales ({out},)")
+
+    @classmethod
+    def two_level_weight(cls, qweight: torch.Tensor, sub_scales: torch.Tensor, channel_scales: torch.Tensor,
+                         bits: int, group_size: int | None, scale_bits: int) -> "QuantizedWeight":
+        """A two-level weight from its stored parts; ``scales`` are their exact float32 products."""
+        top = 1 << scale_bits
+        if sub_scales.numel() and (int(sub_scales.min()) < 1 or int(sub_scales.max()) > top):
+            raise ValueError(f"sub-scales must lie in [1, {top}] for {scale_bits}-bit sub-scales")
+        sub = sub_scales.to(torch.uint8)
+        ch = channel_scales.to(torch.float32)
+        return cls(qweight, sub.to(torch.float32) * ch[:, None], None, bits, group_size, sub, ch, scale_bits)
+
+    @property
+    def two_level(self) -> bool:
+        return self.scale_bits is not None
 
     @property
     def symmetric(self) -> bool:
@@ -86,7 +120,16 @@ class QuantizedWeight:
         if self.qweight.device == torch.device(device):
             return self
         return QuantizedWeight(self.qweight.to(device), self.scales.to(device),
-                               None if self.zeros is None else self.zeros.to(device), self.bits, self.group_size)
+                               None if self.zeros is None else self.zeros.to(device), self.bits, self.group_size,
+                               None if self.sub_scales is None else self.sub_scales.to(device),
+                               None if self.channel_scales is None else self.channel_scales.to(device),
+                               self.scale_bits)
+
+    def rows(self, index: torch.Tensor) -> "QuantizedWeight":
+        """The weight of the rows ``index`` (output channels), scales and all (embedding lookups)."""
+        pick = (lambda t: None if t is None else t[index])
+        return QuantizedWeight(self.qweight[index], self.scales[index], pick(self.zeros), self.bits, self.group_size,
+                               pick(self.sub_scales), pick(self.channel_scales), self.scale_bits)
 
     def storage_codes(self) -> torch.Tensor:
         """uint8 codes as stored: symmetric codes offset by ``2^(b-1)`` so every code is >= 0."""
@@ -95,19 +138,32 @@ class QuantizedWeight:
         return self.qweight.to(torch.uint8)
 
     @classmethod
-    def from_storage_codes(cls, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int,
-                           group_size: int | None) -> "QuantizedWeight":
+    def from_storage_codes(cls, codes: torch.Tensor, scales: torch.Tensor | None, zeros: torch.Tensor | None,
+                           bits: int, group_size: int | None, *, sub_scales: torch.Tensor | None = None,
+                           channel_scales: torch.Tensor | None = None,
+                           scale_bits: int | None = None) -> "QuantizedWeight":
+        """A weight from its stored codes; two-level weights pass their sub-scales and channel scales for ``scales``."""
         if zeros is None:
             q = (codes.to(torch.int16) - (1 << (bits - 1))).to(torch.int8)
         else:
             q = codes.to(torch.uint8)
+        if scale_bits is not None:
+            return cls.two_level_weight(q, sub_scales, channel_scales, bits, group_size, scale_bits)
         return cls(q, scales.to(torch.float32), None if zeros is None else zeros.to(torch.uint8), bits, group_size)
 
     def storage_bytes(self) -> int:
-        """Bytes this weight takes in a file: packed codes, float16 scales, packed zero points."""
+        """Bytes this weight takes in a file: packed codes, scales as stored, packed zero points.
+
+        Single-level: a float16 scale per group. Two-level: the sub-scales packed at ``scale_bits``
+        each, plus a float16 scale per output channel (``Precision.weight_bytes`` counts the same).
+        """
         n = self.qweight.numel()
         zeros = 0 if self.zeros is None else -(-self.zeros.numel() * self.bits // 8)
-        return -(-n * self.bits // 8) + 2 * self.scales.numel() + zeros
+        if self.two_level:
+            scales = -(-self.sub_scales.numel() * self.scale_bits // 8) + 2 * self.channel_scales.numel()
+        else:
+            scales = 2 * self.scales.numel()
+        return -(-n * self.bits // 8) + scales + zeros
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
@@ -122,3 +178,38 @@ def unpack_int4(packed: torch.Tensor, length: int) -> torch.Tensor:
     """Inverse of :func:`pack_int4`: uint8 codes, the last axis cut to ``length``."""
     low, high = packed & 0x0F, packed >> 4
     return torch.stack([low, high], dim=-1).flatten(-2)[..., :length]
+
+
+_BIT_CHUNK = 1 << 22  # codes packed at once (a multiple of 8, so every chunk starts on a byte)
+
+
+def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 codes (< 2^bits), flattened, as one little-endian bitstream: ``ceil(n * bits / 8)`` bytes.
+
+    Code ``i`` occupies bits ``[i * bits, (i + 1) * bits)``, the lowest bit first: for 2, 4 and 8
+    bits this is the same byte order as :func:`pack_int4` (two codes a byte, the first low).
+    """
+    flat = codes.reshape(-1).to(torch.uint8)
+    shifts = torch.arange(bits, dtype=torch.uint8)
+    weights = (1 << torch.arange(8, dtype=torch.int32))
+    out = []
+    for a in range(0, flat.numel(), _BIT_CHUNK):
+        chunk = flat[a:a + _BIT_CHUNK]
+        stream = ((chunk[:, None] >> shifts) & 1).reshape(-1)
+        stream = torch.nn.functional.pad(stream, (0, -stream.numel() % 8))
+        out.append((stream.view(-1, 8).to(torch.int32) * weights).sum(-1).to(torch.uint8))
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    """Inverse of :func:`pack_bits`: ``count`` uint8 codes (flat)."""
+    raw = packed.reshape(-1).to(torch.uint8)
+    shifts = torch.arange(8, dtype=torch.uint8)
+    weights = (1 << torch.arange(bits, dtype=torch.int32))
+    out = []
+    step = _BIT_CHUNK * bits // 8  # bytes per chunk of codes
+    for a in range(0, raw.numel(), step):
+        stream = ((raw[a:a + step, None] >> shifts) & 1).reshape(-1)
+        n = min(_BIT_CHUNK, count - len(out) * _BIT_CHUNK)
+        out.append((stream[:n * bits].view(n, bits).to(torch.int32) * weights).sum(-1).to(torch.uint8))
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.uint8)

@@ -13,6 +13,12 @@ that gives the smallest squared error, weighted per input column by ``importance
 rounding error of the bulk shrinks more than the clipping error of the few largest weights grows,
 as llama.cpp's k-quant search and GPTQModel's MSE option find. Ratio 1.0 is in the grid, so the
 chosen range never does worse than min/max on that objective.
+
+Two-level scales (``scale_bits``, symmetric): each row gets one float16 scale ``c`` (its largest
+group scale over ``2^scale_bits``, rounded up to float16) and each group the integer sub-scale
+``ceil(s / c)`` in ``[1, 2^scale_bits]`` for its own scale ``s``, so every group's range stays
+covered. With ``scale_search`` each group picks its sub-scale among ``ceil(s * ratio / c)`` for the
+ratios above, by the same (weighted) error.
 """
 from __future__ import annotations
 
@@ -21,7 +27,8 @@ import torch
 from ..errors import PlanError
 from .qtensor import QuantizedWeight, code_range
 
-__all__ = ["quantize_weight", "fake_quantize"]
+__all__ = ["quantize_weight", "fake_quantize", "two_level_groups", "channel_scales_for", "round_codes",
+           "dequantize_codes"]
 
 _TINY = 2.0 ** -24  # smallest float16 step: an all-zero group gets this scale, never a division by zero
 SEARCH_RATIOS = tuple(1.0 - 0.05 * i for i in range(11))
@@ -45,15 +52,57 @@ def _grouped(w: torch.Tensor, group_size: int | None) -> torch.Tensor:
     return w.reshape(out, inp // g, g)
 
 
+def _clipped(wg: torch.Tensor, clip_max: torch.Tensor | None) -> torch.Tensor:
+    if clip_max is None:
+        return wg
+    cm = clip_max.to(wg.dtype)[..., None]
+    return torch.maximum(torch.minimum(wg, cm), -cm)
+
+
+def channel_scales_for(wg: torch.Tensor, bits: int, scale_bits: int) -> torch.Tensor:
+    """Two-level: the float16 scale per row ``[out]`` of grouped weights ``[out, n_groups, g]``."""
+    hi = code_range(bits, True)[1]
+    return _fp16_ceil(wg.abs().amax(-1).amax(-1) / hi / (1 << scale_bits))
+
+
+def two_level_groups(wg: torch.Tensor, bits: int, scale_bits: int, *, scale_search: bool = False,
+                     importance: torch.Tensor | None = None, channel_scales: torch.Tensor | None = None):
+    """Codes (float, integral), sub-scales (float, integral) and channel scales of grouped weights.
+
+    ``channel_scales`` (``[out]``) given: kept (GPTQ fixes them from the original weights first);
+    a group whose range then needs more than ``2^scale_bits`` steps takes the largest sub-scale.
+    """
+    lo, hi = code_range(bits, True)
+    top = 1 << scale_bits
+    if channel_scales is None:
+        channel_scales = channel_scales_for(wg, bits, scale_bits)
+    ch = channel_scales[..., None].to(wg.dtype)
+    want = wg.abs().amax(-1) / hi
+    best = best_err = None
+    for ratio in (SEARCH_RATIOS if scale_search else (1.0,)):
+        sub = torch.ceil(want * ratio / ch).clamp_(1, top)
+        q = round_codes(wg, (sub * ch)[..., None], None, lo, hi)
+        if not scale_search:
+            return q, sub, channel_scales
+        err = (wg - dequantize_codes(q, (sub * ch)[..., None], None)).square_()
+        err = (err if importance is None else err * importance).sum(-1)
+        if best is None:
+            best, best_err = [q, sub], err
+            continue
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best[0] = torch.where(better[..., None], q, best[0])
+        best[1] = torch.where(better, sub, best[1])
+    return best[0], best[1], channel_scales
+
+
 def _quantize_groups(wg: torch.Tensor, bits: int, symmetric: bool, clip_max: torch.Tensor | None, *,
                      scale_search: bool = False, importance: torch.Tensor | None = None):
     """Codes (float, integral), scales and zeros for grouped weights ``[out, n_groups, g]``.
 
     ``importance`` (``[n_groups, g]``, per input column) weighs the error the scale search minimises.
     """
-    if clip_max is not None:
-        cm = clip_max.to(wg.dtype)[..., None]
-        wg = torch.maximum(torch.minimum(wg, cm), -cm)
+    wg = _clipped(wg, clip_max)
     if not scale_search:
         return _round_groups(wg, bits, symmetric, 1.0)
     best, best_err = None, None
@@ -101,23 +150,43 @@ def _dequantize_groups(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tenso
     return dequantize_codes(q, scales[..., None], None if zeros is None else zeros[..., None])
 
 
+def check_two_level(scale_bits: int | None, symmetric: bool) -> None:
+    if scale_bits is not None and not symmetric:
+        raise PlanError("two-level scales (int4-lpbq, int8-lpbq) are symmetric and have no zero points; plan with "
+                        "symmetric=true, or use a precision with float16 scales for an asymmetric plan")
+
+
 def quantize_weight(w: torch.Tensor, bits: int, group_size: int | None = 128, symmetric: bool = True, *,
-                    clip_max: torch.Tensor | None = None, scale_search: bool = False) -> QuantizedWeight:
-    """Round-to-nearest quantization of a 2-D weight ``[out, in]`` (computed in float32)."""
+                    clip_max: torch.Tensor | None = None, scale_search: bool = False,
+                    scale_bits: int | None = None) -> QuantizedWeight:
+    """Round-to-nearest quantization of a 2-D weight ``[out, in]`` (computed in float32).
+
+    ``scale_bits``: two-level scales with integer sub-scales of that width (symmetric only).
+    """
     if w.dim() != 2:
         raise PlanError(f"only 2-D weights can be quantized, got shape {tuple(w.shape)}")
     if group_size is not None and (not isinstance(group_size, int) or group_size <= 0):
         raise PlanError(f"group_size must be a positive integer or None (per-channel), got {group_size!r}")
+    check_two_level(scale_bits, symmetric)
     w = w.detach().to(torch.float32)
-    q, scales, zeros = _quantize_groups(_grouped(w, group_size), bits, symmetric, clip_max, scale_search=scale_search)
     out, inp = w.shape
+    wg = _grouped(w, group_size)
+    if scale_bits is not None:
+        q, sub, ch = two_level_groups(_clipped(wg, clip_max), bits, scale_bits, scale_search=scale_search)
+        return QuantizedWeight.two_level_weight(q.reshape(out, inp).to(torch.int8), sub.to(torch.uint8), ch, bits,
+                                                group_size, scale_bits)
+    q, scales, zeros = _quantize_groups(wg, bits, symmetric, clip_max, scale_search=scale_search)
     qdtype = torch.int8 if symmetric else torch.uint8
     return QuantizedWeight(q.reshape(out, inp).to(qdtype), scales.contiguous(),
                            None if zeros is None else zeros.to(torch.uint8), bits, group_size)
 
 
 def fake_quantize(w: torch.Tensor, bits: int, group_size: int | None, symmetric: bool,
-                  clip_max: torch.Tensor | None = None) -> torch.Tensor:
+                  clip_max: torch.Tensor | None = None, scale_bits: int | None = None) -> torch.Tensor:
     """``quantize_weight(...).dequantize()`` without building the container (used inside searches)."""
     wg = _grouped(w.to(torch.float32), group_size)
+    if scale_bits is not None:
+        check_two_level(scale_bits, symmetric)
+        q, sub, ch = two_level_groups(_clipped(wg, clip_max), bits, scale_bits)
+        return dequantize_codes(q, (sub * ch[:, None])[..., None], None).reshape(w.shape)
     return _dequantize_groups(*_quantize_groups(wg, bits, symmetric, clip_max)).reshape(w.shape)

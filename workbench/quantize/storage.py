@@ -22,14 +22,15 @@ from torch.nn import functional as F
 from ..errors import WorkspaceError
 from ..plan import get_precision
 from ..workspace import atomic_write_json, check_output_dir, file_sha256, library_versions, swap_into_place
-from .qtensor import QuantizedWeight, pack_int4, unpack_int4
+from .qtensor import QuantizedWeight, pack_bits, pack_int4, unpack_bits, unpack_int4
 
 __all__ = ["save_quantized", "layer_storage", "float_storage", "write_report", "FORMAT", "FORMAT_VERSION",
            "weight_file_bytes", "pack_int32", "unpack_int32", "compressed_tensors_config", "WEIGHTS_FILE",
            "WORKBENCH_WEIGHTS_FILE", "TRANSFORMERS_CANNOT", "CT_FORMAT"]
 
 FORMAT = "workbench-quantized"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # 3: 2/3/5/6-bit codes and two-level scales as dense bitstreams (versions 1 and 2 still load)
+PLAIN_VERSION = 2  # what a model without those layers is written as, so earlier readers still load it
 WEIGHTS_FILE = "model.safetensors"  # the file transformers looks for
 WORKBENCH_WEIGHTS_FILE = "workbench.safetensors"  # integer embeddings: a name transformers does not look for
 V1_FLOAT_FILE, V1_QUANT_FILE = "model.safetensors", "quantized.safetensors"
@@ -40,6 +41,17 @@ _HALF = {torch.float16, torch.bfloat16}
 TRANSFORMERS_CANNOT = ("an integer embedding: transformers 5.17 with compressed-tensors 0.20 fails to build one "
                        "(AttributeError: 'Embedding' object has no attribute 'weight'); load it with "
                        "workbench.load_model")
+# compressed-tensors' pack-quantized layout has one float16 scale per group and 32 / bits codes an int32 word:
+# 3, 5 and 6-bit codes would waste bits, and two-level scales are not in it, so such layers are stored as
+# dense bitstreams (the bytes the plan counts) in the file transformers does not look for.
+TRANSFORMERS_CANNOT_BITS = ("layers with 2, 3, 5 or 6-bit codes or two-level scales, which compressed-tensors' "
+                            "pack-quantized layout does not hold as stored here; load it with workbench.load_model")
+CT_BITS = (4, 8)
+
+
+def ct_layout(bits: int, scale_bits: int | None) -> bool:
+    """Whether a layer of ``bits``-bit codes (two-level with ``scale_bits``) is stored in compressed-tensors' layout."""
+    return bits in CT_BITS and scale_bits is None
 
 
 def _lossless_float(t: torch.Tensor) -> torch.Tensor:
@@ -82,23 +94,50 @@ def _packed_shape(rows: int, cols: int, bits: int) -> tuple[int, int]:
     return rows, -(-cols * bits // 32)
 
 
-def _ct_shapes(name: str, shape: tuple[int, int], bits: int, group_size: int | None, symmetric: bool) -> dict:
-    """The tensors (name -> shape) one integer layer is stored as."""
+def _ct_shapes(name: str, shape: tuple[int, int], bits: int, group_size: int | None, symmetric: bool,
+               scale_bits: int | None = None) -> dict:
+    """The tensors (name -> shape) one integer layer is stored as.
+
+    Outside compressed-tensors' layout (``ct_layout``): ``weight_packed`` the codes as one dense
+    bitstream (uint8), ``weight_zero_point`` likewise; two-level scales as ``weight_sub_scale``
+    (sub-scale - 1, a ``scale_bits``-bit bitstream) and ``weight_channel_scale`` (float16 ``[out]``)
+    instead of ``weight_scale``.
+    """
     out_f, in_f = shape
     groups = in_f // (group_size or in_f)
-    d = {f"{name}.weight_packed": _packed_shape(out_f, in_f, bits), f"{name}.weight_scale": (out_f, groups),
-         f"{name}.weight_shape": (2,)}
+    if ct_layout(bits, scale_bits):
+        d = {f"{name}.weight_packed": _packed_shape(out_f, in_f, bits), f"{name}.weight_scale": (out_f, groups),
+             f"{name}.weight_shape": (2,)}
+        if not symmetric:
+            d[f"{name}.weight_zero_point"] = _packed_shape(groups, out_f, bits)[::-1]  # packed along the output axis
+        return d
+    d = {f"{name}.weight_packed": (-(-out_f * in_f * bits // 8),), f"{name}.weight_shape": (2,)}
+    if scale_bits is not None:
+        d[f"{name}.weight_sub_scale"] = (-(-out_f * groups * scale_bits // 8),)
+        d[f"{name}.weight_channel_scale"] = (out_f,)
+    else:
+        d[f"{name}.weight_scale"] = (out_f, groups)
     if not symmetric:
-        d[f"{name}.weight_zero_point"] = _packed_shape(groups, out_f, bits)[::-1]  # packed along the output axis
+        d[f"{name}.weight_zero_point"] = (-(-out_f * groups * bits // 8),)
     return d
 
 
 def _quant_tensors(name: str, qw: QuantizedWeight) -> dict[str, torch.Tensor]:
-    """One integer layer's packed codes, float16 scales and packed zero points (without its shape record)."""
-    out = {f"{name}.weight_packed": pack_int32(qw.storage_codes(), qw.bits),
-           f"{name}.weight_scale": qw.scales.to(torch.float16)}
+    """One integer layer's packed codes, scales as stored and packed zero points (without its shape record)."""
+    if ct_layout(qw.bits, qw.scale_bits):
+        out = {f"{name}.weight_packed": pack_int32(qw.storage_codes(), qw.bits),
+               f"{name}.weight_scale": qw.scales.to(torch.float16)}
+        if qw.zeros is not None:
+            out[f"{name}.weight_zero_point"] = pack_int32(qw.zeros.t(), qw.bits).t()
+        return {k: v.contiguous() for k, v in out.items()}
+    out = {f"{name}.weight_packed": pack_bits(qw.storage_codes(), qw.bits)}
+    if qw.two_level:
+        out[f"{name}.weight_sub_scale"] = pack_bits(qw.sub_scales.to(torch.int16) - 1, qw.scale_bits)
+        out[f"{name}.weight_channel_scale"] = qw.channel_scales.to(torch.float16)
+    else:
+        out[f"{name}.weight_scale"] = qw.scales.to(torch.float16)
     if qw.zeros is not None:
-        out[f"{name}.weight_zero_point"] = pack_int32(qw.zeros.t(), qw.bits).t()
+        out[f"{name}.weight_zero_point"] = pack_bits(qw.zeros, qw.bits)
     return {k: v.contiguous() for k, v in out.items()}
 
 
@@ -106,8 +145,20 @@ def _file_tensors(name: str, qw: QuantizedWeight) -> dict[str, torch.Tensor]:
     return {**_quant_tensors(name, qw), f"{name}.weight_shape": torch.tensor(qw.shape, dtype=torch.int64)}
 
 
-def _weight_from_file(name: str, t: dict, bits: int, group_size: int | None) -> QuantizedWeight:
+def _weight_from_file(name: str, t: dict, bits: int, group_size: int | None,
+                      scale_bits: int | None = None) -> QuantizedWeight:
     out_f, in_f = (int(x) for x in t[f"{name}.weight_shape"])
+    if not ct_layout(bits, scale_bits):
+        groups = in_f // (group_size or in_f)
+        codes = unpack_bits(t[f"{name}.weight_packed"], bits, out_f * in_f).view(out_f, in_f)
+        zp = t.get(f"{name}.weight_zero_point")
+        zeros = None if zp is None else unpack_bits(zp, bits, out_f * groups).view(out_f, groups)
+        if scale_bits is None:
+            return QuantizedWeight.from_storage_codes(codes, t[f"{name}.weight_scale"], zeros, bits, group_size)
+        sub = unpack_bits(t[f"{name}.weight_sub_scale"], scale_bits, out_f * groups).view(out_f, groups) + 1
+        return QuantizedWeight.from_storage_codes(codes, None, None, bits, group_size, sub_scales=sub,
+                                                  channel_scales=t[f"{name}.weight_channel_scale"],
+                                                  scale_bits=scale_bits)
     codes = unpack_int32(t[f"{name}.weight_packed"], bits, in_f)
     zp = t.get(f"{name}.weight_zero_point")
     zeros = None if zp is None else unpack_int32(zp.t(), bits, out_f).t()
@@ -189,14 +240,18 @@ def _layer_entry(qm, r) -> dict:
     qw = qm.weights.get(r.name)
     if qw is not None and not (r.tied_to and not r.untied):
         d.update(bits=qw.bits, symmetric=qw.symmetric, storage_bytes=qw.storage_bytes(),
-                 tensors=sorted(_ct_shapes(r.name, qw.shape, qw.bits, qw.group_size, qw.symmetric)))
+                 tensors=sorted(_ct_shapes(r.name, qw.shape, qw.bits, qw.group_size, qw.symmetric, qw.scale_bits)))
+        if qw.two_level:
+            d["scale_bits"] = qw.scale_bits
     return d
 
 
 def _write_manifest(directory: Path, extra: dict) -> None:
     files = {f.name: {"size": f.stat().st_size, "sha256": file_sha256(f)}
              for f in sorted(directory.iterdir()) if f.is_file() and f.name != "manifest.json"}
-    atomic_write_json(directory / "manifest.json", {"format": FORMAT, "version": FORMAT_VERSION, **extra,
+    version = json.loads((directory / "quantization.json").read_text(encoding="utf-8"))["version"] \
+        if (directory / "quantization.json").is_file() else FORMAT_VERSION
+    atomic_write_json(directory / "manifest.json", {"format": FORMAT, "version": version, **extra,
                                                     "versions": library_versions(), "files": files})
 
 
@@ -222,7 +277,12 @@ def save_quantized(qm, directory: str | Path, *, report: dict | None = None) -> 
     try:
         lm = qm.source
         stored = _stored_integer_layers(qm)
-        transformers_loads = not any(r.kind == "embedding" for r in stored)
+        why_not = TRANSFORMERS_CANNOT if any(r.kind == "embedding" for r in stored) else \
+            TRANSFORMERS_CANNOT_BITS if any(not ct_layout(qm.weights[r.name].bits, qm.weights[r.name].scale_bits)
+                                            for r in stored) else None
+        transformers_loads = why_not is None
+        version = FORMAT_VERSION if any(not ct_layout(qm.weights[r.name].bits, qm.weights[r.name].scale_bits)
+                                        for r in stored) else PLAIN_VERSION
         weights_file = WEIGHTS_FILE if transformers_loads else WORKBENCH_WEIGHTS_FILE
         _write_config(qm, tmp, transformers_loads)
         if lm.tokenizer is not None:
@@ -233,12 +293,12 @@ def save_quantized(qm, directory: str | Path, *, report: dict | None = None) -> 
         save_file(tensors, tmp / weights_file, metadata={"format": "pt"})
         del tensors
         qm.plan.save(tmp / "plan.json")
-        meta = {"format": FORMAT, "version": FORMAT_VERSION, "method": qm.method, "source": str(lm.path),
+        meta = {"format": FORMAT, "version": version, "method": qm.method, "source": str(lm.path),
                 "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "seconds": qm.seconds,
                 "bits_per_weight": qm.bits_per_weight, "weights_file": weights_file,
                 "transformers": {"loads": transformers_loads,
                                  "format": f"compressed-tensors {CT_FORMAT}" if transformers_loads else None,
-                                 "why_not": None if transformers_loads else TRANSFORMERS_CANNOT},
+                                 "why_not": why_not},
                 "layers": [_layer_entry(qm, r) for r in qm.layers]}
         if qm.awq:
             meta["awq"] = {"workspace_key": qm.awq.get("workspace_key"), "tokens": qm.awq.get("tokens"),

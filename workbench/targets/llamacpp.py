@@ -54,7 +54,7 @@ def llamacpp_tensor_types(lm: LoadedModel, plan: QuantPlan, *, notes: list[str] 
     """``(pattern, ggml type)`` pairs for ``llama-quantize --tensor-type``; patterns are anchored regexes."""
     notes = notes if notes is not None else []
     precisions = layer_precisions(lm.layers, plan)
-    check_precisions(TARGET, precisions.values(), "llama.cpp")
+    check_precisions(TARGET, precisions, "llama.cpp")
     out = []
     for info in lm.layers:
         prec = get_precision(precisions[info.name])
@@ -149,4 +149,7 @@ def _read(path, lm, export=None) -> dict[str, str]:
 
 TARGET = register_target(Target(
     "llama.cpp", "llama.cpp (GGUF)", rules=None, convert=convert_llamacpp, runnable=False,
-    overrides=OverrideFormat("llamacpp", _write, _read), module=__name__))
+    overrides=OverrideFormat("llamacpp", _write, _read), module=__name__,
+    precision_note="llama.cpp's 2, 3, 5 and 6-bit types (Q2_K, Q3_K, Q5_0/Q5_K, Q6_K) and its k-quant super-block "
+                   "scales have their own layouts, which the plan's codes and scales do not map to; int3, int5 and "
+                   "int6 run in the workbench's simulation, int2 and two-level scales also through ort-int4"))

@@ -11,6 +11,15 @@ A tied ``lm_head`` reads the embedding's bytes (written once). Layers the plan k
 stored as float16 (onnxruntime's CPU widens them when it loads the model). ``accuracy_level`` 4
 lets the kernel quantize activations to int8 (faster decode on AVX2/NEON, small extra error); 0
 keeps them float. Rules: ``assets/targets/ort.json``; runner: ``OnnxCausalLM``.
+
+Bit widths: onnxruntime 1.32's CPU ``MatMulNBits`` runs 2, 4 and 8-bit codes (its kernel refuses
+3, 5, 6 and 7: "Only 2b, 4b and 8b quantization is supported"), so int3/int5/int6 are refused by the
+target's rule. Two-level scales map exactly: each block's scale is its integer sub-scale times
+the channel's float16 scale, a product exact in float32 (at most 11 + 8 significant bits), which is
+the scales' type here (the graphs compute in float32). In float16 it would not be exact in general
+(an 11-bit mantissa times a sub-scale up to 16 needs up to 15 bits), so the file stores float32
+block scales: 32 bits per block where the plan stores ``scale_bits``, and the conversion reports
+the file as written.
 """
 from __future__ import annotations
 
@@ -34,6 +43,8 @@ __all__ = ["Int4Build", "NBitsWeights", "build_nbits_onnx", "matmulnbits_block_s
            "convert_ort_int4", "decode_speed", "TARGET"]
 
 ACCURACY_LEVELS = {0: "unset (float activations)", 1: "fp32", 2: "fp16", 3: "bf16", 4: "int8 activations"}
+NBITS = (2, 4, 8)  # what onnxruntime 1.32's CPU MatMulNBits kernel runs
+GATHER_BITS = (4, 8)  # what GatherBlockQuantized takes
 
 
 def matmulnbits_block_size(group_size: int) -> int | None:
@@ -57,20 +68,23 @@ def _nbits_tensors(qw, block: int):
     """MatMulNBits B, scales and zero points from a QuantizedWeight, repeating scales when groups > blocks."""
     import torch
 
-    from ..quantize import pack_int4
+    from ..quantize.qtensor import pack_bits
     n, k = qw.shape
     repeat = qw.effective_group_size // block
     scales = qw.scales.float().repeat_interleave(repeat, dim=1)  # [N, k_blocks]
     k_blocks = k // block
     codes = qw.storage_codes()  # uint8 [N, K], symmetric codes offset by 2^(bits-1) = MatMulNBits' default zero
-    if qw.bits == 4:
-        b = pack_int4(codes).reshape(n, k_blocks, block // 2)
-    else:
-        b = codes.reshape(n, k_blocks, block)
+    # blocks of >= 16 codes fill whole bytes, so one bitstream (lowest bits first) is every block's blob in turn
+    b = pack_bits(codes, qw.bits).reshape(n, k_blocks, block * qw.bits // 8)
     zeros = None
-    if qw.zeros is not None:
+    if qw.zeros is not None:  # zero points packed the same way, each row padded to whole bytes
         z = qw.zeros.to(torch.uint8).repeat_interleave(repeat, dim=1)
-        zeros = pack_int4(z) if qw.bits == 4 else z
+        if qw.bits == 8:
+            zeros = z
+        else:
+            per_byte = 8 // qw.bits
+            z = torch.nn.functional.pad(z, (0, -z.shape[1] % per_byte))
+            zeros = pack_bits(z, qw.bits).reshape(n, -1)
     return b.cpu().numpy(), scales.cpu().numpy().astype(np.float32), None if zeros is None else zeros.cpu().numpy()
 
 
@@ -97,11 +111,15 @@ class NBitsWeights(FloatWeights):
         p = get_precision(self.precisions.get(fqn)) if self.precisions.get(fqn) else None
         return p is not None and p.is_float and p.bits == 16
 
-    def _block(self, fqn: str, qw) -> int | None:
+    def _block(self, fqn: str, qw, kind: str = "matmul") -> int | None:
         block = matmulnbits_block_size(qw.effective_group_size)
         if block is None:
             self.notes[fqn] = (f"group size {qw.effective_group_size} has no power-of-two block >= 16, which "
                                "onnxruntime's integer ops need: kept as dequantized float32")
+        elif kind == "gather" and qw.bits not in GATHER_BITS:
+            self.notes[fqn] = (f"{qw.bits}-bit codes: onnxruntime's GatherBlockQuantized takes "
+                               f"{' and '.join(map(str, GATHER_BITS))}-bit ones: kept as dequantized float32")
+            return None
         return block
 
     def _tensors(self, g: GraphBuilder, qw, fqn: str, block: int, kind: str) -> tuple[str, str, str | None]:
@@ -148,7 +166,7 @@ class NBitsWeights(FloatWeights):
     def embedding(self, g: GraphBuilder, module, fqn: str, ids: str) -> str:
         from onnx import TensorProto
         qw = getattr(module, "quantized", None)
-        if qw is not None and self._block(fqn, qw):
+        if qw is not None and self._block(fqn, qw, "gather"):
             block = matmulnbits_block_size(qw.effective_group_size)
             qweight, scales, zeros = self._tensors(g, qw, fqn, block, "gather")
             name = f"/{fqn}/GatherBlockQuantized"
@@ -195,6 +213,11 @@ def build_nbits_onnx(sim_model, out_dir: str | Path, precisions: Mapping[str, st
 def _storage_notes(qm, kept_float: dict[str, str]) -> list[str]:
     """What the plan's float layers became in the ONNX Runtime graphs (never silently float32)."""
     notes = [f"{k}: {v}" for k, v in kept_float.items()]
+    two_level = [n for n, qw in qm.weights.items() if qw.two_level and n not in kept_float]
+    if two_level:
+        notes.append(f"{len(two_level)} layer(s) with two-level scales ({', '.join(two_level[:2])}...): each block's "
+                     "scale is written as its exact float32 product sub-scale x channel scale (MatMulNBits has no "
+                     "integer sub-scales), so the file holds 32 bits per block where the plan stores the sub-scale")
     half = half_layers(qm)
     if half:
         notes.append(f"{half}: float16 in the plan, stored as float16 (onnxruntime's CPU widens float16 weights to "
@@ -288,4 +311,7 @@ def decode_speed(runner: OnnxCausalLM, prompt: list[int], steps: int = 32, repea
 
 TARGET = register_target(Target(
     "ort-int4", "ONNX Runtime CPU, INT4/INT8 MatMulNBits", rules="ort", convert=convert_ort_int4, runnable=True,
-    runner=OnnxCausalLM, module=__name__))
+    runner=OnnxCausalLM, module=__name__, int_bits=NBITS,
+    two_level=tuple((b, k) for b in NBITS for k in range(1, 9)),
+    precision_note="onnxruntime's CPU MatMulNBits runs 2, 4 and 8-bit codes only; int3, int5 and int6 run in the "
+                   "workbench's simulation"))

@@ -82,11 +82,23 @@ def _ort_axis(layout: str | None, tensor: str) -> int:
     return 0
 
 
-def ort_overrides(quantized, export, *, notes: list[str] | None = None) -> dict:
-    """``{"init_overrides": ..., "float_weights": ...}``: the plan in onnxruntime's TensorQuantOverrides."""
+def ort_overrides(quantized, export, *, notes: list[str] | None = None, twin: bool = False) -> dict:
+    """``{"init_overrides": ..., "float_weights": ...}``: the plan in onnxruntime's TensorQuantOverrides.
+
+    ``twin``: for QNN's QDQ twin, whose precisions the QNN target has already checked; its two-level
+    (LPBQ) layers are written as group-wise ones, with onnxruntime's own scales.
+    """
     notes = notes if notes is not None else []
     weight_names, layouts = graph_names(export)
-    check_precisions(TARGET, [r.precision for r in quantized.layers], "ONNX Runtime QDQ")
+    if not twin:
+        check_precisions(TARGET, quantized.precisions, "ONNX Runtime QDQ")
+    else:
+        lpbq = [n for n, qw in quantized.weights.items() if qw.two_level]
+        if lpbq:
+            bits = quantized.weights[lpbq[0]].bits
+            notes.append(f"the QDQ twin holds {len(lpbq)} two-level (LPBQ) layer(s) as {bits}-bit weights with "
+                         "per-channel scales onnxruntime computes (QDQ has no LPBQ): its figures approximate what "
+                         "HTP runs from the LPBQ encodings")
     init_overrides: dict[str, list[dict]] = {}
     float_weights: dict[str, str] = {}
     grouped = []
@@ -319,7 +331,7 @@ def qdq_twin(job, static_export, qdq_dir: Path, feeds: Mapping[str, list]) -> Pa
     (``job.feeds``); returns the prefill graph."""
     report = job.report
     notes: list[str] = []
-    doc = ort_overrides(job.prep.qm, static_export, notes=notes)
+    doc = ort_overrides(job.prep.qm, static_export, notes=notes, twin=True)
     report.notes += notes
     job.say(f"quantizing to QDQ (A{job.activation_bits}, weights as the plan says)")
     infos, paths = {}, []
@@ -376,5 +388,7 @@ def _read(path, lm, export=None) -> dict[str, str]:
 TARGET = register_target(Target(
     "ort-qdq", "ONNX Runtime QDQ for the QNN execution provider", rules="qnn", convert=convert_ort_qdq,
     runnable=True, runner=OnnxCausalLM, int_bits=(4, 8), float_bits=(16, 32),
+    precision_note="its QDQ weights are 4 or 8-bit with float scales onnxruntime's quantizer computes: two-level "
+                   "scales go through ort-int4 or qnn (LPBQ)",
     overrides=OverrideFormat("ort", _write, _read, needs_quantized=True, needs_graph=True),
     module=__name__))

@@ -20,6 +20,15 @@ their MatMul when only float layers read that input (HTP rejects a float x fixed
 The causal mask is pinned to [-MASK_RANGE, MASK_RANGE] (``ort_qdq``), and with calibration
 statistics the inputs of the integer MatMuls get ``activation_bitwidth`` ranges. Every document is
 checked by ``validate_qnn_encodings`` against its graph before it is written.
+
+A plan with two-level scales (``int4-lpbq``) is written in the AIMET 1.0.0 layout instead, the
+first that has LPBQ: ``param_encodings`` and ``activation_encodings`` are lists of entries with a
+``name``; a two-level weight is ``{"enc_type": "LPBQ", "dtype": "INT", "bw": 8, "compressed_bw": 4,
+"block_size": g, "is_sym": true, "scale": [float16 scale per output channel], "offset": [-128, ...],
+"per_block_int_scale": [sub-scales, channel-major]}``: ``real = q * per_block_int_scale * scale`` for
+4-bit codes ``q`` in [-8, 7] (their product with the sub-scale is the 8-bit ``bw`` value), exactly the
+quantized model's stored parts. Other weights become ``PER_CHANNEL`` / ``PER_BLOCK`` entries with
+the same scales and offsets as in 0.6.1, float ones ``{"dtype": "FLOAT", "bw": 16}``.
 """
 from __future__ import annotations
 
@@ -38,11 +47,14 @@ from .common import OverrideFile, graph_consumers, graph_names, layers_from_tens
 from .ort_qdq import MASK_RANGE, causal_mask_tensors, measure_qdq, qdq_evaluator, qdq_twin
 from .registry import OverrideFormat, Target, check_precisions, register_target
 
-__all__ = ["QNN_ENCODINGS_VERSION", "DEFAULT_ACTIVATION_BITWIDTH", "qnn_encodings", "write_qnn_encodings",
+__all__ = ["QNN_ENCODINGS_VERSION", "QNN_LPBQ_VERSION", "DEFAULT_ACTIVATION_BITWIDTH",
+           "qnn_encodings", "write_qnn_encodings",
            "read_qnn_encodings", "validate_qnn_encodings", "graph_tensor_names", "range_encoding",
            "write_qnn_bundle", "write_calibration_raw", "TARGET"]
 
 QNN_ENCODINGS_VERSION = "0.6.1"
+QNN_LPBQ_VERSION = "1.0.0"  # the first AIMET encodings layout with LPBQ
+ENC_TYPES = ("PER_TENSOR", "PER_CHANNEL", "PER_BLOCK", "LPBQ")
 DEFAULT_ACTIVATION_BITWIDTH = 16  # A16W8 / A16W4: what LLMs on Hexagon use; 8-bit activations wreck attention
 FLOAT16 = [{"bitwidth": 16, "dtype": "float"}]
 
@@ -74,6 +86,40 @@ def _float_encoding(precision) -> list[dict]:
     return [{"bitwidth": int(precision.bits), "dtype": "float"}]
 
 
+def _v1_entry(name: str, encs: list[dict], qw=None) -> dict:
+    """One 0.6.1 encoding list as a 1.0.0 entry; an integer weight's block layout (and LPBQ) from ``qw``."""
+    e0 = encs[0]
+    if e0["dtype"] == "float":
+        return {"name": name, "dtype": "FLOAT", "enc_type": "PER_TENSOR", "bw": e0["bitwidth"]}
+    entry = {"name": name, "dtype": "INT", "bw": e0["bitwidth"], "is_sym": _bool_str(e0["is_symmetric"]),
+             "scale": [e["scale"] for e in encs], "offset": [e["offset"] for e in encs]}
+    if qw is None or len(encs) == 1:
+        entry["enc_type"] = "PER_TENSOR" if len(encs) == 1 else "PER_CHANNEL"
+    elif qw.n_groups == 1:
+        entry["enc_type"] = "PER_CHANNEL"
+    else:
+        entry.update(enc_type="PER_BLOCK", block_size=qw.effective_group_size)
+    if qw is not None and qw.two_level:
+        bw = qw.bits + qw.scale_bits
+        entry.update(enc_type="LPBQ", bw=bw, compressed_bw=qw.bits, block_size=qw.effective_group_size, is_sym=True,
+                     scale=[float(c) for c in qw.channel_scales.tolist()],
+                     offset=[-(1 << (bw - 1))] * qw.shape[0],
+                     per_block_int_scale=[int(v) for v in qw.sub_scales.reshape(-1).tolist()])
+    return entry
+
+
+def _as_lpbq_document(doc: dict, quantized, weight_names: Mapping[str, str]) -> dict:
+    """The 0.6.1 document ``doc`` in the 1.0.0 layout, the quantized model's two-level weights as LPBQ."""
+    weight_of = {}
+    for r in quantized.layers:
+        qw = quantized.weights.get(r.name)
+        if qw is not None and r.name in weight_names:
+            weight_of.setdefault(weight_names[r.name], qw)
+    return {"version": QNN_LPBQ_VERSION,
+            "activation_encodings": [_v1_entry(t, e) for t, e in doc["activation_encodings"].items()],
+            "param_encodings": [_v1_entry(t, e, weight_of.get(t)) for t, e in doc["param_encodings"].items()]}
+
+
 def _load_graph(export, graph: str | Path | None):
     """The graph (proto, without weights) the encodings are for: ``graph``, else the export's prefill graph."""
     import onnx
@@ -90,7 +136,7 @@ def qnn_encodings(quantized, export, *, graph: str | Path | None = None, calibra
     """
     notes = notes if notes is not None else []
     weight_names, _ = graph_names(export)
-    check_precisions(TARGET, [r.precision for r in quantized.layers], "QNN")
+    check_precisions(TARGET, quantized.precisions, "QNN")
     params: dict[str, list[dict]] = {}
     precisions: dict[str, str | None] = {}
     blockwise: list[str] = []
@@ -111,18 +157,22 @@ def qnn_encodings(quantized, export, *, graph: str | Path | None = None, calibra
             raise PlanError(f"layer '{r.name}' is {prec.name} in the plan but the quantized model has no weights "
                             "for it; quantize with the same plan")
         params[tensor] = _int_encodings(qw)
-        if qw.group_size is not None and qw.n_groups > 1:
+        if qw.group_size is not None and qw.n_groups > 1 and not qw.two_level:
             blockwise.append(r.name)
     if blockwise:
         notes.append(f"{len(blockwise)} layer(s) have several blocks per output channel (group size "
                      f"{quantized.plan.group_size}): written as per-block encodings, channel-major; plan with "
                      "group_size null for one encoding per output channel")
     doc = {"version": QNN_ENCODINGS_VERSION, "activation_encodings": {}, "param_encodings": params}
+    lpbq = [r.name for r in quantized.layers if r.name in quantized.weights and quantized.weights[r.name].two_level]
+    if lpbq:
+        notes.append(f"{len(lpbq)} layer(s) have two-level scales: written as LPBQ in the AIMET {QNN_LPBQ_VERSION} "
+                     "encodings layout (4-bit codes, 4-bit per-block integer scales, a float scale per output channel)")
     path, proto = _load_graph(export, graph)
     if proto is None:
         notes.append("activation encodings (float MatMuls, the causal mask, calibration ranges) need the graph "
                      "file; pass the ExportResult, not a mapping")
-        return doc
+        return _as_lpbq_document(doc, quantized, weight_names) if lpbq else doc
     acts = doc["activation_encodings"]
     readers = _matmul_inputs(proto, weight_names, precisions)
     amax = _calibration_ranges(calibration, readers) if calibration is not None else {}
@@ -144,7 +194,7 @@ def qnn_encodings(quantized, export, *, graph: str | Path | None = None, calibra
     if mask:
         notes.append(f"{len(mask)} causal-mask tensor(s) pinned to [-{MASK_RANGE:g}, {MASK_RANGE:g}] (min/max "
                      "calibration would give them a scale of ~1e34 and wipe out attention)")
-    return doc
+    return _as_lpbq_document(doc, quantized, weight_names) if lpbq else doc
 
 
 def _matmul_inputs(proto, weight_names, precisions) -> dict[str, tuple[list[str], list[str]]]:
@@ -240,6 +290,8 @@ def validate_qnn_encodings(doc_or_path, *, onnx_path: str | Path | None = None,
     if onnx_path is not None:
         shapes, all_names = graph_tensor_names(onnx_path)
         known = all_names if known is None else known | all_names
+    if doc.get("version") == QNN_LPBQ_VERSION:
+        return _validate_v1(doc, where, shapes, known)
     for section in ("param_encodings", "activation_encodings"):
         block = doc.get(section, {} if section == "activation_encodings" else None)
         if not isinstance(block, Mapping):
@@ -261,9 +313,99 @@ def validate_qnn_encodings(doc_or_path, *, onnx_path: str | Path | None = None,
                 problems.extend(f"{label}[{i}]: {msg}" for msg in _encoding_problems(e))
                 if len(problems) > 50:
                     break
+    _raise(where, problems)
+
+
+def _raise(where: str, problems: list[str]) -> None:
     if problems:
         more = f" (and {len(problems) - 10} more)" if len(problems) > 10 else ""
         raise PlanError(f"{where} is not valid QNN encodings: " + "; ".join(problems[:10]) + more)
+
+
+def _v1_problems(e, shape: tuple[int, ...] | None) -> list[str]:
+    """Problems of one AIMET 1.0.0 entry (``shape``: its initializer's, when known)."""
+    if not isinstance(e, Mapping):
+        return ["must be an object"]
+    out = []
+    dtype, enc, bw = e.get("dtype"), e.get("enc_type"), e.get("bw")
+    if dtype not in ("INT", "FLOAT"):
+        out.append(f"'dtype' must be \"INT\" or \"FLOAT\", got {dtype!r}")
+    if enc not in ENC_TYPES:
+        out.append(f"'enc_type' must be one of {', '.join(ENC_TYPES)}, got {enc!r}")
+    if not isinstance(bw, int) or isinstance(bw, bool) or not 1 <= bw <= 32:
+        out.append(f"'bw' must be an integer 1..32, got {bw!r}")
+    if out or dtype == "FLOAT":
+        return out + ([f"float encodings are 16 or 32 bits, got {bw}"] if dtype == "FLOAT" and bw not in (16, 32)
+                      else [])
+    scale, offset, sym = e.get("scale"), e.get("offset"), e.get("is_sym")
+    if not isinstance(sym, bool):
+        out.append(f"'is_sym' must be true or false, got {sym!r}")
+    if not isinstance(scale, list) or not scale or not all(isinstance(v, (int, float)) and v > 0 for v in scale):
+        return out + ["'scale' must be a non-empty list of positive numbers"]
+    if not isinstance(offset, list) or len(offset) != len(scale) or \
+            not all(isinstance(v, int) and not isinstance(v, bool) for v in offset):
+        return out + [f"'offset' must be a list of {len(scale)} integers, one per scale"]
+    top = (1 << bw) - 1
+    if any(not -top <= o <= 0 for o in offset):
+        out.append(f"an 'offset' lies outside [-{top}, 0]")
+    if sym and any(o != -(1 << (bw - 1)) for o in offset):
+        out.append(f"symmetric {bw}-bit encodings have offset {-(1 << (bw - 1))}")
+    n = len(scale)
+    if enc == "PER_TENSOR" and n != 1:
+        out.append(f"PER_TENSOR has one scale, got {n}")
+    blocks = None
+    if enc in ("PER_BLOCK", "LPBQ"):
+        bs = e.get("block_size")
+        if not isinstance(bs, int) or isinstance(bs, bool) or bs <= 0:
+            return out + [f"{enc} needs a positive integer 'block_size', got {bs!r}"]
+        if shape is not None and len(shape) == 2:
+            fits = [(c, k // bs) for c, k in ((shape[0], shape[1]), (shape[1], shape[0])) if k % bs == 0]
+            if not fits:
+                out.append(f"block_size {bs} divides neither axis of shape {list(shape)}")
+            blocks = fits
+    if shape is not None and len(shape) == 2:
+        if enc == "PER_CHANNEL" and n not in shape:
+            out.append(f"{n} scales fit neither the channels of shape {list(shape)}")
+        if enc == "PER_BLOCK" and blocks is not None and not any(c * b == n for c, b in blocks):
+            out.append(f"{n} scales fit neither the channels x blocks of shape {list(shape)}")
+        if enc == "LPBQ" and blocks is not None and not any(c == n for c, _ in blocks):
+            out.append(f"LPBQ has one float scale per output channel: {n} fit no axis of shape {list(shape)}")
+    if enc == "LPBQ":
+        cbw, ints = e.get("compressed_bw"), e.get("per_block_int_scale")
+        if not isinstance(cbw, int) or isinstance(cbw, bool) or not 1 <= cbw < bw:
+            return out + [f"LPBQ needs an integer 'compressed_bw' below bw {bw}, got {cbw!r}"]
+        if sym is not True:
+            out.append("LPBQ encodings are symmetric ('is_sym': true)")
+        limit = 1 << (bw - cbw)
+        if not isinstance(ints, list) or not all(isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= limit
+                                                 for v in ints):
+            out.append(f"'per_block_int_scale' must be a list of integers in [1, {limit}]")
+        elif blocks is not None and not any(c == n and c * b == len(ints) for c, b in blocks):
+            out.append(f"{len(ints)} per-block scales fit no channels x blocks of shape {list(shape)}")
+    return out
+
+
+def _validate_v1(doc: Mapping, where: str, shapes: dict, known: set[str] | None) -> None:
+    problems: list[str] = []
+    for section in ("param_encodings", "activation_encodings"):
+        entries = doc.get(section, [] if section == "activation_encodings" else None)
+        if not isinstance(entries, list):
+            problems.append(f"'{section}' must be a list of encodings with a 'name' each (version 1.0.0)")
+            continue
+        for i, e in enumerate(entries):
+            name = e.get("name") if isinstance(e, Mapping) else None
+            label = f"{section}[{i}]" + (f" ('{name}')" if isinstance(name, str) else "")
+            if not isinstance(name, str):
+                problems.append(f"{label}: needs a 'name' (string)")
+            elif section == "param_encodings" and shapes and name not in shapes:
+                problems.append(f"{label}: no initializer of that name in the graph")
+            elif known is not None and name not in known:
+                problems.append(f"{label}: no tensor of that name in the graph")
+            problems.extend(f"{label}: {m}" for m in _v1_problems(e, shapes.get(name) if isinstance(name, str)
+                                                                  else None))
+            if len(problems) > 50:
+                break
+    _raise(where, problems)
 
 
 def _encoding_problems(e) -> list[str]:
@@ -312,6 +454,18 @@ def read_qnn_encodings(path: str | Path) -> dict[str, dict]:
     validate_qnn_encodings(path)
     doc = json.loads(Path(path).read_text(encoding="utf-8"))
     out = {}
+    if doc["version"] == QNN_LPBQ_VERSION:
+        for e in doc["param_encodings"]:
+            if e["dtype"] == "FLOAT":
+                out[e["name"]] = {"precision": f"fp{e['bw']}", "symmetric": None, "scales": None, "offsets": None}
+                continue
+            lpbq = e["enc_type"] == "LPBQ"
+            out[e["name"]] = {"precision": _lpbq_precision(e["compressed_bw"], e["bw"]) if lpbq else f"int{e['bw']}",
+                              "symmetric": e["is_sym"], "scales": np.array(e["scale"], dtype=np.float64),
+                              "offsets": np.array(e["offset"], dtype=np.int64)}
+            if lpbq:
+                out[e["name"]]["per_block_int_scale"] = np.array(e["per_block_int_scale"], dtype=np.int64)
+        return out
     for tensor, encs in doc["param_encodings"].items():
         e0 = encs[0]
         if e0["dtype"] == "float":
@@ -321,6 +475,16 @@ def read_qnn_encodings(path: str | Path) -> dict[str, dict]:
                            "scales": np.array([e["scale"] for e in encs], dtype=np.float64),
                            "offsets": np.array([e["offset"] for e in encs], dtype=np.int64)}
     return out
+
+
+def _lpbq_precision(compressed_bw: int, bw: int) -> str:
+    """The registered two-level precision an LPBQ encoding stands for."""
+    from ..plan import PRECISIONS
+    for p in PRECISIONS.values():
+        if p.two_level and p.bits == compressed_bw and p.scale_bits == bw - compressed_bw:
+            return p.name
+    raise PlanError(f"no registered precision has {compressed_bw}-bit codes with {bw - compressed_bw}-bit sub-scales; "
+                    "register one (workbench.register_precision) to read this LPBQ encoding")
 
 
 def write_calibration_raw(out_dir: Path, name: str, feeds: Sequence[Mapping[str, np.ndarray]],
@@ -422,4 +586,6 @@ def _read(path, lm, export=None) -> dict[str, str]:
 TARGET = register_target(Target(
     "qnn", "Qualcomm QNN HTP", rules="qnn", convert=convert_qnn, runnable=True, int_bits=(4, 8),
     float_bits=(16, 32), overrides=OverrideFormat("qnn", _write, _read, needs_quantized=True, needs_graph=True),
-    module=__name__))
+    module=__name__, two_level=((4, 4),),
+    precision_note="HTP runs 4 and 8-bit weights; two-level scales as LPBQ: 4-bit codes with 4-bit sub-scales "
+                   "(compressed_bw 4, bw 8)"))

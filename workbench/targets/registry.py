@@ -11,12 +11,13 @@ override-file format (``OverrideFormat``: writer and reader of per-layer precisi
 ``convert``, ``overrides`` and the app list and dispatch through ``target_names`` and ``get_target``.
 
 Precisions: a target says which weight precisions it can carry, by kind and bit width
-(``int_bits``, ``float_bits``), so a precision added with ``register_precision`` either works
-through it or is refused by name (``check_precisions``).
+(``int_bits``, ``float_bits``) and which two-level scales (``two_level``: (code bits, sub-scale
+bits) pairs), with ``precision_note`` saying why the rest are not, so a precision added with
+``register_precision`` either works through it or is refused, naming the layers (``check_precisions``).
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
@@ -57,6 +58,16 @@ class Target:
     int_bits: tuple[int, ...] = (4, 8)  # integer weight widths it carries
     float_bits: tuple[int, ...] = (16, 32)  # float weight widths it carries
     module: str = field(default="", compare=False)
+    two_level: tuple[tuple[int, int], ...] = ()  # (code bits, sub-scale bits) of two-level scales it carries exactly
+    precision_note: str = ""  # why it carries no other precisions, said when it refuses one
+
+    def carries(self, precision: Precision) -> bool:
+        """Whether this target carries ``precision`` as the plan stores it (bit width, and scales)."""
+        if precision.is_float:
+            return precision.bits in self.float_bits
+        if precision.two_level:
+            return (precision.bits, precision.scale_bits) in self.two_level
+        return precision.bits in self.int_bits
 
 
 _TARGETS: dict[str, Target] = {}
@@ -134,20 +145,32 @@ def rules_path(name: str) -> Path:
 
 
 def _describe(p: Precision) -> str:
+    if p.two_level:
+        return f"{p.bits}-bit integer, {p.scale_bits}-bit sub-scales"
     return f"{p.bits}-bit {'float' if p.is_float else 'integer'}"
 
 
-def check_precisions(target: Target, precisions: Iterable[str | None], what: str = "") -> None:
-    """Refuse, by name, every precision in ``precisions`` that ``target`` cannot carry."""
-    bad = {}
-    for name in precisions:
+def _layers_text(layers: list[str]) -> str:
+    return ", ".join(layers[:3]) + (f" and {len(layers) - 3} more" if len(layers) > 3 else "")
+
+
+def check_precisions(target: Target, precisions: Mapping[str, str | None] | Iterable[str | None],
+                     what: str = "") -> None:
+    """Refuse every precision ``target`` cannot carry, naming it and (given ``{layer: precision}``) its layers."""
+    items = precisions.items() if isinstance(precisions, Mapping) else ((None, p) for p in precisions)
+    bad: dict[str, tuple[Precision, list[str]]] = {}
+    for layer, name in items:
         p = get_precision(name)
-        if p is None:
+        if p is None or target.carries(p):
             continue
-        if p.bits not in (target.float_bits if p.is_float else target.int_bits):
-            bad[p.name] = p
+        entry = bad.setdefault(p.name, (p, []))
+        if layer is not None:
+            entry[1].append(layer)
     if bad:
-        takes = [f"int{b}" for b in target.int_bits] + [f"{b}-bit float" for b in target.float_bits]
-        names = ", ".join(f"'{n}' ({_describe(p)})" for n, p in bad.items())
-        raise PlanError(f"{what or target.title} cannot carry precision {names}: it takes {', '.join(takes)}; "
+        takes = [f"int{b}" for b in target.int_bits] + [f"{b}-bit float" for b in target.float_bits] + \
+            [f"int{b} with {k}-bit sub-scales" for b, k in target.two_level if k == 4]
+        names = "; ".join(f"'{n}' ({_describe(p)})" + (f" for layer(s) {_layers_text(layers)}" if layers else "")
+                          for n, (p, layers) in bad.items())
+        note = f" ({target.precision_note})" if target.precision_note else ""
+        raise PlanError(f"{what or target.title} cannot carry precision {names}: it takes {', '.join(takes)}{note}; "
                         "give those layers another precision in the plan")

@@ -27,9 +27,15 @@ from ..models import LoadedModel
 from ..plan import PlanRule, QuantPlan, get_precision
 from ..sensitivity import DEFAULT_SWEEP_TOKENS, LayerVariants, PlanEvaluator, SensitivityReport, evaluation_tokens
 
-__all__ = ["OverridePanel", "PRECISION_CHOICES"]
+__all__ = ["OverridePanel", "precision_choices"]
 
-PRECISION_CHOICES = (("INT4", "int4"), ("INT8", "int8"), ("FP16", "fp16"))
+
+def precision_choices() -> list[tuple[str, str]]:
+    """(label, precision) for the dropdowns: INT4 and INT8 first, every other registered integer precision, FP16."""
+    from ..plan import PRECISIONS
+    ints = [p.name for p in PRECISIONS.values() if not p.is_float]
+    ordered = [n for n in ("int4", "int8") if n in ints] + [n for n in ints if n not in ("int4", "int8")] + ["fp16"]
+    return [(n.upper(), n) for n in ordered]
 _KEEP = "keep"  # dropdown value for a layer the plan leaves alone (precision None)
 
 
@@ -73,7 +79,7 @@ class OverridePanel(widgets.VBox):
         positive = [v for v in damages.values() if v > 0]
         lo, hi = (min(positive), max(positive)) if positive else (1e-9, 1e-9)
         kl_title = "est. KL" if sensitivity is not None and sensitivity.score == "proxy" else "KL"
-        options = list(PRECISION_CHOICES) + [("unchanged", _KEEP)]
+        options = precision_choices() + [("unchanged", _KEEP)]
         self.dropdowns: dict[str, widgets.Dropdown] = {}
         header = widgets.HTML("<b style='display:inline-block;width:300px'>layer</b>"
                               "<b style='display:inline-block;width:90px'>shape</b>"
@@ -98,7 +104,7 @@ class OverridePanel(widgets.VBox):
 
         self.pattern = widgets.Text(placeholder="*.q_proj  or  re:.*layers\\.[0-1]\\..*", description="pattern",
                                     layout={"width": "360px"})
-        self.rule_precision = widgets.Dropdown(options=list(PRECISION_CHOICES), value="fp16", layout={"width": "100px"})
+        self.rule_precision = widgets.Dropdown(options=precision_choices(), value="fp16", layout={"width": "110px"})
         self.apply_button = widgets.Button(description="Apply rule", icon="check")
         self.apply_button.on_click(lambda _: self.apply_rule(self.pattern.value, self.rule_precision.value))
         self.undo_button = widgets.Button(description="Undo", icon="undo", disabled=True)
@@ -134,7 +140,7 @@ class OverridePanel(widgets.VBox):
     # -- plan editing -------------------------------------------------------------------------------
     def _value_for(self, name: str) -> str:
         p = self.plan.precision_name_for(name)
-        return p if p in dict((v, k) for k, v in PRECISION_CHOICES) else _KEEP
+        return p if p in {v for _, v in precision_choices()} else _KEEP
 
     def _on_dropdown(self, name: str):
         def handler(change):

@@ -1,4 +1,4 @@
-"""The quantization panel: method, bits, group size, symmetric; Run; the measured cost and per-layer errors.
+"""The quantization panel: method, precision (INT2..INT8, two-level), group size, symmetric; Run; the cost and errors.
 
     panel = QuantizePanel(lm, method="awq", bits=4, group_size=128)
     panel.run()            # what the Run button does; returns the QuantCost
@@ -22,7 +22,7 @@ import ipywidgets as widgets
 from ..charts.quantize import make_cost_table_figure, make_layer_error_figure
 from ..evaluate import DEFAULT_CTX
 from ..models import LoadedModel, demo_text_path
-from ..plan import QuantPlan
+from ..plan import QuantPlan, get_precision
 from ..quantize import CALIBRATED_METHODS, heldout_ids, measure_cost, measure_reference, quantize_model
 from ..workspace import Workspace
 from .base import StepPanel
@@ -93,7 +93,11 @@ class QuantizePanel(StepPanel):
 
     @staticmethod
     def _bit_options(plan: QuantPlan | None) -> list:
-        return ([("plan", "plan")] if plan is not None else []) + [("INT4", 4), ("INT8", 8)]
+        """"plan", then every registered integer precision: plain widths by their bits, two-level ones by name."""
+        from .overrides import precision_choices
+        ints = [(label, get_precision(name)) for label, name in precision_choices() if name != "fp16"]
+        return ([("plan", "plan")] if plan is not None else []) + \
+            [(label, p.name if p.two_level else p.bits) for label, p in ints]
 
     @staticmethod
     def _group_options(group_size) -> list:
@@ -132,7 +136,12 @@ class QuantizePanel(StepPanel):
                     "method": self.method.value}
         if self.bits.value == "plan":
             return replace(self.base_plan, **settings)
-        return QuantPlan.uniform(f"int{self.bits.value}", **settings)
+        return QuantPlan.uniform(self._uniform_precision(), **settings)
+
+    def _uniform_precision(self) -> str:
+        """The precision the bits dropdown names (a width: ``int<bits>``; a two-level precision: its name)."""
+        v = self.bits.value
+        return v if isinstance(v, str) else f"int{v}"
 
     def run(self):
         """Quantize by the current plan, evaluate against the float model, show the results."""
@@ -169,7 +178,7 @@ class QuantizePanel(StepPanel):
     def _quantize_and_measure(self):
         """The library calls behind Run: reference (once), calibration for AWQ, quantize, measure, keep."""
         plan = self.current_plan()
-        label = (f"{'plan' if self.bits.value == 'plan' else f'INT{self.bits.value}'} {plan.method.upper()} "
+        label = (f"{'plan' if self.bits.value == 'plan' else self._uniform_precision().upper()} {plan.method.upper()} "
                  f"g{plan.group_size or 'channel'}{'' if plan.symmetric else ' asym'}")
         tokens = self.eval_tokens.value or None
         if self.baseline is None or self._baseline_tokens != tokens:  # rows compare on one text: start them again
