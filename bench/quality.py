@@ -99,6 +99,16 @@ class LlamaCpp:
             sys.exit(f"{tool} failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}")
         return proc.stdout + proc.stderr
 
+    def run_parsed(self, parse, tool: str, *args: str, tries: int = 3):
+        """``parse`` of a tool's output. llama.cpp's log is written by a background thread that a busy machine
+        can leave unflushed at exit (a summary line then missing, exit status 0): such a run is repeated."""
+        for attempt in range(tries):
+            try:
+                return parse(self.run(tool, *args))
+            except ValueError:
+                if attempt == tries - 1:
+                    raise
+
     def convert(self, model_dir: Path, out: Path) -> str:
         proc = subprocess.run([sys.executable, "-c", _CONVERT, str(self.root), str(model_dir), str(out)],
                               capture_output=True, text=True)
@@ -192,17 +202,17 @@ def llamacpp_rows(llama: LlamaCpp, lm, baseline, text: Path, ctx: int, types, th
     f32 = tmp / "model-f32.gguf"
     notes = llama.convert(lm.path, f32)
     base = tmp / "base.kld"
-    out = llama.run("llama-perplexity", "-m", str(f32), "-f", str(text), "-c", str(ctx), "-t", str(threads),
-                    "--kl-divergence-base", str(base))
-    info = {"f32_perplexity": parse_perplexity(out),
+    f32_perplexity = llama.run_parsed(parse_perplexity, "llama-perplexity", "-m", str(f32), "-f", str(text), "-c",
+                                      str(ctx), "-t", str(threads), "--kl-divergence-base", str(base))
+    info = {"f32_perplexity": f32_perplexity,
             "converter_notes": [ln for ln in notes.splitlines() if "gpt-2" in ln]}
     rows = []
     for qtype in types:
         q = tmp / f"model-{qtype}.gguf"
         llama.run("llama-quantize", str(f32), str(q), qtype, str(threads))
         row = {"type": qtype, "bits": gguf_bits_per_weight(gguf.GGUFReader(q)), "size": q.stat().st_size,
-               **parse_kl(llama.run("llama-perplexity", "-m", str(q), "-c", str(ctx), "-t", str(threads),
-                                    "--kl-divergence-base", str(base), "--kl-divergence"))}
+               **llama.run_parsed(parse_kl, "llama-perplexity", "-m", str(q), "-c", str(ctx), "-t", str(threads),
+                                  "--kl-divergence-base", str(base), "--kl-divergence")}
         if readback:
             rep = evaluate_weights(lm, load_gguf_weights(lm, gguf.GGUFReader(q), dequantize), baseline)
             row.update(readback_kl=rep.kl_divergence, readback_kl_se=rep.kl_stderr, report=rep)

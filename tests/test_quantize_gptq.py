@@ -137,3 +137,42 @@ def test_gptq_with_two_level_scales_keeps_the_row_scales_and_beats_rtn(act_order
         return float(torch.trace(d @ h @ d.T))
     assert err(qw) < err(rtn)
     assert err(gptq_quantize_weight(w, h, 4, 32, True, act_order=act_order, scale_bits=4, scale_search=True)) < err(qw)
+
+
+def test_a_killed_gptq_resumes_after_its_last_block(lm, tmp_path, monkeypatch, caplog):
+    """Killed in block 1 of 2, GPTQ goes on from block 1 with block 0's saved codes (two-level ones too),
+    says so, gives the same codes, and leaves no checkpoint behind."""
+    import workbench.quantize.gptq as gptq
+    from workbench.workspace import Workspace
+    gen = torch.Generator().manual_seed(3)
+    samples = [torch.randint(0, lm.model.config.vocab_size, (64,), generator=gen) for _ in range(3)]
+    plan = QuantPlan.uniform("int4", group_size=32).with_override("*.v_proj", "int4-lpbq")
+    whole = quantize_model(lm, plan, method="gptq", calibration=samples, workspace=Workspace(tmp_path / "a"),
+                           progress=False)
+    rounded = gptq.gptq_quantize_weight
+    block0 = [n for n in whole.weights if ".layers.0." in n]
+    block1 = [n for n in whole.weights if ".layers.1." in n]
+    calls = []
+
+    def killed_in_the_second_block(w, h, *args, **kwargs):
+        calls.append(len(calls))
+        if len(calls) > len(block0):  # the first layer of block 1
+            raise KeyboardInterrupt
+        return rounded(w, h, *args, **kwargs)
+    monkeypatch.setattr(gptq, "gptq_quantize_weight", killed_in_the_second_block)
+    ws = Workspace(tmp_path / "b")
+    with pytest.raises(KeyboardInterrupt):
+        quantize_model(lm, plan, method="gptq", calibration=samples, workspace=ws, progress=False)
+    left = list((tmp_path / "b" / "gptq").iterdir())
+    assert len(left) == 1 and (left[0] / "progress.json").is_file()
+    calls.clear()
+    monkeypatch.setattr(gptq, "gptq_quantize_weight", lambda *a, **k: (calls.append(1), rounded(*a, **k))[1])
+    with caplog.at_level("INFO", logger="workbench"):
+        resumed = quantize_model(lm, plan, method="gptq", calibration=samples, workspace=ws, progress=False)
+    assert len(calls) == len(block1) and "GPTQ resumed after block 1 of 2" in caplog.text
+    assert resumed.gptq["resumed_after_block"] == 1 and whole.gptq["resumed_after_block"] == 0
+    for n, qw in whole.weights.items():
+        other = resumed.weights[n]
+        assert torch.equal(qw.qweight, other.qweight) and torch.equal(qw.scales, other.scales), n
+        assert qw.two_level == other.two_level == n.endswith("v_proj")
+    assert not any((tmp_path / "b" / "gptq").iterdir())  # the checkpoint is gone once the codes are whole

@@ -19,13 +19,17 @@ the group (or beforehand with ``act_order``), by the same rule as RTN.
 The model runs block by block as in AWQ: the block inputs of all calibration tokens are held,
 ``H`` of every integer layer in the block is summed over them, the layers are quantized, and the
 block's outputs with the quantized weights become the next block's inputs, so later blocks
-compensate for the error the earlier ones make. The model itself is never changed.
+compensate for the error the earlier ones make. The model itself is never changed. With a
+``checkpoint`` directory the codes of the finished blocks are saved after every block, and a run
+killed part way goes on from the next block (the finished blocks only run forward, with their saved
+codes, to give the next block its inputs), to the same result.
 
     weights = search_gptq(lm.model, samples, spec)   # spec: fqn -> (bits, group_size, symmetric)
 """
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from typing import Callable
 
@@ -41,6 +45,8 @@ from .rtn import (_grouped, _quantize_groups, channel_scales_for, check_two_leve
                   two_level_groups)
 
 __all__ = ["gptq_quantize_weight", "search_gptq", "DEFAULT_DAMP", "DEFAULT_BLOCK_COLUMNS", "default_gptq_tokens"]
+
+log = logging.getLogger("workbench")
 
 DEFAULT_DAMP = 0.01  # of the mean of diag(H), as in the GPTQ paper's code
 DEFAULT_BLOCK_COLUMNS = 128  # columns corrected together before the lazy update of the rest
@@ -184,14 +190,15 @@ def search_gptq(model: nn.Module, samples: list[torch.Tensor], spec: dict[str, t
                 max_tokens: int = DEFAULT_GPTQ_TOKENS, damp: float = DEFAULT_DAMP, act_order: bool = False,
                 chunk_tokens: int = 4096, scale_search: bool = False, progress: bool = True,
                 block_params: Callable[[str], dict[str, torch.Tensor]] | None = None,
-                scale_bits: dict[str, int] | None = None) -> dict:
+                scale_bits: dict[str, int] | None = None, checkpoint=None) -> dict:
     """GPTQ of every layer in ``spec`` that sits in a decoder block; ``{"weights": {fqn: QuantizedWeight}, ...}``.
 
     ``scale_bits`` maps the layers with two-level scales to their sub-scale width.
 
     Layers outside the blocks (the embedding, an untied output layer) are left to the caller (RTN).
     ``block_params(block_name)`` gives new values for some of a block's parameters (AWQ's folded
-    scales), used while that block runs and as the weights GPTQ rounds.
+    scales), used while that block runs and as the weights GPTQ rounds. ``checkpoint``: a directory
+    keyed by all of these inputs (the caller's job), for resuming.
     """
     from tqdm.auto import tqdm
     t0 = time.perf_counter()
@@ -200,10 +207,17 @@ def search_gptq(model: nn.Module, samples: list[torch.Tensor], spec: dict[str, t
     chunks = _token_chunks(units, chunk_tokens)
     weights: dict[str, QuantizedWeight] = {}
     params = dict(model.named_parameters(remove_duplicate=False))
+    done = _load_checkpoint(checkpoint, weights, len(blocks), tokens) if checkpoint is not None else 0
+    if done:
+        log.info(f"GPTQ resumed after block {done} of {len(blocks)} (checkpoint {checkpoint})")
     for i in tqdm(range(len(blocks)), desc="gptq", unit="block", disable=not progress, leave=False):
         bname = f"{prefix}.{i}"
         blk = blocks[i]
         names = [n for n in spec if n.startswith(bname + ".")]
+        if i < done:  # rounded before the kill: its saved codes give the next block its inputs
+            with widened(blk), _swapped(params, {f"{n}.weight": weights[n].dequantize() for n in names}):
+                _forward_block(blk, units, chunks)
+            continue
         with widened(blk), _swapped(params, block_params(bname) if block_params else {}):
             mods = {n: blk.get_submodule(n[len(bname) + 1:]) for n in names}
             for n, m in mods.items():
@@ -228,12 +242,72 @@ def search_gptq(model: nn.Module, samples: list[torch.Tensor], spec: dict[str, t
                 weights[n] = qw
                 deq[f"{n}.weight"] = qw.dequantize()
             with _swapped(params, deq):  # the next block sees what the quantized block computes
-                for idx in chunks:
-                    _seen, outs = _run_block(blk, units, idx, {})
-                    for j, out in zip(idx, outs):
-                        units[j][0].copy_(out)
-                    del outs
+                _forward_block(blk, units, chunks)
             del deq
+        if checkpoint is not None and i + 1 < len(blocks):
+            _save_checkpoint(checkpoint, weights, i + 1, len(blocks), tokens)
         release_freed_memory()
     return {"method": "gptq", "weights": weights, "tokens": tokens, "damp": damp, "act_order": act_order,
-            "scale_search": scale_search, "seconds": time.perf_counter() - t0}
+            "scale_search": scale_search, "seconds": time.perf_counter() - t0, "resumed_after_block": done}
+
+
+def _forward_block(blk: nn.Module, units, chunks) -> None:
+    """Replace each unit's block inputs by the block's outputs."""
+    for idx in chunks:
+        _seen, outs = _run_block(blk, units, idx, {})
+        for j, out in zip(idx, outs):
+            units[j][0].copy_(out)
+        del outs
+
+
+_PARTS = ("qweight", "scales", "zeros", "sub_scales", "channel_scales")
+
+
+def _save_checkpoint(directory, weights: dict[str, QuantizedWeight], blocks_done: int, blocks: int,
+                     tokens: int) -> None:
+    """The codes of the first ``blocks_done`` blocks, staged and swapped in whole (a kill mid-write keeps the last)."""
+    import shutil
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    from ..workspace import atomic_write_json, swap_into_place
+    d = Path(directory)
+    staged = d.with_name(d.name + ".writing")
+    shutil.rmtree(staged, ignore_errors=True)
+    staged.mkdir(parents=True)
+    tensors, layers = {}, {}
+    for name, qw in weights.items():
+        for part in _PARTS:
+            t = getattr(qw, part)
+            if t is not None:
+                tensors[f"{name}/{part}"] = t.contiguous().cpu()
+        layers[name] = {"bits": qw.bits, "group_size": qw.group_size, "scale_bits": qw.scale_bits}
+    save_file(tensors, str(staged / "codes.safetensors"))
+    atomic_write_json(staged / "progress.json", {"blocks_done": blocks_done, "blocks": blocks, "tokens": tokens,
+                                                 "layers": layers})
+    swap_into_place(staged, d)
+
+
+def _load_checkpoint(directory, weights: dict[str, QuantizedWeight], blocks: int, tokens: int) -> int:
+    """Fill ``weights`` from a killed run's checkpoint; the blocks it covers (0 when there is none usable)."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+    d = Path(directory)
+    if not (d / "progress.json").is_file():
+        return 0
+    try:
+        progress = json.loads((d / "progress.json").read_text(encoding="utf-8"))
+        if progress["blocks"] != blocks or progress["tokens"] != tokens:
+            return 0
+        tensors = load_file(str(d / "codes.safetensors"))
+        for name, meta in progress["layers"].items():
+            parts = {part: tensors.get(f"{name}/{part}") for part in _PARTS}
+            weights[name] = QuantizedWeight(**parts, bits=meta["bits"], group_size=meta["group_size"],
+                                            scale_bits=meta["scale_bits"])
+        return int(progress["blocks_done"])
+    except Exception:  # noqa: BLE001 - a damaged checkpoint only costs the blocks it held: start over
+        weights.clear()
+        return 0

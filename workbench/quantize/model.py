@@ -264,22 +264,42 @@ def _samples_and_stats(calibration, stats):
     return list(samples), mean_abs
 
 
+def _samples_key(samples) -> str:
+    """A short hash of calibration token ids, for workspace keys."""
+    import hashlib
+    h = hashlib.sha256()
+    for s in samples:
+        h.update(s.reshape(-1).to(torch.int64).numpy().tobytes() + b"|")
+    return h.hexdigest()[:16]
+
+
+def _gptq_checkpoint(workspace, model, samples, spec, settings: dict, awq_search: dict | None):
+    """Where a GPTQ run keeps its per-block progress: keyed by everything that decides its codes.
+
+    None (no resume) without a workspace, or for AWQ+GPTQ on a search the workspace did not store.
+    """
+    from ..calibrate import model_fingerprint
+    if workspace is None or (awq_search is not None and not awq_search.get("workspace_key")):
+        return None
+    inputs = {"weights": model_fingerprint(model), "calibration": _samples_key(samples),
+              "spec": {k: list(v) for k, v in sorted(spec.items())}, **settings,
+              "awq": awq_search.get("workspace_key") if awq_search else None}
+    return workspace.partial_path("gptq", workspace.key(inputs))
+
+
 def _cached_awq_search(workspace, model, samples, mean_abs, spec, awq_tokens, progress) -> dict:
     """The AWQ search through the workspace: keyed by weights, calibration tokens, layer spec and settings."""
     import hashlib
 
     from ..calibrate import model_fingerprint
     from .awq import DEFAULT_GRID, SEARCH_VERSION, load_awq_search, save_awq_search, search_awq
-    h = hashlib.sha256()
-    for s in samples:
-        h.update(s.reshape(-1).to(torch.int64).numpy().tobytes() + b"|")
     stats_key = None
     if mean_abs:
         hs = hashlib.sha256()
         for name in sorted(mean_abs):
             hs.update(name.encode() + mean_abs[name].to(torch.float32).numpy().tobytes())
         stats_key = hs.hexdigest()[:16]
-    inputs = {"weights": model_fingerprint(model), "calibration": h.hexdigest()[:16], "mean_abs": stats_key,
+    inputs = {"weights": model_fingerprint(model), "calibration": _samples_key(samples), "mean_abs": stats_key,
               "spec": {k: list(v) for k, v in sorted(spec.items())}, "grid": DEFAULT_GRID,
               "tokens": awq_tokens, "version": SEARCH_VERSION}
 
@@ -377,9 +397,16 @@ def quantize_model(lm, plan: QuantPlan, *, calibration=None, method: str | None 
 
         def folded(block: str) -> dict[str, torch.Tensor]:  # AWQ's scales, folded as the block is reached
             return fold_awq_scales(model, {"groups": unfolded.get(block, [])}) if unfolded else {}
-        gptq_result = search_gptq(model, samples, spec, max_tokens=gptq_tokens or default_gptq_tokens(model),
-                                  act_order=act_order, scale_search=plan.scale_search, progress=progress,
-                                  block_params=folded, scale_bits=scale_bits)
+        settings = {"tokens": gptq_tokens or default_gptq_tokens(model), "act_order": act_order, "checkpoint_version": 1,
+                    "scale_search": plan.scale_search, "scale_bits": dict(sorted(scale_bits.items()))}
+        checkpoint = _gptq_checkpoint(workspace, model, samples, spec, settings,
+                                      awq_search if method == "awq+gptq" else None)
+        gptq_result = search_gptq(model, samples, spec, max_tokens=settings["tokens"], act_order=act_order,
+                                  scale_search=plan.scale_search, progress=progress, block_params=folded,
+                                  scale_bits=scale_bits, checkpoint=checkpoint)
+        if checkpoint is not None:
+            import shutil
+            shutil.rmtree(checkpoint, ignore_errors=True)
         gptq_weights = gptq_result.pop("weights")
 
     def fold_blocks(name: str | None = None) -> None:
