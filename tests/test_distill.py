@@ -1,4 +1,4 @@
-"""Distillation: it moves the student toward the teacher, resumes exactly, trains quantization-aware, refuses bad input."""
+"""Distillation: moves the student toward the teacher, resumes exactly, trains quantization-aware, refuses bad input."""
 import json
 
 import pytest

@@ -7,8 +7,7 @@ import torch
 from workbench.errors import PlanError
 from workbench.evaluate import evaluate
 from workbench.models import load_model
-from workbench.prune import (PruneImportance, PrunePlan, geometry, head_and_channel_importance, prune, prune_model,
-                             save_pruned)
+from workbench.prune import (PruneImportance, PrunePlan, geometry, head_and_channel_importance, prune, prune_model)
 from workbench.sensitivity import evaluation_tokens
 
 IDS = torch.arange(1, 49)[None] * 37 % 4000

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .errors import PlanError, WorkbenchError
+from .errors import WorkbenchError
 from .evaluate import EvalReport, encode_text, evaluate, paired_difference, read_text
 from .finetune import (CHECKPOINT, DEFAULT_TARGETS, _Checkpoint, _split, run_training, save_model_directory,
                        source_dtype, training_windows)

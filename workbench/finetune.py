@@ -190,7 +190,7 @@ class _Checkpoint:
             return None
         state = torch.load(self.path, map_location="cpu", weights_only=True)
         # another model, data or config (or an older checkpoint layout): start afresh
-        return state if state.get("key") == self.key and "weights" in state else None  # another model, data or config: start afresh
+        return state if state.get("key") == self.key and "weights" in state else None
 
     def save(self, **state) -> None:
         tmp = self.path.with_name(self.path.name + ".tmp")
@@ -331,8 +331,10 @@ def finetune_lora(model: str | Path | LoadedModel = "demo", data: str | Path | N
 
     peft_model.train()
     run = run_training(cfg, n_train=len(train), trainable=trainable, step_loss=step_loss,
-                       validation_loss=(lambda: _validation_loss(peft_model, val, cfg.batch_size)) if len(val) else None,
-                       snapshot=lambda: {k: v.detach().clone() for k, v in get_peft_model_state_dict(peft_model).items()},
+                       validation_loss=(lambda: _validation_loss(peft_model, val, cfg.batch_size)) if len(val)
+                       else None,
+                       snapshot=lambda: {k: v.detach().clone()
+                                         for k, v in get_peft_model_state_dict(peft_model).items()},
                        restore=restore, checkpoint=checkpoint, progress=progress, on_step=on_step, desc="fine-tune",
                        what="fine-tuning")
     losses, validation, best_step, resumed = run.losses, run.validation, run.best_step, run.resumed

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import json
 import math
 import time
 from dataclasses import asdict, dataclass, field, fields
@@ -51,8 +50,9 @@ from .proxy import decoder_blocks
 from .workspace import Workspace, atomic_write_json, read_json_file
 
 __all__ = ["PrunePlan", "PruneImportance", "PruneResult", "Geometry", "head_and_channel_importance",
-           "prune_model", "save_pruned", "prune", "predict_parameters", "geometry", "PRUNE_FORMAT", "SCORES",
-           "HEAD_UNITS", "PRUNE_PLAN_VERSION"]
+           "prune_model", "save_pruned", "prune", "predict_parameters", "predicted_size", "geometry", "PRUNE_FORMAT",
+           "SCORES",
+           "HEAD_UNITS", "PRUNE_PLAN_VERSION", "measure_point"]
 
 PRUNE_FORMAT = "workbench-prune"  # the kind named in the manifest of a pruned --out
 PRUNE_PLAN_VERSION = 1
@@ -207,6 +207,29 @@ class PrunePlan:
                 raise PlanError(f"the plan keeps different numbers of {kind} per layer ({by}); Qwen/Llama configs "
                                 f"hold one count for every layer: give every layer the same count")
         return {"heads": heads, "mlp": mlp}
+
+    def counts(self, geo: Geometry) -> tuple[int, int, int]:
+        """(query heads, KV heads, MLP width) the plan leaves in every layer, from ratios and lists alone.
+
+        What a size prediction needs before any importance is computed; ``keep`` checks that every
+        layer leaves the same counts.
+        """
+        entry = {int(k): v for k, v in self.layers.items() if str(k).isdigit()}.get(0, {})
+        if "heads_keep" in entry:
+            n = len(entry["heads_keep"])
+            heads, kv = (n * geo.group, n) if self.head_unit == "group" else (n, geo.kv_heads)
+        elif self.head_unit == "group":
+            kv = geo.kv_heads - _removed(entry.get("heads", self.heads), geo.kv_heads)
+            heads = kv * geo.group
+        else:
+            kv = geo.kv_heads
+            heads = kv * (geo.group - _removed(entry.get("heads", self.heads), geo.group))
+        if "mlp_keep" in entry:
+            inter = len(entry["mlp_keep"])
+        else:
+            inter = geo.intermediate - _removed(entry.get("mlp", self.mlp), geo.intermediate)
+            inter -= inter % self.mlp_multiple
+        return heads, kv, inter
 
     def _ranked(self, importance, kind: str, layer: int, n: int) -> list[int]:
         if importance is None:
@@ -537,6 +560,27 @@ def predict_parameters(config, geo: Geometry, n_heads: int, n_kv: int, intermedi
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
 
 
+def predicted_size(lm: LoadedModel, plan: PrunePlan, quant_plan=None) -> dict:
+    """Parameters and weight bytes (fp16, and under ``quant_plan``) of the model ``plan`` would leave.
+
+    From shapes alone (a meta-device model of the pruned config), with the same byte accounting as
+    every plan and quantized model (``LoadedModel.size_bytes``).
+    """
+    from .projection import model_shape
+    geo = geometry(lm.model)
+    heads, kv, inter = plan.counts(geo)
+    if heads < 1 or kv < 1 or inter < 1:
+        raise PlanError(f"the plan leaves {heads} heads, {kv} KV heads and {inter} MLP channels per layer; each "
+                        "must stay at least 1")
+    shape = model_shape(pruned_config(lm.model.config, geo, heads, kv, inter).to_dict(), name=f"{lm.name} pruned")
+    params = sum(p.numel() for p in {id(p): p for p in shape.model.parameters()}.values())
+    out = {"heads": heads, "kv_heads": kv, "intermediate": inter, "parameters": params,
+           "fp16_bytes": shape.size_bytes(precision="fp16")}
+    if quant_plan is not None:
+        out["quantized_bytes"] = shape.size_bytes(quant_plan)
+    return out
+
+
 @dataclass
 class PruneResult:
     """The pruned model, what it kept, and the parameter counts before, predicted and after."""
@@ -667,3 +711,18 @@ def prune(model, plan: PrunePlan, out_dir: str | Path, *, workspace: Workspace |
     extra["seconds"] = time.perf_counter() - t0
     save_pruned(result, lm, out_dir, importance=importance, extra=extra)
     return {"out_dir": str(out_dir), "summary": result.summary(), **result.report(), **extra}
+
+
+def measure_point(label: str, model: nn.Module, ids: torch.Tensor, reference, *, size_bytes: int,
+                  bits_per_weight: float | None = None, ctx: int = 512, parameters: int | None = None) -> dict:
+    """One row of the compression table / one point of the Pareto chart: size, perplexity and KL with errors.
+
+    ``reference`` is the original model or its ``capture_reference`` outputs; ``report`` keeps the
+    per-window figures for paired differences between rows.
+    """
+    report = evaluate(model, ids, reference=reference, ctx=ctx, progress=False)
+    return {"label": label, "size_bytes": int(size_bytes), "bits_per_weight": bits_per_weight,
+            "parameters": parameters if parameters is not None else _count(model),
+            "perplexity": report.perplexity, "perplexity_stderr": report.perplexity_stderr,
+            "kl_divergence": report.kl_divergence, "kl_stderr": report.kl_stderr,
+            "top1_agreement": report.top1_agreement, "tokens": report.tokens, "report": report}
