@@ -673,12 +673,14 @@ def save_pruned(result: PruneResult, lm: LoadedModel, out_dir: str | Path, *,
 
 
 def prune(model, plan: PrunePlan, out_dir: str | Path, *, workspace: Workspace | None = None,
-          measure_kl: bool | None = None, evaluate_tokens: int | None = 4096, progress: bool = True,
+          importance: PruneImportance | None = None, measure_kl: bool | None = None,
+          evaluate_tokens: int | None = 4096, progress: bool = True,
           on_status: Callable[[str], None] | None = None) -> dict:
     """Importance (cached), slicing, saving and a before/after measurement: what ``workbench prune`` does.
 
-    Returns the report written to ``prune.json`` (with held-out perplexity and KL of the pruned model
-    against the original on the first ``evaluate_tokens`` tokens; None skips the measurement).
+    ``importance`` already computed for this model is used as given. Returns the report written to
+    ``prune.json`` (with held-out perplexity and KL of the pruned model against the original on the
+    first ``evaluate_tokens`` tokens; None skips the measurement).
     """
     from .evaluate import paired_difference
     from .models import load_model
@@ -687,8 +689,7 @@ def prune(model, plan: PrunePlan, out_dir: str | Path, *, workspace: Workspace |
     t0 = time.perf_counter()
     lm = model if isinstance(model, LoadedModel) else load_model(model)
     needs = plan.heads > 0 or plan.mlp > 0 or any(("heads" in v or "mlp" in v) for v in plan.layers.values())
-    importance = None
-    if needs:
+    if needs and importance is None:
         say("scoring heads and channels...")
         importance = head_and_channel_importance(
             lm, workspace=workspace, progress=progress,

@@ -145,7 +145,8 @@ class CompressPanel(StepPanel):
     def score(self) -> PruneImportance | None:
         """Importance of every head and channel (cached in the workspace), drawn per layer."""
         ok, imp = self._attempt("scoring heads and channels...", lambda: head_and_channel_importance(
-            self.lm, tokens=self.importance_tokens, workspace=self.workspace, progress=True))
+            self.lm, tokens=self.importance_tokens, kl_tokens=self.eval_tokens, workspace=self.workspace,
+            progress=True))
         if not ok:
             return None
         self.importance = imp
@@ -171,7 +172,7 @@ class CompressPanel(StepPanel):
                 if self.quantize.value:
                     self._add_point(self.quant_plan.default or "quantized", self.lm, True)
             report = prune(self.lm, plan, self.out_dir / "pruned", workspace=self.workspace, evaluate_tokens=None,
-                           progress=True)
+                           importance=self.importance, progress=True)
             pruned = load_model(self.out_dir / "pruned")
             self._add_point("pruned", pruned, False)
             if self.quantize.value:
@@ -217,7 +218,7 @@ class CompressPanel(StepPanel):
 
         def work():
             report = distill(self.out_dir / "pruned", self.lm, self.out_dir / "distilled", cfg, plan=plan,
-                             overwrite=True, progress=True, on_step=on_step)
+                             eval_tokens=self.eval_tokens, overwrite=True, progress=True, on_step=on_step)
             student = load_model(self.out_dir / "distilled")
             label = f"pruned + {self.quant_plan.default} + distilled" if plan else "pruned + distilled"
             self._add_point(label, student, plan is not None)
