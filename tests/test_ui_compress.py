@@ -42,3 +42,28 @@ def test_score_prune_distil_put_every_model_on_the_chart(panel, monkeypatch):
 def test_bad_input_is_a_red_line_not_a_traceback(panel):
     panel.heads.value = 0.95
     assert panel.prune() is None and "leaves none" in panel.error
+
+
+def test_a_model_the_tab_cannot_prune_disables_it_and_says_why(tiny_model_dir, tmp_path, workspace, monkeypatch):
+    import workbench.ui.compress as ui
+    from workbench.errors import PlanError
+
+    def refuse(model):
+        raise PlanError("structured pruning supports Llama-style decoders")
+    monkeypatch.setattr(ui, "geometry", refuse)
+    p = CompressPanel(tiny_model_dir, out_dir=tmp_path / "c", workspace=workspace)
+    assert "Llama-style" in p.error and p.prune_button.disabled and p.heads.disabled
+    p.close()
+
+
+def test_the_app_has_a_compress_tab_that_shares_the_precisions_chart(tiny_model_dir, workspace, tmp_path):
+    from workbench.ui.app import WorkbenchApp
+    app = WorkbenchApp(str(tiny_model_dir), out_dir=tmp_path / "run", workspace=workspace)
+    assert app.load() is not None and app.error is None
+    titles = [app.tabs.get_title(i) for i in range(len(app.tabs.children))]
+    assert app.tabs.children[titles.index("Compress")] is app.compress_panel
+    assert app.compress_panel.out_dir == tmp_path / "run" / "compress"
+    app.override_panel.points.append({"label": "uniform int4", "size_bytes": 1, "kl_divergence": 0.1,
+                                      "perplexity": 2.0})
+    assert app.compress_panel.extra_points() is app.override_panel.points
+    app.close()

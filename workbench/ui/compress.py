@@ -25,7 +25,8 @@ from ..distill import DistillConfig, DistillReport, distill
 from ..evaluate import capture_reference
 from ..models import LoadedModel, load_model
 from ..plan import QuantPlan
-from ..prune import (HEAD_UNITS, SCORES, PruneImportance, PrunePlan, geometry, head_and_channel_importance,
+from ..errors import WorkbenchError
+from ..prune import (HEAD_UNITS, SCORES, Geometry, PruneImportance, PrunePlan, geometry, head_and_channel_importance,
                      measure_point, predicted_size, prune)
 from ..sensitivity import evaluation_tokens
 from ..workspace import Workspace
@@ -43,7 +44,11 @@ class CompressPanel(StepPanel):
                  quant_plan: QuantPlan | None = None, extra_points: Callable[[], Sequence] | None = None):
         self._setup()
         self.lm = model if isinstance(model, LoadedModel) else load_model(model)
-        self.geo = geometry(self.lm.model)
+        try:
+            self.geo = geometry(self.lm.model)
+            self.unsupported = None
+        except WorkbenchError as e:  # the app still opens for a model this tab cannot prune; the tab says why
+            self.geo, self.unsupported = Geometry(0, 1, 1, 0, 0, 0), str(e)
         self.out_dir = Path(out_dir)
         self.workspace = workspace or Workspace()
         self.eval_tokens, self.importance_tokens = eval_tokens, importance_tokens
@@ -91,6 +96,11 @@ class CompressPanel(StepPanel):
             self.status, self.log_output, self.pareto_plot, self.table_plot, self.loss_plot, self.importance_plot,
             self.channel_plot])
         self._update_prediction()
+        if self.unsupported:
+            self._show_error(self.unsupported)
+            for w in self.controls:
+                w.disabled = True
+            self.controls = []  # nothing re-enables them
 
     def _plan_label(self) -> str:
         return f"{self.quant_plan.default or 'float'} (RTN, group {self.quant_plan.group_size})"
@@ -100,6 +110,8 @@ class CompressPanel(StepPanel):
                          head_unit=self.head_unit.value, score=self.score_kind.value)
 
     def _update_prediction(self) -> dict | None:
+        if self.unsupported:
+            return None
         try:
             size = predicted_size(self.lm, self.plan(), self.quant_plan)
         except Exception as e:  # noqa: BLE001 - a slider position the model cannot take: say so, keep going
