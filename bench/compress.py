@@ -49,12 +49,12 @@ def main() -> None:
 
     def quantized(src):
         qm = quantize_model(src, int4, method="rtn", progress=False)
-        return qm.build_model(), src.size_bytes(int4), qm.bits_per_weight
+        return qm.build_model(), src.size_bytes(int4), qm.bits_per_weight, src.parameters
 
     rows.append(measure_point("float", lm.model, ids, ref, size_bytes=lm.size_bytes(precision="fp16"),
                               bits_per_weight=16.0))
-    m, size, bpw = quantized(lm)
-    rows.append(measure_point("INT4", m, ids, ref, size_bytes=size, bits_per_weight=bpw))
+    m, size, bpw, n = quantized(lm)
+    rows.append(measure_point("INT4", m, ids, ref, size_bytes=size, bits_per_weight=bpw, parameters=n))
 
     t0 = time.perf_counter()
     plan = PrunePlan(heads=args.heads, mlp=args.mlp, head_unit=args.head_unit)
@@ -65,8 +65,8 @@ def main() -> None:
     counted = sum(p.numel() for p in {id(p): p for p in pruned.model.parameters()}.values())
     rows.append(measure_point("pruned", pruned.model, ids, ref, size_bytes=pruned.size_bytes(precision="fp16"),
                               bits_per_weight=16.0))
-    m, size, bpw = quantized(pruned)
-    rows.append(measure_point("pruned + INT4", m, ids, ref, size_bytes=size, bits_per_weight=bpw))
+    m, size, bpw, n = quantized(pruned)
+    rows.append(measure_point("pruned + INT4", m, ids, ref, size_bytes=size, bits_per_weight=bpw, parameters=n))
 
     cfg = DistillConfig(steps=args.steps, lr=args.lr)
     t0 = time.perf_counter()
@@ -79,8 +79,9 @@ def main() -> None:
     dq = distill(out / "pruned", lm, out / "distilled-int4", cfg, plan=int4, progress=False, overwrite=True)
     timings["distill (quantization-aware, INT4)"] = time.perf_counter() - t0
     qat = load_model(out / "distilled-int4")
-    m, size, bpw = quantized(qat)
-    rows.append(measure_point("pruned + INT4 + distilled", m, ids, ref, size_bytes=size, bits_per_weight=bpw))
+    m, size, bpw, n = quantized(qat)
+    rows.append(measure_point("pruned + INT4 + distilled", m, ids, ref, size_bytes=size, bits_per_weight=bpw,
+                              parameters=n))
 
     t0 = time.perf_counter()
     ex = export_onnx(pruned, out / "onnx", greedy_steps=16)

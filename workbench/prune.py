@@ -719,7 +719,8 @@ def measure_point(label: str, model: nn.Module, ids: torch.Tensor, reference, *,
     """One row of the compression table / one point of the Pareto chart: size, perplexity and KL with errors.
 
     ``reference`` is the original model or its ``capture_reference`` outputs; ``report`` keeps the
-    per-window figures for paired differences between rows.
+    per-window figures for paired differences between rows. ``parameters`` defaults to the model's
+    float parameters: pass the source's count for a quantized model (its codes are not parameters).
     """
     report = evaluate(model, ids, reference=reference, ctx=ctx, progress=False)
     return {"label": label, "size_bytes": int(size_bytes), "bits_per_weight": bits_per_weight,

@@ -141,7 +141,7 @@ class CompressPanel(StepPanel):
             from ..quantize import quantize_model
             qm = quantize_model(lm, self.quant_plan, method="rtn", progress=False)
             point = measure_point(label, qm.build_model(), ids, ref, size_bytes=lm.size_bytes(self.quant_plan),
-                                  bits_per_weight=qm.bits_per_weight, ctx=self._ctx)
+                                  bits_per_weight=qm.bits_per_weight, ctx=self._ctx, parameters=lm.parameters)
         else:
             point = measure_point(label, lm.model, ids, ref, size_bytes=lm.size_bytes(precision="fp16"),
                                   bits_per_weight=16.0, ctx=self._ctx)
