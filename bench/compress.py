@@ -33,7 +33,7 @@ def main() -> None:
     from workbench.graph import export_onnx
     from workbench.models import load_model
     from workbench.plan import QuantPlan
-    from workbench.prune import PrunePlan, measure_point, prune
+    from workbench.prune import PrunePlan, head_and_channel_importance, measure_point, prune
     from workbench.quantize import quantize_model
     from workbench.sensitivity import evaluation_tokens
     from workbench.workspace import Workspace
@@ -58,9 +58,9 @@ def main() -> None:
 
     t0 = time.perf_counter()
     plan = PrunePlan(heads=args.heads, mlp=args.mlp, head_unit=args.head_unit)
-    pr = prune(lm, plan, out / "pruned", workspace=Workspace(out / "workspace"), evaluate_tokens=None,
-               progress=False)
-    timings["prune (importance + slicing + save)"] = time.perf_counter() - t0
+    importance = head_and_channel_importance(lm, workspace=Workspace(out / "workspace"), progress=False)
+    pr = prune(lm, plan, out / "pruned", importance=importance, evaluate_tokens=None, progress=False)
+    timings["prune (importance with KL per masked head + slicing + save)"] = time.perf_counter() - t0
     pruned = load_model(out / "pruned")
     counted = sum(p.numel() for p in {id(p): p for p in pruned.model.parameters()}.values())
     rows.append(measure_point("pruned", pruned.model, ids, ref, size_bytes=pruned.size_bytes(precision="fp16"),
@@ -93,6 +93,9 @@ def main() -> None:
           f"({'match' if counted == pr['parameters_predicted'] else 'MISMATCH'})")
     disk = lambda p: sum(f.stat().st_size for f in Path(p).glob("*.safetensors"))  # noqa: E731
     print(f"model.safetensors: {disk(lm.path):,} B -> {disk(out / 'pruned'):,} B")
+    print(f"KL with each KV group masked alone ({importance.kl_tokens:,} held-out tokens), per layer: "
+          + "; ".join(f"layer {i}: " + ", ".join(f"{v:.3f}" for v in row) for i, row in enumerate(importance.kl_groups))
+          + f"; kept groups {pr['kept']['heads']} (by {plan.score})")
     print(f"ONNX export of the pruned model: max |diff| vs PyTorch {ex.max_abs_diff:.2e}, greedy decoding "
           f"{ex.greedy_match_steps}/{ex.greedy_steps} tokens equal")
     print(f"\nheld-out text: {rows[0]['tokens']:,} tokens scored in windows of 512\n")
