@@ -103,8 +103,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['label']} | {r['size_bytes']:,} | {r['bits_per_weight']:.2f} | {r['parameters']:,} | "
-              f"{r['perplexity']:.2f} ± {r['perplexity_stderr']:.2f} | {r['kl_divergence']:.4f} ± {r['kl_stderr']:.4f} "
-              f"| {r['top1_agreement']:.3f} |")
+              f"{r['perplexity']:.2f} ± {r['perplexity_stderr']:.2f} | "
+              f"{r['kl_divergence']:.4f} ± {r['kl_stderr']:.4f} | {r['top1_agreement']:.3f} |")
     cost = paired_difference(by["pruned"]["report"], by["float"]["report"])
     won = paired_difference(by["pruned"]["report"], by["pruned + distilled"]["report"])
     share = won["mean"] / cost["mean"]
