@@ -82,8 +82,13 @@ def test_every_term_is_zero_when_the_student_is_the_teacher(lm):
 def test_the_hidden_and_attention_terms_train(pruned_dir, tiny_model_dir, tmp_path):
     cfg = DistillConfig(steps=2, batch_size=2, seq_len=16, hidden_weight=0.5, attention_weight=0.5, hard_weight=0.1,
                         eval_every=2, validation_fraction=0)
-    report = distill(pruned_dir, tiny_model_dir, tmp_path / "d", cfg, eval_tokens=64, progress=False)
+    teacher = load_model(tiny_model_dir)
+    flags, attn = [p.requires_grad for p in teacher.model.parameters()], teacher.model.config._attn_implementation
+    report = distill(pruned_dir, teacher, tmp_path / "d", cfg, eval_tokens=64, progress=False)
     assert set(report.terms[0]) == {"kl", "hard", "hidden", "attention"} and report.validation == []
+    # the caller's teacher is as it was: its gradient flags and attention implementation put back
+    assert [p.requires_grad for p in teacher.model.parameters()] == flags
+    assert teacher.model.config._attn_implementation == attn
 
 
 def test_fake_quantization_is_what_quantize_makes_and_passes_gradients_straight_through(tiny_model_dir):

@@ -25,6 +25,7 @@ held-back windows.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 from dataclasses import asdict, dataclass, field
@@ -232,6 +233,48 @@ def _measure(report: EvalReport) -> dict:
             "kl": report.kl_divergence, "kl_stderr": report.kl_stderr, "top1": report.top1_agreement}
 
 
+def _trainable(model: nn.Module, cfg: DistillConfig):
+    """(the module to train, snapshot(), restore(state)): LoRA adapters on the student, or all its weights."""
+    if cfg.mode == "lora":
+        from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+        torch.manual_seed(cfg.seed)  # LoRA's A matrices start random
+        present = {n.rsplit(".", 1)[-1] for n, mod in model.named_modules() if isinstance(mod, nn.Linear)}
+        trained = get_peft_model(model, LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=0.0, bias="none",
+                                                   target_modules=[t for t in DEFAULT_TARGETS if t in present],
+                                                   task_type="CAUSAL_LM"))
+        return (trained, lambda: {k: v.detach().clone() for k, v in get_peft_model_state_dict(trained).items()},
+                lambda state: set_peft_model_state_dict(trained, state))
+    for p in model.parameters():
+        p.requires_grad_(True)
+    named = dict(model.named_parameters())
+
+    @torch.no_grad()
+    def restore(state: dict) -> None:
+        for k, v in state.items():
+            named[k].copy_(v)
+    return model, lambda: {k: v.detach().clone() for k, v in named.items()}, restore
+
+
+@contextlib.contextmanager
+def _teacher(model: nn.Module, *, eager: bool):
+    """The teacher frozen, in eval mode (and eager attention for attention maps); put back as it was after."""
+    flags, training, attn = [p.requires_grad for p in model.parameters()], model.training, \
+        model.config._attn_implementation
+    try:
+        for p in model.parameters():
+            p.requires_grad_(False)
+        model.eval()
+        if eager:
+            model.set_attn_implementation("eager")
+        yield model
+    finally:
+        for p, f in zip(model.parameters(), flags):
+            p.requires_grad_(f)
+        model.train(training)
+        if eager:
+            model.set_attn_implementation(attn)
+
+
 def _outputs(model: nn.Module, batch: torch.Tensor, cfg: DistillConfig):
     return model(input_ids=batch, use_cache=False, output_hidden_states=cfg.hidden_weight > 0,
                  output_attentions=cfg.attention_weight > 0)
@@ -293,80 +336,57 @@ def distill(student: str | Path | LoadedModel, teacher: str | Path | LoadedModel
 
     teacher_model = t_lm.model
     model = copy.deepcopy(s_lm.model)  # the caller's student stays as it was
-    attn_before = teacher_model.config._attn_implementation
     if cfg.attention_weight > 0:  # attention maps come only from the eager implementation
-        for m in (model, teacher_model):
-            m.set_attn_implementation("eager")
-    for p in teacher_model.parameters():
-        p.requires_grad_(False)
-    teacher_model.eval()
-    if plan is not None:
-        fake_quantized(s_lm, model, plan)
-    before = evaluate(model, eval_ids, reference=teacher_model, ctx=ctx, progress=False)
+        model.set_attn_implementation("eager")
+    attn_before = teacher_model.config._attn_implementation
+    with _teacher(teacher_model, eager=cfg.attention_weight > 0):
+        if plan is not None:
+            fake_quantized(s_lm, model, plan)
+        before = evaluate(model, eval_ids, reference=teacher_model, ctx=ctx, progress=False)
 
-    if cfg.mode == "lora":
-        from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
-        torch.manual_seed(cfg.seed)
-        present = {n.rsplit(".", 1)[-1] for n, mod in model.named_modules() if isinstance(mod, nn.Linear)}
-        trained = get_peft_model(model, LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=0.0, bias="none",
-                                                   target_modules=[t for t in DEFAULT_TARGETS if t in present],
-                                                   task_type="CAUSAL_LM"))
-        snapshot = lambda: {k: v.detach().clone() for k, v in get_peft_model_state_dict(trained).items()}  # noqa: E731
-        restore = lambda state: set_peft_model_state_dict(trained, state)  # noqa: E731
-    else:
-        trained = model
-        for p in trained.parameters():
-            p.requires_grad_(True)
-        named = dict(trained.named_parameters())
-        snapshot = lambda: {k: v.detach().clone() for k, v in named.items()}  # noqa: E731
+        trained, snapshot, restore = _trainable(model, cfg)
+        trainable = [p for p in trained.parameters() if p.requires_grad]
+        steps_per_epoch = max(1, len(train) // cfg.batch_size)
+        terms_by_step: dict[int, dict] = {}
+
+        def step_loss(idx: torch.Tensor, step: int) -> torch.Tensor:
+            batch = train[idx]
+            temperature = temperature_at(step, steps_per_epoch, cfg)
+            with torch.no_grad():
+                t_out = _outputs(teacher_model, batch, cfg)
+            s_out = _outputs(trained, batch, cfg)
+            loss, terms = distillation_loss(s_out, t_out, batch, cfg, temperature, layer_map)
+            terms_by_step[step] = terms  # this process's steps (a resumed run has only the later ones)
+            return loss
 
         @torch.no_grad()
-        def restore(state: dict) -> None:
-            for k, v in state.items():
-                named[k].copy_(v)
-    trainable = [p for p in trained.parameters() if p.requires_grad]
-    steps_per_epoch = max(1, len(train) // cfg.batch_size)
-    terms_by_step: dict[int, dict] = {}
+        def validation_kl() -> float:
+            trained.eval()
+            total = count = 0.0
+            for i in range(0, len(val), cfg.batch_size):
+                batch = val[i:i + cfg.batch_size]
+                s = F.log_softmax(trained(input_ids=batch, use_cache=False).logits[:, :-1].float(), -1)
+                t = F.log_softmax(teacher_model(input_ids=batch, use_cache=False).logits[:, :-1].float(), -1)
+                total += float((t.exp() * (t - s)).sum())
+                count += s.shape[0] * s.shape[1]
+            trained.train()
+            return total / count
 
-    def step_loss(idx: torch.Tensor, step: int) -> torch.Tensor:
-        batch = train[idx]
-        temperature = temperature_at(step, steps_per_epoch, cfg)
-        with torch.no_grad():
-            t_out = _outputs(teacher_model, batch, cfg)
-        s_out = _outputs(trained, batch, cfg)
-        loss, terms = distillation_loss(s_out, t_out, batch, cfg, temperature, layer_map)
-        terms_by_step[step] = terms  # this process's steps (a resumed run has only the later ones)
-        return loss
-
-    @torch.no_grad()
-    def validation_kl() -> float:
-        trained.eval()
-        total = count = 0.0
-        for i in range(0, len(val), cfg.batch_size):
-            batch = val[i:i + cfg.batch_size]
-            s = F.log_softmax(trained(input_ids=batch, use_cache=False).logits[:, :-1].float(), -1)
-            t = F.log_softmax(teacher_model(input_ids=batch, use_cache=False).logits[:, :-1].float(), -1)
-            total += float((t.exp() * (t - s)).sum())
-            count += s.shape[0] * s.shape[1]
         trained.train()
-        return total / count
-
-    trained.train()
-    run = run_training(cfg, n_train=len(train), trainable=trainable, step_loss=step_loss,
-                       validation_loss=validation_kl if len(val) else None, snapshot=snapshot, restore=restore,
-                       checkpoint=checkpoint, progress=progress, on_step=on_step, desc="distill",
-                       what="distillation")
-    trained.eval()
-    result = trained.merge_and_unload() if cfg.mode == "lora" else trained
-    for p in result.parameters():
-        p.requires_grad_(False)
-    dtype = source_dtype(s_lm)
-    with torch.no_grad():
-        result.to(dtype).to(torch.float32)  # round to the storage dtype first: what is measured is what is saved
-    after = evaluate(result, eval_ids, reference=teacher_model, ctx=ctx, progress=False)
-    if cfg.attention_weight > 0:
-        for m in (result, teacher_model):
-            m.set_attn_implementation(attn_before)
+        run = run_training(cfg, n_train=len(train), trainable=trainable, step_loss=step_loss,
+                           validation_loss=validation_kl if len(val) else None, snapshot=snapshot, restore=restore,
+                           checkpoint=checkpoint, progress=progress, on_step=on_step, desc="distill",
+                           what="distillation")
+        trained.eval()
+        result = trained.merge_and_unload() if cfg.mode == "lora" else trained
+        for p in result.parameters():
+            p.requires_grad_(False)
+        dtype = source_dtype(s_lm)
+        with torch.no_grad():
+            result.to(dtype).to(torch.float32)  # rounded to the storage dtype: what is measured is what is saved
+        after = evaluate(result, eval_ids, reference=teacher_model, ctx=ctx, progress=False)
+        if cfg.attention_weight > 0:
+            result.set_attn_implementation(attn_before)
     if plan is not None:
         _remove_fake_quant(result)
     t_ppl = after.reference_perplexity
