@@ -137,3 +137,12 @@ def test_a_teacher_with_another_vocabulary_is_refused(pruned_dir, make_tiny_mode
     other = make_tiny_model(vocab_size=4000)
     with pytest.raises(WorkbenchError, match="vocabulary"):
         distill(pruned_dir, other, tmp_path / "x", DistillConfig(steps=1), progress=False)
+
+
+def test_a_quantized_student_is_refused_naming_its_float_source(tiny_model_dir, tmp_path):
+    from workbench.quantize import quantize_model
+    lm = load_model(tiny_model_dir)
+    quantize_model(lm, QuantPlan.uniform("int4", group_size=32), method="rtn", progress=False).save(tmp_path / "q")
+    with pytest.raises(WorkbenchError, match=r"already quantized .*run distill --plan PLAN \(quantization-aware\) on "
+                                             r"the float model"):
+        distill(tmp_path / "q", tiny_model_dir, tmp_path / "x", DistillConfig(steps=1), progress=False)

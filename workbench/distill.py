@@ -297,14 +297,14 @@ def distill(student: str | Path | LoadedModel, teacher: str | Path | LoadedModel
     cfg.validate()
     if plan is not None and cfg.mode != "full":
         raise WorkbenchError("quantization-aware distillation trains the weights that get rounded: use mode 'full' "
-                             "(--full), not LoRA")
+                             "(--mode full), not LoRA")
     out = check_output_dir(out_dir, DISTILL_FORMAT)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise WorkbenchError(f"--out '{out}' holds an earlier distilled model; pass --overwrite (overwrite=True) to "
                              "replace it, or choose another --out")
     t0 = time.perf_counter()
     s_lm = student if isinstance(student, LoadedModel) else load_model(student, dtype="float32")
-    s_lm.require_float("distill (distil its float source with --plan for quantization-aware training)")
+    s_lm.require_float("distill --plan PLAN (quantization-aware)")
     t_lm = teacher if isinstance(teacher, LoadedModel) else load_model(teacher)
     t_lm.require_float("distill as the teacher")
     if s_lm.config.vocab_size != t_lm.config.vocab_size:
