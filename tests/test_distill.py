@@ -146,3 +146,12 @@ def test_a_quantized_student_is_refused_naming_its_float_source(tiny_model_dir, 
     with pytest.raises(WorkbenchError, match=r"already quantized .*run distill --plan PLAN \(quantization-aware\) on "
                                              r"the float model"):
         distill(tmp_path / "q", tiny_model_dir, tmp_path / "x", DistillConfig(steps=1), progress=False)
+
+
+def test_lora_distillation_trains_adapters_and_saves_a_plain_model(pruned_dir, tiny_model_dir, tmp_path):
+    cfg = DistillConfig(steps=2, batch_size=2, seq_len=16, eval_every=2, mode="lora", rank=4, lr=1e-3)
+    report = distill(pruned_dir, tiny_model_dir, tmp_path / "lora", cfg, eval_tokens=64, progress=False)
+    student = load_model(pruned_dir)
+    assert 0 < report.trainable_parameters < sum(p.numel() for p in student.model.parameters())
+    saved = load_model(tmp_path / "lora")
+    assert [i.name for i in saved.layers] == [i.name for i in student.layers]  # merged: no LoRA modules left
