@@ -34,7 +34,8 @@ from .models import LoadedModel, demo_text_path, load_model
 from .workspace import (atomic_write_json, check_output_dir, file_sha256, hash_inputs, swap_into_place,
                         write_output_manifest)
 
-__all__ = ["FinetuneConfig", "FinetuneReport", "finetune_lora", "training_windows", "DEFAULT_TARGETS"]
+__all__ = ["FinetuneConfig", "FinetuneReport", "finetune_lora", "training_windows", "DEFAULT_TARGETS", "run_training",
+           "TrainingRun", "save_model_directory", "source_dtype"]
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 CHECKPOINT = "checkpoint.pt"
@@ -188,12 +189,89 @@ class _Checkpoint:
         if not self.path.is_file():
             return None
         state = torch.load(self.path, map_location="cpu", weights_only=True)
-        return state if state.get("key") == self.key else None  # another model, data or config: start afresh
+        # another model, data or config (or an older checkpoint layout): start afresh
+        return state if state.get("key") == self.key and "weights" in state else None
 
     def save(self, **state) -> None:
         tmp = self.path.with_name(self.path.name + ".tmp")
         torch.save({"key": self.key, **state}, tmp)
         tmp.replace(self.path)
+
+
+@dataclass
+class TrainingRun:
+    """What ``run_training`` did: losses per step, validation losses, the step kept, where it resumed."""
+
+    losses: list[float]
+    validation: list[tuple[int, float]]
+    best_step: int
+    resumed: int | None
+
+
+def run_training(cfg, *, n_train: int, trainable: list, step_loss: Callable[[torch.Tensor, int], torch.Tensor],
+                 validation_loss: Callable[[], float] | None, snapshot: Callable[[], dict],
+                 restore: Callable[[dict], None], checkpoint: "_Checkpoint", progress: bool = True,
+                 on_step: Callable[[int, float], None] | None = None, desc: str = "train",
+                 what: str = "training") -> TrainingRun:
+    """The one training loop (fine-tuning, distillation): AdamW, warm-up then cosine, resumable, best step kept.
+
+    ``cfg`` carries steps, lr, warmup, batch_size, seed, checkpoint_every and eval_every. Each step
+    takes the batch of window indices ``_batch`` draws for (seed, step) and minimises
+    ``step_loss(indices, step)``. ``validation_loss()`` runs at step 0, every ``eval_every`` steps
+    and at the end; the weights ``snapshot()`` returns at the lowest one are ``restore``d at the
+    end (without validation, the last step's). A checkpoint (weights, optimizer, losses, best)
+    every ``checkpoint_every`` steps lets an interrupted run continue to the same result.
+    """
+    from tqdm.auto import tqdm
+    optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=0.0)
+    start, losses, validation, resumed, best = 0, [], [], None, None
+    state = checkpoint.load()
+    if state is not None:
+        restore(state["weights"])
+        optimizer.load_state_dict(state["optimizer"])
+        start = resumed = int(state["step"])
+        losses, validation = list(state["losses"]), [tuple(v) for v in state["validation"]]
+        if state.get("best_weights") is not None:
+            best = (int(state["best_step"]), float(state["best_loss"]), state["best_weights"])
+
+    def validate(step: int) -> None:
+        nonlocal best
+        if validation_loss is not None:
+            validation.append((step, float(validation_loss())))
+            if best is None or validation[-1][1] < best[1]:
+                best = (step, validation[-1][1], snapshot())
+
+    if start == 0:
+        validate(0)  # the model as it came: training must beat it to be chosen
+    bar = tqdm(range(start, cfg.steps), desc=desc, unit="step", disable=not progress, leave=False,
+               initial=start, total=cfg.steps)
+    for step in bar:
+        for group in optimizer.param_groups:
+            group["lr"] = _lr_at(step, cfg)
+        loss = step_loss(_batch(n_train, step, cfg), step)
+        if not torch.isfinite(loss):
+            raise WorkbenchError(f"{what} diverged at step {step} (loss {loss.item()}); lower lr "
+                                 f"(now {cfg.lr}) and run again")
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+        optimizer.step()
+        losses.append(float(loss.detach()))
+        bar.set_postfix(loss=f"{losses[-1]:.3f}")
+        done = step + 1
+        if done % cfg.eval_every == 0 or done == cfg.steps:
+            validate(done)
+        if on_step is not None:
+            on_step(done, losses[-1])
+        if done % cfg.checkpoint_every == 0 and done < cfg.steps:
+            checkpoint.save(step=done, losses=losses, validation=validation, weights=snapshot(),
+                            optimizer=optimizer.state_dict(), best_step=best[0] if best else None,
+                            best_loss=best[1] if best else None, best_weights=best[2] if best else None)
+    best_step = cfg.steps
+    if best is not None:
+        best_step = best[0]
+        restore(best[2])
+    return TrainingRun(losses, validation, best_step, resumed)
 
 
 def finetune_lora(model: str | Path | LoadedModel = "demo", data: str | Path | None = None,
@@ -210,7 +288,6 @@ def finetune_lora(model: str | Path | LoadedModel = "demo", data: str | Path | N
     measured on ``eval_text`` (default: the bundled held-out text), never used for choosing.
     """
     from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
-    from tqdm.auto import tqdm
     cfg = config or FinetuneConfig()
     cfg.validate()
     out = check_output_dir(out_dir, FORMAT)  # anything but an earlier fine-tuned model is refused, never deleted
@@ -244,86 +321,56 @@ def finetune_lora(model: str | Path | LoadedModel = "demo", data: str | Path | N
     peft_model = get_peft_model(base, LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
                                                  target_modules=targets, bias="none", task_type="CAUSAL_LM"))
     trainable = [p for p in peft_model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=0.0)
-    adapters = lambda: {k: v.detach().clone() for k, v in get_peft_model_state_dict(peft_model).items()}  # noqa: E731
-    start, losses, validation, resumed, best = 0, [], [], None, None
-    state = checkpoint.load()
-    if state is not None:
-        set_peft_model_state_dict(peft_model, state["adapters"])
-        optimizer.load_state_dict(state["optimizer"])
-        start = resumed = int(state["step"])
-        losses, validation = list(state["losses"]), [tuple(v) for v in state["validation"]]
-        if state.get("best_adapters") is not None:
-            best = (int(state["best_step"]), float(state["best_loss"]), state["best_adapters"])
 
-    def validate(step: int) -> None:
-        nonlocal best
-        if len(val):
-            validation.append((step, _validation_loss(peft_model, val, cfg.batch_size)))
-            if best is None or validation[-1][1] < best[1]:
-                best = (step, validation[-1][1], adapters())
+    def restore(adapters: dict) -> None:
+        set_peft_model_state_dict(peft_model, adapters)
 
-    if start == 0:
-        validate(0)  # the model as it came: fine-tuning must beat it to be chosen
+    def step_loss(batch_idx: torch.Tensor, step: int) -> torch.Tensor:
+        batch = train[batch_idx]
+        return peft_model(input_ids=batch, labels=batch, use_cache=False).loss
+
     peft_model.train()
-    bar = tqdm(range(start, cfg.steps), desc="fine-tune", unit="step", disable=not progress, leave=False,
-               initial=start, total=cfg.steps)
-    for step in bar:
-        for group in optimizer.param_groups:
-            group["lr"] = _lr_at(step, cfg)
-        batch = train[_batch(len(train), step, cfg)]
-        loss = peft_model(input_ids=batch, labels=batch, use_cache=False).loss
-        if not torch.isfinite(loss):
-            raise WorkbenchError(f"fine-tuning diverged at step {step} (loss {loss.item()}); lower lr "
-                                 f"(now {cfg.lr}) and run again")
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
-        optimizer.step()
-        losses.append(float(loss.detach()))
-        bar.set_postfix(loss=f"{losses[-1]:.3f}")
-        done = step + 1
-        if done % cfg.eval_every == 0 or done == cfg.steps:
-            validate(done)
-        if on_step is not None:
-            on_step(done, losses[-1])
-        if done % cfg.checkpoint_every == 0 and done < cfg.steps:
-            checkpoint.save(step=done, losses=losses, validation=validation, adapters=adapters(),
-                            optimizer=optimizer.state_dict(), best_step=best[0] if best else None,
-                            best_loss=best[1] if best else None, best_adapters=best[2] if best else None)
-
-    best_step = cfg.steps
-    if best is not None:
-        best_step = best[0]
-        set_peft_model_state_dict(peft_model, best[2])
+    run = run_training(cfg, n_train=len(train), trainable=trainable, step_loss=step_loss,
+                       validation_loss=(lambda: _validation_loss(peft_model, val, cfg.batch_size)) if len(val)
+                       else None,
+                       snapshot=lambda: {k: v.detach().clone()
+                                         for k, v in get_peft_model_state_dict(peft_model).items()},
+                       restore=restore, checkpoint=checkpoint, progress=progress, on_step=on_step, desc="fine-tune",
+                       what="fine-tuning")
+    losses, validation, best_step, resumed = run.losses, run.validation, run.best_step, run.resumed
     peft_model.eval()
     merged = peft_model.merge_and_unload()
-    dtype = _source_dtype(lm)
+    dtype = source_dtype(lm)
     merged.to(dtype).to(torch.float32)  # round to the storage dtype first: what is measured is what is saved
     ppl_after = _heldout_perplexity(merged, eval_ids, ctx)
     report = FinetuneReport(str(out), {**asdict(cfg), "target_modules": targets}, len(train), train.numel(),
                             sum(p.numel() for p in trainable), lm.parameters, losses, validation, best_step,
                             len(val), ppl_before, ppl_after, int(eval_ids.numel()), time.perf_counter() - t0, resumed)
-    _write_model(merged, lm, partial, report, dtype)
+    save_model_directory(merged, lm, partial, dtype)
+    atomic_write_json(partial / REPORT, report.to_dict())
     write_output_manifest(partial, FORMAT, {"source": str(lm.path)})
     check_output_dir(out, FORMAT)  # still an earlier fine-tuned model (or nothing) after the training
     swap_into_place(partial, out)
     return report
 
 
-def _write_model(model, lm: LoadedModel, directory: Path, report: FinetuneReport, dtype: torch.dtype) -> None:
-    """Save the merged model in the source's storage dtype (fp16 stays fp16), the tokenizer and the report."""
+def save_model_directory(model, lm: LoadedModel, directory: Path, dtype: torch.dtype | None = None) -> None:
+    """Save a model in the source's storage dtype (fp16 stays fp16) with the source's tokenizer.
+
+    The model is put back in float32 after saving; a leftover training checkpoint is removed.
+    """
+    dtype = dtype or source_dtype(lm)
     model.to(dtype)
     try:
         model.save_pretrained(directory, safe_serialization=True)
     finally:
         model.to(torch.float32)
     lm.tokenizer.save_pretrained(directory)
-    (directory / CHECKPOINT).unlink(missing_ok=True)
-    atomic_write_json(directory / REPORT, report.to_dict())
+    (Path(directory) / CHECKPOINT).unlink(missing_ok=True)
 
 
-def _source_dtype(lm: LoadedModel) -> torch.dtype:
+def source_dtype(lm: LoadedModel) -> torch.dtype:
+    """The dtype the source model is stored in (its config's dtype), float32 when it says none."""
     config = json.loads((lm.path / "config.json").read_text(encoding="utf-8"))
     name = str(config.get("dtype") or config.get("torch_dtype") or "float32")
     return {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(name, torch.float32)

@@ -11,9 +11,10 @@ import plotly.graph_objects as go
 __all__ = ["make_loss_figure"]
 
 
-def make_loss_figure(report) -> go.Figure:
+def make_loss_figure(report, *, title: str | None = None, y_title: str = "cross-entropy (nats/token)",
+                     validation_name: str = "held-back windows") -> go.Figure:
     """Loss per step and its running mean, validation loss and the chosen step; the title carries perplexity
-    before -> after."""
+    before -> after (``title`` replaces it: distillation's losses are KL, not cross-entropy)."""
     r = report if isinstance(report, Mapping) else report.to_dict()
     losses = r["losses"]
     steps = list(range(1, len(losses) + 1))
@@ -24,15 +25,16 @@ def make_loss_figure(report) -> go.Figure:
     fig.add_scatter(x=steps, y=smooth, mode="lines", name=f"mean of {k}", line={"color": "#08519c", "width": 2})
     if r.get("validation"):
         vs, vl = zip(*r["validation"])
-        fig.add_scatter(x=list(vs), y=list(vl), mode="lines+markers", name="held-back windows",
+        fig.add_scatter(x=list(vs), y=list(vl), mode="lines+markers", name=validation_name,
                         line={"color": "#d62728"})
         if r.get("best_step") is not None:
             fig.add_vline(x=r["best_step"], line_dash="dot", line_color="#d62728",
-                          annotation_text=f"merged: step {r['best_step']}")
-    title = "LoRA fine-tuning: training loss"
+                          annotation_text=f"kept: step {r['best_step']}")
+    if title is None:
+        title = "LoRA fine-tuning: training loss"
     if r.get("perplexity_before") is not None and r.get("perplexity_after") is not None:
         title += (f" (held-out perplexity {r['perplexity_before']:.2f} -> {r['perplexity_after']:.2f} on "
                   f"{r['eval_tokens']:,} tokens)")
-    fig.update_layout(title=title, xaxis_title="step", yaxis_title="cross-entropy (nats/token)",
+    fig.update_layout(title=title, xaxis_title="step", yaxis_title=y_title,
                       template="plotly_white", height=380)
     return fig

@@ -67,9 +67,10 @@ def make_pareto_figure(points: Sequence, x: str = "bits_per_weight") -> go.Figur
     kinds = {}
     for r in rows:
         label = r.get("label", "")
-        kind = "uniform" if label.startswith("uniform") else "auto" if label.startswith("auto") else "custom"
+        kind = "uniform" if label.startswith("uniform") else "auto" if label.startswith("auto") else \
+            "pruned" if label.startswith("pruned") else "custom"
         kinds.setdefault(kind, []).append(r)
-    symbols = {"uniform": "square", "auto": "circle", "custom": "diamond"}
+    symbols = {"uniform": "square", "auto": "circle", "custom": "diamond", "pruned": "star"}
     for kind, rs in kinds.items():
         rs = sorted(rs, key=lambda r: r[x])
         xs = [r[x] for r in rs]

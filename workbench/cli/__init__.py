@@ -26,6 +26,8 @@ COMMANDS = {
     "info": "info",
     "eval": "eval_cmd",
     "finetune": "finetune",
+    "prune": "prune_cmd",
+    "distill": "distill_cmd",
     "calibrate": "calibrate",
     "quantize": "quantize",
     "sensitivity": "sensitivity",

@@ -33,6 +33,7 @@ from ..sensitivity import run_sensitivity
 from ..workspace import Workspace
 from .base import FileDownload, StepPanel
 from .calibrate import CalibratePanel
+from .compress import CompressPanel
 from .finetune import FinetunePanel
 from .generate import GeneratePanel
 from .graph import ConvertPanel
@@ -44,7 +45,8 @@ from .session import ARCHIVE_SEND_LIMIT, AppSession, SessionLabel
 
 __all__ = ["WorkbenchApp", "TAB_TITLES"]
 
-TAB_TITLES = ("Fine-tune", "Calibrate", "Precisions", "Quantize", "Export", "Profile", "Generate", "Project")
+TAB_TITLES = ("Fine-tune", "Calibrate", "Precisions", "Quantize", "Export", "Profile", "Generate", "Project",
+              "Compress")
 
 
 class WorkbenchApp(StepPanel):
@@ -58,6 +60,7 @@ class WorkbenchApp(StepPanel):
         self.eval_tokens, self.finetune_steps = eval_tokens, finetune_steps
         self.finetune_panel = self.calibrate_panel = self.override_panel = self.quantize_panel = None
         self.convert_panel = self.profile_panel = self.generate_panel = self.project_panel = None
+        self.compress_panel = None
         self._setup()
         self.model_path = widgets.Text(value=str(model), description="model", layout={"width": "560px"},
                                        placeholder="demo, or a local Hugging Face model directory")
@@ -124,7 +127,7 @@ class WorkbenchApp(StepPanel):
         if not ok:
             return None
         for panel in (self.finetune_panel, self.calibrate_panel, self.quantize_panel, self.convert_panel,
-                      self.profile_panel, self.generate_panel, self.project_panel):
+                      self.profile_panel, self.generate_panel, self.project_panel, self.compress_panel):
             if panel is not None:
                 panel.close()  # they stop observing the session
         s = self.session
@@ -137,9 +140,7 @@ class WorkbenchApp(StepPanel):
         self.convert_panel = ConvertPanel(session=s, max_tokens=self.eval_tokens)
         self.profile_panel = ProfilePanel(session=s)
         self.generate_panel = GeneratePanel(session=s)
-        self.project_panel = ProjectPanel(session=s, points=lambda: self.override_panel.points)
-        self.tabs.children = [self.finetune_box, self.calibrate_panel, self.precisions_box, self.quantize_panel,
-                              self.convert_panel, self.profile_panel, self.generate_panel, self.project_panel]
+                      self.profile_panel, self.generate_panel, self.project_panel, self.compress_panel):
         for i, title in enumerate(TAB_TITLES):
             self.tabs.set_title(i, title)
         self.tabs.selected_index = 1  # Calibrate: fine-tuning is optional
@@ -206,7 +207,8 @@ class WorkbenchApp(StepPanel):
         figures = {}
         for tab, panel in (("finetune", self.finetune_panel), ("calibrate", self.calibrate_panel),
                            ("quantize", self.quantize_panel), ("export", self.convert_panel),
-                           ("profile", self.profile_panel), ("project", self.project_panel)):
+                           ("profile", self.profile_panel), ("project", self.project_panel),
+                           ("compress", self.compress_panel)):
             for name, fig in (panel.figures if panel is not None else {}).items():
                 figures[f"{tab}-{name}"] = fig
         if self.override_panel is not None and self.override_panel.points:

@@ -1,0 +1,410 @@
+"""Distillation: win back what pruning (and quantization) cost, with the original model as the teacher.
+
+    report = distill("out/pruned", "demo", "out/distilled", DistillConfig(steps=300))
+    report = distill("out/pruned", "demo", "out/qat", plan=QuantPlan.uniform("int4"))   # quantization-aware
+    report.student_before, report.student_after      # held-out perplexity and KL to the teacher
+
+Losses (weights in ``DistillConfig``): the teacher's soft labels, ``T^2 KL(softmax(t/T) || softmax(s/T))``
+with ``T`` starting at ``temperature`` and shrinking by ``temperature_decay`` each epoch over the
+training windows; optionally the cosine distance between hidden states and the mean squared error
+between head-averaged attention maps of mapped layers (student layer ``i`` to teacher layer
+``layer_map[i]``, by default the same depth, stretched when the student has fewer layers), and the
+hard-label cross-entropy. Pruned students keep the teacher's hidden size, so hidden states compare
+directly; attention maps are averaged over heads because the student has fewer.
+
+The student trains whole (``mode="full"``) or through LoRA adapters (``mode="lora"``). With a
+``plan`` the student is trained quantization-aware: every layer the plan quantizes computes, in
+the forward pass, with its round-to-nearest weight (the same ``quantize_weight`` ``workbench
+quantize`` uses) and passes the gradient straight through to the float weight, so quantizing the
+result with that plan gives exactly the weights trained. QAT needs ``mode="full"``: LoRA's merged
+update would be rounded after training, not during it.
+
+The training loop, checkpoint/resume and held-out step selection are fine-tuning's
+(``finetune.run_training``); the step kept is the one with the lowest KL to the teacher (T = 1) on
+held-back windows.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .errors import WorkbenchError
+from .evaluate import EvalReport, encode_text, evaluate, paired_difference, read_text
+from .finetune import (CHECKPOINT, DEFAULT_TARGETS, _Checkpoint, _split, run_training, save_model_directory,
+                       source_dtype, training_windows)
+from .models import LoadedModel, demo_text_path, load_model
+from .plan import QuantPlan, get_precision
+from .workspace import atomic_write_json, check_output_dir, file_sha256, hash_inputs, swap_into_place, \
+    write_output_manifest
+
+__all__ = ["DistillConfig", "DistillReport", "distill", "distillation_loss", "fake_quantized", "temperature_at",
+           "DISTILL_FORMAT", "MODES"]
+
+DISTILL_FORMAT = "workbench-distill"
+REPORT = "distill.json"
+PLAN_FILE = "plan.json"
+MODES = ("full", "lora")
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    """What a run does; every field is part of the checkpoint key (a changed setting starts afresh)."""
+
+    steps: int = 300
+    lr: float = 1e-4  # a tenth of a typical training rate, as the field practice advises after pruning
+    warmup: int = 10
+    batch_size: int = 8
+    seq_len: int = 256
+    seed: int = 0
+    checkpoint_every: int = 25
+    validation_fraction: float = 0.1
+    eval_every: int = 25
+    temperature: float = 5.0
+    temperature_decay: float = 0.1  # per epoch over the training windows
+    kl_weight: float = 1.0
+    hard_weight: float = 0.0
+    hidden_weight: float = 0.0
+    attention_weight: float = 0.0
+    layer_map: tuple[int, ...] | None = None
+    mode: str = "full"
+    rank: int = 8
+    alpha: int = 16
+
+    def validate(self) -> None:
+        for name in ("steps", "batch_size", "seq_len", "checkpoint_every", "eval_every", "rank", "alpha"):
+            if getattr(self, name) < 1:
+                raise WorkbenchError(f"distillation: {name} must be at least 1, got {getattr(self, name)}")
+        if not self.lr > 0:
+            raise WorkbenchError(f"distillation: lr must be positive, got {self.lr}")
+        if not self.temperature > 0:
+            raise WorkbenchError(f"distillation: temperature must be positive, got {self.temperature}")
+        if not 0 <= self.temperature_decay < 1:
+            raise WorkbenchError(f"distillation: temperature_decay must be in [0, 1), got {self.temperature_decay}")
+        if not 0 <= self.validation_fraction < 1:
+            raise WorkbenchError("distillation: validation_fraction must be in [0, 1), got "
+                                 f"{self.validation_fraction}")
+        weights = {k: getattr(self, f"{k}_weight") for k in ("kl", "hard", "hidden", "attention")}
+        if any(w < 0 for w in weights.values()) or not any(w > 0 for w in weights.values()):
+            raise WorkbenchError(f"distillation: loss weights must be >= 0 with at least one positive, got {weights}")
+        if self.mode not in MODES:
+            raise WorkbenchError(f"distillation: mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+
+
+def temperature_at(step: int, steps_per_epoch: int, cfg: DistillConfig) -> float:
+    """The soft-label temperature: ``temperature`` shrinking by ``temperature_decay`` per epoch (floor 1)."""
+    epoch = step // max(1, steps_per_epoch)
+    return max(1.0, cfg.temperature * (1 - cfg.temperature_decay) ** epoch)
+
+
+def default_layer_map(student_layers: int, teacher_layers: int) -> list[int]:
+    """Student layer i to the teacher layer at the same relative depth (the same index at equal depth)."""
+    if student_layers == teacher_layers:
+        return list(range(student_layers))
+    return [round((i + 1) * teacher_layers / student_layers) - 1 for i in range(student_layers)]
+
+
+def distillation_loss(student_out, teacher_out, labels: torch.Tensor, cfg: DistillConfig, temperature: float,
+                      layer_map: Sequence[int]) -> tuple[torch.Tensor, dict[str, float]]:
+    """The weighted sum of the configured terms, and each term's value (for the report)."""
+    terms: dict[str, torch.Tensor] = {}
+    s_logits = student_out.logits[:, :-1].float()
+    t_logits = teacher_out.logits[:, :-1].float()
+    vocab = s_logits.shape[-1]
+    if cfg.kl_weight > 0:
+        s = F.log_softmax(s_logits.reshape(-1, vocab) / temperature, -1)
+        t = F.log_softmax(t_logits.reshape(-1, vocab) / temperature, -1)
+        terms["kl"] = F.kl_div(s, t, log_target=True, reduction="batchmean") * temperature ** 2
+    if cfg.hard_weight > 0:
+        terms["hard"] = F.cross_entropy(s_logits.reshape(-1, vocab), labels[:, 1:].reshape(-1))
+    if cfg.hidden_weight > 0:
+        hs, ht = student_out.hidden_states, teacher_out.hidden_states
+        terms["hidden"] = torch.stack([1 - F.cosine_similarity(hs[i + 1].float(), ht[j + 1].float(), dim=-1).mean()
+                                       for i, j in enumerate(layer_map)]).mean()
+    if cfg.attention_weight > 0:
+        a_s, a_t = student_out.attentions, teacher_out.attentions
+        terms["attention"] = torch.stack([F.mse_loss(a_s[i].float().mean(1), a_t[j].float().mean(1))
+                                          for i, j in enumerate(layer_map)]).mean()
+    total = sum(getattr(cfg, f"{k}_weight") * v for k, v in terms.items())
+    return total, {k: float(v.detach()) for k, v in terms.items()}
+
+
+# -- quantization-aware training ------------------------------------------------------------------
+
+class _FakeQuant(nn.Module):
+    """A weight parametrization: round-to-nearest at the plan's precision forward, identity backward."""
+
+    def __init__(self, bits: int | None, group_size: int | None, symmetric: bool, scale_search: bool):
+        super().__init__()
+        self.bits, self.group_size, self.symmetric, self.scale_search = bits, group_size, symmetric, scale_search
+
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        from .quantize.rtn import quantize_weight
+        if self.bits is None:  # fp16: the weight rounded to float16 values
+            q = w.detach().half().to(w.dtype)
+        else:
+            q = quantize_weight(w, self.bits, self.group_size, self.symmetric,
+                                scale_search=self.scale_search).dequantize().to(w.dtype)
+        return w + (q - w).detach()  # straight-through: the gradient reaches the float weight unchanged
+
+
+def fake_quantized(lm: LoadedModel, model: nn.Module, plan: QuantPlan) -> list[str]:
+    """Parametrize every layer ``plan`` lowers with ``_FakeQuant``; returns their names.
+
+    A tied embedding / output layer shares one weight: both modules get the parametrization over
+    that same tensor, so the tie holds in training and after ``_remove_fake_quant``.
+    """
+    from torch.nn.utils import parametrize
+    from .quantize.model import resolve_group_size
+    assignments = plan.resolve([info.name for info in lm.layers])
+    names = []
+    for info in lm.layers:
+        prec = get_precision(assignments.get(info.name))
+        if prec is None or (prec.is_float and prec.bits >= 32):
+            continue
+        gs = None if prec.is_float else resolve_group_size(info.shape[1], plan.group_size)[0]
+        parametrize.register_parametrization(
+            model.get_submodule(info.name), "weight",
+            _FakeQuant(None if prec.is_float else prec.bits, gs, plan.symmetric, plan.scale_search), unsafe=True)
+        names.append(info.name)
+    return names
+
+
+def _remove_fake_quant(model: nn.Module) -> None:
+    """Back to plain float weights (the trained ones, not their rounded copies)."""
+    from torch.nn.utils import parametrize
+    for m in list(model.modules()):
+        if parametrize.is_parametrized(m, "weight"):
+            parametrize.remove_parametrizations(m, "weight", leave_parametrized=False)
+
+
+# -- the run ---------------------------------------------------------------------------------------
+
+@dataclass
+class DistillReport:
+    """Losses per step, the step kept, and the student before / after against the teacher."""
+
+    out_dir: str
+    config: dict
+    teacher: str
+    student: str
+    plan: dict | None
+    train_windows: int
+    trainable_parameters: int
+    losses: list[float] = field(default_factory=list)
+    terms: list[dict] = field(default_factory=list)  # each loss term per step
+    temperatures: list[float] = field(default_factory=list)
+    validation: list[tuple[int, float]] = field(default_factory=list)  # (step, KL to the teacher at T = 1)
+    best_step: int | None = None
+    validation_windows: int = 0
+    teacher_perplexity: float | None = None
+    student_before: dict | None = None  # perplexity, KL, top-1 and their standard errors
+    student_after: dict | None = None
+    perplexity_change: dict | None = None  # after - before in mean NLL, with its standard error
+    kl_change: dict | None = None
+    recovered: float | None = None  # share of the student's perplexity gap to the teacher that was won back
+    eval_tokens: int = 0
+    seconds: float = 0.0
+    resumed_from_step: int | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def summary(self) -> str:
+        b, a = self.student_before or {}, self.student_after or {}
+        q = " quantization-aware" if self.plan else ""
+        rec = f", {self.recovered:.0%} of the gap won back" if self.recovered is not None else ""
+        return (f"distilled{q} ({self.config['mode']}, {self.trainable_parameters:,} trainable) for {len(self.losses)} "
+                f"steps, kept step {self.best_step}; held-out perplexity {b.get('perplexity', float('nan')):.2f} -> "
+                f"{a.get('perplexity', float('nan')):.2f} (teacher {self.teacher_perplexity:.2f}{rec}), KL "
+                f"{b.get('kl', float('nan')):.4f} -> {a.get('kl', float('nan')):.4f} on {self.eval_tokens:,} tokens; "
+                f"{self.seconds:.0f} s -> {self.out_dir}")
+
+
+def _measure(report: EvalReport) -> dict:
+    return {"perplexity": report.perplexity, "perplexity_stderr": report.perplexity_stderr,
+            "kl": report.kl_divergence, "kl_stderr": report.kl_stderr, "top1": report.top1_agreement}
+
+
+def _trainable(model: nn.Module, cfg: DistillConfig):
+    """(the module to train, snapshot(), restore(state)): LoRA adapters on the student, or all its weights."""
+    if cfg.mode == "lora":
+        from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+        torch.manual_seed(cfg.seed)  # LoRA's A matrices start random
+        present = {n.rsplit(".", 1)[-1] for n, mod in model.named_modules() if isinstance(mod, nn.Linear)}
+        trained = get_peft_model(model, LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=0.0, bias="none",
+                                                   target_modules=[t for t in DEFAULT_TARGETS if t in present],
+                                                   task_type="CAUSAL_LM"))
+        return (trained, lambda: {k: v.detach().clone() for k, v in get_peft_model_state_dict(trained).items()},
+                lambda state: set_peft_model_state_dict(trained, state))
+    for p in model.parameters():
+        p.requires_grad_(True)
+    named = dict(model.named_parameters())
+
+    @torch.no_grad()
+    def restore(state: dict) -> None:
+        for k, v in state.items():
+            named[k].copy_(v)
+    return model, lambda: {k: v.detach().clone() for k, v in named.items()}, restore
+
+
+@contextlib.contextmanager
+def _teacher(model: nn.Module, *, eager: bool):
+    """The teacher frozen, in eval mode (and eager attention for attention maps); put back as it was after."""
+    flags, training, attn = [p.requires_grad for p in model.parameters()], model.training, \
+        model.config._attn_implementation
+    try:
+        for p in model.parameters():
+            p.requires_grad_(False)
+        model.eval()
+        if eager:
+            model.set_attn_implementation("eager")
+        yield model
+    finally:
+        for p, f in zip(model.parameters(), flags):
+            p.requires_grad_(f)
+        model.train(training)
+        if eager:
+            model.set_attn_implementation(attn)
+
+
+def _outputs(model: nn.Module, batch: torch.Tensor, cfg: DistillConfig):
+    return model(input_ids=batch, use_cache=False, output_hidden_states=cfg.hidden_weight > 0,
+                 output_attentions=cfg.attention_weight > 0)
+
+
+def distill(student: str | Path | LoadedModel, teacher: str | Path | LoadedModel = "demo",
+            out_dir: str | Path = "out/distilled", config: DistillConfig | None = None, *,
+            plan: QuantPlan | None = None, data: str | Path | None = None, eval_text: str | Path | None = None,
+            eval_tokens: int = 4096, overwrite: bool = False, progress: bool = True,
+            on_step: Callable[[int, float], None] | None = None) -> DistillReport:
+    """Train ``student`` to match ``teacher`` on ``data`` (default: the calibration text); save the student.
+
+    ``plan`` makes it quantization-aware (the plan's layers fake-quantized in the forward pass);
+    the saved model is float, and ``workbench quantize`` with the same plan gives the weights
+    trained. Work in progress lives in ``<out_dir>.partial/`` and resumes from its last checkpoint.
+    Perplexity and KL to the teacher before and after (with the plan's rounding when given) are
+    measured on ``eval_text`` (default: the bundled held-out text), never used for choosing.
+    """
+    cfg = config or DistillConfig()
+    cfg.validate()
+    if plan is not None and cfg.mode != "full":
+        raise WorkbenchError("quantization-aware distillation trains the weights that get rounded: use mode 'full' "
+                             "(--mode full), not LoRA")
+    out = check_output_dir(out_dir, DISTILL_FORMAT)
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise WorkbenchError(f"--out '{out}' holds an earlier distilled model; pass --overwrite (overwrite=True) to "
+                             "replace it, or choose another --out")
+    t0 = time.perf_counter()
+    s_lm = student if isinstance(student, LoadedModel) else load_model(student, dtype="float32")
+    s_lm.require_float("distill --plan PLAN (quantization-aware)")
+    t_lm = teacher if isinstance(teacher, LoadedModel) else load_model(teacher)
+    t_lm.require_float("distill as the teacher")
+    if s_lm.config.vocab_size != t_lm.config.vocab_size:
+        raise WorkbenchError(f"the student's vocabulary ({s_lm.config.vocab_size}) differs from the teacher's "
+                             f"({t_lm.config.vocab_size}); distil a model pruned from this teacher")
+    n_s, n_t = s_lm.config.num_hidden_layers, t_lm.config.num_hidden_layers
+    layer_map = list(cfg.layer_map) if cfg.layer_map is not None else default_layer_map(n_s, n_t)
+    if len(layer_map) != n_s or not all(0 <= j < n_t for j in layer_map):
+        raise WorkbenchError(f"layer_map must give a teacher layer (0-{n_t - 1}) for each of the student's {n_s} "
+                             f"layers, got {layer_map}")
+    if cfg.hidden_weight > 0 and s_lm.config.hidden_size != t_lm.config.hidden_size:
+        raise WorkbenchError("the hidden-state term needs the same hidden size in student and teacher; set "
+                             "hidden_weight to 0")
+    if plan is not None:
+        plan.validate([info.name for info in s_lm.layers])
+    data_path = Path(data) if data is not None else demo_text_path("calibration")
+    train, val = _split(training_windows(s_lm, data_path, cfg.seq_len), cfg.validation_fraction)
+    eval_path = Path(eval_text) if eval_text is not None else demo_text_path("heldout")
+    eval_ids = encode_text(s_lm.tokenizer, read_text(eval_path), source=str(eval_path))[:eval_tokens]
+    max_pos = getattr(s_lm.config, "max_position_embeddings", None) or cfg.seq_len
+    ctx = min(cfg.seq_len, max_pos, max(2, eval_ids.numel()))
+
+    from .calibrate import model_fingerprint
+    partial = out.with_name(out.name + ".partial")
+    partial.mkdir(parents=True, exist_ok=True)
+    checkpoint = _Checkpoint(partial / CHECKPOINT, hash_inputs({
+        "student": model_fingerprint(s_lm.model), "teacher": model_fingerprint(t_lm.model),
+        "data": file_sha256(data_path), "config": asdict(cfg), "plan": plan.to_dict() if plan else None}))
+
+    teacher_model = t_lm.model
+    model = copy.deepcopy(s_lm.model)  # the caller's student stays as it was
+    if cfg.attention_weight > 0:  # attention maps come only from the eager implementation
+        model.set_attn_implementation("eager")
+    attn_before = teacher_model.config._attn_implementation
+    with _teacher(teacher_model, eager=cfg.attention_weight > 0):
+        if plan is not None:
+            fake_quantized(s_lm, model, plan)
+        before = evaluate(model, eval_ids, reference=teacher_model, ctx=ctx, progress=False)
+
+        trained, snapshot, restore = _trainable(model, cfg)
+        trainable = [p for p in trained.parameters() if p.requires_grad]
+        steps_per_epoch = max(1, len(train) // cfg.batch_size)
+        terms_by_step: dict[int, dict] = {}
+
+        def step_loss(idx: torch.Tensor, step: int) -> torch.Tensor:
+            batch = train[idx]
+            temperature = temperature_at(step, steps_per_epoch, cfg)
+            with torch.no_grad():
+                t_out = _outputs(teacher_model, batch, cfg)
+            s_out = _outputs(trained, batch, cfg)
+            loss, terms = distillation_loss(s_out, t_out, batch, cfg, temperature, layer_map)
+            terms_by_step[step] = terms  # this process's steps (a resumed run has only the later ones)
+            return loss
+
+        @torch.no_grad()
+        def validation_kl() -> float:
+            trained.eval()
+            total = count = 0.0
+            for i in range(0, len(val), cfg.batch_size):
+                batch = val[i:i + cfg.batch_size]
+                s = F.log_softmax(trained(input_ids=batch, use_cache=False).logits[:, :-1].float(), -1)
+                t = F.log_softmax(teacher_model(input_ids=batch, use_cache=False).logits[:, :-1].float(), -1)
+                total += float((t.exp() * (t - s)).sum())
+                count += s.shape[0] * s.shape[1]
+            trained.train()
+            return total / count
+
+        trained.train()
+        run = run_training(cfg, n_train=len(train), trainable=trainable, step_loss=step_loss,
+                           validation_loss=validation_kl if len(val) else None, snapshot=snapshot, restore=restore,
+                           checkpoint=checkpoint, progress=progress, on_step=on_step, desc="distill",
+                           what="distillation")
+        trained.eval()
+        result = trained.merge_and_unload() if cfg.mode == "lora" else trained
+        for p in result.parameters():
+            p.requires_grad_(False)
+        dtype = source_dtype(s_lm)
+        with torch.no_grad():
+            result.to(dtype).to(torch.float32)  # rounded to the storage dtype: what is measured is what is saved
+        after = evaluate(result, eval_ids, reference=teacher_model, ctx=ctx, progress=False)
+        if cfg.attention_weight > 0:
+            result.set_attn_implementation(attn_before)
+    if plan is not None:
+        _remove_fake_quant(result)
+    t_ppl = after.reference_perplexity
+    gap = before.perplexity - t_ppl
+    report = DistillReport(
+        str(out), asdict(cfg), str(t_lm.path), str(s_lm.path), plan.to_dict() if plan else None, len(train),
+        sum(p.numel() for p in trainable), run.losses, [terms_by_step.get(i) for i in range(len(run.losses))],
+        [temperature_at(i, steps_per_epoch, cfg) for i in range(len(run.losses))],
+        run.validation, run.best_step, len(val), t_ppl, _measure(before), _measure(after),
+        paired_difference(after, before), paired_difference(after, before, "kl"),
+        (before.perplexity - after.perplexity) / gap if gap > 0 else None, int(eval_ids.numel()),
+        time.perf_counter() - t0, run.resumed)
+    save_model_directory(result, s_lm, partial, dtype)
+    if plan is not None:
+        plan.save(partial / PLAN_FILE)
+    atomic_write_json(partial / REPORT, report.to_dict())
+    write_output_manifest(partial, DISTILL_FORMAT, {"source": str(s_lm.path), "teacher": str(t_lm.path)})
+    check_output_dir(out, DISTILL_FORMAT)
+    swap_into_place(partial, out)
+    return report
+

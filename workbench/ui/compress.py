@@ -1,0 +1,247 @@
+"""The compression panel: keep ratios, predicted size, Score / Prune / Distill, and what each step cost.
+
+    panel = CompressPanel("demo", out_dir="out/compress")
+    panel.heads.value, panel.mlp.value = 0.5, 0.2     # fractions removed per layer
+    panel.score(); panel.prune(); panel.distill()     # what the buttons do
+    display(panel)
+
+Every measured model becomes a point (size against KL and perplexity, against the float model) on
+the same Pareto chart as the precision plans (``extra_points`` supplies those, e.g. the override
+panel's), and a row of the table beside it.
+"""
+from __future__ import annotations
+
+import html
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import ipywidgets as widgets
+
+from ..charts.compress import (make_channel_importance_figure, make_compress_table_figure, make_distill_figure,
+                               make_head_importance_figure)
+from ..charts.precision import make_pareto_figure
+from ..distill import DistillConfig, DistillReport, distill
+from ..evaluate import capture_reference
+from ..models import LoadedModel, load_model
+from ..plan import QuantPlan
+from ..errors import WorkbenchError
+from ..prune import (HEAD_UNITS, SCORES, Geometry, PruneImportance, PrunePlan, geometry, head_and_channel_importance,
+                     measure_point, predicted_size, prune)
+from ..sensitivity import evaluation_tokens
+from ..workspace import Workspace
+from .base import StepPanel
+
+__all__ = ["CompressPanel"]
+
+
+class CompressPanel(StepPanel):
+    """Heads / MLP fractions removed, head unit, score; INT4 on or off; distillation steps and temperature."""
+
+    def __init__(self, model: str | Path | LoadedModel = "demo", *, out_dir: str | Path = "out/compress",
+                 workspace: Workspace | None = None, heads: float = 0.5, mlp: float = 0.2, steps: int = 100,
+                 temperature: float = 5.0, eval_tokens: int = 4096, importance_tokens: int = 2048,
+                 quant_plan: QuantPlan | None = None, extra_points: Callable[[], Sequence] | None = None):
+        self._setup()
+        self.lm = model if isinstance(model, LoadedModel) else load_model(model)
+        try:
+            self.geo = geometry(self.lm.model)
+            self.unsupported = None
+        except WorkbenchError as e:  # the app still opens for a model this tab cannot prune; the tab says why
+            self.geo, self.unsupported = Geometry(0, 1, 1, 0, 0, 0), str(e)
+        self.out_dir = Path(out_dir)
+        self.workspace = workspace or Workspace()
+        self.eval_tokens, self.importance_tokens = eval_tokens, importance_tokens
+        self.quant_plan = quant_plan or QuantPlan.uniform("int4")
+        self.extra_points = extra_points or (lambda: [])
+        self.importance: PruneImportance | None = None
+        self.points: list[dict] = []
+        self.prune_report: dict | None = None
+        self.distill_report: DistillReport | None = None
+        self._ids = self._reference = None
+        self.heads = widgets.FloatSlider(value=heads, min=0, max=0.95, step=0.05, description="heads removed",
+                                         readout_format=".0%", style={"description_width": "110px"})
+        self.mlp = widgets.FloatSlider(value=mlp, min=0, max=0.95, step=0.05, description="MLP removed",
+                                       readout_format=".0%", style={"description_width": "110px"})
+        self.head_unit = widgets.Dropdown(options=list(HEAD_UNITS), value="group", description="head unit")
+        self.score_kind = widgets.Dropdown(options=list(SCORES), value="taylor", description="rank by")
+        self.quantize = widgets.Checkbox(value=True, description=f"also {self._plan_label()}")
+        self.steps = widgets.BoundedIntText(value=steps, min=1, max=100_000, description="distil steps")
+        self.temperature = widgets.BoundedFloatText(value=temperature, min=0.1, max=100, step=0.5,
+                                                    description="temperature")
+        self.predicted = widgets.HTML()
+        self.progress = widgets.IntProgress(value=0, min=0, max=steps, description="distil", bar_style="info")
+        self.score_button = widgets.Button(description="Score", icon="bar-chart",
+                                           tooltip="importance of every head and MLP channel (cached)")
+        self.prune_button = widgets.Button(description="Prune", button_style="primary", icon="scissors")
+        self.distill_button = widgets.Button(description="Distil", button_style="primary", icon="graduation-cap")
+        self.score_button.on_click(lambda _: self.score())
+        self.prune_button.on_click(lambda _: self.prune())
+        self.distill_button.on_click(lambda _: self.distill())
+        for w in (self.heads, self.mlp, self.head_unit, self.quantize):
+            w.observe(lambda _: self._update_prediction(), names="value")
+        self.importance_plot, self.channel_plot, self.pareto_plot, self.table_plot, self.loss_plot = \
+            (widgets.Output() for _ in range(5))
+        self.controls = [self.heads, self.mlp, self.head_unit, self.score_kind, self.quantize, self.steps,
+                         self.temperature, self.score_button, self.prune_button, self.distill_button]
+        g = self.geo
+        super().__init__([
+            widgets.HTML(f"<b>Compress</b> {html.escape(str(self.lm.name))}: remove attention heads and MLP channels "
+                         f"by importance, then distil from the original. {g.layers} layers of {g.heads} query heads "
+                         f"over {g.kv_heads} KV heads and {g.intermediate} MLP channels; every layer keeps the same "
+                         "counts (one config for all layers)."),
+            widgets.HBox([self.heads, self.mlp, self.head_unit, self.score_kind]),
+            widgets.HBox([self.quantize, self.steps, self.temperature]), self.predicted,
+            widgets.HBox([self.score_button, self.prune_button, self.distill_button]), self.progress,
+            self.status, self.log_output, self.pareto_plot, self.table_plot, self.loss_plot, self.importance_plot,
+            self.channel_plot])
+        self._update_prediction()
+        if self.unsupported:
+            self._show_error(self.unsupported)
+            for w in self.controls:
+                w.disabled = True
+            self.controls = []  # nothing re-enables them
+
+    def _plan_label(self) -> str:
+        return f"{self.quant_plan.default or 'float'} (RTN, group {self.quant_plan.group_size})"
+
+    def plan(self) -> PrunePlan:
+        return PrunePlan(heads=round(self.heads.value, 4), mlp=round(self.mlp.value, 4),
+                         head_unit=self.head_unit.value, score=self.score_kind.value)
+
+    def _update_prediction(self) -> dict | None:
+        if self.unsupported:
+            return None
+        try:
+            size = predicted_size(self.lm, self.plan(), self.quant_plan)
+        except Exception as e:  # noqa: BLE001 - a slider position the model cannot take: say so, keep going
+            self.predicted.value = f"<span style='color:#c0392b'>{html.escape(str(e))}</span>"
+            return None
+        g = self.geo
+        fp16 = self.lm.size_bytes(precision="fp16")
+        q = f", {size['quantized_bytes']:,} B with {self._plan_label()}" if self.quantize.value else ""
+        self.predicted.value = (f"predicted: {size['heads']}/{g.heads} query heads, {size['kv_heads']}/{g.kv_heads} KV "
+                                f"heads, {size['intermediate']}/{g.intermediate} MLP channels per layer; "
+                                f"{size['parameters']:,} parameters, <b>{size['fp16_bytes']:,} B</b> at fp16 "
+                                f"({size['fp16_bytes'] / fp16 - 1:+.1%}){q}")
+        return size
+
+    # -- measurement ------------------------------------------------------------------------------
+    def _eval(self):
+        if self._ids is None:
+            self._ids = evaluation_tokens(self.lm, None, self.eval_tokens)
+            ctx = min(512, getattr(self.lm.config, "max_position_embeddings", 512) or 512, self._ids.numel())
+            self._ctx = ctx
+            self._reference = capture_reference(self.lm.model, self._ids, ctx=ctx, progress=False)
+        return self._ids, self._reference
+
+    def _add_point(self, label: str, lm: LoadedModel, quantized: bool) -> dict:
+        ids, ref = self._eval()
+        if quantized:
+            from ..quantize import quantize_model
+            qm = quantize_model(lm, self.quant_plan, method="rtn", progress=False)
+            point = measure_point(label, qm.build_model(), ids, ref, size_bytes=lm.size_bytes(self.quant_plan),
+                                  bits_per_weight=qm.bits_per_weight, ctx=self._ctx, parameters=lm.parameters)
+        else:
+            point = measure_point(label, lm.model, ids, ref, size_bytes=lm.size_bytes(precision="fp16"),
+                                  bits_per_weight=16.0, ctx=self._ctx)
+        self.points = [p for p in self.points if p["label"] != label] + [point]
+        return point
+
+    def _show_points(self) -> None:
+        pts = list(self.extra_points()) + self.points
+        self._plot("pareto", make_pareto_figure(pts, x="size_bytes"), self.pareto_plot)
+        self._plot("table", make_compress_table_figure(self.points), self.table_plot)
+
+    # -- the buttons ----------------------------------------------------------------------------------
+    def score(self) -> PruneImportance | None:
+        """Importance of every head and channel (cached in the workspace), drawn per layer."""
+        ok, imp = self._attempt("scoring heads and channels...", lambda: head_and_channel_importance(
+            self.lm, tokens=self.importance_tokens, kl_tokens=self.eval_tokens, workspace=self.workspace,
+            progress=True))
+        if not ok:
+            return None
+        self.importance = imp
+        self._show_importance()
+        self.status.value = f"scored {imp.tokens:,} tokens (gradients) and {imp.kl_tokens:,} (KL per masked head)"
+        return imp
+
+    def _show_importance(self, kept: dict | None = None) -> None:
+        unit, score = self.head_unit.value, self.score_kind.value
+        self._plot("heads", make_head_importance_figure(self.importance, score=score, unit=unit,
+                                                        kept=kept["heads"] if kept else None), self.importance_plot)
+        self._plot("channels", make_channel_importance_figure(
+            self.importance, score="activation" if score == "activation" else "taylor",
+            kept=kept["mlp"] if kept else None), self.channel_plot)
+
+    def prune(self) -> dict | None:
+        """Prune by the sliders into ``out_dir/pruned``; measure it (and it quantized) against the original."""
+        plan = self.plan()
+
+        def work():
+            if not any(p["label"] == "float" for p in self.points):
+                self._add_point("float", self.lm, False)
+                if self.quantize.value:
+                    self._add_point(self.quant_plan.default or "quantized", self.lm, True)
+            report = prune(self.lm, plan, self.out_dir / "pruned", workspace=self.workspace, evaluate_tokens=None,
+                           importance=self.importance, progress=True)
+            pruned = load_model(self.out_dir / "pruned")
+            self._add_point("pruned", pruned, False)
+            if self.quantize.value:
+                self._add_point(f"pruned + {self.quant_plan.default}", pruned, True)
+            return report
+        ok, report = self._attempt("pruning...", work)
+        if not ok:
+            return None
+        self.prune_report = report
+        if self.importance is None:
+            from ..prune import IMPORTANCE_FILE
+            self.importance = PruneImportance.load(self.out_dir / "pruned" / IMPORTANCE_FILE)
+        self._show_importance(report["kept"])
+        self._show_points()
+        p = next(p for p in self.points if p["label"] == "pruned")
+        f = next(p for p in self.points if p["label"] == "float")
+        self.status.value = html.escape(f"{report['summary']}; perplexity {f['perplexity']:.2f} -> "
+                                        f"{p['perplexity']:.2f}, KL {p['kl_divergence']:.4f} on {p['tokens']:,} tokens")
+        return report
+
+    def distill(self) -> DistillReport | None:
+        """Distil the pruned model from the original (quantization-aware when the checkbox is on)."""
+        if self.prune_report is None:
+            self._show_error("prune first (the Prune button)")
+            return None
+        steps = self.steps.value
+        cfg = DistillConfig(steps=steps, temperature=self.temperature.value)
+        plan = self.quant_plan if self.quantize.value else None
+        self.progress.max, self.progress.value, self.progress.bar_style = steps, 0, "info"
+        t0 = time.perf_counter()
+        first, losses = {}, []
+        every = max(1, steps // 20)
+
+        def on_step(step: int, loss: float) -> None:
+            first.setdefault("step", step - 1)  # a resumed run starts later
+            losses.append(loss)
+            self.progress.value = step
+            done = step - first["step"]
+            left = (time.perf_counter() - t0) / done * (steps - step) if done else 0.0
+            self.status.value = f"step {step}/{steps}, loss {loss:.4f}, about {left:.0f} s left"
+            if step % every == 0:  # the live curve
+                self._plot("distill", make_distill_figure({"losses": list(losses)}), self.loss_plot)
+
+        def work():
+            report = distill(self.out_dir / "pruned", self.lm, self.out_dir / "distilled", cfg, plan=plan,
+                             eval_tokens=self.eval_tokens, overwrite=True, progress=True, on_step=on_step)
+            student = load_model(self.out_dir / "distilled")
+            label = f"pruned + {self.quant_plan.default} + distilled" if plan else "pruned + distilled"
+            self._add_point(label, student, plan is not None)
+            return report
+        ok, report = self._attempt("distilling...", work)
+        if not ok:
+            self.progress.bar_style = "danger"
+            return None
+        self.distill_report = report
+        self.progress.bar_style = "success"
+        self._plot("distill", make_distill_figure(report), self.loss_plot)
+        self._show_points()
+        self.status.value = html.escape(report.summary())
+        return report
