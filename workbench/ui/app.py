@@ -140,7 +140,14 @@ class WorkbenchApp(StepPanel):
         self.convert_panel = ConvertPanel(session=s, max_tokens=self.eval_tokens)
         self.profile_panel = ProfilePanel(session=s)
         self.generate_panel = GeneratePanel(session=s)
-                      self.profile_panel, self.generate_panel, self.project_panel, self.compress_panel):
+        self.project_panel = ProjectPanel(session=s, points=lambda: self.override_panel.points)
+        # pruned models land on the Precisions tab's Pareto chart beside its plans
+        self.compress_panel = CompressPanel(
+            lm, out_dir=s.out_dir / "compress", workspace=s.workspace,
+            extra_points=lambda: self.override_panel.points if self.override_panel else [])
+        self.tabs.children = [self.finetune_box, self.calibrate_panel, self.precisions_box, self.quantize_panel,
+                              self.convert_panel, self.profile_panel, self.generate_panel, self.project_panel,
+                              self.compress_panel]
         for i, title in enumerate(TAB_TITLES):
             self.tabs.set_title(i, title)
         self.tabs.selected_index = 1  # Calibrate: fine-tuning is optional
