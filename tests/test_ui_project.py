@@ -51,7 +51,8 @@ def test_the_app_has_a_project_tab(tiny_model_dir, workspace, tmp_path):
     from workbench.ui.app import TAB_TITLES, WorkbenchApp
     app = WorkbenchApp(str(tiny_model_dir), sweep_tokens=64, out_dir=tmp_path / "run", workspace=workspace)
     assert app.load() is not None
-    assert TAB_TITLES[-1] == "Project" and app.tabs.children[-1] is app.project_panel
+    k = TAB_TITLES.index("Project")
+    assert app.tabs.children[k] is app.project_panel
     app.override_panel.evaluate()
     assert app.project_panel.run() is not None
     assert [r["label"] for r in app.project_panel.rows] == ["session plan"]  # "plan 1" is the session's plan
