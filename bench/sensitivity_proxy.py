@@ -3,7 +3,7 @@
     python bench/sensitivity_proxy.py [--model demo] [--tokens 1024] [--eval-tokens 0] [--json]
 
 Prints, on the same tokens:
-- the measured sweep (every layer x int8/int4, one evaluation each) and the proxy (one forward and
+- the measured sweep (every layer x each swept precision, one evaluation each) and the proxy (one forward and
   one backward pass): wall time of each;
 - Spearman rank correlation between measured and estimated KL, per precision and pooled over all of them, and the
   ratio of their sums (the proxy estimates KL in the same unit, nats/token);
