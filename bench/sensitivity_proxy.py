@@ -3,9 +3,9 @@
     python bench/sensitivity_proxy.py [--model demo] [--tokens 1024] [--eval-tokens 0] [--json]
 
 Prints, on the same tokens:
-- the measured sweep (every layer x int8/int4, one evaluation each) and the proxy (one forward and
+- the measured sweep (every layer x each swept precision, one evaluation each) and the proxy (one forward and
   one backward pass): wall time of each;
-- Spearman rank correlation between measured and estimated KL, per precision and over both, and the
+- Spearman rank correlation between measured and estimated KL, per precision and pooled over all of them, and the
   ratio of their sums (the proxy estimates KL in the same unit, nats/token);
 - the automatic plan at the size of uniform INT4 + 10%, chosen from each score, measured on the
   held-out text (``--eval-tokens 0`` = all of it): what picking by the proxy costs in KL.
@@ -55,7 +55,7 @@ def main() -> None:
         pooled_e += e
         out["spearman"][p] = spearman(m, e)
         out["sum_ratio"][p] = sum(e) / sum(m)
-    out["spearman"]["both"] = spearman(pooled_m, pooled_e)
+    out["spearman"]["pooled"] = spearman(pooled_m, pooled_e)
     out["top5_int4"] = {"measured": kl.ranking("int4")[:5], "proxy": px.ranking("int4")[:5]}
 
     evaluator = PlanEvaluator(lm, evaluation_tokens(lm, tokens=args.eval_tokens or None))
