@@ -3,7 +3,8 @@
     profiles = profile_directory("out/convert")        # every prefill/decode pair found below it
     profiles[0].decode_tokens_per_second, profiles[0].prefill_ms[128], profiles[0].size_bytes
 
-Each runtime (onnxruntime for ``.onnx``, MNN for ``.mnn``) is loaded, warmed up once, then timed
+Each runtime (onnxruntime for ``.onnx``, MNN for ``.mnn``, onnxruntime-genai for an ``ort-genai``
+folder: ``model.onnx`` beside ``genai_config.json``) is loaded, warmed up once, then timed
 ``repeats`` times; the median is reported. Prefill is timed per prompt length, decode as tokens
 per second over ``decode_steps`` steps after a prompt. Sizes are the files on disk (external data
 included); memory is the peak resident memory the runtime added while loading and running (Linux).
@@ -27,7 +28,7 @@ __all__ = ["RuntimeProfile", "find_runtimes", "profile_runtime", "profile_direct
 
 DEFAULT_PROMPT_LENGTHS = (32, 128)
 PREFILL_NAMES = ("prefill.onnx", "prefill.qdq.onnx", "prefill.mnn")
-DEFAULT_CANDIDATES = ("float", "ort-int4", "mnn")  # "float": the unquantized export; the rest: convert targets
+DEFAULT_CANDIDATES = ("float", "ort-int4", "ort-genai", "mnn")  # "float": the unquantized export; the rest: convert targets
 
 
 @dataclass
@@ -93,9 +94,14 @@ def find_runtimes(directory: str | Path) -> list[tuple[str, Path, Path | None]]:
         if prefill.name == "prefill.qdq.onnx":
             name += " (qdq)"
         found.append((name, prefill, decode if decode.is_file() else None))
+    for config in sorted(root.rglob("genai_config.json")):  # ort-genai: one graph serves prefill and decode
+        model = config.with_name("model.onnx")
+        if model.is_file() and ".partial" not in str(config.relative_to(root)):
+            rel = model.parent.relative_to(root)
+            found.append((str(rel) if str(rel) != "." else root.name, model, model))
     if not found:
-        raise WorkbenchError(f"no prefill.onnx, prefill.qdq.onnx or prefill.mnn below '{root}'; export or convert "
-                             "a model there first")
+        raise WorkbenchError(f"no prefill.onnx, prefill.qdq.onnx, prefill.mnn or model.onnx with genai_config.json "
+                             f"below '{root}'; export or convert a model there first")
     return found
 
 
@@ -164,6 +170,10 @@ def profile_runtime(name: str, prefill: str | Path, decode: str | Path | None = 
         if prefill.suffix == ".mnn":
             from .targets.mnn import MnnCausalLM
             runner, runtime = MnnCausalLM(prefill, threads=threads), "MNN"
+        elif (prefill.parent / "genai_config.json").is_file() and prefill.name == "model.onnx":
+            from .targets.ort_genai import GenaiCausalLM
+            runner = GenaiCausalLM(prefill.parent, threads=threads)
+            runtime = runner.runtime
         else:
             from .graph import OnnxCausalLM
             runner, runtime = OnnxCausalLM(prefill, decode, threads=threads), "onnxruntime"
@@ -189,10 +199,17 @@ def profile_runtime(name: str, prefill: str | Path, decode: str | Path | None = 
         ids = rng.integers(1, vocab, size=(1, n))
         if runtime == "MNN":
             report.prefill_ms[n] = _median_ms(lambda ids=ids: runner.logits(ids), repeats)
+        elif hasattr(runner, "prefill_seconds"):
+            report.prefill_ms[n] = _median_ms(lambda ids=ids: runner.prefill_seconds(ids[0].tolist()), repeats)
         else:
             report.prefill_ms[n] = _median_ms(lambda ids=ids: runner.prefill.run(None, runner.prefill_feed(ids[0])),
                                               repeats)
-    if decode is not None:  # both runners decode with the KV cache (run_prefill, then run_decode)
+    if hasattr(runner, "decode_seconds"):  # onnxruntime-genai: its own generator loop, after the prompt
+        prompt = rng.integers(1, vocab, size=min(prompt_lengths)).tolist()
+        runner.decode_seconds(prompt, decode_steps)  # warm-up, as for the other runtimes
+        times = [runner.decode_seconds(prompt, decode_steps) for _ in range(repeats)]
+        report.decode_tokens_per_second = decode_steps / statistics.median(times)
+    elif decode is not None:  # both graph runners decode with the KV cache (run_prefill, then run_decode)
         prompt = rng.integers(1, vocab, size=min(prompt_lengths)).tolist()
         _, _, kv0 = runner.run_prefill(prompt)
         limit = getattr(runner, "static_past", None)
