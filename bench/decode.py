@@ -14,7 +14,8 @@ cpu``) and llama.cpp (``convert_hf_to_gguf.py``, ``llama-quantize`` to each ``--
 ``--prompt``-token prompt (llama-bench: ``-p 0 -n STEPS``, its own loop from an empty context);
 the table gives tokens/s, the bytes one decode step reads (the weights, an embedding table one row),
 and the fraction of this host's read-bandwidth bound (``workbench.profile.host_bandwidth``) reached.
-Absent tools are reported as absent, never left out. Keeps under 4 GB resident on the 301 M shape.
+Artifacts are timed in rounds (each once a round, its fastest round kept), so a load that comes
+and goes on a shared machine falls on all of them. Absent tools are reported as absent, never left out. Keeps under 4 GB resident on the 301 M shape.
 """
 from __future__ import annotations
 
@@ -143,26 +144,49 @@ def gguf_bytes_per_token(path: Path, bin_dir: Path) -> int | None:
 
 def llama_bench(bin_dir: Path, gguf_path: Path, threads: int, steps: int) -> float:
     p = _run([str(bin_dir / "llama-bench"), "-m", str(gguf_path), "-t", str(threads), "-p", "0", "-n", str(steps),
-              "-o", "json"], "llama-bench")
+              "-r", "1", "-o", "json"], "llama-bench")
     results = json.loads(p.stdout)
     return float(next(r["avg_ts"] for r in results if r.get("n_gen")))
 
 
-def onnx_decode_speed(prefill: Path, decode: Path, prompt: list[int], steps: int, threads: int,
-                      repeats: int) -> float:
-    """Tokens/s of the workbench's own loop over prefill/decode graphs (prefill excluded), best of ``repeats``."""
-    from workbench.graph import OnnxCausalLM
-    runner = OnnxCausalLM(prefill, decode, threads=threads)
-    _, _, kv0 = runner.run_prefill(prompt)
-    runner.run_decode(1, kv0, len(prompt))  # warm-up
-    best = float("inf")
-    for _ in range(repeats):
-        kv, pos, t = kv0, len(prompt), time.perf_counter()
+class OnnxTimer:
+    """The workbench's own loop over prefill/decode graphs: seconds for ``steps`` tokens after the prompt."""
+
+    def __init__(self, prefill: Path, decode: Path, prompt: list[int], threads: int):
+        from workbench.graph import OnnxCausalLM
+        self.runner = OnnxCausalLM(prefill, decode, threads=threads)
+        self.prompt = prompt
+        _, _, self.kv0 = self.runner.run_prefill(prompt)
+        self.runner.run_decode(1, self.kv0, len(prompt))  # warm-up
+
+    def __call__(self, steps: int) -> float:
+        kv, pos, t = self.kv0, len(self.prompt), time.perf_counter()
         for i in range(steps):
-            _, kv, _ = runner.run_decode(1 + i % 7, kv, pos)
+            _, kv, _ = self.runner.run_decode(1 + i % 7, kv, pos)
             pos += 1
-        best = min(best, time.perf_counter() - t)
-    return steps / best
+        return time.perf_counter() - t
+
+
+class GenaiTimer:
+    """onnxruntime-genai's generate loop: seconds for ``steps`` tokens after the prompt and one token more."""
+
+    def __init__(self, folder: Path, prompt: list[int], threads: int):
+        from workbench.targets.ort_genai import GenaiCausalLM
+        self.lm, self.prompt = GenaiCausalLM(folder, threads=threads), prompt
+        self.lm.decode_seconds(prompt, 4)  # warm-up
+
+    def __call__(self, steps: int) -> float:
+        return self.lm.decode_seconds(self.prompt, steps)
+
+
+class LlamaTimer:
+    """llama-bench, one repetition a call: seconds for ``steps`` tokens from its tokens/s."""
+
+    def __init__(self, bin_dir: Path, gguf_path: Path, threads: int):
+        self.bin_dir, self.gguf, self.threads = bin_dir, gguf_path, threads
+
+    def __call__(self, steps: int) -> float:
+        return steps / llama_bench(self.bin_dir, self.gguf, self.threads, steps)
 
 
 def folder_bytes(*paths: Path) -> int:
@@ -217,32 +241,34 @@ def measure(args, say=print) -> tuple[list[Row], float]:
     built = build_workbench(model_dir, out, args.group_size, not args.skip_ort_int4, say)
     prompt = np.random.default_rng(0).integers(1, shape["vocab_size"], size=args.prompt).tolist()
     rows: list[Row] = []
+    timers = {}  # row index -> timer; timed in rounds, every artifact once a round, so a changing load hits all
 
-    def onnx_row(name: str, folder: Path):
-        pre, dec = folder / "prefill.onnx", folder / "decode.onnx"
-        say(f"timing {name}")
-        data = [p for p in folder.iterdir() if p.suffix in (".data",)]
-        rows.append(Row(name, "onnxruntime (workbench loop)", folder_bytes(pre, dec, *data), decode_step_bytes(dec),
-                        onnx_decode_speed(pre, dec, prompt, args.steps, args.threads, args.repeats)))
+    def add(row: Row, make_timer):
+        say(f"loading {row.artifact}")
+        rows.append(row)
+        timers[len(rows) - 1] = make_timer()
 
-    def genai_row(name: str, folder: Path, note: str = ""):
-        from workbench.targets.ort_genai import GenaiCausalLM
-        say(f"timing {name}")
-        lm = GenaiCausalLM(folder, threads=args.threads)
-        onnx_files = [p for p in folder.iterdir() if p.suffix in (".onnx", ".data")]
-        rows.append(Row(name, "onnxruntime-genai", folder_bytes(*onnx_files), decode_step_bytes(folder / "model.onnx"),
-                        lm.decode_speed(prompt, args.steps, args.repeats), note))
-        del lm
+    def onnx_files(folder: Path) -> list[Path]:
+        return [p for p in folder.iterdir() if p.suffix in (".onnx", ".data")]
 
-    onnx_row("float ONNX (workbench export)", out / "float")
+    add(Row("float ONNX (workbench export)", "onnxruntime (workbench loop)", folder_bytes(*onnx_files(out / "float")),
+            decode_step_bytes(out / "float" / "decode.onnx")),
+        lambda: OnnxTimer(out / "float" / "prefill.onnx", out / "float" / "decode.onnx", prompt, args.threads))
     if not args.skip_ort_int4:
-        onnx_row("workbench ort-int4 (INT4, accuracy level 4)", out / "workbench-int4")
-    genai_row("workbench ort-genai (INT4)", out / "workbench-genai",
-              f"plan's stored layer bytes {built['plan_storage_bytes'] / 1e6:.1f} MB")
+        d = out / "workbench-int4"
+        add(Row("workbench ort-int4 (INT4, accuracy level 4)", "onnxruntime (workbench loop)",
+                folder_bytes(*onnx_files(d)), decode_step_bytes(d / "decode.onnx")),
+            lambda: OnnxTimer(d / "prefill.onnx", d / "decode.onnx", prompt, args.threads))
+    d = out / "workbench-genai"
+    add(Row("workbench ort-genai (INT4)", "onnxruntime-genai", folder_bytes(*onnx_files(d)),
+            decode_step_bytes(d / "model.onnx"), note=f"plan's stored layer bytes {built['plan_storage_bytes'] / 1e6:.1f} MB"),
+        lambda: GenaiTimer(d, prompt, args.threads))
     try:
         import onnxruntime_genai  # noqa: F401
         say("running onnxruntime-genai's model builder")
-        genai_row("onnxruntime-genai builder (-p int4 -e cpu)", run_builder(model_dir, out))
+        b = run_builder(model_dir, out)
+        add(Row("onnxruntime-genai builder (-p int4 -e cpu)", "onnxruntime-genai", folder_bytes(*onnx_files(b)),
+                decode_step_bytes(b / "model.onnx")), lambda: GenaiTimer(b, prompt, args.threads))
     except ImportError:
         rows.append(Row("onnxruntime-genai builder", "onnxruntime-genai", note="absent: onnxruntime-genai not installed"))
     except RuntimeError as e:
@@ -254,12 +280,24 @@ def measure(args, say=print) -> tuple[list[Row], float]:
             rows.append(Row(name, "llama.cpp", note=f"absent: {why}"))
             continue
         try:
-            say(f"building and timing {name}")
+            say(f"building {name}")
             g = build_gguf(model_dir, bin_dir, out, kind)
-            rows.append(Row(name, "llama.cpp (llama-bench -p 0)", g.stat().st_size, gguf_bytes_per_token(g, bin_dir),
-                            llama_bench(bin_dir, g, args.threads, args.steps)))
+            add(Row(name, "llama.cpp (llama-bench -p 0)", g.stat().st_size, gguf_bytes_per_token(g, bin_dir)),
+                lambda g=g: LlamaTimer(bin_dir, g, args.threads))
         except RuntimeError as e:
             rows.append(Row(name, "llama.cpp", note=f"failed: {e}"))
+    best = {i: float("inf") for i in timers}
+    for r in range(args.repeats):
+        say(f"timing round {r + 1} of {args.repeats}")
+        for i, timer in timers.items():
+            try:
+                best[i] = min(best[i], timer(args.steps))
+            except RuntimeError as e:
+                rows[i].note = f"failed: {e}"
+    for i, seconds in best.items():
+        if seconds < float("inf"):
+            rows[i].tokens_per_second = args.steps / seconds
+    timers.clear()
     gbps = args.bandwidth or host_bandwidth()["read_gbps"]
     return rows, gbps
 
@@ -286,7 +324,8 @@ def parse_args(argv=None):
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompt", type=int, default=128, help="prompt tokens before decoding (default 128)")
     ap.add_argument("--steps", type=int, default=64, help="decode steps timed (default 64)")
-    ap.add_argument("--repeats", type=int, default=3, help="timed runs per artifact, the fastest kept (default 3)")
+    ap.add_argument("--repeats", type=int, default=5, help="timing rounds, every artifact once a round; each one's "
+                    "fastest is kept (default 5)")
     ap.add_argument("--group-size", type=int, default=32, help="INT4 group size of the workbench plan (default 32)")
     ap.add_argument("--llama-cpp", help="folder with llama-bench and llama-quantize (default: $LLAMA_CPP_DIR)")
     ap.add_argument("--gguf", default=",".join(GGUF_TYPES), type=lambda s: [x for x in s.split(",") if x],
