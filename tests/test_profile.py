@@ -77,7 +77,7 @@ def test_read_bandwidth_and_the_fraction_of_the_bound():
 def test_bad_input(tmp_path, candidates, capsys):
     with pytest.raises(WorkbenchError, match="is not a directory"):
         find_runtimes(tmp_path / "missing")
-    with pytest.raises(WorkbenchError, match="no prefill.onnx, prefill.qdq.onnx or prefill.mnn below"):
+    with pytest.raises(WorkbenchError, match="no prefill.onnx, prefill.qdq.onnx, prefill.mnn or model.onnx with genai_config.json below"):
         find_runtimes(tmp_path)
     with pytest.raises(WorkbenchError, match="at least 1"):
         profile_directory(candidates, repeats=0)

@@ -16,6 +16,7 @@ from workbench.graph import _parity, _torch_reference, greedy_agreement
 from workbench.models import load_model
 from workbench.plan import QuantPlan
 from workbench.quantize import quantize_model
+from workbench.targets import inspect_graph
 from workbench.targets.ort_genai import (GenaiCausalLM, build_fused_onnx, fused_runner, is_genai_folder,
                                          write_genai_folder)
 
@@ -192,6 +193,8 @@ def test_convert_and_profile_from_the_command_line(tiny_model_dir, tmp_path, cap
     assert d["weight_bytes"] <= d["plan_storage_bytes"] + 200_000  # the plan's bytes once, plus norms and rotary
     assert {f["path"].rsplit("/", 1)[-1] for f in report["files"]} >= {"model.onnx", "genai_config.json",
                                                                          "tokenizer.json", "conversion.json"}
+    report = inspect_graph(out / "model.onnx", "ort-genai")  # the CPU kernels' rule table applies as to ort-int4
+    assert report.ok, report.summary()
     assert main(["profile", str(out), "--prompt-lengths", "8", "--repeats", "1", "--decode-steps", "4",
                  "--workspace", str(tmp_path / "ws"), "--json"]) == 0
     [p] = json.loads(capsys.readouterr().out)["profiles"]
