@@ -5,10 +5,10 @@
     python bench/decode.py --tiny --out /tmp/decode-tiny     # a tiny shape (what the test runs)
 
 Builds a random-weight model of the shape (hidden 1024, 20 layers, MLP 2816, 16 heads / 8 KV heads,
-vocabulary 32,000, untied: 301 M parameters), quantizes it once by the plan (INT4 everywhere,
-embedding and head included, group 32 like Q4_0 and the builder's default), and writes from that
-one quantized model the workbench's ``ort-genai`` folder and its ``ort-int4`` graphs, plus the float
-export. Then, when present: onnxruntime-genai's model builder on the same weights (``-p int4 -e
+vocabulary 32,000, untied: 301 M parameters), quantizes it by INT4 plans (embedding and head
+included; group 32 as Q4_0 and the builder's default, and 128, the workbench's default), and writes
+from each quantized model the workbench's ``ort-genai`` folder (and from the first its ``ort-int4``
+graphs), plus the float export. Then, when present: onnxruntime-genai's model builder on the same weights (``-p int4 -e
 cpu``) and llama.cpp (``convert_hf_to_gguf.py``, ``llama-quantize`` to each ``--gguf`` type,
 ``llama-bench``). Every artifact decodes ``--steps`` tokens on ``--threads`` threads after a
 ``--prompt``-token prompt (llama-bench: ``-p 0 -n STEPS``, its own loop from an empty context);
@@ -193,28 +193,32 @@ def folder_bytes(*paths: Path) -> int:
     return sum(p.stat().st_size for p in paths if p.is_file())
 
 
-def build_workbench(model_dir: Path, out: Path, group_size: int, with_int4: bool, say) -> dict:
-    """The float export, the ``ort-genai`` folder and (optionally) the ``ort-int4`` graphs of one quantized model."""
+def build_workbench(model_dir: Path, out: Path, group_sizes: list[int], with_int4: bool, say) -> dict[int, int]:
+    """The float export, an ``ort-genai`` folder per group size and (optionally, at the first) the ``ort-int4``
+    graphs, each from one quantized model; returns the plan's stored layer bytes per group size."""
     from workbench.convert import prepare_models
     from workbench.graph import export_onnx
     from workbench.plan import QuantPlan
     from workbench.targets.ort_genai import build_fused_onnx, write_genai_folder
     from workbench.targets.ort_int4 import build_nbits_onnx
-    plan = QuantPlan.uniform("int4", keep_embeddings=None, group_size=group_size)
-    say(f"quantizing {model_dir.name} (INT4 g{group_size}, embedding and head included)")
-    prep = prepare_models(model_dir, plan=plan)
-    built = {"plan_storage_bytes": prep.qm.storage_bytes()}
-    if not (out / "float" / "decode.onnx").is_file():
-        say("exporting the float model")
-        export_onnx(prep.float_lm, out / "float", check=False)
-    say("building the ort-genai folder")
-    b = build_fused_onnx(prep.sim_lm.model, out / "workbench-genai", prep.qm.precisions, accuracy_level=4)
-    write_genai_folder(out / "workbench-genai", prep.sim_lm.model, prep.float_lm.path, prep.float_lm.tokenizer)
-    built["genai_files"] = [str(p) for p in b.files]
-    if with_int4:
-        say("building the ort-int4 graphs")
-        build_nbits_onnx(prep.sim_lm.model, out / "workbench-int4", prep.qm.precisions, accuracy_level=4)
-    return built
+    stored = {}
+    for i, g in enumerate(group_sizes):
+        plan = QuantPlan.uniform("int4", keep_embeddings=None, group_size=g)
+        say(f"quantizing {model_dir.name} (INT4 g{g}, embedding and head included)")
+        prep = prepare_models(model_dir, plan=plan)
+        stored[g] = prep.qm.storage_bytes()
+        if not (out / "float" / "decode.onnx").is_file():
+            say("exporting the float model")
+            export_onnx(prep.float_lm, out / "float", check=False)
+        say(f"building the ort-genai folder (g{g})")
+        folder = out / f"workbench-genai-g{g}"
+        build_fused_onnx(prep.sim_lm.model, folder, prep.qm.precisions, accuracy_level=4)
+        write_genai_folder(folder, prep.sim_lm.model, prep.float_lm.path, prep.float_lm.tokenizer)
+        if with_int4 and i == 0:
+            say(f"building the ort-int4 graphs (g{g})")
+            build_nbits_onnx(prep.sim_lm.model, out / f"workbench-int4-g{g}", prep.qm.precisions, accuracy_level=4)
+        del prep
+    return stored
 
 
 def run_builder(model_dir: Path, out: Path) -> Path:
@@ -238,7 +242,7 @@ def measure(args, say=print) -> tuple[list[Row], float]:
     shape = TINY if args.tiny else SHAPE
     say("building the model" + (" (tiny shape)" if args.tiny else " (301 M Qwen2 shape)"))
     model_dir = build_model_dir(shape, out / "model", seed=0)
-    built = build_workbench(model_dir, out, args.group_size, not args.skip_ort_int4, say)
+    stored = build_workbench(model_dir, out, args.group_size, not args.skip_ort_int4, say)
     prompt = np.random.default_rng(0).integers(1, shape["vocab_size"], size=args.prompt).tolist()
     rows: list[Row] = []
     timers = {}  # row index -> timer; timed in rounds, every artifact once a round, so a changing load hits all
@@ -255,14 +259,16 @@ def measure(args, say=print) -> tuple[list[Row], float]:
             decode_step_bytes(out / "float" / "decode.onnx")),
         lambda: OnnxTimer(out / "float" / "prefill.onnx", out / "float" / "decode.onnx", prompt, args.threads))
     if not args.skip_ort_int4:
-        d = out / "workbench-int4"
-        add(Row("workbench ort-int4 (INT4, accuracy level 4)", "onnxruntime (workbench loop)",
+        g = args.group_size[0]
+        d = out / f"workbench-int4-g{g}"
+        add(Row(f"workbench ort-int4 (INT4 g{g}, accuracy level 4)", "onnxruntime (workbench loop)",
                 folder_bytes(*onnx_files(d)), decode_step_bytes(d / "decode.onnx")),
             lambda: OnnxTimer(d / "prefill.onnx", d / "decode.onnx", prompt, args.threads))
-    d = out / "workbench-genai"
-    add(Row("workbench ort-genai (INT4)", "onnxruntime-genai", folder_bytes(*onnx_files(d)),
-            decode_step_bytes(d / "model.onnx"), note=f"plan's stored layer bytes {built['plan_storage_bytes'] / 1e6:.1f} MB"),
-        lambda: GenaiTimer(d, prompt, args.threads))
+    for g in args.group_size:
+        d = out / f"workbench-genai-g{g}"
+        add(Row(f"workbench ort-genai (INT4 g{g})", "onnxruntime-genai", folder_bytes(*onnx_files(d)),
+                decode_step_bytes(d / "model.onnx"), note=f"the plan's layers stored: {stored[g] / 1e6:.1f} MB"),
+            lambda d=d: GenaiTimer(d, prompt, args.threads))
     try:
         import onnxruntime_genai  # noqa: F401
         say("running onnxruntime-genai's model builder")
@@ -326,7 +332,9 @@ def parse_args(argv=None):
     ap.add_argument("--steps", type=int, default=64, help="decode steps timed (default 64)")
     ap.add_argument("--repeats", type=int, default=5, help="timing rounds, every artifact once a round; each one's "
                     "fastest is kept (default 5)")
-    ap.add_argument("--group-size", type=int, default=32, help="INT4 group size of the workbench plan (default 32)")
+    ap.add_argument("--group-size", default="32,128", type=lambda s: [int(x) for x in s.split(",") if x],
+                    help="INT4 group sizes of the workbench's plans, one artifact each (default %(default)s: 32 as "
+                         "Q4_0 and the builder, 128 the workbench's default)")
     ap.add_argument("--llama-cpp", help="folder with llama-bench and llama-quantize (default: $LLAMA_CPP_DIR)")
     ap.add_argument("--gguf", default=",".join(GGUF_TYPES), type=lambda s: [x for x in s.split(",") if x],
                     help="llama.cpp types to build and time (default %(default)s)")

@@ -33,9 +33,9 @@ def test_one_run_times_every_artifact(tmp_path, capsys):
     doc = json.loads(capsys.readouterr().out)
     rows = {r["artifact"]: r for r in doc["rows"]}
     assert doc["read_gbps"] == 40 and doc["steps"] == 4
-    ours = rows["workbench ort-genai (INT4)"]
-    for name in ("float ONNX (workbench export)", "workbench ort-int4 (INT4, accuracy level 4)",
-                 "workbench ort-genai (INT4)"):
+    ours = rows["workbench ort-genai (INT4 g32)"]
+    for name in ("float ONNX (workbench export)", "workbench ort-int4 (INT4 g32, accuracy level 4)",
+                 "workbench ort-genai (INT4 g32)", "workbench ort-genai (INT4 g128)"):
         r = rows[name]
         assert r["tokens_per_second"] > 0 and r["bytes_per_token"] > 0 and r["file_bytes"] >= r["bytes_per_token"]
         assert r["fraction_of_bound"] == r["tokens_per_second"] / (40e9 / r["bytes_per_token"])
