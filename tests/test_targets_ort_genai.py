@@ -125,10 +125,13 @@ def test_parity_with_the_simulation(demo, prompt, plan, tmp_path):
     assert not build.kept_float
 
 
-def test_gptq_model_runs_with_its_own_integers(demo, prompt, tmp_path):
+@pytest.mark.parametrize("method,symmetric", [("gptq", True), ("awq", False)], ids=["gptq", "awq-zero-points"])
+def test_calibrated_models_run_with_their_own_integers(demo, prompt, method, symmetric, tmp_path):
+    """GPTQ's integers, and AWQ's (scales folded into the norms before them, zero points), unchanged."""
     calib = load_calibration_set(None, tokenizer=demo.tokenizer, samples=4, seq_len=64)
-    qm = quantize_model(demo, QuantPlan.uniform("int4", group_size=32), method="gptq", calibration=calib,
-                        gptq_tokens=256, progress=False)
+    qm = quantize_model(demo, QuantPlan.uniform("int4", group_size=32, symmetric=symmetric), method=method,
+                        calibration=calib, gptq_tokens=256, awq_tokens=256, progress=False)
+    assert method != "awq" or qm.float_overrides  # AWQ changed float tensors the graph must carry
     sim, _ = _build(demo, qm, tmp_path)
     ref = _torch_reference(sim, prompt)
     runner = fused_runner(tmp_path)
