@@ -124,3 +124,23 @@ def test_a_decode_step_reads_one_row_of_an_embedding_table(tmp_path):
         return path
     assert decode_step_bytes(graph(tied=False)) == 8 * 4 + 8 * 8 * 4  # one row of E, all of W
     assert decode_step_bytes(graph(tied=True)) == 100 * 8 * 4 + 8 * 8 * 4  # E also feeds the output layer
+
+
+def test_decode_bytes_count_widened_float16_weights_at_float32(tmp_path):
+    """A float16 weight only a Cast to float32 reads is held (and read) as float32; a float16 table only a Gather
+    reads costs one row a token."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from workbench.profile import decode_step_bytes
+    w = numpy_helper.from_array(np.zeros((8, 4), np.float16), "w")
+    table = numpy_helper.from_array(np.zeros((100, 8), np.float16), "table")
+    nodes = [helper.make_node("Gather", ["table", "ids"], ["e"], axis=0),
+             helper.make_node("Cast", ["e"], ["x"], to=TensorProto.FLOAT),
+             helper.make_node("Cast", ["w"], ["w32"], to=TensorProto.FLOAT),
+             helper.make_node("MatMul", ["x", "w32"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("ids", TensorProto.INT64, [1, 1])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 1, 4])], [w, table])
+    onnx.save(helper.make_model(graph), tmp_path / "decode.onnx")
+    assert decode_step_bytes(tmp_path / "decode.onnx") == 8 * 4 * 4 + 8 * 2

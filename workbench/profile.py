@@ -123,7 +123,9 @@ def _files_of(path: Path) -> list[Path]:
 
 def decode_step_bytes(decode: Path) -> int:
     """Bytes one decode step reads: the decode graph's weights, except that an embedding table (an initializer
-    only Gather reads) is read one row per token. A non-ONNX graph counts its whole file."""
+    only Gather reads) is read one row per token, and a float16 initializer only a Cast to float32 reads counts
+    at float32 (onnxruntime folds the Cast when it loads the model and reads the widened copy). A non-ONNX graph
+    counts its whole file."""
     decode = Path(decode)
     if decode.suffix != ".onnx":
         return decode.stat().st_size
@@ -136,10 +138,16 @@ def decode_step_bytes(decode: Path) -> int:
             if name in sizes:
                 readers.setdefault(name, set()).add(node.op_type if node.op_type.startswith("Gather") and i == 0
                                                     else "other")
+    from onnx import TensorProto
+    half = {init.name for init in proto.graph.initializer if init.data_type == TensorProto.FLOAT16}
+    widened = {node.input[0] for node in proto.graph.node if node.op_type == "Cast" and node.input[0] in half
+               and any(a.name == "to" and a.i == TensorProto.FLOAT for a in node.attribute)}
     dims = {init.name: list(init.dims) for init in proto.graph.initializer}
     total = 0
     for name, n in sizes.items():
         gathered = readers.get(name) and "other" not in readers[name]
+        n = 2 * n if name in widened and readers.get(name) == {"other"} and all(
+            node.op_type == "Cast" for node in proto.graph.node if name in node.input) else n
         total += n // max(dims[name][0], 1) if gathered and dims[name] else n
     return total
 
