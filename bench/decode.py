@@ -33,9 +33,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-SHAPE = {"model_type": "qwen2", "hidden_size": 1024, "num_hidden_layers": 20, "intermediate_size": 2816,
-         "num_attention_heads": 16, "num_key_value_heads": 8, "vocab_size": 32000, "tie_word_embeddings": False,
-         "max_position_embeddings": 4096}
+from shapes import SHAPES, build_model_dir  # noqa: E402  (bench/shapes.py)
+
+SHAPE = SHAPES["qwen2-301m"]
 TINY = {**SHAPE, "hidden_size": 128, "num_hidden_layers": 2, "intermediate_size": 256, "num_attention_heads": 4,
         "num_key_value_heads": 2, "vocab_size": 4096, "max_position_embeddings": 512}
 LLAMA_BINARIES = ("llama-bench", "llama-quantize")
@@ -235,7 +235,6 @@ def run_builder(model_dir: Path, out: Path) -> Path:
 def measure(args, say=print) -> tuple[list[Row], float]:
     import numpy as np
 
-    from shapes import build_model_dir
     from workbench.profile import decode_step_bytes, host_bandwidth
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

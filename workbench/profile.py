@@ -123,7 +123,7 @@ def _files_of(path: Path) -> list[Path]:
 
 def decode_step_bytes(decode: Path) -> int:
     """Bytes one decode step reads: the decode graph's weights, except that an embedding table (an initializer
-    only Gather reads) is read one row per token, and a float16 initializer only a Cast to float32 reads counts
+    only Gather reads) and GroupQueryAttention's rotary caches are read one row per token, and a float16 initializer only a Cast to float32 reads counts
     at float32 (onnxruntime folds the Cast when it loads the model and reads the widened copy). A non-ONNX graph
     counts its whole file."""
     decode = Path(decode)
@@ -136,8 +136,9 @@ def decode_step_bytes(decode: Path) -> int:
     for node in proto.graph.node:
         for i, name in enumerate(node.input):
             if name in sizes:
-                readers.setdefault(name, set()).add(node.op_type if node.op_type.startswith("Gather") and i == 0
-                                                    else "other")
+                rows = (node.op_type.startswith("Gather") and i == 0) or \
+                    (node.op_type == "GroupQueryAttention" and i in (7, 8))  # its cos / sin caches, by position
+                readers.setdefault(name, set()).add(node.op_type if rows else "other")
     from onnx import TensorProto
     half = {init.name for init in proto.graph.initializer if init.data_type == TensorProto.FLOAT16}
     widened = {node.input[0] for node in proto.graph.node if node.op_type == "Cast" and node.input[0] in half
