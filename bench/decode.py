@@ -15,7 +15,8 @@ cpu``) and llama.cpp (``convert_hf_to_gguf.py``, ``llama-quantize`` to each ``--
 the table gives tokens/s, the bytes one decode step reads (the weights, an embedding table one row),
 and the fraction of this host's read-bandwidth bound (``workbench.profile.host_bandwidth``) reached.
 Artifacts are timed in rounds (each once a round, its fastest round kept), so a load that comes
-and goes on a shared machine falls on all of them. Absent tools are reported as absent, never left out. Keeps under 4 GB resident on the 301 M shape.
+and goes on a shared machine falls on all of them. Absent tools are reported as absent, never left out.
+Keeps under 4 GB resident on the 301 M shape.
 """
 from __future__ import annotations
 
@@ -275,7 +276,8 @@ def measure(args, say=print) -> tuple[list[Row], float]:
         add(Row("onnxruntime-genai builder (-p int4 -e cpu)", "onnxruntime-genai", folder_bytes(*onnx_files(b)),
                 decode_step_bytes(b / "model.onnx")), lambda: GenaiTimer(b, prompt, args.threads))
     except ImportError:
-        rows.append(Row("onnxruntime-genai builder", "onnxruntime-genai", note="absent: onnxruntime-genai not installed"))
+        rows.append(Row("onnxruntime-genai builder", "onnxruntime-genai",
+                        note="absent: onnxruntime-genai not installed"))
     except RuntimeError as e:
         rows.append(Row("onnxruntime-genai builder", "onnxruntime-genai", note=f"failed: {e}"))
     bin_dir, why = llama_cpp_dir(args.llama_cpp)

@@ -471,5 +471,6 @@ def open_model(model: str | Path | LoadedModel, *, tokenizer=None, source: str |
     else:
         from .graph import OnnxCausalLM
         runner = OnnxCausalLM(prefill, decode, threads=threads)
-    return TextGenerator(runner, tokenizer, folder, runtime, f"{folder.name} ({target or ('ort-genai' if runtime == GENAI else 'ONNX export')}, {runtime})",
+    kind = target or ("ort-genai" if runtime == GENAI else "ONNX export")
+    return TextGenerator(runner, tokenizer, folder, runtime, f"{folder.name} ({kind}, {runtime})",
                          eos, positions, threads, src)

@@ -28,7 +28,7 @@ __all__ = ["RuntimeProfile", "find_runtimes", "profile_runtime", "profile_direct
 
 DEFAULT_PROMPT_LENGTHS = (32, 128)
 PREFILL_NAMES = ("prefill.onnx", "prefill.qdq.onnx", "prefill.mnn")
-DEFAULT_CANDIDATES = ("float", "ort-int4", "ort-genai", "mnn")  # "float": the unquantized export; the rest: convert targets
+DEFAULT_CANDIDATES = ("float", "ort-int4", "ort-genai", "mnn")  # "float": the unquantized export; the rest: targets
 
 
 @dataclass
@@ -123,9 +123,9 @@ def _files_of(path: Path) -> list[Path]:
 
 def decode_step_bytes(decode: Path) -> int:
     """Bytes one decode step reads: the decode graph's weights, except that an embedding table (an initializer
-    only Gather reads) and GroupQueryAttention's rotary caches are read one row per token, and a float16 initializer only a Cast to float32 reads counts
-    at float32 (onnxruntime folds the Cast when it loads the model and reads the widened copy). A non-ONNX graph
-    counts its whole file."""
+    only Gather reads) and GroupQueryAttention's rotary caches are read one row per token, and a float16
+    initializer only a Cast to float32 reads counts at float32 (onnxruntime folds the Cast when it loads the
+    model and reads the widened copy). A non-ONNX graph counts its whole file."""
     decode = Path(decode)
     if decode.suffix != ".onnx":
         return decode.stat().st_size

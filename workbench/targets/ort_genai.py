@@ -144,7 +144,8 @@ class FusedWeights(NBitsWeights):
                  K=k, N=n, bits=bits, block_size=block, accuracy_level=self.accuracy_level)
         biases = [getattr(m, "bias", None) for m in modules]
         if any(b is not None for b in biases):
-            bias = np.concatenate([np.zeros(w, np.float32) if b is None else as_array(b) for b, w in zip(biases, widths)])
+            bias = np.concatenate([np.zeros(w, np.float32) if b is None else as_array(b)
+                                   for b, w in zip(biases, widths)])
             y = g.op("Add", [y, g.weight(f"{fused_name}.bias", lambda: bias)])
         for fqn in fqns:
             self.record(fqn, qweight, "nbits")
@@ -337,7 +338,7 @@ def write_genai_folder(out_dir: str | Path, sim_model: nn.Module, model_dir: str
                        tokenizer=None) -> Path:
     """``genai_config.json`` and the tokenizer files beside ``model.onnx``: what ``og.Model`` / ``og.Tokenizer``
     read. Tokenizer files come from ``model_dir`` (or are written by ``tokenizer``)."""
-    out, cfg = Path(out_dir), sim_model.config
+    out = Path(out_dir)
     src = Path(model_dir) if model_dir is not None else None
     doc = _config_docs(src, sim_model)
     spec = DecoderSpec.from_model(sim_model)
@@ -377,7 +378,6 @@ def write_genai_folder(out_dir: str | Path, sim_model: nn.Module, model_dir: str
     if not (out / "tokenizer.json").is_file() and not (out / "tokenizer.model").is_file():
         raise ModelLoadError(f"no tokenizer files (tokenizer.json or tokenizer.model) in '{src}' to put beside the "
                              "model: onnxruntime-genai needs them; load the model with its tokenizer")
-    del cfg
     return out / GENAI_CONFIG
 
 
@@ -505,7 +505,7 @@ def convert_ort_genai(job) -> None:
     report.details.update(accuracy_level=job.accuracy_level, accuracy_level_meaning=ACCURACY_LEVELS[job.accuracy_level],
                           replaced_layers=len(build.replaced), kept_float=build.kept_float,
                           weight_bytes=build.weight_bytes, plan_storage_bytes=prep.qm.storage_bytes(),
-                          fused_nodes={k: v for k, v in build.fused.items()}, ops=build.ops,
+                          fused_nodes=dict(build.fused), ops=build.ops,
                           external_data=build.data_path is not None)
     report.notes += _storage_notes(prep.qm, build.kept_float)
     seconds["build"] = time.perf_counter() - t
