@@ -122,9 +122,9 @@ class FusedWeights(NBitsWeights):
         return len(form) == 1 and next(iter(form))[1] is not None
 
     def fused_linear(self, g: GraphBuilder, modules: Sequence[nn.Module], fqns: Sequence[str], fused_name: str,
-                     x: str) -> list[str]:
+                     x: str, split: bool = True) -> list[str]:
         """The outputs of ``modules`` on ``x``: one ``MatMulNBits`` over their concatenated codes and a Split when
-        they share bits, block and symmetry; else one op each."""
+        they share bits, block and symmetry (``split`` False: the concatenated output alone); else one op each."""
         from onnx import helper
         if len(modules) < 2 or not self._fusable(modules):
             return [self.linear(g, m, f, x) for m, f in zip(modules, fqns)]
@@ -151,6 +151,8 @@ class FusedWeights(NBitsWeights):
             self.record(fqn, qweight, "nbits")
             self.replaced[fqn] = node
         self.fused[node] = list(fqns)
+        if not split:
+            return [y]
         outs = [f"{node}/Split_output_{i}" for i in range(len(modules))]
         g.nodes.append(helper.make_node("Split", [y, g.const(widths)], outs, name=f"/{fused_name}/Split", axis=-1))
         return outs
@@ -240,9 +242,12 @@ def build_fused_onnx(sim_model: nn.Module, out_dir: str | Path, precisions: Mapp
                 p = f"model.layers.{i}"
                 a, m = block.self_attn, block.mlp
                 x, residual = _add_norm(g, residual, pending, block.input_layernorm, f"{p}.input_layernorm")
-                q, k, v = policy.fused_linear(g, [a.q_proj, a.k_proj, a.v_proj],
-                                              [f"{p}.self_attn.{n}" for n in ("q_proj", "k_proj", "v_proj")],
-                                              f"{p}.self_attn.qkv_proj", x)
+                projs = [a.q_proj, a.k_proj, a.v_proj]
+                names = [f"{p}.self_attn.{n}" for n in ("q_proj", "k_proj", "v_proj")]
+                if not spec.qk_norm and policy._fusable(projs):  # packed q/k/v: GroupQueryAttention splits it
+                    q, k, v = policy.fused_linear(g, projs, names, f"{p}.self_attn.qkv_proj", x, split=False) + ["", ""]
+                else:
+                    q, k, v = policy.fused_linear(g, projs, names, f"{p}.self_attn.qkv_proj", x)
                 if spec.qk_norm:
                     q = _head_norm(g, q, a.q_norm, f"{p}.self_attn.q_norm", d, hq)
                     k = _head_norm(g, k, a.k_norm, f"{p}.self_attn.k_norm", d, hkv)
