@@ -174,7 +174,7 @@ def stream_tokens(runner, prompt: Sequence[int], max_new_tokens: int, *, samplin
         stats.stop_reason = "max_new_tokens"
         return
     if hasattr(runner, "steps"):  # a runtime that keeps its own state (onnxruntime-genai's generator)
-        steps = runner.steps()
+        steps = runner.steps(len(prompt) + max_new_tokens)
     else:
         steps = _GraphSteps(runner) if hasattr(runner, "run_prefill") else _TorchSteps(runner, threads)
     limits = [n for n in (max_positions, _graph_positions(runner)) if n is not None]

@@ -434,8 +434,10 @@ class GenaiCausalLM:
                                   top_k=1)
         return og.Generator(self.model, params)
 
-    def steps(self) -> "_GenaiSteps":
-        return _GenaiSteps(self)
+    def steps(self, max_length: int | None = None) -> "_GenaiSteps":
+        """One generation's steps; ``max_length`` (prompt plus new tokens) sizes its KV buffer, which otherwise
+        holds the model's whole context (2.7 GB for 32,768 positions of the 301 M shape)."""
+        return _GenaiSteps(self, max_length)
 
     def greedy(self, prompt: Sequence[int], steps: int) -> list[int]:
         """``steps`` tokens of onnxruntime-genai's own greedy search after ``prompt`` (no end-of-sequence stop)."""
@@ -474,14 +476,14 @@ class GenaiCausalLM:
 class _GenaiSteps:
     """One generation's state in onnxruntime-genai: the prompt appended, then one token at a time."""
 
-    def __init__(self, lm: GenaiCausalLM):
-        self.lm, self.gen = lm, None
+    def __init__(self, lm: GenaiCausalLM, max_length: int | None = None):
+        self.lm, self.max_length, self.gen = lm, max_length, None
 
     def _logits(self) -> np.ndarray:
         return np.asarray(self.gen.get_logits(), np.float32).reshape(-1, self.lm.vocab)[-1]
 
     def start(self, prompt: list[int]) -> np.ndarray:
-        self.gen = self.lm.generator()
+        self.gen = self.lm.generator(max(self.max_length or 0, len(prompt) + 1) if self.max_length else None)
         self.gen.append_tokens([int(t) for t in prompt])
         return self._logits()
 
