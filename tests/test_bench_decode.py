@@ -47,3 +47,10 @@ def test_one_run_times_every_artifact(tmp_path, capsys):
     text = decode.table([decode.Row(**{k: v for k, v in r.items() if k != "fraction_of_bound"})
                          for r in doc["rows"]], 40)
     assert "absent: llama.cpp not found" in text and "of bound" in text
+    assert decode.main(["--tiny", "--out", str(tmp_path), "--prompt", "8", "--steps", "4", "--repeats", "1",
+                        "--bandwidth", "40", "--json"]) == 0  # a second run times what the first built
+    out, err = capsys.readouterr()
+    assert "reusing workbench-genai-g32" in err and "quantizing" not in err
+    again = {r["artifact"]: r for r in json.loads(out)["rows"]}
+    assert again["workbench ort-genai (INT4 g32)"]["file_bytes"] == ours["file_bytes"]
+    assert again["workbench ort-genai (INT4 g32)"]["note"] == ours["note"]
