@@ -129,27 +129,35 @@ def decode_step_bytes(decode: Path) -> int:
     decode = Path(decode)
     if decode.suffix != ".onnx":
         return decode.stat().st_size
+    from onnx import TensorProto
+
     from .graph import initializer_bytes, load_onnx
     proto = load_onnx(decode)
     sizes = initializer_bytes(proto)
-    readers: dict[str, set[str]] = {}
-    for node in proto.graph.node:
-        for i, name in enumerate(node.input):
-            if name in sizes:
-                rows = (node.op_type.startswith("Gather") and i == 0) or \
-                    (node.op_type == "GroupQueryAttention" and i in (7, 8))  # its cos / sin caches, by position
-                readers.setdefault(name, set()).add(node.op_type if rows else "other")
-    from onnx import TensorProto
     half = {init.name for init in proto.graph.initializer if init.data_type == TensorProto.FLOAT16}
-    widened = {node.input[0] for node in proto.graph.node if node.op_type == "Cast" and node.input[0] in half
-               and any(a.name == "to" and a.i == TensorProto.FLOAT for a in node.attribute)}
     dims = {init.name: list(init.dims) for init in proto.graph.initializer}
+    consumers: dict[str, list] = {}
+    for node in proto.graph.node:
+        for x in set(node.input):
+            consumers.setdefault(x, []).append(node)
+
+    def to_float(node) -> bool:
+        return node.op_type == "Cast" and any(a.name == "to" and a.i == TensorProto.FLOAT for a in node.attribute)
+
+    def kind(name: str, node, i: int) -> str:
+        if (node.op_type.startswith("Gather") and i == 0) or (node.op_type == "GroupQueryAttention" and i in (7, 8)):
+            return "rows"  # an embedding table, GroupQueryAttention's cos / sin caches: a row a position
+        if name in half and (to_float(node) or (node.op_type == "Transpose" and consumers.get(node.output[0])
+                                                and all(to_float(c) for c in consumers[node.output[0]]))):
+            return "widened"
+        return "full"
+
     total = 0
     for name, n in sizes.items():
-        gathered = readers.get(name) and "other" not in readers[name]
-        n = 2 * n if name in widened and readers.get(name) == {"other"} and all(
-            node.op_type == "Cast" for node in proto.graph.node if name in node.input) else n
-        total += n // max(dims[name][0], 1) if gathered and dims[name] else n
+        kinds = {kind(name, node, i) for node in consumers.get(name, []) for i, x in enumerate(node.input) if x == name}
+        total += (2 * n if "widened" in kinds else 0) + (n if "full" in kinds or not kinds else 0)
+        if kinds == {"rows"} or ("rows" in kinds and "full" not in kinds):
+            total += n // max(dims[name][0], 1) if dims[name] else n
     return total
 
 

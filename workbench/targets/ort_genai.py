@@ -500,6 +500,20 @@ def fused_runner(folder: str | Path, threads: int | None = 1) -> OnnxCausalLM:
 
 # -- the converter ----------------------------------------------------------------------------------
 
+def _float_head_note(qm, model_path: Path) -> str | None:
+    """What a float ``lm_head`` costs each decoded token on the CPU (read as float32), when the plan keeps it so."""
+    from ..plan import get_precision
+    from ..profile import decode_step_bytes
+    prec = get_precision(qm.precisions.get("lm_head")) if qm.precisions.get("lm_head") else None
+    r = next((r for r in qm.layers if r.name == "lm_head"), None)
+    if r is None or (prec is not None and not prec.is_float):
+        return None
+    head, step = 4 * r.shape[0] * r.shape[1], decode_step_bytes(model_path)
+    return (f"lm_head stays {prec.name if prec else 'float'} in the plan: the CPU reads it as float32, "
+            f"{head / 1e6:.1f} MB of the {step / 1e6:.1f} MB each decoded token reads; give it int8 or int4 in the "
+            "plan to decode faster")
+
+
 def convert_ort_genai(job) -> None:
     """The fused graph from the plan's integers; parity with the simulation, greedy tokens in both runtimes,
     decode speed in onnxruntime-genai, KL and top-1 in onnxruntime."""
@@ -515,6 +529,9 @@ def convert_ort_genai(job) -> None:
                           fused_nodes=dict(build.fused), ops=build.ops,
                           external_data=build.data_path is not None)
     report.notes += _storage_notes(prep.qm, build.kept_float)
+    head_note = _float_head_note(prep.qm, build.path)
+    if head_note:
+        report.notes.append(head_note)
     seconds["build"] = time.perf_counter() - t
     t = time.perf_counter()
     prompt = prep.float_lm.tokenizer("The workbench measures what each choice costs.",
