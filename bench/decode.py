@@ -8,9 +8,9 @@ Builds a random-weight model of the shape (hidden 1024, 20 layers, MLP 2816, 16 
 vocabulary 32,000, untied: 301 M parameters), quantizes it by INT4 plans (embedding and head
 included; group 32 as Q4_0 and the builder's default, and 128, the workbench's default), and writes
 from each quantized model the workbench's ``ort-genai`` folder (and from the first its ``ort-int4``
-graphs), plus the float export. Then, when present: onnxruntime-genai's model builder on the same weights (``-p int4 -e
-cpu``) and llama.cpp (``convert_hf_to_gguf.py``, ``llama-quantize`` to each ``--gguf`` type,
-``llama-bench``). Every artifact decodes ``--steps`` tokens on ``--threads`` threads after a
+graphs), plus the float export. Then, when present: onnxruntime-genai's model builder on the same
+weights (``-p int4 -e cpu``, at block 32, its default, and 128) and llama.cpp (``convert_hf_to_gguf.py``,
+``llama-quantize`` to each ``--gguf`` type, ``llama-bench``). Every artifact decodes ``--steps`` tokens on ``--threads`` threads after a
 ``--prompt``-token prompt (llama-bench: ``-p 0 -n STEPS``, its own loop from an empty context);
 the table gives tokens/s, the bytes one decode step reads (the weights, an embedding table one row),
 and the fraction of this host's read-bandwidth bound (``workbench.profile.host_bandwidth``) reached.
@@ -228,13 +228,13 @@ def build_workbench(model_dir: Path, out: Path, group_sizes: list[int], with_int
     return stored
 
 
-def run_builder(model_dir: Path, out: Path) -> Path:
-    """onnxruntime-genai's model builder on the same float weights: its own INT4 quantization, for CPU."""
-    dest = out / "genai-builder"
+def run_builder(model_dir: Path, out: Path, block: int) -> Path:
+    """onnxruntime-genai's model builder on the same float weights: its own INT4 quantization at ``block``, for CPU."""
+    dest = out / f"genai-builder-b{block}"
     if not (dest / "genai_config.json").is_file():
         _run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-m", model_dir.name, "-i", str(model_dir),
-              "-o", str(dest), "-p", "int4", "-e", "cpu", "-c", str(out / "builder-cache")],
-             "onnxruntime-genai's model builder")
+              "-o", str(dest), "-p", "int4", "-e", "cpu", "-c", str(out / "builder-cache"),
+              "--extra_options", f"block_size={block}"], "onnxruntime-genai's model builder")
         shutil.rmtree(out / "builder-cache", ignore_errors=True)
     return dest
 
@@ -251,12 +251,11 @@ def measure(args, say=print) -> tuple[list[Row], float]:
     stored = build_workbench(model_dir, out, args.group_size, not args.skip_ort_int4, say)
     prompt = np.random.default_rng(0).integers(1, shape["vocab_size"], size=args.prompt).tolist()
     rows: list[Row] = []
-    timers = {}  # row index -> timer; timed in rounds, every artifact once a round, so a changing load hits all
+    makers = {}  # row index -> what loads its timer, once everything is built (no runtime beside a build)
 
     def add(row: Row, make_timer):
-        say(f"loading {row.artifact}")
         rows.append(row)
-        timers[len(rows) - 1] = make_timer()
+        makers[len(rows) - 1] = make_timer
 
     def onnx_files(folder: Path) -> list[Path]:
         return [p for p in folder.iterdir() if p.suffix in (".onnx", ".data")]
@@ -275,17 +274,18 @@ def measure(args, say=print) -> tuple[list[Row], float]:
         add(Row(f"workbench ort-genai (INT4 g{g})", "onnxruntime-genai", folder_bytes(*onnx_files(d)),
                 decode_step_bytes(d / "model.onnx"), note=f"the plan's layers stored: {stored[g] / 1e6:.1f} MB"),
             lambda d=d: GenaiTimer(d, prompt, args.threads))
-    try:
-        import onnxruntime_genai  # noqa: F401
-        say("running onnxruntime-genai's model builder")
-        b = run_builder(model_dir, out)
-        add(Row("onnxruntime-genai builder (-p int4 -e cpu)", "onnxruntime-genai", folder_bytes(*onnx_files(b)),
-                decode_step_bytes(b / "model.onnx")), lambda: GenaiTimer(b, prompt, args.threads))
-    except ImportError:
-        rows.append(Row("onnxruntime-genai builder", "onnxruntime-genai",
-                        note="absent: onnxruntime-genai not installed"))
-    except RuntimeError as e:
-        rows.append(Row("onnxruntime-genai builder", "onnxruntime-genai", note=f"failed: {e}"))
+    for block in args.builder_block:
+        name = f"onnxruntime-genai builder (-p int4 -e cpu, block {block})"
+        try:
+            import onnxruntime_genai  # noqa: F401
+            say(f"running onnxruntime-genai's model builder (block {block})")
+            b = run_builder(model_dir, out, block)
+            add(Row(name, "onnxruntime-genai", folder_bytes(*onnx_files(b)), decode_step_bytes(b / "model.onnx")),
+                lambda b=b: GenaiTimer(b, prompt, args.threads))
+        except ImportError:
+            rows.append(Row(name, "onnxruntime-genai", note="absent: onnxruntime-genai not installed"))
+        except RuntimeError as e:
+            rows.append(Row(name, "onnxruntime-genai", note=f"failed: {e}"))
     bin_dir, why = llama_cpp_dir(args.llama_cpp)
     for kind in args.gguf:
         name = f"llama.cpp {kind}"
@@ -299,6 +299,10 @@ def measure(args, say=print) -> tuple[list[Row], float]:
                 lambda g=g: LlamaTimer(bin_dir, g, args.threads))
         except RuntimeError as e:
             rows.append(Row(name, "llama.cpp", note=f"failed: {e}"))
+    timers = {}
+    for i, make in makers.items():
+        say(f"loading {rows[i].artifact}")
+        timers[i] = make()
     best = {i: float("inf") for i in timers}
     for r in range(args.repeats):
         say(f"timing round {r + 1} of {args.repeats}")
@@ -342,6 +346,9 @@ def parse_args(argv=None):
     ap.add_argument("--group-size", default="32,128", type=lambda s: [int(x) for x in s.split(",") if x],
                     help="INT4 group sizes of the workbench's plans, one artifact each (default %(default)s: 32 as "
                          "Q4_0 and the builder, 128 the workbench's default)")
+    ap.add_argument("--builder-block", default="32,128", type=lambda s: [int(x) for x in s.split(",") if x],
+                    help="block sizes of onnxruntime-genai's builder runs, one artifact each (default %(default)s: its "
+                         "default 32, and 128 beside the workbench's g128)")
     ap.add_argument("--llama-cpp", help="folder with llama-bench and llama-quantize (default: $LLAMA_CPP_DIR)")
     ap.add_argument("--gguf", default=",".join(GGUF_TYPES), type=lambda s: [x for x in s.split(",") if x],
                     help="llama.cpp types to build and time (default %(default)s)")
