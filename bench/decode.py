@@ -268,7 +268,7 @@ def measure(args, say=print) -> tuple[list[Row], float]:
         d = out / f"workbench-int4-g{g}"
         add(Row(f"workbench ort-int4 (INT4 g{g}, accuracy level 4)", "onnxruntime (workbench loop)",
                 folder_bytes(*onnx_files(d)), decode_step_bytes(d / "decode.onnx")),
-            lambda: OnnxTimer(d / "prefill.onnx", d / "decode.onnx", prompt, args.threads))
+            lambda d=d: OnnxTimer(d / "prefill.onnx", d / "decode.onnx", prompt, args.threads))
     for g in args.group_size:
         d = out / f"workbench-genai-g{g}"
         add(Row(f"workbench ort-genai (INT4 g{g})", "onnxruntime-genai", folder_bytes(*onnx_files(d)),
