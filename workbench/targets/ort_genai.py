@@ -114,7 +114,9 @@ class FusedWeights(NBitsWeights):
             return first
         return (g.alias(name, first[0], codes_shape), first[1], first[2])  # a tied head: the embedding's bytes
 
-    def _fusable(self, modules: Sequence[nn.Module]) -> bool:
+    def fusable(self, modules: Sequence[nn.Module]) -> bool:
+        """Whether ``modules`` are integer layers of one form (bits, block, symmetry, inputs): then their codes
+        concatenate into one MatMulNBits weight exactly."""
         qws = [getattr(m, "quantized", None) for m in modules]
         if any(q is None for q in qws):
             return False
@@ -126,7 +128,7 @@ class FusedWeights(NBitsWeights):
         """The outputs of ``modules`` on ``x``: one ``MatMulNBits`` over their concatenated codes and a Split when
         they share bits, block and symmetry (``split`` False: the concatenated output alone); else one op each."""
         from onnx import helper
-        if len(modules) < 2 or not self._fusable(modules):
+        if len(modules) < 2 or not self.fusable(modules):
             return [self.linear(g, m, f, x) for m, f in zip(modules, fqns)]
         qws = [m.quantized for m in modules]
         block = matmulnbits_block_size(qws[0].effective_group_size)
@@ -244,7 +246,7 @@ def build_fused_onnx(sim_model: nn.Module, out_dir: str | Path, precisions: Mapp
                 x, residual = _add_norm(g, residual, pending, block.input_layernorm, f"{p}.input_layernorm")
                 projs = [a.q_proj, a.k_proj, a.v_proj]
                 names = [f"{p}.self_attn.{n}" for n in ("q_proj", "k_proj", "v_proj")]
-                if not spec.qk_norm and policy._fusable(projs):  # packed q/k/v: GroupQueryAttention splits it
+                if not spec.qk_norm and policy.fusable(projs):  # packed q/k/v: GroupQueryAttention splits it
                     q, k, v = policy.fused_linear(g, projs, names, f"{p}.self_attn.qkv_proj", x, split=False) + ["", ""]
                 else:
                     q, k, v = policy.fused_linear(g, projs, names, f"{p}.self_attn.qkv_proj", x)
