@@ -25,18 +25,24 @@ SHAPES: dict[str, dict] = json.loads((ROOT / "assets" / "model_shapes.json").rea
 
 def build_shape(name: str, out: str | Path, *, layers: int | None = None, seed: int = 0) -> Path:
     """Write a random bf16 model of shape ``name`` (optionally only ``layers`` blocks) to ``out``; reuse it if there."""
+    if name not in SHAPES:
+        raise SystemExit(f"unknown shape '{name}'; choose one of: {', '.join(SHAPES)}")
+    spec = dict(SHAPES[name])
+    if layers:
+        spec["num_hidden_layers"] = layers
+    return build_model_dir(spec, out, seed=seed)
+
+
+def build_model_dir(spec: dict, out: str | Path, *, seed: int = 0) -> Path:
+    """Write a random bf16 model of the config fields ``spec`` (``model_type`` included) to ``out``; reuse it if there."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    if name not in SHAPES:
-        raise SystemExit(f"unknown shape '{name}'; choose one of: {', '.join(SHAPES)}")
     out = Path(out)
     if (out / "model.safetensors").is_file() and (out / "config.json").is_file():
         return out
-    spec = dict(SHAPES[name])
+    spec = dict(spec)
     model_type = spec.pop("model_type")
-    if layers:
-        spec["num_hidden_layers"] = layers
     cfg = AutoConfig.for_model(model_type, **spec, rms_norm_eps=1e-6, hidden_act="silu", bos_token_id=0,
                                eos_token_id=0, pad_token_id=0)
     cfg.architectures = [{"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[model_type]]

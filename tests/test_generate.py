@@ -218,3 +218,23 @@ def test_bad_model_folders_are_one_line_errors(exported, tmp_path):
     assert "no decode.onnx" in one_line_error(half)
     assert "does not name the model it was converted from" in one_line_error(exported.prefill_path.parent)
     assert "is not a prefill graph" in one_line_error(exported.prefill_path.with_name("weight_names.json"))
+
+
+def test_ort_genai_folder_streams_in_onnxruntime_genai(demo, prompt, tmp_path):
+    """An ort-genai folder runs in onnxruntime-genai; with float activations and fp16 layers it continues as the
+    PyTorch model of the same weights does, and it needs no conversion.json: the folder holds its tokenizer."""
+    from workbench.plan import QuantPlan
+    from workbench.quantize import quantize_model
+    from workbench.targets.ort_genai import build_fused_onnx, write_genai_folder
+    qm = quantize_model(demo, QuantPlan.uniform("int4"), progress=False)
+    sim = qm.build_model(demo.model)
+    build_fused_onnx(sim, tmp_path, qm.precisions, accuracy_level=0)
+    write_genai_folder(tmp_path, sim, demo.path, demo.tokenizer)
+    model = open_model(tmp_path)
+    assert model.runtime == "onnxruntime-genai" and model.eos_ids == (0,) and model.max_positions == 512
+    gen = model.generate(prompt, max_new_tokens=STEPS)
+    assert gen.tokens == greedy_without_cache(sim, prompt, STEPS) and gen.text.strip()
+    assert gen.stats.tokens_per_second > 0
+    assert open_model(tmp_path / "model.onnx").runtime == "onnxruntime-genai"
+    (tmp_path / "genai_config.json").unlink()
+    assert "no genai_config.json beside it" in one_line_error(tmp_path / "model.onnx")

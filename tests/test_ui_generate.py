@@ -87,3 +87,19 @@ def test_standalone_panel_finds_the_float_model_in_conversion_json(demo_app):
     assert again.model is first.model is results["chosen"].model and len(panel._loaded) == 2  # opened once
     panel.threads.value = 2  # another thread count opens the runtime again; only two models stay loaded
     assert panel.run()["chosen"].model is not first.model and len(panel._loaded) == 2
+
+
+def test_generate_tab_streams_the_ort_genai_artifact_in_onnxruntime_genai(demo_app):
+    """Export's ort-genai output becomes the newest choice and streams from onnxruntime-genai's runtime."""
+    app, panel = demo_app, demo_app.generate_panel
+    assert app.convert_panel.run("ort-genai") is not None, app.convert_panel.error
+    genai = app.session.conversions[-1].out_dir
+    assert panel.model.value == str(genai) and panel.choice.options[0][0].startswith("ort-genai: ")
+    panel.prompt.value, panel.max_tokens.value = "A class definition", 16
+    panel.generate_button.click()
+    assert panel.error is None, panel.error
+    chosen, float_ = panel.results["chosen"], panel.results["float"]
+    assert chosen.model.runtime == "onnxruntime-genai" and "ort-genai" in panel.columns["chosen"].heading.value
+    assert chosen.stats.new_tokens == 16 and chosen.text.strip() and speed(panel.columns["chosen"]) > 0
+    assert chosen.text.strip()[:12] in panel.columns["chosen"].text.value.replace("&#x27;", "'").replace("&quot;", '"')
+    assert float_.model.runtime == "PyTorch" and chosen.tokens[:4] == float_.tokens[:4]

@@ -10,7 +10,8 @@ drifts from the simulation (top-1 below ``GAP_TOP1``, or KL well above the simul
 flagged: that is the "fine in simulation, gibberish on device" failure, caught on the desk.
 
 Targets come from the one registry (``workbench.targets``): ``ort-int4`` (MatMulNBits with the
-workbench's own integers), ``ort-qdq`` (QDQ for onnxruntime's QNN execution provider, run on its
+workbench's own integers), ``ort-genai`` (the same integers in one fused graph for onnxruntime-genai,
+the CPU host's deployable artifact), ``ort-qdq`` (QDQ for onnxruntime's QNN execution provider, run on its
 CPU), ``mnn`` (.mnn, run by MNN), and bundles for SDKs not installable here: ``qnn`` (its QDQ twin
 is what gets measured), ``llama.cpp``, ``tensorrt``, ``rknn``. Each target's converter lives in its
 module and gets a ``ConvertJob``: the prepared models, the output folder, the report to fill, and
@@ -56,7 +57,7 @@ __all__ = ["CONVERT_TARGETS", "ConversionReport", "PreparedModels", "ConvertJob"
            "GAP_TOP1", "calibration_feeds", "default_eval_tokens", "EVAL_PARAMETER_TOKENS", "MIN_EVAL_TOKENS",
            "quantized_model_provenance"]
 
-CONVERT_TARGETS = target_names("convert")  # ort-int4, ort-qdq, qnn, mnn, llama.cpp, tensorrt, rknn, and any registered
+CONVERT_TARGETS = target_names("convert")  # ort-int4, ort-genai, ort-qdq, qnn, mnn, llama.cpp, tensorrt, rknn, and any registered
 GAP_TOP1 = 0.95  # below this top-1 agreement with the simulation, the converted model is not what was evaluated
 GAP_KL_RATIO = 1.5  # ... or when its KL to the float model exceeds the simulation's by this factor (+ GAP_KL_FLOOR)
 GAP_KL_FLOOR = 0.002

@@ -9,9 +9,11 @@
 Runtimes: a PyTorch ``LoadedModel`` (float, or a ``workbench quantize`` output whose integer layers
 compute from their codes) with its KV cache in a ``DynamicCache``; ONNX prefill/decode graphs
 (``workbench export`` and ``convert`` outputs: ort-int4, ort-qdq) through ``OnnxCausalLM``; MNN
-graphs (``convert --target mnn``) through ``MnnCausalLM``. Both graph runners share one shape
-(``run_prefill``, then ``run_decode`` with the KV cache), so one loop, ``stream_tokens``, drives
-every runtime; ``OnnxCausalLM.generate_greedy`` is that loop too. A converted model's tokenizer,
+graphs (``convert --target mnn``) through ``MnnCausalLM``; an ``ort-genai`` folder through
+onnxruntime-genai's runtime (``GenaiCausalLM``: its generator keeps the KV cache). The graph runners
+share one shape (``run_prefill``, then ``run_decode`` with the KV cache), onnxruntime-genai hands out
+its own steps (``steps()``), so one loop, ``stream_tokens``, drives every runtime;
+``OnnxCausalLM.generate_greedy`` is that loop too. A converted model's tokenizer,
 end-of-sequence tokens and length limit come from the model it was converted from
 (``conversion.json``).
 
@@ -39,7 +41,9 @@ __all__ = ["Sampling", "GenerationStats", "Piece", "Generation", "TextGenerator"
            "stream_tokens", "encode_prompt", "find_graphs", "GRAPH_NAMES", "DEFAULT_MAX_NEW_TOKENS"]
 
 DEFAULT_MAX_NEW_TOKENS = 64
-GRAPH_NAMES = (("prefill.onnx", "onnxruntime"), ("prefill.qdq.onnx", "onnxruntime"), ("prefill.mnn", "MNN"))
+GRAPH_NAMES = (("prefill.onnx", "onnxruntime"), ("prefill.qdq.onnx", "onnxruntime"), ("prefill.mnn", "MNN"),
+               ("model.onnx", "onnxruntime-genai"))  # the last only beside a genai_config.json (an ort-genai folder)
+GENAI = "onnxruntime-genai"
 
 
 @dataclass(frozen=True)
@@ -169,7 +173,10 @@ def stream_tokens(runner, prompt: Sequence[int], max_new_tokens: int, *, samplin
     if max_new_tokens == 0:
         stats.stop_reason = "max_new_tokens"
         return
-    steps = _GraphSteps(runner) if hasattr(runner, "run_prefill") else _TorchSteps(runner, threads)
+    if hasattr(runner, "steps"):  # a runtime that keeps its own state (onnxruntime-genai's generator)
+        steps = runner.steps(len(prompt) + max_new_tokens)
+    else:
+        steps = _GraphSteps(runner) if hasattr(runner, "run_prefill") else _TorchSteps(runner, threads)
     limits = [n for n in (max_positions, _graph_positions(runner)) if n is not None]
     limit = min(limits) if limits else None
     if limit is not None and len(prompt) > limit:
@@ -302,10 +309,10 @@ def encode_prompt(tokenizer, text: str, *, chat: bool = False) -> list[int]:
 class TextGenerator:
     """A model that continues text: its runner, tokenizer, end-of-sequence tokens and position limit."""
 
-    runner: object  # a PyTorch model, OnnxCausalLM or MnnCausalLM
+    runner: object  # a PyTorch model, OnnxCausalLM, MnnCausalLM or GenaiCausalLM
     tokenizer: object
     path: Path
-    runtime: str  # "PyTorch", "onnxruntime", "MNN"
+    runtime: str  # "PyTorch", "onnxruntime", "MNN", "onnxruntime-genai"
     name: str
     eos_ids: tuple[int, ...] = ()
     max_positions: int | None = None
@@ -357,10 +364,22 @@ def find_graphs(directory: str | Path) -> tuple[Path, Path | None, str] | None:
     d = Path(directory)
     for name, runtime in GRAPH_NAMES:
         prefill = d / name
+        if runtime == GENAI and not (d / "genai_config.json").is_file():
+            continue
         if prefill.is_file():
             decode = prefill.with_name(name.replace("prefill", "decode"))
             return prefill, decode if decode.is_file() else None, runtime
     return None
+
+
+def _genai_settings(folder: Path) -> dict:
+    """End-of-sequence ids and positions of an ort-genai folder, from its ``genai_config.json``."""
+    try:
+        model = json.loads((folder / "genai_config.json").read_text(encoding="utf-8"))["model"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise ModelLoadError(f"'{folder / 'genai_config.json'}' is not onnxruntime-genai's config: convert again") \
+            from None
+    return {"eos_token_id": model.get("eos_token_id"), "max_position_embeddings": model.get("context_length")}
 
 
 def _conversion_source(directory: Path) -> tuple[Path | None, str | None]:
@@ -410,15 +429,19 @@ def open_model(model: str | Path | LoadedModel, *, tokenizer=None, source: str |
             raise ModelLoadError(f"'{p}' is not a prefill graph ({', '.join(runtimes)}): pass the folder "
                                  "`workbench convert` or `workbench export` wrote")
         folder, prefill, runtime = p.parent, p, runtimes[p.name]
+        if runtime == GENAI and find_graphs(folder) is None:
+            raise ModelLoadError(f"'{p}' has no genai_config.json beside it: pass an ort-genai folder "
+                                 "(`workbench convert --target ort-genai`)")
     else:
         folder, graphs = p, find_graphs(p)
         if graphs is None:
             if (p / "config.json").is_file() or (p / "quantization.json").is_file():
                 return _from_loaded(load_model(model), threads)
             _, target = _conversion_source(p)
-            what = (f"is a {target} conversion, which does not run here: pick an ort-int4, ort-qdq or mnn output"
-                    if target else "holds no model to generate with: pass a model directory (config.json), or a "
-                    "`workbench convert` / `workbench export` output (prefill.onnx, prefill.qdq.onnx or prefill.mnn)")
+            what = (f"is a {target} conversion, which does not run here: pick an ort-genai, ort-int4, ort-qdq or mnn "
+                    "output" if target else "holds no model to generate with: pass a model directory (config.json), "
+                    "or a `workbench convert` / `workbench export` output (prefill.onnx, prefill.qdq.onnx, "
+                    "prefill.mnn, or model.onnx with genai_config.json)")
             raise ModelLoadError(f"'{p}' {what}")
         prefill, _, runtime = graphs
     decode = prefill.with_name(prefill.name.replace("prefill", "decode"))
@@ -430,6 +453,9 @@ def open_model(model: str | Path | LoadedModel, *, tokenizer=None, source: str |
     if src is not None and (src / "config.json").is_file():
         tokenizer = tokenizer or load_tokenizer_from(src)
         eos, positions = _model_settings(*_json_docs(src), tokenizer=tokenizer)
+    elif runtime == GENAI:  # the folder is whole: tokenizer files and genai_config.json
+        tokenizer = tokenizer or load_tokenizer_from(folder)
+        eos, positions = _model_settings(_genai_settings(folder), tokenizer=tokenizer)
     elif tokenizer is not None:
         eos, positions = _model_settings(tokenizer=tokenizer)
     else:
@@ -438,8 +464,13 @@ def open_model(model: str | Path | LoadedModel, *, tokenizer=None, source: str |
     if runtime == "MNN":
         from .targets.mnn import MnnCausalLM
         runner = MnnCausalLM(prefill, threads=threads or 1)
+    elif runtime == GENAI:
+        from .targets.ort_genai import GenaiCausalLM
+        runner = GenaiCausalLM(folder, threads=threads)
+        positions = min(positions or runner.max_length, runner.max_length)
     else:
         from .graph import OnnxCausalLM
         runner = OnnxCausalLM(prefill, decode, threads=threads)
-    return TextGenerator(runner, tokenizer, folder, runtime, f"{folder.name} ({target or 'ONNX export'}, {runtime})",
+    kind = target or ("ort-genai" if runtime == GENAI else "ONNX export")
+    return TextGenerator(runner, tokenizer, folder, runtime, f"{folder.name} ({kind}, {runtime})",
                          eos, positions, threads, src)

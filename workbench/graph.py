@@ -348,6 +348,13 @@ class OnnxCausalLM:
         self.static_seq = shape[1] if isinstance(shape[1], int) else None
         self.num_layers = (len(self.prefill.get_outputs()) - 1) // 2
         self.vocab = self.prefill.get_outputs()[0].shape[-1]
+        # a graph that computes positions itself (GroupQueryAttention's rotary embedding) takes no position_ids
+        self._positions = "position_ids" in {i.name for i in self.prefill.get_inputs()}
+
+    def _feed(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if not self._positions:
+            feed.pop("position_ids", None)
+        return feed
 
     def _session(self, path: str | Path):
         import onnxruntime as ort
@@ -420,7 +427,7 @@ class OnnxCausalLM:
         else:
             mask = np.ones_like(ids)
         pos = np.broadcast_to(np.arange(ids.shape[1], dtype=np.int64), ids.shape).copy()
-        feed = {"input_ids": ids, "attention_mask": mask, "position_ids": pos, **self._empty_past(b)}
+        feed = self._feed({"input_ids": ids, "attention_mask": mask, "position_ids": pos, **self._empty_past(b)})
         if not isinstance(self.vocab, int):  # a graph from elsewhere with a symbolic vocabulary size
             return self.prefill.run(["logits"], feed)[0][:, :n]
         # onnxruntime writes the logits straight into this array: no arena copy of tokens x vocabulary kept
@@ -451,8 +458,8 @@ class OnnxCausalLM:
                 raise ValueError(f"prompt of {n} tokens exceeds the static graph's sequence length {self.static_seq}")
             ids = np.pad(ids, ((0, 0), (0, self.static_seq - n)))
             mask = np.pad(mask, ((0, 0), (0, self.static_seq - n)))
-        return {"input_ids": ids, "attention_mask": mask, "position_ids": np.arange(ids.shape[1], dtype=np.int64)[None],
-                **self._empty_past(1)}
+        return self._feed({"input_ids": ids, "attention_mask": mask,
+                           "position_ids": np.arange(ids.shape[1], dtype=np.int64)[None], **self._empty_past(1)})
 
     def decode_feed(self, token: int, kv: list[np.ndarray], position: int) -> dict[str, np.ndarray]:
         """Inputs of the decode graph: one token, the compact KV cache padded to a static past if needed."""
@@ -470,7 +477,7 @@ class OnnxCausalLM:
         for i in range(self.num_layers):
             feed[f"past_key_values.{i}.key"] = kv[2 * i]
             feed[f"past_key_values.{i}.value"] = kv[2 * i + 1]
-        return feed
+        return self._feed(feed)
 
     def run_decode(self, token: int, kv: list[np.ndarray],
                    position: int) -> tuple[np.ndarray, list[np.ndarray], list[np.ndarray]]:

@@ -3,7 +3,8 @@
     profiles = profile_directory("out/convert")        # every prefill/decode pair found below it
     profiles[0].decode_tokens_per_second, profiles[0].prefill_ms[128], profiles[0].size_bytes
 
-Each runtime (onnxruntime for ``.onnx``, MNN for ``.mnn``) is loaded, warmed up once, then timed
+Each runtime (onnxruntime for ``.onnx``, MNN for ``.mnn``, onnxruntime-genai for an ``ort-genai``
+folder: ``model.onnx`` beside ``genai_config.json``) is loaded, warmed up once, then timed
 ``repeats`` times; the median is reported. Prefill is timed per prompt length, decode as tokens
 per second over ``decode_steps`` steps after a prompt. Sizes are the files on disk (external data
 included); memory is the peak resident memory the runtime added while loading and running (Linux).
@@ -27,7 +28,7 @@ __all__ = ["RuntimeProfile", "find_runtimes", "profile_runtime", "profile_direct
 
 DEFAULT_PROMPT_LENGTHS = (32, 128)
 PREFILL_NAMES = ("prefill.onnx", "prefill.qdq.onnx", "prefill.mnn")
-DEFAULT_CANDIDATES = ("float", "ort-int4", "mnn")  # "float": the unquantized export; the rest: convert targets
+DEFAULT_CANDIDATES = ("float", "ort-int4", "ort-genai", "mnn")  # "float": the unquantized export; the rest: targets
 
 
 @dataclass
@@ -93,9 +94,14 @@ def find_runtimes(directory: str | Path) -> list[tuple[str, Path, Path | None]]:
         if prefill.name == "prefill.qdq.onnx":
             name += " (qdq)"
         found.append((name, prefill, decode if decode.is_file() else None))
+    for config in sorted(root.rglob("genai_config.json")):  # ort-genai: one graph serves prefill and decode
+        model = config.with_name("model.onnx")
+        if model.is_file() and ".partial" not in str(config.relative_to(root)):
+            rel = model.parent.relative_to(root)
+            found.append((str(rel) if str(rel) != "." else root.name, model, model))
     if not found:
-        raise WorkbenchError(f"no prefill.onnx, prefill.qdq.onnx or prefill.mnn below '{root}'; export or convert "
-                             "a model there first")
+        raise WorkbenchError(f"no prefill.onnx, prefill.qdq.onnx, prefill.mnn or model.onnx with genai_config.json "
+                             f"below '{root}'; export or convert a model there first")
     return found
 
 
@@ -117,24 +123,41 @@ def _files_of(path: Path) -> list[Path]:
 
 def decode_step_bytes(decode: Path) -> int:
     """Bytes one decode step reads: the decode graph's weights, except that an embedding table (an initializer
-    only Gather reads) is read one row per token. A non-ONNX graph counts its whole file."""
+    only Gather reads) and GroupQueryAttention's rotary caches are read one row per token, and a float16
+    initializer only a Cast to float32 reads counts at float32 (onnxruntime folds the Cast when it loads the
+    model and reads the widened copy). A non-ONNX graph counts its whole file."""
     decode = Path(decode)
     if decode.suffix != ".onnx":
         return decode.stat().st_size
+    from onnx import TensorProto
+
     from .graph import initializer_bytes, load_onnx
     proto = load_onnx(decode)
     sizes = initializer_bytes(proto)
-    readers: dict[str, set[str]] = {}
-    for node in proto.graph.node:
-        for i, name in enumerate(node.input):
-            if name in sizes:
-                readers.setdefault(name, set()).add(node.op_type if node.op_type.startswith("Gather") and i == 0
-                                                    else "other")
+    half = {init.name for init in proto.graph.initializer if init.data_type == TensorProto.FLOAT16}
     dims = {init.name: list(init.dims) for init in proto.graph.initializer}
+    consumers: dict[str, list] = {}
+    for node in proto.graph.node:
+        for x in set(node.input):
+            consumers.setdefault(x, []).append(node)
+
+    def to_float(node) -> bool:
+        return node.op_type == "Cast" and any(a.name == "to" and a.i == TensorProto.FLOAT for a in node.attribute)
+
+    def kind(name: str, node, i: int) -> str:
+        if (node.op_type.startswith("Gather") and i == 0) or (node.op_type == "GroupQueryAttention" and i in (7, 8)):
+            return "rows"  # an embedding table, GroupQueryAttention's cos / sin caches: a row a position
+        if name in half and (to_float(node) or (node.op_type == "Transpose" and consumers.get(node.output[0])
+                                                and all(to_float(c) for c in consumers[node.output[0]]))):
+            return "widened"
+        return "full"
+
     total = 0
     for name, n in sizes.items():
-        gathered = readers.get(name) and "other" not in readers[name]
-        total += n // max(dims[name][0], 1) if gathered and dims[name] else n
+        kinds = {kind(name, node, i) for node in consumers.get(name, []) for i, x in enumerate(node.input) if x == name}
+        total += (2 * n if "widened" in kinds else 0) + (n if "full" in kinds or not kinds else 0)
+        if kinds == {"rows"} or ("rows" in kinds and "full" not in kinds):
+            total += n // max(dims[name][0], 1) if dims[name] else n
     return total
 
 
@@ -164,6 +187,10 @@ def profile_runtime(name: str, prefill: str | Path, decode: str | Path | None = 
         if prefill.suffix == ".mnn":
             from .targets.mnn import MnnCausalLM
             runner, runtime = MnnCausalLM(prefill, threads=threads), "MNN"
+        elif (prefill.parent / "genai_config.json").is_file() and prefill.name == "model.onnx":
+            from .targets.ort_genai import GenaiCausalLM
+            runner = GenaiCausalLM(prefill.parent, threads=threads)
+            runtime = runner.runtime
         else:
             from .graph import OnnxCausalLM
             runner, runtime = OnnxCausalLM(prefill, decode, threads=threads), "onnxruntime"
@@ -189,10 +216,17 @@ def profile_runtime(name: str, prefill: str | Path, decode: str | Path | None = 
         ids = rng.integers(1, vocab, size=(1, n))
         if runtime == "MNN":
             report.prefill_ms[n] = _median_ms(lambda ids=ids: runner.logits(ids), repeats)
+        elif hasattr(runner, "prefill_seconds"):
+            report.prefill_ms[n] = _median_ms(lambda ids=ids: runner.prefill_seconds(ids[0].tolist()), repeats)
         else:
             report.prefill_ms[n] = _median_ms(lambda ids=ids: runner.prefill.run(None, runner.prefill_feed(ids[0])),
                                               repeats)
-    if decode is not None:  # both runners decode with the KV cache (run_prefill, then run_decode)
+    if hasattr(runner, "decode_seconds"):  # onnxruntime-genai: its own generator loop, after the prompt
+        prompt = rng.integers(1, vocab, size=min(prompt_lengths)).tolist()
+        runner.decode_seconds(prompt, decode_steps)  # warm-up, as for the other runtimes
+        times = [runner.decode_seconds(prompt, decode_steps) for _ in range(repeats)]
+        report.decode_tokens_per_second = decode_steps / statistics.median(times)
+    elif decode is not None:  # both graph runners decode with the KV cache (run_prefill, then run_decode)
         prompt = rng.integers(1, vocab, size=min(prompt_lengths)).tolist()
         _, _, kv0 = runner.run_prefill(prompt)
         limit = getattr(runner, "static_past", None)

@@ -37,6 +37,7 @@ COMMANDS = {
     "inspect": "inspect_cmd",
     "convert": "convert",
     "profile": "profile_cmd",
+    "generate": "generate_cmd",
     "project": "project_cmd",
     "devices": "devices_cmd",
     "report": "report_cmd",

@@ -1,6 +1,7 @@
 """Convert a model for a deployment target, run the result, and compare it with the float model and the simulation.
 
     workbench convert demo --bits 4 --target ort-int4 --out out/int4
+    workbench convert demo --bits 4 --target ort-genai --out out/genai    # one fused graph, onnxruntime-genai runs it
     workbench convert out/demo-int4 --target mnn --out out/mnn --json     # a `workbench quantize` output
     workbench convert demo --plan plan.json --target qnn --out out/qnn    # bundle + measured QDQ twin
 
@@ -19,7 +20,8 @@ from .common import add_device_argument, add_json_flag, add_model_argument, form
 from .export import parse_static
 
 CONVERT_FORMAT = "workbench-convert"  # the kind named in the manifest of a conversion's --out
-HELP = "convert for a target (ort-int4, ort-qdq, mnn, qnn, tensorrt, rknn) and compare with the simulation"
+HELP = ("convert for a target (ort-genai, ort-int4, ort-qdq, mnn, qnn, tensorrt, rknn) and compare with the "
+        "simulation")
 
 
 def add_arguments(p):

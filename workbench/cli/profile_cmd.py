@@ -44,7 +44,7 @@ def run(args) -> int:
                                   "fraction_of_bound": p.fraction_of_bound(gbps)} for p in profiles]})
         return 0
     lengths = sorted({n for p in profiles for n in p.prefill_ms})
-    print(f"{'model':<24}{'runtime':<13}{'size':>10}" + "".join(f"{f'prefill {n} ms':>16}" for n in lengths)
+    print(f"{'model':<24}{'runtime':<19}{'size':>10}" + "".join(f"{f'prefill {n} ms':>16}" for n in lengths)
           + f"{'decode tok/s':>14}{'bound':>8}{'of bound':>9}{'+RSS MB':>9}")
     for p in profiles:
         cells = "".join(f"{p.prefill_ms[n]:>16.1f}" if n in p.prefill_ms else f"{'-':>16}" for n in lengths)
@@ -53,7 +53,7 @@ def run(args) -> int:
         frac = p.fraction_of_bound(gbps)
         dec += (f"{bound:>8.0f}" if bound else f"{'-':>8}") + (f"{frac:>9.2f}" if frac is not None else f"{'-':>9}")
         mem = f"{p.peak_rss_added_mb:>9.0f}" if p.peak_rss_added_mb is not None else f"{'-':>9}"
-        print(f"{p.name:<24}{p.runtime:<13}{format_bytes(p.size_bytes):>10}{cells}{dec}{mem}")
+        print(f"{p.name:<24}{p.runtime:<19}{format_bytes(p.size_bytes):>10}{cells}{dec}{mem}")
         for note in p.notes:
             print(f"  note: {note}")
         if frac is not None and frac > 1:

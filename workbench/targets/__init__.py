@@ -3,7 +3,7 @@
     report = inspect_graph("out/onnx/decode.onnx", "qnn")
     print(report.summary()); get_target("qnn").convert, target_names("convert")
 
-Each module here (``ort_int4``, ``ort_qdq``, ``qnn``, ``mnn``, ``llamacpp``, ``tensorrt``, ``rknn``)
+Each module here (``ort_int4``, ``ort_genai``, ``ort_qdq``, ``qnn``, ``mnn``, ``llamacpp``, ``tensorrt``, ``rknn``)
 registers one ``Target``: its rule table (``assets/targets/*.json``), its converter, its runner and
 its override-file format. Every module of this package except the shared ones is imported here, so
 adding a target is one file plus one rule table; a target defined elsewhere registers itself with

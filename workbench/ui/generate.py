@@ -1,6 +1,6 @@
 """The generate panel: a converted model and the float model continue the same prompt, side by side.
 
-    panel = GeneratePanel("out/int4")          # a `workbench convert` output (ort-int4, ort-qdq, mnn), an
+    panel = GeneratePanel("out/int4")          # a `workbench convert` output (ort-genai, ort-int4, ort-qdq, mnn), an
     panel.run()                                # export, a model directory or "float"; returns the Generations
     display(panel)
 
