@@ -16,8 +16,8 @@ the PyTorch model and scored by the workbench's evaluator on the same chunks: we
 llama.cpp's rounding of activations, and paired chunk by chunk with the workbench's plan.
 
 Workbench side: for each llama.cpp size, the best of the automatic plans at that size (a sensitivity
-sweep per group size and symmetry, ``plan_for_budget`` over every registered integer precision and
-fp16, quantized with GPTQ and scale search), with its KL and standard error over chunks. Its size
+sweep per group size and symmetry over every registered integer precision of 3 bits or more,
+``plan_for_budget`` over those and fp16, quantized with GPTQ and scale search), with its KL and standard error over chunks. Its size
 counts every stored code, scale and zero point (``lm.size_bytes``: norms at fp16).
 
 Without llama.cpp the sizes of the issue's table are used (``--sizes``) and llama.cpp's absence is
@@ -227,12 +227,11 @@ def best_plans(lm, baseline, sizes, *, configs, calibration, workspace, sweep_to
     from workbench.errors import PlanError
     from workbench.plan import PRECISIONS
     from workbench.quantize import measure_cost, quantize_model
-    from workbench.sensitivity import run_sensitivity
-    integers = [p.name for p in PRECISIONS.values() if not p.is_float and 3 <= p.bits <= 8]
-    integers = sorted(set(integers), key=lambda n: PRECISIONS[n].bits)
+    from workbench.sensitivity import run_sensitivity, sweep_precisions
     sweeps = {}
     for gs, sym in configs:
         t0 = time.perf_counter()
+        integers = [p for p in sweep_precisions(sym) if PRECISIONS[p].bits >= 3]  # int2 never pays here
         sweeps[gs, sym] = run_sensitivity(lm, tokens=sweep_tokens, precisions=integers, group_size=gs, symmetric=sym,
                                           workspace=workspace, progress=False)
         log(f"  sweep g{gs} {'sym' if sym else 'asym'} over {'/'.join(integers)}: {time.perf_counter() - t0:.1f} s")
@@ -241,7 +240,7 @@ def best_plans(lm, baseline, sizes, *, configs, calibration, workspace, sweep_to
         found = None
         for (gs, sym), sens in sweeps.items():
             try:
-                pred = plan_for_budget(lm, sens, bits_per_weight=size, choices=["fp16", *integers])
+                pred = plan_for_budget(lm, sens, bits_per_weight=size)  # fp16 and every precision swept
             except PlanError:
                 continue  # this group size's scales alone do not fit the size
             plan = dataclasses.replace(pred.plan, method="gptq", scale_search=True)
