@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -34,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+import llama_cpp  # noqa: E402  (bench/llama_cpp.py)
 from shapes import SHAPES, build_model_dir  # noqa: E402  (bench/shapes.py)
 
 SHAPE = SHAPES["qwen2-301m"]
@@ -60,80 +59,27 @@ class Row:
         return self.tokens_per_second / (read_gbps * 1e9 / self.bytes_per_token)
 
 
-def llama_cpp_dir(given: str | None) -> tuple[Path | None, str]:
-    """(the folder holding llama-bench and llama-quantize, or None; why not) from ``--llama-cpp`` or LLAMA_CPP_DIR."""
-    where = given or os.environ.get("LLAMA_CPP_DIR")
-    if not where:
-        return None, "llama.cpp not given (--llama-cpp DIR or LLAMA_CPP_DIR; build recipe in the README)"
-    d = Path(where).expanduser()
-    for cand in (d, d / "bin", d / "build" / "bin"):
-        if all((cand / b).is_file() for b in LLAMA_BINARIES):
-            return cand, ""
-    return None, f"llama.cpp not found in '{d}' (no {' / '.join(LLAMA_BINARIES)} there; build recipe in the README)"
-
-
-def convert_script(bin_dir: Path) -> Path | None:
-    """llama.cpp's ``convert_hf_to_gguf.py``: in the source tree the binaries were built from."""
-    for d in (bin_dir, *bin_dir.parents[:3]):
-        if (d / "convert_hf_to_gguf.py").is_file() and (d / "gguf-py").is_dir():
-            return d / "convert_hf_to_gguf.py"
-    return None
-
-
-# The workbench's shapes carry the demo tokenizer, whose pre-tokenizer llama.cpp's converter does not know by hash:
-# it is GPT-2's byte-level BPE, said here instead of editing llama.cpp's file. Without the sentencepiece package the
-# converter's first try (a tokenizer.model, which these models do not have) fails on the import instead of the file.
-_GGUF_CONVERT = """
-import sys, types
-sys.path[:0] = [{src!r}, {src!r} + '/gguf-py']
-try:
-    import sentencepiece
-except ImportError:
-    stub = types.ModuleType('sentencepiece')
-    stub.SentencePieceProcessor = None
-    import importlib.machinery
-    stub.__spec__ = importlib.machinery.ModuleSpec('sentencepiece', None)
-    sys.modules['sentencepiece'] = stub
-sys.argv = ['convert_hf_to_gguf.py'] + {args!r}
-from conversion import base
-base.TextModel.get_vocab_base_pre = lambda self, tokenizer: 'gpt-2'
-import runpy
-runpy.run_path({script!r}, run_name='__main__')
-"""
-
-
-def _run(cmd: list[str], what: str, **kw) -> subprocess.CompletedProcess:
-    p = subprocess.run(cmd, capture_output=True, text=True, **kw)
-    if p.returncode != 0:
-        tail = (p.stderr or p.stdout).strip().splitlines()[-3:]
-        raise RuntimeError(f"{what} failed (exit {p.returncode}): {' | '.join(tail)}")
-    return p
-
-
 def build_gguf(model_dir: Path, bin_dir: Path, out: Path, kind: str) -> Path:
     """``model_dir`` as a GGUF of ``kind`` (``Q4_0``, ``Q8_0``, ...): converted to f16 once, then quantized."""
-    script = convert_script(bin_dir)
-    if script is None:
+    root = llama_cpp.source_root(bin_dir)
+    if root is None:
         raise RuntimeError(f"no convert_hf_to_gguf.py with gguf-py above '{bin_dir}'")
     f16 = out / "model-f16.gguf"
     if not f16.is_file():
-        code = _GGUF_CONVERT.format(src=str(script.parent), script=str(script),
-                                    args=[str(model_dir), "--outfile", str(f16), "--outtype", "f16"])
-        _run([sys.executable, "-c", code], "convert_hf_to_gguf.py")
+        llama_cpp.convert(model_dir, f16, root, "f16")
     q = out / f"model-{kind}.gguf"
     if not q.is_file():
-        _run([str(bin_dir / "llama-quantize"), str(f16), str(q), kind], "llama-quantize")
+        llama_cpp.run([str(bin_dir / "llama-quantize"), str(f16), str(q), kind], "llama-quantize")
     return q
 
 
 def gguf_bytes_per_token(path: Path, bin_dir: Path) -> int | None:
     """Tensor bytes of a GGUF a decode step reads: all of them, the token embedding one row."""
-    script = convert_script(bin_dir)
-    if script is None:
+    root = llama_cpp.source_root(bin_dir)
+    if root is None:
         return None
-    sys.path.insert(0, str(script.parent / "gguf-py"))
     try:
-        import gguf
+        gguf, _ = llama_cpp.gguf_module(root)
         total = 0
         for t in gguf.GGUFReader(str(path)).tensors:
             n = int(t.n_bytes)
@@ -144,7 +90,7 @@ def gguf_bytes_per_token(path: Path, bin_dir: Path) -> int | None:
 
 
 def llama_bench(bin_dir: Path, gguf_path: Path, threads: int, steps: int) -> float:
-    p = _run([str(bin_dir / "llama-bench"), "-m", str(gguf_path), "-t", str(threads), "-p", "0", "-n", str(steps),
+    p = llama_cpp.run([str(bin_dir / "llama-bench"), "-m", str(gguf_path), "-t", str(threads), "-p", "0", "-n", str(steps),
               "-r", "1", "-o", "json"], "llama-bench")
     results = json.loads(p.stdout)
     return float(next(r["avg_ts"] for r in results if r.get("n_gen")))
@@ -232,7 +178,7 @@ def run_builder(model_dir: Path, out: Path, block: int) -> Path:
     """onnxruntime-genai's model builder on the same float weights: its own INT4 quantization at ``block``, for CPU."""
     dest = out / f"genai-builder-b{block}"
     if not (dest / "genai_config.json").is_file():
-        _run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-m", model_dir.name, "-i", str(model_dir),
+        llama_cpp.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-m", model_dir.name, "-i", str(model_dir),
               "-o", str(dest), "-p", "int4", "-e", "cpu", "-c", str(out / "builder-cache"),
               "--extra_options", f"block_size={block}"], "onnxruntime-genai's model builder")
         shutil.rmtree(out / "builder-cache", ignore_errors=True)
@@ -286,7 +232,7 @@ def measure(args, say=print) -> tuple[list[Row], float]:
             rows.append(Row(name, "onnxruntime-genai", note="absent: onnxruntime-genai not installed"))
         except RuntimeError as e:
             rows.append(Row(name, "onnxruntime-genai", note=f"failed: {e}"))
-    bin_dir, why = llama_cpp_dir(args.llama_cpp)
+    bin_dir, why = llama_cpp.find_bin(args.llama_cpp, LLAMA_BINARIES)
     for kind in args.gguf:
         name = f"llama.cpp {kind}"
         if bin_dir is None:

@@ -6,8 +6,8 @@ Protocol (``llama-perplexity -c CTX`` on the bundled held-out text): whole chunk
 second half of each scored, KL divergence against the float model, bits per weight over every weight
 of the model (embedding and norms included).
 
-llama.cpp side, when its build is found (``--llama-cpp DIR`` or ``$LLAMA_CPP_DIR``: the source tree,
-with ``build/bin/llama-quantize`` and ``llama-perplexity``; build recipe in the README): the model is
+llama.cpp side, when its build is found (``--llama-cpp DIR`` or ``$LLAMA_CPP_DIR``: its source tree or
+``build/bin``, with ``llama-quantize`` and ``llama-perplexity`` built; recipe in the README): the model is
 converted to an f32 GGUF by llama.cpp's own ``convert_hf_to_gguf.py``, quantized by ``llama-quantize``
 to each type, and scored by ``llama-perplexity --kl-divergence`` against the f32 GGUF's logits
 (its figure, with its per-token standard error). Each type's size is the bits of every tensor in its
@@ -30,8 +30,6 @@ import dataclasses
 import json
 import os
 import re
-import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,65 +37,34 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import llama_cpp  # noqa: E402  (bench/llama_cpp.py)
+
 LLAMA_TYPES = ("Q3_K_M", "IQ4_NL", "Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0")
 DEFAULT_SIZES = (4.55, 5.03, 5.26, 5.90, 6.58, 8.52)  # bits/weight of those types on the demo model
 CONFIGS = ((32, True), (32, False), (64, True), (64, False), (128, True), (128, False))
 
-# Runs llama.cpp's converter unchanged, with two local allowances: a byte-level BPE tokenizer whose
-# pre-tokenizer hash llama.cpp does not list is written as "gpt-2" (the same regex), and a model
-# without tokenizer.model skips the sentencepiece attempt (the converter expects sentencepiece installed).
-_CONVERT = r'''
-import runpy, sys
-root = sys.argv[1]
-sys.path[:0] = [root, root + "/gguf-py"]
-import conversion.base as base
-cls = next(c for c in vars(base).values() if isinstance(c, type) and "get_vocab_base_pre" in vars(c))
-pre, sp = cls.get_vocab_base_pre, cls._set_vocab_sentencepiece
-def get_vocab_base_pre(self, tokenizer):
-    try:
-        return pre(self, tokenizer)
-    except NotImplementedError:
-        print("pre-tokenizer hash unknown to llama.cpp: written as gpt-2 (byte-level BPE)", file=sys.stderr)
-        return "gpt-2"
-def set_vocab_sentencepiece(self, *a, **k):
-    if not (self.dir_model / "tokenizer.model").is_file():
-        raise FileNotFoundError("no tokenizer.model")
-    return sp(self, *a, **k)
-cls.get_vocab_base_pre, cls._set_vocab_sentencepiece = get_vocab_base_pre, set_vocab_sentencepiece
-sys.argv = ["convert_hf_to_gguf.py", sys.argv[2], "--outtype", "f32", "--outfile", sys.argv[3]]
-runpy.run_path(root + "/convert_hf_to_gguf.py", run_name="__main__")
-'''
-
-
 @dataclasses.dataclass
 class LlamaCpp:
-    """A llama.cpp source tree with its tools built."""
+    """A llama.cpp build with the tools this bench runs, and its source tree (converter, gguf-py)."""
 
+    bin: Path
     root: Path
-
-    @property
-    def bin(self) -> Path:
-        return self.root / "build" / "bin"
 
     @classmethod
     def find(cls, where: str | None) -> "LlamaCpp | None":
-        where = where or os.environ.get("LLAMA_CPP_DIR")
-        if not where:
+        if not (where or os.environ.get("LLAMA_CPP_DIR")):
             return None
-        root = Path(where).expanduser()
-        found = cls(root)
-        missing = [p for p in (found.bin / "llama-quantize", found.bin / "llama-perplexity",
-                               root / "convert_hf_to_gguf.py", root / "gguf-py") if not p.exists()]
-        if missing:
-            sys.exit(f"llama.cpp at {root} lacks {', '.join(map(str, missing))}; build it (README: 'llama.cpp, "
-                     "side by side') or drop --llama-cpp")
-        return found
+        bin_dir, why = llama_cpp.find_bin(where, ("llama-quantize", "llama-perplexity"))
+        root = llama_cpp.source_root(bin_dir) if bin_dir else None
+        if root is None:
+            sys.exit(why or f"no convert_hf_to_gguf.py with gguf-py above '{bin_dir}'; point --llama-cpp at the "
+                     "source tree's build")
+        return cls(bin_dir, root)
 
     def run(self, tool: str, *args: str) -> str:
-        proc = subprocess.run([str(self.bin / tool), *args], capture_output=True, text=True)
-        if proc.returncode:
-            sys.exit(f"{tool} failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}")
-        return proc.stdout + proc.stderr
+        p = llama_cpp.run([str(self.bin / tool), *args], tool)
+        return p.stdout + p.stderr
 
     def run_parsed(self, parse, tool: str, *args: str, tries: int = 3):
         """``parse`` of a tool's output. llama.cpp's log is written by a background thread that a busy machine
@@ -108,20 +75,6 @@ class LlamaCpp:
             except ValueError:
                 if attempt == tries - 1:
                     raise
-
-    def convert(self, model_dir: Path, out: Path) -> str:
-        proc = subprocess.run([sys.executable, "-c", _CONVERT, str(self.root), str(model_dir), str(out)],
-                              capture_output=True, text=True)
-        if proc.returncode:
-            sys.exit(f"convert_hf_to_gguf.py failed:\n{proc.stderr[-3000:]}")
-        return proc.stderr
-
-    def gguf(self):
-        """llama.cpp's own ``gguf`` package (its source tree's copy: not a dependency of the workbench)."""
-        sys.path.insert(0, str(self.root / "gguf-py"))
-        import gguf
-        from gguf.quants import dequantize
-        return gguf, dequantize
 
 
 def parse_kl(output: str) -> dict:
@@ -198,9 +151,9 @@ def evaluate_weights(lm, weights: dict[str, torch.Tensor], baseline):
 def llamacpp_rows(llama: LlamaCpp, lm, baseline, text: Path, ctx: int, types, threads: int, tmp: Path,
                   readback: bool) -> tuple[list[dict], dict]:
     """Each type's BPW, llama-perplexity's KL, and (``readback``) the same weights in the workbench's evaluator."""
-    gguf, dequantize = llama.gguf()
+    gguf, dequantize = llama_cpp.gguf_module(llama.root)
     f32 = tmp / "model-f32.gguf"
-    notes = llama.convert(lm.path, f32)
+    notes = llama_cpp.convert(lm.path, f32, llama.root, "f32")
     base = tmp / "base.kld"
     f32_perplexity = llama.run_parsed(parse_perplexity, "llama-perplexity", "-m", str(f32), "-f", str(text), "-c",
                                       str(ctx), "-t", str(threads), "--kl-divergence-base", str(base))

@@ -13,20 +13,6 @@ sys.modules["bench_decode"] = decode
 _spec.loader.exec_module(decode)
 
 
-def test_llama_cpp_location_and_absence(tmp_path, monkeypatch):
-    monkeypatch.delenv("LLAMA_CPP_DIR", raising=False)
-    assert decode.llama_cpp_dir(None) == (None, decode.llama_cpp_dir(None)[1])
-    assert "not given" in decode.llama_cpp_dir(None)[1]
-    assert "not found in" in decode.llama_cpp_dir(str(tmp_path))[1]
-    bin_dir = tmp_path / "build" / "bin"
-    bin_dir.mkdir(parents=True)
-    for name in decode.LLAMA_BINARIES:
-        (bin_dir / name).write_text("")
-    monkeypatch.setenv("LLAMA_CPP_DIR", str(tmp_path))
-    assert decode.llama_cpp_dir(None) == (bin_dir, "")
-    assert decode.convert_script(bin_dir) is None  # no source tree above it
-
-
 def test_one_run_times_every_artifact(tmp_path, capsys):
     assert decode.main(["--tiny", "--out", str(tmp_path), "--prompt", "8", "--steps", "4", "--repeats", "1",
                         "--llama-cpp", str(tmp_path / "no-llama"), "--bandwidth", "40", "--json"]) == 0

@@ -40,7 +40,7 @@ def test_gguf_bits_count_every_tensor():
 
 
 def test_incomplete_llama_cpp_tree_is_named(tmp_path):
-    with pytest.raises(SystemExit, match="lacks .*llama-quantize.*build it"):
+    with pytest.raises(SystemExit, match="not found in .*llama-quantize / llama-perplexity"):
         quality["LlamaCpp"].find(str(tmp_path))
 
 
