@@ -17,10 +17,11 @@ llama.cpp's rounding of activations, and paired chunk by chunk with the workbenc
 
 Workbench side: for each llama.cpp size, the best of the automatic plans at that size (a sensitivity
 sweep per group size and symmetry over every registered integer precision of 3 bits or more,
-``plan_for_budget`` over those and fp16, quantized with GPTQ and scale search), with its KL and standard error over chunks. Its size
+``plan_for_budget`` over those and fp16, quantized with GPTQ and scale search), with its KL and
+standard error over chunks (``--target NAME``: only the precisions that target carries). Its size
 counts every stored code, scale and zero point (``lm.size_bytes``: norms at fp16).
 
-Without llama.cpp the sizes of the issue's table are used (``--sizes``) and llama.cpp's absence is
+Without llama.cpp the k-quant sizes measured on the demo model are used (``--sizes``) and its absence is
 printed. Times and peaks are not this bench's concern (``bench/quantize.py``).
 """
 from __future__ import annotations
@@ -173,18 +174,21 @@ def llamacpp_rows(llama: LlamaCpp, lm, baseline, text: Path, ctx: int, types, th
     return rows, info
 
 
-def best_plans(lm, baseline, sizes, *, configs, calibration, workspace, sweep_tokens: int,
+def best_plans(lm, baseline, sizes, *, configs, calibration, workspace, sweep_tokens: int, target: str | None = None,
                log=print) -> list[dict]:
-    """For each size, the automatic plan (GPTQ, scale search) with the least measured KL among ``configs``."""
+    """For each size, the automatic plan (GPTQ, scale search) with the least measured KL among ``configs``;
+    with ``target``, among the precisions that target carries (what it can ship)."""
     from workbench.autoplan import plan_for_budget
     from workbench.errors import PlanError
     from workbench.plan import PRECISIONS
     from workbench.quantize import measure_cost, quantize_model
     from workbench.sensitivity import run_sensitivity, sweep_precisions
+    from workbench.targets import get_target
     sweeps = {}
     for gs, sym in configs:
         t0 = time.perf_counter()
-        integers = [p for p in sweep_precisions(sym) if PRECISIONS[p].bits >= 3]  # int2 never pays here
+        integers = [p for p in sweep_precisions(sym) if PRECISIONS[p].bits >= 3  # int2 never pays here
+                    and (target is None or get_target(target).carries(PRECISIONS[p]))]
         sweeps[gs, sym] = run_sensitivity(lm, tokens=sweep_tokens, precisions=integers, group_size=gs, symmetric=sym,
                                           workspace=workspace, progress=False)
         log(f"  sweep g{gs} {'sym' if sym else 'asym'} over {'/'.join(integers)}: {time.perf_counter() - t0:.1f} s")
@@ -193,7 +197,8 @@ def best_plans(lm, baseline, sizes, *, configs, calibration, workspace, sweep_to
         found = None
         for (gs, sym), sens in sweeps.items():
             try:
-                pred = plan_for_budget(lm, sens, bits_per_weight=size)  # fp16 and every precision swept
+                pred = plan_for_budget(lm, sens, bits_per_weight=size,  # fp16 and every precision swept
+                                       targets=[target] if target else ())
             except PlanError:
                 continue  # this group size's scales alone do not fit the size
             plan = dataclasses.replace(pred.plan, method="gptq", scale_search=True)
@@ -228,6 +233,8 @@ def main() -> None:
     ap.add_argument("--sweep-tokens", type=int, default=2048)
     ap.add_argument("--samples", type=int, default=128, help="GPTQ calibration samples")
     ap.add_argument("--seq-len", type=int, default=512, help="GPTQ calibration sample length")
+    ap.add_argument("--target", help="plan only with the precisions this target carries (e.g. ort-int4: what it "
+                    "ships), not every precision the simulation has")
     ap.add_argument("--no-readback", action="store_true", help="skip reading the GGUF weights back")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--json", action="store_true")
@@ -251,6 +258,7 @@ def main() -> None:
     log(f"model {lm.path.name}: {lm.parameters:,} weights; held-out text {len(ids):,} tokens, {ref.windows} chunks "
         f"of {args.ctx}, {ref.tokens:,} scored; float perplexity {ref.perplexity:.3f}")
     out = {"model": str(lm.path), "parameters": lm.parameters, "ctx": args.ctx, "chunks": ref.windows,
+           "target": args.target,
            "scored_tokens": ref.tokens, "perplexity": ref.perplexity}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -270,7 +278,7 @@ def main() -> None:
         t0 = time.perf_counter()
         calibration = calibrate(lm, samples=args.samples, seq_len=args.seq_len, workspace=ws, progress=False)
         best = best_plans(lm, baseline, sizes, configs=configs, calibration=calibration, workspace=ws,
-                          sweep_tokens=args.sweep_tokens, log=log)
+                          sweep_tokens=args.sweep_tokens, target=args.target, log=log)
         out["workbench_seconds"] = time.perf_counter() - t0
     by_size = {b["size"]: b for b in best}
     rows = []
@@ -320,8 +328,11 @@ def main() -> None:
         wb = row["workbench"]
         if wb.get("config"):
             mix = ", ".join(f"{n} {p}" for p, n in sorted(wb["mix"].items()))
-            print(f"  {row['bits']:.2f} bpw ({wb['config']}): {mix} layers, embedding {wb['embedding']}; perplexity {wb['perplexity']:.3f}, "
-                  f"top-1 {wb['top1']:.4f}")
+            print(f"  {row['bits']:.2f} bpw ({wb['config']}): {mix} layers, embedding {wb['embedding']}; "
+                  f"perplexity {wb['perplexity']:.3f}, top-1 {wb['top1']:.4f}")
+    kinds = f"those {args.target} carries" if args.target else \
+        "every registered one (some run only in the simulation: see the README)"
+    print(f"precisions: {kinds}")
     print(f"workbench side: {out['workbench_seconds']:.0f} s (calibration, sweeps, {len(configs)} plans per size)")
 
 

@@ -27,7 +27,8 @@ from torch import nn
 from .errors import DataError
 from .logits import final_hidden, head_logits
 
-__all__ = ["Window", "strided_windows", "llamacpp_windows", "eval_windows", "SCHEMES", "encode_text", "EvalReport", "ReferenceOutputs", "capture_reference",
+__all__ = ["Window", "strided_windows", "llamacpp_windows", "eval_windows", "SCHEMES", "encode_text", "EvalReport",
+           "ReferenceOutputs", "capture_reference",
            "evaluate", "paired_difference", "DEFAULT_CTX", "default_token_budget", "reference_report",
            "EVAL_BUDGET"]
 

@@ -397,7 +397,8 @@ def quantize_model(lm, plan: QuantPlan, *, calibration=None, method: str | None 
 
         def folded(block: str) -> dict[str, torch.Tensor]:  # AWQ's scales, folded as the block is reached
             return fold_awq_scales(model, {"groups": unfolded.get(block, [])}) if unfolded else {}
-        settings = {"tokens": gptq_tokens or default_gptq_tokens(model), "act_order": act_order, "checkpoint_version": 1,
+        settings = {"tokens": gptq_tokens or default_gptq_tokens(model), "act_order": act_order,
+                    "checkpoint_version": 1,
                     "scale_search": plan.scale_search, "scale_bits": dict(sorted(scale_bits.items()))}
         checkpoint = _gptq_checkpoint(workspace, model, samples, spec, settings,
                                       awq_search if method == "awq+gptq" else None)
