@@ -96,3 +96,16 @@ def demo_run(tmp_path_factory):
     assert app.project_panel.run() is not None, app.project_panel.error
     assert app.download() is not None, app.error
     return root, app
+
+
+CHROMIUM = os.environ.get("WORKBENCH_CHROMIUM", "/usr/bin/chromium")
+
+
+def browser_skips(playwright_found: bool) -> list:
+    """The skip marks of a browser test: each missing piece named, with how to install it."""
+    return [
+        pytest.mark.skipif(not playwright_found, reason="the browser test needs the playwright package: "
+                           ".venv/bin/pip install -c constraints.txt -r requirements.txt"),
+        pytest.mark.skipif(not Path(CHROMIUM).is_file(), reason=f"the browser test needs Chromium at {CHROMIUM}: "
+                           "apt-get install -y chromium (as root; .ci/run does this), or set WORKBENCH_CHROMIUM"),
+    ]

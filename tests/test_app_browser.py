@@ -25,10 +25,9 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import stop_process
+from conftest import CHROMIUM, browser_skips, stop_process
 
 ROOT = Path(__file__).resolve().parents[1]
-CHROMIUM = os.environ.get("WORKBENCH_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                   "--disable-component-update", "--disable-sync", "--no-first-run"]
 ARTIFACTS = Path(os.environ.get("WORKBENCH_TEST_ARTIFACTS", ROOT / "tests" / "artifacts"))
@@ -40,12 +39,7 @@ try:
 except ImportError:  # the skip below says how to install it
     sync_playwright = None
 
-pytestmark = [
-    pytest.mark.skipif(sync_playwright is None, reason="the browser test needs the playwright package: "
-                       ".venv/bin/pip install -c constraints.txt -r requirements.txt"),
-    pytest.mark.skipif(not Path(CHROMIUM).is_file(), reason=f"the browser test needs Chromium at {CHROMIUM}: "
-                       "apt-get install -y chromium (as root; .ci/run does this), or set WORKBENCH_CHROMIUM"),
-]
+pytestmark = browser_skips(sync_playwright is not None)
 
 
 def _free_port() -> int:

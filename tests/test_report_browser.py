@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from conftest import CHROMIUM, browser_skips
 from workbench.report import build_report
 
 ROOT = Path(__file__).resolve().parents[1]
-CHROMIUM = os.environ.get("WORKBENCH_CHROMIUM", "/usr/bin/chromium")
 ARTIFACTS = Path(os.environ.get("WORKBENCH_TEST_ARTIFACTS", ROOT / "tests" / "artifacts"))
 # no DNS and no proxy: a page that tried to load anything from the network would fail to
 OFFLINE_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -28,12 +28,7 @@ try:
 except ImportError:
     sync_playwright = None
 
-pytestmark = [
-    pytest.mark.skipif(sync_playwright is None, reason="the browser test needs the playwright package: "
-                       ".venv/bin/pip install -c constraints.txt -r requirements.txt"),
-    pytest.mark.skipif(not Path(CHROMIUM).is_file(), reason=f"the browser test needs Chromium at {CHROMIUM}: "
-                       "apt-get install -y chromium (as root; .ci/run does this), or set WORKBENCH_CHROMIUM"),
-]
+pytestmark = browser_skips(sync_playwright is not None)
 
 
 def test_every_chart_draws_offline(demo_run):
