@@ -21,6 +21,7 @@ resident memory (the child's ru_maxrss from os.wait4) are its own:
     plan          workbench plan MODEL --bits-per-weight 6 --out ...        (automatic plan, measured)
     export        workbench export MODEL --out ...                           (ONNX prefill/decode + checks)
     convert       workbench convert RTN-OUT --target ort-int4 --out ...      (float MODEL --bits 4 without it)
+    convert-genai the same with --target ort-genai (the fused graph onnxruntime-genai runs)
 
 All steps of one shape share a fresh workspace (WORKBENCH_WORKSPACE) unless --workspace names
 one, so a step pays for what it computes, and reads back only what an earlier step of the same
@@ -59,19 +60,19 @@ from shapes import SHAPES  # noqa: E402  (no torch import: build_shape imports i
 
 SCALE_SHAPES = ("qwen2.5-0.5b", "qwen2.5-1.5b", "qwen3-4b")
 STEPS = ("info", "calibrate", "quantize-rtn", "quantize-awq", "quantize-gptq", "eval", "sensitivity", "plan", "export",
-         "convert")
+         "convert", "convert-genai")
 ALIASES = {"load": ("info",), "quantize": ("quantize-rtn", "quantize-awq", "quantize-gptq"), "rtn": ("quantize-rtn",),
            "awq": ("quantize-awq",), "gptq": ("quantize-gptq",), "evaluate": ("eval",), "convert-ort-int4": ("convert",)}
 NEEDS = {"quantize-awq": "calibrate", "quantize-gptq": "calibrate", "plan": "sensitivity"}  # skipped when it failed
 COMMAND = {"quantize-rtn": "quantize", "quantize-awq": "quantize", "quantize-gptq": "quantize"}  # step -> subcommand
-OUTPUTS = ("rtn-int4", "awq-int4", "gptq-int4", "plan.json", "onnx", "ort-int4")  # removed unless --keep-outputs
+OUTPUTS = ("rtn-int4", "awq-int4", "gptq-int4", "plan.json", "onnx", "ort-int4", "ort-genai")  # removed unless --keep-outputs
 GB = 1024.0  # MiB per GiB
 
 # (seconds, peak GiB) limits, None = no limit; a target always requires the step to complete.
 _ALL_9GB = {step: (None, 9.0) for step in STEPS}
 TARGETS: dict[str, dict[str, tuple[float | None, float | None]]] = {
     "qwen2.5-0.5b": {"quantize-rtn": (180.0, 4.0), "quantize-awq": (900.0, 5.0), "sensitivity+plan": (900.0, None),
-                     "convert": (120.0, 4.0)},
+                     "convert": (120.0, 4.0), "convert-genai": (120.0, 4.0)},
     "qwen2.5-1.5b": _ALL_9GB,
     "qwen3-4b": {"quantize-rtn": (None, 20.0), "convert": (None, 20.0)},
 }
@@ -201,6 +202,7 @@ def detail(step: str, out: dict) -> str:
         "plan": [num("bits_per_weight", "{:.2f} bits/weight"), num("eval_tokens", "{:,} tokens")],
         "export": [num("export_seconds", "export {:.1f} s"), num("check_seconds", "checks {:.1f} s")],
         "convert": [num("top1_agreement_vs_simulation", "top-1 vs sim {:.4f}")],
+        "convert-genai": [num("top1_agreement_vs_simulation", "top-1 vs sim {:.4f}")],
     }.get(step, [])
     return ", ".join(p for p in picks if p)
 
@@ -299,13 +301,14 @@ def step_command(step: str, model: Path, shape_dir: Path, args, rows: dict[str, 
                 "--json"], ""
     if step == "export":
         return ["export", m, "--out", str(shape_dir / "onnx"), "--json"], ""
-    if step == "convert":
+    if step in ("convert", "convert-genai"):
+        target = "ort-int4" if step == "convert" else "ort-genai"
         rtn = shape_dir / "rtn-int4"
         if (rtn / "quantization.json").is_file():
-            return ["convert", str(rtn), "--target", "ort-int4", "--out", str(shape_dir / "ort-int4"), "--json"], \
+            return ["convert", str(rtn), "--target", target, "--out", str(shape_dir / target), "--json"], \
                 "from quantize-rtn's output"
         why = "quantize-rtn not run" if "quantize-rtn" not in rows else "quantize-rtn saved nothing"
-        return ["convert", m, "--bits", "4", "--target", "ort-int4", "--out", str(shape_dir / "ort-int4"),
+        return ["convert", m, "--bits", "4", "--target", target, "--out", str(shape_dir / target),
                 "--json"], f"from the float model --bits 4 ({why})"
     raise ValueError(step)
 
