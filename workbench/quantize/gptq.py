@@ -245,7 +245,7 @@ def search_gptq(model: nn.Module, samples: list[torch.Tensor], spec: dict[str, t
                 _forward_block(blk, units, chunks)
             del deq
         if checkpoint is not None and i + 1 < len(blocks):
-            _save_checkpoint(checkpoint, weights, i + 1, len(blocks), tokens)
+            _save_checkpoint(checkpoint, weights, names, i + 1, len(blocks), tokens)
         release_freed_memory()
     return {"method": "gptq", "weights": weights, "tokens": tokens, "damp": damp, "act_order": act_order,
             "scale_search": scale_search, "seconds": time.perf_counter() - t0, "resumed_after_block": done}
@@ -263,30 +263,38 @@ def _forward_block(blk: nn.Module, units, chunks) -> None:
 _PARTS = ("qweight", "scales", "zeros", "sub_scales", "channel_scales")
 
 
-def _save_checkpoint(directory, weights: dict[str, QuantizedWeight], blocks_done: int, blocks: int,
-                     tokens: int) -> None:
-    """The codes of the first ``blocks_done`` blocks, staged and swapped in whole (a kill mid-write keeps the last)."""
-    import shutil
+def _save_checkpoint(directory, weights: dict[str, QuantizedWeight], names: list[str], blocks_done: int,
+                     blocks: int, tokens: int) -> None:
+    """Block ``blocks_done - 1``'s codes (``names``) in a file of their own, then the progress that counts it.
+
+    Each block is written once (not everything so far again), each file atomically, and the progress
+    file last, so a kill at any point leaves the blocks it names whole on disk.
+    """
+    import json
+    import os
     from pathlib import Path
 
     from safetensors.torch import save_file
 
-    from ..workspace import atomic_write_json, swap_into_place
+    from ..workspace import atomic_write_json
     d = Path(directory)
-    staged = d.with_name(d.name + ".writing")
-    shutil.rmtree(staged, ignore_errors=True)
-    staged.mkdir(parents=True)
+    d.mkdir(parents=True, exist_ok=True)
     tensors, layers = {}, {}
-    for name, qw in weights.items():
+    for name in names:
+        qw = weights[name]
         for part in _PARTS:
             t = getattr(qw, part)
             if t is not None:
                 tensors[f"{name}/{part}"] = t.contiguous().cpu()
         layers[name] = {"bits": qw.bits, "group_size": qw.group_size, "scale_bits": qw.scale_bits}
-    save_file(tensors, str(staged / "codes.safetensors"))
-    atomic_write_json(staged / "progress.json", {"blocks_done": blocks_done, "blocks": blocks, "tokens": tokens,
-                                                 "layers": layers})
-    swap_into_place(staged, d)
+    block = d / f"block-{blocks_done - 1}.safetensors"
+    save_file(tensors, str(block) + ".writing")
+    os.replace(str(block) + ".writing", block)
+    progress = d / "progress.json"
+    earlier = progress.is_file() and blocks_done > 1
+    done = json.loads(progress.read_text(encoding="utf-8")) if earlier else {"layers": {}}
+    atomic_write_json(progress, {"blocks_done": blocks_done, "blocks": blocks, "tokens": tokens,
+                                 "layers": {**done["layers"], **layers}})
 
 
 def _load_checkpoint(directory, weights: dict[str, QuantizedWeight], blocks: int, tokens: int) -> int:
@@ -302,7 +310,9 @@ def _load_checkpoint(directory, weights: dict[str, QuantizedWeight], blocks: int
         progress = json.loads((d / "progress.json").read_text(encoding="utf-8"))
         if progress["blocks"] != blocks or progress["tokens"] != tokens:
             return 0
-        tensors = load_file(str(d / "codes.safetensors"))
+        tensors = {}
+        for i in range(int(progress["blocks_done"])):
+            tensors.update(load_file(str(d / f"block-{i}.safetensors")))
         for name, meta in progress["layers"].items():
             parts = {part: tensors.get(f"{name}/{part}") for part in _PARTS}
             weights[name] = QuantizedWeight(**parts, bits=meta["bits"], group_size=meta["group_size"],
