@@ -280,25 +280,16 @@ def main() -> None:
         best = best_plans(lm, baseline, sizes, configs=configs, calibration=calibration, workspace=ws,
                           sweep_tokens=args.sweep_tokens, target=args.target, log=log)
         out["workbench_seconds"] = time.perf_counter() - t0
-    by_size = {b["size"]: b for b in best}
     rows = []
-    for size in sizes:
-        row = {"bits": size, "workbench": by_size[size]}
-        for r in lrows:
-            if round(r["bits"], 4) == size:
-                row.setdefault("llama_cpp", []).append(r)
-        rows.append(row)
-    for row in rows:
-        wb = row["workbench"]
-        for r in row.get("llama_cpp", []):
-            if "report" in r and "report" in wb:
-                d = paired_difference(wb["report"], r["report"], "kl")
+    for size, wb in zip(sizes, best):  # the reports pair chunk by chunk, then leave the printable rows
+        ours, theirs = wb.pop("report", None), [r for r in lrows if round(r["bits"], 4) == size]
+        for r in theirs:
+            report = r.pop("report", None)
+            if ours is not None and report is not None:
+                d = paired_difference(ours, report, "kl")
                 r["paired_kl_difference"], r["paired_kl_difference_se"] = d["mean"], d["stderr"]
-    out["rows"] = json.loads(json.dumps(rows, default=lambda o: None))
-    for row in out["rows"]:
-        row["workbench"].pop("report", None)
-        for r in row.get("llama_cpp", []):
-            r.pop("report", None)
+        rows.append({"bits": size, "workbench": wb, **({"llama_cpp": theirs} if theirs else {})})
+    out["rows"] = rows
     if args.json:
         print(json.dumps(out, indent=1))
         return

@@ -267,8 +267,9 @@ def _save_checkpoint(directory, weights: dict[str, QuantizedWeight], names: list
                      blocks: int, tokens: int) -> None:
     """Block ``blocks_done - 1``'s codes (``names``) in a file of their own, then the progress that counts it.
 
-    Each block is written once (not everything so far again), each file atomically, and the progress
-    file last, so a kill at any point leaves the blocks it names whole on disk.
+    Each block is written once (not everything so far again), with its layers' widths in the file's own
+    metadata, each file atomically and the progress file last, so a kill at any point leaves the blocks
+    it names whole on disk.
     """
     import json
     import os
@@ -288,13 +289,9 @@ def _save_checkpoint(directory, weights: dict[str, QuantizedWeight], names: list
                 tensors[f"{name}/{part}"] = t.contiguous().cpu()
         layers[name] = {"bits": qw.bits, "group_size": qw.group_size, "scale_bits": qw.scale_bits}
     block = d / f"block-{blocks_done - 1}.safetensors"
-    save_file(tensors, str(block) + ".writing")
+    save_file(tensors, str(block) + ".writing", metadata={"layers": json.dumps(layers)})
     os.replace(str(block) + ".writing", block)
-    progress = d / "progress.json"
-    earlier = progress.is_file() and blocks_done > 1
-    done = json.loads(progress.read_text(encoding="utf-8")) if earlier else {"layers": {}}
-    atomic_write_json(progress, {"blocks_done": blocks_done, "blocks": blocks, "tokens": tokens,
-                                 "layers": {**done["layers"], **layers}})
+    atomic_write_json(d / "progress.json", {"blocks_done": blocks_done, "blocks": blocks, "tokens": tokens})
 
 
 def _load_checkpoint(directory, weights: dict[str, QuantizedWeight], blocks: int, tokens: int) -> int:
@@ -302,7 +299,7 @@ def _load_checkpoint(directory, weights: dict[str, QuantizedWeight], blocks: int
     import json
     from pathlib import Path
 
-    from safetensors.torch import load_file
+    from safetensors import safe_open
     d = Path(directory)
     if not (d / "progress.json").is_file():
         return 0
@@ -310,13 +307,14 @@ def _load_checkpoint(directory, weights: dict[str, QuantizedWeight], blocks: int
         progress = json.loads((d / "progress.json").read_text(encoding="utf-8"))
         if progress["blocks"] != blocks or progress["tokens"] != tokens:
             return 0
-        tensors = {}
         for i in range(int(progress["blocks_done"])):
-            tensors.update(load_file(str(d / f"block-{i}.safetensors")))
-        for name, meta in progress["layers"].items():
-            parts = {part: tensors.get(f"{name}/{part}") for part in _PARTS}
-            weights[name] = QuantizedWeight(**parts, bits=meta["bits"], group_size=meta["group_size"],
-                                            scale_bits=meta["scale_bits"])
+            with safe_open(str(d / f"block-{i}.safetensors"), framework="pt") as f:
+                stored = set(f.keys())
+                for name, meta in json.loads(f.metadata()["layers"]).items():
+                    parts = {part: f.get_tensor(f"{name}/{part}") if f"{name}/{part}" in stored else None
+                             for part in _PARTS}
+                    weights[name] = QuantizedWeight(**parts, bits=meta["bits"], group_size=meta["group_size"],
+                                                    scale_bits=meta["scale_bits"])
         return int(progress["blocks_done"])
     except Exception:  # noqa: BLE001 - a damaged checkpoint only costs the blocks it held: start over
         weights.clear()
