@@ -231,6 +231,15 @@ def test_whole_flow_in_headless_chromium(served_app, tmp_path):
             w.wait_text(re.compile(r"\d plan\(s\) on 4 device\(s\)"))
             body = w.done("project")
             assert "Snapdragon 8 Gen 3" in body and "layers the NPU cannot run" in body and w.visible_charts() >= 2
+            # Compress: importance per head and channel, then a pruned model measured beside the plans
+            w.tab("Compress")
+            w.button("Score").click()
+            w.wait_text(re.compile(r"scored [\d,]+ tokens"))
+            w.button("Prune").click()
+            w.wait_text(re.compile(r"heads \d+ -> \d+"))
+            body = w.done("compress")
+            assert "parameters" in body and w.visible_charts() >= 2
+
             w.tab("Precisions")
             page.screenshot(path=str(ARTIFACTS / "app.png"),  # the README's picture of the app
                             clip={"x": 0, "y": 0, "width": 1300, "height": 1000})
