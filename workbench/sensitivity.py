@@ -140,7 +140,7 @@ class LayerVariants:
         return plan.quantizer_settings == self.settings.quantizer_settings
 
     def describe(self) -> str:
-        return ", ".join(f"{k}={v}" for k, v in self.settings.quantizer_settings.items())
+        return _settings_text(self.settings)
 
     @classmethod
     def from_quantized(cls, lm: LoadedModel, *quantized) -> "LayerVariants":
@@ -259,6 +259,11 @@ class LayerVariants:
 
     def clear(self) -> None:
         self._cache.clear()
+
+
+def _settings_text(plan: QuantPlan) -> str:
+    """``group_size=128, symmetric=True, scale_search=True``: a plan's rounding settings, for messages."""
+    return ", ".join(f"{k}={v}" for k, v in plan.quantizer_settings.items())
 
 
 def _code_bytes(qw) -> int:
@@ -424,9 +429,8 @@ class PlanEvaluator:
         evaluated here are replayed from that evaluation, so changing one layer re-runs only the
         blocks from that layer on."""
         if not self.variants.matches(plan):
-            asked = ", ".join(f"{k}={v}" for k, v in plan.quantizer_settings.items())
             raise PlanError(f"this evaluator caches weights made with {self.variants.describe()}; the plan asks for "
-                            f"{asked}: make a new evaluator for it (LayerVariants.for_plan)")
+                            f"{_settings_text(plan)}: make a new evaluator for it (LayerVariants.for_plan)")
         assignments = self.variants.assignments(plan)
         replay = self._plan_replay
         start = 0

@@ -71,7 +71,7 @@ class LayerQuantizer:
                                scale_bits=self.scale_bits)
 
 
-def layer_quantizer(plan: QuantPlan, precision, shape: tuple[int, int], *, name: str = "layer",
+def layer_quantizer(plan: QuantPlan, precision, shape: tuple[int, int], *, name: str | None = None,
                     strict: bool = False) -> LayerQuantizer | None:
     """The quantizer ``plan`` gives a layer of ``shape`` at ``precision`` (None for float precisions and None).
 
@@ -81,16 +81,17 @@ def layer_quantizer(plan: QuantPlan, precision, shape: tuple[int, int], *, name:
     prec = get_precision(precision)
     if prec is None or prec.is_float:
         return None
+    where = f"layer '{name}': " if name else ""
     if prec.bits not in SUPPORTED_BITS:
-        raise PlanError(f"layer '{name}': {prec.name} ({prec.bits}-bit) weights are not supported; "
+        raise PlanError(f"{where}{prec.name} ({prec.bits}-bit) weights are not supported; "
                         f"weight quantization supports {', '.join(f'int{b}' for b in SUPPORTED_BITS)}")
     if prec.two_level and not plan.symmetric:
-        raise PlanError(f"layer '{name}': {prec.name} has two-level scales, which are symmetric; plan "
+        raise PlanError(f"{where}{prec.name} has two-level scales, which are symmetric; plan "
                         "with symmetric=true (drop --asymmetric) or give the layer a precision with float16 "
                         "scales")
     gs, note = resolve_group_size(shape[1], plan.group_size)
     if note and strict:
-        raise PlanError(f"layer '{name}': {note} (strict mode); choose a group size that divides "
+        raise PlanError(f"{where}{note} (strict mode); choose a group size that divides "
                         f"{shape[1]} or drop --strict to allow the fallback")
     return LayerQuantizer(prec.bits, gs, plan.symmetric, prec.scale_bits, plan.scale_search, note)
 
