@@ -116,8 +116,19 @@ def run_formats(args) -> None:
               flush=True)
 
 
-SEARCH_CONFIGS = [("int4", 128, True), ("int4", 32, False), ("int8", 128, True), ("int4-lpbq", 128, True)]
+SEARCH_CONFIGS = "int4:128:sym,int4:32:asym,int8:128:sym,int4-lpbq:128:sym"
 SEARCH_METHODS = ("rtn", "awq", "gptq")
+
+
+def _search_configs(text: str) -> list[tuple[str, int | None, bool]]:
+    """``precision:group:sym|asym`` items, comma-separated (group 0: per-channel)."""
+    out = []
+    for item in text.split(","):
+        precision, group, sym = item.split(":")
+        if sym not in ("sym", "asym"):
+            sys.exit(f"--configs item '{item}': the third part is sym or asym")
+        out.append((precision, int(group) or None, sym == "sym"))
+    return out
 
 
 def run_scale_search(args) -> None:
@@ -138,11 +149,11 @@ def run_scale_search(args) -> None:
           f"windows of {baseline.report.ctx}; AWQ and GPTQ on {args.samples} x {args.seq_len} calibration tokens; "
           f"embeddings and lm_head fp16\n")
     head = (f"{'precision':<11}{'group':>6}{'sym':>5}{'method':>7}{'KL min/max':>20}{'KL searched':>20}"
-            f"{'searched - min/max':>24}{'s off':>7}{'s on':>7}  helps")
+            f"{'searched - min/max':>22}{'change':>8}{'s off':>7}{'s on':>7}  helps")
     print(head)
     print("-" * len(head))
-    for precision, group, symmetric in SEARCH_CONFIGS:
-        for method in SEARCH_METHODS:
+    for precision, group, symmetric in _search_configs(args.configs):
+        for method in args.methods.split(","):
             calib = calibration if method in CALIBRATED_METHODS else None
             costs, seconds, awq = [], [], None
             for search in (False, True):
@@ -154,10 +165,12 @@ def run_scale_search(args) -> None:
                 awq = qm.awq  # the AWQ search does not depend on the scale search: run once, used twice
                 costs.append(measure_cost(qm, baseline, progress=False))
             d = paired_difference(costs[1].report, costs[0].report, "kl")
-            kl = [f"{c.kl_divergence:.5f}±{c.kl_divergence_stderr:.5f}" for c in costs]
+            kl = [f"{c.kl_divergence:.3e}±{c.kl_divergence_stderr:.1e}" for c in costs]
             verdict = "yes" if d["mean"] + 2 * d["stderr"] < 0 else ("no" if d["mean"] > 2 * d["stderr"] else "~")
-            print(f"{precision:<11}{group:>6}{'yes' if symmetric else 'no':>5}{method:>7}{kl[0]:>20}{kl[1]:>20}"
-                  f"{d['mean']:>+14.6f}±{d['stderr']:.6f}{seconds[0]:>7.1f}{seconds[1]:>7.1f}  {verdict}", flush=True)
+            change = d["mean"] / costs[0].kl_divergence if costs[0].kl_divergence else 0.0
+            print(f"{precision:<11}{group or 'chan':>6}{'yes' if symmetric else 'no':>5}{method:>7}{kl[0]:>20}"
+                  f"{kl[1]:>20}{d['mean']:>+14.2e}±{d['stderr']:.1e}{change:>+8.1%}{seconds[0]:>7.1f}{seconds[1]:>7.1f}"
+                  f"  {verdict}", flush=True)
     print("\nhelps: yes = searched lower by more than 2 standard errors of the paired difference, no = higher by "
           "more than 2, ~ = within the noise; s off / s on: quantization seconds (AWQ's search counted in 'off')")
 
@@ -174,7 +187,10 @@ def main() -> None:
     ap.add_argument("--formats", action="store_true", help="quality per stored bit: float16 against two-level "
                     "scales at groups 32/64/128 (RTN, RTN + scale search, GPTQ), and every registered width")
     ap.add_argument("--scale-search", action="store_true", help="KL without and with the scale search, for RTN, AWQ "
-                    "and GPTQ at int4 g128, int4 g32 asymmetric, int8 g128 and int4-lpbq g128")
+                    "and GPTQ (--methods) at int4 g128, int4 g32 asymmetric, int8 g128 and int4-lpbq g128 (--configs)")
+    ap.add_argument("--configs", default=SEARCH_CONFIGS, help="--scale-search: precision:group:sym|asym items, "
+                    f"comma-separated (default {SEARCH_CONFIGS})")
+    ap.add_argument("--methods", default=",".join(SEARCH_METHODS), help="--scale-search: methods, comma-separated")
     ap.add_argument("--eval-tokens", type=int, default=0, help="--formats, --scale-search: held-out tokens to measure "
                     "on (0: all)")
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)

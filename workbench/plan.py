@@ -29,8 +29,9 @@ __all__ = [
 PLAN_VERSION = 1
 DEFAULT_GROUP_SIZE = 128  # what AWQ, GPTQ and practitioners use; smaller = more scales, bigger file
 SCALE_BYTES = 2  # one fp16 scale per group (per output channel when per-channel)
-# new plans search each group's range (measured to lower KL for RTN, AWQ and GPTQ on the demo model: README,
-# "Scale search"); a plan file without the field was saved before it existed, or with it off, and means off
+# new plans search each group's range (measured to lower KL for RTN, AWQ and GPTQ on the demo model, all but GPTQ at
+# asymmetric int4 g32: README, "Scale search"); a plan file without the field was saved before it existed, or with
+# it off, and means off
 DEFAULT_SCALE_SEARCH = True
 # the plan fields besides precision and method that decide how a layer is rounded: equal settings, equal codes
 QUANTIZER_SETTINGS = ("group_size", "symmetric", "scale_search")
