@@ -2,6 +2,7 @@
 
     python bench/quantize.py [--model demo] [--group-size 128] [--samples 128] [--seq-len 512] [--threads N]
     python bench/quantize.py --formats [--model demo] [--samples 128] [--seq-len 512] [--eval-tokens N]
+    python bench/quantize.py --scale-search [--model demo] [--samples 128] [--seq-len 512] [--eval-tokens N]
 
 Calibration statistics are computed first (timed apart). Each method (INT8 RTN, INT4 RTN, INT4
 AWQ, INT4 GPTQ) then runs in its own subprocess, so its wall time (after a warm-up run) and peak resident
@@ -17,6 +18,11 @@ with the scale search and GPTQ, then every other registered width (int2 ... int8
 group 32 by RTN. Each row: KL, top-1 and perplexity on the held-out text, the model's bits per
 weight (the one definition: embeddings included, fp16 here) and the bits per weight of the
 integer layers alone, from their stored bytes.
+
+``--scale-search`` measures what the plan's scale search (``QuantPlan.scale_search``) does, for
+RTN, AWQ and GPTQ at INT4 g128, INT4 g32 asymmetric, INT8 g128 and int4-lpbq g128: KL without and
+with it on the same windows, and the paired difference with its standard error (AWQ reuses one
+search for both; its clipped layers keep their clips, so the search reaches only q_proj and k_proj).
 """
 from __future__ import annotations
 
@@ -110,6 +116,65 @@ def run_formats(args) -> None:
               flush=True)
 
 
+SEARCH_CONFIGS = "int4:128:sym,int4:32:asym,int8:128:sym,int4-lpbq:128:sym"
+SEARCH_METHODS = ("rtn", "awq", "gptq")
+
+
+def _search_configs(text: str) -> list[tuple[str, int | None, bool]]:
+    """``precision:group:sym|asym`` items, comma-separated (group 0: per-channel)."""
+    out = []
+    for item in text.split(","):
+        precision, group, sym = item.split(":")
+        if sym not in ("sym", "asym"):
+            sys.exit(f"--configs item '{item}': the third part is sym or asym")
+        out.append((precision, int(group) or None, sym == "sym"))
+    return out
+
+
+def run_scale_search(args) -> None:
+    """KL without and with the scale search, per method and precision (see the docstring)."""
+    from workbench.calibrate import calibrate
+    from workbench.evaluate import paired_difference
+    from workbench.models import load_model
+    from workbench.plan import QuantPlan
+    from workbench.quantize import CALIBRATED_METHODS, heldout_ids, measure_cost, measure_reference, quantize_model
+    from workbench.workspace import Workspace
+    lm = load_model(args.model, dtype="float32")
+    ids = heldout_ids(lm, max_tokens=args.eval_tokens or None, ctx=args.ctx)
+    baseline = measure_reference(lm.model, ids, ctx=args.ctx, progress=False)
+    with tempfile.TemporaryDirectory() as tmp:
+        calibration = calibrate(lm, samples=args.samples, seq_len=args.seq_len, workspace=Workspace(tmp),
+                                progress=False)
+    print(f"model {args.model}; held-out text: {baseline.report.tokens:,} scored tokens in {baseline.report.windows} "
+          f"windows of {baseline.report.ctx}; AWQ and GPTQ on {args.samples} x {args.seq_len} calibration tokens; "
+          f"embeddings and lm_head fp16\n")
+    head = (f"{'precision':<11}{'group':>6}{'sym':>5}{'method':>7}{'KL min/max':>20}{'KL searched':>20}"
+            f"{'searched - min/max':>22}{'change':>8}{'s off':>7}{'s on':>7}  helps")
+    print(head)
+    print("-" * len(head))
+    for precision, group, symmetric in _search_configs(args.configs):
+        for method in args.methods.split(","):
+            calib = calibration if method in CALIBRATED_METHODS else None
+            costs, seconds, awq = [], [], None
+            for search in (False, True):
+                plan = QuantPlan.uniform(precision, group_size=group, symmetric=symmetric, method=method,
+                                         scale_search=search)
+                t0 = time.perf_counter()
+                qm = quantize_model(lm, plan, calibration=calib, awq_search=awq, progress=False)
+                seconds.append(time.perf_counter() - t0)
+                awq = qm.awq  # the AWQ search does not depend on the scale search: run once, used twice
+                costs.append(measure_cost(qm, baseline, progress=False))
+            d = paired_difference(costs[1].report, costs[0].report, "kl")
+            kl = [f"{c.kl_divergence:.3e}±{c.kl_divergence_stderr:.1e}" for c in costs]
+            verdict = "yes" if d["mean"] + 2 * d["stderr"] < 0 else ("no" if d["mean"] > 2 * d["stderr"] else "~")
+            change = d["mean"] / costs[0].kl_divergence if costs[0].kl_divergence else 0.0
+            print(f"{precision:<11}{group or 'chan':>6}{'yes' if symmetric else 'no':>5}{method:>7}{kl[0]:>20}"
+                  f"{kl[1]:>20}{d['mean']:>+14.2e}±{d['stderr']:.1e}{change:>+8.1%}{seconds[0]:>7.1f}{seconds[1]:>7.1f}"
+                  f"  {verdict}", flush=True)
+    print("\nhelps: yes = searched lower by more than 2 standard errors of the paired difference, no = higher by "
+          "more than 2, ~ = within the noise; s off / s on: quantization seconds (AWQ's search counted in 'off')")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="demo")
@@ -121,7 +186,13 @@ def main() -> None:
                     "CPU one thread avoids stalls at every parallel region")
     ap.add_argument("--formats", action="store_true", help="quality per stored bit: float16 against two-level "
                     "scales at groups 32/64/128 (RTN, RTN + scale search, GPTQ), and every registered width")
-    ap.add_argument("--eval-tokens", type=int, default=0, help="--formats: held-out tokens to measure on (0: all)")
+    ap.add_argument("--scale-search", action="store_true", help="KL without and with the scale search, for RTN, AWQ "
+                    "and GPTQ (--methods) at int4 g128, int4 g32 asymmetric, int8 g128 and int4-lpbq g128 (--configs)")
+    ap.add_argument("--configs", default=SEARCH_CONFIGS, help="--scale-search: precision:group:sym|asym items, "
+                    f"comma-separated (default {SEARCH_CONFIGS})")
+    ap.add_argument("--methods", default=",".join(SEARCH_METHODS), help="--scale-search: methods, comma-separated")
+    ap.add_argument("--eval-tokens", type=int, default=0, help="--formats, --scale-search: held-out tokens to measure "
+                    "on (0: all)")
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--bits", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--method", help=argparse.SUPPRESS)
@@ -134,6 +205,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     if args.formats:
         return run_formats(args)
+    if args.scale_search:
+        return run_scale_search(args)
 
     from workbench.evaluate import paired_difference
     from workbench.models import load_model

@@ -181,3 +181,21 @@ def test_auto_plan_keeps_to_what_the_named_targets_carry(lm, sens):
         assert set(auto.assignments.values()) <= allowed and auto.size_bytes <= int(1.1 * budget)
     with pytest.raises(PlanError, match="no precision among .* is carried by every one of qnn"):
         plan_for_budget(lm, sens, size_bytes=budget, choices=("int3",), targets=("qnn",))
+
+
+def test_auto_plans_round_layers_as_their_sweep_measured_them(lm, sens, evaluator):
+    """A plan made from a sweep carries the sweep's group size, symmetry and scale search, so Quantize ships
+    the layers the sweep (and refinement) measured; refinement refuses an evaluator that rounds otherwise."""
+    import dataclasses
+
+    from workbench.autoplan import refine_plan
+    assert sens.scale_search and evaluator.variants.scale_search  # the defaults, as in new plans
+    budget = int(1.1 * plan_footprint(lm, QuantPlan.uniform("int4", keep_embeddings="int4"))["size_bytes"])
+    for search in (True, False):
+        report = dataclasses.replace(sens, scale_search=search)
+        auto = plan_for_budget(lm, report, size_bytes=budget)
+        assert auto.plan.quantizer_settings == report.quantizer_settings
+        assert QuantPlan.from_json(auto.plan.to_json()).scale_search is search
+    min_max = dataclasses.replace(sens, scale_search=False)
+    with pytest.raises(PlanError, match="evaluator rounds layers with .*scale_search=True"):
+        refine_plan(lm, min_max, plan_for_budget(lm, min_max, size_bytes=budget), evaluator, trials=1)

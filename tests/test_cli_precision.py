@@ -29,6 +29,7 @@ def test_sensitivity_json_lists_every_layer_with_damage_per_precision(capsys, ti
     again = run_json(capsys, "sensitivity", tiny_model_dir, "--tokens", 256, "--workspace", ws, "--json")
     assert again["trials_run"] == 0 and again["layers"] == out["layers"]
     assert out["score"] == "kl" and out["score_reason"].startswith("auto")
+    assert out["scale_search"] is True  # the default, as in the plans Quantize runs
     assert main(["sensitivity", str(tiny_model_dir), "--tokens", "256", "--workspace", str(ws)]) == 0
     text = capsys.readouterr().out
     assert "most sensitive at int4" in text and "score: measured KL (auto:" in text
@@ -55,10 +56,12 @@ def test_plan_json_has_measured_and_predicted_figures(capsys, tiny_model_dir, ws
     plan = QuantPlan.load(out_path)
     assert plan.to_dict()["rules"] == out["plan"]["rules"]
     assert out["score"] == "kl" and plan.meta["score"] == "kl"
+    assert plan.scale_search is True and out["plan"]["scale_search"] is True  # the sweep's setting, carried
     assert main(["plan", str(tiny_model_dir), "--bits-per-weight", "14", "--out", str(out_path), "--tokens", "256",
-                 "--eval-tokens", "512", "--score", "proxy", "--workspace", str(ws)]) == 0
+                 "--eval-tokens", "512", "--score", "proxy", "--no-scale-search", "--workspace", str(ws)]) == 0
     text = capsys.readouterr().out
     assert "predicted from the sweep's estimated KL (Fisher proxy)" in text and "measured" in text
+    assert QuantPlan.load(out_path).scale_search is False
 
 
 def test_plan_refined_by_measurement_reports_both_kls(capsys, tiny_model_dir, ws, tmp_path):

@@ -70,7 +70,8 @@ def test_causal_mask_tensors_found_in_float_export(prepared, tmp_path):
 
 def test_mnn_conversion_runs_with_mnn(make_tiny_model, tmp_path):
     model_dir = make_tiny_model(hidden=128, intermediate=256, heads=4, kv_heads=2)  # one group size everywhere
-    report = convert(model_dir, "mnn", tmp_path, bits=4, **EVAL)
+    # MNN re-derives each block's scale from its range: min/max scales only (searched ones are stored in float)
+    report = convert(model_dir, "mnn", tmp_path, plan=QuantPlan.uniform("int4", scale_search=False), **EVAL)
     assert (tmp_path / "prefill.mnn").stat().st_size > 0 and (tmp_path / "decode.mnn").is_file()
     assert report.details["mnn"]["weight_bits"] == 4
     assert report.details["mnn"]["kept_float"] == ["lm_head.weight.T"]  # the plan's fp16 lm_head stays float
@@ -227,7 +228,7 @@ def test_conversion_metrics_match_a_direct_computation(prepared, tiny_model_dir,
 def test_mnn_and_qdq_read_external_data(make_tiny_model, tmp_path, monkeypatch):
     monkeypatch.setattr("workbench.graph_build.INLINE_LIMIT", 0)
     model_dir = make_tiny_model(hidden=128, intermediate=256, heads=4, kv_heads=2)
-    prep = prepare_models(model_dir, bits=4)
+    prep = prepare_models(model_dir, plan=QuantPlan.uniform("int4", scale_search=False))  # what MNN carries
     mnn = convert(model_dir, "mnn", tmp_path / "mnn", prepared=prep, **EVAL)
     assert mnn.details["mnn"]["kept_float"] == ["lm_head.weight.T"] and mnn.top1_agreement_vs_simulation >= 0.99
     qdq = convert(model_dir, "ort-qdq", tmp_path / "qdq", prepared=prep, static=(16, 32),
@@ -371,3 +372,17 @@ def test_two_level_plan_converts_to_a_qnn_bundle_with_lpbq_encodings(tiny_model_
     assert q["enc_type"] == "LPBQ" and q["per_block_int_scale"] == qw.sub_scales.reshape(-1).tolist()
     assert by_name[names["model.layers.0.mlp.down_proj"]]["dtype"] == "FLOAT"
     assert any("QDQ twin holds" in n for n in report.notes) and report.top1_agreement is not None
+
+
+
+def test_mnn_stores_searched_scales_in_float_and_requantizes_min_max_ones(make_tiny_model):
+    """MNN re-quantizes from each block's range, which a searched scale is not: those weights go as float32
+    (exactly the simulation's); min/max plans keep MNN's integer weights (reproduced, test above)."""
+    from workbench.models import load_model
+    from workbench.quantize import quantize_model
+    from workbench.targets.mnn import _mnn_weight_args
+    lm = load_model(make_tiny_model(hidden=128, intermediate=256, heads=4, kv_heads=2))
+    bits, block, notes = _mnn_weight_args(quantize_model(lm, QuantPlan.uniform("int4"), progress=False))
+    assert (bits, block) == (None, None) and any("--no-scale-search" in n for n in notes)
+    plan = QuantPlan.uniform("int4", scale_search=False)
+    assert _mnn_weight_args(quantize_model(lm, plan, progress=False))[:2] == (4, 128)

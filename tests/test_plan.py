@@ -165,9 +165,21 @@ def test_table_lists_layers_and_total():
 def test_scale_search_round_trips_and_is_type_checked():
     plan = QuantPlan.uniform("int4", scale_search=True)
     assert QuantPlan.from_json(plan.to_json()) == plan and plan.to_dict()["scale_search"] is True
-    assert "scale_search" not in QuantPlan.uniform("int4").to_dict()  # plans written before it read the same
     with pytest.raises(PlanError, match="plan field 'scale_search' must be true or false"):
         QuantPlan.from_dict({**plan.to_dict(), "scale_search": "yes"})
+
+
+def test_scale_search_is_on_for_new_plans_and_off_for_files_saved_without_it():
+    from workbench.plan import DEFAULT_SCALE_SEARCH
+    assert DEFAULT_SCALE_SEARCH is True and QuantPlan().scale_search and QuantPlan.uniform("int4").scale_search
+    off = QuantPlan.uniform("int4", scale_search=False)
+    assert QuantPlan.from_json(off.to_json()) == off
+    # a plan with it off writes what every plan wrote before the field existed (same file, hash and cache keys) ...
+    assert "scale_search" not in off.to_dict()
+    # ... so a file without it, saved before or with it off, keeps meaning off
+    old = {"version": 1, "default": "int4", "group_size": 128, "symmetric": True, "method": "rtn",
+           "rules": [{"pattern": "lm_head", "precision": "fp16"}]}
+    assert QuantPlan.from_dict(old).scale_search is False
 
 
 def test_every_plan_field_has_a_json_type_check():

@@ -82,3 +82,34 @@ def test_proxy_sweeps_are_cached_apart_from_measured_ones(lm, workspace):
     assert cached.trials_run == 0 and cached.score == "proxy" and "read from the workspace" in cached.score_reason
     measured = run_sensitivity(lm, tokens=TOKENS, score="kl", workspace=workspace, progress=False)
     assert measured.score == "kl" and measured.trials_run == len(measured.precisions) * len(lm.layers)
+
+
+@pytest.mark.parametrize("settings", [{}, {"group_size": 32, "symmetric": False}, {"group_size": 48}],
+                         ids=["g128", "g32-asym", "g48-fallback"])
+def test_proxy_scores_the_error_of_the_weights_quantize_model_writes(lm, settings):
+    """The proxy's Q(W) is quantize_model's, scale search included: its score of a layer under a Fisher
+    matrix is the score of the shipped weights under it."""
+    from dataclasses import replace
+
+    from workbench.plan import QuantPlan
+    from workbench.proxy import _weight_error
+    from workbench.quantize import quantize_model
+    plan = QuantPlan.uniform("int4", keep_embeddings="int8", **settings)
+    assert plan.scale_search
+    qm = quantize_model(lm, plan, progress=False)
+    gen = torch.Generator().manual_seed(0)
+    differs = 0
+    for name in ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj", "model.embed_tokens"):
+        w = lm.model.get_submodule(name).weight.detach().float()
+        fisher = torch.rand(w.shape, generator=gen)
+        p = qm.layer(name).precision
+        shipped = 0.5 * float(((w - qm.weights[name].dequantize()).square() * fisher).sum())
+        assert _weight_error(w, fisher, [p], plan)[p] == pytest.approx(shipped, rel=1e-9)
+        min_max = _weight_error(w, fisher, [p], replace(plan, scale_search=False))[p]
+        differs += min_max != pytest.approx(shipped, rel=1e-6)
+    assert differs  # the search changes the score here: a proxy quantizing without it would fail the check above
+
+
+def test_proxy_refuses_float_precisions(lm):
+    with pytest.raises(PlanError, match="integer precisions, not 'fp16'"):
+        proxy_scores(lm, evaluation_tokens(lm, tokens=64), ("int4", "fp16"), progress=False)

@@ -100,9 +100,13 @@ def test_streamed_search_matches_the_search_over_all_tokens_at_once(tiny_model_d
 
 @pytest.mark.parametrize("precision", ["int4", "int4-lpbq"])
 def test_awq_beats_rtn_on_its_calibration_data(tiny_model_dir, precision):
-    """Float16 group scales, and two-level ones (AWQ rounds a two-level precision two-level)."""
+    """Float16 group scales, and two-level ones (AWQ rounds a two-level precision two-level).
+
+    Both with min/max ranges: AWQ's own claim. The scale search narrows RTN's gap (on the demo model AWQ still
+    leads with it on both: README, "Scale search"), and on this random tiny model it closes it at int4.
+    """
     lm = load_model(tiny_model_dir)
-    plan = QuantPlan.uniform(precision, group_size=32)
+    plan = QuantPlan.uniform(precision, group_size=32, scale_search=False)
     calib = _samples(8, 128, seed=1)
     rtn = quantize_model(lm, plan, progress=False)
     awq = quantize_model(lm, plan, method="awq", calibration=calib, progress=False)

@@ -173,3 +173,22 @@ def test_two_level_needs_a_width_that_has_it(tiny_model_dir, tmp_path, capsys):
     rc = main(["quantize", str(tiny_model_dir), "--out", str(tmp_path / "q"), "--bits", "4", "--two-level",
                "--asymmetric"])
     assert rc == 2 and "two-level scales, which are symmetric" in capsys.readouterr().err
+
+
+def test_scale_search_is_on_for_bits_and_a_plan_files_own_otherwise(tmp_path):
+    """--bits plans search by default; a plan file keeps its setting (absent: off, as when it was saved);
+    --scale-search / --no-scale-search override either."""
+    import argparse
+
+    from workbench.cli.quantize import _plan_from_args, add_arguments
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+
+    def plan(*argv):
+        return _plan_from_args(parser.parse_args(["demo", "--out", str(tmp_path / "q"), *argv]))
+    assert plan("--bits", "4").scale_search is True
+    assert plan("--bits", "4", "--no-scale-search").scale_search is False
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"version": 1, "default": "int4", "rules": []}))
+    assert plan("--plan", str(old)).scale_search is False
+    assert plan("--plan", str(old), "--scale-search").scale_search is True

@@ -51,10 +51,12 @@ def test_int8_costs_less_than_int4(setup):
 def test_warning_names_likely_causes_above_the_threshold(setup):
     lm, base = setup
     qm = quantize_model(lm, QuantPlan.uniform("int4", keep_embeddings="int4", group_size=None), progress=False)
-    cost = measure_cost(qm, base, threshold=-1.0, progress=False)  # any change passes a negative threshold
+    # any change passes this threshold: on this random tiny model int4 can even lower perplexity (by 1.9 with the
+    # scale search), so -1.0 was not enough
+    cost = measure_cost(qm, base, threshold=-1e6, progress=False)
     assert len(cost.warnings) == 1
     w = cost.warnings[0]
-    assert "above the -1.0 threshold. Likely causes:" in w
+    assert "above the -1000000.0 threshold. Likely causes:" in w
     assert "layers with the largest weight error" in w
     assert "embedding / lm_head is quantized" in w
     assert "try method 'gptq' or 'awq'" in w

@@ -59,10 +59,13 @@ def test_figures():
 def test_a_plans_settings_are_not_reset_to_the_widget_defaults(tiny_model_dir):
     from dataclasses import replace
     lm = load_model(tiny_model_dir)
-    plan = replace(QuantPlan.uniform("int4"), group_size=32, symmetric=False, method="awq")
+    plan = replace(QuantPlan.uniform("int4"), group_size=32, symmetric=False, method="awq", scale_search=False)
     panel = QuantizePanel(lm, plan=plan)
     assert (panel.method.value, panel.group_size.value, panel.symmetric.value) == ("awq", 32, False)
-    assert panel.current_plan() == plan
+    assert panel.scale_search.value is False and panel.current_plan() == plan
+    panel.scale_search.value = True
+    assert panel.current_plan() == replace(plan, scale_search=True)
+    assert QuantizePanel(lm).current_plan().scale_search is True  # no plan: the default
     odd = replace(plan, group_size=96)  # a group size the dropdown does not list is added, not replaced
     assert QuantizePanel(lm, plan=odd).current_plan() == odd
 

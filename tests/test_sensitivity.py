@@ -72,7 +72,8 @@ def test_lean_sweep_gives_the_figures_of_swapping_float_copies(lm):
         for precision, bits in (("int8", 8), ("int4", 4)):
             model = copy.deepcopy(lm.model)
             mod = model.get_submodule(layer.name)
-            w = quantize_weight(mod.weight.detach(), bits, ev.variants.group_size_for(layer.name)).dequantize()
+            w = quantize_weight(mod.weight.detach(), bits, ev.variants.group_size_for(layer.name),
+                                scale_search=ev.variants.scale_search).dequantize()
             mod.weight = torch.nn.Parameter(w, requires_grad=False)  # untied, as the sweep's trial is
             old = evaluate(model, ev.ids, reference=ev.reference, ctx=ev.ctx, progress=False)
             assert layer.damage[precision]["kl"] == pytest.approx(old.kl_divergence, rel=1e-6, abs=1e-12)
@@ -80,7 +81,7 @@ def test_lean_sweep_gives_the_figures_of_swapping_float_copies(lm):
 
 
 def test_each_layer_is_quantized_once_per_precision(lm, monkeypatch):
-    import workbench.quantize as q
+    import workbench.quantize.model as q  # LayerQuantizer.quantize calls it there
     calls = []
     real = q.quantize_weight
     monkeypatch.setattr(q, "quantize_weight", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -177,17 +178,20 @@ def test_sensitivity_figure_groups_bars_by_block_and_by_layer_type(lm, evaluator
 
 
 def test_variants_reuse_the_quantize_steps_weights(lm, monkeypatch):
-    import workbench.quantize as q
+    import workbench.quantize.model as q  # where LayerQuantizer.quantize calls it
     qm8 = quantize_model(lm, QuantPlan.uniform("int8"), progress=False)
     qm4 = quantize_model(lm, QuantPlan.uniform("int4"), progress=False)
+    per_channel = quantize_model(lm, QuantPlan.uniform("int4", group_size=None), progress=False)
+    min_max = quantize_model(lm, QuantPlan.uniform("int4", scale_search=False), progress=False)
     monkeypatch.setattr(q, "quantize_weight", lambda *a, **k: pytest.fail("re-quantized a layer"))
     variants = LayerVariants.from_quantized(lm, qm8, qm4)
     name = "model.layers.1.mlp.up_proj"
     assert variants.quantized(name, "int4") is qm4.weights[name]
     assert torch.equal(variants.weight(name, "int8"), qm8.weights[name].dequantize())
     with pytest.raises(PlanError, match="different group sizes"):
-        LayerVariants.from_quantized(lm, qm8, quantize_model(lm, QuantPlan.uniform("int4", group_size=None),
-                                                             progress=False))
+        LayerVariants.from_quantized(lm, qm8, per_channel)
+    with pytest.raises(PlanError, match="scale search"):
+        LayerVariants.from_quantized(lm, qm8, min_max)
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
@@ -217,3 +221,47 @@ def test_editing_a_plan_replays_the_blocks_before_the_edit_exactly(lm):
         b = PlanEvaluator(lm, ids, reference=editing.reference, variants=editing.variants).evaluate(plan)
         assert a.nll == pytest.approx(b.nll, rel=1e-9) and a.kl_divergence == pytest.approx(b.kl_divergence,
                                                                                               rel=1e-7, abs=1e-12)
+
+
+@pytest.mark.parametrize("settings", [{}, {"group_size": 32, "symmetric": False}, {"group_size": 48},
+                                      {"group_size": None}], ids=["g128", "g32-asym", "g48-fallback", "channel"])
+@pytest.mark.parametrize("precision", ["int4", "int3", "int8", "int4-lpbq"])
+def test_variants_round_every_layer_as_quantize_model_does(lm, settings, precision):
+    """What the sweep and the evaluator swap in is what Quantize writes, bit for bit, with the scale search on."""
+    from dataclasses import replace
+    if precision == "int4-lpbq" and settings.get("symmetric") is False:
+        pytest.skip("two-level scales are symmetric only")
+    plan = QuantPlan.uniform(precision, keep_embeddings=None, **settings)
+    assert plan.scale_search  # the default
+    qm = quantize_model(lm, plan, progress=False)
+    variants = LayerVariants.for_plan(lm, plan)
+    without = LayerVariants.for_plan(lm, replace(plan, scale_search=False))
+    differs = 0
+    for name, shipped in qm.weights.items():
+        assert torch.equal(variants.quantized(name, precision).dequantize(), shipped.dequantize()), name
+        differs += not torch.equal(without.quantized(name, precision).dequantize(), shipped.dequantize())
+    # the search changes codes here, so a path quantizing without it fails the check above (at 8 bits it keeps
+    # min/max on this model's weights: rounding error is small beside what clipping would cost)
+    assert differs or precision == "int8"
+
+
+def test_evaluator_refuses_a_plan_rounded_otherwise_than_its_cached_codes(lm):
+    from dataclasses import replace
+    plan = QuantPlan.uniform("int4")
+    ev = PlanEvaluator(lm, evaluation_tokens(lm, tokens=64), variants=LayerVariants.for_plan(lm, plan))
+    with pytest.raises(PlanError, match="scale_search=False.*LayerVariants.for_plan"):
+        ev.evaluate(replace(plan, scale_search=False))
+
+
+def test_sweeps_with_and_without_the_scale_search_are_cached_apart(lm, workspace):
+    kw = {"tokens": 64, "score": "kl", "workspace": workspace, "progress": False, "precisions": ["int4"],
+          "layers": ["model.layers.1.mlp.down_proj"]}
+    off = run_sensitivity(lm, scale_search=False, **kw)
+    on = run_sensitivity(lm, **kw)  # the default: on, as in the plans made from it
+    assert (off.scale_search, on.scale_search) == (False, True) and off.trials_run == on.trials_run == 1
+    name = "model.layers.1.mlp.down_proj"
+    assert on.damage(name, "int4") != off.damage(name, "int4")
+    assert run_sensitivity(lm, scale_search=False, **kw).trials_run == 0  # each read back from its own entry
+    assert SensitivityReport.from_dict(on.to_dict()).scale_search is True
+    old = {k: v for k, v in off.to_dict().items() if k != "scale_search"}  # saved before the field existed
+    assert SensitivityReport.from_dict(old).scale_search is False

@@ -105,15 +105,17 @@ def _units(lm: LoadedModel, names: Sequence[str]) -> list[list[str]]:
     return list(groups.values())
 
 
-def _plan_from_assignments(assignments: Mapping[str, str], group_size, symmetric, meta: Mapping) -> QuantPlan:
-    """A readable plan: the most common precision as default, exact rules for the rest."""
+def _plan_from_assignments(assignments: Mapping[str, str], settings: Mapping, meta: Mapping) -> QuantPlan:
+    """A readable plan: the most common precision as default, exact rules for the rest.
+
+    ``settings`` are the sweep's ``quantizer_settings``: the plan rounds layers as the sweep measured them.
+    """
     counts: dict[str, int] = {}
     for p in assignments.values():
         counts[p] = counts.get(p, 0) + 1
     default = max(counts, key=lambda p: (counts[p], p))
     rules = tuple({"pattern": n, "precision": p} for n, p in assignments.items() if p != default)
-    return QuantPlan(default=default, rules=rules, group_size=group_size, symmetric=symmetric, method="rtn",
-                     meta=dict(meta))
+    return QuantPlan(default=default, rules=rules, **settings, method="rtn", meta=dict(meta))
 
 
 def budget_bytes(lm: LoadedModel, *, size_bytes: int | None = None, bits_per_weight: float | None = None) -> int:
@@ -210,7 +212,7 @@ def plan_for_budget(lm: LoadedModel, sensitivity: SensitivityReport, *, size_byt
         assignments.update(assign)
         c -= int(math.ceil(nbytes / step))
     ordered = {info.name: assignments[info.name] for info in lm.layers}
-    plan = _plan_from_assignments(ordered, gs, sym, {"budget_bytes": int(size_bytes), "chosen_by": "plan_for_budget",
+    plan = _plan_from_assignments(ordered, sensitivity.quantizer_settings, {"budget_bytes": int(size_bytes), "chosen_by": "plan_for_budget",
                                                       "metric": metric, "score": sensitivity.score})
     foot = plan_footprint(lm, plan)
     pred = predict_damage(sensitivity, ordered)
@@ -282,6 +284,10 @@ def refine_plan(lm: LoadedModel, sensitivity: SensitivityReport, prediction: Pla
     from tqdm.auto import tqdm
     t0 = time.perf_counter()
     gs, sym = sensitivity.group_size, sensitivity.symmetric
+    if not evaluator.variants.matches(QuantPlan(default=None, **sensitivity.quantizer_settings)):
+        raise PlanError(f"the evaluator rounds layers with {evaluator.variants.describe()}, the sweep measured them "
+                        "otherwise; refine with an evaluator made for the sweep's settings "
+                        "(LayerVariants(lm, **sensitivity.quantizer_settings))")
     choices = _choices(sensitivity, choices, targets=targets)
     assign = dict(prediction.assignments)
     units = _units(lm, [layer.name for layer in sensitivity.layers])
@@ -305,7 +311,7 @@ def refine_plan(lm: LoadedModel, sensitivity: SensitivityReport, prediction: Pla
             assign.update(best[1])
             moves.append({"set": dict(best[1]), "kl": best[0]})
     ordered = {info.name: assign[info.name] for info in lm.layers}
-    plan = _plan_from_assignments(ordered, gs, sym, {**prediction.plan.meta, "refined_by": "measured KL",
+    plan = _plan_from_assignments(ordered, sensitivity.quantizer_settings, {**prediction.plan.meta, "refined_by": "measured KL",
                                                      "refine_moves": len(moves)})
     foot = plan_footprint(lm, plan)
     pred = predict_damage(sensitivity, ordered)
@@ -377,7 +383,7 @@ def pareto_points(lm: LoadedModel, sensitivity: SensitivityReport, evaluator: Pl
     ``budgets`` are multiples of the uniform-INT4 size; those above the uniform-INT8 size are
     dropped, and the INT8 size itself is always included.
     """
-    kw = {"group_size": sensitivity.group_size, "symmetric": sensitivity.symmetric}
+    kw = sensitivity.quantizer_settings
     int8, int4 = QuantPlan.uniform("int8", **kw), QuantPlan.uniform("int4", **kw)
     points = [measure_plan(lm, int8, evaluator, label="uniform int8", sensitivity=sensitivity, progress=progress),
               measure_plan(lm, int4, evaluator, label="uniform int4", sensitivity=sensitivity, progress=progress)]

@@ -23,12 +23,18 @@ from .errors import PlanError
 
 __all__ = [
     "Precision", "PRECISIONS", "register_precision", "get_precision", "PlanRule", "QuantPlan",
-    "PLAN_VERSION", "DEFAULT_GROUP_SIZE",
+    "PLAN_VERSION", "DEFAULT_GROUP_SIZE", "DEFAULT_SCALE_SEARCH", "QUANTIZER_SETTINGS",
 ]
 
 PLAN_VERSION = 1
 DEFAULT_GROUP_SIZE = 128  # what AWQ, GPTQ and practitioners use; smaller = more scales, bigger file
 SCALE_BYTES = 2  # one fp16 scale per group (per output channel when per-channel)
+# new plans search each group's range (measured to lower KL for RTN, AWQ and GPTQ on the demo model, all but GPTQ at
+# asymmetric int4 g32: README, "Scale search"); a plan file without the field was saved before it existed, or with
+# it off, and means off
+DEFAULT_SCALE_SEARCH = True
+# the plan fields besides precision and method that decide how a layer is rounded: equal settings, equal codes
+QUANTIZER_SETTINGS = ("group_size", "symmetric", "scale_search")
 
 
 @dataclass(frozen=True)
@@ -179,7 +185,8 @@ class QuantPlan:
     method: str = "rtn"
     version: int = PLAN_VERSION
     meta: Mapping[str, object] = field(default_factory=dict, compare=False)
-    scale_search: bool = False  # each group's range searched for the least error (RTN, GPTQ), not min/max
+    # each group's range searched for the least error instead of min/max (RTN, GPTQ, AWQ's unclipped layers)
+    scale_search: bool = DEFAULT_SCALE_SEARCH
 
     def __post_init__(self):
         get_precision(self.default)
@@ -205,6 +212,11 @@ class QuantPlan:
 
     def without_rule(self, pattern: str) -> "QuantPlan":
         return replace(self, rules=tuple(r for r in self.rules if r.pattern != pattern))
+
+    @property
+    def quantizer_settings(self) -> dict[str, object]:
+        """``QUANTIZER_SETTINGS`` by name: what sweeps and evaluators key their cached codes by."""
+        return {k: getattr(self, k) for k in QUANTIZER_SETTINGS}
 
     # -- lookup -------------------------------------------------------------------------------
     def precision_name_for(self, name: str) -> str | None:
@@ -235,6 +247,8 @@ class QuantPlan:
 
     # -- serialisation ------------------------------------------------------------------------
     def to_dict(self) -> dict:
+        """JSON-ready. ``scale_search`` is written only when on: files from before it existed lack it and
+        mean off, so absent means off in every file (``from_dict``), and their hashes and cache keys stay."""
         return {"version": self.version, "default": self.default, "group_size": self.group_size,
                 "symmetric": self.symmetric, "method": self.method,
                 "rules": [{"pattern": r.pattern, "precision": r.precision} for r in self.rules],

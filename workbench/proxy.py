@@ -37,7 +37,7 @@ from torch.nn import functional as F
 from .errors import PlanError
 from .evaluate import DEFAULT_CTX, strided_windows
 from .models import LoadedModel
-from .plan import DEFAULT_GROUP_SIZE, get_precision
+from .plan import DEFAULT_GROUP_SIZE, DEFAULT_SCALE_SEARCH, QuantPlan
 
 __all__ = ["ProxyScores", "proxy_scores", "proxy_supported", "decoder_blocks", "spearman", "HEAD_CHUNK",
            "PROXY_SEED", "PROXY_VERSION"]
@@ -167,12 +167,15 @@ def _record(model: nn.Module, blocks: nn.ModuleList, head: nn.Module, group: _Gr
         raise PlanError("the proxy score could not follow this model's blocks; use --score kl (score='kl')")
 
 
-def _weight_error(weight: torch.Tensor, fisher: torch.Tensor, precisions: Sequence[str], group_size: int | None,
-                  symmetric: bool, rows: torch.Tensor | None = None) -> dict[str, float]:
-    """``1/2 sum F * (W - Q(W))^2`` per precision, quantizing ``ROW_CHUNK`` rows at a time."""
-    from .quantize import resolve_group_size
-    from .quantize.rtn import fake_quantize
-    gs = resolve_group_size(weight.shape[1], group_size)[0]
+def _weight_error(weight: torch.Tensor, fisher: torch.Tensor, precisions: Sequence[str], settings: QuantPlan,
+                  rows: torch.Tensor | None = None) -> dict[str, float]:
+    """``1/2 sum F * (W - Q(W))^2`` per precision, quantizing ``ROW_CHUNK`` rows at a time.
+
+    ``Q`` is ``quantize_model``'s RTN for a plan with ``settings`` (``layer_quantizer``); groups, two-level
+    channel scales and the scale search never span rows, so rows quantized apart round as the whole does.
+    """
+    from .quantize import layer_quantizer
+    quantizers = {p: layer_quantizer(settings, p, tuple(weight.shape)) for p in precisions}
     n = len(rows) if rows is not None else weight.shape[0]
     out = {p: 0.0 for p in precisions}
     for a in range(0, n, ROW_CHUNK):
@@ -180,8 +183,7 @@ def _weight_error(weight: torch.Tensor, fisher: torch.Tensor, precisions: Sequen
         w = (weight[rows[idx]] if rows is not None else weight[idx]).detach().to(torch.float32)
         f = fisher[idx]
         for p in precisions:
-            prec = get_precision(p)
-            err = w - fake_quantize(w, prec.bits, gs, symmetric, scale_bits=prec.scale_bits)
+            err = w - quantizers[p].quantize(w).dequantize()
             out[p] += 0.5 * float((err.square_() * f).sum())
     return out
 
@@ -245,15 +247,22 @@ def _block_pass(block: nn.Module, index: int, linears: dict[str, nn.Linear],
 
 
 def proxy_scores(lm: LoadedModel, ids: torch.Tensor, precisions: Sequence[str] = ("int8", "int4"), *,
-                 group_size: int | None = DEFAULT_GROUP_SIZE, symmetric: bool = True, ctx: int | None = None,
-                 samples: int = 1, seed: int = PROXY_SEED, progress: bool = True) -> ProxyScores:
+                 group_size: int | None = DEFAULT_GROUP_SIZE, symmetric: bool = True,
+                 scale_search: bool = DEFAULT_SCALE_SEARCH, ctx: int | None = None, samples: int = 1,
+                 seed: int = PROXY_SEED, progress: bool = True) -> ProxyScores:
     """Estimated KL of every quantizable layer alone at each precision, from one forward and one backward pass.
 
     ``samples`` label sets are drawn per position for the blocks' Fisher (more: less noise, one
     more backward pass each).
     """
     from tqdm.auto import tqdm
+
+    from .quantize import layer_quantizer
     t0 = time.perf_counter()
+    settings = QuantPlan(default=None, group_size=group_size, symmetric=symmetric, scale_search=scale_search)
+    for p in precisions:  # a float or unsupported precision fails here, before the passes
+        if layer_quantizer(settings, p, (1, 1)) is None:
+            raise PlanError(f"the proxy scores integer precisions, not '{p}'")
     model = lm.model
     parts = _parts(model)
     if parts is None:
@@ -271,8 +280,7 @@ def proxy_scores(lm: LoadedModel, ids: torch.Tensor, precisions: Sequence[str] =
 
     def score(name: str, weight: torch.Tensor, fisher: torch.Tensor, draws: int, rows=None) -> None:
         if name in known:
-            damage[name] = _weight_error(weight, fisher.div_(n_scored * draws), precisions, group_size, symmetric,
-                                         rows)
+            damage[name] = _weight_error(weight, fisher.div_(n_scored * draws), precisions, settings, rows)
 
     with tqdm(total=len(groups) + 1 + len(blocks), desc="proxy score", unit="step",
               disable=not progress, leave=False) as bar:

@@ -41,7 +41,7 @@ from .errors import DataError, PlanError, WorkspaceError
 from .evaluate import DEFAULT_CTX, EvalReport, ReferenceOutputs, capture_reference, encode_text, evaluate, read_text
 from .models import LoadedModel, demo_text_path
 from .proxy import PROXY_VERSION, decoder_blocks, proxy_scores, proxy_supported
-from .plan import DEFAULT_GROUP_SIZE, PRECISIONS, QuantPlan, get_precision
+from .plan import DEFAULT_GROUP_SIZE, DEFAULT_SCALE_SEARCH, PRECISIONS, QUANTIZER_SETTINGS, QuantPlan, get_precision
 from .workspace import Workspace, atomic_write_json, read_json_file
 
 __all__ = ["LayerVariants", "BlockReplay", "PlanEvaluator", "LayerSensitivity", "SensitivityReport", "run_sensitivity",
@@ -95,7 +95,8 @@ class LayerVariants:
     """Each layer at each precision, quantized on demand and swapped into the model as integer codes.
 
     ``quantized(name, "int4")`` is the ``QuantizedWeight`` (the same RTN that ``quantize_model``
-    uses, with its group-size fallback). ``swapped(assignments)`` puts the chosen variants into the
+    uses: ``quantize.layer_quantizer`` of the same settings, with its group-size fallback and the
+    scale search when on). ``swapped(assignments)`` puts the chosen variants into the
     model the way ``QuantizedModel.build_model`` builds a quantized one: an integer layer becomes a
     ``QuantLinear`` / ``QuantEmbedding`` computing from the codes (dequantized to float32 one layer at
     a time, during its forward pass), an fp16 layer gets its weight rounded to float16 values, and
@@ -105,10 +106,11 @@ class LayerVariants:
     """
 
     def __init__(self, lm: LoadedModel, *, group_size: int | None = DEFAULT_GROUP_SIZE, symmetric: bool = True,
-                 weights: Mapping[str, Mapping[str, object]] | None = None, cache_bytes: int | None = None):
+                 scale_search: bool = DEFAULT_SCALE_SEARCH, weights: Mapping[str, Mapping[str, object]] | None = None,
+                 cache_bytes: int | None = None):
         self.lm = lm
-        self.group_size = group_size
-        self.symmetric = symmetric
+        # a plan holding only the rounding settings: what ``layer_quantizer`` reads
+        self.settings = QuantPlan(default=None, group_size=group_size, symmetric=symmetric, scale_search=scale_search)
         self.cache_bytes = _stored_bytes(lm.model) if cache_bytes is None else int(cache_bytes)
         self._names = [info.name for info in lm.layers]
         self._given: dict[tuple[str, str], object] = {}  # weights of an earlier quantize step, reused as they are
@@ -117,9 +119,28 @@ class LayerVariants:
             for name, qw in by_layer.items():
                 self._given[(self._canonical(name), precision)] = qw
 
+    @property
+    def group_size(self) -> int | None:
+        return self.settings.group_size
+
+    @property
+    def symmetric(self) -> bool:
+        return self.settings.symmetric
+
+    @property
+    def scale_search(self) -> bool:
+        return self.settings.scale_search
+
     @classmethod
     def for_plan(cls, lm: LoadedModel, plan: QuantPlan) -> "LayerVariants":
-        return cls(lm, group_size=plan.group_size, symmetric=plan.symmetric)
+        return cls(lm, **plan.quantizer_settings)
+
+    def matches(self, plan: QuantPlan) -> bool:
+        """Whether ``plan`` rounds layers as these variants do (same group size, symmetry, scale search)."""
+        return plan.quantizer_settings == self.settings.quantizer_settings
+
+    def describe(self) -> str:
+        return _settings_text(self.settings)
 
     @classmethod
     def from_quantized(cls, lm: LoadedModel, *quantized) -> "LayerVariants":
@@ -136,12 +157,13 @@ class LayerVariants:
             if qm.method != "rtn" or qm.float_overrides:
                 raise PlanError(f"a {qm.method} result changes more than each layer's weight; sweep with RTN "
                                 "weights (quantize_model(..., method='rtn'))")
-            if (qm.plan.group_size, qm.plan.symmetric) != (first.group_size, first.symmetric):
-                raise PlanError("the quantized models use different group sizes or symmetry; pass ones made alike")
+            if qm.plan.quantizer_settings != first.quantizer_settings:
+                raise PlanError("the quantized models use different group sizes, symmetry or scale search; pass ones "
+                                "made alike")
             for r in qm.layers:
                 if r.name in qm.weights and not (r.tied_to and not r.untied):
                     weights.setdefault(r.precision, {})[r.name] = qm.weights[r.name]
-        return cls(lm, group_size=first.group_size, symmetric=first.symmetric, weights=weights)
+        return cls(lm, **first.quantizer_settings, weights=weights)
 
     def original(self, name: str) -> torch.Tensor:
         return _module(self.lm.model, name).weight.detach()
@@ -150,6 +172,11 @@ class LayerVariants:
         """The group size ``quantize_model`` uses for this layer (its fallback when the plan's does not divide)."""
         from .quantize import resolve_group_size
         return resolve_group_size(self.original(name).shape[1], self.group_size)[0]
+
+    def quantizer(self, name: str, precision: str):
+        """The ``LayerQuantizer`` ``quantize_model`` uses for ``name`` at ``precision`` under these settings."""
+        from .quantize import layer_quantizer
+        return layer_quantizer(self.settings, precision, tuple(self.original(name).shape), name=name)
 
     def _canonical(self, name: str) -> str:
         try:
@@ -163,7 +190,6 @@ class LayerVariants:
 
     def quantized(self, name: str, precision: str):
         """The ``QuantizedWeight`` of ``name`` at an integer precision (kept while the cache has room)."""
-        from .quantize import quantize_weight
         p = get_precision(precision)
         if p is None or p.is_float:
             raise PlanError(f"'{precision}' is not an integer precision; only integer layers have quantized weights")
@@ -173,8 +199,7 @@ class LayerVariants:
         if key in self._cache:
             self._cache.move_to_end(key)
             return self._cache[key]
-        qw = quantize_weight(self.original(name).to(torch.float32), p.bits, self.group_size_for(name),
-                             self.symmetric, scale_bits=p.scale_bits)
+        qw = self.quantizer(name, p.name).quantize(self.original(name))
         size = _code_bytes(qw)
         if size <= self.cache_bytes:
             while self._cache and self.cached_bytes + size > self.cache_bytes:
@@ -234,6 +259,11 @@ class LayerVariants:
 
     def clear(self) -> None:
         self._cache.clear()
+
+
+def _settings_text(plan: QuantPlan) -> str:
+    """``group_size=128, symmetric=True, scale_search=True``: a plan's rounding settings, for messages."""
+    return ", ".join(f"{k}={v}" for k, v in plan.quantizer_settings.items())
 
 
 def _code_bytes(qw) -> int:
@@ -398,10 +428,9 @@ class PlanEvaluator:
         """Evaluate a whole plan. Blocks before the first layer that differs from the last plan
         evaluated here are replayed from that evaluation, so changing one layer re-runs only the
         blocks from that layer on."""
-        if (plan.group_size, plan.symmetric) != (self.variants.group_size, self.variants.symmetric):
-            raise PlanError(f"this evaluator caches weights at group size {self.variants.group_size}, symmetric="
-                            f"{self.variants.symmetric}; the plan asks for group size {plan.group_size}, "
-                            f"symmetric={plan.symmetric}: make a new evaluator for it")
+        if not self.variants.matches(plan):
+            raise PlanError(f"this evaluator caches weights made with {self.variants.describe()}; the plan asks for "
+                            f"{_settings_text(plan)}: make a new evaluator for it (LayerVariants.for_plan)")
         assignments = self.variants.assignments(plan)
         replay = self._plan_replay
         start = 0
@@ -464,6 +493,12 @@ class SensitivityReport:
     trials_run: int = 0  # trials measured (or layers x precisions scored) by this call; 0 when cached
     score: str = "kl"  # "kl": measured per trial; "proxy": estimated in one pass (workbench.proxy)
     score_reason: str = ""
+    scale_search: bool = False  # layers rounded with the scale search; reports from before it existed: off
+
+    @property
+    def quantizer_settings(self) -> dict[str, object]:
+        """The rounding settings the sweep measured: plans made from it (``autoplan``) carry them."""
+        return {k: getattr(self, k) for k in QUANTIZER_SETTINGS}
 
     @property
     def score_label(self) -> str:
@@ -493,7 +528,7 @@ class SensitivityReport:
 
     def to_dict(self) -> dict:
         return {"model": self.model, "precisions": list(self.precisions), "tokens": self.tokens, "ctx": self.ctx,
-                "group_size": self.group_size, "symmetric": self.symmetric,
+                "group_size": self.group_size, "symmetric": self.symmetric, "scale_search": self.scale_search,
                 "reference_perplexity": self.reference_perplexity, "seconds": self.seconds,
                 "trials_run": self.trials_run, "score": self.score, "score_reason": self.score_reason,
                 "metric": METRICS[self.score], "layers": [layer.to_dict() for layer in self.layers]}
@@ -504,7 +539,8 @@ class SensitivityReport:
             return cls(d["model"], tuple(d["precisions"]), int(d["tokens"]), int(d["ctx"]), d["group_size"],
                        bool(d["symmetric"]), float(d["reference_perplexity"]),
                        [LayerSensitivity.from_dict(x) for x in d["layers"]], float(d.get("seconds", 0.0)),
-                       int(d.get("trials_run", 0)), str(d.get("score", "kl")), str(d.get("score_reason", "")))
+                       int(d.get("trials_run", 0)), str(d.get("score", "kl")), str(d.get("score_reason", "")),
+                       bool(d.get("scale_search", False)))
         except (KeyError, TypeError, ValueError) as e:
             raise WorkspaceError(f"sensitivity report is malformed (field {e}); delete it and sweep again") from None
 
@@ -586,7 +622,7 @@ def _proxy_trials(evaluator: PlanEvaluator, layers: Sequence, precisions: Sequen
     from the model itself).
     """
     v = evaluator.variants
-    scores = proxy_scores(evaluator.lm, evaluator.ids, precisions, group_size=v.group_size, symmetric=v.symmetric,
+    scores = proxy_scores(evaluator.lm, evaluator.ids, precisions, **v.settings.quantizer_settings,
                           ctx=evaluator.ctx, progress=progress)
     ref = scores.reference_perplexity
     trials = {}
@@ -602,15 +638,16 @@ def _proxy_trials(evaluator: PlanEvaluator, layers: Sequence, precisions: Sequen
 
 def run_sensitivity(lm: LoadedModel, *, ids: torch.Tensor | None = None, text_path: str | Path | None = None,
                     tokens: int = DEFAULT_SWEEP_TOKENS, precisions: Sequence[str] | None = None,
-                    group_size: int | None = DEFAULT_GROUP_SIZE, symmetric: bool = True, ctx: int | None = None,
-                    layers: Iterable[str] | None = None, evaluator: PlanEvaluator | None = None,
+                    group_size: int | None = DEFAULT_GROUP_SIZE, symmetric: bool = True,
+                    scale_search: bool = DEFAULT_SCALE_SEARCH, ctx: int | None = None, layers: Iterable[str] | None = None, evaluator: PlanEvaluator | None = None,
                     score: str = "auto", workspace: Workspace | None = None, force: bool = False,
                     progress: bool = True, on_trial: Callable[[str, str, dict], None] | None = None
                     ) -> SensitivityReport:
     """Sweep every quantizable layer x precision; cached and resumable when a ``workspace`` is given.
 
     ``ids`` (or ``text_path``, default the held-out text) is cut to ``tokens`` tokens. Pass an
-    ``evaluator`` to share its cached weights and reference outputs (the override panel does).
+    ``evaluator`` to share its cached weights and reference outputs (the override panel does); its
+    variants' settings then replace ``group_size``, ``symmetric`` and ``scale_search``.
     ``precisions`` None sweeps every registered integer precision (``sweep_precisions``).
     ``score``: ``kl`` measures each trial, ``proxy`` estimates every trial in one pass
     (``workbench.proxy``), ``auto`` picks by the sweep's size (``choose_score``); the report says
@@ -632,7 +669,7 @@ def run_sensitivity(lm: LoadedModel, *, ids: torch.Tensor | None = None, text_pa
         # a sweep uses each layer's codes once: keep none of them
         evaluator = PlanEvaluator(lm, ids, ctx=ctx, progress=progress,
                                   variants=LayerVariants(lm, group_size=group_size, symmetric=symmetric,
-                                                         cache_bytes=0))
+                                                         scale_search=scale_search, cache_bytes=0))
     variants = evaluator.variants
     names = list(layers) if layers is not None else [info.name for info in lm.layers]
     unknown = [n for n in names if n not in {info.name for info in lm.layers}]
@@ -645,6 +682,8 @@ def run_sensitivity(lm: LoadedModel, *, ids: torch.Tensor | None = None, text_pa
               "group_size": variants.group_size, "symmetric": variants.symmetric, "layers": names, "method": "rtn"}
     if score == "proxy":  # measured sweeps keep the inputs (and cache keys) they always had
         inputs.update(score="proxy", proxy=PROXY_VERSION)
+    if variants.scale_search:  # sweeps without it keep their keys; one with it never reads one made without
+        inputs["scale_search"] = True
 
     def measure(progress_path: Path | None) -> tuple[dict, float, int, float]:
         if score == "proxy":
@@ -657,7 +696,7 @@ def run_sensitivity(lm: LoadedModel, *, ids: torch.Tensor | None = None, text_pa
             out.append(LayerSensitivity(info.name, info.block, info.role, tuple(info.shape), info.parameters,
                                         info.tied_to, {p: trials[_trial_key(info.name, p)] for p in precisions}))
         return SensitivityReport(str(lm.name), precisions, int(len(evaluator.ids)), evaluator.ctx, variants.group_size,
-                                 variants.symmetric, ref_ppl, out, seconds, ran, score, reason)
+                                 variants.symmetric, ref_ppl, out, seconds, ran, score, reason, variants.scale_search)
 
     if workspace is None:
         return build(*measure(None))

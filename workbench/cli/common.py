@@ -47,6 +47,17 @@ def _budget(value: str):
     return n
 
 
+def add_scale_search_argument(p, default: bool | None = None, says: str | None = None):
+    """``--scale-search`` / ``--no-scale-search``; ``default`` None: the plan's value (``says`` tells which)."""
+    from ..plan import DEFAULT_SCALE_SEARCH
+    if default is None and says is None:
+        default = DEFAULT_SCALE_SEARCH
+    p.add_argument("--scale-search", action=argparse.BooleanOptionalAction, default=default,
+                   help="each group's range shrunk to the ratio (1.0 down to 0.5) with the least squared error instead "
+                        "of min/max (RTN, GPTQ, and AWQ's unclipped q/k layers; AWQ's clips set the others); default: "
+                        + (says or ("on" if default else "off")))
+
+
 def add_device_argument(p):
     """``--device``: where the model runs (CPU by default; ``cuda`` when a GPU is present)."""
     p.add_argument("--device", type=_device, default="cpu",

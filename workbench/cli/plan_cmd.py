@@ -15,7 +15,7 @@ from ..autoplan import budget_bytes, check_budget, measure_plan, plan_for_budget
 from ..evaluate import default_token_budget
 from ..models import load_model
 from ..plan import QuantPlan
-from ..sensitivity import PlanEvaluator, evaluation_tokens
+from ..sensitivity import LayerVariants, PlanEvaluator, evaluation_tokens
 from .common import add_device_argument, add_json_flag, add_model_argument, format_bytes, print_json
 from .sensitivity import add_sweep_arguments, sweep
 
@@ -52,7 +52,9 @@ def run(args) -> int:
     auto = plan_for_budget(lm, sens, size_bytes=budget, targets=targets)
     ids = evaluation_tokens(lm, args.data)
     ids = ids[:args.eval_tokens or default_token_budget(lm.model, len(ids))]
-    evaluator = PlanEvaluator(lm, ids, progress=not args.json)
+    # refinement measures layers rounded as the sweep measured them (and as the plan will ship them)
+    evaluator = PlanEvaluator(lm, ids, progress=not args.json,
+                              variants=LayerVariants(lm, **sens.quantizer_settings))
     refinement = None
     if args.refine > 0:
         refinement = refine_plan(lm, sens, auto, evaluator, trials=args.refine, progress=not args.json,

@@ -21,7 +21,8 @@ from ..errors import PlanError
 from ..plan import QuantPlan
 from ..quantize.model import CALIBRATED_METHODS, METHODS
 from ..workspace import check_output_dir, staged_output
-from .common import add_device_argument, add_budget_argument, add_json_flag, add_model_argument, format_bytes, print_json
+from .common import (add_device_argument, add_budget_argument, add_json_flag, add_model_argument,
+                     add_scale_search_argument, format_bytes, print_json)
 
 FULL_STATS_MAX_PARAMETERS = 100_000_000  # above this the statistics pass costs minutes: opt in, or calibrate first
 HELP = "quantize by plan (RTN / AWQ / GPTQ, INT2..INT8, two-level scales), save, and measure the cost"
@@ -40,8 +41,7 @@ def add_arguments(p):
                    "int8-lpbq: 4-bit integer group scales under a float16 scale per output channel, Qualcomm's LPBQ)")
     p.add_argument("--group-size", type=int, help="columns per scale (default: the plan's, 128); 0 = per-channel")
     p.add_argument("--asymmetric", action="store_true", help="unsigned codes with zero points")
-    p.add_argument("--scale-search", action="store_true", help="each group's range shrunk to the ratio (1.0 down to "
-                   "0.5) with the least squared error instead of min/max (RTN, GPTQ; AWQ has its clip search)")
+    add_scale_search_argument(p, default=None, says="the plan's; on for --bits")
     p.add_argument("--method", choices=METHODS, help="round-to-nearest, AWQ, GPTQ, or AWQ's scales then GPTQ "
                    "(default: the plan's, rtn)")
     p.add_argument("--act-order", action="store_true", help="GPTQ: visit columns by decreasing input energy "
@@ -91,8 +91,8 @@ def _plan_from_args(args) -> QuantPlan:
         changes["group_size"] = args.group_size or None
     if args.asymmetric:
         changes["symmetric"] = False
-    if args.scale_search:
-        changes["scale_search"] = True
+    if args.scale_search is not None:
+        changes["scale_search"] = args.scale_search
     if args.method:
         changes["method"] = args.method
     return replace(plan, **changes) if changes else plan

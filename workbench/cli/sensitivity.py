@@ -14,7 +14,7 @@ from __future__ import annotations
 from ..models import load_model
 from ..sensitivity import DEFAULT_SWEEP_TOKENS, METRICS, run_sensitivity
 from ..workspace import Workspace
-from .common import add_device_argument, add_json_flag, add_model_argument, print_json
+from .common import add_device_argument, add_json_flag, add_model_argument, add_scale_search_argument, print_json
 
 HELP = "per-layer sensitivity sweep (KL and perplexity change of each layer quantized alone)"
 
@@ -26,6 +26,7 @@ def add_sweep_arguments(p) -> None:
                    help=f"evaluation budget in tokens per trial (default {DEFAULT_SWEEP_TOKENS})")
     p.add_argument("--group-size", type=int, default=128, help="quantization group size (0 = per-channel)")
     p.add_argument("--asymmetric", action="store_true", help="asymmetric quantization (zero points)")
+    add_scale_search_argument(p)
     p.add_argument("--score", choices=("auto", "kl", "proxy"), default="auto",
                    help="kl: measure each layer x precision; proxy: estimate all in one pass (Fisher-weighted "
                         "weight error); auto (default): kl for small models, proxy for large ones")
@@ -46,7 +47,8 @@ def sweep(lm, args, progress: bool):
     chosen = getattr(args, "precisions", None)
     precisions = tuple(chosen.split(",")) if chosen else None
     return run_sensitivity(lm, text_path=args.data, tokens=args.tokens, precisions=precisions,
-                           group_size=args.group_size or None, symmetric=not args.asymmetric, score=args.score,
+                           group_size=args.group_size or None, symmetric=not args.asymmetric,
+                           scale_search=args.scale_search, score=args.score,
                            workspace=Workspace(args.workspace) if args.workspace else Workspace(),
                            force=args.force, progress=progress)
 
@@ -57,7 +59,7 @@ def run(args) -> int:
     layers = [{"name": layer.name, "block": layer.block, "role": layer.role, "shape": list(layer.shape),
                "parameters": layer.parameters, "tied_to": layer.tied_to, **layer.damage} for layer in report.layers]
     out = {"model": str(lm.path), "precisions": list(report.precisions), "tokens": report.tokens, "ctx": report.ctx,
-           "group_size": report.group_size, "symmetric": report.symmetric,
+           "group_size": report.group_size, "symmetric": report.symmetric, "scale_search": report.scale_search,
            "reference_perplexity": report.reference_perplexity, "sweep_seconds": report.seconds,
            "trials_run": report.trials_run, "score": report.score, "score_reason": report.score_reason,
            "metric": METRICS[report.score] + "; ppl_delta: perplexity change", "layers": layers}

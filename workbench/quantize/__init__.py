@@ -13,8 +13,8 @@ from .awq import apply_awq_scales_, fold_awq_scales, load_awq_search, save_awq_s
 from .cost import Baseline, QuantCost, heldout_ids, measure_cost, measure_reference
 from .io import load_quantized, save_quantized, write_report
 from .gptq import gptq_quantize_weight, search_gptq
-from .model import (CALIBRATED_METHODS, METHODS, LayerQuantReport, QuantizedModel, quantize_model,
-                    resolve_group_size)
+from .model import (CALIBRATED_METHODS, METHODS, LayerQuantizer, LayerQuantReport, QuantizedModel, layer_quantizer,
+                    quantize_model, resolve_group_size)
 from .qtensor import QuantizedWeight, pack_bits, pack_int4, unpack_bits, unpack_int4
 from .rtn import fake_quantize, quantize_weight
 
@@ -22,4 +22,4 @@ __all__ = ["QuantizedWeight", "quantize_weight", "fake_quantize", "pack_int4", "
            "QuantizedModel", "LayerQuantReport", "resolve_group_size", "save_quantized", "load_quantized",
            "write_report", "search_awq", "fold_awq_scales", "apply_awq_scales_", "save_awq_search", "load_awq_search", "Baseline", "QuantCost",
            "measure_reference", "measure_cost", "heldout_ids",
-           "gptq_quantize_weight", "search_gptq", "METHODS", "CALIBRATED_METHODS"]
+           "gptq_quantize_weight", "search_gptq", "METHODS", "CALIBRATED_METHODS", "LayerQuantizer", "layer_quantizer"]

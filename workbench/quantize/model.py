@@ -27,7 +27,7 @@ from .rtn import quantize_weight
 from .storage import layer_storage, save_quantized
 
 __all__ = ["LayerQuantReport", "QuantizedModel", "quantize_model", "resolve_group_size", "METHODS",
-           "CALIBRATED_METHODS", "bits_per_weight"]
+           "CALIBRATED_METHODS", "bits_per_weight", "LayerQuantizer", "layer_quantizer"]
 
 METHODS = ("rtn", "awq", "gptq", "awq+gptq")
 CALIBRATED_METHODS = ("awq", "gptq", "awq+gptq")  # they read calibration samples
@@ -47,6 +47,53 @@ def resolve_group_size(in_features: int, group_size: int | None) -> tuple[int | 
                            f"nearest multiple of {FALLBACK_MULTIPLE} {where} it that does")
     return None, (f"group size {group_size} does not divide {in_features} input features and no multiple of "
                   f"{FALLBACK_MULTIPLE} below {in_features} does; using per-channel scales")
+
+
+@dataclass(frozen=True)
+class LayerQuantizer:
+    """How one layer's weight is rounded: every argument ``quantize_weight`` gets for it.
+
+    ``layer_quantizer`` is the one place these come from, so ``quantize_model``, the sensitivity
+    sweep's ``LayerVariants``, the plan evaluator and the Fisher proxy round a layer alike.
+    """
+
+    bits: int
+    group_size: int | None  # after the fallback (``resolve_group_size``)
+    symmetric: bool
+    scale_bits: int | None = None  # two-level sub-scale width; None: a float16 scale per group
+    scale_search: bool = False
+    fallback: str | None = None  # why ``group_size`` differs from the plan's
+
+    def quantize(self, w: torch.Tensor, *, clip_max: torch.Tensor | None = None) -> QuantizedWeight:
+        """RTN of ``w`` (``[out, in]``); AWQ's ``clip_max`` replaces the scale search (its clips set the ranges)."""
+        return quantize_weight(w.detach().to(torch.float32), self.bits, self.group_size, self.symmetric,
+                               clip_max=clip_max, scale_search=self.scale_search and clip_max is None,
+                               scale_bits=self.scale_bits)
+
+
+def layer_quantizer(plan: QuantPlan, precision, shape: tuple[int, int], *, name: str | None = None,
+                    strict: bool = False) -> LayerQuantizer | None:
+    """The quantizer ``plan`` gives a layer of ``shape`` at ``precision`` (None for float precisions and None).
+
+    Raises ``PlanError`` for an unsupported width, a two-level precision in an asymmetric plan, and
+    (``strict``) a group size that does not divide the layer's input features.
+    """
+    prec = get_precision(precision)
+    if prec is None or prec.is_float:
+        return None
+    where = f"layer '{name}': " if name else ""
+    if prec.bits not in SUPPORTED_BITS:
+        raise PlanError(f"{where}{prec.name} ({prec.bits}-bit) weights are not supported; "
+                        f"weight quantization supports {', '.join(f'int{b}' for b in SUPPORTED_BITS)}")
+    if prec.two_level and not plan.symmetric:
+        raise PlanError(f"{where}{prec.name} has two-level scales, which are symmetric; plan "
+                        "with symmetric=true (drop --asymmetric) or give the layer a precision with float16 "
+                        "scales")
+    gs, note = resolve_group_size(shape[1], plan.group_size)
+    if note and strict:
+        raise PlanError(f"{where}{note} (strict mode); choose a group size that divides "
+                        f"{shape[1]} or drop --strict to allow the fallback")
+    return LayerQuantizer(prec.bits, gs, plan.symmetric, prec.scale_bits, plan.scale_search, note)
 
 
 def bits_per_weight(layers, precisions: Mapping[str, str | None], group_size: int | None = None,
@@ -343,32 +390,22 @@ def quantize_model(lm, plan: QuantPlan, *, calibration=None, method: str | None 
     names = [info.name for info in layers]
     plan.validate(names)
     reports, spec = [], {}
-    scale_bits: dict[str, int] = {}  # layers with two-level scales: their sub-scale width
+    quantizers: dict[str, LayerQuantizer] = {}
     precision_of = plan.resolve(names)
     for info in layers:
         pname = precision_of[info.name]
-        prec = get_precision(pname)
         r = LayerQuantReport(info.name, info.kind, info.shape, pname, tied_to=info.tied_to)
         if info.tied_to is not None and pname != precision_of[info.tied_to]:
             r.untied = True
-        if prec is not None and not prec.is_float:
-            if prec.bits not in SUPPORTED_BITS:
-                raise PlanError(f"layer '{info.name}': {prec.name} ({prec.bits}-bit) weights are not supported; "
-                                f"weight quantization supports {', '.join(f'int{b}' for b in SUPPORTED_BITS)}")
-            if prec.two_level and not plan.symmetric:
-                raise PlanError(f"layer '{info.name}': {prec.name} has two-level scales, which are symmetric; plan "
-                                "with symmetric=true (drop --asymmetric) or give the layer a precision with float16 "
-                                "scales")
-            gs, note = resolve_group_size(info.shape[1], plan.group_size)
-            if note and strict:
-                raise PlanError(f"layer '{info.name}': {note} (strict mode); choose a group size that divides "
-                                f"{info.shape[1]} or drop --strict to allow the fallback")
-            r.group_size, r.fallback = gs, note
+        q = layer_quantizer(plan, pname, info.shape, name=info.name, strict=strict)
+        if q is not None:
+            r.group_size, r.fallback = q.group_size, q.fallback
             if not (info.tied_to and not r.untied):
-                spec[info.name] = (prec.bits, gs, plan.symmetric)
-                if prec.two_level:
-                    scale_bits[info.name] = prec.scale_bits
+                spec[info.name] = (q.bits, q.group_size, q.symmetric)
+                quantizers[info.name] = q
         reports.append(r)
+    # layers with two-level scales: their sub-scale width (GPTQ rounds them two-level too)
+    scale_bits = {n: q.scale_bits for n, q in quantizers.items() if q.scale_bits is not None}
 
     float_overrides: dict[str, torch.Tensor] = {}
     clips: dict[str, torch.Tensor] = {}
@@ -424,15 +461,12 @@ def quantize_model(lm, plan: QuantPlan, *, calibration=None, method: str | None 
                 weights[r.name] = weights[r.tied_to]
                 r.weight_error = reports[names.index(r.tied_to)].weight_error
             continue
-        bits, gs, sym = spec[r.name]
         key = f"{r.name}.weight"
         fold_blocks(r.name)
         w = float_overrides.pop(key) if key in float_overrides else params[key].detach().float()
         qw = gptq_weights.pop(r.name, None)
         if qw is None:
-            qw = quantize_weight(w, bits, gs, sym, clip_max=None if r.name not in clips else clips[r.name].to(w.device),
-                                 scale_search=plan.scale_search and r.name not in clips,
-                                 scale_bits=scale_bits.get(r.name))
+            qw = quantizers[r.name].quantize(w, clip_max=clips[r.name].to(w.device) if r.name in clips else None)
         qw = qw.to(w.device)
         r.weight_error = float((w - qw.dequantize()).norm() / w.norm().clamp_min(1e-12))
         weights[r.name] = qw.to("cpu")  # codes are kept and saved on the CPU; build_model moves them back

@@ -285,6 +285,13 @@ def _mnn_weight_args(qm) -> tuple[int | None, int | None, list[str]]:
         return None, None, notes + ["the plan mixes bit widths or group sizes, which one MNN --weightQuantBits setting "
                                     "cannot express: MNN stores the simulated weights in float32 (the simulation's "
                                     "values, not a smaller file)"]
+    if qm.plan.scale_search:
+        # MNN takes each block's scale from its range; a searched scale (a clipped range) is not that range, so its
+        # re-quantization moves codes (int4 g128, tiny model: top-1 agreement with the simulation 0.965, not > 0.99)
+        return None, None, notes + ["the plan's group ranges were searched (scale search), which MNN's re-quantization "
+                                    "from each block's range does not reproduce: MNN stores the simulated weights in "
+                                    "float32 (the simulation's values, not a smaller file); quantize with "
+                                    "--no-scale-search for MNN's own integer weights"]
     bits, group = next(iter(kinds))
     floats = [r.name for r in qm.layers if r.name not in qm.weights and r.kind == "linear"]
     notes.append(f"MNN re-quantizes the simulated weights with --weightQuantBits {bits} --weightQuantBlock "

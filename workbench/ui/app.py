@@ -162,8 +162,7 @@ class WorkbenchApp(StepPanel):
             return None
         plan = self.override_panel.plan
         ok, report = self._attempt("sweeping layer sensitivity...", lambda: run_sensitivity(
-            self.lm, tokens=self.sweep_tokens, group_size=plan.group_size, symmetric=plan.symmetric,
-            workspace=self.workspace, progress=True))
+            self.lm, tokens=self.sweep_tokens, **plan.quantizer_settings, workspace=self.workspace, progress=True))
         if not ok:
             return None
         self.session.sensitivity = report

@@ -60,8 +60,7 @@ class OverridePanel(widgets.VBox):
         self.lm = lm
         self.sensitivity = sensitivity
         self.tokens = tokens
-        self.plan = plan or QuantPlan.uniform("int8", **({"group_size": sensitivity.group_size,
-                                                          "symmetric": sensitivity.symmetric} if sensitivity else {}))
+        self.plan = plan or QuantPlan.uniform("int8", **(sensitivity.quantizer_settings if sensitivity else {}))
         self.plan.validate([info.name for info in lm.layers])
         self._evaluator = evaluator
         self._history: list[QuantPlan] = []
@@ -249,7 +248,7 @@ class OverridePanel(widgets.VBox):
 
     def _evaluator_for(self, plan: QuantPlan) -> PlanEvaluator:
         ev = self._evaluator
-        if ev is None or (ev.variants.group_size, ev.variants.symmetric) != (plan.group_size, plan.symmetric):
+        if ev is None or not ev.variants.matches(plan):  # codes made otherwise are not what Quantize ships
             ids = ev.ids if ev is not None else evaluation_tokens(self.lm, tokens=self.tokens)
             reference = ev.reference if ev is not None else None
             ev = PlanEvaluator(self.lm, ids, variants=LayerVariants.for_plan(self.lm, plan), reference=reference)
@@ -299,12 +298,12 @@ class OverridePanel(widgets.VBox):
         return point
 
     def evaluate_uniform(self) -> list[PlanPoint]:
-        """Add uniform INT8 and INT4 (same group size and symmetry as the current plan) to the chart."""
+        """Add uniform INT8 and INT4 (same group size, symmetry and scale search as the current plan) to the chart."""
         self._freeze(True)
         out = []
         try:
             for p in ("int8", "int4"):
-                plan = QuantPlan.uniform(p, group_size=self.plan.group_size, symmetric=self.plan.symmetric)
+                plan = QuantPlan.uniform(p, **self.plan.quantizer_settings)
                 out.append(self._measure(plan, f"uniform {p}"))
                 self._log(f"uniform {p}: KL {out[-1].kl_divergence:.3e}, ppl {out[-1].perplexity:.3f}")
         except WorkbenchError as e:

@@ -30,14 +30,15 @@ from .base import StepPanel
 __all__ = ["QuantizePanel"]
 
 GROUP_CHOICES = [("32", 32), ("64", 64), ("128", 128), ("256", 256), ("per-channel", None)]
-FROM_PLAN = object()  # default of method / group_size / symmetric: the plan's value (rtn / 128 / True without one)
+FROM_PLAN = object()  # default of method / group_size / symmetric / scale_search: the plan's value (QuantPlan()'s
+# without one)
 
 
 class QuantizePanel(StepPanel):
-    """Choose method, bits, group size and symmetry; Run quantizes, evaluates and shows the cost."""
+    """Choose method, bits, group size, symmetry and scale search; Run quantizes, evaluates and shows the cost."""
 
     def __init__(self, lm: LoadedModel, *, method=FROM_PLAN, bits: int = 4, group_size=FROM_PLAN,
-                 symmetric=FROM_PLAN, plan: QuantPlan | None = None, data=None, text=None, samples: int = 128,
+                 symmetric=FROM_PLAN, scale_search=FROM_PLAN, plan: QuantPlan | None = None, data=None, text=None, samples: int = 128,
                  seq_len: int = 512, ctx: int | None = None, max_tokens: int | None = None,
                  workspace: Workspace | None = None, session=None):
         self.session = session
@@ -58,6 +59,7 @@ class QuantizePanel(StepPanel):
         method = start.method if method is FROM_PLAN else method
         group_size = start.group_size if group_size is FROM_PLAN else group_size
         symmetric = start.symmetric if symmetric is FROM_PLAN else symmetric
+        scale_search = start.scale_search if scale_search is FROM_PLAN else scale_search
         self.method = widgets.Dropdown(options=[("round-to-nearest", "rtn"), ("AWQ", "awq"), ("GPTQ", "gptq"),
                                                 ("AWQ + GPTQ", "awq+gptq")],
                                        value=method, description="method")
@@ -66,6 +68,9 @@ class QuantizePanel(StepPanel):
         self.group_size = widgets.Dropdown(options=self._group_options(group_size), value=group_size,
                                            description="group size")
         self.symmetric = widgets.Checkbox(value=symmetric, description="symmetric", indent=False)
+        self.scale_search = widgets.Checkbox(value=scale_search, description="scale search", indent=False,
+                                             tooltip="each group's range searched for the least error instead of "
+                                                     "min/max (AWQ's clipped layers keep their clips)")
         self.eval_tokens = widgets.IntText(value=max_tokens or 0, description="eval tokens",
                                            tooltip="held-out tokens the cost is measured on; 0 = the whole text")
         self.data = widgets.Text(value=str(data or demo_text_path("calibration")), description="calibration",
@@ -74,8 +79,8 @@ class QuantizePanel(StepPanel):
         self.run_button.on_click(lambda _: self.run())
         self.table_plot, self.error_plot = widgets.Output(), widgets.Output()
         self.warnings = widgets.HTML()
-        self.controls = [self.method, self.bits, self.group_size, self.symmetric, self.data, self.eval_tokens,
-                         self.run_button]
+        self.controls = [self.method, self.bits, self.group_size, self.symmetric, self.scale_search, self.data,
+                         self.eval_tokens, self.run_button]
         head = [widgets.HTML(f"<b>Quantize</b> {html.escape(lm.name)}: weights to integers by plan, cost measured "
                              "against the unquantized model")]
         self.calibration_note = widgets.HTML()
@@ -86,7 +91,7 @@ class QuantizePanel(StepPanel):
             self._watch(session, self._show_calibration, "calibration")
             self._show_calibration()
         super().__init__([
-            *head, widgets.HBox([self.method, self.bits, self.group_size, self.symmetric]),
+            *head, widgets.HBox([self.method, self.bits, self.group_size, self.symmetric, self.scale_search]),
             widgets.HBox([self.data, self.calibration_note]),
             widgets.HBox([self.eval_tokens, self.run_button]), self.status, self.log_output, self.warnings,
             self.table_plot, self.error_plot])
@@ -119,7 +124,7 @@ class QuantizePanel(StepPanel):
         self.set_plan(change["new"])
 
     def set_plan(self, plan: QuantPlan | None) -> None:
-        """Start the controls from ``plan`` (its method, group size and symmetry; bits "plan")."""
+        """Start the controls from ``plan`` (its method, group size, symmetry and scale search; bits "plan")."""
         self.base_plan = plan
         if plan is None:
             return
@@ -129,11 +134,12 @@ class QuantizePanel(StepPanel):
         self.group_size.options = self._group_options(plan.group_size)
         self.group_size.value = plan.group_size
         self.symmetric.value = plan.symmetric
+        self.scale_search.value = plan.scale_search
 
     def current_plan(self) -> QuantPlan:
         """The plan the controls describe (the given plan with these settings, or a uniform one)."""
         settings = {"group_size": self.group_size.value, "symmetric": self.symmetric.value,
-                    "method": self.method.value}
+                    "scale_search": self.scale_search.value, "method": self.method.value}
         if self.bits.value == "plan":
             return replace(self.base_plan, **settings)
         return QuantPlan.uniform(self._uniform_precision(), **settings)
@@ -179,7 +185,8 @@ class QuantizePanel(StepPanel):
         """The library calls behind Run: reference (once), calibration for AWQ, quantize, measure, keep."""
         plan = self.current_plan()
         label = (f"{'plan' if self.bits.value == 'plan' else self._uniform_precision().upper()} {plan.method.upper()} "
-                 f"g{plan.group_size or 'channel'}{'' if plan.symmetric else ' asym'}")
+                 f"g{plan.group_size or 'channel'}{'' if plan.symmetric else ' asym'}"
+                 f"{'' if plan.scale_search else ' min/max'}")
         tokens = self.eval_tokens.value or None
         if self.baseline is None or self._baseline_tokens != tokens:  # rows compare on one text: start them again
             self.baseline = measure_reference(self.lm.model, heldout_ids(self.lm, self.text_path, tokens), ctx=self.ctx)

@@ -50,6 +50,8 @@ def describe_plan(plan: QuantPlan, lm: LoadedModel | None = None) -> str:
     parts = [plan.method.upper(), f"g{plan.group_size}" if plan.group_size else "per-channel"]
     if not plan.symmetric:
         parts.append("asym")
+    if not plan.scale_search:
+        parts.append("min/max ranges")
     if lm is not None:
         parts.append(f"{plan_footprint(lm, plan)['bits_per_weight']:.2f} bits/w")
     return f"plan {plan_hash(plan)} ({', '.join(parts)})"
