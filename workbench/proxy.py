@@ -172,7 +172,6 @@ def _weight_error(weight: torch.Tensor, fisher: torch.Tensor, precisions: Sequen
     """``1/2 sum F * (W - Q(W))^2`` per precision, quantizing ``ROW_CHUNK`` rows at a time."""
     from .quantize import resolve_group_size
     from .quantize.rtn import fake_quantize
-    gs = resolve_group_size(weight.shape[1], group_size)[0]
     n = len(rows) if rows is not None else weight.shape[0]
     out = {p: 0.0 for p in precisions}
     for a in range(0, n, ROW_CHUNK):
@@ -181,7 +180,8 @@ def _weight_error(weight: torch.Tensor, fisher: torch.Tensor, precisions: Sequen
         f = fisher[idx]
         for p in precisions:
             prec = get_precision(p)
-            err = w - fake_quantize(w, prec.bits, gs, symmetric, scale_bits=prec.scale_bits)
+            gs = resolve_group_size(weight.shape[1], group_size, prec)[0]
+            err = w - fake_quantize(w, prec.bits, gs, symmetric, scale_bits=prec.sub_scales)
             out[p] += 0.5 * float((err.square_() * f).sum())
     return out
 

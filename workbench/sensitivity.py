@@ -62,9 +62,16 @@ REPORT_FILE = "sensitivity.json"
 
 
 
-def sweep_precisions(symmetric: bool = True) -> tuple[str, ...]:
-    """Every registered integer precision, read when called (two-level ones only for symmetric plans)."""
-    return tuple(p.name for p in PRECISIONS.values() if not p.is_float and (symmetric or not p.two_level))
+def sweep_precisions(symmetric: bool = True, layers: Iterable | None = None) -> tuple[str, ...]:
+    """Every registered integer precision, read when called (two-level ones only for symmetric plans).
+
+    Given a model's ``layers``, a fixed block layout (``int3-k``'s 256-weight blocks) is left out when
+    some layer's inputs are not a multiple of its blocks (Qwen2.5-0.5B's 896): a sweep measures every
+    layer at every precision it offers, so the auto plan can give any layer any of them.
+    """
+    layers = list(layers or ())
+    return tuple(p.name for p in PRECISIONS.values() if not p.is_float and (symmetric or not p.two_level)
+                 and not any(p.misfit(info.shape[1]) for info in layers))
 
 
 def model_fingerprint(lm: LoadedModel) -> str:
@@ -146,10 +153,11 @@ class LayerVariants:
     def original(self, name: str) -> torch.Tensor:
         return _module(self.lm.model, name).weight.detach()
 
-    def group_size_for(self, name: str) -> int | None:
-        """The group size ``quantize_model`` uses for this layer (its fallback when the plan's does not divide)."""
+    def group_size_for(self, name: str, precision=None) -> int | None:
+        """The group size ``quantize_model`` uses for this layer (its fallback when the plan's does not divide;
+        a fixed layout's own)."""
         from .quantize import resolve_group_size
-        return resolve_group_size(self.original(name).shape[1], self.group_size)[0]
+        return resolve_group_size(self.original(name).shape[1], self.group_size, precision)[0]
 
     def _canonical(self, name: str) -> str:
         try:
@@ -173,8 +181,8 @@ class LayerVariants:
         if key in self._cache:
             self._cache.move_to_end(key)
             return self._cache[key]
-        qw = quantize_weight(self.original(name).to(torch.float32), p.bits, self.group_size_for(name),
-                             self.symmetric, scale_bits=p.scale_bits)
+        qw = quantize_weight(self.original(name).to(torch.float32), p.bits, self.group_size_for(name, p),
+                             self.symmetric, scale_bits=p.sub_scales)
         size = _code_bytes(qw)
         if size <= self.cache_bytes:
             while self._cache and self.cached_bytes + size > self.cache_bytes:
@@ -618,7 +626,7 @@ def run_sensitivity(lm: LoadedModel, *, ids: torch.Tensor | None = None, text_pa
     """
     lm.require_float("sensitivity")  # a quantized model's layers are already integers: sweep its float source
     if precisions is None:
-        precisions = sweep_precisions(evaluator.variants.symmetric if evaluator is not None else symmetric)
+        precisions = sweep_precisions(evaluator.variants.symmetric if evaluator is not None else symmetric, lm.layers)
     for p in precisions:
         prec = get_precision(p)
         if prec is None or prec.is_float:

@@ -13,7 +13,7 @@ error instead).
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, astuple, dataclass, field
 from pathlib import Path
 from typing import Mapping
 
@@ -22,7 +22,7 @@ from torch import nn
 
 from ..errors import PlanError
 from ..plan import QuantPlan, get_precision
-from .qtensor import SUPPORTED_BITS, QuantizedWeight
+from .qtensor import SUPPORTED_BITS, QuantizedWeight, SubScales
 from .rtn import quantize_weight
 from .storage import layer_storage, save_quantized
 
@@ -34,8 +34,19 @@ CALIBRATED_METHODS = ("awq", "gptq", "awq+gptq")  # they read calibration sample
 FALLBACK_MULTIPLE = 32  # fallback group sizes stay multiples of 32, as kernels and NPUs expect
 
 
-def resolve_group_size(in_features: int, group_size: int | None) -> tuple[int | None, str | None]:
-    """The group size a layer with ``in_features`` inputs gets, and a note when it had to fall back."""
+def resolve_group_size(in_features: int, group_size: int | None,
+                       precision=None) -> tuple[int | None, str | None]:
+    """The group size a layer with ``in_features`` inputs gets, and a note when it had to fall back.
+
+    A ``precision`` with a fixed layout (``int3-k``: 16-weight groups in 256-weight super-blocks) has its
+    own group size, and a layer it does not fit is refused: its blocks cannot fall back.
+    """
+    prec = get_precision(precision)
+    if prec is not None and prec.group_size:
+        why = prec.misfit(in_features)
+        if why:
+            raise PlanError(f"{why}; give the layer a precision with float16 group scales (int3, int6, ...)")
+        return prec.group_size, None
     if group_size is None or in_features % group_size == 0:
         return group_size, None
     below = range(group_size - group_size % FALLBACK_MULTIPLE, 0, -FALLBACK_MULTIPLE)
@@ -67,7 +78,7 @@ def bits_per_weight(layers, precisions: Mapping[str, str | None], group_size: in
         if key in counted:
             continue
         out_features, in_features = info.shape
-        gs = None if prec.is_float else resolve_group_size(in_features, group_size)[0]
+        gs = None if prec.is_float else resolve_group_size(in_features, group_size, prec)[0]
         counted[key] = (prec.weight_bytes(out_features, in_features, gs, symmetric), out_features * in_features)
     weights = sum(n for _, n in counted.values())
     return 8 * sum(b for b, _ in counted.values()) / weights if weights else 0.0
@@ -343,7 +354,7 @@ def quantize_model(lm, plan: QuantPlan, *, calibration=None, method: str | None 
     names = [info.name for info in layers]
     plan.validate(names)
     reports, spec = [], {}
-    scale_bits: dict[str, int] = {}  # layers with two-level scales: their sub-scale width
+    scale_bits: dict[str, SubScales] = {}  # layers with two-level scales: their sub-scale layout
     precision_of = plan.resolve(names)
     for info in layers:
         pname = precision_of[info.name]
@@ -359,7 +370,10 @@ def quantize_model(lm, plan: QuantPlan, *, calibration=None, method: str | None 
                 raise PlanError(f"layer '{info.name}': {prec.name} has two-level scales, which are symmetric; plan "
                                 "with symmetric=true (drop --asymmetric) or give the layer a precision with float16 "
                                 "scales")
-            gs, note = resolve_group_size(info.shape[1], plan.group_size)
+            try:
+                gs, note = resolve_group_size(info.shape[1], plan.group_size, prec)
+            except PlanError as e:
+                raise PlanError(f"layer '{info.name}': {e}") from None
             if note and strict:
                 raise PlanError(f"layer '{info.name}': {note} (strict mode); choose a group size that divides "
                                 f"{info.shape[1]} or drop --strict to allow the fallback")
@@ -367,7 +381,7 @@ def quantize_model(lm, plan: QuantPlan, *, calibration=None, method: str | None 
             if not (info.tied_to and not r.untied):
                 spec[info.name] = (prec.bits, gs, plan.symmetric)
                 if prec.two_level:
-                    scale_bits[info.name] = prec.scale_bits
+                    scale_bits[info.name] = prec.sub_scales
         reports.append(r)
 
     float_overrides: dict[str, torch.Tensor] = {}
@@ -399,7 +413,9 @@ def quantize_model(lm, plan: QuantPlan, *, calibration=None, method: str | None 
             return fold_awq_scales(model, {"groups": unfolded.get(block, [])}) if unfolded else {}
         settings = {"tokens": gptq_tokens or default_gptq_tokens(model), "act_order": act_order,
                     "checkpoint_version": 1,
-                    "scale_search": plan.scale_search, "scale_bits": dict(sorted(scale_bits.items()))}
+                    "scale_search": plan.scale_search,
+                    "scale_bits": {n: list(astuple(v)) if v.top or v.super_block else v.bits
+                                   for n, v in sorted(scale_bits.items())}}
         checkpoint = _gptq_checkpoint(workspace, model, samples, spec, settings,
                                       awq_search if method == "awq+gptq" else None)
         gptq_result = search_gptq(model, samples, spec, max_tokens=settings["tokens"], act_order=act_order,
