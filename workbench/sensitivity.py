@@ -632,6 +632,10 @@ def run_sensitivity(lm: LoadedModel, *, ids: torch.Tensor | None = None, text_pa
         if prec is None or prec.is_float:
             raise PlanError(f"sensitivity sweeps integer precisions ({', '.join(sweep_precisions())}), not '{p}'")
     precisions = tuple(get_precision(p).name for p in precisions)
+    for p in precisions:
+        misfit = next((why for info in lm.layers if (why := get_precision(p).misfit(info.shape[1]))), None)
+        if misfit:
+            raise PlanError(f"cannot sweep {p} on this model: {misfit}; leave it out (the default sweep does)")
     if evaluator is None:
         if ids is None:
             ids = evaluation_tokens(lm, text_path, tokens)
