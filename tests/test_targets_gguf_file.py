@@ -99,3 +99,20 @@ def test_a_fixed_layout_that_does_not_fit_a_layer_is_refused_naming_it(lm):
         quantize_model(lm, QuantPlan.uniform("int3-k"), progress=False)
     from workbench.sensitivity import sweep_precisions
     assert "int3-k" in sweep_precisions() and "int3-k" not in sweep_precisions(True, lm.layers)
+
+
+def test_a_saved_quantized_model_converts_to_the_same_gguf(tmp_path):
+    """From a `workbench quantize` directory (layers loaded as integer modules) the file is the same."""
+    from workbench.models import load_model
+    from workbench.quantize import load_quantized, save_quantized
+    lm = load_model(build_tiny_model(tmp_path / "m", "qwen2", hidden=256, intermediate=512, layers=1))
+    qm = quantize_model(lm, QuantPlan.uniform("int4", group_size=32).with_override("*.down_proj", "int6-k"),
+                        progress=False)
+    direct = write_gguf(qm, tmp_path / "direct.gguf")
+    save_quantized(qm, tmp_path / "q")
+    _, again = load_quantized(tmp_path / "q")
+    reloaded = write_gguf(again, tmp_path / "reloaded.gguf")
+    assert check_gguf(again, reloaded)["max_abs_diff"] == 0.0
+    a, b = (gguf.GGUFReader(str(p)) for p in (direct, reloaded))
+    assert [(t.name, t.tensor_type, bytes(t.data)) for t in a.tensors] == \
+        [(t.name, t.tensor_type, bytes(t.data)) for t in b.tensors]

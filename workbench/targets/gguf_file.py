@@ -224,6 +224,18 @@ def _add_hyperparameters(writer, config, arch: str, name: str) -> None:
         writer.add_vocab_size(config.vocab_size)
 
 
+def _parameter_names(model, layers: set[str]) -> list[str]:
+    """Every weight's name in model order; a quantized layer (its weight a buffer) counts as ``NAME.weight``."""
+    names = []
+    for mname, module in model.named_modules(remove_duplicate=False):
+        prefix = f"{mname}." if mname else ""
+        if mname in layers:
+            names.append(f"{prefix}weight")
+        names += [f"{prefix}{p}" for p, _ in module.named_parameters(recurse=False)
+                  if not (mname in layers and p == "weight")]
+    return list(dict.fromkeys(names))
+
+
 _BLOCK = {"Q4_0": (32, 18), "Q5_0": (32, 22), "Q8_0": (32, 34), "Q3_K": (256, 110), "Q6_K": (256, 210)}
 
 
@@ -242,7 +254,7 @@ def _tensors(qm) -> list[tuple[str, str, tuple, np.dtype, int, object]]:
     integer = {f"{n}.weight": n for n in qm.weights}
     tied = {r.name for r in qm.layers if r.tied_to and not r.untied}
     out = []
-    for name in [n for n, _ in lm.model.named_parameters(remove_duplicate=False)]:
+    for name in _parameter_names(lm.model, {r.name for r in qm.layers}):
         layer = name.removesuffix(".weight")
         if layer in tied:
             continue  # llama.cpp reads token_embd for a tied output layer
@@ -265,7 +277,7 @@ def _tensors(qm) -> list[tuple[str, str, tuple, np.dtype, int, object]]:
                 return data if rotary is None else _permute_rows(data, rotary)
             out.append((target, kind, shape, np.dtype(np.uint8), shape[0] * shape[1], make))
             continue
-        t = floats[name] if name in floats else params[name].detach()
+        t = floats[name] if name in floats else params[name].detach()  # norms, biases: in float_storage too
         prec = get_precision(precisions.get(layer))
         half = t.dim() >= 2 and (prec.bits == 16 if prec is not None else t.dtype != torch.float32)
         kind, dtype = ("F16", np.float16) if half else ("F32", np.float32)
