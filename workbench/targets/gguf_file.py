@@ -31,7 +31,7 @@ from ..errors import PlanError
 from ..plan import get_precision
 from ..quantize.qtensor import QuantizedWeight
 
-__all__ = ["ggml_type_of", "pack_blocks", "write_gguf", "check_gguf", "gguf_tensor_names", "GGUF_ARCHES"]
+__all__ = ["ggml_type_of", "pack_blocks", "write_gguf", "check_gguf", "gguf_parameter_name", "GGUF_ARCHES"]
 
 GGUF_ARCHES = {"qwen2": "qwen2", "qwen3": "qwen3", "llama": "llama"}  # Hugging Face model_type -> GGUF architecture
 _LEGACY = {4: "Q4_0", 5: "Q5_0", 8: "Q8_0"}  # symmetric b-bit codes with a float16 scale per 32 weights
@@ -133,7 +133,7 @@ def pack_blocks(qw: QuantizedWeight) -> tuple[str, np.ndarray]:
     return kind, np.ascontiguousarray(blocks.reshape(qw.shape[0], -1))
 
 
-def gguf_tensor_names(name: str) -> str | None:
+def gguf_parameter_name(name: str) -> str | None:
     """The GGUF tensor name of a Hugging Face parameter (``model.layers.3.mlp.up_proj.weight`` ->
     ``blk.3.ffn_up.weight``), as llama.cpp's converter names it; None when it has none."""
     if name == "model.embed_tokens.weight":
@@ -258,7 +258,7 @@ def _tensors(qm) -> list[tuple[str, str, tuple, np.dtype, int, object]]:
         layer = name.removesuffix(".weight")
         if layer in tied:
             continue  # llama.cpp reads token_embd for a tied output layer
-        target = gguf_tensor_names(name)
+        target = gguf_parameter_name(name)
         if target is None:
             raise PlanError(f"parameter '{name}' has no GGUF tensor name known here; this architecture is not "
                             "written by the workbench's GGUF writer")
@@ -342,7 +342,7 @@ def check_gguf(qm, path: str | Path) -> dict:
     for layer, qw in qm.weights.items():
         if layer in tied:
             continue
-        target = gguf_tensor_names(f"{layer}.weight")
+        target = gguf_parameter_name(f"{layer}.weight")
         t = by_name.get(target)
         if t is None:
             raise PlanError(f"'{path}' has no tensor {target} for layer {layer}")

@@ -24,26 +24,19 @@ from ..errors import PlanError
 from ..models import LoadedModel
 from ..plan import QuantPlan, get_precision
 from ..workspace import atomic_write_text
-from .common import OverrideFile, block_role, layer_precisions
-from .gguf_file import check_gguf, write_gguf
+from .common import OverrideFile, layer_precisions
+from .gguf_file import check_gguf, gguf_parameter_name, write_gguf
 from .registry import OverrideFormat, Target, check_precisions, register_target
 
 __all__ = ["gguf_tensor_name", "llamacpp_tensor_types", "write_llamacpp_tensor_types", "read_llamacpp_tensor_types",
-           "convert_llamacpp", "GGUF_ROLES", "TARGET"]
-
-GGUF_ROLES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-              "mlp.down_proj": "ffn_down"}
-
+           "convert_llamacpp", "TARGET"]
 
 def gguf_tensor_name(fqn: str) -> str | None:
     """The GGUF tensor (without ``.weight``) of a Hugging Face layer name, as llama.cpp's converter names it."""
     if fqn.endswith("embed_tokens"):
         return "token_embd"
-    if fqn == "lm_head":
-        return "output"
-    role = block_role(fqn)
-    return None if role is None else f"blk.{role[0]}.{GGUF_ROLES[role[1]]}"
+    name = gguf_parameter_name(f"{fqn}.weight")
+    return None if name is None else name.removesuffix(".weight")
 
 
 def _gguf_type(precision, symmetric: bool) -> str:
