@@ -383,7 +383,7 @@ def main() -> None:
         wb = row["workbench"]
         if "llama_kl" in wb:
             theirs = min((r["kl"] for r in row.get("llama_cpp", [])), default=float("nan"))
-            print(f"  {row['bits']:.2f} bpw: the plan's own GGUF ({wb['gguf_bits']:.3f} bpw as written, weights "
+            print(f"  {row['bits']:.2f} bpw: the plan's own GGUF ({wb['gguf_bits']:.4f} bpw as written, weights "
                   f"{'equal to' if wb['gguf_exact'] else 'DIFFERENT from'} the simulation's) scored by "
                   f"llama-perplexity: KL {wb['llama_kl']:.5f} ± {wb['llama_kl_se']:.5f}, same top token "
                   f"{wb['llama_same_top']:.4f} (llama.cpp's own type there: {theirs:.5f}, "
