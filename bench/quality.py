@@ -21,6 +21,12 @@ sweep per group size and symmetry over every registered integer precision of 3 b
 standard error over chunks (``--target NAME``: only the precisions that target carries). Its size
 counts every stored code, scale and zero point (``lm.size_bytes``: norms at fp16).
 
+``--target llama.cpp``: plans in llama.cpp's own blocks (symmetric int4 / int5 / int8 with a float16
+scale per 32 weights: Q4_0 / Q5_0 / Q8_0; int3-k / int6-k: Q3_K / Q6_K), budgeted so the written GGUF
+(float32 norms) is no bigger than llama.cpp's; each winner is written as a GGUF holding its own integers
+(``workbench convert --target llama.cpp``), checked equal to the simulation, and scored by
+``llama-perplexity --kl-divergence`` itself: llama.cpp measuring both files on its own protocol.
+
 Without llama.cpp the k-quant sizes measured on the demo model are used (``--sizes``) and its absence is
 printed. Times and peaks are not this bench's concern (``bench/quantize.py``).
 """
@@ -67,7 +73,7 @@ class LlamaCpp:
         p = llama_cpp.run([str(self.bin / tool), *args], tool)
         return p.stdout + p.stderr
 
-    def run_parsed(self, parse, tool: str, *args: str, tries: int = 3):
+    def run_parsed(self, parse, tool: str, *args: str, tries: int = 6):
         """``parse`` of a tool's output. llama.cpp's log is written by a background thread that a busy machine
         can leave unflushed at exit (a summary line then missing, exit status 0): such a run is repeated."""
         for attempt in range(tries):
@@ -78,20 +84,40 @@ class LlamaCpp:
                     raise
 
 
+_ROW = re.compile(r"^\s*(\d+)\s+([\d.]+)\s+±\s+([\d.]+)\s+([-\d.]+)\s+±\s+([\d.]+)\s+([-\d.]+)\s+±\s+([\d.]+)"
+                  r"\s+([\d.]+)\s+±\s+([\d.]+)\s+%\s+([\d.]+)\s+±\s+([\d.]+)\s+%", re.M)
+
+
 def parse_kl(output: str) -> dict:
-    """The summary of ``llama-perplexity --kl-divergence``: KL and PPL(Q) with their standard errors."""
+    """The summary of ``llama-perplexity --kl-divergence``: KL and PPL(Q) with their standard errors.
+
+    Without the summary (llama.cpp's background logger can lose the end of its output at exit) the
+    per-chunk table's row for the last chunk is taken: its running means are the same figures, KL to 5
+    decimals instead of 6 (``from_table`` says so).
+    """
     found = {}
     for key, pattern in (("kl", r"Mean\s+KLD:\s+([-\d.e]+)\s+±\s+([-\d.e]+)"),
                          ("perplexity", r"Mean PPL\(Q\)\s+:\s+([-\d.e]+)\s+±\s+([-\d.e]+)"),
                          ("same_top", r"Same top p:\s+([-\d.e]+)\s+±\s+([-\d.e]+)")):
         m = re.search(pattern, output)
         if not m:
-            raise ValueError(f"llama-perplexity output has no '{key}' summary line; is this its --kl-divergence "
-                             f"output? It ends:\n{output[-1500:]}")
+            return _parse_kl_table(output)
         found[key], found[key + "_se"] = float(m.group(1)), float(m.group(2))
     found["same_top"] /= 100
     found["same_top_se"] /= 100
     return found
+
+
+def _parse_kl_table(output: str) -> dict:
+    total = re.search(r"computing over (\d+) chunks", output)
+    rows = {int(m.group(1)): m for m in _ROW.finditer(output)}
+    last = rows.get(int(total.group(1))) if total else None
+    if last is None:
+        raise ValueError(f"llama-perplexity output has no KL summary nor the last chunk's row; is this its "
+                         f"--kl-divergence output? It ends:\n{output[-1500:]}")
+    g = [float(x) for x in last.groups()[1:]]
+    return {"perplexity": g[0], "perplexity_se": g[1], "kl": g[4], "kl_se": g[5], "same_top": g[8] / 100,
+            "same_top_se": g[9] / 100, "from_table": True}
 
 
 def parse_perplexity(output: str) -> float:
@@ -158,7 +184,7 @@ def llamacpp_rows(llama: LlamaCpp, lm, baseline, text: Path, ctx: int, types, th
     base = tmp / "base.kld"
     f32_perplexity = llama.run_parsed(parse_perplexity, "llama-perplexity", "-m", str(f32), "-f", str(text), "-c",
                                       str(ctx), "-t", str(threads), "--kl-divergence-base", str(base))
-    info = {"f32_perplexity": f32_perplexity,
+    info = {"f32_perplexity": f32_perplexity, "base": str(base),
             "converter_notes": [ln for ln in notes.splitlines() if "gpt-2" in ln]}
     rows = []
     for qtype in types:
@@ -175,9 +201,11 @@ def llamacpp_rows(llama: LlamaCpp, lm, baseline, text: Path, ctx: int, types, th
 
 
 def best_plans(lm, baseline, sizes, *, configs, calibration, workspace, sweep_tokens: int, target: str | None = None,
-               log=print) -> list[dict]:
+               offset: float = 0.0, log=print) -> list[dict]:
     """For each size, the automatic plan (GPTQ, scale search) with the least measured KL among ``configs``;
-    with ``target``, among the precisions that target carries (what it can ship)."""
+    with ``target``, among the precisions that target carries (what it can ship). ``offset``: bits/weight
+    the shipped file adds beyond the plan's count (a GGUF's float32 norms), taken off each budget.
+    The winner keeps its quantized model (``qm``) for writing."""
     from workbench.autoplan import plan_for_budget
     from workbench.errors import PlanError
     from workbench.plan import PRECISIONS
@@ -187,7 +215,7 @@ def best_plans(lm, baseline, sizes, *, configs, calibration, workspace, sweep_to
     sweeps = {}
     for gs, sym in configs:
         t0 = time.perf_counter()
-        integers = [p for p in sweep_precisions(sym) if PRECISIONS[p].bits >= 3  # int2 never pays here
+        integers = [p for p in sweep_precisions(sym, lm.layers) if PRECISIONS[p].bits >= 3  # int2 never pays here
                     and (target is None or get_target(target).carries(PRECISIONS[p]))]
         sweeps[gs, sym] = run_sensitivity(lm, tokens=sweep_tokens, precisions=integers, group_size=gs, symmetric=sym,
                                           workspace=workspace, progress=False)
@@ -197,7 +225,7 @@ def best_plans(lm, baseline, sizes, *, configs, calibration, workspace, sweep_to
         found = None
         for (gs, sym), sens in sweeps.items():
             try:
-                pred = plan_for_budget(lm, sens, bits_per_weight=size,  # fp16 and every precision swept
+                pred = plan_for_budget(lm, sens, bits_per_weight=size - offset,  # fp16 and every precision swept
                                        targets=[target] if target else ())
             except PlanError:
                 continue  # this group size's scales alone do not fit the size
@@ -207,17 +235,40 @@ def best_plans(lm, baseline, sizes, *, configs, calibration, workspace, sweep_to
             bits = 8 * lm.size_bytes(plan) / lm.parameters
             label = f"g{gs} {'sym' if sym else 'asym'}"
             log(f"  {size:.2f} bpw: {label:<10} -> {bits:.3f} bpw, KL {cost.kl_divergence:.5f}")
-            if bits <= size + 1e-9 and (found is None or cost.kl_divergence < found["kl"]):
+            if bits <= size - offset + 1e-9 and (found is None or cost.kl_divergence < found["kl"]):
                 mix = {}
                 for p in pred.assignments.values():
                     mix[p] = mix.get(p, 0) + 1
                 embedding = next((pred.assignments[i.name] for i in lm.layers if i.kind == "embedding"), None)
                 found = {"size": size, "config": label, "bits": bits, "kl": cost.kl_divergence, "embedding": embedding,
                          "kl_se": cost.kl_divergence_stderr, "perplexity": cost.perplexity, "top1": cost.top1_agreement,
-                         "mix": mix, "plan": plan.to_dict(), "report": cost.report}
+                         "mix": mix, "plan": plan.to_dict(), "report": cost.report, "qm": qm}
             del qm
         best.append(found or {"size": size, "config": None})
     return best
+
+
+def gguf_offset(lm) -> float:
+    """Bits/weight a GGUF adds beyond the plan's count: its norms and biases are float32, the plan counts 16 bits."""
+    layer_weights = {f"{i.name}.weight" for i in lm.layers}
+    unique = {id(p): (n, p) for n, p in lm.model.named_parameters()}.values()
+    return 16 * sum(p.numel() for n, p in unique if n not in layer_weights) / lm.parameters
+
+
+def score_workbench_ggufs(llama: LlamaCpp, best: list[dict], base: Path, ctx: int, threads: int, tmp: Path) -> None:
+    """Each winning plan written as GGUF with its own integers and scored by llama-perplexity itself."""
+    from workbench.targets.gguf_file import check_gguf, write_gguf
+    gguf, _ = llama_cpp.gguf_module(llama.root)
+    for wb in best:
+        qm = wb.pop("qm", None)
+        if qm is None:
+            continue
+        path = write_gguf(qm, tmp / f"workbench-{wb['size']:.2f}.gguf")
+        wb["gguf_exact"] = check_gguf(qm, path)["max_abs_diff"] == 0.0
+        wb["gguf_bits"] = gguf_bits_per_weight(gguf.GGUFReader(path))
+        got = llama.run_parsed(parse_kl, "llama-perplexity", "-m", str(path), "-c", str(ctx), "-t", str(threads),
+                               "--kl-divergence-base", str(base), "--kl-divergence")
+        wb.update(llama_kl=got["kl"], llama_kl_se=got["kl_se"], llama_same_top=got["same_top"])
 
 
 def main() -> None:
@@ -249,6 +300,8 @@ def main() -> None:
 
     log = (lambda *a, **k: print(*a, file=sys.stderr, **k)) if args.json else print
     configs = [(int(c[:-1]), c[-1] == "s") for c in args.configs.split(",")]
+    if args.target == "llama.cpp":  # its blocks hold symmetric codes, 32 weights a float16 scale (or int3-k/int6-k)
+        configs = [(32, True)]
     llama = LlamaCpp.find(args.llama_cpp)
     lm = load_model(args.model, dtype="float32")
     text = Path(demo_text_path("heldout"))
@@ -277,9 +330,14 @@ def main() -> None:
         ws = Workspace(tmp / "ws")
         t0 = time.perf_counter()
         calibration = calibrate(lm, samples=args.samples, seq_len=args.seq_len, workspace=ws, progress=False)
+        offset = gguf_offset(lm) if args.target == "llama.cpp" else 0.0
         best = best_plans(lm, baseline, sizes, configs=configs, calibration=calibration, workspace=ws,
-                          sweep_tokens=args.sweep_tokens, target=args.target, log=log)
+                          sweep_tokens=args.sweep_tokens, target=args.target, offset=offset, log=log)
         out["workbench_seconds"] = time.perf_counter() - t0
+        if llama is not None and args.target == "llama.cpp":
+            score_workbench_ggufs(llama, best, Path(info["base"]), args.ctx, args.threads, tmp)
+        for wb in best:
+            wb.pop("qm", None)
     rows = []
     for size, wb in zip(sizes, best):  # the reports pair chunk by chunk, then leave the printable rows
         ours, theirs = wb.pop("report", None), [r for r in lrows if round(r["bits"], 4) == size]
@@ -321,6 +379,15 @@ def main() -> None:
             mix = ", ".join(f"{n} {p}" for p, n in sorted(wb["mix"].items()))
             print(f"  {row['bits']:.2f} bpw ({wb['config']}): {mix} layers, embedding {wb['embedding']}; "
                   f"perplexity {wb['perplexity']:.3f}, top-1 {wb['top1']:.4f}")
+    for row in rows:
+        wb = row["workbench"]
+        if "llama_kl" in wb:
+            theirs = min((r["kl"] for r in row.get("llama_cpp", [])), default=float("nan"))
+            print(f"  {row['bits']:.2f} bpw: the plan's own GGUF ({wb['gguf_bits']:.4f} bpw as written, weights "
+                  f"{'equal to' if wb['gguf_exact'] else 'DIFFERENT from'} the simulation's) scored by "
+                  f"llama-perplexity: KL {wb['llama_kl']:.5f} ± {wb['llama_kl_se']:.5f}, same top token "
+                  f"{wb['llama_same_top']:.4f} (llama.cpp's own type there: {theirs:.5f}, "
+                  f"{wb['llama_kl'] / theirs:.2f}x)")
     kinds = f"those {args.target} carries" if args.target else \
         "every registered one (some run only in the simulation: see the README)"
     print(f"precisions: {kinds}")

@@ -22,6 +22,7 @@ resident memory (the child's ru_maxrss from os.wait4) are its own:
     export        workbench export MODEL --out ...                           (ONNX prefill/decode + checks)
     convert       workbench convert RTN-OUT --target ort-int4 --out ...      (float MODEL --bits 4 without it)
     convert-genai the same with --target ort-genai (the fused graph onnxruntime-genai runs)
+    convert-gguf  the same with --target llama.cpp (the plan's own integers as one GGUF, read back and checked)
 
 All steps of one shape share a fresh workspace (WORKBENCH_WORKSPACE) unless --workspace names
 one, so a step pays for what it computes, and reads back only what an earlier step of the same
@@ -60,19 +61,19 @@ from shapes import SHAPES  # noqa: E402  (no torch import: build_shape imports i
 
 SCALE_SHAPES = ("qwen2.5-0.5b", "qwen2.5-1.5b", "qwen3-4b")
 STEPS = ("info", "calibrate", "quantize-rtn", "quantize-awq", "quantize-gptq", "eval", "sensitivity", "plan", "export",
-         "convert", "convert-genai")
+         "convert", "convert-genai", "convert-gguf")
 ALIASES = {"load": ("info",), "quantize": ("quantize-rtn", "quantize-awq", "quantize-gptq"), "rtn": ("quantize-rtn",),
            "awq": ("quantize-awq",), "gptq": ("quantize-gptq",), "evaluate": ("eval",), "convert-ort-int4": ("convert",)}
 NEEDS = {"quantize-awq": "calibrate", "quantize-gptq": "calibrate", "plan": "sensitivity"}  # skipped when it failed
 COMMAND = {"quantize-rtn": "quantize", "quantize-awq": "quantize", "quantize-gptq": "quantize"}  # step -> subcommand
-OUTPUTS = ("rtn-int4", "awq-int4", "gptq-int4", "plan.json", "onnx", "ort-int4", "ort-genai")  # removed unless --keep-outputs
+OUTPUTS = ("rtn-int4", "awq-int4", "gptq-int4", "plan.json", "onnx", "ort-int4", "ort-genai", "llama.cpp")  # removed unless --keep-outputs
 GB = 1024.0  # MiB per GiB
 
 # (seconds, peak GiB) limits, None = no limit; a target always requires the step to complete.
 _ALL_9GB = {step: (None, 9.0) for step in STEPS}
 TARGETS: dict[str, dict[str, tuple[float | None, float | None]]] = {
     "qwen2.5-0.5b": {"quantize-rtn": (180.0, 4.0), "quantize-awq": (900.0, 5.0), "sensitivity+plan": (900.0, None),
-                     "convert": (120.0, 4.0), "convert-genai": (120.0, 4.0)},
+                     "convert": (120.0, 4.0), "convert-genai": (120.0, 4.0), "convert-gguf": (120.0, 4.0)},
     "qwen2.5-1.5b": _ALL_9GB,
     "qwen3-4b": {"quantize-rtn": (None, 20.0), "convert": (None, 20.0)},
 }
@@ -183,6 +184,14 @@ def scalar_fields(obj) -> dict:
     return {k: v for k, v in obj.items() if isinstance(v, (int, float, str, bool)) or v is None}
 
 
+def _gguf_detail(out: dict) -> str | None:
+    check = (out.get("details") or {}).get("gguf_check")
+    if not check:
+        return None
+    return (f"{check['weights']:,} weights read back, max |diff| {check['max_abs_diff']:g}, "
+            f"{(out['details'].get('gguf_bytes') or 0) / 2**20:,.0f} MiB")
+
+
 def detail(step: str, out: dict) -> str:
     """A few figures from the step's own --json output for the table."""
     def num(key, fmt):
@@ -203,6 +212,7 @@ def detail(step: str, out: dict) -> str:
         "export": [num("export_seconds", "export {:.1f} s"), num("check_seconds", "checks {:.1f} s")],
         "convert": [num("top1_agreement_vs_simulation", "top-1 vs sim {:.4f}")],
         "convert-genai": [num("top1_agreement_vs_simulation", "top-1 vs sim {:.4f}")],
+        "convert-gguf": [_gguf_detail(out)],
     }.get(step, [])
     return ", ".join(p for p in picks if p)
 
@@ -301,8 +311,8 @@ def step_command(step: str, model: Path, shape_dir: Path, args, rows: dict[str, 
                 "--json"], ""
     if step == "export":
         return ["export", m, "--out", str(shape_dir / "onnx"), "--json"], ""
-    if step in ("convert", "convert-genai"):
-        target = "ort-int4" if step == "convert" else "ort-genai"
+    if step in ("convert", "convert-genai", "convert-gguf"):
+        target = {"convert": "ort-int4", "convert-genai": "ort-genai", "convert-gguf": "llama.cpp"}[step]
         rtn = shape_dir / "rtn-int4"
         if (rtn / "quantization.json").is_file():
             return ["convert", str(rtn), "--target", target, "--out", str(shape_dir / target), "--json"], \

@@ -153,7 +153,8 @@ def test_refinement_keeps_the_budget_and_only_accepts_measured_gains(lm, sens, e
 
 def test_auto_plan_chooses_among_every_registered_precision(lm, sens):
     from workbench.plan import PRECISIONS
-    assert set(sens.precisions) == {p.name for p in PRECISIONS.values() if not p.is_float}
+    # all but the fixed 256-weight layouts, which the tiny model's 64-wide layers cannot hold
+    assert set(sens.precisions) == {p.name for p in PRECISIONS.values() if not p.is_float and not p.misfit(64)}
     budget = plan_footprint(lm, QuantPlan.uniform("int3", keep_embeddings="int3"))["size_bytes"]
     auto = plan_for_budget(lm, sens, size_bytes=budget)
     assert auto.size_bytes <= budget

@@ -25,8 +25,22 @@ def test_parses_llama_perplexity_summaries():
     assert got["kl"] == 0.002728 and got["kl_se"] == 0.00002
     assert got["perplexity"] == pytest.approx(59.080338) and got["same_top"] == pytest.approx(0.95604)
     assert quality["parse_perplexity"]("... Final estimate: PPL = 59.1100 +/- 1.58408") == 59.11
-    with pytest.raises(ValueError, match="'kl' summary"):
+    with pytest.raises(ValueError, match="no KL summary nor the last chunk's row"):
         quality["parse_kl"]("Mean PPL(Q) : 1 ± 2")
+
+
+def test_a_lost_summary_is_read_from_the_last_chunks_row():
+    """llama.cpp's logger can lose the summary at exit; the table's last row holds the same running means."""
+    table = """kl_divergence: computing over 2 chunks, n_ctx=256, batch_size=2048, n_seq=8
+chunk             PPL               ln(PPL(Q)/PPL(base))          KL Divergence              Δp RMS            Same top p
+   1      56.0410 ±    1.5545       0.00032 ±    0.00037       0.00072 ±    0.00001     0.477 ±  0.008 %    97.732 ±  0.144 %
+   2      58.8083 ±    1.5849       0.00027 ±    0.00036       0.00071 ±    0.00002     0.471 ±  0.008 %    97.673 ±  0.141 %
+"""
+    got = quality["parse_kl"](table)
+    assert got["kl"] == 0.00071 and got["kl_se"] == 0.00002 and got["from_table"]
+    assert got["perplexity"] == 58.8083 and got["same_top"] == pytest.approx(0.97673)
+    with pytest.raises(ValueError, match="last chunk's row"):  # the last chunk's row lost too: run it again
+        quality["parse_kl"](table.rsplit("   2 ", 1)[0])
 
 
 def test_gguf_bits_count_every_tensor():

@@ -329,15 +329,19 @@ def test_registered_precision_works_through_every_target_or_is_refused_by_name(l
             convert(tiny_model_dir, "qnn", tmp_path / name, plan=plan, evaluate_outputs=False)
 
 
-def test_llamacpp_bundle_has_the_plans_tensor_types_and_commands(prepared, tiny_model_dir, tmp_path, lm):
-    from workbench.overrides import read_overrides
+def test_llamacpp_gguf_holds_the_plans_own_integers(prepared, tiny_model_dir, tmp_path, lm):
+    pytest.importorskip("gguf")
     report = convert(tiny_model_dir, "llama.cpp", tmp_path, prepared=prepared)
     assert not report.runnable and report.kl_divergence is None
-    types = read_overrides("llamacpp", tmp_path / "tensor-types.txt", lm)
-    assert types == prepared.qm.precisions  # the tied lm_head reads token_embd: the same precision
+    check = report.details["gguf_check"]
+    assert check["max_abs_diff"] == 0.0 and check["tensors"] == 14 and check["types"] == {"Q4_0": 14}
+    assert report.details["gguf_bytes"] == (tmp_path / "model.gguf").stat().st_size
+    assert any("32-weight blocks repeating their scale" in n for n in report.notes)  # g64 on 64 inputs
     cmds = (tmp_path / "commands.sh").read_text()
-    assert "llama-quantize\" --tensor-type-file tensor-types.txt model-f16.gguf model-mixed.gguf Q4_0" in cmds
-    assert str(tiny_model_dir) in cmds and "convert_hf_to_gguf.py" in cmds
+    assert "llama-perplexity\" -m model.gguf" in cmds
+    with pytest.raises(PlanError, match="asymmetric zero points"):
+        convert(tiny_model_dir, "llama.cpp", tmp_path / "asym", plan=QuantPlan.uniform("int4", symmetric=False),
+                evaluate_outputs=False)
 
 
 def test_mnn_weight_file_of_a_large_model_is_kept_with_it(tiny_model_dir, tmp_path, monkeypatch):

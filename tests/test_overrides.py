@@ -116,7 +116,7 @@ def test_llamacpp_names_and_round_trip(lm, tmp_path):
     lines = f.path.read_text().splitlines()
     assert "^blk\\.1\\.attn_q\\.weight$=f16" in lines and "^blk\\.0\\.ffn_down\\.weight$=q4_0" in lines
     assert read_overrides("llamacpp", f.path, lm) == plan.resolve(_names(lm))
-    assert any("32-weight blocks" in n for n in f.notes)
+    assert any("computes its own scales" in n for n in f.notes)
     untied = plan.with_override("lm_head", "int8")
     g = write_overrides("llamacpp", tmp_path / "types2.txt", lm, untied)
     assert any("tied to model.embed_tokens" in n for n in g.notes)

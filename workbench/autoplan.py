@@ -38,13 +38,13 @@ DEFAULT_CHOICES = None  # fp16 and every precision the sweep measured (all regis
 
 
 def _choices(sensitivity: SensitivityReport | None, choices: Sequence[str] | None, symmetric: bool = True,
-             targets: Sequence[str] = ()) -> list[str]:
+             targets: Sequence[str] = (), layers=None) -> list[str]:
     """The precisions a plan may give a layer: ``choices``, else fp16 plus the sweep's (or every registered) ones;
     with ``targets``, only those every one of these targets carries (their rules: ``Target.carries``)."""
     from .sensitivity import sweep_precisions
     from .targets import get_target
     if choices is None:
-        choices = ("fp16", *(sensitivity.precisions if sensitivity is not None else sweep_precisions(symmetric)))
+        choices = ("fp16", *(sensitivity.precisions if sensitivity is not None else sweep_precisions(symmetric, layers)))
     out = [get_precision(c).name for c in choices]
     rules = [get_target(t) for t in targets]
     kept = [c for c in out if all(t.carries(get_precision(c)) for t in rules)]
@@ -134,7 +134,7 @@ def budget_bytes(lm: LoadedModel, *, size_bytes: int | None = None, bits_per_wei
 def check_budget(lm: LoadedModel, size: int, *, group_size=DEFAULT_GROUP_SIZE, symmetric: bool = True,
                  choices: Sequence[str] | None = DEFAULT_CHOICES, targets: Sequence[str] = ()) -> None:
     """Fail before any sweep when even the smallest precision everywhere exceeds ``size`` bytes."""
-    choices = _choices(None, choices, symmetric, targets)
+    choices = _choices(None, choices, symmetric, targets, lm.layers)
     smallest = min(lm.size_bytes(QuantPlan(default=c, group_size=group_size, symmetric=symmetric)) for c in choices)
     if smallest > size:
         raise PlanError(f"no plan fits {size:,} bytes ({8 * size / lm.parameters:.2f} bits/weight): the smallest "

@@ -46,17 +46,44 @@ class Precision:
     is_float: bool
     description: str = ""
     # two-level scales (LPBQ-style): each group's scale is an unsigned ``scale_bits``-bit integer in
-    # [1, 2^scale_bits] times one float16 scale per output channel; None: a float16 scale per group
+    # [1, scale_max] (default 2^scale_bits) times one float16 scale per output channel, or per
+    # ``super_block`` columns; None: a float16 scale per group
     scale_bits: int | None = None
+    scale_max: int | None = None
+    super_block: int | None = None
+    # a fixed layout's own group size (llama.cpp's k-quants: 16), which the plan's group size does not change
+    group_size: int | None = None
 
     def __post_init__(self):
         if self.scale_bits is not None and (self.is_float or not 1 <= self.scale_bits <= 8):
             raise PlanError(f"precision '{self.name}': scale_bits must be 1..8 on an integer precision, "
                             f"got {self.scale_bits!r}")
+        if self.scale_max is not None and not 1 <= self.scale_max <= (1 << (self.scale_bits or 0)):
+            raise PlanError(f"precision '{self.name}': scale_max must be 1..2^scale_bits, got {self.scale_max!r}")
+        if self.super_block is not None and (not self.group_size or self.super_block % self.group_size):
+            raise PlanError(f"precision '{self.name}': a super-block needs a fixed group size that divides it")
 
     @property
     def two_level(self) -> bool:
         return self.scale_bits is not None
+
+    @property
+    def sub_scales(self):
+        """The two-level layout as the quantizer takes it (``SubScales``), or None."""
+        from .quantize.qtensor import SubScales
+        return None if self.scale_bits is None else SubScales(self.scale_bits, self.scale_max, self.super_block)
+
+    def layer_group_size(self, plan_group_size: int | None) -> int | None:
+        """The group size a layer at this precision is quantized with: the layout's own, else the plan's."""
+        return self.group_size or plan_group_size
+
+    def misfit(self, in_features: int) -> str | None:
+        """Why a layer of ``in_features`` inputs cannot take this precision's fixed layout (None: it can)."""
+        unit = self.super_block or self.group_size
+        if unit and in_features % unit:
+            return (f"{self.name} stores {unit}-weight blocks, which do not divide the {in_features} inputs of "
+                    f"this layer")
+        return None
 
     def weight_bytes(self, out_features: int, in_features: int, group_size: int | None = DEFAULT_GROUP_SIZE,
                      symmetric: bool = True) -> int:
@@ -68,11 +95,13 @@ class Precision:
         n = out_features * in_features
         if self.is_float:
             return n * self.bits // 8
+        group_size = self.layer_group_size(group_size)
         groups_per_row = 1 if not group_size else -(-in_features // group_size)
         groups = out_features * groups_per_row
         zero_bytes = 0 if symmetric else -(-groups * self.bits // 8)
         if self.two_level:
-            scale_bytes = -(-groups * self.scale_bits // 8) + out_features * SCALE_BYTES
+            per_row = 1 if not self.super_block else -(-in_features // self.super_block)
+            scale_bytes = -(-groups * self.scale_bits // 8) + out_features * per_row * SCALE_BYTES
         else:
             scale_bytes = groups * SCALE_BYTES
         return -(-n * self.bits // 8) + scale_bytes + zero_bytes
@@ -100,6 +129,14 @@ for _p in (
               "output channel", scale_bits=4),
     Precision("int4-lpbq", 4, False, "4-bit integer weights, 4-bit integer group scales under an fp16 scale per "
               "output channel (Qualcomm's low-power block quantization)", scale_bits=4),
+    # llama.cpp's k-quant layouts, symmetric: 16-weight groups with integer scales under an fp16 scale per
+    # 256 weights, stored exactly as its Q3_K / Q6_K blocks (3.4375 and 6.5625 bits per weight)
+    Precision("int3-k", 3, False, "3-bit integer weights in 16-weight groups, 6-bit group scales under an fp16 "
+              "scale per 256 weights (llama.cpp's Q3_K layout)", scale_bits=6, scale_max=31, super_block=256,
+              group_size=16),
+    Precision("int6-k", 6, False, "6-bit integer weights in 16-weight groups, 8-bit group scales under an fp16 "
+              "scale per 256 weights (llama.cpp's Q6_K layout)", scale_bits=8, scale_max=127, super_block=256,
+              group_size=16),
 ):
     register_precision(_p)
 

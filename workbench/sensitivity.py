@@ -62,9 +62,16 @@ REPORT_FILE = "sensitivity.json"
 
 
 
-def sweep_precisions(symmetric: bool = True) -> tuple[str, ...]:
-    """Every registered integer precision, read when called (two-level ones only for symmetric plans)."""
-    return tuple(p.name for p in PRECISIONS.values() if not p.is_float and (symmetric or not p.two_level))
+def sweep_precisions(symmetric: bool = True, layers: Iterable | None = None) -> tuple[str, ...]:
+    """Every registered integer precision, read when called (two-level ones only for symmetric plans).
+
+    Given a model's ``layers``, a fixed block layout (``int3-k``'s 256-weight blocks) is left out when
+    some layer's inputs are not a multiple of its blocks (Qwen2.5-0.5B's 896): a sweep measures every
+    layer at every precision it offers, so the auto plan can give any layer any of them.
+    """
+    layers = list(layers or ())
+    return tuple(p.name for p in PRECISIONS.values() if not p.is_float and (symmetric or not p.two_level)
+                 and not any(p.misfit(info.shape[1]) for info in layers))
 
 
 def model_fingerprint(lm: LoadedModel) -> str:
@@ -167,11 +174,6 @@ class LayerVariants:
 
     def original(self, name: str) -> torch.Tensor:
         return _module(self.lm.model, name).weight.detach()
-
-    def group_size_for(self, name: str) -> int | None:
-        """The group size ``quantize_model`` uses for this layer (its fallback when the plan's does not divide)."""
-        from .quantize import resolve_group_size
-        return resolve_group_size(self.original(name).shape[1], self.group_size)[0]
 
     def quantizer(self, name: str, precision: str):
         """The ``LayerQuantizer`` ``quantize_model`` uses for ``name`` at ``precision`` under these settings."""
@@ -655,12 +657,16 @@ def run_sensitivity(lm: LoadedModel, *, ids: torch.Tensor | None = None, text_pa
     """
     lm.require_float("sensitivity")  # a quantized model's layers are already integers: sweep its float source
     if precisions is None:
-        precisions = sweep_precisions(evaluator.variants.symmetric if evaluator is not None else symmetric)
+        precisions = sweep_precisions(evaluator.variants.symmetric if evaluator is not None else symmetric, lm.layers)
     for p in precisions:
         prec = get_precision(p)
         if prec is None or prec.is_float:
             raise PlanError(f"sensitivity sweeps integer precisions ({', '.join(sweep_precisions())}), not '{p}'")
     precisions = tuple(get_precision(p).name for p in precisions)
+    for p in precisions:
+        misfit = next((why for info in lm.layers if (why := get_precision(p).misfit(info.shape[1]))), None)
+        if misfit:
+            raise PlanError(f"cannot sweep {p} on this model: {misfit}; leave it out (the default sweep does)")
     if evaluator is None:
         if ids is None:
             ids = evaluation_tokens(lm, text_path, tokens)

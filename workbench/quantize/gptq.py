@@ -40,7 +40,7 @@ from ..compute import widened
 from ..errors import PlanError
 from ..memory import release_freed_memory
 from .awq import _capture_block_inputs, _run_block, _token_chunks, find_decoder_blocks
-from .qtensor import QuantizedWeight, code_range
+from .qtensor import QuantizedWeight, SubScales, code_range, group_channel_scales
 from .rtn import (_grouped, _quantize_groups, channel_scales_for, check_two_level, dequantize_codes, round_codes,
                   two_level_groups)
 
@@ -71,6 +71,10 @@ def _group_params(w: torch.Tensor, bits: int, symmetric: bool, scale_search: boo
     _q, scales, zeros = _quantize_groups(w[:, None, :], bits, symmetric, None, scale_search=scale_search,
                                          importance=importance[None, :])
     return scales[:, 0], None if zeros is None else zeros[:, 0], None
+
+
+def _column(t: torch.Tensor | None, k: int) -> torch.Tensor | None:
+    return None if t is None else t[:, k]
 
 
 def _inverse_factor(h: torch.Tensor, damp: float) -> torch.Tensor:
@@ -112,14 +116,16 @@ def gptq_quantize_weight(w: torch.Tensor, h: torch.Tensor, bits: int, group_size
     energy = torch.diag(h).clone()  # per input column, in the original order: the scale search's weights
     scales = torch.empty(out, n_groups)
     zeros = None if symmetric else torch.empty(out, n_groups)
-    channel = sub_scales = None
-    if scale_bits is not None:  # the row scales from the original weights, before any correction
+    channel = group_ch = sub_scales = None
+    scale_bits = SubScales.of(scale_bits)
+    if scale_bits is not None:  # the row (super-block) scales from the original weights, before any correction
         channel = channel_scales_for(_grouped(w, group_size), bits, scale_bits)
+        group_ch = group_channel_scales(channel, n_groups)
         sub_scales = torch.empty(out, n_groups)
     if act_order:  # static groups: every group's range from the original weights, before any correction
         for k in range(n_groups):
             s, z, sub = _group_params(w[:, k * g:(k + 1) * g], bits, symmetric, scale_search,
-                                      energy[k * g:(k + 1) * g], channel, scale_bits)
+                                      energy[k * g:(k + 1) * g], _column(group_ch, k), scale_bits)
             scales[:, k] = s
             if zeros is not None:
                 zeros[:, k] = z
@@ -141,7 +147,7 @@ def gptq_quantize_weight(w: torch.Tensor, h: torch.Tensor, bits: int, group_size
             k = col // g
             if perm is None and col % g == 0:  # a group starts: its range from the corrected weights
                 s, z, sub = _group_params(torch.cat([w1[:, i:], w[:, b:]], dim=1)[:, :g], bits, symmetric,
-                                          scale_search, energy[col:col + g], channel, scale_bits)
+                                          scale_search, energy[col:col + g], _column(group_ch, k), scale_bits)
                 scales[:, k] = s
                 if zeros is not None:
                     zeros[:, k] = z
@@ -287,7 +293,8 @@ def _save_checkpoint(directory, weights: dict[str, QuantizedWeight], names: list
             t = getattr(qw, part)
             if t is not None:
                 tensors[f"{name}/{part}"] = t.contiguous().cpu()
-        layers[name] = {"bits": qw.bits, "group_size": qw.group_size, "scale_bits": qw.scale_bits}
+        layers[name] = {"bits": qw.bits, "group_size": qw.group_size, "scale_bits": qw.scale_bits,
+                        "scale_max": qw.scale_max, "super_block": qw.super_block}
     block = d / f"block-{blocks_done - 1}.safetensors"
     save_file(tensors, str(block) + ".writing", metadata={"layers": json.dumps(layers)})
     os.replace(str(block) + ".writing", block)
@@ -314,7 +321,8 @@ def _load_checkpoint(directory, weights: dict[str, QuantizedWeight], blocks: int
                     parts = {part: f.get_tensor(f"{name}/{part}") if f"{name}/{part}" in stored else None
                              for part in _PARTS}
                     weights[name] = QuantizedWeight(**parts, bits=meta["bits"], group_size=meta["group_size"],
-                                                    scale_bits=meta["scale_bits"])
+                                                    scale_bits=meta["scale_bits"], scale_max=meta.get("scale_max"),
+                                                    super_block=meta.get("super_block"))
         return int(progress["blocks_done"])
     except Exception:  # noqa: BLE001 - a damaged checkpoint only costs the blocks it held: start over
         weights.clear()

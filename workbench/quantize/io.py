@@ -47,7 +47,7 @@ from ..errors import ModelLoadError
 from ..plan import QuantPlan
 from ..workspace import file_sha256
 from .model import LayerQuantReport, QuantizedModel
-from .qtensor import QuantizedWeight, unpack_int4
+from .qtensor import QuantizedWeight, SubScales, unpack_int4
 from .storage import (_HALF, FORMAT, FORMAT_VERSION, TRANSFORMERS_CANNOT, V1_FLOAT_FILE, V1_QUANT_FILE, WEIGHTS_FILE,
                       WORKBENCH_WEIGHTS_FILE, _ct_shapes, _stored_integer_layers, _weight_from_file,
                       _write_manifest, compressed_tensors_config, float_storage, layer_storage, pack_int32,
@@ -161,7 +161,8 @@ def _layer_reports(meta: dict, version: int, tensors: _Tensors) -> tuple[list, d
         reports.append(r)
         if "bits" in entry:
             spec = (entry["bits"], entry["group_size"], entry.get("symmetric", f"{r.name}.zeros" not in tensors.shapes))
-            scale_bits = entry.get("scale_bits")
+            scale_bits = None if entry.get("scale_bits") is None else \
+                SubScales(entry["scale_bits"], entry.get("scale_max"), entry.get("super_block"))
             shapes = _v1_shapes(r.name, r.shape, *spec) if version == 1 else _ct_shapes(r.name, r.shape, *spec,
                                                                                       scale_bits)
             integer[r.name] = (*spec, scale_bits, shapes)

@@ -26,6 +26,7 @@ class _Dequantizing(nn.Module):
     def __init__(self, qw: QuantizedWeight):
         super().__init__()
         self.bits, self.group_size, self.scale_bits = qw.bits, qw.group_size, qw.scale_bits
+        self.scale_max, self.super_block = qw.scale_max, qw.super_block
         self.register_buffer("qweight", qw.qweight, persistent=False)
         self.register_buffer("scales", qw.scales, persistent=False)
         self.register_buffer("zeros", qw.zeros, persistent=False)
@@ -35,7 +36,7 @@ class _Dequantizing(nn.Module):
     @property
     def quantized(self) -> QuantizedWeight:
         return QuantizedWeight(self.qweight, self.scales, self.zeros, self.bits, self.group_size, self.sub_scales,
-                               self.channel_scales, self.scale_bits)
+                               self.channel_scales, self.scale_bits, self.scale_max, self.super_block)
 
     def dequantized_weight(self) -> torch.Tensor:
         """The float32 weight this layer computes with."""

@@ -13,7 +13,7 @@ error instead).
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, astuple, dataclass, field
 from pathlib import Path
 from typing import Mapping
 
@@ -22,7 +22,7 @@ from torch import nn
 
 from ..errors import PlanError
 from ..plan import QuantPlan, get_precision
-from .qtensor import SUPPORTED_BITS, QuantizedWeight
+from .qtensor import SUPPORTED_BITS, QuantizedWeight, SubScales
 from .rtn import quantize_weight
 from .storage import layer_storage, save_quantized
 
@@ -34,8 +34,19 @@ CALIBRATED_METHODS = ("awq", "gptq", "awq+gptq")  # they read calibration sample
 FALLBACK_MULTIPLE = 32  # fallback group sizes stay multiples of 32, as kernels and NPUs expect
 
 
-def resolve_group_size(in_features: int, group_size: int | None) -> tuple[int | None, str | None]:
-    """The group size a layer with ``in_features`` inputs gets, and a note when it had to fall back."""
+def resolve_group_size(in_features: int, group_size: int | None,
+                       precision=None) -> tuple[int | None, str | None]:
+    """The group size a layer with ``in_features`` inputs gets, and a note when it had to fall back.
+
+    A ``precision`` with a fixed layout (``int3-k``: 16-weight groups in 256-weight super-blocks) has its
+    own group size, and a layer it does not fit is refused: its blocks cannot fall back.
+    """
+    prec = get_precision(precision)
+    if prec is not None and prec.group_size:
+        why = prec.misfit(in_features)
+        if why:
+            raise PlanError(f"{why}; give the layer a precision with float16 group scales (int3, int6, ...)")
+        return prec.group_size, None
     if group_size is None or in_features % group_size == 0:
         return group_size, None
     below = range(group_size - group_size % FALLBACK_MULTIPLE, 0, -FALLBACK_MULTIPLE)
@@ -60,7 +71,7 @@ class LayerQuantizer:
     bits: int
     group_size: int | None  # after the fallback (``resolve_group_size``)
     symmetric: bool
-    scale_bits: int | None = None  # two-level sub-scale width; None: a float16 scale per group
+    scale_bits: "int | SubScales | None" = None  # two-level sub-scale layout; None: a float16 scale per group
     scale_search: bool = False
     fallback: str | None = None  # why ``group_size`` differs from the plan's
 
@@ -89,11 +100,14 @@ def layer_quantizer(plan: QuantPlan, precision, shape: tuple[int, int], *, name:
         raise PlanError(f"{where}{prec.name} has two-level scales, which are symmetric; plan "
                         "with symmetric=true (drop --asymmetric) or give the layer a precision with float16 "
                         "scales")
-    gs, note = resolve_group_size(shape[1], plan.group_size)
+    try:
+        gs, note = resolve_group_size(shape[1], plan.group_size, prec)
+    except PlanError as e:  # a fixed block layout that does not fit the layer
+        raise PlanError(f"{where}{e}") from None
     if note and strict:
         raise PlanError(f"{where}{note} (strict mode); choose a group size that divides "
                         f"{shape[1]} or drop --strict to allow the fallback")
-    return LayerQuantizer(prec.bits, gs, plan.symmetric, prec.scale_bits, plan.scale_search, note)
+    return LayerQuantizer(prec.bits, gs, plan.symmetric, prec.sub_scales, plan.scale_search, note)
 
 
 def bits_per_weight(layers, precisions: Mapping[str, str | None], group_size: int | None = None,
@@ -114,7 +128,7 @@ def bits_per_weight(layers, precisions: Mapping[str, str | None], group_size: in
         if key in counted:
             continue
         out_features, in_features = info.shape
-        gs = None if prec.is_float else resolve_group_size(in_features, group_size)[0]
+        gs = None if prec.is_float else resolve_group_size(in_features, group_size, prec)[0]
         counted[key] = (prec.weight_bytes(out_features, in_features, gs, symmetric), out_features * in_features)
     weights = sum(n for _, n in counted.values())
     return 8 * sum(b for b, _ in counted.values()) / weights if weights else 0.0
@@ -436,7 +450,9 @@ def quantize_model(lm, plan: QuantPlan, *, calibration=None, method: str | None 
             return fold_awq_scales(model, {"groups": unfolded.get(block, [])}) if unfolded else {}
         settings = {"tokens": gptq_tokens or default_gptq_tokens(model), "act_order": act_order,
                     "checkpoint_version": 1,
-                    "scale_search": plan.scale_search, "scale_bits": dict(sorted(scale_bits.items()))}
+                    "scale_search": plan.scale_search,
+                    "scale_bits": {n: list(astuple(v)) if v.top or v.super_block else v.bits
+                                   for n, v in sorted(scale_bits.items())}}
         checkpoint = _gptq_checkpoint(workspace, model, samples, spec, settings,
                                       awq_search if method == "awq+gptq" else None)
         gptq_result = search_gptq(model, samples, spec, max_tokens=settings["tokens"], act_order=act_order,

@@ -6,9 +6,10 @@ one zero point); ``W ~= (q - zero) * scale``. Scales are kept at float16 precisi
 stored as float16), so the weights evaluated are bit-for-bit the weights saved.
 
 Two-level scales (LPBQ-style, symmetric only): each group's scale is an integer sub-scale in
-``[1, 2^scale_bits]`` times one float16 scale per output channel, and only those two are stored;
-``scales`` still holds their products (exact in float32: at most 11 + 8 significant bits), so
-every reader of ``scales`` computes the same weights.
+``[1, scale_max]`` (``scale_max`` defaults to ``2^scale_bits``) times one float16 scale per output
+channel, or per ``super_block`` columns of it (llama.cpp's k-quant super-blocks of 256), and only
+those two are stored; ``scales`` still holds their products (exact in float32: at most 11 + 8
+significant bits), so every reader of ``scales`` computes the same weights.
 
     qw = QuantizedWeight(qweight, scales, zeros, bits=4, group_size=128)
     w_hat = qw.dequantize()             # float32 [out, in]
@@ -22,7 +23,7 @@ import torch
 
 from ..errors import PlanError
 
-__all__ = ["QuantizedWeight", "SUPPORTED_BITS", "code_range", "pack_int4", "unpack_int4", "pack_bits", "unpack_bits"]
+__all__ = ["QuantizedWeight", "SubScales", "group_channel_scales", "SUPPORTED_BITS", "code_range", "pack_int4", "unpack_int4", "pack_bits", "unpack_bits"]
 
 SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
 
@@ -34,6 +35,33 @@ def code_range(bits: int, symmetric: bool) -> tuple[int, int]:
     return (-(1 << (bits - 1)), (1 << (bits - 1)) - 1) if symmetric else (0, (1 << bits) - 1)
 
 
+@dataclass(frozen=True)
+class SubScales:
+    """The layout of two-level scales: ``bits``-bit integer sub-scales in ``[1, top]`` (stored minus one)
+    under one float16 scale per ``super_block`` columns of a row (None: one per row).
+
+    ``SubScales(4)`` is Qualcomm's LPBQ (sub-scales 1..16 per group, a float scale per channel);
+    ``SubScales(6, 31, 256)`` is llama.cpp's Q3_K (6-bit signed scales, used positive).
+    """
+
+    bits: int
+    top: int | None = None
+    super_block: int | None = None
+
+    @property
+    def max(self) -> int:
+        return self.top or (1 << self.bits)
+
+    @classmethod
+    def of(cls, value: "int | SubScales | None") -> "SubScales | None":
+        """``None``, a sub-scale width (LPBQ layout) or a layout, as a layout."""
+        return value if value is None or isinstance(value, SubScales) else cls(int(value))
+
+    def scales_per_row(self, in_features: int) -> int:
+        """Float16 scales per row: one per super-block (or one)."""
+        return 1 if not self.super_block else -(-in_features // self.super_block)
+
+
 @dataclass
 class QuantizedWeight:
     """Integer codes plus per-group scales (and zero points) of one layer's weight.
@@ -42,8 +70,9 @@ class QuantizedWeight:
     when asymmetric, since unsigned 8-bit codes do not fit int8. ``scales``: float32
     ``[out, n_groups]`` holding float16-representable values. ``zeros``: uint8 ``[out, n_groups]``
     or None (symmetric). ``group_size``: columns per group, None for per-channel.
-    Two-level scales: ``sub_scales`` uint8 ``[out, n_groups]`` in ``[1, 2^scale_bits]``,
-    ``channel_scales`` float32 ``[out]`` (float16 values), and ``scales == sub_scales * channel_scales``.
+    Two-level scales: ``sub_scales`` uint8 ``[out, n_groups]`` in ``[1, scale_max]``,
+    ``channel_scales`` float32 ``[out]`` (float16 values; ``[out, in / super_block]`` with
+    super-blocks), and ``scales`` their products group by group.
     """
 
     qweight: torch.Tensor
@@ -54,6 +83,8 @@ class QuantizedWeight:
     sub_scales: torch.Tensor | None = None
     channel_scales: torch.Tensor | None = None
     scale_bits: int | None = None
+    scale_max: int | None = None  # largest sub-scale (None: 2^scale_bits)
+    super_block: int | None = None  # columns under one float16 scale (None: the whole row)
 
     def __post_init__(self):
         out, inp = self.qweight.shape
@@ -71,24 +102,35 @@ class QuantizedWeight:
         if self.two_level:
             if not self.symmetric:
                 raise ValueError("two-level scales are symmetric: they have no zero points")
+            want = (out,) if not self.super_block else (out, self.sub_layout.scales_per_row(inp))
+            if self.super_block and (self.super_block % g or inp % self.super_block):
+                raise ValueError(f"super-blocks of {self.super_block} columns need groups that divide them and "
+                                 f"rows ({inp}) they divide")
             if tuple(self.sub_scales.shape) != tuple(self.scales.shape) or \
-                    tuple(self.channel_scales.shape) != (out,):
-                raise ValueError(f"sub_scales must be {tuple(self.scales.shape)} and channel_scales ({out},)")
+                    tuple(self.channel_scales.shape) != want:
+                raise ValueError(f"sub_scales must be {tuple(self.scales.shape)} and channel_scales {want}")
 
     @classmethod
     def two_level_weight(cls, qweight: torch.Tensor, sub_scales: torch.Tensor, channel_scales: torch.Tensor,
-                         bits: int, group_size: int | None, scale_bits: int) -> "QuantizedWeight":
+                         bits: int, group_size: int | None, scale_bits: "int | SubScales") -> "QuantizedWeight":
         """A two-level weight from its stored parts; ``scales`` are their exact float32 products."""
-        top = 1 << scale_bits
-        if sub_scales.numel() and (int(sub_scales.min()) < 1 or int(sub_scales.max()) > top):
-            raise ValueError(f"sub-scales must lie in [1, {top}] for {scale_bits}-bit sub-scales")
+        layout = SubScales.of(scale_bits)
+        if sub_scales.numel() and (int(sub_scales.min()) < 1 or int(sub_scales.max()) > layout.max):
+            raise ValueError(f"sub-scales must lie in [1, {layout.max}] for {layout.bits}-bit sub-scales")
         sub = sub_scales.to(torch.uint8)
         ch = channel_scales.to(torch.float32)
-        return cls(qweight, sub.to(torch.float32) * ch[:, None], None, bits, group_size, sub, ch, scale_bits)
+        per_group = group_channel_scales(ch, sub.shape[1])
+        return cls(qweight, sub.to(torch.float32) * per_group, None, bits, group_size, sub, ch, layout.bits,
+                   layout.top, layout.super_block)
 
     @property
     def two_level(self) -> bool:
         return self.scale_bits is not None
+
+    @property
+    def sub_layout(self) -> SubScales | None:
+        """The two-level layout (sub-scale width, largest sub-scale, super-block), or None."""
+        return None if self.scale_bits is None else SubScales(self.scale_bits, self.scale_max, self.super_block)
 
     @property
     def symmetric(self) -> bool:
@@ -123,13 +165,14 @@ class QuantizedWeight:
                                None if self.zeros is None else self.zeros.to(device), self.bits, self.group_size,
                                None if self.sub_scales is None else self.sub_scales.to(device),
                                None if self.channel_scales is None else self.channel_scales.to(device),
-                               self.scale_bits)
+                               self.scale_bits, self.scale_max, self.super_block)
 
     def rows(self, index: torch.Tensor) -> "QuantizedWeight":
         """The weight of the rows ``index`` (output channels), scales and all (embedding lookups)."""
         pick = (lambda t: None if t is None else t[index])
         return QuantizedWeight(self.qweight[index], self.scales[index], pick(self.zeros), self.bits, self.group_size,
-                               pick(self.sub_scales), pick(self.channel_scales), self.scale_bits)
+                               pick(self.sub_scales), pick(self.channel_scales), self.scale_bits, self.scale_max,
+                               self.super_block)
 
     def storage_codes(self) -> torch.Tensor:
         """uint8 codes as stored: symmetric codes offset by ``2^(b-1)`` so every code is >= 0."""
@@ -141,7 +184,7 @@ class QuantizedWeight:
     def from_storage_codes(cls, codes: torch.Tensor, scales: torch.Tensor | None, zeros: torch.Tensor | None,
                            bits: int, group_size: int | None, *, sub_scales: torch.Tensor | None = None,
                            channel_scales: torch.Tensor | None = None,
-                           scale_bits: int | None = None) -> "QuantizedWeight":
+                           scale_bits: "int | SubScales | None" = None) -> "QuantizedWeight":
         """A weight from its stored codes; two-level weights pass their sub-scales and channel scales for ``scales``."""
         if zeros is None:
             q = (codes.to(torch.int16) - (1 << (bits - 1))).to(torch.int8)
@@ -155,7 +198,8 @@ class QuantizedWeight:
         """Bytes this weight takes in a file: packed codes, scales as stored, packed zero points.
 
         Single-level: a float16 scale per group. Two-level: the sub-scales packed at ``scale_bits``
-        each, plus a float16 scale per output channel (``Precision.weight_bytes`` counts the same).
+        each, plus a float16 scale per output channel or super-block (``Precision.weight_bytes`` counts
+        the same).
         """
         n = self.qweight.numel()
         zeros = 0 if self.zeros is None else -(-self.zeros.numel() * self.bits // 8)
@@ -164,6 +208,14 @@ class QuantizedWeight:
         else:
             scales = 2 * self.scales.numel()
         return -(-n * self.bits // 8) + scales + zeros
+
+
+def group_channel_scales(channel_scales: torch.Tensor, n_groups: int) -> torch.Tensor:
+    """Each group's float16 scale ``[out, n_groups]`` from the per-row ``[out]`` or per-super-block
+    ``[out, n_super]`` scales (super-blocks hold whole groups)."""
+    if channel_scales.dim() == 1:
+        return channel_scales[:, None].expand(-1, n_groups)
+    return channel_scales.repeat_interleave(n_groups // channel_scales.shape[1], dim=1)
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:

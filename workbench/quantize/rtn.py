@@ -14,10 +14,10 @@ rounding error of the bulk shrinks more than the clipping error of the few large
 as llama.cpp's k-quant search and GPTQModel's MSE option find. Ratio 1.0 is in the grid, so the
 chosen range never does worse than min/max on that objective.
 
-Two-level scales (``scale_bits``, symmetric): each row gets one float16 scale ``c`` (its largest
-group scale over ``2^scale_bits``, rounded up to float16) and each group the integer sub-scale
-``ceil(s / c)`` in ``[1, 2^scale_bits]`` for its own scale ``s``, so every group's range stays
-covered. With ``scale_search`` each group picks its sub-scale among ``ceil(s * ratio / c)`` for the
+Two-level scales (``scale_bits``, symmetric; an int width or a ``SubScales`` layout): each row (or
+super-block of a row) gets one float16 scale ``c`` (its largest group scale over the largest
+sub-scale, rounded up to float16) and each group the integer sub-scale ``ceil(s / c)`` in
+``[1, top]`` for its own scale ``s``, so every group's range stays covered. With ``scale_search`` each group picks its sub-scale among ``ceil(s * ratio / c)`` for the
 ratios above, by the same (weighted) error.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import PlanError
-from .qtensor import QuantizedWeight, code_range
+from .qtensor import QuantizedWeight, SubScales, code_range, group_channel_scales
 
 __all__ = ["quantize_weight", "fake_quantize", "two_level_groups", "channel_scales_for", "round_codes",
            "dequantize_codes"]
@@ -59,24 +59,37 @@ def _clipped(wg: torch.Tensor, clip_max: torch.Tensor | None) -> torch.Tensor:
     return torch.maximum(torch.minimum(wg, cm), -cm)
 
 
-def channel_scales_for(wg: torch.Tensor, bits: int, scale_bits: int) -> torch.Tensor:
-    """Two-level: the float16 scale per row ``[out]`` of grouped weights ``[out, n_groups, g]``."""
+def channel_scales_for(wg: torch.Tensor, bits: int, scale_bits: "int | SubScales") -> torch.Tensor:
+    """Two-level: the float16 scale per row ``[out]`` (or per super-block ``[out, n_super]``) of grouped
+    weights ``[out, n_groups, g]``."""
+    layout = SubScales.of(scale_bits)
     hi = code_range(bits, True)[1]
-    return _fp16_ceil(wg.abs().amax(-1).amax(-1) / hi / (1 << scale_bits))
+    group_max = wg.abs().amax(-1)
+    if layout.super_block:
+        out, n_groups, g = wg.shape
+        if layout.super_block % g or n_groups % (layout.super_block // g):
+            raise PlanError(f"{layout.super_block}-column super-blocks need {g}-column groups that divide them and "
+                            f"rows of a multiple of {layout.super_block} columns (this one has {n_groups * g})")
+        return _fp16_ceil(group_max.view(out, -1, layout.super_block // g).amax(-1) / hi / layout.max)
+    return _fp16_ceil(group_max.amax(-1) / hi / layout.max)
 
 
-def two_level_groups(wg: torch.Tensor, bits: int, scale_bits: int, *, scale_search: bool = False,
+def two_level_groups(wg: torch.Tensor, bits: int, scale_bits: "int | SubScales", *, scale_search: bool = False,
                      importance: torch.Tensor | None = None, channel_scales: torch.Tensor | None = None):
     """Codes (float, integral), sub-scales (float, integral) and channel scales of grouped weights.
 
-    ``channel_scales`` (``[out]``) given: kept (GPTQ fixes them from the original weights first);
-    a group whose range then needs more than ``2^scale_bits`` steps takes the largest sub-scale.
+    ``channel_scales`` given (``[out]`` or, with super-blocks, each group's own ``[out, n_groups]``):
+    kept (GPTQ fixes them from the original weights first); a group whose range then needs more
+    than the largest sub-scale's steps takes the largest sub-scale.
     """
+    layout = SubScales.of(scale_bits)
     lo, hi = code_range(bits, True)
-    top = 1 << scale_bits
+    top = layout.max
     if channel_scales is None:
-        channel_scales = channel_scales_for(wg, bits, scale_bits)
-    ch = channel_scales[..., None].to(wg.dtype)
+        channel_scales = channel_scales_for(wg, bits, layout)
+    per_group = channel_scales if channel_scales.dim() == 2 and channel_scales.shape[1] == wg.shape[1] \
+        else group_channel_scales(channel_scales, wg.shape[1])
+    ch = per_group.to(wg.dtype)
     want = wg.abs().amax(-1) / hi
     best = best_err = None
     for ratio in (SEARCH_RATIOS if scale_search else (1.0,)):
@@ -150,7 +163,7 @@ def _dequantize_groups(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tenso
     return dequantize_codes(q, scales[..., None], None if zeros is None else zeros[..., None])
 
 
-def check_two_level(scale_bits: int | None, symmetric: bool) -> None:
+def check_two_level(scale_bits: "int | SubScales | None", symmetric: bool) -> None:
     if scale_bits is not None and not symmetric:
         raise PlanError("two-level scales (int4-lpbq, int8-lpbq) are symmetric and have no zero points; plan with "
                         "symmetric=true, or use a precision with float16 scales for an asymmetric plan")
@@ -158,10 +171,11 @@ def check_two_level(scale_bits: int | None, symmetric: bool) -> None:
 
 def quantize_weight(w: torch.Tensor, bits: int, group_size: int | None = 128, symmetric: bool = True, *,
                     clip_max: torch.Tensor | None = None, scale_search: bool = False,
-                    scale_bits: int | None = None) -> QuantizedWeight:
+                    scale_bits: "int | SubScales | None" = None) -> QuantizedWeight:
     """Round-to-nearest quantization of a 2-D weight ``[out, in]`` (computed in float32).
 
-    ``scale_bits``: two-level scales with integer sub-scales of that width (symmetric only).
+    ``scale_bits``: two-level scales with integer sub-scales of that width, or that ``SubScales``
+    layout (symmetric only).
     """
     if w.dim() != 2:
         raise PlanError(f"only 2-D weights can be quantized, got shape {tuple(w.shape)}")
@@ -174,7 +188,7 @@ def quantize_weight(w: torch.Tensor, bits: int, group_size: int | None = 128, sy
     if scale_bits is not None:
         q, sub, ch = two_level_groups(_clipped(wg, clip_max), bits, scale_bits, scale_search=scale_search)
         return QuantizedWeight.two_level_weight(q.reshape(out, inp).to(torch.int8), sub.to(torch.uint8), ch, bits,
-                                                group_size, scale_bits)
+                                                group_size, SubScales.of(scale_bits))
     q, scales, zeros = _quantize_groups(wg, bits, symmetric, clip_max, scale_search=scale_search)
     qdtype = torch.int8 if symmetric else torch.uint8
     return QuantizedWeight(q.reshape(out, inp).to(qdtype), scales.contiguous(),
@@ -182,11 +196,11 @@ def quantize_weight(w: torch.Tensor, bits: int, group_size: int | None = 128, sy
 
 
 def fake_quantize(w: torch.Tensor, bits: int, group_size: int | None, symmetric: bool,
-                  clip_max: torch.Tensor | None = None, scale_bits: int | None = None) -> torch.Tensor:
+                  clip_max: torch.Tensor | None = None, scale_bits: "int | SubScales | None" = None) -> torch.Tensor:
     """``quantize_weight(...).dequantize()`` without building the container (used inside searches)."""
     wg = _grouped(w.to(torch.float32), group_size)
     if scale_bits is not None:
         check_two_level(scale_bits, symmetric)
         q, sub, ch = two_level_groups(_clipped(wg, clip_max), bits, scale_bits)
-        return dequantize_codes(q, (sub * ch[:, None])[..., None], None).reshape(w.shape)
+        return dequantize_codes(q, (sub * group_channel_scales(ch, sub.shape[1]))[..., None], None).reshape(w.shape)
     return _dequantize_groups(*_quantize_groups(wg, bits, symmetric, clip_max)).reshape(w.shape)

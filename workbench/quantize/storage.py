@@ -22,7 +22,7 @@ from torch.nn import functional as F
 from ..errors import WorkspaceError
 from ..plan import get_precision
 from ..workspace import atomic_write_json, check_output_dir, file_sha256, library_versions, swap_into_place
-from .qtensor import QuantizedWeight, pack_bits, pack_int4, unpack_bits, unpack_int4
+from .qtensor import QuantizedWeight, SubScales, pack_bits, pack_int4, unpack_bits, unpack_int4
 
 __all__ = ["save_quantized", "layer_storage", "float_storage", "write_report", "FORMAT", "FORMAT_VERSION",
            "weight_file_bytes", "pack_int32", "unpack_int32", "compressed_tensors_config", "WEIGHTS_FILE",
@@ -49,7 +49,7 @@ TRANSFORMERS_CANNOT_BITS = ("layers with 2, 3, 5 or 6-bit codes or two-level sca
 CT_BITS = (4, 8)
 
 
-def ct_layout(bits: int, scale_bits: int | None) -> bool:
+def ct_layout(bits: int, scale_bits: "int | SubScales | None") -> bool:
     """Whether a layer of ``bits``-bit codes (two-level with ``scale_bits``) is stored in compressed-tensors' layout."""
     return bits in CT_BITS and scale_bits is None
 
@@ -95,7 +95,7 @@ def _packed_shape(rows: int, cols: int, bits: int) -> tuple[int, int]:
 
 
 def _ct_shapes(name: str, shape: tuple[int, int], bits: int, group_size: int | None, symmetric: bool,
-               scale_bits: int | None = None) -> dict:
+               scale_bits: "int | SubScales | None" = None) -> dict:
     """The tensors (name -> shape) one integer layer is stored as.
 
     Outside compressed-tensors' layout (``ct_layout``): ``weight_packed`` the codes as one dense
@@ -112,9 +112,11 @@ def _ct_shapes(name: str, shape: tuple[int, int], bits: int, group_size: int | N
             d[f"{name}.weight_zero_point"] = _packed_shape(groups, out_f, bits)[::-1]  # packed along the output axis
         return d
     d = {f"{name}.weight_packed": (-(-out_f * in_f * bits // 8),), f"{name}.weight_shape": (2,)}
-    if scale_bits is not None:
-        d[f"{name}.weight_sub_scale"] = (-(-out_f * groups * scale_bits // 8),)
-        d[f"{name}.weight_channel_scale"] = (out_f,)
+    layout = SubScales.of(scale_bits)
+    if layout is not None:
+        d[f"{name}.weight_sub_scale"] = (-(-out_f * groups * layout.bits // 8),)
+        d[f"{name}.weight_channel_scale"] = (out_f,) if not layout.super_block else \
+            (out_f, layout.scales_per_row(in_f))
     else:
         d[f"{name}.weight_scale"] = (out_f, groups)
     if not symmetric:
@@ -146,7 +148,7 @@ def _file_tensors(name: str, qw: QuantizedWeight) -> dict[str, torch.Tensor]:
 
 
 def _weight_from_file(name: str, t: dict, bits: int, group_size: int | None,
-                      scale_bits: int | None = None) -> QuantizedWeight:
+                      scale_bits: "int | SubScales | None" = None) -> QuantizedWeight:
     out_f, in_f = (int(x) for x in t[f"{name}.weight_shape"])
     if not ct_layout(bits, scale_bits):
         groups = in_f // (group_size or in_f)
@@ -155,10 +157,11 @@ def _weight_from_file(name: str, t: dict, bits: int, group_size: int | None,
         zeros = None if zp is None else unpack_bits(zp, bits, out_f * groups).view(out_f, groups)
         if scale_bits is None:
             return QuantizedWeight.from_storage_codes(codes, t[f"{name}.weight_scale"], zeros, bits, group_size)
-        sub = unpack_bits(t[f"{name}.weight_sub_scale"], scale_bits, out_f * groups).view(out_f, groups) + 1
+        layout = SubScales.of(scale_bits)
+        sub = unpack_bits(t[f"{name}.weight_sub_scale"], layout.bits, out_f * groups).view(out_f, groups) + 1
         return QuantizedWeight.from_storage_codes(codes, None, None, bits, group_size, sub_scales=sub,
                                                   channel_scales=t[f"{name}.weight_channel_scale"],
-                                                  scale_bits=scale_bits)
+                                                  scale_bits=layout)
     codes = unpack_int32(t[f"{name}.weight_packed"], bits, in_f)
     zp = t.get(f"{name}.weight_zero_point")
     zeros = None if zp is None else unpack_int32(zp.t(), bits, out_f).t()
@@ -240,9 +243,13 @@ def _layer_entry(qm, r) -> dict:
     qw = qm.weights.get(r.name)
     if qw is not None and not (r.tied_to and not r.untied):
         d.update(bits=qw.bits, symmetric=qw.symmetric, storage_bytes=qw.storage_bytes(),
-                 tensors=sorted(_ct_shapes(r.name, qw.shape, qw.bits, qw.group_size, qw.symmetric, qw.scale_bits)))
+                 tensors=sorted(_ct_shapes(r.name, qw.shape, qw.bits, qw.group_size, qw.symmetric, qw.sub_layout)))
         if qw.two_level:
             d["scale_bits"] = qw.scale_bits
+            if qw.scale_max is not None:
+                d["scale_max"] = qw.scale_max
+            if qw.super_block is not None:
+                d["super_block"] = qw.super_block
     return d
 
 

@@ -1,53 +1,55 @@
-"""llama.cpp, ``llama.cpp``: the plan as ``llama-quantize --tensor-type`` rules, and the commands to build the GGUF.
+"""llama.cpp, ``llama.cpp``: the quantized model as one GGUF holding the plan's own integers.
 
-    write_llamacpp_tensor_types("types.txt", lm, plan)  # llama-quantize --tensor-type-file types.txt in.gguf out.gguf Q8_0
-    convert("demo", "llama.cpp", "out/gguf", bits=4)    # types.txt and commands.sh (llama.cpp is not installed here)
+    convert("demo", "llama.cpp", "out/gguf", plan="plan.json")  # out/gguf/model.gguf, read back and checked
+    write_llamacpp_tensor_types("types.txt", lm, plan)  # the plan as llama-quantize --tensor-type rules
 
-llama.cpp reads GGUF, not ONNX, so this target has no operator rule table: its converter writes
-the tensor-type file and ``commands.sh`` (``convert_hf_to_gguf.py`` on the float model, then
-``llama-quantize`` with those types, then ``llama-perplexity`` to compare). llama.cpp quantizes in
-its own 32-weight blocks with its own scales, so it re-quantizes the plan instead of carrying
-the workbench's integers: the notes say so.
+llama.cpp reads GGUF, not ONNX, so this target has no operator rule table. Its converter writes
+``model.gguf`` with ``workbench.targets.gguf_file``: every integer layer in the llama.cpp block
+type that holds its codes and scales exactly (Q4_0 / Q5_0 / Q8_0 for symmetric 4/5/8-bit codes with
+float16 scales per 32 weights or a multiple, Q3_K / Q6_K for ``int3-k`` / ``int6-k``), then reads it
+back with the gguf package's own dequantizer and requires every weight to equal the simulation's.
+So ``llama-perplexity -m model.gguf`` scores the model the workbench measured, GPTQ / AWQ / scale
+search included. ``commands.sh`` holds that command. The tensor-type file (the plan as
+``llama-quantize`` rules, for re-quantizing a float GGUF with llama.cpp's own scales) is the
+override format.
 """
 from __future__ import annotations
 
 import re
 import shlex
+import time
 from pathlib import Path
 
 from ..errors import PlanError
 from ..models import LoadedModel
 from ..plan import QuantPlan, get_precision
 from ..workspace import atomic_write_text
-from .common import OverrideFile, block_role, layer_precisions
+from .common import OverrideFile, layer_precisions
+from .gguf_file import check_gguf, gguf_parameter_name, write_gguf
 from .registry import OverrideFormat, Target, check_precisions, register_target
 
 __all__ = ["gguf_tensor_name", "llamacpp_tensor_types", "write_llamacpp_tensor_types", "read_llamacpp_tensor_types",
-           "convert_llamacpp", "GGUF_ROLES", "TARGET"]
-
-GGUF_ROLES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-              "mlp.down_proj": "ffn_down"}
-
+           "convert_llamacpp", "TARGET"]
 
 def gguf_tensor_name(fqn: str) -> str | None:
     """The GGUF tensor (without ``.weight``) of a Hugging Face layer name, as llama.cpp's converter names it."""
     if fqn.endswith("embed_tokens"):
         return "token_embd"
-    if fqn == "lm_head":
-        return "output"
-    role = block_role(fqn)
-    return None if role is None else f"blk.{role[0]}.{GGUF_ROLES[role[1]]}"
+    name = gguf_parameter_name(f"{fqn}.weight")
+    return None if name is None else name.removesuffix(".weight")
 
 
 def _gguf_type(precision, symmetric: bool) -> str:
     """The ggml type of a precision (by kind and width: a registered alias of int8 is q8_0)."""
     if precision.is_float:
         return {16: "f16", 32: "f32"}[precision.bits]
-    return {8: "q8_0", 4: "q4_0" if symmetric else "q4_1"}[precision.bits]
+    if precision.super_block:
+        return {3: "q3_k", 6: "q6_k"}[precision.bits]
+    return {8: "q8_0", 5: "q5_0" if symmetric else "q5_1", 4: "q4_0" if symmetric else "q4_1"}[precision.bits]
 
 
-_GGUF_TO_PRECISION = {"f32": "fp32", "f16": "fp16", "bf16": "fp16", "q8_0": "int8", "q4_0": "int4", "q4_1": "int4"}
+_GGUF_TO_PRECISION = {"f32": "fp32", "f16": "fp16", "bf16": "fp16", "q8_0": "int8", "q4_0": "int4", "q4_1": "int4",
+                      "q5_0": "int5", "q5_1": "int5", "q3_k": "int3-k", "q6_k": "int6-k"}
 
 
 def llamacpp_tensor_types(lm: LoadedModel, plan: QuantPlan, *, notes: list[str] | None = None) -> list[tuple[str, str]]:
@@ -73,8 +75,8 @@ def llamacpp_tensor_types(lm: LoadedModel, plan: QuantPlan, *, notes: list[str] 
             continue
         out.append((f"^{re.escape(gguf)}\\.weight$", _gguf_type(prec, plan.symmetric)))
     if any(get_precision(p) is not None and not get_precision(p).is_float for p in precisions.values()):
-        notes.append(f"llama.cpp quantizes in fixed 32-weight blocks (q8_0/q4_0) and computes its own scales: the "
-                     f"plan's group size {plan.group_size} and scales are not carried over")
+        notes.append("llama-quantize computes its own scales from a float GGUF: this file re-quantizes the plan "
+                     "(`workbench convert --target llama.cpp` writes the plan's own integers instead)")
     return out
 
 
@@ -117,21 +119,42 @@ def read_llamacpp_tensor_types(path: str | Path, lm: LoadedModel) -> dict[str, s
 
 
 def convert_llamacpp(job) -> None:
-    """The tensor-type file of the plan and ``commands.sh`` building and scoring the mixed GGUF with llama.cpp."""
+    """``model.gguf`` holding the plan's integers, checked weight for weight, and ``commands.sh`` scoring it."""
     prep, out = job.prep, job.out
-    written = write_llamacpp_tensor_types(out / "tensor-types.txt", prep.float_lm, prep.qm.plan)
+    qm = prep.qm
+    job.say("writing model.gguf")
+    t0 = time.perf_counter()
+    path = write_gguf(qm, out / "model.gguf")
+    written = time.perf_counter() - t0
+    check = check_gguf(qm, path)
+    if check["max_abs_diff"] != 0.0:
+        raise PlanError(f"'{path}' does not hold the simulated weights (largest difference {check['max_abs_diff']:g}); "
+                        "this is a bug in the GGUF writer: please report it with the plan")
+    plan_bytes = sum(qw.storage_bytes() for name, qw in qm.weights.items()
+                     if not any(r.name == name and r.tied_to and not r.untied for r in qm.layers))
+    file_types = ", ".join(f"{n} x{c}" for n, c in sorted(check["types"].items()))
+    job.report.details.update(gguf_check=check, gguf_bytes=path.stat().st_size, plan_integer_bytes=plan_bytes)
+    job.report.details.setdefault("seconds", {})["write_gguf"] = written
+    job.report.notes.append(f"model.gguf holds the plan's own integers ({file_types}): all {check['weights']:,} "
+                            "weights read back by the gguf package's dequantizer equal the simulation's, so "
+                            "llama.cpp runs the model the workbench measured (its kernels round activations to "
+                            "8 bits for quantized weights)")
+    coarse = sorted({qw.effective_group_size for qw in qm.weights.values()
+                     if not qw.two_level and qw.effective_group_size != 32})
+    if coarse:
+        job.report.notes.append(f"groups of {', '.join(map(str, coarse))} weights are written as 32-weight blocks "
+                                "repeating their scale: the same weights in a bigger file (plan with group size 32 "
+                                "for the size llama.cpp counts)")
     src = shlex.quote(str(Path(prep.float_lm.path).resolve()))
-    lines = ["#!/usr/bin/env bash", "# Build the plan's mixed-precision GGUF with llama.cpp (set LLAMA_CPP to its "
-             "checkout, with its binaries built). Run from this directory.", "set -euo pipefail", "",
-             f"python \"$LLAMA_CPP/convert_hf_to_gguf.py\" {src} --outtype f16 --outfile model-f16.gguf",
-             f"\"$LLAMA_CPP/build/bin/llama-quantize\" --tensor-type-file tensor-types.txt model-f16.gguf "
-             f"model-mixed.gguf {_base_type(prep.qm.plan)}",
-             "\"$LLAMA_CPP/build/bin/llama-perplexity\" -m model-mixed.gguf -f \"${TEXT:?set TEXT to a text file to score}\"", ""]
+    lines = ["#!/usr/bin/env bash", "# Score the plan's GGUF with llama.cpp (set LLAMA_CPP to its build/bin folder and "
+             "TEXT to a text file). Run from this directory.", "set -euo pipefail", "",
+             "\"$LLAMA_CPP/llama-perplexity\" -m model.gguf -f \"${TEXT:?set TEXT to a text file to score}\" -c 256",
+             "# llama.cpp re-quantizing the float model itself, for comparison:",
+             f"# python convert_hf_to_gguf.py {src} --outtype f16 --outfile model-f16.gguf",
+             f"# \"$LLAMA_CPP/llama-quantize\" model-f16.gguf model-q4_k_m.gguf Q4_K_M", ""]
     script = out / "commands.sh"
     atomic_write_text(script, "\n".join(lines))
     script.chmod(0o755)
-    job.report.notes += written.notes + ["the GGUF is built and run with llama.cpp, which is not installed here"]
-    job.report.details["tensor_types"] = written.tensors
 
 
 def _base_type(plan: QuantPlan) -> str:
@@ -149,7 +172,8 @@ def _read(path, lm, export=None) -> dict[str, str]:
 
 TARGET = register_target(Target(
     "llama.cpp", "llama.cpp (GGUF)", rules=None, convert=convert_llamacpp, runnable=False,
-    overrides=OverrideFormat("llamacpp", _write, _read), module=__name__,
-    precision_note="llama.cpp's 2, 3, 5 and 6-bit types (Q2_K, Q3_K, Q5_0/Q5_K, Q6_K) and its k-quant super-block "
-                   "scales have their own layouts, which the plan's codes and scales do not map to; int3, int5 and "
-                   "int6 run in the workbench's simulation, int2 and two-level scales also through ort-int4"))
+    overrides=OverrideFormat("llamacpp", _write, _read), module=__name__, int_bits=(4, 5, 8),
+    layouts=("int3-k", "int6-k"),
+    precision_note="llama.cpp's blocks hold symmetric 4, 5 and 8-bit codes with a float16 scale per 32 weights "
+                   "(Q4_0, Q5_0, Q8_0) and the int3-k / int6-k layouts (Q3_K, Q6_K); int2, and int3 / int6 with "
+                   "float16 group scales, and per-channel two-level scales (LPBQ) have no llama.cpp block"))

@@ -59,12 +59,15 @@ class Target:
     float_bits: tuple[int, ...] = (16, 32)  # float weight widths it carries
     module: str = field(default="", compare=False)
     two_level: tuple[tuple[int, int], ...] = ()  # (code bits, sub-scale bits) of two-level scales it carries exactly
+    layouts: tuple[str, ...] = ()  # precisions with a fixed block layout (``int3-k``) it stores as they are
     precision_note: str = ""  # why it carries no other precisions, said when it refuses one
 
     def carries(self, precision: Precision) -> bool:
         """Whether this target carries ``precision`` as the plan stores it (bit width, and scales)."""
         if precision.is_float:
             return precision.bits in self.float_bits
+        if precision.super_block or precision.group_size:
+            return precision.name in self.layouts
         if precision.two_level:
             return (precision.bits, precision.scale_bits) in self.two_level
         return precision.bits in self.int_bits
@@ -168,7 +171,7 @@ def check_precisions(target: Target, precisions: Mapping[str, str | None] | Iter
             entry[1].append(layer)
     if bad:
         takes = [f"int{b}" for b in target.int_bits] + [f"{b}-bit float" for b in target.float_bits] + \
-            [f"int{b} with {k}-bit sub-scales" for b, k in target.two_level if k == 4]
+            [f"int{b} with {k}-bit sub-scales" for b, k in target.two_level if k == 4] + list(target.layouts)
         names = "; ".join(f"'{n}' ({_describe(p)})" + (f" for layer(s) {_layers_text(layers)}" if layers else "")
                           for n, (p, layers) in bad.items())
         note = f" ({target.precision_note})" if target.precision_note else ""

@@ -1,0 +1,356 @@
+"""GGUF files holding the plan's own integers, so llama.cpp runs exactly the weights the workbench measured.
+
+    ggml_type_of(qw)                       # GGMLQuantizationType.Q4_0 for symmetric int4 in 32-weight groups
+    write_gguf(qm, "model.gguf")           # the quantized model as llama.cpp reads it, written once
+    check_gguf(qm, "model.gguf")           # every weight read back (gguf's own dequantizer) == the simulation
+
+The workbench's layouts that are llama.cpp's, bit for bit:
+
+- symmetric int4 / int5 / int8 with a float16 scale per 32 weights: ``Q4_0`` / ``Q5_0`` / ``Q8_0``
+  (code ``c`` stored as ``c + 2^(b-1)``; coarser groups repeat their scale in every 32-weight block,
+  the same weights in a bigger file, which the report says);
+- ``int3-k`` and ``int6-k`` (16-weight groups, integer group scales under a float16 scale per 256
+  weights): ``Q3_K`` and ``Q6_K``;
+- float16 / float32 layers: ``F16`` / ``F32``; norms and biases ``F32``.
+
+Everything else (asymmetric zero points, two-level scales per channel, int2/int3/int6 with float16
+group scales) has no llama.cpp block that holds it exactly and is refused, naming the precisions
+that do. Blocks are packed here from llama.cpp's block definitions (``ggml-common.h``) and checked
+against the ``gguf`` package's independent dequantizer in the tests and in ``check_gguf``.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import PlanError
+from ..plan import get_precision
+from ..quantize.qtensor import QuantizedWeight
+
+__all__ = ["ggml_type_of", "pack_blocks", "write_gguf", "check_gguf", "gguf_parameter_name", "GGUF_ARCHES"]
+
+GGUF_ARCHES = {"qwen2": "qwen2", "qwen3": "qwen3", "llama": "llama"}  # Hugging Face model_type -> GGUF architecture
+_LEGACY = {4: "Q4_0", 5: "Q5_0", 8: "Q8_0"}  # symmetric b-bit codes with a float16 scale per 32 weights
+_K = {(3, 6, 31): "Q3_K", (6, 8, 127): "Q6_K"}  # (bits, sub-scale bits, largest sub-scale) in 256-weight blocks
+_ROLES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+          "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+          "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+          "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+
+
+def _gguf():
+    try:
+        import gguf
+    except ImportError:
+        raise PlanError("writing GGUF needs the gguf package: pip install gguf==0.19.0 (the README's install "
+                        "command includes it)") from None
+    return gguf
+
+
+def ggml_type_of(qw: QuantizedWeight) -> str:
+    """The llama.cpp block type holding ``qw``'s codes and scales exactly; ``PlanError`` when none does."""
+    if qw.two_level:
+        key = (qw.bits, qw.scale_bits, qw.scale_max)
+        if qw.super_block == 256 and qw.group_size == 16 and key in _K:
+            return _K[key]
+        raise PlanError(f"{qw.bits}-bit codes with {qw.scale_bits}-bit sub-scales per "
+                        f"{'channel' if not qw.super_block else f'{qw.super_block} weights'} have no llama.cpp block "
+                        "layout; use int3-k or int6-k (llama.cpp's Q3_K / Q6_K) or a float16-scale precision")
+    if not qw.symmetric:
+        raise PlanError("asymmetric zero points have no exact llama.cpp block (Q4_1 / Q5_1 store scale x zero "
+                        "as a rounded float16); plan with symmetric=true for llama.cpp")
+    if qw.bits not in _LEGACY:
+        raise PlanError(f"int{qw.bits} with float16 group scales has no llama.cpp block; use "
+                        + ("int3-k (Q3_K)" if qw.bits == 3 else "int6-k (Q6_K)" if qw.bits == 6 else
+                           "int4 (Q4_0)") + " instead")
+    g = qw.effective_group_size
+    if g % 32 or qw.shape[1] % 32:
+        raise PlanError(f"llama.cpp's {_LEGACY[qw.bits]} stores 32-weight blocks; a group of {g} over "
+                        f"{qw.shape[1]} inputs does not fill them (plan with a group size that is a multiple of 32)")
+    return _LEGACY[qw.bits]
+
+
+def _fp16_bytes(x: torch.Tensor) -> np.ndarray:
+    """float16 values (exact: scales are float16 by construction) as their two little-endian bytes."""
+    h = x.to(torch.float16)
+    if not torch.equal(h.to(torch.float32), x.to(torch.float32)):
+        raise PlanError("a scale is not a float16 value; the quantized model is not in the stored form")
+    return h.numpy().view(np.uint8).reshape(*x.shape, 2)
+
+
+def _legacy(qw: QuantizedWeight, bits: int) -> np.ndarray:
+    rows, cols = qw.shape
+    nb = cols // 32
+    u = (qw.qweight.to(torch.int16) + (1 << (bits - 1))).numpy().astype(np.uint8).reshape(rows, nb, 32)
+    d = _fp16_bytes(qw.scales.repeat_interleave(qw.effective_group_size // 32, dim=1))  # [rows, nb, 2]
+    if bits == 8:
+        return np.concatenate([d, qw.qweight.numpy().astype(np.int8).view(np.uint8).reshape(rows, nb, 32)], -1)
+    qs = (u[..., :16] & 15) | ((u[..., 16:] & 15) << 4)
+    if bits == 4:
+        return np.concatenate([d, qs], -1)
+    high = ((u >> 4) & 1).astype(np.uint32) << np.arange(32, dtype=np.uint32)  # element j's fifth bit at bit j
+    qh = high.sum(-1, dtype=np.uint32).astype("<u4").view(np.uint8).reshape(rows, nb, 4)
+    return np.concatenate([d, qh, qs], -1)
+
+
+def _q6_k(qw: QuantizedWeight) -> np.ndarray:
+    rows, cols = qw.shape
+    ns = cols // 256
+    u = (qw.qweight.to(torch.int16) + 32).numpy().astype(np.uint8).reshape(rows, ns, 2, 4, 32)  # half, quarter, l
+    low, high = u & 15, u >> 4
+    ql = np.concatenate([low[:, :, :, 0] | (low[:, :, :, 2] << 4), low[:, :, :, 1] | (low[:, :, :, 3] << 4)], -1)
+    qh = high[:, :, :, 0] | (high[:, :, :, 1] << 2) | (high[:, :, :, 2] << 4) | (high[:, :, :, 3] << 6)
+    scales = qw.sub_scales.numpy().astype(np.int8).view(np.uint8).reshape(rows, ns, 16)
+    return np.concatenate([ql.reshape(rows, ns, 128), qh.reshape(rows, ns, 64), scales,
+                           _fp16_bytes(qw.channel_scales)], -1)
+
+
+def _q3_k(qw: QuantizedWeight) -> np.ndarray:
+    rows, cols = qw.shape
+    ns = cols // 256
+    u = (qw.qweight.to(torch.int16) + 4).numpy().astype(np.uint8).reshape(rows, ns, 2, 4, 32)  # n, j, l
+    shifts = (2 * np.arange(4, dtype=np.uint8))[None, None, None, :, None]
+    qs = ((u & 3) << shifts).sum(3, dtype=np.uint8)  # [rows, ns, 2, 32]: pair j in bits 2j, 2j+1
+    hbits = ((u >> 2) & 1).reshape(rows, ns, 8, 32)  # n * 4 + j
+    hmask = (hbits << np.arange(8, dtype=np.uint8)[None, None, :, None]).sum(2, dtype=np.uint8)
+    s = (qw.sub_scales.to(torch.int16) + 32).numpy().astype(np.uint8).reshape(rows, ns, 16)  # 6-bit, offset 32
+    packed = np.concatenate([(s[..., 0:4] & 15) | ((s[..., 8:12] & 15) << 4),
+                             (s[..., 4:8] & 15) | ((s[..., 12:16] & 15) << 4),
+                             (s[..., 0:4] >> 4) | ((s[..., 4:8] >> 4) << 2) | ((s[..., 8:12] >> 4) << 4)
+                             | ((s[..., 12:16] >> 4) << 6)], -1)
+    return np.concatenate([hmask, qs.reshape(rows, ns, 64), packed, _fp16_bytes(qw.channel_scales)], -1)
+
+
+def pack_blocks(qw: QuantizedWeight) -> tuple[str, np.ndarray]:
+    """``(ggml type name, uint8 [rows, bytes per row])``: ``qw`` as llama.cpp's blocks, row by row."""
+    kind = ggml_type_of(qw)
+    qw = qw.to("cpu")
+    blocks = _q3_k(qw) if kind == "Q3_K" else _q6_k(qw) if kind == "Q6_K" else _legacy(qw, qw.bits)
+    return kind, np.ascontiguousarray(blocks.reshape(qw.shape[0], -1))
+
+
+def gguf_parameter_name(name: str) -> str | None:
+    """The GGUF tensor name of a Hugging Face parameter (``model.layers.3.mlp.up_proj.weight`` ->
+    ``blk.3.ffn_up.weight``), as llama.cpp's converter names it; None when it has none."""
+    if name == "model.embed_tokens.weight":
+        return "token_embd.weight"
+    if name == "model.norm.weight":
+        return "output_norm.weight"
+    if name == "lm_head.weight":
+        return "output.weight"
+    parts = name.split(".")
+    if len(parts) >= 5 and parts[:2] == ["model", "layers"] and parts[2].isdigit():
+        role = _ROLES.get(".".join(parts[3:-1]))
+        if role:
+            return f"blk.{parts[2]}.{role}.{parts[-1]}"
+    return None
+
+
+def _permute_rows(a, n_head: int):
+    """llama's q/k rows in llama.cpp's rotary order (its converter's permutation; rows are whole blocks)."""
+    return a.reshape(n_head, 2, a.shape[0] // n_head // 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
+
+
+def _pre_tokenizer(tok: dict) -> str:
+    """llama.cpp's name for a byte-level BPE tokenizer's split rule (refused when it is none it knows)."""
+    pre = tok.get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
+    for step in steps:
+        if step.get("type") == "ByteLevel" and step.get("use_regex", True):
+            return "gpt-2"
+        if step.get("type") == "Split":
+            rx = (step.get("pattern") or {}).get("Regex", "")
+            if r"\p{N}{1,3}" in rx:
+                return "llama-bpe"
+            if r"|\p{N}|" in rx or rx.endswith(r"\p{N}"):
+                return "qwen2"
+    raise PlanError("this tokenizer's pre-tokenizer is not one llama.cpp's GGUF names here (GPT-2, Qwen2, "
+                    "Llama-3 byte-level BPE); convert the vocabulary with llama.cpp's convert_hf_to_gguf.py")
+
+
+def _add_vocabulary(writer, gguf, model_dir: Path, n_vocab: int) -> None:
+    path = model_dir / "tokenizer.json"
+    if not path.is_file():
+        raise PlanError(f"'{model_dir}' has no tokenizer.json; a GGUF carries its vocabulary (a byte-level BPE "
+                        "tokenizer.json is needed)")
+    tok = json.loads(path.read_text(encoding="utf-8"))
+    model = tok.get("model", {})
+    if model.get("type") != "BPE":
+        raise PlanError(f"'{path}' is a {model.get('type')} tokenizer; only byte-level BPE vocabularies are written "
+                        "here (use llama.cpp's convert_hf_to_gguf.py for others)")
+    T = gguf.TokenType
+    tokens = [f"[PAD{i}]" for i in range(n_vocab)]
+    types = [T.UNUSED] * n_vocab
+    for text, i in model["vocab"].items():
+        if i < n_vocab:
+            tokens[i], types[i] = text, T.NORMAL
+    for added in tok.get("added_tokens", []):
+        if added["id"] < n_vocab:
+            tokens[added["id"]] = added["content"]
+            types[added["id"]] = T.CONTROL if added.get("special") else T.USER_DEFINED
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(_pre_tokenizer(tok))
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])])
+    gguf.SpecialVocab(model_dir, load_merges=False, n_vocab=n_vocab).add_to_gguf(writer, quiet=True)
+
+
+def _add_hyperparameters(writer, config, arch: str, name: str) -> None:
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise PlanError("this model scales its rotary embedding, which this GGUF writer does not carry; convert "
+                        "with llama.cpp's convert_hf_to_gguf.py")
+    writer.add_name(name)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(getattr(config, "num_key_value_heads", None) or heads)
+    writer.add_rope_freq_base(float(theta))
+    writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    if arch == "llama":
+        writer.add_rope_dimension_count(head_dim)
+        writer.add_vocab_size(config.vocab_size)
+
+
+def _parameter_names(model, layers: set[str]) -> list[str]:
+    """Every weight's name in model order; a quantized layer (its weight a buffer) counts as ``NAME.weight``."""
+    names = []
+    for mname, module in model.named_modules(remove_duplicate=False):
+        prefix = f"{mname}." if mname else ""
+        if mname in layers:
+            names.append(f"{prefix}weight")
+        names += [f"{prefix}{p}" for p, _ in module.named_parameters(recurse=False)
+                  if not (mname in layers and p == "weight")]
+    return list(dict.fromkeys(names))
+
+
+_BLOCK = {"Q4_0": (32, 18), "Q5_0": (32, 22), "Q8_0": (32, 34), "Q3_K": (256, 110), "Q6_K": (256, 210)}
+
+
+def _tensors(qm) -> list[tuple[str, str, tuple, np.dtype, int, object]]:
+    """``(gguf name, ggml type, shape as written, dtype, bytes, make())`` of every tensor in model order;
+    ``make()`` packs it when called, so a writer holds one tensor at a time."""
+    from ..quantize.storage import float_storage
+    lm = qm.source
+    config = lm.model.config
+    precisions = qm.precisions
+    floats = float_storage(qm)
+    params = dict(lm.model.named_parameters())
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    llama = GGUF_ARCHES[config.model_type] == "llama"
+    integer = {f"{n}.weight": n for n in qm.weights}
+    tied = {r.name for r in qm.layers if r.tied_to and not r.untied}
+    out = []
+    for name in _parameter_names(lm.model, {r.name for r in qm.layers}):
+        layer = name.removesuffix(".weight")
+        if layer in tied:
+            continue  # llama.cpp reads token_embd for a tied output layer
+        target = gguf_parameter_name(name)
+        if target is None:
+            raise PlanError(f"parameter '{name}' has no GGUF tensor name known here; this architecture is not "
+                            "written by the workbench's GGUF writer")
+        rotary = (heads if ".q_proj." in name else kv if ".k_proj." in name else None) if llama else None
+        if name in integer:
+            qw = qm.weights[integer[name]]
+            try:
+                kind = ggml_type_of(qw)
+            except PlanError as e:
+                raise PlanError(f"layer '{layer}' ({precisions.get(layer)}): {e}") from None
+            per, size = _BLOCK[kind]
+            shape = (qw.shape[0], qw.shape[1] // per * size)
+
+            def make(qw=qw, rotary=rotary):
+                data = pack_blocks(qw)[1]
+                return data if rotary is None else _permute_rows(data, rotary)
+            out.append((target, kind, shape, np.dtype(np.uint8), shape[0] * shape[1], make))
+            continue
+        t = floats[name] if name in floats else params[name].detach()  # norms, biases: in float_storage too
+        prec = get_precision(precisions.get(layer))
+        half = t.dim() >= 2 and (prec.bits == 16 if prec is not None else t.dtype != torch.float32)
+        kind, dtype = ("F16", np.float16) if half else ("F32", np.float32)
+
+        def make(t=t, dtype=dtype, rotary=rotary):
+            data = t.to(torch.float16 if dtype == np.float16 else torch.float32).cpu().numpy()
+            return data if rotary is None else _permute_rows(data, rotary)
+        out.append((target, kind, tuple(t.shape), np.dtype(dtype), t.numel() * np.dtype(dtype).itemsize, make))
+    return out
+
+
+def write_gguf(qm, path: str | Path, *, name: str | None = None) -> Path:
+    """Write the quantized model ``qm`` as one GGUF llama.cpp runs (atomically: a killed run leaves no file)."""
+    gguf = _gguf()
+    lm = qm.source
+    config = lm.model.config
+    arch = GGUF_ARCHES.get(config.model_type)
+    if arch is None:
+        raise PlanError(f"model type '{config.model_type}' is not written as GGUF here; supported: "
+                        f"{', '.join(GGUF_ARCHES)}")
+    tensors = _tensors(qm)  # every layer's block type checked before a byte is written
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.writing")
+    writer = gguf.GGUFWriter(tmp, arch)
+    try:
+        _add_hyperparameters(writer, config, arch, name or Path(lm.path).name)
+        _add_vocabulary(writer, gguf, Path(lm.path), config.vocab_size)
+        writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        for target, kind, shape, dtype, nbytes, _make in tensors:
+            raw = None if kind in ("F16", "F32") else getattr(gguf.GGMLQuantizationType, kind)
+            writer.add_tensor_info(target, shape, dtype, nbytes, raw_dtype=raw)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for *_, make in tensors:
+            writer.write_tensor_data(make())
+        writer.close()
+        os.replace(tmp, out)
+    finally:
+        writer.close()
+        tmp.unlink(missing_ok=True)
+    return out
+
+
+def check_gguf(qm, path: str | Path) -> dict:
+    """Read every integer tensor back with gguf's own dequantizer and compare with the simulation's weights.
+
+    Returns ``{"tensors": n, "weights": n, "max_abs_diff": x, "types": {type: count}}``; ``max_abs_diff`` is
+    0.0 when the file holds exactly the weights the workbench evaluated.
+    """
+    gguf = _gguf()
+    from gguf.quants import dequantize
+    reader = gguf.GGUFReader(str(path))
+    by_name = {t.name: t for t in reader.tensors}
+    arch = GGUF_ARCHES[qm.source.model.config.model_type]
+    config = qm.source.model.config
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    tied = {r.name for r in qm.layers if r.tied_to and not r.untied}
+    worst, count, weights, types = 0.0, 0, 0, {}
+    for layer, qw in qm.weights.items():
+        if layer in tied:
+            continue
+        target = gguf_parameter_name(f"{layer}.weight")
+        t = by_name.get(target)
+        if t is None:
+            raise PlanError(f"'{path}' has no tensor {target} for layer {layer}")
+        got = dequantize(np.asarray(t.data), t.tensor_type).reshape(qw.shape)
+        want = qw.dequantize().numpy()
+        if arch == "llama" and (".q_proj" in layer or ".k_proj" in layer):
+            want = _permute_rows(want, heads if ".q_proj" in layer else kv)
+        worst = max(worst, float(np.abs(got - want).max()) if want.size else 0.0)
+        count, weights = count + 1, weights + want.size
+        types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
+    return {"tensors": count, "weights": weights, "max_abs_diff": worst, "types": types}
