@@ -72,7 +72,7 @@ def test_lean_sweep_gives_the_figures_of_swapping_float_copies(lm):
         for precision, bits in (("int8", 8), ("int4", 4)):
             model = copy.deepcopy(lm.model)
             mod = model.get_submodule(layer.name)
-            w = quantize_weight(mod.weight.detach(), bits, ev.variants.group_size_for(layer.name),
+            w = quantize_weight(mod.weight.detach(), bits, ev.variants.quantizer(layer.name, precision).group_size,
                                 scale_search=ev.variants.scale_search).dequantize()
             mod.weight = torch.nn.Parameter(w, requires_grad=False)  # untied, as the sweep's trial is
             old = evaluate(model, ev.ids, reference=ev.reference, ctx=ev.ctx, progress=False)
