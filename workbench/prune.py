@@ -1,26 +1,29 @@
 """Structured pruning: remove whole attention heads and MLP channels, so the tensors really shrink.
 
     imp = head_and_channel_importance(lm, workspace=Workspace())   # Taylor scores, and KL per masked head
-    plan = PrunePlan(heads=0.5, mlp=0.2)                           # fractions removed in every layer
+    plan = PrunePlan(heads=0.25, mlp=0.2)                          # of the model's heads / channels; ends whole
     result = prune_model(lm, plan, imp)                            # a smaller model, in memory
-    save_pruned(result, lm, "out/pruned")                          # a plain Hugging Face directory
+    save_pruned(result, lm, "out/pruned")                          # a Hugging Face directory
 
 Units. Attention is grouped-query: every KV head serves ``heads / kv_heads`` query heads. With
 ``head_unit="group"`` (the default) a KV head and the query heads that share it are one unit and
 leave together (q_proj and o_proj lose the query heads' rows and columns, k_proj and v_proj the KV
-head's rows). With ``head_unit="query"`` every KV head stays and each group loses the same number of
-query heads. An MLP channel is one row of gate_proj and up_proj and one column of down_proj.
-``q_norm`` / ``k_norm`` (Qwen3) act per ``head_dim`` and are untouched; ``head_dim`` is written into
-the pruned config explicitly, since it no longer equals ``hidden_size / num_attention_heads``.
+head's rows). With ``head_unit="query"`` every KV head stays and each group of a layer loses the
+same number of query heads. An MLP channel is one row of gate_proj and up_proj and one column of
+down_proj. ``q_norm`` / ``k_norm`` (Qwen3) act per ``head_dim`` and are untouched; ``head_dim`` is
+written into the pruned config explicitly, since it no longer equals ``hidden_size / num_attention_heads``.
 
-Uniform counts. Qwen2, Qwen3 and Llama configs hold one head count and one intermediate size for
-every layer, and transformers builds every layer from them, so each layer keeps the same number of
-units; *which* units a layer keeps is its own choice, by importance or an explicit list. A plan whose
-layers keep different counts is refused (naming them): keeping the first and last layers whole while
-pruning the middle ones would need per-layer shapes, which these configs cannot hold, or zero
-padding, which would save nothing. The slicing rules are written here rather than taken from
-torch-pruning, which is not a dependency and whose dependency graph prunes each layer by its own
-ratio (it would have to be constrained back to these same rules).
+Per-layer counts. By default the first and last layers stay whole and a ratio is of the whole
+model's heads (channels), removed as whole units from the middle layers where they score lowest
+(``spread="global"``), so layers keep different counts. Qwen2, Qwen3 and Llama configs hold one head
+count and one MLP width for every layer, so such a model's config.json gets the largest counts in
+the standard fields and every layer's in ``layer_shapes`` (``workbench.models.LAYER_SHAPES``); the
+workbench's loader builds each layer at its own counts (transformers' attention reshapes with
+``-1`` heads and repeats KV heads ``num_key_value_groups`` times, which is set per layer). Plain
+transformers ignores that field and would fail on the weights' shapes. A plan whose layers keep the
+same counts (``spread="layer"`` without the first/last rule, or explicit lists) writes a plain config.
+The slicing rules are written here rather than taken from torch-pruning, which is not a dependency
+and whose dependency graph would have to be constrained back to these same grouped-query rules.
 
 Importance (``head_and_channel_importance``), from calibration windows with the language-model loss:
 ``taylor`` is the first-order Taylor estimate of the loss change when a unit's output is zeroed,
@@ -318,9 +321,12 @@ class PrunePlan:
             what = "heads" if kind == "heads" else "MLP channels"
             keep = "at least one head per KV group" if query else "at least one KV group" if kind == "heads" else \
                 f"at least {self.mlp_multiple} channels"
-            layers = ", ".join(map(str, pool))
-            raise PlanError(f"removing {ratio:.0%} of the model's {what} from layer(s) {layers} alone would leave a "
-                            f"layer without {keep}; lower {kind}, or set keep_first_last false to prune every layer")
+            if len(pool) == geo.layers:
+                raise PlanError(f"removing {ratio:.0%} of the model's {what} would leave a layer without {keep}; "
+                                f"lower {kind}")
+            raise PlanError(f"removing {ratio:.0%} of the model's {what} from layer(s) {', '.join(map(str, pool))} "
+                            f"alone would leave a layer without {keep}; lower {kind}, or set keep_first_last false "
+                            "(--prune-first-last) to prune every layer")
         out = {}
         n_units = geo.kv_heads if kind == "heads" and not query else geo.heads if query else geo.intermediate
         for i in pool:
