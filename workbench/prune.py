@@ -321,12 +321,13 @@ class PrunePlan:
             what = "heads" if kind == "heads" else "MLP channels"
             keep = "at least one head per KV group" if query else "at least one KV group" if kind == "heads" else \
                 f"at least {self.mlp_multiple} channels"
+            most = f"at most {removed / (geo.layers * per_unit):.0%}"
             if len(pool) == geo.layers:
                 raise PlanError(f"removing {ratio:.0%} of the model's {what} would leave a layer without {keep}; "
-                                f"lower {kind}")
+                                f"lower {kind} ({most})")
             raise PlanError(f"removing {ratio:.0%} of the model's {what} from layer(s) {', '.join(map(str, pool))} "
-                            f"alone would leave a layer without {keep}; lower {kind}, or set keep_first_last false "
-                            "(--prune-first-last) to prune every layer")
+                            f"alone would leave a layer without {keep}; lower {kind} ({most}), or set "
+                            "keep_first_last false (--prune-first-last) to prune every layer")
         out = {}
         n_units = geo.kv_heads if kind == "heads" and not query else geo.heads if query else geo.intermediate
         for i in pool:
@@ -787,10 +788,12 @@ class PruneResult:
         if self.uniform:
             return (f"heads {b['heads']} -> {a['heads']} (KV {b['kv_heads']} -> {a['kv_heads']}), MLP "
                     f"{b['intermediate']} -> {a['intermediate']} per layer; {params}")
-        per, r = a["per_layer"], self.report()
-        return (f"heads per layer {b['heads']} -> {per['heads']} (KV {b['kv_heads']} -> {per['kv_heads']}), MLP "
-                f"{b['intermediate']} -> {per['intermediate']}: {r['heads_removed']:.1%} of heads and "
-                f"{r['mlp_removed']:.1%} of MLP channels removed; {params}")
+        per, n = a["per_layer"], b["layers"]
+        return (f"heads {n * b['heads']} -> {sum(per['heads'])} (KV {n * b['kv_heads']} -> {sum(per['kv_heads'])}), "
+                f"MLP {n * b['intermediate']} -> {sum(per['intermediate'])} in all layers "
+                f"({1 - sum(per['heads']) / (n * b['heads']):.1%} of heads, "
+                f"{1 - sum(per['intermediate']) / (n * b['intermediate']):.1%} of MLP channels removed; per layer "
+                f"heads {per['heads']}, KV {per['kv_heads']}, MLP {per['intermediate']}); {params}")
 
 
 def _count(model: nn.Module) -> int:
