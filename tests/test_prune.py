@@ -153,8 +153,8 @@ def test_bad_plans_are_refused_in_one_line(plan, message):
     (PrunePlan(layers={"7": {"heads": 0.5}}), r"names layer '7'; the model has layers 0-1"),
     (PrunePlan(heads=0.9, head_unit="query", spread="layer"), "leaves a group with none"),
     (PrunePlan(heads=0.9, spread="layer"), "leaves none"),
-    (PrunePlan(heads=0.9), "would leave a layer without at least one KV group; lower heads"),
-    (PrunePlan(heads=0.9, head_unit="query"), "without at least one head per KV group"),
+    (PrunePlan(heads=0.9), r"leaves none in a layer \(each keeps at least one KV group\); lower heads \(at most 50%\)"),
+    (PrunePlan(heads=0.9, head_unit="query"), "each keeps at least one head per KV group"),
     (PrunePlan(layers={"0": {"heads_keep": [0, 0]}, "1": {"heads_keep": [0, 1]}}), "lists an index twice"),
     (PrunePlan(layers={"0": {"heads_keep": [5]}}), r"names KV groups \[5\]; the model has 2"),
     (PrunePlan(head_unit="query", layers={str(i): {"heads_keep": [0, 1]} for i in range(2)}),
@@ -210,6 +210,8 @@ def test_a_global_ratio_comes_from_the_middle_layers_least_important_units(deep,
         assert not gone or max(gone) <= min(scores[i][c] for c in kept["mlp"][i])
     lowest = min((scores[i][c], i, c) for i in (1, 2) for c in range(128))
     assert lowest[2] not in kept["mlp"][lowest[1]]
+    with pytest.raises(PlanError, match=r"from layer\(s\) 1, 2 alone leaves none .*at most 25%.*--prune-first-last"):
+        PrunePlan(heads=0.5, head_unit=unit).keep(geo, imp)
     # without importance the counts differ by layer but the totals, and so the parameters, are the same
     blind = plan.layer_counts(geo)
     assert [sum(s[k] for s in blind) for k in range(3)] == [sum(s[k] for s in shapes) for k in range(3)]

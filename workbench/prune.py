@@ -319,15 +319,15 @@ class PrunePlan:
                 heapq.heappush(heap, (blocks[i][taken[i]][1], i))
         if not heap and target - removed >= step / 2 - 1e-9:
             what = "heads" if kind == "heads" else "MLP channels"
-            keep = "at least one head per KV group" if query else "at least one KV group" if kind == "heads" else \
-                f"at least {self.mlp_multiple} channels"
+            keep = "one head per KV group" if query else "one KV group" if kind == "heads" else \
+                f"{self.mlp_multiple} channels"
             most = f"at most {removed / (geo.layers * per_unit):.0%}"
             if len(pool) == geo.layers:
-                raise PlanError(f"removing {ratio:.0%} of the model's {what} would leave a layer without {keep}; "
-                                f"lower {kind} ({most})")
+                raise PlanError(f"removing {ratio:.0%} of the model's {what} leaves none in a layer (each keeps at "
+                                f"least {keep}); lower {kind} ({most})")
             raise PlanError(f"removing {ratio:.0%} of the model's {what} from layer(s) {', '.join(map(str, pool))} "
-                            f"alone would leave a layer without {keep}; lower {kind} ({most}), or set "
-                            "keep_first_last false (--prune-first-last) to prune every layer")
+                            f"alone leaves none in a layer (each keeps at least {keep}); lower {kind} ({most}), or "
+                            "set keep_first_last false (--prune-first-last) to prune every layer")
         out = {}
         n_units = geo.kv_heads if kind == "heads" and not query else geo.heads if query else geo.intermediate
         for i in pool:
