@@ -253,6 +253,10 @@ def test_per_layer_counts_give_a_directory_that_loads_exports_quantizes_and_matc
     assert 0 < ev.kl_divergence < 1
     qm.save(tmp_path / "int4")
     assert load_model(tmp_path / "int4").parameters == counted  # codes counted as the weights they replace
+    from workbench.projection import model_shape, project  # shapes on the meta device, KV cache per layer
+    assert sum(p.numel() for p in model_shape(out).model.parameters()) == counted
+    kv = [project(d, "snapdragon-8-gen-3").kv_bytes_per_token for d in (out, lm.path)]
+    assert kv[0] * 8 == kv[1] * 6  # 6 of the 8 KV heads are left
     # plain transformers builds every layer at the largest counts: the weights do not fit
     with pytest.raises(Exception, match="size mismatch|mismatch|shape"):
         AutoModelForCausalLM.from_pretrained(out, ignore_mismatched_sizes=False)
