@@ -850,7 +850,8 @@ def prune_model(lm: LoadedModel, plan: PrunePlan, importance: PruneImportance | 
 
 def save_pruned(result: PruneResult, lm: LoadedModel, out_dir: str | Path, *,
                 importance: PruneImportance | None = None, extra: Mapping | None = None) -> Path:
-    """Write the pruned model (source dtype, tokenizer, ``prune.json``) as a plain Hugging Face directory."""
+    """Write the pruned model (source dtype, tokenizer, ``prune.json``) as a Hugging Face directory: a plain one when
+    every layer keeps the same counts, else with ``layer_shapes`` in config.json (the workbench loader reads it)."""
     from .finetune import save_model_directory
     from .workspace import staged_output, write_output_manifest
     with staged_output(out_dir, PRUNE_FORMAT) as tmp:
