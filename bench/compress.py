@@ -1,9 +1,13 @@
 """Compression beyond quantization on the demo model: prune, quantize, distil, and what each step cost.
 
-    python bench/compress.py [--heads 0.5] [--mlp 0.2] [--steps 100] [--out /tmp/compress-bench]
+    python bench/compress.py [--heads 0.25] [--mlp 0.2] [--steps 100] [--out /tmp/compress-bench]
 
-Rows: float, uniform INT4 (RTN, group 128), pruned, pruned + INT4, pruned + distilled, pruned + INT4
-+ distilled (quantization-aware distillation, then the same INT4 quantization). Every row is scored
+The plan removes ``--heads`` of the model's heads and ``--mlp`` of its MLP channels from the middle
+layers (the first and last stay whole unless ``--prune-first-last``), the least important units
+wherever they are (``--spread global``), so layers keep different counts; MLP widths stay multiples
+of 32. Rows: float, uniform INT4 (RTN, group 32 by default: every pruned width divides), pruned,
+pruned + INT4, pruned + distilled, pruned + INT4 + distilled (quantization-aware distillation, then
+the same INT4 quantization). Every row is scored
 on the whole bundled held-out text (windows of 512) against the float model: perplexity and KL with
 their standard errors, and paired differences (per-window) between the rows compared. The pruned
 directory is also loaded back, its parameters compared with the plan's prediction, and exported to
@@ -20,9 +24,12 @@ from pathlib import Path
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="demo")
-    ap.add_argument("--heads", type=float, default=0.5, help="fraction of KV groups removed per layer")
-    ap.add_argument("--mlp", type=float, default=0.2, help="fraction of MLP channels removed per layer")
+    ap.add_argument("--heads", type=float, default=0.25, help="fraction of the model's heads removed")
+    ap.add_argument("--mlp", type=float, default=0.2, help="fraction of the model's MLP channels removed")
     ap.add_argument("--head-unit", default="group")
+    ap.add_argument("--spread", default="global", help="global (default) or layer: see PrunePlan")
+    ap.add_argument("--prune-first-last", action="store_true", help="prune the first and last layers too")
+    ap.add_argument("--group-size", type=int, default=32, help="INT4 group size")
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--out", default="/tmp/compress-bench")
@@ -44,7 +51,7 @@ def main() -> None:
     lm = load_model(args.model)
     ids = evaluation_tokens(lm)
     ref = capture_reference(lm.model, ids, ctx=512, progress=False)
-    int4 = QuantPlan.uniform("int4")
+    int4 = QuantPlan.uniform("int4", group_size=args.group_size)
     rows, timings = [], {}
 
     def quantized(src):
@@ -57,7 +64,8 @@ def main() -> None:
     rows.append(measure_point("INT4", m, ids, ref, size_bytes=size, bits_per_weight=bpw, parameters=n))
 
     t0 = time.perf_counter()
-    plan = PrunePlan(heads=args.heads, mlp=args.mlp, head_unit=args.head_unit)
+    plan = PrunePlan(heads=args.heads, mlp=args.mlp, head_unit=args.head_unit, spread=args.spread,
+                     keep_first_last=not args.prune_first_last)
     importance = head_and_channel_importance(lm, workspace=Workspace(out / "workspace"), progress=False)
     pr = prune(lm, plan, out / "pruned", importance=importance, evaluate_tokens=None, progress=False)
     timings["prune (importance with KL per masked head + slicing + save)"] = time.perf_counter() - t0
@@ -89,6 +97,9 @@ def main() -> None:
 
     by = {r["label"]: r for r in rows}
     print(f"model {args.model}: {pr['summary']}")
+    print(f"asked to remove {args.heads:.0%} of heads and {args.mlp:.0%} of MLP channels; removed "
+          f"{pr['heads_removed']:.1%} of query heads ({pr['kv_heads_removed']:.1%} of KV heads) and "
+          f"{pr['mlp_removed']:.1%} of MLP channels (whole units; widths multiples of {plan.mlp_multiple})")
     print(f"parameters: plan predicts {pr['parameters_predicted']:,}, the saved directory holds {counted:,} "
           f"({'match' if counted == pr['parameters_predicted'] else 'MISMATCH'})")
     disk = lambda p: sum(f.stat().st_size for f in Path(p).glob("*.safetensors"))  # noqa: E731

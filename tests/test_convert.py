@@ -390,3 +390,16 @@ def test_mnn_stores_searched_scales_in_float_and_requantizes_min_max_ones(make_t
     assert (bits, block) == (None, None) and any("--no-scale-search" in n for n in notes)
     plan = QuantPlan.uniform("int4", scale_search=False)
     assert _mnn_weight_args(quantize_model(lm, plan, progress=False))[:2] == (4, 128)
+
+
+def test_per_layer_head_counts_convert_to_ort_int4_and_ort_genai_refuses_them(make_tiny_model, tmp_path):
+    from workbench.errors import ModelLoadError
+    from workbench.prune import PrunePlan, prune
+    pruned = tmp_path / "pruned"
+    plan = PrunePlan(layers={"1": {"heads_keep": [1], "mlp_keep": list(range(64))}})  # layers 0 and 2 whole
+    prune(make_tiny_model(layers=3), plan, pruned, evaluate_tokens=None, progress=False)
+    prep = prepare_models(pruned, bits=4)
+    report = convert(pruned, "ort-int4", tmp_path / "int4", prepared=prep, **EVAL)
+    assert report.details["greedy_match_steps_vs_simulation"] >= 6 and report.kl_divergence < 0.05
+    with pytest.raises(ModelLoadError, match=r"ort-genai cannot hold .*layer 1: 2/1; the others 4/2.*ort-int4"):
+        convert(pruned, "ort-genai", tmp_path / "genai", prepared=prep, **EVAL)

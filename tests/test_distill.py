@@ -4,8 +4,8 @@ import json
 import pytest
 import torch
 
-from workbench.distill import (DistillConfig, _remove_fake_quant, default_layer_map, distill, distillation_loss,
-                               fake_quantized, temperature_at)
+from workbench.distill import (DistillConfig, _remove_fake_quant, attention_head_map, default_layer_map, distill,
+                               distillation_loss, fake_quantized, temperature_at)
 from workbench.errors import WorkbenchError
 from workbench.finetune import CHECKPOINT
 from workbench.models import load_model
@@ -86,6 +86,7 @@ def test_the_hidden_and_attention_terms_train(pruned_dir, tiny_model_dir, tmp_pa
     flags, attn = [p.requires_grad for p in teacher.model.parameters()], teacher.model.config._attn_implementation
     report = distill(pruned_dir, teacher, tmp_path / "d", cfg, eval_tokens=64, progress=False)
     assert set(report.terms[0]) == {"kl", "hard", "hidden", "attention"} and report.validation == []
+    assert report.attention_heads == "per head"  # prune.json says which teacher head each student head is
     # the caller's teacher is as it was: its gradient flags and attention implementation put back
     assert [p.requires_grad for p in teacher.model.parameters()] == flags
     assert teacher.model.config._attn_implementation == attn
@@ -155,3 +156,28 @@ def test_lora_distillation_trains_adapters_and_saves_a_plain_model(pruned_dir, t
     assert 0 < report.trainable_parameters < sum(p.numel() for p in student.model.parameters())
     saved = load_model(tmp_path / "lora")
     assert [i.name for i in saved.layers] == [i.name for i in student.layers]  # merged: no LoRA modules left
+
+
+def test_attention_maps_compare_each_student_head_with_the_teacher_head_it_was_cut_from(tiny_model_dir, tmp_path):
+    # only the last layer loses heads (query heads 0 and 2 go): its input is the teacher's, so the kept heads'
+    # attention maps are the teacher's own; averaged over heads they are not
+    out = tmp_path / "pruned"
+    plan = PrunePlan(head_unit="query", layers={"1": {"heads_keep": [1, 3]}})
+    prune(tiny_model_dir, plan, out, evaluate_tokens=None, progress=False)
+    student, teacher = load_model(out, dtype="float32"), load_model(tiny_model_dir, dtype="float32")
+    assert student.config.layer_shapes["num_attention_heads"] == [4, 2]  # per-layer counts
+    head_map = attention_head_map(student, teacher, [0, 1])
+    assert head_map == [[0, 1, 2, 3], [1, 3]]
+    ids = torch.arange(1, 17)[None]
+    outs = []
+    for lm in (student, teacher):
+        lm.model.set_attn_implementation("eager")
+        with torch.no_grad():
+            outs.append(lm.model(input_ids=ids, output_attentions=True))
+    cfg = DistillConfig(kl_weight=0.0, attention_weight=1.0)
+    _, per_head = distillation_loss(outs[0], outs[1], ids, cfg, 1.0, [0, 1], head_map)
+    _, averaged = distillation_loss(outs[0], outs[1], ids, cfg, 1.0, [0, 1])
+    assert per_head["attention"] < 1e-10 < averaged["attention"]
+    # no mapping to trust: another layer map, or a student that was not pruned, compares head-averaged maps
+    assert attention_head_map(student, teacher, [1, 1]) is None
+    assert attention_head_map(teacher, teacher, [0, 1]) is None

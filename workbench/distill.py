@@ -10,7 +10,9 @@ training windows; optionally the cosine distance between hidden states and the m
 between head-averaged attention maps of mapped layers (student layer ``i`` to teacher layer
 ``layer_map[i]``, by default the same depth, stretched when the student has fewer layers), and the
 hard-label cross-entropy. Pruned students keep the teacher's hidden size, so hidden states compare
-directly; attention maps are averaged over heads because the student has fewer.
+directly. Attention maps compare head by head when the student is a pruned directory whose
+``prune.json`` says which teacher head each of its heads is (every layer kept, each its own head
+count); otherwise, with no such mapping, they are averaged over heads, since the student has fewer.
 
 The student trains whole (``mode="full"``) or through LoRA adapters (``mode="lora"``). With a
 ``plan`` the student is trained quantization-aware: every layer the plan quantizes computes, in
@@ -45,8 +47,8 @@ from .plan import QuantPlan, get_precision
 from .workspace import atomic_write_json, check_output_dir, file_sha256, hash_inputs, swap_into_place, \
     write_output_manifest
 
-__all__ = ["DistillConfig", "DistillReport", "distill", "distillation_loss", "fake_quantized", "temperature_at",
-           "DISTILL_FORMAT", "MODES"]
+__all__ = ["DistillConfig", "DistillReport", "distill", "distillation_loss", "attention_head_map", "fake_quantized",
+           "temperature_at", "DISTILL_FORMAT", "MODES"]
 
 DISTILL_FORMAT = "workbench-distill"
 REPORT = "distill.json"
@@ -104,6 +106,22 @@ def temperature_at(step: int, steps_per_epoch: int, cfg: DistillConfig) -> float
     return max(1.0, cfg.temperature * (1 - cfg.temperature_decay) ** epoch)
 
 
+def attention_head_map(student: LoadedModel, teacher: LoadedModel,
+                       layer_map: Sequence[int]) -> list[list[int]] | None:
+    """Per student layer, the teacher head each student head was cut from (``prune.json`` beside the student),
+    when the student was pruned from this teacher layer for layer; None (head-averaged maps) otherwise."""
+    from .prune import head_mapping
+    mapping = head_mapping(student.path)
+    if mapping is None or list(layer_map) != list(range(len(mapping))):
+        return None
+    t_heads = teacher.config.num_attention_heads
+    for i, (block, heads) in enumerate(zip(student.model.model.layers, mapping)):
+        attn = block.self_attn
+        if attn.q_proj.out_features != len(heads) * attn.head_dim or not all(0 <= h < t_heads for h in heads):
+            return None  # not this teacher's pruning (or layers changed since): no mapping to trust
+    return mapping
+
+
 def default_layer_map(student_layers: int, teacher_layers: int) -> list[int]:
     """Student layer i to the teacher layer at the same relative depth (the same index at equal depth)."""
     if student_layers == teacher_layers:
@@ -112,8 +130,13 @@ def default_layer_map(student_layers: int, teacher_layers: int) -> list[int]:
 
 
 def distillation_loss(student_out, teacher_out, labels: torch.Tensor, cfg: DistillConfig, temperature: float,
-                      layer_map: Sequence[int]) -> tuple[torch.Tensor, dict[str, float]]:
-    """The weighted sum of the configured terms, and each term's value (for the report)."""
+                      layer_map: Sequence[int], head_map: Sequence[Sequence[int]] | None = None
+                      ) -> tuple[torch.Tensor, dict[str, float]]:
+    """The weighted sum of the configured terms, and each term's value (for the report).
+
+    ``head_map[i]``: the teacher head (in layer ``layer_map[i]``) of each of student layer ``i``'s
+    heads; the attention term then compares those pairs, else head-averaged maps.
+    """
     terms: dict[str, torch.Tensor] = {}
     s_logits = student_out.logits[:, :-1].float()
     t_logits = teacher_out.logits[:, :-1].float()
@@ -130,8 +153,11 @@ def distillation_loss(student_out, teacher_out, labels: torch.Tensor, cfg: Disti
                                        for i, j in enumerate(layer_map)]).mean()
     if cfg.attention_weight > 0:
         a_s, a_t = student_out.attentions, teacher_out.attentions
-        terms["attention"] = torch.stack([F.mse_loss(a_s[i].float().mean(1), a_t[j].float().mean(1))
-                                          for i, j in enumerate(layer_map)]).mean()
+        if head_map is not None:
+            pairs = [(a_s[i].float(), a_t[j][:, list(head_map[i])].float()) for i, j in enumerate(layer_map)]
+        else:
+            pairs = [(a_s[i].float().mean(1), a_t[j].float().mean(1)) for i, j in enumerate(layer_map)]
+        terms["attention"] = torch.stack([F.mse_loss(s, t) for s, t in pairs]).mean()
     total = sum(getattr(cfg, f"{k}_weight") * v for k, v in terms.items())
     return total, {k: float(v.detach()) for k, v in terms.items()}
 
@@ -213,6 +239,7 @@ class DistillReport:
     eval_tokens: int = 0
     seconds: float = 0.0
     resumed_from_step: int | None = None
+    attention_heads: str | None = None  # "per head" (pruning's mapping) or "averaged"; None without the term
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -318,6 +345,7 @@ def distill(student: str | Path | LoadedModel, teacher: str | Path | LoadedModel
     if cfg.hidden_weight > 0 and s_lm.config.hidden_size != t_lm.config.hidden_size:
         raise WorkbenchError("the hidden-state term needs the same hidden size in student and teacher; set "
                              "hidden_weight to 0")
+    head_map = attention_head_map(s_lm, t_lm, layer_map) if cfg.attention_weight > 0 else None
     if plan is not None:
         plan.validate([info.name for info in s_lm.layers])
     data_path = Path(data) if data is not None else demo_text_path("calibration")
@@ -355,7 +383,7 @@ def distill(student: str | Path | LoadedModel, teacher: str | Path | LoadedModel
             with torch.no_grad():
                 t_out = _outputs(teacher_model, batch, cfg)
             s_out = _outputs(trained, batch, cfg)
-            loss, terms = distillation_loss(s_out, t_out, batch, cfg, temperature, layer_map)
+            loss, terms = distillation_loss(s_out, t_out, batch, cfg, temperature, layer_map, head_map)
             terms_by_step[step] = terms  # this process's steps (a resumed run has only the later ones)
             return loss
 
@@ -398,7 +426,8 @@ def distill(student: str | Path | LoadedModel, teacher: str | Path | LoadedModel
         run.validation, run.best_step, len(val), t_ppl, _measure(before), _measure(after),
         paired_difference(after, before), paired_difference(after, before, "kl"),
         (before.perplexity - after.perplexity) / gap if gap > 0 else None, int(eval_ids.numel()),
-        time.perf_counter() - t0, run.resumed)
+        time.perf_counter() - t0, run.resumed,
+        None if cfg.attention_weight <= 0 else "per head" if head_map is not None else "averaged")
     save_model_directory(result, s_lm, partial, dtype)
     if plan is not None:
         plan.save(partial / PLAN_FILE)

@@ -339,9 +339,11 @@ class OnnxCausalLM:
         self.decode = self._session(decode_path) if decode_path else None
         self.static_past = self.kv_shape = None
         if self.decode is not None:
-            past = {i.name: i.shape for i in self.decode.get_inputs()}["past_key_values.0.key"]
+            shapes = {i.name: i.shape for i in self.decode.get_inputs()}
+            past = shapes["past_key_values.0.key"]
             self.static_past = past[2] if isinstance(past[2], int) else None
             self.kv_shape = (past[1], past[3])
+            self.kv_shapes = {n: (sh[1], sh[3]) for n, sh in shapes.items() if n.startswith("past_key_values.")}
         self.serves_prefill = self.decode is not None and self.static_past is None
         self.prefill = self.decode if self.serves_prefill else self._session(prefill_path)
         shape = {i.name: i.shape for i in self.prefill.get_inputs()}["input_ids"]
@@ -408,9 +410,8 @@ class OnnxCausalLM:
         """Zero-length past tensors, when the decode session also runs prefill."""
         if not self.serves_prefill:
             return {}
-        heads, dim = self.kv_shape
-        empty = np.zeros((batch, heads, 0, dim), np.float32)
-        return {name: empty for name in input_names(self.num_layers, True)[3:]}
+        return {name: np.zeros((batch, self.kv_shapes[name][0], 0, self.kv_shapes[name][1]), np.float32)
+                for name in input_names(self.num_layers, True)[3:]}  # a pruned model's layers may differ
 
     def logits(self, input_ids: np.ndarray) -> np.ndarray:
         """Logits [batch, seq, vocab] of the prefill graph for unpadded windows of equal length."""

@@ -78,6 +78,16 @@ class DecoderSpec:
     inv_freq: np.ndarray
     rope_scaling: float
     qk_norm: bool
+    layer_heads: list[tuple[int, int]] = field(default_factory=list)  # (query, KV) heads of each layer
+
+    def heads_of(self, i: int) -> tuple[int, int]:
+        """Layer ``i``'s (query heads, KV heads): a pruned model's layers may differ (``layer_shapes``)."""
+        return self.layer_heads[i] if self.layer_heads else (self.heads, self.kv_heads)
+
+    @property
+    def uniform(self) -> bool:
+        """Whether every layer has the config's head counts (what single-count runtimes need)."""
+        return all(h == (self.heads, self.kv_heads) for h in self.layer_heads)
 
     @classmethod
     def from_model(cls, model: nn.Module) -> "DecoderSpec":
@@ -115,8 +125,11 @@ class DecoderSpec:
                 if not type(norm).__name__.endswith("RMSNorm"):
                     refuse(f"normalises with {type(norm).__name__}, not RMSNorm")
         vocab = getattr(model.get_output_embeddings(), "out_features", None) or cfg.vocab_size
+        layer_heads = [(b.self_attn.q_proj.out_features // head_dim, b.self_attn.k_proj.out_features // head_dim)
+                       for b in base.layers]  # from the modules: a pruned model's layers may differ
         return cls(model, base, len(base.layers), cfg.hidden_size, heads, kv_heads, head_dim, vocab,
-                   as_array(rotary.inv_freq), float(getattr(rotary, "attention_scaling", 1.0)), hasattr(attn, "q_norm"))
+                   as_array(rotary.inv_freq), float(getattr(rotary, "attention_scaling", 1.0)), hasattr(attn, "q_norm"),
+                   layer_heads)
 
 
 # -- where the weights go -----------------------------------------------------------------------
@@ -386,7 +399,7 @@ def _attention(g: GraphBuilder, spec: DecoderSpec, policy: FloatWeights, attn: n
                sin: str, bias: str, with_past: bool) -> tuple[str, str, str]:
     fqn = f"model.layers.{i}.self_attn"
     g.scope = f"model.layers.{i}/self_attn"
-    d, hq, hkv = spec.head_dim, spec.heads, spec.kv_heads
+    d, (hq, hkv) = spec.head_dim, spec.heads_of(i)
     b, s = (g.static[0], g.static[1]) if g.static else (0, 0)
 
     def heads(proj: str, n: int, norm: str | None) -> str:
@@ -459,15 +472,17 @@ def _decoder_graph(spec: DecoderSpec, policy: FloatWeights, store: TensorStore, 
     else:
         dims = {k: k for k in ("batch", "sequence", "past_sequence", "total_sequence")}
     total = dims["total_sequence"] if with_past else dims["sequence"]
-    kv_shape = lambda length: [dims["batch"], spec.kv_heads, length, spec.head_dim]  # noqa: E731
+    def kv_shape(j: int, length) -> list:  # the j-th past/present tensor: layer j // 2 (key, value)
+        return [dims["batch"], spec.heads_of(j // 2)[1], length, spec.head_dim]
     inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [dims["batch"], dims["sequence"]]),
               helper.make_tensor_value_info("attention_mask", TensorProto.INT64, [dims["batch"], total]),
               helper.make_tensor_value_info("position_ids", TensorProto.INT64, [dims["batch"], dims["sequence"]])]
-    for name in input_names(n, with_past)[3:]:
-        inputs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, kv_shape(dims["past_sequence"])))
+    for j, name in enumerate(input_names(n, with_past)[3:]):
+        inputs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, kv_shape(j, dims["past_sequence"])))
     logits_shape = [dims["batch"], dims["sequence"], spec.vocab]
     outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, logits_shape)]
-    outputs += [helper.make_tensor_value_info(name, TensorProto.FLOAT, kv_shape(total)) for name in outs[1:]]
+    outputs += [helper.make_tensor_value_info(name, TensorProto.FLOAT, kv_shape(j, total))
+                for j, name in enumerate(outs[1:])]
     return g, inputs, outputs
 
 

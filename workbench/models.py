@@ -27,7 +27,7 @@ from .plan import DEFAULT_GROUP_SIZE, get_precision
 
 __all__ = ["DEMO_MODEL_DIR", "ASSETS_DIR", "LayerInfo", "LoadedModel", "resolve_model_path", "load_model",
            "quantizable_layers", "check_safetensors_file", "demo_text_path", "is_quantized_dir",
-           "weights_mismatch_error"]
+           "weights_mismatch_error", "LAYER_SHAPES", "layer_shapes", "model_from_config", "apply_layer_shapes"]
 
 ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
 DEMO_MODEL_DIR = ASSETS_DIR / "demo-model"
@@ -292,6 +292,102 @@ def resolve_dtype(dtype: str | torch.dtype, raw_cfg: dict) -> torch.dtype:
     return torch_dtype
 
 
+LAYER_SHAPES = "layer_shapes"  # config.json field: per-layer head counts and MLP widths of a pruned model
+_SHAPE_KEYS = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
+
+
+def layer_shapes(config) -> list[tuple[int, int, int]] | None:
+    """Per-layer ``(query heads, KV heads, MLP width)`` from a config's ``layer_shapes`` field; None without one.
+
+    A pruned model whose layers keep different counts carries them there (the standard fields hold
+    the largest); transformers ignores the field, so only this workbench's loader builds such a model.
+    """
+    raw = config.get(LAYER_SHAPES) if isinstance(config, Mapping) else getattr(config, LAYER_SHAPES, None)
+    if raw is None:
+        return None
+    get = config.get if isinstance(config, Mapping) else lambda k: getattr(config, k, None)
+    n = get("num_hidden_layers")
+    if not isinstance(raw, Mapping) or set(raw) != set(_SHAPE_KEYS) or \
+            not all(isinstance(raw[k], list) and len(raw[k]) == n and
+                    all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in raw[k]) for k in _SHAPE_KEYS):
+        raise ModelLoadError(f"config field '{LAYER_SHAPES}' must map {', '.join(_SHAPE_KEYS)} to lists of "
+                             f"{n} positive integers (one per layer); fix config.json or prune again")
+    shapes = list(zip(*(raw[k] for k in _SHAPE_KEYS)))
+    bad = [i for i, (h, kv, _) in enumerate(shapes) if h % kv]
+    if bad:
+        raise ModelLoadError(f"config field '{LAYER_SHAPES}': layer(s) {bad} have query heads that are not a multiple "
+                             "of their KV heads; fix config.json or prune again")
+    return shapes
+
+
+def apply_layer_shapes(model: nn.Module, shapes: list[tuple[int, int, int]]) -> None:
+    """Resize every block's q/k/v/o and gate/up/down to its layer's counts (on the device and dtype they have).
+
+    transformers' Llama/Qwen attention reshapes with ``-1`` heads of ``head_dim`` and repeats KV heads
+    ``num_key_value_groups`` times, so narrower Linears and that one attribute make a layer smaller.
+    """
+    blocks = model.model.layers
+    for block, (heads, kv, inter) in zip(blocks, shapes):
+        a, m = block.self_attn, block.mlp
+        d = a.head_dim
+        for mod, name, out_f, in_f in ((a, "q_proj", heads * d, None), (a, "k_proj", kv * d, None),
+                                       (a, "v_proj", kv * d, None), (a, "o_proj", None, heads * d),
+                                       (m, "gate_proj", inter, None), (m, "up_proj", inter, None),
+                                       (m, "down_proj", None, inter)):
+            old = getattr(mod, name)
+            out_f, in_f = out_f or old.out_features, in_f or old.in_features
+            if (out_f, in_f) != (old.out_features, old.in_features):
+                setattr(mod, name, nn.Linear(in_f, out_f, bias=old.bias is not None, device=old.weight.device,
+                                             dtype=old.weight.dtype))
+        a.num_key_value_groups = heads // kv
+        if hasattr(m, "intermediate_size"):
+            m.intermediate_size = inter
+
+
+def model_from_config(config, *, dtype: torch.dtype | None = None, trust_remote_code: bool = False) -> nn.Module:
+    """``AutoModelForCausalLM.from_config``, then each layer resized to the config's ``layer_shapes`` if it has them."""
+    from transformers import AutoModelForCausalLM
+    kw = {"dtype": dtype} if dtype is not None else {}
+    model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code, **kw)
+    base = getattr(model, "model", None)
+    rotary = getattr(base, "rotary_emb", None)
+    if dtype not in (None, torch.float32) and rotary is not None and hasattr(rotary, "inv_freq"):
+        # built under a 16-bit default dtype, the rotary frequencies were rounded; from_pretrained's are float32
+        device = rotary.inv_freq.device
+        fresh = type(rotary)(config=config)
+        base.rotary_emb = fresh if device.type == "meta" or fresh.inv_freq.is_meta else fresh.to(device)
+    shapes = layer_shapes(config)
+    if shapes is not None:
+        apply_layer_shapes(model, shapes)
+    return model
+
+
+def _load_per_layer(p: Path, config, torch_dtype: torch.dtype) -> nn.Module:
+    """A model whose layers have their own shapes (``layer_shapes``): built, resized, then filled from safetensors."""
+    from safetensors.torch import load_file
+    files = sorted(p.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"'{p}' has per-layer shapes ('{LAYER_SHAPES}' in config.json) but no safetensors "
+                             "weights; save the pruned model with save_pruned")
+    model = model_from_config(config, dtype=torch_dtype)
+    state = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    own = model.state_dict()
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    missing = [k for k in own if k not in state and not (tied and k == "lm_head.weight")]
+    unexpected = [k for k in state if k not in own]
+    mismatched = [(k, tuple(state[k].shape), tuple(own[k].shape)) for k in state
+                  if k in own and tuple(state[k].shape) != tuple(own[k].shape)]
+    if missing or unexpected or mismatched:
+        raise weights_mismatch_error(p, missing, unexpected, mismatched)
+    model.load_state_dict({k: v.to(torch_dtype) if v.is_floating_point() else v for k, v in state.items()},
+                          strict=False)
+    if tied:
+        model.tie_weights()
+    return model
+
+
 REMOTE_CODE_OPT_IN = ("`workbench info --trust-remote-code` runs it (only for a directory whose code you trust), "
                       "other commands never do")
 
@@ -378,10 +474,13 @@ def load_model(path: str | os.PathLike = "demo", *, dtype: str | torch.dtype = "
     torch_dtype = resolve_dtype(dtype, raw_cfg)
     try:
         config = AutoConfig.from_pretrained(p, trust_remote_code=trust_remote_code, local_files_only=True)
-        use_st = any(p.glob("*.safetensors"))
-        model, info = AutoModelForCausalLM.from_pretrained(
-            p, config=config, dtype=torch_dtype, trust_remote_code=trust_remote_code, local_files_only=True,
-            use_safetensors=use_st, output_loading_info=True, ignore_mismatched_sizes=True)  # refused below, by name
+        if layer_shapes(raw_cfg) is not None:  # transformers would build every layer at the largest counts
+            model, info = _load_per_layer(p, config, torch_dtype), {}
+        else:
+            model, info = AutoModelForCausalLM.from_pretrained(
+                p, config=config, dtype=torch_dtype, trust_remote_code=trust_remote_code, local_files_only=True,
+                use_safetensors=any(p.glob("*.safetensors")), output_loading_info=True,
+                ignore_mismatched_sizes=True)  # refused below, by name
     except ModelLoadError:
         raise
     except Exception as e:  # transformers raises many types; give one clear line

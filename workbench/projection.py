@@ -28,7 +28,7 @@ from typing import Mapping
 
 from .devices import Device, get_device, load_devices
 from .errors import ModelLoadError, WorkbenchError
-from .models import ASSETS_DIR, LoadedModel, quantizable_layers, resolve_model_path
+from .models import ASSETS_DIR, LoadedModel, layer_shapes, model_from_config, quantizable_layers, resolve_model_path
 from .plan import QuantPlan, get_precision
 from .quantize.model import bits_per_weight
 
@@ -88,7 +88,7 @@ def model_shape(source, name: str | None = None) -> LoadedModel:
         else:
             cfg, label = load_shape_config(text), name or text
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
     cfg = {k: v for k, v in cfg.items() if k not in ("auto_map", "quantization_config", "architectures")}
     model_type = cfg.pop("model_type")
     try:
@@ -97,7 +97,7 @@ def model_shape(source, name: str | None = None) -> LoadedModel:
         raise ModelLoadError(f"cannot build a '{model_type}' config for '{label}' ({e}); projection needs a model "
                              "type transformers knows") from None
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = model_from_config(config)  # per-layer shapes of a pruned model included
     return LoadedModel(model=model, tokenizer=None, path=Path(label), name=label, layers=quantizable_layers(model))
 
 
@@ -175,7 +175,9 @@ def project(model, device: str | Device, plan: QuantPlan | None = None, *, conte
     for info in embed:  # a lookup reads one row of the table (tied or not, lm_head reads it all above)
         table = info.bytes_at(assignments.get(info.name) or "fp16", plan.group_size, plan.symmetric)
         per_token += table // info.shape[0]
-    kv_per_token = 2 * layers * kv_heads * head_dim * KV_BYTES
+    shapes = layer_shapes(cfg)  # a pruned model's layers may hold different numbers of KV heads
+    kv_total = sum(kv for _, kv, _ in shapes) if shapes else layers * kv_heads
+    kv_per_token = 2 * kv_total * head_dim * KV_BYTES
     kv_bytes = kv_per_token * context
     vocab = cfg.vocab_size
     inter = getattr(cfg, "intermediate_size", 4 * cfg.hidden_size)

@@ -1,26 +1,29 @@
 """Structured pruning: remove whole attention heads and MLP channels, so the tensors really shrink.
 
     imp = head_and_channel_importance(lm, workspace=Workspace())   # Taylor scores, and KL per masked head
-    plan = PrunePlan(heads=0.5, mlp=0.2)                           # fractions removed in every layer
+    plan = PrunePlan(heads=0.25, mlp=0.2)                          # of the model's heads / channels; ends whole
     result = prune_model(lm, plan, imp)                            # a smaller model, in memory
-    save_pruned(result, lm, "out/pruned")                          # a plain Hugging Face directory
+    save_pruned(result, lm, "out/pruned")                          # a Hugging Face directory
 
 Units. Attention is grouped-query: every KV head serves ``heads / kv_heads`` query heads. With
 ``head_unit="group"`` (the default) a KV head and the query heads that share it are one unit and
 leave together (q_proj and o_proj lose the query heads' rows and columns, k_proj and v_proj the KV
-head's rows). With ``head_unit="query"`` every KV head stays and each group loses the same number of
-query heads. An MLP channel is one row of gate_proj and up_proj and one column of down_proj.
-``q_norm`` / ``k_norm`` (Qwen3) act per ``head_dim`` and are untouched; ``head_dim`` is written into
-the pruned config explicitly, since it no longer equals ``hidden_size / num_attention_heads``.
+head's rows). With ``head_unit="query"`` every KV head stays and each group of a layer loses the
+same number of query heads. An MLP channel is one row of gate_proj and up_proj and one column of
+down_proj. ``q_norm`` / ``k_norm`` (Qwen3) act per ``head_dim`` and are untouched; ``head_dim`` is
+written into the pruned config explicitly, since it no longer equals ``hidden_size / num_attention_heads``.
 
-Uniform counts. Qwen2, Qwen3 and Llama configs hold one head count and one intermediate size for
-every layer, and transformers builds every layer from them, so each layer keeps the same number of
-units; *which* units a layer keeps is its own choice, by importance or an explicit list. A plan whose
-layers keep different counts is refused (naming them): keeping the first and last layers whole while
-pruning the middle ones would need per-layer shapes, which these configs cannot hold, or zero
-padding, which would save nothing. The slicing rules are written here rather than taken from
-torch-pruning, which is not a dependency and whose dependency graph prunes each layer by its own
-ratio (it would have to be constrained back to these same rules).
+Per-layer counts. By default the first and last layers stay whole and a ratio is of the whole
+model's heads (channels), removed as whole units from the middle layers where they score lowest
+(``spread="global"``), so layers keep different counts. Qwen2, Qwen3 and Llama configs hold one head
+count and one MLP width for every layer, so such a model's config.json gets the largest counts in
+the standard fields and every layer's in ``layer_shapes`` (``workbench.models.LAYER_SHAPES``); the
+workbench's loader builds each layer at its own counts (transformers' attention reshapes with
+``-1`` heads and repeats KV heads ``num_key_value_groups`` times, which is set per layer). Plain
+transformers ignores that field and would fail on the weights' shapes. A plan whose layers keep the
+same counts (``spread="layer"`` without the first/last rule, or explicit lists) writes a plain config.
+The slicing rules are written here rather than taken from torch-pruning, which is not a dependency
+and whose dependency graph would have to be constrained back to these same grouped-query rules.
 
 Importance (``head_and_channel_importance``), from calibration windows with the language-model loss:
 ``taylor`` is the first-order Taylor estimate of the loss change when a unit's output is zeroed,
@@ -52,10 +55,10 @@ from .workspace import Workspace, atomic_write_json, read_json_file
 __all__ = ["PrunePlan", "PruneImportance", "PruneResult", "Geometry", "head_and_channel_importance",
            "prune_model", "save_pruned", "prune", "predict_parameters", "predicted_size", "geometry", "PRUNE_FORMAT",
            "SCORES",
-           "HEAD_UNITS", "PRUNE_PLAN_VERSION", "measure_point"]
+           "HEAD_UNITS", "SPREADS", "PRUNE_PLAN_VERSION", "measure_point", "head_mapping", "kept_query_heads"]
 
 PRUNE_FORMAT = "workbench-prune"  # the kind named in the manifest of a pruned --out
-PRUNE_PLAN_VERSION = 1
+PRUNE_PLAN_VERSION = 2
 PRUNE_REPORT = "prune.json"
 IMPORTANCE_FILE = "importance.json"
 IMPORTANCE_STEP = "prune-importance"
@@ -99,6 +102,10 @@ def geometry(model: nn.Module) -> Geometry:
                 not all(isinstance(getattr(m, p, None), nn.Linear) for p in ("gate_proj", "up_proj", "down_proj")):
             raise PlanError(f"structured pruning needs float q/k/v/o and gate/up/down linear layers in every block; "
                             f"{arch} has others (a quantized model? prune its float source)")
+    from .models import LAYER_SHAPES
+    if getattr(cfg, LAYER_SHAPES, None) is not None:
+        raise PlanError(f"this model was already pruned to per-layer shapes ('{LAYER_SHAPES}' in its config); prune "
+                        "the original model with a plan that removes more")
     heads = cfg.num_attention_heads
     kv = getattr(cfg, "num_key_value_heads", None) or heads
     head_dim = getattr(blocks[0].self_attn, "head_dim", None) or cfg.hidden_size // heads
@@ -114,22 +121,33 @@ def _ratio(value, what: str) -> float:
     return float(value)
 
 
+SPREADS = ("global", "layer")
+
+
 @dataclass(frozen=True)
 class PrunePlan:
-    """What each layer keeps: fractions removed everywhere, and per-layer ratios or explicit kept lists.
+    """What each layer keeps: fractions removed, per-layer ratios or explicit kept lists, the ends kept whole.
 
-    ``heads`` / ``mlp``: fraction of head units / MLP channels removed in every layer, the least
-    important first. ``layers`` overrides one layer by its index: ``{"2": {"heads": 0.5}}`` (a
-    fraction removed) or ``{"2": {"heads_keep": [0], "mlp_keep": [0, 5, ...]}}`` (the units kept).
-    ``mlp_multiple`` rounds the kept MLP width down to a multiple (64 suits most NPU kernels; 1 keeps
-    the exact fraction). ``score`` ranks units (``taylor``, ``activation``, or ``kl`` for heads).
+    ``heads`` / ``mlp``: fraction of the model's heads / MLP channels removed. With ``spread="global"``
+    (the default) the fraction is of all the model's heads (channels), taken as whole units from the
+    prunable layers wherever they score lowest, so layers end up with different counts; with
+    ``spread="layer"`` every prunable layer loses that fraction of its own units. ``keep_first_last``
+    (default on; a model of one or two layers has no middle layers and prunes them all) leaves the
+    first and last layers whole. ``layers`` overrides one layer by its index: ``{"2": {"heads": 0.5}}``
+    (a fraction of that layer removed) or ``{"2": {"heads_keep": [0], "mlp_keep": [0, 5, ...]}}``
+    (the units kept). ``mlp_multiple`` keeps every layer's MLP width a multiple of it (32: group-wise
+    quantization at group 32 still divides; 1 keeps the exact fraction). ``score`` ranks units
+    (``taylor``, ``activation``, or ``kl`` for heads). Version 1 plans (one count for every layer) read
+    as ``spread="layer"`` without the first/last rule, as they were written.
     """
 
     heads: float = 0.0
     mlp: float = 0.0
     head_unit: str = "group"
     score: str = "taylor"
-    mlp_multiple: int = 1
+    mlp_multiple: int = 32
+    keep_first_last: bool = True
+    spread: str = "global"
     layers: Mapping[str, Mapping] = field(default_factory=dict)
     version: int = PRUNE_PLAN_VERSION
 
@@ -140,11 +158,15 @@ class PrunePlan:
             raise PlanError(f"head_unit must be one of {', '.join(HEAD_UNITS)}, got {self.head_unit!r}")
         if self.score not in SCORES:
             raise PlanError(f"score must be one of {', '.join(SCORES)}, got {self.score!r}")
+        if self.spread not in SPREADS:
+            raise PlanError(f"spread must be one of {', '.join(SPREADS)}, got {self.spread!r}")
+        if not isinstance(self.keep_first_last, bool):
+            raise PlanError(f"keep_first_last must be true or false, got {self.keep_first_last!r}")
         if isinstance(self.mlp_multiple, bool) or not isinstance(self.mlp_multiple, int) or self.mlp_multiple < 1:
             raise PlanError(f"mlp_multiple must be a positive integer, got {self.mlp_multiple!r}")
         if self.version != PRUNE_PLAN_VERSION:
-            raise PlanError(f"pruning plan version {self.version} is not supported (this workbench reads version "
-                            f"{PRUNE_PLAN_VERSION})")
+            raise PlanError(f"pruning plan version {self.version} is not supported (this workbench reads versions "
+                            f"1 and {PRUNE_PLAN_VERSION})")
         for key, entry in self.layers.items():
             if not isinstance(entry, Mapping):
                 raise PlanError(f"pruning plan layer {key!r}: give an object like {{\"heads\": 0.5}}")
@@ -171,7 +193,13 @@ class PrunePlan:
         unknown = set(d) - known
         if unknown:
             raise PlanError(f"{where}: unknown field(s) {sorted(unknown)}; a pruning plan has {sorted(known)}")
-        return cls(**{k: v for k, v in d.items()})
+        d = dict(d)
+        if d.get("version") == 1:  # written when every layer kept the same counts: read as it meant then
+            if set(d) & {"keep_first_last", "spread"}:
+                raise PlanError(f"{where}: keep_first_last and spread are version 2 fields; set version to 2")
+            d.update(version=PRUNE_PLAN_VERSION, keep_first_last=False, spread="layer",
+                     mlp_multiple=d.get("mlp_multiple", 1))
+        return cls(**d)
 
     def save(self, path: str | Path) -> Path:
         return atomic_write_json(Path(path), self.to_dict())
@@ -184,54 +212,130 @@ class PrunePlan:
 
     # -- resolution to kept indices ---------------------------------------------------------------
 
+    def whole_layers(self, geo: Geometry) -> set[int]:
+        """Layers a ratio leaves whole: the first and last, when the model has layers between them."""
+        return {0, geo.layers - 1} if self.keep_first_last and geo.layers > 2 else set()
+
     def keep(self, geo: Geometry, importance: "PruneImportance | None" = None) -> dict:
         """Kept units per layer: ``{"heads": [[...] per layer], "mlp": [[...] per layer]}``, checked.
 
         Head units are KV groups (``head_unit="group"``) or, per layer, query heads listed by their
-        global index (``head_unit="query"``, every group keeping the same number). Ratios take the
-        most important units by ``importance`` (required unless every layer gives explicit lists).
+        global index (``head_unit="query"``, every group of a layer keeping the same number). Ratios
+        take the most important units by ``importance`` (required unless every layer gives lists).
         """
+        return self._resolve(geo, importance)
+
+    def layer_counts(self, geo: Geometry, importance: "PruneImportance | None" = None) -> list[tuple[int, int, int]]:
+        """(query heads, KV heads, MLP width) per layer: which layers lose units needs ``importance`` under
+        ``spread="global"``, the totals (and so the parameters) do not; without it the units removed are
+        spread evenly over the prunable layers."""
+        kept = self._resolve(geo, importance if importance is not None else _IndexOrder(geo))
+        out = []
+        for units, ch in zip(kept["heads"], kept["mlp"]):
+            q, kv = _query_and_kv_heads(units, geo, self.head_unit)
+            out.append((len(q), len(kv), len(ch)))
+        return out
+
+    def counts(self, geo: Geometry) -> tuple[int, int, int]:
+        """The largest (query heads, KV heads, MLP width) of any layer: the pruned config's standard fields."""
+        shapes = self.layer_counts(geo)
+        return tuple(max(s[k] for s in shapes) for k in range(3))
+
+    def _resolve(self, geo: Geometry, importance) -> dict:
         for key in self.layers:
             if not str(key).isdigit() or int(key) >= geo.layers:
                 raise PlanError(f"the pruning plan names layer {key!r}; the model has layers 0-{geo.layers - 1}")
         per_layer = {int(k): v for k, v in self.layers.items()}
-        heads, mlp = [], []
-        for i in range(geo.layers):
-            entry = per_layer.get(i, {})
-            heads.append(self._heads_of(i, entry, geo, importance))
-            mlp.append(self._mlp_of(i, entry, geo, importance))
-        for kind, kept in (("heads", heads), ("mlp", mlp)):
-            counts = {len(k) for k in kept}
-            if len(counts) > 1:
-                by = ", ".join(f"layer {i}: {len(k)}" for i, k in enumerate(kept))
-                raise PlanError(f"the plan keeps different numbers of {kind} per layer ({by}); Qwen/Llama configs "
-                                f"hold one count for every layer: give every layer the same count")
-        return {"heads": heads, "mlp": mlp}
+        whole = self.whole_layers(geo)
+        kept: dict[str, list] = {"heads": [None] * geo.layers, "mlp": [None] * geo.layers}
+        for kind, ratio, of in (("heads", self.heads, self._heads_of), ("mlp", self.mlp, self._mlp_of)):
+            pool = []
+            for i in range(geo.layers):
+                entry = per_layer.get(i, {})
+                if kind in entry or f"{kind}_keep" in entry:
+                    kept[kind][i] = of(i, entry, geo, importance)
+                elif i in whole or ratio == 0:
+                    kept[kind][i] = of(i, {kind: 0.0}, geo, importance)
+                elif self.spread == "layer":
+                    kept[kind][i] = of(i, {kind: ratio}, geo, importance)
+                else:
+                    pool.append(i)
+            if pool:
+                for i, k in self._global(kind, ratio, pool, geo, importance).items():
+                    kept[kind][i] = k
+        return kept
 
-    def counts(self, geo: Geometry) -> tuple[int, int, int]:
-        """(query heads, KV heads, MLP width) the plan leaves in every layer, from ratios and lists alone.
+    def _global(self, kind: str, ratio: float, pool: list[int], geo: Geometry, importance) -> dict[int, list[int]]:
+        """``ratio`` of the model's heads (channels) removed from the ``pool`` layers, lowest-scoring blocks first.
 
-        What a size prediction needs before any importance is computed; ``keep`` checks that every
-        layer leaves the same counts.
+        A block is the least a layer can lose and stay well formed: one KV group with its query
+        heads, one query head from every KV group, or the MLP channels down to the next multiple of
+        ``mlp_multiple``. Blocks are taken by their mean score, across layers, while taking one
+        brings the total removed nearer the target.
         """
-        entry = {int(k): v for k, v in self.layers.items() if str(k).isdigit()}.get(0, {})
-        if "heads_keep" in entry:
-            n = len(entry["heads_keep"])
-            heads, kv = (n * geo.group, n) if self.head_unit == "group" else (n, geo.kv_heads)
-        elif self.head_unit == "group":
-            kv = geo.kv_heads - _removed(entry.get("heads", self.heads), geo.kv_heads)
-            heads = kv * geo.group
-        else:
-            kv = geo.kv_heads
-            heads = kv * (geo.group - _removed(entry.get("heads", self.heads), geo.group))
-        if "mlp_keep" in entry:
-            inter = len(entry["mlp_keep"])
-        else:
-            inter = geo.intermediate - _removed(entry.get("mlp", self.mlp), geo.intermediate)
-            inter -= inter % self.mlp_multiple
-        return heads, kv, inter
+        import heapq
+        query = kind == "heads" and self.head_unit == "query"
+        blocks: dict[int, list[tuple[list[int], float]]] = {}  # layer -> blocks in removal order
+        for i in pool:
+            if kind == "heads" and not query:
+                scores = self._scores(importance, "heads", i, geo.kv_heads)
+                blocks[i] = [([k], scores[k]) for k in sorted(range(geo.kv_heads), key=lambda k: scores[k])][:-1]
+            elif query:  # per group its heads ascending; block j = every group's j-th least important head
+                scores = self._scores(importance, "heads", i, geo.heads)
+                per_group = [sorted(range(g * geo.group, (g + 1) * geo.group), key=lambda h: scores[h])
+                             for g in range(geo.kv_heads)]
+                blocks[i] = [([grp[j] for grp in per_group], sum(scores[grp[j]] for grp in per_group) / geo.kv_heads)
+                             for j in range(geo.group - 1)]
+            else:
+                score = "taylor" if self.score == "kl" else self.score
+                scores = PrunePlan(score=score)._scores(importance, "mlp", i, geo.intermediate)
+                order = sorted(range(geo.intermediate), key=lambda c: scores[c])
+                widths, w, m = [], geo.intermediate, self.mlp_multiple
+                while (w - 1) // m * m >= m:
+                    widths.append((w - 1) // m * m)
+                    w = widths[-1]
+                done, blocks[i] = 0, []
+                for w in widths:
+                    units = order[done:geo.intermediate - w]
+                    blocks[i].append((units, sum(scores[c] for c in units) / len(units)))
+                    done = geo.intermediate - w
+        per_unit = geo.heads if kind == "heads" else geo.intermediate
+        target = ratio * geo.layers * per_unit  # query heads / channels of the whole model
+        group_blocks = kind == "heads" and not query
+        size = (lambda b: len(b) * geo.group) if group_blocks else len
+        step = geo.group if group_blocks else geo.kv_heads if query else self.mlp_multiple
+        removed, taken = 0, {i: 0 for i in pool}
+        heap = [(b[0][1], i) for i, b in blocks.items() if b]
+        heapq.heapify(heap)
+        while heap:
+            i = heap[0][1]
+            n = size(blocks[i][taken[i]][0])
+            if abs(removed + n - target) > abs(removed - target) + 1e-9:  # a tie takes it: half rounds up
+                break
+            heapq.heappop(heap)
+            removed += n
+            taken[i] += 1
+            if taken[i] < len(blocks[i]):
+                heapq.heappush(heap, (blocks[i][taken[i]][1], i))
+        if not heap and target - removed >= step / 2 - 1e-9:
+            what = "heads" if kind == "heads" else "MLP channels"
+            keep = "one head per KV group" if query else "one KV group" if kind == "heads" else \
+                f"{self.mlp_multiple} channels"
+            most = f"at most {removed / (geo.layers * per_unit):.0%}"
+            if len(pool) == geo.layers:
+                raise PlanError(f"removing {ratio:.0%} of the model's {what} leaves none in a layer (each keeps at "
+                                f"least {keep}); lower {kind} ({most})")
+            raise PlanError(f"removing {ratio:.0%} of the model's {what} from layer(s) {', '.join(map(str, pool))} "
+                            f"alone leaves none in a layer (each keeps at least {keep}); lower {kind} ({most}), or "
+                            "set keep_first_last false (--prune-first-last) to prune every layer")
+        out = {}
+        n_units = geo.kv_heads if kind == "heads" and not query else geo.heads if query else geo.intermediate
+        for i in pool:
+            gone = {u for b, _ in blocks[i][:taken[i]] for u in b}
+            out[i] = [u for u in range(n_units) if u not in gone]
+        return out
 
-    def _ranked(self, importance, kind: str, layer: int, n: int) -> list[int]:
+    def _scores(self, importance, kind: str, layer: int, n: int) -> list[float]:
         if importance is None:
             raise PlanError(f"layer {layer}: a {kind} ratio needs importance scores; compute them "
                             "(head_and_channel_importance) or list the kept units")
@@ -239,6 +343,10 @@ class PrunePlan:
         if len(scores) != n:
             raise PlanError(f"the importance scores have {len(scores)} {kind} units in layer {layer}, the model "
                             f"{n}: they were computed for another model")
+        return list(scores)
+
+    def _ranked(self, importance, kind: str, layer: int, n: int) -> list[int]:
+        scores = self._scores(importance, kind, layer, n)
         return sorted(range(n), key=lambda j: -scores[j])
 
     def _heads_of(self, i: int, entry: Mapping, geo: Geometry, importance) -> list[int]:
@@ -293,6 +401,17 @@ class PrunePlan:
         score = "taylor" if self.score == "kl" else self.score
         ranked = PrunePlan(score=score)._ranked(importance, "mlp", i, n)
         return sorted(ranked[:keep_n])
+
+
+class _IndexOrder:
+    """Stand-in scores that rank units by index (earlier = keep): counts without importance."""
+
+    def __init__(self, geo: Geometry):
+        self.geo = geo
+
+    def scores(self, kind: str, layer: int, score: str, head_unit: str = "group") -> list[float]:
+        n = self.geo.intermediate if kind == "mlp" else self.geo.kv_heads if head_unit == "group" else self.geo.heads
+        return [float(n - j) for j in range(n)]
 
 
 def _removed(ratio: float, n: int) -> int:
@@ -543,42 +662,93 @@ def _query_and_kv_heads(kept: Sequence[int], geo: Geometry, unit: str) -> tuple[
     return list(kept), list(range(geo.kv_heads))
 
 
-def pruned_config(config, geo: Geometry, n_heads: int, n_kv: int, intermediate: int):
-    """A copy of ``config`` with fewer heads / a narrower MLP; ``head_dim`` always explicit."""
+def _shapes(geo: Geometry, shapes, n_kv=None, intermediate=None) -> list[tuple[int, int, int]]:
+    """Per-layer (heads, KV heads, MLP width): a list as given, or one count for every layer (the older call)."""
+    if isinstance(shapes, int):
+        return [(shapes, n_kv, intermediate)] * geo.layers
+    return [tuple(int(v) for v in s) for s in shapes]
+
+
+def pruned_config(config, geo: Geometry, shapes, n_kv: int | None = None, intermediate: int | None = None):
+    """A copy of ``config`` with fewer heads / a narrower MLP; ``head_dim`` always explicit.
+
+    ``shapes``: per-layer ``(heads, KV heads, MLP width)`` (or, as before, the three counts of every
+    layer). Layers with different counts get the largest in the standard fields and theirs in
+    ``layer_shapes`` (``workbench.models.LAYER_SHAPES``), which only the workbench's loader reads.
+    """
+    from .models import LAYER_SHAPES
+    shapes = _shapes(geo, shapes, n_kv, intermediate)
     cfg = copy.deepcopy(config)
-    cfg.num_attention_heads, cfg.num_key_value_heads = n_heads, n_kv
+    cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size = (max(s[k] for s in shapes)
+                                                                               for k in range(3))
     cfg.head_dim = geo.head_dim
-    cfg.intermediate_size = intermediate
+    if len(set(shapes)) > 1:
+        setattr(cfg, LAYER_SHAPES, {k: [s[j] for s in shapes] for j, k in
+                                    enumerate(("num_attention_heads", "num_key_value_heads", "intermediate_size"))})
+    elif hasattr(cfg, LAYER_SHAPES):
+        delattr(cfg, LAYER_SHAPES)
     return cfg
 
 
-def predict_parameters(config, geo: Geometry, n_heads: int, n_kv: int, intermediate: int) -> int:
-    """Parameters of the pruned model, from shapes alone (built on the meta device)."""
-    from transformers import AutoModelForCausalLM
+def predict_parameters(config, geo: Geometry, shapes, n_kv: int | None = None, intermediate: int | None = None) -> int:
+    """Parameters of the pruned model, from shapes alone (built on the meta device, each layer at its counts)."""
+    from .models import model_from_config
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(pruned_config(config, geo, n_heads, n_kv, intermediate))
-    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+        model = model_from_config(pruned_config(config, geo, shapes, n_kv, intermediate))
+    return _count(model)
 
 
-def predicted_size(lm: LoadedModel, plan: PrunePlan, quant_plan=None) -> dict:
+def predicted_size(lm: LoadedModel, plan: PrunePlan, quant_plan=None,
+                   importance: "PruneImportance | None" = None) -> dict:
     """Parameters and weight bytes (fp16, and under ``quant_plan``) of the model ``plan`` would leave.
 
     From shapes alone (a meta-device model of the pruned config), with the same byte accounting as
-    every plan and quantized model (``LoadedModel.size_bytes``).
+    every plan and quantized model (``LoadedModel.size_bytes``). ``heads`` / ``kv_heads`` /
+    ``intermediate`` are the largest counts of any layer, ``layers`` every layer's; which layers lose
+    units under a global ratio follows ``importance`` (the totals do not depend on it).
     """
     from .projection import model_shape
     geo = geometry(lm.model)
-    heads, kv, inter = plan.counts(geo)
-    if heads < 1 or kv < 1 or inter < 1:
-        raise PlanError(f"the plan leaves {heads} heads, {kv} KV heads and {inter} MLP channels per layer; each "
-                        "must stay at least 1")
-    shape = model_shape(pruned_config(lm.model.config, geo, heads, kv, inter).to_dict(), name=f"{lm.name} pruned")
-    params = sum(p.numel() for p in {id(p): p for p in shape.model.parameters()}.values())
+    shapes = plan.layer_counts(geo, importance)
+    heads, kv, inter = (max(s[k] for s in shapes) for k in range(3))
+    shape = model_shape(pruned_config(lm.model.config, geo, shapes).to_dict(), name=f"{lm.name} pruned")
+    params = _count(shape.model)
     out = {"heads": heads, "kv_heads": kv, "intermediate": inter, "parameters": params,
-           "fp16_bytes": shape.size_bytes(precision="fp16")}
+           "fp16_bytes": shape.size_bytes(precision="fp16"),
+           "layers": [{"heads": h, "kv_heads": k, "intermediate": m} for h, k, m in shapes],
+           **_removed_fractions(geo, shapes)}
     if quant_plan is not None:
         out["quantized_bytes"] = shape.size_bytes(quant_plan)
     return out
+
+
+def _removed_fractions(geo: Geometry, shapes) -> dict:
+    """The fractions of the model's query heads, KV heads and MLP channels a plan removes (all layers together)."""
+    return {"heads_removed": 1 - sum(s[0] for s in shapes) / (geo.layers * geo.heads),
+            "kv_heads_removed": 1 - sum(s[1] for s in shapes) / (geo.layers * geo.kv_heads),
+            "mlp_removed": 1 - sum(s[2] for s in shapes) / (geo.layers * geo.intermediate)}
+
+
+def kept_query_heads(kept_units: Sequence[Sequence[int]], geo: Geometry | Mapping, head_unit: str) -> list[list[int]]:
+    """Per layer, the source's query-head index of each head the pruned layer keeps, in order."""
+    g = geo if isinstance(geo, Geometry) else Geometry(**{f.name: geo[f.name] for f in fields(Geometry)})
+    return [_query_and_kv_heads(units, g, head_unit)[0] for units in kept_units]
+
+
+def head_mapping(directory: str | Path) -> list[list[int]] | None:
+    """Per layer, which source query head each head of a pruned directory is (from its ``prune.json``); None when
+    the directory is not a pruned model or says nothing about it."""
+    path = Path(directory) / PRUNE_REPORT
+    if not path.is_file():
+        return None
+    try:
+        report = read_json_file(path, "pruning report")
+        if "kept_query_heads" in report:
+            return [list(map(int, layer)) for layer in report["kept_query_heads"]]
+        return kept_query_heads(report["kept"]["heads"], report["geometry_before"],
+                                report["plan"].get("head_unit", "group"))
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return None
 
 
 @dataclass
@@ -594,18 +764,36 @@ class PruneResult:
     parameters_predicted: int
     parameters_after: int
 
+    @property
+    def uniform(self) -> bool:
+        """Whether every layer keeps the same counts (a plain config every tool reads)."""
+        per = self.geometry_after["per_layer"]
+        return all(len(set(v)) == 1 for v in per.values())
+
     def report(self) -> dict:
-        return {"plan": self.plan.to_dict(), "kept": self.kept, "geometry_before": self.geometry_before,
+        b, per = self.geometry_before, self.geometry_after["per_layer"]
+        geo = Geometry(**{f.name: b[f.name] for f in fields(Geometry)})
+        shapes = list(zip(per["heads"], per["kv_heads"], per["intermediate"]))
+        return {"plan": self.plan.to_dict(), "kept": self.kept,
+                "kept_query_heads": kept_query_heads(self.kept["heads"], geo, self.plan.head_unit),
+                "geometry_before": self.geometry_before,
                 "geometry_after": self.geometry_after, "parameters_before": self.parameters_before,
                 "parameters_predicted": self.parameters_predicted, "parameters_after": self.parameters_after,
-                "heads_removed": 1 - self.geometry_after["heads"] / self.geometry_before["heads"],
-                "mlp_removed": 1 - self.geometry_after["intermediate"] / self.geometry_before["intermediate"]}
+                **_removed_fractions(geo, shapes)}
 
     def summary(self) -> str:
         b, a = self.geometry_before, self.geometry_after
-        return (f"heads {b['heads']} -> {a['heads']} (KV {b['kv_heads']} -> {a['kv_heads']}), MLP "
-                f"{b['intermediate']} -> {a['intermediate']} per layer; parameters {self.parameters_before:,} -> "
-                f"{self.parameters_after:,} ({self.parameters_after / self.parameters_before - 1:+.1%})")
+        params = (f"parameters {self.parameters_before:,} -> {self.parameters_after:,} "
+                  f"({self.parameters_after / self.parameters_before - 1:+.1%})")
+        if self.uniform:
+            return (f"heads {b['heads']} -> {a['heads']} (KV {b['kv_heads']} -> {a['kv_heads']}), MLP "
+                    f"{b['intermediate']} -> {a['intermediate']} per layer; {params}")
+        per, n = a["per_layer"], b["layers"]
+        return (f"heads {n * b['heads']} -> {sum(per['heads'])} (KV {n * b['kv_heads']} -> {sum(per['kv_heads'])}), "
+                f"MLP {n * b['intermediate']} -> {sum(per['intermediate'])} in all layers "
+                f"({1 - sum(per['heads']) / (n * b['heads']):.1%} of heads, "
+                f"{1 - sum(per['intermediate']) / (n * b['intermediate']):.1%} of MLP channels removed; per layer "
+                f"heads {per['heads']}, KV {per['kv_heads']}, MLP {per['intermediate']}); {params}")
 
 
 def _count(model: nn.Module) -> int:
@@ -615,19 +803,19 @@ def _count(model: nn.Module) -> int:
 @torch.no_grad()
 def prune_model(lm: LoadedModel, plan: PrunePlan, importance: PruneImportance | None = None) -> PruneResult:
     """A new, smaller model: each layer's kept heads and channels sliced out of ``lm``'s weights."""
-    from transformers import AutoModelForCausalLM
+    from .models import model_from_config
     lm.require_float("prune")
     geo = geometry(lm.model)
     kept = plan.keep(geo, importance)
-    q0, kv0 = _query_and_kv_heads(kept["heads"][0], geo, plan.head_unit)
-    n_heads, n_kv, inter = len(q0), len(kv0), len(kept["mlp"][0])
-    if n_heads % n_kv:
-        raise PlanError(f"{n_heads} query heads over {n_kv} KV heads is not grouped-query attention; keep the same "
-                        "number per group")
     state = lm.model.state_dict()
     new_state = dict(state)
+    shapes = []
     for i in range(geo.layers):
         q_heads, kv_heads = _query_and_kv_heads(kept["heads"][i], geo, plan.head_unit)
+        if len(q_heads) % len(kv_heads):
+            raise PlanError(f"layer {i}: {len(q_heads)} query heads over {len(kv_heads)} KV heads is not "
+                            "grouped-query attention; keep the same number per group")
+        shapes.append((len(q_heads), len(kv_heads), len(kept["mlp"][i])))
         qr, kvr = _head_rows(q_heads, geo.head_dim), _head_rows(kv_heads, geo.head_dim)
         ch = torch.tensor(kept["mlp"][i])
         p = f"model.layers.{i}."
@@ -639,9 +827,9 @@ def prune_model(lm: LoadedModel, plan: PrunePlan, importance: PruneImportance | 
             if dim == 0 and p + name + ".bias" in state:  # Qwen2's q/k/v biases follow their rows
                 b = state[p + name + ".bias"]
                 new_state[p + name + ".bias"] = b.index_select(0, rows.to(b.device)).clone()
-    cfg = pruned_config(lm.model.config, geo, n_heads, n_kv, inter)
+    cfg = pruned_config(lm.model.config, geo, shapes)
     dtype = next(lm.model.parameters()).dtype
-    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    model = model_from_config(cfg, dtype=dtype)
     missing, unexpected = model.load_state_dict(new_state, strict=False)
     missing = [k for k in missing if not (k == "lm_head.weight" and cfg.tie_word_embeddings)]
     if missing or unexpected:
@@ -653,14 +841,17 @@ def prune_model(lm: LoadedModel, plan: PrunePlan, importance: PruneImportance | 
     from .compute import enable_float32_compute
     if dtype in (torch.float16, torch.bfloat16):
         enable_float32_compute(model)  # as load_model does: float32 arithmetic on 16-bit storage
-    after = Geometry(geo.layers, n_heads, n_kv, geo.head_dim, inter, geo.hidden)
-    return PruneResult(model, plan, kept, asdict(geo), asdict(after), _count(lm.model),
-                       predict_parameters(lm.model.config, geo, n_heads, n_kv, inter), _count(model))
+    after = {"layers": geo.layers, "heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads,
+             "head_dim": geo.head_dim, "intermediate": cfg.intermediate_size, "hidden": geo.hidden,
+             "per_layer": {k: [s[j] for s in shapes] for j, k in enumerate(("heads", "kv_heads", "intermediate"))}}
+    return PruneResult(model, plan, kept, asdict(geo), after, _count(lm.model),
+                       predict_parameters(lm.model.config, geo, shapes), _count(model))
 
 
 def save_pruned(result: PruneResult, lm: LoadedModel, out_dir: str | Path, *,
                 importance: PruneImportance | None = None, extra: Mapping | None = None) -> Path:
-    """Write the pruned model (source dtype, tokenizer, ``prune.json``) as a plain Hugging Face directory."""
+    """Write the pruned model (source dtype, tokenizer, ``prune.json``) as a Hugging Face directory: a plain one when
+    every layer keeps the same counts, else with ``layer_shapes`` in config.json (the workbench loader reads it)."""
     from .finetune import save_model_directory
     from .workspace import staged_output, write_output_manifest
     with staged_output(out_dir, PRUNE_FORMAT) as tmp:

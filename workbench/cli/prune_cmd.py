@@ -1,16 +1,17 @@
 """Structured pruning: remove attention heads and MLP channels by importance; write a smaller model directory.
 
-    workbench prune demo --heads 0.5 --mlp 0.2 --out out/pruned
+    workbench prune demo --heads 0.25 --mlp 0.2 --out out/pruned        # middle layers only, by importance
     workbench prune demo --plan prune.json --out out/pruned --json
 
-The output is an ordinary Hugging Face directory (fewer heads, a narrower MLP in its config) that
-eval, quantize, export and distill take; prune.json beside it says what each layer kept and what
-the pruning cost on held-out text.
+The output is a Hugging Face directory (fewer heads, a narrower MLP) that eval, quantize, export
+and distill take; when its layers keep different counts, config.json lists them per layer
+(``layer_shapes``), which the workbench's loader reads and plain transformers does not. prune.json
+beside it says what each layer kept and what the pruning cost on held-out text.
 """
 from __future__ import annotations
 
 from ..errors import PlanError
-from ..prune import HEAD_UNITS, SCORES, PrunePlan, prune
+from ..prune import HEAD_UNITS, SCORES, SPREADS, PrunePlan, prune
 from ..workspace import Workspace
 from .common import add_json_flag, add_model_argument, print_json
 
@@ -20,14 +21,20 @@ HELP = "prune attention heads and MLP channels by importance; writes a smaller m
 def add_arguments(p):
     add_model_argument(p)
     p.add_argument("--plan", help="pruning plan JSON (fractions removed, per-layer ratios or kept lists)")
-    p.add_argument("--heads", type=float, help="fraction of head units removed in every layer (without --plan)")
-    p.add_argument("--mlp", type=float, help="fraction of MLP channels removed in every layer (without --plan)")
+    p.add_argument("--heads", type=float, help="fraction of the model's heads removed (without --plan)")
+    p.add_argument("--mlp", type=float, help="fraction of the model's MLP channels removed (without --plan)")
+    p.add_argument("--spread", choices=SPREADS, default="global",
+                   help="global: the least important units of the prunable layers, wherever they are, so layers "
+                        "keep different counts (default); layer: every prunable layer loses the same fraction")
+    p.add_argument("--prune-first-last", action="store_true",
+                   help="prune the first and last layers too (by default they stay whole)")
     p.add_argument("--head-unit", choices=HEAD_UNITS, default="group",
                    help="group: a KV head with its query heads (default); query: query heads, the same number from "
                         "every KV group")
     p.add_argument("--score", choices=SCORES, default="taylor",
                    help="rank units by first-order Taylor (default), activation norm, or measured KL (heads)")
-    p.add_argument("--mlp-multiple", type=int, default=1, help="round the kept MLP width down to a multiple of this")
+    p.add_argument("--mlp-multiple", type=int, default=32,
+                   help="keep every layer's MLP width a multiple of this (default 32: group-32 quantization divides)")
     p.add_argument("--out", required=True, help="output model directory (written beside it, then swapped in)")
     p.add_argument("--eval-tokens", type=int, default=4096,
                    help="held-out tokens for perplexity and KL before/after (0 skips the measurement)")
@@ -43,7 +50,8 @@ def run(args) -> int:
         if args.heads is None and args.mlp is None:
             raise PlanError("say what to prune: --plan PRUNE.json, or --heads R and/or --mlp R (fractions removed)")
         plan = PrunePlan(heads=args.heads or 0.0, mlp=args.mlp or 0.0, head_unit=args.head_unit, score=args.score,
-                         mlp_multiple=args.mlp_multiple)
+                         mlp_multiple=args.mlp_multiple, spread=args.spread,
+                         keep_first_last=not args.prune_first_last)
     report = prune(args.model, plan, args.out, workspace=Workspace(), evaluate_tokens=args.eval_tokens or None,
                    progress=not args.json)
     if args.json:

@@ -108,9 +108,9 @@ def _v1_shapes(name: str, shape: tuple[int, int], bits: int, g: int | None, symm
 
 def _skeleton(config, dtype: torch.dtype, trust_remote_code: bool) -> nn.Module:
     """The model the config describes with every tensor on the meta device: no memory, nothing random."""
-    from transformers import AutoModelForCausalLM
+    from ..models import model_from_config
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code).eval()
+        return model_from_config(config, dtype=dtype, trust_remote_code=trust_remote_code).eval()
 
 
 class _Skeleton:

@@ -48,7 +48,7 @@ from .ort_int4 import (ACCURACY_LEVELS, NBitsWeights, _nbits_tensors, _release_f
                        matmulnbits_block_size)
 from .registry import Target, register_target
 
-__all__ = ["FusedBuild", "FusedWeights", "build_fused_onnx", "write_genai_folder", "GenaiCausalLM", "convert_ort_genai",
+__all__ = ["FusedBuild", "FusedWeights", "build_fused_onnx", "refuse_per_layer_heads", "write_genai_folder", "GenaiCausalLM", "convert_ort_genai",
            "is_genai_folder", "GENAI_TYPES", "MODEL_FILE", "GENAI_CONFIG", "TOKENIZER_FILES", "TARGET"]
 
 MODEL_FILE = "model.onnx"
@@ -208,6 +208,18 @@ def _positions(model: nn.Module) -> int:
     return int(getattr(model.config, "max_position_embeddings", None) or 4096)
 
 
+def refuse_per_layer_heads(spec: DecoderSpec) -> None:
+    """onnxruntime-genai's genai_config (and its KV cache) holds one head count for all layers: refuse others."""
+    if spec.uniform:
+        return
+    odd = [f"layer {i}: {h}/{kv}" for i, (h, kv) in enumerate(spec.layer_heads)
+           if (h, kv) != (spec.heads, spec.kv_heads)]
+    raise ModelLoadError(f"ort-genai cannot hold a model whose layers have different head counts (query/KV heads "
+                         f"{', '.join(odd)}; the others {spec.heads}/{spec.kv_heads}): genai_config has one count for "
+                         "every layer; convert to ort-int4 (or ort-qdq, qnn, mnn), or prune with the same counts in "
+                         "every layer (spread 'layer', keep_first_last false)")
+
+
 def build_fused_onnx(sim_model: nn.Module, out_dir: str | Path, precisions: Mapping[str, str | None], *,
                      accuracy_level: int = 4, inline_limit: int | None = None) -> FusedBuild:
     """``model.onnx`` in ``out_dir``: ``sim_model`` (a plan's simulation) as one fused graph with its integers.
@@ -218,6 +230,7 @@ def build_fused_onnx(sim_model: nn.Module, out_dir: str | Path, precisions: Mapp
     from onnx import TensorProto, helper
     _genai_type(sim_model)
     spec = DecoderSpec.from_model(sim_model)
+    refuse_per_layer_heads(spec)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for stale in (out / DATA_FILE, out / MODEL_FILE):
@@ -522,6 +535,7 @@ def convert_ort_genai(job) -> None:
     prep, report, say = job.prep, job.report, job.say
     seconds, t = report.details["seconds"], time.perf_counter()
     sim = prep.sim_lm.model
+    refuse_per_layer_heads(DecoderSpec.from_model(sim))
     say("building the fused ONNX Runtime graph from the plan's integers")
     build = build_fused_onnx(sim, job.out, prep.qm.precisions, accuracy_level=job.accuracy_level)
     write_genai_folder(job.out, sim, prep.float_lm.path, prep.float_lm.tokenizer)
