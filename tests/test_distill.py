@@ -92,10 +92,11 @@ def test_the_hidden_and_attention_terms_train(pruned_dir, tiny_model_dir, tmp_pa
     assert teacher.model.config._attn_implementation == attn
 
 
-def test_fake_quantization_is_what_quantize_makes_and_passes_gradients_straight_through(tiny_model_dir):
+@pytest.mark.parametrize("precision", ["int4", "int4-lpbq"])
+def test_fake_quantization_is_what_quantize_makes_and_passes_gradients_straight_through(tiny_model_dir, precision):
     from workbench.quantize import quantize_model
     lm = load_model(tiny_model_dir, dtype="float32")
-    plan = QuantPlan.uniform("int4", group_size=32)
+    plan = QuantPlan.uniform(precision, group_size=32)  # two-level scales rounded as quantize_model does too
     ids = torch.arange(1, 33)[None]
     with torch.no_grad():
         real = quantize_model(lm, plan, method="rtn").build_model()(input_ids=ids).logits

@@ -165,19 +165,18 @@ def distillation_loss(student_out, teacher_out, labels: torch.Tensor, cfg: Disti
 # -- quantization-aware training ------------------------------------------------------------------
 
 class _FakeQuant(nn.Module):
-    """A weight parametrization: round-to-nearest at the plan's precision forward, identity backward."""
+    """A weight parametrization: the plan's rounding forward (``quantizer``: ``layer_quantizer``'s, the one
+    ``quantize_model`` uses; None: float16), identity backward."""
 
-    def __init__(self, bits: int | None, group_size: int | None, symmetric: bool, scale_search: bool):
+    def __init__(self, quantizer=None):
         super().__init__()
-        self.bits, self.group_size, self.symmetric, self.scale_search = bits, group_size, symmetric, scale_search
+        self.quantizer = quantizer
 
     def forward(self, w: torch.Tensor) -> torch.Tensor:
-        from .quantize.rtn import quantize_weight
-        if self.bits is None:  # fp16: the weight rounded to float16 values
+        if self.quantizer is None:  # fp16: the weight rounded to float16 values
             q = w.detach().half().to(w.dtype)
         else:
-            q = quantize_weight(w, self.bits, self.group_size, self.symmetric,
-                                scale_search=self.scale_search).dequantize().to(w.dtype)
+            q = self.quantizer.quantize(w).dequantize().to(w.dtype)
         return w + (q - w).detach()  # straight-through: the gradient reaches the float weight unchanged
 
 
@@ -188,17 +187,16 @@ def fake_quantized(lm: LoadedModel, model: nn.Module, plan: QuantPlan) -> list[s
     that same tensor, so the tie holds in training and after ``_remove_fake_quant``.
     """
     from torch.nn.utils import parametrize
-    from .quantize.model import resolve_group_size
+    from .quantize import layer_quantizer
     assignments = plan.resolve([info.name for info in lm.layers])
     names = []
     for info in lm.layers:
         prec = get_precision(assignments.get(info.name))
         if prec is None or (prec.is_float and prec.bits >= 32):
             continue
-        gs = None if prec.is_float else resolve_group_size(info.shape[1], plan.group_size)[0]
-        parametrize.register_parametrization(
-            model.get_submodule(info.name), "weight",
-            _FakeQuant(None if prec.is_float else prec.bits, gs, plan.symmetric, plan.scale_search), unsafe=True)
+        quantizer = None if prec.is_float else layer_quantizer(plan, prec, tuple(info.shape), name=info.name)
+        parametrize.register_parametrization(model.get_submodule(info.name), "weight", _FakeQuant(quantizer),
+                                             unsafe=True)
         names.append(info.name)
     return names
 
