@@ -10,7 +10,7 @@ the pruning cost on held-out text.
 from __future__ import annotations
 
 from ..errors import PlanError
-from ..prune import HEAD_UNITS, SCORES, PrunePlan, prune
+from ..prune import DEFAULT_IMPORTANCE_TOKENS, HEAD_UNITS, SCORES, PrunePlan, prune
 from ..workspace import Workspace
 from .common import add_json_flag, add_model_argument, print_json
 
@@ -29,6 +29,8 @@ def add_arguments(p):
                    help="rank units by first-order Taylor (default), activation norm, or measured KL (heads)")
     p.add_argument("--mlp-multiple", type=int, default=1, help="round the kept MLP width down to a multiple of this")
     p.add_argument("--out", required=True, help="output model directory (written beside it, then swapped in)")
+    p.add_argument("--importance-tokens", type=int, default=DEFAULT_IMPORTANCE_TOKENS,
+                   help="calibration tokens the importance scores are computed on (default %(default)s)")
     p.add_argument("--eval-tokens", type=int, default=4096,
                    help="held-out tokens for perplexity and KL before/after (0 skips the measurement)")
     add_json_flag(p)
@@ -45,7 +47,7 @@ def run(args) -> int:
         plan = PrunePlan(heads=args.heads or 0.0, mlp=args.mlp or 0.0, head_unit=args.head_unit, score=args.score,
                          mlp_multiple=args.mlp_multiple)
     report = prune(args.model, plan, args.out, workspace=Workspace(), evaluate_tokens=args.eval_tokens or None,
-                   progress=not args.json)
+                   progress=not args.json, importance_tokens=args.importance_tokens)
     if args.json:
         print_json(report)
         return 0
