@@ -25,8 +25,9 @@ resident memory (the child's ru_maxrss from os.wait4) are its own:
     prune         workbench prune MODEL --heads 0.25 --mlp 0.2 --head-unit query --importance-tokens 512
                   --eval-tokens 2048 --out ...  (Taylor importance, slicing, saving, before/after evaluation)
     distill       workbench distill PRUNED --teacher MODEL --mode lora --steps 8 --batch-size 1 --seq-len 256
-                  --validation-fraction 0.02 --eval-tokens 1024  (LoRA on the pruned student against the
-                  unpruned teacher, full-vocabulary soft labels; 3 held-back windows, before/after on 1,024)
+                  --validation-fraction 0.02 --eval-tokens 1024 --gradient-checkpointing  (LoRA on the pruned
+                  student against the unpruned teacher, full-vocabulary soft labels; 3 held-back windows,
+                  before/after on 1,024 tokens)
 
 All steps of one shape share a fresh workspace (WORKBENCH_WORKSPACE) unless --workspace names
 one, so a step pays for what it computes, and reads back only what an earlier step of the same
@@ -327,7 +328,8 @@ def step_command(step: str, model: Path, shape_dir: Path, args, rows: dict[str, 
         pruned = shape_dir / "pruned"  # prune's output (this run's, or a kept one with --run-dir)
         return ["distill", str(pruned), "--teacher", m, "--out", str(shape_dir / "distilled"), "--mode", "lora",
                 "--steps", "8", "--batch-size", "1", "--seq-len", "256", "--validation-fraction", "0.02",
-                "--eval-tokens", "1024", "--overwrite", "--json"], "LoRA, 8 steps of 1 x 256 tokens"
+                "--eval-tokens", "1024", "--gradient-checkpointing", "--overwrite", "--json"], \
+            "LoRA, 8 steps of 1 x 256 tokens"
     raise ValueError(step)
 
 

@@ -155,3 +155,19 @@ def test_lora_distillation_trains_adapters_and_saves_a_plain_model(pruned_dir, t
     assert 0 < report.trainable_parameters < sum(p.numel() for p in student.model.parameters())
     saved = load_model(tmp_path / "lora")
     assert [i.name for i in saved.layers] == [i.name for i in student.layers]  # merged: no LoRA modules left
+
+
+def test_chunked_loss_and_gradient_checkpointing_train_exactly_as_the_whole_batch(pruned_dir, tiny_model_dir, tmp_path,
+                                                                               monkeypatch):
+    """The soft labels a few tokens at a time (recomputed in backward) and blocks recomputed in backward change
+    memory, not the training: the same losses step by step."""
+    import workbench.logits as logits
+    cfg = DistillConfig(steps=2, batch_size=2, seq_len=16, eval_every=2, mode="lora", rank=4, lr=1e-3, hard_weight=0.5)
+    whole = distill(pruned_dir, tiny_model_dir, tmp_path / "a", cfg, eval_tokens=64, progress=False)
+    monkeypatch.setattr(logits, "LOSS_CHUNK_ELEMENTS", 7 * 4096)  # 7 rows per chunk of the tiny vocabulary
+    from dataclasses import replace
+    chunked = distill(pruned_dir, tiny_model_dir, tmp_path / "b", replace(cfg, gradient_checkpointing=True),
+                      eval_tokens=64, progress=False)
+    assert chunked.losses == pytest.approx(whole.losses, rel=1e-4)
+    assert chunked.validation[-1][1] == pytest.approx(whole.validation[-1][1], rel=1e-4)
+    assert chunked.student_after["kl"] == pytest.approx(whole.student_after["kl"], rel=1e-4)

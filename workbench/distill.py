@@ -80,6 +80,7 @@ class DistillConfig:
     mode: str = "full"
     rank: int = 8
     alpha: int = 16
+    gradient_checkpointing: bool = False  # keep each block's input only, recompute its activations in backward
 
     def validate(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "checkpoint_every", "eval_every", "rank", "alpha"):
@@ -390,6 +391,8 @@ def distill(student: str | Path | LoadedModel, teacher: str | Path | LoadedModel
         before = evaluate(model, eval_ids, reference=reference, ctx=ctx, progress=False)
 
         trained, snapshot, restore = _trainable(model, cfg)
+        if cfg.gradient_checkpointing:  # activations of one block at a time instead of all (0.9 GB at 0.5 B, 256 tokens)
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         trainable = [p for p in trained.parameters() if p.requires_grad]
         steps_per_epoch = max(1, len(train) // cfg.batch_size)
         terms_by_step: dict[int, dict] = {}
@@ -410,7 +413,7 @@ def distill(student: str | Path | LoadedModel, teacher: str | Path | LoadedModel
         def kl_sum(s, t):
             s = F.log_softmax(s.float() if heads is None else head_logits(heads[0], s), -1)
             t = F.log_softmax(t.float() if heads is None else head_logits(heads[1], t), -1)
-            return (float((t.exp() * (t - s)).sum()),)
+            return (float(t.exp().mul_(t.sub_(s)).sum()),)  # in place: three chunk-sized tensors at most
 
         @torch.no_grad()
         def validation_kl() -> float:
@@ -438,6 +441,8 @@ def distill(student: str | Path | LoadedModel, teacher: str | Path | LoadedModel
                            checkpoint=checkpoint, progress=progress, on_step=on_step, desc="distill",
                            what="distillation")
         trained.eval()
+        if cfg.gradient_checkpointing:
+            model.gradient_checkpointing_disable()
         result = trained.merge_and_unload() if cfg.mode == "lora" else trained
         for p in result.parameters():
             p.requires_grad_(False)

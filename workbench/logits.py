@@ -17,7 +17,7 @@ from torch import nn
 __all__ = ["final_hidden", "head_input", "head_logits", "trainable_head_logits", "chunked_sum", "loss_chunk_rows", "VOCAB_CHUNK", "LOSS_CHUNK_ELEMENTS"]
 
 VOCAB_CHUNK = 16384  # output-layer rows widened to float32 at a time (58 MB at hidden size 896)
-LOSS_CHUNK_ELEMENTS = 1 << 25  # tokens x vocabulary float32 of a training loss held at once: 128 MB
+LOSS_CHUNK_ELEMENTS = 1 << 24  # tokens x vocabulary float32 per tensor of a training loss: 64 MB
 
 
 class _Stop(Exception):
@@ -113,7 +113,7 @@ def trainable_head_logits(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor
 
 
 def loss_chunk_rows(vocab: int) -> int:
-    """Token rows per chunk of a loss over the output layer: 220 for a Qwen vocabulary, 8,192 for the demo's."""
+    """Token rows per chunk of a loss over the output layer: 110 for a Qwen vocabulary, 4,096 for the demo's."""
     return max(1, LOSS_CHUNK_ELEMENTS // vocab)
 
 
