@@ -186,7 +186,8 @@ class CompressPanel(StepPanel):
             qm = quantize_model(lm, plan, method="rtn", progress=False)  # the group-size fallback included
             point = measure_point(label, qm.build_model(), ids, ref, size_bytes=lm.size_bytes(plan),
                                   bits_per_weight=qm.bits_per_weight, ctx=self._ctx, parameters=lm.parameters)
-            point["plan"] = describe_plan(plan, lm) + ("" if plan.method == "rtn" else " rounded to nearest")
+            # the plan (hash, method, group size); its bits/weight on this model are the point's own column
+            point["plan"] = describe_plan(plan) + ("" if plan.method == "rtn" else " rounded to nearest")
             point["plan_hash"], point["fallbacks"] = plan_hash(plan), qm.fallbacks
         else:
             point = measure_point(label, lm.model, ids, ref, size_bytes=lm.size_bytes(precision="fp16"),
