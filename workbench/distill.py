@@ -392,7 +392,8 @@ def distill(student: str | Path | LoadedModel, teacher: str | Path | LoadedModel
 
         trained, snapshot, restore = _trainable(model, cfg)
         if cfg.gradient_checkpointing:  # activations of one block at a time instead of all (0.9 GB at 0.5 B, 256 tokens)
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.enable_input_require_grads()  # reentrant checkpoints need an input that requires grad
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
         trainable = [p for p in trained.parameters() if p.requires_grad]
         steps_per_epoch = max(1, len(train) // cfg.batch_size)
         terms_by_step: dict[int, dict] = {}
@@ -443,6 +444,7 @@ def distill(student: str | Path | LoadedModel, teacher: str | Path | LoadedModel
         trained.eval()
         if cfg.gradient_checkpointing:
             model.gradient_checkpointing_disable()
+            model.disable_input_require_grads()
         result = trained.merge_and_unload() if cfg.mode == "lora" else trained
         for p in result.parameters():
             p.requires_grad_(False)
