@@ -71,9 +71,11 @@ STEPS = ("info", "calibrate", "quantize-rtn", "quantize-awq", "quantize-gptq", "
          "convert", "convert-genai", "prune", "distill")
 ALIASES = {"load": ("info",), "quantize": ("quantize-rtn", "quantize-awq", "quantize-gptq"), "rtn": ("quantize-rtn",),
            "awq": ("quantize-awq",), "gptq": ("quantize-gptq",), "evaluate": ("eval",), "convert-ort-int4": ("convert",)}
-NEEDS = {"quantize-awq": "calibrate", "quantize-gptq": "calibrate", "plan": "sensitivity", "distill": "prune"}  # skipped when it failed
+NEEDS = {"quantize-awq": "calibrate", "quantize-gptq": "calibrate", "plan": "sensitivity",
+         "distill": "prune"}  # skipped when it failed
 COMMAND = {"quantize-rtn": "quantize", "quantize-awq": "quantize", "quantize-gptq": "quantize"}  # step -> subcommand
-OUTPUTS = ("rtn-int4", "awq-int4", "gptq-int4", "plan.json", "onnx", "ort-int4", "ort-genai", "pruned", "distilled")  # removed unless --keep-outputs
+OUTPUTS = ("rtn-int4", "awq-int4", "gptq-int4", "plan.json", "onnx", "ort-int4", "ort-genai", "pruned",
+           "distilled")  # removed unless --keep-outputs
 GB = 1024.0  # MiB per GiB
 
 # (seconds, peak GiB) limits, None = no limit; a target always requires the step to complete.

@@ -69,7 +69,8 @@ def test_prune_and_distill_are_steps_and_distill_trains_prunes_output(tmp_path):
     assert prune[:2] == ["prune", str(model)] and prune[prune.index("--out") + 1] == str(shape_dir / "pruned")
     assert prune[prune.index("--heads") + 1] == "0.25" and prune[prune.index("--mlp") + 1] == "0.2"
     distill, note = scale.step_command("distill", model, shape_dir, None, {})
-    assert distill[:2] == ["distill", str(shape_dir / "pruned")] and distill[distill.index("--teacher") + 1] == str(model)
+    assert distill[:2] == ["distill", str(shape_dir / "pruned")]
+    assert distill[distill.index("--teacher") + 1] == str(model)
     assert distill[distill.index("--mode") + 1] == "lora" and distill[distill.index("--steps") + 1] == "8"
     assert "8 steps" in note and {"pruned", "distilled"} <= set(scale.OUTPUTS)
 

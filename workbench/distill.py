@@ -391,7 +391,7 @@ def distill(student: str | Path | LoadedModel, teacher: str | Path | LoadedModel
         before = evaluate(model, eval_ids, reference=reference, ctx=ctx, progress=False)
 
         trained, snapshot, restore = _trainable(model, cfg)
-        if cfg.gradient_checkpointing:  # activations of one block at a time instead of all (0.9 GB at 0.5 B, 256 tokens)
+        if cfg.gradient_checkpointing:  # one block's activations at a time, not all (0.9 GB at 0.5 B, 256 tokens)
             model.enable_input_require_grads()  # reentrant checkpoints need an input that requires grad
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
         trainable = [p for p in trained.parameters() if p.requires_grad]

@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["final_hidden", "head_input", "head_logits", "trainable_head_logits", "chunked_sum", "loss_chunk_rows", "VOCAB_CHUNK", "LOSS_CHUNK_ELEMENTS"]
+__all__ = ["final_hidden", "head_input", "head_logits", "trainable_head_logits", "chunked_sum", "loss_chunk_rows",
+           "VOCAB_CHUNK", "LOSS_CHUNK_ELEMENTS"]
 
 VOCAB_CHUNK = 16384  # output-layer rows widened to float32 at a time (58 MB at hidden size 896)
 LOSS_CHUNK_ELEMENTS = 1 << 24  # tokens x vocabulary float32 per tensor of a training loss: 64 MB

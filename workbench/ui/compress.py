@@ -144,8 +144,8 @@ class CompressPanel(StepPanel):
             f"; rounded to nearest here, not by its method ({plan.method.upper()}): quantization-aware "
             "distillation trains round-to-nearest")
         where = "the session's plan" if self.session is not None else "plan"
-        self.plan_note.value = (f"<span style='font-size:12px'>with {where} <b>{html.escape(describe_plan(plan, self.lm))}"
-                                f"</b>{html.escape(method)}</span>")
+        name = html.escape(describe_plan(plan, self.lm))
+        self.plan_note.value = f"<span style='font-size:12px'>with {where} <b>{name}</b>{html.escape(method)}</span>"
         self._update_prediction()
 
     def plan(self) -> PrunePlan:
