@@ -23,18 +23,26 @@ resident memory (the child's ru_maxrss from os.wait4) are its own:
     convert       workbench convert RTN-OUT --target ort-int4 --out ...      (float MODEL --bits 4 without it)
     convert-genai the same with --target ort-genai (the fused graph onnxruntime-genai runs)
     convert-gguf  the same with --target llama.cpp (the plan's own integers as one GGUF, read back and checked)
+    prune         workbench prune MODEL --heads 0.25 --mlp 0.2 --head-unit query --importance-tokens 512
+                  --eval-tokens 2048 --out ...  (Taylor importance, slicing, saving, before/after evaluation)
+    distill       workbench distill PRUNED --teacher MODEL --mode lora --steps 8 --batch-size 1 --seq-len 256
+                  --validation-fraction 0.02 --eval-tokens 1024 --gradient-checkpointing  (LoRA on the pruned
+                  student against the unpruned teacher, full-vocabulary soft labels; 3 held-back windows,
+                  before/after on 1,024 tokens)
 
 All steps of one shape share a fresh workspace (WORKBENCH_WORKSPACE) unless --workspace names
 one, so a step pays for what it computes, and reads back only what an earlier step of the same
 run legitimately produced: quantize-awq and -gptq read calibrate's statistics (same 128 x 512 defaults),
-plan reads sensitivity's sweep, convert converts quantize-rtn's saved model. quantize-awq is
-skipped when calibrate failed and plan when sensitivity failed. Each step's stdout and stderr
+plan reads sensitivity's sweep, convert converts quantize-rtn's saved model, distill trains prune's
+output. quantize-awq is skipped when calibrate failed, plan when sensitivity failed and distill when
+prune failed. Each step's stdout and stderr
 go to <run-dir>/<shape>/logs/<step>.out and .err; a failed step shows its last error line.
 
 Prints one table: per shape and step, status, seconds, peak memory (MB/GB = 2^20/2^30 bytes),
 and the issue's targets beside them with whether each was met:
 - Qwen2.5-0.5B: RTN INT4 quantize + evaluation < 3 min and < 4 GB; AWQ INT4 < 15 min and
-  < 5 GB; sensitivity + automatic plan < 15 min; convert ort-int4 < 2 min and < 4 GB;
+  < 5 GB; sensitivity + automatic plan < 15 min; convert ort-int4 < 2 min and < 4 GB; prune < 5 min
+  and < 6 GB; distill (8 steps of 256 tokens) < 10 min and < 8 GB;
 - Qwen2.5-1.5B: every step completes, each < 9 GB peak;
 - Qwen3-4B: RTN INT4 quantize and convert ort-int4 complete, each < 20 GB peak.
 With --layers the models are truncated: the targets are shown in parentheses, for orientation only.
@@ -61,19 +69,22 @@ from shapes import SHAPES  # noqa: E402  (no torch import: build_shape imports i
 
 SCALE_SHAPES = ("qwen2.5-0.5b", "qwen2.5-1.5b", "qwen3-4b")
 STEPS = ("info", "calibrate", "quantize-rtn", "quantize-awq", "quantize-gptq", "eval", "sensitivity", "plan", "export",
-         "convert", "convert-genai", "convert-gguf")
+         "convert", "convert-genai", "convert-gguf", "prune", "distill")
 ALIASES = {"load": ("info",), "quantize": ("quantize-rtn", "quantize-awq", "quantize-gptq"), "rtn": ("quantize-rtn",),
            "awq": ("quantize-awq",), "gptq": ("quantize-gptq",), "evaluate": ("eval",), "convert-ort-int4": ("convert",)}
-NEEDS = {"quantize-awq": "calibrate", "quantize-gptq": "calibrate", "plan": "sensitivity"}  # skipped when it failed
+NEEDS = {"quantize-awq": "calibrate", "quantize-gptq": "calibrate", "plan": "sensitivity",
+         "distill": "prune"}  # skipped when it failed
 COMMAND = {"quantize-rtn": "quantize", "quantize-awq": "quantize", "quantize-gptq": "quantize"}  # step -> subcommand
-OUTPUTS = ("rtn-int4", "awq-int4", "gptq-int4", "plan.json", "onnx", "ort-int4", "ort-genai", "llama.cpp")  # removed unless --keep-outputs
+OUTPUTS = ("rtn-int4", "awq-int4", "gptq-int4", "plan.json", "onnx", "ort-int4", "ort-genai", "llama.cpp", "pruned",
+           "distilled")  # removed unless --keep-outputs
 GB = 1024.0  # MiB per GiB
 
 # (seconds, peak GiB) limits, None = no limit; a target always requires the step to complete.
 _ALL_9GB = {step: (None, 9.0) for step in STEPS}
 TARGETS: dict[str, dict[str, tuple[float | None, float | None]]] = {
     "qwen2.5-0.5b": {"quantize-rtn": (180.0, 4.0), "quantize-awq": (900.0, 5.0), "sensitivity+plan": (900.0, None),
-                     "convert": (120.0, 4.0), "convert-genai": (120.0, 4.0), "convert-gguf": (120.0, 4.0)},
+                     "convert": (120.0, 4.0), "convert-genai": (120.0, 4.0), "convert-gguf": (120.0, 4.0),
+                     "prune": (300.0, 6.0), "distill": (600.0, 8.0)},
     "qwen2.5-1.5b": _ALL_9GB,
     "qwen3-4b": {"quantize-rtn": (None, 20.0), "convert": (None, 20.0)},
 }
@@ -213,6 +224,8 @@ def detail(step: str, out: dict) -> str:
         "convert": [num("top1_agreement_vs_simulation", "top-1 vs sim {:.4f}")],
         "convert-genai": [num("top1_agreement_vs_simulation", "top-1 vs sim {:.4f}")],
         "convert-gguf": [_gguf_detail(out)],
+        "prune": [num("parameters_after", "{:,} params kept"), num("seconds", "{:.1f} s in prune()")],
+        "distill": [num("trainable_parameters", "{:,} trained"), num("seconds", "{:.1f} s in distill()")],
     }.get(step, [])
     return ", ".join(p for p in picks if p)
 
@@ -320,6 +333,15 @@ def step_command(step: str, model: Path, shape_dir: Path, args, rows: dict[str, 
         why = "quantize-rtn not run" if "quantize-rtn" not in rows else "quantize-rtn saved nothing"
         return ["convert", m, "--bits", "4", "--target", target, "--out", str(shape_dir / target),
                 "--json"], f"from the float model --bits 4 ({why})"
+    if step == "prune":
+        return ["prune", m, "--heads", "0.25", "--mlp", "0.2", "--head-unit", "query", "--importance-tokens", "512",
+                "--eval-tokens", "2048", "--out", str(shape_dir / "pruned"), "--json"], ""
+    if step == "distill":
+        pruned = shape_dir / "pruned"  # prune's output (this run's, or a kept one with --run-dir)
+        return ["distill", str(pruned), "--teacher", m, "--out", str(shape_dir / "distilled"), "--mode", "lora",
+                "--steps", "8", "--batch-size", "1", "--seq-len", "256", "--validation-fraction", "0.02",
+                "--eval-tokens", "1024", "--gradient-checkpointing", "--overwrite", "--json"], \
+            "LoRA, 8 steps of 1 x 256 tokens"
     raise ValueError(step)
 
 

@@ -57,3 +57,29 @@ def test_combined_row_sums_seconds_and_takes_the_larger_peak():
     row = scale.combined_row(rows, ("sensitivity", "plan"), "sensitivity+plan")
     assert (row["status"], row["seconds"], row["peak_mb"]) == ("ok", 15.0, 1200.0)
     assert scale.combined_row(rows[:1], ("sensitivity", "plan"), "x") is None
+
+
+def test_prune_and_distill_are_steps_and_distill_trains_prunes_output(tmp_path):
+    assert scale.parse_steps("distill,prune,info") == ["info", "prune", "distill"]
+    assert scale.NEEDS["distill"] == "prune"
+    assert scale.format_target(scale.TARGETS["qwen2.5-0.5b"]["prune"]) == "< 5 min, < 6 GB"
+    assert scale.format_target(scale.TARGETS["qwen2.5-0.5b"]["distill"]) == "< 10 min, < 8 GB"
+    model, shape_dir = tmp_path / "model", tmp_path / "shape"
+    prune, _ = scale.step_command("prune", model, shape_dir, None, {})
+    assert prune[:2] == ["prune", str(model)] and prune[prune.index("--out") + 1] == str(shape_dir / "pruned")
+    assert prune[prune.index("--heads") + 1] == "0.25" and prune[prune.index("--mlp") + 1] == "0.2"
+    distill, note = scale.step_command("distill", model, shape_dir, None, {})
+    assert distill[:2] == ["distill", str(shape_dir / "pruned")]
+    assert distill[distill.index("--teacher") + 1] == str(model)
+    assert distill[distill.index("--mode") + 1] == "lora" and distill[distill.index("--steps") + 1] == "8"
+    assert "8 steps" in note and {"pruned", "distilled"} <= set(scale.OUTPUTS)
+
+
+def test_every_step_command_is_one_the_workbench_cli_accepts(tmp_path):
+    """The bench's argv parse with the CLI's own parser (a renamed option fails here, not after an hour's run)."""
+    from workbench.cli import build_parser
+    parser = build_parser()
+    for step in scale.STEPS:
+        argv, _ = scale.step_command(step, tmp_path / "model", tmp_path / "shape",
+                                     type("Args", (), {"plan_bits": 6.0})(), {})
+        parser.parse_args(argv)  # exits (SystemExit) on an unknown option

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from workbench.compute import (disable_float32_compute, enable_float32_compute, float32_compute_enabled,
-                               stored_dtype, widened)
+                               narrow_saved_weights, stored_dtype, widened)
 from workbench.models import load_model
 
 
@@ -72,6 +72,29 @@ def test_widened_is_float32_inside_and_the_same_tensors_after(pair):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_backward_reads_the_16_bit_weight_not_a_float32_copy_kept_from_the_forward():
+    """Under narrow_saved_weights a weight changed between forward and backward changes the gradient (what is
+    saved is the parameter, widened again when read); without it the forward's float32 copy is what backward uses."""
+    def grad_after_doubling(ctx):
+        torch.manual_seed(0)
+        layer = enable_float32_compute(torch.nn.Sequential(torch.nn.Linear(8, 4, bias=False)).to(torch.bfloat16))
+        layer.requires_grad_(False)
+        x = torch.randn(3, 8, requires_grad=True)
+        with ctx(layer):
+            y = layer(x)
+        assert y.dtype == torch.float32 and layer[0].weight.dtype == torch.bfloat16
+        w = layer[0].weight.float().clone()
+        with torch.no_grad():
+            layer[0].weight.mul_(2)
+        y.sum().backward()
+        return x.grad, w
+    import contextlib
+    narrowed, w = grad_after_doubling(narrow_saved_weights)
+    copied, _ = grad_after_doubling(lambda m: contextlib.nullcontext())
+    ones = torch.ones(3, 4)
+    assert torch.allclose(copied, ones @ w) and torch.allclose(narrowed, ones @ (2 * w))
+
+
 def test_quantize_and_evaluate_on_cuda_give_the_cpu_figures(tiny_model_dir):
     from workbench.evaluate import capture_reference, evaluate
     from workbench.plan import QuantPlan

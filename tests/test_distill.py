@@ -182,3 +182,40 @@ def test_attention_maps_compare_each_student_head_with_the_teacher_head_it_was_c
     # no mapping to trust: another layer map, or a student that was not pruned, compares head-averaged maps
     assert attention_head_map(student, teacher, [1, 1]) is None
     assert attention_head_map(teacher, teacher, [0, 1]) is None
+
+
+def test_chunked_loss_and_gradient_checkpointing_train_exactly_as_the_whole_batch(pruned_dir, tiny_model_dir, tmp_path,
+                                                                               monkeypatch):
+    """The soft labels a few tokens at a time (recomputed in backward) and blocks recomputed in backward change
+    memory, not the training: the same losses step by step."""
+    import workbench.logits as logits
+    cfg = DistillConfig(steps=2, batch_size=2, seq_len=16, eval_every=2, mode="lora", rank=4, lr=1e-3, hard_weight=0.5)
+    whole = distill(pruned_dir, tiny_model_dir, tmp_path / "a", cfg, eval_tokens=64, progress=False)
+    monkeypatch.setattr(logits, "LOSS_CHUNK_ELEMENTS", 7 * 4096)  # 7 rows per chunk of the tiny vocabulary
+    from dataclasses import replace
+    chunked = distill(pruned_dir, tiny_model_dir, tmp_path / "b", replace(cfg, gradient_checkpointing=True),
+                      eval_tokens=64, progress=False)
+    assert chunked.losses == pytest.approx(whole.losses, rel=1e-4)
+    assert chunked.validation[-1][1] == pytest.approx(whole.validation[-1][1], rel=1e-4)
+    assert chunked.student_after["kl"] == pytest.approx(whole.student_after["kl"], rel=1e-4)
+
+
+def test_a_16_bit_lora_student_stays_16_bit_and_trains_the_same_with_gradient_checkpointing(pruned_dir, tiny_model_dir,
+                                                                                          tmp_path):
+    """LoRA over frozen bfloat16 weights (float32 arithmetic, no float32 copies kept for backward): blocks recomputed
+    in backward give the same losses, and the saved student is bfloat16 like its source."""
+    import shutil
+    from dataclasses import replace
+
+    from transformers import AutoModelForCausalLM
+    half = tmp_path / "bf16"
+    AutoModelForCausalLM.from_pretrained(pruned_dir, dtype=torch.bfloat16).save_pretrained(half)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(pruned_dir / f, half / f)
+    cfg = DistillConfig(steps=2, batch_size=2, seq_len=16, eval_every=2, mode="lora", rank=4, lr=1e-3)
+    plain = distill(half, tiny_model_dir, tmp_path / "a", cfg, eval_tokens=64, progress=False)
+    recomputed = distill(half, tiny_model_dir, tmp_path / "b", replace(cfg, gradient_checkpointing=True),
+                         eval_tokens=64, progress=False)
+    assert plain.losses[0] > 1e-3 and recomputed.losses == pytest.approx(plain.losses, rel=1e-4)
+    assert recomputed.student_after["kl"] == pytest.approx(plain.student_after["kl"], rel=1e-4)
+    assert json.loads((tmp_path / "b" / "config.json").read_text())["dtype"] == "bfloat16"

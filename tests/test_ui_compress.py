@@ -1,7 +1,9 @@
 """The Compress panel without a browser: prediction follows the sliders, Score / Prune / Distil add points."""
 import pytest
 
+from workbench.plan import QuantPlan
 from workbench.ui.compress import CompressPanel
+from workbench.ui.session import plan_hash
 
 
 @pytest.fixture
@@ -29,10 +31,11 @@ def test_score_prune_distil_put_every_model_on_the_chart(panel, monkeypatch):
     report = panel.prune()
     assert report is not None, panel.error
     assert report["geometry_after"]["kv_heads"] == 1
+    tag = f"plan {plan_hash(QuantPlan.uniform('int4'))}"  # no session: uniform INT4
     labels = [p["label"] for p in panel.points]
-    assert labels == ["float", "int4", "pruned", "pruned + int4"]
+    assert labels == ["float", tag, "pruned", f"pruned + {tag}"]
     assert panel.distill() is not None, panel.error
-    assert panel.points[-1]["label"] == "pruned + int4 + distilled" and panel.progress.value == 2
+    assert panel.points[-1]["label"] == f"pruned + {tag} + distilled" and panel.progress.value == 2
     pareto = panel.figures["pareto"]
     assert any(t.name == "pruned" for t in pareto.data)  # pruned points drawn as their own kind
     assert panel.figures["distill"].data and panel.figures["table"].data
@@ -67,3 +70,51 @@ def test_the_app_has_a_compress_tab_that_shares_the_precisions_chart(tiny_model_
                                       "perplexity": 2.0})
     assert app.compress_panel.extra_points() is app.override_panel.points
     app.close()
+
+
+def test_quantized_points_and_qat_use_the_session_plan_and_follow_it(tiny_model_dir, tmp_path, workspace, monkeypatch):
+    """The app's one plan: a session plan of INT8 gives INT8 sizes, labels and a distillation trained for INT8."""
+    import workbench.ui.compress as ui
+    from workbench.models import load_model
+    from workbench.ui.session import AppSession
+    real = ui.DistillConfig
+    monkeypatch.setattr(ui, "DistillConfig", lambda **kw: real(batch_size=2, seq_len=16, eval_every=2, **kw))
+    session = AppSession(out_dir=tmp_path / "run", workspace=workspace)
+    lm = session.load(tiny_model_dir)
+    p = CompressPanel(lm, out_dir=tmp_path / "c", workspace=workspace, heads=0.5, mlp=0.25, steps=2, eval_tokens=128,
+                      importance_tokens=256, session=session)
+    int4, int8 = QuantPlan.uniform("int4"), QuantPlan.uniform("int8")
+    assert p.quant_plan == int4 and f"plan {plan_hash(int4)}" in p.predicted.value
+    session.plan = int8  # Use this plan / Quantize elsewhere in the app: this tab follows
+    assert p.quant_plan == int8 and plan_hash(int8) in p.plan_note.value and plan_hash(int8) in p.predicted.value
+    assert p.prune() is not None, p.error
+    pruned = load_model(tmp_path / "c" / "pruned")
+    by = {q["label"]: q for q in p.points}
+    tag = f"plan {plan_hash(int8)}"
+    assert set(by) == {"float", tag, "pruned", f"pruned + {tag}"}
+    assert by[tag]["size_bytes"] == lm.size_bytes(int8) != lm.size_bytes(int4)
+    assert by[f"pruned + {tag}"]["size_bytes"] == pruned.size_bytes(int8) != pruned.size_bytes(int4)
+    assert by[f"pruned + {tag}"]["bits_per_weight"] > 8  # INT8 codes and their scales, not INT4's
+    assert p.figures["pareto"].layout.title.text == f"quantized points: {by[tag]['plan']}"  # one plan, named once
+    assert list(p.figures["table"].data[0].cells.values[-1]) == ["-", by[tag]["plan"], "-", by[tag]["plan"]]
+    assert by[tag]["plan"].startswith(f"plan {plan_hash(int8)} (RTN")
+    report = p.distill()
+    assert report is not None, p.error
+    assert report.plan == int8.to_dict() and p.points[-1]["label"] == f"pruned + {tag} + distilled"
+    p.quant_plan = int4  # set here, it is the session's plan: one plan for every tab
+    assert session.plan == int4
+    p.close()
+
+
+def test_a_group_size_that_does_not_divide_a_pruned_width_falls_back_and_says_so(panel):
+    """96 kept MLP channels at group 64: down_proj falls back as quantize_model does, and the status says it."""
+    plan = QuantPlan.uniform("int4", group_size=64)
+    panel.quant_plan = plan
+    assert panel.prune() is not None, panel.error
+    point = next(p for p in panel.points if p["label"] == f"pruned + plan {plan_hash(plan)}")
+    assert "group size 64 does not divide 96 input features; using 32" in \
+        point["fallbacks"]["model.layers.0.mlp.down_proj"]
+    pruned_size = point["size_bytes"]
+    from workbench.models import load_model
+    assert pruned_size == load_model(panel.out_dir / "pruned").size_bytes(plan)
+    assert "fell back to another group size" in panel.status.value

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 __all__ = ["enable_float32_compute", "disable_float32_compute", "float32_compute_enabled", "compute_units",
-           "float32_weight", "stored_dtype", "widened", "widen_", "narrow_"]
+           "float32_weight", "stored_dtype", "widened", "widen_", "narrow_", "narrow_saved_weights"]
 
 _HANDLES = "_workbench_float32_handles"
 _SAVED = "_workbench_float32_saved"
@@ -127,3 +127,35 @@ def float32_weight(module: nn.Module) -> torch.Tensor:
     if dequantize is not None:
         return dequantize()
     return module.weight.detach().to(torch.float32)
+
+
+@contextlib.contextmanager
+def narrow_saved_weights(model: nn.Module):
+    """While inside, autograd keeps a widened parameter for backward as the 16-bit parameter itself.
+
+    A block's float32 copies are meant to live for its forward pass only, but a linear layer whose
+    input needs a gradient saves its weight (the float32 copy) for backward: over a whole forward
+    pass that is a float32 copy of the model held until ``backward()``. Here the saved copy is
+    swapped for the parameter, and widened again, one tensor at a time, when backward reads it.
+    """
+    if not float32_compute_enabled(model):
+        yield
+        return
+    params = [p for p in model.parameters() if p.dtype in _NARROW]
+
+    def pack(t: torch.Tensor):
+        if t.dtype == torch.float32 and not t.requires_grad:
+            ptr = t.untyped_storage().data_ptr()
+            for p in params:
+                if p.dtype == torch.float32 and p.untyped_storage().data_ptr() == ptr:  # widened right now
+                    return p, t.size(), t.stride(), t.storage_offset()
+        return t
+
+    def unpack(saved):
+        if isinstance(saved, torch.Tensor):
+            return saved
+        p, size, stride, offset = saved
+        return p.detach().to(torch.float32).as_strided(size, stride, offset)
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield

@@ -39,7 +39,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from .errors import WorkbenchError
-from .evaluate import EvalReport, encode_text, evaluate, paired_difference, read_text
+from .compute import enable_float32_compute, narrow_saved_weights, stored_dtype
+from .evaluate import EvalReport, _check_plain_head, capture_reference, encode_text, evaluate, paired_difference, \
+    read_text
+from .logits import chunked_sum, final_hidden, head_logits, loss_chunk_rows, trainable_head_logits
 from .finetune import (CHECKPOINT, DEFAULT_TARGETS, _Checkpoint, _split, run_training, save_model_directory,
                        source_dtype, training_windows)
 from .models import LoadedModel, demo_text_path, load_model
@@ -79,6 +82,7 @@ class DistillConfig:
     mode: str = "full"
     rank: int = 8
     alpha: int = 16
+    gradient_checkpointing: bool = False  # keep each block's input only, recompute its activations in backward
 
     def validate(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "checkpoint_every", "eval_every", "rank", "alpha"):
@@ -130,23 +134,20 @@ def default_layer_map(student_layers: int, teacher_layers: int) -> list[int]:
 
 
 def distillation_loss(student_out, teacher_out, labels: torch.Tensor, cfg: DistillConfig, temperature: float,
-                      layer_map: Sequence[int], head_map: Sequence[Sequence[int]] | None = None
-                      ) -> tuple[torch.Tensor, dict[str, float]]:
+                      layer_map: Sequence[int], head_map: Sequence[Sequence[int]] | None = None,
+                      heads: tuple[nn.Module, nn.Module] | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """The weighted sum of the configured terms, and each term's value (for the report).
 
     ``head_map[i]``: the teacher head (in layer ``layer_map[i]``) of each of student layer ``i``'s
     heads; the attention term then compares those pairs, else head-averaged maps.
+    With ``heads`` (the student's and the teacher's output layers) the outputs are the decoders' (final
+    hidden states instead of logits) and the soft- and hard-label terms are summed a chunk of tokens at a
+    time: tokens x vocabulary (1.2 GB in float32 for 2,048 tokens of a Qwen vocabulary) is never held
+    for the whole batch.
     """
     terms: dict[str, torch.Tensor] = {}
-    s_logits = student_out.logits[:, :-1].float()
-    t_logits = teacher_out.logits[:, :-1].float()
-    vocab = s_logits.shape[-1]
-    if cfg.kl_weight > 0:
-        s = F.log_softmax(s_logits.reshape(-1, vocab) / temperature, -1)
-        t = F.log_softmax(t_logits.reshape(-1, vocab) / temperature, -1)
-        terms["kl"] = F.kl_div(s, t, log_target=True, reduction="batchmean") * temperature ** 2
-    if cfg.hard_weight > 0:
-        terms["hard"] = F.cross_entropy(s_logits.reshape(-1, vocab), labels[:, 1:].reshape(-1))
+    if cfg.kl_weight > 0 or cfg.hard_weight > 0:
+        terms.update(_label_terms(student_out, teacher_out, labels, cfg, temperature, heads))
     if cfg.hidden_weight > 0:
         hs, ht = student_out.hidden_states, teacher_out.hidden_states
         terms["hidden"] = torch.stack([1 - F.cosine_similarity(hs[i + 1].float(), ht[j + 1].float(), dim=-1).mean()
@@ -160,6 +161,38 @@ def distillation_loss(student_out, teacher_out, labels: torch.Tensor, cfg: Disti
         terms["attention"] = torch.stack([F.mse_loss(s, t) for s, t in pairs]).mean()
     total = sum(getattr(cfg, f"{k}_weight") * v for k, v in terms.items())
     return total, {k: float(v.detach()) for k, v in terms.items()}
+
+
+def _label_terms(student_out, teacher_out, labels: torch.Tensor, cfg: DistillConfig, temperature: float,
+                 heads: tuple[nn.Module, nn.Module] | None) -> dict[str, torch.Tensor]:
+    """``T^2 KL(teacher || student)`` at temperature ``T`` and the hard-label cross-entropy, means over positions."""
+    if heads is None:  # logits given
+        s_rows, t_rows, (s_head, t_head) = student_out.logits[:, :-1], teacher_out.logits[:, :-1], (None, None)
+    else:
+        s_rows, t_rows, (s_head, t_head) = student_out.last_hidden_state[:, :-1], \
+            teacher_out.last_hidden_state[:, :-1], heads
+    vocab = s_rows.shape[-1] if s_head is None else s_head.weight.shape[0]
+    s_rows, t_rows = s_rows.reshape(-1, s_rows.shape[-1]), t_rows.reshape(-1, t_rows.shape[-1])
+    kl, hard = cfg.kl_weight > 0, cfg.hard_weight > 0
+
+    def sums(s, t, y):
+        s_logits = s.float() if s_head is None else trainable_head_logits(s_head, s)
+        out = []
+        if kl:
+            with torch.no_grad():  # the teacher's head widened a slice at a time, never a float32 copy whole
+                t_logits = t.float() if t_head is None else head_logits(t_head, t).clone()
+            out.append(F.kl_div(F.log_softmax(s_logits / temperature, -1), F.log_softmax(t_logits / temperature, -1),
+                                log_target=True, reduction="sum"))
+        if hard:
+            out.append(F.cross_entropy(s_logits, y, reduction="sum"))
+        return tuple(out)
+    totals = iter(chunked_sum(sums, s_rows, t_rows, labels[:, 1:].reshape(-1).clone(), chunk=loss_chunk_rows(vocab)))
+    n, terms = s_rows.shape[0], {}
+    if kl:
+        terms["kl"] = next(totals) / n * temperature ** 2
+    if hard:
+        terms["hard"] = next(totals) / n
+    return terms
 
 
 # -- quantization-aware training ------------------------------------------------------------------
@@ -300,9 +333,11 @@ def _teacher(model: nn.Module, *, eager: bool):
             model.set_attn_implementation(attn)
 
 
-def _outputs(model: nn.Module, batch: torch.Tensor, cfg: DistillConfig):
-    return model(input_ids=batch, use_cache=False, output_hidden_states=cfg.hidden_weight > 0,
-                 output_attentions=cfg.attention_weight > 0)
+def _outputs(model: nn.Module, batch: torch.Tensor, cfg: DistillConfig, plain: bool = False):
+    """The model's outputs; ``plain`` (logits are ``lm_head(final hidden)``): the decoder's, without logits."""
+    run = model.get_decoder() if plain else model
+    return run(input_ids=batch, use_cache=False, output_hidden_states=cfg.hidden_weight > 0,
+               output_attentions=cfg.attention_weight > 0)
 
 
 def distill(student: str | Path | LoadedModel, teacher: str | Path | LoadedModel = "demo",
@@ -328,7 +363,10 @@ def distill(student: str | Path | LoadedModel, teacher: str | Path | LoadedModel
         raise WorkbenchError(f"--out '{out}' holds an earlier distilled model; pass --overwrite (overwrite=True) to "
                              "replace it, or choose another --out")
     t0 = time.perf_counter()
-    s_lm = student if isinstance(student, LoadedModel) else load_model(student, dtype="float32")
+    # LoRA trains adapters over frozen weights: those stay in their stored dtype (float32 arithmetic all the same);
+    # full fine-tuning updates every weight, in float32
+    s_lm = student if isinstance(student, LoadedModel) else \
+        load_model(student, dtype="float32" if cfg.mode == "full" else "auto")
     s_lm.require_float("distill --plan PLAN (quantization-aware)")
     t_lm = teacher if isinstance(teacher, LoadedModel) else load_model(teacher)
     t_lm.require_float("distill as the teacher")
@@ -361,16 +399,24 @@ def distill(student: str | Path | LoadedModel, teacher: str | Path | LoadedModel
         "data": file_sha256(data_path), "config": asdict(cfg), "plan": plan.to_dict() if plan else None}))
 
     teacher_model = t_lm.model
-    model = copy.deepcopy(s_lm.model)  # the caller's student stays as it was
+    # the caller's student stays as it was; one loaded here is trained in place (no second copy)
+    model = copy.deepcopy(s_lm.model) if isinstance(student, LoadedModel) else s_lm.model
+    # logits that are lm_head(final hidden): the loss makes them a chunk of tokens at a time
+    plain = _check_plain_head(model, eval_ids) and _check_plain_head(teacher_model, eval_ids)
+    heads = (model.get_output_embeddings(), teacher_model.get_output_embeddings()) if plain else None
     if cfg.attention_weight > 0:  # attention maps come only from the eager implementation
         model.set_attn_implementation("eager")
     attn_before = teacher_model.config._attn_implementation
     with _teacher(teacher_model, eager=cfg.attention_weight > 0):
         if plan is not None:
             fake_quantized(s_lm, model, plan)
-        before = evaluate(model, eval_ids, reference=teacher_model, ctx=ctx, progress=False)
+        reference = capture_reference(teacher_model, eval_ids, ctx=ctx, progress=False)  # the teacher runs once
+        before = evaluate(model, eval_ids, reference=reference, ctx=ctx, progress=False)
 
         trained, snapshot, restore = _trainable(model, cfg)
+        if cfg.gradient_checkpointing:  # one block's activations at a time, not all (0.9 GB at 0.5 B, 256 tokens)
+            model.enable_input_require_grads()  # reentrant checkpoints need an input that requires grad
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
         trainable = [p for p in trained.parameters() if p.requires_grad]
         steps_per_epoch = max(1, len(train) // cfg.batch_size)
         terms_by_step: dict[int, dict] = {}
@@ -379,22 +425,38 @@ def distill(student: str | Path | LoadedModel, teacher: str | Path | LoadedModel
             batch = train[idx]
             temperature = temperature_at(step, steps_per_epoch, cfg)
             with torch.no_grad():
-                t_out = _outputs(teacher_model, batch, cfg)
-            s_out = _outputs(trained, batch, cfg)
-            loss, terms = distillation_loss(s_out, t_out, batch, cfg, temperature, layer_map, head_map)
+                t_out = _outputs(teacher_model, batch, cfg, plain)
+            with narrow_saved_weights(model):  # 16-bit frozen weights: no float32 copies kept for backward
+                s_out = _outputs(model if plain else trained, batch, cfg, plain)
+                loss, terms = distillation_loss(s_out, t_out, batch, cfg, temperature, layer_map, head_map,
+                                                heads=heads)
             terms_by_step[step] = terms  # this process's steps (a resumed run has only the later ones)
             return loss
+
+        val_teacher: list[torch.Tensor] = []  # the teacher's final hidden states on the held-back windows
+
+        def kl_sum(s, t):
+            s = F.log_softmax(s.float() if heads is None else head_logits(heads[0], s), -1)
+            t = F.log_softmax(t.float() if heads is None else head_logits(heads[1], t), -1)
+            return (float(t.exp().mul_(t.sub_(s)).sum()),)  # in place: three chunk-sized tensors at most
 
         @torch.no_grad()
         def validation_kl() -> float:
             trained.eval()
             total = count = 0.0
-            for i in range(0, len(val), cfg.batch_size):
+            for k, i in enumerate(range(0, len(val), cfg.batch_size)):
                 batch = val[i:i + cfg.batch_size]
-                s = F.log_softmax(trained(input_ids=batch, use_cache=False).logits[:, :-1].float(), -1)
-                t = F.log_softmax(teacher_model(input_ids=batch, use_cache=False).logits[:, :-1].float(), -1)
-                total += float((t.exp() * (t - s)).sum())
-                count += s.shape[0] * s.shape[1]
+                if plain:  # hidden states (the teacher's computed once), the head applied a chunk of tokens at a time
+                    if k == len(val_teacher):
+                        val_teacher.append(final_hidden(teacher_model, batch)[:, :-1])
+                    s, t = final_hidden(model, batch)[:, :-1], val_teacher[k]
+                else:
+                    s = trained(input_ids=batch, use_cache=False).logits[:, :-1]
+                    t = teacher_model(input_ids=batch, use_cache=False).logits[:, :-1]
+                rows = s.shape[0] * s.shape[1]
+                total += chunked_sum(kl_sum, s.reshape(rows, -1), t.reshape(rows, -1),
+                                     chunk=loss_chunk_rows(heads[0].weight.shape[0] if plain else s.shape[-1]))[0]
+                count += rows
             trained.train()
             return total / count
 
@@ -404,13 +466,18 @@ def distill(student: str | Path | LoadedModel, teacher: str | Path | LoadedModel
                            checkpoint=checkpoint, progress=progress, on_step=on_step, desc="distill",
                            what="distillation")
         trained.eval()
+        if cfg.gradient_checkpointing:
+            model.gradient_checkpointing_disable()
+            model.disable_input_require_grads()
         result = trained.merge_and_unload() if cfg.mode == "lora" else trained
         for p in result.parameters():
             p.requires_grad_(False)
         dtype = source_dtype(s_lm)
-        with torch.no_grad():
-            result.to(dtype).to(torch.float32)  # rounded to the storage dtype: what is measured is what is saved
-        after = evaluate(result, eval_ids, reference=teacher_model, ctx=ctx, progress=False)
+        with torch.no_grad():  # rounded to the storage dtype: what is measured is what is saved
+            result.to(dtype).to(torch.float32) if stored_dtype(result) == torch.float32 else result.to(dtype)
+        enable_float32_compute(result)  # a 16-bit student computes in float32, like the teacher
+        after = evaluate(result, eval_ids, reference=reference, ctx=ctx, progress=False)
+        del reference
         if cfg.attention_weight > 0:
             result.set_attn_implementation(attn_before)
     if plan is not None:

@@ -357,14 +357,16 @@ def finetune_lora(model: str | Path | LoadedModel = "demo", data: str | Path | N
 def save_model_directory(model, lm: LoadedModel, directory: Path, dtype: torch.dtype | None = None) -> None:
     """Save a model in the source's storage dtype (fp16 stays fp16) with the source's tokenizer.
 
-    The model is put back in float32 after saving; a leftover training checkpoint is removed.
+    The model is put back in the dtype it had (a 16-bit model is not widened to a float32 copy); a
+    leftover training checkpoint is removed.
     """
-    dtype = dtype or source_dtype(lm)
+    from .compute import stored_dtype
+    dtype, before = dtype or source_dtype(lm), stored_dtype(model)
     model.to(dtype)
     try:
         model.save_pretrained(directory, safe_serialization=True)
     finally:
-        model.to(torch.float32)
+        model.to(before)
     lm.tokenizer.save_pretrained(directory)
     (Path(directory) / CHECKPOINT).unlink(missing_ok=True)
 

@@ -46,8 +46,10 @@ from typing import Callable, Mapping, Sequence
 import torch
 from torch import nn
 
+from .compute import narrow_saved_weights
 from .errors import PlanError
 from .evaluate import evaluate
+from .logits import chunked_sum, head_input, loss_chunk_rows, trainable_head_logits
 from .models import LoadedModel
 from .proxy import decoder_blocks
 from .workspace import Workspace, atomic_write_json, read_json_file
@@ -532,6 +534,11 @@ def _gradient_scores(lm: LoadedModel, ids: torch.Tensor, geo: Geometry, seq_len:
     handles.append(embed.register_forward_hook(lambda m, a, out: out.requires_grad_(True)))
     flags = [p.requires_grad for p in model.parameters()]
     was_training = model.training
+    head = model.get_output_embeddings()
+    chunk = loss_chunk_rows(head.weight.shape[0])
+
+    def nll(h, y):  # the language-model loss of a chunk of rows, summed: its logits never outlive the chunk
+        return (torch.nn.functional.cross_entropy(trainable_head_logits(head, h), y, reduction="sum"),)
     try:
         for p in model.parameters():
             p.requires_grad_(False)  # gradients of the activations only
@@ -539,9 +546,16 @@ def _gradient_scores(lm: LoadedModel, ids: torch.Tensor, geo: Geometry, seq_len:
         device = next(model.parameters()).device
         for s in tqdm(range(0, n, batch_size), desc="importance", unit="batch", disable=not progress, leave=False):
             batch = windows[s:s + batch_size].to(device)
-            with torch.enable_grad():
-                loss = model(input_ids=batch, labels=batch, use_cache=False).loss
-                loss.backward()
+            # the batch's mean next-token loss, as model(labels=...) gives it, one window at a time (windows do
+            # not interact, so each window's activation gradients are the batch's), without tokens x vocabulary
+            # and without the blocks' float32 weight copies kept for backward
+            scored = batch.shape[0] * (batch.shape[1] - 1)
+            for window in batch:
+                with torch.enable_grad(), narrow_saved_weights(model):
+                    hidden = head_input(model, window[None])[0, :-1]
+                    targets = window[1:].clone()  # a plain tensor (the text's ids may be inference tensors)
+                    (total,) = chunked_sum(nll, hidden, targets, chunk=chunk)
+                    (total / scored).backward()
     finally:
         for h in handles:
             h.remove()
@@ -829,7 +843,9 @@ def prune_model(lm: LoadedModel, plan: PrunePlan, importance: PruneImportance | 
                 new_state[p + name + ".bias"] = b.index_select(0, rows.to(b.device)).clone()
     cfg = pruned_config(lm.model.config, geo, shapes)
     dtype = next(lm.model.parameters()).dtype
-    model = model_from_config(cfg, dtype=dtype)
+    from transformers.initialization import no_init_weights
+    with no_init_weights():  # every weight is overwritten below: a random initialisation would be wasted time
+        model = model_from_config(cfg, dtype=dtype)
     missing, unexpected = model.load_state_dict(new_state, strict=False)
     missing = [k for k in missing if not (k == "lm_head.weight" and cfg.tie_word_embeddings)]
     if missing or unexpected:
@@ -866,14 +882,15 @@ def save_pruned(result: PruneResult, lm: LoadedModel, out_dir: str | Path, *,
 def prune(model, plan: PrunePlan, out_dir: str | Path, *, workspace: Workspace | None = None,
           importance: PruneImportance | None = None, measure_kl: bool | None = None,
           evaluate_tokens: int | None = 4096, progress: bool = True,
-          on_status: Callable[[str], None] | None = None) -> dict:
+          on_status: Callable[[str], None] | None = None, importance_tokens: int = DEFAULT_IMPORTANCE_TOKENS) -> dict:
     """Importance (cached), slicing, saving and a before/after measurement: what ``workbench prune`` does.
 
-    ``importance`` already computed for this model is used as given. Returns the report written to
+    ``importance`` already computed for this model is used as given (else scored on ``importance_tokens``
+    calibration tokens). Returns the report written to
     ``prune.json`` (with held-out perplexity and KL of the pruned model against the original on the
     first ``evaluate_tokens`` tokens; None skips the measurement).
     """
-    from .evaluate import paired_difference
+    from .evaluate import capture_reference, paired_difference, reference_report
     from .models import load_model
     from .sensitivity import evaluation_tokens
     say = on_status or (lambda s: None)
@@ -883,7 +900,7 @@ def prune(model, plan: PrunePlan, out_dir: str | Path, *, workspace: Workspace |
     if needs and importance is None:
         say("scoring heads and channels...")
         importance = head_and_channel_importance(
-            lm, workspace=workspace, progress=progress,
+            lm, tokens=importance_tokens, workspace=workspace, progress=progress,
             measure_kl=plan.score == "kl" if measure_kl is None else measure_kl)
     say("slicing...")
     result = prune_model(lm, plan, importance)
@@ -892,8 +909,10 @@ def prune(model, plan: PrunePlan, out_dir: str | Path, *, workspace: Workspace |
         say("measuring...")
         ids = evaluation_tokens(lm, None, evaluate_tokens)
         ctx = min(512, getattr(lm.config, "max_position_embeddings", 512) or 512, ids.numel())
-        before = evaluate(lm.model, ids, ctx=ctx, progress=False)
-        after = evaluate(result.model, ids, reference=lm.model, ctx=ctx, progress=False)
+        reference = capture_reference(lm.model, ids, ctx=ctx, progress=False)  # the original runs once
+        before = reference_report(reference, ids)
+        after = evaluate(result.model, ids, reference=reference, ctx=ctx, progress=False)
+        del reference
         d = paired_difference(after, before)
         extra["evaluation"] = {"tokens": after.tokens, "perplexity_before": before.perplexity,
                                "perplexity_after": after.perplexity, "perplexity_after_stderr": after.perplexity_stderr,

@@ -90,14 +90,16 @@ def make_distill_figure(report) -> go.Figure:
 
 
 def make_compress_table_figure(rows: Sequence[Mapping]) -> go.Figure:
-    """The size / perplexity / KL table, one row per model, with standard errors."""
-    head = ["model", "bytes", "bits/w", "perplexity", "KL vs float", "top-1"]
+    """The size / perplexity / KL table, one row per model, with standard errors, and the precision plan each
+    quantized row was rounded by (``plan`` of the row; the float rows show "-")."""
+    head = ["model", "bytes", "bits/w", "perplexity", "KL vs float", "top-1", "precision plan"]
     cells = [[r["label"] for r in rows], [f"{r['size_bytes']:,}" for r in rows],
              [f"{r['bits_per_weight']:.2f}" if r.get("bits_per_weight") is not None else "" for r in rows],
              [f"{r['perplexity']:.2f} ± {r['perplexity_stderr']:.2f}" for r in rows],
              [f"{r['kl_divergence']:.4f} ± {r['kl_stderr']:.4f}" if r.get("kl_stderr") is not None else
               f"{r['kl_divergence']:.4f}" for r in rows],
-             [f"{r['top1_agreement']:.3f}" for r in rows]]
-    fig = go.Figure(go.Table(header={"values": head, "align": "left"}, cells={"values": cells, "align": "left"}))
+             [f"{r['top1_agreement']:.3f}" for r in rows], [r.get("plan") or "-" for r in rows]]
+    fig = go.Figure(go.Table(header={"values": head, "align": "left"}, cells={"values": cells, "align": "left"},
+                             columnwidth=[3, 1.5, 1, 1.7, 1.7, 1, 3.2]))
     fig.update_layout(height=60 + 30 * len(rows), margin={"l": 10, "r": 10, "t": 10, "b": 10})
     return fig

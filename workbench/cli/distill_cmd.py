@@ -31,23 +31,33 @@ def add_arguments(p):
     p.add_argument("--lr", type=float, default=_D.lr, help=f"peak learning rate (default {_D.lr:g})")
     p.add_argument("--batch-size", type=int, default=_D.batch_size)
     p.add_argument("--seq-len", type=int, default=_D.seq_len)
+    p.add_argument("--validation-fraction", type=float, default=_D.validation_fraction,
+                   help="share of the training windows held back to choose the step kept "
+                        f"(default {_D.validation_fraction:g})")
     p.add_argument("--hard", type=float, default=_D.hard_weight, help="weight of the hard-label cross-entropy")
     p.add_argument("--hidden", type=float, default=_D.hidden_weight, help="weight of the hidden-state cosine term")
     p.add_argument("--attention", type=float, default=_D.attention_weight, help="weight of the attention-map MSE")
     p.add_argument("--mode", choices=MODES, default=_D.mode, help="train the whole student or LoRA adapters")
+    p.add_argument("--gradient-checkpointing", action="store_true",
+                   help="keep only each block's input for backward and recompute the rest (less memory, one more "
+                        "forward pass of the student per step)")
     p.add_argument("--seed", type=int, default=_D.seed)
     p.add_argument("--eval-text", help="held-out text for before/after (default: the bundled one)")
+    p.add_argument("--eval-tokens", type=int, default=4096,
+                   help="held-out tokens for perplexity and KL before/after (default %(default)s)")
     p.add_argument("--overwrite", action="store_true", help="replace --out when it holds an earlier distill output")
     add_json_flag(p)
 
 
 def run(args) -> int:
     cfg = DistillConfig(steps=args.steps, temperature=args.temperature, temperature_decay=args.temperature_decay,
-                        lr=args.lr, batch_size=args.batch_size, seq_len=args.seq_len, hard_weight=args.hard,
-                        hidden_weight=args.hidden, attention_weight=args.attention, mode=args.mode, seed=args.seed)
+                        lr=args.lr, batch_size=args.batch_size, seq_len=args.seq_len,
+                        validation_fraction=args.validation_fraction, hard_weight=args.hard,
+                        hidden_weight=args.hidden, attention_weight=args.attention, mode=args.mode, seed=args.seed,
+                        gradient_checkpointing=args.gradient_checkpointing)
     plan = QuantPlan.load(args.plan) if args.plan else None
     report = distill(args.model, args.teacher, args.out, cfg, plan=plan, data=args.data, eval_text=args.eval_text,
-                     overwrite=args.overwrite, progress=not args.json)
+                     eval_tokens=args.eval_tokens, overwrite=args.overwrite, progress=not args.json)
     if args.json:
         print_json(report.to_dict())
     else:

@@ -11,7 +11,7 @@ beside it says what each layer kept and what the pruning cost on held-out text.
 from __future__ import annotations
 
 from ..errors import PlanError
-from ..prune import HEAD_UNITS, SCORES, SPREADS, PrunePlan, prune
+from ..prune import DEFAULT_IMPORTANCE_TOKENS, HEAD_UNITS, SCORES, SPREADS, PrunePlan, prune
 from ..workspace import Workspace
 from .common import add_json_flag, add_model_argument, print_json
 
@@ -36,6 +36,8 @@ def add_arguments(p):
     p.add_argument("--mlp-multiple", type=int, default=32,
                    help="keep every layer's MLP width a multiple of this (default 32: group-32 quantization divides)")
     p.add_argument("--out", required=True, help="output model directory (written beside it, then swapped in)")
+    p.add_argument("--importance-tokens", type=int, default=DEFAULT_IMPORTANCE_TOKENS,
+                   help="calibration tokens the importance scores are computed on (default %(default)s)")
     p.add_argument("--eval-tokens", type=int, default=4096,
                    help="held-out tokens for perplexity and KL before/after (0 skips the measurement)")
     add_json_flag(p)
@@ -53,7 +55,7 @@ def run(args) -> int:
                          mlp_multiple=args.mlp_multiple, spread=args.spread,
                          keep_first_last=not args.prune_first_last)
     report = prune(args.model, plan, args.out, workspace=Workspace(), evaluate_tokens=args.eval_tokens or None,
-                   progress=not args.json)
+                   progress=not args.json, importance_tokens=args.importance_tokens)
     if args.json:
         print_json(report)
         return 0

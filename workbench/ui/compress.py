@@ -8,6 +8,13 @@
 Every measured model becomes a point (size against KL and perplexity, against the float model) on
 the same Pareto chart as the precision plans (``extra_points`` supplies those, e.g. the override
 panel's), and a row of the table beside it.
+
+Quantized points, and quantization-aware distillation, use one precision plan: the app session's
+current plan (``session=``: the plan Precisions hands on and Quantize runs, followed as it changes),
+else ``quant_plan`` (uniform INT4 by default). Its precisions, group size (with ``quantize_model``'s
+fallback where a pruned width is not a multiple of it) and symmetry are applied by round-to-nearest,
+the rounding quantization-aware distillation trains against; every point is labelled with the
+plan's hash and says so when the plan's own method is another.
 """
 from __future__ import annotations
 
@@ -31,6 +38,7 @@ from ..prune import (HEAD_UNITS, SCORES, Geometry, PruneImportance, PrunePlan, g
 from ..sensitivity import evaluation_tokens
 from ..workspace import Workspace
 from .base import StepPanel
+from .session import describe_plan, plan_hash
 
 __all__ = ["CompressPanel"]
 
@@ -41,8 +49,10 @@ class CompressPanel(StepPanel):
     def __init__(self, model: str | Path | LoadedModel = "demo", *, out_dir: str | Path = "out/compress",
                  workspace: Workspace | None = None, heads: float = 0.5, mlp: float = 0.2, steps: int = 100,
                  temperature: float = 5.0, eval_tokens: int = 4096, importance_tokens: int = 2048,
-                 quant_plan: QuantPlan | None = None, extra_points: Callable[[], Sequence] | None = None):
+                 quant_plan: QuantPlan | None = None, extra_points: Callable[[], Sequence] | None = None,
+                 session=None):
         self._setup()
+        self.session = session
         self.lm = model if isinstance(model, LoadedModel) else load_model(model)
         try:
             self.geo = geometry(self.lm.model)
@@ -52,7 +62,7 @@ class CompressPanel(StepPanel):
         self.out_dir = Path(out_dir)
         self.workspace = workspace or Workspace()
         self.eval_tokens, self.importance_tokens = eval_tokens, importance_tokens
-        self.quant_plan = quant_plan or QuantPlan.uniform("int4")
+        self._quant_plan = quant_plan or QuantPlan.uniform("int4")
         self.extra_points = extra_points or (lambda: [])
         self.importance: PruneImportance | None = None
         self.points: list[dict] = []
@@ -65,7 +75,9 @@ class CompressPanel(StepPanel):
                                        readout_format=".0%", style={"description_width": "110px"})
         self.head_unit = widgets.Dropdown(options=list(HEAD_UNITS), value="group", description="head unit")
         self.score_kind = widgets.Dropdown(options=list(SCORES), value="taylor", description="rank by")
-        self.quantize = widgets.Checkbox(value=True, description=f"also {self._plan_label()}")
+        self.quantize = widgets.Checkbox(value=True, description="also quantize", indent=False,
+                                         layout={"width": "130px"})
+        self.plan_note = widgets.HTML()
         self.steps = widgets.BoundedIntText(value=steps, min=1, max=100_000, description="distil steps")
         self.temperature = widgets.BoundedFloatText(value=temperature, min=0.1, max=100, step=0.5,
                                                     description="temperature")
@@ -91,19 +103,50 @@ class CompressPanel(StepPanel):
                          f"over {g.kv_heads} KV heads and {g.intermediate} MLP channels; every layer keeps the same "
                          "counts (one config for all layers)."),
             widgets.HBox([self.heads, self.mlp, self.head_unit, self.score_kind]),
-            widgets.HBox([self.quantize, self.steps, self.temperature]), self.predicted,
+            widgets.HBox([self.quantize, self.plan_note]), widgets.HBox([self.steps, self.temperature]),
+            self.predicted,
             widgets.HBox([self.score_button, self.prune_button, self.distill_button]), self.progress,
             self.status, self.log_output, self.pareto_plot, self.table_plot, self.loss_plot, self.importance_plot,
             self.channel_plot])
-        self._update_prediction()
+        if session is not None:
+            self._watch(session, lambda _: self._on_plan(), "plan")
+        self._on_plan()
         if self.unsupported:
             self._show_error(self.unsupported)
             for w in self.controls:
                 w.disabled = True
             self.controls = []  # nothing re-enables them
 
-    def _plan_label(self) -> str:
-        return f"{self.quant_plan.default or 'float'} (RTN, group {self.quant_plan.group_size})"
+    @property
+    def quant_plan(self) -> QuantPlan:
+        """The precision plan quantized points use: the session's current plan in the app, else the given one."""
+        if self.session is not None and self.session.plan is not None:
+            return self.session.plan
+        return self._quant_plan
+
+    @quant_plan.setter
+    def quant_plan(self, plan: QuantPlan) -> None:
+        if self.session is not None:
+            self.session.plan = plan  # one plan for every tab: setting it here sets the session's
+        else:
+            self._quant_plan = plan
+            self._on_plan()
+
+    def _plan_tag(self, plan: QuantPlan | None = None) -> str:
+        """``plan 1a2b3c4d``, ``(RTN)`` added when the plan's own method is another: what a point is labelled."""
+        plan = plan or self.quant_plan
+        return f"plan {plan_hash(plan)}" + ("" if plan.method == "rtn" else " (RTN)")
+
+    def _on_plan(self) -> None:
+        """The plan changed (the session's, or set here): say which it is, predict its size again."""
+        plan = self.quant_plan
+        method = "" if plan.method == "rtn" else (
+            f"; rounded to nearest here, not by its method ({plan.method.upper()}): quantization-aware "
+            "distillation trains round-to-nearest")
+        where = "the session's plan" if self.session is not None else "plan"
+        name = html.escape(describe_plan(plan, self.lm))
+        self.plan_note.value = f"<span style='font-size:12px'>with {where} <b>{name}</b>{html.escape(method)}</span>"
+        self._update_prediction()
 
     def plan(self) -> PrunePlan:
         return PrunePlan(heads=round(self.heads.value, 4), mlp=round(self.mlp.value, 4),
@@ -119,7 +162,7 @@ class CompressPanel(StepPanel):
             return None
         g = self.geo
         fp16 = self.lm.size_bytes(precision="fp16")
-        q = f", {size['quantized_bytes']:,} B with {self._plan_label()}" if self.quantize.value else ""
+        q = f", {size['quantized_bytes']:,} B with {self._plan_tag()}" if self.quantize.value else ""
         self.predicted.value = (f"predicted: {size['heads']}/{g.heads} query heads, {size['kv_heads']}/{g.kv_heads} KV "
                                 f"heads, {size['intermediate']}/{g.intermediate} MLP channels per layer; "
                                 f"{size['parameters']:,} parameters, <b>{size['fp16_bytes']:,} B</b> at fp16 "
@@ -135,13 +178,17 @@ class CompressPanel(StepPanel):
             self._reference = capture_reference(self.lm.model, self._ids, ctx=ctx, progress=False)
         return self._ids, self._reference
 
-    def _add_point(self, label: str, lm: LoadedModel, quantized: bool) -> dict:
+    def _add_point(self, label: str, lm: LoadedModel, plan: QuantPlan | None) -> dict:
+        """Measure ``lm`` (quantized by ``plan`` with round-to-nearest when given) and make it a point."""
         ids, ref = self._eval()
-        if quantized:
+        if plan is not None:
             from ..quantize import quantize_model
-            qm = quantize_model(lm, self.quant_plan, method="rtn", progress=False)
-            point = measure_point(label, qm.build_model(), ids, ref, size_bytes=lm.size_bytes(self.quant_plan),
+            qm = quantize_model(lm, plan, method="rtn", progress=False)  # the group-size fallback included
+            point = measure_point(label, qm.build_model(), ids, ref, size_bytes=lm.size_bytes(plan),
                                   bits_per_weight=qm.bits_per_weight, ctx=self._ctx, parameters=lm.parameters)
+            # the plan (hash, method, group size); its bits/weight on this model are the point's own column
+            point["plan"] = describe_plan(plan) + ("" if plan.method == "rtn" else " rounded to nearest")
+            point["plan_hash"], point["fallbacks"] = plan_hash(plan), qm.fallbacks
         else:
             point = measure_point(label, lm.model, ids, ref, size_bytes=lm.size_bytes(precision="fp16"),
                                   bits_per_weight=16.0, ctx=self._ctx)
@@ -150,8 +197,21 @@ class CompressPanel(StepPanel):
 
     def _show_points(self) -> None:
         pts = list(self.extra_points()) + self.points
-        self._plot("pareto", make_pareto_figure(pts, x="size_bytes"), self.pareto_plot)
+        pareto = make_pareto_figure(pts, x="size_bytes")
+        plans = list(dict.fromkeys(p["plan"] for p in self.points if p.get("plan")))
+        if plans:  # which precision plan the quantized points were rounded by, on the chart itself
+            pareto.update_layout(title={"text": "quantized points: " + "; ".join(plans), "font": {"size": 13}},
+                                 margin={"t": 80})
+        self._plot("pareto", pareto, self.pareto_plot)
         self._plot("table", make_compress_table_figure(self.points), self.table_plot)
+
+    def _fallback_note(self, point: dict) -> str:
+        """What the group-size fallback did to a quantized point's layers, in one clause (empty when nothing)."""
+        fallbacks = point.get("fallbacks") or {}
+        if not fallbacks:
+            return ""
+        first = next(iter(fallbacks.values()))
+        return f"; {point['label']}: {len(fallbacks)} layer(s) fell back to another group size ({first})"
 
     # -- the buttons ----------------------------------------------------------------------------------
     def score(self) -> PruneImportance | None:
@@ -177,18 +237,20 @@ class CompressPanel(StepPanel):
     def prune(self) -> dict | None:
         """Prune by the sliders into ``out_dir/pruned``; measure it (and it quantized) against the original."""
         plan = self.plan()
+        quant = self.quant_plan if self.quantize.value else None
+        tag = self._plan_tag(quant) if quant is not None else None
 
         def work():
             if not any(p["label"] == "float" for p in self.points):
-                self._add_point("float", self.lm, False)
-                if self.quantize.value:
-                    self._add_point(self.quant_plan.default or "quantized", self.lm, True)
+                self._add_point("float", self.lm, None)
+            if quant is not None and not any(p["label"] == tag for p in self.points):
+                self._add_point(tag, self.lm, quant)  # the unpruned model with the same plan, for comparison
             report = prune(self.lm, plan, self.out_dir / "pruned", workspace=self.workspace, evaluate_tokens=None,
                            importance=self.importance, progress=True)
             pruned = load_model(self.out_dir / "pruned")
-            self._add_point("pruned", pruned, False)
-            if self.quantize.value:
-                self._add_point(f"pruned + {self.quant_plan.default}", pruned, True)
+            self._add_point("pruned", pruned, None)
+            if quant is not None:
+                self._add_point(f"pruned + {tag}", pruned, quant)
             return report
         ok, report = self._attempt("pruning...", work)
         if not ok:
@@ -201,8 +263,10 @@ class CompressPanel(StepPanel):
         self._show_points()
         p = next(p for p in self.points if p["label"] == "pruned")
         f = next(p for p in self.points if p["label"] == "float")
+        q = next((p for p in self.points if p["label"] == f"pruned + {tag}"), None) if tag else None
         self.status.value = html.escape(f"{report['summary']}; perplexity {f['perplexity']:.2f} -> "
-                                        f"{p['perplexity']:.2f}, KL {p['kl_divergence']:.4f} on {p['tokens']:,} tokens")
+                                        f"{p['perplexity']:.2f}, KL {p['kl_divergence']:.4f} on {p['tokens']:,} tokens"
+                                        + (self._fallback_note(q) if q else ""))
         return report
 
     def distill(self) -> DistillReport | None:
@@ -232,16 +296,16 @@ class CompressPanel(StepPanel):
             report = distill(self.out_dir / "pruned", self.lm, self.out_dir / "distilled", cfg, plan=plan,
                              eval_tokens=self.eval_tokens, overwrite=True, progress=True, on_step=on_step)
             student = load_model(self.out_dir / "distilled")
-            label = f"pruned + {self.quant_plan.default} + distilled" if plan else "pruned + distilled"
-            self._add_point(label, student, plan is not None)
-            return report
-        ok, report = self._attempt("distilling...", work)
+            label = f"pruned + {self._plan_tag(plan)} + distilled" if plan else "pruned + distilled"
+            return report, self._add_point(label, student, plan)
+        ok, result = self._attempt("distilling...", work)
         if not ok:
             self.progress.bar_style = "danger"
             return None
+        report, point = result
         self.distill_report = report
         self.progress.bar_style = "success"
         self._plot("distill", make_distill_figure(report), self.loss_plot)
         self._show_points()
-        self.status.value = html.escape(report.summary())
+        self.status.value = html.escape(report.summary() + self._fallback_note(point))
         return report
