@@ -15,9 +15,10 @@ def panel(tiny_model_dir, tmp_path, workspace):
 
 
 def test_the_prediction_follows_the_sliders_and_says_when_a_ratio_cannot_be(panel):
-    assert "2/4 query heads, 1/2 KV heads, 96/128 MLP channels" in panel.predicted.value
+    assert "50% of query heads, 50% of KV heads, 25.0% of MLP channels removed" in panel.predicted.value
+    assert "by layer: 2/96, 2/96; of 4/128" in panel.predicted.value
     panel.head_unit.value = "query"
-    assert "2/4 query heads, 2/2 KV heads" in panel.predicted.value
+    assert "50% of query heads, 0% of KV heads" in panel.predicted.value
     panel.heads.value = 0.95
     assert "leaves" in panel.predicted.value and "color:#c0392b" in panel.predicted.value
 

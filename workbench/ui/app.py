@@ -142,8 +142,8 @@ class WorkbenchApp(StepPanel):
         self.generate_panel = GeneratePanel(session=s)
         self.project_panel = ProjectPanel(session=s, points=lambda: self.override_panel.points)
         # pruned models land on the Precisions tab's Pareto chart beside its plans
-        self.compress_panel = CompressPanel(  # a quarter of the heads: what the middle layers alone can give
-            lm, out_dir=s.out_dir / "compress", workspace=s.workspace, heads=0.25, session=s,
+        self.compress_panel = CompressPanel(
+            lm, out_dir=s.out_dir / "compress", workspace=s.workspace, session=s,
             extra_points=lambda: self.override_panel.points if self.override_panel else [])
         self.tabs.children = [self.finetune_box, self.calibrate_panel, self.precisions_box, self.quantize_panel,
                               self.convert_panel, self.profile_panel, self.generate_panel, self.project_panel,

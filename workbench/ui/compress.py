@@ -1,7 +1,7 @@
 """The compression panel: keep ratios, predicted size, Score / Prune / Distill, and what each step cost.
 
     panel = CompressPanel("demo", out_dir="out/compress")
-    panel.heads.value, panel.mlp.value = 0.5, 0.2     # fractions removed per layer
+    panel.heads.value, panel.mlp.value = 0.25, 0.2    # fractions of the model's heads / channels removed
     panel.score(); panel.prune(); panel.distill()     # what the buttons do
     display(panel)
 
@@ -47,7 +47,7 @@ class CompressPanel(StepPanel):
     """Heads / MLP fractions removed, head unit, score; INT4 on or off; distillation steps and temperature."""
 
     def __init__(self, model: str | Path | LoadedModel = "demo", *, out_dir: str | Path = "out/compress",
-                 workspace: Workspace | None = None, heads: float = 0.5, mlp: float = 0.2, steps: int = 100,
+                 workspace: Workspace | None = None, heads: float = 0.25, mlp: float = 0.2, steps: int = 100,
                  temperature: float = 5.0, eval_tokens: int = 4096, importance_tokens: int = 2048,
                  quant_plan: QuantPlan | None = None, extra_points: Callable[[], Sequence] | None = None,
                  session=None):
@@ -100,8 +100,10 @@ class CompressPanel(StepPanel):
         super().__init__([
             widgets.HTML(f"<b>Compress</b> {html.escape(str(self.lm.name))}: remove attention heads and MLP channels "
                          f"by importance, then distil from the original. {g.layers} layers of {g.heads} query heads "
-                         f"over {g.kv_heads} KV heads and {g.intermediate} MLP channels; every layer keeps the same "
-                         "counts (one config for all layers)."),
+                         f"over {g.kv_heads} KV heads and {g.intermediate} MLP channels. The first and last "
+                         "layers stay whole; the fractions are of the whole model's heads and channels, taken as "
+                         "whole units from the middle layers where they matter least (layers keep their own "
+                         "counts)."),
             widgets.HBox([self.heads, self.mlp, self.head_unit, self.score_kind]),
             widgets.HBox([self.quantize, self.plan_note]), widgets.HBox([self.steps, self.temperature]),
             self.predicted,
@@ -163,8 +165,10 @@ class CompressPanel(StepPanel):
         g = self.geo
         fp16 = self.lm.size_bytes(precision="fp16")
         q = f", {size['quantized_bytes']:,} B with {self._plan_tag()}" if self.quantize.value else ""
-        self.predicted.value = (f"predicted: {size['heads']}/{g.heads} query heads, {size['kv_heads']}/{g.kv_heads} KV "
-                                f"heads, {size['intermediate']}/{g.intermediate} MLP channels per layer; "
+        per_layer = ", ".join(f"{s['heads']}/{s['intermediate']}" for s in size["layers"])
+        self.predicted.value = (f"predicted: {size['heads_removed']:.0%} of query heads, {size['kv_heads_removed']:.0%} "
+                                f"of KV heads, {size['mlp_removed']:.1%} of MLP channels removed (query heads / MLP "
+                                f"channels by layer: {per_layer}; of {g.heads}/{g.intermediate}); "
                                 f"{size['parameters']:,} parameters, <b>{size['fp16_bytes']:,} B</b> at fp16 "
                                 f"({size['fp16_bytes'] / fp16 - 1:+.1%}){q}")
         return size
