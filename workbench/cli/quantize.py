@@ -75,9 +75,10 @@ def _precision_from_args(args) -> str:
         return name
     if args.plan:
         raise PlanError("--two-level goes with --bits; a plan names its two-level precisions (int4-lpbq) itself")
-    two = [p.name for p in PRECISIONS.values() if p.two_level and p.bits == (args.bits or 4)]
+    lpbq = [p for p in PRECISIONS.values() if p.two_level and not p.super_block]  # per-channel (int3-k: by name)
+    two = [p.name for p in lpbq if p.bits == (args.bits or 4)]
     if not two:
-        have = ", ".join(p.name for p in PRECISIONS.values() if p.two_level)
+        have = ", ".join(p.name for p in lpbq)
         raise PlanError(f"no two-level precision with {args.bits}-bit codes is registered ({have}); use --bits 4 or 8")
     return two[0]
 
