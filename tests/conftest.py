@@ -68,6 +68,18 @@ def workspace(tmp_path):
     return Workspace(tmp_path / "ws")
 
 
+class Interrupted(Exception):
+    """Raised by ``interrupt_at``'s callback: a run killed part-way, for resume tests."""
+
+
+def interrupt_at(step: int):
+    """An ``on_step(step, loss)`` callback that interrupts a training run when it reaches ``step``."""
+    def on_step(at, _loss):
+        if at == step:
+            raise Interrupted
+    return on_step
+
+
 def stop_process(proc, timeout: float = 30) -> None:
     """Terminate a server a test started, and kill it if it does not exit in ``timeout`` seconds."""
     import subprocess

@@ -4,6 +4,7 @@ import json
 import pytest
 import torch
 
+from conftest import Interrupted, interrupt_at
 from workbench.distill import (DistillConfig, _remove_fake_quant, attention_head_map, default_layer_map, distill,
                                distillation_loss, fake_quantized, temperature_at)
 from workbench.errors import WorkbenchError
@@ -46,14 +47,8 @@ def test_an_interrupted_run_resumes_to_the_same_result(distilled, pruned_dir, ti
     _, full = distilled
     out = tmp_path / "resumed"
 
-    class Stop(Exception):
-        pass
-
-    def stop(step, _loss):
-        if step == 5:
-            raise Stop
-    with pytest.raises(Stop):
-        distill(pruned_dir, tiny_model_dir, out, CFG, eval_tokens=256, progress=False, on_step=stop)
+    with pytest.raises(Interrupted):
+        distill(pruned_dir, tiny_model_dir, out, CFG, eval_tokens=256, progress=False, on_step=interrupt_at(5))
     assert (out.with_name("resumed.partial") / CHECKPOINT).is_file()
     again = distill(pruned_dir, tiny_model_dir, out, CFG, eval_tokens=256, progress=False)
     assert again.resumed_from_step == 3

@@ -4,6 +4,7 @@ import json
 import pytest
 import torch
 
+from conftest import Interrupted, interrupt_at
 from workbench.errors import DataError, WorkbenchError
 from workbench.evaluate import encode_text, evaluate, read_text
 from workbench.finetune import CHECKPOINT, FinetuneConfig, finetune_lora, training_windows
@@ -48,15 +49,8 @@ def test_an_interrupted_run_resumes_to_the_same_result(tuned, tiny_model_dir, tm
     _, full = tuned
     out = tmp_path / "resumed"
 
-    class Stop(Exception):
-        pass
-
-    def stop_after_seven(step, _loss):
-        if step == 7:
-            raise Stop
-
-    with pytest.raises(Stop):
-        finetune_lora(tiny_model_dir, None, out, CFG, eval_tokens=256, progress=False, on_step=stop_after_seven)
+    with pytest.raises(Interrupted):
+        finetune_lora(tiny_model_dir, None, out, CFG, eval_tokens=256, progress=False, on_step=interrupt_at(7))
     assert (out.with_name("resumed.partial") / CHECKPOINT).is_file() and not out.exists()
     report = finetune_lora(tiny_model_dir, None, out, CFG, eval_tokens=256, progress=False)
     assert report.resumed_from_step == 5  # the last checkpoint before the interruption

@@ -78,18 +78,16 @@ def two_level_groups(wg: torch.Tensor, bits: int, scale_bits: "int | SubScales",
                      importance: torch.Tensor | None = None, channel_scales: torch.Tensor | None = None):
     """Codes (float, integral), sub-scales (float, integral) and channel scales of grouped weights.
 
-    ``channel_scales`` given (``[out]`` or, with super-blocks, each group's own ``[out, n_groups]``):
-    kept (GPTQ fixes them from the original weights first); a group whose range then needs more
-    than the largest sub-scale's steps takes the largest sub-scale.
+    ``channel_scales`` given (``[out]``, or ``[out, n_super]`` with super-blocks): kept (GPTQ fixes
+    them from the original weights first); a group whose range then needs more than the largest
+    sub-scale's steps takes the largest sub-scale.
     """
     layout = SubScales.of(scale_bits)
     lo, hi = code_range(bits, True)
     top = layout.max
     if channel_scales is None:
         channel_scales = channel_scales_for(wg, bits, layout)
-    per_group = channel_scales if channel_scales.dim() == 2 and channel_scales.shape[1] == wg.shape[1] \
-        else group_channel_scales(channel_scales, wg.shape[1])
-    ch = per_group.to(wg.dtype)
+    ch = group_channel_scales(channel_scales, wg.shape[1]).to(wg.dtype)
     want = wg.abs().amax(-1) / hi
     best = best_err = None
     for ratio in (SEARCH_RATIOS if scale_search else (1.0,)):

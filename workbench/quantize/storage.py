@@ -199,6 +199,17 @@ def _source_params(qm) -> dict[str, torch.Tensor]:
     return {**params, **qm.float_overrides}
 
 
+def _float_layer_weight(r, params) -> torch.Tensor:
+    """A float layer's weight as stored: at its precision's width, else losslessly."""
+    w = params[f"{r.name}.weight"].detach()
+    prec = get_precision(r.precision) if r.precision else None
+    if prec is not None and prec.bits == 16:
+        return w.to(torch.float16)
+    if prec is not None and prec.bits == 32:
+        return w.to(torch.float32)
+    return _lossless_float(w)
+
+
 def layer_storage(qm) -> dict[str, torch.Tensor]:
     """Every layer weight as stored (tied weights once): packed codes, scales, zero points, float layers."""
     params = _source_params(qm)
@@ -208,23 +219,17 @@ def layer_storage(qm) -> dict[str, torch.Tensor]:
             continue  # stored once, under the embedding
         if r.name in qm.weights:
             out.update(_quant_tensors(r.name, qm.weights[r.name]))
-            continue
-        w = params[f"{r.name}.weight"].detach()
-        prec = get_precision(r.precision) if r.precision else None
-        if prec is not None and prec.bits == 16:
-            out[f"{r.name}.weight"] = w.to(torch.float16)
-        elif prec is not None and prec.bits == 32:
-            out[f"{r.name}.weight"] = w.to(torch.float32)
         else:
-            out[f"{r.name}.weight"] = _lossless_float(w)
+            out[f"{r.name}.weight"] = _float_layer_weight(r, params)
     return out
 
 
 def float_storage(qm) -> dict[str, torch.Tensor]:
-    """Float tensors: float layer weights plus every non-layer parameter."""
+    """Float tensors: float layer weights plus every non-layer parameter (integer layers are not packed here)."""
     params = _source_params(qm)
     layer_weights = {f"{r.name}.weight" for r in qm.layers}
-    stored = {k: v for k, v in layer_storage(qm).items() if k.endswith(".weight") and k in layer_weights}
+    stored = {f"{r.name}.weight": _float_layer_weight(r, params) for r in qm.layers
+              if not (r.tied_to and not r.untied) and r.name not in qm.weights}
     seen = {id(p) for k, p in qm.source.model.named_parameters(remove_duplicate=False) if k in layer_weights}
     for name, p in params.items():
         if name in layer_weights or (name not in qm.float_overrides and id(p) in seen):

@@ -150,6 +150,15 @@ def gguf_parameter_name(name: str) -> str | None:
     return None
 
 
+def _rotary_heads(config, name: str) -> int | None:
+    """The head count a llama q/k weight's rows are permuted by for llama.cpp (None: written as it is)."""
+    if GGUF_ARCHES[config.model_type] != "llama":
+        return None
+    heads = config.num_attention_heads
+    return heads if ".q_proj." in name else (getattr(config, "num_key_value_heads", None) or heads) \
+        if ".k_proj." in name else None
+
+
 def _permute_rows(a, n_head: int):
     """llama's q/k rows in llama.cpp's rotary order (its converter's permutation; rows are whole blocks)."""
     return a.reshape(n_head, 2, a.shape[0] // n_head // 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
@@ -242,16 +251,12 @@ _BLOCK = {"Q4_0": (32, 18), "Q5_0": (32, 22), "Q8_0": (32, 34), "Q3_K": (256, 11
 def _tensors(qm) -> list[tuple[str, str, tuple, np.dtype, int, object]]:
     """``(gguf name, ggml type, shape as written, dtype, bytes, make())`` of every tensor in model order;
     ``make()`` packs it when called, so a writer holds one tensor at a time."""
-    from ..quantize.storage import float_storage
+    from ..quantize.storage import _stored_integer_layers, float_storage
     lm = qm.source
-    config = lm.model.config
     precisions = qm.precisions
     floats = float_storage(qm)
     params = dict(lm.model.named_parameters())
-    heads = config.num_attention_heads
-    kv = getattr(config, "num_key_value_heads", None) or heads
-    llama = GGUF_ARCHES[config.model_type] == "llama"
-    integer = {f"{n}.weight": n for n in qm.weights}
+    integer = {f"{r.name}.weight": r.name for r in _stored_integer_layers(qm)}
     tied = {r.name for r in qm.layers if r.tied_to and not r.untied}
     out = []
     for name in _parameter_names(lm.model, {r.name for r in qm.layers}):
@@ -262,7 +267,7 @@ def _tensors(qm) -> list[tuple[str, str, tuple, np.dtype, int, object]]:
         if target is None:
             raise PlanError(f"parameter '{name}' has no GGUF tensor name known here; this architecture is not "
                             "written by the workbench's GGUF writer")
-        rotary = (heads if ".q_proj." in name else kv if ".k_proj." in name else None) if llama else None
+        rotary = _rotary_heads(lm.model.config, name)
         if name in integer:
             qw = qm.weights[integer[name]]
             try:
@@ -333,23 +338,19 @@ def check_gguf(qm, path: str | Path) -> dict:
     from gguf.quants import dequantize
     reader = gguf.GGUFReader(str(path))
     by_name = {t.name: t for t in reader.tensors}
-    arch = GGUF_ARCHES[qm.source.model.config.model_type]
-    config = qm.source.model.config
-    heads = config.num_attention_heads
-    kv = getattr(config, "num_key_value_heads", None) or heads
-    tied = {r.name for r in qm.layers if r.tied_to and not r.untied}
+    from ..quantize.storage import _stored_integer_layers
     worst, count, weights, types = 0.0, 0, 0, {}
-    for layer, qw in qm.weights.items():
-        if layer in tied:
-            continue
+    for r in _stored_integer_layers(qm):
+        layer, qw = r.name, qm.weights[r.name]
         target = gguf_parameter_name(f"{layer}.weight")
         t = by_name.get(target)
         if t is None:
             raise PlanError(f"'{path}' has no tensor {target} for layer {layer}")
         got = dequantize(np.asarray(t.data), t.tensor_type).reshape(qw.shape)
         want = qw.dequantize().numpy()
-        if arch == "llama" and (".q_proj" in layer or ".k_proj" in layer):
-            want = _permute_rows(want, heads if ".q_proj" in layer else kv)
+        rotary = _rotary_heads(qm.source.model.config, f"{layer}.weight")
+        if rotary is not None:
+            want = _permute_rows(want, rotary)
         worst = max(worst, float(np.abs(got - want).max()) if want.size else 0.0)
         count, weights = count + 1, weights + want.size
         types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
