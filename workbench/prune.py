@@ -238,11 +238,6 @@ class PrunePlan:
             out.append((len(q), len(kv), len(ch)))
         return out
 
-    def counts(self, geo: Geometry) -> tuple[int, int, int]:
-        """The largest (query heads, KV heads, MLP width) of any layer: the pruned config's standard fields."""
-        shapes = self.layer_counts(geo)
-        return tuple(max(s[k] for s in shapes) for k in range(3))
-
     def _resolve(self, geo: Geometry, importance) -> dict:
         for key in self.layers:
             if not str(key).isdigit() or int(key) >= geo.layers:
