@@ -5,7 +5,7 @@
     python bench/quantize.py --scale-search [--model demo] [--samples 128] [--seq-len 512] [--eval-tokens N]
 
 Calibration statistics are computed first (timed apart). Each method (INT8 RTN, INT4 RTN, INT4
-AWQ, INT4 GPTQ) then runs in its own subprocess, so its wall time (after a warm-up run) and peak resident
+AWQ, INT4 GPTQ, INT4 AWQ+GPTQ) then runs in its own subprocess, so its wall time (after a warm-up run) and peak resident
 memory (VmHWM, reset just before the timed run) are its own; it saves its result to a
 temporary directory. This process then reloads every saved model (what is evaluated is what was
 saved) and evaluates it against the float model on the bundled held-out text, on the same
@@ -38,7 +38,8 @@ from pathlib import Path
 
 import torch
 
-METHODS = [("INT8 RTN", 8, "rtn"), ("INT4 RTN", 4, "rtn"), ("INT4 AWQ", 4, "awq"), ("INT4 GPTQ", 4, "gptq")]
+METHODS = [("INT8 RTN", 8, "rtn"), ("INT4 RTN", 4, "rtn"), ("INT4 AWQ", 4, "awq"), ("INT4 GPTQ", 4, "gptq"),
+           ("INT4 AWQ+GPTQ", 4, "awq+gptq")]
 
 
 def run_one(args) -> None:
@@ -260,7 +261,7 @@ def main() -> None:
         print(f"{r['label']:<15}{r['perplexity']:>11.3f}{change:>18}{kl:>20}{r['top1']:>8.2%}{r['bits']:>8.2f}"
               f"{r['size'] / 1e6:>9.2f}{timing}")
     print()
-    for label in ("INT4 AWQ", "INT4 GPTQ"):
+    for label in ("INT4 AWQ", "INT4 GPTQ", "INT4 AWQ+GPTQ"):
         d_nll, d_kl = (paired_difference(reports[label], reports["INT4 RTN"], k) for k in ("nll", "kl"))
         print(f"{label} - INT4 RTN, per token over {d_nll['windows']} windows: log-perplexity "
               f"{d_nll['mean']:+.5f} ± {d_nll['stderr']:.5f} (s.e.), KL {d_kl['mean']:+.6f} ± {d_kl['stderr']:.6f} "
