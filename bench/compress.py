@@ -37,7 +37,7 @@ def main() -> None:
 
     from workbench.distill import DistillConfig, distill
     from workbench.evaluate import capture_reference, paired_difference
-    from workbench.graph import export_onnx
+    from workbench.onnx.export import export_onnx
     from workbench.models import load_model
     from workbench.plan import QuantPlan
     from workbench.prune import PrunePlan, head_and_channel_importance, measure_point, prune

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from workbench.convert import GAP_TOP1, convert, prepare_models
-from workbench.graph import export_onnx
+from workbench.onnx.export import export_onnx
 from workbench.models import load_model
 
 TARGETS = ("ort-int4", "mnn", "ort-qdq", "qnn", "tensorrt", "rknn")

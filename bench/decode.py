@@ -100,7 +100,7 @@ class OnnxTimer:
     """The workbench's own loop over prefill/decode graphs: seconds for ``steps`` tokens after the prompt."""
 
     def __init__(self, prefill: Path, decode: Path, prompt: list[int], threads: int):
-        from workbench.graph import OnnxCausalLM
+        from workbench.runtime.onnx_runner import OnnxCausalLM
         self.runner = OnnxCausalLM(prefill, decode, threads=threads)
         self.prompt = prompt
         _, _, self.kv0 = self.runner.run_prefill(prompt)
@@ -144,7 +144,7 @@ def build_workbench(model_dir: Path, out: Path, group_sizes: list[int], with_int
     """The float export, an ``ort-genai`` folder per group size and (optionally, at the first) the ``ort-int4``
     graphs, each from one quantized model; returns the plan's stored layer bytes per group size."""
     from workbench.convert import prepare_models
-    from workbench.graph import export_onnx
+    from workbench.onnx.export import export_onnx
     from workbench.plan import QuantPlan
     from workbench.targets.ort_genai import build_fused_onnx, write_genai_folder
     from workbench.targets.ort_int4 import build_nbits_onnx
@@ -188,7 +188,8 @@ def run_builder(model_dir: Path, out: Path, block: int) -> Path:
 def measure(args, say=print) -> tuple[list[Row], float]:
     import numpy as np
 
-    from workbench.profile import decode_step_bytes, host_bandwidth
+    from workbench.onnx.inspect import decode_step_bytes
+    from workbench.profile import host_bandwidth
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     shape = TINY if args.tiny else SHAPE

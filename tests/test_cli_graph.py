@@ -37,13 +37,13 @@ def test_export_of_a_model_whose_config_does_not_match_its_weights(tiny_model_di
 
 
 def test_export_failing_midway_leaves_nothing_in_out(tiny_model_dir, tmp_path, capsys, monkeypatch):
-    import workbench.graph as graph
+    import workbench.onnx.export as graph
 
     def broken(paths):
         assert all(p.is_file() for p in paths)  # the graphs were written (staged) before the failure
         raise RuntimeError("check failed")
     import workbench.workspace as workspace
-    monkeypatch.setattr(graph, "_check_graphs", broken)
+    monkeypatch.setattr(graph, "check_graphs", broken)
     monkeypatch.setattr(workspace, "DEFAULT_WORKSPACE", tmp_path / "ws")  # where a bug's log goes
     out = tmp_path / "onnx"
     out.mkdir()

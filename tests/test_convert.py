@@ -62,7 +62,7 @@ def test_qdq_pins_the_causal_mask_and_reports_beside_the_simulation(prepared, ti
 
 
 def test_causal_mask_tensors_found_in_float_export(prepared, tmp_path):
-    from workbench.graph import export_onnx
+    from workbench.onnx.export import export_onnx
     ex = export_onnx(prepared.float_lm, tmp_path, check=False)
     mask = causal_mask_tensors(onnx.load(str(ex.prefill_path)))
     assert any("self_attn" in t for t in mask)
@@ -132,7 +132,7 @@ def test_int4_graphs_share_one_weights_file(prepared, tiny_model_dir, tmp_path, 
     from onnx.external_data_helper import uses_external_data
 
     from workbench.profile import profile_runtime
-    monkeypatch.setattr("workbench.graph_build.INLINE_LIMIT", 0)  # the path graphs over 2 GB take
+    monkeypatch.setattr("workbench.onnx.build.INLINE_LIMIT", 0)  # the path graphs over 2 GB take
     report = convert(tiny_model_dir, "ort-int4", tmp_path, prepared=prepared, **EVAL)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["conversion.json", "decode.onnx", "prefill.onnx",
                                                          "weights.data"]
@@ -171,7 +171,7 @@ def test_lm_head_and_embedding_follow_the_plan(tiny_model_dir, tmp_path, embeddi
 
 
 def test_tied_int4_head_reads_the_embedding_codes(tiny_model_dir, tmp_path, monkeypatch):
-    monkeypatch.setattr("workbench.graph_build.INLINE_LIMIT", 0)
+    monkeypatch.setattr("workbench.onnx.build.INLINE_LIMIT", 0)
     plan = QuantPlan.uniform("int4").with_override("model.embed_tokens", "int4").with_override("lm_head", "int4")
     convert(tiny_model_dir, "ort-int4", tmp_path, plan=plan, evaluate_outputs=False, greedy_steps=4)
     inits = _initializers(tmp_path / "prefill.onnx")
@@ -226,7 +226,7 @@ def test_conversion_metrics_match_a_direct_computation(prepared, tiny_model_dir,
 
 
 def test_mnn_and_qdq_read_external_data(make_tiny_model, tmp_path, monkeypatch):
-    monkeypatch.setattr("workbench.graph_build.INLINE_LIMIT", 0)
+    monkeypatch.setattr("workbench.onnx.build.INLINE_LIMIT", 0)
     model_dir = make_tiny_model(hidden=128, intermediate=256, heads=4, kv_heads=2)
     prep = prepare_models(model_dir, plan=QuantPlan.uniform("int4", scale_search=False))  # what MNN carries
     mnn = convert(model_dir, "mnn", tmp_path / "mnn", prepared=prep, **EVAL)
@@ -305,7 +305,7 @@ def test_conversion_json_names_the_plan_and_the_quantized_model(prepared, tiny_m
 
 def test_registered_precision_works_through_every_target_or_is_refused_by_name(lm, tiny_model_dir, tmp_path,
                                                                               monkeypatch):
-    from workbench.graph import export_onnx
+    from workbench.onnx.export import export_onnx
     from workbench.overrides import OVERRIDE_FORMATS, write_overrides
     from workbench.plan import PRECISIONS, Precision, register_precision
     monkeypatch.setattr("workbench.plan.PRECISIONS", dict(PRECISIONS))  # registered for this test only
@@ -347,7 +347,8 @@ def test_llamacpp_gguf_holds_the_plans_own_integers(prepared, tiny_model_dir, tm
 def test_mnn_weight_file_of_a_large_model_is_kept_with_it(tiny_model_dir, tmp_path, monkeypatch):
     """Over 2 GB MNN's converter writes <model>.weight beside the .mnn (forced here by --saveExternalData)."""
     import workbench.targets.mnn as mnn
-    from workbench.graph import OnnxCausalLM, export_onnx
+    from workbench.onnx.export import export_onnx
+    from workbench.runtime.onnx_runner import OnnxCausalLM
     from workbench.models import load_model
     ex = export_onnx(load_model(tiny_model_dir), tmp_path / "onnx", check=False)
     command_line = mnn.mnn_command_line

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from workbench.errors import ModelLoadError, WorkbenchError
-from workbench.generate import (GenerationStats, IncrementalText, Sampling, encode_prompt, open_model,
-                                stream_tokens)
-from workbench.graph import OnnxCausalLM, export_onnx
+from workbench.generate import IncrementalText, encode_prompt, open_model
+from workbench.onnx.export import export_onnx
+from workbench.runtime.onnx_runner import OnnxCausalLM
+from workbench.runtime.stream import GenerationStats, Sampling, stream_tokens
 
 STEPS = 32
 

@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from workbench.errors import ModelLoadError
-from workbench.graph import OnnxCausalLM, export_onnx, load_onnx, operator_inventory
+from workbench.onnx.export import export_onnx
+from workbench.onnx.inspect import load_onnx, operator_inventory
+from workbench.runtime.onnx_runner import OnnxCausalLM
 from workbench.models import load_model
 
 

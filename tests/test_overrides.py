@@ -18,7 +18,7 @@ QV_FP16 = QuantPlan.uniform("int8").with_override("*.q_proj", "fp16").with_overr
 
 @pytest.fixture(scope="module")
 def graph(lm, tmp_path_factory):
-    from workbench.graph import export_onnx
+    from workbench.onnx.export import export_onnx
     return export_onnx(lm, tmp_path_factory.mktemp("onnx"), check=False)
 
 

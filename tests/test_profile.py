@@ -108,7 +108,7 @@ def test_a_decode_step_reads_one_row_of_an_embedding_table(tmp_path):
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
-    from workbench.profile import decode_step_bytes
+    from workbench.onnx.inspect import decode_step_bytes
 
     def graph(tied: bool):
         e = numpy_helper.from_array(np.ones((100, 8), np.float32), "E")
@@ -134,7 +134,7 @@ def test_decode_bytes_count_widened_float16_weights_at_float32(tmp_path):
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
-    from workbench.profile import decode_step_bytes
+    from workbench.onnx.inspect import decode_step_bytes
     w = numpy_helper.from_array(np.zeros((8, 4), np.float16), "w")
     table = numpy_helper.from_array(np.zeros((100, 8), np.float16), "table")
     nodes = [helper.make_node("Gather", ["table", "ids"], ["e"], axis=0),

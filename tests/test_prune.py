@@ -123,7 +123,7 @@ def test_prune_writes_a_smaller_directory_that_loads_and_exports_with_parity(lm,
     assert evaluate(pruned.model, ids, ctx=min(256, ids.numel()), progress=False).perplexity == \
         pytest.approx(ev["perplexity_after"], rel=1e-3)
     assert json.loads((out / "manifest.json").read_text())["format"] == "workbench-prune"
-    from workbench.graph import export_onnx
+    from workbench.onnx.export import export_onnx
     result = export_onnx(pruned, tmp_path / "onnx", greedy_steps=8)
     assert result.max_abs_diff < 1e-3 and result.greedy_match_steps == 8
 
@@ -220,7 +220,7 @@ def test_a_global_ratio_comes_from_the_middle_layers_least_important_units(deep,
 def test_per_layer_counts_give_a_directory_that_loads_exports_quantizes_and_matches_the_plan(deep, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from workbench.graph import export_onnx
+    from workbench.onnx.export import export_onnx
     from workbench.models import LAYER_SHAPES
     from workbench.plan import QuantPlan
     from workbench.prune import head_mapping, predicted_size, save_pruned

@@ -9,8 +9,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from workbench.errors import WorkbenchError
-from workbench.graph import export_onnx
 from workbench.models import load_model
+from workbench.onnx.export import export_onnx
 from workbench.targets import RULE_TABLES, RULES_DIR, TARGETS, get_target, inspect_graph, load_rules, target_names
 from workbench.targets.base import _check_memory
 
@@ -191,7 +191,8 @@ TOY_MODULE = '''"""Toy runtime: the simulation's float graph run by onnxruntime,
 import json
 from pathlib import Path
 
-from workbench.graph import OnnxCausalLM, export_onnx
+from workbench.onnx.export import export_onnx
+from workbench.runtime.onnx_runner import OnnxCausalLM
 from workbench.targets import OverrideFormat, Target, register_target
 from workbench.targets.common import OverrideFile, layer_precisions
 
@@ -258,7 +259,7 @@ def test_a_new_target_is_one_module_and_one_rule_table(toy_target, tiny_model_di
 @pytest.fixture(scope="module")
 def static_feeds(tiny_model_dir, exported_pair):
     from workbench.convert import calibration_feeds
-    from workbench.graph import OnnxCausalLM
+    from workbench.runtime.onnx_runner import OnnxCausalLM
     _, static = exported_pair
     return calibration_feeds(load_model(tiny_model_dir), samples=3, seq_len=16,
                              runner=OnnxCausalLM(static.prefill_path, static.decode_path))

@@ -12,7 +12,7 @@ from onnx import numpy_helper
 from workbench.cli import main
 from workbench.data import load_calibration_set
 from workbench.errors import ModelLoadError
-from workbench.graph import _parity, _torch_reference, greedy_agreement
+from workbench.runtime.parity import greedy_agreement, parity, torch_reference
 from workbench.models import load_model
 from workbench.plan import QuantPlan
 from workbench.quantize import quantize_model
@@ -114,9 +114,9 @@ def test_packed_codes_dequantize_exactly_to_the_simulation(demo, tmp_path):
 def test_parity_with_the_simulation(demo, prompt, plan, tmp_path):
     qm = quantize_model(demo, plan, progress=False)
     sim, build = _build(demo, qm, tmp_path)
-    ref = _torch_reference(sim, prompt)
+    ref = torch_reference(sim, prompt)
     runner = fused_runner(tmp_path)
-    diffs = _parity(ref, runner, prompt)
+    diffs = parity(ref, runner, prompt)
     assert max(diffs.values()) < 1e-3, diffs  # float activations: the simulation's arithmetic
     tokens = runner.generate_greedy(prompt, 32)
     assert greedy_agreement(sim, prompt, tokens)[0] == 32
@@ -133,9 +133,9 @@ def test_calibrated_models_run_with_their_own_integers(demo, prompt, method, sym
                         calibration=calib, gptq_tokens=256, awq_tokens=256, progress=False)
     assert method != "awq" or qm.float_overrides  # AWQ changed float tensors the graph must carry
     sim, _ = _build(demo, qm, tmp_path)
-    ref = _torch_reference(sim, prompt)
+    ref = torch_reference(sim, prompt)
     runner = fused_runner(tmp_path)
-    assert max(_parity(ref, runner, prompt).values()) < 1e-3
+    assert max(parity(ref, runner, prompt).values()) < 1e-3
     assert greedy_agreement(sim, prompt, runner.generate_greedy(prompt, 32))[0] == 32
 
 
@@ -148,8 +148,8 @@ def test_qwen2_and_llama_match_their_simulation(make_tiny_model, arch, kw, tmp_p
         names = [i.name for i in onnx.load(str(build.path), load_external_data=False).graph.initializer]
         assert any(n.endswith("qkv_proj.bias") for n in names)
     ids = list(range(5, 25))
-    ref = _torch_reference(sim, ids)
-    assert max(_parity(ref, fused_runner(tmp_path / "out"), ids).values()) < 1e-3
+    ref = torch_reference(sim, ids)
+    assert max(parity(ref, fused_runner(tmp_path / "out"), ids).values()) < 1e-3
 
 
 def test_other_architectures_are_refused(lm, tmp_path):

@@ -47,7 +47,8 @@ from .errors import ModelLoadError, PlanError
 from .evaluate import DEFAULT_CTX, Window, encode_text, read_text, strided_windows
 from .logits import final_hidden, head_logits
 from .memory import release_freed_memory
-from .graph import ExportResult, OnnxCausalLM, export_onnx
+from .onnx.export import ExportResult, export_onnx
+from .runtime.onnx_runner import OnnxCausalLM
 from .models import LoadedModel, demo_text_path, load_model
 from .plan import QuantPlan
 from .targets import check_precisions, get_target, target_names

@@ -21,6 +21,7 @@ from typing import Sequence
 import numpy as np
 
 from .errors import ModelLoadError, WorkbenchError
+from .onnx.inspect import decode_step_bytes
 
 __all__ = ["RuntimeProfile", "find_runtimes", "profile_runtime", "profile_directory", "build_candidates",
            "parse_prompt_lengths", "measure_read_bandwidth", "host_bandwidth", "last_level_cache_bytes",
@@ -111,7 +112,7 @@ def _files_of(path: Path) -> list[Path]:
     if path.suffix == ".onnx":
         from onnx.external_data_helper import uses_external_data
 
-        from .graph import load_onnx
+        from .onnx.inspect import load_onnx
         proto = load_onnx(path)  # names the file when it is truncated, empty or not ONNX
         for init in proto.graph.initializer:
             if uses_external_data(init):
@@ -119,46 +120,6 @@ def _files_of(path: Path) -> list[Path]:
                 if loc and (path.parent / loc) not in files:
                     files.append(path.parent / loc)
     return files
-
-
-def decode_step_bytes(decode: Path) -> int:
-    """Bytes one decode step reads: the decode graph's weights, except that an embedding table (an initializer
-    only Gather reads) and GroupQueryAttention's rotary caches are read one row per token, and a float16
-    initializer only a Cast to float32 reads counts at float32 (onnxruntime folds the Cast when it loads the
-    model and reads the widened copy). A non-ONNX graph counts its whole file."""
-    decode = Path(decode)
-    if decode.suffix != ".onnx":
-        return decode.stat().st_size
-    from onnx import TensorProto
-
-    from .graph import initializer_bytes, load_onnx
-    proto = load_onnx(decode)
-    sizes = initializer_bytes(proto)
-    half = {init.name for init in proto.graph.initializer if init.data_type == TensorProto.FLOAT16}
-    dims = {init.name: list(init.dims) for init in proto.graph.initializer}
-    consumers: dict[str, list] = {}
-    for node in proto.graph.node:
-        for x in set(node.input):
-            consumers.setdefault(x, []).append(node)
-
-    def to_float(node) -> bool:
-        return node.op_type == "Cast" and any(a.name == "to" and a.i == TensorProto.FLOAT for a in node.attribute)
-
-    def kind(name: str, node, i: int) -> str:
-        if (node.op_type.startswith("Gather") and i == 0) or (node.op_type == "GroupQueryAttention" and i in (7, 8)):
-            return "rows"  # an embedding table, GroupQueryAttention's cos / sin caches: a row a position
-        if name in half and (to_float(node) or (node.op_type == "Transpose" and consumers.get(node.output[0])
-                                                and all(to_float(c) for c in consumers[node.output[0]]))):
-            return "widened"
-        return "full"
-
-    total = 0
-    for name, n in sizes.items():
-        kinds = {kind(name, node, i) for node in consumers.get(name, []) for i, x in enumerate(node.input) if x == name}
-        total += (2 * n if "widened" in kinds else 0) + (n if "full" in kinds or not kinds else 0)
-        if kinds == {"rows"} or ("rows" in kinds and "full" not in kinds):
-            total += n // max(dims[name][0], 1) if dims[name] else n
-    return total
 
 
 def _median_ms(fn, repeats: int) -> float:
@@ -192,7 +153,7 @@ def profile_runtime(name: str, prefill: str | Path, decode: str | Path | None = 
             runner = GenaiCausalLM(prefill.parent, threads=threads)
             runtime = runner.runtime
         else:
-            from .graph import OnnxCausalLM
+            from .runtime.onnx_runner import OnnxCausalLM
             runner, runtime = OnnxCausalLM(prefill, decode, threads=threads), "onnxruntime"
     except WorkbenchError:
         raise
@@ -257,7 +218,7 @@ def build_candidates(model="demo", out_dir: str | Path = "out/profile", *, plan=
     builds the files whose speed and size are compared.
     """
     from .convert import CONVERT_TARGETS, convert, prepare_models
-    from .graph import export_onnx
+    from .onnx.export import export_onnx
     unknown = [c for c in candidates if c != "float" and c not in CONVERT_TARGETS]
     if unknown:
         raise WorkbenchError(f"unknown candidate(s) {unknown}; choose from float, {', '.join(CONVERT_TARGETS)}")

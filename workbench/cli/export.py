@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import WorkbenchError
-from ..graph import DEFAULT_OPSET, export_onnx
+from ..onnx.export import DEFAULT_OPSET, export_onnx
 from ..models import load_model
 from ..workspace import check_output_dir, rebase_paths, staged_output
 from .common import add_device_argument, add_json_flag, add_model_argument, format_bytes, print_json

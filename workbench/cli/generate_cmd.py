@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import sys
 
-from ..generate import DEFAULT_MAX_NEW_TOKENS, Sampling, open_model
+from ..generate import DEFAULT_MAX_NEW_TOKENS, open_model
+from ..runtime.stream import Sampling
 from .common import add_json_flag, add_model_argument, print_json
 
 HELP = "stream a model's continuation of a prompt (converted, quantized or float) with its tokens/s"

@@ -42,7 +42,7 @@ def _graph(lm, onnx_dir: Path):
         if set(doc.get("weight_names", {})) == {info.name for info in lm.layers}:
             return SimpleNamespace(weight_names=doc["weight_names"], weight_layouts=doc.get("weight_layouts", {}),
                                    prefill_path=prefill)
-    from ..graph import export_onnx
+    from ..onnx.export import export_onnx
     return export_onnx(lm, onnx_dir, check=False)
 
 

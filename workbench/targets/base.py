@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import WorkbenchError
-from ..graph import SHAPE_OPS, OpCount, fold_constants, initializer_bytes, load_onnx, operator_inventory
+from ..onnx.inspect import SHAPE_OPS, OpCount, fold_constants, initializer_bytes, load_onnx, operator_inventory
 from .registry import RULES_DIR, rules_path
 
 __all__ = ["RULES_DIR", "Finding", "GraphReport", "load_rules", "inspect_graph", "graph_is_static",

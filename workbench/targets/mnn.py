@@ -29,7 +29,7 @@ from typing import Mapping
 import numpy as np
 
 from ..errors import PlanError, WorkbenchError
-from ..graph import export_onnx
+from ..onnx.export import export_onnx
 from ..models import LoadedModel
 from ..plan import QuantPlan, get_precision
 from ..quantize.model import resolve_group_size

@@ -41,9 +41,11 @@ import numpy as np
 from torch import nn
 
 from ..errors import ModelLoadError, WorkbenchError
-from ..graph import OnnxCausalLM, _parity, _torch_reference, greedy_agreement, torch_threads
-from ..graph_build import DATA_FILE, INLINE_LIMIT, DecoderSpec, GraphBuilder, TensorStore, as_array
 from ..memory import release_freed_memory
+from ..onnx.build import DATA_FILE, INLINE_LIMIT, DecoderSpec, GraphBuilder, TensorStore, as_array
+from ..runtime.onnx_runner import OnnxCausalLM
+from ..runtime.parity import greedy_agreement, parity, torch_reference
+from ..runtime.stream import torch_threads
 from .ort_int4 import (ACCURACY_LEVELS, NBitsWeights, _nbits_tensors, _release_float_model, _storage_notes,
                        matmulnbits_block_size)
 from .registry import Target, register_target
@@ -518,7 +520,7 @@ def fused_runner(folder: str | Path, threads: int | None = 1) -> OnnxCausalLM:
 def _float_head_note(qm, model_path: Path) -> str | None:
     """What a float ``lm_head`` costs each decoded token on the CPU (read as float32), when the plan keeps it so."""
     from ..plan import get_precision
-    from ..profile import decode_step_bytes
+    from ..onnx.inspect import decode_step_bytes
     prec = get_precision(qm.precisions.get("lm_head")) if qm.precisions.get("lm_head") else None
     r = next((r for r in qm.layers if r.name == "lm_head"), None)
     if r is None or (prec is not None and not prec.is_float):
@@ -553,7 +555,7 @@ def convert_ort_genai(job) -> None:
     prompt = prep.float_lm.tokenizer("The workbench measures what each choice costs.",
                                      add_special_tokens=False)["input_ids"]
     with torch_threads(1):
-        ref = _torch_reference(sim, prompt)
+        ref = torch_reference(sim, prompt)
     ev = job.evaluator()
     if job.owns_models:
         _release_float_model(prep, keep=[ev.head] if ev is not None else [])
@@ -562,7 +564,7 @@ def convert_ort_genai(job) -> None:
     t = time.perf_counter()
     say("checking the graph against the simulation in onnxruntime")
     runner = fused_runner(job.out)
-    report.details["parity_vs_simulation"] = _parity(ref, runner, prompt)
+    report.details["parity_vs_simulation"] = parity(ref, runner, prompt)
     tokens = runner.generate_greedy(prompt, job.greedy_steps)
     report.details["greedy_match_steps_vs_simulation"] = greedy_agreement(prep.sim_lm.model, prompt, tokens)[0]
     report.details["greedy_steps"] = job.greedy_steps
@@ -572,7 +574,7 @@ def convert_ort_genai(job) -> None:
     del runner
     if job.accuracy_level != 0:  # float activations: what is left is the packing, which must be exact
         exact = OnnxCausalLM(build.path, build.path, threads=1, accuracy_level=0)
-        report.details["parity_vs_simulation_accuracy_level_0"] = _parity(ref, exact, prompt)
+        report.details["parity_vs_simulation_accuracy_level_0"] = parity(ref, exact, prompt)
         del exact
     release_freed_memory()
     seconds["check"] = time.perf_counter() - t

@@ -31,11 +31,12 @@ from typing import Mapping
 
 import numpy as np
 
-from ..graph import OnnxCausalLM, greedy_agreement
-from ..graph_build import BuiltGraphs, FloatWeights, GraphBuilder, as_array, build_graphs
 from ..memory import release_freed_memory
 from ..models import LoadedModel
+from ..onnx.build import BuiltGraphs, FloatWeights, GraphBuilder, as_array, build_graphs
 from ..plan import get_precision
+from ..runtime.onnx_runner import OnnxCausalLM
+from ..runtime.parity import greedy_agreement
 from .common import half_layers
 from .registry import Target, register_target
 

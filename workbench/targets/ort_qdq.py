@@ -33,7 +33,8 @@ from typing import Iterable, Mapping
 import numpy as np
 
 from ..errors import PlanError
-from ..graph import OnnxCausalLM, share_external_data
+from ..onnx.export import share_external_data
+from ..runtime.onnx_runner import OnnxCausalLM
 from ..plan import get_precision
 from ..workspace import atomic_write_json
 from .base import inspect_graph

@@ -10,7 +10,7 @@ import shlex
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from ..graph import export_onnx
+from ..onnx.export import export_onnx
 from .base import inspect_graph
 from .registry import Target, register_target
 

@@ -19,7 +19,8 @@ from pathlib import Path
 import ipywidgets as widgets
 
 from ..errors import ModelLoadError
-from ..generate import DEFAULT_MAX_NEW_TOKENS, Generation, Sampling, TextGenerator, find_graphs, open_model
+from ..generate import DEFAULT_MAX_NEW_TOKENS, Generation, TextGenerator, find_graphs, open_model
+from ..runtime.stream import Sampling
 from ..models import LoadedModel
 from .base import StepPanel
 

@@ -17,7 +17,7 @@ import ipywidgets as widgets
 
 from ..charts.graph import make_block_bytes_figure, make_conversion_figure, make_op_histogram_figure
 from ..convert import CONVERT_TARGETS, ConversionReport, convert, prepare_models
-from ..graph import initializer_bytes_by_block
+from ..onnx.inspect import initializer_bytes_by_block
 from ..targets import TARGETS, GraphReport, inspect_graph
 from .base import StepPanel
 

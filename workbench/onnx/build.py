@@ -31,8 +31,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from .compute import float32_weight
-from .errors import ModelLoadError
+from ..compute import float32_weight
+from ..errors import ModelLoadError
 
 __all__ = ["DecoderSpec", "TensorStore", "GraphBuilder", "FloatWeights", "BuiltGraphs", "build_graphs",
            "DATA_FILE", "INLINE_LIMIT", "input_names", "output_names", "as_array"]
