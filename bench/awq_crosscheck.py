@@ -26,7 +26,8 @@ def main() -> None:
     import torch
 
     from workbench.evaluate import read_text
-    from workbench.models import demo_text_path, load_model
+    from workbench.assets import demo_text_path
+    from workbench.models import load_model
     from workbench.quantize.crosscheck import AutoAwqUnavailable, calibration_texts, compare_with_autoawq, patched_autoawq
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -20,7 +20,7 @@ import torch
 
 from workbench import encode_text, evaluate, load_model, read_text
 from workbench.evaluate import strided_windows
-from workbench.models import demo_text_path
+from workbench.assets import demo_text_path
 
 
 def unigram_perplexity(counts: list[int], ids: torch.Tensor, windows) -> float:

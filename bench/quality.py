@@ -294,7 +294,8 @@ def main() -> None:
 
     from workbench.calibrate import calibrate
     from workbench.evaluate import paired_difference
-    from workbench.models import demo_text_path, load_model
+    from workbench.assets import demo_text_path
+    from workbench.models import load_model
     from workbench.quantize import heldout_ids, measure_reference
     from workbench.workspace import Workspace
 

@@ -211,8 +211,9 @@ def main() -> None:
 
     from workbench.evaluate import paired_difference
     from workbench.models import load_model
-    from workbench.quantize import heldout_ids, load_quantized, measure_cost, measure_reference
-    from workbench.quantize.io import weight_file_bytes
+    from workbench.models import load_quantized
+    from workbench.quantize import heldout_ids, measure_cost, measure_reference
+    from workbench.quantize.storage import weight_file_bytes
 
     print(f"model {args.model}, group size {args.group_size}, AWQ calibration {args.samples} x {args.seq_len} "
           f"tokens (bundled calibration text); load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")

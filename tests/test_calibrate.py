@@ -6,11 +6,11 @@ import pytest
 import torch
 
 import workbench.calibrate as calibrate_mod
-from workbench.calibrate import (HIST_EDGES, CalibrationStats, LayerStats, calibrate, model_fingerprint,
-                                 run_calibration)
+from workbench.calibrate import HIST_EDGES, CalibrationStats, LayerStats, calibrate, run_calibration
 from workbench.data import CalibrationSet, load_calibration_set
 from workbench.errors import WorkspaceError
 from workbench.models import load_model
+from workbench.workspace import model_fingerprint
 
 TEXT = ("Quantization maps floating point weights to a few integer levels; calibration shows which input "
         "channels carry the large activations that decide the scales. ") * 40

@@ -209,7 +209,7 @@ def test_plain_text_is_tokenized_or_refused_naming_the_file(scratch, demo_tokeni
 def demo_tokenizer():
     from transformers import AutoTokenizer
 
-    from workbench.models import DEMO_MODEL_DIR
+    from workbench.assets import DEMO_MODEL_DIR
     return AutoTokenizer.from_pretrained(DEMO_MODEL_DIR)
 
 

@@ -204,7 +204,7 @@ def test_conversion_metrics_match_a_direct_computation(prepared, tiny_model_dir,
     import torch
 
     from workbench.evaluate import encode_text, read_text, strided_windows
-    from workbench.models import demo_text_path
+    from workbench.assets import demo_text_path
     monkeypatch.setattr("workbench.convert.REF_ROWS", 50)  # reference chunks and comparison chunks that do not
     monkeypatch.setattr("workbench.convert.COMPARE_ELEMENTS", 4096 * 7)  # line up with each other or the windows
     report = convert(tiny_model_dir, "ort-int4", tmp_path, prepared=prepared, max_tokens=300, ctx=128,

@@ -9,7 +9,7 @@ from transformers import AutoTokenizer
 from workbench.data import (CalibrationSet, detect_language, load_calibration_set, normalize_lang, read_records,
                             script_counts)
 from workbench.errors import DataError
-from workbench.models import DEMO_MODEL_DIR
+from workbench.assets import DEMO_MODEL_DIR
 
 
 @pytest.fixture(scope="module")

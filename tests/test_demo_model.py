@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from workbench import encode_text, evaluate, load_model, read_text
-from workbench.models import DEMO_MODEL_DIR, demo_text_path
+from workbench.assets import DEMO_MODEL_DIR, demo_text_path
 
 MAX_BYTES = 12 * 1024 * 1024
 

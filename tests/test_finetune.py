@@ -8,7 +8,8 @@ from conftest import Interrupted, interrupt_at
 from workbench.errors import DataError, WorkbenchError
 from workbench.evaluate import encode_text, evaluate, read_text
 from workbench.finetune import CHECKPOINT, FinetuneConfig, finetune_lora, training_windows
-from workbench.models import demo_text_path, load_model
+from workbench.assets import demo_text_path
+from workbench.models import load_model
 
 CFG = FinetuneConfig(steps=12, batch_size=4, seq_len=32, lr=5e-3, warmup=2, checkpoint_every=5, eval_every=10)
 

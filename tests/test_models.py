@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from workbench.errors import ModelLoadError
-from workbench.models import load_model, quantizable_layers, resolve_model_path, DEMO_MODEL_DIR
+from workbench.assets import DEMO_MODEL_DIR
+from workbench.models import load_model, quantizable_layers, resolve_model_path
 
 
 def test_demo_alias():

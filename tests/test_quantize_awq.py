@@ -129,7 +129,7 @@ def test_cached_search_result_is_reused_and_fp16_layers_take_folded_scales(tiny_
     assert all(torch.equal(first.weights[n].qweight, again.weights[n].qweight) for n in first.weights)
     assert "model.layers.0.self_attn.v_proj.weight" in first.float_overrides
     assert "model.layers.0.input_layernorm.weight" in first.float_overrides
-    from workbench.quantize import load_quantized
+    from workbench.models import load_quantized
     lm2, _ = load_quantized(first.save(tmp_path / "awq"))
     ids = torch.stack(_samples(1, 64, seed=9))
     with torch.no_grad():
@@ -161,7 +161,7 @@ def test_awq_refuses_what_it_cannot_do(tiny_model_dir):
 def test_cross_check_against_autoawq(make_tiny_model):
     """On a tiny Llama, our AWQ beats RTN in KL and is at least as good as autoawq's (aliasing fixed)."""
     from workbench.evaluate import encode_text
-    from workbench.models import demo_text_path
+    from workbench.assets import demo_text_path
     from workbench.quantize.crosscheck import (AutoAwqUnavailable, calibration_texts, compare_with_autoawq,
                                                patched_autoawq)
     path = make_tiny_model(arch="llama", hidden=128, intermediate=256, heads=4, kv_heads=2)  # sizes autoawq accepts

@@ -8,7 +8,7 @@ from workbench.cli import main
 
 @pytest.fixture
 def heldout(tmp_path):
-    from workbench.models import demo_text_path
+    from workbench.assets import demo_text_path
     p = tmp_path / "heldout.txt"
     p.write_text(demo_text_path("heldout").read_text(encoding="utf-8")[:3000], encoding="utf-8")
     return p

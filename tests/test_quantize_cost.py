@@ -4,10 +4,11 @@ import math
 import pytest
 
 from workbench.evaluate import encode_text
-from workbench.models import demo_text_path, load_model
+from workbench.assets import demo_text_path
+from workbench.models import load_model
 from workbench.plan import QuantPlan
 from workbench.quantize import measure_cost, measure_reference, quantize_model
-from workbench.quantize.io import weight_file_bytes
+from workbench.quantize.storage import weight_file_bytes
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import torch
 from workbench.errors import PlanError
 from workbench.plan import QuantPlan
 from workbench.quantize import gptq_quantize_weight, quantize_model, quantize_weight
-from workbench.quantize.rtn import _quantize_groups
+from workbench.quantize.rtn import quantize_groups
 
 
 def _layer(rows=24, cols=64, tokens=512, seed=0, rank=8):
@@ -29,7 +29,7 @@ def _direct_gptq(w, h, bits, symmetric, damp):
     Per-channel scales (one group) fixed from the original weights."""
     w = w.clone().double()
     h = h.double() + damp * torch.diag(h).mean() * torch.eye(h.shape[0], dtype=torch.float64)
-    _, scales, zeros = _quantize_groups(w.float()[:, None, :], bits, symmetric, None)
+    _, scales, zeros = quantize_groups(w.float()[:, None, :], bits, symmetric, None)
     s, z = scales[:, 0].double(), None if zeros is None else zeros[:, 0].double()
     lo, hi = (-(2 ** (bits - 1)) + 1, 2 ** (bits - 1) - 1) if symmetric else (0, 2 ** bits - 1)
     codes = torch.empty_like(w)

@@ -9,10 +9,10 @@ from safetensors.torch import load_file, save_file
 
 from workbench.errors import ModelLoadError, WorkspaceError
 from workbench.evaluate import evaluate
-from workbench.models import load_model
+from workbench.models import load_model, load_quantized
 from workbench.plan import QuantPlan
-from workbench.quantize import load_quantized, pack_int4, quantize_model
-from workbench.quantize.io import _write_manifest, pack_int32, unpack_int32
+from workbench.quantize import pack_int4, quantize_model
+from workbench.quantize.storage import pack_int32, unpack_int32, write_manifest
 from workbench.quantize.layers import QuantEmbedding, QuantLinear
 
 
@@ -33,7 +33,7 @@ def _rewrite(out, edit):
     tensors = load_file(path)
     edit(tensors)
     save_file(tensors, path, metadata={"format": "pt"})
-    _write_manifest(out, {"method": meta["method"], "source": meta["source"]})
+    write_manifest(out, {"method": meta["method"], "source": meta["source"]})
 
 
 @pytest.mark.parametrize("symmetric", [True, False])
@@ -248,16 +248,16 @@ def test_a_config_that_does_not_match_the_quantized_weights_is_refused(tiny, tmp
     out = qm.save(tmp_path / "q")
     cfg = json.loads((out / "config.json").read_text())
     (out / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 96}))
-    _write_manifest(out, {})
+    write_manifest(out, {})
     with pytest.raises(ModelLoadError, match=r"6 with another shape \(model\.layers\.0\.mlp\.down_proj\.weight "
                                              r"\[64, 128\] vs \[64, 96\]"):
         load_model(out)
     (out / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 1, "layer_types": cfg["layer_types"][:1]}))
-    _write_manifest(out, {})
+    write_manifest(out, {})
     with pytest.raises(ModelLoadError, match=r"7 unexpected \(model\.layers\.1\.mlp\.down_proj\.weight"):
         load_model(out)
     (out / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 1}))
-    _write_manifest(out, {})
+    write_manifest(out, {})
     with pytest.raises(ModelLoadError, match="could not build the model .*config.json.*num_hidden_layers"):
         load_model(out)
 
@@ -286,7 +286,7 @@ def test_version_1_directories_still_load(tiny, tmp_path):
     cfg = json.loads((out / "config.json").read_text())
     del cfg["quantization_config"]
     (out / "config.json").write_text(json.dumps(cfg))
-    _write_manifest(out, {})
+    write_manifest(out, {})
     lm2 = load_model(out)
     ids = _ids()[None, :64]
     with torch.no_grad():
@@ -320,19 +320,20 @@ def test_new_widths_and_two_level_scales_are_stored_as_counted_and_load_back_exa
         assert torch.allclose(lm2.model(ids).logits, qm.build_model()(ids).logits, atol=1e-5)
 
 
-def test_io_and_model_have_no_import_cycle():
-    """model saves itself through storage; io (the loader) imports model at the top, and model never imports io."""
+def test_the_loader_imports_model_and_model_never_imports_the_loader():
+    """models (the loader of quantized directories) imports quantize.model at the top; quantize.model and
+    quantize.storage never import models, at the top or in a function (test_check_imports checks the package)."""
     import ast
     from pathlib import Path
 
-    import workbench.quantize.io as io_module
+    import workbench.models as loader
     import workbench.quantize.model as model_module
+    import workbench.quantize.storage as storage_module
 
-    def relative_imports(module, inside_functions: bool) -> set[str]:
+    def imported(module, top_only: bool = False) -> set[str]:
         tree = ast.parse(Path(module.__file__).read_text())
-        scopes = [f for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))] \
-            if inside_functions else [tree]
-        return {n.module for s in scopes for n in ast.walk(s) if isinstance(n, ast.ImportFrom) and n.level == 1}
+        nodes = tree.body if top_only else list(ast.walk(tree))
+        return {"." * n.level + (n.module or "") for n in nodes if isinstance(n, ast.ImportFrom)}
 
-    assert "io" not in relative_imports(model_module, False)
-    assert "model" in relative_imports(io_module, False) and "model" not in relative_imports(io_module, True)
+    assert ".quantize.model" in imported(loader, top_only=True)
+    assert not any(m.endswith("models") for m in imported(model_module) | imported(storage_module))

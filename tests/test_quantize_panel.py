@@ -9,7 +9,7 @@ from workbench.ui.quantize import QuantizePanel
 
 @pytest.fixture
 def heldout(tmp_path):
-    from workbench.models import demo_text_path
+    from workbench.assets import demo_text_path
     p = tmp_path / "heldout.txt"
     p.write_text(demo_text_path("heldout").read_text(encoding="utf-8")[:2500], encoding="utf-8")
     return p

@@ -104,7 +104,8 @@ def test_a_fixed_layout_that_does_not_fit_a_layer_is_refused_naming_it(lm):
 def test_a_saved_quantized_model_converts_to_the_same_gguf(tmp_path):
     """From a `workbench quantize` directory (layers loaded as integer modules) the file is the same."""
     from workbench.models import load_model
-    from workbench.quantize import load_quantized, save_quantized
+    from workbench.models import load_quantized
+    from workbench.quantize import save_quantized
     lm = load_model(build_tiny_model(tmp_path / "m", "qwen2", hidden=256, intermediate=512, layers=1))
     qm = quantize_model(lm, QuantPlan.uniform("int4", group_size=32).with_override("*.down_proj", "int6-k"),
                         progress=False)

@@ -9,7 +9,7 @@ import pytest
 from workbench.models import load_model
 from workbench.plan import QuantPlan
 from workbench.ui.app import TAB_TITLES, WorkbenchApp
-from workbench.ui.session import AppSession, plan_hash
+from workbench.ui.session import AppSession
 
 EVAL_TOKENS = 512
 
@@ -30,7 +30,7 @@ def test_load_builds_every_tab_on_one_session(app, tmp_path):
     assert app.quantize_panel.session is s and app.convert_panel.session is s and app.profile_panel.session is s
     assert app.quantize_panel.bits.value == "plan" and app.quantize_panel.current_plan() == s.plan
     assert app.override_panel.plan == s.plan
-    assert f"plan {plan_hash(s.plan)}" in app.precisions_label.value and "none yet" in app.precisions_label.value
+    assert f"plan {s.plan.content_hash()}" in app.precisions_label.value and "none yet" in app.precisions_label.value
     assert s.out_dir == (tmp_path / "run").resolve()
 
 
@@ -105,7 +105,7 @@ def test_awq_from_quantize_is_what_export_converts(app):
     assert report.simulation["kl_divergence"] == pytest.approx(cost.kl_divergence, rel=1e-3, abs=1e-6)
     assert report.kl_divergence == pytest.approx(report.simulation["kl_divergence"], rel=0.5, abs=2e-3)
     doc = json.loads((report.out_dir / "conversion.json").read_text())
-    assert plan_hash(QuantPlan.from_dict(doc["plan"])) == plan_hash(qm.plan) and doc["plan"]["method"] == "awq"
+    assert QuantPlan.from_dict(doc["plan"]).content_hash() == qm.plan.content_hash() and doc["plan"]["method"] == "awq"
     assert doc["quantized_model"]["path"] == str(s.quantized_path.resolve())  # written by convert() itself
     assert doc["quantized_model"]["manifest_sha256"] == \
         hashlib.sha256((s.quantized_path / "manifest.json").read_bytes()).hexdigest()

@@ -3,7 +3,6 @@ import pytest
 
 from workbench.plan import QuantPlan
 from workbench.ui.compress import CompressPanel
-from workbench.ui.session import plan_hash
 
 
 @pytest.fixture
@@ -32,7 +31,7 @@ def test_score_prune_distil_put_every_model_on_the_chart(panel, monkeypatch):
     report = panel.prune()
     assert report is not None, panel.error
     assert report["geometry_after"]["kv_heads"] == 1
-    tag = f"plan {plan_hash(QuantPlan.uniform('int4'))}"  # no session: uniform INT4
+    tag = f"plan {QuantPlan.uniform('int4').content_hash()}"  # no session: uniform INT4
     labels = [p["label"] for p in panel.points]
     assert labels == ["float", tag, "pruned", f"pruned + {tag}"]
     assert panel.distill() is not None, panel.error
@@ -85,20 +84,20 @@ def test_quantized_points_and_qat_use_the_session_plan_and_follow_it(tiny_model_
     p = CompressPanel(lm, out_dir=tmp_path / "c", workspace=workspace, heads=0.5, mlp=0.25, steps=2, eval_tokens=128,
                       importance_tokens=256, session=session)
     int4, int8 = QuantPlan.uniform("int4"), QuantPlan.uniform("int8")
-    assert p.quant_plan == int4 and f"plan {plan_hash(int4)}" in p.predicted.value
+    assert p.quant_plan == int4 and f"plan {int4.content_hash()}" in p.predicted.value
     session.plan = int8  # Use this plan / Quantize elsewhere in the app: this tab follows
-    assert p.quant_plan == int8 and plan_hash(int8) in p.plan_note.value and plan_hash(int8) in p.predicted.value
+    assert p.quant_plan == int8 and int8.content_hash() in p.plan_note.value and int8.content_hash() in p.predicted.value
     assert p.prune() is not None, p.error
     pruned = load_model(tmp_path / "c" / "pruned")
     by = {q["label"]: q for q in p.points}
-    tag = f"plan {plan_hash(int8)}"
+    tag = f"plan {int8.content_hash()}"
     assert set(by) == {"float", tag, "pruned", f"pruned + {tag}"}
     assert by[tag]["size_bytes"] == lm.size_bytes(int8) != lm.size_bytes(int4)
     assert by[f"pruned + {tag}"]["size_bytes"] == pruned.size_bytes(int8) != pruned.size_bytes(int4)
     assert by[f"pruned + {tag}"]["bits_per_weight"] > 8  # INT8 codes and their scales, not INT4's
     assert p.figures["pareto"].layout.title.text == f"quantized points: {by[tag]['plan']}"  # one plan, named once
     assert list(p.figures["table"].data[0].cells.values[-1]) == ["-", by[tag]["plan"], "-", by[tag]["plan"]]
-    assert by[tag]["plan"].startswith(f"plan {plan_hash(int8)} (RTN")
+    assert by[tag]["plan"].startswith(f"plan {int8.content_hash()} (RTN")
     report = p.distill()
     assert report is not None, p.error
     assert report.plan == int8.to_dict() and p.points[-1]["label"] == f"pruned + {tag} + distilled"
@@ -112,7 +111,7 @@ def test_a_group_size_that_does_not_divide_a_pruned_width_falls_back_and_says_so
     plan = QuantPlan.uniform("int4", group_size=64)
     panel.quant_plan = plan
     assert panel.prune() is not None, panel.error
-    point = next(p for p in panel.points if p["label"] == f"pruned + plan {plan_hash(plan)}")
+    point = next(p for p in panel.points if p["label"] == f"pruned + plan {plan.content_hash()}")
     assert "group size 64 does not divide 96 input features; using 32" in \
         point["fallbacks"]["model.layers.0.mlp.down_proj"]
     pruned_size = point["size_bytes"]

@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from workbench.models import DEMO_MODEL_DIR
+from workbench.assets import DEMO_MODEL_DIR
 from workbench.ui.app import TAB_TITLES, WorkbenchApp
 from workbench.ui.generate import FLOAT, GeneratePanel
 

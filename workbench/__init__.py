@@ -15,9 +15,10 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 warnings.filterwarnings("ignore", message=".*_C_mxfp8.*")
 
+from .assets import DEMO_MODEL_DIR, demo_text_path  # noqa: E402
 from .errors import DataError, ModelLoadError, PlanError, WorkbenchError, WorkspaceError  # noqa: E402
 from .evaluate import EvalReport, encode_text, evaluate, paired_difference, read_text  # noqa: E402
-from .models import DEMO_MODEL_DIR, LayerInfo, LoadedModel, demo_text_path, load_model  # noqa: E402
+from .models import LayerInfo, LoadedModel, load_model  # noqa: E402
 from .plan import PRECISIONS, Precision, QuantPlan, get_precision, register_precision  # noqa: E402
 from .workspace import Artifact, Workspace  # noqa: E402
 

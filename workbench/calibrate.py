@@ -26,7 +26,6 @@ after the output layer's input has been read, so no logits are ever computed.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -41,9 +40,9 @@ from torch import nn
 
 from .data import CalibrationSet, load_calibration_set
 from .errors import WorkspaceError
-from .workspace import Artifact, Workspace, atomic_write_bytes, atomic_write_json
+from .workspace import Artifact, Workspace, atomic_write_bytes, atomic_write_json, model_fingerprint
 
-__all__ = ["LayerStats", "CalibrationStats", "run_calibration", "calibrate", "model_fingerprint",
+__all__ = ["LayerStats", "CalibrationStats", "run_calibration", "calibrate",
            "OUTLIER_FACTOR", "PERCENTILES", "HIST_EDGES", "SAMPLE_BUDGET", "STATS_VERSION"]
 
 log = logging.getLogger("workbench")
@@ -401,20 +400,6 @@ def run_calibration(model: nn.Module, calib_set: CalibrationSet, progress: bool 
 
 # ---------------------------------------------------------------- cached entry point
 
-def model_fingerprint(model: nn.Module) -> str:
-    """A hash of the model's parameter and buffer names, shapes, dtypes and bytes (as it is in memory)."""
-    h = hashlib.sha256()
-    seen = set()
-    for name, t in [*model.named_parameters(), *model.named_buffers()]:
-        if id(t) in seen:
-            continue
-        seen.add(id(t))
-        t = t.detach().cpu().contiguous()
-        h.update(f"{name}|{tuple(t.shape)}|{t.dtype}".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()[:16]
-
-
 def calibrate(lm, data: str | Path | None = None, samples: int = 128, seq_len: int = 512,
               workspace: Workspace | None = None, *, seed: int = 0, bilingual: bool = False, batch_size: int = 8,
               outlier_factor: float = OUTLIER_FACTOR, progress: bool = True,
@@ -426,7 +411,7 @@ def calibrate(lm, data: str | Path | None = None, samples: int = 128, seq_len: i
     so a changed model or text recomputes and an unchanged one is read back. ``compute=False``
     returns ``(set, None)`` instead of running the statistics pass when they are not stored yet.
     """
-    from .models import demo_text_path
+    from .assets import demo_text_path
     max_pos = getattr(getattr(lm.model, "config", None), "max_position_embeddings", None)
     if max_pos and seq_len > max_pos:
         raise ValueError(f"seq_len {seq_len} exceeds the model's max_position_embeddings ({max_pos}); "

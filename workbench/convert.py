@@ -43,13 +43,14 @@ from typing import Callable
 import numpy as np
 import torch
 
+from .assets import demo_text_path
 from .errors import ModelLoadError, PlanError
 from .evaluate import DEFAULT_CTX, Window, encode_text, read_text, strided_windows
 from .logits import final_hidden, head_logits
 from .memory import release_freed_memory
 from .onnx.export import ExportResult, export_onnx
 from .runtime.onnx_runner import OnnxCausalLM
-from .models import LoadedModel, demo_text_path, load_model
+from .models import LoadedModel, load_model
 from .plan import QuantPlan
 from .targets import check_precisions, get_target, target_names
 from .workspace import atomic_write_json
@@ -87,18 +88,15 @@ class PreparedModels:
     source: str
 
 
-def _is_quantized_dir(model) -> bool:
-    return Path(str(model)).is_dir() and (Path(str(model)) / "quantization.json").is_file()
-
-
 def prepare_models(model, *, plan: QuantPlan | str | Path | None = None, bits: int | None = None,
                    progress: bool = False, device: str = "cpu") -> PreparedModels:
     """Resolve MODEL as a float model with a plan (or ``bits``), or a directory written by ``workbench quantize``.
 
     The models (and quantization) run on ``device``; graphs and onnxruntime stay on the CPU.
     """
-    from .quantize import load_quantized, quantize_model
-    if _is_quantized_dir(model):
+    from .models import load_quantized
+    from .quantize import quantize_model
+    if is_quantized_dir(model):
         if plan is not None or bits is not None:
             raise PlanError(f"'{model}' is a quantized model with its own plan; drop --plan/--bits, or pass the float "
                             "model with a plan")
@@ -388,7 +386,7 @@ def quantized_model_provenance(prep: PreparedModels) -> tuple[dict, dict]:
     qm, src = prep.qm, Path(prep.source)
     info = {"path": None, "manifest_sha256": None, "method": qm.method, "source_model": str(prep.float_lm.path)}
     awq_key = (qm.awq or {}).get("workspace_key")
-    if _is_quantized_dir(src) and (src / "manifest.json").is_file():
+    if is_quantized_dir(src) and (src / "manifest.json").is_file():
         info["path"] = str(src.resolve())
         info["manifest_sha256"] = hashlib.sha256((src / "manifest.json").read_bytes()).hexdigest()
         meta = json.loads((src / "quantization.json").read_text(encoding="utf-8"))

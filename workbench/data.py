@@ -383,7 +383,7 @@ def load_calibration_set(path: str | Path | None = None, *, tokenizer, samples: 
     if not 1 <= min_tokens <= seq_len:
         raise ValueError(f"min_tokens must be between 1 and seq_len ({seq_len}), got {min_tokens}")
     if path is None:
-        from .models import demo_text_path
+        from .assets import demo_text_path
         path = demo_text_path("calibration")
     records, fmt = read_records(path)
     has_source = any(r.source for r in records)

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
+from .assets import ASSETS_DIR
 from .errors import WorkbenchError
-from .models import ASSETS_DIR
 
 __all__ = ["DeviceError", "Device", "DEVICES_DIR", "NUMBER_FIELDS", "LIST_FIELDS", "load_device", "load_devices",
            "get_device"]

@@ -40,12 +40,13 @@ from torch import nn
 
 from .errors import WorkbenchError
 from .compute import enable_float32_compute, narrow_saved_weights, stored_dtype
-from .evaluate import EvalReport, _check_plain_head, capture_reference, encode_text, evaluate, paired_difference, \
+from .evaluate import EvalReport, check_plain_head, capture_reference, encode_text, evaluate, paired_difference, \
     read_text
 from .logits import chunked_sum, final_hidden, head_logits, loss_chunk_rows, trainable_head_logits
-from .finetune import (CHECKPOINT, DEFAULT_TARGETS, _Checkpoint, _split, run_training, save_model_directory,
+from .finetune import (CHECKPOINT, DEFAULT_TARGETS, Checkpoint, split_windows, run_training, save_model_directory,
                        source_dtype, training_windows)
-from .models import LoadedModel, demo_text_path, load_model
+from .assets import demo_text_path
+from .models import LoadedModel, load_model
 from .plan import QuantPlan, get_precision
 from .workspace import atomic_write_json, check_output_dir, file_sha256, hash_inputs, swap_into_place, \
     write_output_manifest
@@ -385,16 +386,16 @@ def distill(student: str | Path | LoadedModel, teacher: str | Path | LoadedModel
     if plan is not None:
         plan.validate([info.name for info in s_lm.layers])
     data_path = Path(data) if data is not None else demo_text_path("calibration")
-    train, val = _split(training_windows(s_lm, data_path, cfg.seq_len), cfg.validation_fraction)
+    train, val = split_windows(training_windows(s_lm, data_path, cfg.seq_len), cfg.validation_fraction)
     eval_path = Path(eval_text) if eval_text is not None else demo_text_path("heldout")
     eval_ids = encode_text(s_lm.tokenizer, read_text(eval_path), source=str(eval_path))[:eval_tokens]
     max_pos = getattr(s_lm.config, "max_position_embeddings", None) or cfg.seq_len
     ctx = min(cfg.seq_len, max_pos, max(2, eval_ids.numel()))
 
-    from .calibrate import model_fingerprint
+    from .workspace import model_fingerprint
     partial = out.with_name(out.name + ".partial")
     partial.mkdir(parents=True, exist_ok=True)
-    checkpoint = _Checkpoint(partial / CHECKPOINT, hash_inputs({
+    checkpoint = Checkpoint(partial / CHECKPOINT, hash_inputs({
         "student": model_fingerprint(s_lm.model), "teacher": model_fingerprint(t_lm.model),
         "data": file_sha256(data_path), "config": asdict(cfg), "plan": plan.to_dict() if plan else None}))
 
@@ -402,7 +403,7 @@ def distill(student: str | Path | LoadedModel, teacher: str | Path | LoadedModel
     # the caller's student stays as it was; one loaded here is trained in place (no second copy)
     model = copy.deepcopy(s_lm.model) if isinstance(student, LoadedModel) else s_lm.model
     # logits that are lm_head(final hidden): the loss makes them a chunk of tokens at a time
-    plain = _check_plain_head(model, eval_ids) and _check_plain_head(teacher_model, eval_ids)
+    plain = check_plain_head(model, eval_ids) and check_plain_head(teacher_model, eval_ids)
     heads = (model.get_output_embeddings(), teacher_model.get_output_embeddings()) if plain else None
     if cfg.attention_weight > 0:  # attention maps come only from the eager implementation
         model.set_attn_implementation("eager")

@@ -234,7 +234,7 @@ def _head(model: nn.Module) -> nn.Module:
     return head
 
 
-def _check_plain_head(model: nn.Module, ids: torch.Tensor) -> bool:
+def check_plain_head(model: nn.Module, ids: torch.Tensor) -> bool:
     """Whether ``model(ids).logits == lm_head(hidden)`` (no logit scaling or soft-capping)."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type in PLAIN_HEAD_TYPES:
@@ -267,7 +267,7 @@ class _Scorer:
 
     def __init__(self, model: nn.Module, ids: torch.Tensor):
         self.model = model
-        self.plain = _check_plain_head(model, ids)
+        self.plain = check_plain_head(model, ids)
         self.head = _head(model) if self.plain else None
 
     def windows(self, ids, batch) -> list[torch.Tensor]:

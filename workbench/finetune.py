@@ -26,13 +26,13 @@ from typing import Callable
 
 import torch
 
-from .calibrate import model_fingerprint
+from .assets import demo_text_path
 from .data import read_records
 from .errors import DataError, WorkbenchError
 from .evaluate import encode_text, evaluate, read_text
-from .models import LoadedModel, demo_text_path, load_model
-from .workspace import (atomic_write_json, check_output_dir, file_sha256, hash_inputs, swap_into_place,
-                        write_output_manifest)
+from .models import LoadedModel, load_model
+from .workspace import (atomic_write_json, check_output_dir, file_sha256, hash_inputs, model_fingerprint,
+                        swap_into_place, write_output_manifest)
 
 __all__ = ["FinetuneConfig", "FinetuneReport", "finetune_lora", "training_windows", "DEFAULT_TARGETS", "run_training",
            "TrainingRun", "save_model_directory", "source_dtype"]
@@ -152,7 +152,7 @@ def _heldout_perplexity(model, ids: torch.Tensor, ctx: int) -> float:
     return evaluate(model, ids, ctx=ctx, progress=False).perplexity
 
 
-def _split(windows: torch.Tensor, fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
+def split_windows(windows: torch.Tensor, fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Training and validation windows: the last ``fraction`` of the text held back as one block.
 
     A contiguous block, not every k-th window: neighbouring windows share their documents, so an
@@ -179,7 +179,7 @@ def _validation_loss(model, windows: torch.Tensor, batch_size: int) -> float:
     return total / count
 
 
-class _Checkpoint:
+class Checkpoint:
     """Adapters, optimizer, losses and the best adapters so far, in one file replaced atomically."""
 
     def __init__(self, path: Path, key: str):
@@ -210,7 +210,7 @@ class TrainingRun:
 
 def run_training(cfg, *, n_train: int, trainable: list, step_loss: Callable[[torch.Tensor, int], torch.Tensor],
                  validation_loss: Callable[[], float] | None, snapshot: Callable[[], dict],
-                 restore: Callable[[dict], None], checkpoint: "_Checkpoint", progress: bool = True,
+                 restore: Callable[[dict], None], checkpoint: "Checkpoint", progress: bool = True,
                  on_step: Callable[[int, float], None] | None = None, desc: str = "train",
                  what: str = "training") -> TrainingRun:
     """The one training loop (fine-tuning, distillation): AdamW, warm-up then cosine, resumable, best step kept.
@@ -298,7 +298,7 @@ def finetune_lora(model: str | Path | LoadedModel = "demo", data: str | Path | N
     lm = model if isinstance(model, LoadedModel) else load_model(model, dtype="float32")
     lm.require_float("finetune")  # LoRA merges into float weights: train the float model it was made from
     data_path = Path(data) if data is not None else demo_text_path("calibration")
-    train, val = _split(training_windows(lm, data_path, cfg.seq_len), cfg.validation_fraction)
+    train, val = split_windows(training_windows(lm, data_path, cfg.seq_len), cfg.validation_fraction)
     eval_path = Path(eval_text) if eval_text is not None else demo_text_path("heldout")
     eval_ids = encode_text(lm.tokenizer, read_text(eval_path), source=str(eval_path))[:eval_tokens]
     max_pos = getattr(lm.model.config, "max_position_embeddings", None) or cfg.seq_len
@@ -311,7 +311,7 @@ def finetune_lora(model: str | Path | LoadedModel = "demo", data: str | Path | N
                              f"model (its linear layers end in: {', '.join(sorted(present))})")
     partial = out.with_name(out.name + ".partial")
     partial.mkdir(parents=True, exist_ok=True)
-    checkpoint = _Checkpoint(partial / CHECKPOINT, hash_inputs({
+    checkpoint = Checkpoint(partial / CHECKPOINT, hash_inputs({
         "model": str(lm.path), "weights": model_fingerprint(lm.model), "data": file_sha256(data_path),
         "config": asdict(cfg)}))
 

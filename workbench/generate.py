@@ -235,13 +235,13 @@ def _conversion_source(directory: Path) -> tuple[Path | None, str | None]:
 
 
 def _from_loaded(lm: LoadedModel, threads: int | None) -> TextGenerator:
-    from .models import _quantized_source, load_tokenizer_from
+    from .models import quantized_source, load_tokenizer_from
     tokenizer = lm.tokenizer or load_tokenizer_from(lm.path)
     gen_cfg = getattr(lm.model, "generation_config", None)
     eos, positions = _model_settings(lm.model.config.to_dict(), gen_cfg.to_dict() if gen_cfg is not None else {},
                                      tokenizer=tokenizer)
     kind = f"{lm.quantized.method} quantized" if lm.quantized is not None else "float"
-    source = _quantized_source(lm.path) if lm.quantized is not None else None
+    source = quantized_source(lm.path) if lm.quantized is not None else None
     return TextGenerator(lm.model, tokenizer, Path(lm.path), "PyTorch", f"{Path(lm.name).name} ({kind}, PyTorch)", eos,
                          positions, threads, Path(source) if source else None)
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Iterable, Mapping
 
 from .errors import PlanError
+from .workspace import hash_inputs
 
 __all__ = [
     "Precision", "PRECISIONS", "register_precision", "get_precision", "PlanRule", "QuantPlan",
@@ -281,6 +282,11 @@ class QuantPlan:
                 hint = f"; closest layer names: {', '.join(close)}" if close else \
                     f"; layers look like: {', '.join(names[:3])}"
                 raise PlanError(f"plan rule '{r.pattern}' matches no layer of this model{hint}")
+
+    def content_hash(self) -> str:
+        """Eight hex digits naming the plan's content (rules, default, group size, symmetry, method; not
+        ``meta``): the same plan under two names hashes alike, so the app and the report count it once."""
+        return hash_inputs({k: v for k, v in self.to_dict().items() if k != "meta"})[:8]
 
     # -- serialisation ------------------------------------------------------------------------
     def to_dict(self) -> dict:

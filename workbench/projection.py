@@ -26,9 +26,10 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Mapping
 
+from .assets import ASSETS_DIR
 from .devices import Device, get_device, load_devices
 from .errors import ModelLoadError, WorkbenchError
-from .models import ASSETS_DIR, LoadedModel, layer_shapes, model_from_config, quantizable_layers, resolve_model_path
+from .models import LoadedModel, layer_shapes, model_from_config, quantizable_layers, resolve_model_path
 from .plan import QuantPlan, get_precision
 from .quantize.model import bits_per_weight
 

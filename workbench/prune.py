@@ -623,8 +623,9 @@ def head_and_channel_importance(lm: LoadedModel, *, ids: torch.Tensor | None = N
     measured on the first ``kl_tokens`` of the held-out text like the sensitivity sweep. Cached in
     ``workspace`` under ``prune-importance/`` by the weights, tokens and settings.
     """
-    from .sensitivity import evaluation_tokens, model_fingerprint
-    from .models import demo_text_path
+    from .assets import demo_text_path
+    from .sensitivity import evaluation_tokens
+    from .workspace import model_fingerprint
     lm.require_float("prune")
     geo = geometry(lm.model)
     if ids is None:
@@ -645,7 +646,7 @@ def head_and_channel_importance(lm: LoadedModel, *, ids: torch.Tensor | None = N
 
     if workspace is None:
         return compute_now()
-    inputs = {"model": model_fingerprint(lm), "version": IMPORTANCE_VERSION,
+    inputs = {"model": model_fingerprint(lm.model), "version": IMPORTANCE_VERSION,
               "tokens": hashlib.sha256(ids.numpy().tobytes()).hexdigest()[:16], "seq_len": seq_len,
               "kl_tokens": hashlib.sha256(kl_ids.numpy().tobytes()).hexdigest()[:16] if kl_ids is not None else None}
 

@@ -41,11 +41,6 @@ def _read_json(path: Path):
         return None
 
 
-def _is_quantized(d: Path) -> bool:
-    m = _read_json(d / "manifest.json") if (d / "manifest.json").is_file() else None
-    return isinstance(m, dict) and m.get("format") == QUANTIZED_FORMAT
-
-
 SEARCH_DEPTH = 3  # an app run keeps conversions at convert/<model>/<target>/conversion.json
 
 
@@ -59,12 +54,12 @@ def _below(d: Path, name: str, depth: int = SEARCH_DEPTH) -> list[Path]:
 
 
 def _quantized_below(d: Path) -> list[Path]:
-    return sorted({m.parent for m in _below(d, "manifest.json") if _is_quantized(m.parent)})
+    return sorted({m.parent for m in _below(d, "manifest.json") if is_quantized_dir(m.parent)})
 
 
 def _has_run(d: Path) -> bool:
     """Whether ``d`` holds anything a report describes (a plan, a quantized model, a conversion, an app report)."""
-    if (d / "plan.json").is_file() or (d / "report.json").is_file() or _is_quantized(d):
+    if (d / "plan.json").is_file() or (d / "report.json").is_file() or is_quantized_dir(d):
         return True
     return bool(_below(d, "conversion.json") or _quantized_below(d))
 
@@ -129,11 +124,11 @@ def gather_run(path: str | Path) -> dict:
     given = Path(path).expanduser()
     run = find_run(given)
     app_report = None
-    if not _is_quantized(run):
+    if not is_quantized_dir(run):
         doc = _read_json(run / "report.json")
         app_report = doc if isinstance(doc, dict) and "versions" in doc else None
     quantized = []
-    dirs = [run] if _is_quantized(run) else _quantized_below(run)
+    dirs = [run] if is_quantized_dir(run) else _quantized_below(run)
     for d in dirs:
         manifest = _read_json(d / "manifest.json")
         qreport = _read_json(d / "report.json") or {}
@@ -189,7 +184,7 @@ def _shape_source(record: Mapping):
 
 
 class Candidates:
-    """Plans to project, each once whatever it is called (by content, as ``plan_hash`` names it), and the
+    """Plans to project, each once whatever it is called (by content, ``QuantPlan.content_hash``), and the
     measured ones' KL and bits/weight under the label the plan was first given: the rows of the quality / size /
     speed chart."""
 
@@ -200,9 +195,8 @@ class Candidates:
 
     def add(self, label: str, plan, kl: float | None = None, bits: float | None = None) -> str:
         from .plan import QuantPlan
-        from .ui.session import plan_hash
         plan = plan if isinstance(plan, QuantPlan) else QuantPlan.from_dict(plan)
-        h = plan_hash(plan)
+        h = plan.content_hash()
         if h in self._labels:
             label = self._labels[h]
         else:
@@ -261,7 +255,7 @@ def _yes(x) -> str:
 
 def projection_rows(projections: Mapping[str, Sequence]) -> list[list[str]]:
     """Per plan and device: the figures a person compares (what ``projection_table_html`` shows)."""
-    from .cli.project_cmd import format_bytes
+    from .units import format_bytes
     rows = []
     for label, ps in projections.items():
         for p in ps:

@@ -37,15 +37,16 @@ from typing import Callable, Iterable, Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
+from .assets import demo_text_path
 from .errors import DataError, PlanError, WorkspaceError
 from .evaluate import DEFAULT_CTX, EvalReport, ReferenceOutputs, capture_reference, encode_text, evaluate, read_text
-from .models import LoadedModel, demo_text_path
+from .models import LoadedModel
 from .proxy import PROXY_VERSION, decoder_blocks, proxy_scores, proxy_supported
 from .plan import DEFAULT_GROUP_SIZE, DEFAULT_SCALE_SEARCH, PRECISIONS, QUANTIZER_SETTINGS, QuantPlan, get_precision
-from .workspace import Workspace, atomic_write_json, read_json_file
+from .workspace import Workspace, atomic_write_json, model_fingerprint, read_json_file
 
 __all__ = ["LayerVariants", "BlockReplay", "PlanEvaluator", "LayerSensitivity", "SensitivityReport", "run_sensitivity",
-           "choose_score", "evaluation_tokens", "model_fingerprint", "sweep_precisions", "DEFAULT_SWEEP_TOKENS",
+           "choose_score", "evaluation_tokens", "sweep_precisions", "DEFAULT_SWEEP_TOKENS",
            "SENSITIVITY_STEP", "SCORES", "AUTO_KL_MAX_WORK"]
 
 DEFAULT_SWEEP_TOKENS = 1024  # 2 windows of 512 on the demo model: enough to rank layers, ~0.5 s a trial
@@ -72,12 +73,6 @@ def sweep_precisions(symmetric: bool = True, layers: Iterable | None = None) -> 
     layers = list(layers or ())
     return tuple(p.name for p in PRECISIONS.values() if not p.is_float and (symmetric or not p.two_level)
                  and not any(p.misfit(info.shape[1]) for info in layers))
-
-
-def model_fingerprint(lm: LoadedModel) -> str:
-    """A hash of the weights as they are in memory: a sweep cached for one model is never reused for another."""
-    from .calibrate import model_fingerprint as weights_fingerprint
-    return weights_fingerprint(lm.model)
 
 
 def evaluation_tokens(lm: LoadedModel, text_path: str | Path | None = None, tokens: int | None = None) -> torch.Tensor:
@@ -683,7 +678,7 @@ def run_sensitivity(lm: LoadedModel, *, ids: torch.Tensor | None = None, text_pa
         raise PlanError(f"layer(s) {unknown[:3]} are not quantizable layers of this model")
     infos = [lm.layer(n) for n in names]
     score, reason = choose_score(lm, len(infos) * len(precisions), len(evaluator.ids), score)
-    inputs = {"model": model_fingerprint(lm), "tokens": hashlib.sha256(evaluator.ids.numpy().tobytes()).hexdigest()[:16],
+    inputs = {"model": model_fingerprint(lm.model), "tokens": hashlib.sha256(evaluator.ids.numpy().tobytes()).hexdigest()[:16],
               "n_tokens": int(len(evaluator.ids)), "ctx": evaluator.ctx, "precisions": list(precisions),
               "group_size": variants.group_size, "symmetric": variants.symmetric, "layers": names, "method": "rtn"}
     if score == "proxy":  # measured sweeps keep the inputs (and cache keys) they always had

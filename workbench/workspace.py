@@ -28,7 +28,7 @@ from typing import Callable, Iterable, Mapping
 from .errors import WorkspaceError
 
 __all__ = ["Workspace", "Artifact", "atomic_write_bytes", "atomic_write_text", "atomic_write_json", "read_json_file",
-           "hash_inputs", "file_sha256", "library_versions", "DEFAULT_WORKSPACE", "check_output_dir", "staged_output",
+           "hash_inputs", "model_fingerprint", "file_sha256", "library_versions", "DEFAULT_WORKSPACE", "check_output_dir", "staged_output",
            "swap_into_place", "write_output_manifest", "rebase_paths"]
 
 DEFAULT_WORKSPACE = Path(os.environ.get("WORKBENCH_WORKSPACE", "workspace"))
@@ -226,6 +226,26 @@ def hash_inputs(inputs: Mapping) -> str:
     """A short stable key for a dict of inputs (order-independent)."""
     blob = json.dumps(_canonical(inputs), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def model_fingerprint(model) -> str:
+    """A hash of the model's parameter and buffer names, shapes, dtypes and bytes (as it is in memory).
+
+    What every cached step keys a model by (calibration, sweeps, quantization, importance): a cache
+    entry made for one model is never reused for another, or for the same one after its weights changed.
+    """
+    import torch
+
+    h = hashlib.sha256()
+    seen = set()
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        t = t.detach().cpu().contiguous()
+        h.update(f"{name}|{tuple(t.shape)}|{t.dtype}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
 
 
 def file_sha256(path: Path, chunk: int = 1 << 20) -> str:

@@ -19,14 +19,6 @@ def print_json(obj) -> None:
     sys.stdout.write("\n")
 
 
-def format_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if abs(n) < 1024 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} GB"
-
-
 def add_budget_argument(p):
     """``--max-tokens``: how much of the evaluation text to score (default: sized to the model)."""
     p.add_argument("--max-tokens", type=_budget, default="auto",

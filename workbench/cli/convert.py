@@ -15,8 +15,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..convert import CONVERT_TARGETS, convert, write_conversion_json
+from ..units import format_bytes
 from ..workspace import check_output_dir, rebase_paths, staged_output
-from .common import add_device_argument, add_json_flag, add_model_argument, format_bytes, print_json
+from .common import add_device_argument, add_json_flag, add_model_argument, print_json
 from .export import parse_static
 
 CONVERT_FORMAT = "workbench-convert"  # the kind named in the manifest of a conversion's --out

@@ -1,8 +1,9 @@
 """Perplexity (strided) of a model on a text; with --ref, KL divergence and top-1 agreement."""
 from __future__ import annotations
 
+from ..assets import demo_text_path
 from ..evaluate import DEFAULT_CTX, SCHEMES, default_token_budget, encode_text, evaluate, read_text
-from ..models import demo_text_path, load_model
+from ..models import load_model
 from .common import add_device_argument, add_budget_argument, add_json_flag, add_model_argument, print_json
 
 HELP = "perplexity, and KL / top-1 agreement against a reference model"

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 from ..models import load_model
-from .common import add_device_argument, add_json_flag, add_model_argument, format_bytes, print_json
+from ..units import format_bytes
+from .common import add_device_argument, add_json_flag, add_model_argument, print_json
 
 HELP = "layer table and size per precision"
 PRECISIONS = ("fp32", "fp16", "int8", "int4")

@@ -8,7 +8,8 @@ Exits 1 when the target would reject the graph (a finding of severity "error").
 from __future__ import annotations
 
 from ..targets import TARGETS, inspect_graph
-from .common import add_json_flag, format_bytes, print_json
+from ..units import format_bytes
+from .common import add_json_flag, print_json
 
 HELP = "operator inventory and per-target compatibility of an ONNX graph"
 

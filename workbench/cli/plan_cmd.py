@@ -16,7 +16,8 @@ from ..evaluate import default_token_budget
 from ..models import load_model
 from ..plan import QuantPlan
 from ..sensitivity import LayerVariants, PlanEvaluator, evaluation_tokens
-from .common import add_device_argument, add_json_flag, add_model_argument, format_bytes, print_json
+from ..units import format_bytes
+from .common import add_device_argument, add_json_flag, add_model_argument, print_json
 from .sensitivity import add_sweep_arguments, sweep
 
 HELP = "automatic mixed-precision plan under a size or bits/weight budget, predicted and measured"

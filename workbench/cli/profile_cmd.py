@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from ..profile import (DEFAULT_PROMPT_LENGTHS, host_bandwidth, last_level_cache_bytes, parse_prompt_lengths,
                        profile_directory)
-from .common import add_json_flag, format_bytes, print_json
+from ..units import format_bytes
+from .common import add_json_flag, print_json
 
 HELP = "prefill latency, decode tokens/s, size and memory of exported / converted models (this CPU)"
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 from ..errors import PlanError
 from ..models import is_quantized_dir, resolve_model_path
 from ..plan import QuantPlan
+from ..units import format_bytes
 from .common import add_json_flag, add_model_argument, print_json
 
 HELP = "project memory, decode tokens/s and prefill time of a model and plan on a device"
@@ -70,11 +71,6 @@ def run(args) -> int:
 
 def _yes(x):
     return "unknown" if x is None else ("yes" if x else "NO")
-
-
-def format_bytes(n: float) -> str:
-    """Decimal units, as bandwidth (GB/s) and published memory figures are given."""
-    return f"{n / 1e9:.3f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
 
 
 def _unsupported(layers: list) -> str:

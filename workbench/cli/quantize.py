@@ -20,9 +20,10 @@ from ..models import load_model
 from ..errors import PlanError
 from ..plan import QuantPlan
 from ..quantize.model import CALIBRATED_METHODS, METHODS
+from ..units import format_bytes
 from ..workspace import check_output_dir, staged_output
-from .common import (add_device_argument, add_budget_argument, add_json_flag, add_model_argument,
-                     add_scale_search_argument, format_bytes, print_json)
+from .common import (add_device_argument, add_budget_argument, add_json_flag,
+                     add_model_argument, add_scale_search_argument, print_json)
 
 FULL_STATS_MAX_PARAMETERS = 100_000_000  # above this the statistics pass costs minutes: opt in, or calibrate first
 HELP = "quantize by plan (RTN / AWQ / GPTQ, INT2..INT8, two-level scales), save, and measure the cost"
@@ -102,7 +103,7 @@ def _plan_from_args(args) -> QuantPlan:
 def run(args) -> int:
     from ..quantize import heldout_ids, measure_cost, measure_reference, quantize_model, write_report
     from ..quantize.cost import check_ctx
-    from ..quantize.io import FORMAT, weight_file_bytes
+    from ..quantize.storage import FORMAT, weight_file_bytes
     plan = _plan_from_args(args)
     check_output_dir(args.out, FORMAT)  # refuse before any heavy work; checked again when swapped in
     if args.threads:

@@ -215,8 +215,8 @@ def apply_awq_scales_(model: nn.Module, result: dict) -> nn.Module:
 
 # ---------------------------------------------------------------------------------------------
 # search
-def _capture_block_inputs(model: nn.Module, blocks: nn.ModuleList, samples: list[torch.Tensor],
-                          max_tokens: int, batch_size: int = 1):
+def capture_block_inputs(model: nn.Module, blocks: nn.ModuleList, samples: list[torch.Tensor],
+                         max_tokens: int, batch_size: int = 1):
     """Run the model up to the first block on calibration samples; keep (hidden, kwargs) per batch."""
     chosen, total = [], 0
     for s in samples:
@@ -269,7 +269,7 @@ def _capture_block_inputs(model: nn.Module, blocks: nn.ModuleList, samples: list
     return units, total
 
 
-def _token_chunks(units, chunk_tokens: int) -> list[list[int]]:
+def token_chunks(units, chunk_tokens: int) -> list[list[int]]:
     """Consecutive unit indices, at most ``chunk_tokens`` tokens a chunk (at least one unit each)."""
     chunks, cur, n = [], [], 0
     for i, (hidden, _kw) in enumerate(units):
@@ -284,7 +284,7 @@ def _token_chunks(units, chunk_tokens: int) -> list[list[int]]:
     return chunks
 
 
-def _run_block(blk: nn.Module, units, idx: list[int], watch: dict[str, nn.Module]):
+def run_block(blk: nn.Module, units, idx: list[int], watch: dict[str, nn.Module]):
     """Run ``blk`` on the units ``idx``; record what each watched module receives and the block outputs."""
     seen = {k: [] for k in watch}
     handles = []
@@ -439,8 +439,8 @@ def search_awq(model: nn.Module, samples: list[torch.Tensor], spec: dict[str, tu
     for g in all_groups:
         if not isinstance(model.get_submodule(g.prev), nn.Linear):
             _check_norm_foldable(model.get_submodule(g.prev), g.prev)
-    units, tokens = _capture_block_inputs(model, blocks, samples, max_tokens)
-    chunks = _token_chunks(units, chunk_tokens)
+    units, tokens = capture_block_inputs(model, blocks, samples, max_tokens)
+    chunks = token_chunks(units, chunk_tokens)
     clip_step = max(1, tokens // CLIP_TOKENS)  # evenly spaced tokens for the clip search, as over all at once
     result = {"version": 1, "method": "awq", "grid": [i / n_grid for i in range(n_grid)], "tokens": tokens,
               "groups": [], "clips": {}, "clip_stats": {}}
@@ -451,7 +451,7 @@ def search_awq(model: nn.Module, samples: list[torch.Tensor], spec: dict[str, tu
         with widened(blocks[i]):  # the search runs in float32 one block at a time, whatever the stored dtype
             if i < done:  # searched before the kill: only its outputs are needed, as the next block's inputs
                 for idx in chunks:
-                    _, outs = _run_block(blocks[i], units, idx, {})
+                    _, outs = run_block(blocks[i], units, idx, {})
                     for j, out in zip(idx, outs):
                         units[j][0].copy_(out)
                 continue
@@ -516,7 +516,7 @@ def _search_block(i, prefix, blocks, all_groups, spec, units, chunks, clip, clip
     watch.update({n: sub(n) for n in clip_layers})
     clip_rows: dict[str, list[torch.Tensor]] = {n: [] for n in clip_layers}
     for idx in chunks:
-        seen, outs = _run_block(blk_orig, units, idx, watch)
+        seen, outs = run_block(blk_orig, units, idx, watch)
         for search in searches:
             search.add(seen[search.g.inspect])
         for n in clip_layers:

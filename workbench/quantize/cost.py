@@ -20,7 +20,7 @@ from torch import nn
 
 from ..evaluate import (DEFAULT_CTX, EvalReport, ReferenceOutputs, capture_reference, encode_text, evaluate,
                         default_token_budget, paired_difference, read_text, reference_report)
-from .io import weight_file_bytes
+from .storage import weight_file_bytes
 
 __all__ = ["Baseline", "QuantCost", "measure_reference", "measure_cost", "heldout_ids", "check_ctx", "likely_causes",
            "DEFAULT_PPL_THRESHOLD"]
@@ -49,7 +49,7 @@ def heldout_ids(lm, path: str | Path | None = None, max_tokens: int | str | None
     ``max_tokens``: None for the whole text, a number, or ``"auto"`` for ``default_token_budget``
     (the whole text on small models, a few thousand tokens on 0.5 B and larger).
     """
-    from ..models import demo_text_path
+    from ..assets import demo_text_path
     p = Path(path) if path else demo_text_path("heldout")
     ids = encode_text(lm.tokenizer, read_text(p), source=str(p))
     if max_tokens == "auto":

@@ -90,8 +90,8 @@ def compare_with_autoawq(lm, texts: list[str], auto_awq, *, group_size: int = 12
     ``bits``-bit weights in groups of ``group_size``, as autoawq's GEMM format. ``eval_ids``
     defaults to the bundled held-out text.
     """
+    from ..assets import demo_text_path
     from ..evaluate import encode_text, evaluate, read_text
-    from ..models import demo_text_path
     from ..plan import QuantPlan
     from .model import quantize_model
     from .rtn import fake_quantize

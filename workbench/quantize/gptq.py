@@ -39,9 +39,9 @@ from torch import nn
 from ..compute import widened
 from ..errors import PlanError
 from ..memory import release_freed_memory
-from .awq import _capture_block_inputs, _run_block, _token_chunks, find_decoder_blocks
+from .awq import capture_block_inputs, run_block, token_chunks, find_decoder_blocks
 from .qtensor import QuantizedWeight, SubScales, code_range, group_channel_scales
-from .rtn import (_grouped, _quantize_groups, channel_scales_for, check_two_level, dequantize_codes, round_codes,
+from .rtn import (group_weights, quantize_groups, channel_scales_for, check_two_level, dequantize_codes, round_codes,
                   two_level_groups)
 
 __all__ = ["gptq_quantize_weight", "search_gptq", "DEFAULT_DAMP", "DEFAULT_BLOCK_COLUMNS", "default_gptq_tokens"]
@@ -68,7 +68,7 @@ def _group_params(w: torch.Tensor, bits: int, symmetric: bool, scale_search: boo
         _q, sub, _ = two_level_groups(w[:, None, :], bits, scale_bits, scale_search=scale_search,
                                       importance=importance[None, :], channel_scales=channel)
         return sub[:, 0] * channel, None, sub[:, 0]
-    _q, scales, zeros = _quantize_groups(w[:, None, :], bits, symmetric, None, scale_search=scale_search,
+    _q, scales, zeros = quantize_groups(w[:, None, :], bits, symmetric, None, scale_search=scale_search,
                                          importance=importance[None, :])
     return scales[:, 0], None if zeros is None else zeros[:, 0], None
 
@@ -103,7 +103,7 @@ def gptq_quantize_weight(w: torch.Tensor, h: torch.Tensor, bits: int, group_size
         raise PlanError(f"GPTQ needs a 2-D weight and its [in, in] input covariance, got {tuple(w.shape)} and "
                         f"{tuple(h.shape)}")
     out, cols = w.shape
-    _grouped(w, group_size)  # the same divisibility error as RTN
+    group_weights(w, group_size)  # the same divisibility error as RTN
     check_two_level(scale_bits, symmetric)
     g = group_size or cols
     lo, hi = code_range(bits, symmetric)
@@ -119,7 +119,7 @@ def gptq_quantize_weight(w: torch.Tensor, h: torch.Tensor, bits: int, group_size
     channel = group_ch = sub_scales = None
     scale_bits = SubScales.of(scale_bits)
     if scale_bits is not None:  # the row (super-block) scales from the original weights, before any correction
-        channel = channel_scales_for(_grouped(w, group_size), bits, scale_bits)
+        channel = channel_scales_for(group_weights(w, group_size), bits, scale_bits)
         group_ch = group_channel_scales(channel, n_groups)
         sub_scales = torch.empty(out, n_groups)
     if act_order:  # static groups: every group's range from the original weights, before any correction
@@ -209,8 +209,8 @@ def search_gptq(model: nn.Module, samples: list[torch.Tensor], spec: dict[str, t
     from tqdm.auto import tqdm
     t0 = time.perf_counter()
     prefix, blocks = find_decoder_blocks(model)
-    units, tokens = _capture_block_inputs(model, blocks, samples, max_tokens)
-    chunks = _token_chunks(units, chunk_tokens)
+    units, tokens = capture_block_inputs(model, blocks, samples, max_tokens)
+    chunks = token_chunks(units, chunk_tokens)
     weights: dict[str, QuantizedWeight] = {}
     params = dict(model.named_parameters(remove_duplicate=False))
     done = _load_checkpoint(checkpoint, weights, len(blocks), tokens) if checkpoint is not None else 0
@@ -235,7 +235,7 @@ def search_gptq(model: nn.Module, samples: list[torch.Tensor], spec: dict[str, t
                        for n, m in mods.items()]
             try:
                 for idx in chunks:
-                    _run_block(blk, units, idx, {})
+                    run_block(blk, units, idx, {})
             finally:
                 for hd in handles:
                     hd.remove()
@@ -260,7 +260,7 @@ def search_gptq(model: nn.Module, samples: list[torch.Tensor], spec: dict[str, t
 def _forward_block(blk: nn.Module, units, chunks) -> None:
     """Replace each unit's block inputs by the block's outputs."""
     for idx in chunks:
-        _seen, outs = _run_block(blk, units, idx, {})
+        _seen, outs = run_block(blk, units, idx, {})
         for j, out in zip(idx, outs):
             units[j][0].copy_(out)
         del outs

@@ -339,7 +339,7 @@ def _gptq_checkpoint(workspace, model, samples, spec, settings: dict, awq_search
 
     None (no resume) without a workspace, or for AWQ+GPTQ on a search the workspace did not store.
     """
-    from ..calibrate import model_fingerprint
+    from ..workspace import model_fingerprint
     if workspace is None or (awq_search is not None and not awq_search.get("workspace_key")):
         return None
     inputs = {"weights": model_fingerprint(model), "calibration": _samples_key(samples),
@@ -352,7 +352,7 @@ def _cached_awq_search(workspace, model, samples, mean_abs, spec, awq_tokens, pr
     """The AWQ search through the workspace: keyed by weights, calibration tokens, layer spec and settings."""
     import hashlib
 
-    from ..calibrate import model_fingerprint
+    from ..workspace import model_fingerprint
     from .awq import DEFAULT_GRID, SEARCH_VERSION, load_awq_search, save_awq_search, search_awq
     stats_key = None
     if mean_abs:

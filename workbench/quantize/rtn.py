@@ -43,7 +43,8 @@ def _fp16_ceil(x: torch.Tensor) -> torch.Tensor:
     return h.float()
 
 
-def _grouped(w: torch.Tensor, group_size: int | None) -> torch.Tensor:
+def group_weights(w: torch.Tensor, group_size: int | None) -> torch.Tensor:
+    """``w [out, in]`` as ``[out, in / group_size, group_size]`` (one group per row when ``group_size`` is None)."""
     out, inp = w.shape
     g = group_size or inp
     if inp % g:
@@ -107,8 +108,8 @@ def two_level_groups(wg: torch.Tensor, bits: int, scale_bits: "int | SubScales",
     return best[0], best[1], channel_scales
 
 
-def _quantize_groups(wg: torch.Tensor, bits: int, symmetric: bool, clip_max: torch.Tensor | None, *,
-                     scale_search: bool = False, importance: torch.Tensor | None = None):
+def quantize_groups(wg: torch.Tensor, bits: int, symmetric: bool, clip_max: torch.Tensor | None, *,
+                    scale_search: bool = False, importance: torch.Tensor | None = None):
     """Codes (float, integral), scales and zeros for grouped weights ``[out, n_groups, g]``.
 
     ``importance`` (``[n_groups, g]``, per input column) weighs the error the scale search minimises.
@@ -182,12 +183,12 @@ def quantize_weight(w: torch.Tensor, bits: int, group_size: int | None = 128, sy
     check_two_level(scale_bits, symmetric)
     w = w.detach().to(torch.float32)
     out, inp = w.shape
-    wg = _grouped(w, group_size)
+    wg = group_weights(w, group_size)
     if scale_bits is not None:
         q, sub, ch = two_level_groups(_clipped(wg, clip_max), bits, scale_bits, scale_search=scale_search)
         return QuantizedWeight.two_level_weight(q.reshape(out, inp).to(torch.int8), sub.to(torch.uint8), ch, bits,
                                                 group_size, SubScales.of(scale_bits))
-    q, scales, zeros = _quantize_groups(wg, bits, symmetric, clip_max, scale_search=scale_search)
+    q, scales, zeros = quantize_groups(wg, bits, symmetric, clip_max, scale_search=scale_search)
     qdtype = torch.int8 if symmetric else torch.uint8
     return QuantizedWeight(q.reshape(out, inp).to(qdtype), scales.contiguous(),
                            None if zeros is None else zeros.to(torch.uint8), bits, group_size)
@@ -196,9 +197,9 @@ def quantize_weight(w: torch.Tensor, bits: int, group_size: int | None = 128, sy
 def fake_quantize(w: torch.Tensor, bits: int, group_size: int | None, symmetric: bool,
                   clip_max: torch.Tensor | None = None, scale_bits: "int | SubScales | None" = None) -> torch.Tensor:
     """``quantize_weight(...).dequantize()`` without building the container (used inside searches)."""
-    wg = _grouped(w.to(torch.float32), group_size)
+    wg = group_weights(w.to(torch.float32), group_size)
     if scale_bits is not None:
         check_two_level(scale_bits, symmetric)
         q, sub, ch = two_level_groups(_clipped(wg, clip_max), bits, scale_bits)
         return dequantize_codes(q, (sub * group_channel_scales(ch, sub.shape[1]))[..., None], None).reshape(w.shape)
-    return _dequantize_groups(*_quantize_groups(wg, bits, symmetric, clip_max)).reshape(w.shape)
+    return _dequantize_groups(*quantize_groups(wg, bits, symmetric, clip_max)).reshape(w.shape)

@@ -1,8 +1,39 @@
 """How a quantized model is stored: the compressed-tensors packing, the tensors as stored, and writing the directory.
 
-The directory's layout is described in ``workbench.quantize.io``, which loads it back. This module
-depends on nothing else of the package's quantization (a ``QuantizedModel`` is passed in), so the
-model can save itself and count its stored bytes without an import cycle.
+``workbench.models.load_quantized`` loads the directory back (``load_model`` does for any quantized
+directory). This module depends on nothing else of the package's quantization (a ``QuantizedModel``
+is passed in), so the model can save itself and count its stored bytes without an import cycle.
+
+Layout (written atomically: built in a temporary sibling directory, then renamed into place)::
+
+    config.json, tokenizer files   the source model's, with tie_word_embeddings cleared if untied, and a
+                                   compressed-tensors ``quantization_config`` when transformers can load it
+    model.safetensors              every tensor, in the compressed-tensors "pack-quantized" layout that
+                                   transformers (with the compressed-tensors package) and vLLM read:
+                                   float tensors (norms, biases, float layers: fp16 layers as float16, the
+                                   rest float16 when that is exact, else float32) and per integer layer
+                                   <fqn>.weight_packed, <fqn>.weight_scale (float16 [out, groups]),
+                                   <fqn>.weight_shape, <fqn>.weight_zero_point (asymmetric only)
+    workbench.safetensors          instead of model.safetensors when an embedding is integer: transformers
+                                   cannot build one (see ``TRANSFORMERS_CANNOT``), so it finds no weights
+                                   file there and says so instead of loading a random network
+    plan.json                      the QuantPlan
+    quantization.json              method, weights file, per-layer precision / group size / fallback
+    report.json                    measured cost (when given)
+    manifest.json                  every file with its size and sha256
+
+Layers with 2, 3, 5 or 6-bit codes or two-level scales are stored as dense bitstreams instead
+(``storage.stored_shapes``: ``weight_packed``, ``weight_sub_scale`` + ``weight_channel_scale`` or
+``weight_scale``, ``weight_zero_point``), in workbench.safetensors: compressed-tensors has no layout
+for them.
+
+Codes as stored: symmetric codes offset by ``2^(b-1)``, asymmetric codes as they are (both equal to
+compressed-tensors' signed code plus its offset), packed ``32 / b`` to an int32 along the input axis,
+the first code in the lowest bits; zero points likewise, packed along the output axis. Version 1
+directories (``quantized.safetensors`` beside a float-only ``model.safetensors``) still load.
+
+    d = qm.save(Path("out") / "demo-int4"); lm, qm = load_quantized(d)   # lm.model computes from the codes
+    AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, local_files_only=True)  # the same logits
 """
 from __future__ import annotations
 
@@ -26,7 +57,8 @@ from .qtensor import QuantizedWeight, SubScales, pack_bits, pack_int4, unpack_bi
 
 __all__ = ["save_quantized", "layer_storage", "float_storage", "write_report", "FORMAT", "FORMAT_VERSION",
            "weight_file_bytes", "pack_int32", "unpack_int32", "compressed_tensors_config", "WEIGHTS_FILE",
-           "WORKBENCH_WEIGHTS_FILE", "TRANSFORMERS_CANNOT", "CT_FORMAT"]
+           "WORKBENCH_WEIGHTS_FILE", "TRANSFORMERS_CANNOT", "CT_FORMAT", "HALF_DTYPES", "stored_shapes",
+           "stored_integer_layers", "weight_from_file", "write_manifest"]
 
 FORMAT = "workbench-quantized"
 FORMAT_VERSION = 3  # 3: 2/3/5/6-bit codes and two-level scales as dense bitstreams (versions 1 and 2 still load)
@@ -35,7 +67,7 @@ WEIGHTS_FILE = "model.safetensors"  # the file transformers looks for
 WORKBENCH_WEIGHTS_FILE = "workbench.safetensors"  # integer embeddings: a name transformers does not look for
 V1_FLOAT_FILE, V1_QUANT_FILE = "model.safetensors", "quantized.safetensors"
 CT_FORMAT = "pack-quantized"
-_HALF = {torch.float16, torch.bfloat16}
+HALF_DTYPES = {torch.float16, torch.bfloat16}
 # Measured with transformers 5.17 and compressed-tensors 0.20.1: a pack-quantized nn.Embedding fails in
 # transformers' weight initialisation, so such a directory is kept out of its reach.
 TRANSFORMERS_CANNOT = ("an integer embedding: transformers 5.17 with compressed-tensors 0.20 fails to build one "
@@ -94,8 +126,8 @@ def _packed_shape(rows: int, cols: int, bits: int) -> tuple[int, int]:
     return rows, -(-cols * bits // 32)
 
 
-def _ct_shapes(name: str, shape: tuple[int, int], bits: int, group_size: int | None, symmetric: bool,
-               scale_bits: "int | SubScales | None" = None) -> dict:
+def stored_shapes(name: str, shape: tuple[int, int], bits: int, group_size: int | None, symmetric: bool,
+                  scale_bits: "int | SubScales | None" = None) -> dict:
     """The tensors (name -> shape) one integer layer is stored as.
 
     Outside compressed-tensors' layout (``ct_layout``): ``weight_packed`` the codes as one dense
@@ -147,8 +179,9 @@ def _file_tensors(name: str, qw: QuantizedWeight) -> dict[str, torch.Tensor]:
     return {**_quant_tensors(name, qw), f"{name}.weight_shape": torch.tensor(qw.shape, dtype=torch.int64)}
 
 
-def _weight_from_file(name: str, t: dict, bits: int, group_size: int | None,
-                      scale_bits: "int | SubScales | None" = None) -> QuantizedWeight:
+def weight_from_file(name: str, t: dict, bits: int, group_size: int | None,
+                     scale_bits: "int | SubScales | None" = None) -> QuantizedWeight:
+    """The ``QuantizedWeight`` of layer ``name`` from its stored tensors ``t`` (the inverse of ``layer_storage``)."""
     out_f, in_f = (int(x) for x in t[f"{name}.weight_shape"])
     if not ct_layout(bits, scale_bits):
         groups = in_f // (group_size or in_f)
@@ -168,7 +201,7 @@ def _weight_from_file(name: str, t: dict, bits: int, group_size: int | None,
     return QuantizedWeight.from_storage_codes(codes, t[f"{name}.weight_scale"], zeros, bits, group_size)
 
 
-def _stored_integer_layers(qm) -> list:
+def stored_integer_layers(qm) -> list:
     """Integer layers with their own tensors (a tied copy is stored once, under the embedding)."""
     return [r for r in qm.layers if r.name in qm.weights and not (r.tied_to and not r.untied)]
 
@@ -176,7 +209,7 @@ def _stored_integer_layers(qm) -> list:
 def compressed_tensors_config(qm) -> dict:
     """The ``quantization_config`` transformers reads: one config group per (bits, group size, symmetry)."""
     groups: dict[tuple, list[str]] = {}
-    for r in _stored_integer_layers(qm):
+    for r in stored_integer_layers(qm):
         qw = qm.weights[r.name]
         groups.setdefault((qw.bits, qw.group_size, qw.symmetric), []).append(r.name)
     config_groups = {}
@@ -248,7 +281,8 @@ def _layer_entry(qm, r) -> dict:
     qw = qm.weights.get(r.name)
     if qw is not None and not (r.tied_to and not r.untied):
         d.update(bits=qw.bits, symmetric=qw.symmetric, storage_bytes=qw.storage_bytes(),
-                 tensors=sorted(_ct_shapes(r.name, qw.shape, qw.bits, qw.group_size, qw.symmetric, qw.sub_layout)))
+                 tensors=sorted(stored_shapes(r.name, qw.shape, qw.bits, qw.group_size, qw.symmetric,
+                                              qw.sub_layout)))
         if qw.two_level:
             d["scale_bits"] = qw.scale_bits
             if qw.scale_max is not None:
@@ -258,7 +292,8 @@ def _layer_entry(qm, r) -> dict:
     return d
 
 
-def _write_manifest(directory: Path, extra: dict) -> None:
+def write_manifest(directory: Path, extra: dict) -> None:
+    """``manifest.json``: every file of the directory with its size and sha256 (what loading verifies), and ``extra``."""
     files = {f.name: {"size": f.stat().st_size, "sha256": file_sha256(f)}
              for f in sorted(directory.iterdir()) if f.is_file() and f.name != "manifest.json"}
     version = json.loads((directory / "quantization.json").read_text(encoding="utf-8"))["version"] \
@@ -288,7 +323,7 @@ def save_quantized(qm, directory: str | Path, *, report: dict | None = None) -> 
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.partial-"))
     try:
         lm = qm.source
-        stored = _stored_integer_layers(qm)
+        stored = stored_integer_layers(qm)
         why_not = TRANSFORMERS_CANNOT if any(r.kind == "embedding" for r in stored) else \
             TRANSFORMERS_CANNOT_BITS if any(not ct_layout(qm.weights[r.name].bits, qm.weights[r.name].scale_bits)
                                             for r in stored) else None
@@ -325,7 +360,7 @@ def save_quantized(qm, directory: str | Path, *, report: dict | None = None) -> 
         atomic_write_json(tmp / "quantization.json", meta)
         if report is not None:
             atomic_write_json(tmp / "report.json", report)
-        _write_manifest(tmp, {"method": qm.method, "source": str(lm.path)})
+        write_manifest(tmp, {"method": qm.method, "source": str(lm.path)})
         swap_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -340,5 +375,5 @@ def write_report(directory: str | Path, report: dict) -> Path:
         raise WorkspaceError(f"'{d}' is not a saved quantized model (no manifest.json)")
     manifest = json.loads((d / "manifest.json").read_text())
     atomic_write_json(d / "report.json", report)
-    _write_manifest(d, {k: manifest[k] for k in ("method", "source") if k in manifest})
+    write_manifest(d, {k: manifest[k] for k in ("method", "source") if k in manifest})
     return d / "report.json"

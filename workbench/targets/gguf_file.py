@@ -251,12 +251,12 @@ _BLOCK = {"Q4_0": (32, 18), "Q5_0": (32, 22), "Q8_0": (32, 34), "Q3_K": (256, 11
 def _tensors(qm) -> list[tuple[str, str, tuple, np.dtype, int, object]]:
     """``(gguf name, ggml type, shape as written, dtype, bytes, make())`` of every tensor in model order;
     ``make()`` packs it when called, so a writer holds one tensor at a time."""
-    from ..quantize.storage import _stored_integer_layers, float_storage
+    from ..quantize.storage import stored_integer_layers, float_storage
     lm = qm.source
     precisions = qm.precisions
     floats = float_storage(qm)
     params = dict(lm.model.named_parameters())
-    integer = {f"{r.name}.weight": r.name for r in _stored_integer_layers(qm)}
+    integer = {f"{r.name}.weight": r.name for r in stored_integer_layers(qm)}
     tied = {r.name for r in qm.layers if r.tied_to and not r.untied}
     out = []
     for name in _parameter_names(lm.model, {r.name for r in qm.layers}):
@@ -338,9 +338,9 @@ def check_gguf(qm, path: str | Path) -> dict:
     from gguf.quants import dequantize
     reader = gguf.GGUFReader(str(path))
     by_name = {t.name: t for t in reader.tensors}
-    from ..quantize.storage import _stored_integer_layers
+    from ..quantize.storage import stored_integer_layers
     worst, count, weights, types = 0.0, 0, 0, {}
-    for r in _stored_integer_layers(qm):
+    for r in stored_integer_layers(qm):
         layer, qw = r.name, qm.weights[r.name]
         target = gguf_parameter_name(f"{layer}.weight")
         t = by_name.get(target)

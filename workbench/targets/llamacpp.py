@@ -23,7 +23,7 @@ from pathlib import Path
 from ..errors import PlanError
 from ..models import LoadedModel
 from ..plan import QuantPlan, get_precision
-from ..quantize.storage import _stored_integer_layers
+from ..quantize.storage import stored_integer_layers
 from ..workspace import atomic_write_text
 from .common import OverrideFile, layer_precisions
 from .gguf_file import check_gguf, gguf_parameter_name, write_gguf
@@ -131,7 +131,7 @@ def convert_llamacpp(job) -> None:
     if check["max_abs_diff"] != 0.0:
         raise PlanError(f"'{path}' does not hold the simulated weights (largest difference {check['max_abs_diff']:g}); "
                         "this is a bug in the GGUF writer: please report it with the plan")
-    plan_bytes = sum(qm.weights[r.name].storage_bytes() for r in _stored_integer_layers(qm))
+    plan_bytes = sum(qm.weights[r.name].storage_bytes() for r in stored_integer_layers(qm))
     file_types = ", ".join(f"{n} x{c}" for n, c in sorted(check["types"].items()))
     job.report.details.update(gguf_check=check, gguf_bytes=path.stat().st_size, plan_integer_bytes=plan_bytes)
     job.report.details.setdefault("seconds", {})["write_gguf"] = written

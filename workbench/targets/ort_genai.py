@@ -46,7 +46,7 @@ from ..onnx.build import DATA_FILE, INLINE_LIMIT, DecoderSpec, GraphBuilder, Ten
 from ..runtime.onnx_runner import OnnxCausalLM
 from ..runtime.parity import greedy_agreement, parity, torch_reference
 from ..runtime.stream import torch_threads
-from .ort_int4 import (ACCURACY_LEVELS, NBitsWeights, _nbits_tensors, _release_float_model, _storage_notes,
+from .ort_int4 import (ACCURACY_LEVELS, NBitsWeights, nbits_tensors, release_float_model, storage_notes,
                        matmulnbits_block_size)
 from .registry import Target, register_target
 
@@ -105,7 +105,7 @@ class FusedWeights(NBitsWeights):
         codes_shape = [n, k // block, block * qw.bits // 8] if kind == "matmul" else [n, k * qw.bits // 8]
         first = self._codes.get(id(qw.qweight))
         if first is None:
-            codes, scales, zeros = _nbits_tensors(qw, block)
+            codes, scales, zeros = nbits_tensors(qw, block)
             qweight = g.weight(f"{fqn}.weight.qweight", lambda: codes.reshape(codes_shape))
             zname = g.weight(f"{fqn}.weight.zeros", lambda: zeros) if zeros is not None else None
             first = (qweight, self._scales(g, f"{fqn}.weight.scales", scales), zname)
@@ -134,7 +134,7 @@ class FusedWeights(NBitsWeights):
             return [self.linear(g, m, f, x) for m, f in zip(modules, fqns)]
         qws = [m.quantized for m in modules]
         block = matmulnbits_block_size(qws[0].effective_group_size)
-        parts = [_nbits_tensors(q, block) for q in qws]
+        parts = [nbits_tensors(q, block) for q in qws]
         widths = [q.shape[0] for q in qws]
         n, k, bits = sum(widths), qws[0].shape[1], qws[0].bits
         qweight = g.weight(f"{fused_name}.weight.qweight", lambda: np.concatenate([p[0] for p in parts]))
@@ -546,7 +546,7 @@ def convert_ort_genai(job) -> None:
                           weight_bytes=build.weight_bytes, plan_storage_bytes=prep.qm.storage_bytes(),
                           fused_nodes=dict(build.fused), ops=build.ops,
                           external_data=build.data_path is not None)
-    report.notes += _storage_notes(prep.qm, build.kept_float)
+    report.notes += storage_notes(prep.qm, build.kept_float)
     head_note = _float_head_note(prep.qm, build.path)
     if head_note:
         report.notes.append(head_note)
@@ -558,7 +558,7 @@ def convert_ort_genai(job) -> None:
         ref = torch_reference(sim, prompt)
     ev = job.evaluator()
     if job.owns_models:
-        _release_float_model(prep, keep=[ev.head] if ev is not None else [])
+        release_float_model(prep, keep=[ev.head] if ev is not None else [])
     release_freed_memory()
     seconds["reference_and_simulation"] = time.perf_counter() - t
     t = time.perf_counter()

@@ -65,7 +65,7 @@ class Int4Build:
     accuracy_level: int = 0
 
 
-def _nbits_tensors(qw, block: int):
+def nbits_tensors(qw, block: int):
     """MatMulNBits B, scales and zero points from a QuantizedWeight, repeating scales when groups > blocks."""
     import torch
 
@@ -131,7 +131,7 @@ class NBitsWeights(FloatWeights):
                  f"{fqn}.weight.zeros" if qw.zeros is not None else None)
         first = self._codes.get(id(qw.qweight))
         if first is None:
-            codes, scales, zeros = _nbits_tensors(qw, block)
+            codes, scales, zeros = nbits_tensors(qw, block)
             for name, array in zip(names, (codes.reshape(codes_shape), scales, zeros)):
                 if name:
                     g.weight(name, lambda array=array: array)
@@ -211,7 +211,7 @@ def build_nbits_onnx(sim_model, out_dir: str | Path, precisions: Mapping[str, st
     return Int4Build(built.prefill_path, built, dict(policy.replaced), kept, accuracy_level)
 
 
-def _storage_notes(qm, kept_float: dict[str, str]) -> list[str]:
+def storage_notes(qm, kept_float: dict[str, str]) -> list[str]:
     """What the plan's float layers became in the ONNX Runtime graphs (never silently float32)."""
     notes = [f"{k}: {v}" for k, v in kept_float.items()]
     two_level = [n for n, qw in qm.weights.items() if qw.two_level and n not in kept_float]
@@ -226,7 +226,7 @@ def _storage_notes(qm, kept_float: dict[str, str]) -> list[str]:
     return notes
 
 
-def _release_float_model(prep, keep=()) -> None:
+def release_float_model(prep, keep=()) -> None:
     """Drop the float model once its reference outputs are captured; the simulation keeps what it shares.
 
     Only for models the conversion loaded itself. The float copies of the integer layers (most of the
@@ -254,7 +254,7 @@ def convert_ort_int4(job) -> None:
     report.details.update(accuracy_level=job.accuracy_level, accuracy_level_meaning=ACCURACY_LEVELS[job.accuracy_level],
                           replaced_layers=len(build.replaced), kept_float=build.kept_float,
                           weight_bytes=graphs.weight_bytes, external_data=graphs.data_path is not None)
-    report.notes += _storage_notes(prep.qm, build.kept_float)
+    report.notes += storage_notes(prep.qm, build.kept_float)
     if graphs.data_path is not None:
         report.notes.append(f"prefill.onnx and decode.onnx share their weights in {graphs.data_path.name}; the decode "
                             "graph also runs prefill (a past of length 0)")
@@ -263,7 +263,7 @@ def convert_ort_int4(job) -> None:
     t = time.perf_counter()
     ev = job.evaluator()
     if job.owns_models:
-        _release_float_model(prep, keep=[ev.head] if ev is not None else [])
+        release_float_model(prep, keep=[ev.head] if ev is not None else [])
     release_freed_memory()
     seconds["reference_and_simulation"] = time.perf_counter() - t
     prompt = prep.float_lm.tokenizer("The workbench measures what each choice costs.",

@@ -39,7 +39,7 @@ from ..plan import get_precision
 from ..workspace import atomic_write_json
 from .base import inspect_graph
 from .common import OverrideFile, graph_names, layers_from_tensors, read_json_object, tensor_for
-from .ort_int4 import _release_float_model
+from .ort_int4 import release_float_model
 from .registry import OverrideFormat, Target, check_precisions, register_target
 
 __all__ = ["MASK_RANGE", "ORT_TYPES", "FLOAT_WEIGHT_TYPE", "causal_mask_tensors", "ort_overrides",
@@ -360,7 +360,7 @@ def qdq_evaluator(job):
                                 "(the simulation is scored on the same windows)")
     ev = job.evaluator(eval_ctx)
     if job.owns_models:
-        _release_float_model(job.prep, keep=[ev.head] if ev is not None else [])
+        release_float_model(job.prep, keep=[ev.head] if ev is not None else [])
     return ev
 
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
+from ..assets import ASSETS_DIR
 from ..errors import PlanError, WorkbenchError
-from ..models import ASSETS_DIR
 from ..plan import Precision, get_precision
 
 __all__ = ["Target", "OverrideFormat", "register_target", "get_target", "target_names", "override_format",

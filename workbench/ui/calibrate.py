@@ -18,8 +18,9 @@ import ipywidgets as widgets
 from ..calibrate import CalibrationStats, calibrate
 from ..charts.calibration import (make_channel_magnitude_figure, make_layer_overview_figure,
                                   make_stat_heatmap_figure, make_token_length_figure)
+from ..assets import demo_text_path
 from ..data import DEFAULT_SAMPLES, DEFAULT_SEQ_LEN, CalibrationSet
-from ..models import LoadedModel, demo_text_path
+from ..models import LoadedModel
 from ..workspace import Workspace
 from .base import StepPanel
 

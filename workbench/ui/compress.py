@@ -38,7 +38,7 @@ from ..prune import (HEAD_UNITS, SCORES, Geometry, PruneImportance, PrunePlan, g
 from ..sensitivity import evaluation_tokens
 from ..workspace import Workspace
 from .base import StepPanel
-from .session import describe_plan, plan_hash
+from .session import describe_plan
 
 __all__ = ["CompressPanel"]
 
@@ -137,7 +137,7 @@ class CompressPanel(StepPanel):
     def _plan_tag(self, plan: QuantPlan | None = None) -> str:
         """``plan 1a2b3c4d``, ``(RTN)`` added when the plan's own method is another: what a point is labelled."""
         plan = plan or self.quant_plan
-        return f"plan {plan_hash(plan)}" + ("" if plan.method == "rtn" else " (RTN)")
+        return f"plan {plan.content_hash()}" + ("" if plan.method == "rtn" else " (RTN)")
 
     def _on_plan(self) -> None:
         """The plan changed (the session's, or set here): say which it is, predict its size again."""
@@ -192,7 +192,7 @@ class CompressPanel(StepPanel):
                                   bits_per_weight=qm.bits_per_weight, ctx=self._ctx, parameters=lm.parameters)
             # the plan (hash, method, group size); its bits/weight on this model are the point's own column
             point["plan"] = describe_plan(plan) + ("" if plan.method == "rtn" else " rounded to nearest")
-            point["plan_hash"], point["fallbacks"] = plan_hash(plan), qm.fallbacks
+            point["plan_hash"], point["fallbacks"] = plan.content_hash(), qm.fallbacks
         else:
             point = measure_point(label, lm.model, ids, ref, size_bytes=lm.size_bytes(precision="fp16"),
                                   bits_per_weight=16.0, ctx=self._ctx)

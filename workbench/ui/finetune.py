@@ -13,9 +13,9 @@ from pathlib import Path
 
 import ipywidgets as widgets
 
+from ..assets import demo_text_path
 from ..charts.finetune import make_loss_figure
 from ..finetune import FinetuneConfig, FinetuneReport, finetune_lora
-from ..models import demo_text_path
 from .base import StepPanel
 
 __all__ = ["FinetunePanel"]

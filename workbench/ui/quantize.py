@@ -19,9 +19,10 @@ from dataclasses import replace
 
 import ipywidgets as widgets
 
+from ..assets import demo_text_path
 from ..charts.quantize import make_cost_table_figure, make_layer_error_figure
 from ..evaluate import DEFAULT_CTX
-from ..models import LoadedModel, demo_text_path
+from ..models import LoadedModel
 from ..plan import QuantPlan, get_precision
 from ..quantize import CALIBRATED_METHODS, heldout_ids, measure_cost, measure_reference, quantize_model
 from ..workspace import Workspace

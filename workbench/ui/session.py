@@ -32,17 +32,12 @@ from ..autoplan import plan_footprint
 from ..errors import PlanError, WorkbenchError
 from ..models import LoadedModel, load_model
 from ..plan import QuantPlan
-from ..workspace import Workspace, atomic_write_json, atomic_write_text, hash_inputs, library_versions
+from ..workspace import Workspace, atomic_write_json, atomic_write_text, library_versions
 
-__all__ = ["AppSession", "SessionLabel", "plan_hash", "describe_plan", "default_run_dir", "ARCHIVE_SEND_LIMIT"]
+__all__ = ["AppSession", "SessionLabel", "describe_plan", "default_run_dir", "ARCHIVE_SEND_LIMIT"]
 
 ARCHIVE_SEND_LIMIT = 1 << 30  # bytes; a bigger archive stays on disk (its path is shown) instead of crossing the page
 OVERRIDE_FILES = (("llamacpp", "llamacpp-tensor-types.txt"), ("mnn", "mnn-quant-config.json"))
-
-
-def plan_hash(plan: QuantPlan) -> str:
-    """Eight hex digits naming a plan's content (rules, default, group size, symmetry, method)."""
-    return hash_inputs({k: v for k, v in plan.to_dict().items() if k != "meta"})[:8]
 
 
 def describe_plan(plan: QuantPlan, lm: LoadedModel | None = None) -> str:
@@ -54,7 +49,7 @@ def describe_plan(plan: QuantPlan, lm: LoadedModel | None = None) -> str:
         parts.append("min/max ranges")
     if lm is not None:
         parts.append(f"{plan_footprint(lm, plan)['bits_per_weight']:.2f} bits/w")
-    return f"plan {plan_hash(plan)} ({', '.join(parts)})"
+    return f"plan {plan.content_hash()} ({', '.join(parts)})"
 
 
 def default_run_dir(workspace: Workspace | None = None) -> Path:
@@ -108,11 +103,11 @@ class AppSession(traitlets.HasTraits):
         """Make ``qm`` the session's quantized model: save it (with its measured cost) and drop older conversions."""
         if self.lm is None:
             raise PlanError("load a model first")
-        path = self.out_dir / "quantized" / f"{qm.method}-{plan_hash(qm.plan)}"
+        path = self.out_dir / "quantized" / f"{qm.method}-{qm.plan.content_hash()}"
         report = {"plan": self.plan_info(qm.plan), **({"cost": cost.to_dict()} if cost is not None else {})}
         qm.save(path, report=_jsonable(report))
         if cost is not None and cost.size_bytes is None:
-            from ..quantize.io import weight_file_bytes
+            from ..quantize.storage import weight_file_bytes
             cost.size_bytes = weight_file_bytes(path)  # measured before saving: the size on disk is known now
         self._prepared = None
         with self.hold_trait_notifications():
@@ -125,7 +120,7 @@ class AppSession(traitlets.HasTraits):
     # -- what tabs show -----------------------------------------------------------------------------
     def plan_info(self, plan: QuantPlan | None = None) -> dict:
         plan = plan or self.plan
-        info = {"hash": plan_hash(plan), "method": plan.method, "plan": plan.to_dict()}
+        info = {"hash": plan.content_hash(), "method": plan.method, "plan": plan.to_dict()}
         if self.lm is not None:
             info.update(plan_footprint(self.lm, plan))
         return info
