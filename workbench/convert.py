@@ -50,7 +50,7 @@ from .logits import final_hidden, head_logits
 from .memory import release_freed_memory
 from .onnx.export import ExportResult, export_onnx
 from .runtime.onnx_runner import OnnxCausalLM
-from .models import LoadedModel, load_model
+from .models import LoadedModel, is_quantized_dir, load_model
 from .plan import QuantPlan
 from .targets import check_precisions, get_target, target_names
 from .workspace import atomic_write_json

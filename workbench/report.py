@@ -20,12 +20,12 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from .errors import WorkbenchError
+from .models import is_quantized_dir
 from .workspace import atomic_write_text, file_sha256, library_versions
 
 __all__ = ["Report", "RunNotFound", "Candidates", "find_run", "gather_run", "candidate_plans", "build_report",
            "write_report", "projection_table_html", "html_table"]
 
-QUANTIZED_FORMAT = "workbench-quantized"
 PROFILE_FILE = "profile.json"  # `workbench profile DIR --json > RUN/profile.json`
 
 
