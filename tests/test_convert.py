@@ -142,8 +142,7 @@ def test_int4_graphs_share_one_weights_file(prepared, tiny_model_dir, tmp_path, 
     assert all(pre[n].external_data == dec[n].external_data for n in big)  # decode reads prefill's bytes
     assert report.details["external_data"] and report.top1_agreement_vs_simulation >= 0.95
     assert report.details["accuracy_levels"][0]["top1_agreement_vs_simulation"] >= 0.99
-    size = profile_runtime("x", tmp_path / "prefill.onnx", tmp_path / "decode.onnx", prompt_lengths=(4,),
-                           decode_steps=2, repeats=1).size_bytes
+    size = profile_runtime("x", tmp_path, prompt_lengths=(4,), decode_steps=2, repeats=1).size_bytes
     assert size == sum((tmp_path / f).stat().st_size for f in ("prefill.onnx", "decode.onnx", "weights.data"))
 
 

@@ -6,7 +6,8 @@ import pytest
 from workbench.charts.profile import make_profile_figure
 from workbench.cli import main
 from workbench.errors import WorkbenchError
-from workbench.profile import build_candidates, find_runtimes, profile_directory
+from workbench.profile import build_candidates, profile_directory
+from workbench.runtime import find_runnable
 
 
 @pytest.fixture(scope="module")
@@ -15,8 +16,9 @@ def candidates(tiny_model_dir, tmp_path_factory):
 
 
 def test_every_candidate_is_found_and_timed(candidates):
-    names = [name for name, _, _ in find_runtimes(candidates)]
-    assert names == ["float", "ort-int4"]
+    found = find_runnable(candidates)
+    assert [f.folder.name for f in found] == ["float", "ort-int4"]
+    assert [f.target.name for f in found] == ["ort-int4", "ort-int4"]  # the export, recognised by its files
     profiles = profile_directory(candidates, prompt_lengths=(8, 16), decode_steps=4, repeats=2)
     for p in profiles:
         assert p.runtime == "onnxruntime" and set(p.prefill_ms) == {8, 16}
@@ -77,9 +79,9 @@ def test_read_bandwidth_and_the_fraction_of_the_bound():
 
 def test_bad_input(tmp_path, candidates, capsys):
     with pytest.raises(WorkbenchError, match="is not a directory"):
-        find_runtimes(tmp_path / "missing")
-    with pytest.raises(WorkbenchError, match="no prefill.onnx, prefill.qdq.onnx, prefill.mnn or model.onnx with genai_config.json below"):
-        find_runtimes(tmp_path)
+        find_runnable(tmp_path / "missing")
+    with pytest.raises(WorkbenchError, match=r"nothing to run below .* \(no folder with .*prefill.onnx \+ decode.onnx"):
+        find_runnable(tmp_path)
     with pytest.raises(WorkbenchError, match="at least 1"):
         profile_directory(candidates, repeats=0)
     assert main(["profile", str(candidates), "--prompt-lengths", "eight"]) == 2

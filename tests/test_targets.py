@@ -213,8 +213,12 @@ def read(path, lm, export=None):
     return json.loads(Path(path).read_text())
 
 
+def open_toy(folder, *, threads=None):
+    return OnnxCausalLM(Path(folder) / "prefill.onnx", Path(folder) / "decode.onnx", threads=threads)
+
+
 TARGET = register_target(Target("toy", "Toy runtime", rules=Path(__file__).with_name("toy.json"),
-                                convert=convert_toy, runnable=True, runner=OnnxCausalLM,
+                                convert=convert_toy, runnable=True, runner=open_toy,
                                 overrides=OverrideFormat("toy-json", write, read), module=__name__))
 '''
 

@@ -7,13 +7,13 @@
     gen.stats.tokens_per_second, gen.stats.prefill_seconds, gen.stats.stop_reason
 
 Runtimes: a PyTorch ``LoadedModel`` (float, or a ``workbench quantize`` output whose integer layers
-compute from their codes) with its KV cache in a ``DynamicCache``; ONNX prefill/decode graphs
-(``workbench export`` and ``convert`` outputs: ort-int4, ort-qdq) through ``OnnxCausalLM``; MNN
-graphs (``convert --target mnn``) through ``MnnCausalLM``; an ``ort-genai`` folder through
-onnxruntime-genai's runtime (``GenaiCausalLM``: its generator keeps the KV cache). The graph runners
-share one shape (``run_prefill``, then ``run_decode`` with the KV cache), onnxruntime-genai hands out
-its own steps (``steps()``), so one loop, ``stream_tokens``, drives every runtime;
-``OnnxCausalLM.generate_greedy`` is that loop too. A converted model's tokenizer,
+compute from their codes) with its KV cache in a ``DynamicCache``; a ``workbench export`` or
+``convert`` output through the runner its target registers (``workbench.runtime.open_runner``:
+``OnnxCausalLM`` for ort-int4 and ort-qdq graphs, ``MnnCausalLM`` for mnn, onnxruntime-genai's own
+runtime for an ort-genai folder). The graph runners share one shape (``run_prefill``, then
+``run_decode`` with the KV cache), onnxruntime-genai hands out its own steps (``steps()``), so one
+loop, ``runtime.stream.stream_tokens``, drives every runtime; ``OnnxCausalLM.generate_greedy`` is
+that loop too. A converted model's tokenizer,
 end-of-sequence tokens and length limit come from the model it was converted from
 (``conversion.json``).
 
@@ -36,12 +36,9 @@ from .models import LoadedModel
 from .runtime.stream import GenerationStats, Sampling, stream_tokens
 
 __all__ = ["Piece", "Generation", "TextGenerator", "IncrementalText", "open_model",
-           "encode_prompt", "find_graphs", "GRAPH_NAMES", "DEFAULT_MAX_NEW_TOKENS"]
+           "encode_prompt", "DEFAULT_MAX_NEW_TOKENS"]
 
 DEFAULT_MAX_NEW_TOKENS = 64
-GRAPH_NAMES = (("prefill.onnx", "onnxruntime"), ("prefill.qdq.onnx", "onnxruntime"), ("prefill.mnn", "MNN"),
-               ("model.onnx", "onnxruntime-genai"))  # the last only beside a genai_config.json (an ort-genai folder)
-GENAI = "onnxruntime-genai"
 
 
 class IncrementalText:
@@ -199,29 +196,6 @@ def _json_docs(model_dir: Path) -> list[dict]:
     return docs
 
 
-def find_graphs(directory: str | Path) -> tuple[Path, Path | None, str] | None:
-    """``(prefill, decode or None, runtime)`` of the graphs directly in ``directory``, or None when there are none."""
-    d = Path(directory)
-    for name, runtime in GRAPH_NAMES:
-        prefill = d / name
-        if runtime == GENAI and not (d / "genai_config.json").is_file():
-            continue
-        if prefill.is_file():
-            decode = prefill.with_name(name.replace("prefill", "decode"))
-            return prefill, decode if decode.is_file() else None, runtime
-    return None
-
-
-def _genai_settings(folder: Path) -> dict:
-    """End-of-sequence ids and positions of an ort-genai folder, from its ``genai_config.json``."""
-    try:
-        model = json.loads((folder / "genai_config.json").read_text(encoding="utf-8"))["model"]
-    except (OSError, ValueError, KeyError, TypeError):
-        raise ModelLoadError(f"'{folder / 'genai_config.json'}' is not onnxruntime-genai's config: convert again") \
-            from None
-    return {"eos_token_id": model.get("eos_token_id"), "max_position_embeddings": model.get("context_length")}
-
-
 def _conversion_source(directory: Path) -> tuple[Path | None, str | None]:
     """(the float model a conversion came from, its target) from ``conversion.json``; Nones when not said."""
     try:
@@ -250,67 +224,52 @@ def open_model(model: str | Path | LoadedModel, *, tokenizer=None, source: str |
                threads: int | None = 1) -> TextGenerator:
     """A model to generate with, from any of: a ``LoadedModel``; ``demo`` or a model directory (float or a
     ``workbench quantize`` output, run by PyTorch); a ``workbench convert`` or ``export`` output folder, or
-    its prefill graph (run by onnxruntime or MNN). Every runtime computes on ``threads`` threads (None:
-    its own default).
+    its first file (run by the runner its target registers: ``workbench.runtime.open_runner``). Every
+    runtime computes on ``threads`` threads (None: its own default).
 
-    A graph folder's tokenizer, end-of-sequence tokens and positions come from the model its
+    A converted folder's tokenizer, end-of-sequence tokens and positions come from the model its
     ``conversion.json`` names, else from ``source`` (the float model of a folder that names none, such
-    as a ``workbench export`` output), else from ``tokenizer`` alone.
+    as a ``workbench export`` output), else from the folder itself when it holds its tokenizer (an
+    ort-genai folder), else from ``tokenizer`` alone.
     """
-    from .models import load_model, load_tokenizer_from, resolve_model_path
+    from .models import TOKENIZER_FILES, load_model, load_tokenizer_from, resolve_model_path
+    from .runtime import describe_files, locate, runnable_targets
     if isinstance(model, LoadedModel):
         return _from_loaded(model, threads)
     p = resolve_model_path(model)
     if not p.exists():
         raise ModelLoadError(f"'{p}' does not exist: pass a model directory, 'demo', or a `workbench convert` output")
-    runtimes = dict(GRAPH_NAMES)
-    if p.is_file():
-        if p.name not in runtimes:
-            raise ModelLoadError(f"'{p}' is not a prefill graph ({', '.join(runtimes)}): pass the folder "
-                                 "`workbench convert` or `workbench export` wrote")
-        folder, prefill, runtime = p.parent, p, runtimes[p.name]
-        if runtime == GENAI and find_graphs(folder) is None:
-            raise ModelLoadError(f"'{p}' has no genai_config.json beside it: pass an ort-genai folder "
-                                 "(`workbench convert --target ort-genai`)")
-    else:
-        folder, graphs = p, find_graphs(p)
-        if graphs is None:
-            if (p / "config.json").is_file() or (p / "quantization.json").is_file():
-                return _from_loaded(load_model(model), threads)
-            _, target = _conversion_source(p)
-            what = (f"is a {target} conversion, which does not run here: pick an ort-genai, ort-int4, ort-qdq or mnn "
-                    "output" if target else "holds no model to generate with: pass a model directory (config.json), "
-                    "or a `workbench convert` / `workbench export` output (prefill.onnx, prefill.qdq.onnx, "
-                    "prefill.mnn, or model.onnx with genai_config.json)")
-            raise ModelLoadError(f"'{p}' {what}")
-        prefill, _, runtime = graphs
-    decode = prefill.with_name(prefill.name.replace("prefill", "decode"))
-    if not decode.is_file():
-        raise ModelLoadError(f"'{folder}' has {prefill.name} but no {decode.name}: generation needs both graphs; "
-                             "convert again")
+    found = locate(p)  # a folder or file with part of a target's files is an error naming what is missing
+    if found is None:
+        if (p / "config.json").is_file() or (p / "quantization.json").is_file():
+            return _from_loaded(load_model(model), threads)
+        _, target = _conversion_source(p)
+        names = ", ".join(t.name for t in runnable_targets())
+        what = (f"is a {target} conversion, which does not run here: pick an output of {names}" if target else
+                "holds no model to generate with: pass a model directory (config.json), or a `workbench convert` / "
+                f"`workbench export` output ({describe_files()})")
+        raise ModelLoadError(f"'{p}' {what}")
+    folder = found.folder
     recorded, target = _conversion_source(folder)
     src = recorded if recorded is not None else resolve_model_path(source) if source is not None else None
+    own_tokenizer = any((folder / f).is_file() for f in TOKENIZER_FILES)
+    if not (src is not None and (src / "config.json").is_file()) and not own_tokenizer and tokenizer is None:
+        raise ModelLoadError(f"'{folder}' does not name the model it was converted from (no conversion.json naming "
+                             "one, or that model is gone): pass the float model's directory as source")
+    runner = found.open(threads=threads)
     if src is not None and (src / "config.json").is_file():
         tokenizer = tokenizer or load_tokenizer_from(src)
         eos, positions = _model_settings(*_json_docs(src), tokenizer=tokenizer)
-    elif runtime == GENAI:  # the folder is whole: tokenizer files and genai_config.json
+    elif own_tokenizer:  # the folder is whole: its tokenizer files, and settings its runner reads (genai_config.json)
         tokenizer = tokenizer or load_tokenizer_from(folder)
-        eos, positions = _model_settings(_genai_settings(folder), tokenizer=tokenizer)
-    elif tokenizer is not None:
+        settings = [runner.generation_settings()] if hasattr(runner, "generation_settings") else _json_docs(folder)
+        eos, positions = _model_settings(*settings, tokenizer=tokenizer)
+    else:
         eos, positions = _model_settings(tokenizer=tokenizer)
-    else:
-        raise ModelLoadError(f"'{folder}' does not name the model it was converted from (no conversion.json naming "
-                             "one, or that model is gone): pass the float model's directory as source")
-    if runtime == "MNN":
-        from .targets.mnn import MnnCausalLM
-        runner = MnnCausalLM(prefill, threads=threads or 1)
-    elif runtime == GENAI:
-        from .targets.ort_genai import GenaiCausalLM
-        runner = GenaiCausalLM(folder, threads=threads)
-        positions = min(positions or runner.max_length, runner.max_length)
-    else:
-        from .runtime.onnx_runner import OnnxCausalLM
-        runner = OnnxCausalLM(prefill, decode, threads=threads)
-    kind = target or ("ort-genai" if runtime == GENAI else "ONNX export")
+    limit = getattr(runner, "max_length", None)  # a runtime with its own length limit (onnxruntime-genai's)
+    if limit is not None:
+        positions = min(positions or limit, limit)
+    runtime = getattr(runner, "runtime", found.target.name)
+    kind = target or (found.target.files[0] if found.target.files else found.target.name)
     return TextGenerator(runner, tokenizer, folder, runtime, f"{folder.name} ({kind}, {runtime})",
                          eos, positions, threads, src)

@@ -1,10 +1,10 @@
 """Speed, size and memory of exported and converted models, run on this machine's CPU.
 
-    profiles = profile_directory("out/convert")        # every prefill/decode pair found below it
+    profiles = profile_directory("out/convert")        # every runnable folder found below it
     profiles[0].decode_tokens_per_second, profiles[0].prefill_ms[128], profiles[0].size_bytes
 
-Each runtime (onnxruntime for ``.onnx``, MNN for ``.mnn``, onnxruntime-genai for an ``ort-genai``
-folder: ``model.onnx`` beside ``genai_config.json``) is loaded, warmed up once, then timed
+Each folder is opened by the runner its target registers (``workbench.runtime``: onnxruntime for the
+ONNX graphs, MNN for ``.mnn``, onnxruntime-genai for an ``ort-genai`` folder), warmed up once, then timed
 ``repeats`` times; the median is reported. Prefill is timed per prompt length, decode as tokens
 per second over ``decode_steps`` steps after a prompt. Sizes are the files on disk (external data
 included); memory is the peak resident memory the runtime added while loading and running (Linux).
@@ -23,12 +23,11 @@ import numpy as np
 from .errors import ModelLoadError, WorkbenchError
 from .onnx.inspect import decode_step_bytes
 
-__all__ = ["RuntimeProfile", "find_runtimes", "profile_runtime", "profile_directory", "build_candidates",
+__all__ = ["RuntimeProfile", "profile_runtime", "profile_directory", "build_candidates",
            "parse_prompt_lengths", "measure_read_bandwidth", "host_bandwidth", "last_level_cache_bytes",
            "DEFAULT_PROMPT_LENGTHS", "DEFAULT_CANDIDATES"]
 
 DEFAULT_PROMPT_LENGTHS = (32, 128)
-PREFILL_NAMES = ("prefill.onnx", "prefill.qdq.onnx", "prefill.mnn")
 DEFAULT_CANDIDATES = ("float", "ort-int4", "ort-genai", "mnn")  # "float": the unquantized export; the rest: targets
 
 
@@ -79,33 +78,6 @@ def parse_prompt_lengths(text: str) -> tuple[int, ...]:
     return lengths
 
 
-def find_runtimes(directory: str | Path) -> list[tuple[str, Path, Path | None]]:
-    """``(name, prefill, decode or None)`` for every prefill graph below ``directory``, named by its folder."""
-    root = Path(directory)
-    if not root.is_dir():
-        raise WorkbenchError(f"'{root}' is not a directory; pass the output of `workbench export` or "
-                             "`workbench convert`")
-    found = []
-    for prefill in sorted(p for name in PREFILL_NAMES for p in root.rglob(name)):
-        if ".partial" in str(prefill.relative_to(root)):
-            continue
-        decode = prefill.with_name(prefill.name.replace("prefill", "decode"))
-        rel = prefill.parent.relative_to(root)
-        name = str(rel) if str(rel) != "." else root.name
-        if prefill.name == "prefill.qdq.onnx":
-            name += " (qdq)"
-        found.append((name, prefill, decode if decode.is_file() else None))
-    for config in sorted(root.rglob("genai_config.json")):  # ort-genai: one graph serves prefill and decode
-        model = config.with_name("model.onnx")
-        if model.is_file() and ".partial" not in str(config.relative_to(root)):
-            rel = model.parent.relative_to(root)
-            found.append((str(rel) if str(rel) != "." else root.name, model, model))
-    if not found:
-        raise WorkbenchError(f"no prefill.onnx, prefill.qdq.onnx, prefill.mnn or model.onnx with genai_config.json "
-                             f"below '{root}'; export or convert a model there first")
-    return found
-
-
 def _files_of(path: Path) -> list[Path]:
     """The graph and its external-data files (same folder, named in the ONNX model)."""
     files = [path]
@@ -132,36 +104,35 @@ def _median_ms(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def profile_runtime(name: str, prefill: str | Path, decode: str | Path | None = None, *,
-                    prompt_lengths: Sequence[int] = DEFAULT_PROMPT_LENGTHS, decode_steps: int = 32,
-                    repeats: int = 5, threads: int = 1, vocab_size: int | None = None) -> RuntimeProfile:
-    """Time one prefill (+ decode) pair; prompts are fixed pseudo-random token ids (seeded)."""
+def profile_runtime(name: str, path: str | Path, *, prompt_lengths: Sequence[int] = DEFAULT_PROMPT_LENGTHS,
+                    decode_steps: int = 32, repeats: int = 5, threads: int = 1,
+                    vocab_size: int | None = None) -> RuntimeProfile:
+    """Time the model in ``path`` (a converted or exported folder, or its first file), opened by the runner its
+    target registers (``workbench.runtime``); prompts are fixed pseudo-random token ids (seeded)."""
     from .memory import reset_peak_rss, rss_mb, settled_rss_mb
-    prefill, decode = Path(prefill), Path(decode) if decode else None
+    from .runtime import locate
     if repeats < 1 or decode_steps < 1 or not prompt_lengths or min(prompt_lengths) < 1:
         raise WorkbenchError("profile: repeats, decode_steps and every prompt length must be at least 1")
-    files = list(dict.fromkeys(_files_of(prefill) + (_files_of(decode) if decode else [])))  # shared data once
+    found = locate(path)
+    if found is None:
+        raise WorkbenchError(f"'{path}' holds nothing a target runs; pass a `workbench export` or `workbench "
+                             "convert` output")
+    decode = found.decode_graph
+    files = list(dict.fromkeys(f for m in found.model_files for f in _files_of(m)))  # shared data once
     before = settled_rss_mb()
     reset = reset_peak_rss()
     t = time.perf_counter()
     try:
-        if prefill.suffix == ".mnn":
-            from .targets.mnn import MnnCausalLM
-            runner, runtime = MnnCausalLM(prefill, threads=threads), "MNN"
-        elif (prefill.parent / "genai_config.json").is_file() and prefill.name == "model.onnx":
-            from .targets.ort_genai import GenaiCausalLM
-            runner = GenaiCausalLM(prefill.parent, threads=threads)
-            runtime = runner.runtime
-        else:
-            from .runtime.onnx_runner import OnnxCausalLM
-            runner, runtime = OnnxCausalLM(prefill, decode, threads=threads), "onnxruntime"
+        runner = found.open(threads=threads)
     except WorkbenchError:
         raise
     except Exception as e:  # the runtime's own errors for a file that parses but does not load
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ModelLoadError(f"could not load '{prefill}'" + (f" with '{decode}'" if decode else "")
-                             + f": {first}; export or convert it again") from None
+        raise ModelLoadError(f"could not load '{found.entry}'" + (f" with '{decode}'" if decode not in (None, found.entry)
+                                                                 else "") + f": {first}; export or convert it again") \
+            from None
     load_seconds = time.perf_counter() - t
+    runtime = getattr(runner, "runtime", found.target.name)
     report = RuntimeProfile(name, runtime, [str(f) for f in files], sum(f.stat().st_size for f in files), threads,
                             repeats, load_seconds=load_seconds,
                             decode_bytes=decode_step_bytes(decode) if decode else None)
@@ -175,19 +146,21 @@ def profile_runtime(name: str, prefill: str | Path, decode: str | Path | None = 
         if static is not None and n < static:
             report.notes.append(f"prompt of {n} tokens runs padded to the static graph's {static}")
         ids = rng.integers(1, vocab, size=(1, n))
-        if runtime == "MNN":
-            report.prefill_ms[n] = _median_ms(lambda ids=ids: runner.logits(ids), repeats)
-        elif hasattr(runner, "prefill_seconds"):
+        if hasattr(runner, "prefill_seconds"):  # a runtime that times its own prompt pass (onnxruntime-genai)
             report.prefill_ms[n] = _median_ms(lambda ids=ids: runner.prefill_seconds(ids[0].tolist()), repeats)
-        else:
+        elif hasattr(runner, "prefill_feed"):  # onnxruntime: the prefill session alone, without the KV slicing
             report.prefill_ms[n] = _median_ms(lambda ids=ids: runner.prefill.run(None, runner.prefill_feed(ids[0])),
                                               repeats)
+        elif hasattr(runner, "logits"):
+            report.prefill_ms[n] = _median_ms(lambda ids=ids: runner.logits(ids), repeats)
+        else:
+            report.prefill_ms[n] = _median_ms(lambda ids=ids: runner.run_prefill(ids[0].tolist()), repeats)
     if hasattr(runner, "decode_seconds"):  # onnxruntime-genai: its own generator loop, after the prompt
         prompt = rng.integers(1, vocab, size=min(prompt_lengths)).tolist()
         runner.decode_seconds(prompt, decode_steps)  # warm-up, as for the other runtimes
         times = [runner.decode_seconds(prompt, decode_steps) for _ in range(repeats)]
         report.decode_tokens_per_second = decode_steps / statistics.median(times)
-    elif decode is not None:  # both graph runners decode with the KV cache (run_prefill, then run_decode)
+    elif hasattr(runner, "run_decode"):  # graph runners decode with the KV cache (run_prefill, then run_decode)
         prompt = rng.integers(1, vocab, size=min(prompt_lengths)).tolist()
         _, _, kv0 = runner.run_prefill(prompt)
         limit = getattr(runner, "static_past", None)
@@ -205,9 +178,16 @@ def profile_runtime(name: str, prefill: str | Path, decode: str | Path | None = 
 
 
 def profile_directory(directory: str | Path, *, vocab_size: int | None = None, **kwargs) -> list[RuntimeProfile]:
-    """Profile every prefill/decode pair below ``directory`` (see :func:`find_runtimes`), one after another."""
-    return [profile_runtime(name, prefill, decode, vocab_size=vocab_size, **kwargs)
-            for name, prefill, decode in find_runtimes(directory)]
+    """Profile every runnable folder at or below ``directory`` (``workbench.runtime.find_runnable``), one after
+    another, each named by its path below ``directory``."""
+    from .runtime import find_runnable
+    root = Path(directory)
+    out = []
+    for found in find_runnable(root):
+        rel = found.folder.relative_to(root)
+        out.append(profile_runtime(str(rel) if str(rel) != "." else root.name, found.folder, vocab_size=vocab_size,
+                                   **kwargs))
+    return out
 
 
 def build_candidates(model="demo", out_dir: str | Path = "out/profile", *, plan=None, bits: int | None = 4,

@@ -34,6 +34,8 @@ class OnnxCausalLM:
     ``accuracy_level`` runs the same files with every ``MatMulNBits`` at another accuracy level.
     """
 
+    runtime = "onnxruntime"
+
     def __init__(self, prefill_path: str | Path, decode_path: str | Path | None = None, *,
                  providers: Sequence[str] = ("CPUExecutionProvider",), threads: int | None = None,
                  accuracy_level: int | None = None):

@@ -38,7 +38,7 @@ from .common import OverrideFile, block_role, half_layers, layer_precisions, rea
 from .registry import OverrideFormat, Target, check_precisions, register_target
 
 __all__ = ["convert_to_mnn", "MnnCausalLM", "mnn_command_line", "keep_matmul_weights_float", "mnn_op_name",
-           "mnn_quant_config", "write_mnn_quant_config", "read_mnn_quant_config", "convert_mnn", "TARGET"]
+           "mnn_quant_config", "write_mnn_quant_config", "read_mnn_quant_config", "convert_mnn", "open_mnn", "TARGET"]
 
 
 def mnn_command_line(onnx_path: str | Path, mnn_path: str | Path, weight_bits: int | None = None,
@@ -138,6 +138,8 @@ class MnnCausalLM:
     ``run_prefill`` / ``run_decode`` (the shapes of ``OnnxCausalLM``'s) drive ``prefill.mnn`` and the
     ``decode.mnn`` beside it with the KV cache, for generation.
     """
+
+    runtime = "MNN"
 
     def __init__(self, mnn_path: str | Path, threads: int = 1):
         self.path, self.threads, self._graphs = Path(mnn_path), threads, None
@@ -332,8 +334,14 @@ def _read(path, lm, export=None) -> dict[str, str]:
     return read_mnn_quant_config(path, lm)
 
 
+def open_mnn(folder: str | Path, *, threads: int | None = None) -> MnnCausalLM:
+    """The prefill and decode graphs of an mnn conversion in MNN (one thread unless told)."""
+    return MnnCausalLM(Path(folder) / "prefill.mnn", threads=threads or 1)
+
+
 TARGET = register_target(Target(
-    "mnn", "MNN", rules="mnn", convert=convert_mnn, runnable=True, runner=MnnCausalLM,
+    "mnn", "MNN", rules="mnn", convert=convert_mnn, runnable=True, runner=open_mnn,
+    files=("prefill.mnn", "decode.mnn"),
     overrides=OverrideFormat("mnn", _write, _read), module=__name__,
     precision_note="MNN re-quantizes the simulated weights with one float scale per block, which reproduces the "
                    "plan's 4 and 8-bit float16-scale grids but not two-level ones (measured on the demo model, "

@@ -444,6 +444,17 @@ class GenaiCausalLM:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ModelLoadError(f"onnxruntime-genai could not load '{self.folder}': {first}; convert again") from None
 
+    def generation_settings(self) -> dict:
+        """End-of-sequence ids and positions from the folder's ``genai_config.json`` (the folder holds its
+        tokenizer too, so it generates without the model it was converted from)."""
+        folder = self.folder
+        try:
+            model = json.loads((folder / "genai_config.json").read_text(encoding="utf-8"))["model"]
+        except (OSError, ValueError, KeyError, TypeError):
+            raise ModelLoadError(f"'{folder / 'genai_config.json'}' is not onnxruntime-genai's config: convert again") \
+                from None
+        return {"eos_token_id": model.get("eos_token_id"), "max_position_embeddings": model.get("context_length")}
+
     def generator(self, max_length: int | None = None):
         og = self._og
         params = og.GeneratorParams(self.model)
@@ -591,4 +602,5 @@ def convert_ort_genai(job) -> None:
 
 TARGET = register_target(Target(
     "ort-genai", "ONNX Runtime CPU, fused graph for onnxruntime-genai (GroupQueryAttention, MatMulNBits)",
-    rules="ort", convert=convert_ort_genai, runnable=True, runner=fused_runner, module=__name__))
+    rules="ort", convert=convert_ort_genai, runnable=True, runner=GenaiCausalLM, files=(MODEL_FILE, GENAI_CONFIG),
+    module=__name__))

@@ -41,7 +41,7 @@ from .common import half_layers
 from .registry import Target, register_target
 
 __all__ = ["Int4Build", "NBitsWeights", "build_nbits_onnx", "matmulnbits_block_size", "ACCURACY_LEVELS",
-           "convert_ort_int4", "decode_speed", "TARGET"]
+           "convert_ort_int4", "decode_speed", "open_graphs", "TARGET"]
 
 ACCURACY_LEVELS = {0: "unset (float activations)", 1: "fp32", 2: "fp16", 3: "bf16", 4: "int8 activations"}
 NBITS = (2, 4, 8)  # what onnxruntime 1.32's CPU MatMulNBits kernel runs
@@ -310,9 +310,14 @@ def decode_speed(runner: OnnxCausalLM, prompt: list[int], steps: int = 32, repea
     return steps / best if best > 0 else math.inf
 
 
+def open_graphs(folder: str | Path, *, threads: int | None = None) -> OnnxCausalLM:
+    """The prefill and decode graphs of an ort-int4 conversion (or a ``workbench export`` output) in onnxruntime."""
+    return OnnxCausalLM(Path(folder) / "prefill.onnx", Path(folder) / "decode.onnx", threads=threads)
+
+
 TARGET = register_target(Target(
     "ort-int4", "ONNX Runtime CPU, INT4/INT8 MatMulNBits", rules="ort", convert=convert_ort_int4, runnable=True,
-    runner=OnnxCausalLM, module=__name__, int_bits=NBITS,
+    runner=open_graphs, files=("prefill.onnx", "decode.onnx"), module=__name__, int_bits=NBITS,
     two_level=tuple((b, k) for b in NBITS for k in range(1, 9)),
     precision_note="onnxruntime's CPU MatMulNBits runs 2, 4 and 8-bit codes only; int3, int5 and int6 run in the "
                    "workbench's simulation"))

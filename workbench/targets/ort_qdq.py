@@ -43,7 +43,7 @@ from .ort_int4 import release_float_model
 from .registry import OverrideFormat, Target, check_precisions, register_target
 
 __all__ = ["MASK_RANGE", "ORT_TYPES", "FLOAT_WEIGHT_TYPE", "causal_mask_tensors", "ort_overrides",
-           "write_ort_overrides", "load_ort_overrides", "read_ort_overrides", "activation_ranges", "quantize_qdq", "qdq_twin", "TARGET"]
+           "write_ort_overrides", "load_ort_overrides", "read_ort_overrides", "activation_ranges", "quantize_qdq", "qdq_twin", "open_qdq_graphs", "TARGET"]
 
 MASK_RANGE = 100.0  # exp(-100) is 0 in every float format: masked keys stay masked, real scores keep their resolution
 ORT_TYPES = {(8, True): "QInt8", (8, False): "QUInt8", (4, True): "QInt4", (4, False): "QUInt4",
@@ -386,9 +386,15 @@ def _read(path, lm, export=None) -> dict[str, str]:
     return layers_from_tensors(read_ort_overrides(path), export, path)
 
 
+def open_qdq_graphs(folder: str | Path, *, threads: int | None = None) -> OnnxCausalLM:
+    """The QDQ prefill and decode graphs of an ort-qdq conversion in onnxruntime's CPU provider."""
+    return OnnxCausalLM(Path(folder) / "prefill.qdq.onnx", Path(folder) / "decode.qdq.onnx", threads=threads)
+
+
 TARGET = register_target(Target(
     "ort-qdq", "ONNX Runtime QDQ for the QNN execution provider", rules="qnn", convert=convert_ort_qdq,
-    runnable=True, runner=OnnxCausalLM, int_bits=(4, 8), float_bits=(16, 32),
+    runnable=True, runner=open_qdq_graphs, files=("prefill.qdq.onnx", "decode.qdq.onnx"), int_bits=(4, 8),
+    float_bits=(16, 32),
     precision_note="its QDQ weights are 4 or 8-bit with float scales onnxruntime's quantizer computes: two-level "
                    "scales go through ort-int4 or qnn (LPBQ)",
     overrides=OverrideFormat("ort", _write, _read, needs_quantized=True, needs_graph=True),

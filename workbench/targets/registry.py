@@ -6,8 +6,10 @@
 A target is one module under ``workbench/targets/`` (or anywhere: it only has to call
 ``register_target`` when imported) plus its operator rule table (``assets/targets/<rules>.json``,
 or a path). It names its rule table, its converter (``convert(job)``, given a
-``workbench.convert.ConvertJob``), whether the converted model runs here (``runner``), and its
-override-file format (``OverrideFormat``: writer and reader of per-layer precisions). ``inspect``,
+``workbench.convert.ConvertJob``), whether the converted model runs here (``runnable``), its
+runner and the files its output holds (``runner(folder, *, threads)``, ``files``: what
+``workbench.runtime.open_runner`` opens a folder with, so ``generate``, ``profile`` and the app run
+every runnable target's output without knowing its files), and its override-file format (``OverrideFormat``: writer and reader of per-layer precisions). ``inspect``,
 ``convert``, ``overrides`` and the app list and dispatch through ``target_names`` and ``get_target``.
 
 Precisions: a target says which weight precisions it can carry, by kind and bit width
@@ -27,7 +29,7 @@ from ..errors import PlanError, WorkbenchError
 from ..plan import Precision, get_precision
 
 __all__ = ["Target", "OverrideFormat", "register_target", "get_target", "target_names", "override_format",
-           "check_precisions", "TargetNames", "RULES_DIR", "rules_path"]
+           "check_precisions", "registered_targets", "TargetNames", "RULES_DIR", "rules_path"]
 
 RULES_DIR = ASSETS_DIR / "targets"
 
@@ -53,7 +55,10 @@ class Target:
     rules: str | Path | None = None  # rule table: a name in assets/targets, a JSON path, or None (no ONNX graph)
     convert: Callable | None = None  # convert(job: ConvertJob) -> None; fills job.report
     runnable: bool = False  # the converted model runs here, so conversions measure KL and top-1
-    runner: Callable | None = None  # runner(path) -> object with .logits(ids [1, n]) -> [1, n, vocab]
+    # runner(folder, *, threads) -> what ``workbench.runtime.stream.stream_tokens`` drives (``run_prefill`` /
+    # ``run_decode``, or ``steps()``), naming its ``runtime``; ``workbench.runtime.open_runner`` calls it
+    runner: Callable | None = None
+    files: tuple[str, ...] = ()  # what its output folder holds, all of it; the first is what the runner opens
     overrides: OverrideFormat | None = None
     int_bits: tuple[int, ...] = (4, 8)  # integer weight widths it carries
     float_bits: tuple[int, ...] = (16, 32)  # float weight widths it carries
@@ -90,6 +95,11 @@ def get_target(name: str) -> Target:
         return _TARGETS[name]
     except KeyError:
         raise PlanError(f"unknown target '{name}'; choose one of: {', '.join(_TARGETS)}") from None
+
+
+def registered_targets() -> list[Target]:
+    """Every registered target, in the order they were registered (the built-in ones by module name)."""
+    return list(_TARGETS.values())
 
 
 class TargetNames(Sequence):

@@ -19,7 +19,8 @@ from pathlib import Path
 import ipywidgets as widgets
 
 from ..errors import ModelLoadError
-from ..generate import DEFAULT_MAX_NEW_TOKENS, Generation, TextGenerator, find_graphs, open_model
+from ..generate import DEFAULT_MAX_NEW_TOKENS, Generation, TextGenerator, open_model
+from ..runtime import locate
 from ..runtime.stream import Sampling
 from ..models import LoadedModel
 from .base import StepPanel
@@ -116,7 +117,7 @@ class GeneratePanel(StepPanel):
         s = self.session
         if s is not None:
             for report in reversed(s.conversions):
-                if find_graphs(report.out_dir) is not None:
+                if locate(report.out_dir, strict=False) is not None:
                     options.append((f"{report.target}: {report.out_dir}", str(report.out_dir)))
             if s.quantized_path is not None:
                 options.append((f"quantized model (PyTorch): {s.quantized_path}", str(s.quantized_path)))
@@ -148,8 +149,8 @@ class GeneratePanel(StepPanel):
             key = ("loaded", id(what.model), self.threads.value)
         else:
             p = Path(str(what)).expanduser()
-            graphs = find_graphs(p) if p.is_dir() else None
-            stamp = graphs[0].stat().st_mtime_ns if graphs else None
+            found = locate(p, strict=False) if p.is_dir() else None
+            stamp = found.entry.stat().st_mtime_ns if found is not None else None
             key = (str(p.resolve()) if p.exists() else str(what), stamp, self.threads.value)
         model = self._loaded.pop(key, None) or open_model(what, threads=self.threads.value, **kwargs)
         self._loaded[key] = model  # the most recently used last
