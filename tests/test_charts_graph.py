@@ -1,0 +1,32 @@
+"""charts.graph: operator histogram, bytes per block and the conversion bars, each from the data given."""
+from workbench.charts.graph import (DOMAIN_COLORS, PROBLEM_COLOR, make_block_bytes_figure, make_conversion_figure,
+                                    make_op_histogram_figure)
+from workbench.onnx.inspect import OpCount
+
+
+def test_op_histogram_sorts_by_count_and_marks_rejected_ops():
+    inventory = [OpCount("MatMul", "ai.onnx", 17, 12), OpCount("Sqrt", "ai.onnx", 17, 3),
+                 OpCount("MatMulNBits", "com.microsoft", 1, 7)]
+    [bar] = make_op_histogram_figure(inventory, problem_ops=["Sqrt"]).data
+    assert list(bar.y) == ["Sqrt", "MatMulNBits", "MatMul"] and list(bar.x) == [3, 7, 12]
+    assert list(bar.marker.color) == [PROBLEM_COLOR, DOMAIN_COLORS["com.microsoft"], DOMAIN_COLORS["ai.onnx"]]
+    assert [list(c) for c in bar.customdata] == [["ai.onnx", 17], ["com.microsoft", 1], ["ai.onnx", 17]]
+
+
+def test_block_bytes_in_model_order_and_mebibytes():
+    [bar] = make_block_bytes_figure({"embed_tokens": 2 ** 21, "layers.0": 2 ** 20, "lm_head": 0}).data
+    assert list(bar.x) == ["embed_tokens", "layers.0", "lm_head"] and list(bar.y) == [2.0, 1.0, 0.0]
+    assert list(bar.text) == ["2.00", "1.00", "0.00"]
+
+
+def test_conversion_bars_leave_out_what_did_not_run_and_mark_a_gap():
+    reports = [{"target": "ort-int4", "kl_divergence": 0.02, "simulation": {"kl_divergence": 0.019},
+                "top1_agreement_vs_simulation": 0.99, "gap": False},
+               {"target": "mnn", "kl_divergence": 0.2, "simulation": {"kl_divergence": 0.02},
+                "top1_agreement_vs_simulation": 0.8, "gap": True},
+               {"target": "qnn", "kl_divergence": None}]
+    sim, conv = make_conversion_figure(reports).data
+    assert list(sim.x) == list(conv.x) == ["ort-int4", "mnn"]
+    assert list(sim.y) == [0.019, 0.02] and list(conv.y) == [0.02, 0.2]
+    assert conv.marker.color[1] == PROBLEM_COLOR and conv.marker.color[0] != PROBLEM_COLOR
+    assert list(conv.text) == ["top-1 vs sim 0.990", "top-1 vs sim 0.800"]
