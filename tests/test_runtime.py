@@ -157,3 +157,32 @@ def test_an_export_runs_in_onnxruntime_and_a_qnn_folder_in_the_runner_its_files_
     shutil.copytree(folder, qnn)
     (qnn / "conversion.json").write_text(json.dumps({"target": "qnn"}))  # qnn registers no runner: its float graphs run
     assert locate(qnn).target.name == "ort-int4" and locate(qnn).recorded is None
+
+
+def test_onnx_runner_applies_session_options_to_every_session(exported, lm, tmp_path):
+    """``session_options`` configures each session it makes (another execution provider goes there): called once
+    per session, before it is created; an EP chosen on the options replaces the runner's ``providers``."""
+    import onnxruntime as ort
+
+    from workbench.onnx.export import export_onnx
+    from workbench.runtime.onnx_runner import OnnxCausalLM
+    seen = []
+
+    def configure(opts):
+        assert isinstance(opts, ort.SessionOptions)
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        seen.append(opts)
+
+    ids = np.array([[1, 5, 9, 2]])
+    plain = OnnxCausalLM(exported.prefill_path, exported.decode_path)
+    tuned = OnnxCausalLM(exported.prefill_path, exported.decode_path, session_options=configure)
+    assert len(seen) == 1  # a dynamic decode graph serves prefill too: one session
+    np.testing.assert_allclose(tuned.logits(ids), plain.logits(ids), atol=1e-4)
+    cpu = [d for d in ort.get_ep_devices() if d.ep_name == "CPUExecutionProvider"]
+    static = export_onnx(lm, tmp_path / "static", static=(8, 16), check=False)
+    by_device = OnnxCausalLM(static.prefill_path, static.decode_path, providers=("NoSuchExecutionProvider",),
+                             session_options=lambda opts: opts.add_provider_for_devices(cpu, {}))
+    assert by_device.prefill is not by_device.decode  # static graphs: two sessions, both on the device's EP
+    assert by_device.prefill.get_providers()[0] == "CPUExecutionProvider"
+    last, _, kv = by_device.run_prefill([1, 5, 9])
+    np.testing.assert_allclose(last, plain.run_prefill([1, 5, 9])[0], atol=1e-4)

@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -32,14 +32,19 @@ class OnnxCausalLM:
     driven the way a device runtime drives them: the prompt is right-padded to the graph's
     sequence length, the past is a fixed buffer whose unused slots the attention mask hides.
     ``accuracy_level`` runs the same files with every ``MatMulNBits`` at another accuracy level.
+    ``session_options`` is called with every ``onnxruntime.SessionOptions`` this runner creates, before
+    its session is made: another execution provider is configured there (a plugin EP's
+    ``add_provider_for_devices``, session config entries); when it sets providers, ``providers`` is not
+    passed to the session (onnxruntime would otherwise use those instead).
     """
 
     runtime = "onnxruntime"
 
     def __init__(self, prefill_path: str | Path, decode_path: str | Path | None = None, *,
                  providers: Sequence[str] = ("CPUExecutionProvider",), threads: int | None = None,
-                 accuracy_level: int | None = None):
+                 accuracy_level: int | None = None, session_options: Callable[[object], None] | None = None):
         self.providers, self.threads, self.accuracy_level = list(providers), threads, accuracy_level
+        self.session_options = session_options
         self._shared: dict | None = {} if decode_path and _static_past(decode_path) else None
         self.decode = self._session(decode_path) if decode_path else None
         self.static_past = self.kv_shape = None
@@ -71,8 +76,11 @@ class OnnxCausalLM:
             opts.intra_op_num_threads = self.threads
         if self._shared is not None:
             self._share_external_weights(opts, Path(path))
+        if self.session_options is not None:
+            self.session_options(opts)
+        providers = None if getattr(opts, "has_providers", lambda: False)() else self.providers
         if self.accuracy_level is None:
-            return ort.InferenceSession(str(path), opts, providers=self.providers)
+            return ort.InferenceSession(str(path), opts, providers=providers)
         import onnx
         from onnx import helper
         proto = onnx.load(str(path), load_external_data=False)
@@ -82,7 +90,7 @@ class OnnxCausalLM:
                 del node.attribute[:]
                 node.attribute.extend(kept + [helper.make_attribute("accuracy_level", self.accuracy_level)])
         opts.add_session_config_entry("session.model_external_initializers_file_folder_path", str(Path(path).parent))
-        return ort.InferenceSession(proto.SerializeToString(), opts, providers=self.providers)
+        return ort.InferenceSession(proto.SerializeToString(), opts, providers=providers)
 
     def _share_external_weights(self, opts, path: Path) -> None:
         """Both static sessions read external weights from one memory map instead of a copy each.
