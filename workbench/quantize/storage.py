@@ -58,7 +58,7 @@ from .qtensor import QuantizedWeight, SubScales, pack_bits, pack_int4, unpack_bi
 __all__ = ["save_quantized", "layer_storage", "float_storage", "write_report", "FORMAT", "FORMAT_VERSION",
            "weight_file_bytes", "pack_int32", "unpack_int32", "compressed_tensors_config", "WEIGHTS_FILE",
            "WORKBENCH_WEIGHTS_FILE", "TRANSFORMERS_CANNOT", "CT_FORMAT", "HALF_DTYPES", "stored_shapes",
-           "stored_integer_layers", "weight_from_file", "write_manifest"]
+           "stored_integer_layers", "weight_from_file", "weight_tensors", "write_manifest"]
 
 FORMAT = "workbench-quantized"
 FORMAT_VERSION = 3  # 3: 2/3/5/6-bit codes and two-level scales as dense bitstreams (versions 1 and 2 still load)
@@ -175,13 +175,15 @@ def _quant_tensors(name: str, qw: QuantizedWeight) -> dict[str, torch.Tensor]:
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def _file_tensors(name: str, qw: QuantizedWeight) -> dict[str, torch.Tensor]:
+def weight_tensors(name: str, qw: QuantizedWeight) -> dict[str, torch.Tensor]:
+    """One integer layer's tensors as the weights file holds them, shape record included (``stored_shapes``
+    names them; ``weight_from_file`` reads them back)."""
     return {**_quant_tensors(name, qw), f"{name}.weight_shape": torch.tensor(qw.shape, dtype=torch.int64)}
 
 
 def weight_from_file(name: str, t: dict, bits: int, group_size: int | None,
                      scale_bits: "int | SubScales | None" = None) -> QuantizedWeight:
-    """The ``QuantizedWeight`` of layer ``name`` from its stored tensors ``t`` (the inverse of ``layer_storage``)."""
+    """The ``QuantizedWeight`` of layer ``name`` from its stored tensors ``t`` (the inverse of ``weight_tensors``)."""
     out_f, in_f = (int(x) for x in t[f"{name}.weight_shape"])
     if not ct_layout(bits, scale_bits):
         groups = in_f // (group_size or in_f)
@@ -336,7 +338,7 @@ def save_quantized(qm, directory: str | Path, *, report: dict | None = None) -> 
             lm.tokenizer.save_pretrained(tmp)
         tensors = float_storage(qm)
         for r in stored:
-            tensors.update(_file_tensors(r.name, qm.weights[r.name]))
+            tensors.update(weight_tensors(r.name, qm.weights[r.name]))
         save_file(tensors, tmp / weights_file, metadata={"format": "pt"})
         del tensors
         qm.plan.save(tmp / "plan.json")

@@ -1,0 +1,31 @@
+"""ui.session: the state every tab shares: a new model starts over, a quantized model is saved by its plan's hash."""
+from workbench.plan import QuantPlan
+from workbench.quantize import quantize_model
+from workbench.ui.session import AppSession, describe_plan
+
+
+def test_a_model_starts_over_and_a_quantized_model_is_saved_under_its_plan(lm, tmp_path, workspace):
+    s = AppSession(out_dir=tmp_path / "run", workspace=workspace)
+    assert s.conversion_dir == tmp_path / "run" / "convert" / "not-quantized"
+    s.set_model(lm)
+    assert s.plan == QuantPlan.uniform("int4") and s.quantized is None and s.conversions == []
+    plan = QuantPlan.uniform("int8")
+    qm = quantize_model(lm, plan, progress=False)
+    path = s.set_quantized(qm)
+    assert path == tmp_path / "run" / "quantized" / f"rtn-{plan.content_hash()}" and (path / "manifest.json").is_file()
+    assert s.quantized is qm and s.plan == plan and s.quantized_is_current
+    assert s.conversion_dir == tmp_path / "run" / "convert" / path.name
+    info = s.plan_info()
+    assert info["hash"] == plan.content_hash() and info["bits_per_weight"] > 8  # int8 codes plus their scales
+    assert s.describe().startswith(f"plan {plan.content_hash()} (RTN, g") and "bits/w" in s.describe()
+    s.plan = QuantPlan.uniform("int4")
+    assert not s.quantized_is_current
+    s.set_model(lm)  # a model loaded again: nothing quantized, converted or profiled is kept
+    assert s.quantized is None and s.quantized_path is None and s.profiles == []
+
+
+def test_a_plan_is_named_by_its_content_not_its_meta():
+    plan = QuantPlan.uniform("int4")
+    renamed = QuantPlan.from_dict({**plan.to_dict(), "meta": {"label": "another name"}})
+    assert renamed.content_hash() == plan.content_hash() != QuantPlan.uniform("int8").content_hash()
+    assert describe_plan(plan) == f"plan {plan.content_hash()} (RTN, g{plan.group_size})"
