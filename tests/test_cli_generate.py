@@ -6,6 +6,8 @@ import pytest
 from workbench.cli import main
 from workbench.generate import open_model
 
+pytestmark = pytest.mark.slow  # every test here converts or exports and runs a runtime first
+
 PROMPT = "A class definition"
 
 

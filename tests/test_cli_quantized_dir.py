@@ -43,6 +43,7 @@ def test_a_mismatched_directory_exits_with_the_tensor_names(tiny_model_dir, tmp_
     assert "model.layers.0.mlp.down_proj.weight [64, 128] vs [64, 96]" in err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", [["sensitivity"], ["plan", "--bits-per-weight", "6", "--out", "unused.json"]])
 def test_steps_that_requantize_refuse_a_quantized_directory_by_name(command, tmp_path, capsys):
     """A quantize output is not swept or re-planned from its dequantized weights: one line names the float source."""

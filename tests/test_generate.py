@@ -221,6 +221,7 @@ def test_bad_model_folders_are_one_line_errors(exported, tmp_path):
     assert "is not a prefill graph" in one_line_error(exported.prefill_path.with_name("weight_names.json"))
 
 
+@pytest.mark.slow
 def test_ort_genai_folder_streams_in_onnxruntime_genai(demo, prompt, tmp_path):
     """An ort-genai folder runs in onnxruntime-genai; with float activations and fp16 layers it continues as the
     PyTorch model of the same weights does, and it needs no conversion.json: the folder holds its tokenizer."""

@@ -81,6 +81,7 @@ def test_dead_inputs_and_bad_shapes():
         gptq_quantize_weight(w, h[:16, :16], 4, 16, True)
 
 
+@pytest.mark.slow
 def test_gptq_model_beats_rtn_and_leaves_the_model_unchanged(lm):
     from workbench.quantize import measure_cost, measure_reference
     before = {n: p.clone() for n, p in lm.model.named_parameters()}

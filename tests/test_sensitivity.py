@@ -62,6 +62,7 @@ def test_variants_keep_integer_codes_only_within_their_budget(lm):
     assert default.quantized("lm_head", "int4") is default.quantized("model.embed_tokens", "int4")  # tied: one copy
 
 
+@pytest.mark.slow
 def test_lean_sweep_gives_the_figures_of_swapping_float_copies(lm):
     """Codes swapped in as QuantLinear / QuantEmbedding give exactly what a dequantized float copy gives."""
     from workbench.quantize import quantize_weight
@@ -106,6 +107,7 @@ def test_fast_evaluation_equals_quantize_model_then_evaluate(tiny_model_dir, dty
     assert all(p.dtype == getattr(torch, dtype) for p in lm.model.parameters())
 
 
+@pytest.mark.slow
 def test_sweep_measures_every_layer_at_every_registered_precision_and_fewer_bits_hurt_more(lm, evaluator):
     from workbench.plan import PRECISIONS
     report = run_sensitivity(lm, evaluator=evaluator, progress=False)
@@ -127,6 +129,7 @@ def test_sweep_measures_every_layer_at_every_registered_precision_and_fewer_bits
     assert again.damage(ranked[0][0], "int4") == ranked[0][1]
 
 
+@pytest.mark.slow
 def test_killed_sweep_resumes_where_it_stopped(lm, workspace):
     seen = []
     two = ("int8", "int4")  # the resumption is what is tested: two precisions keep it short
@@ -165,6 +168,7 @@ def test_bad_requests_name_what_is_wrong(lm, evaluator):
         report.damage("lm_head", "int4")
 
 
+@pytest.mark.slow
 def test_sensitivity_figure_groups_bars_by_block_and_by_layer_type(lm, evaluator):
     from workbench.charts.precision import make_sensitivity_figure
     report = run_sensitivity(lm, evaluator=evaluator, progress=False)

@@ -67,6 +67,7 @@ def test_llama_rotary_rows_are_interleaved_as_llamacpp_reads_them():
     assert _permute_rows(rows, 2)[:, 0].tolist() == [0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama"])
 def test_quantized_model_written_as_gguf_holds_exactly_its_weights(arch, tmp_path):
     from workbench.models import load_model

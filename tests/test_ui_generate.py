@@ -8,6 +8,8 @@ from workbench.assets import DEMO_MODEL_DIR
 from workbench.ui.app import TAB_TITLES, WorkbenchApp
 from workbench.ui.generate import FLOAT, GeneratePanel
 
+pytestmark = pytest.mark.slow  # every test here converts or exports and runs a runtime first
+
 SPEED = re.compile(r"<b>([\d,]+\.\d) tok/s</b>")
 
 
