@@ -38,10 +38,11 @@ import torch
 from torch import nn
 
 from .errors import DataError, PlanError, WorkspaceError
-from .evaluate import DEFAULT_CTX, EvalReport, ReferenceOutputs, capture_reference, encode_text, evaluate, read_text
+from .evaluate import DEFAULT_CTX, EvalReport, ReferenceOutputs, capture_reference, evaluate
 from .models import LoadedModel, demo_text_path
 from .proxy import PROXY_VERSION, decoder_blocks, proxy_scores, proxy_supported
 from .plan import DEFAULT_GROUP_SIZE, DEFAULT_SCALE_SEARCH, PRECISIONS, QUANTIZER_SETTINGS, QuantPlan, get_precision
+from .textio import text_token_ids
 from .workspace import Workspace, atomic_write_json, read_json_file
 
 __all__ = ["LayerVariants", "BlockReplay", "PlanEvaluator", "LayerSensitivity", "SensitivityReport", "run_sensitivity",
@@ -83,12 +84,9 @@ def model_fingerprint(lm: LoadedModel) -> str:
 def evaluation_tokens(lm: LoadedModel, text_path: str | Path | None = None, tokens: int | None = None) -> torch.Tensor:
     """The first ``tokens`` token ids of a text (default: the bundled held-out text): a fixed budget."""
     path = Path(text_path) if text_path else demo_text_path("heldout")
-    ids = encode_text(lm.tokenizer, read_text(path), source=str(path))
-    if tokens is not None:
-        if tokens < 2:
-            raise DataError(f"the evaluation budget must be at least 2 tokens, got {tokens}")
-        ids = ids[:tokens]
-    return ids
+    if tokens is not None and tokens < 2:
+        raise DataError(f"the evaluation budget must be at least 2 tokens, got {tokens}")
+    return text_token_ids(lm.tokenizer, path, tokens)  # read no further than the budget
 
 
 def _module(model: nn.Module, name: str) -> nn.Module:
