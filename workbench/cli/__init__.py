@@ -61,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     notes = _print_notes(args.command)
     try:
-        return int(args._run(args) or 0)
+        with _one_writer(args):
+            return int(args._run(args) or 0)
     except KeyboardInterrupt:
         print(f"workbench {args.command}: interrupted", file=sys.stderr)
         return 130
@@ -72,6 +73,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     finally:
         logging.getLogger("workbench").removeHandler(notes)
+
+
+def _one_writer(args):
+    """Hold ``--out``'s lock for the whole command: a second run into the same output is refused before any work."""
+    import contextlib
+    out = getattr(args, "out", None)
+    if not isinstance(out, str) or not out:
+        return contextlib.nullcontext()
+    from ..workspace import output_lock
+    return output_lock(out)
 
 
 def _print_notes(command: str) -> logging.Handler:
