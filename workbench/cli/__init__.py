@@ -44,10 +44,17 @@ COMMANDS = {
 }
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose refusals are one line (``workbench <cmd>: error: ...``) and a one-line hint, not a usage block."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n{self.prog}: see `{self.prog} --help` for the options\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="workbench", description="Quantize small LLMs for edge NPUs and "
-                                     "measure what each choice costs.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser = OneLineParser(prog="workbench", description="Quantize small LLMs for edge NPUs and "
+                           "measure what each choice costs.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=OneLineParser)
     for name, module in COMMANDS.items():
         mod = importlib.import_module(f"{__name__}.{module}")
         p = sub.add_parser(name, help=mod.HELP, description=mod.__doc__)

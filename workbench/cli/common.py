@@ -27,6 +27,20 @@ def format_bytes(n: float) -> str:
     return f"{n:.2f} GB"
 
 
+def count(minimum: int = 1):
+    """An argparse type: a whole number of at least ``minimum``, refused (before any work) with what it must be."""
+    def parse(value: str) -> int:
+        try:
+            n = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a whole number, not {value!r}") from None
+        if n < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {n}")
+        return n
+    parse.__name__ = f"whole number >= {minimum}"
+    return parse
+
+
 def add_budget_argument(p):
     """``--max-tokens``: how much of the evaluation text to score (default: sized to the model)."""
     p.add_argument("--max-tokens", type=_budget, default="auto",

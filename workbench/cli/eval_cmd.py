@@ -6,7 +6,7 @@ import sys
 from ..evaluate import DEFAULT_CTX, SCHEMES, default_token_budget, evaluate
 from ..models import demo_text_path, load_model
 from ..textio import read_tokens
-from .common import add_device_argument, add_budget_argument, add_json_flag, add_model_argument, print_json
+from .common import count, add_device_argument, add_budget_argument, add_json_flag, add_model_argument, print_json
 
 HELP = "perplexity, and KL / top-1 agreement against a reference model"
 
@@ -15,12 +15,12 @@ def add_arguments(p):
     add_model_argument(p)
     p.add_argument("--ref", help="reference model to compare against (KL divergence, top-1 agreement)")
     p.add_argument("--text", help="UTF-8 text file to evaluate on (default: the bundled held-out text)")
-    p.add_argument("--ctx", type=int, default=DEFAULT_CTX, help=f"window length in tokens (default {DEFAULT_CTX})")
-    p.add_argument("--stride", type=int, help="window stride in tokens (default: ctx, non-overlapping)")
+    p.add_argument("--ctx", type=count(2), default=DEFAULT_CTX, help=f"window length in tokens (default {DEFAULT_CTX})")
+    p.add_argument("--stride", type=count(1), help="window stride in tokens (default: ctx, non-overlapping)")
     p.add_argument("--scheme", choices=SCHEMES, default="strided",
                    help="strided windows (default), or llama.cpp: llama-perplexity's chunks, second half scored, "
                         "to set beside its output (use --ctx 256 or its -c)")
-    p.add_argument("--batch-size", type=int, default=4, help="windows per forward pass")
+    p.add_argument("--batch-size", type=count(1), default=4, help="windows per forward pass")
     add_budget_argument(p)
     add_device_argument(p)
     add_json_flag(p)
