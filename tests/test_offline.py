@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -113,7 +114,8 @@ def test_the_app_server_start_sends_nothing_outside(tmp_path):
     trace = tmp_path / "trace.txt"
     server = subprocess.Popen(["strace", "-f", "-qq", "-e", "trace=connect,sendto,sendmsg,sendmmsg", "-o", str(trace),
                                sys.executable, "-m", "workbench.ui.serve", "--port", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_clean_env())
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_clean_env(),
+                              start_new_session=True)
     try:
         deadline = time.time() + 120
         while time.time() < deadline:
@@ -125,6 +127,10 @@ def test_the_app_server_start_sends_nothing_outside(tmp_path):
             pytest.fail("the app server did not start listening within 120 s")
         time.sleep(10)  # what a server does once started (update checks, announcements) happens here
     finally:
-        server.terminate()
-        server.wait(timeout=30)
+        os.killpg(server.pid, signal.SIGTERM)  # strace, voila and anything it started: their own process group
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
     assert outside_calls(trace.read_text()) == []

@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import struct
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Mapping
@@ -418,6 +419,31 @@ def _refused_pickle(e: BaseException) -> str | None:
     return None
 
 
+def _plain_pickle_global(path: Path) -> str | None:
+    """The first global a plain (non-zip) pickle would import beyond torch's own ('GLOBAL posix.system'), read
+    opcode by opcode without running anything; None for a zip checkpoint or none found."""
+    import pickletools
+    import zipfile
+    if zipfile.is_zipfile(path):
+        return None
+    safe = ("torch", "collections", "_codecs", "numpy")
+    strings: list[str] = []
+    try:
+        with open(path, "rb") as f:
+            for op, arg, _pos in pickletools.genops(f):
+                if op.name in ("SHORT_BINUNICODE", "BINUNICODE", "UNICODE", "BINUNICODE8"):
+                    strings = (strings + [arg])[-2:]
+                elif op.name in ("GLOBAL", "INST") or (op.name == "STACK_GLOBAL" and len(strings) == 2):
+                    module, name = arg.split(" ", 1) if op.name != "STACK_GLOBAL" else strings
+                    if not module.split(".")[0] in safe:
+                        return f"GLOBAL {module}.{name}"
+                elif op.name == "STOP":
+                    return None
+    except Exception:  # noqa: BLE001 - a damaged pickle: say what torch said instead
+        return None
+    return None
+
+
 def _one_line(e: BaseException) -> str:
     """An exception's message on one line: its non-empty lines joined (the first is often only a heading)."""
     lines = [line.strip() for line in str(e).splitlines() if line.strip()]
@@ -477,16 +503,21 @@ def load_model(path: str | os.PathLike = "demo", *, dtype: str | torch.dtype = "
         if layer_shapes(raw_cfg) is not None:  # transformers would build every layer at the largest counts
             model, info = _load_per_layer(p, config, torch_dtype), {}
         else:
-            model, info = AutoModelForCausalLM.from_pretrained(
-                p, config=config, dtype=torch_dtype, trust_remote_code=trust_remote_code, local_files_only=True,
-                use_safetensors=any(p.glob("*.safetensors")), output_loading_info=True,
-                ignore_mismatched_sizes=True)  # refused below, by name
+            with warnings.catch_warnings():  # torch's notice on a plain pickle's protocol: the refusal below says more
+                warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
+                model, info = AutoModelForCausalLM.from_pretrained(
+                    p, config=config, dtype=torch_dtype, trust_remote_code=trust_remote_code, local_files_only=True,
+                    use_safetensors=any(p.glob("*.safetensors")), output_loading_info=True,
+                    ignore_mismatched_sizes=True)  # refused below, by name
     except ModelLoadError:
         raise
     except Exception as e:  # transformers raises many types; give one clear line
         refused = _refused_pickle(e)
         if refused is not None:
-            bins = ", ".join(f.name for f in sorted(p.glob("pytorch_model*.bin")))
+            files = sorted(p.glob("pytorch_model*.bin"))
+            bins = ", ".join(f.name for f in files)
+            if not refused.startswith("GLOBAL"):  # a plain pickle: torch stops at an opcode before any global
+                refused = next(filter(None, map(_plain_pickle_global, files)), refused)
             raise ModelLoadError(f"'{p}' keeps its weights in a pickle ({bins}) that holds {refused}, not only "
                                  "tensors: loading it could run code, so weights_only loading refused it; convert "
                                  "the checkpoint to safetensors (model.safetensors) where you trust its source, "
