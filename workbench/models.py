@@ -273,7 +273,29 @@ def _check_directory(path: Path, name: str) -> dict:
         raise ModelLoadError(f"'{path}' has no weights: expected model.safetensors (or pytorch_model.bin)")
     for f in st:
         check_safetensors_file(f)
+    check_tokenizer_json(path)
     return cfg
+
+
+def check_tokenizer_json(path: Path) -> None:
+    """Refuse a ``tokenizer.json`` that is empty, not UTF-8 or not JSON (a truncated copy), naming the file."""
+    f = path / "tokenizer.json"
+    if not f.is_file():
+        return
+    size = f.stat().st_size
+    hint = "copy tokenizer.json of the base model into the directory again"
+    if size == 0:
+        raise ModelLoadError(f"'{f}' is empty (0 bytes); {hint}")
+    try:
+        doc = json.loads(f.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ModelLoadError(f"'{f}' is not UTF-8 text ({e.reason} at byte {e.start}); {hint}") from None
+    except json.JSONDecodeError as e:
+        truncated = " (the file looks truncated)" if e.pos >= len(e.doc.rstrip()) else ""
+        raise ModelLoadError(f"'{f}' is not valid JSON{truncated}: {e.msg} at line {e.lineno} column {e.colno} of "
+                             f"{size:,} bytes; {hint}") from None
+    if not isinstance(doc, dict) or "model" not in doc:
+        raise ModelLoadError(f"'{f}' is JSON but not a tokenizer (no 'model' section); {hint}")
 
 
 def _stored_dtype(raw_cfg: dict) -> torch.dtype:
@@ -542,10 +564,12 @@ def load_tokenizer_from(p: Path, *, trust_remote_code: bool = False, required: b
             return None
         raise ModelLoadError(f"'{p}' has no tokenizer (expected tokenizer.json or tokenizer.model); copy the "
                              "tokenizer files of the base model into it")
+    check_tokenizer_json(p)
     try:
         tokenizer = AutoTokenizer.from_pretrained(p, trust_remote_code=trust_remote_code, local_files_only=True)
     except Exception as e:
         first = _one_line(e)
-        raise ModelLoadError(f"could not load the tokenizer in '{p}': {first}") from e
+        files = ", ".join(f for f in TOKENIZER_FILES if (p / f).is_file())
+        raise ModelLoadError(f"could not load the tokenizer in '{p}' (from {files}): {first}") from e
     tokenizer.model_max_length = 1 << 30  # evaluation windows whole texts itself; silence the length notice
     return tokenizer
