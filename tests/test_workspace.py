@@ -217,3 +217,23 @@ def test_a_failed_step_leaves_no_empty_parent(tmp_path):
         with staged_output(out, "kind-x"):
             raise RuntimeError("the step failed")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_outputs_follow_the_umask_whoever_wrote_them(tmp_path):
+    import stat
+
+    import torch
+    from safetensors.torch import save_file
+    old = os.umask(0o027)
+    try:
+        with staged_output(tmp_path / "out", "kind-x") as d:
+            save_file({"a": torch.zeros(2)}, d / "model.safetensors")  # safetensors writes 0600
+            (d / "sub").mkdir(mode=0o700)
+            (d / "sub" / "run.sh").write_text("#!/bin/sh\n")
+            os.chmod(d / "sub" / "run.sh", 0o700)
+    finally:
+        os.umask(old)
+    mode = lambda p: stat.S_IMODE(p.stat().st_mode)  # noqa: E731
+    out = tmp_path / "out"
+    assert (mode(out), mode(out / "sub"), mode(out / "model.safetensors"), mode(out / "sub" / "run.sh")) == \
+        (0o750, 0o750, 0o640, 0o750)

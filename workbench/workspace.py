@@ -31,7 +31,7 @@ from .errors import WorkspaceError
 __all__ = ["Workspace", "Artifact", "atomic_write_bytes", "atomic_write_text", "atomic_write_json", "read_json_file",
            "hash_inputs", "file_sha256", "library_versions", "DEFAULT_WORKSPACE", "check_output_dir", "staged_output",
            "swap_into_place", "write_output_manifest", "rebase_paths", "resolve_output", "exclusive_lock",
-           "output_lock", "make_parents", "remove_empty"]
+           "output_lock", "make_parents", "remove_empty", "apply_umask"]
 
 DEFAULT_WORKSPACE = Path(os.environ.get("WORKBENCH_WORKSPACE", "workspace"))
 MANIFEST = "manifest.json"
@@ -201,9 +201,26 @@ def write_output_manifest(directory: Path, kind: str, extra: Mapping | None = No
     return manifest
 
 
+def apply_umask(root: Path) -> None:
+    """One permission rule for every output: what the user's umask gives a new file or directory.
+
+    Temporary directories (mkdtemp) and some writers (safetensors) create private 0700 / 0600 entries;
+    an output is an ordinary file of the user's, so directories get 0777 and files 0666 (0777 where
+    executable) less the umask, whichever step wrote them.
+    """
+    mask = _umask()
+    for d, _dirs, files in os.walk(root):
+        os.chmod(d, 0o777 & ~mask)
+        for name in files:
+            f = os.path.join(d, name)
+            if not os.path.islink(f):
+                os.chmod(f, (0o777 if os.stat(f).st_mode & 0o100 else 0o666) & ~mask)
+
+
 def swap_into_place(src: Path, dst: Path) -> Path:
     """Move the finished directory ``src`` to ``dst``, replacing what ``dst`` held only once ``src`` is whole."""
     src, dst = Path(src), resolve_output(dst)
+    apply_umask(src)
     if dst.exists():
         old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
         os.replace(dst, old)
