@@ -177,3 +177,14 @@ def test_eval_ctx_stride_batch_are_checked_before_any_work(capsys):
         with pytest.raises(SystemExit):
             main(["eval", "demo", *argv])
         assert what in capsys.readouterr().err
+
+
+def test_one_window_prints_no_plus_minus_nan(capsys):
+    assert main(["eval", "demo", "--ctx", "512", "--max-tokens", "300", "--ref", "demo"]) == 0
+    out = capsys.readouterr().out
+    assert "nan" not in out and "±" not in out and "perplexity" in out and "1 windows" in out
+
+
+def test_eval_text_that_is_a_directory_says_so(tmp_path, capsys):
+    assert main(["eval", "demo", "--text", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip().endswith(f"text path '{tmp_path}' is a directory; pass a UTF-8 text file")

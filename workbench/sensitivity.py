@@ -572,6 +572,11 @@ def _sweep(evaluator: PlanEvaluator, layers: Sequence, precisions: Sequence[str]
             state = {"trials": {}, "seconds": 0.0}
     trials: dict[str, dict] = state["trials"]
     todo = [(info, p) for info in layers for p in precisions if _trial_key(info.name, p) not in trials]
+    total = len(layers) * len(precisions)
+    if todo and len(todo) < total:  # said, so a quick finish is not mistaken for a fast sweep
+        import logging
+        logging.getLogger("workbench").info(f"resuming the sensitivity sweep from {progress_path}: "
+                                            f"{total - len(todo)} of {total} trials were measured by an earlier run")
     base = evaluator.evaluate_baseline()
     ran = 0
     with tqdm(total=len(layers) * len(precisions), initial=len(layers) * len(precisions) - len(todo),

@@ -27,6 +27,13 @@ def format_bytes(n: float) -> str:
     return f"{n:.2f} GB"
 
 
+def plus_minus(value: float, err: float | None, spec: str) -> str:
+    """``value ± err``; the value alone where there is no spread to give (None, or NaN from a single window)."""
+    if err is None or err != err:
+        return format(value, spec)
+    return f"{format(value, spec)} ± {format(err, spec.lstrip('+'))}"
+
+
 def count(minimum: int = 1):
     """An argparse type: a whole number of at least ``minimum``, refused (before any work) with what it must be."""
     def parse(value: str) -> int:

@@ -6,7 +6,7 @@ import sys
 from ..evaluate import DEFAULT_CTX, SCHEMES, default_token_budget, evaluate
 from ..models import demo_text_path, load_model
 from ..textio import read_tokens
-from .common import count, add_device_argument, add_budget_argument, add_json_flag, add_model_argument, print_json
+from .common import count, plus_minus, add_device_argument, add_budget_argument, add_json_flag, add_model_argument, print_json
 
 HELP = "perplexity, and KL / top-1 agreement against a reference model"
 
@@ -44,10 +44,10 @@ def run(args) -> int:
     if read_note:
         print(read_note)
     windows = f"stride {report.stride}" if report.scheme == "strided" else "llama.cpp chunks, second half scored"
-    print(f"perplexity {report.perplexity:.3f} ± {report.perplexity_stderr:.3f} over {report.tokens:,} tokens "
+    print(f"perplexity {plus_minus(report.perplexity, report.perplexity_stderr, '.3f')} over {report.tokens:,} tokens "
           f"({report.windows} windows, ctx {report.ctx}, {windows}; {report.tokens_per_second:,.0f} tok/s)")
     if ref is not None:
-        print(f"reference perplexity {report.reference_perplexity:.3f}; KL divergence {report.kl_divergence:.6f} "
-              f"± {report.kl_stderr:.6f}; "
+        print(f"reference perplexity {report.reference_perplexity:.3f}; KL divergence "
+              f"{plus_minus(report.kl_divergence, report.kl_stderr, '.6f')}; "
               f"top-1 agreement {report.top1_agreement:.4f}")
     return 0

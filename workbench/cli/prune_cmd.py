@@ -13,7 +13,7 @@ from __future__ import annotations
 from ..errors import PlanError
 from ..prune import DEFAULT_IMPORTANCE_TOKENS, HEAD_UNITS, SCORES, SPREADS, PrunePlan, prune
 from ..workspace import Workspace
-from .common import count, add_json_flag, add_model_argument, print_json
+from .common import count, plus_minus, add_json_flag, add_model_argument, print_json
 
 HELP = "prune attention heads and MLP channels by importance; writes a smaller model directory"
 
@@ -62,8 +62,9 @@ def run(args) -> int:
     print(report["summary"])
     ev = report.get("evaluation")
     if ev:
-        print(f"held-out perplexity {ev['perplexity_before']:.2f} -> {ev['perplexity_after']:.2f} "
-              f"(± {ev['perplexity_after_stderr']:.2f}), KL to the original {ev['kl']:.4f} ± {ev['kl_stderr']:.4f}, "
-              f"top-1 {ev['top1']:.3f} on {ev['tokens']:,} tokens")
+        err = ev["perplexity_after_stderr"]
+        spread = f" (± {err:.2f})" if err is not None and err == err else ""  # none from a single window
+        print(f"held-out perplexity {ev['perplexity_before']:.2f} -> {ev['perplexity_after']:.2f}{spread}, KL to the "
+              f"original {plus_minus(ev['kl'], ev['kl_stderr'], '.4f')}, top-1 {ev['top1']:.3f} on {ev['tokens']:,} tokens")
     print(f"-> {report['out_dir']}")
     return 0

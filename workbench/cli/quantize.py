@@ -21,7 +21,7 @@ from ..errors import PlanError
 from ..plan import QuantPlan
 from ..quantize.model import CALIBRATED_METHODS, METHODS
 from ..workspace import check_output_dir, staged_output
-from .common import (count, add_device_argument, add_budget_argument, add_json_flag, add_model_argument,
+from .common import (count, plus_minus, add_device_argument, add_budget_argument, add_json_flag, add_model_argument,
                      add_scale_search_argument, format_bytes, print_json)
 
 FULL_STATS_MAX_PARAMETERS = 100_000_000  # above this the statistics pass costs minutes: opt in, or calibrate first
@@ -151,8 +151,9 @@ def run(args) -> int:
           f"(source {format_bytes(result['reference_size_bytes'])}), {cost.bits_per_weight:.2f} bits per weight; "
           f"{qm.method} took {quantize_seconds:.1f} s")
     print(f"perplexity {cost.perplexity:.3f} vs {cost.reference_perplexity:.3f} "
-          f"({cost.perplexity_change:+.3f} ± {cost.perplexity_change_stderr:.3f}, {cost.perplexity_change_relative:+.2%}); "
-          f"KL {cost.kl_divergence:.5f} ± {cost.kl_divergence_stderr:.5f}; top-1 agreement {cost.top1_agreement:.2%} "
+          f"({plus_minus(cost.perplexity_change, cost.perplexity_change_stderr, '+.3f')}, "
+          f"{cost.perplexity_change_relative:+.2%}); "
+          f"KL {plus_minus(cost.kl_divergence, cost.kl_divergence_stderr, '.5f')}; top-1 agreement {cost.top1_agreement:.2%} "
           f"({cost.tokens:,} tokens, {cost.windows} windows)")
     for w in cost.warnings:
         print(f"warning: {w}")
