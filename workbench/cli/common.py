@@ -34,15 +34,17 @@ def plus_minus(value: float, err: float | None, spec: str) -> str:
     return f"{format(value, spec)} ± {format(err, spec.lstrip('+'))}"
 
 
-def count(minimum: int = 1):
-    """An argparse type: a whole number of at least ``minimum``, refused (before any work) with what it must be."""
+def count(minimum: int = 1, zero: str | None = None):
+    """An argparse type: a whole number of at least ``minimum`` (or 0, meaning ``zero``, where given), refused
+    before any work with what it must be."""
     def parse(value: str) -> int:
         try:
             n = int(value)
         except ValueError:
             raise argparse.ArgumentTypeError(f"must be a whole number, not {value!r}") from None
-        if n < minimum:
-            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {n}")
+        if n < minimum and not (zero and n == 0):
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}" + (f" (or 0: {zero})" if zero else "")
+                                             + f", got {n}")
         return n
     parse.__name__ = f"whole number >= {minimum}"
     return parse

@@ -24,7 +24,7 @@ def add_arguments(p):
     add_model_argument(p, "a `workbench convert` or `workbench export` output, a `workbench quantize` output, a "
                           "model directory, or 'demo'")
     p.add_argument("--prompt", required=True, help="the text to continue")
-    p.add_argument("--max-new-tokens", type=count(1), default=DEFAULT_MAX_NEW_TOKENS,
+    p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
                    help="stop after this many new tokens (default %(default)s)")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); above 0: sample")
     p.add_argument("--top-k", type=count(1), default=None, help="sample among the k most likely tokens (default: all)")

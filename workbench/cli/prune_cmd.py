@@ -38,7 +38,7 @@ def add_arguments(p):
     p.add_argument("--out", required=True, help="output model directory (written beside it, then swapped in)")
     p.add_argument("--importance-tokens", type=count(1), default=DEFAULT_IMPORTANCE_TOKENS,
                    help="calibration tokens the importance scores are computed on (default %(default)s)")
-    p.add_argument("--eval-tokens", type=count(2), default=4096,
+    p.add_argument("--eval-tokens", type=count(2, zero="no evaluation"), default=4096,
                    help="held-out tokens for perplexity and KL before/after (0 skips the measurement)")
     add_json_flag(p)
 
