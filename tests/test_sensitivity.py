@@ -146,11 +146,15 @@ def test_killed_sweep_resumes_where_it_stopped(lm, workspace):
     notes = []
     handler = logging.Handler()
     handler.emit = lambda record: notes.append(record.getMessage())
-    logging.getLogger("workbench").addHandler(handler)
+    logger = logging.getLogger("workbench")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)  # as the CLI sets it
     try:
         resumed = run_sensitivity(lm, tokens=TOKENS, precisions=two, workspace=workspace, progress=False)
     finally:
-        logging.getLogger("workbench").removeHandler(handler)
+        logger.removeHandler(handler)
+        logger.setLevel(level)
     assert resumed.trials_run == 2 * len(lm.layers) - 4
     assert [n for n in notes if n.startswith("resuming the sensitivity sweep from ")] == \
         [f"resuming the sensitivity sweep from {partial / PROGRESS_FILE}: 4 of {2 * len(lm.layers)} trials were "
