@@ -12,9 +12,14 @@ Formats, chosen by the file's extension:
 * ``.json``: a list of objects, Alpaca style (``instruction``, optional ``input``, ``output``) or
   with a ``text`` field. An Alpaca record becomes ``instruction``, ``input`` and ``output`` joined
   by blank lines (the text the model will see, without a prompt template).
-* anything else: UTF-8 plain text, read as one document.
+* anything else: UTF-8 plain text, read as one document, in bounded pieces cut at whitespace
+  (``workbench.textio``), whatever its line structure.
 
-Every record is tokenized whole. A record longer than ``seq_len`` tokens is split into
+The file is read only as far as the draw needs: ``samples x seq_len`` usable tokens, and at least
+``MIN_POOL_TOKENS`` where the file has them (so a moderate file is sampled across its length);
+the coverage report says when a file was read only partly. A JSONL line or a ``.json`` list is
+parsed whole and refused above ``MAX_RECORD_BYTES``. Each record is tokenized in bounded pieces
+(one call for a record shorter than ``PIECE_CHARS``). A record longer than ``seq_len`` tokens is split into
 consecutive ``seq_len``-token chunks (rather than dropped, which is what loses most of a long
 text in other tools); a record or final chunk shorter than ``min_tokens`` is dropped as too
 short, an empty record as empty. The coverage report counts every drop with its reason and
