@@ -121,3 +121,8 @@ def browser_skips(playwright_found: bool) -> list:
         pytest.mark.skipif(not Path(CHROMIUM).is_file(), reason=f"the browser test needs Chromium at {CHROMIUM}: "
                            "apt-get install -y chromium (as root; .ci/run does this), or set WORKBENCH_CHROMIUM"),
     ]
+
+
+def pytest_configure(config):
+    """``slow``: tests that run real processes for tens of seconds (network silence, memory bounds)."""
+    config.addinivalue_line("markers", "slow: runs for tens of seconds (real processes, large generated files)")

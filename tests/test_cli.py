@@ -148,3 +148,44 @@ def test_option_scan_catches_a_made_up_option(tmp_path, monkeypatch):
     option = re.compile(r"(?<![\w-])--[a-z][a-z0-9]*(?:-[a-z0-9]+)*(?![\w=-])")
     found = option.findall("give longer texts or lower --min-tokens; not x--y or --opt=1 or --flag_name")
     assert found == ["--min-tokens"] and "--min-tokens" not in _workbench_options()
+
+
+def _count_options():
+    from workbench.cli import build_parser
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    for cmd, p in sub.choices.items():
+        for a in p._actions:
+            if getattr(a.type, "__name__", "").startswith("whole number >= "):
+                yield cmd, a.option_strings[-1], int(a.type.__name__.rsplit(" ", 1)[1])
+
+
+@pytest.mark.parametrize("cmd, option, minimum", list(_count_options()))
+def test_every_whole_number_option_refuses_below_its_minimum_in_one_line(cmd, option, minimum, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([cmd, option, str(minimum - 1)])
+    err = capsys.readouterr().err.splitlines()
+    assert e.value.code == 2 and len(err) == 2, err
+    assert err[0].startswith(f"workbench {cmd}: error: argument {option}: must be at least {minimum}") and \
+        err[0].endswith(f", got {minimum - 1}"), err
+    assert err[1] == f"workbench {cmd}: see `workbench {cmd} --help` for the options"
+
+
+def test_eval_ctx_stride_batch_are_checked_before_any_work(capsys):
+    for argv, what in ((["--ctx", "0"], "--ctx: must be at least 2"), (["--ctx", "1"], "--ctx: must be at least 2"),
+                       (["--stride", "0"], "--stride: must be at least 1"),
+                       (["--batch-size", "0"], "--batch-size: must be at least 1")):
+        with pytest.raises(SystemExit):
+            main(["eval", "demo", *argv])
+        assert what in capsys.readouterr().err
+
+
+def test_one_window_prints_no_plus_minus_nan(capsys):
+    assert main(["eval", "demo", "--ctx", "512", "--max-tokens", "300", "--ref", "demo"]) == 0
+    out = capsys.readouterr().out
+    assert "nan" not in out and "±" not in out and "perplexity" in out and "1 windows" in out
+
+
+def test_eval_text_that_is_a_directory_says_so(tmp_path, capsys):
+    assert main(["eval", "demo", "--text", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip().endswith(f"text path '{tmp_path}' is a directory; pass a UTF-8 text file")

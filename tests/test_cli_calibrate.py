@@ -58,7 +58,7 @@ def test_table_output(tiny_model_dir, data_file, tmp_path, capsys):
 @pytest.mark.parametrize("content, suffix, message", [
     (None, ".txt", "does not exist"),
     ('{"text": "ok"}\n{"txt": "typo"}\n', ".jsonl", "line 2: missing field 'text'"),
-    ('[{"instruction": "a"}]', ".json", "record 0: Alpaca record is missing field 'output'"),
+    ('[{"instruction": "a"}]', ".json", "record 1: Alpaca record is missing field 'output'"),
     ('{"text": "ok"\n', ".jsonl", "line 1: not valid JSON"),
 ])
 def test_bad_data_is_one_line_and_exit_2(tiny_model_dir, tmp_path, capsys, content, suffix, message):

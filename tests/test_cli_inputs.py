@@ -205,6 +205,29 @@ def test_plain_text_is_tokenized_or_refused_naming_the_file(scratch, demo_tokeni
     assert len(cs) >= 1
 
 
+@BOUNDED
+@given(st.lists(texts.map(lambda t: t.replace("\n", " ").replace("\r", " ")), min_size=1, max_size=60).map(" ".join),
+       st.integers(8, 64))
+def test_plain_text_without_any_newline_is_read_in_pieces_or_refused(scratch, demo_tokenizer, text, piece_chars):
+    """A file with no newline at all streams in bounded pieces that join back to it, and calibrates or is refused."""
+    from workbench.data import load_calibration_set
+    from workbench.textio import iter_text
+    path = _fresh(scratch, "oneline") / "calib.txt"
+    path.write_text(text, encoding="utf-8")
+    try:
+        pieces = list(iter_text(path, piece_chars=piece_chars))
+    except DataError as e:
+        assert not text.strip() and "empty" in _assert_one_line_naming(e, path)
+        return
+    assert "".join(pieces) == text and all(len(p) <= piece_chars for p in pieces)
+    try:
+        cs = load_calibration_set(path, tokenizer=demo_tokenizer, samples=4, seq_len=16)
+    except DataError as e:
+        _assert_one_line_naming(e, path)
+        return
+    assert len(cs) >= 1 and cs.report.records == 1
+
+
 @pytest.fixture(scope="module")
 def demo_tokenizer():
     from transformers import AutoTokenizer

@@ -50,7 +50,7 @@ def test_read_alpaca_joins_fields(tmp_path):
     records, fmt = read_records(p)
     assert fmt == "alpaca"
     assert records[0].text == "Translate\n\ncat\n\nchat" and records[1].text == "Say hi\n\nhi"
-    assert records[1].where == "record 1"
+    assert records[1].where == "record 2"
 
 
 def test_jsonl_line_may_be_an_alpaca_record(tmp_path):
@@ -141,14 +141,14 @@ def test_alpaca_missing_output_names_record(tmp_path):
     p.write_text(json.dumps([{"instruction": "a", "output": "b"}, {"instruction": "q", "input": ""}]))
     with pytest.raises(DataError) as e:
         read_records(p)
-    assert "a.json' record 1: Alpaca record is missing field 'output'" in str(e.value)
+    assert "a.json' record 2: Alpaca record is missing field 'output'" in str(e.value)
     assert "'instruction', 'input'" in str(e.value)
 
 
 def test_alpaca_missing_instruction(tmp_path):
     p = tmp_path / "a.json"
     p.write_text(json.dumps([{"output": "b"}]))
-    with pytest.raises(DataError, match="record 0: Alpaca record is missing field 'instruction'"):
+    with pytest.raises(DataError, match="record 1: Alpaca record is missing field 'instruction'"):
         read_records(p)
 
 
@@ -299,3 +299,67 @@ def test_default_is_the_demo_calibration_text(tok):
     cs = load_calibration_set(tokenizer=tok, samples=4, seq_len=128)
     assert cs.report.path.endswith("calibration.txt") and len(cs) == 4
     assert all(s.dtype.is_floating_point is False and s.dim() == 1 and len(s) <= 128 for s in cs.samples)
+
+
+# ---------------------------------------------------------------- bounded reading
+
+def test_plain_text_without_newlines_is_read_in_pieces_like_a_whole_read(tmp_path, tok, monkeypatch):
+    """A one-line text cut into many pieces gives (nearly) the tokens of one whole-text call, as one record."""
+    import workbench.textio as textio
+    text = EN * 40  # ~12 k characters, no newline
+    p = tmp_path / "one.txt"
+    p.write_text(text, encoding="utf-8")
+    whole = load_calibration_set(p, tokenizer=tok, samples=4, seq_len=64)
+    monkeypatch.setattr(textio, "PIECE_CHARS", 500)
+    monkeypatch.setattr(textio.iter_text, "__kwdefaults__", {"piece_chars": 500, "extent": None,
+                                                              "hint": "pass a UTF-8 text file"})
+    pieces = load_calibration_set(p, tokenizer=tok, samples=4, seq_len=64)
+    assert pieces.report.records == 1 and pieces.report.read_note is None
+    assert abs(pieces.report.available_tokens - whole.report.available_tokens) <= len(text) // 500 + 1
+
+
+def test_a_large_jsonl_is_read_only_as_far_as_the_draw_needs(tmp_path, tok):
+    from workbench.data import MIN_POOL_TOKENS
+    p = write_jsonl(tmp_path / "big.jsonl", [{"text": EN * 4}] * (MIN_POOL_TOKENS // 60))
+    cs = load_calibration_set(p, tokenizer=tok, samples=8, seq_len=64)
+    assert len(cs) == 8 and cs.report.read_note and "read only the first" in cs.report.read_note
+    assert cs.report.read_note in cs.report.summary_lines()
+
+
+def test_a_jsonl_line_too_long_to_parse_is_refused(tmp_path, monkeypatch):
+    import workbench.data as data
+    monkeypatch.setattr(data, "MAX_RECORD_BYTES", 1 << 20)
+    p = write_jsonl(tmp_path / "c.jsonl", [{"text": "short"}, {"text": "x " * (1 << 20)}])
+    with pytest.raises(DataError, match=r"c\.jsonl' line 2 is longer than 1 MB; split it"):
+        read_records(p)
+    q = tmp_path / "c.json"
+    q.write_text(json.dumps([{"text": "x " * (1 << 20)}]))
+    with pytest.raises(DataError, match=r"c\.json' is 2 MB, more than the 1 MB .* write it as \.jsonl"):
+        read_records(q)
+
+
+@pytest.mark.slow
+def test_calibration_on_a_100mb_one_line_text_stays_bounded(tmp_path):
+    """The case of the report: 8 x 128 tokens from a text that is one 100 MB line, in a child process."""
+    import os
+    import resource
+    import subprocess
+    import sys
+    big = tmp_path / "big.txt"
+    words = "the quick brown fox jumps over the lazy dog and keeps running far away " * 10000
+    with open(big, "w", encoding="utf-8") as f:
+        for _ in range(100 * 1024 * 1024 // len(words) + 1):
+            f.write(words)
+    code = ("import json, sys; from transformers import AutoTokenizer; from workbench.data import load_calibration_set;"
+            "from workbench.models import DEMO_MODEL_DIR; tok = AutoTokenizer.from_pretrained(DEMO_MODEL_DIR);"
+            "cs = load_calibration_set(sys.argv[1], tokenizer=tok, samples=8, seq_len=128);"
+            "print(json.dumps({'n': len(cs), 'lens': [len(s) for s in cs.samples], 'note': cs.report.read_note,"
+            "'first': tok.decode(cs.samples[0][:8])}))")
+    env = {**os.environ, "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run([sys.executable, "-c", code, str(big)], capture_output=True, text=True, timeout=600, env=env)
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["n"] == 8 and out["lens"] == [128] * 8
+    assert out["first"].split()[0] in words.split() and "read only the first" in out["note"]
+    assert peak < 1.5 * 1024 ** 3, f"peak resident memory {peak / 1024 ** 3:.2f} GB"

@@ -262,3 +262,39 @@ def test_a_safetensors_header_that_is_not_a_tensor_table_is_refused(tiny_model_d
     (d / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
     with pytest.raises(ModelLoadError, match=r"model.safetensors' has a corrupt safetensors header \(not a table"):
         load_model(d)
+
+
+@pytest.mark.parametrize("content, says", [
+    (b"", r"tokenizer\.json' is empty \(0 bytes\)"),
+    (b"not json at all", r"tokenizer\.json' is not valid JSON"),
+    (b'{"version": "1.0", "model": {"type": "BPE", "vocab": {"a": 0', r"tokenizer\.json' is not valid JSON \(the file "
+                                                                     r"looks truncated\)"),
+    (b"[1, 2]", r"tokenizer\.json' is JSON but not a tokenizer"),
+])
+def test_a_damaged_tokenizer_json_is_named_by_info_and_by_loading(tiny_model_dir, tmp_path, content, says):
+    from workbench.cli import main
+    d = tmp_path / "m"
+    shutil.copytree(tiny_model_dir, d)
+    (d / "tokenizer.json").write_bytes(content)
+    with pytest.raises(ModelLoadError, match=says):
+        load_model(d)
+    assert main(["info", str(d)]) == 2  # info checks the directory's files too, without loading the tokenizer
+
+
+def test_a_plain_pickle_that_runs_a_command_is_refused_naming_the_global_without_a_warning(tiny_model_dir, tmp_path,
+                                                                                          recwarn):
+    import os
+    import pickle
+
+    class RunsACommand:
+        def __reduce__(self):
+            return os.system, (f"touch {tmp_path / 'ran'}",)
+    d = tmp_path / "bin"
+    shutil.copytree(tiny_model_dir, d)
+    (d / "model.safetensors").unlink()
+    with open(d / "pytorch_model.bin", "wb") as f:  # a plain pickle, not torch.save's zip
+        pickle.dump({"model.embed_tokens.weight": RunsACommand()}, f, protocol=4)
+    with pytest.raises(ModelLoadError, match=r"pytorch_model\.bin\) that holds GLOBAL posix\.system, not only tensors"):
+        load_model(d)
+    assert not (tmp_path / "ran").exists()
+    assert not [w for w in recwarn if "pickle" in str(w.message)], [str(w.message) for w in recwarn]

@@ -1,10 +1,11 @@
 import json
+import re
 
 import pytest
 
 from workbench.errors import PlanError
 from workbench.models import LayerInfo
-from workbench.plan import PRECISIONS, Precision, QuantPlan, get_precision, register_precision
+from workbench.plan import PRECISIONS, PlanRule, Precision, QuantPlan, get_precision, register_precision
 
 NAMES = [
     "model.embed_tokens",
@@ -188,3 +189,11 @@ def test_every_plan_field_has_a_json_type_check():
 
     from workbench.plan import _FIELD_TYPES
     assert {f.name for f in dataclasses.fields(QuantPlan)} == set(_FIELD_TYPES)
+
+
+def test_a_rule_matching_no_layer_names_the_plan_file(tmp_path):
+    p = QuantPlan(default="int8", rules=(PlanRule("no_such_layer", "int4"),)).save(tmp_path / "my-plan.json")
+    plan = QuantPlan.load(p)
+    with pytest.raises(PlanError, match=rf"plan file '{re.escape(str(p))}': rule 'no_such_layer' matches no layer"):
+        plan.validate(["model.layers.0.mlp.down_proj"])
+    assert plan == QuantPlan.from_json(p.read_text()) and "source_file" not in plan.to_dict()

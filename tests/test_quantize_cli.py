@@ -45,11 +45,14 @@ def test_quantize_table_output_with_a_plan_and_fallback(tiny_model_dir, tmp_path
 
 @pytest.mark.parametrize("extra,message", [
     (["--strict"], "layer 'model.layers.0.self_attn.q_proj': group size 128 does not divide 64"),
-    (["--group-size", "-4"], "--group-size must be positive"),
+    (["--group-size", "-4"], "argument --group-size: must be at least 0, got -4"),  # refused by the parser
 ])
 def test_bad_input_exits_2_with_one_line(tiny_model_dir, tmp_path, heldout, capsys, extra, message):
-    rc = main(["quantize", str(tiny_model_dir), "--out", str(tmp_path / "q"), "--text", str(heldout),
-               "--ctx", "128", *extra])
+    try:
+        rc = main(["quantize", str(tiny_model_dir), "--out", str(tmp_path / "q"), "--text", str(heldout),
+                   "--ctx", "128", *extra])
+    except SystemExit as e:
+        rc = e.code
     assert rc == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
@@ -61,7 +64,8 @@ def test_plan_naming_a_missing_layer(tiny_model_dir, tmp_path, capsys):
         {"pattern": "model.layers.7.mlp.up_proj", "precision": "fp16"}]}))
     rc = main(["quantize", str(tiny_model_dir), "--out", str(tmp_path / "q"), "--plan", str(plan)])
     assert rc == 2
-    assert "plan rule 'model.layers.7.mlp.up_proj' matches no layer of this model" in capsys.readouterr().err
+    assert f"plan file '{plan}': rule 'model.layers.7.mlp.up_proj' matches no layer of this model" in \
+        capsys.readouterr().err
 
 
 def _quantize(model_dir, out, heldout, *extra):

@@ -145,8 +145,23 @@ def test_killed_sweep_resumes_where_it_stopped(lm, workspace):
     done = json.loads((partial / PROGRESS_FILE).read_text())["trials"]
     assert len(done) == 4
 
-    resumed = run_sensitivity(lm, tokens=TOKENS, precisions=two, workspace=workspace, progress=False)
+    import logging
+    notes = []
+    handler = logging.Handler()
+    handler.emit = lambda record: notes.append(record.getMessage())
+    logger = logging.getLogger("workbench")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)  # as the CLI sets it
+    try:
+        resumed = run_sensitivity(lm, tokens=TOKENS, precisions=two, workspace=workspace, progress=False)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
     assert resumed.trials_run == 2 * len(lm.layers) - 4
+    assert [n for n in notes if n.startswith("resuming the sensitivity sweep from ")] == \
+        [f"resuming the sensitivity sweep from {partial / PROGRESS_FILE}: 4 of {2 * len(lm.layers)} trials were "
+         "measured by an earlier run"]
     fresh = run_sensitivity(lm, tokens=TOKENS, precisions=two, progress=False)
     for a, b in zip(resumed.layers, fresh.layers):
         assert a.damage["int4"]["kl"] == pytest.approx(b.damage["int4"]["kl"], rel=1e-9)

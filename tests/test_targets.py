@@ -346,6 +346,9 @@ def test_refusal_names_the_layer_and_the_precision(demo):
         check_precisions(get_target("llama.cpp"), precisions, "llama.cpp")
     with pytest.raises(PlanError, match="'int3' .* model.layers.1.mlp.down_proj: .*2, 4 and 8-bit codes only"):
         check_precisions(get_target("ort-int4"), precisions)
+    with pytest.raises(PlanError, match=r"make one that fits with `workbench plan MODEL --bits-per-weight B --target "
+                                        r"ort-int4 --out PLAN\.json` \(in the app: .* in the Precisions tab\)"):
+        check_precisions(get_target("ort-int4"), precisions)
     two = layer_precisions(demo.layers, QuantPlan.uniform("int8-lpbq"))
     with pytest.raises(PlanError, match="'int8-lpbq' \\(8-bit integer, 4-bit sub-scales\\) for layer\\(s\\) "
                                         "model.layers.0.self_attn.q_proj, .* and \\d+ more: "

@@ -1,10 +1,13 @@
 import json
 import os
+import signal
+import subprocess
+import sys
 
 import pytest
 
 from workbench.errors import WorkspaceError
-from workbench.workspace import atomic_write_text, hash_inputs
+from workbench.workspace import Workspace, atomic_write_text, hash_inputs, output_lock, staged_output
 
 
 def test_get_or_compute_caches_on_inputs(workspace):
@@ -133,3 +136,104 @@ def test_what_a_killed_run_staged_is_removed_by_the_next_run(tmp_path):
     with staged_output(tmp_path / "o", "workbench-test") as d:
         (d / "a").write_text("x")
     assert not stale.exists() and alive.exists() and (tmp_path / "o" / "a").is_file()
+
+
+# ---------------------------------------------------------------- one writer per output, links
+
+def _env():
+    return {**os.environ, "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
+def _holder(code: str) -> subprocess.Popen:
+    """A second real process that takes a lock, says 'held' and waits."""
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=_env())
+    assert p.stdout.readline().strip() == "held"
+    return p
+
+
+def test_a_second_writer_of_one_out_is_refused_in_one_line_and_a_killed_one_leaves_no_lock(tmp_path):
+    out = tmp_path / "q"
+    holder = _holder(f"import time; from workbench.workspace import output_lock\n"
+                     f"with output_lock({str(out)!r}):\n    print('held', flush=True); time.sleep(60)")
+    try:
+        done = subprocess.run([sys.executable, "-m", "workbench", "quantize", "demo", "--bits", "8", "--out", str(out)],
+                              capture_output=True, text=True, env=_env(), timeout=120)
+        assert done.returncode == 2 and done.stdout == ""
+        err = [line for line in done.stderr.splitlines() if "mxfp8" not in line]
+        assert err == [f"workbench quantize: error: --out '{out}' is being written by another workbench run "
+                       f"(process {holder.pid}); wait for it to finish, or choose another --out"], done.stderr
+        assert not out.exists()
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    with output_lock(out):  # the kernel dropped the killed holder's lock
+        with output_lock(out):  # and one process may nest it
+            pass
+
+
+def test_a_second_run_of_one_workspace_step_is_refused(tmp_path):
+    ws = tmp_path / "ws"
+    holder = _holder("import time; from workbench.workspace import Workspace\n"
+                     f"Workspace({str(ws)!r}).get_or_compute('calibrate', {{'a': 1}}, "
+                     "lambda d: (print('held', flush=True), time.sleep(60)) and None)")
+    try:
+        with pytest.raises(WorkspaceError, match=rf"another workbench run \(process {holder.pid}\) is computing this "
+                                                 "calibrate result"):
+            Workspace(ws).get_or_compute("calibrate", {"a": 1}, lambda d: None)
+        Workspace(ws).get_or_compute("calibrate", {"a": 2}, lambda d: None)  # another key is not held
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    art = Workspace(ws).get_or_compute("calibrate", {"a": 1}, lambda d: {"ok": 1})
+    assert art.manifest["result"] == {"ok": 1}
+
+
+def test_an_unwritable_workspace_names_the_setting(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(WorkspaceError, match=r"workspace '.*file' cannot be used .*set WORKBENCH_WORKSPACE"):
+        Workspace(f).get_or_compute("calibrate", {"a": 1}, lambda d: None)
+
+
+@pytest.mark.parametrize("earlier", [False, True])
+def test_a_symlinked_out_replaces_its_target_and_leaves_no_old_entries(tmp_path, earlier):
+    target = tmp_path / "real"
+    target.mkdir()
+    if earlier:
+        with staged_output(target, "kind-x") as d:
+            (d / "a.txt").write_text("first")
+    link = tmp_path / "link"
+    link.symlink_to(target)
+    with staged_output(link, "kind-x") as d:
+        (d / "b.txt").write_text("second")
+    assert link.is_symlink() and link.resolve() == target.resolve()
+    assert (target / "b.txt").read_text() == "second" and not (target / "a.txt").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "real"]
+
+
+def test_a_failed_step_leaves_no_empty_parent(tmp_path):
+    out = tmp_path / "a" / "b" / "out"
+    with pytest.raises(RuntimeError):
+        with staged_output(out, "kind-x"):
+            raise RuntimeError("the step failed")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_outputs_follow_the_umask_whoever_wrote_them(tmp_path):
+    import stat
+
+    import torch
+    from safetensors.torch import save_file
+    old = os.umask(0o027)
+    try:
+        with staged_output(tmp_path / "out", "kind-x") as d:
+            save_file({"a": torch.zeros(2)}, d / "model.safetensors")  # safetensors writes 0600
+            (d / "sub").mkdir(mode=0o700)
+            (d / "sub" / "run.sh").write_text("#!/bin/sh\n")
+            os.chmod(d / "sub" / "run.sh", 0o700)
+    finally:
+        os.umask(old)
+    mode = lambda p: stat.S_IMODE(p.stat().st_mode)  # noqa: E731
+    out = tmp_path / "out"
+    assert (mode(out), mode(out / "sub"), mode(out / "model.safetensors"), mode(out / "sub" / "run.sh")) == \
+        (0o750, 0o750, 0o640, 0o750)

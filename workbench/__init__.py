@@ -7,12 +7,11 @@ The main verbs::
 """
 from __future__ import annotations
 
-import os
 import warnings
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+from .offline import apply_offline_env
+
+apply_offline_env()  # before anything imports onnxruntime or the Hugging Face libraries
 warnings.filterwarnings("ignore", message=".*_C_mxfp8.*")
 
 from .assets import DEMO_MODEL_DIR, demo_text_path  # noqa: E402

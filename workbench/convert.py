@@ -45,13 +45,14 @@ import torch
 
 from .assets import demo_text_path
 from .errors import ModelLoadError, PlanError
-from .evaluate import DEFAULT_CTX, Window, encode_text, read_text, strided_windows
+from .evaluate import DEFAULT_CTX, Window, strided_windows
 from .logits import final_hidden, head_logits
 from .memory import release_freed_memory
 from .onnx.export import ExportResult, export_onnx
 from .runtime.onnx_runner import OnnxCausalLM
 from .models import LoadedModel, is_quantized_dir, load_model
 from .plan import QuantPlan
+from .textio import read_tokens
 from .targets import check_precisions, get_target, target_names
 from .workspace import atomic_write_json
 
@@ -246,13 +247,18 @@ class _Evaluator:
                  progress: bool):
         lm = prep.float_lm
         text_path = text or demo_text_path("heldout")
-        ids = encode_text(lm.tokenizer, read_text(text_path), source=str(text_path))
+        # read no further than the largest budget default_eval_tokens can give (all of a small text)
+        cap = max_tokens or max(MIN_EVAL_TOKENS, int(EVAL_PARAMETER_TOKENS // max(lm.parameters, 1))) + 1
+        ids, extent = read_tokens(lm.tokenizer, text_path, max_tokens=cap)
         self.text_tokens = len(ids)
         budget = max_tokens or default_eval_tokens(lm.parameters, len(ids))
         self.budget_note = None
         if max_tokens is None and budget < len(ids):
             self.budget_note = (f"evaluated on the first {budget:,} of {len(ids):,} tokens: the default budget for a "
                                 f"{lm.parameters / 1e6:,.0f} M-parameter model (--max-tokens N to change)")
+        read_note = extent.note(f"enough for the {budget:,}-token evaluation budget")
+        if read_note:
+            self.budget_note = f"{self.budget_note}; {read_note}" if self.budget_note else read_note
         self.ids = ids[:budget]
         max_pos = getattr(lm.model.config, "max_position_embeddings", None) or DEFAULT_CTX
         self.ctx = min(ctx or DEFAULT_CTX, max_pos, len(self.ids))

@@ -12,9 +12,14 @@ Formats, chosen by the file's extension:
 * ``.json``: a list of objects, Alpaca style (``instruction``, optional ``input``, ``output``) or
   with a ``text`` field. An Alpaca record becomes ``instruction``, ``input`` and ``output`` joined
   by blank lines (the text the model will see, without a prompt template).
-* anything else: UTF-8 plain text, read as one document.
+* anything else: UTF-8 plain text, read as one document, in bounded pieces cut at whitespace
+  (``workbench.textio``), whatever its line structure.
 
-Every record is tokenized whole. A record longer than ``seq_len`` tokens is split into
+The file is read only as far as the draw needs: ``samples x seq_len`` usable tokens, and at least
+``MIN_POOL_TOKENS`` where the file has them (so a moderate file is sampled across its length);
+the coverage report says when a file was read only partly. A JSONL line or a ``.json`` list is
+parsed whole and refused above ``MAX_RECORD_BYTES``. Each record is tokenized in bounded pieces
+(one call for a record shorter than ``PIECE_CHARS``). A record longer than ``seq_len`` tokens is split into
 consecutive ``seq_len``-token chunks (rather than dropped, which is what loses most of a long
 text in other tools); a record or final chunk shorter than ``min_tokens`` is dropped as too
 short, an empty record as empty. The coverage report counts every drop with its reason and
@@ -34,9 +39,10 @@ from typing import Iterator
 import torch
 
 from .errors import DataError
+from .textio import PIECE_CHARS, ReadExtent, check_text_path, decode_error, iter_text, tokenize_bounded
 
 __all__ = ["TextRecord", "CoverageReport", "CalibrationSet", "read_records", "load_calibration_set",
-           "detect_language", "script_counts", "normalize_lang", "DEFAULT_SAMPLES", "DEFAULT_SEQ_LEN",
+           "iter_records", "detect_language", "script_counts", "normalize_lang", "DEFAULT_SAMPLES", "DEFAULT_SEQ_LEN",
            "DEFAULT_MIN_TOKENS", "DROP_REASONS"]
 
 DEFAULT_SAMPLES = 128  # what AWQ and GPTQ calibrate with; 128-256 is typical
@@ -46,6 +52,9 @@ DROP_REASONS = ("empty", "too_short", "too_long")
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 ALPACA_FIELDS = ("instruction", "input", "output")
 MAX_WHERE = 5  # how many record locations a drop reason lists by name
+MAX_RECORD_BYTES = 64 << 20  # a JSONL line or a .json list is parsed whole: beyond this it is refused, not held
+MIN_POOL_TOKENS = 1 << 20  # tokens read at least (where the file has them), so a draw spans a moderate file
+FILE_HINT = "pass a plain text, .jsonl or Alpaca .json file"
 
 # Han ideographs: CJK Unified Ideographs, Extension A, Compatibility Ideographs, Extensions B-F
 _HAN = re.compile("[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0002ebef]")
@@ -127,23 +136,59 @@ def _parse_record(obj, path: Path, where: str) -> TextRecord:
                     "or Alpaca 'instruction'/'input'/'output' fields")
 
 
-def _read_jsonl(path: Path, raw: str) -> list[TextRecord]:
-    records = []
-    # only \n ends a record: str.splitlines would also split at U+2028 and other separators that
-    # json.dumps(..., ensure_ascii=False) leaves raw inside strings (read_text has already folded \r\n)
-    for n, line in enumerate(raw.split("\n"), start=1):
-        if not line.strip():
-            continue  # a blank line holds no record
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"'{path}' line {n}: not valid JSON ({e.msg} at column {e.colno}); each line of a "
-                            "JSONL file must be one JSON object") from None
-        records.append(_parse_record(obj, path, f"line {n}"))
-    return records
+def _jsonl_records(path: Path, kind: str, extent: ReadExtent) -> Iterator[TextRecord]:
+    """JSONL records a line at a time; a line longer than ``MAX_RECORD_BYTES`` is refused, never held."""
+    extent.path, extent.file_bytes = str(path), path.stat().st_size
+    n, seen = 0, False
+    with open(path, "rb") as f:
+        while True:
+            start = extent.bytes_read
+            raw = f.readline(MAX_RECORD_BYTES + 1)
+            if not raw:
+                break
+            extent.bytes_read += len(raw)
+            if len(raw) > MAX_RECORD_BYTES:
+                raise DataError(f"'{path}' line {n + 1} is longer than {MAX_RECORD_BYTES >> 20} MB; split it into "
+                                "records of one line each (or pass it as plain text, which is read in pieces)")
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise decode_error(path, kind, e.reason, start + e.start) from None
+            # text mode's newlines: \r\n and a lone \r end a line too; only those end a record (not U+2028 &c.,
+            # which json.dumps(..., ensure_ascii=False) leaves raw inside strings)
+            text = text.replace("\r\n", "\n").replace("\r", "\n")
+            for line in text[:-1].split("\n") if text.endswith("\n") else text.split("\n"):
+                n += 1
+                if not line.strip():
+                    continue  # a blank line holds no record
+                seen = True
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"'{path}' line {n}: not valid JSON ({e.msg} at column {e.colno}); each line of "
+                                    "a JSONL file must be one JSON object") from None
+                yield _parse_record(obj, path, f"line {n}")
+    extent.complete = True
+    if not seen:
+        raise DataError(f"{kind} file '{path}' is empty; it needs text")
 
 
-def _read_json(path: Path, raw: str) -> list[TextRecord]:
+def _json_records(path: Path, kind: str, extent: ReadExtent) -> list[TextRecord]:
+    """A JSON list is parsed whole, so its size is capped; JSONL is the form read only as far as needed."""
+    size = path.stat().st_size
+    extent.path, extent.file_bytes = str(path), size
+    if size > MAX_RECORD_BYTES:
+        raise DataError(f"{kind} file '{path}' is {size / 2**20:.0f} MB, more than the {MAX_RECORD_BYTES >> 20} MB a "
+                        ".json list is parsed whole up to; write it as .jsonl (one record per line), which is read "
+                        "only as far as needed")
+    raw_bytes = path.read_bytes()
+    extent.bytes_read, extent.complete = size, True
+    try:
+        raw = raw_bytes.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise decode_error(path, kind, e.reason, e.start) from None
+    if not raw.strip():
+        raise DataError(f"{kind} file '{path}' is empty; it needs text")
     try:
         data = json.loads(raw)
     except json.JSONDecodeError as e:
@@ -152,7 +197,28 @@ def _read_json(path: Path, raw: str) -> list[TextRecord]:
     if not isinstance(data, list):
         raise DataError(f"'{path}' holds a JSON {_type_name(data)}; expected a list of records (Alpaca style: "
                         "[{\"instruction\": ..., \"input\": ..., \"output\": ...}, ...])")
-    return [_parse_record(obj, path, f"record {i}") for i, obj in enumerate(data)]
+    if not data:
+        raise DataError(f"{kind} file '{path}' is an empty JSON list; it needs at least one record")
+    # numbered from 1, as JSONL lines are
+    return [_parse_record(obj, path, f"record {i}") for i, obj in enumerate(data, start=1)]
+
+
+def iter_records(path: str | Path, kind: str = "calibration",
+                 extent: ReadExtent | None = None) -> tuple[str, Iterator[TextRecord]]:
+    """``(format, records)``, the records read lazily: only as far as the caller iterates.
+
+    Plain text yields its one document as consecutive pieces of at most ``PIECE_CHARS`` characters
+    (each ``where="whole file"``; join them for the document), so no line, however long, is held
+    whole. ``extent`` (a ReadExtent) is filled in with how much of the file was read.
+    """
+    p = check_text_path(path, kind, FILE_HINT)
+    extent = extent if extent is not None else ReadExtent(str(p))
+    suffix = p.suffix.lower()
+    if suffix in JSONL_SUFFIXES:
+        return "jsonl", _jsonl_records(p, kind, extent)
+    if suffix == ".json":
+        return "alpaca", iter(_json_records(p, kind, extent))
+    return "text", (TextRecord(piece, "whole file") for piece in iter_text(p, kind, extent=extent, hint=FILE_HINT))
 
 
 def read_records(path: str | Path, kind: str = "calibration") -> tuple[list[TextRecord], str]:
@@ -160,28 +226,13 @@ def read_records(path: str | Path, kind: str = "calibration") -> tuple[list[Text
 
     ``format`` is ``text``, ``jsonl``, ``alpaca`` (a JSON list) or ``json``. Raises DataError naming
     the file, the record and the field for anything malformed, and for a missing or empty file.
+    This holds the whole file; ``iter_records`` reads only as far as needed.
     """
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise DataError(f"{kind} file '{p}' does not exist; pass a plain text, .jsonl or Alpaca .json file")
-    if p.is_dir():
-        raise DataError(f"{kind} path '{p}' is a directory; pass a plain text, .jsonl or Alpaca .json file")
-    try:
-        raw = p.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise DataError(f"{kind} file '{p}' is not UTF-8 text ({e.reason} at byte {e.start}); "
-                        "convert it to UTF-8") from None
-    if not raw.strip():
-        raise DataError(f"{kind} file '{p}' is empty; it needs text")
-    suffix = p.suffix.lower()
-    if suffix in JSONL_SUFFIXES:
-        return _read_jsonl(p, raw), "jsonl"
-    if suffix == ".json":
-        records = _read_json(p, raw)
-        if not records:
-            raise DataError(f"{kind} file '{p}' is an empty JSON list; it needs at least one record")
-        return records, "alpaca"
-    return [TextRecord(raw, "whole file")], "text"
+    fmt, stream = iter_records(path, kind)
+    records = list(stream)
+    if fmt == "text":
+        records = [TextRecord("".join(r.text for r in records), "whole file")]
+    return records, fmt
 
 
 # ---------------------------------------------------------------- the coverage report
@@ -214,6 +265,7 @@ class CoverageReport:
     language_from: str = "script"  # "lang field", "script" or "lang field and script"
     zh_en_ratio: float | None = None  # Chinese tokens per English token; None without English
     warnings: list = field(default_factory=list)
+    read_note: str | None = None  # set when the file was read only as far as the draw needed
     piece_lengths: list = field(default_factory=list, repr=False)
     piece_fates: list = field(default_factory=list, repr=False)
 
@@ -252,6 +304,8 @@ class CoverageReport:
         """The report in a few sentences, for a CLI or a panel."""
         lines = [f"{self.samples} samples, {self.tokens:,} tokens kept (asked for {self.requested} of up to "
                  f"{self.seq_len} tokens) from {self.records} {self.format} record(s) in {self.path}"]
+        if self.read_note:
+            lines.append(self.read_note)
         if self.split_records:
             lines.append(f"{self.split_records} record(s) longer than {self.seq_len} tokens were split into "
                          f"{self.split_chunks} chunks")
@@ -385,28 +439,42 @@ def load_calibration_set(path: str | Path | None = None, *, tokenizer, samples: 
     if path is None:
         from .assets import demo_text_path
         path = demo_text_path("calibration")
-    records, fmt = read_records(path)
+    extent = ReadExtent(str(path))
+    fmt, stream = iter_records(path, extent=extent)
+    limit = max(samples * seq_len, MIN_POOL_TOKENS)  # read as far as the draw needs, never the whole of a big file
+    entries: list[tuple[TextRecord, list[int]]] = []
+    if fmt == "text":  # one document, in pieces: its tokens are the pieces' tokens in order
+        ids: list[int] = []
+        parts: list[str] = []
+        for rec in stream:
+            ids.extend(tokenize_bounded(tokenizer, rec.text, max_tokens=limit - len(ids)))
+            parts = parts + [rec.text] if len(parts) < 2 else parts
+            if len(ids) >= limit:
+                break
+        entries.append((TextRecord(parts[0] if len(parts) == 1 else "", "whole file"), ids))
+    else:
+        usable = 0
+        for rec in stream:
+            ids = tokenize_bounded(tokenizer, rec.text, max_tokens=limit) if rec.text.strip() else []
+            entries.append((rec, ids))
+            usable += len(ids) if len(ids) >= min_tokens else 0
+            if usable >= limit:
+                break
+    records = [rec for rec, _ in entries]
     has_source = any(r.source for r in records)
     has_lang = any(r.lang for r in records)
     report = CoverageReport(str(path), fmt, len(records), seq_len, min_tokens, samples, seed, bilingual)
-
-    texts = [r.text for r in records]
-    nonempty = [i for i, t in enumerate(texts) if t.strip()]
-    token_ids: dict[int, list[int]] = {}
-    if nonempty:
-        encoded = tokenizer([texts[i] for i in nonempty], add_special_tokens=False)["input_ids"]
-        token_ids = dict(zip(nonempty, encoded))
+    report.read_note = extent.note(f"enough for {samples} samples of {seq_len} tokens")
 
     pieces: list[_Piece] = []
-    for i, rec in enumerate(records):
+    for rec, ids in entries:
         stratum = _stratum(rec, has_source, has_lang)
-        ids = token_ids.get(i, [])
         if not ids:
             _drop(report, "empty", 0, rec.where)
         elif len(ids) < min_tokens:
             _drop(report, "too_short", len(ids), rec.where)
         elif len(ids) <= seq_len:
-            pieces.append(_Piece(ids, rec.where, stratum, rec.lang, rec.text))
+            pieces.append(_Piece(ids, rec.where, stratum, rec.lang, rec.text or None))
         elif not split_long:
             _drop(report, "too_long", len(ids), rec.where)
         else:
@@ -420,7 +488,6 @@ def load_calibration_set(path: str | Path | None = None, *, tokenizer, samples: 
                 else:
                     report.split_chunks += 1
                     pieces.append(_Piece(chunk, where, stratum, rec.lang, None))
-
     report.available = len(pieces)
     report.available_tokens = sum(len(p.ids) for p in pieces)
     if not pieces:

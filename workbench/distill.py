@@ -40,13 +40,13 @@ from torch import nn
 
 from .errors import WorkbenchError
 from .compute import enable_float32_compute, narrow_saved_weights, stored_dtype
-from .evaluate import EvalReport, check_plain_head, capture_reference, encode_text, evaluate, paired_difference, \
-    read_text
+from .evaluate import EvalReport, check_plain_head, capture_reference, evaluate, paired_difference
 from .logits import chunked_sum, final_hidden, head_logits, loss_chunk_rows, trainable_head_logits
 from .finetune import (CHECKPOINT, DEFAULT_TARGETS, Checkpoint, split_windows, run_training, save_model_directory,
-                       source_dtype, training_windows)
+                       source_dtype, training_token_budget, training_windows)
 from .assets import demo_text_path
 from .models import LoadedModel, load_model
+from .textio import text_token_ids
 from .plan import QuantPlan, get_precision
 from .workspace import atomic_write_json, check_output_dir, file_sha256, hash_inputs, swap_into_place, \
     write_output_manifest
@@ -386,9 +386,10 @@ def distill(student: str | Path | LoadedModel, teacher: str | Path | LoadedModel
     if plan is not None:
         plan.validate([info.name for info in s_lm.layers])
     data_path = Path(data) if data is not None else demo_text_path("calibration")
-    train, val = split_windows(training_windows(s_lm, data_path, cfg.seq_len), cfg.validation_fraction)
+    train, val = split_windows(training_windows(s_lm, data_path, cfg.seq_len, training_token_budget(cfg)),
+                               cfg.validation_fraction)
     eval_path = Path(eval_text) if eval_text is not None else demo_text_path("heldout")
-    eval_ids = encode_text(s_lm.tokenizer, read_text(eval_path), source=str(eval_path))[:eval_tokens]
+    eval_ids = text_token_ids(s_lm.tokenizer, eval_path, eval_tokens)  # read no further than the budget
     max_pos = getattr(s_lm.config, "max_position_embeddings", None) or cfg.seq_len
     ctx = min(cfg.seq_len, max_pos, max(2, eval_ids.numel()))
 

@@ -26,6 +26,7 @@ from torch import nn
 
 from .errors import DataError
 from .logits import final_hidden, head_logits
+from .textio import check_text_path, tokenize_bounded
 
 __all__ = ["Window", "strided_windows", "llamacpp_windows", "eval_windows", "SCHEMES", "encode_text", "EvalReport",
            "ReferenceOutputs", "capture_reference",
@@ -101,7 +102,7 @@ def encode_text(tokenizer, text: str, *, source: str = "text") -> torch.Tensor:
     """Tokenize a whole text into one 1-D tensor of ids; an empty result is an error."""
     if not text or not text.strip():
         raise DataError(f"{source} is empty: give a text with at least a few sentences to evaluate on")
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    ids = tokenize_bounded(tokenizer, text)  # in pieces: one long line is never tokenized whole
     if len(ids) < 2:
         raise DataError(f"{source} has only {len(ids)} token(s); at least 2 are needed to score anything")
     return torch.tensor(ids, dtype=torch.long)
@@ -430,9 +431,7 @@ def paired_difference(candidate: EvalReport, baseline: EvalReport, metric: str =
 
 def read_text(path: str | Path) -> str:
     """Read a UTF-8 text file for evaluation, with a clear error when it is missing or empty."""
-    p = Path(path)
-    if not p.is_file():
-        raise DataError(f"text file '{p}' does not exist")
+    p = check_text_path(path)
     try:
         text = p.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -27,9 +28,10 @@ from typing import Callable
 import torch
 
 from .assets import demo_text_path
-from .data import read_records
+from .data import MIN_POOL_TOKENS, iter_records
 from .errors import DataError, WorkbenchError
-from .evaluate import encode_text, evaluate, read_text
+from .evaluate import evaluate
+from .textio import ReadExtent, text_token_ids, tokenize_bounded
 from .models import LoadedModel, load_model
 from .workspace import (atomic_write_json, check_output_dir, file_sha256, hash_inputs, model_fingerprint,
                         swap_into_place, write_output_manifest)
@@ -112,16 +114,37 @@ class FinetuneReport:
                 f"{self.losses[0]:.3f} -> {self.losses[-1]:.3f}{chosen}{ppl}; {self.seconds:.0f} s -> {self.out_dir}")
 
 
-def training_windows(lm: LoadedModel, data: str | Path, seq_len: int) -> torch.Tensor:
-    """The training text as ``[n, seq_len]`` token windows (documents joined by the end-of-text token)."""
-    records, _fmt = read_records(data, kind="training")
+def training_token_budget(cfg) -> int:
+    """Tokens a run can use: every window its steps draw (plus the held-back share), at least ``MIN_POOL_TOKENS``."""
+    windows = cfg.steps * cfg.batch_size / (1 - getattr(cfg, "validation_fraction", 0.0))
+    return max(MIN_POOL_TOKENS, int(windows + 1) * cfg.seq_len)
+
+
+def training_windows(lm: LoadedModel, data: str | Path, seq_len: int, max_tokens: int | None = None) -> torch.Tensor:
+    """The training text as ``[n, seq_len]`` token windows (documents joined by the end-of-text token).
+
+    The file is read a record (a plain text: a bounded piece) at a time, and no further than
+    ``max_tokens``; a partial read is said as a note on the ``workbench`` logger.
+    """
+    extent = ReadExtent(str(data))
+    fmt, records = iter_records(data, kind="training", extent=extent)
     eos = lm.tokenizer.eos_token_id
-    pieces = []
+    pieces, n = [], 0
     for rec in records:
-        ids = encode_text(lm.tokenizer, rec.text, source=f"{data}: {rec.where}")
+        if fmt != "text" and not rec.text.strip():
+            raise DataError(f"training file '{data}': {rec.where} is empty: give a text with at least a few sentences")
+        ids = torch.tensor(tokenize_bounded(lm.tokenizer, rec.text, max_tokens=max_tokens), dtype=torch.long)
         pieces.append(ids)
-        if eos is not None:
+        n += len(ids)
+        if eos is not None and fmt != "text":  # plain text is one document in pieces
             pieces.append(torch.tensor([eos], dtype=ids.dtype))
+        if max_tokens is not None and n >= max_tokens:
+            break
+    if fmt == "text" and eos is not None:
+        pieces.append(torch.tensor([eos], dtype=torch.long))
+    note = extent.note(f"enough for {max_tokens:,} training tokens" if max_tokens else "")
+    if note:
+        logging.getLogger("workbench").info(note)
     stream = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
     n = stream.numel() // seq_len
     if n < 1:
@@ -298,9 +321,10 @@ def finetune_lora(model: str | Path | LoadedModel = "demo", data: str | Path | N
     lm = model if isinstance(model, LoadedModel) else load_model(model, dtype="float32")
     lm.require_float("finetune")  # LoRA merges into float weights: train the float model it was made from
     data_path = Path(data) if data is not None else demo_text_path("calibration")
-    train, val = split_windows(training_windows(lm, data_path, cfg.seq_len), cfg.validation_fraction)
+    train, val = split_windows(training_windows(lm, data_path, cfg.seq_len, training_token_budget(cfg)),
+                               cfg.validation_fraction)
     eval_path = Path(eval_text) if eval_text is not None else demo_text_path("heldout")
-    eval_ids = encode_text(lm.tokenizer, read_text(eval_path), source=str(eval_path))[:eval_tokens]
+    eval_ids = text_token_ids(lm.tokenizer, eval_path, eval_tokens)  # read no further than the budget
     max_pos = getattr(lm.model.config, "max_position_embeddings", None) or cfg.seq_len
     ctx = min(cfg.seq_len, max_pos, max(2, eval_ids.numel()))
 

@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import struct
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Mapping
@@ -271,7 +272,29 @@ def _check_directory(path: Path, name: str) -> dict:
         raise ModelLoadError(f"'{path}' has no weights: expected model.safetensors (or pytorch_model.bin)")
     for f in st:
         check_safetensors_file(f)
+    check_tokenizer_json(path)
     return cfg
+
+
+def check_tokenizer_json(path: Path) -> None:
+    """Refuse a ``tokenizer.json`` that is empty, not UTF-8 or not JSON (a truncated copy), naming the file."""
+    f = path / "tokenizer.json"
+    if not f.is_file():
+        return
+    size = f.stat().st_size
+    hint = "copy tokenizer.json of the base model into the directory again"
+    if size == 0:
+        raise ModelLoadError(f"'{f}' is empty (0 bytes); {hint}")
+    try:
+        doc = json.loads(f.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ModelLoadError(f"'{f}' is not UTF-8 text ({e.reason} at byte {e.start}); {hint}") from None
+    except json.JSONDecodeError as e:
+        truncated = " (the file looks truncated)" if e.pos >= len(e.doc.rstrip()) else ""
+        raise ModelLoadError(f"'{f}' is not valid JSON{truncated}: {e.msg} at line {e.lineno} column {e.colno} of "
+                             f"{size:,} bytes; {hint}") from None
+    if not isinstance(doc, dict) or "model" not in doc:
+        raise ModelLoadError(f"'{f}' is JSON but not a tokenizer (no 'model' section); {hint}")
 
 
 def _stored_dtype(raw_cfg: dict) -> torch.dtype:
@@ -417,6 +440,31 @@ def _refused_pickle(e: BaseException) -> str | None:
     return None
 
 
+def _plain_pickle_global(path: Path) -> str | None:
+    """The first global a plain (non-zip) pickle would import beyond torch's own ('GLOBAL posix.system'), read
+    opcode by opcode without running anything; None for a zip checkpoint or none found."""
+    import pickletools
+    import zipfile
+    if zipfile.is_zipfile(path):
+        return None
+    safe = ("torch", "collections", "_codecs", "numpy")
+    strings: list[str] = []
+    try:
+        with open(path, "rb") as f:
+            for op, arg, _pos in pickletools.genops(f):
+                if op.name in ("SHORT_BINUNICODE", "BINUNICODE", "UNICODE", "BINUNICODE8"):
+                    strings = (strings + [arg])[-2:]
+                elif op.name in ("GLOBAL", "INST") or (op.name == "STACK_GLOBAL" and len(strings) == 2):
+                    module, name = arg.split(" ", 1) if op.name != "STACK_GLOBAL" else strings
+                    if not module.split(".")[0] in safe:
+                        return f"GLOBAL {module}.{name}"
+                elif op.name == "STOP":
+                    return None
+    except Exception:  # noqa: BLE001 - a damaged pickle: say what torch said instead
+        return None
+    return None
+
+
 def _one_line(e: BaseException) -> str:
     """An exception's message on one line: its non-empty lines joined (the first is often only a heading)."""
     lines = [line.strip() for line in str(e).splitlines() if line.strip()]
@@ -475,16 +523,21 @@ def load_model(path: str | os.PathLike = "demo", *, dtype: str | torch.dtype = "
         if layer_shapes(raw_cfg) is not None:  # transformers would build every layer at the largest counts
             model, info = _load_per_layer(p, config, torch_dtype), {}
         else:
-            model, info = AutoModelForCausalLM.from_pretrained(
-                p, config=config, dtype=torch_dtype, trust_remote_code=trust_remote_code, local_files_only=True,
-                use_safetensors=any(p.glob("*.safetensors")), output_loading_info=True,
-                ignore_mismatched_sizes=True)  # refused below, by name
+            with warnings.catch_warnings():  # torch's notice on a plain pickle's protocol: the refusal below says more
+                warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
+                model, info = AutoModelForCausalLM.from_pretrained(
+                    p, config=config, dtype=torch_dtype, trust_remote_code=trust_remote_code, local_files_only=True,
+                    use_safetensors=any(p.glob("*.safetensors")), output_loading_info=True,
+                    ignore_mismatched_sizes=True)  # refused below, by name
     except ModelLoadError:
         raise
     except Exception as e:  # transformers raises many types; give one clear line
         refused = _refused_pickle(e)
         if refused is not None:
-            bins = ", ".join(f.name for f in sorted(p.glob("pytorch_model*.bin")))
+            files = sorted(p.glob("pytorch_model*.bin"))
+            bins = ", ".join(f.name for f in files)
+            if not refused.startswith("GLOBAL"):  # a plain pickle: torch stops at an opcode before any global
+                refused = next(filter(None, map(_plain_pickle_global, files)), refused)
             raise ModelLoadError(f"'{p}' keeps its weights in a pickle ({bins}) that holds {refused}, not only "
                                  "tensors: loading it could run code, so weights_only loading refused it; convert "
                                  "the checkpoint to safetensors (model.safetensors) where you trust its source, "
@@ -509,11 +562,13 @@ def load_tokenizer_from(p: Path, *, trust_remote_code: bool = False, required: b
             return None
         raise ModelLoadError(f"'{p}' has no tokenizer (expected tokenizer.json or tokenizer.model); copy the "
                              "tokenizer files of the base model into it")
+    check_tokenizer_json(p)
     try:
         tokenizer = AutoTokenizer.from_pretrained(p, trust_remote_code=trust_remote_code, local_files_only=True)
     except Exception as e:
         first = _one_line(e)
-        raise ModelLoadError(f"could not load the tokenizer in '{p}': {first}") from e
+        files = ", ".join(f for f in TOKENIZER_FILES if (p / f).is_file())
+        raise ModelLoadError(f"could not load the tokenizer in '{p}' (from {files}): {first}") from e
     tokenizer.model_max_length = 1 << 30  # evaluation windows whole texts itself; silence the length notice
     return tokenizer
 

@@ -281,7 +281,9 @@ class QuantPlan:
                 close = difflib.get_close_matches(r.pattern.removeprefix("re:"), names, n=3, cutoff=0.4)
                 hint = f"; closest layer names: {', '.join(close)}" if close else \
                     f"; layers look like: {', '.join(names[:3])}"
-                raise PlanError(f"plan rule '{r.pattern}' matches no layer of this model{hint}")
+                source = getattr(self, "source_file", None)  # set by load(): not a field, never saved
+                where = f"plan file '{source}': rule" if source else "plan rule"
+                raise PlanError(f"{where} '{r.pattern}' matches no layer of this model{hint}")
 
     def content_hash(self) -> str:
         """Eight hex digits naming the plan's content (rules, default, group size, symmetry, method; not
@@ -358,7 +360,9 @@ class QuantPlan:
             raise PlanError(f"plan file '{p}' {'is a directory' if p.is_dir() else 'does not exist'}; pass a plan "
                             "JSON file (`workbench plan` writes one)")
         try:
-            return cls.from_json(p.read_text(encoding="utf-8"))
+            plan = cls.from_json(p.read_text(encoding="utf-8"))
+            object.__setattr__(plan, "source_file", str(p))  # named when a rule matches no layer
+            return plan
         except UnicodeDecodeError as e:
             raise PlanError(f"plan file '{p}' is not UTF-8 text ({e.reason} at byte {e.start})") from None
         except PlanError as e:

@@ -39,10 +39,12 @@ from torch import nn
 
 from .assets import demo_text_path
 from .errors import DataError, PlanError, WorkspaceError
-from .evaluate import DEFAULT_CTX, EvalReport, ReferenceOutputs, capture_reference, encode_text, evaluate, read_text
+from .assets import demo_text_path
+from .evaluate import DEFAULT_CTX, EvalReport, ReferenceOutputs, capture_reference, evaluate
 from .models import LoadedModel
 from .proxy import PROXY_VERSION, decoder_blocks, proxy_scores, proxy_supported
 from .plan import DEFAULT_GROUP_SIZE, DEFAULT_SCALE_SEARCH, PRECISIONS, QUANTIZER_SETTINGS, QuantPlan, get_precision
+from .textio import text_token_ids
 from .workspace import Workspace, atomic_write_json, model_fingerprint, read_json_file
 
 __all__ = ["LayerVariants", "BlockReplay", "PlanEvaluator", "LayerSensitivity", "SensitivityReport", "run_sensitivity",
@@ -78,12 +80,9 @@ def sweep_precisions(symmetric: bool = True, layers: Iterable | None = None) -> 
 def evaluation_tokens(lm: LoadedModel, text_path: str | Path | None = None, tokens: int | None = None) -> torch.Tensor:
     """The first ``tokens`` token ids of a text (default: the bundled held-out text): a fixed budget."""
     path = Path(text_path) if text_path else demo_text_path("heldout")
-    ids = encode_text(lm.tokenizer, read_text(path), source=str(path))
-    if tokens is not None:
-        if tokens < 2:
-            raise DataError(f"the evaluation budget must be at least 2 tokens, got {tokens}")
-        ids = ids[:tokens]
-    return ids
+    if tokens is not None and tokens < 2:
+        raise DataError(f"the evaluation budget must be at least 2 tokens, got {tokens}")
+    return text_token_ids(lm.tokenizer, path, tokens)  # read no further than the budget
 
 
 def _module(model: nn.Module, name: str) -> nn.Module:
@@ -569,6 +568,11 @@ def _sweep(evaluator: PlanEvaluator, layers: Sequence, precisions: Sequence[str]
             state = {"trials": {}, "seconds": 0.0}
     trials: dict[str, dict] = state["trials"]
     todo = [(info, p) for info in layers for p in precisions if _trial_key(info.name, p) not in trials]
+    total = len(layers) * len(precisions)
+    if todo and len(todo) < total:  # said, so a quick finish is not mistaken for a fast sweep
+        import logging
+        logging.getLogger("workbench").info(f"resuming the sensitivity sweep from {progress_path}: "
+                                            f"{total - len(todo)} of {total} trials were measured by an earlier run")
     base = evaluator.evaluate_baseline()
     ran = 0
     with tqdm(total=len(layers) * len(precisions), initial=len(layers) * len(precisions) - len(todo),

@@ -13,6 +13,7 @@ back on the next call).
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -28,8 +29,9 @@ from typing import Callable, Iterable, Mapping
 from .errors import WorkspaceError
 
 __all__ = ["Workspace", "Artifact", "atomic_write_bytes", "atomic_write_text", "atomic_write_json", "read_json_file",
-           "hash_inputs", "model_fingerprint", "file_sha256", "library_versions", "DEFAULT_WORKSPACE", "check_output_dir", "staged_output",
-           "swap_into_place", "write_output_manifest", "rebase_paths"]
+           "hash_inputs", "model_fingerprint", "file_sha256", "library_versions", "DEFAULT_WORKSPACE", "check_output_dir",
+           "staged_output", "swap_into_place", "write_output_manifest", "rebase_paths", "resolve_output", "exclusive_lock",
+           "output_lock", "make_parents", "remove_empty", "apply_umask"]
 
 DEFAULT_WORKSPACE = Path(os.environ.get("WORKBENCH_WORKSPACE", "workspace"))
 MANIFEST = "manifest.json"
@@ -109,9 +111,74 @@ def _output_problem(p: Path, kind: str) -> str | None:
     return None
 
 
-def check_output_dir(path: str | Path, kind: str, option: str = "--out") -> Path:
-    """Return ``path`` if a ``kind`` step may write it; else raise WorkspaceError saying why and what to do."""
+def resolve_output(path: str | Path) -> Path:
+    """``path``, or the directory a symbolic link there points to: the replace rules apply to the link's target."""
     p = Path(path)
+    return p.resolve() if p.is_symlink() else p
+
+
+# -- one writer per output: an exclusive flock, which dies with its process (never left stale) ----
+_HELD: dict[str, list] = {}  # lock file -> [fd, depth]: re-entrant within one process
+
+
+def _lock_dir() -> Path:
+    d = Path(tempfile.gettempdir()) / "workbench-locks"
+    if not d.is_dir():
+        d.mkdir(exist_ok=True)
+        with contextlib.suppress(OSError):
+            os.chmod(d, 0o1777)  # shared by every user, as /tmp is
+    return d
+
+
+@contextmanager
+def exclusive_lock(name: str, busy: str):
+    """Hold an exclusive lock on ``name`` (any string) for the block; another holder makes it raise WorkspaceError.
+
+    ``busy`` is the refusal's message, ``{pid}`` filled in with the holder's process id. The lock
+    is ``flock`` on a file under the temp directory: the kernel releases it when its process ends,
+    however it ends, so a killed run never leaves a stale lock behind.
+    """
+    import fcntl
+    lock = _lock_dir() / (hashlib.sha256(name.encode()).hexdigest()[:32] + ".lock")
+    held = _HELD.get(str(lock))
+    if held is not None:
+        held[1] += 1
+        try:
+            yield
+        finally:
+            held[1] -= 1
+        return
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        pid = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise WorkspaceError(busy.format(pid=pid)) from None
+    except BaseException:
+        os.close(fd)
+        raise
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    _HELD[str(lock)] = [fd, 1]
+    try:
+        yield
+    finally:
+        del _HELD[str(lock)]
+        os.close(fd)  # releases the flock
+
+
+def output_lock(path: str | Path, option: str = "--out"):
+    """The one-writer lock of an output path (a link's target): a second concurrent writer is refused in one line."""
+    target = resolve_output(path).absolute()
+    return exclusive_lock(f"output:{os.path.normpath(target)}",
+                          f"{option} '{path}' is being written by another workbench run (process {{pid}}); wait for it "
+                          f"to finish, or choose another {option}")
+
+
+def check_output_dir(path: str | Path, kind: str, option: str = "--out") -> Path:
+    """Return where a ``kind`` step may write ``path`` (a link's target); else raise WorkspaceError saying why."""
+    p = resolve_output(path)
     if not p.exists() and not p.is_symlink():
         return p
     if not p.is_dir():
@@ -134,14 +201,34 @@ def write_output_manifest(directory: Path, kind: str, extra: Mapping | None = No
     return manifest
 
 
+def apply_umask(root: Path) -> None:
+    """One permission rule for every output: what the user's umask gives a new file or directory.
+
+    Temporary directories (mkdtemp) and some writers (safetensors) create private 0700 / 0600 entries;
+    an output is an ordinary file of the user's, so directories get 0777 and files 0666 (0777 where
+    executable) less the umask, whichever step wrote them.
+    """
+    mask = _umask()
+    for d, _dirs, files in os.walk(root):
+        os.chmod(d, 0o777 & ~mask)
+        for name in files:
+            f = os.path.join(d, name)
+            if not os.path.islink(f):
+                os.chmod(f, (0o777 if os.stat(f).st_mode & 0o100 else 0o666) & ~mask)
+
+
 def swap_into_place(src: Path, dst: Path) -> Path:
     """Move the finished directory ``src`` to ``dst``, replacing what ``dst`` held only once ``src`` is whole."""
-    src, dst = Path(src), Path(dst)
+    src, dst = Path(src), resolve_output(dst)
+    apply_umask(src)
     if dst.exists():
         old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
         os.replace(dst, old)
         os.replace(src, dst)
-        shutil.rmtree(old, ignore_errors=True)
+        if old.is_symlink() or not old.is_dir():
+            old.unlink()
+        else:
+            shutil.rmtree(old)
     else:
         os.replace(src, dst)
     return dst
@@ -150,8 +237,10 @@ def swap_into_place(src: Path, dst: Path) -> Path:
 def _remove_stale_staging(out: Path) -> None:
     """Remove what killed runs staged for ``out`` (their process is gone); a running one's is left alone."""
     import glob
-    for d in out.parent.glob(f".{glob.escape(out.name)}.partial-*-*"):
-        pid = d.name[len(f".{out.name}.partial-"):].split("-", 1)[0]
+    stale = [(d, d.name[len(f".{out.name}.partial-"):].split("-", 1)[0])
+             for d in out.parent.glob(f".{glob.escape(out.name)}.partial-*-*")]
+    stale += [(d, d.name.rsplit("-", 1)[-1]) for d in out.parent.glob(f".{glob.escape(out.name)}.old-*")]
+    for d, pid in stale:
         if not pid.isdigit() or int(pid) == os.getpid():
             continue
         try:
@@ -172,20 +261,39 @@ def staged_output(path: str | Path, kind: str, option: str = "--out"):
         with staged_output(args.out, "workbench-onnx-export") as tmp:
             export_onnx(lm, tmp)
     """
-    out = check_output_dir(path, kind, option)
+    with output_lock(path, option):
+        out = check_output_dir(path, kind, option)
+        created = make_parents(out)
+        _remove_stale_staging(out)
+        tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.partial-{os.getpid()}-"))
+        try:
+            os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it private; once swapped in it is an ordinary directory
+            yield tmp
+            if not (tmp / MANIFEST).is_file():
+                write_output_manifest(tmp, kind)
+            check_output_dir(out, kind, option)  # still ours to replace after the (possibly long) step
+            swap_into_place(tmp, out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            remove_empty(created)
+            raise
+
+
+def make_parents(out: Path) -> list[Path]:
+    """Create ``out``'s missing parent directories; returns them, deepest first, for ``remove_empty``."""
+    created, d = [], Path(out).parent
+    while not d.exists() and d != d.parent:
+        created.append(d)
+        d = d.parent
     out.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_staging(out)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.partial-{os.getpid()}-"))
-    try:
-        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it private; once swapped in it is an ordinary directory
-        yield tmp
-        if not (tmp / MANIFEST).is_file():
-            write_output_manifest(tmp, kind)
-        check_output_dir(out, kind, option)  # still ours to replace after the (possibly long) step
-        swap_into_place(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    return created
+
+
+def remove_empty(created: list[Path]) -> None:
+    """Remove the directories ``make_parents`` created, where they are still empty: a failed step leaves none."""
+    for d in created:
+        with contextlib.suppress(OSError):
+            d.rmdir()
 
 
 def rebase_paths(obj, old: Path, new: Path):
@@ -345,8 +453,21 @@ class Workspace:
         key = self.key(inputs)
         if not force and (found := self.find(step, key)):
             return found
+        with exclusive_lock(f"workspace:{os.path.normpath(self.root.absolute())}/{step}/{key}",
+                            f"another workbench run (process {{pid}}) is computing this {step} result in workspace "
+                            f"'{self.root}'; wait for it to finish, then run again to read its result back"):
+            if not force and (found := self.find(step, key)):
+                return found  # the other run finished while this one waited for the lock
+            return self._compute(step, key, inputs, compute, upstream)
+
+    def _compute(self, step, key, inputs, compute, upstream) -> Artifact:
         partial = self.partial_path(step, key)
-        partial.mkdir(parents=True, exist_ok=True)
+        try:
+            partial.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise WorkspaceError(f"the workspace '{self.root}' cannot be used ({e.strerror} at '{e.filename}'): set "
+                                 "WORKBENCH_WORKSPACE (or --workspace) to a directory you can write, or leave it unset "
+                                 "for ./workspace") from None
         result = compute(partial)
         files = {}
         for f in sorted(partial.rglob("*")):

@@ -44,10 +44,17 @@ COMMANDS = {
 }
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose refusals are one line (``workbench <cmd>: error: ...``) and a one-line hint, not a usage block."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n{self.prog}: see `{self.prog} --help` for the options\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="workbench", description="Quantize small LLMs for edge NPUs and "
-                                     "measure what each choice costs.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser = OneLineParser(prog="workbench", description="Quantize small LLMs for edge NPUs and "
+                           "measure what each choice costs.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=OneLineParser)
     for name, module in COMMANDS.items():
         mod = importlib.import_module(f"{__name__}.{module}")
         p = sub.add_parser(name, help=mod.HELP, description=mod.__doc__)
@@ -61,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     notes = _print_notes(args.command)
     try:
-        return int(args._run(args) or 0)
+        with _one_writer(args):
+            return int(args._run(args) or 0)
     except KeyboardInterrupt:
         print(f"workbench {args.command}: interrupted", file=sys.stderr)
         return 130
@@ -72,6 +80,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     finally:
         logging.getLogger("workbench").removeHandler(notes)
+
+
+def _one_writer(args):
+    """Hold ``--out``'s lock for the whole command: a second run into the same output is refused before any work."""
+    import contextlib
+    out = getattr(args, "out", None)
+    if not isinstance(out, str) or not out:
+        return contextlib.nullcontext()
+    from ..workspace import output_lock
+    return output_lock(out)
 
 
 def _print_notes(command: str) -> logging.Handler:

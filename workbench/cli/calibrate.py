@@ -9,7 +9,7 @@ from ..calibrate import OUTLIER_FACTOR, calibrate
 from ..data import DEFAULT_SAMPLES, DEFAULT_SEQ_LEN
 from ..models import load_model
 from ..workspace import Workspace
-from .common import add_device_argument, add_json_flag, add_model_argument, print_json
+from .common import count, add_device_argument, add_json_flag, add_model_argument, print_json
 
 HELP = "activation statistics (per-channel magnitudes, outliers) over a calibration set"
 
@@ -18,11 +18,11 @@ def add_arguments(p):
     add_model_argument(p)
     p.add_argument("--data", help="calibration text: plain text, JSONL ('text', optional 'source'/'lang') or Alpaca "
                                   ".json (default: the demo model's bundled calibration text)")
-    p.add_argument("--samples", type=int, default=DEFAULT_SAMPLES, help=f"samples to draw (default {DEFAULT_SAMPLES})")
-    p.add_argument("--seq-len", type=int,
+    p.add_argument("--samples", type=count(1), default=DEFAULT_SAMPLES, help=f"samples to draw (default {DEFAULT_SAMPLES})")
+    p.add_argument("--seq-len", type=count(2),
                    help=f"tokens per sample; longer texts are split (default {DEFAULT_SEQ_LEN}, or the model's "
                         "context when that is shorter)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument("--seed", type=count(0), default=0, help="sampling seed (default 0)")
     p.add_argument("--bilingual", action="store_true",
                    help="the set is for a Chinese-English model: warn when Chinese:English is below 1:1")
     p.add_argument("--outlier-factor", type=float, default=OUTLIER_FACTOR,

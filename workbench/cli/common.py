@@ -19,6 +19,28 @@ def print_json(obj) -> None:
     sys.stdout.write("\n")
 
 
+def plus_minus(value: float, err: float | None, spec: str) -> str:
+    """``value ± err``; the value alone where there is no spread to give (None, or NaN from a single window)."""
+    if err is None or err != err:
+        return format(value, spec)
+    return f"{format(value, spec)} ± {format(err, spec.lstrip('+'))}"
+
+
+def count(minimum: int = 1, zero: str | None = None):
+    """An argparse type: a whole number of at least ``minimum`` (or 0, meaning ``zero``, where given), refused
+    before any work with what it must be."""
+    def parse(value: str) -> int:
+        try:
+            n = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a whole number, not {value!r}") from None
+        if n < minimum and not (zero and n == 0):
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}" + (f" (or 0: {zero})" if zero else "")
+                                             + f", got {n}")
+        return n
+    parse.__name__ = f"whole number >= {minimum}"
+    return parse
+
 def add_budget_argument(p):
     """``--max-tokens``: how much of the evaluation text to score (default: sized to the model)."""
     p.add_argument("--max-tokens", type=_budget, default="auto",

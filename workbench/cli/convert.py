@@ -17,7 +17,7 @@ from pathlib import Path
 from ..convert import CONVERT_TARGETS, convert, write_conversion_json
 from ..units import format_bytes
 from ..workspace import check_output_dir, rebase_paths, staged_output
-from .common import add_device_argument, add_json_flag, add_model_argument, print_json
+from .common import count, add_device_argument, add_json_flag, add_model_argument, print_json
 from .export import parse_static
 
 CONVERT_FORMAT = "workbench-convert"  # the kind named in the manifest of a conversion's --out
@@ -36,10 +36,10 @@ def add_arguments(p):
     p.add_argument("--out", required=True, help="output directory: new, empty, or an earlier `workbench convert` "
                    "output (replaced once the new one is written and measured)")
     p.add_argument("--text", help="evaluation text (default: the demo model's held-out text)")
-    p.add_argument("--max-tokens", type=int,
+    p.add_argument("--max-tokens", type=count(2),
                    help="evaluate on the first N tokens (default: the whole text for small models, a budget of at "
                         "least 1,024 tokens for big ones)")
-    p.add_argument("--ctx", type=int, help="evaluation window (default 512 or the model's maximum)")
+    p.add_argument("--ctx", type=count(2), help="evaluation window (default 512 or the model's maximum)")
     p.add_argument("--activation-bits", type=int, choices=(8, 16), default=16, help="QDQ/QNN activations (default 16)")
     p.add_argument("--accuracy-level", type=int, choices=(0, 1, 2, 3, 4), default=4,
                    help="MatMulNBits accuracy_level: 4 = int8 activation compute (fast), 0 = float (default 4)")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from ..distill import MODES, DistillConfig, distill
 from ..plan import QuantPlan
-from .common import add_json_flag, add_model_argument, print_json
+from .common import count, add_json_flag, add_model_argument, print_json
 
 HELP = "distil a pruned or quantized student from its original model; writes the trained student"
 
@@ -23,14 +23,14 @@ def add_arguments(p):
     p.add_argument("--out", required=True, help="output model directory (written beside it, then renamed)")
     p.add_argument("--plan", help="precision plan JSON: train quantization-aware for it")
     p.add_argument("--data", help="training text (default: the demo model's calibration text)")
-    p.add_argument("--steps", type=int, default=_D.steps, help=f"optimizer steps (default {_D.steps})")
+    p.add_argument("--steps", type=count(1), default=_D.steps, help=f"optimizer steps (default {_D.steps})")
     p.add_argument("--temperature", type=float, default=_D.temperature,
                    help=f"soft-label temperature at the start (default {_D.temperature:g})")
     p.add_argument("--temperature-decay", type=float, default=_D.temperature_decay,
                    help=f"fraction the temperature shrinks each epoch (default {_D.temperature_decay:g})")
     p.add_argument("--lr", type=float, default=_D.lr, help=f"peak learning rate (default {_D.lr:g})")
-    p.add_argument("--batch-size", type=int, default=_D.batch_size)
-    p.add_argument("--seq-len", type=int, default=_D.seq_len)
+    p.add_argument("--batch-size", type=count(1), default=_D.batch_size)
+    p.add_argument("--seq-len", type=count(2), default=_D.seq_len)
     p.add_argument("--validation-fraction", type=float, default=_D.validation_fraction,
                    help="share of the training windows held back to choose the step kept "
                         f"(default {_D.validation_fraction:g})")
@@ -41,9 +41,9 @@ def add_arguments(p):
     p.add_argument("--gradient-checkpointing", action="store_true",
                    help="keep only each block's input for backward and recompute the rest (less memory, one more "
                         "forward pass of the student per step)")
-    p.add_argument("--seed", type=int, default=_D.seed)
+    p.add_argument("--seed", type=count(0), default=_D.seed)
     p.add_argument("--eval-text", help="held-out text for before/after (default: the bundled one)")
-    p.add_argument("--eval-tokens", type=int, default=4096,
+    p.add_argument("--eval-tokens", type=count(2), default=4096,
                    help="held-out tokens for perplexity and KL before/after (default %(default)s)")
     p.add_argument("--overwrite", action="store_true", help="replace --out when it holds an earlier distill output")
     add_json_flag(p)

@@ -1,10 +1,13 @@
 """Perplexity (strided) of a model on a text; with --ref, KL divergence and top-1 agreement."""
 from __future__ import annotations
 
+import sys
+
 from ..assets import demo_text_path
-from ..evaluate import DEFAULT_CTX, SCHEMES, default_token_budget, encode_text, evaluate, read_text
+from ..evaluate import DEFAULT_CTX, SCHEMES, default_token_budget, evaluate
 from ..models import load_model
-from .common import add_device_argument, add_budget_argument, add_json_flag, add_model_argument, print_json
+from ..textio import read_tokens
+from .common import count, plus_minus, add_device_argument, add_budget_argument, add_json_flag, add_model_argument, print_json
 
 HELP = "perplexity, and KL / top-1 agreement against a reference model"
 
@@ -13,12 +16,12 @@ def add_arguments(p):
     add_model_argument(p)
     p.add_argument("--ref", help="reference model to compare against (KL divergence, top-1 agreement)")
     p.add_argument("--text", help="UTF-8 text file to evaluate on (default: the bundled held-out text)")
-    p.add_argument("--ctx", type=int, default=DEFAULT_CTX, help=f"window length in tokens (default {DEFAULT_CTX})")
-    p.add_argument("--stride", type=int, help="window stride in tokens (default: ctx, non-overlapping)")
+    p.add_argument("--ctx", type=count(2), default=DEFAULT_CTX, help=f"window length in tokens (default {DEFAULT_CTX})")
+    p.add_argument("--stride", type=count(1), help="window stride in tokens (default: ctx, non-overlapping)")
     p.add_argument("--scheme", choices=SCHEMES, default="strided",
                    help="strided windows (default), or llama.cpp: llama-perplexity's chunks, second half scored, "
                         "to set beside its output (use --ctx 256 or its -c)")
-    p.add_argument("--batch-size", type=int, default=4, help="windows per forward pass")
+    p.add_argument("--batch-size", type=count(1), default=4, help="windows per forward pass")
     add_budget_argument(p)
     add_device_argument(p)
     add_json_flag(p)
@@ -27,21 +30,25 @@ def add_arguments(p):
 def run(args) -> int:
     lm = load_model(args.model, device=args.device)
     text_path = args.text or demo_text_path("heldout")
-    ids = encode_text(lm.tokenizer, read_text(text_path), source=str(text_path))
-    budget = default_token_budget(lm.model, len(ids), args.ctx) if args.max_tokens == "auto" else args.max_tokens
-    ids = ids[:budget] if budget else ids
+    # read only as far as the token budget: a text far larger than it is never read whole
+    budget = default_token_budget(lm.model, sys.maxsize, args.ctx) if args.max_tokens == "auto" else args.max_tokens
+    ids, extent = read_tokens(lm.tokenizer, text_path, max_tokens=budget)
+    read_note = extent.note(f"the evaluation's budget of {budget:,} tokens" if budget else "")
     ref = load_model(args.ref, device=args.device).model if args.ref else None
     report = evaluate(lm.model, ids, reference=ref, ctx=args.ctx, stride=args.stride,
                       batch_size=args.batch_size, progress=not args.json, scheme=args.scheme)
-    out = {"model": str(lm.path), "reference": args.ref, "text": str(text_path), **report.to_dict()}
+    out = {"model": str(lm.path), "reference": args.ref, "text": str(text_path), "text_read": extent.to_dict(),
+           **report.to_dict()}
     if args.json:
         print_json(out)
         return 0
+    if read_note:
+        print(read_note)
     windows = f"stride {report.stride}" if report.scheme == "strided" else "llama.cpp chunks, second half scored"
-    print(f"perplexity {report.perplexity:.3f} ± {report.perplexity_stderr:.3f} over {report.tokens:,} tokens "
+    print(f"perplexity {plus_minus(report.perplexity, report.perplexity_stderr, '.3f')} over {report.tokens:,} tokens "
           f"({report.windows} windows, ctx {report.ctx}, {windows}; {report.tokens_per_second:,.0f} tok/s)")
     if ref is not None:
-        print(f"reference perplexity {report.reference_perplexity:.3f}; KL divergence {report.kl_divergence:.6f} "
-              f"± {report.kl_stderr:.6f}; "
+        print(f"reference perplexity {report.reference_perplexity:.3f}; KL divergence "
+              f"{plus_minus(report.kl_divergence, report.kl_stderr, '.6f')}; "
               f"top-1 agreement {report.top1_agreement:.4f}")
     return 0

@@ -13,7 +13,7 @@ from ..onnx.export import DEFAULT_OPSET, export_onnx
 from ..models import load_model
 from ..units import format_bytes
 from ..workspace import check_output_dir, rebase_paths, staged_output
-from .common import add_device_argument, add_json_flag, add_model_argument, print_json
+from .common import count, add_device_argument, add_json_flag, add_model_argument, print_json
 
 HELP = "ONNX prefill/decode graphs with KV cache, checked against PyTorch"
 EXPORT_FORMAT = "workbench-onnx-export"  # the kind named in the manifest of an export's --out
@@ -35,8 +35,8 @@ def add_arguments(p):
     p.add_argument("--out", required=True, help="directory for prefill.onnx, decode.onnx and weight_names.json: new, "
                    "empty, or an earlier `workbench export` output (replaced once the new one is checked)")
     p.add_argument("--static", metavar="SEQ,PAST", help="fixed shapes for NPU compilers, e.g. 128,511")
-    p.add_argument("--opset", type=int, default=DEFAULT_OPSET, help=f"ONNX opset (default {DEFAULT_OPSET})")
-    p.add_argument("--steps", type=int, default=32, help="greedy decoding steps compared with PyTorch (default 32)")
+    p.add_argument("--opset", type=count(1), default=DEFAULT_OPSET, help=f"ONNX opset (default {DEFAULT_OPSET})")
+    p.add_argument("--steps", type=count(1), default=32, help="greedy decoding steps compared with PyTorch (default 32)")
     p.add_argument("--no-check", action="store_true", help="skip the onnxruntime checks")
     add_device_argument(p)
     add_json_flag(p)

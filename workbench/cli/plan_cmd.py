@@ -17,7 +17,7 @@ from ..models import load_model
 from ..plan import QuantPlan
 from ..sensitivity import LayerVariants, PlanEvaluator, evaluation_tokens
 from ..units import format_bytes
-from .common import add_device_argument, add_json_flag, add_model_argument, print_json
+from .common import count, add_device_argument, add_json_flag, add_model_argument, print_json
 from .sensitivity import add_sweep_arguments, sweep
 
 HELP = "automatic mixed-precision plan under a size or bits/weight budget, predicted and measured"
@@ -27,12 +27,12 @@ def add_arguments(p):
     add_model_argument(p)
     budget = p.add_mutually_exclusive_group(required=True)
     budget.add_argument("--bits-per-weight", type=float, help="average bits per weight (all parameters)")
-    budget.add_argument("--size", type=int, help="total weight bytes")
+    budget.add_argument("--size", type=count(1), help="total weight bytes")
     p.add_argument("--out", required=True, help="where to write the plan JSON (a new file, or an earlier plan)")
-    p.add_argument("--eval-tokens", type=int, default=None,
+    p.add_argument("--eval-tokens", type=count(2), default=None,
                    help="tokens to measure the chosen plan on (default: the whole text for small models, about a "
                         "minute of a 2-core CPU for large ones: 2,048 tokens at 0.5 B parameters)")
-    p.add_argument("--refine", type=int, default=0, metavar="TRIALS",
+    p.add_argument("--refine", type=count(0), default=0, metavar="TRIALS",
                    help="then move layers between precisions by measured KL, at most TRIALS measurements (default 0: "
                         "the plan that is optimal by the sweep's prediction)")
     p.add_argument("--target", action="append", default=[], metavar="NAME",

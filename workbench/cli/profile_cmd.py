@@ -12,7 +12,7 @@ from __future__ import annotations
 from ..profile import (DEFAULT_PROMPT_LENGTHS, host_bandwidth, last_level_cache_bytes, parse_prompt_lengths,
                        profile_directory)
 from ..units import format_bytes
-from .common import add_json_flag, print_json
+from .common import count, add_json_flag, print_json
 
 HELP = "prefill latency, decode tokens/s, size and memory of exported / converted models (this CPU)"
 
@@ -21,10 +21,10 @@ def add_arguments(p):
     p.add_argument("directory", help="output of `workbench export` or `workbench convert` (searched recursively)")
     p.add_argument("--prompt-lengths", default=",".join(map(str, DEFAULT_PROMPT_LENGTHS)),
                    help="prompt lengths to time prefill at (default %(default)s)")
-    p.add_argument("--decode-steps", type=int, default=32, help="decode steps timed per repeat (default 32)")
-    p.add_argument("--repeats", type=int, default=5, help="timed repeats after one warm-up; the median is kept")
-    p.add_argument("--threads", type=int, default=1, help="runtime threads (default 1)")
-    p.add_argument("--vocab-size", type=int, help="token ids are drawn below this (default 1000)")
+    p.add_argument("--decode-steps", type=count(1), default=32, help="decode steps timed per repeat (default 32)")
+    p.add_argument("--repeats", type=count(1), default=5, help="timed repeats after one warm-up; the median is kept")
+    p.add_argument("--threads", type=count(1), default=1, help="runtime threads (default 1)")
+    p.add_argument("--vocab-size", type=count(2), help="token ids are drawn below this (default 1000)")
     p.add_argument("--workspace", help="workspace holding the cached host bandwidth (default ./workspace or "
                    "$WORKBENCH_WORKSPACE)")
     p.add_argument("--measure-bandwidth", action="store_true", help="measure this host's read bandwidth again "

@@ -15,7 +15,7 @@ from ..errors import PlanError
 from ..models import is_quantized_dir, resolve_model_path
 from ..plan import QuantPlan
 from ..units import format_bytes
-from .common import add_json_flag, add_model_argument, print_json
+from .common import count, add_json_flag, add_model_argument, print_json
 
 HELP = "project memory, decode tokens/s and prefill time of a model and plan on a device"
 BITS = {16: "fp16", 8: "int8", 4: "int4"}
@@ -30,10 +30,10 @@ def add_arguments(p):
     group.add_argument("--bits", type=int, choices=sorted(BITS), help="uniform plan: 16 (fp16), 8 or 4")
     p.add_argument("--embeddings", default="fp16", help="with --bits: precision of the embedding and lm_head "
                    "(default fp16, as QuantPlan.uniform)")
-    p.add_argument("--context", type=int, default=1024, help="tokens in the KV cache while decoding (default 1024)")
+    p.add_argument("--context", type=count(1), default=1024, help="tokens in the KV cache while decoding (default 1024)")
     p.add_argument("--ram-gb", type=float, help="RAM of your phone or board in GB, where the device profile (a "
                    "SoC's) does not know it or differs")
-    p.add_argument("--prompt", type=int, default=128, help="prompt tokens for the prefill bound (default 128)")
+    p.add_argument("--prompt", type=count(1), default=128, help="prompt tokens for the prefill bound (default 128)")
     p.add_argument("--claim-decode", type=float, help="a published decode tokens/s to hold against the bound")
     p.add_argument("--claim-peak-gb", type=float, help="a published peak memory (GB) to hold against the weights")
     p.add_argument("--claim-ttft-ms", type=float, help="a published time to first token (ms)")

@@ -13,7 +13,7 @@ from __future__ import annotations
 from ..errors import PlanError
 from ..prune import DEFAULT_IMPORTANCE_TOKENS, HEAD_UNITS, SCORES, SPREADS, PrunePlan, prune
 from ..workspace import Workspace
-from .common import add_json_flag, add_model_argument, print_json
+from .common import count, plus_minus, add_json_flag, add_model_argument, print_json
 
 HELP = "prune attention heads and MLP channels by importance; writes a smaller model directory"
 
@@ -33,12 +33,12 @@ def add_arguments(p):
                         "every KV group")
     p.add_argument("--score", choices=SCORES, default="taylor",
                    help="rank units by first-order Taylor (default), activation norm, or measured KL (heads)")
-    p.add_argument("--mlp-multiple", type=int, default=32,
+    p.add_argument("--mlp-multiple", type=count(1), default=32,
                    help="keep every layer's MLP width a multiple of this (default 32: group-32 quantization divides)")
     p.add_argument("--out", required=True, help="output model directory (written beside it, then swapped in)")
-    p.add_argument("--importance-tokens", type=int, default=DEFAULT_IMPORTANCE_TOKENS,
+    p.add_argument("--importance-tokens", type=count(1), default=DEFAULT_IMPORTANCE_TOKENS,
                    help="calibration tokens the importance scores are computed on (default %(default)s)")
-    p.add_argument("--eval-tokens", type=int, default=4096,
+    p.add_argument("--eval-tokens", type=count(2, zero="no evaluation"), default=4096,
                    help="held-out tokens for perplexity and KL before/after (0 skips the measurement)")
     add_json_flag(p)
 
@@ -62,8 +62,9 @@ def run(args) -> int:
     print(report["summary"])
     ev = report.get("evaluation")
     if ev:
-        print(f"held-out perplexity {ev['perplexity_before']:.2f} -> {ev['perplexity_after']:.2f} "
-              f"(± {ev['perplexity_after_stderr']:.2f}), KL to the original {ev['kl']:.4f} ± {ev['kl_stderr']:.4f}, "
-              f"top-1 {ev['top1']:.3f} on {ev['tokens']:,} tokens")
+        err = ev["perplexity_after_stderr"]
+        spread = f" (± {err:.2f})" if err is not None and err == err else ""  # none from a single window
+        print(f"held-out perplexity {ev['perplexity_before']:.2f} -> {ev['perplexity_after']:.2f}{spread}, KL to the "
+              f"original {plus_minus(ev['kl'], ev['kl_stderr'], '.4f')}, top-1 {ev['top1']:.3f} on {ev['tokens']:,} tokens")
     print(f"-> {report['out_dir']}")
     return 0

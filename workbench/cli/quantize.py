@@ -22,8 +22,8 @@ from ..plan import QuantPlan
 from ..quantize.model import CALIBRATED_METHODS, METHODS
 from ..units import format_bytes
 from ..workspace import check_output_dir, staged_output
-from .common import (add_device_argument, add_budget_argument, add_json_flag,
-                     add_model_argument, add_scale_search_argument, print_json)
+from .common import (count, plus_minus, add_device_argument, add_budget_argument, add_json_flag, add_model_argument,
+                     add_scale_search_argument, print_json)
 
 FULL_STATS_MAX_PARAMETERS = 100_000_000  # above this the statistics pass costs minutes: opt in, or calibrate first
 HELP = "quantize by plan (RTN / AWQ / GPTQ, INT2..INT8, two-level scales), save, and measure the cost"
@@ -40,7 +40,7 @@ def add_arguments(p):
                      "(embeddings and lm_head stay fp16); default 4 when no --plan")
     p.add_argument("--two-level", action="store_true", help="with --bits 4 or 8: two-level scales (int4-lpbq / "
                    "int8-lpbq: 4-bit integer group scales under a float16 scale per output channel, Qualcomm's LPBQ)")
-    p.add_argument("--group-size", type=int, help="columns per scale (default: the plan's, 128); 0 = per-channel")
+    p.add_argument("--group-size", type=count(0), help="columns per scale (default: the plan's, 128); 0 = per-channel")
     p.add_argument("--asymmetric", action="store_true", help="unsigned codes with zero points")
     add_scale_search_argument(p, default=None, says="the plan's; on for --bits")
     p.add_argument("--method", choices=METHODS, help="round-to-nearest, AWQ, GPTQ, or AWQ's scales then GPTQ "
@@ -48,21 +48,21 @@ def add_arguments(p):
     p.add_argument("--act-order", action="store_true", help="GPTQ: visit columns by decreasing input energy "
                    "(group scales then fixed from the original weights)")
     p.add_argument("--data", help="calibration text for AWQ and GPTQ (default: the bundled calibration text)")
-    p.add_argument("--samples", type=int, default=128, help="calibration samples (AWQ, GPTQ)")
-    p.add_argument("--seq-len", type=int, default=512, help="calibration sample length in tokens (AWQ, GPTQ)")
+    p.add_argument("--samples", type=count(1), default=128, help="calibration samples (AWQ, GPTQ)")
+    p.add_argument("--seq-len", type=count(2), default=512, help="calibration sample length in tokens (AWQ, GPTQ)")
     p.add_argument("--full-stats", action="store_true", help="AWQ: run the calibration statistics pass over every "
                    "sample even on models over 100 M parameters (by default those use statistics already in the "
                    "workspace from `workbench calibrate`, else mean |x| over the search's own tokens, as AutoAWQ does)")
-    p.add_argument("--awq-tokens", type=int, help="AWQ: calibration tokens the search runs on (default: 8,192, "
+    p.add_argument("--awq-tokens", type=count(1), help="AWQ: calibration tokens the search runs on (default: 8,192, "
                    "fewer on big models: 2,048 at 0.5 B parameters)")
     p.add_argument("--text", help="held-out text to measure on (default: the bundled held-out text)")
-    p.add_argument("--ctx", type=int, help=f"evaluation window (default {DEFAULT_CTX}, or the model's maximum when "
+    p.add_argument("--ctx", type=count(2), help=f"evaluation window (default {DEFAULT_CTX}, or the model's maximum when "
                    "that is shorter)")
     add_budget_argument(p)
     p.add_argument("--threshold", type=float, default=0.5, help="warn when perplexity rises more than this")
     p.add_argument("--strict", action="store_true", help="fail instead of falling back when the group size "
                    "does not divide a layer")
-    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's; on a busy shared CPU, 1 is "
+    p.add_argument("--threads", type=count(1), help="torch CPU threads (default: torch's; on a busy shared CPU, 1 is "
                    "often several times faster for the AWQ search)")
     add_device_argument(p)
     add_json_flag(p)
@@ -152,8 +152,9 @@ def run(args) -> int:
           f"(source {format_bytes(result['reference_size_bytes'])}), {cost.bits_per_weight:.2f} bits per weight; "
           f"{qm.method} took {quantize_seconds:.1f} s")
     print(f"perplexity {cost.perplexity:.3f} vs {cost.reference_perplexity:.3f} "
-          f"({cost.perplexity_change:+.3f} ± {cost.perplexity_change_stderr:.3f}, {cost.perplexity_change_relative:+.2%}); "
-          f"KL {cost.kl_divergence:.5f} ± {cost.kl_divergence_stderr:.5f}; top-1 agreement {cost.top1_agreement:.2%} "
+          f"({plus_minus(cost.perplexity_change, cost.perplexity_change_stderr, '+.3f')}, "
+          f"{cost.perplexity_change_relative:+.2%}); "
+          f"KL {plus_minus(cost.kl_divergence, cost.kl_divergence_stderr, '.5f')}; top-1 agreement {cost.top1_agreement:.2%} "
           f"({cost.tokens:,} tokens, {cost.windows} windows)")
     for w in cost.warnings:
         print(f"warning: {w}")

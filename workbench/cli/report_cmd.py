@@ -10,7 +10,7 @@ A `workbench profile DIR --json` output saved as RUN/profile.json is read too.
 """
 from __future__ import annotations
 
-from .common import add_json_flag, print_json
+from .common import count, add_json_flag, print_json
 
 HELP = "write a self-contained HTML report of a run (opens offline)"
 
@@ -21,7 +21,7 @@ def add_arguments(p):
     p.add_argument("--out", required=True, help="the HTML file to write (replaced atomically)")
     p.add_argument("--device", action="append", help="project onto this device (repeat for more; default: every "
                    "profile `workbench devices` lists)")
-    p.add_argument("--context", type=int, default=None, help="tokens in the KV cache for the projections "
+    p.add_argument("--context", type=count(1), default=None, help="tokens in the KV cache for the projections "
                    "(default 1024)")
     p.add_argument("--pareto-device", help="the device whose projected speed the quality/size/speed chart uses "
                    "(default: the first with a known bandwidth)")

@@ -14,7 +14,7 @@ from __future__ import annotations
 from ..models import load_model
 from ..sensitivity import DEFAULT_SWEEP_TOKENS, METRICS, run_sensitivity
 from ..workspace import Workspace
-from .common import add_device_argument, add_json_flag, add_model_argument, add_scale_search_argument, print_json
+from .common import count, add_device_argument, add_json_flag, add_model_argument, add_scale_search_argument, print_json
 
 HELP = "per-layer sensitivity sweep (KL and perplexity change of each layer quantized alone)"
 
@@ -22,9 +22,9 @@ HELP = "per-layer sensitivity sweep (KL and perplexity change of each layer quan
 def add_sweep_arguments(p) -> None:
     """Arguments shared with `workbench plan`, which runs (or finds) the same sweep."""
     p.add_argument("--data", help="UTF-8 text to measure on (default: the bundled held-out text)")
-    p.add_argument("--tokens", type=int, default=DEFAULT_SWEEP_TOKENS,
+    p.add_argument("--tokens", type=count(2), default=DEFAULT_SWEEP_TOKENS,
                    help=f"evaluation budget in tokens per trial (default {DEFAULT_SWEEP_TOKENS})")
-    p.add_argument("--group-size", type=int, default=128, help="quantization group size (0 = per-channel)")
+    p.add_argument("--group-size", type=count(0), default=128, help="quantization group size (0 = per-channel)")
     p.add_argument("--asymmetric", action="store_true", help="asymmetric quantization (zero points)")
     add_scale_search_argument(p)
     p.add_argument("--score", choices=("auto", "kl", "proxy"), default="auto",

@@ -11,6 +11,7 @@ the saved files; bits per weight from the tensors as stored.
 from __future__ import annotations
 
 import math
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -18,8 +19,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..evaluate import (DEFAULT_CTX, EvalReport, ReferenceOutputs, capture_reference, encode_text, evaluate,
-                        default_token_budget, paired_difference, read_text, reference_report)
+from ..evaluate import (DEFAULT_CTX, EvalReport, ReferenceOutputs, capture_reference, evaluate,
+                        default_token_budget, paired_difference, reference_report)
+from ..textio import text_token_ids
 from .storage import weight_file_bytes
 
 __all__ = ["Baseline", "QuantCost", "measure_reference", "measure_cost", "heldout_ids", "check_ctx", "likely_causes",
@@ -51,14 +53,12 @@ def heldout_ids(lm, path: str | Path | None = None, max_tokens: int | str | None
     """
     from ..assets import demo_text_path
     p = Path(path) if path else demo_text_path("heldout")
-    ids = encode_text(lm.tokenizer, read_text(p), source=str(p))
     if max_tokens == "auto":
-        max_tokens = default_token_budget(lm.model, len(ids), ctx)
-    if max_tokens is not None:
-        if int(max_tokens) < 2:
-            raise ValueError(f"--max-tokens must be at least 2, got {max_tokens}")
-        ids = ids[:int(max_tokens)]
-    return ids
+        max_tokens = default_token_budget(lm.model, sys.maxsize, ctx)
+    if max_tokens is not None and int(max_tokens) < 2:
+        raise ValueError(f"--max-tokens must be at least 2, got {max_tokens}")
+    # read only as far as the budget: a text far larger than it is never read whole
+    return text_token_ids(lm.tokenizer, p, None if max_tokens is None else int(max_tokens))
 
 
 @dataclass

@@ -52,7 +52,8 @@ from torch.nn import functional as F
 
 from ..errors import WorkspaceError
 from ..plan import get_precision
-from ..workspace import atomic_write_json, check_output_dir, file_sha256, library_versions, swap_into_place
+from ..workspace import (atomic_write_json, check_output_dir, file_sha256, library_versions, make_parents,
+                         output_lock, remove_empty, swap_into_place)
 from .qtensor import QuantizedWeight, SubScales, pack_bits, pack_int4, unpack_bits, unpack_int4
 
 __all__ = ["save_quantized", "layer_storage", "float_storage", "write_report", "FORMAT", "FORMAT_VERSION",
@@ -320,8 +321,13 @@ def _write_config(qm, directory: Path, transformers_loads: bool) -> None:
 
 def save_quantized(qm, directory: str | Path, *, report: dict | None = None) -> Path:
     """Write ``qm`` to ``directory`` (replaced as a whole if it holds an earlier quantized model)."""
+    with output_lock(directory):
+        return _save_quantized(qm, directory, report)
+
+
+def _save_quantized(qm, directory: str | Path, report: dict | None) -> Path:
     out = check_output_dir(directory, FORMAT)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    created = make_parents(out)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.partial-"))
     try:
         lm = qm.source
@@ -366,6 +372,7 @@ def save_quantized(qm, directory: str | Path, *, report: dict | None = None) -> 
         swap_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        remove_empty(created)
         raise
     return out
 

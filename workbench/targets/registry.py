@@ -186,4 +186,6 @@ def check_precisions(target: Target, precisions: Mapping[str, str | None] | Iter
                           for n, (p, layers) in bad.items())
         note = f" ({target.precision_note})" if target.precision_note else ""
         raise PlanError(f"{what or target.title} cannot carry precision {names}: it takes {', '.join(takes)}{note}; "
-                        "give those layers another precision in the plan")
+                        "give those layers another precision in the plan, or make one that fits with `workbench plan "
+                        f"MODEL --bits-per-weight B --target {target.name} --out PLAN.json` (in the app: choose one of "
+                        "those precisions for them in the Precisions tab)")

@@ -15,6 +15,8 @@ import shutil
 import sys
 from pathlib import Path
 
+from ..offline import apply_offline_env
+
 __all__ = ["voila_command", "app_environment", "DEFAULT_APP_NOTEBOOK", "DEFAULT_PORT"]
 
 DEFAULT_APP_NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "app.ipynb"
@@ -30,8 +32,8 @@ def voila_command(notebook: str | Path = DEFAULT_APP_NOTEBOOK, port: int = DEFAU
 
 
 def app_environment(environ: dict | None = None, cwd: str | Path | None = None) -> dict:
-    """The server's environment: ``WORKBENCH_WORKSPACE`` made absolute (the kernels start beside the notebook)."""
-    env = dict(os.environ if environ is None else environ)
+    """The server's environment: offline settings (``OFFLINE_ENV``) and ``WORKBENCH_WORKSPACE`` made absolute."""
+    env = apply_offline_env(dict(os.environ if environ is None else environ))  # the kernels inherit it
     ws = Path(env.get("WORKBENCH_WORKSPACE") or "workspace").expanduser()
     env["WORKBENCH_WORKSPACE"] = str(ws if ws.is_absolute() else Path(cwd or Path.cwd()) / ws)
     return env
