@@ -256,6 +256,7 @@ def _validate_bundle(out):
         validate_qnn_encodings(out / f"quant_overrides_{g}.json", onnx_path=out / f"{g}.onnx")
 
 
+@pytest.mark.slow
 def test_demo_int4_qnn_bundle_passes_the_validator(tmp_path, capsys):
     from workbench.cli import main
     assert main(["convert", "demo", "--bits", "4", "--target", "qnn", "--out", str(tmp_path), "--max-tokens",

@@ -108,6 +108,7 @@ def test_fake_quantization_is_what_quantize_makes_and_passes_gradients_straight_
     assert torch.equal(model.model.layers[0].mlp.down_proj.weight, lm.model.model.layers[0].mlp.down_proj.weight)
 
 
+@pytest.mark.slow
 def test_quantization_aware_distillation_keeps_the_plan(pruned_dir, tiny_model_dir, tmp_path):
     cfg = DistillConfig(steps=2, batch_size=2, seq_len=16, eval_every=2, lr=1e-3)
     plan = QuantPlan.uniform("int4", group_size=32)
@@ -145,6 +146,7 @@ def test_a_quantized_student_is_refused_naming_its_float_source(tiny_model_dir, 
         distill(tmp_path / "q", tiny_model_dir, tmp_path / "x", DistillConfig(steps=1), progress=False)
 
 
+@pytest.mark.slow
 def test_lora_distillation_trains_adapters_and_saves_a_plain_model(pruned_dir, tiny_model_dir, tmp_path):
     cfg = DistillConfig(steps=2, batch_size=2, seq_len=16, eval_every=2, mode="lora", rank=4, lr=1e-3)
     report = distill(pruned_dir, tiny_model_dir, tmp_path / "lora", cfg, eval_tokens=64, progress=False)
@@ -179,6 +181,7 @@ def test_attention_maps_compare_each_student_head_with_the_teacher_head_it_was_c
     assert attention_head_map(teacher, teacher, [0, 1]) is None
 
 
+@pytest.mark.slow
 def test_chunked_loss_and_gradient_checkpointing_train_exactly_as_the_whole_batch(pruned_dir, tiny_model_dir, tmp_path,
                                                                                monkeypatch):
     """The soft labels a few tokens at a time (recomputed in backward) and blocks recomputed in backward change
@@ -195,6 +198,7 @@ def test_chunked_loss_and_gradient_checkpointing_train_exactly_as_the_whole_batc
     assert chunked.student_after["kl"] == pytest.approx(whole.student_after["kl"], rel=1e-4)
 
 
+@pytest.mark.slow
 def test_a_16_bit_lora_student_stays_16_bit_and_trains_the_same_with_gradient_checkpointing(pruned_dir, tiny_model_dir,
                                                                                           tmp_path):
     """LoRA over frozen bfloat16 weights (float32 arithmetic, no float32 copies kept for backward): blocks recomputed

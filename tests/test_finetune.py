@@ -90,6 +90,7 @@ def test_windows_cover_the_text_in_order(tiny_model_dir):
     assert w.shape[1] == 64 and w.shape[0] > 10 and w.dtype == torch.long
 
 
+@pytest.mark.slow
 def test_a_run_that_only_hurts_leaves_the_model_as_it_came(tmp_path):
     """The trained demo model at a far too high rate: every step is worse on the held-back windows."""
     cfg = FinetuneConfig(steps=4, batch_size=4, seq_len=64, lr=0.5, warmup=1, eval_every=2)
