@@ -122,7 +122,3 @@ def browser_skips(playwright_found: bool) -> list:
                            "apt-get install -y chromium (as root; .ci/run does this), or set WORKBENCH_CHROMIUM"),
     ]
 
-
-def pytest_configure(config):
-    """``slow``: tests that run real processes for tens of seconds (network silence, memory bounds)."""
-    config.addinivalue_line("markers", "slow: runs for tens of seconds (real processes, large generated files)")
