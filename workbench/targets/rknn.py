@@ -295,24 +295,21 @@ def _precision_choice(qm, platform: str) -> tuple[str | None, list[str], dict[st
     return "w8a8", floats, not_kept
 
 
-def _float_ranges(graph_path: Path, tensors: Mapping[str, str], layers: Sequence[str]) -> tuple[list, list[str]]:
-    """custom_hybrid pairs ``[input, output]`` of each listed layer's MatMul/Gather, and the layers found."""
+def _float_outputs(graph_path: Path, tensors: Mapping[str, str], layers: Sequence[str]) -> dict[str, str]:
+    """ONNX output of each listed layer's MatMul (the worker keeps those float16): output -> layer."""
     import onnx
     proto = onnx.load(str(graph_path), load_external_data=False)
     consumers: dict[str, list] = {}
     for n in proto.graph.node:
         for i in n.input:
             consumers.setdefault(i, []).append(n)
-    ranges, found = [], []
+    found = {}
     for layer in layers:
-        tensor = tensors.get(layer)
-        for node in consumers.get(tensor, []):
-            if node.op_type in ("MatMul", "Gemm", "Gather"):
-                data = [i for i in node.input if i != tensor][0]
-                ranges.append([data, node.output[0]])
-                found.append(layer)
+        for node in consumers.get(tensors.get(layer), []):
+            if node.op_type in ("MatMul", "Gemm"):
+                found[node.output[0]] = layer
                 break
-    return ranges, found
+    return found
 
 
 def _write_feeds(folder: Path, feeds: Sequence[Mapping[str, np.ndarray]], inputs: Sequence[str]) -> list[str]:
@@ -344,7 +341,7 @@ def _write_dataset(folder: Path, feeds: Sequence[Mapping[str, np.ndarray]], inpu
 def build_rknn(prep, out_dir: str | Path, *, static: tuple[int, int] = (128, 511), platform: str = PLATFORM,
                float16: bool = False, calibration_samples: int = 16, eval_windows: int = 4, decode_positions: int = 64,
                text: str | Path | None = None, calibration_text: str | Path | None = None,
-               timeout: float = DEFAULT_TIMEOUT, say=None, export=None) -> RknnResult:
+               timeout: float = DEFAULT_TIMEOUT, say=None, export=None, algorithm: str = "normal") -> RknnResult:
     """Export (unless ``export`` is given), rewrite, build, simulate and score ``prep`` (``PreparedModels``).
 
     Prefill: ``eval_windows`` windows of ``static[0]`` held-out tokens, every position scored.
@@ -398,18 +395,14 @@ def build_rknn(prep, out_dir: str | Path, *, static: tuple[int, int] = (128, 511
             refs["decode"].append(logits)
             sims["decode"].append(_torch_run(sim.model, tokens)[0][-1:])
         request = {"platform": platform, "work": str(work), "graphs": []}
+        float_outputs: dict[str, dict[str, str]] = {}
         for name, path in graphs.items():
             inputs = specs[name]["inputs"]
-            ranges, found = ([], [])
-            if dtype and float_layers and not os.environ.get("WB_NOHYB"):
-                ranges, found = _float_ranges(path, export.weight_names, float_layers)
-            for layer in float_layers:
-                if layer not in found:
-                    result.not_kept.setdefault(layer, "int8 (w8a8): no MatMul/Gather found to keep float")
-            result.float_layers = sorted(set(result.float_layers) | set(found))
+            outputs = _float_outputs(path, export.weight_names, float_layers) if dtype and float_layers else {}
+            float_outputs[name] = outputs
             request["graphs"].append({
                 "name": name, "onnx": str(path.resolve()), "inputs": inputs, "sizes": specs[name]["sizes"],
-                "quantize": dtype is not None, "dtype": dtype or "w8a8", "float_ranges": ranges,
+                "quantize": dtype is not None, "dtype": dtype or "w8a8", "algorithm": algorithm, "float_outputs": list(outputs),
                 "dataset": str(_write_dataset(work / "calib" / name, feeds[name]["calib"], inputs)),
                 "rknn": str((out / f"{name}.rknn").resolve()),
                 "feeds": _write_feeds(work / "eval" / name, feeds[name]["eval"], inputs),
@@ -429,11 +422,18 @@ def build_rknn(prep, out_dir: str | Path, *, static: tuple[int, int] = (128, 511
                 got = got.reshape(len(ref), -1, ref.shape[-1])[:, -1]
             setattr(result, g["name"], _score(ref, simr, got))
             result.rknn_files[g["name"]] = str(out / f"{g['name']}.rknn")
+            kept = {float_outputs[g["name"]][o] for o in g.get("float_kept", [])}
+            result.float_layers = sorted(set(result.float_layers) | kept)
             result.rknn_bytes += int(g["rknn_bytes"])
             for k, v in g["seconds"].items():
                 result.seconds[f"{g['name']}.{k}"] = round(v, 2)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    for layer in float_layers:
+        if layer not in result.float_layers:
+            result.not_kept.setdefault(layer, "int8 (w8a8): the toolkit's hybrid quantization could not keep it "
+                                              "float16 (embedding lookups are quantized with the table)")
+    not_kept = result.not_kept
     if not_kept:
         result.notes.append(f"{len(not_kept)} layer(s) built at int8 (rk3588 has w8a8 and w16a16i_dfp only): "
                             + ", ".join(list(not_kept)[:4]) + ("..." if len(not_kept) > 4 else ""))

@@ -9,8 +9,8 @@ graph is built, run by the simulator (``init_runtime()`` with no target) on the 
 exported by the same ``RKNN`` object.
 
 The request: ``{"platform", "graphs": [{"name", "onnx", "inputs", "sizes", "quantize", "dtype",
-"dataset", "float_ranges", "rknn", "feeds", "logits_dir"}]}``; ``float_ranges`` are
-``[input, output]`` tensor pairs kept float16 through hybrid quantization. The result, per graph:
+"dataset", "float_outputs", "rknn", "feeds", "logits_dir"}]}``; ``float_ranges`` are
+the ONNX outputs of MatMuls kept float16 through hybrid quantization. The result, per graph:
 ``ok``, ``error``, ``seconds`` (build, simulate), ``rknn_bytes``, ``logits`` (one ``.npy`` per feed).
 """
 from __future__ import annotations
@@ -34,30 +34,75 @@ def _check(code, what: str) -> None:
         raise RuntimeError(f"{what} failed (the toolkit's log above says why)")
 
 
-def build_one(spec: dict, platform: str, work: Path) -> dict:
+def _fresh(spec: dict, platform: str):
     from rknn.api import RKNN
-    out = {"name": spec["name"], "ok": False, "error": None, "seconds": {}, "rknn_bytes": None, "logits": []}
     rknn = RKNN(verbose=False)
-    t0 = time.perf_counter()
+    _check(rknn.config(target_platform=platform, quantized_dtype=spec.get("dtype", "w8a8"),
+                       quantized_algorithm=spec.get("algorithm", "normal"), optimization_level=3), "config")
+    _check(rknn.load_onnx(model=spec["onnx"], inputs=spec["inputs"], input_size_list=spec["sizes"]), "load_onnx")
+    return rknn
+
+
+def _cfg_names(cfg: Path) -> list[str]:
+    """Tensor names of a ``.quantization.cfg``, in the toolkit's graph order."""
+    names, inside = [], False
+    for line in cfg.read_text().splitlines():
+        if line.startswith("quantize_parameters:"):
+            inside = True
+        elif inside and line.startswith("    ") and not line.startswith("     ") and line.rstrip().endswith(":"):
+            names.append(line.strip()[:-1].strip("'\""))
+        elif inside and line and not line.startswith(" "):
+            break
+    return names
+
+
+def hybrid_pairs(names: list[str], outputs: list[str]) -> dict[str, list[str]]:
+    """custom_hybrid ``[input, output]`` per ONNX output: the toolkit names a MatMul's tensors after its ONNX
+    output (``logits_mm``, ``logits_mm_tp``, ``logits``); the span runs from the tensor before the first such
+    name to the last one."""
+    pairs = {}
+    for o in outputs:
+        idx = [k for k, n in enumerate(names) if n == o or n.startswith(o + "_") or n.startswith(o + "#")]
+        if idx and idx[0] > 0:
+            pairs[o] = [names[idx[0] - 1], names[idx[-1]]]
+    return pairs
+
+
+def _hybrid(rknn, spec: dict, platform: str, work: Path, outputs: list[str]):
+    """Hybrid quantization keeping ``outputs``' MatMuls float16; returns (rknn, kept, refused)."""
+    stem = Path(spec["onnx"]).stem
+    cwd = os.getcwd()
+    os.chdir(work)  # step 1 writes <model>.model / .data / .quantization.cfg here
     try:
-        _check(rknn.config(target_platform=platform, quantized_dtype=spec.get("dtype", "w8a8"),
-                           quantized_algorithm=spec.get("algorithm", "normal"), optimization_level=3), "config")
-        _check(rknn.load_onnx(model=spec["onnx"], inputs=spec["inputs"], input_size_list=spec["sizes"]), "load_onnx")
-        ranges = spec.get("float_ranges") or []
-        if spec.get("quantize") and ranges:
-            cwd = os.getcwd()
-            os.chdir(work)  # step 1 writes <model>.model / .data / .quantization.cfg here
-            try:
-                _check(rknn.hybrid_quantization_step1(dataset=spec["dataset"], custom_hybrid=ranges),
-                       "hybrid_quantization_step1")
-                rknn.release()
-                rknn = RKNN(verbose=False)
-                stem = Path(spec["onnx"]).stem
-                _check(rknn.hybrid_quantization_step2(model_input=f"{stem}.model", data_input=f"{stem}.data",
-                                                      model_quantization_cfg=f"{stem}.quantization.cfg"),
-                       "hybrid_quantization_step2")
-            finally:
-                os.chdir(cwd)
+        _check(rknn.hybrid_quantization_step1(dataset=spec["dataset"]), "hybrid_quantization_step1")
+        pairs = hybrid_pairs(_cfg_names(Path(f"{stem}.quantization.cfg")), outputs)
+        refused = [o for o in outputs if o not in pairs]
+        rknn.release()
+        rknn = _fresh(spec, platform)
+        if pairs:
+            _check(rknn.hybrid_quantization_step1(dataset=spec["dataset"], custom_hybrid=list(pairs.values())),
+                   "hybrid_quantization_step1 (custom_hybrid)")
+        rknn.release()
+        from rknn.api import RKNN
+        rknn = RKNN(verbose=False)
+        _check(rknn.hybrid_quantization_step2(model_input=f"{stem}.model", data_input=f"{stem}.data",
+                                              model_quantization_cfg=f"{stem}.quantization.cfg"),
+               "hybrid_quantization_step2")
+    finally:
+        os.chdir(cwd)
+    return rknn, list(pairs), refused
+
+
+def build_one(spec: dict, platform: str, work: Path) -> dict:
+    out = {"name": spec["name"], "ok": False, "error": None, "seconds": {}, "rknn_bytes": None, "logits": [],
+           "float_kept": [], "float_refused": []}
+    t0 = time.perf_counter()
+    rknn = None
+    try:
+        rknn = _fresh(spec, platform)
+        floats = spec.get("float_outputs") or []
+        if spec.get("quantize") and floats:
+            rknn, out["float_kept"], out["float_refused"] = _hybrid(rknn, spec, platform, work, floats)
         else:
             _check(rknn.build(do_quantization=bool(spec.get("quantize")), dataset=spec.get("dataset")), "build")
         out["seconds"]["build"] = time.perf_counter() - t0
@@ -83,7 +128,8 @@ def build_one(spec: dict, platform: str, work: Path) -> dict:
         out["error"] = f"{type(e).__name__}: {e}"
         out["traceback"] = traceback.format_exc(limit=3)
     finally:
-        rknn.release()
+        if rknn is not None:
+            rknn.release()
     return out
 
 
