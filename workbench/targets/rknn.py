@@ -209,16 +209,23 @@ def rknn_calibration_feeds(lm, static: tuple[int, int], samples: int, inv_freq, 
     seq, past = static
     ids = np.asarray(encode_text(lm.tokenizer, read_text(text or demo_text_path("calibration")), source="calibration"))
     return {"prefill": [_prefill_feed(c, inv_freq, scaling) for c in _chunks(ids, seq, samples)],
-            "decode": [f for f, _, _ in _decode_steps(lm.model, ids, past, samples, inv_freq, scaling)]}
+            "decode": [f for f, *_ in _decode_steps(lm.model, ids, past, samples, inv_freq, scaling)]}
 
 
-def _decode_steps(model, ids: np.ndarray, past: int, count: int, inv_freq, scaling: float):
-    """(decode feed, float logits [1, vocab], tokens up to the step) at ``count`` positions spread over the past, from chunks of ``ids``."""
+def _decode_steps(model, ids: np.ndarray, past: int, count: int, inv_freq, scaling: float, sim_model=None):
+    """(decode feed, float logits [1, vocab], simulation logits or None) at ``count`` positions spread over the past.
+
+    Positions take turns over chunks of ``past + 1`` tokens of ``ids``; one forward pass per chunk gives
+    every position's logits and (causal) the KV cache of every prefix.
+    """
     chunks = _chunks(ids, past + 1, max(1, -(-count // 16)))
-    for k, p in enumerate(spread_positions(count, past)):
-        chunk = chunks[k % len(chunks)]
-        logits, kv = _torch_run(model, chunk[:p + 1])
-        yield _decode_feed(int(chunk[p]), kv, p, past, inv_freq, scaling), logits[p:p + 1], chunk[:p + 1]
+    positions = spread_positions(count, past)
+    for c, chunk in enumerate(chunks):
+        logits, kv = _torch_run(model, chunk)
+        sim_logits = _torch_run(sim_model, chunk)[0] if sim_model is not None else None
+        for p in positions[c::len(chunks)]:
+            yield (_decode_feed(int(chunk[p]), kv, p, past, inv_freq, scaling), logits[p:p + 1],
+                   None if sim_logits is None else sim_logits[p:p + 1], int(chunk[p + 1]) if p + 1 < len(chunk) else -1)
 
 
 def _chunks(ids: np.ndarray, length: int, count: int) -> list[np.ndarray]:
@@ -241,6 +248,9 @@ class RknnScores:
     top1_agreement_vs_simulation: float | None = None
     simulation_kl_divergence: float | None = None  # the workbench's simulation against the float model
     simulation_top1_agreement: float | None = None
+    perplexity: float | None = None  # on the next tokens of the text, where the window holds them
+    simulation_perplexity: float | None = None
+    reference_perplexity: float | None = None  # the float model's
 
 
 @dataclass
@@ -269,14 +279,18 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
-def _score(ref: np.ndarray, sim: np.ndarray, got: np.ndarray) -> RknnScores:
-    """Mean KL(ref || got), top-1 agreements; rows are positions."""
+def _score(ref: np.ndarray, sim: np.ndarray, got: np.ndarray, targets: np.ndarray) -> RknnScores:
+    """Mean KL(ref || got), top-1 agreements and perplexities; rows are positions, ``targets`` -1 where unknown."""
     lr, ls, lg = _log_softmax(ref), _log_softmax(sim), _log_softmax(got)
     pr = np.exp(lr)
     kl = lambda a: float(np.clip((pr * (lr - a)).sum(-1), 0, None).mean())  # noqa: E731
+    has = targets >= 0
+    t = np.where(has, targets, 0)
+    ppl = lambda a: float(np.exp(-np.take_along_axis(a, t[:, None], 1)[has].mean())) if has.any() else None  # noqa: E731
     top = ref.argmax(-1)
     return RknnScores(len(ref), kl(lg), float((got.argmax(-1) == top).mean()),
-                      float((got.argmax(-1) == sim.argmax(-1)).mean()), kl(ls), float((sim.argmax(-1) == top).mean()))
+                      float((got.argmax(-1) == sim.argmax(-1)).mean()), kl(ls), float((sim.argmax(-1) == top).mean()),
+                      ppl(lg), ppl(ls), ppl(lr))
 
 
 # -- the build -------------------------------------------------------------------------------------
@@ -341,7 +355,8 @@ def _write_dataset(folder: Path, feeds: Sequence[Mapping[str, np.ndarray]], inpu
 def build_rknn(prep, out_dir: str | Path, *, static: tuple[int, int] = (128, 511), platform: str = PLATFORM,
                float16: bool = False, calibration_samples: int = 16, eval_windows: int = 4, decode_positions: int = 64,
                text: str | Path | None = None, calibration_text: str | Path | None = None,
-               timeout: float = DEFAULT_TIMEOUT, say=None, export=None, algorithm: str = "normal") -> RknnResult:
+               timeout: float = DEFAULT_TIMEOUT, say=None, export=None, algorithm: str = "normal",
+               calibration: dict[str, list[dict]] | None = None, auto_hybrid: bool = False) -> RknnResult:
     """Export (unless ``export`` is given), rewrite, build, simulate and score ``prep`` (``PreparedModels``).
 
     Prefill: ``eval_windows`` windows of ``static[0]`` held-out tokens, every position scored.
@@ -381,19 +396,24 @@ def build_rknn(prep, out_dir: str | Path, *, static: tuple[int, int] = (128, 511
     result = RknnResult(dtype or "float16", platform, RknnScores(), RknnScores(), not_kept=not_kept)
     try:
         say("calibration and evaluation inputs (the float model's KV cache for decode)")
-        calib = rknn_calibration_feeds(lm, static, calibration_samples, inv_freq, scaling, calibration_text)
+        calib = calibration or rknn_calibration_feeds(lm, static, calibration_samples, inv_freq, scaling,
+                                                      calibration_text)
         eval_ids = np.asarray(encode_text(tok, read_text(text or demo_text_path("heldout")), source="held-out"))
         feeds = {name: {"calib": calib[name], "eval": []} for name in graphs}
         refs: dict[str, list] = {"prefill": [], "decode": []}
         sims: dict[str, list] = {"prefill": [], "decode": []}
+        targets: dict[str, list] = {"prefill": [], "decode": []}
         for chunk in _chunks(eval_ids, seq, eval_windows):
             feeds["prefill"]["eval"].append(_prefill_feed(chunk, inv_freq, scaling))
             refs["prefill"].append(_torch_run(lm.model, chunk)[0])
             sims["prefill"].append(_torch_run(sim.model, chunk)[0])
-        for feed, logits, tokens in _decode_steps(lm.model, eval_ids, past, decode_positions, inv_freq, scaling):
+            targets["prefill"].append(np.append(chunk[1:], -1))
+        for feed, logits, sim_logits, target in _decode_steps(lm.model, eval_ids, past, decode_positions, inv_freq, scaling,
+                                                      sim.model):
             feeds["decode"]["eval"].append(feed)
             refs["decode"].append(logits)
-            sims["decode"].append(_torch_run(sim.model, tokens)[0][-1:])
+            sims["decode"].append(sim_logits)
+            targets["decode"].append(np.array([target]))
         request = {"platform": platform, "work": str(work), "graphs": []}
         float_outputs: dict[str, dict[str, str]] = {}
         for name, path in graphs.items():
@@ -402,7 +422,7 @@ def build_rknn(prep, out_dir: str | Path, *, static: tuple[int, int] = (128, 511
             float_outputs[name] = outputs
             request["graphs"].append({
                 "name": name, "onnx": str(path.resolve()), "inputs": inputs, "sizes": specs[name]["sizes"],
-                "quantize": dtype is not None, "dtype": dtype or "w8a8", "algorithm": algorithm, "float_outputs": list(outputs),
+                "quantize": dtype is not None, "dtype": dtype or "w8a8", "algorithm": algorithm, "auto_hybrid": auto_hybrid, "float_outputs": list(outputs),
                 "dataset": str(_write_dataset(work / "calib" / name, feeds[name]["calib"], inputs)),
                 "rknn": str((out / f"{name}.rknn").resolve()),
                 "feeds": _write_feeds(work / "eval" / name, feeds[name]["eval"], inputs),
@@ -420,7 +440,7 @@ def build_rknn(prep, out_dir: str | Path, *, static: tuple[int, int] = (128, 511
             simr = np.concatenate([r.reshape(-1, r.shape[-1]) for r in sims[g["name"]]])
             if g["name"] == "decode":
                 got = got.reshape(len(ref), -1, ref.shape[-1])[:, -1]
-            setattr(result, g["name"], _score(ref, simr, got))
+            setattr(result, g["name"], _score(ref, simr, got, np.concatenate(targets[g["name"]])))
             result.rknn_files[g["name"]] = str(out / f"{g['name']}.rknn")
             kept = {float_outputs[g["name"]][o] for o in g.get("float_kept", [])}
             result.float_layers = sorted(set(result.float_layers) | kept)
@@ -560,7 +580,9 @@ def _fill_report(job, r: RknnResult) -> None:
     rep.measured_on = r.rknn_files.get("prefill")
     rep.kl_divergence, rep.top1_agreement = p.kl_divergence, p.top1_agreement
     rep.top1_agreement_vs_simulation = p.top1_agreement_vs_simulation
-    rep.simulation = {"kl_divergence": p.simulation_kl_divergence, "top1_agreement": p.simulation_top1_agreement}
+    rep.perplexity, rep.reference_perplexity = p.perplexity, p.reference_perplexity
+    rep.simulation = {"kl_divergence": p.simulation_kl_divergence, "top1_agreement": p.simulation_top1_agreement,
+                      "perplexity": p.simulation_perplexity}
     rep.eval_tokens = p.positions
     rep.details["rknn"] = r.to_dict()
     rep.notes += r.notes
@@ -571,28 +593,32 @@ def _fill_report(job, r: RknnResult) -> None:
 
 
 def convert_rknn(job) -> None:
-    """Build and simulate the ``.rknn`` with the real toolkit where its venv exists; always the build bundle."""
+    """The rewritten static graphs, calibration data and ``build_rknn.py``; where the toolkit's venv exists,
+    the ``.rknn`` models built, simulated and scored too (a failed build is said in the notes)."""
     sx = job.export_static(job.out)
-    result = None
-    if rknn_python() is not None:
-        result = build_rknn(job.prep, job.out, static=job.static, calibration_samples=job.calibration_samples,
-                            text=job.text, say=job.say, export=sx)
-    else:
-        for path in (sx.prefill_path, sx.decode_path):
-            prepare_rknn_graph(path)
     rotary = job.prep.float_lm.model.model.rotary_emb
     inv_freq = rotary.inv_freq.float().cpu().numpy().tolist()
     scaling = float(getattr(rotary, "attention_scaling", 1.0))
     feeds = rknn_calibration_feeds(job.prep.float_lm, job.static, job.calibration_samples, inv_freq, scaling)
-    info = write_rknn_bundle(job.out, {"prefill": sx.prefill_path, "decode": sx.decode_path}, feeds,
-                             dtype=result.dtype if result is not None and result.dtype != "float16" else "w8a8")
+    result = None
+    if rknn_python() is None:
+        for path in (sx.prefill_path, sx.decode_path):
+            prepare_rknn_graph(path)
+        job.report.notes.append(f"rknn-toolkit2 is not set up, so no .rknn was built: {RKNN_ENV_HINT}; then convert "
+                                "again to build and simulate it")
+    else:
+        try:
+            result = build_rknn(job.prep, job.out, static=job.static, calibration_samples=job.calibration_samples,
+                                text=job.text, say=job.say, export=sx, calibration=feeds)
+        except RknnError as e:
+            job.report.notes.append(f"no .rknn: {e}")
+            job.report.details["rknn"] = {"error": str(e)}
+    dtype = result.dtype if result is not None and result.dtype != "float16" else "w8a8"
+    info = write_rknn_bundle(job.out, {"prefill": sx.prefill_path, "decode": sx.decode_path}, feeds, dtype=dtype)
     job.report.notes += info["notes"]
     job.report.details["inspection"] = inspect_graph(sx.prefill_path, "rknn").summary()
     if result is not None:
         _fill_report(job, result)
-    else:
-        job.report.notes.append(f"rknn-toolkit2 is not set up, so no .rknn was built: {RKNN_ENV_HINT}; then convert "
-                                "again to build and simulate it")
 
 
 TARGET = register_target(Target("rknn", "Rockchip RKNPU2", rules="rknn", convert=convert_rknn, module=__name__))

@@ -101,10 +101,11 @@ def build_one(spec: dict, platform: str, work: Path) -> dict:
     try:
         rknn = _fresh(spec, platform)
         floats = spec.get("float_outputs") or []
-        if spec.get("quantize") and floats:
+        if spec.get("quantize") and floats and not spec.get("auto_hybrid"):
             rknn, out["float_kept"], out["float_refused"] = _hybrid(rknn, spec, platform, work, floats)
         else:
-            _check(rknn.build(do_quantization=bool(spec.get("quantize")), dataset=spec.get("dataset")), "build")
+            _check(rknn.build(do_quantization=bool(spec.get("quantize")), dataset=spec.get("dataset"),
+                              auto_hybrid=bool(spec.get("quantize") and spec.get("auto_hybrid"))), "build")
         out["seconds"]["build"] = time.perf_counter() - t0
         _check(rknn.export_rknn(spec["rknn"]), "export_rknn")
         out["rknn_bytes"] = Path(spec["rknn"]).stat().st_size
