@@ -68,19 +68,40 @@ def hybrid_pairs(names: list[str], outputs: list[str]) -> dict[str, list[str]]:
     return pairs
 
 
+def _toolkit_name(names: list[str], onnx_name: str) -> str | None:
+    """The toolkit's tensor for an ONNX tensor: the same name, else the first one named after it."""
+    if onnx_name in names:
+        return onnx_name
+    return next((n for n in names if n.startswith(onnx_name + "_") or n.startswith(onnx_name + "#")), None)
+
+
+def span_pairs(names: list[str], spans: list[list[str]]) -> list[list[str]]:
+    """custom_hybrid pairs for ``[input, output]`` ONNX tensor spans (those the toolkit has under some name)."""
+    pairs = []
+    for start, end in spans:
+        a, b = _toolkit_name(names, start), _toolkit_name(names, end)
+        if a and b:
+            pairs.append([a, b])
+    return pairs
+
+
 def _hybrid(rknn, spec: dict, platform: str, work: Path, outputs: list[str]):
-    """Hybrid quantization keeping ``outputs``' MatMuls float16; returns (rknn, kept, refused)."""
+    """Hybrid quantization keeping ``outputs``' MatMuls and ``float_spans`` float16; returns (rknn, kept outputs,
+    refused outputs, spans kept)."""
     stem = Path(spec["onnx"]).stem
     cwd = os.getcwd()
     os.chdir(work)  # step 1 writes <model>.model / .data / .quantization.cfg here
     try:
         _check(rknn.hybrid_quantization_step1(dataset=spec["dataset"]), "hybrid_quantization_step1")
-        pairs = hybrid_pairs(_cfg_names(Path(f"{stem}.quantization.cfg")), outputs)
+        names = _cfg_names(Path(f"{stem}.quantization.cfg"))
+        pairs = hybrid_pairs(names, outputs)
         refused = [o for o in outputs if o not in pairs]
+        spans = span_pairs(names, spec.get("float_spans") or [])
         rknn.release()
         rknn = _fresh(spec, platform)
-        if pairs:
-            _check(rknn.hybrid_quantization_step1(dataset=spec["dataset"], custom_hybrid=list(pairs.values())),
+        if pairs or spans:
+            _check(rknn.hybrid_quantization_step1(dataset=spec["dataset"],
+                                                  custom_hybrid=list(pairs.values()) + spans),
                    "hybrid_quantization_step1 (custom_hybrid)")
         rknn.release()
         from rknn.api import RKNN
@@ -90,7 +111,7 @@ def _hybrid(rknn, spec: dict, platform: str, work: Path, outputs: list[str]):
                "hybrid_quantization_step2")
     finally:
         os.chdir(cwd)
-    return rknn, list(pairs), refused
+    return rknn, list(pairs), refused, len(spans)
 
 
 def build_one(spec: dict, platform: str, work: Path) -> dict:
@@ -101,8 +122,9 @@ def build_one(spec: dict, platform: str, work: Path) -> dict:
     try:
         rknn = _fresh(spec, platform)
         floats = spec.get("float_outputs") or []
-        if spec.get("quantize") and floats and not spec.get("auto_hybrid"):
-            rknn, out["float_kept"], out["float_refused"] = _hybrid(rknn, spec, platform, work, floats)
+        if spec.get("quantize") and (floats or spec.get("float_spans")) and not spec.get("auto_hybrid"):
+            rknn, out["float_kept"], out["float_refused"], out["float_spans"] = _hybrid(rknn, spec, platform, work,
+                                                                                       floats)
         else:
             _check(rknn.build(do_quantization=bool(spec.get("quantize")), dataset=spec.get("dataset"),
                               auto_hybrid=bool(spec.get("quantize") and spec.get("auto_hybrid"))), "build")
