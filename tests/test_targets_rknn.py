@@ -99,17 +99,18 @@ def demo_int8():
 
 @NEEDS_TOOLKIT
 def test_demo_w8a8_on_the_rknn_simulator(demo_int8, tmp_path):
-    r = rknn.build_rknn(demo_int8, tmp_path, decode_positions=32)
+    r = rknn.build_rknn(demo_int8, tmp_path, decode_positions=128)
     assert r.dtype == "w8a8" and r.rknn_bytes == sum(p.stat().st_size for p in tmp_path.glob("*.rknn"))
-    assert r.prefill.positions == 512 and r.decode.positions == 32
+    assert r.prefill.positions == 512 and r.decode.positions == 128
     assert r.prefill.top1_agreement >= 0.93, r.prefill
     assert r.decode.top1_agreement >= 0.90, r.decode
     assert "lm_head" in r.float_layers and "model.embed_tokens" in r.not_kept
+    assert r.float_spans == 24  # rotary (cos and sin) x 4 blocks: the queries' in prefill, queries' and keys' in decode
 
 
 @NEEDS_TOOLKIT
 def test_demo_fp16_on_the_rknn_simulator(demo_int8, tmp_path):
-    r = rknn.build_rknn(demo_int8, tmp_path, float16=True, decode_positions=16)
-    assert r.dtype == "float16"
-    assert r.prefill.top1_agreement >= 0.999 and r.decode.top1_agreement >= 0.999
-    assert r.prefill.kl_divergence < 1e-3
+    r = rknn.build_rknn(demo_int8, tmp_path, float16=True, eval_windows=8, decode_positions=64)
+    assert r.dtype == "float16" and r.prefill.positions == 1024
+    assert r.prefill.top1_agreement >= 0.999 and r.decode.top1_agreement >= 0.999, (r.prefill, r.decode)
+    assert r.prefill.kl_divergence < 1e-4 and r.decode.kl_divergence < 1e-4

@@ -29,10 +29,8 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -328,7 +326,7 @@ def _float_outputs(graph_path: Path, tensors: Mapping[str, str], layers: Sequenc
 
 
 def rotary_spans(graph_path: Path) -> list[list[str]]:
-    """``[rope_cos|rope_sin, rotary Add]`` ONNX spans of the queries' rotary, kept float16 by hybrid quantization:
+    """``[rope_cos|rope_sin, rotary Add]`` ONNX spans of the rotary, kept float16 by hybrid quantization:
     on the demo model this lifts w8a8 top-1 from 0.924 to 0.959 (prefill) and 0.906 to 0.953 (decode)."""
     import onnx
     proto = onnx.load(str(graph_path), load_external_data=False)
@@ -352,8 +350,8 @@ def rotary_spans(graph_path: Path) -> list[list[str]]:
             for n in consumers.get(t, []):
                 if n.op_type == "Add":
                     spans.append([source, n.output[0]])
-    # k's rotary ends in the KV output: kept float16, rknn-toolkit2 2.5.0's compiler aborts ("Conv bias scale ...
-    # is empty"), so only q's rotary is kept float
+    # prefill's key rotary ends in the KV output: kept float16 there, rknn-toolkit2 2.5.0's compiler aborts
+    # ("Conv bias scale ... is empty"); decode's goes through a Concat with the past and is kept
     return sorted({tuple(s) for s in spans if not s[1].startswith("present.")})
 
 
@@ -387,8 +385,7 @@ def build_rknn(prep, out_dir: str | Path, *, static: tuple[int, int] = (128, 511
                float16: bool = False, calibration_samples: int = 16, eval_windows: int = 4, decode_positions: int = 64,
                text: str | Path | None = None, calibration_text: str | Path | None = None,
                timeout: float = DEFAULT_TIMEOUT, say=None, export=None, algorithm: str = "normal",
-               calibration: dict[str, list[dict]] | None = None, auto_hybrid: bool = False,
-               keep_rotary_float: bool = True) -> RknnResult:
+               calibration: dict[str, list[dict]] | None = None, keep_rotary_float: bool = True) -> RknnResult:
     """Export (unless ``export`` is given), rewrite, build, simulate and score ``prep`` (``PreparedModels``).
 
     Prefill: ``eval_windows`` windows of ``static[0]`` held-out tokens, every position scored.
@@ -454,7 +451,8 @@ def build_rknn(prep, out_dir: str | Path, *, static: tuple[int, int] = (128, 511
             float_outputs[name] = outputs
             request["graphs"].append({
                 "name": name, "onnx": str(path.resolve()), "inputs": inputs, "sizes": specs[name]["sizes"],
-                "quantize": dtype is not None, "dtype": dtype or "w8a8", "algorithm": algorithm, "auto_hybrid": auto_hybrid, "float_outputs": list(outputs),
+                "quantize": dtype is not None, "dtype": dtype or "w8a8", "algorithm": algorithm,
+                "float_outputs": list(outputs),
                 "float_spans": [list(x) for x in rotary_spans(path)] if dtype and keep_rotary_float else [],
                 "dataset": str(_write_dataset(work / "calib" / name, feeds[name]["calib"], inputs)),
                 "rknn": str((out / f"{name}.rknn").resolve()),
@@ -492,8 +490,9 @@ def build_rknn(prep, out_dir: str | Path, *, static: tuple[int, int] = (128, 511
         result.notes.append(f"{len(not_kept)} layer(s) built at int8 (rk3588 has w8a8 and w16a16i_dfp only): "
                             + ", ".join(list(not_kept)[:4]) + ("..." if len(not_kept) > 4 else ""))
     if result.float_spans:
-        result.notes.append(f"{result.float_spans} rotary sub-graph(s) of the queries kept float16 by hybrid "
-                            "quantization (the keys' rotary stays int8: kept float it aborts the toolkit's compiler)")
+        result.notes.append(f"{result.float_spans} rotary sub-graph(s) kept float16 by hybrid quantization (in "
+                            "prefill the keys' rotary, which ends in the KV output, stays int8: kept float it aborts "
+                            "the toolkit's compiler)")
     result.notes.append("the toolkit quantizes the float weights itself (its own per-channel scales); the graphs "
                         "take rope_cos/rope_sin [1, seq, head_dim] instead of position_ids (rope_inv_freq.json), "
                         f"and the mask fill is {MASK_FILL:g}")

@@ -9,7 +9,7 @@ graph is built, run by the simulator (``init_runtime()`` with no target) on the 
 exported by the same ``RKNN`` object.
 
 The request: ``{"platform", "graphs": [{"name", "onnx", "inputs", "sizes", "quantize", "dtype",
-"dataset", "float_outputs", "rknn", "feeds", "logits_dir"}]}``; ``float_ranges`` are
+"dataset", "float_outputs", "float_spans", "algorithm", "rknn", "feeds", "logits_dir"}]}``; ``float_ranges`` are
 the ONNX outputs of MatMuls kept float16 through hybrid quantization. The result, per graph:
 ``ok``, ``error``, ``seconds`` (build, simulate), ``rknn_bytes``, ``logits`` (one ``.npy`` per feed).
 """
@@ -122,12 +122,11 @@ def build_one(spec: dict, platform: str, work: Path) -> dict:
     try:
         rknn = _fresh(spec, platform)
         floats = spec.get("float_outputs") or []
-        if spec.get("quantize") and (floats or spec.get("float_spans")) and not spec.get("auto_hybrid"):
+        if spec.get("quantize") and (floats or spec.get("float_spans")):
             rknn, out["float_kept"], out["float_refused"], out["float_spans"] = _hybrid(rknn, spec, platform, work,
                                                                                        floats)
         else:
-            _check(rknn.build(do_quantization=bool(spec.get("quantize")), dataset=spec.get("dataset"),
-                              auto_hybrid=bool(spec.get("quantize") and spec.get("auto_hybrid"))), "build")
+            _check(rknn.build(do_quantization=bool(spec.get("quantize")), dataset=spec.get("dataset")), "build")
         out["seconds"]["build"] = time.perf_counter() - t0
         _check(rknn.export_rknn(spec["rknn"]), "export_rknn")
         out["rknn_bytes"] = Path(spec["rknn"]).stat().st_size
