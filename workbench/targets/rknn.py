@@ -619,8 +619,14 @@ def _fill_report(job, r: RknnResult) -> None:
     rep.perplexity, rep.reference_perplexity = p.perplexity, p.reference_perplexity
     rep.simulation = {"kl_divergence": p.simulation_kl_divergence, "top1_agreement": p.simulation_top1_agreement,
                       "perplexity": p.simulation_perplexity}
-    rep.eval_tokens = p.positions
+    rep.eval_tokens, rep.ctx = p.positions, job.static[0]
     rep.details["rknn"] = r.to_dict()
+    from ..convert import GAP_TOP1
+    low = [f"{name} {s.top1_agreement_vs_simulation:.3f}" for name, s in (("prefill", p), ("decode", d))
+           if s.top1_agreement_vs_simulation < GAP_TOP1]
+    if low:
+        rep.gap = (f"top-1 agreement of the RKNN simulator with the workbench's simulation is {', '.join(low)} "
+                   f"(< {GAP_TOP1}): the toolkit quantizes differently from the plan")
     rep.notes += r.notes
     rep.notes.append(f"RKNN simulator ({r.dtype}, {r.platform}): prefill KL {p.kl_divergence:.4f}, top-1 vs float "
                      f"{p.top1_agreement:.3f}, vs simulation {p.top1_agreement_vs_simulation:.3f} ({p.positions} "
@@ -645,7 +651,7 @@ def convert_rknn(job) -> None:
     else:
         try:
             result = build_rknn(job.prep, job.out, static=job.static, calibration_samples=job.calibration_samples,
-                                text=job.text, say=job.say, export=sx, calibration=feeds)
+                                text=job.text, say=job.say, export=sx, calibration=feeds, decode_positions=128)
         except RknnError as e:
             job.report.notes.append(f"no .rknn: {e}")
             job.report.details["rknn"] = {"error": str(e)}
