@@ -109,8 +109,9 @@ def test_demo_w8a8_on_the_rknn_simulator(demo_int8, tmp_path):
 
 
 @NEEDS_TOOLKIT
-def test_demo_fp16_on_the_rknn_simulator(demo_int8, tmp_path):
-    r = rknn.build_rknn(demo_int8, tmp_path, float16=True, eval_windows=8, decode_positions=64)
-    assert r.dtype == "float16" and r.prefill.positions == 1024
+def test_demo_fp16_on_the_rknn_simulator_measured(demo_int8):
+    r = rknn.measure_rknn("demo", prepared=demo_int8, float16=True, eval_windows=8, decode_positions=64)
+    assert r.dtype == "float16" and r.prefill.positions == 1024 and r.decode.positions == 64
+    assert r.rknn_bytes > 1e6 and r.peak_rss_bytes > 1e8 and r.seconds >= sum(r.toolkit_seconds.values())
     assert r.prefill.top1_agreement >= 0.999 and r.decode.top1_agreement >= 0.999, (r.prefill, r.decode)
     assert r.prefill.kl_divergence < 1e-4 and r.decode.kl_divergence < 1e-4

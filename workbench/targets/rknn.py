@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
 import subprocess
 import tempfile
@@ -45,7 +46,7 @@ from .registry import Target, register_target
 
 __all__ = ["write_rknn_bundle", "convert_rknn", "TARGET", "MASK_FILL", "RKNN_ENV_HINT", "rknn_python",
            "prepare_rknn_graph", "rope_feed", "spread_positions", "RknnScores", "RknnResult", "build_rknn",
-           "measure_rknn", "RknnError", "STALL_LAYERS", "DEFAULT_TIMEOUT"]
+           "measure_rknn", "RknnMeasurement", "RknnError", "STALL_LAYERS", "DEFAULT_TIMEOUT"]
 
 MASK_FILL = -100.0  # exp(-100) is 0 in float16 and float32: masked keys stay masked, and int8 keeps resolution
 REPO = Path(__file__).resolve().parents[2]
@@ -528,6 +529,7 @@ class RknnMeasurement:
     seconds: float  # build + simulate + scoring, wall clock
     toolkit_seconds: dict[str, float]
     peak_rss_bytes: int  # the toolkit subprocess's peak resident memory
+    process_peak_rss_bytes: int  # this (calling) process's peak so far: the float and simulated models, the feeds
     notes: list[str]
 
 
@@ -546,7 +548,8 @@ def measure_rknn(model, *, bits: int | None = 8, plan=None, float16: bool = Fals
         if out_dir is None:
             shutil.rmtree(out, ignore_errors=True)
     return RknnMeasurement(str(model), r.dtype, r.prefill, r.decode, r.rknn_bytes, time.perf_counter() - t0,
-                           r.seconds, r.peak_rss_bytes, r.notes)
+                           r.seconds, r.peak_rss_bytes,
+                           resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, r.notes)
 
 
 # -- the bundle (what runs without the toolkit here) -----------------------------------------------
