@@ -23,10 +23,7 @@ import time
 import traceback
 from pathlib import Path
 
-# this file's folder holds the workbench's own rknn.py, which would shadow the toolkit's package
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-
-import numpy as np  # noqa: E402
+import numpy as np
 
 
 def _check(code, what: str) -> None:
@@ -168,4 +165,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    # this file's folder holds the workbench's own rknn.py, which would shadow the toolkit's package
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
     sys.exit(main(sys.argv))
