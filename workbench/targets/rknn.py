@@ -509,9 +509,11 @@ def _run_worker(py: Path, request: dict, work: Path, log: Path, timeout: float, 
             proc = subprocess.run([str(py), "-P", str(WORKER), str(req), str(res)], stdout=f, stderr=subprocess.STDOUT,
                                   env=env, cwd=work, timeout=timeout)
         except subprocess.TimeoutExpired:
-            raise RknnError(f"rknn-toolkit2 did not finish in {timeout:.0f} s ({layers} blocks); its graph "
-                            "optimisation stalls on deep models: build per block (fewer layers per graph), or give "
-                            "more time (timeout=)") from None
+            why = (f"its graph optimisation stalls from {STALL_LAYERS} blocks: build per block (fewer layers per "
+                   "graph)" if layers >= STALL_LAYERS else "w8a8 calibration and hybrid quantization's passes over "
+                   "wide layers (a large vocabulary) are slow on a busy CPU: give more time (timeout=), or build "
+                   "float16 (float16=True), or build per block")
+            raise RknnError(f"rknn-toolkit2 did not finish in {timeout:.0f} s ({layers} blocks); {why}") from None
     if not res.is_file():
         raise RknnError(f"the rknn-toolkit2 subprocess exited with status {proc.returncode} and no result; see {log}")
     return json.loads(res.read_text())
