@@ -10,7 +10,7 @@ VOILA_PORT ?= 8866
 ROOTFLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 STAMP   := $(VENV)/.installed
 
-.PHONY: install app voila test bench demo-model clean
+.PHONY: install app voila test bench demo-model clean rknn-env
 
 install: $(STAMP)
 
@@ -41,5 +41,20 @@ bench: install
 demo-model: install
 	$(BIN)/python scripts/build_demo_model.py
 
+# make rknn-env  Rockchip's rknn-toolkit2 in its own venv (its pins conflict with .venv); the rknn
+# target runs it as a subprocess with the project's torch stub (workbench/targets/rknn_stub) on PYTHONPATH
+RKNN_VENV  := .venv-rknn
+RKNN_STAMP := $(RKNN_VENV)/.installed
+
+rknn-env: $(RKNN_STAMP)
+
+$(RKNN_STAMP):
+	test -x $(RKNN_VENV)/bin/python || $(PY) -m venv $(RKNN_VENV)
+	$(RKNN_VENV)/bin/pip install -q --no-deps rknn-toolkit2==2.5.0 numpy==1.26.4 onnx==1.18.0 \
+		protobuf==4.25.4 'onnxruntime<1.23' psutil ruamel.yaml ruamel.yaml.clib scipy tqdm \
+		opencv-python-headless fast-histogram typing_extensions coloredlogs humanfriendly flatbuffers packaging sympy mpmath
+	PYTHONPATH=workbench/targets/rknn_stub $(RKNN_VENV)/bin/python -c "import rknn.api"
+	touch $(RKNN_STAMP)
+
 clean:
-	rm -rf $(VENV) workspace .pytest_cache
+	rm -rf $(VENV) $(RKNN_VENV) workspace .pytest_cache

@@ -143,10 +143,11 @@ def test_dynamic_export_needs_static_shapes_on_qnn_but_not_on_ort(exported_pair)
     assert {f.rule for f in static_report.findings} <= {"int64", "fp16-epsilon", "fp16-overflow"}
 
 
-def test_rknn_rejects_neg_from_the_rotary(exported_pair):
-    _, static = exported_pair
-    neg = [f for f in inspect_graph(static.prefill_path, "rknn").findings if f.op_type == "Neg"]
-    assert neg and neg[0].severity == "error" and "Mul(x, -1)" in neg[0].fix
+def test_rknn_takes_neg_from_the_rotary(exported_pair):
+    _, static = exported_pair  # rknn-toolkit2 2.5.0 builds the rotary's Neg (and every other op of these graphs)
+    report = inspect_graph(static.prefill_path, "rknn")
+    assert not [f for f in report.findings if f.op_type == "Neg"]
+    assert report.ok and {f.severity for f in report.findings} <= {"warning", "info"}
 
 
 def test_graph_panel_inspects_and_stops_netron_on_close(exported_pair, tmp_path):
