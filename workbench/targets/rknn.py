@@ -204,7 +204,7 @@ def rknn_calibration_feeds(lm, static: tuple[int, int], samples: int, inv_freq, 
     """Calibration inputs of the rewritten graphs: prefill windows of the calibration text, and decode
     steps at past lengths spread over ``[1, past]`` (``spread_positions``), each with the float model's KV."""
     from ..evaluate import encode_text, read_text
-    from ..models import demo_text_path
+    from ..assets import demo_text_path
     seq, past = static
     ids = np.asarray(encode_text(lm.tokenizer, read_text(text or demo_text_path("calibration")), source="calibration"))
     return {"prefill": [_prefill_feed(c, inv_freq, scaling) for c in _chunks(ids, seq, samples)],
@@ -394,8 +394,8 @@ def build_rknn(prep, out_dir: str | Path, *, static: tuple[int, int] = (128, 511
     (teacher forced), so the decode graph's own error is measured at every past length.
     """
     from ..evaluate import encode_text, read_text
-    from ..graph import export_onnx
-    from ..models import demo_text_path
+    from ..onnx.export import export_onnx
+    from ..assets import demo_text_path
     say = say or (lambda m: None)
     py = rknn_python()
     if py is None:
