@@ -188,3 +188,14 @@ def test_every_plan_field_has_a_json_type_check():
 
     from workbench.plan import _FIELD_TYPES
     assert {f.name for f in dataclasses.fields(QuantPlan)} == set(_FIELD_TYPES)
+
+
+def test_full_range_round_trips_is_symmetric_only_and_absent_means_off():
+    plan = QuantPlan.uniform("int4", group_size=32, full_range=True)
+    assert QuantPlan.from_json(plan.to_json()) == plan and plan.to_dict()["full_range"] is True
+    assert "full_range" not in QuantPlan.uniform("int4").to_dict()
+    assert plan.quantizer_settings["full_range"] is True
+    with pytest.raises(PlanError, match="symmetric 16-level"):
+        QuantPlan.uniform("int4", symmetric=False, full_range=True)
+    with pytest.raises(PlanError, match="plan field 'full_range' must be true or false"):
+        QuantPlan.from_dict({**plan.to_dict(), "full_range": 1})
