@@ -42,6 +42,7 @@ import os
 import resource
 import subprocess
 import sys
+import tempfile
 import time
 import zipfile
 from pathlib import Path
@@ -70,6 +71,7 @@ WORKBENCH_RUNS = (
     ("RTN int5 g32, 16 levels, search, imatrix", 5, {"full_range": True, "scale_search": True}, "rtn"),
     ("GPTQ int5 g32, 16 levels, search", 5, {"full_range": True, "scale_search": True}, "gptq"),
     ("RTN int8 g32, search, imatrix", 8, {"scale_search": True}, "rtn"),
+    ("RTN int4 g32, 15 levels, search, imatrix", 4, {"scale_search": True}, "rtn"),
 )
 
 
@@ -277,18 +279,24 @@ def main() -> None:
                          "report": rep, "time": step(log, kind, t0)})
             log(f"  {refs[-1]['label']:<44} KL {rep.kl_divergence:.5f} ± {rep.kl_stderr:.5f}  top-1 "
                 f"{rep.top1_agreement:.4f}  ppl {rep.perplexity:.3f}")
-        ours = workbench_runs(lm, baseline, calibration, runs, args.gptq_tokens, log)
-        for r in ours:  # paired with llama.cpp's reference rounding at the same width, same chunks
+        lrows, info, tmp = [], {}, None
+        if llama is not None:  # llama.cpp's types first; each workbench run's GGUF is scored as soon as it exists
+            tmp = tempfile.TemporaryDirectory(dir=args.root)
+            lrows, info = llamacpp_side(llama, lm, cut, calib_text, args.ctx, args.threads, Path(tmp.name), log)
+        ours = []
+        for run in runs:
+            r = workbench_runs(lm, baseline, calibration, [run], args.gptq_tokens, log)[0]
             ref = next((x for x in refs if x["bits"] == r["bits"]), None)
-            if ref is not None:
+            if ref is not None:  # paired with llama.cpp's reference rounding at the same width, same chunks
                 d = paired_difference(r["report"], ref["report"], "kl")
                 r["minus_reference"], r["minus_reference_se"] = d["mean"], d["stderr"]
-        lrows, info = [], {}
-        if llama is not None:
-            import tempfile
-            with tempfile.TemporaryDirectory(dir=args.root) as tmp:
-                lrows, info = llamacpp_side(llama, lm, cut, calib_text, args.ctx, args.threads, Path(tmp), log)
-                score_ggufs(llama, ours, Path(info["base"]), args.ctx, args.threads, Path(tmp), log)
+                log(f"    minus {ref['label']} (paired): {d['mean']:+.5f} ± {d['stderr']:.5f}")
+            if llama is not None:
+                score_ggufs(llama, [r], Path(info["base"]), args.ctx, args.threads, Path(tmp.name), log)
+            r.pop("qm", None)
+            ours.append(r)
+        if tmp is not None:
+            tmp.cleanup()
         for r in refs + ours:
             r.pop("report", None)
             r.pop("qm", None)
@@ -312,7 +320,7 @@ def print_table(name: str, res: dict) -> None:
     for r in res["reference"] + res["workbench"]:
         diff = f"{r['minus_reference']:+.5f} ± {r['minus_reference_se']:.5f}" if "minus_reference" in r else ""
         ll = (f"{r['gguf_bits']:.3f} | {r['llama_kl']:.5f} ± {r['llama_kl_se']:.5f} | {r['llama_same_top']:.4f}"
-              if "llama_kl" in r else " | | ")
+              if "llama_kl" in r else " | |")
         print(f"| {r['label']} | {r['kl']:.5f} ± {r['kl_se']:.5f} | {r['top1']:.4f} | {r['perplexity']:.3f} | {diff} "
               f"| {ll} |")
     for r in res["llama_cpp"]:
