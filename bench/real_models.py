@@ -168,20 +168,43 @@ def workbench_runs(lm, baseline, calibration, runs, gptq_tokens: int, log) -> li
     return rows
 
 
-def llamacpp_side(llama, lm, cut: Path, calib: Path, ctx: int, threads: int, tmp: Path, log) -> tuple[list, dict]:
+def f32_base(gguf, dequantize, src: Path, dst: Path) -> Path:
+    """The package's GGUF with every tensor dequantized to float32 and its metadata (vocabulary included) copied:
+    the float model llama.cpp's tools start from, the same weights the Hugging Face folder holds."""
+    reader = gguf.GGUFReader(str(src))
+    arch = reader.get_field(gguf.Keys.General.ARCHITECTURE).contents()
+    writer = gguf.GGUFWriter(str(dst), arch)
+    for field in reader.fields.values():
+        if field.name in (gguf.Keys.General.ARCHITECTURE, gguf.Keys.General.FILE_TYPE) or field.name.startswith("GGUF."):
+            continue
+        vtype = field.types[0]
+        writer.add_key_value(field.name, field.contents(), vtype,
+                             sub_type=field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    for t in reader.tensors:
+        writer.add_tensor(t.name, dequantize(t.data, t.tensor_type).astype("float32"))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
+
+
+def llamacpp_side(llama, lm, source_gguf: Path, cut: Path, calib: Path, ctx: int, threads: int, tmp: Path,
+                  log, chunks: int | None = None) -> tuple[list, dict]:
     """f32 GGUF, importance matrix, each type quantized with it and scored; (rows, info)."""
     import llama_cpp
-    gguf, _ = llama_cpp.gguf_module(llama.root)
+    gguf, dequantize = llama_cpp.gguf_module(llama.root)
     t0 = time.perf_counter()
-    f32 = tmp / "model-f32.gguf"
-    llama_cpp.convert(lm.path, f32, llama.root, "f32")
+    f32 = f32_base(gguf, dequantize, source_gguf, tmp / "model-f32.gguf")
     base = tmp / "base.kld"
     f32_ppl = llama.run_parsed(quality.parse_perplexity, "llama-perplexity", "-m", str(f32), "-f", str(cut), "-c",
                                str(ctx), "-t", str(threads), "--kl-divergence-base", str(base))
     info = {"f32_perplexity": f32_ppl, "base": str(base), "times": [step(log, "llama.cpp f32 + base logits", t0)]}
     t0 = time.perf_counter()
     imatrix = tmp / "imatrix.gguf"
-    llama.run("llama-imatrix", "-m", str(f32), "-f", str(calib), "-o", str(imatrix), "-c", str(ctx), "-t", str(threads))
+    llama.run("llama-imatrix", "-m", str(f32), "-f", str(calib), "-o", str(imatrix), "-c", str(ctx), "-t", str(threads),
+              *(["--chunks", str(chunks)] if chunks else []))
     info["times"].append(step(log, "llama-imatrix on the calibration text", t0))
     rows = []
     for qtype in LLAMA_TYPES:
@@ -228,6 +251,8 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=64, help="calibration samples (statistics, GPTQ)")
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--gptq-tokens", type=int, default=4096)
+    ap.add_argument("--imatrix-chunks", type=int, help="llama-imatrix chunks of --ctx tokens (default: the whole "
+                    "calibration text, 65 chunks of 512 on SmolLM2's tokenizer)")
     ap.add_argument("--runs", help="labels' indexes of WORKBENCH_RUNS to do, e.g. 0,1,3 (default all)")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--json", type=Path, help="also write every figure here")
@@ -282,7 +307,8 @@ def main() -> None:
         lrows, info, tmp = [], {}, None
         if llama is not None:  # llama.cpp's types first; each workbench run's GGUF is scored as soon as it exists
             tmp = tempfile.TemporaryDirectory(dir=args.root)
-            lrows, info = llamacpp_side(llama, lm, cut, calib_text, args.ctx, args.threads, Path(tmp.name), log)
+            lrows, info = llamacpp_side(llama, lm, args.root / f"{name}.gguf", cut, calib_text, args.ctx, args.threads, Path(tmp.name), log,
+                                        args.imatrix_chunks)
         ours = []
         for run in runs:
             r = workbench_runs(lm, baseline, calibration, [run], args.gptq_tokens, log)[0]
