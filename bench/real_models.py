@@ -191,7 +191,7 @@ def f32_base(gguf, dequantize, src: Path, dst: Path) -> Path:
 
 
 def llamacpp_side(llama, lm, source_gguf: Path, cut: Path, calib: Path, ctx: int, threads: int, tmp: Path,
-                  log, chunks: int | None = None) -> tuple[list, dict]:
+                  log, chunks: int | None = None, given_imatrix: Path | None = None) -> tuple[list, dict]:
     """f32 GGUF, importance matrix, each type quantized with it and scored; (rows, info)."""
     import llama_cpp
     gguf, dequantize = llama_cpp.gguf_module(llama.root)
@@ -202,10 +202,12 @@ def llamacpp_side(llama, lm, source_gguf: Path, cut: Path, calib: Path, ctx: int
                                str(ctx), "-t", str(threads), "--kl-divergence-base", str(base))
     info = {"f32_perplexity": f32_ppl, "base": str(base), "times": [step(log, "llama.cpp f32 + base logits", t0)]}
     t0 = time.perf_counter()
-    imatrix = tmp / "imatrix.gguf"
-    llama.run("llama-imatrix", "-m", str(f32), "-f", str(calib), "-o", str(imatrix), "-c", str(ctx), "-t", str(threads),
-              *(["--chunks", str(chunks)] if chunks else []))
-    info["times"].append(step(log, "llama-imatrix on the calibration text", t0))
+    imatrix = given_imatrix or tmp / "imatrix.gguf"
+    if given_imatrix is None:
+        llama.run("llama-imatrix", "-m", str(f32), "-f", str(calib), "-o", str(imatrix), "-c", str(ctx), "-t", str(threads),
+                  *(["--chunks", str(chunks)] if chunks else []))
+        info["times"].append(step(log, "llama-imatrix on the calibration text", t0))
+    info["imatrix"] = {"file": str(imatrix), "sha256": sha256(imatrix)}
     rows = []
     for qtype in LLAMA_TYPES:
         t0 = time.perf_counter()
@@ -251,6 +253,8 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=64, help="calibration samples (statistics, GPTQ)")
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--gptq-tokens", type=int, default=4096)
+    ap.add_argument("--imatrix", type=Path, help="an importance matrix llama-imatrix already wrote for this model "
+                    "from the calibration text (one model per run)")
     ap.add_argument("--imatrix-chunks", type=int, help="llama-imatrix chunks of --ctx tokens (default: the whole "
                     "calibration text, 65 chunks of 512 on SmolLM2's tokenizer)")
     ap.add_argument("--runs", help="labels' indexes of WORKBENCH_RUNS to do, e.g. 0,1,3 (default all)")
@@ -308,7 +312,7 @@ def main() -> None:
         if llama is not None:  # llama.cpp's types first; each workbench run's GGUF is scored as soon as it exists
             tmp = tempfile.TemporaryDirectory(dir=args.root)
             lrows, info = llamacpp_side(llama, lm, args.root / f"{name}.gguf", cut, calib_text, args.ctx, args.threads, Path(tmp.name), log,
-                                        args.imatrix_chunks)
+                                        args.imatrix_chunks, args.imatrix)
         ours = []
         for run in runs:
             r = workbench_runs(lm, baseline, calibration, [run], args.gptq_tokens, log)[0]
