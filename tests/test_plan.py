@@ -197,3 +197,14 @@ def test_a_rule_matching_no_layer_names_the_plan_file(tmp_path):
     with pytest.raises(PlanError, match=rf"plan file '{re.escape(str(p))}': rule 'no_such_layer' matches no layer"):
         plan.validate(["model.layers.0.mlp.down_proj"])
     assert plan == QuantPlan.from_json(p.read_text()) and "source_file" not in plan.to_dict()
+
+
+def test_full_range_round_trips_is_symmetric_only_and_absent_means_off():
+    plan = QuantPlan.uniform("int4", group_size=32, full_range=True)
+    assert QuantPlan.from_json(plan.to_json()) == plan and plan.to_dict()["full_range"] is True
+    assert "full_range" not in QuantPlan.uniform("int4").to_dict()
+    assert plan.quantizer_settings["full_range"] is True
+    with pytest.raises(PlanError, match="symmetric 16-level"):
+        QuantPlan.uniform("int4", symmetric=False, full_range=True)
+    with pytest.raises(PlanError, match="plan field 'full_range' must be true or false"):
+        QuantPlan.from_dict({**plan.to_dict(), "full_range": 1})

@@ -177,3 +177,14 @@ def test_a_killed_gptq_resumes_after_its_last_block(lm, tmp_path, monkeypatch, c
         assert torch.equal(qw.qweight, other.qweight) and torch.equal(qw.scales, other.scales), n
         assert qw.two_level == other.two_level == n.endswith("v_proj")
     assert not any((tmp_path / "b" / "gptq").iterdir())  # the checkpoint is gone once the codes are whole
+
+
+def test_full_range_gptq_uses_sixteen_levels_and_beats_full_range_rtn():
+    w, x, h = _layer(rows=32, cols=128, seed=4)
+    out_err = lambda qw: float((x @ (w - qw.dequantize()).T).square().sum())  # noqa: E731
+    g = gptq_quantize_weight(w, h, 4, 32, True, full_range=True, scale_search=True)
+    r = quantize_weight(w, 4, 32, True, full_range=True, scale_search=True)
+    assert int(g.qweight.min()) == -8 and int(g.qweight.max()) <= 7
+    assert out_err(g) < out_err(r)
+    with pytest.raises(PlanError, match="symmetric 16-level"):
+        gptq_quantize_weight(w, h, 4, 32, False, full_range=True)

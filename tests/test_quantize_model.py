@@ -135,3 +135,23 @@ def test_build_model_computes_the_quantized_weights_without_a_float_copy(lm):
     shared = dict(built.named_parameters())
     assert shared["model.norm.weight"] is source["model.norm.weight"]  # not copied
     assert not any(isinstance(m, QuantLinear) for m in lm.model.modules())  # the source is left as it was
+
+
+def test_rtn_weighs_the_scale_search_by_calibration_statistics(lm):
+    """With statistics given, each input column's error counts by its mean squared activation (rms^2)."""
+    from types import SimpleNamespace
+
+    from workbench.quantize.model import activation_importance
+    plan = QuantPlan.uniform("int4", group_size=32, scale_search=True, full_range=True)
+    name = next(i.name for i in lm.layers if i.kind != "embedding" and not i.tied_to)
+    w = dict(lm.model.named_modules())[name].weight.detach().float()
+    g = torch.Generator().manual_seed(0)
+    rms = torch.rand(w.shape[1], generator=g) ** 3 * 10
+    stats = SimpleNamespace(layers={name: SimpleNamespace(rms=rms)})
+    assert torch.equal(activation_importance(None, stats)[name], rms.square())
+    assert activation_importance(None, None) == {}
+    plain = quantize_model(lm, plan, progress=False).weights[name].dequantize()
+    weighted = quantize_model(lm, plan, stats=stats, progress=False).weights[name].dequantize()
+    werr = lambda wh: float(((w - wh).square() * rms.square()).sum())  # noqa: E731
+    assert werr(weighted) < werr(plain)
+    assert int(quantize_model(lm, plan, progress=False).weights[name].qweight.min()) == -8

@@ -125,3 +125,63 @@ def test_two_level_g32_beats_float16_scales_at_the_same_bytes():
 def test_two_level_scales_are_symmetric_only():
     with pytest.raises(PlanError, match="two-level scales .* are symmetric"):
         quantize_weight(_weights(), 4, 32, False, scale_bits=4)
+
+
+# -- the 16-level symmetric grid (llama.cpp's Q4_0 / Q5_0 rounding) -----------------------------------------------
+
+def test_full_range_codes_and_scale_on_hand_made_blocks():
+    # a block whose largest magnitude is negative: scale = -3.2 / -8 = 0.4, so -3.2 takes code -8
+    neg = torch.tensor([-3.2, 0.4, 0.8, 2.0, -0.2] + [0.0] * 27)
+    # a block whose largest magnitude is positive: scale = 4 / -8 = -0.5 (the sign kept), 4 -> code -8
+    pos = torch.tensor([4.0, -1.0, 0.5, 0.25, -3.5] + [0.0] * 27)
+    qw = quantize_weight(torch.stack([neg, pos]), 4, 32, True, full_range=True)
+    assert qw.scales[:, 0].tolist() == [pytest.approx(0.4, rel=1e-3), -0.5]
+    assert qw.qweight[0, :5].tolist() == [-8, 1, 2, 5, 0]  # -0.2 / 0.4 = -0.5 rounds half up to 0
+    assert qw.qweight[1, :5].tolist() == [-8, 2, -1, 0, 7]  # 0.25 / -0.5 = -0.5 -> 0; -3.5 / -0.5 = 7
+    assert int(qw.qweight.min()) >= -8 and int(qw.qweight.max()) <= 7
+    # 15 levels (the default grid) never reach -8 on these blocks
+    assert int(quantize_weight(torch.stack([neg, pos]), 4, 32, True).qweight.min()) > -8
+
+
+@pytest.mark.parametrize("kind,bits", [("Q4_0", 4), ("Q5_0", 5)])
+def test_full_range_equals_the_gguf_package_quantizer(kind, bits):
+    gguf = pytest.importorskip("gguf")
+    from gguf.quants import dequantize, quantize
+    from workbench.targets.gguf_file import pack_blocks
+    w = _weights(seed=3, out=24, inp=256)
+    w[0, :32] = 0.0  # an all-zero block: scale 0, as llama.cpp writes it
+    qtype = getattr(gguf.GGMLQuantizationType, kind)
+    ref = quantize(w.numpy(), qtype)
+    qw = quantize_weight(w, bits, 32, True, full_range=True)
+    assert pack_blocks(qw)[1].tobytes() == ref.tobytes()  # the same bytes, block for block
+    assert torch.equal(qw.dequantize(), torch.from_numpy(dequantize(ref, qtype)).reshape(w.shape))
+
+
+def test_full_range_beats_fifteen_levels_and_search_never_loses_to_reference():
+    w = _weights(seed=5, out=64, inp=256)
+    err = {name: float((w - quantize_weight(w, 4, 32, True, **kw).dequantize()).square().sum())
+           for name, kw in {"15": {}, "16": {"full_range": True},
+                            "16+search": {"full_range": True, "scale_search": True}}.items()}
+    assert err["16"] < err["15"]
+    assert err["16+search"] < err["16"]
+
+
+def test_importance_weighting_lowers_the_weighted_error():
+    w = _weights(seed=7, out=64, inp=256)
+    g = torch.Generator().manual_seed(8)
+    imp = torch.rand(256, generator=g) ** 4 * 100  # a few columns matter far more, as activations do
+    for kw in ({"full_range": True}, {}):
+        plain = quantize_weight(w, 4, 32, True, scale_search=True, **kw).dequantize()
+        weighted = quantize_weight(w, 4, 32, True, scale_search=True, importance=imp, **kw).dequantize()
+        werr = lambda wh: float(((w - wh).square() * imp).sum())  # noqa: E731
+        assert werr(weighted) < werr(plain)
+    with pytest.raises(PlanError, match="one weight per input column"):
+        quantize_weight(w, 4, 32, True, scale_search=True, importance=imp[:10])
+
+
+def test_full_range_refuses_asymmetric_and_two_level():
+    w = _weights()
+    with pytest.raises(PlanError, match="symmetric 16-level"):
+        quantize_weight(w, 4, 32, False, full_range=True)
+    with pytest.raises(PlanError, match="two-level"):
+        quantize_weight(w, 4, 32, True, full_range=True, scale_bits=4)

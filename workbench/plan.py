@@ -35,7 +35,7 @@ SCALE_BYTES = 2  # one fp16 scale per group (per output channel when per-channel
 # it off, and means off
 DEFAULT_SCALE_SEARCH = True
 # the plan fields besides precision and method that decide how a layer is rounded: equal settings, equal codes
-QUANTIZER_SETTINGS = ("group_size", "symmetric", "scale_search")
+QUANTIZER_SETTINGS = ("group_size", "symmetric", "scale_search", "full_range")
 
 
 @dataclass(frozen=True)
@@ -190,6 +190,7 @@ _FIELD_TYPES = {
     "group_size": ((int, type(None)), "an integer or null (per-channel)"),
     "symmetric": ((bool,), "true or false"),
     "scale_search": ((bool,), "true or false"),
+    "full_range": ((bool,), "true or false"),
     "method": ((str,), "a method name such as \"rtn\" or \"awq\""),
     "rules": ((list,), "a list of {\"pattern\": ..., \"precision\": ...} objects"),
     "meta": ((Mapping,), "an object"),
@@ -225,9 +226,15 @@ class QuantPlan:
     meta: Mapping[str, object] = field(default_factory=dict, compare=False)
     # each group's range searched for the least error instead of min/max (RTN, GPTQ, AWQ's unclipped layers)
     scale_search: bool = DEFAULT_SCALE_SEARCH
+    # symmetric codes over all 2^b levels (16 at 4 bits), each group's scale its largest-magnitude weight over
+    # -2^(b-1) with its sign, as llama.cpp's Q4_0 / Q5_0 (quantize/rtn.py); two-level precisions keep their grid
+    full_range: bool = False
 
     def __post_init__(self):
         get_precision(self.default)
+        if self.full_range and not self.symmetric:
+            raise PlanError("full_range is the symmetric 16-level grid (llama.cpp's Q4_0); an asymmetric plan already "
+                            "uses every level: set symmetric=true or full_range=false")
         if self.group_size is not None and (not isinstance(self.group_size, int) or self.group_size <= 0):
             raise PlanError(f"group_size must be a positive integer or null (per-channel), got {self.group_size!r}")
         if self.version > PLAN_VERSION:
@@ -298,13 +305,15 @@ class QuantPlan:
                 "symmetric": self.symmetric, "method": self.method,
                 "rules": [{"pattern": r.pattern, "precision": r.precision} for r in self.rules],
                 **({"scale_search": True} if self.scale_search else {}),
+                **({"full_range": True} if self.full_range else {}),
                 **({"meta": dict(self.meta)} if self.meta else {})}
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "QuantPlan":
         if not isinstance(d, Mapping):
             raise PlanError("a plan must be a JSON object with 'version', 'default' and 'rules'")
-        known = {"version", "default", "group_size", "symmetric", "method", "rules", "meta", "scale_search"}
+        known = {"version", "default", "group_size", "symmetric", "method", "rules", "meta", "scale_search",
+                 "full_range"}
         unknown = set(d) - known
         if unknown:
             raise PlanError(f"unknown plan field(s) {sorted(unknown)}; allowed: {sorted(known)}")
@@ -337,7 +346,7 @@ class QuantPlan:
         return cls(default=d.get("default", "int8"), rules=tuple(parsed),
                    group_size=d.get("group_size", DEFAULT_GROUP_SIZE), symmetric=d.get("symmetric", True),
                    method=d.get("method", "rtn"), version=d["version"], meta=d.get("meta", {}),
-                   scale_search=d.get("scale_search", False))
+                   scale_search=d.get("scale_search", False), full_range=d.get("full_range", False))
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)

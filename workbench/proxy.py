@@ -249,7 +249,7 @@ def _block_pass(block: nn.Module, index: int, linears: dict[str, nn.Linear],
 def proxy_scores(lm: LoadedModel, ids: torch.Tensor, precisions: Sequence[str] = ("int8", "int4"), *,
                  group_size: int | None = DEFAULT_GROUP_SIZE, symmetric: bool = True,
                  scale_search: bool = DEFAULT_SCALE_SEARCH, ctx: int | None = None, samples: int = 1,
-                 seed: int = PROXY_SEED, progress: bool = True) -> ProxyScores:
+                 seed: int = PROXY_SEED, progress: bool = True, full_range: bool = False) -> ProxyScores:
     """Estimated KL of every quantizable layer alone at each precision, from one forward and one backward pass.
 
     ``samples`` label sets are drawn per position for the blocks' Fisher (more: less noise, one
@@ -259,7 +259,8 @@ def proxy_scores(lm: LoadedModel, ids: torch.Tensor, precisions: Sequence[str] =
 
     from .quantize import layer_quantizer
     t0 = time.perf_counter()
-    settings = QuantPlan(default=None, group_size=group_size, symmetric=symmetric, scale_search=scale_search)
+    settings = QuantPlan(default=None, group_size=group_size, symmetric=symmetric, scale_search=scale_search,
+                         full_range=full_range)
     for p in precisions:  # a float or unsupported precision fails here, before the passes
         if layer_quantizer(settings, p, (1, 1)) is None:
             raise PlanError(f"the proxy scores integer precisions, not '{p}'")

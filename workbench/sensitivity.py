@@ -108,10 +108,11 @@ class LayerVariants:
 
     def __init__(self, lm: LoadedModel, *, group_size: int | None = DEFAULT_GROUP_SIZE, symmetric: bool = True,
                  scale_search: bool = DEFAULT_SCALE_SEARCH, weights: Mapping[str, Mapping[str, object]] | None = None,
-                 cache_bytes: int | None = None):
+                 cache_bytes: int | None = None, full_range: bool = False):
         self.lm = lm
         # a plan holding only the rounding settings: what ``layer_quantizer`` reads
-        self.settings = QuantPlan(default=None, group_size=group_size, symmetric=symmetric, scale_search=scale_search)
+        self.settings = QuantPlan(default=None, group_size=group_size, symmetric=symmetric, scale_search=scale_search,
+                                  full_range=full_range)
         self.cache_bytes = _stored_bytes(lm.model) if cache_bytes is None else int(cache_bytes)
         self._names = [info.name for info in lm.layers]
         self._given: dict[tuple[str, str], object] = {}  # weights of an earlier quantize step, reused as they are
@@ -131,6 +132,10 @@ class LayerVariants:
     @property
     def scale_search(self) -> bool:
         return self.settings.scale_search
+
+    @property
+    def full_range(self) -> bool:
+        return self.settings.full_range
 
     @classmethod
     def for_plan(cls, lm: LoadedModel, plan: QuantPlan) -> "LayerVariants":
@@ -490,6 +495,7 @@ class SensitivityReport:
     score: str = "kl"  # "kl": measured per trial; "proxy": estimated in one pass (workbench.proxy)
     score_reason: str = ""
     scale_search: bool = False  # layers rounded with the scale search; reports from before it existed: off
+    full_range: bool = False  # layers rounded on the 16-level symmetric grid; reports from before it existed: off
 
     @property
     def quantizer_settings(self) -> dict[str, object]:
@@ -527,7 +533,8 @@ class SensitivityReport:
                 "group_size": self.group_size, "symmetric": self.symmetric, "scale_search": self.scale_search,
                 "reference_perplexity": self.reference_perplexity, "seconds": self.seconds,
                 "trials_run": self.trials_run, "score": self.score, "score_reason": self.score_reason,
-                "metric": METRICS[self.score], "layers": [layer.to_dict() for layer in self.layers]}
+                "metric": METRICS[self.score], "layers": [layer.to_dict() for layer in self.layers],
+                **({"full_range": True} if self.full_range else {})}
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "SensitivityReport":
@@ -536,7 +543,7 @@ class SensitivityReport:
                        bool(d["symmetric"]), float(d["reference_perplexity"]),
                        [LayerSensitivity.from_dict(x) for x in d["layers"]], float(d.get("seconds", 0.0)),
                        int(d.get("trials_run", 0)), str(d.get("score", "kl")), str(d.get("score_reason", "")),
-                       bool(d.get("scale_search", False)))
+                       bool(d.get("scale_search", False)), bool(d.get("full_range", False)))
         except (KeyError, TypeError, ValueError) as e:
             raise WorkspaceError(f"sensitivity report is malformed (field {e}); delete it and sweep again") from None
 
@@ -641,6 +648,7 @@ def run_sensitivity(lm: LoadedModel, *, ids: torch.Tensor | None = None, text_pa
                     tokens: int = DEFAULT_SWEEP_TOKENS, precisions: Sequence[str] | None = None,
                     group_size: int | None = DEFAULT_GROUP_SIZE, symmetric: bool = True,
                     scale_search: bool = DEFAULT_SCALE_SEARCH, ctx: int | None = None, layers: Iterable[str] | None = None, evaluator: PlanEvaluator | None = None,
+                    full_range: bool = False,
                     score: str = "auto", workspace: Workspace | None = None, force: bool = False,
                     progress: bool = True, on_trial: Callable[[str, str, dict], None] | None = None
                     ) -> SensitivityReport:
@@ -674,7 +682,8 @@ def run_sensitivity(lm: LoadedModel, *, ids: torch.Tensor | None = None, text_pa
         # a sweep uses each layer's codes once: keep none of them
         evaluator = PlanEvaluator(lm, ids, ctx=ctx, progress=progress,
                                   variants=LayerVariants(lm, group_size=group_size, symmetric=symmetric,
-                                                         scale_search=scale_search, cache_bytes=0))
+                                                         scale_search=scale_search, cache_bytes=0,
+                                                         full_range=full_range))
     variants = evaluator.variants
     names = list(layers) if layers is not None else [info.name for info in lm.layers]
     unknown = [n for n in names if n not in {info.name for info in lm.layers}]
@@ -689,6 +698,8 @@ def run_sensitivity(lm: LoadedModel, *, ids: torch.Tensor | None = None, text_pa
         inputs.update(score="proxy", proxy=PROXY_VERSION)
     if variants.scale_search:  # sweeps without it keep their keys; one with it never reads one made without
         inputs["scale_search"] = True
+    if variants.full_range:
+        inputs["full_range"] = True
 
     def measure(progress_path: Path | None) -> tuple[dict, float, int, float]:
         if score == "proxy":
@@ -701,7 +712,8 @@ def run_sensitivity(lm: LoadedModel, *, ids: torch.Tensor | None = None, text_pa
             out.append(LayerSensitivity(info.name, info.block, info.role, tuple(info.shape), info.parameters,
                                         info.tied_to, {p: trials[_trial_key(info.name, p)] for p in precisions}))
         return SensitivityReport(str(lm.name), precisions, int(len(evaluator.ids)), evaluator.ctx, variants.group_size,
-                                 variants.symmetric, ref_ppl, out, seconds, ran, score, reason, variants.scale_search)
+                                 variants.symmetric, ref_ppl, out, seconds, ran, score, reason, variants.scale_search,
+                                 variants.full_range)
 
     if workspace is None:
         return build(*measure(None))

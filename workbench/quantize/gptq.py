@@ -41,8 +41,8 @@ from ..errors import PlanError
 from ..memory import release_freed_memory
 from .awq import capture_block_inputs, run_block, token_chunks, find_decoder_blocks
 from .qtensor import QuantizedWeight, SubScales, code_range, group_channel_scales
-from .rtn import (group_weights, quantize_groups, channel_scales_for, check_two_level, dequantize_codes, round_codes,
-                  two_level_groups)
+from .rtn import (group_weights, quantize_groups, channel_scales_for, check_full_range, check_two_level, dequantize_codes,
+                  round_codes, two_level_groups)
 
 __all__ = ["gptq_quantize_weight", "search_gptq", "DEFAULT_DAMP", "DEFAULT_BLOCK_COLUMNS", "default_gptq_tokens"]
 
@@ -61,7 +61,7 @@ def default_gptq_tokens(model: nn.Module) -> int:
 
 
 def _group_params(w: torch.Tensor, bits: int, symmetric: bool, scale_search: bool, importance: torch.Tensor,
-                  channel: torch.Tensor | None = None, scale_bits: int | None = None):
+                  channel: torch.Tensor | None = None, scale_bits: int | None = None, full_range: bool = False):
     """Scales, zeros (or None) and sub-scales (two-level, else None) of the columns ``w`` ``[out, g]`` taken as
     one group, by the RTN rule (and search); two-level under the fixed row scales ``channel``."""
     if scale_bits is not None:
@@ -69,7 +69,7 @@ def _group_params(w: torch.Tensor, bits: int, symmetric: bool, scale_search: boo
                                       importance=importance[None, :], channel_scales=channel)
         return sub[:, 0] * channel, None, sub[:, 0]
     _q, scales, zeros = quantize_groups(w[:, None, :], bits, symmetric, None, scale_search=scale_search,
-                                         importance=importance[None, :])
+                                        importance=importance[None, :], full_range=full_range)
     return scales[:, 0], None if zeros is None else zeros[:, 0], None
 
 
@@ -93,11 +93,12 @@ def _inverse_factor(h: torch.Tensor, damp: float) -> torch.Tensor:
 def gptq_quantize_weight(w: torch.Tensor, h: torch.Tensor, bits: int, group_size: int | None = 128,
                          symmetric: bool = True, *, damp: float = DEFAULT_DAMP, act_order: bool = False,
                          block_columns: int = DEFAULT_BLOCK_COLUMNS, scale_search: bool = False,
-                         scale_bits: int | None = None) -> QuantizedWeight:
+                         scale_bits: int | None = None, full_range: bool = False) -> QuantizedWeight:
     """Quantize ``w`` ``[out, in]`` minimising ``tr((W - Q) H (W - Q)^T)`` column by column (``H`` = ``X^T X``).
 
     ``scale_search``: each group's range from the RTN scale search, its error weighted by ``diag(H)``.
-    ``scale_bits``: two-level scales (symmetric), as ``quantize_weight``.
+    ``scale_bits``: two-level scales (symmetric), as ``quantize_weight``. ``full_range``: the 16-level grid
+    (llama.cpp's Q4_0 scale rule, as ``quantize_weight``); columns are rounded at the stored float16 scale.
     """
     if w.dim() != 2 or h.shape != (w.shape[1], w.shape[1]):
         raise PlanError(f"GPTQ needs a 2-D weight and its [in, in] input covariance, got {tuple(w.shape)} and "
@@ -105,6 +106,9 @@ def gptq_quantize_weight(w: torch.Tensor, h: torch.Tensor, bits: int, group_size
     out, cols = w.shape
     group_weights(w, group_size)  # the same divisibility error as RTN
     check_two_level(scale_bits, symmetric)
+    check_full_range(full_range, symmetric)
+    if full_range and scale_bits is not None:
+        raise PlanError("full_range applies to float16 group scales; two-level precisions keep their own grid")
     g = group_size or cols
     lo, hi = code_range(bits, symmetric)
     w = w.detach().to(torch.float32).clone()
@@ -125,7 +129,7 @@ def gptq_quantize_weight(w: torch.Tensor, h: torch.Tensor, bits: int, group_size
     if act_order:  # static groups: every group's range from the original weights, before any correction
         for k in range(n_groups):
             s, z, sub = _group_params(w[:, k * g:(k + 1) * g], bits, symmetric, scale_search,
-                                      energy[k * g:(k + 1) * g], _column(group_ch, k), scale_bits)
+                                      energy[k * g:(k + 1) * g], _column(group_ch, k), scale_bits, full_range)
             scales[:, k] = s
             if zeros is not None:
                 zeros[:, k] = z
@@ -147,7 +151,8 @@ def gptq_quantize_weight(w: torch.Tensor, h: torch.Tensor, bits: int, group_size
             k = col // g
             if perm is None and col % g == 0:  # a group starts: its range from the corrected weights
                 s, z, sub = _group_params(torch.cat([w1[:, i:], w[:, b:]], dim=1)[:, :g], bits, symmetric,
-                                          scale_search, energy[col:col + g], _column(group_ch, k), scale_bits)
+                                          scale_search, energy[col:col + g], _column(group_ch, k), scale_bits,
+                                          full_range)
                 scales[:, k] = s
                 if zeros is not None:
                     zeros[:, k] = z
@@ -194,7 +199,7 @@ def _covariance_hook(h: torch.Tensor, count: list[int]):
 @torch.no_grad()
 def search_gptq(model: nn.Module, samples: list[torch.Tensor], spec: dict[str, tuple[int, int | None, bool]], *,
                 max_tokens: int = DEFAULT_GPTQ_TOKENS, damp: float = DEFAULT_DAMP, act_order: bool = False,
-                chunk_tokens: int = 4096, scale_search: bool = False, progress: bool = True,
+                chunk_tokens: int = 4096, scale_search: bool = False, progress: bool = True, full_range: bool = False,
                 block_params: Callable[[str], dict[str, torch.Tensor]] | None = None,
                 scale_bits: dict[str, int] | None = None, checkpoint=None) -> dict:
     """GPTQ of every layer in ``spec`` that sits in a decoder block; ``{"weights": {fqn: QuantizedWeight}, ...}``.
@@ -244,6 +249,7 @@ def search_gptq(model: nn.Module, samples: list[torch.Tensor], spec: dict[str, t
                 bits, gs, sym = spec[n]
                 qw = gptq_quantize_weight(m.weight.detach().float().cpu(), covs.pop(n).cpu() / max(counts[n][0], 1),
                                           bits, gs, sym, damp=damp, act_order=act_order, scale_search=scale_search,
+                                          full_range=full_range and not (scale_bits or {}).get(n),
                                           scale_bits=(scale_bits or {}).get(n))
                 weights[n] = qw
                 deq[f"{n}.weight"] = qw.dequantize()
@@ -254,7 +260,7 @@ def search_gptq(model: nn.Module, samples: list[torch.Tensor], spec: dict[str, t
             _save_checkpoint(checkpoint, weights, names, i + 1, len(blocks), tokens)
         release_freed_memory()
     return {"method": "gptq", "weights": weights, "tokens": tokens, "damp": damp, "act_order": act_order,
-            "scale_search": scale_search, "seconds": time.perf_counter() - t0, "resumed_after_block": done}
+            "scale_search": scale_search, "full_range": full_range, "seconds": time.perf_counter() - t0, "resumed_after_block": done}
 
 
 def _forward_block(blk: nn.Module, units, chunks) -> None:

@@ -26,7 +26,7 @@ from .qtensor import SUPPORTED_BITS, QuantizedWeight, SubScales
 from .rtn import quantize_weight
 from .storage import layer_storage, save_quantized
 
-__all__ = ["LayerQuantReport", "QuantizedModel", "quantize_model", "resolve_group_size", "METHODS",
+__all__ = ["LayerQuantReport", "QuantizedModel", "quantize_model", "resolve_group_size", "METHODS", "activation_importance",
            "CALIBRATED_METHODS", "bits_per_weight", "LayerQuantizer", "layer_quantizer"]
 
 METHODS = ("rtn", "awq", "gptq", "awq+gptq")
@@ -74,12 +74,16 @@ class LayerQuantizer:
     scale_bits: "int | SubScales | None" = None  # two-level sub-scale layout; None: a float16 scale per group
     scale_search: bool = False
     fallback: str | None = None  # why ``group_size`` differs from the plan's
+    full_range: bool = False  # the 16-level symmetric grid (float16 group scales only)
 
-    def quantize(self, w: torch.Tensor, *, clip_max: torch.Tensor | None = None) -> QuantizedWeight:
-        """RTN of ``w`` (``[out, in]``); AWQ's ``clip_max`` replaces the scale search (its clips set the ranges)."""
+    def quantize(self, w: torch.Tensor, *, clip_max: torch.Tensor | None = None,
+                 importance: torch.Tensor | None = None) -> QuantizedWeight:
+        """RTN of ``w`` (``[out, in]``); AWQ's ``clip_max`` replaces the scale search (its clips set the ranges).
+        ``importance`` (``[in]``, mean squared input per column) weighs the scale search's error."""
         return quantize_weight(w.detach().to(torch.float32), self.bits, self.group_size, self.symmetric,
                                clip_max=clip_max, scale_search=self.scale_search and clip_max is None,
-                               scale_bits=self.scale_bits)
+                               scale_bits=self.scale_bits, full_range=self.full_range,
+                               importance=importance if self.scale_search and clip_max is None else None)
 
 
 def layer_quantizer(plan: QuantPlan, precision, shape: tuple[int, int], *, name: str | None = None,
@@ -107,7 +111,8 @@ def layer_quantizer(plan: QuantPlan, precision, shape: tuple[int, int], *, name:
     if note and strict:
         raise PlanError(f"{where}{note} (strict mode); choose a group size that divides "
                         f"{shape[1]} or drop --strict to allow the fallback")
-    return LayerQuantizer(prec.bits, gs, plan.symmetric, prec.sub_scales, plan.scale_search, note)
+    return LayerQuantizer(prec.bits, gs, plan.symmetric, prec.sub_scales, plan.scale_search, note,
+                          plan.full_range and not prec.two_level)
 
 
 def bits_per_weight(layers, precisions: Mapping[str, str | None], group_size: int | None = None,
@@ -325,6 +330,18 @@ def _samples_and_stats(calibration, stats):
     return list(samples), mean_abs
 
 
+def activation_importance(calibration, stats) -> dict[str, torch.Tensor]:
+    """Per layer, each input column's mean squared activation over the calibration set (``rms^2`` from
+    ``CalibrationStats``, given as ``stats`` or in a ``(set, stats)`` pair): what llama.cpp's importance
+    matrix holds, and what the scale search weighs each column's rounding error by. Empty without stats."""
+    if isinstance(calibration, tuple) and len(calibration) == 2 and hasattr(calibration[1], "layers"):
+        stats = stats or calibration[1]
+    if stats is None:
+        return {}
+    return {name: st.rms.float().square() for name, st in stats.layers.items()
+            if getattr(st, "rms", None) is not None}
+
+
 def _samples_key(samples) -> str:
     """A short hash of calibration token ids, for workspace keys."""
     import hashlib
@@ -451,12 +468,14 @@ def quantize_model(lm, plan: QuantPlan, *, calibration=None, method: str | None 
         settings = {"tokens": gptq_tokens or default_gptq_tokens(model), "act_order": act_order,
                     "checkpoint_version": 1,
                     "scale_search": plan.scale_search,
+                    **({"full_range": True} if plan.full_range else {}),
                     "scale_bits": {n: list(astuple(v)) if v.top or v.super_block else v.bits
                                    for n, v in sorted(scale_bits.items())}}
         checkpoint = _gptq_checkpoint(workspace, model, samples, spec, settings,
                                       awq_search if method == "awq+gptq" else None)
         gptq_result = search_gptq(model, samples, spec, max_tokens=settings["tokens"], act_order=act_order,
                                   scale_search=plan.scale_search, progress=progress, block_params=folded,
+                                  full_range=plan.full_range,
                                   scale_bits=scale_bits, checkpoint=checkpoint)
         if checkpoint is not None:
             import shutil
@@ -470,6 +489,8 @@ def quantize_model(lm, plan: QuantPlan, *, calibration=None, method: str | None 
             float_overrides.update(fold_awq_scales(model, {"groups": unfolded.pop(block)}))
 
     params = dict(model.named_parameters(remove_duplicate=False))
+    # layers rounded to nearest on unscaled weights weigh each input's error by its mean square (AWQ's are rescaled)
+    importance = activation_importance(calibration, stats) if method in ("rtn", "gptq") else {}
     weights: dict[str, QuantizedWeight] = {}
     for r in tqdm(reports, desc="quantize", unit="layer", disable=not progress, leave=False):
         if r.name not in spec:
@@ -482,7 +503,8 @@ def quantize_model(lm, plan: QuantPlan, *, calibration=None, method: str | None 
         w = float_overrides.pop(key) if key in float_overrides else params[key].detach().float()
         qw = gptq_weights.pop(r.name, None)
         if qw is None:
-            qw = quantizers[r.name].quantize(w, clip_max=clips[r.name].to(w.device) if r.name in clips else None)
+            qw = quantizers[r.name].quantize(w, clip_max=clips[r.name].to(w.device) if r.name in clips else None,
+                                             importance=importance.get(r.name))
         qw = qw.to(w.device)
         r.weight_error = float((w - qw.dequantize()).norm() / w.norm().clamp_min(1e-12))
         weights[r.name] = qw.to("cpu")  # codes are kept and saved on the CPU; build_model moves them back

@@ -14,6 +14,16 @@ rounding error of the bulk shrinks more than the clipping error of the few large
 as llama.cpp's k-quant search and GPTQModel's MSE option find. Ratio 1.0 is in the grid, so the
 chosen range never does worse than min/max on that objective.
 
+Full range (``full_range``, symmetric): the codes use every level of ``[-2^(b-1), 2^(b-1)-1]`` (16 at
+4 bits, where max/min gives 15): each group's scale is its largest-magnitude weight over ``-2^(b-1)``,
+keeping that weight's sign, so it lands on the extra code exactly, as llama.cpp's Q4_0 / Q5_0
+reference rounding does (``floor(w / scale + 1/2)``, in float32, the scale rounded to float16 only for
+storage: the codes are Q4_0's own, bit for bit). On a trained model this beats the 15-level grid:
+one more level per group for the same bits. With ``scale_search`` each shrunk range also tries its
+least-squares scale for the codes it gave (``sum(i w q) / sum(i q^2)``, ``i`` the importance), as
+llama.cpp's imatrix rounding does; ratio 1.0 stays a candidate, so the search is never worse than
+Q4_0's rounding on the (weighted) error it minimises.
+
 Two-level scales (``scale_bits``, symmetric; an int width or a ``SubScales`` layout): each row (or
 super-block of a row) gets one float16 scale ``c`` (its largest group scale over the largest
 sub-scale, rounded up to float16) and each group the integer sub-scale ``ceil(s / c)`` in
@@ -28,7 +38,7 @@ from ..errors import PlanError
 from .qtensor import QuantizedWeight, SubScales, code_range, group_channel_scales
 
 __all__ = ["quantize_weight", "fake_quantize", "two_level_groups", "channel_scales_for", "round_codes",
-           "dequantize_codes"]
+           "dequantize_codes", "full_range_scales", "least_squares_scales", "check_full_range"]
 
 _TINY = 2.0 ** -24  # smallest float16 step: an all-zero group gets this scale, never a division by zero
 SEARCH_RATIOS = tuple(1.0 - 0.05 * i for i in range(11))
@@ -109,34 +119,66 @@ def two_level_groups(wg: torch.Tensor, bits: int, scale_bits: "int | SubScales",
 
 
 def quantize_groups(wg: torch.Tensor, bits: int, symmetric: bool, clip_max: torch.Tensor | None, *,
-                    scale_search: bool = False, importance: torch.Tensor | None = None):
+                    scale_search: bool = False, importance: torch.Tensor | None = None, full_range: bool = False):
     """Codes (float, integral), scales and zeros for grouped weights ``[out, n_groups, g]``.
 
     ``importance`` (``[n_groups, g]``, per input column) weighs the error the scale search minimises.
+    ``full_range`` (symmetric only): the 16-level grid of llama.cpp's Q4_0 (module docstring).
     """
+    check_full_range(full_range, symmetric)
     wg = _clipped(wg, clip_max)
     if not scale_search:
-        return _round_groups(wg, bits, symmetric, 1.0)
+        return _round_groups(wg, bits, symmetric, 1.0, full_range)
     best, best_err = None, None
     for ratio in SEARCH_RATIOS:
-        q, scales, zeros = _round_groups(wg, bits, symmetric, ratio)
-        err = (wg - _dequantize_groups(q, scales, zeros)).square_()
-        err = (err if importance is None else err * importance).sum(-1)
-        if best is None:
-            best, best_err = [q, scales, zeros], err
-            continue
-        better = err < best_err
-        best_err = torch.where(better, err, best_err)
-        best[0] = torch.where(better[..., None], q, best[0])
-        best[1] = torch.where(better, scales, best[1])
-        if zeros is not None:
-            best[2] = torch.where(better, zeros, best[2])
+        q, scales, zeros = _round_groups(wg, bits, symmetric, ratio, full_range)
+        candidates = [(q, scales)]
+        if full_range:
+            candidates.append((q, least_squares_scales(wg, q, importance)))
+        for q, scales in candidates:
+            err = (wg - _dequantize_groups(q, scales, zeros)).square_()
+            err = (err if importance is None else err * importance).sum(-1)
+            if best is None:
+                best, best_err = [q, scales, zeros], err
+                continue
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best[0] = torch.where(better[..., None], q, best[0])
+            best[1] = torch.where(better, scales, best[1])
+            if zeros is not None:
+                best[2] = torch.where(better, zeros, best[2])
     return tuple(best)
 
 
-def _round_groups(wg: torch.Tensor, bits: int, symmetric: bool, ratio: float):
+def least_squares_scales(wg: torch.Tensor, q: torch.Tensor, importance: torch.Tensor | None = None) -> torch.Tensor:
+    """Each group's float16 scale that minimises ``sum(i (w - s q)^2)`` for its codes ``q``: ``sum(i w q) /
+    sum(i q^2)`` (``i`` the per-column importance, 1 when None); a group of all-zero codes keeps scale 0."""
+    iq = q if importance is None else q * importance
+    num, den = (iq * wg).sum(-1), (iq * q).sum(-1)
+    return torch.where(den > 0, num / den.clamp_min(1e-30), torch.zeros_like(num)).half().float()
+
+
+def full_range_scales(wg: torch.Tensor, bits: int, ratio: float = 1.0) -> torch.Tensor:
+    """Each group's largest-magnitude weight (sign kept, shrunk by ``ratio``) over ``-2^(b-1)``, in float32:
+    the scale llama.cpp's Q4_0 / Q5_0 rounding divides by (stored rounded to float16)."""
+    top = wg.abs().argmax(-1, keepdim=True)
+    return (wg.gather(-1, top)[..., 0] * ratio) / float(code_range(bits, True)[0])
+
+
+def check_full_range(full_range: bool, symmetric: bool) -> None:
+    if full_range and not symmetric:
+        raise PlanError("full_range is the symmetric 16-level grid (llama.cpp's Q4_0); an asymmetric plan already "
+                        "uses every level: drop full_range or plan with symmetric=true")
+
+
+def _round_groups(wg: torch.Tensor, bits: int, symmetric: bool, ratio: float, full_range: bool = False):
     """Round-to-nearest with each group's range shrunk by ``ratio`` (1.0: the min/max range)."""
     lo, hi = code_range(bits, symmetric)
+    if full_range:  # llama.cpp's reference: codes from the float32 scale, trunc(w / d + 2^(b-1) + 1/2), float32
+        d = full_range_scales(wg, bits, ratio)
+        inv = torch.where(d == 0, torch.zeros_like(d), 1.0 / d)[..., None]
+        q = torch.floor(wg * inv + (float(-lo) + 0.5)).clamp_(0, hi - lo) + lo
+        return q, d.half().float(), None
     if symmetric:
         scales = _fp16_ceil(wg.abs().amax(-1) * ratio / hi)
         return round_codes(wg, scales[..., None], None, lo, hi), scales, None
@@ -170,11 +212,14 @@ def check_two_level(scale_bits: "int | SubScales | None", symmetric: bool) -> No
 
 def quantize_weight(w: torch.Tensor, bits: int, group_size: int | None = 128, symmetric: bool = True, *,
                     clip_max: torch.Tensor | None = None, scale_search: bool = False,
-                    scale_bits: "int | SubScales | None" = None) -> QuantizedWeight:
+                    scale_bits: "int | SubScales | None" = None, full_range: bool = False,
+                    importance: torch.Tensor | None = None) -> QuantizedWeight:
     """Round-to-nearest quantization of a 2-D weight ``[out, in]`` (computed in float32).
 
     ``scale_bits``: two-level scales with integer sub-scales of that width, or that ``SubScales``
-    layout (symmetric only).
+    layout (symmetric only). ``full_range``: the 16-level grid (symmetric, float16 group scales).
+    ``importance``: ``[in]`` weights of each input column's squared error in the scale search (the
+    mean squared activation of that input over a calibration set, as llama.cpp's imatrix).
     """
     if w.dim() != 2:
         raise PlanError(f"only 2-D weights can be quantized, got shape {tuple(w.shape)}")
@@ -184,22 +229,32 @@ def quantize_weight(w: torch.Tensor, bits: int, group_size: int | None = 128, sy
     w = w.detach().to(torch.float32)
     out, inp = w.shape
     wg = group_weights(w, group_size)
+    if importance is not None:
+        if importance.shape != (inp,):
+            raise PlanError(f"importance must hold one weight per input column ({inp}), got shape "
+                            f"{tuple(importance.shape)}")
+        importance = importance.detach().to(torch.float32).to(w.device).reshape(wg.shape[1:])
     if scale_bits is not None:
-        q, sub, ch = two_level_groups(_clipped(wg, clip_max), bits, scale_bits, scale_search=scale_search)
+        if full_range:
+            raise PlanError("full_range applies to float16 group scales; two-level precisions keep their own grid")
+        q, sub, ch = two_level_groups(_clipped(wg, clip_max), bits, scale_bits, scale_search=scale_search,
+                                      importance=importance)
         return QuantizedWeight.two_level_weight(q.reshape(out, inp).to(torch.int8), sub.to(torch.uint8), ch, bits,
                                                 group_size, SubScales.of(scale_bits))
-    q, scales, zeros = quantize_groups(wg, bits, symmetric, clip_max, scale_search=scale_search)
+    q, scales, zeros = quantize_groups(wg, bits, symmetric, clip_max, scale_search=scale_search,
+                                       importance=importance, full_range=full_range)
     qdtype = torch.int8 if symmetric else torch.uint8
     return QuantizedWeight(q.reshape(out, inp).to(qdtype), scales.contiguous(),
                            None if zeros is None else zeros.to(torch.uint8), bits, group_size)
 
 
 def fake_quantize(w: torch.Tensor, bits: int, group_size: int | None, symmetric: bool,
-                  clip_max: torch.Tensor | None = None, scale_bits: "int | SubScales | None" = None) -> torch.Tensor:
+                  clip_max: torch.Tensor | None = None, scale_bits: "int | SubScales | None" = None,
+                  full_range: bool = False) -> torch.Tensor:
     """``quantize_weight(...).dequantize()`` without building the container (used inside searches)."""
     wg = group_weights(w.to(torch.float32), group_size)
     if scale_bits is not None:
         check_two_level(scale_bits, symmetric)
         q, sub, ch = two_level_groups(_clipped(wg, clip_max), bits, scale_bits)
         return dequantize_codes(q, (sub * group_channel_scales(ch, sub.shape[1]))[..., None], None).reshape(w.shape)
-    return _dequantize_groups(*quantize_groups(wg, bits, symmetric, clip_max)).reshape(w.shape)
+    return _dequantize_groups(*quantize_groups(wg, bits, symmetric, clip_max, full_range=full_range)).reshape(w.shape)
