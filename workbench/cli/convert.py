@@ -72,8 +72,17 @@ def run(args) -> int:
         print(f"{'simulation':<24} {s['kl_divergence']:>10.5f} {s['top1_agreement']:>15.4f} {s['perplexity']:>11.3f}")
         print(f"{args.target:<24} {report.kl_divergence:>10.5f} {report.top1_agreement:>15.4f} "
               f"{report.perplexity:>11.3f}")
+        d = report.decode
+        if d:
+            print(f"{args.target + ' decode':<24} {d['kl_divergence']:>10.5f} {d['top1_agreement']:>15.4f} "
+                  f"{d['perplexity']:>11.3f}")
         print(f"top-1 agreement with the simulation: {report.top1_agreement_vs_simulation:.4f} "
               f"({report.eval_tokens:,} tokens, ctx {report.ctx}; measured on {report.measured_on})")
+        if d:
+            print(f"decode, teacher-forced after a {d['prompt']}-token prompt, every step ({d['tokens']:,} steps in "
+                  f"{d['windows']} windows): top-1 with the simulation {d['top1_agreement_vs_simulation']:.4f}; "
+                  f"the prefill graph on the same positions: KL {d['prefill_kl_divergence']:.5f}, top-1 "
+                  f"{d['prefill_top1_agreement']:.4f} (measured on {d['measured_on']})")
         if report.gap:
             print(f"GAP: {report.gap}")
     stages = ", ".join(f"{name.replace('_', ' ')} {sec:.1f}" for name, sec in report.details.get("seconds", {}).items())
