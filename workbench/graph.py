@@ -333,8 +333,9 @@ class OnnxCausalLM:
 
     def __init__(self, prefill_path: str | Path, decode_path: str | Path | None = None, *,
                  providers: Sequence[str] = ("CPUExecutionProvider",), threads: int | None = None,
-                 accuracy_level: int | None = None):
+                 accuracy_level: int | None = None, session_options: Callable | None = None):
         self.providers, self.threads, self.accuracy_level = list(providers), threads, accuracy_level
+        self.session_options = session_options  # f(SessionOptions), applied to each session's options (an EP)
         self._shared: dict | None = {} if decode_path and _static_past(decode_path) else None
         self.decode = self._session(decode_path) if decode_path else None
         self.static_past = self.kv_shape = None
@@ -364,6 +365,8 @@ class OnnxCausalLM:
         opts.log_severity_level = 3
         if self.threads:
             opts.intra_op_num_threads = self.threads
+        if self.session_options is not None:
+            self.session_options(opts)
         if self._shared is not None:
             self._share_external_weights(opts, Path(path))
         if self.accuracy_level is None:
