@@ -486,13 +486,14 @@ class ConvertJob:
 
     def __init__(self, prep: PreparedModels, out: Path, report: ConversionReport, work: Path, *, text, max_tokens,
                  ctx, activation_bits, accuracy_level, static, calibration_samples, calibration_seq_len,
-                 greedy_steps, evaluate_outputs, progress, say, owns_models):
+                 greedy_steps, evaluate_outputs, progress, say, owns_models, soc=None):
         self.prep, self.out, self.report, self.work = prep, out, report, work
         self.text, self.max_tokens, self.ctx = text, max_tokens, ctx
         self.activation_bits, self.accuracy_level, self.greedy_steps = activation_bits, accuracy_level, greedy_steps
         self.calibration_samples, self.calibration_seq_len = calibration_samples, calibration_seq_len
         self.evaluate_outputs, self.progress, self.say, self.owns_models = evaluate_outputs, progress, say, owns_models
         self.default_ctx = DEFAULT_CTX
+        self.soc = soc  # the device profile of the NPU the target compiles for (qnn: a Snapdragon), or None
         max_pos = getattr(prep.float_lm.model.config, "max_position_embeddings", None)
         self.static = static
         self._static_note = None
@@ -533,11 +534,12 @@ def convert(model, target: str, out_dir: str | Path, *, plan: QuantPlan | str | 
             accuracy_level: int = 4, static: tuple[int, int] = DEFAULT_STATIC, calibration_samples: int = 16,
             calibration_seq_len: int = 128, greedy_steps: int = 32, evaluate_outputs: bool = True,
             progress: bool = False, log: Callable[[str], None] | None = None,
-            device: str = "cpu") -> ConversionReport:
+            device: str = "cpu", soc: str | None = None) -> ConversionReport:
     """Convert for ``target`` (a registered target) into ``out_dir``; run and compare the result where it can run.
 
     ``max_tokens`` None evaluates on ``default_eval_tokens`` (the whole text for small models).
     ``device`` is where the PyTorch models run (``prepare_models``); ignored with ``prepared``.
+    ``soc``: the device profile of the NPU to compile for and run on (``qnn``: a Snapdragon, e.g. ``8gen3``).
     """
     say = log or (lambda m: None)
     if target not in CONVERT_TARGETS:
@@ -562,7 +564,7 @@ def convert(model, target: str, out_dir: str | Path, *, plan: QuantPlan | str | 
                                 activation_bits=activation_bits, accuracy_level=accuracy_level, static=static,
                                 calibration_samples=calibration_samples, calibration_seq_len=calibration_seq_len,
                                 greedy_steps=greedy_steps, evaluate_outputs=evaluate_outputs, progress=progress,
-                                say=say, owns_models=prepared is None))
+                                say=say, owns_models=prepared is None, soc=soc))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     if not report.runnable:

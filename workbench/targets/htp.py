@@ -30,7 +30,7 @@ from ..errors import PlanError, WorkbenchError
 from .registry import Target, register_target
 
 __all__ = ["INSTALL", "DEFAULT_DEVICE", "HtpUnavailable", "HtpRefused", "HtpSoc", "qnn_available", "htp_soc",
-           "htp_socs", "htp_session_options", "open_htp", "backend_soc", "write_context_binaries",
+           "htp_socs", "generation_rules", "float_layers_refused", "htp_session_options", "open_htp", "backend_soc", "write_context_binaries",
            "HtpMeasurement", "measure_htp", "TARGET"]
 
 INSTALL = "pip install --no-deps onnxruntime-qnn==2.7.0"
@@ -91,6 +91,21 @@ def htp_soc(device: str | HtpSoc | None = None) -> HtpSoc:
         raise PlanError(f"device '{d.key}' has no Hexagon HTP (no qnn_soc_model / htp_arch in its profile); choose "
                         f"one of: {', '.join(sorted(htp_socs()))}")
     return _soc(d)
+
+
+def generation_rules() -> dict:
+    """What each HTP generation runs (``assets/targets/qnn.json`` ``htp_generations``)."""
+    from .base import load_rules
+    return load_rules("qnn")["htp_generations"]
+
+
+def float_layers_refused(precisions: Mapping[str, str | None], soc: HtpSoc) -> list[str]:
+    """Layers whose QDQ weights would be 16-bit (the plan keeps them float) on an HTP that refuses 16-bit weights."""
+    from ..plan import get_precision
+    if soc.arch >= generation_rules()["min_arch_16bit_weights"]:
+        return []
+    return [layer for layer, name in precisions.items()
+            if get_precision(name) is not None and get_precision(name).is_float]
 
 
 def _require_qnn():

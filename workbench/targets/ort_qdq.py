@@ -83,7 +83,8 @@ def _ort_axis(layout: str | None, tensor: str) -> int:
     return 0
 
 
-def ort_overrides(quantized, export, *, notes: list[str] | None = None, twin: bool = False) -> dict:
+def ort_overrides(quantized, export, *, notes: list[str] | None = None, twin: bool = False,
+                  float_weight_type: str = FLOAT_WEIGHT_TYPE) -> dict:
     """``{"init_overrides": ..., "float_weights": ...}``: the plan in onnxruntime's TensorQuantOverrides.
 
     ``twin``: for QNN's QDQ twin, whose precisions the QNN target has already checked; its two-level
@@ -112,7 +113,7 @@ def ort_overrides(quantized, export, *, notes: list[str] | None = None, twin: bo
             continue  # tied: the tensor is written once
         if prec.is_float:
             float_weights[tensor] = prec.name
-            init_overrides[tensor] = [{"quant_type": FLOAT_WEIGHT_TYPE}]
+            init_overrides[tensor] = [{"quant_type": float_weight_type}]
             continue
         qw = quantized.weights[r.name]
         qtype = ORT_TYPES[(qw.bits, qw.symmetric)]
@@ -130,8 +131,9 @@ def ort_overrides(quantized, export, *, notes: list[str] | None = None, twin: bo
                      "overrides have no block scales, so their type/axis/symmetry are written and onnxruntime "
                      "computes per-channel scales; use group_size null to carry the exact scales")
     if float_weights:
-        notes.append(f"{len(float_weights)} layer(s) the plan keeps in float get 16-bit weights ({FLOAT_WEIGHT_TYPE}, "
-                     "an A16W16 MatMul): HTP rejects a float weight beside fixed-point activations")
+        notes.append(f"{len(float_weights)} layer(s) the plan keeps in float get {float_weight_type} weights "
+                     f"({'an A16W16 MatMul' if float_weight_type == FLOAT_WEIGHT_TYPE else 'what this HTP runs'}): "
+                     "HTP rejects a float weight beside fixed-point activations")
     return {"init_overrides": init_overrides, "float_weights": float_weights}
 
 
@@ -395,12 +397,13 @@ def decode_shared_ranges(prefill_onnx: str | Path, decode_onnx: str | Path,
     return {d: prefill_ranges[p] for d, p in pairs.items() if p in prefill_ranges}
 
 
-def qdq_twin(job, static_export, qdq_dir: Path, feeds: Mapping[str, list]) -> Path:
+def qdq_twin(job, static_export, qdq_dir: Path, feeds: Mapping[str, list], *,
+             float_weight_type: str = FLOAT_WEIGHT_TYPE) -> Path:
     """QDQ prefill/decode graphs of ``static_export`` by the plan (``ort_overrides``), calibrated on ``feeds``
-    (``job.feeds``); returns the prefill graph."""
+    (``job.feeds``); returns the prefill graph. ``float_weight_type``: the weights of layers the plan keeps float."""
     report = job.report
     notes: list[str] = []
-    doc = ort_overrides(job.prep.qm, static_export, notes=notes, twin=True)
+    doc = ort_overrides(job.prep.qm, static_export, notes=notes, twin=True, float_weight_type=float_weight_type)
     report.notes += notes
     job.say(f"quantizing to QDQ (A{job.activation_bits}, weights as the plan says)")
     infos, paths = {}, [qdq_dir / "prefill.qdq.onnx", qdq_dir / "decode.qdq.onnx"]
