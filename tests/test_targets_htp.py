@@ -10,7 +10,7 @@ import pytest
 from workbench.devices import get_device
 from workbench.targets import get_target
 from workbench.targets.htp import (INSTALL, HtpRefused, backend_soc, float_layers_refused, htp_soc, htp_socs,
-                                   open_htp, qnn_available, refusals, write_context_binaries)
+                                   open_htp, qnn_available, refusals, soc_findings, write_context_binaries)
 
 needs_qnn = pytest.mark.skipif(not qnn_available(), reason=f"onnxruntime-qnn is not installed: {INSTALL}")
 
@@ -47,6 +47,12 @@ def test_v69_refuses_the_plans_float_layers_before_compiling():
     precisions = {"model.layers.0.mlp.up_proj": "int8", "lm_head": "fp16", "model.embed_tokens": "fp16"}
     assert float_layers_refused(precisions, htp_soc("8gen1")) == ["lm_head", "model.embed_tokens"]
     assert float_layers_refused(precisions, htp_soc("8gen2")) == []
+
+
+def test_inspect_names_the_16bit_lm_head_on_v69_only(demo_qdq):
+    (finding,) = soc_findings(demo_qdq[0], "8gen1")
+    assert finding.severity == "error" and finding.nodes == ["lm_head.weight.T"] and "HTP v69" in finding.message
+    assert soc_findings(demo_qdq[0], "8gen2") == []
 
 
 def test_refusals_parse_the_backends_log_once_per_node():

@@ -30,7 +30,7 @@ from ..errors import PlanError, WorkbenchError
 from .registry import Target, register_target
 
 __all__ = ["INSTALL", "DEFAULT_DEVICE", "HtpUnavailable", "HtpRefused", "HtpSoc", "qnn_available", "htp_soc",
-           "htp_socs", "generation_rules", "float_layers_refused", "htp_session_options", "open_htp", "backend_soc", "write_context_binaries",
+           "htp_socs", "generation_rules", "float_layers_refused", "soc_findings", "htp_session_options", "open_htp", "backend_soc", "write_context_binaries",
            "HtpMeasurement", "measure_htp", "TARGET"]
 
 INSTALL = "pip install --no-deps onnxruntime-qnn==2.7.0"
@@ -106,6 +106,30 @@ def float_layers_refused(precisions: Mapping[str, str | None], soc: HtpSoc) -> l
         return []
     return [layer for layer, name in precisions.items()
             if get_precision(name) is not None and get_precision(name).is_float]
+
+
+def soc_findings(onnx_path: str | Path, device: str | HtpSoc) -> list:
+    """``Finding``s for a QDQ graph on ``device``'s HTP generation: 16-bit MatMul weights below v73, by layer."""
+    import onnx
+    from .base import Finding
+    soc = htp_soc(device)
+    rules = generation_rules()
+    if soc.arch >= rules["min_arch_16bit_weights"]:
+        return []
+    proto = onnx.load(str(onnx_path), load_external_data=False)
+    wide = {i.name for i in proto.graph.initializer if i.data_type in (onnx.TensorProto.UINT16, onnx.TensorProto.INT16)}
+    readers: dict[str, list[str]] = {}
+    for n in proto.graph.node:
+        for i in n.input:
+            readers.setdefault(i, []).append(n.op_type)
+    weights = sorted({n.input[0].removesuffix("_quantized") for n in proto.graph.node
+                      if n.op_type == "DequantizeLinear" and n.input[0] in wide
+                      and any(op in ("MatMul", "Gemm") for op in readers.get(n.output[0], []))})
+    if not weights:
+        return []
+    return [Finding("error", "htp-generation", f"{soc.label} runs no 16-bit weights (HTP v"
+                    f"{rules['min_arch_16bit_weights']}+ does): {len(weights)} MatMul weight(s) are 16-bit, the "
+                    "backend refuses them (error 3110)", rules["fix"], nodes=weights)]
 
 
 def _require_qnn():
