@@ -2,7 +2,7 @@
 Qwen2.5-0.5B shape, INT8 QDQ graphs compiled for one Snapdragon, prefill and teacher-forced decode scored.
 
     python bench/htp.py                                  # demo model, 8 Gen 3
-    python bench/htp.py --shape qwen2.5-0.5b --layers 2 --soc 8gen3 --windows 1 --decode-steps 8
+    python bench/htp.py --shape qwen2.5-0.5b --layers 2 --soc 8gen3 --windows 1 --prompt 120   # 7 decode steps
 
 Each evaluation runs in a child process (``measure_htp``), so the peak is the HTP evaluation's own
 (compiling, the context binaries, the CPU QDQ and float graphs it is compared with).
@@ -37,6 +37,7 @@ def main() -> None:
     ap.add_argument("--soc", default="8gen3", help="Snapdragon device profile (default 8gen3)")
     ap.add_argument("--windows", type=int, default=4, help="128-token prefill windows scored (default 4)")
     ap.add_argument("--decode-windows", type=int, default=1, help="windows also decoded step by step (default 1)")
+    ap.add_argument("--prompt", type=int, default=64, help="decode after this many tokens of a window (default 64)")
     ap.add_argument("--work", help="folder for the graphs (default: a temporary one)")
     args = ap.parse_args()
     from workbench.targets.htp import measure_htp
@@ -53,7 +54,8 @@ def main() -> None:
         windows = [ids[k * 128:(k + 1) * 128] for k in range(args.windows)]
         m = measure_htp([q / "prefill.onnx", q / "decode.onnx"],
                         [q / "ort-qdq-twin" / "prefill.qdq.onnx", q / "ort-qdq-twin" / "decode.qdq.onnx"],
-                        windows, device=args.soc, out_dir=work / "ctx", decode_windows=args.decode_windows)
+                        windows, device=args.soc, out_dir=work / "ctx", decode_windows=args.decode_windows,
+                        prompt=args.prompt)
     name = f"{args.shape} ({args.layers} blocks)" if args.shape else "demo"
     print(f"{name} on {m.device} (soc {m.soc_model}, v{m.arch}); graphs prepared in {prep_s:.1f} s")
     for g in ("prefill", "decode"):

@@ -3,11 +3,15 @@
     doc = qnn_encodings(qm, export)                  # qnn-onnx-converter --quantization_overrides
     validate_qnn_encodings(doc, onnx_path=export.prefill_path)
     convert("demo", "qnn", "out/qnn", bits=4)        # bundle + the measured QDQ twin (``ort_qdq``)
+    convert("demo", "qnn", "out/qnn", bits=8, soc="8gen3")   # + context binaries, scored on the HTP emulator
 
 The SDK (``qnn-onnx-converter``, ``qnn-model-lib-generator``, ``qnn-context-binary-generator``)
 cannot be installed here, so the conversion writes everything it needs next to the static
 prefill/decode graphs: ``quant_overrides_<graph>.json``, ``input_list_<graph>.txt`` with raw
-calibration tensors, and ``commands.sh``. What runs here is the QDQ twin of the same graphs.
+calibration tensors, and ``commands.sh``. What runs here is the QDQ twin of the same graphs; with
+``soc`` (``--soc``, a Snapdragon's device profile) onnxruntime-qnn compiles that twin for the SoC's
+HTP into context binaries (``htp-<device>/``) and its emulator scores them (``targets.htp``), after
+the plan is fitted to the HTP generation (below v73, float layers get 8-bit weights, named).
 
 One encoder, ``qnn_encodings``, writes every QNN file (``workbench overrides --format qnn`` and the
 bundle), in the AIMET 0.6.1 layout ``qnn-onnx-converter`` reads: ``param_encodings`` maps each
