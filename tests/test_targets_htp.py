@@ -119,7 +119,8 @@ def test_context_binaries_reload_with_identical_outputs(demo_qdq, tokens, tmp_pa
 def test_convert_qnn_for_8gen1_adapts_the_lm_head_and_scores_on_htp(tmp_path):
     from workbench.convert import convert
     report = convert("demo", "qnn", tmp_path, bits=8, soc="8gen1", max_tokens=300)
-    assert report.details["htp_adapted_layers"] == ["lm_head"]
+    # the demo plan keeps the embedding and lm_head float: both get 8-bit weights (only the MatMul is refused)
+    assert report.details["htp_adapted_layers"] == ["model.embed_tokens", "lm_head"]
     assert any("lm_head" in n and "8-bit weights" in n for n in report.notes)
     htp = report.details["htp"]
     m = htp["measurement"]
