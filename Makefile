@@ -1,5 +1,6 @@
 # make app    set up .venv (once) and start JupyterLab on the notebooks, bound to 127.0.0.1
-# make test   set up .venv (once) and run the whole test suite, notebooks included
+# make test   set up .venv and .venv-rknn (once) and run the whole test suite, notebooks included
+# make rknn-env  Rockchip's rknn-toolkit2 in its own venv (.venv-rknn), for the rknn target
 # make voila  set up .venv (once) and serve the click-through app (notebooks/app.ipynb) on 127.0.0.1
 PY      ?= python3
 VENV    := .venv
@@ -14,13 +15,16 @@ STAMP   := $(VENV)/.installed
 
 install: $(STAMP)
 
-$(STAMP): requirements.txt constraints.txt pyproject.toml
+$(STAMP): requirements.txt constraints.txt pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -c constraints.txt -r requirements.txt
 	$(BIN)/pip install -q --no-deps autoawq==0.2.9
 	$(BIN)/pip install -q --no-deps onnxruntime-genai==0.18.0
+# onnxruntime-qnn 2.7.0: Qualcomm's QNN EP as an onnxruntime >= 1.24.2 plugin with the HTP emulator (x86-64);
+# --no-deps keeps the project's onnxruntime (the htp target, `convert --target qnn --soc`)
+	$(BIN)/pip install -q --no-deps onnxruntime-qnn==2.7.0
 	$(BIN)/pip install -q --no-deps -e .
 	$(BIN)/python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	touch $(STAMP)
@@ -32,7 +36,7 @@ app: install
 voila: install
 	$(BIN)/python -m workbench.ui.serve --port $(VOILA_PORT)
 
-test: install
+test: install rknn-env
 	$(BIN)/python -m pytest tests/ --nbmake notebooks/ -q
 
 bench: install

@@ -404,3 +404,46 @@ def test_per_layer_head_counts_convert_to_ort_int4_and_ort_genai_refuses_them(ma
     assert report.details["greedy_match_steps_vs_simulation"] >= 6 and report.kl_divergence < 0.05
     with pytest.raises(ModelLoadError, match=r"ort-genai cannot hold .*layer 1: 2/1; the others 4/2.*ort-int4"):
         convert(pruned, "ort-genai", tmp_path / "genai", prepared=prep, **EVAL)
+
+
+def test_decode_calibration_spreads_positions_over_the_static_past(prepared, tmp_path):
+    from workbench.convert import calibration_feeds
+    from workbench.onnx.export import export_onnx
+    from workbench.runtime.onnx_runner import OnnxCausalLM
+    ex = export_onnx(prepared.float_lm, tmp_path, static=(16, 48), check=False)
+    feeds = calibration_feeds(prepared.float_lm, samples=6, seq_len=16,
+                              runner=OnnxCausalLM(ex.prefill_path, ex.decode_path))
+    positions = [int(f["position_ids"][0, 0]) for f in feeds["decode"]]
+    assert positions[0] == 1 and positions[-1] == 48 and positions == sorted(positions)  # all of 1..past reached
+    for f, p in zip(feeds["decode"], positions):  # the real past is the sample (at most), padding hidden by the mask
+        real = int(f["attention_mask"][0, :-1].sum())
+        assert real == min(p, 15) and f["attention_mask"][0, -1] == 1
+
+
+def test_decode_graph_shares_the_prefill_graphs_ranges(prepared, tmp_path):
+    from workbench.onnx.export import export_onnx
+    from workbench.targets.ort_qdq import paired_tensors
+    ex = export_onnx(prepared.float_lm, tmp_path, static=(16, 32), check=False)
+    pre, dec = (onnx.load(str(p), load_external_data=False) for p in (ex.prefill_path, ex.decode_path))
+    pairs = paired_tensors(pre, dec)
+    op_pre = {o: n.op_type for n in pre.graph.node for o in n.output}
+    op_dec = {o: n.op_type for n in dec.graph.node for o in n.output}
+    assert pairs["past_key_values.0.key"] == "present.0.key" and pairs["logits"] == "logits"
+    ends = {v.name for v in (*dec.graph.input, *dec.graph.output)}  # the cache and logits pair by name
+    assert all(op_pre[a] == op_dec[b] for b, a in pairs.items() if b not in ends and b in op_dec and a in op_pre)
+    softmax = [o for n in dec.graph.node if n.op_type == "Softmax" for o in n.output]
+    assert len(softmax) == 2 and all(op_pre[pairs[s]] == "Softmax" for s in softmax)
+    # internal names carry running numbers: an equal name in the other graph is no evidence of the same tensor
+    assert any(b in op_pre and a != b for b, a in pairs.items())
+
+
+def test_qdq_decode_graph_scores_like_the_prefill_graph_on_the_demo_model(tmp_path):
+    """Issue 22.5: the decode QDQ graph was calibrated on one token per sample (KL 0.036 vs 2.1e-4 for prefill)."""
+    report = convert("demo", "ort-qdq", tmp_path, bits=8, max_tokens=700, calibration_samples=16)
+    d = report.decode
+    # 700 tokens: five 128-token windows decode 63 steps each after a 64-token prompt; the last 60 tokens none
+    assert d["prompt"] == 64 and d["windows"] == 6 and d["tokens"] == 5 * 63
+    assert d["kl_divergence"] <= 2 * d["prefill_kl_divergence"] and d["kl_divergence"] < 1e-3
+    assert d["top1_agreement"] >= 0.98 and report.gap is None
+    saved = json.loads((tmp_path / "conversion.json").read_text())
+    assert saved["decode"]["kl_divergence"] == d["kl_divergence"]

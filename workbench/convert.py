@@ -73,6 +73,9 @@ MIN_EVAL_TOKENS = 1024
 REF_ROWS = 256  # reference tokens whose logits are rebuilt together (156 MB for a 151,936-token vocabulary)
 COMPARE_ELEMENTS = 2**22  # log-probabilities compared at once: 64 tokens of Qwen's vocabulary, 1,024 of the demo's
 EVAL_BATCH = 4  # windows per PyTorch forward pass (their hidden states only: the output layer runs per window)
+# Teacher-forced decode scoring: each window's first half is the prompt (prefill), every later token one decode
+# step, each step scored; on the first windows that hold this many steps (a decode step costs a graph run).
+DECODE_EVAL_STEPS = 512
 
 
 @dataclass
@@ -145,6 +148,9 @@ class ConversionReport:
     perplexity: float | None = None
     top1_agreement_vs_simulation: float | None = None
     simulation: dict = field(default_factory=dict)  # kl_divergence, top1_agreement, perplexity of the simulation
+    # the decode graph, teacher-forced (decode_scores): kl_divergence, top1_agreement, top1_agreement_vs_simulation,
+    # perplexity, tokens, windows, prompt, measured_on, and prefill_kl_divergence on the same positions
+    decode: dict = field(default_factory=dict)
     reference_perplexity: float | None = None
     gap: str | None = None
     eval_tokens: int = 0
@@ -163,18 +169,28 @@ class ConversionReport:
     def summary(self) -> str:
         if not self.runnable:
             return f"{self.target}: wrote {len(self.files)} files to {self.out_dir} (run commands there with the SDK)"
+        d = self.decode
         return (f"{self.target}: KL {self.kl_divergence:.5f} (simulation {self.simulation.get('kl_divergence', 0):.5f}), "
                 f"top-1 vs float {self.top1_agreement:.4f}, vs simulation {self.top1_agreement_vs_simulation:.4f}"
+                + (f"; decode KL {d['kl_divergence']:.5f}, top-1 vs float {d['top1_agreement']:.4f}" if d else "")
                 + (f"; GAP: {self.gap}" if self.gap else ""))
 
 
 def calibration_feeds(lm: LoadedModel, *, samples: int = 16, seq_len: int = 128, text: str | Path | None = None,
                       runner: OnnxCausalLM | None = None) -> dict[str, list[dict]]:
-    """Prefill (and, given a float ``runner``, decode) graph inputs from the calibration text."""
+    """Prefill (and, given a float ``runner``, decode) graph inputs from the calibration text.
+
+    The decode samples' positions are spread evenly over every position the decode graph serves
+    (1 .. its static past): with all of them at one position, the rotary angles are calibrated to
+    that position's range and clip beyond it (teacher-forced decode past position 127 of the demo
+    model: KL 2.0, top-1 0.17). Where the sample is shorter than the position, its whole text is
+    the past and the position lies beyond it, which only the position-dependent ranges notice.
+    """
     from .data import load_calibration_set
     calib = load_calibration_set(text, tokenizer=lm.tokenizer, samples=samples, seq_len=seq_len)
     prefill, decode = [], []
-    for s in calib.samples:
+    n_samples = len(calib.samples)
+    for k, s in enumerate(calib.samples):
         toks = [int(t) for t in s]
         if runner is None:
             n = len(toks)
@@ -184,9 +200,11 @@ def calibration_feeds(lm: LoadedModel, *, samples: int = 16, seq_len: int = 128,
         seq = runner.static_seq or len(toks)
         prefill.append(runner.prefill_feed(toks[:seq]))
         if runner.decode is not None and len(toks) > 1:
-            past = toks[:min(len(toks) - 1, seq, runner.static_past or seq)]
+            longest = runner.static_past or seq
+            position = 1 + round(k * (longest - 1) / max(1, n_samples - 1))
+            past = toks[:min(len(toks) - 1, seq, longest, position)]
             _, _, kv = runner.run_prefill(past)
-            decode.append(runner.decode_feed(toks[len(past)], kv, len(past)))
+            decode.append(runner.decode_feed(toks[len(past)], kv, position))
     return {"prefill": prefill, "decode": decode}
 
 
@@ -296,17 +314,27 @@ class _Evaluator:
         return hidden
 
     @torch.inference_mode()
-    def _score(self, window_logits: Callable[[int, Window], torch.Tensor], desc: str, *,
+    def _score(self, window_logits: Callable[[int, Window], torch.Tensor | tuple[torch.Tensor, int]], desc: str, *,
                record: bool = False, windows: int | None = None) -> _Scores:
-        """KL, top-1 agreement and perplexity from each window's float32 logits at its scored positions."""
+        """KL, top-1 agreement and perplexity from each window's float32 logits at its scored positions.
+
+        ``window_logits`` returns the logits of every scored position, or ``(logits, skip)``: those of
+        the scored positions after the first ``skip`` (decode after a prompt).
+        """
         scores, argmax = _Scores(), []
         with self._bar(desc, windows) as bar:
             for k, w in enumerate(self.windows[:windows]):
-                logits, picks = window_logits(k, w).to(self.hidden[k].device), []
-                targets = self.ids[w.score_from:w.end].to(logits.device)
+                out = window_logits(k, w)
+                logits, skip = out if isinstance(out, tuple) else (out, 0)
+                if skip >= w.scored:
+                    bar.update(1)
+                    continue
+                logits, picks = logits.to(self.hidden[k].device), []
+                targets = self.ids[w.score_from + skip:w.end].to(logits.device)
+                hidden = self.hidden[k][skip:]
                 rows = max(1, COMPARE_ELEMENTS // logits.shape[-1])
-                for r in range(0, w.scored, REF_ROWS):
-                    ref = head_logits(self.head, self.hidden[k][r:r + REF_ROWS])
+                for r in range(0, w.scored - skip, REF_ROWS):
+                    ref = head_logits(self.head, hidden[r:r + REF_ROWS])
                     for c in range(0, ref.shape[0], rows):
                         rlp = ref[c:c + rows]
                         rlp -= torch.logsumexp(rlp, dim=-1, keepdim=True)  # in place: log-probabilities
@@ -321,9 +349,9 @@ class _Evaluator:
                     del ref
                 picks = torch.cat(picks)
                 if self.sim_top1 is not None:
-                    scores.vs_simulation += int((picks == self.sim_top1[k].to(picks.device)).sum())
+                    scores.vs_simulation += int((picks == self.sim_top1[k][skip:].to(picks.device)).sum())
                 argmax.append(picks)
-                scores.tokens += w.scored
+                scores.tokens += w.scored - skip
                 del logits
                 bar.update(1)
         if record:
@@ -340,6 +368,64 @@ class _Evaluator:
             out = np.ascontiguousarray(run_logits(self.ids[w.begin:w.end][None].numpy()), dtype=np.float32)
             return torch.from_numpy(out)[0, self._rows(w)]
         return self._score(window_logits, desc, windows=windows)
+
+    def decode_windows(self, prompt: int, steps: int = DECODE_EVAL_STEPS) -> int:
+        """How many leading windows hold ``steps`` decode steps after a ``prompt``-token prompt (all at most)."""
+        total = 0
+        for n, w in enumerate(self.windows, 1):
+            total += max(0, w.end - w.begin - 1 - max(prompt, w.score_from - w.begin - 1))
+            if total >= steps:
+                return n
+        return len(self.windows)
+
+    def score_decode(self, runner, desc: str, *, prompt: int | None = None,
+                     windows: int | None = None) -> tuple[_Scores, _Scores, dict]:
+        """Teacher-forced decode: (decode scores, the prefill graph's on the same positions, what was run).
+
+        Each window's first ``prompt`` tokens (default half the window) go through the prefill graph,
+        then every later token is one decode step at its position, fed the cache the previous steps
+        wrote, and every step's logits are scored. ``runner`` has ``logits``, ``run_prefill`` and
+        ``run_decode`` (``OnnxCausalLM``); ``windows`` defaults to ``decode_windows``.
+        """
+        prompt = max(1, self.ctx // 2 if prompt is None else prompt)
+        windows = windows or self.decode_windows(prompt)
+
+        def start(w: Window) -> tuple[int, int]:
+            first = w.score_from - w.begin - 1  # the window position of its first scored row
+            return max(prompt, first), max(prompt, first) - first
+
+        def decoded(_k: int, w: Window):
+            ids, (at, skip) = self.ids[w.begin:w.end].tolist(), start(w)
+            if at >= len(ids) - 1:
+                return torch.zeros(0), w.scored
+            _, _, kv = runner.run_prefill(ids[:at])
+            steps = []
+            for pos in range(at, len(ids) - 1):
+                step, kv, _ = runner.run_decode(ids[pos], kv, pos)
+                steps.append(np.asarray(step, dtype=np.float32))
+            return torch.from_numpy(np.stack(steps)), skip
+
+        def prefilled(_k: int, w: Window):
+            out = np.ascontiguousarray(runner.logits(self.ids[w.begin:w.end][None].numpy()), dtype=np.float32)
+            return torch.from_numpy(out)[0, self._rows(w)][start(w)[1]:], start(w)[1]
+        dec = self._score(decoded, desc + " decode", windows=windows)
+        pre = self._score(prefilled, desc + " prefill", windows=windows)
+        return dec, pre, {"windows": windows, "prompt": prompt}
+
+    def fill_decode(self, report: ConversionReport, scored: tuple[_Scores, _Scores, dict], measured_on: Path) -> None:
+        """Record the decode graph's scores (``score_decode``) beside the prefill graph's; a gap is flagged too."""
+        dec, pre, info = scored
+        report.decode = {"measured_on": str(measured_on), "kl_divergence": dec.kl_divergence,
+                         "top1_agreement": dec.top1_agreement,
+                         "top1_agreement_vs_simulation": dec.top1_agreement_vs_simulation,
+                         "perplexity": dec.perplexity, "tokens": dec.tokens, **info,
+                         "prefill_kl_divergence": pre.kl_divergence, "prefill_top1_agreement": pre.top1_agreement}
+        report.notes.append(f"decode scored teacher-forced: the first {info['windows']} window(s), each after a "
+                            f"{info['prompt']}-token prompt, every step ({dec.tokens:,} steps); the prefill graph on "
+                            f"the same positions: KL {pre.kl_divergence:.2e}")
+        gap, _ = _judge(dec, self.sim_report)
+        if gap and not report.gap:
+            report.gap = f"decode graph: {gap}"
 
     def fill(self, report: ConversionReport, candidate: _Scores, measured_on: Path) -> None:
         s = self.sim_report
@@ -405,13 +491,14 @@ class ConvertJob:
 
     def __init__(self, prep: PreparedModels, out: Path, report: ConversionReport, work: Path, *, text, max_tokens,
                  ctx, activation_bits, accuracy_level, static, calibration_samples, calibration_seq_len,
-                 greedy_steps, evaluate_outputs, progress, say, owns_models):
+                 greedy_steps, evaluate_outputs, progress, say, owns_models, soc=None):
         self.prep, self.out, self.report, self.work = prep, out, report, work
         self.text, self.max_tokens, self.ctx = text, max_tokens, ctx
         self.activation_bits, self.accuracy_level, self.greedy_steps = activation_bits, accuracy_level, greedy_steps
         self.calibration_samples, self.calibration_seq_len = calibration_samples, calibration_seq_len
         self.evaluate_outputs, self.progress, self.say, self.owns_models = evaluate_outputs, progress, say, owns_models
         self.default_ctx = DEFAULT_CTX
+        self.soc = soc  # the device profile of the NPU the target compiles for (qnn: a Snapdragon), or None
         max_pos = getattr(prep.float_lm.model.config, "max_position_embeddings", None)
         self.static = static
         self._static_note = None
@@ -452,11 +539,12 @@ def convert(model, target: str, out_dir: str | Path, *, plan: QuantPlan | str | 
             accuracy_level: int = 4, static: tuple[int, int] = DEFAULT_STATIC, calibration_samples: int = 16,
             calibration_seq_len: int = 128, greedy_steps: int = 32, evaluate_outputs: bool = True,
             progress: bool = False, log: Callable[[str], None] | None = None,
-            device: str = "cpu") -> ConversionReport:
+            device: str = "cpu", soc: str | None = None) -> ConversionReport:
     """Convert for ``target`` (a registered target) into ``out_dir``; run and compare the result where it can run.
 
     ``max_tokens`` None evaluates on ``default_eval_tokens`` (the whole text for small models).
     ``device`` is where the PyTorch models run (``prepare_models``); ignored with ``prepared``.
+    ``soc``: the device profile of the NPU to compile for and run on (``qnn``: a Snapdragon, e.g. ``8gen3``).
     """
     say = log or (lambda m: None)
     if target not in CONVERT_TARGETS:
@@ -481,7 +569,7 @@ def convert(model, target: str, out_dir: str | Path, *, plan: QuantPlan | str | 
                                 activation_bits=activation_bits, accuracy_level=accuracy_level, static=static,
                                 calibration_samples=calibration_samples, calibration_seq_len=calibration_seq_len,
                                 greedy_steps=greedy_steps, evaluate_outputs=evaluate_outputs, progress=progress,
-                                say=say, owns_models=prepared is None))
+                                say=say, owns_models=prepared is None, soc=soc))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     if not report.runnable:

@@ -38,6 +38,10 @@ LIST_FIELDS = {
     "activation_precisions": "activation precisions the accelerator computes with",
 }
 TEXT_FIELDS = ("name", "device_class", "accelerator")
+OPTIONAL_FIELDS = {  # field -> what it means; absent on devices without that accelerator
+    "qnn_soc_model": "QNN's soc_model id of the Snapdragon (onnxruntime-qnn's HTP backend takes it)",
+    "htp_arch": "Hexagon HTP generation (69 = v69, 73 = v73, ...): what the NPU computes",
+}
 
 
 class DeviceError(WorkbenchError):
@@ -60,6 +64,8 @@ class Device:
     weight_precisions: tuple[str, ...] | None
     activation_precisions: tuple[str, ...] | None
     aliases: tuple[str, ...] = ()
+    qnn_soc_model: int | None = None  # OPTIONAL_FIELDS
+    htp_arch: int | None = None
     sources: dict = field(default_factory=dict, compare=False)  # field -> {"source": ...} or {"reason": ...}
     path: Path | None = field(default=None, compare=False)
 
@@ -77,6 +83,9 @@ class Device:
         for f in (*NUMBER_FIELDS, *LIST_FIELDS):
             v = getattr(self, f)
             d[f] = {"value": list(v) if isinstance(v, tuple) else v, **self.sources.get(f, {})}
+        for f in OPTIONAL_FIELDS:
+            if getattr(self, f) is not None:
+                d[f] = {"value": getattr(self, f), **self.sources.get(f, {})}
         return d
 
 
@@ -128,6 +137,16 @@ def load_device(path: str | os.PathLike) -> Device:
                     raise bad(f, "must be a non-empty list of precision names such as \"int8\"")
                 value = tuple(p.lower() for p in value)
         values[f] = value
+    for f in OPTIONAL_FIELDS:
+        if f not in doc:
+            continue
+        entry = doc[f]
+        if not isinstance(entry, dict) or isinstance(entry.get("value"), bool) or not isinstance(entry.get("value"), int) \
+                or entry["value"] <= 0:
+            raise bad(f, 'must be an object {"value": <positive integer>, "source": "..."}')
+        if not isinstance(entry.get("source"), str) or not entry["source"].strip():
+            raise bad(f, "has no 'source' (a vendor page title, a FIELD.md line or the measurement)")
+        values[f], sources[f] = entry["value"], {"source": entry["source"]}
     return Device(key=path.stem, name=doc["name"], device_class=doc["device_class"], accelerator=doc["accelerator"],
                   aliases=tuple(aliases), sources=sources, path=path, **values)
 

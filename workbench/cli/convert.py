@@ -44,6 +44,9 @@ def add_arguments(p):
     p.add_argument("--accuracy-level", type=int, choices=(0, 1, 2, 3, 4), default=4,
                    help="MatMulNBits accuracy_level: 4 = int8 activation compute (fast), 0 = float (default 4)")
     p.add_argument("--static", metavar="SEQ,PAST", default="128,512", help="static shapes for qnn/rknn (default 128,512)")
+    p.add_argument("--soc", metavar="DEVICE", help="qnn: the Snapdragon to compile for and run on with "
+                   "onnxruntime-qnn's HTP emulator, a `workbench devices` name or alias (8gen3, 8gen2, 8elite, 8gen1, "
+                   "x-elite): context binaries for it, prefill and decode scored on it")
     add_device_argument(p)  # the PyTorch models; graphs and onnxruntime run on the CPU
     add_json_flag(p)
 
@@ -56,7 +59,8 @@ def run(args) -> int:
         report = convert(args.model, args.target, staged, plan=args.plan, bits=args.bits, text=args.text,
                          max_tokens=args.max_tokens, ctx=args.ctx, activation_bits=args.activation_bits,
                          accuracy_level=args.accuracy_level, static=static,
-                         progress=not args.json, log=None if args.json else print, device=args.device)
+                         progress=not args.json, log=None if args.json else print, device=args.device,
+                         soc=args.soc)
         report = rebase_paths(report, staged, Path(args.out))
         # the report names where the files will be once swapped in, not the staging directory
         write_conversion_json(report, staged)
@@ -73,8 +77,26 @@ def run(args) -> int:
         print(f"{'simulation':<24} {s['kl_divergence']:>10.5f} {s['top1_agreement']:>15.4f} {s['perplexity']:>11.3f}")
         print(f"{args.target:<24} {report.kl_divergence:>10.5f} {report.top1_agreement:>15.4f} "
               f"{report.perplexity:>11.3f}")
+        d = report.decode
+        if d:
+            print(f"{args.target + ' decode':<24} {d['kl_divergence']:>10.5f} {d['top1_agreement']:>15.4f} "
+                  f"{d['perplexity']:>11.3f}")
         print(f"top-1 agreement with the simulation: {report.top1_agreement_vs_simulation:.4f} "
               f"({report.eval_tokens:,} tokens, ctx {report.ctx}; measured on {report.measured_on})")
+        if d:
+            print(f"decode, teacher-forced after a {d['prompt']}-token prompt, every step ({d['tokens']:,} steps in "
+                  f"{d['windows']} windows): top-1 with the simulation {d['top1_agreement_vs_simulation']:.4f}; "
+                  f"the prefill graph on the same positions: KL {d['prefill_kl_divergence']:.5f}, top-1 "
+                  f"{d['prefill_top1_agreement']:.4f} (measured on {d['measured_on']})")
+        htp = report.details.get("htp", {}).get("measurement")
+        if htp:
+            print(f"on the HTP emulator ({report.details['htp']['soc']}):")
+            for g in ("prefill", "decode"):
+                m = htp[g]
+                print(f"  {g:<8} vs float: KL {m['kl_vs_float']:.5f} top-1 {m['top1_vs_float']:.4f}; vs CPU QDQ: KL "
+                      f"{m['kl_vs_simulation']:.2e} top-1 {m['top1_vs_simulation']:.4f} ({m['tokens']:,} positions)")
+            print(f"  context binaries {format_bytes(htp['context_bytes'])}; compile {htp['compile_seconds']:.1f} s, "
+                  f"run {htp['eval_seconds']:.1f} s, peak {format_bytes(htp['peak_rss_bytes'])}")
         if report.gap:
             print(f"GAP: {report.gap}")
     stages = ", ".join(f"{name.replace('_', ' ')} {sec:.1f}" for name, sec in report.details.get("seconds", {}).items())

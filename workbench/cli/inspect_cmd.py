@@ -17,11 +17,16 @@ HELP = "operator inventory and per-target compatibility of an ONNX graph"
 def add_arguments(p):
     p.add_argument("onnx", metavar="MODEL.onnx", help="an ONNX file (e.g. written by `workbench export`)")
     p.add_argument("--target", required=True, choices=TARGETS, help="deployment target whose rules to apply")
+    p.add_argument("--soc", metavar="DEVICE", help="qnn: also check what this Snapdragon's HTP generation runs "
+                   "(a `workbench devices` name or alias: 8gen1, 8gen3, ...)")
     add_json_flag(p)
 
 
 def run(args) -> int:
     report = inspect_graph(args.onnx, args.target)
+    if args.soc:
+        from ..targets.htp import soc_findings
+        report.findings += soc_findings(args.onnx, args.soc)
     if args.json:
         print_json(report.to_dict())
         return 0 if report.ok else 1

@@ -105,8 +105,8 @@ class OnnxCausalLM:
         from onnx.external_data_helper import uses_external_data
         opts.add_session_config_entry("session.disable_prepacking", "1")
         for init in onnx.load(str(path), load_external_data=False).graph.initializer:
-            if not uses_external_data(init):
-                continue
+            if not uses_external_data(init) or init.data_type in (onnx.TensorProto.INT4, onnx.TensorProto.UINT4):
+                continue  # packed 4-bit (QDQ) weights have no numpy view: the session reads those itself
             info = {e.key: e.value for e in init.external_data}
             file = (path.parent / info["location"]).resolve()
             key = (file, int(info.get("offset", 0)), init.name)

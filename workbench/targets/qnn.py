@@ -3,11 +3,15 @@
     doc = qnn_encodings(qm, export)                  # qnn-onnx-converter --quantization_overrides
     validate_qnn_encodings(doc, onnx_path=export.prefill_path)
     convert("demo", "qnn", "out/qnn", bits=4)        # bundle + the measured QDQ twin (``ort_qdq``)
+    convert("demo", "qnn", "out/qnn", bits=8, soc="8gen3")   # + context binaries, scored on the HTP emulator
 
 The SDK (``qnn-onnx-converter``, ``qnn-model-lib-generator``, ``qnn-context-binary-generator``)
 cannot be installed here, so the conversion writes everything it needs next to the static
 prefill/decode graphs: ``quant_overrides_<graph>.json``, ``input_list_<graph>.txt`` with raw
-calibration tensors, and ``commands.sh``. What runs here is the QDQ twin of the same graphs.
+calibration tensors, and ``commands.sh``. What runs here is the QDQ twin of the same graphs; with
+``soc`` (``--soc``, a Snapdragon's device profile) onnxruntime-qnn compiles that twin for the SoC's
+HTP into context binaries (``htp-<device>/``) and its emulator scores them (``targets.htp``), after
+the plan is fitted to the HTP generation (below v73, float layers get 8-bit weights, named).
 
 One encoder, ``qnn_encodings``, writes every QNN file (``workbench overrides --format qnn`` and the
 bundle), in the AIMET 0.6.1 layout ``qnn-onnx-converter`` reads: ``param_encodings`` maps each
@@ -44,7 +48,7 @@ from ..plan import get_precision
 from ..workspace import atomic_write_json
 from .base import inspect_graph
 from .common import OverrideFile, graph_consumers, graph_names, layers_from_tensors, read_json_object, tensor_for
-from .ort_qdq import MASK_RANGE, causal_mask_tensors, measure_qdq, qdq_evaluator, qdq_twin
+from .ort_qdq import FLOAT_WEIGHT_TYPE, MASK_RANGE, causal_mask_tensors, measure_qdq, qdq_evaluator, qdq_twin
 from .registry import OverrideFormat, Target, check_precisions, register_target
 
 __all__ = ["QNN_ENCODINGS_VERSION", "QNN_LPBQ_VERSION", "DEFAULT_ACTIVATION_BITWIDTH",
@@ -559,20 +563,83 @@ def write_qnn_bundle(out_dir: str | Path, export, qm, feeds: Mapping[str, Sequen
     return {"commands": str(script), "notes": notes}
 
 
+HTP_WINDOWS = 4  # prefill windows scored on the HTP emulator (seconds each on the demo model)
+HTP_DECODE_WINDOWS = 1  # windows decoded step by step on it (about a second per step on the demo model)
+HTP_GAP_KL = 1e-2  # HTP against CPU QDQ above this KL: flagged (measured 1e-4 where the two agree)
+
+
+def _soc_for(job):
+    """The Snapdragon of ``--soc`` with the plan checked against what its HTP runs, or None."""
+    if not job.soc:
+        return None, FLOAT_WEIGHT_TYPE
+    from .htp import float_layers_refused, htp_soc
+    soc = htp_soc(job.soc)
+    refused = float_layers_refused(job.prep.qm.precisions, soc)
+    if not refused:
+        return soc, FLOAT_WEIGHT_TYPE
+    job.report.notes.append(f"{soc.label} runs no 16-bit weights (HTP v73+ does): the layer(s) the plan keeps in "
+                            f"float, {', '.join(refused)}, get 8-bit weights (QUInt8) in the QDQ graphs; give them "
+                            "int8 in the plan to measure that in the simulation too")
+    job.report.details["htp_adapted_layers"] = refused
+    return soc, "QUInt8"
+
+
+def _run_on_htp(job, soc, sx, prefill_qdq: Path, ev) -> None:
+    """Context binaries for ``soc`` and (with an evaluator) prefill and decode scored on the HTP emulator."""
+    from .htp import INSTALL, measure_htp, qnn_available, write_context_binaries
+    if not qnn_available():
+        job.report.notes.append(f"onnxruntime-qnn is not installed, so nothing ran on the HTP ({soc.label}): "
+                                f"{INSTALL}")
+        return
+    decode_qdq = prefill_qdq.with_name("decode.qdq.onnx")
+    out = job.out / f"htp-{soc.device}"
+    job.say(f"compiling for {soc.label} with onnxruntime-qnn, then running on its HTP emulator")
+    info = {"soc": soc.label, "device": soc.device, "soc_model": soc.soc_model, "arch": soc.arch,
+            "context_limit_bytes": soc.context_limit_bytes}
+    if ev is None:
+        info["context_binaries"] = write_context_binaries({"prefill": prefill_qdq, "decode": decode_qdq}, out, soc)
+    else:
+        windows = [ev.ids[w.begin:w.end].tolist() for w in ev.windows[:HTP_WINDOWS]]
+        m = measure_htp([sx.prefill_path, sx.decode_path], [prefill_qdq, decode_qdq], windows, device=soc,
+                        out_dir=out, decode_windows=HTP_DECODE_WINDOWS)
+        info["measurement"] = m.to_dict()
+        info["context_binaries"] = m.context_files
+        off = [g for g in ("prefill", "decode") if getattr(m, g)["kl_vs_simulation"] > HTP_GAP_KL]
+        if off and not job.report.gap:
+            job.report.gap = (f"on the HTP emulator ({soc.label}) the {' and '.join(off)} graph differs from CPU QDQ "
+                              f"(KL {max(getattr(m, g)['kl_vs_simulation'] for g in off):.3g} > {HTP_GAP_KL:g}): "
+                              "the NPU does not compute what the QDQ simulation does")
+        job.report.notes.append(
+            f"on the HTP emulator ({soc.label}): prefill KL {m.prefill['kl_vs_float']:.5f} / top-1 "
+            f"{m.prefill['top1_vs_float']:.4f} vs float, KL {m.prefill['kl_vs_simulation']:.2e} vs CPU QDQ "
+            f"({m.prefill['tokens']} positions); decode KL {m.decode['kl_vs_float']:.5f} / top-1 "
+            f"{m.decode['top1_vs_float']:.4f} vs float, KL {m.decode['kl_vs_simulation']:.2e} vs CPU QDQ "
+            f"({m.decode['tokens']} steps after a {m.decode['prompt']}-token prompt)")
+    job.report.details["htp"] = info
+    sizes = ", ".join(f"{Path(c['ctx']).name} + {c['bytes'] / 1e6:.1f} MB" for c in info["context_binaries"])
+    limit = f" (limit {soc.context_limit_bytes / 2**30:.0f} GiB per context)" if soc.context_limit_bytes else ""
+    job.report.notes.append(f"context binaries for {soc.label}: {sizes}{limit}, in {out}")
+
+
 def convert_qnn(job) -> None:
-    """The static graphs with the plan's encodings and the SDK's commands, and their QDQ twin measured here."""
+    """The static graphs with the plan's encodings and the SDK's commands, and their QDQ twin measured here;
+    with ``--soc``, compiled for that Snapdragon by onnxruntime-qnn and run on its HTP emulator."""
+    soc, float_weights = _soc_for(job)
     job.say(f"exporting the float model to ONNX with static shapes {job.static}")
     sx = job.export_static(job.out)
     feeds = job.feeds(sx)
     ev = qdq_evaluator(job)
-    prefill_qdq = qdq_twin(job, sx, job.out / "ort-qdq-twin", feeds)
+    prefill_qdq = qdq_twin(job, sx, job.out / "ort-qdq-twin", feeds, float_weight_type=float_weights)
     info = write_qnn_bundle(job.out, sx, job.prep.qm, feeds, activation_bits=job.activation_bits)
     job.report.notes += info["notes"]
-    job.report.notes.append("QNN itself cannot run here: the metrics come from the QDQ twin of the same static "
-                            "graphs (same bit widths, same mask fix) in onnxruntime CPU")
+    job.report.notes.append("the metrics above come from the QDQ twin of the same static graphs (same bit widths, "
+                            "same mask fix) in onnxruntime CPU" + ("" if soc else "; --soc DEVICE runs it on the HTP "
+                                                                   "emulator too (onnxruntime-qnn)"))
     for g in ("prefill", "decode"):
         job.report.details[f"inspection_{g}"] = inspect_graph(job.out / f"{g}.onnx", "qnn").summary()
     measure_qdq(job, prefill_qdq, ev)
+    if soc is not None:
+        _run_on_htp(job, soc, sx, prefill_qdq, ev)
 
 
 def _write(path, lm, plan, *, quantized=None, export=None, calibration=None) -> OverrideFile:

@@ -1,0 +1,131 @@
+"""The Hexagon HTP runner (onnxruntime-qnn's emulator) on the demo model's QDQ graphs: agreement with CPU QDQ,
+refused nodes named, the 8 Gen 1 adaptation, context binaries reloaded. Skipped without onnxruntime-qnn."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from workbench.devices import get_device
+from workbench.targets import get_target
+from workbench.targets.htp import (INSTALL, HtpRefused, backend_soc, float_layers_refused, htp_soc, htp_socs,
+                                   open_htp, qnn_available, refusals, soc_findings, write_context_binaries)
+
+needs_qnn = pytest.mark.skipif(not qnn_available(), reason=f"onnxruntime-qnn is not installed: {INSTALL}")
+
+
+@pytest.fixture(scope="module")
+def demo_qdq(tmp_path_factory):
+    """The demo model at INT8 as `convert --target ort-qdq` writes it (prefill + decode QDQ graphs)."""
+    from workbench.convert import convert
+    out = tmp_path_factory.mktemp("qdq")
+    convert("demo", "ort-qdq", out, bits=8, evaluate_outputs=False)
+    return out / "prefill.qdq.onnx", out / "decode.qdq.onnx"
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    from workbench.evaluate import encode_text, read_text
+    from workbench.assets import demo_text_path
+    from workbench.models import load_model
+    lm = load_model("demo")
+    return encode_text(lm.tokenizer, read_text(demo_text_path("heldout"))).tolist()[:128]
+
+
+def test_socs_come_from_the_device_profiles():
+    socs = htp_socs()
+    assert {k: (s.soc_model, s.arch) for k, s in socs.items()} == {
+        "snapdragon-8-gen-1": (36, 69), "snapdragon-8-gen-2": (43, 73), "snapdragon-8-gen-3": (57, 75),
+        "snapdragon-8-elite": (69, 79), "snapdragon-x-elite": (60, 73)}
+    assert htp_soc("8gen1").context_limit_bytes == 2 << 30 and htp_soc("8gen3").context_limit_bytes == 4 << 30
+    assert get_device("8gen1").to_dict()["htp_arch"]["value"] == 69
+    with pytest.raises(Exception, match="rk3588.*no Hexagon HTP"):
+        htp_soc("rk3588")
+
+
+def test_v69_refuses_the_plans_float_layers_before_compiling():
+    precisions = {"model.layers.0.mlp.up_proj": "int8", "lm_head": "fp16", "model.embed_tokens": "fp16"}
+    assert float_layers_refused(precisions, htp_soc("8gen1")) == ["lm_head", "model.embed_tokens"]
+    assert float_layers_refused(precisions, htp_soc("8gen2")) == []
+
+
+def test_inspect_names_the_16bit_lm_head_on_v69_only(demo_qdq):
+    (finding,) = soc_findings(demo_qdq[0], "8gen1")
+    assert finding.severity == "error" and finding.nodes == ["lm_head.weight.T"] and "HTP v69" in finding.message
+    assert soc_findings(demo_qdq[0], "8gen2") == []
+
+
+def test_refusals_parse_the_backends_log_once_per_node():
+    log = ("QNN.backendValidateOpConfig() failed for node `/lm_head/MatMul` of type `FullyConnected` with error code "
+           "3110\n... Unsupported nodes in QNN EP: { name: /lm_head/MatMul, type: MatMul }\n"
+           "QNN.backendValidateOpConfig() failed for node `/lm_head/MatMul_2` of type `FullyConnected` with error code "
+           "3110\n Unsupported nodes in QNN EP: { name: /lm_head/MatMul, type: MatMul }")
+    (node, op, why), = refusals(log)
+    assert node == "/lm_head/MatMul" and op == "FullyConnected" and "3110" in why and "v73" in why
+
+
+def test_htp_is_a_registered_runner():
+    t = get_target("htp")
+    assert t.runner is not None and t.runnable and t.convert is None
+
+
+@needs_qnn
+def test_profiles_match_what_the_backend_says_of_each_soc(demo_qdq):
+    for key, soc in htp_socs().items():
+        assert backend_soc(soc.soc_model, demo_qdq[1])["arch"] == soc.arch, key
+
+
+@needs_qnn
+def test_htp_runs_prefill_and_decode_like_cpu_qdq(demo_qdq, tokens):
+    from workbench.runtime.onnx_runner import OnnxCausalLM
+    htp = get_target("htp").runner(demo_qdq[0], demo_qdq[1], device="8gen3")  # CPU fallback off: all nodes on HTP
+    cpu = OnnxCausalLM(*demo_qdq)
+
+    def kl(a, b):
+        la, lb = (x - np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True)) - x.max(-1, keepdims=True)
+                  for x in (a.astype(np.float64), b.astype(np.float64)))
+        return float((np.exp(la) * (la - lb)).sum(-1).mean())
+    ids = np.array([tokens[:96]])
+    assert kl(cpu.logits(ids)[0], htp.logits(ids)[0]) < 1e-3
+    _, _, kv_h = htp.run_prefill(tokens[:64])
+    _, _, kv_c = cpu.run_prefill(tokens[:64])
+    steps_h, steps_c = [], []
+    for pos in range(64, 68):
+        h, kv_h, _ = htp.run_decode(tokens[pos], kv_h, pos)
+        c, kv_c, _ = cpu.run_decode(tokens[pos], kv_c, pos)
+        steps_h.append(h), steps_c.append(c)
+    assert kl(np.stack(steps_c), np.stack(steps_h)) < 1e-3
+
+
+@needs_qnn
+def test_8gen1_refuses_the_16bit_lm_head_naming_it(demo_qdq):
+    with pytest.raises(HtpRefused, match=r"Snapdragon 8 Gen 1 \(soc 36, HTP v69\) refuses 1 node.*/lm_head/MatMul "
+                                         r"\(FullyConnected: error 3110.*v73"):
+        open_htp(demo_qdq[0], device="8gen1")
+
+
+@needs_qnn
+def test_context_binaries_reload_with_identical_outputs(demo_qdq, tokens, tmp_path):
+    written = write_context_binaries({"prefill": demo_qdq[0]}, tmp_path, "8gen3")
+    (ctx,) = written
+    assert (tmp_path / "prefill_ctx.onnx").is_file() and ctx["bytes"] > 1e6 and ctx["bytes"] < ctx["limit_bytes"]
+    ids = np.array([tokens[:128]])
+    compiled = open_htp(demo_qdq[0], device="8gen3").logits(ids)
+    reloaded = open_htp(tmp_path / "prefill_ctx.onnx", device="8gen3").logits(ids)
+    np.testing.assert_array_equal(compiled, reloaded)
+
+
+@needs_qnn
+def test_convert_qnn_for_8gen1_adapts_the_lm_head_and_scores_on_htp(tmp_path):
+    from workbench.convert import convert
+    report = convert("demo", "qnn", tmp_path, bits=8, soc="8gen1", max_tokens=300)
+    # the demo plan keeps the embedding and lm_head float: both get 8-bit weights (only the MatMul is refused)
+    assert report.details["htp_adapted_layers"] == ["model.embed_tokens", "lm_head"]
+    assert any("lm_head" in n and "8-bit weights" in n for n in report.notes)
+    htp = report.details["htp"]
+    m = htp["measurement"]
+    assert htp["soc_model"] == 36 and m["prefill"]["kl_vs_simulation"] < 1e-3 and m["decode"]["tokens"] == 63
+    assert (tmp_path / "htp-snapdragon-8-gen-1" / "decode_ctx.onnx").is_file()
+    saved = json.loads((tmp_path / "conversion.json").read_text())
+    assert saved["details"]["htp"]["measurement"]["decode"]["kl_vs_simulation"] == m["decode"]["kl_vs_simulation"]

@@ -1,0 +1,486 @@
+"""Qualcomm Hexagon (HTP) through onnxruntime-qnn, ``htp``: Qualcomm's own backend compiles and runs the QDQ graphs.
+
+    runner = get_target("htp").runner("out/qnn/prefill.qdq.onnx", decode_path=..., device="8gen3")
+    runner.logits(ids)                                   # on the HTP emulator for soc 57 (HTP v75)
+    write_context_binaries({"prefill": p, "decode": d}, "out/qnn/htp", htp_soc("8gen3"))
+    m = measure_htp(float_graphs, qdq_graphs, ids, device="8gen1")   # HtpMeasurement
+
+``onnxruntime-qnn`` (``pip install --no-deps onnxruntime-qnn==2.7.0``) is Qualcomm's QNN execution
+provider as an onnxruntime plugin; on x86-64 its HTP backend emulates the NPU's fixed-point
+arithmetic for the SoC it is told (``soc_model``, from the device profile's ``qnn_soc_model``).
+Without a SoC it cannot finalise a graph; with CPU fallback off (always, here) a node the HTP
+refuses fails the session, and ``HtpRefused`` names each such node and why, from the backend's log.
+Context binaries (``<graph>_ctx.onnx`` + ``<graph>_ctx_qnn.bin``) are what a phone loads; their size
+is checked against the SoC's context limit (the profile's ``npu_memory_limit_gb``).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+
+from ..errors import PlanError, WorkbenchError
+from .registry import Target, register_target
+
+__all__ = ["INSTALL", "DEFAULT_DEVICE", "HtpUnavailable", "HtpRefused", "HtpSoc", "qnn_available", "htp_soc",
+           "htp_socs", "generation_rules", "float_layers_refused", "soc_findings", "htp_session_options", "open_htp", "backend_soc", "write_context_binaries",
+           "HtpMeasurement", "measure_htp", "TARGET"]
+
+INSTALL = "pip install --no-deps onnxruntime-qnn==2.7.0"
+DEFAULT_DEVICE = "8gen3"
+EP = "QNNExecutionProvider"
+GiB = 1 << 30
+
+
+class HtpUnavailable(WorkbenchError):
+    """onnxruntime-qnn is not installed: nothing can run on the HTP here."""
+
+
+class HtpRefused(PlanError):
+    """The HTP backend refused nodes of a graph for a SoC (CPU fallback is off)."""
+
+
+def qnn_available() -> bool:
+    try:
+        import onnxruntime_qnn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class HtpSoc:
+    """A Snapdragon as its device profile gives it: QNN's soc id, the HTP generation, the context limit."""
+
+    device: str  # the profile's key (`workbench devices`)
+    name: str
+    soc_model: int
+    arch: int  # 69, 73, 75, 79
+    context_limit_bytes: int | None
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} (soc {self.soc_model}, HTP v{self.arch})"
+
+
+def htp_socs() -> dict[str, HtpSoc]:
+    """Every device profile with a QNN soc id and an HTP generation."""
+    from ..devices import load_devices
+    return {k: _soc(d) for k, d in load_devices().items() if d.qnn_soc_model and d.htp_arch}
+
+
+def _soc(d) -> HtpSoc:
+    limit = int(d.npu_memory_limit_gb * GiB) if d.npu_memory_limit_gb else None
+    return HtpSoc(d.key, d.name, int(d.qnn_soc_model), int(d.htp_arch), limit)
+
+
+def htp_soc(device: str | HtpSoc | None = None) -> HtpSoc:
+    """The SoC of a device profile by name or alias (``8gen3``, ``Snapdragon 8 Elite``, ``sm8450``)."""
+    if isinstance(device, HtpSoc):
+        return device
+    from ..devices import get_device
+    d = get_device(device or DEFAULT_DEVICE)
+    if not d.qnn_soc_model or not d.htp_arch:
+        raise PlanError(f"device '{d.key}' has no Hexagon HTP (no qnn_soc_model / htp_arch in its profile); choose "
+                        f"one of: {', '.join(sorted(htp_socs()))}")
+    return _soc(d)
+
+
+def generation_rules() -> dict:
+    """What each HTP generation runs (``assets/targets/qnn.json`` ``htp_generations``)."""
+    from .base import load_rules
+    return load_rules("qnn")["htp_generations"]
+
+
+def float_layers_refused(precisions: Mapping[str, str | None], soc: HtpSoc) -> list[str]:
+    """Layers whose QDQ weights would be 16-bit (the plan keeps them float) on an HTP that refuses 16-bit weights."""
+    from ..plan import get_precision
+    if soc.arch >= generation_rules()["min_arch_16bit_weights"]:
+        return []
+    return [layer for layer, name in precisions.items()
+            if get_precision(name) is not None and get_precision(name).is_float]
+
+
+def soc_findings(onnx_path: str | Path, device: str | HtpSoc) -> list:
+    """``Finding``s for a QDQ graph on ``device``'s HTP generation: 16-bit MatMul weights below v73, by layer."""
+    import onnx
+    from .base import Finding
+    soc = htp_soc(device)
+    rules = generation_rules()
+    if soc.arch >= rules["min_arch_16bit_weights"]:
+        return []
+    proto = onnx.load(str(onnx_path), load_external_data=False)
+    wide = {i.name for i in proto.graph.initializer if i.data_type in (onnx.TensorProto.UINT16, onnx.TensorProto.INT16)}
+    readers: dict[str, list[str]] = {}
+    for n in proto.graph.node:
+        for i in n.input:
+            readers.setdefault(i, []).append(n.op_type)
+    weights = sorted({n.input[0].removesuffix("_quantized") for n in proto.graph.node
+                      if n.op_type == "DequantizeLinear" and n.input[0] in wide
+                      and any(op in ("MatMul", "Gemm") for op in readers.get(n.output[0], []))})
+    if not weights:
+        return []
+    return [Finding("error", "htp-generation", f"{soc.label} runs no 16-bit weights (HTP v"
+                    f"{rules['min_arch_16bit_weights']}+ does): {len(weights)} MatMul weight(s) are 16-bit, the "
+                    "backend refuses them (error 3110)", rules["fix"], nodes=weights)]
+
+
+def _require_qnn():
+    try:
+        import onnxruntime_qnn
+    except ImportError:
+        raise HtpUnavailable(f"onnxruntime-qnn is not installed, so nothing runs on the Hexagon HTP here: {INSTALL}") \
+            from None
+    return onnxruntime_qnn
+
+
+_EP_DEVICES: list | None = None
+
+
+def _ep_devices() -> list:
+    """Register the QNN plugin once per process; its devices from ``get_ep_devices``."""
+    global _EP_DEVICES
+    if _EP_DEVICES is None:
+        import onnxruntime as ort
+        qnn = _require_qnn()
+        if not any(d.ep_name == EP for d in ort.get_ep_devices()):
+            ort.register_execution_provider_library(EP, qnn.get_library_path())
+        _EP_DEVICES = [d for d in ort.get_ep_devices() if d.ep_name == EP]
+        if not _EP_DEVICES:
+            raise HtpUnavailable(f"onnxruntime-qnn is installed but offers no {EP} device; reinstall it: {INSTALL}")
+    return _EP_DEVICES
+
+
+def htp_session_options(soc: HtpSoc, *, context_file: str | Path | None = None) -> Callable:
+    """``f(SessionOptions)``: the HTP backend for ``soc``, CPU fallback off, and (``context_file``) the context
+    binary written beside it (``<context_file>`` + ``<stem>_qnn.bin``)."""
+    qnn = _require_qnn()
+    devices = _ep_devices()
+
+    def apply(opts) -> None:
+        opts.add_provider_for_devices(devices, {"backend_path": qnn.get_qnn_htp_path(),
+                                                "soc_model": str(soc.soc_model)})
+        opts.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+        opts.log_severity_level = 2  # the backend's refusals are warnings: keep them for HtpRefused
+        if context_file is not None:
+            opts.add_session_config_entry("ep.context_enable", "1")
+            opts.add_session_config_entry("ep.context_file_path", str(context_file))
+            opts.add_session_config_entry("ep.context_embed_mode", "0")
+    return apply
+
+
+@contextlib.contextmanager
+def _stderr_to(path: Path):
+    """The process's file descriptor 2 (where onnxruntime and QNN log) into ``path`` inside."""
+    import sys
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(path, "wb") as f:
+        os.dup2(f.fileno(), 2)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+_REFUSED = re.compile(r"failed for node `([^`]+)` of type `([^`]+)` with error code (\d+)")
+_UNSUPPORTED = re.compile(r"Unsupported nodes in QNN EP: \{ name: ([^,]+), type: ([^ }]+)")
+_ERRORS = {  # QNN op-validation codes seen from the HTP backend, and what they mean for a workbench plan
+    "3110": "the HTP generation does not support this operator's configuration (16-bit weights need HTP v73+)",
+}
+
+
+def refusals(log: str) -> list[tuple[str, str, str]]:
+    """``[(node, QNN op or ONNX op, why)]`` from onnxruntime-qnn's log, each refused node once.
+
+    The EP's 'Unsupported nodes' lines name the ONNX nodes; the backend's validation lines say why
+    (it validates a node again under a suffixed name, ``/lm_head/MatMul_2``, when it retries a partition).
+    """
+    why: dict[str, tuple[str, str]] = {}
+    for node, op, code in _REFUSED.findall(log):
+        why.setdefault(node, (op, f"error {code}: {_ERRORS.get(code, 'rejected by the backend op validator')}"))
+    out: dict[str, tuple[str, str, str]] = {}
+    for node, op in _UNSUPPORTED.findall(log):
+        node = node.strip()
+        match = why.get(node) or next((v for n, v in why.items() if re.fullmatch(re.escape(node) + r"_\d+", n)), None)
+        out.setdefault(node, (node, *(match or (op, "no QNN mapping for this node in the QNN execution provider"))))
+    if not out:  # validation failures without the summary line
+        out = {n: (n, op, r) for n, (op, r) in why.items()}
+    return list(out.values())
+
+
+def _session(path: str | Path, opts_fn: Callable, soc: HtpSoc):
+    """One HTP session, raising ``HtpRefused`` (naming each refused node) when the backend refuses any."""
+    import onnxruntime as ort
+    opts = ort.SessionOptions()
+    opts_fn(opts)
+    with tempfile.TemporaryDirectory(prefix="workbench-htp-") as tmp:
+        log = Path(tmp) / "qnn.log"
+        try:
+            with _stderr_to(log):
+                return ort.InferenceSession(str(path), opts)
+        except Exception as e:
+            _raise_refused(Path(path), soc, log.read_text(errors="replace"), e)
+
+
+def _raise_refused(path: Path, soc: HtpSoc, log: str, error: Exception):
+    found = refusals(log)
+    if found:
+        nodes = "; ".join(f"{n} ({op}: {why})" for n, op, why in found)
+        raise HtpRefused(f"{soc.label} refuses {len(found)} node(s) of {path.name}: {nodes}; change those layers' "
+                         f"precision in the plan (`workbench plan --target qnn --soc {soc.device}` says which) or "
+                         "choose a newer SoC") from None
+    raise HtpRefused(f"{soc.label} could not compile {path.name}: {str(error).strip().splitlines()[0]}") from None
+
+
+def open_htp(prefill_path: str | Path, decode_path: str | Path | None = None, *, threads: int | None = None,
+             device: str | HtpSoc | None = None):
+    """``OnnxCausalLM`` on the HTP emulator for ``device``: QDQ graphs or their ``_ctx.onnx`` context models."""
+    from ..runtime.onnx_runner import OnnxCausalLM
+    soc = htp_soc(device)
+    apply = htp_session_options(soc)
+    with tempfile.TemporaryDirectory(prefix="workbench-htp-") as tmp:
+        log = Path(tmp) / "qnn.log"
+        try:
+            with _stderr_to(log):
+                return OnnxCausalLM(prefill_path, decode_path, providers=(), threads=threads, session_options=apply)
+        except WorkbenchError:
+            raise
+        except Exception as e:
+            _raise_refused(Path(decode_path or prefill_path), soc, log.read_text(errors="replace"), e)
+
+
+CONTEXT_FILES = ("prefill_ctx.onnx", "decode_ctx.onnx")
+SOC_FILE = "htp.json"  # beside the context binaries: the device (SoC) they were compiled for
+
+
+def htp_runner(path: str | Path, *, threads: int | None = None, device: str | HtpSoc | None = None):
+    """The registry's runner: the context binaries in ``path`` (a folder ``convert --target qnn --soc`` wrote)
+    on the HTP emulator for the SoC recorded beside them, or ``device``; a QDQ or context graph file runs alone."""
+    import json
+    p = Path(path)
+    if p.is_file():
+        return open_htp(p, threads=threads, device=device)
+    if device is None and (p / SOC_FILE).is_file():
+        device = json.loads((p / SOC_FILE).read_text(encoding="utf-8")).get("device")
+    return open_htp(p / CONTEXT_FILES[0], p / CONTEXT_FILES[1], threads=threads, device=device)
+
+
+def backend_soc(soc_model: int, graph: str | Path) -> dict:
+    """What the HTP backend itself says of ``soc_model`` while compiling ``graph``: ``{"chip", "arch"}``.
+
+    From its verbose log ('... unsupported on soc SM8650', '... will overwrite it to 75'): the check
+    behind each profile's ``qnn_soc_model`` / ``htp_arch``. Runs in a child process: the plugin's log
+    level is fixed when it is registered.
+    """
+    import multiprocessing as mp
+    _require_qnn()
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_backend_soc_child, args=(queue, int(soc_model), str(graph)))
+    proc.start()
+    text = queue.get()
+    proc.join()
+    chip = re.search(r"unsupported on soc (\S+)", text)
+    arch = re.search(rf"associated with SoC {int(soc_model)}, will overwrite it to (\d+)", text)
+    return {"chip": chip.group(1) if chip else None, "arch": int(arch.group(1)) if arch else None}
+
+
+def _backend_soc_child(queue, soc_model: int, graph: str) -> None:
+    import onnxruntime as ort
+    ort.set_default_logger_severity(0)
+    qnn = _require_qnn()
+    with tempfile.TemporaryDirectory(prefix="workbench-htp-") as tmp:
+        log = Path(tmp) / "qnn.log"
+        with _stderr_to(log):
+            try:
+                opts = ort.SessionOptions()
+                opts.log_severity_level = 0
+                opts.add_provider_for_devices(_ep_devices(), {"backend_path": qnn.get_qnn_htp_path(),
+                                                              "soc_model": str(soc_model)})
+                opts.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+                ort.InferenceSession(graph, opts)
+            except Exception:
+                pass  # a refused node does not hide what the backend said of the SoC
+        queue.put(log.read_text(errors="replace"))
+
+
+def write_context_binaries(graphs: Mapping[str, str | Path], out_dir: str | Path, device: str | HtpSoc | None = None
+                           ) -> list[dict]:
+    """Compile each QDQ graph for the SoC into ``<name>_ctx.onnx`` + ``<name>_ctx_qnn.bin`` in ``out_dir``.
+
+    Returns ``[{"graph", "ctx", "bin", "bytes", "seconds"}]``; a binary over the SoC's context limit is refused.
+    """
+    soc = htp_soc(device)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, path in graphs.items():
+        ctx = out / f"{name}_ctx.onnx"
+        for old in (ctx, out / f"{name}_ctx_qnn.bin"):
+            old.unlink(missing_ok=True)
+        t0 = time.perf_counter()
+        _session(path, htp_session_options(soc, context_file=ctx), soc)
+        bins = sorted(out.glob(f"{name}_ctx*.bin"))
+        if not ctx.is_file() or not bins:
+            raise HtpRefused(f"onnxruntime-qnn wrote no context binary for {Path(path).name} ({soc.label})")
+        size = sum(b.stat().st_size for b in bins)
+        for b in bins:
+            if soc.context_limit_bytes and b.stat().st_size > soc.context_limit_bytes:
+                raise HtpRefused(f"{b.name} is {b.stat().st_size / GiB:.2f} GiB, over {soc.label}'s context limit of "
+                                 f"{soc.context_limit_bytes / GiB:.0f} GiB; split the model into several graphs "
+                                 "(fewer blocks each) or quantize more layers to 4 bits")
+        written.append({"graph": name, "ctx": str(ctx), "bin": [str(b) for b in bins], "bytes": size,
+                        "limit_bytes": soc.context_limit_bytes, "seconds": time.perf_counter() - t0})
+    import json
+    (out / SOC_FILE).write_text(json.dumps({"device": soc.device, "soc_model": soc.soc_model, "arch": soc.arch},
+                                           indent=2) + "\n", encoding="utf-8")
+    return written
+
+
+@dataclass
+class HtpMeasurement:
+    """One HTP evaluation (``measure_htp``): agreement with the float model and with the CPU QDQ simulation."""
+
+    device: str
+    soc_model: int
+    arch: int
+    prefill: dict  # kl_vs_float, top1_vs_float, kl_vs_simulation, top1_vs_simulation, tokens
+    decode: dict  # the same, teacher-forced after a prompt, every step; plus prompt
+    simulation: dict  # the CPU QDQ graphs against the float graphs: prefill and decode KL / top-1
+    context_bytes: int
+    context_files: list = field(default_factory=list)
+    compile_seconds: float = 0.0
+    eval_seconds: float = 0.0
+    peak_rss_bytes: int = 0  # of the process that compiled and ran (a child process of its own by default)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+class _Agreement:
+    """Running KL(ref || cand) and top-1 agreement over rows of logits."""
+
+    def __init__(self):
+        self.kl, self.top1, self.n = 0.0, 0, 0
+
+    def add(self, ref: np.ndarray, cand: np.ndarray) -> None:
+        r, c = _log_softmax(ref.astype(np.float64)), _log_softmax(cand.astype(np.float64))
+        self.kl += float(np.clip((np.exp(r) * (r - c)).sum(-1), 0, None).sum())
+        self.top1 += int((r.argmax(-1) == c.argmax(-1)).sum())
+        self.n += r.shape[0]
+
+    def result(self, prefix: str) -> dict:
+        n = max(self.n, 1)
+        return {f"kl_vs_{prefix}": self.kl / n, f"top1_vs_{prefix}": self.top1 / n}
+
+
+def _teacher_forced(runner, ids: Sequence[int], prompt: int) -> np.ndarray:
+    """Decode logits at positions prompt .. len(ids) - 2, each step fed the cache the steps before wrote."""
+    _, _, kv = runner.run_prefill(list(ids[:prompt]))
+    out = []
+    for pos in range(prompt, len(ids) - 1):
+        step, kv, _ = runner.run_decode(int(ids[pos]), kv, pos)
+        out.append(np.asarray(step, np.float32))
+    return np.stack(out)
+
+
+def _measure(float_graphs, qdq_graphs, windows, device, out_dir, prompt, decode_windows, threads) -> HtpMeasurement:
+    import resource
+    from ..runtime.onnx_runner import OnnxCausalLM
+    soc = htp_soc(device)
+    t0 = time.perf_counter()
+    ctx = write_context_binaries({"prefill": qdq_graphs[0], "decode": qdq_graphs[1]}, out_dir, soc)
+    compile_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    htp = open_htp(ctx[0]["ctx"], ctx[1]["ctx"], device=soc, threads=threads)
+    cpu = OnnxCausalLM(*qdq_graphs, threads=threads)
+    ref = OnnxCausalLM(*float_graphs, threads=threads) if float_graphs else None
+    acc = {k: _Agreement() for k in ("pf", "ps", "df", "ds", "sf", "sdf")}
+    for k, w in enumerate(windows):
+        w = np.asarray(w, np.int64)
+        h, c = htp.logits(w[None])[0, :-1], cpu.logits(w[None])[0, :-1]
+        acc["ps"].add(c, h)
+        if ref is not None:
+            f = ref.logits(w[None])[0, :-1]
+            acc["pf"].add(f, h)
+            acc["sf"].add(f, c)
+        if k < decode_windows and len(w) > prompt + 1:
+            hd, cd = _teacher_forced(htp, w, prompt), _teacher_forced(cpu, w, prompt)
+            acc["ds"].add(cd, hd)
+            if ref is not None:
+                acc["df"].add(f[prompt:], hd)
+                acc["sdf"].add(f[prompt:], cd)
+    prefill = {**acc["pf"].result("float"), **acc["ps"].result("simulation"), "tokens": acc["ps"].n}
+    decode = {**acc["df"].result("float"), **acc["ds"].result("simulation"), "tokens": acc["ds"].n,
+              "prompt": prompt}
+    sim = {"prefill": acc["sf"].result("float"), "decode": acc["sdf"].result("float")}
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return HtpMeasurement(soc.device, soc.soc_model, soc.arch, prefill, decode, sim,
+                          sum(c["bytes"] for c in ctx), ctx, compile_s, time.perf_counter() - t0, peak)
+
+
+def _measure_child(queue, args) -> None:
+    try:
+        queue.put(("ok", _measure(*args)))
+    except BaseException as e:  # handed back to the parent, which raises it there
+        queue.put(("error", e if isinstance(e, WorkbenchError) else RuntimeError(f"{type(e).__name__}: {e}")))
+
+
+def measure_htp(float_graphs: Sequence[str | Path] | None, qdq_graphs: Sequence[str | Path],
+                windows: Sequence[Sequence[int]], *, device: str | HtpSoc | None = None,
+                out_dir: str | Path | None = None, prompt: int | None = None, decode_windows: int | None = None,
+                threads: int | None = None, isolated: bool = True) -> HtpMeasurement:
+    """Compile the QDQ (prefill, decode) graphs for ``device``'s HTP, run them on the emulator, and compare.
+
+    ``windows``: token windows (each at most the static sequence length); prefill scores every
+    position, decode runs teacher-forced after ``prompt`` tokens (default half the window) on the
+    first ``decode_windows`` (default all), every step scored. Compared against the float graphs
+    (``float_graphs``, optional) and the CPU QDQ graphs (the simulation of what HTP runs). The
+    context binaries go to ``out_dir`` (a temporary folder by default). ``isolated`` runs it all in a
+    child process, so ``peak_rss_bytes`` is the HTP evaluation's own peak.
+    """
+    _require_qnn()
+    soc = htp_soc(device)
+    windows = [list(map(int, w)) for w in windows]
+    if not windows:
+        raise PlanError("measure_htp needs at least one token window")
+    prompt = prompt or max(1, len(windows[0]) // 2)
+    decode_windows = len(windows) if decode_windows is None else decode_windows
+    with contextlib.ExitStack() as stack:
+        if out_dir is None:
+            out_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="workbench-htp-ctx-"))
+        args = (list(map(str, float_graphs)) if float_graphs else None, list(map(str, qdq_graphs)), windows, soc,
+                str(out_dir), prompt, decode_windows, threads)
+        if not isolated:
+            return _measure(*args)
+        import multiprocessing as mp
+        ctx = mp.get_context("spawn")
+        queue = ctx.Queue()
+        proc = ctx.Process(target=_measure_child, args=(queue, args))
+        proc.start()
+        status, value = queue.get()
+        proc.join()
+        if status == "error":
+            raise value
+        return value
+
+
+TARGET = register_target(Target(
+    "htp", "Qualcomm Hexagon HTP (onnxruntime-qnn; the emulator on x86-64)", rules="qnn", runnable=True,
+    runner=htp_runner, files=CONTEXT_FILES, int_bits=(4, 8), float_bits=(16,), module=__name__,
+    precision_note="runs the QDQ graphs `convert --target qnn` writes: 4 and 8-bit weights, 16-bit ones on HTP v73+"))
