@@ -64,3 +64,14 @@ def test_bad_input_is_one_line(tmp_path, capsys):
     assert "--max-new-tokens must be at least 1" in capsys.readouterr().err
     assert main(["generate", "demo", "--prompt", "  "]) == 2
     assert "the prompt is empty" in capsys.readouterr().err
+
+
+def test_a_corrupt_conversion_record_is_named_with_the_option_that_passes_the_source(tmp_path, capsys):
+    from workbench.models import load_model
+    from workbench.onnx.export import export_onnx
+    export_onnx(load_model("demo"), tmp_path, check=False)
+    (tmp_path / "conversion.json").write_text('{"target": "ort-int4", "quantized_model": {', encoding="utf-8")
+    assert main(["generate", str(tmp_path), "--prompt", PROMPT, "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "conversion.json' is corrupt (not JSON" in err and "--source" in err and "\n" not in err
+    assert main(["generate", str(tmp_path), "--prompt", PROMPT, "--max-new-tokens", "2", "--source", "demo"]) == 0

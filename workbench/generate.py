@@ -208,6 +208,20 @@ def _conversion_source(directory: Path) -> tuple[Path | None, str | None]:
     return (Path(source) if source else None), doc.get("target")
 
 
+def _corrupt_conversion_record(directory: Path) -> str | None:
+    """Why ``directory``'s ``conversion.json`` cannot be read as a conversion record, or None (absent or fine)."""
+    path = directory / "conversion.json"
+    if not path.is_file():
+        return None
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        return "not UTF-8 text"
+    except ValueError as e:
+        return f"not JSON: {e}"
+    return None if isinstance(doc, dict) else f"a JSON {type(doc).__name__}, not an object"
+
+
 def _from_loaded(lm: LoadedModel, threads: int | None) -> TextGenerator:
     from .models import quantized_source, load_tokenizer_from
     tokenizer = lm.tokenizer or load_tokenizer_from(lm.path)
@@ -254,6 +268,11 @@ def open_model(model: str | Path | LoadedModel, *, tokenizer=None, source: str |
     src = recorded if recorded is not None else resolve_model_path(source) if source is not None else None
     own_tokenizer = any((folder / f).is_file() for f in TOKENIZER_FILES)
     if not (src is not None and (src / "config.json").is_file()) and not own_tokenizer and tokenizer is None:
+        corrupt = _corrupt_conversion_record(folder)
+        if corrupt:
+            raise ModelLoadError(f"'{folder / 'conversion.json'}' is corrupt ({corrupt}), so it cannot say which model "
+                                 "the folder was converted from: pass the float model's directory with --source "
+                                 "(`workbench generate FOLDER --source MODEL_DIR`), or convert again")
         raise ModelLoadError(f"'{folder}' does not name the model it was converted from (no conversion.json naming "
                              "one, or that model is gone): pass the float model's directory as source")
     runner = found.open(threads=threads)
