@@ -1,6 +1,8 @@
 """Shared fixtures: tiny models built from a config (never downloaded), and a scratch workspace."""
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -122,3 +124,23 @@ def browser_skips(playwright_found: bool) -> list:
                            "apt-get install -y chromium (as root; .ci/run does this), or set WORKBENCH_CHROMIUM"),
     ]
 
+
+
+@contextlib.contextmanager
+def workbench_notes():
+    """The messages the ``workbench`` logger gives at INFO (as the CLI sets it) while the block runs.
+
+    A handler on that logger itself, not caplog's on the root: the CLI stops propagation once it has run.
+    """
+    notes: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: notes.append(record.getMessage())
+    logger = logging.getLogger("workbench")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield notes
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)

@@ -103,28 +103,19 @@ def test_a_run_that_only_hurts_leaves_the_model_as_it_came(tmp_path):
 
 def test_training_text_without_newlines_is_read_only_as_far_as_the_steps_need(tmp_path):
     """A one-line training text far larger than the run needs is read in pieces, up to the token budget."""
-    import logging
     import types
+
+    from conftest import workbench_notes
 
     from transformers import AutoTokenizer
 
     from workbench.finetune import FinetuneConfig, training_token_budget, training_windows
-    from workbench.models import DEMO_MODEL_DIR
+    from workbench.assets import DEMO_MODEL_DIR
     lm = types.SimpleNamespace(tokenizer=AutoTokenizer.from_pretrained(DEMO_MODEL_DIR))
     p = tmp_path / "train.txt"
     p.write_text("the model learns from this sentence and the next one " * 400_000, encoding="utf-8")  # 21 MB
-    notes = []
-    handler = logging.Handler()
-    handler.emit = lambda record: notes.append(record.getMessage())
-    logger = logging.getLogger("workbench")
-    level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
+    with workbench_notes() as notes:
         windows = training_windows(lm, p, 64, max_tokens=64 * 100)
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
     assert windows.shape == (100, 64)
     assert len(notes) == 1 and notes[0].startswith("read only the first") and "enough for 6,400 training tokens" in notes[0]
     cfg = FinetuneConfig(steps=10, batch_size=2, seq_len=64)

@@ -1,5 +1,6 @@
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -184,7 +185,8 @@ def test_a_quantized_directory_loads_as_the_quantized_model(tiny_model_dir, tmp_
         assert torch.equal(q.model(x).logits, qm.build_model()(x).logits)
 
 
-def test_a_pickle_that_runs_a_command_is_refused_saying_what_and_the_fix(tiny_model_dir, tmp_path):
+def _pickled_command_checkpoint(tiny_model_dir, tmp_path, save) -> Path:
+    """A copy of the tiny model whose weights are a pickle that would run `touch tmp_path/ran`, written by ``save``."""
     import os
 
     class RunsACommand:
@@ -193,7 +195,12 @@ def test_a_pickle_that_runs_a_command_is_refused_saying_what_and_the_fix(tiny_mo
     d = tmp_path / "bin"
     shutil.copytree(tiny_model_dir, d)
     (d / "model.safetensors").unlink()
-    torch.save({"model.embed_tokens.weight": RunsACommand()}, d / "pytorch_model.bin")
+    save({"model.embed_tokens.weight": RunsACommand()}, d / "pytorch_model.bin")
+    return d
+
+
+def test_a_pickle_that_runs_a_command_is_refused_saying_what_and_the_fix(tiny_model_dir, tmp_path):
+    d = _pickled_command_checkpoint(tiny_model_dir, tmp_path, torch.save)
     with pytest.raises(ModelLoadError) as e:
         load_model(d)
     msg = str(e.value)
@@ -283,17 +290,12 @@ def test_a_damaged_tokenizer_json_is_named_by_info_and_by_loading(tiny_model_dir
 
 def test_a_plain_pickle_that_runs_a_command_is_refused_naming_the_global_without_a_warning(tiny_model_dir, tmp_path,
                                                                                           recwarn):
-    import os
     import pickle
 
-    class RunsACommand:
-        def __reduce__(self):
-            return os.system, (f"touch {tmp_path / 'ran'}",)
-    d = tmp_path / "bin"
-    shutil.copytree(tiny_model_dir, d)
-    (d / "model.safetensors").unlink()
-    with open(d / "pytorch_model.bin", "wb") as f:  # a plain pickle, not torch.save's zip
-        pickle.dump({"model.embed_tokens.weight": RunsACommand()}, f, protocol=4)
+    def plain_pickle(obj, path):  # a plain pickle, not torch.save's zip
+        with open(path, "wb") as f:
+            pickle.dump(obj, f, protocol=4)
+    d = _pickled_command_checkpoint(tiny_model_dir, tmp_path, plain_pickle)
     with pytest.raises(ModelLoadError, match=r"pytorch_model\.bin\) that holds GLOBAL posix\.system, not only tensors"):
         load_model(d)
     assert not (tmp_path / "ran").exists()

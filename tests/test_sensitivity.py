@@ -145,19 +145,9 @@ def test_killed_sweep_resumes_where_it_stopped(lm, workspace):
     done = json.loads((partial / PROGRESS_FILE).read_text())["trials"]
     assert len(done) == 4
 
-    import logging
-    notes = []
-    handler = logging.Handler()
-    handler.emit = lambda record: notes.append(record.getMessage())
-    logger = logging.getLogger("workbench")
-    level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)  # as the CLI sets it
-    try:
+    from conftest import workbench_notes
+    with workbench_notes() as notes:
         resumed = run_sensitivity(lm, tokens=TOKENS, precisions=two, workspace=workspace, progress=False)
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
     assert resumed.trials_run == 2 * len(lm.layers) - 4
     assert [n for n in notes if n.startswith("resuming the sensitivity sweep from ")] == \
         [f"resuming the sensitivity sweep from {partial / PROGRESS_FILE}: 4 of {2 * len(lm.layers)} trials were "
