@@ -5,6 +5,9 @@ import contextlib
 import logging
 import os
 import shutil
+import subprocess
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -144,3 +147,27 @@ def workbench_notes():
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
+
+
+def run_measured(cmd: list[str], *, timeout: float = 600) -> tuple[subprocess.CompletedProcess, int]:
+    """Run ``cmd`` with the package on its path; return it with that child's own peak resident memory in bytes.
+
+    ``os.wait4`` gives the child's own usage: ``RUSAGE_CHILDREN`` would be the largest of every child the
+    test session has waited for.
+    """
+    env = {**os.environ, "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, env=env)
+        deadline = time.monotonic() + timeout
+        while True:
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                break
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise subprocess.TimeoutExpired(cmd, timeout)
+            time.sleep(0.1)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0), err.seek(0)
+        done = subprocess.CompletedProcess(cmd, proc.returncode, out.read(), err.read())
+    return done, usage.ru_maxrss * 1024  # kilobytes on Linux

@@ -341,23 +341,20 @@ def test_a_jsonl_line_too_long_to_parse_is_refused(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_calibration_on_a_100mb_one_line_text_stays_bounded(tmp_path):
     """The case of the report: 8 x 128 tokens from a text that is one 100 MB line, in a child process."""
-    import os
-    import resource
-    import subprocess
     import sys
+
+    from conftest import run_measured
     big = tmp_path / "big.txt"
     words = "the quick brown fox jumps over the lazy dog and keeps running far away " * 10000
     with open(big, "w", encoding="utf-8") as f:
         for _ in range(100 * 1024 * 1024 // len(words) + 1):
             f.write(words)
     code = ("import json, sys; from transformers import AutoTokenizer; from workbench.data import load_calibration_set;"
-            "from workbench.models import DEMO_MODEL_DIR; tok = AutoTokenizer.from_pretrained(DEMO_MODEL_DIR);"
+            "from workbench.assets import DEMO_MODEL_DIR; tok = AutoTokenizer.from_pretrained(DEMO_MODEL_DIR);"
             "cs = load_calibration_set(sys.argv[1], tokenizer=tok, samples=8, seq_len=128);"
             "print(json.dumps({'n': len(cs), 'lens': [len(s) for s in cs.samples], 'note': cs.report.read_note,"
             "'first': tok.decode(cs.samples[0][:8])}))")
-    env = {**os.environ, "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    done = subprocess.run([sys.executable, "-c", code, str(big)], capture_output=True, text=True, timeout=600, env=env)
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    done, peak = run_measured([sys.executable, "-c", code, str(big)])
     assert done.returncode == 0, done.stderr[-2000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert out["n"] == 8 and out["lens"] == [128] * 8

@@ -7,6 +7,8 @@ import json
 import numpy as np
 import pytest
 
+from workbench.errors import WorkbenchError
+
 from workbench.devices import get_device
 from workbench.targets import get_target
 from workbench.targets.htp import (INSTALL, HtpRefused, backend_soc, float_layers_refused, htp_soc, htp_socs,
@@ -65,9 +67,11 @@ def test_refusals_parse_the_backends_log_once_per_node():
     assert node == "/lm_head/MatMul" and op == "FullyConnected" and "3110" in why and "v73" in why
 
 
-def test_htp_is_a_registered_runner():
+def test_htp_is_a_registered_runner(tmp_path):
     t = get_target("htp")
-    assert t.runner is not None and t.runnable and t.convert is None
+    assert t.runner is not None and t.runnable and t.convert is None and t.files == ("prefill_ctx.onnx", "decode_ctx.onnx")
+    with pytest.raises(WorkbenchError, match="has no prefill.qdq.onnx / decode.qdq.onnx"):
+        t.runner(tmp_path)
 
 
 @needs_qnn
@@ -79,7 +83,7 @@ def test_profiles_match_what_the_backend_says_of_each_soc(demo_qdq):
 @needs_qnn
 def test_htp_runs_prefill_and_decode_like_cpu_qdq(demo_qdq, tokens):
     from workbench.runtime.onnx_runner import OnnxCausalLM
-    htp = get_target("htp").runner(demo_qdq[0], demo_qdq[1], device="8gen3")  # CPU fallback off: all nodes on HTP
+    htp = get_target("htp").runner(demo_qdq[0].parent, device="8gen3")  # CPU fallback off: all nodes on HTP
     cpu = OnnxCausalLM(*demo_qdq)
 
     def kl(a, b):

@@ -16,7 +16,7 @@ NEEDS_TOOLKIT = pytest.mark.skipif(rknn.rknn_python() is None,
 
 @pytest.fixture(scope="module")
 def static_graphs(lm, tmp_path_factory):
-    from workbench.graph import export_onnx
+    from workbench.onnx.export import export_onnx
     out = tmp_path_factory.mktemp("rknn-static")
     return export_onnx(lm, out, static=(16, 32), check=False)
 

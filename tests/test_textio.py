@@ -2,9 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
-import resource
-import subprocess
 import sys
 
 import pytest
@@ -13,6 +10,7 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+from conftest import run_measured  # noqa: E402
 from workbench.errors import DataError  # noqa: E402
 from workbench.textio import READ_BYTES, iter_text, read_tokens, split_text, tokenize_bounded  # noqa: E402
 
@@ -99,22 +97,12 @@ def _big_one_line_file(path, mb: int) -> None:
             f.write(words)  # never a newline
 
 
-def _child_peak_bytes(cmd: list[str]) -> tuple[subprocess.CompletedProcess, int]:
-    """Run ``cmd`` and return it with the child's peak resident memory (ru_maxrss of finished children)."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    env = {**os.environ, "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    assert peak >= before
-    return done, peak * 1024  # kilobytes on Linux
-
-
 @pytest.mark.slow
 def test_eval_on_a_100mb_one_line_text_stays_bounded(tmp_path):
     """`eval --text` reads only its token budget of a huge one-line text, in bounded memory, and says so."""
     big = tmp_path / "big.txt"
     _big_one_line_file(big, 100)
-    done, peak = _child_peak_bytes([sys.executable, "-m", "workbench", "eval", "demo", "--text", str(big),
+    done, peak = run_measured([sys.executable, "-m", "workbench", "eval", "demo", "--text", str(big),
                                     "--max-tokens", "600", "--ctx", "128", "--json"])
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout)

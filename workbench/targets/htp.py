@@ -260,19 +260,26 @@ def open_htp(prefill_path: str | Path, decode_path: str | Path | None = None, *,
 
 
 CONTEXT_FILES = ("prefill_ctx.onnx", "decode_ctx.onnx")
+QDQ_FILES = ("prefill.qdq.onnx", "decode.qdq.onnx")
 SOC_FILE = "htp.json"  # beside the context binaries: the device (SoC) they were compiled for
 
 
 def htp_runner(path: str | Path, *, threads: int | None = None, device: str | HtpSoc | None = None):
     """The registry's runner: the context binaries in ``path`` (a folder ``convert --target qnn --soc`` wrote)
-    on the HTP emulator for the SoC recorded beside them, or ``device``; a QDQ or context graph file runs alone."""
+    on the HTP emulator for the SoC recorded beside them, or ``device``; a folder of QDQ graphs (ort-qdq's
+    ``prefill.qdq.onnx`` + ``decode.qdq.onnx``) compiled for ``device``; a single graph file runs alone."""
     import json
     p = Path(path)
     if p.is_file():
         return open_htp(p, threads=threads, device=device)
     if device is None and (p / SOC_FILE).is_file():
         device = json.loads((p / SOC_FILE).read_text(encoding="utf-8")).get("device")
-    return open_htp(p / CONTEXT_FILES[0], p / CONTEXT_FILES[1], threads=threads, device=device)
+    graphs = CONTEXT_FILES if (p / CONTEXT_FILES[0]).is_file() else QDQ_FILES
+    missing = [g for g in graphs if not (p / g).is_file()]
+    if missing:
+        raise WorkbenchError(f"'{p}' has no {' / '.join(missing)}: pass a folder `workbench convert --target qnn "
+                             "--soc DEVICE` wrote (its htp-DEVICE folder), or an ort-qdq output")
+    return open_htp(p / graphs[0], p / graphs[1], threads=threads, device=device)
 
 
 def backend_soc(soc_model: int, graph: str | Path) -> dict:
