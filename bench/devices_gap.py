@@ -72,18 +72,21 @@ def run_convert(model: str, target: str, bits: int, out: str, max_tokens: int | 
     return convert(model, target, out, bits=bits, max_tokens=max_tokens, static=STATIC).to_dict()
 
 
-def run_htp(model: str, qdq_dir: str, work: str, soc: str):
+def run_htp(model: str, qdq_dir: str, work: str, soc: str, n_windows: int = HTP_WINDOWS, prompt: int = PROMPT):
     """The float static graphs beside ort-qdq's QDQ graphs, compiled for ``soc`` and run on the HTP emulator."""
+    import json
     from workbench.models import load_model
     from workbench.onnx.export import export_onnx
     from workbench.targets.htp import measure_htp
-    lm = load_model(model)
-    fx = export_onnx(lm, Path(work) / "float", static=STATIC, check=False)
-    ids = heldout_ids(lm, None).tolist()
-    windows = [ids[k * STATIC[0]:(k + 1) * STATIC[0]] for k in range(HTP_WINDOWS)]
     q = Path(qdq_dir)
+    # the shapes ort-qdq exported (its static past is shortened on a model with fewer positions)
+    static = tuple(json.loads((q / "conversion.json").read_text())["details"]["qdq"]["static"])
+    lm = load_model(model)
+    fx = export_onnx(lm, Path(work) / "float", static=static, check=False)
+    ids = heldout_ids(lm, None).tolist()
+    windows = [ids[k * static[0]:(k + 1) * static[0]] for k in range(n_windows)]
     return measure_htp([fx.prefill_path, fx.decode_path], [q / "prefill.qdq.onnx", q / "decode.qdq.onnx"], windows,
-                       device=soc, out_dir=Path(work) / "ctx", decode_windows=HTP_DECODE_WINDOWS, prompt=PROMPT,
+                       device=soc, out_dir=Path(work) / "ctx", decode_windows=HTP_DECODE_WINDOWS, prompt=prompt,
                        isolated=False)
 
 
@@ -122,7 +125,7 @@ def gap_of(g: dict | None) -> str | None:
     if not g:
         return None
     if g.get("sim_kl") is not None and g["kl"] > GAP_KL_RATIO * g["sim_kl"] + GAP_KL_FLOOR:
-        return f"KL {g['kl']:.4f} > {GAP_KL_RATIO:g} x simulation {g['sim_kl']:.4f} + {GAP_KL_FLOOR:g}"
+        return f"KL {g['kl']:.2e} > {GAP_KL_RATIO:g} x simulation {g['sim_kl']:.2e} + {GAP_KL_FLOOR:g}"
     if g.get("top1_vs_sim") is not None and g["top1_vs_sim"] < GAP_TOP1:
         return f"top-1 vs simulation {g['top1_vs_sim']:.3f} < {GAP_TOP1:g}"
     if g.get("kl_vs_qdq") is not None and g["kl_vs_qdq"] > HTP_GAP_KL:
@@ -213,6 +216,9 @@ def main() -> int:
     ap.add_argument("--soc", default="8gen3", help="Snapdragon device profile for the HTP (default 8gen3)")
     ap.add_argument("--max-tokens", type=int, help="score the simulation, ort-qdq and MNN on the first N held-out "
                                                    "tokens (default: all)")
+    ap.add_argument("--windows", type=int, default=HTP_WINDOWS, help=f"128-token windows the HTP scores (default "
+                                                                    f"{HTP_WINDOWS}; the first also decoded)")
+    ap.add_argument("--prompt", type=int, default=PROMPT, help=f"HTP decode after this many tokens (default {PROMPT})")
     ap.add_argument("--targets", default=",".join(TARGETS))
     ap.add_argument("--html", help="also write the chart (plotly) here")
     ap.add_argument("--work", help="folder for what the targets write (default: a temporary one)")
@@ -245,10 +251,11 @@ def main() -> int:
                 rep, s, peak = in_child(run_convert, model, target, args.bits, str(work / target), args.max_tokens)
                 rows.append(convert_row(target, runtimes[target], rep, s, peak))
             elif target == "htp":
-                if not (work / "ort-qdq" / "prefill.qdq.onnx").is_file():
+                if not (work / "ort-qdq" / "conversion.json").is_file():
                     rows.append(absent_row(target, "needs ort-qdq's QDQ graphs: keep ort-qdq in --targets"))
                     continue
-                m, s, peak = in_child(run_htp, model, str(work / "ort-qdq"), str(work / "htp"), args.soc)
+                m, s, peak = in_child(run_htp, model, str(work / "ort-qdq"), str(work / "htp"), args.soc,
+                                      args.windows, args.prompt)
                 rows.append(htp_row(m, sim_kl, s, peak))
             else:
                 m, s, peak = in_child(run_rknn, model, args.bits, str(work / "rknn"))
