@@ -190,18 +190,19 @@ def _cell(g: dict | None, key: str, fmt: str) -> str:
 def format_table(rows: list[dict]) -> str:
     """The rows as a Markdown table (KL and top-1 against the float model; vs sim: top-1 against the simulation)."""
     head = ("| target | runtime | prefill KL | prefill top-1 | decode KL | decode top-1 | top-1 vs sim (pre / dec) "
-            "| MB | s | peak GiB | gap |")
+            "| positions (pre / dec) | MB | s | peak GiB | gap |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         p, d = r["prefill"], r["decode"]
         vs = f"{_cell(p, 'top1_vs_sim', '.4f')} / {_cell(d, 'top1_vs_sim', '.4f')}"
+        at = f"{_cell(p, 'positions', ',')} / {_cell(d, 'positions', ',')}"
         mb = "-" if r["bytes"] is None else f"{r['bytes'] / 1e6:.1f}"
         s = "-" if r["seconds"] is None else f"{r['seconds']:.0f}"
         gib = "-" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**30:.2f}"
         gap = f"**GAP** {r['gap']}" if r["gap"] else ""
         runtime = r["runtime"] + (f" ({r['note']})" if r["note"] else "")
         lines.append(f"| {r['target']} | {runtime} | {_cell(p, 'kl', '.2e')} | {_cell(p, 'top1', '.4f')} | "
-                     f"{_cell(d, 'kl', '.2e')} | {_cell(d, 'top1', '.4f')} | {vs} | {mb} | {s} | {gib} | {gap} |")
+                     f"{_cell(d, 'kl', '.2e')} | {_cell(d, 'top1', '.4f')} | {vs} | {at} | {mb} | {s} | {gib} | {gap} |")
     return "\n".join(lines)
 
 

@@ -55,6 +55,7 @@ def test_rows_flag_what_convert_and_the_htp_rule_would():
     assert len(table) == 2 + len(rows) and all(line.count("|") == table[0].count("|") for line in table)
     assert "**GAP**" in table[3] and "**GAP**" not in table[2]
     assert "make rknn-env" in table[-1] and "| - | - | - | - |" in table[-1]
+    assert "| 1,000 / 512 |" in table[3]  # positions scored: prefill / decode
 
 
 def test_gap_threshold_is_convert_rule():
