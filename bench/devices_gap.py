@@ -27,12 +27,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from workbench.convert import GAP_KL_FLOOR, GAP_KL_RATIO, GAP_TOP1  # noqa: E402
+from workbench.convert import DEFAULT_STATIC, GAP_KL_FLOOR, GAP_KL_RATIO, GAP_TOP1  # noqa: E402
 from workbench.targets.qnn import HTP_GAP_KL  # noqa: E402
 
 TARGETS = ("simulation", "ort-qdq", "mnn", "htp", "rknn")
 GRAPHS = ("prefill", "decode")
-STATIC = (128, 512)  # the static shapes convert writes by default (workbench.convert.DEFAULT_STATIC)
 HTP_WINDOWS, HTP_DECODE_WINDOWS, PROMPT = 4, 1, 64  # as bench/htp.py and convert --target qnn --soc score
 
 
@@ -63,13 +62,13 @@ def run_simulation(model: str, bits: int, max_tokens: int | None) -> dict:
     from workbench.evaluate import evaluate
     prep = prepare_models(model, bits=bits)
     ids = heldout_ids(prep.float_lm, max_tokens)
-    r = evaluate(prep.sim_lm.model, ids, reference=prep.float_lm.model, ctx=STATIC[0], progress=False)
+    r = evaluate(prep.sim_lm.model, ids, reference=prep.float_lm.model, ctx=DEFAULT_STATIC[0], progress=False)
     return {"kl_divergence": r.kl_divergence, "top1_agreement": r.top1_agreement, "tokens": r.tokens}
 
 
 def run_convert(model: str, target: str, bits: int, out: str, max_tokens: int | None) -> dict:
     from workbench.convert import convert
-    return convert(model, target, out, bits=bits, max_tokens=max_tokens, static=STATIC).to_dict()
+    return convert(model, target, out, bits=bits, max_tokens=max_tokens, static=DEFAULT_STATIC).to_dict()
 
 
 def run_htp(model: str, qdq_dir: str, work: str, soc: str, n_windows: int = HTP_WINDOWS, prompt: int = PROMPT):
@@ -92,7 +91,7 @@ def run_htp(model: str, qdq_dir: str, work: str, soc: str, n_windows: int = HTP_
 
 def run_rknn(model: str, bits: int, out: str):
     from workbench.targets.rknn import measure_rknn
-    return measure_rknn(model, bits=bits, out_dir=out, static=(STATIC[0], STATIC[1] - 1))
+    return measure_rknn(model, bits=bits, out_dir=out)
 
 
 def missing_toolchain(target: str) -> str | None:
@@ -107,7 +106,7 @@ def missing_toolchain(target: str) -> str | None:
         try:
             import MNN  # noqa: F401
         except ImportError:
-            return "MNN is not installed: pip install MNN"
+            return "MNN is not installed: pip install -c constraints.txt MNN"
     return None
 
 
