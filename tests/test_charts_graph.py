@@ -1,6 +1,6 @@
 """charts.graph: operator histogram, bytes per block and the conversion bars, each from the data given."""
 from workbench.charts.graph import (DOMAIN_COLORS, PROBLEM_COLOR, make_block_bytes_figure, make_conversion_figure,
-                                    make_op_histogram_figure)
+                                    make_device_gap_figure, make_op_histogram_figure)
 from workbench.onnx.inspect import OpCount
 
 
@@ -30,3 +30,14 @@ def test_conversion_bars_leave_out_what_did_not_run_and_mark_a_gap():
     assert list(sim.y) == [0.019, 0.02] and list(conv.y) == [0.02, 0.2]
     assert conv.marker.color[1] == PROBLEM_COLOR and conv.marker.color[0] != PROBLEM_COLOR
     assert list(conv.text) == ["top-1 vs sim 0.990", "top-1 vs sim 0.800"]
+
+
+def test_device_gap_bars_per_graph_mark_the_flagged_graph_and_skip_absent_targets():
+    rows = [{"target": "simulation", "prefill": {"kl": 0.004, "top1": 0.97}, "decode": None, "gap": None},
+            {"target": "rknn", "prefill": {"kl": 0.005, "top1": 0.96}, "decode": {"kl": 0.5, "top1": 0.5},
+             "gap": "decode: KL 0.5 > 1.5 x simulation 0.004 + 0.002"},
+            {"target": "htp", "prefill": None, "decode": None, "gap": None}]
+    pre, dec = make_device_gap_figure(rows).data
+    assert list(pre.x) == ["simulation", "rknn"] and list(pre.y) == [0.004, 0.005]
+    assert list(dec.x) == ["rknn"] and list(dec.y) == [0.5] and list(dec.marker.color) == [PROBLEM_COLOR]
+    assert PROBLEM_COLOR not in list(pre.marker.color) and list(pre.text) == ["top-1 0.970", "top-1 0.960"]

@@ -3,6 +3,7 @@
     make_op_histogram_figure(operator_inventory("out/onnx/decode.onnx"))
     make_block_bytes_figure(initializer_bytes_by_block("out/onnx/decode.onnx"))
     make_conversion_figure([report.to_dict() for report in reports])
+    make_device_gap_figure(rows)  # bench/devices_gap.py: prefill and decode KL per target
 
 Pure functions: data in, ``plotly.graph_objects.Figure`` out.
 """
@@ -10,7 +11,8 @@ from __future__ import annotations
 
 import plotly.graph_objects as go
 
-__all__ = ["make_op_histogram_figure", "make_block_bytes_figure", "make_conversion_figure", "DOMAIN_COLORS"]
+__all__ = ["make_op_histogram_figure", "make_block_bytes_figure", "make_conversion_figure", "make_device_gap_figure",
+           "DOMAIN_COLORS"]
 
 DOMAIN_COLORS = {"ai.onnx": "#457b9d", "com.microsoft": "#e76f51"}
 PROBLEM_COLOR = "#c0392b"
@@ -52,5 +54,23 @@ def make_conversion_figure(reports: list[dict], title: str = "Converted models a
                text=[f"top-1 vs sim {r['top1_agreement_vs_simulation']:.3f}" for r in runnable],
                textposition="outside")])
     fig.update_layout(title=title, barmode="group", yaxis_title="KL divergence to the float model",
+                      margin=dict(l=10, r=10, t=50, b=40))
+    return fig
+
+
+def make_device_gap_figure(rows: list[dict], title: str = "The simulation against the devices") -> go.Figure:
+    """Grouped bars per target (bench/devices_gap.py's rows): KL to the float model for prefill and decode, log
+    scale, top-1 against the float model as text; a flagged gap in red; targets that did not run left out."""
+    ran = [r for r in rows if r.get("prefill") or r.get("decode")]
+    bars = []
+    for graph, color in (("prefill", "#457b9d"), ("decode", "#a8dadc")):
+        got = [r for r in ran if r.get(graph)]
+        bars.append(go.Bar(
+            name=graph, x=[r["target"] for r in got], y=[r[graph]["kl"] for r in got],
+            marker_color=[PROBLEM_COLOR if graph in (r.get("gap") or "") else color for r in got],
+            text=[f"top-1 {r[graph]['top1']:.3f}" for r in got], textposition="outside",
+            hovertemplate="%{x} " + graph + ": KL %{y:.2e}, %{text}<extra></extra>"))
+    fig = go.Figure(bars)
+    fig.update_layout(title=title, barmode="group", yaxis_type="log", yaxis_title="KL divergence to the float model",
                       margin=dict(l=10, r=10, t=50, b=40))
     return fig
