@@ -108,4 +108,5 @@ def test_eval_on_a_100mb_one_line_text_stays_bounded(tmp_path):
     out = json.loads(done.stdout)
     assert out["tokens"] == 600 - out["windows"] and out["text_read"]["partial"]  # a window scores from its 2nd
     assert out["text_read"]["bytes_read"] < 4 * 1024 * 1024
-    assert peak < 1.5 * 1024 ** 3, f"peak resident memory {peak / 1024 ** 3:.2f} GB"
+    # generous: the model, its runtime and the scoring take 0.5-1.7 GB here; reading the whole file took ~10 GB
+    assert peak < 3 * 1024 ** 3, f"peak resident memory {peak / 1024 ** 3:.2f} GB"
