@@ -14,7 +14,7 @@ from ..errors import PlanError
 from ..plan import QuantPlan, get_precision
 from ..workspace import read_json_file
 
-__all__ = ["OverrideFile", "layer_precisions", "graph_names", "tensor_for", "read_json_object", "graph_consumers",
+__all__ = ["log_softmax", "OverrideFile", "layer_precisions", "graph_names", "tensor_for", "read_json_object", "graph_consumers",
            "half_layers", "layers_from_tensors", "block_role", "LINEAR_ROLES"]
 
 
@@ -112,3 +112,11 @@ def block_role(fqn: str) -> tuple[int, str] | None:
     if m and m.group(2) in LINEAR_ROLES:
         return int(m.group(1)), m.group(2)
     return None
+
+
+def log_softmax(x):
+    """Log-probabilities of logits ``x`` (numpy, last axis) in float64: what a runtime's outputs are scored with."""
+    import numpy as np
+    x = np.asarray(x, dtype=np.float64)
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))

@@ -27,6 +27,7 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 
 from ..errors import PlanError, WorkbenchError
+from .common import log_softmax
 from .registry import Target, register_target
 
 __all__ = ["INSTALL", "DEFAULT_DEVICE", "HtpUnavailable", "HtpRefused", "HtpSoc", "qnn_available", "htp_soc",
@@ -374,11 +375,6 @@ class HtpMeasurement:
         return asdict(self)
 
 
-def _log_softmax(x: np.ndarray) -> np.ndarray:
-    x = x - x.max(-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(-1, keepdims=True))
-
-
 class _Agreement:
     """Running KL(ref || cand) and top-1 agreement over rows of logits."""
 
@@ -386,7 +382,7 @@ class _Agreement:
         self.kl, self.top1, self.n = 0.0, 0, 0
 
     def add(self, ref: np.ndarray, cand: np.ndarray) -> None:
-        r, c = _log_softmax(ref.astype(np.float64)), _log_softmax(cand.astype(np.float64))
+        r, c = log_softmax(ref), log_softmax(cand)
         self.kl += float(np.clip((np.exp(r) * (r - c)).sum(-1), 0, None).sum())
         self.top1 += int((r.argmax(-1) == c.argmax(-1)).sum())
         self.n += r.shape[0]

@@ -42,6 +42,7 @@ import numpy as np
 
 from ..errors import WorkbenchError
 from .base import inspect_graph
+from .common import log_softmax
 from .registry import Target, register_target
 
 __all__ = ["write_rknn_bundle", "convert_rknn", "TARGET", "MASK_FILL", "RKNN_ENV_HINT", "rknn_python",
@@ -273,15 +274,9 @@ class RknnResult:
         return asdict(self)
 
 
-def _log_softmax(x: np.ndarray) -> np.ndarray:
-    x = x.astype(np.float64)
-    x = x - x.max(-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(-1, keepdims=True))
-
-
 def _score(ref: np.ndarray, sim: np.ndarray, got: np.ndarray, targets: np.ndarray) -> RknnScores:
     """Mean KL(ref || got), top-1 agreements and perplexities; rows are positions, ``targets`` -1 where unknown."""
-    lr, ls, lg = _log_softmax(ref), _log_softmax(sim), _log_softmax(got)
+    lr, ls, lg = log_softmax(ref), log_softmax(sim), log_softmax(got)
     pr = np.exp(lr)
     kl = lambda a: float(np.clip((pr * (lr - a)).sum(-1), 0, None).mean())  # noqa: E731
     has = targets >= 0
