@@ -23,6 +23,9 @@ resident memory (the child's ru_maxrss from os.wait4) are its own:
     convert       workbench convert RTN-OUT --target ort-int4 --out ...      (float MODEL --bits 4 without it)
     convert-genai the same with --target ort-genai (the fused graph onnxruntime-genai runs)
     convert-gguf  the same with --target llama.cpp (the plan's own integers as one GGUF, read back and checked)
+    convert-qdq   workbench convert MODEL --bits 8 --target ort-qdq --max-tokens 256 --out ...  (static QDQ prefill
+                  and decode graphs for the QNN execution provider, weights from the plan's integers, calibrated,
+                  both graphs scored on onnxruntime's CPU; 256 tokens: a decode window at 0.5B takes about a minute)
     prune         workbench prune MODEL --heads 0.25 --mlp 0.2 --head-unit query --importance-tokens 512
                   --eval-tokens 2048 --out ...  (Taylor importance, slicing, saving, before/after evaluation)
     distill       workbench distill PRUNED --teacher MODEL --mode lora --steps 8 --batch-size 1 --seq-len 256
@@ -41,8 +44,8 @@ go to <run-dir>/<shape>/logs/<step>.out and .err; a failed step shows its last e
 Prints one table: per shape and step, status, seconds, peak memory (MB/GB = 2^20/2^30 bytes),
 and the issue's targets beside them with whether each was met:
 - Qwen2.5-0.5B: RTN INT4 quantize + evaluation < 3 min and < 4 GB; AWQ INT4 < 15 min and
-  < 5 GB; sensitivity + automatic plan < 15 min; convert ort-int4 < 2 min and < 4 GB; prune < 5 min
-  and < 6 GB; distill (8 steps of 256 tokens) < 10 min and < 8 GB;
+  < 5 GB; sensitivity + automatic plan < 15 min; convert ort-int4 < 2 min and < 4 GB; convert ort-qdq
+  < 4 GB; prune < 5 min and < 6 GB; distill (8 steps of 256 tokens) < 10 min and < 8 GB;
 - Qwen2.5-1.5B: every step completes, each < 9 GB peak;
 - Qwen3-4B: RTN INT4 quantize and convert ort-int4 complete, each < 20 GB peak.
 With --layers the models are truncated: the targets are shown in parentheses, for orientation only.
@@ -69,14 +72,14 @@ from shapes import SHAPES  # noqa: E402  (no torch import: build_shape imports i
 
 SCALE_SHAPES = ("qwen2.5-0.5b", "qwen2.5-1.5b", "qwen3-4b")
 STEPS = ("info", "calibrate", "quantize-rtn", "quantize-awq", "quantize-gptq", "eval", "sensitivity", "plan", "export",
-         "convert", "convert-genai", "convert-gguf", "prune", "distill")
+         "convert", "convert-genai", "convert-gguf", "convert-qdq", "prune", "distill")
 ALIASES = {"load": ("info",), "quantize": ("quantize-rtn", "quantize-awq", "quantize-gptq"), "rtn": ("quantize-rtn",),
            "awq": ("quantize-awq",), "gptq": ("quantize-gptq",), "evaluate": ("eval",), "convert-ort-int4": ("convert",)}
 NEEDS = {"quantize-awq": "calibrate", "quantize-gptq": "calibrate", "plan": "sensitivity",
          "distill": "prune"}  # skipped when it failed
 COMMAND = {"quantize-rtn": "quantize", "quantize-awq": "quantize", "quantize-gptq": "quantize"}  # step -> subcommand
-OUTPUTS = ("rtn-int4", "awq-int4", "gptq-int4", "plan.json", "onnx", "ort-int4", "ort-genai", "llama.cpp", "pruned",
-           "distilled")  # removed unless --keep-outputs
+OUTPUTS = ("rtn-int4", "awq-int4", "gptq-int4", "plan.json", "onnx", "ort-int4", "ort-genai", "llama.cpp", "ort-qdq",
+           "pruned", "distilled")  # removed unless --keep-outputs
 GB = 1024.0  # MiB per GiB
 
 # (seconds, peak GiB) limits, None = no limit; a target always requires the step to complete.
@@ -84,6 +87,7 @@ _ALL_9GB = {step: (None, 9.0) for step in STEPS}
 TARGETS: dict[str, dict[str, tuple[float | None, float | None]]] = {
     "qwen2.5-0.5b": {"quantize-rtn": (180.0, 4.0), "quantize-awq": (900.0, 5.0), "sensitivity+plan": (900.0, None),
                      "convert": (120.0, 4.0), "convert-genai": (120.0, 4.0), "convert-gguf": (120.0, 4.0),
+                     "convert-qdq": (None, 4.0),
                      "prune": (300.0, 6.0), "distill": (600.0, 8.0)},
     "qwen2.5-1.5b": _ALL_9GB,
     "qwen3-4b": {"quantize-rtn": (None, 20.0), "convert": (None, 20.0)},
@@ -224,6 +228,8 @@ def detail(step: str, out: dict) -> str:
         "convert": [num("top1_agreement_vs_simulation", "top-1 vs sim {:.4f}")],
         "convert-genai": [num("top1_agreement_vs_simulation", "top-1 vs sim {:.4f}")],
         "convert-gguf": [_gguf_detail(out)],
+        "convert-qdq": [num("kl_divergence", "KL {:.2e}"), (out.get("decode") or {}).get("kl_divergence") is not None
+                        and f"decode KL {out['decode']['kl_divergence']:.2e}" or None],
         "prune": [num("parameters_after", "{:,} params kept"), num("seconds", "{:.1f} s in prune()")],
         "distill": [num("trainable_parameters", "{:,} trained"), num("seconds", "{:.1f} s in distill()")],
     }.get(step, [])
@@ -333,6 +339,9 @@ def step_command(step: str, model: Path, shape_dir: Path, args, rows: dict[str, 
         why = "quantize-rtn not run" if "quantize-rtn" not in rows else "quantize-rtn saved nothing"
         return ["convert", m, "--bits", "4", "--target", target, "--out", str(shape_dir / target),
                 "--json"], f"from the float model --bits 4 ({why})"
+    if step == "convert-qdq":
+        return ["convert", m, "--bits", "8", "--target", "ort-qdq", "--max-tokens", "256", "--out",
+                str(shape_dir / "ort-qdq"), "--json"], "256 evaluation tokens"
     if step == "prune":
         return ["prune", m, "--heads", "0.25", "--mlp", "0.2", "--head-unit", "query", "--importance-tokens", "512",
                 "--eval-tokens", "2048", "--out", str(shape_dir / "pruned"), "--json"], ""

@@ -40,6 +40,7 @@ from ..workspace import atomic_write_json
 from .base import inspect_graph
 from .common import OverrideFile, graph_names, layers_from_tensors, read_json_object, tensor_for
 from .ort_int4 import release_float_model
+from .qdq_weights import prequantize_weights
 from .registry import OverrideFormat, Target, check_precisions, register_target
 
 __all__ = ["MASK_RANGE", "ORT_TYPES", "FLOAT_WEIGHT_TYPE", "causal_mask_tensors", "ort_overrides",
@@ -236,7 +237,8 @@ def activation_ranges(graph: str | Path, feeds: Iterable[Mapping[str, np.ndarray
     proto = onnx.shape_inference.infer_shapes(onnx.load(str(graph), load_external_data=False))
     tensors, value_infos = MinMaxCalibrater.select_tensors_to_calibrate(
         SimpleNamespace(op_types_to_calibrate=list(op_types)), proto)
-    tensors = sorted(tensors)
+    weights = {n.output[0] for n in proto.graph.node if n.op_type == "DequantizeLinear"}  # pre-quantized weights
+    tensors = sorted(set(tensors) - weights)
     del proto.graph.output[:]
     for t in tensors:
         elem = value_infos[t].type.tensor_type.elem_type
@@ -317,16 +319,20 @@ def _widened(ranges, shared: Mapping[str, tuple[float, float]]):
 def quantize_qdq(float_onnx: str | Path, out_path: str | Path, feeds: Iterable[Mapping[str, np.ndarray]], *,
                  init_overrides: Mapping[str, list[dict]] | None = None, activation_bits: int = 16,
                  per_channel: bool = True, mask_range: float = MASK_RANGE,
-                 shared_ranges: Mapping[str, tuple[float, float]] | None = None) -> dict:
+                 shared_ranges: Mapping[str, tuple[float, float]] | None = None, quantized=None,
+                 export=None) -> dict:
     """Static QDQ quantization with onnxruntime's QNN configuration and ``init_overrides`` (``ort_overrides``).
 
     Activations get ``activation_bits`` (16 or 8, unsigned, as HTP wants); weights without an
     override 8 bit. A graph with external data gives a QDQ graph with external data. The activation
     ranges are onnxruntime's MinMax calibration, computed by ``activation_ranges`` and handed to its
-    quantizer, and the opset change 16-bit types need is made on the graph alone: the weights are in
-    memory once, while the quantizer writes their QDQ form. ``shared_ranges`` (``{tensor: (lo, hi)}``)
-    widens the calibrated ranges: the decode graph takes the prefill graph's (``paired_tensors``).
-    The result's ``ranges`` are the ranges used, ``{tensor: (lo, hi)}``.
+    quantizer, and the opset change 16-bit types need is made on the graph alone. With ``quantized``
+    (the plan's ``QuantizedModel``) and ``export`` (the graph's ``ExportResult``) the MatMul weights are
+    written first, from the plan's integers, one tensor at a time (``prequantize_weights``), and the
+    activations are calibrated on the graph with those weights: onnxruntime then never holds the
+    float weights. ``shared_ranges`` (``{tensor: (lo, hi)}``) widens the calibrated ranges: the decode
+    graph takes the prefill graph's (``paired_tensors``). The result's ``ranges`` are the ranges used,
+    ``{tensor: (lo, hi)}``; ``prequantized`` how many weights were written from the plan.
     """
     import onnx
     from onnxruntime.quantization import QuantType, quantize_static
@@ -343,10 +349,10 @@ def quantize_qdq(float_onnx: str | Path, out_path: str | Path, feeds: Iterable[M
                                 activation_type=QuantType[ACTIVATION_TYPES[activation_bits]],
                                 weight_type=QuantType.QUInt8, per_channel=per_channel,
                                 init_overrides=_with_quant_types(overrides, str(float_onnx)) or None)
-    sixteen = {QuantType.QInt16, QuantType.QUInt16}
-    needs_opset21 = config.activation_type in sixteen or config.weight_type in sixteen or any(
-        e.get("quant_type") in sixteen for entries in config.extra_options["TensorQuantOverrides"].values()
-        for e in entries)
+    wide_or_4bit = {QuantType.QInt16, QuantType.QUInt16, QuantType.QInt4, QuantType.QUInt4}  # DequantizeLinear-21 types
+    tensor_overrides = config.extra_options["TensorQuantOverrides"]
+    needs_opset21 = config.activation_type in wide_or_4bit or config.weight_type in wide_or_4bit or any(
+        e.get("quant_type") in wide_or_4bit for entries in tensor_overrides.values() for e in entries)
     out_path = Path(out_path)
     partial = out_path.parent / f".{out_path.name}.partial"  # graph and its data file named as they will stay
     shutil.rmtree(partial, ignore_errors=True)
@@ -354,10 +360,18 @@ def quantize_qdq(float_onnx: str | Path, out_path: str | Path, feeds: Iterable[M
     root = logging.getLogger()  # the quantizer logs advice to the root logger; keep CLI and notebook output clean
     level = root.level
     root.setLevel(logging.ERROR)
-    converted = None
+    converted = side = None
+    written: set[str] = set()
     try:
         converted = _quantizable_graph(float_onnx, needs_opset21)
         graph = converted or float_onnx
+        excluded: list[str] = []
+        if quantized is not None:
+            side, written, excluded = prequantize_weights(graph, quantized, export, tensor_overrides,
+                                                          _side_graph(float_onnx, "qweights"))
+            for t in written:
+                del tensor_overrides[t]
+            graph = side
         ranges = activation_ranges(graph, feeds, config.op_types_to_quantize)
         if shared_ranges:
             ranges = _widened(ranges, shared_ranges)
@@ -368,7 +382,7 @@ def quantize_qdq(float_onnx: str | Path, out_path: str | Path, feeds: Iterable[M
                         calibrate_method=config.calibrate_method, quant_format=config.quant_format,
                         activation_type=config.activation_type, weight_type=config.weight_type,
                         op_types_to_quantize=config.op_types_to_quantize, nodes_to_quantize=config.nodes_to_quantize,
-                        nodes_to_exclude=config.nodes_to_exclude, per_channel=config.per_channel,
+                        nodes_to_exclude=list(config.nodes_to_exclude or []) + excluded, per_channel=config.per_channel,
                         reduce_range=config.reduce_range, use_external_data_format=config.use_external_data_format,
                         extra_options=config.extra_options)
         (partial / "ranges.json").unlink()
@@ -377,11 +391,12 @@ def quantize_qdq(float_onnx: str | Path, out_path: str | Path, feeds: Iterable[M
     finally:
         root.setLevel(level)
         shutil.rmtree(partial, ignore_errors=True)
-        if converted is not None:
-            converted.unlink(missing_ok=True)
-            Path(str(converted) + ".data").unlink(missing_ok=True)
+        for g in (converted, side):
+            if g is not None:
+                g.unlink(missing_ok=True)
+                Path(str(g) + ".data").unlink(missing_ok=True)
     return {"mask_tensors": mask, "mask_range": mask_range, "activation_bits": activation_bits,
-            "per_channel": per_channel, "ranges": used}
+            "per_channel": per_channel, "ranges": used, "prequantized": len(written)}
 
 
 def decode_shared_ranges(prefill_onnx: str | Path, decode_onnx: str | Path,
@@ -408,12 +423,16 @@ def qdq_twin(job, static_export, qdq_dir: Path, feeds: Mapping[str, list], *,
     report.notes += notes
     job.say(f"quantizing to QDQ (A{job.activation_bits}, weights as the plan says)")
     infos, paths = {}, [qdq_dir / "prefill.qdq.onnx", qdq_dir / "decode.qdq.onnx"]
+    weights = {"quantized": job.prep.qm, "export": static_export}
     infos["prefill"] = quantize_qdq(static_export.prefill_path, paths[0], feeds["prefill"],
-                                    init_overrides=doc["init_overrides"], activation_bits=job.activation_bits)
+                                    init_overrides=doc["init_overrides"], activation_bits=job.activation_bits, **weights)
     shared = decode_shared_ranges(static_export.prefill_path, static_export.decode_path, infos["prefill"]["ranges"])
     infos["decode"] = quantize_qdq(static_export.decode_path, paths[1], feeds["decode"],
                                    init_overrides=doc["init_overrides"], activation_bits=job.activation_bits,
-                                   shared_ranges=shared)
+                                   shared_ranges=shared, **weights)
+    report.notes.append(f"{infos['prefill']['prequantized']} weights written from the plan's integers (per-channel "
+                        "plans: its codes and scales; others: onnxruntime's parameters), one tensor at a time; the "
+                        "activations calibrated with those weights in place")
     report.notes.append(f"the decode graph's activation ranges cover the prefill graph's for the same quantities "
                         f"({len(shared)} tensors, the KV-cache inputs as the prefill graph writes them): its own "
                         f"calibration has one token per sample ({len(feeds['decode'])})")
