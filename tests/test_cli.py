@@ -171,6 +171,45 @@ def test_every_whole_number_option_refuses_below_its_minimum_in_one_line(cmd, op
     assert err[1] == f"workbench {cmd}: see `workbench {cmd} --help` for the options"
 
 
+def _number_options():
+    from workbench.cli import build_parser
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    for cmd, p in sub.choices.items():
+        for a in p._actions:
+            yield cmd, a.option_strings[-1] if a.option_strings else a.dest, a.type
+
+
+def _out_of_range(bounds) -> list[str]:
+    low, high, low_open, high_open = bounds
+    bad = ["nan", "inf", "x"]
+    if low is not None:
+        bad.append(f"{low:g}" if low_open else f"{low - 0.5:g}")
+    if high is not None:
+        bad.append(f"{high:g}" if high_open else f"{high + 0.5:g}")
+    return bad
+
+
+def test_no_option_takes_an_unchecked_float():
+    """Every real-valued option is a range-checked ``number``: a bare ``float`` takes nan, inf and any sign."""
+    bare = [f"{cmd} {opt}" for cmd, opt, t in _number_options() if t is float]
+    assert not bare, "options parsed with a bare float: " + ", ".join(bare)
+    assert len([1 for *_, t in _number_options() if hasattr(t, "bounds")]) >= 15
+
+
+@pytest.mark.parametrize("cmd, option, parse", [o for o in _number_options() if hasattr(o[2], "bounds")])
+def test_every_number_option_refuses_what_is_out_of_its_range_in_one_line(cmd, option, parse, capsys):
+    for value in _out_of_range(parse.bounds):
+        with pytest.raises(SystemExit) as e:
+            main([cmd, f"{option}={value}"])
+        err = capsys.readouterr().err.splitlines()
+        assert e.value.code == 2 and len(err) == 2, err
+        assert err[0].startswith(f"workbench {cmd}: error: argument {option}: must be "), err
+    low, high, low_open, high_open = parse.bounds
+    inside = (low + (1e-3 if low_open else 0)) if low is not None else (high - 1 if high is not None else 1.0)
+    assert parse(f"{inside:g}") == pytest.approx(inside)
+
+
 def test_eval_ctx_stride_batch_are_checked_before_any_work(capsys):
     for argv, what in ((["--ctx", "0"], "--ctx: must be at least 2"), (["--ctx", "1"], "--ctx: must be at least 2"),
                        (["--stride", "0"], "--stride: must be at least 1"),

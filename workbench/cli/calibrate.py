@@ -9,7 +9,7 @@ from ..calibrate import OUTLIER_FACTOR, calibrate
 from ..data import DEFAULT_SAMPLES, DEFAULT_SEQ_LEN
 from ..models import load_model
 from ..workspace import Workspace
-from .common import count, add_device_argument, add_json_flag, add_model_argument, print_json
+from .common import count, number, add_device_argument, add_json_flag, add_model_argument, print_json
 
 HELP = "activation statistics (per-channel magnitudes, outliers) over a calibration set"
 
@@ -25,7 +25,7 @@ def add_arguments(p):
     p.add_argument("--seed", type=count(0), default=0, help="sampling seed (default 0)")
     p.add_argument("--bilingual", action="store_true",
                    help="the set is for a Chinese-English model: warn when Chinese:English is below 1:1")
-    p.add_argument("--outlier-factor", type=float, default=OUTLIER_FACTOR,
+    p.add_argument("--outlier-factor", type=number(0, low_open=True), default=OUTLIER_FACTOR,
                    help=f"a channel is an outlier above this multiple of the median channel abs-max "
                         f"(default {OUTLIER_FACTOR:g})")
     p.add_argument("--workspace", help="workspace directory (default ./workspace or $WORKBENCH_WORKSPACE)")

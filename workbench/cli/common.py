@@ -41,6 +41,28 @@ def count(minimum: int = 1, zero: str | None = None):
     parse.__name__ = f"whole number >= {minimum}"
     return parse
 
+def number(low: float | None = None, high: float | None = None, *, low_open: bool = False, high_open: bool = False):
+    """An argparse type: a finite number in the given range (an open end excludes its bound), refused before any
+    work with the range it must lie in."""
+    import math
+
+    def parse(value: str) -> float:
+        try:
+            x = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number, not {value!r}") from None
+        too_low = low is not None and (x <= low if low_open else x < low)
+        too_high = high is not None and (x >= high if high_open else x > high)
+        if not math.isfinite(x) or too_low or too_high:
+            raise argparse.ArgumentTypeError(f"must be {parse.__name__}, got {value}")
+        return x
+    ends = [f"{'>' if low_open else '>='} {low:g}" if low is not None else None,
+            f"{'<' if high_open else '<='} {high:g}" if high is not None else None]
+    parse.__name__ = "a finite number" + (" " + " and ".join(e for e in ends if e) if any(ends) else "")
+    parse.bounds = (low, high, low_open, high_open)
+    return parse
+
+
 def add_budget_argument(p):
     """``--max-tokens``: how much of the evaluation text to score (default: sized to the model)."""
     p.add_argument("--max-tokens", type=_budget, default="auto",

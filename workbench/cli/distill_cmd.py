@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from ..distill import MODES, DistillConfig, distill
 from ..plan import QuantPlan
-from .common import count, add_json_flag, add_model_argument, print_json
+from .common import count, number, add_json_flag, add_model_argument, print_json
 
 HELP = "distil a pruned or quantized student from its original model; writes the trained student"
 
@@ -24,19 +24,19 @@ def add_arguments(p):
     p.add_argument("--plan", help="precision plan JSON: train quantization-aware for it")
     p.add_argument("--data", help="training text (default: the demo model's calibration text)")
     p.add_argument("--steps", type=count(1), default=_D.steps, help=f"optimizer steps (default {_D.steps})")
-    p.add_argument("--temperature", type=float, default=_D.temperature,
+    p.add_argument("--temperature", type=number(0, low_open=True), default=_D.temperature,
                    help=f"soft-label temperature at the start (default {_D.temperature:g})")
-    p.add_argument("--temperature-decay", type=float, default=_D.temperature_decay,
+    p.add_argument("--temperature-decay", type=number(0, 1, high_open=True), default=_D.temperature_decay,
                    help=f"fraction the temperature shrinks each epoch (default {_D.temperature_decay:g})")
-    p.add_argument("--lr", type=float, default=_D.lr, help=f"peak learning rate (default {_D.lr:g})")
+    p.add_argument("--lr", type=number(0, low_open=True), default=_D.lr, help=f"peak learning rate (default {_D.lr:g})")
     p.add_argument("--batch-size", type=count(1), default=_D.batch_size)
     p.add_argument("--seq-len", type=count(2), default=_D.seq_len)
-    p.add_argument("--validation-fraction", type=float, default=_D.validation_fraction,
+    p.add_argument("--validation-fraction", type=number(0, 1, high_open=True), default=_D.validation_fraction,
                    help="share of the training windows held back to choose the step kept "
                         f"(default {_D.validation_fraction:g})")
-    p.add_argument("--hard", type=float, default=_D.hard_weight, help="weight of the hard-label cross-entropy")
-    p.add_argument("--hidden", type=float, default=_D.hidden_weight, help="weight of the hidden-state cosine term")
-    p.add_argument("--attention", type=float, default=_D.attention_weight, help="weight of the attention-map MSE")
+    p.add_argument("--hard", type=number(0), default=_D.hard_weight, help="weight of the hard-label cross-entropy")
+    p.add_argument("--hidden", type=number(0), default=_D.hidden_weight, help="weight of the hidden-state cosine term")
+    p.add_argument("--attention", type=number(0), default=_D.attention_weight, help="weight of the attention-map MSE")
     p.add_argument("--mode", choices=MODES, default=_D.mode, help="train the whole student or LoRA adapters")
     p.add_argument("--gradient-checkpointing", action="store_true",
                    help="keep only each block's input for backward and recompute the rest (less memory, one more "

@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 from ..finetune import FinetuneConfig, finetune_lora
-from .common import count, add_json_flag, add_model_argument, print_json
+from .common import count, number, add_json_flag, add_model_argument, print_json
 
 HELP = "LoRA fine-tuning on your text before quantizing; writes a merged model directory"
 
@@ -21,7 +21,7 @@ def add_arguments(p):
     p.add_argument("--steps", type=count(1), default=_DEFAULTS.steps, help=f"optimizer steps (default {_DEFAULTS.steps})")
     p.add_argument("--rank", type=count(1), default=_DEFAULTS.rank, help=f"LoRA rank (default {_DEFAULTS.rank})")
     p.add_argument("--alpha", type=count(1), default=_DEFAULTS.alpha, help=f"LoRA alpha (default {_DEFAULTS.alpha})")
-    p.add_argument("--lr", type=float, default=_DEFAULTS.lr, help=f"peak learning rate (default {_DEFAULTS.lr:g})")
+    p.add_argument("--lr", type=number(0, low_open=True), default=_DEFAULTS.lr, help=f"peak learning rate (default {_DEFAULTS.lr:g})")
     p.add_argument("--batch-size", type=count(1), default=_DEFAULTS.batch_size,
                    help=f"windows per step (default {_DEFAULTS.batch_size})")
     p.add_argument("--seq-len", type=count(2), default=_DEFAULTS.seq_len,

@@ -16,7 +16,7 @@ import sys
 
 from ..generate import DEFAULT_MAX_NEW_TOKENS, open_model
 from ..runtime.stream import Sampling
-from .common import count, add_json_flag, add_model_argument, print_json
+from .common import count, number, add_json_flag, add_model_argument, print_json
 
 HELP = "stream a model's continuation of a prompt (converted, quantized or float) with its tokens/s"
 
@@ -27,7 +27,7 @@ def add_arguments(p):
     p.add_argument("--prompt", required=True, help="the text to continue")
     p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
                    help="stop after this many new tokens (default %(default)s)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); above 0: sample")
+    p.add_argument("--temperature", type=number(0), default=0.0, help="0: greedy (default); above 0: sample")
     p.add_argument("--top-k", type=count(1), default=None, help="sample among the k most likely tokens (default: all)")
     p.add_argument("--seed", type=count(0), default=0, help="seed of the sampling (default 0)")
     p.add_argument("--threads", type=count(1), default=1, help="runtime threads (default 1)")

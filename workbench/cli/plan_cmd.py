@@ -17,7 +17,7 @@ from ..models import load_model
 from ..plan import QuantPlan
 from ..sensitivity import LayerVariants, PlanEvaluator, evaluation_tokens
 from ..units import format_bytes
-from .common import count, add_device_argument, add_json_flag, add_model_argument, print_json
+from .common import count, number, add_device_argument, add_json_flag, add_model_argument, print_json
 from .sensitivity import add_sweep_arguments, sweep
 
 HELP = "automatic mixed-precision plan under a size or bits/weight budget, predicted and measured"
@@ -26,7 +26,7 @@ HELP = "automatic mixed-precision plan under a size or bits/weight budget, predi
 def add_arguments(p):
     add_model_argument(p)
     budget = p.add_mutually_exclusive_group(required=True)
-    budget.add_argument("--bits-per-weight", type=float, help="average bits per weight (all parameters)")
+    budget.add_argument("--bits-per-weight", type=number(0, 32, low_open=True), help="average bits per weight (all parameters)")
     budget.add_argument("--size", type=count(1), help="total weight bytes")
     p.add_argument("--out", required=True, help="where to write the plan JSON (a new file, or an earlier plan)")
     p.add_argument("--eval-tokens", type=count(2), default=None,

@@ -15,7 +15,7 @@ from ..errors import PlanError
 from ..models import is_quantized_dir, resolve_model_path
 from ..plan import QuantPlan
 from ..units import format_bytes
-from .common import count, add_json_flag, add_model_argument, print_json
+from .common import count, number, add_json_flag, add_model_argument, print_json
 
 HELP = "project memory, decode tokens/s and prefill time of a model and plan on a device"
 BITS = {16: "fp16", 8: "int8", 4: "int4"}
@@ -31,12 +31,12 @@ def add_arguments(p):
     p.add_argument("--embeddings", default="fp16", help="with --bits: precision of the embedding and lm_head "
                    "(default fp16, as QuantPlan.uniform)")
     p.add_argument("--context", type=count(1), default=1024, help="tokens in the KV cache while decoding (default 1024)")
-    p.add_argument("--ram-gb", type=float, help="RAM of your phone or board in GB, where the device profile (a "
+    p.add_argument("--ram-gb", type=number(0, low_open=True), help="RAM of your phone or board in GB, where the device profile (a "
                    "SoC's) does not know it or differs")
     p.add_argument("--prompt", type=count(1), default=128, help="prompt tokens for the prefill bound (default 128)")
-    p.add_argument("--claim-decode", type=float, help="a published decode tokens/s to hold against the bound")
-    p.add_argument("--claim-peak-gb", type=float, help="a published peak memory (GB) to hold against the weights")
-    p.add_argument("--claim-ttft-ms", type=float, help="a published time to first token (ms)")
+    p.add_argument("--claim-decode", type=number(0, low_open=True), help="a published decode tokens/s to hold against the bound")
+    p.add_argument("--claim-peak-gb", type=number(0, low_open=True), help="a published peak memory (GB) to hold against the weights")
+    p.add_argument("--claim-ttft-ms", type=number(0, low_open=True), help="a published time to first token (ms)")
     add_json_flag(p)
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from ..errors import PlanError
 from ..prune import DEFAULT_IMPORTANCE_TOKENS, HEAD_UNITS, SCORES, SPREADS, PrunePlan, prune
 from ..workspace import Workspace
-from .common import count, plus_minus, add_json_flag, add_model_argument, print_json
+from .common import count, number, plus_minus, add_json_flag, add_model_argument, print_json
 
 HELP = "prune attention heads and MLP channels by importance; writes a smaller model directory"
 
@@ -21,8 +21,8 @@ HELP = "prune attention heads and MLP channels by importance; writes a smaller m
 def add_arguments(p):
     add_model_argument(p)
     p.add_argument("--plan", help="pruning plan JSON (fractions removed, per-layer ratios or kept lists)")
-    p.add_argument("--heads", type=float, help="fraction of the model's heads removed (without --plan)")
-    p.add_argument("--mlp", type=float, help="fraction of the model's MLP channels removed (without --plan)")
+    p.add_argument("--heads", type=number(0, 1, high_open=True), help="fraction of the model's heads removed (without --plan)")
+    p.add_argument("--mlp", type=number(0, 1, high_open=True), help="fraction of the model's MLP channels removed (without --plan)")
     p.add_argument("--spread", choices=SPREADS, default="global",
                    help="global: the least important units of the prunable layers, wherever they are, so layers "
                         "keep different counts (default); layer: every prunable layer loses the same fraction")
