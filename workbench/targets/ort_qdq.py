@@ -43,7 +43,7 @@ from .ort_int4 import release_float_model
 from .qdq_weights import prequantize_weights
 from .registry import OverrideFormat, Target, check_precisions, register_target
 
-__all__ = ["MASK_RANGE", "ORT_TYPES", "FLOAT_WEIGHT_TYPE", "causal_mask_tensors", "ort_overrides",
+__all__ = ["MASK_RANGE", "ORT_TYPES", "FLOAT_WEIGHT_TYPE", "causal_mask_tensors", "ort_overrides", "lean_session",
            "write_ort_overrides", "load_ort_overrides", "read_ort_overrides", "activation_ranges", "quantize_qdq",
            "paired_tensors", "decode_shared_ranges", "qdq_twin", "open_qdq_graphs", "TARGET"]
 
@@ -223,6 +223,13 @@ def _quantizable_graph(float_onnx: Path, needs_opset21: bool) -> Path | None:
     return path
 
 
+def lean_session(options) -> None:
+    """No memory arena and no memory pattern: a session over weights behind ``DequantizeLinear`` otherwise keeps
+    every dequantized weight's buffer (calibration at the Qwen2.5-0.5B shape: 4.0 GB resident, 2.6 GB without)."""
+    options.enable_mem_pattern = False
+    options.enable_cpu_mem_arena = False
+
+
 def activation_ranges(graph: str | Path, feeds: Iterable[Mapping[str, np.ndarray]], op_types: Iterable[str]):
     """onnxruntime's MinMax calibration ranges (``TensorsData``) from one session over per-tensor ReduceMin/ReduceMax.
 
@@ -251,6 +258,7 @@ def activation_ranges(graph: str | Path, feeds: Iterable[Mapping[str, np.ndarray
         onnx.save(proto, str(side))
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # as the calibrator runs it
+        lean_session(options)
         session = ort.InferenceSession(str(side), options, providers=["CPUExecutionProvider"])
     finally:
         side.unlink(missing_ok=True)
@@ -464,18 +472,19 @@ def measure_qdq(job, prefill_qdq: Path, ev, decode_qdq: Path | None = None) -> N
     """Score the QDQ prefill graph, and the decode graph teacher-forced, with ``qdq_evaluator``'s scores beside them."""
     if ev is None:
         return
-    ev.fill(job.report, ev.score(OnnxCausalLM(prefill_qdq).logits, "qdq"), prefill_qdq)
+    ev.fill(job.report, ev.score(OnnxCausalLM(prefill_qdq, session_options=lean_session).logits, "qdq"), prefill_qdq)
     decode_qdq = decode_qdq or prefill_qdq.with_name("decode.qdq.onnx")
     if decode_qdq.is_file():
         job.say("scoring the QDQ decode graph, teacher-forced")
-        ev.fill_decode(job.report, ev.score_decode(OnnxCausalLM(prefill_qdq, decode_qdq), "qdq"), decode_qdq)
+        runner = OnnxCausalLM(prefill_qdq, decode_qdq, session_options=lean_session)
+        ev.fill_decode(job.report, ev.score_decode(runner, "qdq"), decode_qdq)
 
 
 def convert_ort_qdq(job) -> None:
     job.say(f"exporting the float model to ONNX with static shapes {job.static}")
     sx = job.export_static(job.work / "static")
+    ev = qdq_evaluator(job)  # the float model leaves memory before the float graphs run for calibration
     feeds = job.feeds(sx)
-    ev = qdq_evaluator(job)
     measure_qdq(job, qdq_twin(job, sx, job.out, feeds), ev)
 
 

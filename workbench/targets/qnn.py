@@ -627,8 +627,8 @@ def convert_qnn(job) -> None:
     soc, float_weights = _soc_for(job)
     job.say(f"exporting the float model to ONNX with static shapes {job.static}")
     sx = job.export_static(job.out)
+    ev = qdq_evaluator(job)  # the float model leaves memory before the float graphs run for calibration
     feeds = job.feeds(sx)
-    ev = qdq_evaluator(job)
     prefill_qdq = qdq_twin(job, sx, job.out / "ort-qdq-twin", feeds, float_weight_type=float_weights)
     info = write_qnn_bundle(job.out, sx, job.prep.qm, feeds, activation_bits=job.activation_bits)
     job.report.notes += info["notes"]
