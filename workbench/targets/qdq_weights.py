@@ -32,12 +32,12 @@ import numpy as np
 from ..errors import PlanError
 from .common import graph_names
 
-__all__ = ["prequantize_weights", "weight_readers"]
+__all__ = ["prequantize_weights"]
 
 QUANTIZED_SUFFIX, SCALE_SUFFIX, ZERO_SUFFIX = "_quantized", "_scale", "_zero_point"  # onnxruntime's names
 
 
-def weight_readers(graph) -> dict[str, list]:
+def _weight_readers(graph) -> dict[str, list]:
     """``{initializer: [nodes reading it]}`` for the graph's initializers."""
     inits = {i.name for i in graph.initializer}
     readers: dict[str, list] = {}
@@ -179,7 +179,7 @@ def prequantize_weights(graph_path: str | Path, quantized, export, init_override
     proto = onnx.load(str(graph_path), load_external_data=False)
     weight_names, _ = graph_names(export)
     layer_of = {t: layer for layer, t in weight_names.items()}
-    readers = weight_readers(proto.graph)
+    readers = _weight_readers(proto.graph)
     data = _DataFile(side_path.with_name(side_path.name + ".data"))
     kept, added, dq_nodes, written, lookups = [], [], [], set(), {}
     try:
