@@ -41,7 +41,7 @@ from .workspace import atomic_write_json, read_json_file
 __all__ = ["TARGETS", "GRAPHS", "GAP_FILE", "HTP_WINDOWS", "HTP_DECODE_WINDOWS", "PROMPT", "TARGET_TITLES",
            "DevicesGap", "missing_toolchain", "toolchains", "measure_devices_gap", "read_devices_gap",
            "graph_scores", "gap_of", "make_row", "simulation_row", "convert_row", "htp_row", "rknn_row", "absent_row",
-           "format_table", "in_child"]
+           "format_table", "TABLE_HEADER", "table_cells", "in_child"]
 
 TARGETS = ("simulation", "ort-qdq", "mnn", "htp", "rknn")
 TARGET_TITLES = {"simulation": "simulation (PyTorch)", "ort-qdq": "CPU onnxruntime (QDQ)", "mnn": "MNN (CPU)",
@@ -225,22 +225,31 @@ def _cell(g: dict | None, key: str, fmt: str) -> str:
     return "-" if not g or g.get(key) is None else format(g[key], fmt)
 
 
+TABLE_HEADER = ("target", "runtime", "prefill KL", "prefill top-1", "decode KL", "decode top-1",
+                "top-1 vs sim (pre / dec)", "positions (pre / dec)", "MB", "s", "peak GiB", "gap")
+
+
+def table_cells(r: dict) -> list[str]:
+    """One row as the strings of ``TABLE_HEADER`` (the app, the report and the Markdown table show these)."""
+    p, d = r["prefill"], r["decode"]
+    return [r["target"], r["runtime"] + (f" ({r['note']})" if r["note"] else ""),
+            _cell(p, "kl", ".2e"), _cell(p, "top1", ".4f"), _cell(d, "kl", ".2e"), _cell(d, "top1", ".4f"),
+            f"{_cell(p, 'top1_vs_sim', '.4f')} / {_cell(d, 'top1_vs_sim', '.4f')}",
+            f"{_cell(p, 'positions', ',')} / {_cell(d, 'positions', ',')}",
+            "-" if r["bytes"] is None else f"{r['bytes'] / 1e6:.1f}",
+            "-" if r["seconds"] is None else f"{r['seconds']:.0f}",
+            "-" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**30:.2f}", r["gap"] or ""]
+
+
 def format_table(rows: list[dict]) -> str:
     """The rows as a Markdown table (KL and top-1 against the float model; vs sim: top-1 against the simulation)."""
-    head = ("| target | runtime | prefill KL | prefill top-1 | decode KL | decode top-1 | top-1 vs sim (pre / dec) "
-            "| positions (pre / dec) | MB | s | peak GiB | gap |")
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    head = "| " + " | ".join(TABLE_HEADER) + " |"
+    lines = [head, "|" + "---|" * len(TABLE_HEADER)]
     for r in rows:
-        p, d = r["prefill"], r["decode"]
-        vs = f"{_cell(p, 'top1_vs_sim', '.4f')} / {_cell(d, 'top1_vs_sim', '.4f')}"
-        at = f"{_cell(p, 'positions', ',')} / {_cell(d, 'positions', ',')}"
-        mb = "-" if r["bytes"] is None else f"{r['bytes'] / 1e6:.1f}"
-        s = "-" if r["seconds"] is None else f"{r['seconds']:.0f}"
-        gib = "-" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**30:.2f}"
-        gap = f"**GAP** {r['gap']}" if r["gap"] else ""
-        runtime = r["runtime"] + (f" ({r['note']})" if r["note"] else "")
-        lines.append(f"| {r['target']} | {runtime} | {_cell(p, 'kl', '.2e')} | {_cell(p, 'top1', '.4f')} | "
-                     f"{_cell(d, 'kl', '.2e')} | {_cell(d, 'top1', '.4f')} | {vs} | {at} | {mb} | {s} | {gib} | {gap} |")
+        cells = table_cells(r)
+        if r["gap"]:
+            cells[-1] = f"**GAP** {r['gap']}"
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
