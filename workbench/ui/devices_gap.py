@@ -94,6 +94,7 @@ class DevicesGapPanel(StepPanel):
             widgets.HBox(list(self.checks.values())), self.missing_label,
             widgets.HBox([self.soc, self.tokens, self.run_button]), widgets.HBox([self.progress, self.status]),
             self.plan_label, self.table, self.chart_box, self.log_output])
+        self.add_class("workbench-devices-gap")  # the section, for the browser test and a page's styles
 
     # -- what the run is of --------------------------------------------------------------------------
     def chosen(self) -> list[str]:
