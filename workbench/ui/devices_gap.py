@@ -81,10 +81,8 @@ class DevicesGapPanel(StepPanel):
                                                                                             "visibility": "hidden"})
         self.plan_label = widgets.HTML()
         self.table = widgets.HTML()
-        import plotly.graph_objects as go
-        self.chart = go.FigureWidget(make_device_gap_figure([]))
-        self.chart.layout.height = 380
-        self.chart_box = widgets.Box([self.chart], layout={"display": "none"})  # shown once a target has a row
+        self.chart = _figure_widget([])
+        self.chart_box = widgets.Box([self.chart], layout={"display": "none", "width": "100%"})  # once a row ran
         self.controls = [*self.checks.values(), self.soc, self.tokens, self.run_button]
         super().__init__([
             widgets.HTML("<b>Compare on the devices</b>: the session's plan in the workbench's simulation beside "
@@ -173,16 +171,22 @@ class DevicesGapPanel(StepPanel):
         return gap
 
     def _draw(self, rows: list[dict]) -> None:
-        """The chart of ``rows`` (kept in ``figures`` for Download once it has any)."""
+        """The chart of ``rows`` (kept in ``figures`` for Download once it has any). A new figure widget each time,
+        made while its box is shown: plotly.js lays out a figure when it is first drawn (in a hidden box it
+        would keep an empty one), and the run is in a background thread, where a new widget arrives whole."""
         ran = any(r["prefill"] or r["decode"] for r in rows)
         self.chart_box.layout.display = "" if ran else "none"
-        if ran:
-            self.figures["devices-gap"] = self.chart
-        else:
+        if not ran:
             self.figures.pop("devices-gap", None)
-        fig = make_device_gap_figure(rows)
-        with self.chart.batch_update():
-            self.chart.data = ()
-            self.chart.add_traces(list(fig.data))
-            self.chart.layout = fig.layout
-            self.chart.layout.height = 380
+            return
+        old, self.chart = self.chart, _figure_widget(rows)
+        self.chart_box.children = [self.chart]
+        old.close()
+        self.figures["devices-gap"] = self.chart
+
+
+def _figure_widget(rows: list[dict]):
+    import plotly.graph_objects as go
+    fig = go.FigureWidget(make_device_gap_figure(rows))
+    fig.layout.height = 400
+    return fig
