@@ -60,6 +60,9 @@ def test_rows_flag_what_convert_and_the_htp_rule_would():
     assert "**GAP**" in table[3] and "**GAP**" not in table[2]
     assert "make rknn-env" in table[-1] and "| - | - | - | - |" in table[-1]
     assert "| 1,000 / 512 |" in table[3]  # positions scored: prefill / decode
+    qdq["cause"] = "CPU QDQ departs from the simulation at block 1's mlp"
+    assert format_table(rows).splitlines()[3].endswith("Layer-wise: CPU QDQ departs from the simulation at block 1's "
+                                                       "mlp |")
 
 
 def test_gap_threshold_is_convert_rule():

@@ -14,7 +14,9 @@ that process and the toolkit's subprocess). A graph whose KL to the float model 
 ``GAP_KL_RATIO`` (+ ``GAP_KL_FLOOR``), or whose top-1 agreement with the simulation is below ``GAP_TOP1`` (the
 rules ``workbench.convert`` flags conversions by), or that differs from CPU QDQ on the HTP by more than
 ``HTP_GAP_KL`` (``convert --target qnn --soc``'s rule), is flagged. A target whose toolchain is not installed,
-or that fails, is a row saying what to install or how it failed; the other rows are unaffected.
+or that fails, is a row saying what to install or how it failed; the other rows are unaffected. A flagged CPU QDQ
+graph is compared with the simulation block by block (``workbench.layerwise``: the residual stream after every
+attention and MLP), and its row says where it departs (``cause``), or that no single layer does.
 
 The result is written atomically as ``devices_gap.json`` (``GAP_FILE``) in the work folder after every target,
 beside the conversions it made; ``workbench report`` shows the table of every such file in a run.
@@ -123,6 +125,21 @@ def _run_htp(model: str, qdq_dir: str, work: str, soc: str, n_windows: int = HTP
                        isolated=False)
 
 
+def _run_layerwise(model: str, plan: dict | None, bits: int | None, qdq_dir: str, work: str) -> dict:
+    """Where CPU QDQ's prefill graph leaves the simulation, block by block (``workbench.layerwise``), on the first
+    window of the held-out text."""
+    from .convert import prepare_models
+    from .layerwise import compare_blocks
+    from .onnx.export import export_onnx
+    q = Path(qdq_dir)
+    static = tuple(json.loads((q / "conversion.json").read_text())["details"]["qdq"]["static"])
+    prep = prepare_models(model, plan=_plan_of(plan), bits=bits)
+    fx = export_onnx(prep.float_lm, Path(work) / "float", static=static, check=False)
+    window = _heldout_ids(prep.float_lm, None).tolist()[:static[0]]
+    return compare_blocks(fx.prefill_path, q / "prefill.qdq.onnx", prep.float_lm.model, prep.sim_lm.model, window,
+                          what="CPU QDQ").to_dict()
+
+
 def _run_rknn(model: str, plan: dict | None, bits: int | None, out: str):
     from .targets.rknn import measure_rknn
     return measure_rknn(model, bits=bits, plan=_plan_of(plan), out_dir=out)
@@ -174,7 +191,8 @@ def make_row(target: str, runtime: str, *, prefill=None, decode=None, bytes_=Non
              note: str = "", error: str | None = None) -> dict:
     flags = [f"{name}: {why}" for name, g in (("prefill", prefill), ("decode", decode)) if (why := gap_of(g))]
     return {"target": target, "runtime": runtime, "prefill": prefill, "decode": decode, "bytes": bytes_,
-            "seconds": seconds, "peak_bytes": peak, "gap": "; ".join(flags) or None, "note": note, "error": error}
+            "seconds": seconds, "peak_bytes": peak, "gap": "; ".join(flags) or None, "note": note, "error": error,
+            "cause": None, "layerwise": None}
 
 
 def simulation_row(sim: dict, seconds: float, peak: int) -> dict:
@@ -238,7 +256,8 @@ def table_cells(r: dict) -> list[str]:
             f"{_cell(p, 'positions', ',')} / {_cell(d, 'positions', ',')}",
             "-" if r["bytes"] is None else f"{r['bytes'] / 1e6:.1f}",
             "-" if r["seconds"] is None else f"{r['seconds']:.0f}",
-            "-" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**30:.2f}", r["gap"] or ""]
+            "-" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**30:.2f}",
+            (r["gap"] or "") + (f". Layer-wise: {r['cause']}" if r.get("gap") and r.get("cause") else "")]
 
 
 def format_table(rows: list[dict]) -> str:
@@ -382,7 +401,15 @@ def _measure_one(target: str, model: str, plan: dict | None, bits: int | None, w
         return simulation_row(sim, s, peak)
     if target in CONVERT_RUNTIMES:
         rep, s, peak = in_child(_run_convert, model, target, plan, bits, str(work / target), max_tokens)
-        return convert_row(target, CONVERT_RUNTIMES[target], rep, s, peak)
+        row = convert_row(target, CONVERT_RUNTIMES[target], rep, s, peak)
+        if row["gap"] and target == "ort-qdq":  # the graph runs in onnxruntime: compare it block by block
+            try:
+                row["layerwise"], _, _ = in_child(_run_layerwise, model, plan, bits, str(work / target),
+                                                  str(work / "layerwise"))
+                row["cause"] = row["layerwise"]["cause"]
+            except Exception as e:  # the row keeps its measurements; the note says why there is no cause
+                row["note"] = (row["note"] + "; " if row["note"] else "") + f"layer-wise comparison failed: {e}"
+        return row
     if target == "htp":
         if qdq is None or qdq["prefill"] is None:  # the QDQ graphs of this run, not an older one's
             return absent_row(target, "needs ort-qdq's QDQ graphs of this run: choose ort-qdq too")
