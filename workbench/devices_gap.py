@@ -267,7 +267,7 @@ def format_table(rows: list[dict]) -> str:
     for r in rows:
         cells = table_cells(r)
         if r["gap"]:
-            cells[-1] = f"**GAP** {r['gap']}"
+            cells[-1] = f"**GAP** {cells[-1]}"
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
