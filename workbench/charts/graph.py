@@ -82,5 +82,6 @@ def make_device_gap_figure(rows: list[dict], title: str = "The simulation agains
     if kls:
         yaxis["range"] = [math.floor(math.log10(min(kls))) - (min(kls) == 10 ** math.floor(math.log10(min(kls)))),
                           math.log10(max(kls)) + 0.3]  # room for the labels above the tallest bar
-    fig.update_layout(title=title, barmode="group", yaxis=yaxis, margin=dict(l=10, r=10, t=50, b=40))
+    fig.update_layout(title=title, barmode="group", yaxis=yaxis, margin=dict(l=10, r=10, t=50, b=40),
+                      uniformtext_minsize=10, uniformtext_mode="show")  # labels stay legible over narrow bars
     return fig
