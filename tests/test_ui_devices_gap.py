@@ -50,6 +50,13 @@ def test_run_fills_table_chart_session_and_report(session, tmp_path):
     path = session.devices_gap_dir / GAP_FILE
     assert path.is_file() and read_devices_gap(path).rows[0]["prefill"]["kl"] == sim["prefill"]["kl"]
     assert "| simulation |" in report_markdown(session.report())
+    import zipfile
+    archive = session.write_archive()  # the rows travel with the run, and its report.html shows them
+    with zipfile.ZipFile(archive) as z:
+        names = z.namelist()
+        page = z.read(f"{archive.stem}/report.html").decode()
+    assert f"{archive.stem}/devices-gap/{session.devices_gap_dir.name}/{GAP_FILE}" in names
+    assert "<h2>On the devices</h2>" in page and f"{sim['prefill']['kl']:.2e}" in page
 
 
 def test_table_marks_gaps_and_failures():
