@@ -11,7 +11,7 @@ from workbench.devices_gap import (GAP_FILE, DevicesGap, absent_row, convert_row
                                    htp_row, measure_devices_gap, read_devices_gap, rknn_row, simulation_row, toolchains)
 from workbench.errors import PlanError, WorkbenchError
 from workbench.plan import QuantPlan
-from workbench.targets.htp import HtpMeasurement
+from workbench.targets.htp import INSTALL, HtpMeasurement, qnn_available
 from workbench.targets.qnn import HTP_GAP_KL
 from workbench.targets.rknn import RknnMeasurement, RknnScores
 
@@ -121,3 +121,15 @@ def test_real_run_one_failing_target_leaves_the_other_rows(tiny_model_dir, tmp_p
     alone = measure_devices_gap(tiny_model_dir, plan=plan, targets=["htp"], work=tmp_path / "gap2")
     if alone.rows[0]["runtime"] == "not run" and "onnxruntime-qnn" not in alone.rows[0]["note"]:
         assert "choose ort-qdq too" in alone.rows[0]["note"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not qnn_available(), reason=f"needs onnxruntime-qnn: {INSTALL}")
+def test_htp_refuses_a_plan_its_generation_cannot_run_naming_the_layers(tiny_model_dir, tmp_path):
+    """8 Gen 1 (v69) runs no 16-bit weights: uniform INT8 keeps the embeddings (and the tied lm_head) in fp16."""
+    gap = measure_devices_gap(tiny_model_dir, plan=QuantPlan.uniform("int8"), targets=["ort-qdq", "htp"],
+                              soc="8gen1", max_tokens=256, work=tmp_path)
+    qdq, htp = gap.rows
+    assert qdq["prefill"]["kl"] > 0 and gap.soc == "snapdragon-8-gen-1"
+    assert htp["error"].startswith("failed: HtpRefused: Snapdragon 8 Gen 1 (soc 36, HTP v69) runs no 16-bit weights")
+    assert "lm_head" in htp["error"] and "--soc snapdragon-8-gen-1" in htp["error"]

@@ -108,15 +108,23 @@ def _float_model(model: str) -> str:
     return model
 
 
-def _run_htp(model: str, qdq_dir: str, work: str, soc: str, n_windows: int = HTP_WINDOWS, prompt: int = PROMPT):
-    """The float static graphs beside ort-qdq's QDQ graphs, compiled for ``soc`` and run on the HTP emulator."""
+def _run_htp(model: str, qdq_dir: str, work: str, soc: str, n_windows: int = HTP_WINDOWS, prompt: int = PROMPT,
+             plan: dict | None = None):
+    """The float static graphs beside ort-qdq's QDQ graphs, compiled for ``soc`` and run on the HTP emulator; a
+    plan keeping layers in float (16-bit QDQ weights) that the SoC's HTP generation refuses, before compiling."""
     from .models import load_model
     from .onnx.export import export_onnx
-    from .targets.htp import measure_htp
+    from .targets.htp import HtpRefused, float_layers_refused, htp_soc, measure_htp
+    lm = load_model(_float_model(model))
+    if plan is not None:
+        refused = float_layers_refused(QuantPlan.from_dict(plan).resolve(i.name for i in lm.layers), htp_soc(soc))
+        if refused:
+            raise HtpRefused(f"{htp_soc(soc).label} runs no 16-bit weights, and the plan keeps {', '.join(refused)} in "
+                             f"float (16-bit weights in CPU QDQ's graphs): make the plan for it (`workbench plan ... "
+                             f"--target qnn --soc {soc}`) or give those layers int8")
     q = Path(qdq_dir)
     # the shapes ort-qdq exported (its static past is shortened on a model with fewer positions)
     static = tuple(json.loads((q / "conversion.json").read_text())["details"]["qdq"]["static"])
-    lm = load_model(_float_model(model))
     fx = export_onnx(lm, Path(work) / "float", static=static, check=False)
     ids = _heldout_ids(lm, None).tolist()
     windows = [ids[k * static[0]:(k + 1) * static[0]] for k in range(n_windows)]
@@ -378,7 +386,7 @@ def measure_devices_gap(model: str | Path, *, plan: QuantPlan | dict | str | Pat
             say(f"{target}: running ({k}/{len(ordered)}) ...")
             try:
                 row = _measure_one(target, model, plan_doc, bits, work, max_tokens, soc, windows, prompt, sim_kl,
-                                   gap.row("ort-qdq"))
+                                   gap.row("ort-qdq"), gap.plan)
                 if target == "simulation":
                     sim_kl = row["prefill"]["kl"]
                 gap.rows.append(row)
@@ -395,7 +403,8 @@ def measure_devices_gap(model: str | Path, *, plan: QuantPlan | dict | str | Pat
 
 
 def _measure_one(target: str, model: str, plan: dict | None, bits: int | None, work: Path, max_tokens: int | None,
-                 soc: str, windows: int, prompt: int, sim_kl: float | None, qdq: dict | None) -> dict:
+                 soc: str, windows: int, prompt: int, sim_kl: float | None, qdq: dict | None,
+                 recorded: dict) -> dict:
     if target == "simulation":
         sim, s, peak = in_child(_run_simulation, model, plan, bits, max_tokens)
         return simulation_row(sim, s, peak)
@@ -413,7 +422,8 @@ def _measure_one(target: str, model: str, plan: dict | None, bits: int | None, w
     if target == "htp":
         if qdq is None or qdq["prefill"] is None:  # the QDQ graphs of this run, not an older one's
             return absent_row(target, "needs ort-qdq's QDQ graphs of this run: choose ort-qdq too")
-        m, s, peak = in_child(_run_htp, model, str(work / "ort-qdq"), str(work / "htp"), soc, windows, prompt)
+        m, s, peak = in_child(_run_htp, model, str(work / "ort-qdq"), str(work / "htp"), soc, windows, prompt,
+                              recorded)
         return htp_row(m, sim_kl, s, peak)
     m, s, peak = in_child(_run_rknn, model, plan, bits, str(work / "rknn"))
     return rknn_row(m, s, peak)
