@@ -66,7 +66,10 @@ def run(args) -> int:
     choices, soc_info = None, None
     if soc is not None:
         from ..targets.htp import soc_plan_changes, soc_runs
-        choices = [c for c in ("fp16", *sens.precisions) if soc_runs(c, soc)]
+        from ..plan import get_precision
+        from ..targets import get_target
+        carried = [c for c in ("fp16", *sens.precisions) if all(get_target(t).carries(get_precision(c)) for t in targets)]
+        choices = [c for c in carried if soc_runs(c, soc)]  # what the targets carry and this HTP generation runs
         free = plan_for_budget(lm, sens, size_bytes=budget, targets=targets)
     auto = plan_for_budget(lm, sens, size_bytes=budget, targets=targets, choices=choices)
     if soc is not None:
