@@ -39,5 +39,9 @@ def test_device_gap_bars_per_graph_mark_the_flagged_graph_and_skip_absent_target
             {"target": "htp", "prefill": None, "decode": None, "gap": None}]
     pre, dec = make_device_gap_figure(rows).data
     assert list(pre.x) == ["simulation", "rknn"] and list(pre.y) == [0.004, 0.005]
-    assert list(dec.x) == ["rknn"] and list(dec.y) == [0.5] and list(dec.marker.color) == [PROBLEM_COLOR]
-    assert PROBLEM_COLOR not in list(pre.marker.color) and list(pre.text) == ["top-1 0.970", "top-1 0.960"]
+    assert list(dec.x) == ["rknn"] and list(dec.y) == [0.5] and list(dec.marker.line.color) == [PROBLEM_COLOR]
+    assert list(dec.text) == ["GAP, top-1 0.500"] and list(dec.textfont.color) == [PROBLEM_COLOR]
+    assert PROBLEM_COLOR not in list(pre.marker.line.color) and list(pre.text) == ["top-1 0.970", "top-1 0.960"]
+    assert pre.marker.color != dec.marker.color  # the legend tells the graphs apart, gap or not
+    layout = make_device_gap_figure(rows).layout.yaxis
+    assert layout.type == "log" and layout.range[0] == -3 and 0.5 < 10 ** layout.range[1]  # from the decade below

@@ -110,3 +110,27 @@ def test_convert_refuses_an_out_holding_other_files(capsys, tiny_model_dir, tmp_
     assert main(["convert", str(tiny_model_dir), "--bits", "4", "--target", "ort-int4", "--out", str(tmp_path)]) == 2
     assert f"--out '{tmp_path}' is not empty and has no workbench manifest.json" in capsys.readouterr().err
     assert [p.name for p in tmp_path.iterdir()] == ["keep.txt"]
+
+
+def test_plan_for_a_soc_keeps_to_what_its_htp_runs_and_names_the_changes(capsys, tiny_model_dir, ws, tmp_path):
+    """At 14 bits/weight the plan keeps layers in fp16; for 8 Gen 1 (HTP v69: no 16-bit weights) it may not, and
+    says which layers it changed; 8 Gen 3 (v75) runs them, so nothing changes there."""
+    from workbench.plan import get_precision
+    argv = ["plan", tiny_model_dir, "--bits-per-weight", 14, "--tokens", 256, "--eval-tokens", 256, "--workspace", ws]
+    free = run_json(capsys, *argv, "--out", tmp_path / "free.json", "--target", "qnn", "--json")
+    floats = {n for n, p in free["assignments"].items() if get_precision(p).is_float}
+    assert floats and free["soc"] is None
+    v69 = run_json(capsys, *argv, "--out", tmp_path / "v69.json", "--soc", "8gen1", "--json")
+    plan = QuantPlan.load(tmp_path / "v69.json")
+    resolved = plan.resolve(free["assignments"])
+    assert all(not get_precision(p).is_float and get_precision(p).bits in (4, 8) for p in resolved.values())
+    assert set(v69["soc"]["changed"]) == floats and v69["soc"]["arch"] == 69 and "fp16" not in v69["soc"]["choices"]
+    assert all(c["from"] == free["assignments"][n] for n, c in v69["soc"]["changed"].items())
+    assert v69["bits_per_weight"] < free["bits_per_weight"] and v69["kl_divergence"] > 0
+    v75 = run_json(capsys, *argv, "--out", tmp_path / "v75.json", "--soc", "8gen3", "--json")
+    assert v75["soc"]["changed"] == {} and v75["assignments"] == free["assignments"]
+    assert main([str(a) for a in argv] + ["--out", str(tmp_path / "t.json"), "--soc", "8gen1"]) == 0
+    text = capsys.readouterr().out
+    assert "for Snapdragon 8 Gen 1 (soc 36, HTP v69)" in text and f"{sorted(floats)[0]} fp16 -> int" in text
+    assert main([str(a) for a in argv] + ["--out", str(tmp_path / "x.json"), "--soc", "rk3588"]) == 2
+    assert "has no Hexagon HTP" in capsys.readouterr().err

@@ -135,3 +135,24 @@ def test_written_atomically_and_never_into_a_directory(demo_run, tmp_path):
     write_report(root, out, devices=["8gen3"])
     assert out.read_text(encoding="utf-8").startswith("<!doctype html>")
     assert [p.name for p in tmp_path.iterdir()] == ["r.html"]  # no temporary file left
+
+
+def test_a_comparison_on_the_devices_is_its_own_table(tmp_path):
+    """A folder bench/devices_gap.py (or the Export tab) wrote: the table and chart of devices_gap.json; the
+    conversions it made for it are in that table, not again under Conversions."""
+    from workbench.devices_gap import DevicesGap, absent_row, simulation_row
+    work = tmp_path / "gap"
+    (work / "ort-qdq").mkdir(parents=True)
+    (work / "ort-qdq" / "conversion.json").write_text(json.dumps({"target": "ort-qdq", "kl_divergence": 0.5}))
+    sim = simulation_row({"kl_divergence": 3.25e-4, "top1_agreement": 0.987, "tokens": 512}, 4.0, 2**28)
+    bad = {**sim, "target": "mnn", "runtime": "MNN CPU", "gap": "prefill: KL <9.9e-01> > 1.5 x simulation"}
+    DevicesGap("demo", QuantPlan.uniform("int8").to_dict(), "abcd1234", "snapdragon-8-gen-3", 512, 4,
+               [sim, bad, absent_row("rknn", "rknn-toolkit2 is not installed: make rknn-env")], str(work),
+               complete=True).save()
+    report = build_report(work, devices=["8gen3"])
+    assert report.record["conversions"] == [] and len(report.record["devices_gaps"]) == 1
+    page = report.html
+    section = page[page.index("<h2>On the devices</h2>"):page.index("<h2>Host profile</h2>")]
+    assert section.count("<tr class='gap-row'>") == 3 and "3.25e-04" in section and "0.9870" in section
+    assert "<span class='gap'>GAP</span> prefill: KL &lt;9.9e-01&gt;" in section and "make rknn-env" in section
+    assert "On the devices: plan abcd1234" in report.figures and external_loads(page) == []

@@ -5,7 +5,9 @@
     write_report("workspace/app/run-20261130-210100", "report.html")
 
 The page gathers what the run wrote (the app's ``report.json``, ``plan.json``, quantized models with their
-``manifest.json``, ``conversion.json`` of every conversion, profiles and this host's read bandwidth), projects
+``manifest.json``, ``conversion.json`` of every conversion, profiles, this host's read bandwidth, and the
+``devices_gap.json`` of every comparison on the devices (``workbench.devices_gap``: the app's Export tab writes
+it in ``devices-gap/<model or plan>/``, bench/devices_gap.py in its work folder)), projects
 the run's plans onto the device profiles, and draws every figure with plotly.js inlined once: it opens in a
 browser with no network. Every string from the run is escaped; every figure's JSON is kept from closing its
 script element.
@@ -19,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from .devices_gap import GAP_FILE
 from .errors import WorkbenchError
 from .models import is_quantized_dir
 from .workspace import atomic_write_text, file_sha256, library_versions
@@ -61,7 +64,7 @@ def _has_run(d: Path) -> bool:
     """Whether ``d`` holds anything a report describes (a plan, a quantized model, a conversion, an app report)."""
     if (d / "plan.json").is_file() or (d / "report.json").is_file() or is_quantized_dir(d):
         return True
-    return bool(_below(d, "conversion.json") or _quantized_below(d))
+    return bool(_below(d, "conversion.json") or _quantized_below(d) or _below(d, GAP_FILE))
 
 
 def find_run(path: str | Path) -> Path:
@@ -141,8 +144,16 @@ def gather_run(path: str | Path) -> dict:
             "versions": manifest.get("versions", {}), "files": _files_with_hashes(d, manifest),
             "manifest_sha256": file_sha256(d / "manifest.json")})
     quantized.sort(key=lambda q: (q.get("created") or "", q["path"]))
+    gaps = []
+    for g in _below(run, GAP_FILE):
+        doc = _read_json(g)
+        if isinstance(doc, dict) and isinstance(doc.get("rows"), list):
+            gaps.append({**doc, "file": str(g)})
+    gap_dirs = {Path(g["file"]).parent for g in gaps}
     conversions = []
     for c in _below(run, "conversion.json"):
+        if c.parent.parent in gap_dirs:  # measured for a comparison on the devices: shown in its table
+            continue
         doc = _read_json(c)
         if isinstance(doc, dict) and "target" in doc:
             doc["files"] = _files_with_hashes(c.parent)
@@ -166,7 +177,8 @@ def gather_run(path: str | Path) -> dict:
     if model is None and quantized:
         model = {"name": Path(quantized[-1]["source"] or quantized[-1]["path"]).name, "path": quantized[-1]["source"]}
     return {"run": str(run), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "model": model, "plan": plan,
-            "app_report": app_report, "quantized": quantized, "conversions": conversions, "profiles": profiles,
+            "app_report": app_report, "quantized": quantized, "conversions": conversions, "devices_gaps": gaps,
+            "profiles": profiles,
             "host_bandwidth": host,
             "plan_sha256": file_sha256(run / "plan.json") if (run / "plan.json").is_file() else None,
             "versions": {"report": library_versions(), "run": (app_report or {}).get("versions")
@@ -321,7 +333,7 @@ def build_report(path: str | Path, *, devices: Sequence[str] | None = None, cont
                  pareto_device: str | None = None) -> Report:
     """Gather a run (see :func:`gather_run`), project its plans onto ``devices`` (default: every profile) and
     render the page."""
-    from .charts.graph import make_conversion_figure
+    from .charts.graph import make_conversion_figure, make_device_gap_figure
     from .charts.precision import make_pareto_figure
     from .charts.profile import make_profile_figure
     from .charts.projection import make_device_figure, make_host_bound_figure, make_speed_pareto_figure
@@ -345,6 +357,10 @@ def build_report(path: str | Path, *, devices: Sequence[str] | None = None, cont
         figures["Quantized model: weight error per layer"] = fig
     if any(c.get("kl_divergence") is not None for c in record["conversions"]):
         figures["Conversions against the simulation"] = make_conversion_figure(record["conversions"])
+    for g in record["devices_gaps"]:
+        if any(r.get("prefill") or r.get("decode") for r in g["rows"]):
+            figures[f"On the devices: plan {g.get('plan_hash')}"] = make_device_gap_figure(
+                g["rows"], title=f"The simulation against the devices (plan {g.get('plan_hash')})")
     profiles = [RuntimeProfile(**p) for p in record["profiles"]]
     if profiles:
         figures["Profile on this host"] = make_profile_figure(profiles)
@@ -443,6 +459,13 @@ def _render(record: Mapping, figures: Mapping, projections: Mapping, context: in
                 parts.append(f"<p class='note'>{_e(c['target'])}: {_e(n)}</p>")
     else:
         parts.append("<p class='note'>no conversion in this run</p>")
+    # the plan on the devices
+    parts.append("<h2>On the devices</h2>")
+    if record["devices_gaps"]:
+        parts.append(_devices_gaps_html(record["devices_gaps"]))
+    else:
+        parts.append("<p class='note'>not compared on the devices (the app's Export tab, Compare on the devices, or "
+                     "bench/devices_gap.py writes devices_gap.json)</p>")
     # host
     parts.append("<h2>Host profile</h2>")
     host = record.get("host_bandwidth")
@@ -507,6 +530,26 @@ def _render(record: Mapping, figures: Mapping, projections: Mapping, context: in
     return ("<!doctype html><html lang='en'><head><meta charset='utf-8'><title>workbench run report</title>"
             f"<style>{CSS}</style><script type='text/javascript'>{get_plotlyjs()}</script></head>"
             f"<body>{body}</body></html>\n")
+
+
+def _devices_gaps_html(gaps: Sequence[Mapping]) -> str:
+    """Each comparison's table (``workbench.devices_gap.table_cells``), its flagged gaps in red."""
+    from .devices_gap import TABLE_HEADER, table_cells
+    parts = []
+    for g in gaps:
+        parts.append(f"<p>plan {_e(g.get('plan_hash'))} of <code>{_e(g.get('model'))}</code>, "
+                     f"{_e(_fmt(g.get('max_tokens'), ',', 'all'))} held-out tokens, HTP {_e(g.get('soc'))}"
+                     f"{'' if g.get('complete') else ' (incomplete: the run stopped before every target)'}; KL / "
+                     f"top-1 against the float model; <code>{_e(g['file'])}</code></p>")
+        head = "".join(f"<th>{_e(h)}</th>" for h in TABLE_HEADER)
+        body = []
+        for r in g["rows"]:
+            cells = [_e(c) for c in table_cells(r)]
+            if r.get("gap"):
+                cells[-1] = f"<span class='gap'>GAP</span> {cells[-1]}"
+            body.append("<tr class='gap-row'>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
+        parts.append(f"<table class='devices-gap'><tr>{head}</tr>{''.join(body)}</table>")
+    return "".join(parts)
 
 
 def _files_table(files: list[dict]) -> str:

@@ -2,13 +2,19 @@
 
     workbench plan demo --bits-per-weight 8 --out plan.json
     workbench plan demo --size 4000000 --out plan.json --json
+    workbench plan demo --bits-per-weight 8 --target qnn --soc 8gen1 --out plan.json   # what that HTP runs
 
 The sweep is read from (or written to) the workspace (``--score`` as for `workbench sensitivity`);
 the plan is quantized with quantize_model and evaluated against the unquantized model, and the
 predicted figures are shown beside the measured ones, with the score they were predicted from.
+``--soc`` (a Snapdragon's device profile) keeps the plan to the weights that SoC's HTP generation runs
+(``assets/targets/qnn.json`` ``htp_generations``: no 16-bit weights, so no float layers, before v73): the
+adaptation ``convert --target qnn --soc`` and ``inspect --soc`` apply, made in the plan, naming each layer
+it changes from the plan the budget would otherwise get.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from ..autoplan import budget_bytes, check_budget, measure_plan, plan_for_budget, refine_plan
@@ -38,6 +44,8 @@ def add_arguments(p):
     p.add_argument("--target", action="append", default=[], metavar="NAME",
                    help="keep the plan to precisions this target carries (repeatable: all of them), e.g. --target qnn "
                         "--target llama.cpp; default: every registered precision")
+    p.add_argument("--soc", metavar="DEVICE", help="qnn: the Snapdragon the plan is for (8gen3, 8gen2, 8elite, 8gen1, "
+                                                   "xelite): only weights its HTP generation runs (implies --target qnn)")
     add_sweep_arguments(p)
     add_json_flag(p)
 
@@ -48,9 +56,33 @@ def run(args) -> int:
     lm.require_float("plan")  # a plan is made for the float model; a quantized one already has its plan
     budget = budget_bytes(lm, size_bytes=args.size, bits_per_weight=args.bits_per_weight)
     targets = tuple(args.target)
+    soc = None
+    if args.soc:
+        from ..targets.htp import htp_soc
+        soc = htp_soc(args.soc)  # an unknown device, or one without an HTP, before the sweep
+        targets = targets if "qnn" in targets else (*targets, "qnn")
     check_budget(lm, budget, group_size=args.group_size or None, symmetric=not args.asymmetric, targets=targets)
     sens = sweep(lm, args, progress=not args.json)
-    auto = plan_for_budget(lm, sens, size_bytes=budget, targets=targets)
+    choices, soc_info = None, None
+    if soc is not None:
+        from ..targets.htp import soc_plan_changes, soc_runs
+        from ..plan import get_precision
+        from ..targets import get_target
+        carried = [c for c in ("fp16", *sens.precisions) if all(get_target(t).carries(get_precision(c)) for t in targets)]
+        choices = [c for c in carried if soc_runs(c, soc)]  # what the targets carry and this HTP generation runs
+        free = plan_for_budget(lm, sens, size_bytes=budget, targets=targets)
+    auto = plan_for_budget(lm, sens, size_bytes=budget, targets=targets, choices=choices)
+    if soc is not None:
+        left = [n for n, prec in auto.plan.resolve(i.name for i in lm.layers).items() if not soc_runs(prec, soc)]
+        if left:  # layers the sweep did not measure stay float in a plan: the int8 convert --soc would write
+            plan = auto.plan
+            for name in left:
+                plan = plan.with_override(name, "int8")
+            auto = replace(auto, plan=plan, assignments={**auto.assignments, **{n: "int8" for n in left}})
+        changed = soc_plan_changes(free.plan.resolve(i.name for i in lm.layers),
+                                   auto.plan.resolve(i.name for i in lm.layers), soc)
+        soc_info = {"device": soc.device, "label": soc.label, "arch": soc.arch, "choices": choices,
+                    "changed": {n: {"from": a, "to": b} for n, (a, b) in changed.items()}}
     ids = evaluation_tokens(lm, args.data)
     ids = ids[:args.eval_tokens or default_token_budget(lm.model, len(ids))]
     # refinement measures layers rounded as the sweep measured them (and as the plan will ship them)
@@ -59,7 +91,7 @@ def run(args) -> int:
     refinement = None
     if args.refine > 0:
         refinement = refine_plan(lm, sens, auto, evaluator, trials=args.refine, progress=not args.json,
-                                 targets=targets)
+                                 targets=targets, choices=choices)
         auto = refinement.prediction
     point = measure_plan(lm, auto.plan, evaluator, label="auto", prediction=auto, progress=not args.json)
     saved = auto.plan.save(Path(args.out))
@@ -70,7 +102,8 @@ def run(args) -> int:
            "predicted_kl_divergence": auto.predicted_kl, "predicted_perplexity": point.predicted_perplexity,
            "eval_tokens": point.tokens, "sweep_tokens": sens.tokens, "score": sens.score,
            "score_reason": sens.score_reason, "assignments": auto.assignments,
-           "plan": auto.plan.to_dict(), "refinement": refinement.to_dict() if refinement else None}
+           "plan": auto.plan.to_dict(), "refinement": refinement.to_dict() if refinement else None,
+           "soc": soc_info}
     if args.json:
         print_json(out)
         return 0
@@ -87,5 +120,10 @@ def run(args) -> int:
     if refinement is not None:
         print(f"refined by measurement: {len(refinement.moves)} move(s) kept of {refinement.trials} measured; KL "
               f"{refinement.start_kl:.3e} (the predicted optimum) -> {refinement.measured_kl:.3e}")
+    if soc_info is not None:
+        ch = soc_info["changed"]
+        print(f"for {soc.label}: weights of {', '.join(choices)} only; " + (
+            f"{len(ch)} layer(s) changed from the plan without --soc: " + ", ".join(
+                f"{n} {c['from']} -> {c['to']}" for n, c in ch.items()) if ch else "no layer needed a change"))
     print(f"top-1 agreement {point.top1_agreement:.4f}; plan written to {saved}")
     return 0

@@ -31,7 +31,7 @@ from .common import log_softmax
 from .registry import Target, register_target
 
 __all__ = ["INSTALL", "DEFAULT_DEVICE", "HtpUnavailable", "HtpRefused", "HtpSoc", "qnn_available", "htp_soc",
-           "htp_socs", "generation_rules", "float_layers_refused", "soc_findings", "htp_session_options", "open_htp", "backend_soc", "write_context_binaries",
+           "htp_socs", "generation_rules", "float_layers_refused", "soc_runs", "soc_plan_changes", "soc_findings", "htp_session_options", "open_htp", "backend_soc", "write_context_binaries",
            "HtpMeasurement", "measure_htp", "TARGET"]
 
 INSTALL = "pip install --no-deps onnxruntime-qnn==2.7.0"
@@ -107,6 +107,23 @@ def float_layers_refused(precisions: Mapping[str, str | None], soc: HtpSoc) -> l
         return []
     return [layer for layer, name in precisions.items()
             if get_precision(name) is not None and get_precision(name).is_float]
+
+
+def soc_runs(precision, soc: HtpSoc) -> bool:
+    """Whether ``soc``'s HTP generation runs weights of ``precision`` (``htp_generations.weight_bits``; a float
+    precision is a 16-bit weight in the QDQ graph)."""
+    from ..plan import get_precision
+    p = get_precision(precision)
+    if p is None:
+        return True
+    bits = generation_rules()["weight_bits"].get(str(soc.arch))
+    return bits is None or (16 if p.is_float else p.bits) in bits
+
+
+def soc_plan_changes(before: Mapping[str, str | None], after: Mapping[str, str | None], soc: HtpSoc) -> dict:
+    """``{layer: (before, after)}``: the layers whose precision ``before`` ``soc`` does not run and that ``after``
+    (the plan made for it) gives another one."""
+    return {n: (p, after.get(n)) for n, p in before.items() if not soc_runs(p, soc) and after.get(n) != p}
 
 
 def soc_findings(onnx_path: str | Path, device: str | HtpSoc) -> list:

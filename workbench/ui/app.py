@@ -213,6 +213,7 @@ class WorkbenchApp(StepPanel):
         figures = {}
         for tab, panel in (("finetune", self.finetune_panel), ("calibrate", self.calibrate_panel),
                            ("quantize", self.quantize_panel), ("export", self.convert_panel),
+                           ("export", getattr(self.convert_panel, "gap_panel", None)),
                            ("profile", self.profile_panel), ("project", self.project_panel),
                            ("compress", self.compress_panel)):
             for name, fig in (panel.figures if panel is not None else {}).items():

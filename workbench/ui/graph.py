@@ -167,8 +167,11 @@ class ConvertPanel(StepPanel):
         self.plot = widgets.Output()
         self.controls = [self.target, self.out_dir, self.accuracy_level, self.activation_bits, self.max_tokens,
                          self.convert_button]
+        self.gap_panel = None
         if session is not None:
+            from .devices_gap import DevicesGapPanel
             from .session import SessionLabel
+            self.gap_panel = self._own(DevicesGapPanel(session, max_tokens=max_tokens or 512))
             head = [widgets.HTML("<b>Convert</b> the Quantize tab's model: run the converted model and compare it "
                                  "with the workbench's simulation of that same model"),
                     self._own(SessionLabel(session))]
@@ -179,7 +182,8 @@ class ConvertPanel(StepPanel):
         super().__init__([
             *head, widgets.HBox([self.target, self.out_dir]),
             widgets.HBox([self.accuracy_level, self.activation_bits, self.max_tokens, self.convert_button]),
-            self.status, self.log_output, self.table, self.plot])
+            self.status, self.log_output, self.table, self.plot,
+            *([widgets.HTML("<hr>"), self.gap_panel] if self.gap_panel is not None else [])])
 
     def _on_session_quantized(self, change) -> None:
         """A new quantized model (or output folder): its conversions go to their own folder; the table starts empty."""

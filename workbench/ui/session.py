@@ -75,6 +75,7 @@ class AppSession(traitlets.HasTraits):
     conversions = traitlets.List()  # ConversionReport of the latest quantized model, one per target
     profiles = traitlets.List()  # RuntimeProfile of what the conversions wrote
     host = traitlets.Dict(None, allow_none=True)  # this host's read bandwidth when they were timed (host_bandwidth)
+    devices_gap = traitlets.Any(None, allow_none=True)  # the latest DevicesGap (Export tab, Compare on the devices)
     out_dir = traitlets.Instance(Path)
     archive_path = traitlets.Instance(Path, allow_none=True)
 
@@ -95,7 +96,7 @@ class AppSession(traitlets.HasTraits):
         with self.hold_trait_notifications():
             self.calibration = self.sensitivity = self.quantized = self.quantized_path = self.cost = None
             self.conversions, self.profiles, self.host = [], [], None
-            self.archive_path = None
+            self.archive_path = self.devices_gap = None
             self.plan = QuantPlan.uniform("int4")
             self.lm = lm
 
@@ -137,6 +138,13 @@ class AppSession(traitlets.HasTraits):
         """Where the latest quantized model's conversions go (the Profile tab times what is there)."""
         name = self.quantized_path.name if self.quantized_path is not None else "not-quantized"
         return self.out_dir / "convert" / name
+
+    @property
+    def devices_gap_dir(self) -> Path:
+        """Where the device comparison of the session's plan goes: ``devices-gap/<quantized model>`` when the
+        quantized model is of the current plan, else ``devices-gap/plan-<hash>``; ``devices_gap.json`` in it."""
+        name = self.quantized_path.name if self.quantized_is_current else f"plan-{self.plan.content_hash()}"
+        return self.out_dir / "devices-gap" / name
 
     # -- actions ------------------------------------------------------------------------------------
     def prepared(self):
@@ -195,6 +203,8 @@ class AppSession(traitlets.HasTraits):
         doc["profiles"] = [p.to_dict() for p in self.profiles]
         if self.host is not None:
             doc["host_bandwidth"] = self.host
+        if self.devices_gap is not None:
+            doc["devices_gap"] = self.devices_gap.to_dict()
         return _jsonable(doc)
 
     def write_archive(self, figures: Mapping[str, object] | None = None, points: Sequence = ()) -> Path:
@@ -223,6 +233,9 @@ class AppSession(traitlets.HasTraits):
             members += _tree(self.conversion_dir, "convert")
         for name in ("plan.json", "report.json", "report.md", "report.html"):
             members.append((out / name, name))
+        from ..devices_gap import GAP_FILE
+        for gap in sorted((out / "devices-gap").glob(f"*/{GAP_FILE}")):  # the rows, not the graphs they measured
+            members.append((gap, gap.relative_to(out).as_posix()))
         for sub in ("overrides", "figures"):
             if (out / sub).is_dir():
                 members += _tree(out / sub, sub)
@@ -303,6 +316,11 @@ def report_markdown(report: dict) -> str:
             lines.append(f"| {r['target']} | {_fmt(r.get('kl_divergence'))} | {_fmt(sim)} | "
                          f"{_fmt(r.get('top1_agreement_vs_simulation'), '.4f')} | {r.get('gap') or ''} |")
         lines.append("")
+    if report.get("devices_gap"):
+        from ..devices_gap import format_table
+        g = report["devices_gap"]
+        lines += ["## On the devices (devices-gap/)", "", f"plan {g['plan_hash']}, {g['max_tokens'] or 'all'} tokens, "
+                  f"HTP {g['soc']}; KL / top-1 against the float model", "", format_table(g["rows"]), ""]
     if report.get("profiles"):
         lines += ["## Profile (this machine's CPU)", "", "| model | runtime | MB | prefill ms | decode tok/s |",
                   "|---|---|---|---|---|"]

@@ -1,0 +1,135 @@
+"""workbench.devices_gap: the rows built from fake measurements (which graphs they flag), and a real run on a tiny
+model where one target fails and the others still fill their rows."""
+import json
+import os
+import stat
+
+import pytest
+
+from workbench.convert import GAP_KL_FLOOR, GAP_KL_RATIO, GAP_TOP1
+from workbench.devices_gap import (GAP_FILE, DevicesGap, absent_row, convert_row, format_table, gap_of, graph_scores,
+                                   htp_row, measure_devices_gap, read_devices_gap, rknn_row, simulation_row, toolchains)
+from workbench.errors import PlanError, WorkbenchError
+from workbench.plan import QuantPlan
+from workbench.targets.htp import INSTALL, HtpMeasurement, qnn_available
+from workbench.targets.qnn import HTP_GAP_KL
+from workbench.targets.rknn import RknnMeasurement, RknnScores
+
+SIM_KL = 0.004
+
+
+def _report(kl, top1, vs_sim, decode=None):
+    return {"kl_divergence": kl, "top1_agreement": top1, "top1_agreement_vs_simulation": vs_sim,
+            "simulation": {"kl_divergence": SIM_KL}, "eval_tokens": 1000, "decode": decode or {},
+            "files": [{"path": "/x/prefill.qdq.onnx", "bytes": 3_000_000}, {"path": "/x/conversion.json", "bytes": 9}]}
+
+
+def _htp(kl_vs_qdq):
+    g = {"kl_vs_float": SIM_KL, "top1_vs_float": 0.97, "kl_vs_simulation": kl_vs_qdq, "top1_vs_simulation": 0.99,
+         "tokens": 508}
+    return HtpMeasurement("8gen3", 57, 75, dict(g), {**g, "kl_vs_simulation": 1e-4, "tokens": 63, "prompt": 64}, {},
+                          7_900_000, [], 10.0, 20.0, 2**29)
+
+
+def _rknn(decode_kl):
+    pre = RknnScores(512, 0.005, 0.96, 0.97, SIM_KL, 0.97)
+    dec = RknnScores(64, decode_kl, 0.5, 0.5, SIM_KL, 0.97)
+    return RknnMeasurement("demo", "w8a8", pre, dec, 5_000_000, 60.0, {}, 2**30, 2**29, [])
+
+
+def test_rows_flag_what_convert_and_the_htp_rule_would():
+    rows = [simulation_row({"kl_divergence": SIM_KL, "top1_agreement": 0.97, "tokens": 1000}, 5.0, 2**28),
+            convert_row("ort-qdq", "cpu", _report(SIM_KL, 0.97, 0.99, {"kl_divergence": 0.04,
+                        "top1_agreement": 0.9, "top1_agreement_vs_simulation": 0.99, "tokens": 512}), 30.0, 2**29),
+            convert_row("mnn", "mnn", _report(SIM_KL, 0.97, GAP_TOP1 - 0.01), 20.0, 2**29),
+            htp_row(_htp(HTP_GAP_KL * 2), SIM_KL, 40.0, 2**28),
+            rknn_row(_rknn(0.001), 90.0, 2**28),
+            absent_row("rknn", "rknn-toolkit2 is not installed: make rknn-env")]
+    sim, qdq, mnn, htp, rknn, absent = rows
+    assert sim["gap"] is None and sim["decode"] is None
+    # ort-qdq: prefill within the simulation, decode KL 0.04 > 1.5 x 0.004 + 0.002
+    assert qdq["gap"].startswith("decode: KL") and "prefill" not in qdq["gap"]
+    assert qdq["bytes"] == 3_000_000  # graph files only, not conversion.json
+    assert mnn["gap"].startswith("prefill: top-1 vs simulation") and mnn["note"] == "no decode graph scored"
+    assert htp["gap"].startswith("prefill: KL vs CPU QDQ") and "decode" not in htp["gap"]
+    assert htp["peak_bytes"] == 2**29  # the larger of the child and the HTP process
+    assert rknn["gap"] == f"decode: top-1 vs simulation 0.500 < {GAP_TOP1:g}"
+    assert rknn["peak_bytes"] == 2**30 and absent["gap"] is None and absent["error"] is None
+    table = format_table(rows).splitlines()
+    assert len(table) == 2 + len(rows) and all(line.count("|") == table[0].count("|") for line in table)
+    assert "**GAP**" in table[3] and "**GAP**" not in table[2]
+    assert "make rknn-env" in table[-1] and "| - | - | - | - |" in table[-1]
+    assert "| 1,000 / 512 |" in table[3]  # positions scored: prefill / decode
+    qdq["cause"] = "CPU QDQ departs from the simulation at block 1's mlp"
+    assert format_table(rows).splitlines()[3].endswith("Layer-wise: CPU QDQ departs from the simulation at block 1's "
+                                                       "mlp |")
+
+
+def test_gap_threshold_is_convert_rule():
+    edge = GAP_KL_RATIO * SIM_KL + GAP_KL_FLOOR
+    assert gap_of(graph_scores(edge * 0.99, 0.9, 0.99, SIM_KL)) is None
+    assert gap_of(graph_scores(edge * 1.01, 0.9, 0.99, SIM_KL)) is not None
+    assert gap_of(graph_scores(SIM_KL, 0.9, GAP_TOP1, SIM_KL)) is None
+    assert gap_of(None) is None
+
+
+def test_bad_requests_are_refused_before_anything_runs(tiny_model_dir, tmp_path):
+    with pytest.raises(PlanError, match="unknown device target"):
+        measure_devices_gap(tiny_model_dir, bits=8, targets=["npu"], work=tmp_path)
+    with pytest.raises(PlanError, match="give a plan or bits"):
+        measure_devices_gap(tiny_model_dir, targets=["simulation"], work=tmp_path)
+    with pytest.raises(PlanError, match="has no Hexagon HTP"):
+        measure_devices_gap(tiny_model_dir, bits=8, targets=["htp"], soc="rk3588", work=tmp_path)
+    assert not (tmp_path / GAP_FILE).exists()
+
+
+def test_read_refuses_what_is_not_a_gap_file(tmp_path):
+    (tmp_path / GAP_FILE).write_text(json.dumps({"rows": 3}))
+    with pytest.raises(WorkbenchError, match="not a devices gap file"):
+        read_devices_gap(tmp_path)
+
+
+def test_toolchains_name_what_to_install(monkeypatch, tmp_path):
+    monkeypatch.setenv("WORKBENCH_RKNN_PYTHON", str(tmp_path / "none"))
+    t = toolchains()
+    assert t["simulation"] is None and t["ort-qdq"] is None
+    assert "make rknn-env" in t["rknn"] or "rknn" in t["rknn"]
+
+
+@pytest.mark.slow
+def test_real_run_one_failing_target_leaves_the_other_rows(tiny_model_dir, tmp_path, monkeypatch):
+    """simulation and ort-qdq measured for real; the rknn row fails (a 'toolkit' that exits at once) alone; the HTP
+    without ort-qdq in the run is a row saying so; the file is written after every target."""
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\nexit 3\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("WORKBENCH_RKNN_PYTHON", str(fake))  # the spawned children inherit it
+    plan = QuantPlan.uniform("int8")
+    seen = []
+    gap = measure_devices_gap(tiny_model_dir, plan=plan, targets=["rknn", "ort-qdq", "simulation"], max_tokens=256,
+                              work=tmp_path / "gap", on_row=lambda g: seen.append(len(g.rows)))
+    assert [r["target"] for r in gap.rows] == ["simulation", "ort-qdq", "rknn"] and seen == [1, 2, 3]
+    sim, qdq, rknn = gap.rows
+    assert 0 < sim["prefill"]["kl"] < 1 and 0 < sim["prefill"]["top1"] <= 1 and sim["prefill"]["positions"] > 100
+    assert 0 < qdq["prefill"]["kl"] and qdq["decode"]["kl"] > 0 and qdq["bytes"] > 100_000
+    assert sim["seconds"] > 0 and sim["peak_bytes"] > 50 * 2**20 and qdq["peak_bytes"] > 50 * 2**20
+    # the tiny model's 256 positions are refused before the 'toolkit' is started, or the toolkit itself fails
+    assert rknn["error"].startswith("failed: ") and rknn["prefill"] is None and rknn["runtime"] == "failed"
+    assert gap.complete and gap.plan_hash == plan.content_hash() and gap.plan == plan.to_dict()
+    again = read_devices_gap(tmp_path / "gap")
+    assert again.rows == json.loads(json.dumps(gap.rows)) and again.complete
+    alone = measure_devices_gap(tiny_model_dir, plan=plan, targets=["htp"], work=tmp_path / "gap2")
+    if alone.rows[0]["runtime"] == "not run" and "onnxruntime-qnn" not in alone.rows[0]["note"]:
+        assert "choose ort-qdq too" in alone.rows[0]["note"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not qnn_available(), reason=f"needs onnxruntime-qnn: {INSTALL}")
+def test_htp_refuses_a_plan_its_generation_cannot_run_naming_the_layers(tiny_model_dir, tmp_path):
+    """8 Gen 1 (v69) runs no 16-bit weights: uniform INT8 keeps the embeddings (and the tied lm_head) in fp16."""
+    gap = measure_devices_gap(tiny_model_dir, plan=QuantPlan.uniform("int8"), targets=["ort-qdq", "htp"],
+                              soc="8gen1", max_tokens=256, work=tmp_path)
+    qdq, htp = gap.rows
+    assert qdq["prefill"]["kl"] > 0 and gap.soc == "snapdragon-8-gen-1"
+    assert htp["error"].startswith("failed: HtpRefused: Snapdragon 8 Gen 1 (soc 36, HTP v69) runs no 16-bit weights")
+    assert "lm_head" in htp["error"] and "--soc snapdragon-8-gen-1" in htp["error"]

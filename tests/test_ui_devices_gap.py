@@ -1,0 +1,69 @@
+"""The Export tab's Compare on the devices: the session's plan measured by workbench.devices_gap, table and chart
+filled target by target, a target without its toolchain disabled with what to install."""
+import pytest
+
+from workbench.devices_gap import GAP_FILE, read_devices_gap
+from workbench.plan import QuantPlan
+from workbench.ui.devices_gap import DevicesGapPanel, gap_table_html
+from workbench.ui.session import AppSession, report_markdown
+
+
+@pytest.fixture
+def session(tiny_model_dir, workspace, tmp_path):
+    s = AppSession(out_dir=tmp_path / "run", workspace=workspace)
+    s.load(str(tiny_model_dir))
+    s.plan = QuantPlan.uniform("int8")
+    return s
+
+
+def test_missing_toolchain_is_disabled_and_says_what_to_install(session, monkeypatch, tmp_path):
+    monkeypatch.setenv("WORKBENCH_RKNN_PYTHON", str(tmp_path / "no-python"))
+    p = DevicesGapPanel(session)
+    assert p.checks["rknn"].disabled and not p.checks["rknn"].value
+    assert "rknn" in p.missing and "make rknn-env" in p.missing_label.value
+    assert p.chosen() == ["simulation", "ort-qdq"]  # the cheapest pair by default
+    assert p.soc.value == "snapdragon-8-gen-3" and "snapdragon-8-gen-1" in dict(p.soc.options).values()
+    for c in p.checks.values():
+        c.value = False
+    assert p.run() is None and p.error == "choose at least one target"
+    assert p.checks["rknn"].disabled and not p.checks["simulation"].disabled  # still, after the controls thaw
+
+
+@pytest.mark.slow
+def test_run_fills_table_chart_session_and_report(session, tmp_path):
+    p = DevicesGapPanel(session, max_tokens=256, targets=("simulation", "htp"))
+    if p.checks["htp"].disabled:  # onnxruntime-qnn not installed: the simulation alone
+        p.checks["htp"].value = False
+    thread = p.start()  # the button: in the background
+    thread.join(600)
+    gap = p.result
+    assert gap is not None and p.error is None, p.status.value
+    sim = gap.row("simulation")
+    assert 0 < sim["prefill"]["kl"] < 1 and sim["prefill"]["positions"] > 100
+    assert f"{sim['prefill']['kl']:.2e}" in p.table.value and "data-target='simulation'" in p.table.value
+    if gap.row("htp") is not None:  # chosen without ort-qdq: its row says so, the simulation is unaffected
+        assert "choose ort-qdq too" in gap.row("htp")["note"]
+    assert p.progress.value == len(gap.rows) and "no gap flagged" in p.status.value
+    assert [t.name for t in p.chart.data] == ["prefill", "decode"] and p.chart.data[0].y[0] == sim["prefill"]["kl"]
+    assert p.figures["devices-gap"] is p.chart and p.chart_box.layout.display == ""
+    assert session.devices_gap is gap and gap.plan_hash == session.plan.content_hash()
+    path = session.devices_gap_dir / GAP_FILE
+    assert path.is_file() and read_devices_gap(path).rows[0]["prefill"]["kl"] == sim["prefill"]["kl"]
+    assert "| simulation |" in report_markdown(session.report())
+    import zipfile
+    archive = session.write_archive()  # the rows travel with the run, and its report.html shows them
+    with zipfile.ZipFile(archive) as z:
+        names = z.namelist()
+        page = z.read(f"{archive.stem}/report.html").decode()
+    assert f"{archive.stem}/devices-gap/{session.devices_gap_dir.name}/{GAP_FILE}" in names
+    assert "<h2>On the devices</h2>" in page and f"{sim['prefill']['kl']:.2e}" in page
+
+
+def test_table_marks_gaps_and_failures():
+    rows = [{"target": "ort-qdq", "runtime": "cpu", "prefill": {"kl": 0.1, "top1": 0.9}, "decode": None,
+             "bytes": 10**6, "seconds": 3.0, "peak_bytes": 2**30, "gap": "prefill: KL <big>", "note": "", "error": None},
+            {"target": "mnn", "runtime": "failed", "prefill": None, "decode": None, "bytes": None, "seconds": None,
+             "peak_bytes": None, "gap": None, "note": "failed: RuntimeError: x", "error": "failed: RuntimeError: x"}]
+    out = gap_table_html(rows)
+    assert "GAP</span> prefill: KL &lt;big&gt;" in out and "1.00e-01" in out and "font-style:italic" in out
+    assert out.count("<tr class='gap-row'") == 2
