@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import numpy as np
+import torch
 import onnx
 import pytest
 from onnx import numpy_helper
@@ -122,3 +123,31 @@ def test_activations_are_calibrated_without_the_weights(setups, tmp_path):
     for n in matmuls:
         assert producer[n.input[1]].op_type == "DequantizeLinear" and producer[n.input[0]].op_type == "DequantizeLinear"
         assert producer[n.input[1]].input[0] == n.input[1] + "_quantized"
+
+
+def test_an_embedding_quantized_per_row_keeps_its_codes_and_runs(tiny_model_dir, tmp_path):
+    """A per-row integer embedding (onnxruntime's own quantizer gives its lookup per-row output scales, which its
+    QuantizeLinear refuses): the table carries the plan's codes, the lookup's output its own calibrated range."""
+    import onnxruntime as ort
+    prep = prepare_models(tiny_model_dir, plan=QuantPlan.uniform("int8", group_size=None, keep_embeddings=None))
+    static = export_onnx(prep.float_lm, tmp_path / "static", static=(16, 32), check=False)
+    feeds = calibration_feeds(prep.float_lm, samples=2, seq_len=16,
+                              runner=OnnxCausalLM(static.prefill_path, static.decode_path))
+    doc = ort_overrides(prep.qm, static)
+    quantize_qdq(static.prefill_path, tmp_path / "ours.qdq.onnx", feeds["prefill"],
+                 init_overrides=doc["init_overrides"], quantized=prep.qm, export=static)
+    table = static.weight_names["model.embed_tokens"]
+    codes, scale, _, axis, _ = _weights(tmp_path / "ours.qdq.onnx")[table + "_quantized"]
+    qw = prep.qm.weights["model.embed_tokens"]
+    assert axis == [0] and np.array_equal(codes, qw.qweight.numpy()) and scale.shape == (qw.shape[0],)
+    proto = onnx.load(str(tmp_path / "ours.qdq.onnx"))
+    gather = next(n for n in proto.graph.node if n.op_type == "Gather" and n.input[0] == table)
+    q = next(n for n in proto.graph.node if n.op_type == "QuantizeLinear" and n.input[0] == gather.output[0])
+    inits = {i.name: numpy_helper.to_array(i) for i in proto.graph.initializer}
+    assert inits[q.input[1]].size == 1  # one activation scale for the lookup's output, not the rows'
+    feed = feeds["prefill"][0]
+    qdq = ort.InferenceSession(str(tmp_path / "ours.qdq.onnx"), providers=["CPUExecutionProvider"]).run(["logits"], feed)
+    with torch.no_grad():
+        sim = prep.sim_lm.model(torch.from_numpy(feed["input_ids"])).logits.numpy()
+    n = int(feed["attention_mask"].sum())
+    assert (qdq[0][0, :n].argmax(-1) == sim[0, :n].argmax(-1)).mean() >= 0.9

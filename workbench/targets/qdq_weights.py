@@ -17,10 +17,12 @@ data file as they are made:
   (``compute_data_quant_params``, per channel or per tensor as its quantizer would) from the float
   weight, read from the graph's data file one tensor at a time.
 
-Embedding tables quantized per tensor (``Gather`` data) are written the same way, and the lookup's
-output gets the Q/DQ pair onnxruntime would give it (the table's own scale and zero point), so the
-lookup is left out of onnxruntime's pass: its quantizer cannot share parameters with a tensor it
-did not quantize itself.
+Embedding tables (``Gather`` data) are written the same way and their lookups left out of
+onnxruntime's pass (its quantizer cannot share parameters with a tensor it did not quantize): a
+table quantized per tensor gives the lookup's output the Q/DQ pair onnxruntime would (the table's own
+scale and zero point); one quantized per row (a per-channel integer embedding) cannot lend its
+per-row scales to the output, which gets an activation Q/DQ pair from its calibrated range instead
+(onnxruntime's own quantizer fails on it: "scale must be 1D tensor with size 128").
 """
 from __future__ import annotations
 
@@ -75,7 +77,8 @@ def _float_array(init, base: Path) -> np.ndarray:
 
 
 def _plan_codes(qw, dims: tuple[int, ...], axis: int) -> np.ndarray:
-    """The plan's codes ``[out, in]`` laid out as the graph's weight (``[in, out]`` when the axis is 1)."""
+    """The plan's codes ``[out, in]`` laid out as the graph's weight (``[in, out]`` when the axis is 1; a lookup
+    table's rows, axis 0, as they are)."""
     codes = qw.qweight.cpu().numpy()
     codes = codes.T if axis == 1 else codes
     if tuple(codes.shape) != tuple(dims):
@@ -147,14 +150,15 @@ def _per_tensor(init, base: Path, qtype, symmetric: bool, data: _DataFile):
 
 
 def _role(init, readers: Mapping[str, list], entries) -> str | None:
-    """"matmul" for a MatMul weight, "gather" for a lookup table quantized per tensor, None for the rest."""
+    """"matmul" for a MatMul weight, "gather" for a lookup table quantized per tensor, "rows" for one quantized
+    per row, None for the rest."""
     nodes = readers.get(init.name, [])
     if not entries or not nodes:
         return None
     if all(n.op_type == "MatMul" and list(n.input).index(init.name) == 1 for n in nodes):
         return "matmul"
-    if all(n.op_type == "Gather" and list(n.input).index(init.name) == 0 for n in nodes) and "axis" not in entries[0]:
-        return "gather"
+    if all(n.op_type == "Gather" and list(n.input).index(init.name) == 0 for n in nodes):
+        return "rows" if "axis" in entries[0] else "gather"
     return None
 
 
@@ -194,7 +198,7 @@ def prequantize_weights(graph_path: str | Path, quantized, export, init_override
             axis = first.get("axis")
             if "scale" in first:  # the plan's own codes and scales
                 qw = quantized.weights[layer_of[init.name]]
-                values = _plan_codes(qw, tuple(init.dims), axis) if role == "matmul" else qw.qweight.cpu().numpy()
+                values = _plan_codes(qw, tuple(init.dims), axis)
                 zp_dtype = numpy_helper.helper.tensor_dtype_to_np_dtype(qtype)
                 scale = np.array([e["scale"] for e in entries], np.float32)
                 zero = np.array([e["zero_point"] for e in entries], zp_dtype)
@@ -227,9 +231,9 @@ def prequantize_weights(graph_path: str | Path, quantized, export, init_override
             dq_nodes.append(helper.make_node("DequantizeLinear", [q.name, *params], [init.name],
                                              name=f"{init.name}_DequantizeLinear", **attrs))
             written.add(init.name)
-            if role == "gather":
+            if role != "matmul":
                 for n in readers[init.name]:
-                    lookups[id(n)] = params
+                    lookups[id(n)] = params if role == "gather" else None
     finally:
         data.close()
     del proto.graph.initializer[:]
@@ -241,14 +245,15 @@ def prequantize_weights(graph_path: str | Path, quantized, export, init_override
             if i in renamed:
                 n.input[k] = renamed[i]
         nodes.append(n)
-        if id(n) in lookups:  # the lookup's output: quantized as onnxruntime does, with the table's parameters
+        if id(n) in lookups:
+            excluded.append(n.name)
+        if lookups.get(id(n)):  # the lookup's output: quantized as onnxruntime does, with the table's parameters
             y = n.output[0]
             nodes += [helper.make_node("QuantizeLinear", [y, *lookups[id(n)]], [y + "_QuantizeLinear_Output"],
                                        name=y + "_QuantizeLinear"),
                       helper.make_node("DequantizeLinear", [y + "_QuantizeLinear_Output", *lookups[id(n)]],
                                        [y + "_DequantizeLinear_Output"], name=y + "_DequantizeLinear")]
             renamed[y] = y + "_DequantizeLinear_Output"
-            excluded.append(n.name)
     for out in proto.graph.output:
         if out.name in renamed:
             raise ValueError(f"a graph output ('{out.name}') is a table lookup's result; it cannot be renamed")
