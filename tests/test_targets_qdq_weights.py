@@ -151,3 +151,36 @@ def test_an_embedding_quantized_per_row_keeps_its_codes_and_runs(tiny_model_dir,
         sim = prep.sim_lm.model(torch.from_numpy(feed["input_ids"])).logits.numpy()
     n = int(feed["attention_mask"].sum())
     assert (qdq[0][0, :n].argmax(-1) == sim[0, :n].argmax(-1)).mean() >= 0.9
+
+
+def test_calibration_ranges_on_the_prequantized_graph_equal_onnxruntimes(setups, tmp_path):
+    """The calibration session looks rows up before dequantizing them (no float32 copy of the table): the same
+    ranges, tensor by tensor, as onnxruntime's own MinMax calibrator on the pre-quantized graph."""
+    import json
+    from onnxruntime.quantization import QuantType
+    from onnxruntime.quantization.calibrate import CalibrationMethod, create_calibrator
+    from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
+    from workbench.targets.ort_qdq import activation_ranges, load_ort_overrides
+    from workbench.targets.qdq_weights import prequantize_weights
+    prep, static, feeds, doc = setups("per-channel")
+    (tmp_path / "ort.json").write_text(json.dumps(doc))
+    config = get_qnn_qdq_config(str(static.prefill_path), None, activation_type=QuantType.QUInt16,
+                                per_channel=True, **load_ort_overrides(tmp_path / "ort.json"))
+    opset21 = tmp_path / "opset21.onnx"  # 4-bit and 16-bit DequantizeLinear need opset 21 (weights inline here)
+    proto = onnx.load(str(static.prefill_path), load_external_data=False)
+    onnx.save(onnx.version_converter.convert_version(proto, 21), str(opset21))
+    side, written, excluded = prequantize_weights(opset21, prep.qm, static,
+                                                  config.extra_options["TensorQuantOverrides"],
+                                                  tmp_path / "side.onnx")
+    assert excluded == ["/model.embed_tokens/Gather"] and static.weight_names["model.embed_tokens"] in written
+    ours = activation_ranges(side, feeds["prefill"], config.op_types_to_quantize)
+    calibrator = create_calibrator(side, config.op_types_to_quantize, calibrate_method=CalibrationMethod.MinMax,
+                                   augmented_model_path=str(tmp_path / "augmented.onnx"))
+    it = iter(feeds["prefill"])
+    calibrator.collect_data(type("Reader", (), {"get_next": lambda self: next(it, None)})())
+    theirs = calibrator.compute_data()
+    gathered = next(n.output[0] for n in onnx.load(str(side)).graph.node if n.name == excluded[0])
+    assert gathered in ours.data and len(ours.data) > 20 and set(ours.data) <= set(theirs.data)
+    for name in ours.data:
+        for a, b in zip(ours[name].range_value, theirs[name].range_value):
+            assert np.array_equal(a, b), name

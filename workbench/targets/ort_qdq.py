@@ -230,6 +230,31 @@ def lean_session(options) -> None:
     options.enable_cpu_mem_arena = False
 
 
+def _look_up_before_dequantizing(graph) -> None:
+    """``DequantizeLinear(table) -> Gather`` rewritten as ``Gather(table) -> DequantizeLinear`` where the table has
+    one scale: the same values (dequantizing is element by element), without the whole table in float32
+    (545 MB at the Qwen2.5-0.5B shape) for a lookup of a few rows. For calibration runs only."""
+    import onnx
+    inits = {i.name for i in graph.initializer}
+    dq = {n.output[0]: n for n in graph.node if n.op_type == "DequantizeLinear" and n.input[0] in inits
+          and not any(a.name == "axis" for a in n.attribute)}
+    scalar = {i.name for i in graph.initializer if not i.dims}
+    nodes = []
+    for n in graph.node:
+        d = dq.get(n.input[0]) if n.op_type == "Gather" else None
+        if d is not None and all(i in scalar for i in d.input[1:]):
+            looked_up = n.output[0] + "__wb_codes"
+            nodes.append(onnx.helper.make_node("Gather", [d.input[0], n.input[1]], [looked_up], name=n.name,
+                                               axis=next((a.i for a in n.attribute if a.name == "axis"), 0)))
+            nodes.append(onnx.helper.make_node("DequantizeLinear", [looked_up, *d.input[1:]], [n.output[0]],
+                                               name=n.name + "__wb_dequantize"))
+        else:
+            nodes.append(n)
+    read = {i for n in nodes for i in n.input} | {o.name for o in graph.output}
+    del graph.node[:]
+    graph.node.extend(n for n in nodes if n.op_type != "DequantizeLinear" or n.output[0] in read)  # the tables' own
+
+
 def activation_ranges(graph: str | Path, feeds: Iterable[Mapping[str, np.ndarray]], op_types: Iterable[str]):
     """onnxruntime's MinMax calibration ranges (``TensorsData``) from one session over per-tensor ReduceMin/ReduceMax.
 
@@ -246,6 +271,7 @@ def activation_ranges(graph: str | Path, feeds: Iterable[Mapping[str, np.ndarray
         SimpleNamespace(op_types_to_calibrate=list(op_types)), proto)
     weights = {n.output[0] for n in proto.graph.node if n.op_type == "DequantizeLinear"}  # pre-quantized weights
     tensors = sorted(set(tensors) - weights)
+    _look_up_before_dequantizing(proto.graph)
     del proto.graph.output[:]
     for t in tensors:
         elem = value_infos[t].type.tensor_type.elem_type
