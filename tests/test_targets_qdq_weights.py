@@ -112,7 +112,7 @@ def test_the_plans_own_codes_reach_the_graph(setups, tmp_path):
 
 
 def test_activations_are_calibrated_without_the_weights(setups, tmp_path):
-    """The dequantized weights get no activation Q/DQ pair: each MatMul reads its weight straight from a DequantizeLinear."""
+    """The dequantized weights get no activation Q/DQ pair: each MatMul reads its weight from a DequantizeLinear."""
     prep, static, feeds, doc = setups("group-wise")
     quantize_qdq(static.prefill_path, tmp_path / "ours.qdq.onnx", feeds["prefill"],
                  init_overrides=doc["init_overrides"], quantized=prep.qm, export=static)
@@ -146,7 +146,8 @@ def test_an_embedding_quantized_per_row_keeps_its_codes_and_runs(tiny_model_dir,
     inits = {i.name: numpy_helper.to_array(i) for i in proto.graph.initializer}
     assert inits[q.input[1]].size == 1  # one activation scale for the lookup's output, not the rows'
     feed = feeds["prefill"][0]
-    qdq = ort.InferenceSession(str(tmp_path / "ours.qdq.onnx"), providers=["CPUExecutionProvider"]).run(["logits"], feed)
+    session = ort.InferenceSession(str(tmp_path / "ours.qdq.onnx"), providers=["CPUExecutionProvider"])
+    qdq = session.run(["logits"], feed)
     with torch.no_grad():
         sim = prep.sim_lm.model(torch.from_numpy(feed["input_ids"])).logits.numpy()
     n = int(feed["attention_mask"].sum())

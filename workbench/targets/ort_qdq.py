@@ -459,7 +459,8 @@ def qdq_twin(job, static_export, qdq_dir: Path, feeds: Mapping[str, list], *,
     infos, paths = {}, [qdq_dir / "prefill.qdq.onnx", qdq_dir / "decode.qdq.onnx"]
     weights = {"quantized": job.prep.qm, "export": static_export}
     infos["prefill"] = quantize_qdq(static_export.prefill_path, paths[0], feeds["prefill"],
-                                    init_overrides=doc["init_overrides"], activation_bits=job.activation_bits, **weights)
+                                    init_overrides=doc["init_overrides"], activation_bits=job.activation_bits,
+                                    **weights)
     shared = decode_shared_ranges(static_export.prefill_path, static_export.decode_path, infos["prefill"]["ranges"])
     infos["decode"] = quantize_qdq(static_export.decode_path, paths[1], feeds["decode"],
                                    init_overrides=doc["init_overrides"], activation_bits=job.activation_bits,
