@@ -26,14 +26,19 @@ def plus_minus(value: float, err: float | None, spec: str) -> str:
     return f"{format(value, spec)} ± {format(err, spec.lstrip('+'))}"
 
 
+def _converted(value: str, kind, what: str):
+    """``kind(value)``, or the argparse refusal that says it must be ``what``."""
+    try:
+        return kind(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be {what}, not {value!r}") from None
+
+
 def count(minimum: int = 1, zero: str | None = None):
     """An argparse type: a whole number of at least ``minimum`` (or 0, meaning ``zero``, where given), refused
     before any work with what it must be."""
     def parse(value: str) -> int:
-        try:
-            n = int(value)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be a whole number, not {value!r}") from None
+        n = _converted(value, int, "a whole number")
         if n < minimum and not (zero and n == 0):
             raise argparse.ArgumentTypeError(f"must be at least {minimum}" + (f" (or 0: {zero})" if zero else "")
                                              + f", got {n}")
@@ -41,16 +46,14 @@ def count(minimum: int = 1, zero: str | None = None):
     parse.__name__ = f"whole number >= {minimum}"
     return parse
 
+
 def number(low: float | None = None, high: float | None = None, *, low_open: bool = False, high_open: bool = False):
     """An argparse type: a finite number in the given range (an open end excludes its bound), refused before any
     work with the range it must lie in."""
     import math
 
     def parse(value: str) -> float:
-        try:
-            x = float(value)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be a number, not {value!r}") from None
+        x = _converted(value, float, "a number")
         too_low = low is not None and (x <= low if low_open else x < low)
         too_high = high is not None and (x >= high if high_open else x > high)
         if not math.isfinite(x) or too_low or too_high:
