@@ -118,3 +118,24 @@ def test_a_saved_quantized_model_converts_to_the_same_gguf(tmp_path):
     a, b = (gguf.GGUFReader(str(p)) for p in (direct, reloaded))
     assert [(t.name, t.tensor_type, bytes(t.data)) for t in a.tensors] == \
         [(t.name, t.tensor_type, bytes(t.data)) for t in b.tensors]
+
+
+@pytest.mark.parametrize("embed,output,kinds", [("int4", "int6-k", ("Q4_0", "Q6_K")),
+                                                ("int5", "int8", ("Q5_0", "Q8_0")),
+                                                ("int6-k", "int4", ("Q6_K", "Q4_0"))])
+def test_embedding_and_untied_output_are_quantized_and_written_at_their_types(embed, output, kinds, tmp_path):
+    """The plan puts token_embd / output at integer types: lookups use the dequantized rows, the file holds them."""
+    from workbench.models import load_model
+    lm = load_model(build_tiny_model(tmp_path / "m", "qwen2", hidden=256, intermediate=512, layers=1, tie=False))
+    plan = QuantPlan.uniform("int8", keep_embeddings=None, group_size=32) \
+        .with_override("model.embed_tokens", embed).with_override("lm_head", output)
+    qm = quantize_model(lm, plan, method="rtn", progress=False)
+    ids = torch.tensor([[3, 17, 4000, 3]])
+    model = qm.build_model()
+    rows = qm.weights["model.embed_tokens"].dequantize()[ids[0]]
+    assert torch.equal(model.get_input_embeddings()(ids)[0], rows)
+    assert not torch.equal(rows, lm.model.get_input_embeddings().weight.detach()[ids[0]])  # really rounded
+    path = write_gguf(qm, tmp_path / "model.gguf")
+    assert check_gguf(qm, path)["max_abs_diff"] == 0.0
+    names = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors}
+    assert (names["token_embd.weight"], names["output.weight"]) == kinds
