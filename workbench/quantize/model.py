@@ -100,7 +100,7 @@ def layer_quantizer(plan: QuantPlan, precision, shape: tuple[int, int], *, name:
     if prec.bits not in SUPPORTED_BITS:
         raise PlanError(f"{where}{prec.name} ({prec.bits}-bit) weights are not supported; "
                         f"weight quantization supports {', '.join(f'int{b}' for b in SUPPORTED_BITS)}")
-    if prec.two_level and not plan.symmetric:
+    if prec.two_level and not plan.symmetric and not prec.minimums:
         raise PlanError(f"{where}{prec.name} has two-level scales, which are symmetric; plan "
                         "with symmetric=true (drop --asymmetric) or give the layer a precision with float16 "
                         "scales")
