@@ -68,21 +68,23 @@ MIRROR = {"Q4_0": "int4", "IQ4_NL": "int4", "Q4_1": "int4", "Q5_0": "int5", "Q5_
           "BF16": "fp16"}
 ROLE_ORDER = ("v_proj", "down_proj", "o_proj", "up_proj", "gate_proj", "k_proj", "q_proj")  # upgraded first
 # (label, method, how the plan is made): "mirror:TYPE" gives every layer the workbench layout of the tensor
-# type llama.cpp's TYPE file stores it in (same bytes; the rounding is the workbench's); "fill:TYPE:EMBED:LOW:HIGH"
-# puts the embedding at EMBED and every linear layer at LOW, then raises layers to HIGH in ROLE_ORDER
-# (layer by layer) while the tensors stay within TYPE's file; the k-layout (int4-k, int5-k) is used where a
-# layer's inputs fill its 256-weight blocks, the 32-weight one elsewhere
+# type llama.cpp's TYPE file stores it in (same bytes, or fewer; the rounding is the workbench's);
+# "fill:TYPE:EMBED:LOW:HIGH" puts the embedding at EMBED and every linear layer at LOW, then raises layers to
+# HIGH in ROLE_ORDER (layer by layer) while the tensors stay within TYPE's file. int4 / int5 become their
+# k-layouts (int4-k, int5-k) where a layer's inputs fill 256-weight blocks, int6-k falls back to int8 where
+# they do not (as llama.cpp's own types do)
 RUNS = (
     ("RTN, Q4_0's layout", "rtn", "mirror:Q4_0"),
     ("GPTQ, Q4_0's layout", "gptq", "mirror:Q4_0"),
-    ("GPTQ, int5 embedding, int4/int5 mix within IQ4_NL's size", "gptq", "fill:IQ4_NL:int5:int4:int5"),
+    ("GPTQ, int5 embedding, int4 raised to int5 within IQ4_NL's size", "gptq", "fill:IQ4_NL:int5:int4:int5"),
     ("GPTQ, Q4_K_M's layout", "gptq", "mirror:Q4_K_M"),
-    ("GPTQ, int8 embedding, int5/int8 mix within Q4_K_M's size", "gptq", "fill:Q4_K_M:int8:int5:int8"),
+    ("GPTQ, int8 embedding, int5 raised to int6-k within Q5_K_M's size", "gptq", "fill:Q5_K_M:int8:int5:int6-k"),
     ("GPTQ, Q5_K_M's layout", "gptq", "mirror:Q5_K_M"),
     ("GPTQ, Q6_K's layout", "gptq", "mirror:Q6_K"),
     ("RTN, Q4_K_M's layout", "rtn", "mirror:Q4_K_M"),
 )
-K_LAYOUT = {"int4": "int4-k", "int5": "int5-k"}
+K_LAYOUT = {"int4": "int4-k", "int5": "int5-k"}  # where the blocks fit
+K_FALLBACK = {"int6-k": "int8", "int3-k": "int4", "int4-k": "int4", "int5-k": "int5"}  # where they do not
 # a tie: the two KL figures differ by at most one standard error of their difference (llama-perplexity's
 # per-token standard errors, combined as independent: sqrt(se_a^2 + se_b^2))
 TIE_SE = 1.0
@@ -207,10 +209,13 @@ def tensor_bytes(lm, plan) -> int:
 
 
 def layout_for(info, precision: str) -> str:
-    """``int4`` / ``int5`` as their k-layout where the layer's inputs fill 256-weight blocks."""
+    """``int4`` / ``int5`` as their k-layout where the layer's inputs fill 256-weight blocks; a k-layout that
+    does not fit as its 32-weight stand-in."""
     from workbench.plan import get_precision
     k = K_LAYOUT.get(precision)
-    return k if k and not get_precision(k).misfit(info.shape[1]) else precision
+    if k and not get_precision(k).misfit(info.shape[1]):
+        return k
+    return K_FALLBACK[precision] if get_precision(precision).misfit(info.shape[1]) else precision
 
 
 def fill_plan(lm, budget: int, embed: str, low: str, high: str):
