@@ -18,20 +18,26 @@ the demo model's ``heldout.txt`` cut to ``--tokens`` tokens of each model's toke
 its ``calibration.txt`` (the importance matrix, GPTQ and the activation statistics all read it, never the
 held-out text). Their SHA-256 are printed.
 
-Workbench evaluator side (always): every linear layer quantized, the embedding (and the tied output) kept
-at float16, KL / top-1 / perplexity against the float model on llama.cpp's chunks (``--ctx``), paired chunk by
-chunk: llama.cpp's reference Q4_0 / Q5_0 rounding (the gguf package's quantizer, bit for bit what
-``llama-quantize`` writes without an importance matrix) beside the workbench's RTN on the 15-level grid,
-on the 16-level grid (``full_range``), with scale search, with importance weighting (calibration statistics)
-and GPTQ.
+llama.cpp side (``--llama-cpp DIR`` or ``$LLAMA_CPP_DIR`` with ``llama-quantize``, ``llama-perplexity`` and
+``llama-imatrix``): the package's GGUF dequantized to an f32 GGUF, ``llama-imatrix`` on the calibration text
+(or ``--imatrix``), Q4_0 / IQ4_NL / Q4_K_M / Q5_K_M / Q6_K quantized with that importance matrix and scored
+by ``llama-perplexity --kl-divergence`` against the f32 logits on the held-out cut. All of it is kept under
+``--root``/NAME-llama.cpp (each type's row, with its file's per-tensor types, in a JSON named by the
+hashes of the importance matrix and the held-out logits), so a second run reuses it.
 
-llama.cpp side (when ``--llama-cpp DIR`` or ``$LLAMA_CPP_DIR`` has ``llama-quantize``, ``llama-perplexity`` and
-``llama-imatrix``): the float model converted to f32 by llama.cpp's converter, ``llama-imatrix`` on the
-calibration text, Q4_0 / IQ4_NL / Q4_K_M / Q5_K_M / Q6_K quantized with that importance matrix, all scored by
-``llama-perplexity --kl-divergence`` on the held-out cut; beside them the workbench's plans at Q4_0 / Q5_0 /
-Q8_0 layouts written as GGUF by its llama.cpp target (read back equal to the simulation) and scored by
-``llama-perplexity`` itself. Every step's wall time and peak memory (this process's and its children's
-RSS) are printed.
+Workbench side (``RUNS``): plans written as GGUF by the llama.cpp target (every tensor the plan's own
+integers, read back equal to the simulation, the embedding quantized like llama.cpp's) and scored by the
+same ``llama-perplexity`` call. "Mirror" plans give every layer the workbench layout of the block type
+llama.cpp's file stores it in (Q4_0 -> int4, Q5_0 -> int5, Q8_0 -> int8, Q4_K -> int4-k, Q5_K -> int5-k,
+Q6_K -> int6-k; IQ4_NL, Q4_1 and Q5_1 have no workbench layout and become int4 / int5, the same size or
+smaller): the same bytes, the workbench's rounding (16-level grid, importance-weighted scale search from
+the calibration statistics, GPTQ). "Fill" plans put the embedding and the linear layers at a floor and raise
+layers (attention v, the MLP down projections, then the rest) while the tensors stay within a llama.cpp
+file's. Each row is judged against llama.cpp's best file of no smaller size: among the files whose
+tensors take at least as many bytes, the nearest size (and any within 1% above it), the lowest KL; a
+difference within one standard error (llama-perplexity's, combined as independent) is a tie.
+``--simulate`` also scores each plan with the workbench's evaluator. Every step's wall time and peak
+memory (this process's and its children's RSS) are printed.
 """
 from __future__ import annotations
 
