@@ -170,6 +170,28 @@ def uniform_plan(bits: int, **fields):
     return plan
 
 
+def f32_base(gguf, dequantize, src: Path, dst: Path) -> Path:
+    """The package's GGUF with every tensor dequantized to float32 and its metadata (vocabulary included) copied:
+    the float model llama.cpp's tools start from, the same weights the Hugging Face folder holds."""
+    reader = gguf.GGUFReader(str(src))
+    arch = reader.get_field(gguf.Keys.General.ARCHITECTURE).contents()
+    writer = gguf.GGUFWriter(str(dst), arch)
+    for field in reader.fields.values():
+        if field.name in (gguf.Keys.General.ARCHITECTURE, gguf.Keys.General.FILE_TYPE) or field.name.startswith("GGUF."):
+            continue
+        vtype = field.types[0]
+        writer.add_key_value(field.name, field.contents(), vtype,
+                             sub_type=field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    for t in reader.tensors:
+        writer.add_tensor(t.name, dequantize(t.data, t.tensor_type).astype("float32"))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
+
+
 def layer_gguf_names(lm) -> dict[str, str]:
     """GGUF tensor name of every quantizable layer that has its own tensor (a tied output has none)."""
     from workbench.targets.gguf_file import gguf_parameter_name
