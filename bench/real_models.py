@@ -395,6 +395,8 @@ def main() -> None:
     ap.add_argument("--imatrix-chunks", type=int, help="llama-imatrix chunks of --ctx tokens (default: the whole "
                     "calibration text, 65 chunks of 512 on SmolLM2's tokenizer)")
     ap.add_argument("--runs", help="indexes of RUNS to do, e.g. 0,1,3 (default all)")
+    ap.add_argument("--types", default=",".join(LLAMA_TYPES), help="llama.cpp types to quantize and score (the "
+                    "runs' plans name the ones they need)")
     ap.add_argument("--simulate", action="store_true", help="also score each plan with the workbench's evaluator")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--json", type=Path, help="also write every figure here")
@@ -438,7 +440,8 @@ def main() -> None:
                                 workspace=Workspace(args.root / "ws"), progress=False)
         times.append(step(log, "calibration statistics", t0))
         lrows, info = llamacpp_side(llama, args.root / f"{name}.gguf", cut, calib_text, args.ctx, args.threads,
-                                    args.root / f"{name}-llama.cpp", log, args.imatrix_chunks, args.imatrix)
+                                    args.root / f"{name}-llama.cpp", log, args.imatrix_chunks, args.imatrix,
+                                    tuple(args.types.split(",")))
         ours = []
         with tempfile.TemporaryDirectory(dir=args.root) as tmp:
             for label, method, how in runs:
