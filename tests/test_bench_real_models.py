@@ -43,3 +43,44 @@ def test_gguf_to_hf_round_trips_a_gguf_and_records_its_source(make_tiny_model, t
     name = next(iter(qm.weights))
     got = dict(back.model.named_modules())[name].weight.detach()
     assert torch.equal(got, qm.weights[name].dequantize())
+
+
+def test_verdict_judges_against_the_best_llamacpp_file_of_no_smaller_size():
+    lrows = [{"type": "Q4_0", "tensor_bytes": 1010, "kl": 0.15, "kl_se": 0.005},
+             {"type": "IQ4_NL", "tensor_bytes": 1000, "kl": 0.09, "kl_se": 0.003},
+             {"type": "Q4_K_M", "tensor_bytes": 1200, "kl": 0.03, "kl_se": 0.001}]
+    v = real["verdict"]
+    assert v({"tensor_bytes": 990, "kl": 0.05, "kl_se": 0.002}, lrows)["versus"] == "IQ4_NL"  # both ~1000: the best
+    assert v({"tensor_bytes": 990, "kl": 0.05, "kl_se": 0.002}, lrows)["outcome"] == "win"
+    assert v({"tensor_bytes": 1005, "kl": 0.14, "kl_se": 0.005}, lrows)["versus"] == "Q4_0"  # IQ4_NL is smaller
+    assert v({"tensor_bytes": 1005, "kl": 0.152, "kl_se": 0.005}, lrows)["outcome"] == "tie"
+    assert v({"tensor_bytes": 1100, "kl": 0.04, "kl_se": 0.001}, lrows)["outcome"] == "loss"
+    assert v({"tensor_bytes": 1300, "kl": 0.01, "kl_se": 0.001}, lrows)["versus"] is None
+
+
+def test_mirror_and_fill_plans_match_the_bytes_their_gguf_holds(make_tiny_model, tmp_path):
+    pytest.importorskip("gguf")
+    import gguf
+    from workbench.models import load_model
+    from workbench.quantize import quantize_model
+    from workbench.targets.gguf_file import write_gguf
+    lm = load_model(str(make_tiny_model("llama", tie=True, hidden=256, intermediate=512)), dtype="float32")
+    names = real["layer_gguf_names"](lm)
+    types = {g: ("Q8_0" if "token_embd" in g else "Q6_K" if "ffn_down" in g else "Q4_K" if "ffn" in g else "Q5_0")
+             for g in names.values()}
+    plan = real["mirror_plan"](lm, types)
+    tied = next(i for i in lm.layers if i.tied_to)
+    assert plan.precision_name_for(tied.name) == plan.precision_name_for(tied.tied_to) == "int8"
+    assert plan.precision_name_for("model.layers.0.mlp.up_proj") == "int4-k"
+    full = real["tensor_bytes"](lm, real["mirror_plan"](lm, {g: "Q8_0" for g in names.values()}))
+    budget = int(0.7 * full)
+    small = real["fill_plan"](lm, budget, "int5", "int4", "int8")
+    assert budget - 70_000 < real["tensor_bytes"](lm, small) <= budget
+    assert small.precision_name_for("model.layers.0.self_attn.v_proj") == "int8"  # raised first
+    assert small.precision_name_for("model.layers.0.mlp.up_proj") == "int4-k"  # k-layout where blocks fit
+    for p in (plan, small):
+        qm = quantize_model(lm, p, progress=False)
+        path = write_gguf(qm, tmp_path / f"{p.content_hash()}.gguf")
+        got = sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors)
+        assert got == real["tensor_bytes"](lm, p)
+        assert not qm.unties_embeddings

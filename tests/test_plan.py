@@ -155,6 +155,23 @@ def test_two_level_bytes_count_packed_sub_scales_and_one_float16_per_channel():
     assert int6.weight_bytes(10, 30, None, symmetric=False) == -(-300 * 6 // 8) + 10 * 2 + -(-10 * 6 // 8)
 
 
+def test_k_layouts_with_minimums_count_llamacpp_block_bytes_in_any_plan():
+    """int4-k / int5-k are Q4_K / Q5_K: 144 and 176 bytes per 256 weights whatever the plan's group size or
+    symmetry (their groups and minimums are the layout's own), and an asymmetric plan may name them."""
+    for name, block in (("int4-k", 144), ("int5-k", 176)):
+        p = get_precision(name)
+        assert p.minimums and p.layer_group_size(128) == 32 and p.misfit(576) and not p.misfit(1536)
+        for gs, sym in ((128, True), (32, False), (None, True)):
+            assert p.weight_bytes(4, 512, gs, symmetric=sym) == 4 * 2 * block
+    plan = QuantPlan.uniform("int4", symmetric=False).with_override("*.down_proj", "int5-k")
+    assert QuantPlan.from_json(plan.to_json()) == plan
+    from workbench.quantize import layer_quantizer
+    q = layer_quantizer(plan, "int5-k", (8, 512))
+    assert q.scale_bits.mins and q.group_size == 32
+    with pytest.raises(PlanError, match="minimums need a super-block"):
+        Precision("int4-m", 4, False, scale_bits=6, minimums=True)
+
+
 def test_table_lists_layers_and_total():
     plan = QuantPlan.uniform("int4")
     layers = [LayerInfo("model.layers.0.mlp.down_proj", "linear", (256, 768)), LayerInfo("lm_head", "linear", (4096, 256))]

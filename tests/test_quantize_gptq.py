@@ -188,3 +188,19 @@ def test_full_range_gptq_uses_sixteen_levels_and_beats_full_range_rtn():
     assert out_err(g) < out_err(r)
     with pytest.raises(PlanError, match="symmetric 16-level"):
         gptq_quantize_weight(w, h, 4, 32, False, full_range=True)
+
+
+@pytest.mark.parametrize("precision", ["int4-k", "int5-k"])
+def test_gptq_with_two_level_minimums_stays_on_the_grid_and_beats_rtn(precision):
+    from workbench.plan import get_precision
+    p = get_precision(precision)
+    w, x, h = _layer(rows=16, cols=512, tokens=2048, seed=3, rank=32)
+    rtn = quantize_weight(w, p.bits, 32, True, scale_bits=p.sub_scales, scale_search=True, importance=torch.diag(h))
+    for act_order in (False, True):
+        q = gptq_quantize_weight(w, h, p.bits, 32, True, scale_bits=p.sub_scales, scale_search=True,
+                                 act_order=act_order)
+        assert q.mins is not None and q.sub_layout == p.sub_scales and int(q.qweight.max()) <= (1 << p.bits) - 1
+        assert torch.equal(q.channel_scales, rtn.channel_scales) and torch.equal(q.channel_mins, rtn.channel_mins)
+        def out_err(qw):
+            return float((x @ (w - qw.dequantize()).T).square().mean())
+        assert out_err(q) < 0.8 * out_err(rtn)

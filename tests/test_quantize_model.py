@@ -155,3 +155,19 @@ def test_rtn_weighs_the_scale_search_by_calibration_statistics(lm):
     werr = lambda wh: float(((w - wh).square() * rms.square()).sum())  # noqa: E731
     assert werr(weighted) < werr(plain)
     assert int(quantize_model(lm, plan, progress=False).weights[name].qweight.min()) == -8
+
+
+def test_a_tied_embedding_is_weighed_by_the_output_layers_input_statistics(lm):
+    """Tied, the embedding is the output layer too: its columns' errors count by lm_head's inputs."""
+    from types import SimpleNamespace
+    emb = next(i for i in lm.layers if i.kind == "embedding")
+    head = next(i for i in lm.layers if i.tied_to == emb.name)
+    plan = QuantPlan.uniform("int4", keep_embeddings="int4", group_size=32, scale_search=True, full_range=True)
+    w = dict(lm.model.named_modules())[emb.name].weight.detach().float()
+    rms = torch.rand(w.shape[1], generator=torch.Generator().manual_seed(1)) ** 3 * 10
+    stats = SimpleNamespace(layers={head.name: SimpleNamespace(rms=rms)})
+    plain = quantize_model(lm, plan, progress=False).weights[emb.name].dequantize()
+    weighted = quantize_model(lm, plan, stats=stats, progress=False)
+    assert weighted.weights[head.name] is weighted.weights[emb.name]  # still one tensor
+    werr = lambda wh: float(((w - wh).square() * rms.square()).sum())  # noqa: E731
+    assert werr(weighted.weights[emb.name].dequantize()) < werr(plain)

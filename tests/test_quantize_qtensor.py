@@ -104,3 +104,24 @@ def test_new_widths_round_trip_through_storage_codes(bits):
         back = QuantizedWeight.from_storage_codes(qw.storage_codes(), qw.scales, qw.zeros, bits, 32)
         assert torch.equal(back.dequantize(), qw.dequantize())
         assert qw.storage_bytes() == 8 * 64 * bits // 8 + 2 * 16 + (0 if symmetric else -(-16 * bits // 8))
+
+
+def test_two_level_minimums_dequantize_as_scale_times_code_minus_minimum():
+    """Q4_K's arithmetic: w = (d * sc) * q - (dmin * m), both products exact in float32, one rounding."""
+    from workbench.quantize.qtensor import SubScales
+    layout = SubScales(6, 63, 8, mins=True)  # 4-column groups in 8-column super-blocks
+    q = torch.arange(16, dtype=torch.uint8).view(2, 8)
+    sub = torch.tensor([[63, 1], [5, 7]], dtype=torch.uint8)
+    sub_min = torch.tensor([[0, 63], [2, 9]], dtype=torch.uint8)
+    d, dmin = torch.tensor([[0.0999755859375], [2.0 ** -20]]), torch.tensor([[0.5], [0.25]])
+    qw = QuantizedWeight.two_level_weight(q, sub, d, 4, 4, layout, sub_mins=sub_min, channel_mins=dmin)
+    assert not qw.symmetric and qw.sub_layout == layout
+    want = [[float(q[r, c]) * float(sub[r, c // 4]) * float(d[r, 0]) - float(sub_min[r, c // 4]) * float(dmin[r, 0])
+             for c in range(8)] for r in range(2)]
+    assert torch.equal(qw.dequantize(), torch.tensor(want, dtype=torch.float64).float())  # correctly rounded once
+    assert qw.storage_bytes() == 16 * 4 // 8 + 2 * (4 * 6 // 8 + 2 * 2)  # codes, then scales and minimums alike
+    assert torch.equal(qw.rows(torch.tensor([1])).dequantize(), qw.dequantize()[1:])
+    with pytest.raises(ValueError, match="sub-minimums must lie in"):
+        QuantizedWeight.two_level_weight(q, sub, d, 4, 4, layout, sub_mins=sub_min + 60, channel_mins=dmin)
+    with pytest.raises(ValueError, match="takes sub_mins and channel_mins"):
+        QuantizedWeight.two_level_weight(q, sub, d, 4, 4, layout)

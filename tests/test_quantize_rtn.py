@@ -185,3 +185,29 @@ def test_full_range_refuses_asymmetric_and_two_level():
         quantize_weight(w, 4, 32, False, full_range=True)
     with pytest.raises(PlanError, match="two-level"):
         quantize_weight(w, 4, 32, True, full_range=True, scale_bits=4)
+
+
+@pytest.mark.parametrize("precision", ["int4-k", "int5-k"])
+def test_two_level_minimums_fit_offset_groups_and_search_never_loses(precision):
+    """Q4_K / Q5_K's layout: unsigned codes, w = d*sc*q - dmin*m; a group sitting off zero keeps its levels
+    (symmetric codes would spend half of them on the empty side), and the weighted search beats min/max."""
+    from workbench.plan import get_precision
+    p = get_precision(precision)
+    torch.manual_seed(0)
+    w = torch.randn(8, 512) * 0.1 + torch.linspace(-1, 1, 8)[:, None]  # rows offset from zero
+    imp = torch.rand(512) * 4
+    plain = quantize_weight(w, p.bits, 32, True, scale_bits=p.sub_scales)
+    searched = quantize_weight(w, p.bits, 32, True, scale_bits=p.sub_scales, scale_search=True, importance=imp)
+    for qw in (plain, searched):
+        assert qw.qweight.dtype == torch.uint8 and int(qw.qweight.max()) <= (1 << p.bits) - 1 and not qw.symmetric
+        assert 1 <= int(qw.sub_scales.min()) and int(qw.sub_scales.max()) <= 63 and int(qw.sub_mins.max()) <= 63
+        assert qw.channel_scales.shape == qw.channel_mins.shape == (8, 2)
+        assert torch.equal(qw.dequantize(), (qw.qweight.float().view(8, 16, 32) * qw.scales[..., None]
+                                             - qw.mins[..., None]).view(8, 512))
+    def err(qw):
+        return float(((w - qw.dequantize()).square() * imp).sum())
+    assert err(searched) < err(plain)
+    sym = quantize_weight(w, p.bits, 32, True, scale_search=True, importance=imp)  # float16 scales, no minimum
+    assert err(searched) < 0.6 * err(sym)
+    with pytest.raises(PlanError, match="256-column super-blocks"):
+        quantize_weight(torch.randn(4, 96), p.bits, 32, True, scale_bits=p.sub_scales)

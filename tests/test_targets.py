@@ -362,6 +362,21 @@ def test_refusal_names_the_layer_and_the_precision(demo):
     check_precisions(get_target("ort-int4"), two)  # two-level scales expand into exact float32 block scales
 
 
+def test_k_layouts_with_minimums_are_llamacpp_only_and_refused_by_name_elsewhere(demo):
+    from workbench.errors import PlanError
+    from workbench.targets import check_precisions
+    for precision in ("int4-k", "int5-k"):
+        asked = {"model.layers.0.mlp.down_proj": precision}
+        check_precisions(get_target("llama.cpp"), asked)
+        from workbench.targets.registry import registered_targets
+        assert len(registered_targets()) > 5
+        for target in registered_targets():
+            if target.name != "llama.cpp":
+                with pytest.raises(PlanError, match=f"cannot carry precision '{precision}' .* for layer\\(s\\) "
+                                                    "model.layers.0.mlp.down_proj"):
+                    check_precisions(target, asked)
+
+
 def test_qnn_lpbq_encodings_validate_and_carry_the_stored_scales(demo, demo_lpbq, tmp_path):
     from workbench.errors import PlanError
     from workbench.overrides import read_qnn_encodings, validate_qnn_encodings, write_qnn_encodings

@@ -24,7 +24,7 @@ def _weight(precision: str, group_size: int | None = 32, *, scale_search: bool =
 
 @pytest.mark.parametrize("precision,group_size,kind", [
     ("int4", 32, "Q4_0"), ("int5", 32, "Q5_0"), ("int8", 32, "Q8_0"), ("int4", 128, "Q4_0"), ("int8", None, "Q8_0"),
-    ("int3-k", None, "Q3_K"), ("int6-k", None, "Q6_K")])
+    ("int3-k", None, "Q3_K"), ("int6-k", None, "Q6_K"), ("int4-k", None, "Q4_K"), ("int5-k", None, "Q5_K")])
 @pytest.mark.parametrize("scale_search", [False, True])
 def test_blocks_dequantize_to_the_simulation_bit_for_bit(precision, group_size, kind, scale_search):
     qw = _weight(precision, group_size, scale_search=scale_search)
@@ -39,13 +39,19 @@ def test_blocks_dequantize_to_the_simulation_bit_for_bit(precision, group_size, 
 
 
 def test_every_code_and_sub_scale_value_survives_packing():
-    """Extreme codes (-4 and 3, -32 and 31) and sub-scales (1 and the largest) in every position of a block."""
-    for precision, lo, hi in (("int3-k", -4, 3), ("int6-k", -32, 31)):
+    """Extreme codes (-4 and 3, -32 and 31; 0 and 15, 0 and 31) and sub-scales / sub-minimums (1 or 0 and the
+    largest) in every position of a block."""
+    for precision, lo, hi in (("int3-k", -4, 3), ("int6-k", -32, 31), ("int4-k", 0, 15), ("int5-k", 0, 31)):
         qw = _weight(precision)
-        codes = torch.arange(qw.qweight.numel()).remainder(hi - lo + 1).add(lo).view(qw.shape).to(torch.int8)
+        codes = torch.arange(qw.qweight.numel()).remainder(hi - lo + 1).add(lo).view(qw.shape)
         top = qw.scale_max
         sub = torch.arange(qw.sub_scales.numel()).remainder(top).add(1).view(qw.sub_scales.shape)
-        qw = type(qw).two_level_weight(codes, sub, qw.channel_scales, qw.bits, qw.group_size, qw.sub_layout)
+        mins = {} if qw.mins is None else {
+            "sub_mins": torch.arange(qw.sub_mins.numel()).mul(7).remainder(top + 1).view(qw.sub_mins.shape),
+            "channel_mins": qw.channel_mins}
+        qw = type(qw).two_level_weight(codes.to(torch.int8 if lo < 0 else torch.uint8), sub, qw.channel_scales,
+                                       qw.bits, qw.group_size, qw.sub_layout, **mins)
+        assert mins == {} or {int(qw.sub_mins.min()), int(qw.sub_mins.max())} == {0, top}
         kind, data = pack_blocks(qw)
         got = dequantize(data, getattr(gguf.GGMLQuantizationType, kind)).reshape(qw.shape)
         assert np.array_equal(got, qw.dequantize().numpy())
@@ -74,13 +80,14 @@ def test_quantized_model_written_as_gguf_holds_exactly_its_weights(arch, tmp_pat
     lm = load_model(build_tiny_model(tmp_path / arch, arch, hidden=256, intermediate=512, layers=2))
     plan = QuantPlan.uniform("int4", keep_embeddings="int8", group_size=32) \
         .with_override("*.down_proj", "int3-k").with_override("*.v_proj", "int6-k") \
-        .with_override("*.o_proj", "int5").with_override("model.layers.1.mlp.up_proj", "fp16")
+        .with_override("*.o_proj", "int5").with_override("model.layers.1.mlp.up_proj", "fp16") \
+        .with_override("model.layers.0.mlp.up_proj", "int4-k").with_override("*.gate_proj", "int5-k")
     qm = quantize_model(lm, plan, method="rtn", progress=False)
     path = write_gguf(qm, tmp_path / "model.gguf")
     check = check_gguf(qm, path)
     unique = {id(qw): qw for qw in qm.weights.values()}.values()  # a tied lm_head shares the embedding's codes
     assert check["max_abs_diff"] == 0.0 and check["weights"] == sum(qw.qweight.numel() for qw in unique)
-    assert check["types"] == {"Q8_0": 1, "Q4_0": 7, "Q3_K": 2, "Q6_K": 2, "Q5_0": 2}
+    assert check["types"] == {"Q8_0": 1, "Q4_0": 4, "Q3_K": 2, "Q6_K": 2, "Q5_0": 2, "Q4_K": 1, "Q5_K": 2}
     reader = gguf.GGUFReader(str(path))
     fields = {f.name: f for f in reader.fields.values()}
     assert bytes(fields["general.architecture"].parts[-1]).decode() == arch
@@ -108,8 +115,8 @@ def test_a_saved_quantized_model_converts_to_the_same_gguf(tmp_path):
     from workbench.models import load_quantized
     from workbench.quantize import save_quantized
     lm = load_model(build_tiny_model(tmp_path / "m", "qwen2", hidden=256, intermediate=512, layers=1))
-    qm = quantize_model(lm, QuantPlan.uniform("int4", group_size=32).with_override("*.down_proj", "int6-k"),
-                        progress=False)
+    qm = quantize_model(lm, QuantPlan.uniform("int4", group_size=32).with_override("*.down_proj", "int6-k")
+                        .with_override("*.up_proj", "int4-k").with_override("*.gate_proj", "int5-k"), progress=False)
     direct = write_gguf(qm, tmp_path / "direct.gguf")
     save_quantized(qm, tmp_path / "q")
     _, again = load_quantized(tmp_path / "q")
@@ -118,3 +125,44 @@ def test_a_saved_quantized_model_converts_to_the_same_gguf(tmp_path):
     a, b = (gguf.GGUFReader(str(p)) for p in (direct, reloaded))
     assert [(t.name, t.tensor_type, bytes(t.data)) for t in a.tensors] == \
         [(t.name, t.tensor_type, bytes(t.data)) for t in b.tensors]
+
+
+@pytest.mark.parametrize("embed,output,kinds", [("int4", "int6-k", ("Q4_0", "Q6_K")),
+                                                ("int5", "int8", ("Q5_0", "Q8_0")),
+                                                ("int6-k", "int4", ("Q6_K", "Q4_0"))])
+def test_embedding_and_untied_output_are_quantized_and_written_at_their_types(embed, output, kinds, tmp_path):
+    """The plan puts token_embd / output at integer types: lookups use the dequantized rows, the file holds them."""
+    from workbench.models import load_model
+    lm = load_model(build_tiny_model(tmp_path / "m", "qwen2", hidden=256, intermediate=512, layers=1, tie=False))
+    plan = QuantPlan.uniform("int8", keep_embeddings=None, group_size=32) \
+        .with_override("model.embed_tokens", embed).with_override("lm_head", output)
+    qm = quantize_model(lm, plan, method="rtn", progress=False)
+    ids = torch.tensor([[3, 17, 4000, 3]])
+    model = qm.build_model()
+    rows = qm.weights["model.embed_tokens"].dequantize()[ids[0]]
+    assert torch.equal(model.get_input_embeddings()(ids)[0], rows)
+    assert not torch.equal(rows, lm.model.get_input_embeddings().weight.detach()[ids[0]])  # really rounded
+    path = write_gguf(qm, tmp_path / "model.gguf")
+    assert check_gguf(qm, path)["max_abs_diff"] == 0.0
+    names = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors}
+    assert (names["token_embd.weight"], names["output.weight"]) == kinds
+
+
+@pytest.mark.parametrize("method", ["rtn", "gptq"])
+@pytest.mark.parametrize("asymmetric", [False, True])
+def test_k_layouts_with_minimums_round_every_method_into_their_blocks(method, asymmetric, tmp_path):
+    """int4-k / int5-k are asymmetric by their layout, in a symmetric plan (beside Q4_0) or an asymmetric one;
+    GPTQ rounds them to the same grid, and both land in Q4_K / Q5_K blocks read back equal."""
+    from workbench.models import load_model
+    lm = load_model(build_tiny_model(tmp_path / "m", "qwen2", hidden=256, intermediate=512, layers=1))
+    plan = QuantPlan.uniform("int4-k", keep_embeddings="int8", group_size=32, symmetric=not asymmetric) \
+        .with_override("*.down_proj", "int5-k")
+    if asymmetric:  # the float16-scale layers need symmetric blocks for llama.cpp: keep them float
+        plan = plan.with_override("model.embed_tokens", "fp16").with_override("lm_head", "fp16")
+    samples = [torch.randint(0, 4096, (64,)) for _ in range(4)]
+    qm = quantize_model(lm, plan, method=method, calibration=samples if method == "gptq" else None, progress=False)
+    for name, qw in qm.weights.items():
+        if name.endswith("proj"):
+            assert qw.mins is not None and qw.qweight.dtype == torch.uint8 and 0 < qm.layer(name).weight_error < 0.2
+    check = check_gguf(qm, write_gguf(qm, tmp_path / "model.gguf"))
+    assert check["max_abs_diff"] == 0.0 and check["types"].get("Q4_K") == 6 and check["types"]["Q5_K"] == 1

@@ -676,7 +676,8 @@ def _layer_reports(meta: dict, version: int, tensors: _Tensors) -> tuple[list, d
         if "bits" in entry:
             spec = (entry["bits"], entry["group_size"], entry.get("symmetric", f"{r.name}.zeros" not in tensors.shapes))
             scale_bits = None if entry.get("scale_bits") is None else \
-                SubScales(entry["scale_bits"], entry.get("scale_max"), entry.get("super_block"))
+                SubScales(entry["scale_bits"], entry.get("scale_max"), entry.get("super_block"),
+                          entry.get("minimums", False))
             shapes = _v1_shapes(r.name, r.shape, *spec) if version == 1 else stored_shapes(r.name, r.shape, *spec,
                                                                                       scale_bits)
             integer[r.name] = (*spec, scale_bits, shapes)

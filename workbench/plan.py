@@ -54,6 +54,9 @@ class Precision:
     super_block: int | None = None
     # a fixed layout's own group size (llama.cpp's k-quants: 16), which the plan's group size does not change
     group_size: int | None = None
+    # two-level minimums (llama.cpp's Q4_K / Q5_K): unsigned codes, each group's integer minimum beside its
+    # sub-scale under a second float16 scale per super-block; the layout is asymmetric whatever the plan says
+    minimums: bool = False
 
     def __post_init__(self):
         if self.scale_bits is not None and (self.is_float or not 1 <= self.scale_bits <= 8):
@@ -63,6 +66,8 @@ class Precision:
             raise PlanError(f"precision '{self.name}': scale_max must be 1..2^scale_bits, got {self.scale_max!r}")
         if self.super_block is not None and (not self.group_size or self.super_block % self.group_size):
             raise PlanError(f"precision '{self.name}': a super-block needs a fixed group size that divides it")
+        if self.minimums and not self.super_block:
+            raise PlanError(f"precision '{self.name}': two-level minimums need a super-block layout")
 
     @property
     def two_level(self) -> bool:
@@ -72,7 +77,8 @@ class Precision:
     def sub_scales(self):
         """The two-level layout as the quantizer takes it (``SubScales``), or None."""
         from .quantize.qtensor import SubScales
-        return None if self.scale_bits is None else SubScales(self.scale_bits, self.scale_max, self.super_block)
+        return None if self.scale_bits is None else SubScales(self.scale_bits, self.scale_max, self.super_block,
+                                                              self.minimums)
 
     def layer_group_size(self, plan_group_size: int | None) -> int | None:
         """The group size a layer at this precision is quantized with: the layout's own, else the plan's."""
@@ -91,7 +97,7 @@ class Precision:
         """Bytes to store an out x in weight: packed integers plus scales (and zero points), as stored.
 
         Single-level: a float16 scale per group. Two-level: ``scale_bits`` per group, packed, plus a
-        float16 scale per output channel.
+        float16 scale per output channel (or super-block); with minimums as many again for them.
         """
         n = out_features * in_features
         if self.is_float:
@@ -99,10 +105,11 @@ class Precision:
         group_size = self.layer_group_size(group_size)
         groups_per_row = 1 if not group_size else -(-in_features // group_size)
         groups = out_features * groups_per_row
-        zero_bytes = 0 if symmetric else -(-groups * self.bits // 8)
+        zero_bytes = 0 if symmetric or self.two_level else -(-groups * self.bits // 8)
         if self.two_level:
             per_row = 1 if not self.super_block else -(-in_features // self.super_block)
-            scale_bytes = -(-groups * self.scale_bits // 8) + out_features * per_row * SCALE_BYTES
+            scale_bytes = (-(-groups * self.scale_bits // 8) + out_features * per_row * SCALE_BYTES) * \
+                (2 if self.minimums else 1)
         else:
             scale_bytes = groups * SCALE_BYTES
         return -(-n * self.bits // 8) + scale_bytes + zero_bytes
@@ -138,6 +145,14 @@ for _p in (
     Precision("int6-k", 6, False, "6-bit integer weights in 16-weight groups, 8-bit group scales under an fp16 "
               "scale per 256 weights (llama.cpp's Q6_K layout)", scale_bits=8, scale_max=127, super_block=256,
               group_size=16),
+    # llama.cpp's k-quants with minimums: 32-weight groups, each a 6-bit scale and a 6-bit minimum under two
+    # fp16 scales per 256 weights, w = d * sc * q - dmin * m, stored exactly as its Q4_K / Q5_K blocks (4.5, 5.5)
+    Precision("int4-k", 4, False, "4-bit unsigned weights in 32-weight groups, 6-bit group scales and minimums "
+              "under two fp16 scales per 256 weights (llama.cpp's Q4_K layout)", scale_bits=6, scale_max=63,
+              super_block=256, group_size=32, minimums=True),
+    Precision("int5-k", 5, False, "5-bit unsigned weights in 32-weight groups, 6-bit group scales and minimums "
+              "under two fp16 scales per 256 weights (llama.cpp's Q5_K layout)", scale_bits=6, scale_max=63,
+              super_block=256, group_size=32, minimums=True),
 ):
     register_precision(_p)
 

@@ -66,14 +66,15 @@ REPORT_FILE = "sensitivity.json"
 
 
 def sweep_precisions(symmetric: bool = True, layers: Iterable | None = None) -> tuple[str, ...]:
-    """Every registered integer precision, read when called (two-level ones only for symmetric plans).
+    """Every registered integer precision, read when called (two-level ones only for symmetric plans, but for
+    layouts with their own minimums, ``int4-k``, which are asymmetric in either).
 
     Given a model's ``layers``, a fixed block layout (``int3-k``'s 256-weight blocks) is left out when
     some layer's inputs are not a multiple of its blocks (Qwen2.5-0.5B's 896): a sweep measures every
     layer at every precision it offers, so the auto plan can give any layer any of them.
     """
     layers = list(layers or ())
-    return tuple(p.name for p in PRECISIONS.values() if not p.is_float and (symmetric or not p.two_level)
+    return tuple(p.name for p in PRECISIONS.values() if not p.is_float and (symmetric or not p.two_level or p.minimums)
                  and not any(p.misfit(info.shape[1]) for info in layers))
 
 

@@ -14,7 +14,9 @@ they are fixed beforehand from the original weights ("static groups"), so every 
 natural group and the stored layout stays the plain group-wise one every target reads.
 Two-level scales (``scale_bits``): each row's float16 scale is fixed from the original weights
 before any column is rounded; each group's integer sub-scale is then chosen as the pass reaches
-the group (or beforehand with ``act_order``), by the same rule as RTN.
+the group (or beforehand with ``act_order``), by the same rule as RTN. A layout with minimums
+(``int4-k`` / ``int5-k``, llama.cpp's Q4_K / Q5_K) fixes both super-block scales (of the scales and of
+the minimums) from RTN of the original weights, and fits each group's scale and minimum as it is reached.
 
 The model runs block by block as in AWQ: the block inputs of all calibration tokens are held,
 ``H`` of every integer layer in the block is summed over them, the layers are quantized, and the
@@ -42,7 +44,7 @@ from ..memory import release_freed_memory
 from .awq import capture_block_inputs, run_block, token_chunks, find_decoder_blocks
 from .qtensor import QuantizedWeight, SubScales, code_range, group_channel_scales
 from .rtn import (group_weights, quantize_groups, channel_scales_for, check_full_range, check_two_level, dequantize_codes,
-                  round_codes, two_level_groups)
+                  fit_min_groups, min_groups, min_sub_values, round_codes, round_min_codes, two_level_groups)
 
 __all__ = ["gptq_quantize_weight", "search_gptq", "DEFAULT_DAMP", "DEFAULT_BLOCK_COLUMNS", "default_gptq_tokens"]
 
@@ -61,16 +63,22 @@ def default_gptq_tokens(model: nn.Module) -> int:
 
 
 def _group_params(w: torch.Tensor, bits: int, symmetric: bool, scale_search: bool, importance: torch.Tensor,
-                  channel: torch.Tensor | None = None, scale_bits: int | None = None, full_range: bool = False):
-    """Scales, zeros (or None) and sub-scales (two-level, else None) of the columns ``w`` ``[out, g]`` taken as
-    one group, by the RTN rule (and search); two-level under the fixed row scales ``channel``."""
+                  channel: torch.Tensor | None = None, scale_bits: SubScales | None = None, full_range: bool = False,
+                  channel_min: torch.Tensor | None = None):
+    """Scales, zeros (or None), sub-scales (two-level, else None) and minimums (a layout with minimums, else None)
+    of the columns ``w`` ``[out, g]`` taken as one group, by the RTN rule (and search); two-level under the fixed
+    row scales ``channel`` (and ``channel_min``)."""
+    if scale_bits is not None and scale_bits.mins:
+        s, m = fit_min_groups(w[:, None, :], bits, scale_search=scale_search, importance=importance[None, :])
+        sub, sub_min = min_sub_values(s[:, 0], m[:, 0], channel, channel_min, scale_bits)
+        return sub * channel, None, sub, sub_min
     if scale_bits is not None:
         _q, sub, _ = two_level_groups(w[:, None, :], bits, scale_bits, scale_search=scale_search,
                                       importance=importance[None, :], channel_scales=channel)
-        return sub[:, 0] * channel, None, sub[:, 0]
+        return sub[:, 0] * channel, None, sub[:, 0], None
     _q, scales, zeros = quantize_groups(w[:, None, :], bits, symmetric, None, scale_search=scale_search,
                                         importance=importance[None, :], full_range=full_range)
-    return scales[:, 0], None if zeros is None else zeros[:, 0], None
+    return scales[:, 0], None if zeros is None else zeros[:, 0], None, None
 
 
 def _column(t: torch.Tensor | None, k: int) -> torch.Tensor | None:
@@ -119,22 +127,37 @@ def gptq_quantize_weight(w: torch.Tensor, h: torch.Tensor, bits: int, group_size
     n_groups = cols // g
     energy = torch.diag(h).clone()  # per input column, in the original order: the scale search's weights
     scales = torch.empty(out, n_groups)
-    zeros = None if symmetric else torch.empty(out, n_groups)
-    channel = group_ch = sub_scales = None
+    zeros = None if symmetric or (scale_bits is not None and SubScales.of(scale_bits).mins) else \
+        torch.empty(out, n_groups)
+    channel = group_ch = sub_scales = channel_min = group_chm = sub_mins = None
     scale_bits = SubScales.of(scale_bits)
-    if scale_bits is not None:  # the row (super-block) scales from the original weights, before any correction
+    minimums = scale_bits is not None and scale_bits.mins
+    if minimums:  # both super-block scales from RTN of the original weights, before any correction
+        _q, _s, channel, _m, channel_min = min_groups(group_weights(w, group_size), bits, scale_bits,
+                                                      scale_search=scale_search, importance=energy.view(n_groups, g))
+        group_chm = group_channel_scales(channel_min, n_groups)
+        sub_mins = torch.empty(out, n_groups)
+        lo, hi = 0, (1 << bits) - 1
+    elif scale_bits is not None:  # the row (super-block) scales from the original weights, before any correction
         channel = channel_scales_for(group_weights(w, group_size), bits, scale_bits)
+    if scale_bits is not None:
         group_ch = group_channel_scales(channel, n_groups)
         sub_scales = torch.empty(out, n_groups)
+
+    def set_group(k: int, cols: torch.Tensor, start: int) -> None:
+        s, z, sub, sub_min = _group_params(cols, bits, symmetric, scale_search, energy[start:start + g],
+                                           _column(group_ch, k), scale_bits, full_range, _column(group_chm, k))
+        scales[:, k] = s
+        if zeros is not None:
+            zeros[:, k] = z
+        if sub is not None:
+            sub_scales[:, k] = sub
+        if sub_min is not None:
+            sub_mins[:, k] = sub_min
+
     if act_order:  # static groups: every group's range from the original weights, before any correction
         for k in range(n_groups):
-            s, z, sub = _group_params(w[:, k * g:(k + 1) * g], bits, symmetric, scale_search,
-                                      energy[k * g:(k + 1) * g], _column(group_ch, k), scale_bits, full_range)
-            scales[:, k] = s
-            if zeros is not None:
-                zeros[:, k] = z
-            if sub is not None:
-                sub_scales[:, k] = sub
+            set_group(k, w[:, k * g:(k + 1) * g], k * g)
         perm = torch.argsort(torch.diag(h), descending=True)
         w, h = w[:, perm], h[perm][:, perm]
     else:
@@ -150,23 +173,26 @@ def gptq_quantize_weight(w: torch.Tensor, h: torch.Tensor, bits: int, group_size
             col = int(perm[j]) if perm is not None else j
             k = col // g
             if perm is None and col % g == 0:  # a group starts: its range from the corrected weights
-                s, z, sub = _group_params(torch.cat([w1[:, i:], w[:, b:]], dim=1)[:, :g], bits, symmetric,
-                                          scale_search, energy[col:col + g], _column(group_ch, k), scale_bits,
-                                          full_range)
-                scales[:, k] = s
-                if zeros is not None:
-                    zeros[:, k] = z
-                if sub is not None:
-                    sub_scales[:, k] = sub
+                set_group(k, torch.cat([w1[:, i:], w[:, b:]], dim=1)[:, :g], col)
             s, z = scales[:, k], None if zeros is None else zeros[:, k]
-            c = round_codes(w1[:, i], s, z, lo, hi)
+            if minimums:
+                mn = sub_mins[:, k] * group_chm[:, k]
+                c = round_min_codes(w1[:, i], s, mn, bits)
+                deq = c * s - mn
+            else:
+                c = round_codes(w1[:, i], s, z, lo, hi)
+                deq = dequantize_codes(c, s, z)
             codes[:, j] = c
-            e = (w1[:, i] - dequantize_codes(c, s, z)) / hinv1[i, i]
+            e = (w1[:, i] - deq) / hinv1[i, i]
             w1[:, i:] -= e[:, None] * hinv1[i, i:][None, :]
             err1[:, i] = e
         w[:, b:] -= err1 @ hinv[a:b, b:]
     if perm is not None:
         codes = codes[:, torch.argsort(perm)]
+    if minimums:
+        return QuantizedWeight.two_level_weight(codes.to(torch.uint8), sub_scales.to(torch.uint8), channel, bits,
+                                                group_size, scale_bits, sub_mins=sub_mins.to(torch.uint8),
+                                                channel_mins=channel_min)
     if scale_bits is not None:
         return QuantizedWeight.two_level_weight(codes.to(torch.int8), sub_scales.to(torch.uint8), channel, bits,
                                                 group_size, scale_bits)
@@ -272,7 +298,7 @@ def _forward_block(blk: nn.Module, units, chunks) -> None:
         del outs
 
 
-_PARTS = ("qweight", "scales", "zeros", "sub_scales", "channel_scales")
+_PARTS = ("qweight", "scales", "zeros", "sub_scales", "channel_scales", "sub_mins", "channel_mins", "mins")
 
 
 def _save_checkpoint(directory, weights: dict[str, QuantizedWeight], names: list[str], blocks_done: int,

@@ -32,11 +32,15 @@ class _Dequantizing(nn.Module):
         self.register_buffer("zeros", qw.zeros, persistent=False)
         self.register_buffer("sub_scales", qw.sub_scales, persistent=False)  # two-level scales only
         self.register_buffer("channel_scales", qw.channel_scales, persistent=False)
+        self.register_buffer("sub_mins", qw.sub_mins, persistent=False)  # two-level minimums only (Q4_K / Q5_K)
+        self.register_buffer("channel_mins", qw.channel_mins, persistent=False)
+        self.register_buffer("mins", qw.mins, persistent=False)
 
     @property
     def quantized(self) -> QuantizedWeight:
         return QuantizedWeight(self.qweight, self.scales, self.zeros, self.bits, self.group_size, self.sub_scales,
-                               self.channel_scales, self.scale_bits, self.scale_max, self.super_block)
+                               self.channel_scales, self.scale_bits, self.scale_max, self.super_block, self.sub_mins,
+                               self.channel_mins, self.mins)
 
     def dequantized_weight(self) -> torch.Tensor:
         """The float32 weight this layer computes with."""

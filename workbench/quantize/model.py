@@ -100,7 +100,7 @@ def layer_quantizer(plan: QuantPlan, precision, shape: tuple[int, int], *, name:
     if prec.bits not in SUPPORTED_BITS:
         raise PlanError(f"{where}{prec.name} ({prec.bits}-bit) weights are not supported; "
                         f"weight quantization supports {', '.join(f'int{b}' for b in SUPPORTED_BITS)}")
-    if prec.two_level and not plan.symmetric:
+    if prec.two_level and not plan.symmetric and not prec.minimums:
         raise PlanError(f"{where}{prec.name} has two-level scales, which are symmetric; plan "
                         "with symmetric=true (drop --asymmetric) or give the layer a precision with float16 "
                         "scales")
@@ -491,6 +491,10 @@ def quantize_model(lm, plan: QuantPlan, *, calibration=None, method: str | None 
     params = dict(model.named_parameters(remove_duplicate=False))
     # layers rounded to nearest on unscaled weights weigh each input's error by its mean square (AWQ's are rescaled)
     importance = activation_importance(calibration, stats) if method in ("rtn", "gptq") else {}
+    # a tied embedding is also the output layer, whose inputs weigh its columns (lookups use whole rows)
+    for r in reports:
+        if r.tied_to and not r.untied and r.name in importance and r.tied_to not in importance:
+            importance[r.tied_to] = importance[r.name]
     weights: dict[str, QuantizedWeight] = {}
     for r in tqdm(reports, desc="quantize", unit="layer", disable=not progress, leave=False):
         if r.name not in spec:

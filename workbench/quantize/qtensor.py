@@ -11,6 +11,11 @@ channel, or per ``super_block`` columns of it (llama.cpp's k-quant super-blocks 
 those two are stored; ``scales`` still holds their products (exact in float32: at most 11 + 8
 significant bits), so every reader of ``scales`` computes the same weights.
 
+Two-level minimums (llama.cpp's Q4_K / Q5_K, ``SubScales(mins=True)``): unsigned codes in ``[0, 2^b-1]``
+and, beside each group's integer sub-scale, an integer sub-minimum in ``[0, scale_max]`` under a second
+float16 scale per super-block; ``W ~= q * scale - min`` with ``scale = sub * channel`` and ``min =
+sub_min * channel_min``, both exact float32 products (``mins`` holds the latter, group by group).
+
     qw = QuantizedWeight(qweight, scales, zeros, bits=4, group_size=128)
     w_hat = qw.dequantize()             # float32 [out, in]
     packed = pack_int4(qw.storage_codes())   # two 4-bit codes per byte, for files
@@ -41,12 +46,14 @@ class SubScales:
     under one float16 scale per ``super_block`` columns of a row (None: one per row).
 
     ``SubScales(4)`` is Qualcomm's LPBQ (sub-scales 1..16 per group, a float scale per channel);
-    ``SubScales(6, 31, 256)`` is llama.cpp's Q3_K (6-bit signed scales, used positive).
+    ``SubScales(6, 31, 256)`` is llama.cpp's Q3_K (6-bit signed scales, used positive);
+    ``SubScales(6, 63, 256, mins=True)`` its Q4_K / Q5_K (6-bit scales and 6-bit minimums, unsigned codes).
     """
 
     bits: int
     top: int | None = None
     super_block: int | None = None
+    mins: bool = False  # each group also has an integer minimum (``bits`` wide, 0..top) under a float16 scale
 
     @property
     def max(self) -> int:
@@ -72,7 +79,9 @@ class QuantizedWeight:
     or None (symmetric). ``group_size``: columns per group, None for per-channel.
     Two-level scales: ``sub_scales`` uint8 ``[out, n_groups]`` in ``[1, scale_max]``,
     ``channel_scales`` float32 ``[out]`` (float16 values; ``[out, in / super_block]`` with
-    super-blocks), and ``scales`` their products group by group.
+    super-blocks), and ``scales`` their products group by group. Two-level minimums (Q4_K / Q5_K):
+    uint8 codes, ``sub_mins`` uint8 ``[out, n_groups]`` in ``[0, scale_max]``, ``channel_mins`` like
+    ``channel_scales``, and ``mins`` their products.
     """
 
     qweight: torch.Tensor
@@ -85,6 +94,9 @@ class QuantizedWeight:
     scale_bits: int | None = None
     scale_max: int | None = None  # largest sub-scale (None: 2^scale_bits)
     super_block: int | None = None  # columns under one float16 scale (None: the whole row)
+    sub_mins: torch.Tensor | None = None  # two-level minimums only (llama.cpp's Q4_K / Q5_K)
+    channel_mins: torch.Tensor | None = None
+    mins: torch.Tensor | None = None  # float32 [out, n_groups]: sub_mins x channel_mins
 
     def __post_init__(self):
         out, inp = self.qweight.shape
@@ -99,9 +111,16 @@ class QuantizedWeight:
         parts = (self.sub_scales is None, self.channel_scales is None, self.scale_bits is None)
         if len(set(parts)) > 1:
             raise ValueError("two-level scales need sub_scales, channel_scales and scale_bits together")
+        if len({self.sub_mins is None, self.channel_mins is None, self.mins is None}) > 1:
+            raise ValueError("two-level minimums need sub_mins, channel_mins and mins together")
+        if self.mins is not None and (not self.two_level or self.zeros is not None):
+            raise ValueError("minimums come with two-level scales and without zero points")
+        if self.mins is not None and (tuple(self.mins.shape) != tuple(self.scales.shape) or
+                                      tuple(self.channel_mins.shape) != tuple(self.channel_scales.shape)):
+            raise ValueError("mins must match scales, and channel_mins channel_scales, in shape")
         if self.two_level:
-            if not self.symmetric:
-                raise ValueError("two-level scales are symmetric: they have no zero points")
+            if self.zeros is not None:
+                raise ValueError("two-level scales are symmetric or have minimums: they have no zero points")
             want = (out,) if not self.super_block else (out, self.sub_layout.scales_per_row(inp))
             if self.super_block and (self.super_block % g or inp % self.super_block):
                 raise ValueError(f"super-blocks of {self.super_block} columns need groups that divide them and "
@@ -112,16 +131,30 @@ class QuantizedWeight:
 
     @classmethod
     def two_level_weight(cls, qweight: torch.Tensor, sub_scales: torch.Tensor, channel_scales: torch.Tensor,
-                         bits: int, group_size: int | None, scale_bits: "int | SubScales") -> "QuantizedWeight":
-        """A two-level weight from its stored parts; ``scales`` are their exact float32 products."""
+                         bits: int, group_size: int | None, scale_bits: "int | SubScales", *,
+                         sub_mins: torch.Tensor | None = None,
+                         channel_mins: torch.Tensor | None = None) -> "QuantizedWeight":
+        """A two-level weight from its stored parts; ``scales`` (and ``mins``) are their exact float32 products.
+
+        A layout with minimums (``SubScales(mins=True)``) needs ``sub_mins`` and ``channel_mins`` and
+        unsigned codes."""
         layout = SubScales.of(scale_bits)
         if sub_scales.numel() and (int(sub_scales.min()) < 1 or int(sub_scales.max()) > layout.max):
             raise ValueError(f"sub-scales must lie in [1, {layout.max}] for {layout.bits}-bit sub-scales")
+        if layout.mins != (sub_mins is not None) or (sub_mins is None) != (channel_mins is None):
+            raise ValueError("a layout with minimums takes sub_mins and channel_mins, and only it does")
         sub = sub_scales.to(torch.uint8)
         ch = channel_scales.to(torch.float32)
         per_group = group_channel_scales(ch, sub.shape[1])
+        mins = sm = chm = None
+        if layout.mins:
+            if sub_mins.numel() and (int(sub_mins.min()) < 0 or int(sub_mins.max()) > layout.max):
+                raise ValueError(f"sub-minimums must lie in [0, {layout.max}]")
+            sm, chm = sub_mins.to(torch.uint8), channel_mins.to(torch.float32)
+            mins = sm.to(torch.float32) * group_channel_scales(chm, sm.shape[1])
+            qweight = qweight.to(torch.uint8)
         return cls(qweight, sub.to(torch.float32) * per_group, None, bits, group_size, sub, ch, layout.bits,
-                   layout.top, layout.super_block)
+                   layout.top, layout.super_block, sm, chm, mins)
 
     @property
     def two_level(self) -> bool:
@@ -129,12 +162,14 @@ class QuantizedWeight:
 
     @property
     def sub_layout(self) -> SubScales | None:
-        """The two-level layout (sub-scale width, largest sub-scale, super-block), or None."""
-        return None if self.scale_bits is None else SubScales(self.scale_bits, self.scale_max, self.super_block)
+        """The two-level layout (sub-scale width, largest sub-scale, super-block, minimums), or None."""
+        return None if self.scale_bits is None else SubScales(self.scale_bits, self.scale_max, self.super_block,
+                                                              self.mins is not None)
 
     @property
     def symmetric(self) -> bool:
-        return self.zeros is None
+        """Signed codes around 0: no zero points and no minimums."""
+        return self.zeros is None and self.mins is None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -155,24 +190,27 @@ class QuantizedWeight:
         q = self.qweight.to(torch.float32).view(out, inp // g, g)
         if self.zeros is not None:
             q = q - self.zeros.to(torch.float32)[..., None]
-        return (q * self.scales.to(torch.float32)[..., None]).view(out, inp)
+        w = q * self.scales.to(torch.float32)[..., None]
+        if self.mins is not None:  # llama.cpp's order: d * q - m, one rounding
+            w = w - self.mins.to(torch.float32)[..., None]
+        return w.view(out, inp)
 
     def to(self, device) -> "QuantizedWeight":
         """The same weight with its tensors on ``device`` (itself when they are there already)."""
         if self.qweight.device == torch.device(device):
             return self
-        return QuantizedWeight(self.qweight.to(device), self.scales.to(device),
-                               None if self.zeros is None else self.zeros.to(device), self.bits, self.group_size,
-                               None if self.sub_scales is None else self.sub_scales.to(device),
-                               None if self.channel_scales is None else self.channel_scales.to(device),
-                               self.scale_bits, self.scale_max, self.super_block)
+        return self._map(lambda t: t.to(device))
 
     def rows(self, index: torch.Tensor) -> "QuantizedWeight":
         """The weight of the rows ``index`` (output channels), scales and all (embedding lookups)."""
-        pick = (lambda t: None if t is None else t[index])
-        return QuantizedWeight(self.qweight[index], self.scales[index], pick(self.zeros), self.bits, self.group_size,
-                               pick(self.sub_scales), pick(self.channel_scales), self.scale_bits, self.scale_max,
-                               self.super_block)
+        return self._map(lambda t: t[index])
+
+    def _map(self, f) -> "QuantizedWeight":
+        """The same layout with ``f`` applied to every tensor (all are indexed by output row first)."""
+        g = (lambda t: None if t is None else f(t))
+        return QuantizedWeight(f(self.qweight), f(self.scales), g(self.zeros), self.bits, self.group_size,
+                               g(self.sub_scales), g(self.channel_scales), self.scale_bits, self.scale_max,
+                               self.super_block, g(self.sub_mins), g(self.channel_mins), g(self.mins))
 
     def storage_codes(self) -> torch.Tensor:
         """uint8 codes as stored: symmetric codes offset by ``2^(b-1)`` so every code is >= 0."""
@@ -184,14 +222,17 @@ class QuantizedWeight:
     def from_storage_codes(cls, codes: torch.Tensor, scales: torch.Tensor | None, zeros: torch.Tensor | None,
                            bits: int, group_size: int | None, *, sub_scales: torch.Tensor | None = None,
                            channel_scales: torch.Tensor | None = None,
-                           scale_bits: "int | SubScales | None" = None) -> "QuantizedWeight":
-        """A weight from its stored codes; two-level weights pass their sub-scales and channel scales for ``scales``."""
-        if zeros is None:
+                           scale_bits: "int | SubScales | None" = None, sub_mins: torch.Tensor | None = None,
+                           channel_mins: torch.Tensor | None = None) -> "QuantizedWeight":
+        """A weight from its stored codes; two-level weights pass their sub-scales and channel scales for ``scales``
+        (and their sub-minimums and minimum scales with a layout that has minimums: unsigned codes)."""
+        if zeros is None and sub_mins is None:
             q = (codes.to(torch.int16) - (1 << (bits - 1))).to(torch.int8)
         else:
             q = codes.to(torch.uint8)
         if scale_bits is not None:
-            return cls.two_level_weight(q, sub_scales, channel_scales, bits, group_size, scale_bits)
+            return cls.two_level_weight(q, sub_scales, channel_scales, bits, group_size, scale_bits,
+                                        sub_mins=sub_mins, channel_mins=channel_mins)
         return cls(q, scales.to(torch.float32), None if zeros is None else zeros.to(torch.uint8), bits, group_size)
 
     def storage_bytes(self) -> int:
@@ -205,6 +246,8 @@ class QuantizedWeight:
         zeros = 0 if self.zeros is None else -(-self.zeros.numel() * self.bits // 8)
         if self.two_level:
             scales = -(-self.sub_scales.numel() * self.scale_bits // 8) + 2 * self.channel_scales.numel()
+            if self.mins is not None:
+                scales *= 2  # as many sub-minimums and minimum scales as sub-scales and scales
         else:
             scales = 2 * self.scales.numel()
         return -(-n * self.bits // 8) + scales + zeros

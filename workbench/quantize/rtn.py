@@ -29,6 +29,14 @@ super-block of a row) gets one float16 scale ``c`` (its largest group scale over
 sub-scale, rounded up to float16) and each group the integer sub-scale ``ceil(s / c)`` in
 ``[1, top]`` for its own scale ``s``, so every group's range stays covered. With ``scale_search`` each group picks its sub-scale among ``ceil(s * ratio / c)`` for the
 ratios above, by the same (weighted) error.
+
+Two-level minimums (``SubScales(mins=True)``, llama.cpp's Q4_K / Q5_K): each group is fitted as ``w ~= s q -
+m`` with unsigned codes, ``m >= 0`` (the range holds 0). Without search ``s`` and ``m`` come from the group's
+min/max; with ``scale_search`` each group tries codes from 21 range scalings (``(2^b - 1 + t) / (max - min)``,
+``t`` from -1 to 1, as llama.cpp's ``make_qkx`` does) and for each the (weighted) least-squares ``s`` and
+``m`` of those codes, keeping the least error (min/max stays a candidate). The super-block's two float16
+scales are its largest ``s`` and ``m`` over 63 (rounded up), the groups' 6-bit integers the nearest
+multiples, and the codes are rounded again at the stored ``s`` and ``m``.
 """
 from __future__ import annotations
 
@@ -38,7 +46,8 @@ from ..errors import PlanError
 from .qtensor import QuantizedWeight, SubScales, code_range, group_channel_scales
 
 __all__ = ["quantize_weight", "fake_quantize", "two_level_groups", "channel_scales_for", "round_codes",
-           "dequantize_codes", "full_range_scales", "least_squares_scales", "check_full_range"]
+           "dequantize_codes", "full_range_scales", "least_squares_scales", "check_full_range", "min_groups",
+           "fit_min_groups", "round_min_codes", "min_sub_values"]
 
 _TINY = 2.0 ** -24  # smallest float16 step: an all-zero group gets this scale, never a division by zero
 SEARCH_RATIOS = tuple(1.0 - 0.05 * i for i in range(11))
@@ -116,6 +125,80 @@ def two_level_groups(wg: torch.Tensor, bits: int, scale_bits: "int | SubScales",
         best[0] = torch.where(better[..., None], q, best[0])
         best[1] = torch.where(better, sub, best[1])
     return best[0], best[1], channel_scales
+
+
+MIN_SEARCH_STEPS = tuple(-1.0 + 0.1 * i for i in range(21))  # range scalings tried per group (two-level minimums)
+
+
+def _weighted_sums(wt: torch.Tensor, *terms: torch.Tensor) -> list[torch.Tensor]:
+    return [(wt * t).sum(-1) for t in terms]
+
+
+def fit_min_groups(wg: torch.Tensor, bits: int, *, scale_search: bool = False,
+                   importance: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each group's float scale ``s >= 0`` and minimum ``m >= 0`` for ``w ~= s q - m`` (``q`` unsigned ``bits``-bit
+    codes), ``[out, n_groups]`` each; the least (importance-weighted) error over the searched codes when
+    ``scale_search``, else the group's min/max range."""
+    nmax = float((1 << bits) - 1)
+    wmin, wmax = wg.amin(-1).clamp_max(0), wg.amax(-1)
+    span = (wmax - wmin).clamp_min(_TINY)
+    best_s, best_m = span / nmax, -wmin
+    if not scale_search:
+        return best_s, best_m
+    wt = torch.ones_like(wg) if importance is None else importance.expand_as(wg)
+    def error(sc, mn, q):
+        return (wt * (sc[..., None] * q - mn[..., None] - wg).square()).sum(-1)
+    q0 = torch.round((wg - wmin[..., None]) / best_s[..., None]).clamp_(0, nmax)
+    best_err = error(best_s, best_m, q0)
+    sw = wt.sum(-1)
+    sx, = _weighted_sums(wt, wg)
+    for t in MIN_SEARCH_STEPS:
+        q = torch.round((wg - wmin[..., None]) * ((nmax + t) / span)[..., None]).clamp_(0, nmax)
+        sl, sll, slx = _weighted_sums(wt, q, q * q, q * wg)
+        det = sw * sll - sl * sl
+        ok = det > 0
+        a = torch.where(ok, (sw * slx - sl * sx) / det.clamp_min(1e-30), best_s)
+        b = torch.where(ok, (sll * sx - sl * slx) / det.clamp_min(1e-30), -best_m)
+        pos = b > 0  # the offset must stay a minimum (<= 0): refit the scale alone
+        a = torch.where(pos, slx / sll.clamp_min(1e-30), a).clamp_min(0)
+        b = torch.where(pos, torch.zeros_like(b), b)
+        err = error(a, -b, q)
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_s, best_m = torch.where(better, a, best_s), torch.where(better, -b, best_m)
+    return best_s, best_m
+
+
+def round_min_codes(w: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bits: int) -> torch.Tensor:
+    """Unsigned codes (as floats) of ``w`` at ``w ~= scale * q - minimum`` (shapes broadcast against ``w``)."""
+    return torch.round((w + minimum) / scale).clamp_(0, (1 << bits) - 1)
+
+
+def min_groups(wg: torch.Tensor, bits: int, layout: SubScales, *, scale_search: bool = False,
+               importance: torch.Tensor | None = None, channel: tuple[torch.Tensor, torch.Tensor] | None = None):
+    """Codes, sub-scales, super-block scales, sub-minimums and minimum scales of grouped weights ``[out, n_groups,
+    g]`` in a two-level-minimums layout (llama.cpp's Q4_K / Q5_K). ``channel`` given (``(d, dmin)``, each
+    ``[out, n_super]``): kept (GPTQ fixes them from the original weights first)."""
+    out, n_groups, g = wg.shape
+    if not layout.super_block or layout.super_block % g or n_groups % (layout.super_block // g):
+        raise PlanError(f"two-level minimums need {layout.super_block}-column super-blocks of whole {g}-column "
+                        f"groups, and rows of a multiple of them (this one has {n_groups * g} columns)")
+    s, m = fit_min_groups(wg, bits, scale_search=scale_search, importance=importance)
+    top = layout.max
+    if channel is None:
+        per = layout.super_block // g
+        channel = (_fp16_ceil(s.view(out, -1, per).amax(-1) / top), _fp16_ceil(m.view(out, -1, per).amax(-1) / top))
+    d, dmin = (group_channel_scales(c, n_groups).to(wg.dtype) for c in channel)
+    sub, sub_min = min_sub_values(s, m, d, dmin, layout)
+    q = round_min_codes(wg, (sub * d)[..., None], (sub_min * dmin)[..., None], bits)
+    return q, sub, channel[0], sub_min, channel[1]
+
+
+def min_sub_values(s: torch.Tensor, m: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor,
+                   layout: SubScales) -> tuple[torch.Tensor, torch.Tensor]:
+    """The integer sub-scales (``[1, top]``) and sub-minimums (``[0, top]``) nearest to the float scales ``s`` and
+    minimums ``m`` under each group's float16 super-block scales ``d`` and ``dmin``."""
+    return torch.round(s / d).clamp_(1, layout.max), torch.round(m / dmin).clamp_(0, layout.max)
 
 
 def quantize_groups(wg: torch.Tensor, bits: int, symmetric: bool, clip_max: torch.Tensor | None, *,
@@ -205,7 +288,8 @@ def _dequantize_groups(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tenso
 
 
 def check_two_level(scale_bits: "int | SubScales | None", symmetric: bool) -> None:
-    if scale_bits is not None and not symmetric:
+    """Two-level scales without minimums are symmetric (a layout with minimums is asymmetric by itself)."""
+    if scale_bits is not None and not symmetric and not SubScales.of(scale_bits).mins:
         raise PlanError("two-level scales (int4-lpbq, int8-lpbq) are symmetric and have no zero points; plan with "
                         "symmetric=true, or use a precision with float16 scales for an asymmetric plan")
 
@@ -234,6 +318,13 @@ def quantize_weight(w: torch.Tensor, bits: int, group_size: int | None = 128, sy
             raise PlanError(f"importance must hold one weight per input column ({inp}), got shape "
                             f"{tuple(importance.shape)}")
         importance = importance.detach().to(torch.float32).to(w.device).reshape(wg.shape[1:])
+    if scale_bits is not None and SubScales.of(scale_bits).mins:
+        layout = SubScales.of(scale_bits)
+        q, sub, ch, sub_min, ch_min = min_groups(_clipped(wg, clip_max), bits, layout, scale_search=scale_search,
+                                                 importance=importance)
+        return QuantizedWeight.two_level_weight(q.reshape(out, inp).to(torch.uint8), sub.to(torch.uint8), ch, bits,
+                                                group_size, layout, sub_mins=sub_min.to(torch.uint8),
+                                                channel_mins=ch_min)
     if scale_bits is not None:
         if full_range:
             raise PlanError("full_range applies to float16 group scales; two-level precisions keep their own grid")
@@ -253,6 +344,8 @@ def fake_quantize(w: torch.Tensor, bits: int, group_size: int | None, symmetric:
                   full_range: bool = False) -> torch.Tensor:
     """``quantize_weight(...).dequantize()`` without building the container (used inside searches)."""
     wg = group_weights(w.to(torch.float32), group_size)
+    if scale_bits is not None and SubScales.of(scale_bits).mins:
+        return quantize_weight(w, bits, group_size, symmetric, clip_max=clip_max, scale_bits=scale_bits).dequantize()
     if scale_bits is not None:
         check_two_level(scale_bits, symmetric)
         q, sub, ch = two_level_groups(_clipped(wg, clip_max), bits, scale_bits)

@@ -150,9 +150,12 @@ def stored_shapes(name: str, shape: tuple[int, int], bits: int, group_size: int 
         d[f"{name}.weight_sub_scale"] = (-(-out_f * groups * layout.bits // 8),)
         d[f"{name}.weight_channel_scale"] = (out_f,) if not layout.super_block else \
             (out_f, layout.scales_per_row(in_f))
+        if layout.mins:  # llama.cpp's Q4_K / Q5_K: the minimums' integers and float16 scales likewise
+            d[f"{name}.weight_sub_min"] = d[f"{name}.weight_sub_scale"]
+            d[f"{name}.weight_channel_min"] = d[f"{name}.weight_channel_scale"]
     else:
         d[f"{name}.weight_scale"] = (out_f, groups)
-    if not symmetric:
+    if not symmetric and not (layout is not None and layout.mins):
         d[f"{name}.weight_zero_point"] = (-(-out_f * groups * bits // 8),)
     return d
 
@@ -169,6 +172,9 @@ def _quant_tensors(name: str, qw: QuantizedWeight) -> dict[str, torch.Tensor]:
     if qw.two_level:
         out[f"{name}.weight_sub_scale"] = pack_bits(qw.sub_scales.to(torch.int16) - 1, qw.scale_bits)
         out[f"{name}.weight_channel_scale"] = qw.channel_scales.to(torch.float16)
+        if qw.mins is not None:
+            out[f"{name}.weight_sub_min"] = pack_bits(qw.sub_mins, qw.scale_bits)
+            out[f"{name}.weight_channel_min"] = qw.channel_mins.to(torch.float16)
     else:
         out[f"{name}.weight_scale"] = qw.scales.to(torch.float16)
     if qw.zeros is not None:
@@ -195,9 +201,12 @@ def weight_from_file(name: str, t: dict, bits: int, group_size: int | None,
             return QuantizedWeight.from_storage_codes(codes, t[f"{name}.weight_scale"], zeros, bits, group_size)
         layout = SubScales.of(scale_bits)
         sub = unpack_bits(t[f"{name}.weight_sub_scale"], layout.bits, out_f * groups).view(out_f, groups) + 1
+        mins = {} if not layout.mins else {
+            "sub_mins": unpack_bits(t[f"{name}.weight_sub_min"], layout.bits, out_f * groups).view(out_f, groups),
+            "channel_mins": t[f"{name}.weight_channel_min"].to(torch.float32)}
         return QuantizedWeight.from_storage_codes(codes, None, None, bits, group_size, sub_scales=sub,
                                                   channel_scales=t[f"{name}.weight_channel_scale"],
-                                                  scale_bits=layout)
+                                                  scale_bits=layout, **mins)
     codes = unpack_int32(t[f"{name}.weight_packed"], bits, in_f)
     zp = t.get(f"{name}.weight_zero_point")
     zeros = None if zp is None else unpack_int32(zp.t(), bits, out_f).t()
@@ -292,6 +301,8 @@ def _layer_entry(qm, r) -> dict:
                 d["scale_max"] = qw.scale_max
             if qw.super_block is not None:
                 d["super_block"] = qw.super_block
+            if qw.mins is not None:
+                d["minimums"] = True
     return d
 
 

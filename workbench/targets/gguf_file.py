@@ -11,6 +11,9 @@ The workbench's layouts that are llama.cpp's, bit for bit:
   the same weights in a bigger file, which the report says);
 - ``int3-k`` and ``int6-k`` (16-weight groups, integer group scales under a float16 scale per 256
   weights): ``Q3_K`` and ``Q6_K``;
+- ``int4-k`` and ``int5-k`` (32-weight groups, 6-bit group scales and minimums under two float16 scales
+  per 256 weights, unsigned codes): ``Q4_K`` and ``Q5_K``;
+- any of them on the embedding (``token_embd``) and an untied output layer (``output``) too;
 - float16 / float32 layers: ``F16`` / ``F32``; norms and biases ``F32``.
 
 Everything else (asymmetric zero points, two-level scales per channel, int2/int3/int6 with float16
@@ -35,7 +38,9 @@ __all__ = ["ggml_type_of", "pack_blocks", "write_gguf", "check_gguf", "gguf_para
 
 GGUF_ARCHES = {"qwen2": "qwen2", "qwen3": "qwen3", "llama": "llama"}  # Hugging Face model_type -> GGUF architecture
 _LEGACY = {4: "Q4_0", 5: "Q5_0", 8: "Q8_0"}  # symmetric b-bit codes with a float16 scale per 32 weights
-_K = {(3, 6, 31): "Q3_K", (6, 8, 127): "Q6_K"}  # (bits, sub-scale bits, largest sub-scale) in 256-weight blocks
+# (bits, sub-scale bits, largest sub-scale, minimums) in 256-weight blocks
+_K = {(3, 6, 31, False): "Q3_K", (6, 8, 127, False): "Q6_K", (4, 6, 63, True): "Q4_K", (5, 6, 63, True): "Q5_K"}
+_K_GROUP = {"Q3_K": 16, "Q6_K": 16, "Q4_K": 32, "Q5_K": 32}
 _ROLES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
           "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
           "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
@@ -54,12 +59,13 @@ def _gguf():
 def ggml_type_of(qw: QuantizedWeight) -> str:
     """The llama.cpp block type holding ``qw``'s codes and scales exactly; ``PlanError`` when none does."""
     if qw.two_level:
-        key = (qw.bits, qw.scale_bits, qw.scale_max)
-        if qw.super_block == 256 and qw.group_size == 16 and key in _K:
+        key = (qw.bits, qw.scale_bits, qw.scale_max, qw.mins is not None)
+        if qw.super_block == 256 and key in _K and qw.group_size == _K_GROUP[_K[key]]:
             return _K[key]
         raise PlanError(f"{qw.bits}-bit codes with {qw.scale_bits}-bit sub-scales per "
                         f"{'channel' if not qw.super_block else f'{qw.super_block} weights'} have no llama.cpp block "
-                        "layout; use int3-k or int6-k (llama.cpp's Q3_K / Q6_K) or a float16-scale precision")
+                        "layout; use int3-k, int4-k, int5-k or int6-k (llama.cpp's Q3_K / Q4_K / Q5_K / Q6_K) or a "
+                        "float16-scale precision")
     if not qw.symmetric:
         raise PlanError("asymmetric zero points have no exact llama.cpp block (Q4_1 / Q5_1 store scale x zero "
                         "as a rounded float16); plan with symmetric=true for llama.cpp")
@@ -125,11 +131,28 @@ def _q3_k(qw: QuantizedWeight) -> np.ndarray:
     return np.concatenate([hmask, qs.reshape(rows, ns, 64), packed, _fp16_bytes(qw.channel_scales)], -1)
 
 
+def _q45_k(qw: QuantizedWeight) -> np.ndarray:
+    """Q4_K / Q5_K: d, dmin, 12 bytes of 6-bit scales and minimums, (Q5_K: 32 bytes of fifth bits), 128 of nibbles."""
+    rows, cols = qw.shape
+    ns = cols // 256
+    u = qw.qweight.numpy().astype(np.uint8).reshape(rows, ns, 8, 32)  # sub-block s, element l
+    sc = qw.sub_scales.numpy().astype(np.uint8).reshape(rows, ns, 8)
+    m = qw.sub_mins.numpy().astype(np.uint8).reshape(rows, ns, 8)
+    scales = np.concatenate([sc[..., :4] | ((sc[..., 4:] >> 4) << 6), m[..., :4] | ((m[..., 4:] >> 4) << 6),
+                             (sc[..., 4:] & 15) | ((m[..., 4:] & 15) << 4)], -1)
+    qs = ((u[:, :, 0::2] & 15) | ((u[:, :, 1::2] & 15) << 4)).reshape(rows, ns, 128)  # pairs of sub-blocks
+    parts = [_fp16_bytes(qw.channel_scales), _fp16_bytes(qw.channel_mins), scales]
+    if qw.bits == 5:  # element l's fifth bit of sub-block s at bit s of byte l
+        parts.append((((u >> 4) & 1) << np.arange(8, dtype=np.uint8)[None, None, :, None]).sum(2, dtype=np.uint8))
+    return np.concatenate([*parts, qs], -1)
+
+
 def pack_blocks(qw: QuantizedWeight) -> tuple[str, np.ndarray]:
     """``(ggml type name, uint8 [rows, bytes per row])``: ``qw`` as llama.cpp's blocks, row by row."""
     kind = ggml_type_of(qw)
     qw = qw.to("cpu")
-    blocks = _q3_k(qw) if kind == "Q3_K" else _q6_k(qw) if kind == "Q6_K" else _legacy(qw, qw.bits)
+    blocks = _q3_k(qw) if kind == "Q3_K" else _q6_k(qw) if kind == "Q6_K" else \
+        _q45_k(qw) if kind in ("Q4_K", "Q5_K") else _legacy(qw, qw.bits)
     return kind, np.ascontiguousarray(blocks.reshape(qw.shape[0], -1))
 
 
@@ -245,7 +268,8 @@ def _parameter_names(model, layers: set[str]) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-_BLOCK = {"Q4_0": (32, 18), "Q5_0": (32, 22), "Q8_0": (32, 34), "Q3_K": (256, 110), "Q6_K": (256, 210)}
+_BLOCK = {"Q4_0": (32, 18), "Q5_0": (32, 22), "Q8_0": (32, 34), "Q3_K": (256, 110), "Q6_K": (256, 210),
+          "Q4_K": (256, 144), "Q5_K": (256, 176)}
 
 
 def _tensors(qm) -> list[tuple[str, str, tuple, np.dtype, int, object]]:
