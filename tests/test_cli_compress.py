@@ -38,7 +38,6 @@ def test_prune_with_a_plan_file_and_a_table(tiny_model_dir, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--heads", "1.0"], "1 would remove every unit"),
     (["--heads", "0.5", "--plan", "p.json"], "give --plan or --heads/--mlp, not both"),
     ([], "say what to prune"),
     (["--plan", "missing.json"], "missing.json"),
@@ -47,6 +46,15 @@ def test_prune_refusals_are_one_line(tiny_model_dir, tmp_path, capsys, args, mes
     assert main(["prune", str(tiny_model_dir), "--out", str(tmp_path / "p"), *args]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and message in err
+
+
+def test_removing_every_unit_is_refused_before_any_work(tiny_model_dir, tmp_path, capsys):
+    """--heads 1 (every head) is out of the option's range: argparse's one line and its hint, nothing written."""
+    with pytest.raises(SystemExit) as e:
+        main(["prune", str(tiny_model_dir), "--out", str(tmp_path / "p"), "--heads", "1.0"])
+    err = capsys.readouterr().err.splitlines()
+    assert e.value.code == 2 and len(err) == 2 and "--heads: must be a finite number >= 0 and < 1, got 1.0" in err[0]
+    assert not (tmp_path / "p").exists()
 
 
 def test_distill_refusals_are_one_line(tiny_model_dir, tmp_path, capsys):
