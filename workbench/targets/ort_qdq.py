@@ -203,7 +203,7 @@ def _side_graph(float_onnx: Path, tag: str) -> Path:
 
 
 def _quantizable_graph(float_onnx: Path, needs_opset21: bool) -> Path | None:
-    """``float_onnx`` moved to opset 21 when 16-bit types need it, converted and written without its weights.
+    """``float_onnx`` moved to opset 21 when 16-bit or 4-bit types need it, converted and written without its weights.
 
     onnxruntime would do this itself on the whole model, weights included (three copies in memory and
     another on disk); the graph's nodes are all that change. None when no conversion is needed.

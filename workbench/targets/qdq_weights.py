@@ -219,10 +219,9 @@ def prequantize_weights(graph_path: str | Path, quantized, export, init_override
                         pairs = [compute_data_quant_params(w.take(c, axis).ravel(), qtype, symmetric)
                                  for c in range(w.shape[axis])]
                         zero, scale = np.asarray([p[0] for p in pairs]), np.asarray([p[1] for p in pairs])
-                    q = data.put(quantize_onnx_initializer(numpy_helper.from_array(w, init.name), qtype, zero, scale,
-                                                           axis))
+                    q = quantize_onnx_initializer(numpy_helper.from_array(w, init.name), qtype, zero, scale, axis)
                     del w
-            if q.data_location != onnx.TensorProto.EXTERNAL:
+            if q.data_location != onnx.TensorProto.EXTERNAL:  # made whole in memory: its bytes go to the file
                 q = data.put(q)
             params = [init.name + SCALE_SUFFIX, init.name + ZERO_SUFFIX]
             added += [q, numpy_helper.from_array(np.asarray(scale, np.float32), params[0]),
