@@ -29,8 +29,8 @@ Workbench side (``RUNS``): plans written as GGUF by the llama.cpp target (every 
 integers, read back equal to the simulation, the embedding quantized like llama.cpp's) and scored by the
 same ``llama-perplexity`` call. "Mirror" plans give every layer the workbench layout of the block type
 llama.cpp's file stores it in (Q4_0 -> int4, Q5_0 -> int5, Q8_0 -> int8, Q4_K -> int4-k, Q5_K -> int5-k,
-Q6_K -> int6-k; IQ4_NL, Q4_1 and Q5_1 have no workbench layout and become int4 / int5, the same size or
-smaller): the same bytes, the workbench's rounding (16-level grid, importance-weighted scale search from
+Q6_K -> int6-k, Q4_1 -> int4-min, Q5_1 -> int5-min; IQ4_NL has no workbench layout and becomes int4, the
+same size): the same bytes, the workbench's rounding (16-level grid, importance-weighted scale search from
 the calibration statistics, GPTQ). "Fill" plans put the embedding and the linear layers at a floor and raise
 layers (attention v, the MLP down projections, then the rest) while the tensors stay within a llama.cpp
 file's. Each row is judged against llama.cpp's best file of no smaller size: among the files whose
@@ -68,8 +68,8 @@ MODELS = {
 }
 LLAMA_TYPES = ("Q4_0", "IQ4_NL", "Q4_K_M", "Q5_K_M", "Q6_K")
 # llama.cpp's block types as the workbench's precisions with the same bytes per weight (IQ4_NL's non-uniform
-# 4-bit grid and Q5_1 / Q4_1's float minimum have no workbench layout: the same-size or smaller one stands in)
-MIRROR = {"Q4_0": "int4", "IQ4_NL": "int4", "Q4_1": "int4", "Q5_0": "int5", "Q5_1": "int5", "Q8_0": "int8",
+# 4-bit grid has no workbench layout: int4, the same size, stands in)
+MIRROR = {"Q4_0": "int4", "IQ4_NL": "int4", "Q4_1": "int4-min", "Q5_0": "int5", "Q5_1": "int5-min", "Q8_0": "int8",
           "Q3_K": "int3-k", "Q4_K": "int4-k", "Q5_K": "int5-k", "Q6_K": "int6-k", "F16": "fp16", "F32": "fp16",
           "BF16": "fp16"}
 ROLE_ORDER = ("v_proj", "down_proj", "o_proj", "up_proj", "gate_proj", "k_proj", "q_proj")  # upgraded first
@@ -275,10 +275,19 @@ def make_plan(lm, how: str, lrows: list[dict]):
     return fill_plan(lm, row["tensor_bytes"], *rest)
 
 
+def own_layout(row: dict, source_types: dict[str, str]) -> bool:
+    """Whether llama.cpp's file stores every weight matrix in the very block type the source GGUF stored it in:
+    then it re-quantizes the source's own grid (found again almost exactly: the "float" weights are those
+    blocks dequantized), which says nothing about rounding a float model, so no row is judged against it."""
+    mats = [n for n, t in source_types.items() if t not in ("F32", "F16", "BF16")]
+    return bool(mats) and all(row["tensor_types"].get(n) == source_types[n] for n in mats)
+
+
 def verdict(r: dict, lrows: list[dict]) -> dict:
     """The llama.cpp type this row is judged against and the outcome: among llama.cpp's files whose tensors are
-    no smaller than this row's, the nearest size (and any within 1% above it), the lowest KL of them."""
-    bigger = [x for x in lrows if x["tensor_bytes"] >= r["tensor_bytes"]]
+    no smaller than this row's, the nearest size (and any within 1% above it), the lowest KL of them (files in
+    the source's own layout left out: ``own_layout``)."""
+    bigger = [x for x in lrows if x["tensor_bytes"] >= r["tensor_bytes"] and not x.get("own_layout")]
     if not bigger:
         return {"versus": None, "outcome": "no llama.cpp file as large"}
     near = min(x["tensor_bytes"] for x in bigger)
@@ -394,7 +403,7 @@ def main() -> None:
                     "from the calibration text (one model per run)")
     ap.add_argument("--imatrix-chunks", type=int, help="llama-imatrix chunks of --ctx tokens (default: the whole "
                     "calibration text, 65 chunks of 512 on SmolLM2's tokenizer)")
-    ap.add_argument("--runs", help="indexes of RUNS to do, e.g. 0,1,3 (default all)")
+    ap.add_argument("--runs", help="indexes of RUNS to do, e.g. 0,1,3 (default all; none: only llama.cpp's side)")
     ap.add_argument("--types", default=",".join(LLAMA_TYPES), help="llama.cpp types to quantize and score (the "
                     "runs' plans name the ones they need)")
     ap.add_argument("--simulate", action="store_true", help="also score each plan with the workbench's evaluator")
@@ -415,7 +424,7 @@ def main() -> None:
     import llama_cpp
     if llama_cpp.find_bin(str(llama.bin), ("llama-imatrix",))[0] is None:
         sys.exit(f"llama-imatrix is not built in {llama.bin}; add it to the cmake targets (README recipe)")
-    runs = RUNS if not args.runs else [RUNS[int(i)] for i in args.runs.split(",")]
+    runs = RUNS if not args.runs else [] if args.runs == "none" else [RUNS[int(i)] for i in args.runs.split(",")]
     args.root.mkdir(parents=True, exist_ok=True)
     everything = {}
     for name in args.models.split(","):
@@ -435,13 +444,20 @@ def main() -> None:
             t0 = time.perf_counter()
             baseline = measure_reference(lm.model, ids, ctx=args.ctx, progress=False, scheme="llama.cpp")
             times.append(step(log, "float reference", t0))
-        t0 = time.perf_counter()
-        calibration = calibrate(lm, calib_text, samples=args.samples, seq_len=args.seq_len,
-                                workspace=Workspace(args.root / "ws"), progress=False)
-        times.append(step(log, "calibration statistics", t0))
+        calibration = None
+        if runs:
+            t0 = time.perf_counter()
+            calibration = calibrate(lm, calib_text, samples=args.samples, seq_len=args.seq_len,
+                                    workspace=Workspace(args.root / "ws"), progress=False)
+            times.append(step(log, "calibration statistics", t0))
         lrows, info = llamacpp_side(llama, args.root / f"{name}.gguf", cut, calib_text, args.ctx, args.threads,
                                     args.root / f"{name}-llama.cpp", log, args.imatrix_chunks, args.imatrix,
                                     tuple(args.types.split(",")))
+        for r in lrows:
+            r["own_layout"] = own_layout(r, source["tensor_types"])
+            if r["own_layout"]:
+                log(f"  llama.cpp {r['type']} stores every matrix in the type the source file did: the source's "
+                    "own layout, listed but not judged against")
         ours = []
         with tempfile.TemporaryDirectory(dir=args.root) as tmp:
             for label, method, how in runs:
@@ -463,7 +479,9 @@ def print_table(name: str, res: dict) -> None:
     print(f"\n## {name}: {res['parameters']:,} weights, {res['tokens']} held-out tokens (chunks of {res['ctx']})\n")
     print("| file | bpw | KL (llama-perplexity) | same top | ppl | judged against | KL minus theirs | outcome |")
     print("|---|---|---|---|---|---|---|---|")
-    rows = [{**r, "label": f"llama.cpp {r['type']} + imatrix"} for r in res["llama_cpp"]] + \
+    rows = [{**r, "label": f"llama.cpp {r['type']} + imatrix" + (" (the source's own layout: not judged against)"
+                                                                    if r.get("own_layout") else "")}
+            for r in res["llama_cpp"]] + \
         [{**r, "label": f"workbench {r['label']}"} for r in res["workbench"]]
     for r in sorted(rows, key=lambda r: (r["tensor_bytes"], "versus" in r)):
         judged = "" if "versus" not in r else (

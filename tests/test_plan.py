@@ -2,6 +2,7 @@ import json
 import re
 
 import pytest
+import torch
 
 from workbench.errors import PlanError
 from workbench.models import LayerInfo
@@ -168,8 +169,26 @@ def test_k_layouts_with_minimums_count_llamacpp_block_bytes_in_any_plan():
     from workbench.quantize import layer_quantizer
     q = layer_quantizer(plan, "int5-k", (8, 512))
     assert q.scale_bits.mins and q.group_size == 32
-    with pytest.raises(PlanError, match="minimums need a super-block"):
+    with pytest.raises(PlanError, match="two-level ones in super-blocks"):
         Precision("int4-m", 4, False, scale_bits=6, minimums=True)
+    with pytest.raises(PlanError, match="minimums go on integer weights"):
+        Precision("fp16-m", 16, True, minimums=True)
+
+
+def test_float_minimum_layouts_count_llamacpp_block_bytes_in_any_plan():
+    """int4-min / int5-min are Q4_1 / Q5_1: 20 and 24 bytes per 32 weights (a float16 scale and a float16
+    minimum per block, no zero point) whatever the plan's group size or symmetry; their quantizer has
+    float minimums and no full-range grid."""
+    for name, block in (("int4-min", 20), ("int5-min", 24)):
+        p = get_precision(name)
+        assert p.minimums and not p.two_level and p.layer_group_size(128) == 32 and p.misfit(48)
+        for gs, sym in ((128, True), (32, False), (None, True)):
+            assert p.weight_bytes(4, 512, gs, symmetric=sym) == 4 * 16 * block
+    from workbench.quantize import layer_quantizer
+    q = layer_quantizer(QuantPlan.uniform("int4", group_size=32, full_range=True), "int5-min", (8, 512))
+    assert q.minimums and not q.full_range and q.scale_bits is None and q.group_size == 32
+    qw = q.quantize(torch.randn(8, 512))
+    assert qw.float_minimums and qw.storage_bytes() == 8 * 16 * 24
 
 
 def test_table_lists_layers_and_total():

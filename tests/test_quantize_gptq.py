@@ -204,3 +204,19 @@ def test_gptq_with_two_level_minimums_stays_on_the_grid_and_beats_rtn(precision)
         def out_err(qw):
             return float((x @ (w - qw.dequantize()).T).square().mean())
         assert out_err(q) < 0.8 * out_err(rtn)
+
+
+@pytest.mark.parametrize("bits", [4, 5])
+def test_gptq_with_float_minimums_stays_on_the_float16_grid_and_beats_rtn(bits):
+    w, x, h = _layer(rows=16, cols=512, tokens=2048, seed=3, rank=32)
+    w = w + 0.3 * w.abs().mean()  # off zero: the minimum matters
+    rtn = quantize_weight(w, bits, 32, True, minimums=True, scale_search=True, importance=torch.diag(h))
+    def out_err(qw):
+        return float((x @ (w - qw.dequantize()).T).square().mean())
+    for act_order in (False, True):
+        q = gptq_quantize_weight(w, h, bits, 32, True, scale_search=True, act_order=act_order, minimums=True)
+        assert q.float_minimums and q.zeros is None and int(q.qweight.max()) <= (1 << bits) - 1
+        assert torch.equal(q.mins.half().float(), q.mins) and torch.equal(q.scales.half().float(), q.scales)
+        assert out_err(q) < 0.8 * out_err(rtn)
+    with pytest.raises(PlanError, match="float minimums"):
+        gptq_quantize_weight(w, h, bits, 32, True, full_range=True, minimums=True)

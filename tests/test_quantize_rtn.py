@@ -211,3 +211,43 @@ def test_two_level_minimums_fit_offset_groups_and_search_never_loses(precision):
     assert err(searched) < 0.6 * err(sym)
     with pytest.raises(PlanError, match="256-column super-blocks"):
         quantize_weight(torch.randn(4, 96), p.bits, 32, True, scale_bits=p.sub_scales)
+
+
+@pytest.mark.parametrize("bits", [4, 5])
+def test_float_minimums_fit_offset_groups_at_float16_and_search_never_loses(bits):
+    """Q4_1 / Q5_1's layout: unsigned codes, w = d*q - m with d and m float16 values per 32 weights; an
+    offset group keeps all its levels, and the weighted search beats min/max on the error it weighs."""
+    torch.manual_seed(0)
+    w = torch.randn(8, 256) * 0.1 + torch.linspace(-1, 1, 8)[:, None]
+    imp = torch.rand(256) * 4
+    plain = quantize_weight(w, bits, 32, True, minimums=True)
+    searched = quantize_weight(w, bits, 32, True, minimums=True, scale_search=True, importance=imp)
+    for qw in (plain, searched):
+        assert qw.float_minimums and qw.zeros is None and qw.qweight.dtype == torch.uint8
+        assert int(qw.qweight.max()) <= (1 << bits) - 1
+        assert torch.equal(qw.scales.half().float(), qw.scales) and torch.equal(qw.mins.half().float(), qw.mins)
+        assert torch.equal(qw.dequantize(), (qw.qweight.float().view(8, 8, 32) * qw.scales[..., None]
+                                             - qw.mins[..., None]).view(8, 256))
+    def err(qw):
+        return float(((w - qw.dequantize()).square() * imp).sum())
+    assert err(searched) < err(plain)
+    zero_point = quantize_weight(w, bits, 32, False, scale_search=True, importance=imp)  # an integer zero point
+    assert err(searched) < err(zero_point)
+    assert torch.equal(fake_quantize(w, bits, 32, True, minimums=True), plain.dequantize())
+    with pytest.raises(PlanError, match="float minimums"):
+        quantize_weight(w, bits, 32, True, minimums=True, scale_bits=4)
+
+
+@pytest.mark.parametrize("bits,top", [(8, 127), (4, 7)])
+def test_full_range_search_finds_a_weight_already_on_a_fifteen_level_grid_exactly(bits, top):
+    """A trained model shipped as Q8_0 (scale max/127, codes -127..127) sits on a grid the 16-level rule
+    (max/-128) does not reach; the search tries it, so re-rounding such a weight loses nothing."""
+    g = torch.Generator().manual_seed(bits)
+    d = (torch.rand(16, 4, generator=g) * 0.01 + 0.001).half().float()
+    codes = torch.randint(-top, top + 1, (16, 4, 32), generator=g).float()
+    codes[..., 0] = top  # each block's largest weight positive, at the top code
+    w = (codes * d[..., None]).view(16, 128)
+    exact = quantize_weight(w, bits, 32, True, full_range=True, scale_search=True)
+    assert torch.equal(exact.dequantize(), w)
+    plain = quantize_weight(w, bits, 32, True, full_range=True)
+    assert not torch.equal(plain.dequantize(), w)  # the 16-level rule alone moves it

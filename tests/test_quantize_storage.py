@@ -36,6 +36,23 @@ def test_one_layer_is_stored_as_its_shapes_say_and_reads_back_exactly(bits, grou
     assert torch.equal(back.dequantize(), qw.dequantize())
 
 
+def test_float_minimums_are_stored_beside_their_scales_and_read_back_exactly():
+    """int4-min / int5-min (llama.cpp's Q4_1 / Q5_1): a float16 minimum per group, no zero point, never in
+    compressed-tensors' layout (it has no float minimum)."""
+    w = torch.randn(24, 64, generator=torch.Generator().manual_seed(0)) + 0.5
+    for bits in (4, 5):
+        qw = quantize_weight(w, bits, 32, True, minimums=True)
+        assert qw.float_minimums and qw.zeros is None and qw.qweight.dtype == torch.uint8
+        tensors = weight_tensors("l", qw)
+        shapes = stored_shapes("l", qw.shape, bits, 32, qw.symmetric, None, True)
+        assert {k: tuple(v.shape) for k, v in tensors.items()} == shapes and "l.weight_min" in shapes
+        assert not ct_layout(bits, None, True) and "l.weight_zero_point" not in shapes
+        back = weight_from_file("l", tensors, bits, 32, None, True)
+        assert torch.equal(back.dequantize(), qw.dequantize()) and torch.equal(back.mins, qw.mins)
+        assert qw.storage_bytes() == sum(t.numel() * t.element_size() for k, t in tensors.items()
+                                         if not k.endswith("weight_shape"))
+
+
 def test_the_manifest_lists_every_file_with_its_size_and_hash(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"x" * 100)
     (tmp_path / "workbench.safetensors").write_bytes(b"y" * 28)

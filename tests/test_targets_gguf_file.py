@@ -19,12 +19,13 @@ def _weight(precision: str, group_size: int | None = 32, *, scale_search: bool =
     p = get_precision(precision)
     w = torch.randn(6, cols) * torch.logspace(-2, 0, cols)  # groups of very different ranges
     return quantize_weight(w, p.bits, p.layer_group_size(group_size), True, scale_bits=p.sub_scales,
-                           scale_search=scale_search)
+                           scale_search=scale_search, minimums=p.minimums and not p.two_level)
 
 
 @pytest.mark.parametrize("precision,group_size,kind", [
     ("int4", 32, "Q4_0"), ("int5", 32, "Q5_0"), ("int8", 32, "Q8_0"), ("int4", 128, "Q4_0"), ("int8", None, "Q8_0"),
-    ("int3-k", None, "Q3_K"), ("int6-k", None, "Q6_K"), ("int4-k", None, "Q4_K"), ("int5-k", None, "Q5_K")])
+    ("int3-k", None, "Q3_K"), ("int6-k", None, "Q6_K"), ("int4-k", None, "Q4_K"), ("int5-k", None, "Q5_K"),
+    ("int4-min", None, "Q4_1"), ("int5-min", None, "Q5_1")])
 @pytest.mark.parametrize("scale_search", [False, True])
 def test_blocks_dequantize_to_the_simulation_bit_for_bit(precision, group_size, kind, scale_search):
     qw = _weight(precision, group_size, scale_search=scale_search)
@@ -33,7 +34,7 @@ def test_blocks_dequantize_to_the_simulation_bit_for_bit(precision, group_size, 
     got = dequantize(data, getattr(gguf.GGMLQuantizationType, kind)).reshape(qw.shape)
     assert np.array_equal(got, qw.dequantize().numpy())
     # the block sizes are llama.cpp's: the bytes a K layout's precision counts are the file's
-    if kind.endswith("_K"):
+    if kind.endswith(("_K", "_1")):
         p = get_precision(precision)
         assert data.nbytes == p.weight_bytes(*qw.shape) == qw.storage_bytes()
 
@@ -57,12 +58,28 @@ def test_every_code_and_sub_scale_value_survives_packing():
         assert np.array_equal(got, qw.dequantize().numpy())
 
 
+def test_float_minimums_of_either_sign_and_every_code_survive_packing():
+    """Q4_1 / Q5_1: codes 0 and 15 (31) in every position, minimums below, at and above zero (llama.cpp adds
+    ``m``, the workbench subtracts its minimum: the sign flips exactly)."""
+    for precision, hi in (("int4-min", 15), ("int5-min", 31)):
+        qw = _weight(precision)
+        codes = torch.arange(qw.qweight.numel()).remainder(hi + 1).view(qw.shape).to(torch.uint8)
+        mins = (torch.arange(qw.mins.numel()).remainder(5).sub(2).view(qw.mins.shape) * 0.125)
+        qw = type(qw)(codes, qw.scales, None, qw.bits, qw.group_size, mins=mins)
+        assert qw.float_minimums and not qw.symmetric
+        kind, data = pack_blocks(qw)
+        got = dequantize(data, getattr(gguf.GGMLQuantizationType, kind)).reshape(qw.shape)
+        assert np.array_equal(got, qw.dequantize().numpy())
+
+
 @pytest.mark.parametrize("make,match", [
     (lambda: quantize_weight(torch.randn(4, 64), 4, 32, False), "asymmetric zero points"),
     (lambda: _weight("int6", 32), "int6-k"),
     (lambda: _weight("int3", 32), "int3-k"),
     (lambda: _weight("int4-lpbq", 32), "no llama.cpp block layout"),
-    (lambda: quantize_weight(torch.randn(4, 48), 4, 16, True), "32-weight blocks")])
+    (lambda: quantize_weight(torch.randn(4, 48), 4, 16, True), "32-weight blocks"),
+    (lambda: quantize_weight(torch.randn(4, 128), 4, 64, True, minimums=True), "int4-min"),
+    (lambda: quantize_weight(torch.randn(4, 64), 3, 32, True, minimums=True), "int5-min")])
 def test_layouts_llamacpp_cannot_hold_are_refused(make, match):
     with pytest.raises(PlanError, match=match):
         ggml_type_of(make())
@@ -116,7 +133,8 @@ def test_a_saved_quantized_model_converts_to_the_same_gguf(tmp_path):
     from workbench.quantize import save_quantized
     lm = load_model(build_tiny_model(tmp_path / "m", "qwen2", hidden=256, intermediate=512, layers=1))
     qm = quantize_model(lm, QuantPlan.uniform("int4", group_size=32).with_override("*.down_proj", "int6-k")
-                        .with_override("*.up_proj", "int4-k").with_override("*.gate_proj", "int5-k"), progress=False)
+                        .with_override("*.up_proj", "int4-k").with_override("*.gate_proj", "int5-k")
+                        .with_override("*.o_proj", "int4-min").with_override("*.v_proj", "int5-min"), progress=False)
     direct = write_gguf(qm, tmp_path / "direct.gguf")
     save_quantized(qm, tmp_path / "q")
     _, again = load_quantized(tmp_path / "q")
@@ -150,13 +168,15 @@ def test_embedding_and_untied_output_are_quantized_and_written_at_their_types(em
 
 @pytest.mark.parametrize("method", ["rtn", "gptq"])
 @pytest.mark.parametrize("asymmetric", [False, True])
-def test_k_layouts_with_minimums_round_every_method_into_their_blocks(method, asymmetric, tmp_path):
-    """int4-k / int5-k are asymmetric by their layout, in a symmetric plan (beside Q4_0) or an asymmetric one;
-    GPTQ rounds them to the same grid, and both land in Q4_K / Q5_K blocks read back equal."""
+@pytest.mark.parametrize("low,high,kinds", [("int4-k", "int5-k", ("Q4_K", "Q5_K")),
+                                            ("int4-min", "int5-min", ("Q4_1", "Q5_1"))])
+def test_layouts_with_minimums_round_every_method_into_their_blocks(method, asymmetric, low, high, kinds, tmp_path):
+    """int4-k / int5-k and int4-min / int5-min are asymmetric by their layout, in a symmetric plan (beside Q4_0)
+    or an asymmetric one; GPTQ rounds them to the same grid, and all land in their blocks read back equal."""
     from workbench.models import load_model
     lm = load_model(build_tiny_model(tmp_path / "m", "qwen2", hidden=256, intermediate=512, layers=1))
-    plan = QuantPlan.uniform("int4-k", keep_embeddings="int8", group_size=32, symmetric=not asymmetric) \
-        .with_override("*.down_proj", "int5-k")
+    plan = QuantPlan.uniform(low, keep_embeddings="int8", group_size=32, symmetric=not asymmetric) \
+        .with_override("*.down_proj", high)
     if asymmetric:  # the float16-scale layers need symmetric blocks for llama.cpp: keep them float
         plan = plan.with_override("model.embed_tokens", "fp16").with_override("lm_head", "fp16")
     samples = [torch.randint(0, 4096, (64,)) for _ in range(4)]
@@ -165,4 +185,4 @@ def test_k_layouts_with_minimums_round_every_method_into_their_blocks(method, as
         if name.endswith("proj"):
             assert qw.mins is not None and qw.qweight.dtype == torch.uint8 and 0 < qm.layer(name).weight_error < 0.2
     check = check_gguf(qm, write_gguf(qm, tmp_path / "model.gguf"))
-    assert check["max_abs_diff"] == 0.0 and check["types"].get("Q4_K") == 6 and check["types"]["Q5_K"] == 1
+    assert check["max_abs_diff"] == 0.0 and check["types"].get(kinds[0]) == 6 and check["types"][kinds[1]] == 1

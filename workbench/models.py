@@ -666,7 +666,7 @@ class _Skeleton:
 
 def _layer_reports(meta: dict, version: int, tensors: _Tensors) -> tuple[list, dict]:
     """quantization.json's layers, and per stored integer layer ``(bits, group size, symmetric, sub-scale bits or
-    None, tensor shapes)``."""
+    None, float minimums, tensor shapes)``."""
     reports, integer = [], {}
     for entry in meta["layers"]:
         r = LayerQuantReport(entry["name"], entry["kind"], tuple(entry["shape"]), entry["precision"],
@@ -678,9 +678,10 @@ def _layer_reports(meta: dict, version: int, tensors: _Tensors) -> tuple[list, d
             scale_bits = None if entry.get("scale_bits") is None else \
                 SubScales(entry["scale_bits"], entry.get("scale_max"), entry.get("super_block"),
                           entry.get("minimums", False))
+            float_minimums = scale_bits is None and entry.get("minimums", False)
             shapes = _v1_shapes(r.name, r.shape, *spec) if version == 1 else stored_shapes(r.name, r.shape, *spec,
-                                                                                      scale_bits)
-            integer[r.name] = (*spec, scale_bits, shapes)
+                                                                                      scale_bits, float_minimums)
+            integer[r.name] = (*spec, scale_bits, float_minimums, shapes)
     return reports, integer
 
 
@@ -791,10 +792,10 @@ def load_quantized(directory: str | Path, *, verify: bool = True, dtype: str | t
 
     shape_of = {r.name: r.shape for r in reports}
     weights = {}
-    for n, (bits, g, _, scale_bits, shapes) in integer.items():
+    for n, (bits, g, _, scale_bits, float_minimums, shapes) in integer.items():
         t = tensors.group(shapes)
         weights[n] = _v1_layer(n, t, shape_of[n], bits, g) if version == 1 else \
-            weight_from_file(n, t, bits, g, scale_bits)
+            weight_from_file(n, t, bits, g, scale_bits, float_minimums)
     for r in reports:
         if r.tied_to and not r.untied and r.tied_to in weights:
             weights[r.name] = weights[r.tied_to]

@@ -54,8 +54,9 @@ class Precision:
     super_block: int | None = None
     # a fixed layout's own group size (llama.cpp's k-quants: 16), which the plan's group size does not change
     group_size: int | None = None
-    # two-level minimums (llama.cpp's Q4_K / Q5_K): unsigned codes, each group's integer minimum beside its
-    # sub-scale under a second float16 scale per super-block; the layout is asymmetric whatever the plan says
+    # minimums: unsigned codes and a minimum per group, the layout asymmetric whatever the plan says; with
+    # two-level scales (llama.cpp's Q4_K / Q5_K) an integer beside each sub-scale under a second float16 scale
+    # per super-block, else a float16 minimum beside each float16 group scale (Q4_1 / Q5_1)
     minimums: bool = False
 
     def __post_init__(self):
@@ -66,8 +67,9 @@ class Precision:
             raise PlanError(f"precision '{self.name}': scale_max must be 1..2^scale_bits, got {self.scale_max!r}")
         if self.super_block is not None and (not self.group_size or self.super_block % self.group_size):
             raise PlanError(f"precision '{self.name}': a super-block needs a fixed group size that divides it")
-        if self.minimums and not self.super_block:
-            raise PlanError(f"precision '{self.name}': two-level minimums need a super-block layout")
+        if self.minimums and (self.two_level and not self.super_block or self.is_float):
+            raise PlanError(f"precision '{self.name}': minimums go on integer weights, two-level ones in "
+                            "super-blocks")
 
     @property
     def two_level(self) -> bool:
@@ -111,7 +113,8 @@ class Precision:
             scale_bytes = (-(-groups * self.scale_bits // 8) + out_features * per_row * SCALE_BYTES) * \
                 (2 if self.minimums else 1)
         else:
-            scale_bytes = groups * SCALE_BYTES
+            scale_bytes = groups * SCALE_BYTES * (2 if self.minimums else 1)
+            zero_bytes = 0 if self.minimums else zero_bytes
         return -(-n * self.bits // 8) + scale_bytes + zero_bytes
 
 
@@ -153,6 +156,11 @@ for _p in (
     Precision("int5-k", 5, False, "5-bit unsigned weights in 32-weight groups, 6-bit group scales and minimums "
               "under two fp16 scales per 256 weights (llama.cpp's Q5_K layout)", scale_bits=6, scale_max=63,
               super_block=256, group_size=32, minimums=True),
+    # llama.cpp's Q4_1 / Q5_1: a float16 scale and a float16 minimum per 32 weights, w = d * q + m (5 and 6 bpw)
+    Precision("int4-min", 4, False, "4-bit unsigned weights in 32-weight groups, an fp16 scale and an fp16 "
+              "minimum per group (llama.cpp's Q4_1 layout)", group_size=32, minimums=True),
+    Precision("int5-min", 5, False, "5-bit unsigned weights in 32-weight groups, an fp16 scale and an fp16 "
+              "minimum per group (llama.cpp's Q5_1 layout)", group_size=32, minimums=True),
 ):
     register_precision(_p)
 

@@ -3,16 +3,19 @@
     make_sensitivity_figure(report, precision="int4", by="block")   # bars per block, one colour per layer type
     make_sensitivity_figure(report, precision="int4", by="role")    # bars per layer type, one colour per block
     make_pareto_figure(points)                                      # KL and perplexity against bits/weight
+    make_difficulty_figure(layer_difficulty(lm, report, stats))     # why: damage by block, against input outliers
 """
 from __future__ import annotations
 
 from typing import Mapping, Sequence
 
 import plotly.graph_objects as go
+from plotly.colors import qualitative
 from plotly.subplots import make_subplots
 
-__all__ = ["make_sensitivity_figure", "make_pareto_figure"]
+__all__ = ["make_sensitivity_figure", "make_pareto_figure", "make_difficulty_figure"]
 
+_PALETTE = tuple(qualitative.Plotly)  # one colour per layer type
 _METRIC_TITLES = {"kl": "KL divergence to the float model (nats/token)", "ppl_delta": "perplexity change",
                   "nll_delta": "log-perplexity change"}
 
@@ -93,4 +96,42 @@ def make_pareto_figure(points: Sequence, x: str = "bits_per_weight") -> go.Figur
     fig.update_yaxes(title_text="perplexity", row=1, col=2)
     fig.update_layout(title="Size against damage: uniform plans and automatic plans", template="plotly_white",
                       height=420)
+    return fig
+
+
+def make_difficulty_figure(rows: Sequence, precision: str = "int4") -> go.Figure:
+    """Why layers are hard (``workbench.layer_difficulty`` rows): left, each layer's damage by block, one line per
+    layer type (the first and last blocks, the embedding and output layer at the ends); right, damage against
+    the input's outlier channels (max / median channel abs-max), log-log, one colour per layer type."""
+    rows = [_as_dict(r) for r in rows]
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("damage by block (embedding left, output right)",
+                                                        "damage against input outlier channels"))
+    blocks = [r["block"] for r in rows if r["block"] is not None]
+    last = max(blocks) if blocks else 0
+
+    def where(r):
+        return r["block"] if r["block"] is not None else (-1 if "embed" in r["role"] else last + 1)
+
+    roles = list(dict.fromkeys(r["role"] for r in sorted(rows, key=where)))
+    for i, role in enumerate(roles):
+        mine = sorted((r for r in rows if r["role"] == role), key=where)
+        colour = _PALETTE[i % len(_PALETTE)]
+        text = [f"{r['name']}<br>{'; '.join(r['why']) or 'nothing stands out'}" for r in mine]
+        fig.add_scatter(x=[where(r) for r in mine], y=[max(r["damage"], 1e-12) for r in mine], name=role,
+                        mode="lines+markers" if len(mine) > 1 else "markers", line={"color": colour},
+                        marker={"color": colour}, text=text, legendgroup=role,
+                        hovertemplate="%{text}<br>KL %{y:.3g}<extra></extra>", row=1, col=1)
+        pts = [r for r in mine if r.get("input_max_to_median")]
+        if pts:
+            fig.add_scatter(x=[r["input_max_to_median"] for r in pts], y=[max(r["damage"], 1e-12) for r in pts],
+                            name=role, mode="markers", marker={"color": colour}, legendgroup=role,
+                            showlegend=False, text=[f"{r['name']}<br>{'; '.join(r['why'])}" for r in pts],
+                            hovertemplate="%{text}<br>max/median %{x:.0f}x, KL %{y:.3g}<extra></extra>",
+                            row=1, col=2)
+    fig.update_yaxes(type="log", title_text=f"KL at {precision}, layer alone (nats/token)", row=1, col=1)
+    fig.update_yaxes(type="log", row=1, col=2)
+    fig.update_xaxes(title_text="block", row=1, col=1)
+    fig.update_xaxes(type="log", title_text="input max / median channel abs-max", row=1, col=2)
+    fig.update_layout(title=f"Why layers are hard at {precision}", template="plotly_white", height=440,
+                      legend_title="layer type")
     return fig

@@ -16,7 +16,8 @@ Two-level scales (``scale_bits``): each row's float16 scale is fixed from the or
 before any column is rounded; each group's integer sub-scale is then chosen as the pass reaches
 the group (or beforehand with ``act_order``), by the same rule as RTN. A layout with minimums
 (``int4-k`` / ``int5-k``, llama.cpp's Q4_K / Q5_K) fixes both super-block scales (of the scales and of
-the minimums) from RTN of the original weights, and fits each group's scale and minimum as it is reached.
+the minimums) from RTN of the original weights, and fits each group's scale and minimum as it is reached;
+float minimums (``int4-min`` / ``int5-min``, Q4_1 / Q5_1) fit each group's float16 scale and minimum likewise.
 
 The model runs block by block as in AWQ: the block inputs of all calibration tokens are held,
 ``H`` of every integer layer in the block is summed over them, the layers are quantized, and the
@@ -44,7 +45,8 @@ from ..memory import release_freed_memory
 from .awq import capture_block_inputs, run_block, token_chunks, find_decoder_blocks
 from .qtensor import QuantizedWeight, SubScales, code_range, group_channel_scales
 from .rtn import (group_weights, quantize_groups, channel_scales_for, check_full_range, check_two_level, dequantize_codes,
-                  fit_min_groups, min_groups, min_sub_values, round_codes, round_min_codes, two_level_groups)
+                  fit_min_groups, float_min_groups, min_groups, min_sub_values, round_codes, round_min_codes,
+                  two_level_groups)
 
 __all__ = ["gptq_quantize_weight", "search_gptq", "DEFAULT_DAMP", "DEFAULT_BLOCK_COLUMNS", "default_gptq_tokens"]
 
@@ -64,10 +66,13 @@ def default_gptq_tokens(model: nn.Module) -> int:
 
 def _group_params(w: torch.Tensor, bits: int, symmetric: bool, scale_search: bool, importance: torch.Tensor,
                   channel: torch.Tensor | None = None, scale_bits: SubScales | None = None, full_range: bool = False,
-                  channel_min: torch.Tensor | None = None):
-    """Scales, zeros (or None), sub-scales (two-level, else None) and minimums (a layout with minimums, else None)
-    of the columns ``w`` ``[out, g]`` taken as one group, by the RTN rule (and search); two-level under the fixed
-    row scales ``channel`` (and ``channel_min``)."""
+                  channel_min: torch.Tensor | None = None, minimums: bool = False):
+    """Scales, zeros (or None), sub-scales (two-level, else None) and minimums (a layout with minimums: integer
+    sub-minimums, or float16 minimums with ``minimums``; else None) of the columns ``w`` ``[out, g]`` taken as one
+    group, by the RTN rule (and search); two-level under the fixed row scales ``channel`` (and ``channel_min``)."""
+    if minimums:
+        _q, s, m = float_min_groups(w[:, None, :], bits, scale_search=scale_search, importance=importance[None, :])
+        return s[:, 0], None, None, m[:, 0]
     if scale_bits is not None and scale_bits.mins:
         s, m = fit_min_groups(w[:, None, :], bits, scale_search=scale_search, importance=importance[None, :])
         sub, sub_min = min_sub_values(s[:, 0], m[:, 0], channel, channel_min, scale_bits)
@@ -101,12 +106,14 @@ def _inverse_factor(h: torch.Tensor, damp: float) -> torch.Tensor:
 def gptq_quantize_weight(w: torch.Tensor, h: torch.Tensor, bits: int, group_size: int | None = 128,
                          symmetric: bool = True, *, damp: float = DEFAULT_DAMP, act_order: bool = False,
                          block_columns: int = DEFAULT_BLOCK_COLUMNS, scale_search: bool = False,
-                         scale_bits: int | None = None, full_range: bool = False) -> QuantizedWeight:
+                         scale_bits: int | None = None, full_range: bool = False,
+                         minimums: bool = False) -> QuantizedWeight:
     """Quantize ``w`` ``[out, in]`` minimising ``tr((W - Q) H (W - Q)^T)`` column by column (``H`` = ``X^T X``).
 
     ``scale_search``: each group's range from the RTN scale search, its error weighted by ``diag(H)``.
     ``scale_bits``: two-level scales (symmetric), as ``quantize_weight``. ``full_range``: the 16-level grid
     (llama.cpp's Q4_0 scale rule, as ``quantize_weight``); columns are rounded at the stored float16 scale.
+    ``minimums``: a float16 minimum beside each float16 group scale (Q4_1 / Q5_1), unsigned codes.
     """
     if w.dim() != 2 or h.shape != (w.shape[1], w.shape[1]):
         raise PlanError(f"GPTQ needs a 2-D weight and its [in, in] input covariance, got {tuple(w.shape)} and "
@@ -117,6 +124,8 @@ def gptq_quantize_weight(w: torch.Tensor, h: torch.Tensor, bits: int, group_size
     check_full_range(full_range, symmetric)
     if full_range and scale_bits is not None:
         raise PlanError("full_range applies to float16 group scales; two-level precisions keep their own grid")
+    if minimums and (scale_bits is not None or full_range):
+        raise PlanError("float minimums go with float16 group scales, without full_range's symmetric grid")
     g = group_size or cols
     lo, hi = code_range(bits, symmetric)
     w = w.detach().to(torch.float32).clone()
@@ -127,12 +136,15 @@ def gptq_quantize_weight(w: torch.Tensor, h: torch.Tensor, bits: int, group_size
     n_groups = cols // g
     energy = torch.diag(h).clone()  # per input column, in the original order: the scale search's weights
     scales = torch.empty(out, n_groups)
-    zeros = None if symmetric or (scale_bits is not None and SubScales.of(scale_bits).mins) else \
+    zeros = None if symmetric or minimums or (scale_bits is not None and SubScales.of(scale_bits).mins) else \
         torch.empty(out, n_groups)
+    float_mins = torch.empty(out, n_groups) if minimums else None
     channel = group_ch = sub_scales = channel_min = group_chm = sub_mins = None
     scale_bits = SubScales.of(scale_bits)
-    minimums = scale_bits is not None and scale_bits.mins
-    if minimums:  # both super-block scales from RTN of the original weights, before any correction
+    if minimums:
+        lo, hi = 0, (1 << bits) - 1
+    two_level_mins = scale_bits is not None and scale_bits.mins
+    if two_level_mins:  # both super-block scales from RTN of the original weights, before any correction
         _q, _s, channel, _m, channel_min = min_groups(group_weights(w, group_size), bits, scale_bits,
                                                       scale_search=scale_search, importance=energy.view(n_groups, g))
         group_chm = group_channel_scales(channel_min, n_groups)
@@ -146,14 +158,15 @@ def gptq_quantize_weight(w: torch.Tensor, h: torch.Tensor, bits: int, group_size
 
     def set_group(k: int, cols: torch.Tensor, start: int) -> None:
         s, z, sub, sub_min = _group_params(cols, bits, symmetric, scale_search, energy[start:start + g],
-                                           _column(group_ch, k), scale_bits, full_range, _column(group_chm, k))
+                                           _column(group_ch, k), scale_bits, full_range, _column(group_chm, k),
+                                           minimums)
         scales[:, k] = s
         if zeros is not None:
             zeros[:, k] = z
         if sub is not None:
             sub_scales[:, k] = sub
         if sub_min is not None:
-            sub_mins[:, k] = sub_min
+            (float_mins if minimums else sub_mins)[:, k] = sub_min
 
     if act_order:  # static groups: every group's range from the original weights, before any correction
         for k in range(n_groups):
@@ -175,8 +188,8 @@ def gptq_quantize_weight(w: torch.Tensor, h: torch.Tensor, bits: int, group_size
             if perm is None and col % g == 0:  # a group starts: its range from the corrected weights
                 set_group(k, torch.cat([w1[:, i:], w[:, b:]], dim=1)[:, :g], col)
             s, z = scales[:, k], None if zeros is None else zeros[:, k]
-            if minimums:
-                mn = sub_mins[:, k] * group_chm[:, k]
+            if minimums or two_level_mins:
+                mn = float_mins[:, k] if minimums else sub_mins[:, k] * group_chm[:, k]
                 c = round_min_codes(w1[:, i], s, mn, bits)
                 deq = c * s - mn
             else:
@@ -190,6 +203,9 @@ def gptq_quantize_weight(w: torch.Tensor, h: torch.Tensor, bits: int, group_size
     if perm is not None:
         codes = codes[:, torch.argsort(perm)]
     if minimums:
+        return QuantizedWeight(codes.to(torch.uint8), scales.contiguous(), None, bits, group_size,
+                               mins=float_mins.contiguous())
+    if two_level_mins:
         return QuantizedWeight.two_level_weight(codes.to(torch.uint8), sub_scales.to(torch.uint8), channel, bits,
                                                 group_size, scale_bits, sub_mins=sub_mins.to(torch.uint8),
                                                 channel_mins=channel_min)
@@ -227,10 +243,12 @@ def search_gptq(model: nn.Module, samples: list[torch.Tensor], spec: dict[str, t
                 max_tokens: int = DEFAULT_GPTQ_TOKENS, damp: float = DEFAULT_DAMP, act_order: bool = False,
                 chunk_tokens: int = 4096, scale_search: bool = False, progress: bool = True, full_range: bool = False,
                 block_params: Callable[[str], dict[str, torch.Tensor]] | None = None,
-                scale_bits: dict[str, int] | None = None, checkpoint=None) -> dict:
+                scale_bits: dict[str, int] | None = None, checkpoint=None,
+                minimums: frozenset[str] = frozenset()) -> dict:
     """GPTQ of every layer in ``spec`` that sits in a decoder block; ``{"weights": {fqn: QuantizedWeight}, ...}``.
 
-    ``scale_bits`` maps the layers with two-level scales to their sub-scale width.
+    ``scale_bits`` maps the layers with two-level scales to their sub-scale width; ``minimums`` names the
+    layers with float16 minimums (Q4_1 / Q5_1).
 
     Layers outside the blocks (the embedding, an untied output layer) are left to the caller (RTN).
     ``block_params(block_name)`` gives new values for some of a block's parameters (AWQ's folded
@@ -275,8 +293,8 @@ def search_gptq(model: nn.Module, samples: list[torch.Tensor], spec: dict[str, t
                 bits, gs, sym = spec[n]
                 qw = gptq_quantize_weight(m.weight.detach().float().cpu(), covs.pop(n).cpu() / max(counts[n][0], 1),
                                           bits, gs, sym, damp=damp, act_order=act_order, scale_search=scale_search,
-                                          full_range=full_range and not (scale_bits or {}).get(n),
-                                          scale_bits=(scale_bits or {}).get(n))
+                                          full_range=full_range and not (scale_bits or {}).get(n) and n not in minimums,
+                                          scale_bits=(scale_bits or {}).get(n), minimums=n in minimums)
                 weights[n] = qw
                 deq[f"{n}.weight"] = qw.dequantize()
             with _swapped(params, deq):  # the next block sees what the quantized block computes

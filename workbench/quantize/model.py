@@ -75,6 +75,7 @@ class LayerQuantizer:
     scale_search: bool = False
     fallback: str | None = None  # why ``group_size`` differs from the plan's
     full_range: bool = False  # the 16-level symmetric grid (float16 group scales only)
+    minimums: bool = False  # a float16 minimum beside each float16 group scale (llama.cpp's Q4_1 / Q5_1)
 
     def quantize(self, w: torch.Tensor, *, clip_max: torch.Tensor | None = None,
                  importance: torch.Tensor | None = None) -> QuantizedWeight:
@@ -83,7 +84,8 @@ class LayerQuantizer:
         return quantize_weight(w.detach().to(torch.float32), self.bits, self.group_size, self.symmetric,
                                clip_max=clip_max, scale_search=self.scale_search and clip_max is None,
                                scale_bits=self.scale_bits, full_range=self.full_range,
-                               importance=importance if self.scale_search and clip_max is None else None)
+                               importance=importance if self.scale_search and clip_max is None else None,
+                               minimums=self.minimums)
 
 
 def layer_quantizer(plan: QuantPlan, precision, shape: tuple[int, int], *, name: str | None = None,
@@ -111,8 +113,9 @@ def layer_quantizer(plan: QuantPlan, precision, shape: tuple[int, int], *, name:
     if note and strict:
         raise PlanError(f"{where}{note} (strict mode); choose a group size that divides "
                         f"{shape[1]} or drop --strict to allow the fallback")
+    float_minimums = prec.minimums and not prec.two_level
     return LayerQuantizer(prec.bits, gs, plan.symmetric, prec.sub_scales, plan.scale_search, note,
-                          plan.full_range and not prec.two_level)
+                          plan.full_range and not prec.two_level and not float_minimums, float_minimums)
 
 
 def bits_per_weight(layers, precisions: Mapping[str, str | None], group_size: int | None = None,
@@ -437,6 +440,7 @@ def quantize_model(lm, plan: QuantPlan, *, calibration=None, method: str | None 
         reports.append(r)
     # layers with two-level scales: their sub-scale width (GPTQ rounds them two-level too)
     scale_bits = {n: q.scale_bits for n, q in quantizers.items() if q.scale_bits is not None}
+    minimums = frozenset(n for n, q in quantizers.items() if q.minimums)  # float16 minimums (Q4_1 / Q5_1)
 
     float_overrides: dict[str, torch.Tensor] = {}
     clips: dict[str, torch.Tensor] = {}
@@ -470,13 +474,14 @@ def quantize_model(lm, plan: QuantPlan, *, calibration=None, method: str | None 
                     "scale_search": plan.scale_search,
                     **({"full_range": True} if plan.full_range else {}),
                     "scale_bits": {n: list(astuple(v)) if v.top or v.super_block else v.bits
-                                   for n, v in sorted(scale_bits.items())}}
+                                   for n, v in sorted(scale_bits.items())},
+                    **({"minimums": sorted(minimums)} if minimums else {})}
         checkpoint = _gptq_checkpoint(workspace, model, samples, spec, settings,
                                       awq_search if method == "awq+gptq" else None)
         gptq_result = search_gptq(model, samples, spec, max_tokens=settings["tokens"], act_order=act_order,
                                   scale_search=plan.scale_search, progress=progress, block_params=folded,
                                   full_range=plan.full_range,
-                                  scale_bits=scale_bits, checkpoint=checkpoint)
+                                  scale_bits=scale_bits, checkpoint=checkpoint, minimums=minimums)
         if checkpoint is not None:
             import shutil
             shutil.rmtree(checkpoint, ignore_errors=True)

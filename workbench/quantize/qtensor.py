@@ -16,6 +16,9 @@ and, beside each group's integer sub-scale, an integer sub-minimum in ``[0, scal
 float16 scale per super-block; ``W ~= q * scale - min`` with ``scale = sub * channel`` and ``min =
 sub_min * channel_min``, both exact float32 products (``mins`` holds the latter, group by group).
 
+Float minimums (llama.cpp's Q4_1 / Q5_1): unsigned codes, and beside each group's float16 scale a float16
+minimum (``mins``, no integers under it), ``W ~= q * scale - min``; ``sub_mins`` and ``channel_mins`` stay None.
+
     qw = QuantizedWeight(qweight, scales, zeros, bits=4, group_size=128)
     w_hat = qw.dequantize()             # float32 [out, in]
     packed = pack_int4(qw.storage_codes())   # two 4-bit codes per byte, for files
@@ -96,7 +99,7 @@ class QuantizedWeight:
     super_block: int | None = None  # columns under one float16 scale (None: the whole row)
     sub_mins: torch.Tensor | None = None  # two-level minimums only (llama.cpp's Q4_K / Q5_K)
     channel_mins: torch.Tensor | None = None
-    mins: torch.Tensor | None = None  # float32 [out, n_groups]: sub_mins x channel_mins
+    mins: torch.Tensor | None = None  # float32 [out, n_groups]: sub_mins x channel_mins, or float16 values
 
     def __post_init__(self):
         out, inp = self.qweight.shape
@@ -111,11 +114,12 @@ class QuantizedWeight:
         parts = (self.sub_scales is None, self.channel_scales is None, self.scale_bits is None)
         if len(set(parts)) > 1:
             raise ValueError("two-level scales need sub_scales, channel_scales and scale_bits together")
-        if len({self.sub_mins is None, self.channel_mins is None, self.mins is None}) > 1:
+        if self.sub_mins is not None and self.mins is None or (self.sub_mins is None) != (self.channel_mins is None):
             raise ValueError("two-level minimums need sub_mins, channel_mins and mins together")
-        if self.mins is not None and (not self.two_level or self.zeros is not None):
-            raise ValueError("minimums come with two-level scales and without zero points")
-        if self.mins is not None and (tuple(self.mins.shape) != tuple(self.scales.shape) or
+        if self.mins is not None and (self.two_level != (self.sub_mins is not None) or self.zeros is not None):
+            raise ValueError("minimums come without zero points: integers under a float16 scale with two-level "
+                             "scales, float16 values with float16 group scales")
+        if self.mins is not None and (tuple(self.mins.shape) != tuple(self.scales.shape) or self.two_level and
                                       tuple(self.channel_mins.shape) != tuple(self.channel_scales.shape)):
             raise ValueError("mins must match scales, and channel_mins channel_scales, in shape")
         if self.two_level:
@@ -165,6 +169,11 @@ class QuantizedWeight:
         """The two-level layout (sub-scale width, largest sub-scale, super-block, minimums), or None."""
         return None if self.scale_bits is None else SubScales(self.scale_bits, self.scale_max, self.super_block,
                                                               self.mins is not None)
+
+    @property
+    def float_minimums(self) -> bool:
+        """A float16 minimum per group beside its float16 scale (llama.cpp's Q4_1 / Q5_1)."""
+        return self.mins is not None and not self.two_level
 
     @property
     def symmetric(self) -> bool:
@@ -223,17 +232,20 @@ class QuantizedWeight:
                            bits: int, group_size: int | None, *, sub_scales: torch.Tensor | None = None,
                            channel_scales: torch.Tensor | None = None,
                            scale_bits: "int | SubScales | None" = None, sub_mins: torch.Tensor | None = None,
-                           channel_mins: torch.Tensor | None = None) -> "QuantizedWeight":
+                           channel_mins: torch.Tensor | None = None,
+                           mins: torch.Tensor | None = None) -> "QuantizedWeight":
         """A weight from its stored codes; two-level weights pass their sub-scales and channel scales for ``scales``
-        (and their sub-minimums and minimum scales with a layout that has minimums: unsigned codes)."""
-        if zeros is None and sub_mins is None:
+        (and their sub-minimums and minimum scales with a layout that has minimums: unsigned codes); float
+        minimums (Q4_1 / Q5_1) pass ``mins`` beside ``scales``."""
+        if zeros is None and sub_mins is None and mins is None:
             q = (codes.to(torch.int16) - (1 << (bits - 1))).to(torch.int8)
         else:
             q = codes.to(torch.uint8)
         if scale_bits is not None:
             return cls.two_level_weight(q, sub_scales, channel_scales, bits, group_size, scale_bits,
                                         sub_mins=sub_mins, channel_mins=channel_mins)
-        return cls(q, scales.to(torch.float32), None if zeros is None else zeros.to(torch.uint8), bits, group_size)
+        return cls(q, scales.to(torch.float32), None if zeros is None else zeros.to(torch.uint8), bits, group_size,
+                   mins=None if mins is None else mins.to(torch.float32))
 
     def storage_bytes(self) -> int:
         """Bytes this weight takes in a file: packed codes, scales as stored, packed zero points.
@@ -249,7 +261,7 @@ class QuantizedWeight:
             if self.mins is not None:
                 scales *= 2  # as many sub-minimums and minimum scales as sub-scales and scales
         else:
-            scales = 2 * self.scales.numel()
+            scales = 2 * self.scales.numel() * (2 if self.mins is not None else 1)  # float16 minimums beside them
         return -(-n * self.bits // 8) + scales + zeros
 
 

@@ -21,7 +21,9 @@ reference rounding does (``floor(w / scale + 1/2)``, in float32, the scale round
 storage: the codes are Q4_0's own, bit for bit). On a trained model this beats the 15-level grid:
 one more level per group for the same bits. With ``scale_search`` each shrunk range also tries its
 least-squares scale for the codes it gave (``sum(i w q) / sum(i q^2)``, ``i`` the importance), as
-llama.cpp's imatrix rounding does; ratio 1.0 stays a candidate, so the search is never worse than
+llama.cpp's imatrix rounding does, over finer ratios near 1 as well (``full_range_ratios``: the largest weight
+at 2^(b-1) +- 0.1 .. 0.9 steps) and the 15-level grid's ``max / (2^(b-1) - 1)`` (so a weight already on a
+Q8_0 grid is found again exactly); ratio 1.0 stays a candidate, so the search is never worse than
 Q4_0's rounding on the (weighted) error it minimises.
 
 Two-level scales (``scale_bits``, symmetric; an int width or a ``SubScales`` layout): each row (or
@@ -37,6 +39,9 @@ min/max; with ``scale_search`` each group tries codes from 21 range scalings (``
 ``m`` of those codes, keeping the least error (min/max stays a candidate). The super-block's two float16
 scales are its largest ``s`` and ``m`` over 63 (rounded up), the groups' 6-bit integers the nearest
 multiples, and the codes are rounded again at the stored ``s`` and ``m``.
+
+Float minimums (``minimums=True`` with float16 group scales, llama.cpp's Q4_1 / Q5_1): the same fit of ``s``
+and ``m`` per group, both then stored as float16 and the codes rounded again at the stored values.
 """
 from __future__ import annotations
 
@@ -47,7 +52,7 @@ from .qtensor import QuantizedWeight, SubScales, code_range, group_channel_scale
 
 __all__ = ["quantize_weight", "fake_quantize", "two_level_groups", "channel_scales_for", "round_codes",
            "dequantize_codes", "full_range_scales", "least_squares_scales", "check_full_range", "min_groups",
-           "fit_min_groups", "round_min_codes", "min_sub_values"]
+           "fit_min_groups", "round_min_codes", "min_sub_values", "float_min_groups", "full_range_ratios"]
 
 _TINY = 2.0 ** -24  # smallest float16 step: an all-zero group gets this scale, never a division by zero
 SEARCH_RATIOS = tuple(1.0 - 0.05 * i for i in range(11))
@@ -174,6 +179,15 @@ def round_min_codes(w: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
     return torch.round((w + minimum) / scale).clamp_(0, (1 << bits) - 1)
 
 
+def float_min_groups(wg: torch.Tensor, bits: int, *, scale_search: bool = False,
+                     importance: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes (float, integral), float16 scales and float16 minimums of grouped weights ``[out, n_groups, g]`` at
+    ``w ~= s q - m`` (llama.cpp's Q4_1 / Q5_1 store ``d = s`` and ``m`` as ``-m``)."""
+    s, m = fit_min_groups(wg, bits, scale_search=scale_search, importance=importance)
+    s, m = s.clamp_min(_TINY).half().float(), m.half().float()
+    return round_min_codes(wg, s[..., None], m[..., None], bits), s, m
+
+
 def min_groups(wg: torch.Tensor, bits: int, layout: SubScales, *, scale_search: bool = False,
                importance: torch.Tensor | None = None, channel: tuple[torch.Tensor, torch.Tensor] | None = None):
     """Codes, sub-scales, super-block scales, sub-minimums and minimum scales of grouped weights ``[out, n_groups,
@@ -213,8 +227,11 @@ def quantize_groups(wg: torch.Tensor, bits: int, symmetric: bool, clip_max: torc
     if not scale_search:
         return _round_groups(wg, bits, symmetric, 1.0, full_range)
     best, best_err = None, None
-    for ratio in SEARCH_RATIOS:
-        q, scales, zeros = _round_groups(wg, bits, symmetric, ratio, full_range)
+    grids = [(ratio, full_range) for ratio in (full_range_ratios(bits) if full_range else SEARCH_RATIOS)]
+    if full_range:  # the 15-level (2^b - 1) grid of max / (2^(b-1) - 1) too: a weight stored so (Q8_0) keeps its grid
+        grids.append((1.0, False))
+    for ratio, sixteen in grids:
+        q, scales, zeros = _round_groups(wg, bits, symmetric, ratio, sixteen)
         candidates = [(q, scales)]
         if full_range:
             candidates.append((q, least_squares_scales(wg, q, importance)))
@@ -231,6 +248,14 @@ def quantize_groups(wg: torch.Tensor, bits: int, symmetric: bool, clip_max: torc
             if zeros is not None:
                 best[2] = torch.where(better, zeros, best[2])
     return tuple(best)
+
+
+def full_range_ratios(bits: int) -> tuple[float, ...]:
+    """Range scalings the full-range search tries: ``SEARCH_RATIOS`` and, near 1, the largest weight landing at
+    ``2^(b-1) + t`` steps for ``t`` in -0.9..0.9 (ratios a little above 1 widen the range, below shrink it)."""
+    top = float(1 << (bits - 1))
+    near = (top / (top + 0.1 * t) for t in range(-9, 10) if t)
+    return tuple(sorted(set(SEARCH_RATIOS) | set(near), reverse=True))
 
 
 def least_squares_scales(wg: torch.Tensor, q: torch.Tensor, importance: torch.Tensor | None = None) -> torch.Tensor:
@@ -297,11 +322,12 @@ def check_two_level(scale_bits: "int | SubScales | None", symmetric: bool) -> No
 def quantize_weight(w: torch.Tensor, bits: int, group_size: int | None = 128, symmetric: bool = True, *,
                     clip_max: torch.Tensor | None = None, scale_search: bool = False,
                     scale_bits: "int | SubScales | None" = None, full_range: bool = False,
-                    importance: torch.Tensor | None = None) -> QuantizedWeight:
+                    importance: torch.Tensor | None = None, minimums: bool = False) -> QuantizedWeight:
     """Round-to-nearest quantization of a 2-D weight ``[out, in]`` (computed in float32).
 
     ``scale_bits``: two-level scales with integer sub-scales of that width, or that ``SubScales``
     layout (symmetric only). ``full_range``: the 16-level grid (symmetric, float16 group scales).
+    ``minimums``: a float16 minimum beside each float16 group scale (unsigned codes, whatever ``symmetric``).
     ``importance``: ``[in]`` weights of each input column's squared error in the scale search (the
     mean squared activation of that input over a calibration set, as llama.cpp's imatrix).
     """
@@ -318,6 +344,14 @@ def quantize_weight(w: torch.Tensor, bits: int, group_size: int | None = 128, sy
             raise PlanError(f"importance must hold one weight per input column ({inp}), got shape "
                             f"{tuple(importance.shape)}")
         importance = importance.detach().to(torch.float32).to(w.device).reshape(wg.shape[1:])
+    if minimums:
+        if scale_bits is not None:
+            raise PlanError("float minimums go with float16 group scales; two-level layouts with minimums "
+                            "(int4-k, int5-k) have their own")
+        q, scales, mins = float_min_groups(_clipped(wg, clip_max), bits, scale_search=scale_search,
+                                           importance=importance)
+        return QuantizedWeight(q.reshape(out, inp).to(torch.uint8), scales.contiguous(), None, bits, group_size,
+                               mins=mins.contiguous())
     if scale_bits is not None and SubScales.of(scale_bits).mins:
         layout = SubScales.of(scale_bits)
         q, sub, ch, sub_min, ch_min = min_groups(_clipped(wg, clip_max), bits, layout, scale_search=scale_search,
@@ -341,11 +375,12 @@ def quantize_weight(w: torch.Tensor, bits: int, group_size: int | None = 128, sy
 
 def fake_quantize(w: torch.Tensor, bits: int, group_size: int | None, symmetric: bool,
                   clip_max: torch.Tensor | None = None, scale_bits: "int | SubScales | None" = None,
-                  full_range: bool = False) -> torch.Tensor:
+                  full_range: bool = False, minimums: bool = False) -> torch.Tensor:
     """``quantize_weight(...).dequantize()`` without building the container (used inside searches)."""
     wg = group_weights(w.to(torch.float32), group_size)
-    if scale_bits is not None and SubScales.of(scale_bits).mins:
-        return quantize_weight(w, bits, group_size, symmetric, clip_max=clip_max, scale_bits=scale_bits).dequantize()
+    if minimums or scale_bits is not None and SubScales.of(scale_bits).mins:
+        return quantize_weight(w, bits, group_size, symmetric, clip_max=clip_max, scale_bits=scale_bits,
+                               minimums=minimums).dequantize()
     if scale_bits is not None:
         check_two_level(scale_bits, symmetric)
         q, sub, ch = two_level_groups(_clipped(wg, clip_max), bits, scale_bits)

@@ -82,9 +82,10 @@ TRANSFORMERS_CANNOT_BITS = ("layers with 2, 3, 5 or 6-bit codes or two-level sca
 CT_BITS = (4, 8)
 
 
-def ct_layout(bits: int, scale_bits: "int | SubScales | None") -> bool:
-    """Whether a layer of ``bits``-bit codes (two-level with ``scale_bits``) is stored in compressed-tensors' layout."""
-    return bits in CT_BITS and scale_bits is None
+def ct_layout(bits: int, scale_bits: "int | SubScales | None", minimums: bool = False) -> bool:
+    """Whether a layer of ``bits``-bit codes (two-level with ``scale_bits``; with float16 minimums) is stored in
+    compressed-tensors' layout."""
+    return bits in CT_BITS and scale_bits is None and not minimums
 
 
 def _lossless_float(t: torch.Tensor) -> torch.Tensor:
@@ -128,7 +129,7 @@ def _packed_shape(rows: int, cols: int, bits: int) -> tuple[int, int]:
 
 
 def stored_shapes(name: str, shape: tuple[int, int], bits: int, group_size: int | None, symmetric: bool,
-                  scale_bits: "int | SubScales | None" = None) -> dict:
+                  scale_bits: "int | SubScales | None" = None, minimums: bool = False) -> dict:
     """The tensors (name -> shape) one integer layer is stored as.
 
     Outside compressed-tensors' layout (``ct_layout``): ``weight_packed`` the codes as one dense
@@ -138,7 +139,7 @@ def stored_shapes(name: str, shape: tuple[int, int], bits: int, group_size: int 
     """
     out_f, in_f = shape
     groups = in_f // (group_size or in_f)
-    if ct_layout(bits, scale_bits):
+    if ct_layout(bits, scale_bits, minimums):
         d = {f"{name}.weight_packed": _packed_shape(out_f, in_f, bits), f"{name}.weight_scale": (out_f, groups),
              f"{name}.weight_shape": (2,)}
         if not symmetric:
@@ -155,14 +156,16 @@ def stored_shapes(name: str, shape: tuple[int, int], bits: int, group_size: int 
             d[f"{name}.weight_channel_min"] = d[f"{name}.weight_channel_scale"]
     else:
         d[f"{name}.weight_scale"] = (out_f, groups)
-    if not symmetric and not (layout is not None and layout.mins):
+        if minimums:  # llama.cpp's Q4_1 / Q5_1: a float16 minimum beside each scale
+            d[f"{name}.weight_min"] = (out_f, groups)
+    if not symmetric and not minimums and not (layout is not None and layout.mins):
         d[f"{name}.weight_zero_point"] = (-(-out_f * groups * bits // 8),)
     return d
 
 
 def _quant_tensors(name: str, qw: QuantizedWeight) -> dict[str, torch.Tensor]:
     """One integer layer's packed codes, scales as stored and packed zero points (without its shape record)."""
-    if ct_layout(qw.bits, qw.scale_bits):
+    if ct_layout(qw.bits, qw.scale_bits, qw.float_minimums):
         out = {f"{name}.weight_packed": pack_int32(qw.storage_codes(), qw.bits),
                f"{name}.weight_scale": qw.scales.to(torch.float16)}
         if qw.zeros is not None:
@@ -177,6 +180,8 @@ def _quant_tensors(name: str, qw: QuantizedWeight) -> dict[str, torch.Tensor]:
             out[f"{name}.weight_channel_min"] = qw.channel_mins.to(torch.float16)
     else:
         out[f"{name}.weight_scale"] = qw.scales.to(torch.float16)
+        if qw.float_minimums:
+            out[f"{name}.weight_min"] = qw.mins.to(torch.float16)
     if qw.zeros is not None:
         out[f"{name}.weight_zero_point"] = pack_bits(qw.zeros, qw.bits)
     return {k: v.contiguous() for k, v in out.items()}
@@ -189,16 +194,17 @@ def weight_tensors(name: str, qw: QuantizedWeight) -> dict[str, torch.Tensor]:
 
 
 def weight_from_file(name: str, t: dict, bits: int, group_size: int | None,
-                     scale_bits: "int | SubScales | None" = None) -> QuantizedWeight:
+                     scale_bits: "int | SubScales | None" = None, minimums: bool = False) -> QuantizedWeight:
     """The ``QuantizedWeight`` of layer ``name`` from its stored tensors ``t`` (the inverse of ``weight_tensors``)."""
     out_f, in_f = (int(x) for x in t[f"{name}.weight_shape"])
-    if not ct_layout(bits, scale_bits):
+    if not ct_layout(bits, scale_bits, minimums):
         groups = in_f // (group_size or in_f)
         codes = unpack_bits(t[f"{name}.weight_packed"], bits, out_f * in_f).view(out_f, in_f)
         zp = t.get(f"{name}.weight_zero_point")
         zeros = None if zp is None else unpack_bits(zp, bits, out_f * groups).view(out_f, groups)
         if scale_bits is None:
-            return QuantizedWeight.from_storage_codes(codes, t[f"{name}.weight_scale"], zeros, bits, group_size)
+            return QuantizedWeight.from_storage_codes(codes, t[f"{name}.weight_scale"], zeros, bits, group_size,
+                                                      mins=t[f"{name}.weight_min"] if minimums else None)
         layout = SubScales.of(scale_bits)
         sub = unpack_bits(t[f"{name}.weight_sub_scale"], layout.bits, out_f * groups).view(out_f, groups) + 1
         mins = {} if not layout.mins else {
@@ -294,7 +300,9 @@ def _layer_entry(qm, r) -> dict:
     if qw is not None and not (r.tied_to and not r.untied):
         d.update(bits=qw.bits, symmetric=qw.symmetric, storage_bytes=qw.storage_bytes(),
                  tensors=sorted(stored_shapes(r.name, qw.shape, qw.bits, qw.group_size, qw.symmetric,
-                                              qw.sub_layout)))
+                                              qw.sub_layout, qw.float_minimums)))
+        if qw.float_minimums:
+            d["minimums"] = True
         if qw.two_level:
             d["scale_bits"] = qw.scale_bits
             if qw.scale_max is not None:
@@ -330,6 +338,10 @@ def _write_config(qm, directory: Path, transformers_loads: bool) -> None:
     atomic_write_json(path, raw)
 
 
+def _in_ct_layout(qw: QuantizedWeight) -> bool:
+    return ct_layout(qw.bits, qw.scale_bits, qw.float_minimums)
+
+
 def save_quantized(qm, directory: str | Path, *, report: dict | None = None) -> Path:
     """Write ``qm`` to ``directory`` (replaced as a whole if it holds an earlier quantized model)."""
     with output_lock(directory):
@@ -344,11 +356,9 @@ def _save_quantized(qm, directory: str | Path, report: dict | None) -> Path:
         lm = qm.source
         stored = stored_integer_layers(qm)
         why_not = TRANSFORMERS_CANNOT if any(r.kind == "embedding" for r in stored) else \
-            TRANSFORMERS_CANNOT_BITS if any(not ct_layout(qm.weights[r.name].bits, qm.weights[r.name].scale_bits)
-                                            for r in stored) else None
+            TRANSFORMERS_CANNOT_BITS if not all(_in_ct_layout(qm.weights[r.name]) for r in stored) else None
         transformers_loads = why_not is None
-        version = FORMAT_VERSION if any(not ct_layout(qm.weights[r.name].bits, qm.weights[r.name].scale_bits)
-                                        for r in stored) else PLAIN_VERSION
+        version = FORMAT_VERSION if not all(_in_ct_layout(qm.weights[r.name]) for r in stored) else PLAIN_VERSION
         weights_file = WEIGHTS_FILE if transformers_loads else WORKBENCH_WEIGHTS_FILE
         _write_config(qm, tmp, transformers_loads)
         if lm.tokenizer is not None:

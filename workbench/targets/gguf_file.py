@@ -13,6 +13,8 @@ The workbench's layouts that are llama.cpp's, bit for bit:
   weights): ``Q3_K`` and ``Q6_K``;
 - ``int4-k`` and ``int5-k`` (32-weight groups, 6-bit group scales and minimums under two float16 scales
   per 256 weights, unsigned codes): ``Q4_K`` and ``Q5_K``;
+- ``int4-min`` and ``int5-min`` (32-weight groups, a float16 scale and a float16 minimum each, unsigned
+  codes): ``Q4_1`` and ``Q5_1`` (llama.cpp adds its ``m``: the workbench's minimum negated, exactly);
 - any of them on the embedding (``token_embd``) and an untied output layer (``output``) too;
 - float16 / float32 layers: ``F16`` / ``F32``; norms and biases ``F32``.
 
@@ -38,6 +40,7 @@ __all__ = ["ggml_type_of", "pack_blocks", "write_gguf", "check_gguf", "gguf_para
 
 GGUF_ARCHES = {"qwen2": "qwen2", "qwen3": "qwen3", "llama": "llama"}  # Hugging Face model_type -> GGUF architecture
 _LEGACY = {4: "Q4_0", 5: "Q5_0", 8: "Q8_0"}  # symmetric b-bit codes with a float16 scale per 32 weights
+_LEGACY_MIN = {4: "Q4_1", 5: "Q5_1"}  # unsigned b-bit codes with a float16 scale and minimum per 32 weights
 # (bits, sub-scale bits, largest sub-scale, minimums) in 256-weight blocks
 _K = {(3, 6, 31, False): "Q3_K", (6, 8, 127, False): "Q6_K", (4, 6, 63, True): "Q4_K", (5, 6, 63, True): "Q5_K"}
 _K_GROUP = {"Q3_K": 16, "Q6_K": 16, "Q4_K": 32, "Q5_K": 32}
@@ -66,9 +69,16 @@ def ggml_type_of(qw: QuantizedWeight) -> str:
                         f"{'channel' if not qw.super_block else f'{qw.super_block} weights'} have no llama.cpp block "
                         "layout; use int3-k, int4-k, int5-k or int6-k (llama.cpp's Q3_K / Q4_K / Q5_K / Q6_K) or a "
                         "float16-scale precision")
+    if qw.float_minimums:
+        if qw.bits not in _LEGACY_MIN or qw.effective_group_size != 32:
+            raise PlanError(f"llama.cpp's blocks with a float16 minimum (Q4_1, Q5_1) hold 4 or 5-bit codes in "
+                            f"32-weight groups, not {qw.bits}-bit codes in groups of {qw.effective_group_size}; "
+                            "use int4-min or int5-min")
+        return _LEGACY_MIN[qw.bits]
     if not qw.symmetric:
         raise PlanError("asymmetric zero points have no exact llama.cpp block (Q4_1 / Q5_1 store scale x zero "
-                        "as a rounded float16); plan with symmetric=true for llama.cpp")
+                        "as a rounded float16); plan with symmetric=true, or use int4-min / int5-min (Q4_1 / "
+                        "Q5_1's own layout) for llama.cpp")
     if qw.bits not in _LEGACY:
         raise PlanError(f"int{qw.bits} with float16 group scales has no llama.cpp block; use "
                         + ("int3-k (Q3_K)" if qw.bits == 3 else "int6-k (Q6_K)" if qw.bits == 6 else
@@ -89,10 +99,13 @@ def _fp16_bytes(x: torch.Tensor) -> np.ndarray:
 
 
 def _legacy(qw: QuantizedWeight, bits: int) -> np.ndarray:
+    """Q4_0 / Q5_0 / Q8_0 (d, codes offset by 2^(b-1)) and Q4_1 / Q5_1 (d, m, unsigned codes)."""
     rows, cols = qw.shape
     nb = cols // 32
-    u = (qw.qweight.to(torch.int16) + (1 << (bits - 1))).numpy().astype(np.uint8).reshape(rows, nb, 32)
+    u = qw.storage_codes().numpy().reshape(rows, nb, 32)
     d = _fp16_bytes(qw.scales.repeat_interleave(qw.effective_group_size // 32, dim=1))  # [rows, nb, 2]
+    if qw.float_minimums:
+        d = np.concatenate([d, _fp16_bytes(-qw.mins)], -1)  # llama.cpp's y = d q + m
     if bits == 8:
         return np.concatenate([d, qw.qweight.numpy().astype(np.int8).view(np.uint8).reshape(rows, nb, 32)], -1)
     qs = (u[..., :16] & 15) | ((u[..., 16:] & 15) << 4)
@@ -269,7 +282,7 @@ def _parameter_names(model, layers: set[str]) -> list[str]:
 
 
 _BLOCK = {"Q4_0": (32, 18), "Q5_0": (32, 22), "Q8_0": (32, 34), "Q3_K": (256, 110), "Q6_K": (256, 210),
-          "Q4_K": (256, 144), "Q5_K": (256, 176)}
+          "Q4_K": (256, 144), "Q5_K": (256, 176), "Q4_1": (32, 20), "Q5_1": (32, 24)}
 
 
 def _tensors(qm) -> list[tuple[str, str, tuple, np.dtype, int, object]]:

@@ -47,11 +47,13 @@ def _gguf_type(precision, symmetric: bool) -> str:
         return {16: "f16", 32: "f32"}[precision.bits]
     if precision.super_block:
         return {3: "q3_k", 4: "q4_k", 5: "q5_k", 6: "q6_k"}[precision.bits]
+    if precision.minimums:
+        return {4: "q4_1", 5: "q5_1"}[precision.bits]
     return {8: "q8_0", 5: "q5_0" if symmetric else "q5_1", 4: "q4_0" if symmetric else "q4_1"}[precision.bits]
 
 
-_GGUF_TO_PRECISION = {"f32": "fp32", "f16": "fp16", "bf16": "fp16", "q8_0": "int8", "q4_0": "int4", "q4_1": "int4",
-                      "q5_0": "int5", "q5_1": "int5", "q3_k": "int3-k", "q6_k": "int6-k",
+_GGUF_TO_PRECISION = {"f32": "fp32", "f16": "fp16", "bf16": "fp16", "q8_0": "int8", "q4_0": "int4", "q4_1": "int4-min",
+                      "q5_0": "int5", "q5_1": "int5-min", "q3_k": "int3-k", "q6_k": "int6-k",
                       "q4_k": "int4-k", "q5_k": "int5-k"}
 
 
@@ -175,7 +177,8 @@ def _read(path, lm, export=None) -> dict[str, str]:
 TARGET = register_target(Target(
     "llama.cpp", "llama.cpp (GGUF)", rules=None, convert=convert_llamacpp, runnable=False,
     overrides=OverrideFormat("llamacpp", _write, _read), module=__name__, int_bits=(4, 5, 8),
-    layouts=("int3-k", "int4-k", "int5-k", "int6-k"),
+    layouts=("int3-k", "int4-k", "int5-k", "int6-k", "int4-min", "int5-min"),
     precision_note="llama.cpp's blocks hold symmetric 4, 5 and 8-bit codes with a float16 scale per 32 weights "
-                   "(Q4_0, Q5_0, Q8_0) and the int3-k / int4-k / int5-k / int6-k layouts (Q3_K, Q4_K, Q5_K, Q6_K); int2, and int3 / int6 with "
+                   "(Q4_0, Q5_0, Q8_0), the int4-min / int5-min layouts (Q4_1, Q5_1: a float16 minimum beside "
+                   "it) and the int3-k / int4-k / int5-k / int6-k layouts (Q3_K, Q4_K, Q5_K, Q6_K); int2, and int3 / int6 with "
                    "float16 group scales, and per-channel two-level scales (LPBQ) have no llama.cpp block"))

@@ -99,11 +99,12 @@ class QuantizePanel(StepPanel):
 
     @staticmethod
     def _bit_options(plan: QuantPlan | None) -> list:
-        """"plan", then every registered integer precision: plain widths by their bits, two-level ones by name."""
+        """"plan", then every registered integer precision: plain widths by their bits, fixed layouts (two-level,
+        float minimums) by name."""
         from .overrides import precision_choices
         ints = [(label, get_precision(name)) for label, name in precision_choices() if name != "fp16"]
         return ([("plan", "plan")] if plan is not None else []) + \
-            [(label, p.name if p.two_level else p.bits) for label, p in ints]
+            [(label, p.name if p.two_level or p.minimums else p.bits) for label, p in ints]
 
     @staticmethod
     def _group_options(group_size) -> list:
