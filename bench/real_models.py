@@ -32,7 +32,7 @@ llama.cpp's file stores it in (Q4_0 -> int4, Q5_0 -> int5, Q8_0 -> int8, Q4_K ->
 Q6_K -> int6-k, Q4_1 -> int4-min, Q5_1 -> int5-min; IQ4_NL has no workbench layout and becomes int4, the
 same size): the same bytes, the workbench's rounding (16-level grid, importance-weighted scale search from
 the calibration statistics, GPTQ). "Fill" plans put the embedding and the linear layers at a floor and raise
-layers (attention v, the MLP down projections, then the rest) while the tensors stay within a llama.cpp
+layers (an untied output layer, attention v, the MLP down projections, then the rest) while the tensors stay within a llama.cpp
 file's. Each row is judged against llama.cpp's best file of no smaller size: among the files whose
 tensors take at least as many bytes, the nearest size (and any within 1% above it), the lowest KL; a
 difference within one standard error (llama-perplexity's, combined as independent) is a tie.
@@ -72,7 +72,8 @@ LLAMA_TYPES = ("Q4_0", "IQ4_NL", "Q4_K_M", "Q5_K_M", "Q6_K")
 MIRROR = {"Q4_0": "int4", "IQ4_NL": "int4", "Q4_1": "int4-min", "Q5_0": "int5", "Q5_1": "int5-min", "Q8_0": "int8",
           "Q3_K": "int3-k", "Q4_K": "int4-k", "Q5_K": "int5-k", "Q6_K": "int6-k", "F16": "fp16", "F32": "fp16",
           "BF16": "fp16"}
-ROLE_ORDER = ("v_proj", "down_proj", "o_proj", "up_proj", "gate_proj", "k_proj", "q_proj")  # upgraded first
+# upgraded first: an untied output layer (llama.cpp keeps it at Q8_0 in every type), then attention v, ...
+ROLE_ORDER = ("lm_head", "v_proj", "down_proj", "o_proj", "up_proj", "gate_proj", "k_proj", "q_proj")
 # (label, method, how the plan is made): "mirror:TYPE" gives every layer the workbench layout of the tensor
 # type llama.cpp's TYPE file stores it in (same bytes, or fewer; the rounding is the workbench's);
 # "fill:TYPE:EMBED:LOW:HIGH" puts the embedding at EMBED and every linear layer at LOW, then raises layers to

@@ -238,10 +238,10 @@ def test_float_minimums_fit_offset_groups_at_float16_and_search_never_loses(bits
         quantize_weight(w, bits, 32, True, minimums=True, scale_bits=4)
 
 
-@pytest.mark.parametrize("bits,top", [(8, 127), (4, 7)])
-def test_full_range_search_finds_a_weight_already_on_a_fifteen_level_grid_exactly(bits, top):
+@pytest.mark.parametrize("bits,top", [(8, 127)])
+def test_full_range_search_finds_a_weight_already_on_a_q8_0_grid_exactly(bits, top):
     """A trained model shipped as Q8_0 (scale max/127, codes -127..127) sits on a grid the 16-level rule
-    (max/-128) does not reach; the search tries it, so re-rounding such a weight loses nothing."""
+    (max/-128) does not reach; the search tries Q8_0's own rule, so re-rounding such a weight loses nothing."""
     g = torch.Generator().manual_seed(bits)
     d = (torch.rand(16, 4, generator=g) * 0.01 + 0.001).half().float()
     codes = torch.randint(-top, top + 1, (16, 4, 32), generator=g).float()
@@ -251,3 +251,15 @@ def test_full_range_search_finds_a_weight_already_on_a_fifteen_level_grid_exactl
     assert torch.equal(exact.dequantize(), w)
     plain = quantize_weight(w, bits, 32, True, full_range=True)
     assert not torch.equal(plain.dequantize(), w)  # the 16-level rule alone moves it
+
+
+def test_importance_is_tempered_toward_each_rows_larger_weights():
+    """The search weighs a weight's error by importance x sqrt(sigma2 + w^2), as llama.cpp's imatrix quantizers:
+    a larger weight in the same column counts more, a row's scale does not change the ranking within it."""
+    from workbench.quantize.rtn import search_weights
+    wg = torch.tensor([[[1.0, -3.0, 0.0, 2.0]], [[10.0, -30.0, 0.0, 20.0]]])
+    imp = torch.tensor([[1.0, 1.0, 4.0, 0.5]])
+    got = search_weights(wg, imp)
+    sigma2 = torch.tensor([3.5, 350.0])[:, None, None]
+    assert torch.allclose(got, imp * (sigma2 + wg.square()).sqrt())
+    assert torch.allclose(got[1], 10 * got[0])  # a row ten times larger: ten times the weights, same order

@@ -121,29 +121,13 @@ def layer_difficulty(lm, report, stats=None, precision: str = "int4") -> list[La
     return sorted(rows, key=lambda r: -r.damage)
 
 
-def _ranks(values: Sequence[float]) -> list[float]:
-    order = sorted(range(len(values)), key=lambda i: values[i])
-    ranks = [0.0] * len(values)
-    i = 0
-    while i < len(order):  # ties share their mean rank
-        j = i
-        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
-            j += 1
-        for k in range(i, j + 1):
-            ranks[order[k]] = (i + j) / 2
-        i = j + 1
-    return ranks
-
-
 def spearman(a: Sequence[float], b: Sequence[float]) -> float | None:
-    """Spearman's rank correlation (None for fewer than three pairs or a constant side)."""
+    """Spearman's rank correlation (``workbench.proxy``'s); None for fewer than three pairs or a constant side."""
+    from .proxy import spearman as rank_correlation
     if len(a) < 3:
         return None
-    ra, rb = _ranks(a), _ranks(b)
-    ma, mb = sum(ra) / len(ra), sum(rb) / len(rb)
-    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
-    va, vb = sum((x - ma) ** 2 for x in ra), sum((y - mb) ** 2 for y in rb)
-    return cov / math.sqrt(va * vb) if va > 0 and vb > 0 else None
+    r = rank_correlation(a, b)
+    return None if math.isnan(r) else r
 
 
 def difficulty_summary(rows: Sequence[LayerDifficulty]) -> dict:

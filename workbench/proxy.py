@@ -37,7 +37,7 @@ from torch.nn import functional as F
 from .errors import PlanError
 from .evaluate import DEFAULT_CTX, strided_windows
 from .models import LoadedModel
-from .plan import DEFAULT_GROUP_SIZE, DEFAULT_SCALE_SEARCH, QuantPlan
+from .plan import DEFAULT_GROUP_SIZE, DEFAULT_SCALE_SEARCH, QuantPlan, get_precision
 
 __all__ = ["ProxyScores", "proxy_scores", "proxy_supported", "decoder_blocks", "spearman", "HEAD_CHUNK",
            "PROXY_SEED", "PROXY_VERSION"]
@@ -262,7 +262,8 @@ def proxy_scores(lm: LoadedModel, ids: torch.Tensor, precisions: Sequence[str] =
     settings = QuantPlan(default=None, group_size=group_size, symmetric=symmetric, scale_search=scale_search,
                          full_range=full_range)
     for p in precisions:  # a float or unsupported precision fails here, before the passes
-        if layer_quantizer(settings, p, (1, 1)) is None:
+        prec = get_precision(p)
+        if layer_quantizer(settings, p, (1, (prec.super_block or prec.group_size or 1) if prec else 1)) is None:
             raise PlanError(f"the proxy scores integer precisions, not '{p}'")
     model = lm.model
     parts = _parts(model)

@@ -46,7 +46,7 @@ from .awq import capture_block_inputs, run_block, token_chunks, find_decoder_blo
 from .qtensor import QuantizedWeight, SubScales, code_range, group_channel_scales
 from .rtn import (group_weights, quantize_groups, channel_scales_for, check_full_range, check_two_level, dequantize_codes,
                   fit_min_groups, float_min_groups, min_groups, min_sub_values, round_codes, round_min_codes,
-                  two_level_groups)
+                  search_weights, two_level_groups)
 
 __all__ = ["gptq_quantize_weight", "search_gptq", "DEFAULT_DAMP", "DEFAULT_BLOCK_COLUMNS", "default_gptq_tokens"]
 
@@ -145,8 +145,9 @@ def gptq_quantize_weight(w: torch.Tensor, h: torch.Tensor, bits: int, group_size
         lo, hi = 0, (1 << bits) - 1
     two_level_mins = scale_bits is not None and scale_bits.mins
     if two_level_mins:  # both super-block scales from RTN of the original weights, before any correction
-        _q, _s, channel, _m, channel_min = min_groups(group_weights(w, group_size), bits, scale_bits,
-                                                      scale_search=scale_search, importance=energy.view(n_groups, g))
+        wg = group_weights(w, group_size)  # the same scales RTN of these weights with importance diag(H) gives
+        _q, _s, channel, _m, channel_min = min_groups(wg, bits, scale_bits, scale_search=scale_search,
+                                                      importance=search_weights(wg, energy.view(n_groups, g)))
         group_chm = group_channel_scales(channel_min, n_groups)
         sub_mins = torch.empty(out, n_groups)
         lo, hi = 0, (1 << bits) - 1

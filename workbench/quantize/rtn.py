@@ -21,10 +21,16 @@ reference rounding does (``floor(w / scale + 1/2)``, in float32, the scale round
 storage: the codes are Q4_0's own, bit for bit). On a trained model this beats the 15-level grid:
 one more level per group for the same bits. With ``scale_search`` each shrunk range also tries its
 least-squares scale for the codes it gave (``sum(i w q) / sum(i q^2)``, ``i`` the importance), as
-llama.cpp's imatrix rounding does, over finer ratios near 1 as well (``full_range_ratios``: the largest weight
-at 2^(b-1) +- 0.1 .. 0.9 steps) and the 15-level grid's ``max / (2^(b-1) - 1)`` (so a weight already on a
-Q8_0 grid is found again exactly); ratio 1.0 stays a candidate, so the search is never worse than
-Q4_0's rounding on the (weighted) error it minimises.
+llama.cpp's imatrix rounding does; at 8 bits also Q8_0's own rule, ``max / 127`` (a weight shipped as Q8_0 is
+found again exactly); ratio 1.0 stays a candidate, so the search is never worse than Q4_0's (Q8_0's) rounding
+on the (weighted) error it minimises.
+
+Importance weighting (``importance``, each input column's mean squared activation): ``quantize_weight``
+weighs each weight's squared error by ``importance * sqrt(sigma2 + w^2)`` (``search_weights``; ``sigma2`` the
+row's mean squared weight), the weighting llama.cpp's importance-matrix quantizers use: the activations'
+importance, tempered toward the row's larger weights. Measured on the real-model bench (docs/results.md):
+RTN at Q4_0's layout, Qwen2.5-Coder-0.5B KL 0.0761 -> 0.0737, SmolLM2-135M 0.1377 -> 0.1363 (the activation
+importance alone over-fits the calibration text's columns). GPTQ keeps its own weights (``diag(H)``).
 
 Two-level scales (``scale_bits``, symmetric; an int width or a ``SubScales`` layout): each row (or
 super-block of a row) gets one float16 scale ``c`` (its largest group scale over the largest
@@ -52,7 +58,7 @@ from .qtensor import QuantizedWeight, SubScales, code_range, group_channel_scale
 
 __all__ = ["quantize_weight", "fake_quantize", "two_level_groups", "channel_scales_for", "round_codes",
            "dequantize_codes", "full_range_scales", "least_squares_scales", "check_full_range", "min_groups",
-           "fit_min_groups", "round_min_codes", "min_sub_values", "float_min_groups", "full_range_ratios"]
+           "fit_min_groups", "round_min_codes", "min_sub_values", "float_min_groups", "search_weights"]
 
 _TINY = 2.0 ** -24  # smallest float16 step: an all-zero group gets this scale, never a division by zero
 SEARCH_RATIOS = tuple(1.0 - 0.05 * i for i in range(11))
@@ -227,8 +233,8 @@ def quantize_groups(wg: torch.Tensor, bits: int, symmetric: bool, clip_max: torc
     if not scale_search:
         return _round_groups(wg, bits, symmetric, 1.0, full_range)
     best, best_err = None, None
-    grids = [(ratio, full_range) for ratio in (full_range_ratios(bits) if full_range else SEARCH_RATIOS)]
-    if full_range:  # the 15-level (2^b - 1) grid of max / (2^(b-1) - 1) too: a weight stored so (Q8_0) keeps its grid
+    grids = [(ratio, full_range) for ratio in SEARCH_RATIOS]
+    if full_range and bits == 8:  # Q8_0's own rule, max / 127, too: a weight shipped as Q8_0 keeps its grid
         grids.append((1.0, False))
     for ratio, sixteen in grids:
         q, scales, zeros = _round_groups(wg, bits, symmetric, ratio, sixteen)
@@ -250,12 +256,11 @@ def quantize_groups(wg: torch.Tensor, bits: int, symmetric: bool, clip_max: torc
     return tuple(best)
 
 
-def full_range_ratios(bits: int) -> tuple[float, ...]:
-    """Range scalings the full-range search tries: ``SEARCH_RATIOS`` and, near 1, the largest weight landing at
-    ``2^(b-1) + t`` steps for ``t`` in -0.9..0.9 (ratios a little above 1 widen the range, below shrink it)."""
-    top = float(1 << (bits - 1))
-    near = (top / (top + 0.1 * t) for t in range(-9, 10) if t)
-    return tuple(sorted(set(SEARCH_RATIOS) | set(near), reverse=True))
+def search_weights(wg: torch.Tensor, importance: torch.Tensor) -> torch.Tensor:
+    """Each weight's error weight ``[out, n_groups, g]`` for grouped weights ``wg`` and per-column ``importance``
+    ``[n_groups, g]``: ``importance * sqrt(sigma2 + w^2)``, ``sigma2`` each row's mean squared weight."""
+    sigma2 = wg.square().mean(dim=(-1, -2), keepdim=True)
+    return importance * (sigma2 + wg.square()).sqrt()
 
 
 def least_squares_scales(wg: torch.Tensor, q: torch.Tensor, importance: torch.Tensor | None = None) -> torch.Tensor:
@@ -343,7 +348,7 @@ def quantize_weight(w: torch.Tensor, bits: int, group_size: int | None = 128, sy
         if importance.shape != (inp,):
             raise PlanError(f"importance must hold one weight per input column ({inp}), got shape "
                             f"{tuple(importance.shape)}")
-        importance = importance.detach().to(torch.float32).to(w.device).reshape(wg.shape[1:])
+        importance = search_weights(wg, importance.detach().to(torch.float32).to(w.device).reshape(wg.shape[1:]))
     if minimums:
         if scale_bits is not None:
             raise PlanError("float minimums go with float16 group scales; two-level layouts with minimums "
