@@ -30,7 +30,7 @@ def main() -> None:
     ap.add_argument("--root", type=Path, default=Path("workspace/real-models"))
     ap.add_argument("--tokens", type=int, default=1024, help="held-out tokens each trial is scored on")
     ap.add_argument("--ctx", type=int, default=512)
-    ap.add_argument("--samples", type=int, default=16, help="calibration samples for the input statistics")
+    ap.add_argument("--samples", type=int, default=64, help="calibration samples for the input statistics")
     ap.add_argument("--score", choices=("kl", "proxy"), default="kl")
     ap.add_argument("--top", type=int, default=12, help="hardest layers listed")
     ap.add_argument("--json", type=Path, help="also write every row and summary here")
@@ -50,8 +50,8 @@ def main() -> None:
         _cut, calib_text, ids = real_models.texts(args.root, lm, args.tokens)
         times = [real_models.step(print, f"{name}: fetch, load, texts", t0)]
         t0 = time.perf_counter()
-        _set, stats = calibrate(lm, calib_text, samples=args.samples, seq_len=256, workspace=Workspace(args.root / "ws"),
-                          progress=False)
+        _set, stats = calibrate(lm, calib_text, samples=args.samples, seq_len=256,
+                                workspace=Workspace(args.root / "ws"), progress=False)
         times.append(real_models.step(print, "calibration statistics", t0))
         t0 = time.perf_counter()
         report = run_sensitivity(lm, ids=ids, tokens=args.tokens, precisions=("int4",), group_size=32,

@@ -32,8 +32,8 @@ llama.cpp's file stores it in (Q4_0 -> int4, Q5_0 -> int5, Q8_0 -> int8, Q4_K ->
 Q6_K -> int6-k, Q4_1 -> int4-min, Q5_1 -> int5-min; IQ4_NL has no workbench layout and becomes int4, the
 same size): the same bytes, the workbench's rounding (16-level grid, importance-weighted scale search from
 the calibration statistics, GPTQ). "Fill" plans put the embedding and the linear layers at a floor and raise
-layers (an untied output layer, attention v, the MLP down projections, then the rest) while the tensors stay within a llama.cpp
-file's. Each row is judged against llama.cpp's best file of no smaller size: among the files whose
+layers (an untied output layer, attention v, the MLP down projections, then the rest) while the tensors stay
+within a llama.cpp file's. Each row is judged against llama.cpp's best file of no smaller size: among the files whose
 tensors take at least as many bytes, the nearest size (and any within 1% above it), the lowest KL; a
 difference within one standard error (llama-perplexity's, combined as independent) is a tie.
 ``--simulate`` also scores each plan with the workbench's evaluator. Every step's wall time and peak
@@ -276,19 +276,18 @@ def make_plan(lm, how: str, lrows: list[dict]):
     return fill_plan(lm, row["tensor_bytes"], *rest)
 
 
-def own_layout(row: dict, source_types: dict[str, str]) -> bool:
-    """Whether llama.cpp's file stores every weight matrix in the very block type the source GGUF stored it in:
-    then it re-quantizes the source's own grid (found again almost exactly: the "float" weights are those
-    blocks dequantized), which says nothing about rounding a float model, so no row is judged against it."""
+def own_share(row: dict, source_types: dict[str, str]) -> tuple[int, int]:
+    """(matrices llama.cpp's file stores in the very block type the source GGUF stored them in, matrices): those
+    it re-quantizes onto the source's own grid, which it can find again almost exactly (the "float" weights
+    are those blocks dequantized), a flattery the reader should see beside the figure."""
     mats = [n for n, t in source_types.items() if t not in ("F32", "F16", "BF16")]
-    return bool(mats) and all(row["tensor_types"].get(n) == source_types[n] for n in mats)
+    return sum(row["tensor_types"].get(n) == source_types[n] for n in mats), len(mats)
 
 
 def verdict(r: dict, lrows: list[dict]) -> dict:
     """The llama.cpp type this row is judged against and the outcome: among llama.cpp's files whose tensors are
-    no smaller than this row's, the nearest size (and any within 1% above it), the lowest KL of them (files in
-    the source's own layout left out: ``own_layout``)."""
-    bigger = [x for x in lrows if x["tensor_bytes"] >= r["tensor_bytes"] and not x.get("own_layout")]
+    no smaller than this row's, the nearest size (and any within 1% above it), the lowest KL of them."""
+    bigger = [x for x in lrows if x["tensor_bytes"] >= r["tensor_bytes"]]
     if not bigger:
         return {"versus": None, "outcome": "no llama.cpp file as large"}
     near = min(x["tensor_bytes"] for x in bigger)
@@ -455,10 +454,7 @@ def main() -> None:
                                     args.root / f"{name}-llama.cpp", log, args.imatrix_chunks, args.imatrix,
                                     tuple(args.types.split(",")))
         for r in lrows:
-            r["own_layout"] = own_layout(r, source["tensor_types"])
-            if r["own_layout"]:
-                log(f"  llama.cpp {r['type']} stores every matrix in the type the source file did: the source's "
-                    "own layout, listed but not judged against")
+            r["own_type_matrices"] = own_share(r, source["tensor_types"])
         ours = []
         with tempfile.TemporaryDirectory(dir=args.root) as tmp:
             for label, method, how in runs:
@@ -480,9 +476,9 @@ def print_table(name: str, res: dict) -> None:
     print(f"\n## {name}: {res['parameters']:,} weights, {res['tokens']} held-out tokens (chunks of {res['ctx']})\n")
     print("| file | bpw | KL (llama-perplexity) | same top | ppl | judged against | KL minus theirs | outcome |")
     print("|---|---|---|---|---|---|---|---|")
-    rows = [{**r, "label": f"llama.cpp {r['type']} + imatrix" + (" (the source's own layout: not judged against)"
-                                                                    if r.get("own_layout") else "")}
-            for r in res["llama_cpp"]] + \
+    rows = [{**r, "label": f"llama.cpp {r['type']} + imatrix" + (
+                f" ({r['own_type_matrices'][0]} of {r['own_type_matrices'][1]} matrices in the source's own type)"
+                if r.get("own_type_matrices", (0,))[0] else "")} for r in res["llama_cpp"]] + \
         [{**r, "label": f"workbench {r['label']}"} for r in res["workbench"]]
     for r in sorted(rows, key=lambda r: (r["tensor_bytes"], "versus" in r)):
         judged = "" if "versus" not in r else (

@@ -71,7 +71,8 @@ def test_plan_at_int8_size_is_no_worse_than_uniform_int8_predicted(lm, sens):
 
 
 def test_impossible_budgets_say_the_smallest_that_fits(lm, sens):
-    with pytest.raises(PlanError, match="smallest with fp16/int8/int6/int5/int4/int3/int2/int8-lpbq/int4-lpbq/int4-min/int5-min is"):
+    with pytest.raises(PlanError, match="smallest with fp16/int8/int6/int5/int4/int3/int2/int8-lpbq/int4-lpbq/"
+                                        "int4-min/int5-min is"):
         plan_for_budget(lm, sens, size_bytes=1000)
     with pytest.raises(PlanError, match="exactly one budget"):
         plan_for_budget(lm, sens)

@@ -86,12 +86,8 @@ def test_mirror_and_fill_plans_match_the_bytes_their_gguf_holds(make_tiny_model,
         assert not qm.unties_embeddings
 
 
-def test_a_llamacpp_file_in_the_sources_own_layout_is_not_judged_against():
+def test_the_matrices_a_llamacpp_file_keeps_in_the_sources_own_type_are_counted():
     source = {"blk.0.ffn_down.weight": "Q4_K", "blk.0.attn_q.weight": "Q5_0", "blk.0.attn_norm.weight": "F32"}
-    own = {"type": "Q4_K_M", "tensor_types": {**source}, "tensor_bytes": 1000, "kl": 0.001, "kl_se": 0.0001}
-    other = {"type": "Q5_K_M", "tensor_types": {**source, "blk.0.attn_q.weight": "Q5_1"}, "tensor_bytes": 1100,
-             "kl": 0.005, "kl_se": 0.0003}
-    assert real["own_layout"](own, source) and not real["own_layout"](other, source)
-    own["own_layout"], other["own_layout"] = True, False
-    got = real["verdict"]({"tensor_bytes": 1000, "kl": 0.004, "kl_se": 0.0002}, [own, other])
-    assert got["versus"] == "Q5_K_M" and got["outcome"] == "win"
+    same = {"type": "Q4_K_M", "tensor_types": {**source}}
+    other = {"type": "Q5_K_M", "tensor_types": {**source, "blk.0.attn_q.weight": "Q5_1"}}
+    assert real["own_share"](same, source) == (2, 2) and real["own_share"](other, source) == (1, 2)

@@ -118,7 +118,8 @@ def prepare_models(model, *, plan: QuantPlan | str | Path | None = None, bits: i
             raise PlanError("give a plan (--plan PLAN.json) or --bits 4|8 for a float model")
         from .plan import PRECISIONS
         if f"int{bits}" not in PRECISIONS:
-            widths = ", ".join(str(p.bits) for p in PRECISIONS.values() if not p.is_float and not p.two_level and not p.minimums)
+            widths = ", ".join(str(p.bits) for p in PRECISIONS.values()
+                               if not p.is_float and not p.two_level and not p.minimums)
             raise PlanError(f"--bits must be a registered integer width ({widths}), got {bits}")
         plan = QuantPlan.uniform(f"int{bits}")
     elif not isinstance(plan, QuantPlan):

@@ -294,7 +294,8 @@ def search_gptq(model: nn.Module, samples: list[torch.Tensor], spec: dict[str, t
                 bits, gs, sym = spec[n]
                 qw = gptq_quantize_weight(m.weight.detach().float().cpu(), covs.pop(n).cpu() / max(counts[n][0], 1),
                                           bits, gs, sym, damp=damp, act_order=act_order, scale_search=scale_search,
-                                          full_range=full_range and not (scale_bits or {}).get(n) and n not in minimums,
+                                          full_range=(full_range and not (scale_bits or {}).get(n)
+                                                      and n not in minimums),
                                           scale_bits=(scale_bits or {}).get(n), minimums=n in minimums)
                 weights[n] = qw
                 deq[f"{n}.weight"] = qw.dequantize()

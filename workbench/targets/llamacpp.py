@@ -180,5 +180,6 @@ TARGET = register_target(Target(
     layouts=("int3-k", "int4-k", "int5-k", "int6-k", "int4-min", "int5-min"),
     precision_note="llama.cpp's blocks hold symmetric 4, 5 and 8-bit codes with a float16 scale per 32 weights "
                    "(Q4_0, Q5_0, Q8_0), the int4-min / int5-min layouts (Q4_1, Q5_1: a float16 minimum beside "
-                   "it) and the int3-k / int4-k / int5-k / int6-k layouts (Q3_K, Q4_K, Q5_K, Q6_K); int2, and int3 / int6 with "
-                   "float16 group scales, and per-channel two-level scales (LPBQ) have no llama.cpp block"))
+                   "it) and the int3-k / int4-k / int5-k / int6-k layouts (Q3_K, Q4_K, Q5_K, Q6_K); int2, and "
+                   "int3 / int6 with float16 group scales, and per-channel two-level scales (LPBQ) have no "
+                   "llama.cpp block"))
