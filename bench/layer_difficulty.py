@@ -74,7 +74,7 @@ def main() -> None:
                                                  for k, v in summary["places"].items()))
         print("by layer type: " + ", ".join(f"{k} {100 * v:.1f}%" for k, v in summary["roles"].items()))
         html = args.root / f"{name}-difficulty.html"
-        make_difficulty_figure(rows).write_html(str(html), include_plotlyjs=True)
+        make_difficulty_figure(rows, score_label=report.score_label).write_html(str(html), include_plotlyjs=True)
         print(f"chart: {html}")
         everything[name] = {"rows": [r.to_dict() for r in rows], "summary": summary, "times": times,
                             "tokens": report.tokens, "score": report.score}

@@ -71,9 +71,10 @@ def test_the_figure_has_a_trace_per_layer_type_on_both_panels(swept):
     from workbench.charts.precision import make_difficulty_figure
     lm, report, stats = swept
     rows = layer_difficulty(lm, report, stats)
-    fig = make_difficulty_figure(rows)
+    fig = make_difficulty_figure(rows, score_label=report.score_label)
     roles = {r.role for r in rows}
     left = {t.name for t in fig.data if t.xaxis == "x"}
     right = {t.name for t in fig.data if t.xaxis == "x2"}
     assert left == roles and right == roles - {"embed_tokens"}
     assert fig.layout.yaxis.type == "log" and fig.layout.xaxis2.type == "log"
+    assert fig.layout.yaxis.title.text.startswith("measured KL at int4")

@@ -99,10 +99,11 @@ def make_pareto_figure(points: Sequence, x: str = "bits_per_weight") -> go.Figur
     return fig
 
 
-def make_difficulty_figure(rows: Sequence, precision: str = "int4") -> go.Figure:
+def make_difficulty_figure(rows: Sequence, precision: str = "int4", score_label: str = "measured KL") -> go.Figure:
     """Why layers are hard (``workbench.layer_difficulty`` rows): left, each layer's damage by block, one line per
     layer type (the first and last blocks, the embedding and output layer at the ends); right, damage against
-    the input's outlier channels (max / median channel abs-max), log-log, one colour per layer type."""
+    the input's outlier channels (max / median channel abs-max), log-log, one colour per layer type.
+    ``score_label``: how the damages were obtained (the sensitivity report's ``score_label``)."""
     rows = [_as_dict(r) for r in rows]
     fig = make_subplots(rows=1, cols=2, subplot_titles=("damage by block (embedding left, output right)",
                                                         "damage against input outlier channels"))
@@ -128,7 +129,7 @@ def make_difficulty_figure(rows: Sequence, precision: str = "int4") -> go.Figure
                             showlegend=False, text=[f"{r['name']}<br>{'; '.join(r['why'])}" for r in pts],
                             hovertemplate="%{text}<br>max/median %{x:.0f}x, KL %{y:.3g}<extra></extra>",
                             row=1, col=2)
-    fig.update_yaxes(type="log", title_text=f"KL at {precision}, layer alone (nats/token)", row=1, col=1)
+    fig.update_yaxes(type="log", title_text=f"{score_label} at {precision}, layer alone (nats/token)", row=1, col=1)
     fig.update_yaxes(type="log", row=1, col=2)
     fig.update_xaxes(title_text="block", row=1, col=1)
     fig.update_xaxes(type="log", title_text="input max / median channel abs-max", row=1, col=2)
