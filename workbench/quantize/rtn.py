@@ -225,7 +225,8 @@ def quantize_groups(wg: torch.Tensor, bits: int, symmetric: bool, clip_max: torc
                     scale_search: bool = False, importance: torch.Tensor | None = None, full_range: bool = False):
     """Codes (float, integral), scales and zeros for grouped weights ``[out, n_groups, g]``.
 
-    ``importance`` (``[n_groups, g]``, per input column) weighs the error the scale search minimises.
+    ``importance`` (``[n_groups, g]`` per input column, or ``[out, n_groups, g]`` per weight: ``search_weights``)
+    weighs the error the scale search minimises.
     ``full_range`` (symmetric only): the 16-level grid of llama.cpp's Q4_0 (module docstring).
     """
     check_full_range(full_range, symmetric)
