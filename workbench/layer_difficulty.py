@@ -56,13 +56,10 @@ class LayerDifficulty:
         return asdict(self)
 
 
-def _block_index(name: str) -> int | None:
-    parts = name.split(".")
-    if "layers" in parts:
-        i = parts.index("layers")
-        if i + 1 < len(parts) and parts[i + 1].isdigit():
-            return int(parts[i + 1])
-    return None
+def _block_index(block: str) -> int | None:
+    """The decoder block index of a layer's ``LayerInfo.block`` (``layers.3`` -> 3); None outside the blocks."""
+    head, _, index = block.partition(".")
+    return int(index) if head == "layers" and index.isdigit() else None
 
 
 def _weight_traits(w: torch.Tensor) -> tuple[float, float]:
@@ -88,7 +85,7 @@ def layer_difficulty(lm, report, stats=None, precision: str = "int4") -> list[La
     traits that explain it, hardest first. ``stats`` (``CalibrationStats``) adds the input outliers."""
     data = report if isinstance(report, Mapping) else report.to_dict()
     modules = dict(lm.model.named_modules())
-    blocks = [b for b in (_block_index(x["name"]) for x in data["layers"]) if b is not None]
+    blocks = [b for b in (_block_index(x["block"]) for x in data["layers"]) if b is not None]
     last = max(blocks) if blocks else None
     rows = []
     for layer in data["layers"]:
@@ -100,8 +97,8 @@ def layer_difficulty(lm, report, stats=None, precision: str = "int4") -> list[La
         wmax, wkurt = _weight_traits(w)
         s = stats.layers.get(name) if stats is not None else None
         ratio = s.max_to_median if s is not None and math.isfinite(s.max_to_median) else None
-        rows.append(LayerDifficulty(name, layer["role"], _block_index(name), float(dmg["kl"]), 0.0, ratio, wmax,
-                                    wkurt))
+        rows.append(LayerDifficulty(name, layer["role"], _block_index(layer["block"]), float(dmg["kl"]), 0.0, ratio,
+                                    wmax, wkurt))
     total = sum(max(r.damage, 0.0) for r in rows) or 1.0
     medians = {t: _median([getattr(r, t) for r in rows if r.block is not None]) for t in TRAITS}
     for r in rows:

@@ -76,6 +76,11 @@ class Precision:
         return self.scale_bits is not None
 
     @property
+    def float_minimums(self) -> bool:
+        """A float16 minimum beside each float16 group scale (llama.cpp's Q4_1 / Q5_1)."""
+        return self.minimums and not self.two_level
+
+    @property
     def sub_scales(self):
         """The two-level layout as the quantizer takes it (``SubScales``), or None."""
         from .quantize.qtensor import SubScales

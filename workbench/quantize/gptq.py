@@ -136,21 +136,19 @@ def gptq_quantize_weight(w: torch.Tensor, h: torch.Tensor, bits: int, group_size
     n_groups = cols // g
     energy = torch.diag(h).clone()  # per input column, in the original order: the scale search's weights
     scales = torch.empty(out, n_groups)
-    zeros = None if symmetric or minimums or (scale_bits is not None and SubScales.of(scale_bits).mins) else \
-        torch.empty(out, n_groups)
+    scale_bits = SubScales.of(scale_bits)
+    two_level_mins = scale_bits is not None and scale_bits.mins
+    if minimums or two_level_mins:  # unsigned codes beside a minimum, no zero point
+        lo, hi = 0, (1 << bits) - 1
+    zeros = None if symmetric or minimums or two_level_mins else torch.empty(out, n_groups)
     float_mins = torch.empty(out, n_groups) if minimums else None
     channel = group_ch = sub_scales = channel_min = group_chm = sub_mins = None
-    scale_bits = SubScales.of(scale_bits)
-    if minimums:
-        lo, hi = 0, (1 << bits) - 1
-    two_level_mins = scale_bits is not None and scale_bits.mins
     if two_level_mins:  # both super-block scales from RTN of the original weights, before any correction
         wg = group_weights(w, group_size)  # the same scales RTN of these weights with importance diag(H) gives
         _q, _s, channel, _m, channel_min = min_groups(wg, bits, scale_bits, scale_search=scale_search,
                                                       importance=search_weights(wg, energy.view(n_groups, g)))
         group_chm = group_channel_scales(channel_min, n_groups)
         sub_mins = torch.empty(out, n_groups)
-        lo, hi = 0, (1 << bits) - 1
     elif scale_bits is not None:  # the row (super-block) scales from the original weights, before any correction
         channel = channel_scales_for(group_weights(w, group_size), bits, scale_bits)
     if scale_bits is not None:

@@ -113,9 +113,8 @@ def layer_quantizer(plan: QuantPlan, precision, shape: tuple[int, int], *, name:
     if note and strict:
         raise PlanError(f"{where}{note} (strict mode); choose a group size that divides "
                         f"{shape[1]} or drop --strict to allow the fallback")
-    float_minimums = prec.minimums and not prec.two_level
     return LayerQuantizer(prec.bits, gs, plan.symmetric, prec.sub_scales, plan.scale_search, note,
-                          plan.full_range and not prec.two_level and not float_minimums, float_minimums)
+                          plan.full_range and not prec.two_level and not prec.float_minimums, prec.float_minimums)
 
 
 def bits_per_weight(layers, precisions: Mapping[str, str | None], group_size: int | None = None,

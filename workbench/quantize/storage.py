@@ -88,6 +88,10 @@ def ct_layout(bits: int, scale_bits: "int | SubScales | None", minimums: bool = 
     return bits in CT_BITS and scale_bits is None and not minimums
 
 
+def _in_ct_layout(qw: QuantizedWeight) -> bool:
+    return ct_layout(qw.bits, qw.scale_bits, qw.float_minimums)
+
+
 def _lossless_float(t: torch.Tensor) -> torch.Tensor:
     """A 16-bit tensor as it is; a float32 one as float16 when that keeps every value exactly, else float32."""
     t = t.detach()
@@ -165,7 +169,7 @@ def stored_shapes(name: str, shape: tuple[int, int], bits: int, group_size: int 
 
 def _quant_tensors(name: str, qw: QuantizedWeight) -> dict[str, torch.Tensor]:
     """One integer layer's packed codes, scales as stored and packed zero points (without its shape record)."""
-    if ct_layout(qw.bits, qw.scale_bits, qw.float_minimums):
+    if _in_ct_layout(qw):
         out = {f"{name}.weight_packed": pack_int32(qw.storage_codes(), qw.bits),
                f"{name}.weight_scale": qw.scales.to(torch.float16)}
         if qw.zeros is not None:
@@ -336,10 +340,6 @@ def _write_config(qm, directory: Path, transformers_loads: bool) -> None:
     if transformers_loads:
         raw["quantization_config"] = compressed_tensors_config(qm)
     atomic_write_json(path, raw)
-
-
-def _in_ct_layout(qw: QuantizedWeight) -> bool:
-    return ct_layout(qw.bits, qw.scale_bits, qw.float_minimums)
 
 
 def save_quantized(qm, directory: str | Path, *, report: dict | None = None) -> Path:
