@@ -81,3 +81,68 @@ def gguf_module(root: Path):
     import gguf
     from gguf.quants import dequantize
     return gguf, dequantize
+
+
+LOG_PROBS_MAGIC = b"_logits_"
+
+
+def read_log_probs(path: Path):
+    """``llama-perplexity --kl-divergence-base`` file as (tokens, records): what llama.cpp's runtime gave each
+    scored position, so two files of the same text can be compared token by token.
+
+    Layout (llama.cpp's tools/perplexity): ``_logits_``, uint32 n_ctx, int32 n_vocab, int32 n_chunk, the
+    int32 tokens of every chunk, then for each scored position (the second half of each chunk but its last)
+    float32 step and float32 lowest log-probability followed by n_vocab uint16 codes (padded to even):
+    ``log p = lowest + step * code``, code 0 standing for anything at or below ``lowest`` (16 below the top).
+    ``records`` is a read-only ``[positions, 4 + n_vocab (+1)]`` uint16 memory map.
+    """
+    import numpy as np
+    path = Path(path)
+    with open(path, "rb") as f:
+        if f.read(8) != LOG_PROBS_MAGIC:
+            raise ValueError(f"{path} is not a llama-perplexity log-probability file (--kl-divergence-base)")
+        n_ctx, n_vocab, n_chunk = np.frombuffer(f.read(12), dtype=np.int32)
+    offset = 20 + 4 * int(n_ctx) * int(n_chunk)
+    tokens = np.fromfile(path, dtype=np.int32, count=int(n_ctx) * int(n_chunk), offset=20)
+    width = 2 * ((int(n_vocab) + 1) // 2) + 4
+    positions = int(n_chunk) * (int(n_ctx) - 1 - int(n_ctx) // 2)
+    if path.stat().st_size != offset + 2 * width * positions:
+        raise ValueError(f"{path} holds {path.stat().st_size} bytes, not the {offset + 2 * width * positions} its "
+                         f"header says ({n_chunk} chunks of {n_ctx}, {n_vocab} tokens): a partly written file?")
+    records = np.memmap(path, dtype=np.uint16, mode="r", offset=offset, shape=(positions, width))
+    return tokens, records, int(n_vocab)
+
+
+def _log_probs(records, n_vocab: int):
+    import numpy as np
+    head = np.ascontiguousarray(records[:, :4]).view(np.float32)  # [n, 2]: step, lowest
+    return head[:, 1:2] + head[:, :1] * records[:, 4:4 + n_vocab].astype(np.float32)
+
+
+def token_kl(base: Path, other: Path, block: int = 64):
+    """Per scored position, KL(base || other) from two llama-perplexity log-probability files of the same text,
+    summed as llama-perplexity sums it (over the tokens whose base log-probability is above -16); their mean is
+    its "Mean KLD" to within the files' 16-bit rounding of ``other``'s log-probabilities. Raises if the two
+    files did not score the same tokens."""
+    import numpy as np
+    tok_a, rec_a, n_vocab = read_log_probs(base)
+    tok_b, rec_b, n_vocab_b = read_log_probs(other)
+    if n_vocab != n_vocab_b or rec_a.shape != rec_b.shape or not np.array_equal(tok_a, tok_b):
+        raise ValueError(f"{base} and {other} did not score the same tokens (one model's vocabulary, one text, "
+                         "one context size): a paired comparison needs both")
+    out = np.empty(rec_a.shape[0], dtype=np.float64)
+    for i in range(0, rec_a.shape[0], block):
+        p_log, q_log = _log_probs(rec_a[i:i + block], n_vocab), _log_probs(rec_b[i:i + block], n_vocab)
+        p = np.where(p_log > -16.0, np.exp(p_log), 0.0)
+        out[i:i + block] = (p * (p_log - q_log)).sum(-1)
+    return out
+
+
+def paired_difference(a, b) -> tuple[float, float]:
+    """(mean of ``a - b``, its standard error) for two per-token figures on the same tokens: the paired
+    comparison, far tighter than two means' independent errors when both models err on the same tokens."""
+    import numpy as np
+    d = np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)
+    if d.size < 2:
+        raise ValueError("a paired comparison needs at least two tokens")
+    return float(d.mean()), float(d.std(ddof=1) / np.sqrt(d.size))

@@ -35,7 +35,10 @@ the calibration statistics, GPTQ). "Fill" plans put the embedding and the linear
 layers (an untied output layer, attention v, the MLP down projections, then the rest) while the tensors stay
 within a llama.cpp file's. Each row is judged against llama.cpp's best file of no smaller size: among the files whose
 tensors take at least as many bytes, the nearest size (and any within 1% above it), the lowest KL; a
-difference within one standard error (llama-perplexity's, combined as independent) is a tie.
+difference within one standard error is a tie. The comparison is paired: every file's per-token KL is read from
+the log-probabilities llama.cpp gives the held-out text (``llama-perplexity --kl-divergence-base`` run on the
+file itself, ``llama_cpp.token_kl``; their mean is llama-perplexity's own KL to within 1e-4), and the
+difference's standard error is that of the per-token differences, tighter than two independent errors.
 ``--simulate`` also scores each plan with the workbench's evaluator. Every step's wall time and peak
 memory (this process's and its children's RSS) are printed.
 """
@@ -57,6 +60,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "scripts")]
+import llama_cpp  # noqa: E402  (bench/llama_cpp.py: log-probability files, per-token KL)
 import quality  # noqa: E402  (bench/quality.py: llama.cpp runner, parsers, GGUF sizes)
 
 # name -> the packages (NAME==VERSION) and, in order, the members whose bytes make up the GGUF
@@ -92,8 +96,9 @@ RUNS = (
 )
 K_LAYOUT = {"int4": "int4-k", "int5": "int5-k"}  # where the blocks fit
 K_FALLBACK = {"int6-k": "int8", "int3-k": "int4", "int4-k": "int4", "int5-k": "int5"}  # where they do not
-# a tie: the two KL figures differ by at most one standard error of their difference (llama-perplexity's
-# per-token standard errors, combined as independent: sqrt(se_a^2 + se_b^2))
+# a tie: the two KL figures differ by at most one standard error of their difference: paired, the standard
+# error of the per-token KL differences on the same tokens (both files' token_kl); without them,
+# llama-perplexity's two standard errors combined as independent, sqrt(se_a^2 + se_b^2)
 TIE_SE = 1.0
 
 
@@ -293,9 +298,34 @@ def verdict(r: dict, lrows: list[dict]) -> dict:
     near = min(x["tensor_bytes"] for x in bigger)
     best = min((x for x in bigger if x["tensor_bytes"] <= 1.01 * near), key=lambda x: x["kl"])
     diff = r["kl"] - best["kl"]
-    se = (r["kl_se"] ** 2 + best["kl_se"] ** 2) ** 0.5
+    unpaired = (r["kl_se"] ** 2 + best["kl_se"] ** 2) ** 0.5
+    paired = "token_kl" in r and "token_kl" in best
+    if paired:  # the same tokens: the per-token differences' own standard error
+        diff, se = llama_cpp.paired_difference(r["token_kl"], best["token_kl"])
+    else:
+        se = unpaired
     outcome = "tie" if abs(diff) <= TIE_SE * se else "win" if diff < 0 else "loss"
-    return {"versus": best["type"], "minus_versus": diff, "minus_versus_se": se, "outcome": outcome}
+    return {"versus": best["type"], "minus_versus": diff, "minus_versus_se": se, "paired": paired,
+            "minus_versus_se_unpaired": unpaired, "outcome": outcome}
+
+
+def score_gguf(llama, path: Path, base: Path, cut: Path, ctx: int, threads: int) -> dict:
+    """``llama-perplexity --kl-divergence`` of a GGUF against the f32 logits ``base`` (KL, perplexity, same top
+    token, with their standard errors), and the KL of every scored token (``token_kl``, from the log-probabilities
+    llama.cpp gives the same text: llama_cpp.token_kl), for paired comparisons between files."""
+    got = llama.run_parsed(quality.parse_kl, "llama-perplexity", "-m", str(path), "-c", str(ctx), "-t", str(threads),
+                           "--kl-divergence-base", str(base), "--kl-divergence")
+    probs = path.with_suffix(".kld")
+    try:
+        llama.run_parsed(quality.parse_perplexity, "llama-perplexity", "-m", str(path), "-f", str(cut), "-c", str(ctx),
+                         "-t", str(threads), "--kl-divergence-base", str(probs))
+        kl = llama_cpp.token_kl(base, probs)
+    finally:
+        probs.unlink(missing_ok=True)
+    if abs(kl.mean() - got["kl"]) > max(1e-4, 0.01 * got["kl"]):
+        raise SystemExit(f"{path.name}: per-token KL from the log-probability files averages {kl.mean():.6f}, "
+                         f"llama-perplexity says {got['kl']:.6f}: the two runs did not score the same thing")
+    return {**got, "token_kl": [round(float(x), 8) for x in kl]}
 
 
 def llamacpp_side(llama, source_gguf: Path, cut: Path, calib: Path, ctx: int, threads: int, keep: Path, log,
@@ -304,7 +334,6 @@ def llamacpp_side(llama, source_gguf: Path, cut: Path, calib: Path, ctx: int, th
 
     Everything is kept in ``keep`` (the f32 base, its logits, the importance matrix) and each type's row in a
     JSON file named by the hashes of its inputs, so a second run reuses what the first measured."""
-    import llama_cpp
     gguf, dequantize = llama_cpp.gguf_module(llama.root)
     keep.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -328,14 +357,13 @@ def llamacpp_side(llama, source_gguf: Path, cut: Path, calib: Path, ctx: int, th
     rows = []
     for qtype in types:
         cache = keep / f"{qtype}-{info['imatrix']['sha256'][:12]}-{base.stem}.json"
-        if cache.is_file():
+        if cache.is_file() and "token_kl" in json.loads(cache.read_text()):  # older rows lack the per-token KL
             rows.append(json.loads(cache.read_text()))
         else:
             t0 = time.perf_counter()
             q = keep / f"model-{qtype}.gguf"
             llama.run("llama-quantize", "--imatrix", str(imatrix), str(f32), str(q), qtype, str(threads))
-            got = llama.run_parsed(quality.parse_kl, "llama-perplexity", "-m", str(q), "-c", str(ctx), "-t",
-                                   str(threads), "--kl-divergence-base", str(base), "--kl-divergence")
+            got = score_gguf(llama, q, base, cut, ctx, threads)
             reader = gguf.GGUFReader(q)
             rows.append({"type": qtype, "bits": quality.gguf_bits_per_weight(reader), "size": q.stat().st_size,
                          "tensor_bytes": sum(int(t.n_bytes) for t in reader.tensors),
@@ -350,10 +378,9 @@ def llamacpp_side(llama, source_gguf: Path, cut: Path, calib: Path, ctx: int, th
 
 
 def workbench_row(llama, lm, label: str, method: str, how: str, lrows: list[dict], calibration, base: Path,
-                  ctx: int, threads: int, tmp: Path, gptq_tokens: int, log, baseline=None) -> dict:
+                  cut: Path, ctx: int, threads: int, tmp: Path, gptq_tokens: int, log, baseline=None) -> dict:
     """One plan quantized, written as GGUF (its own integers, checked equal to the simulation) and scored by
     llama-perplexity; with ``baseline`` also by the workbench's evaluator."""
-    import llama_cpp
     from collections import Counter
 
     from workbench.quantize import measure_cost, quantize_model
@@ -378,9 +405,7 @@ def workbench_row(llama, lm, label: str, method: str, how: str, lrows: list[dict
     if r["tensor_bytes"] != tensor_bytes(lm, plan):
         raise SystemExit(f"{label}: the GGUF holds {r['tensor_bytes']} tensor bytes, the plan counted "
                          f"{tensor_bytes(lm, plan)}")
-    got = llama.run_parsed(quality.parse_kl, "llama-perplexity", "-m", str(path), "-c", str(ctx), "-t", str(threads),
-                           "--kl-divergence-base", str(base), "--kl-divergence")
-    r.update(got)
+    r.update(score_gguf(llama, path, base, cut, ctx, threads))
     r.update(verdict(r, lrows))
     r["score_time"] = step(log, f"{label}: GGUF + llama-perplexity", t0)
     path.unlink()
@@ -421,7 +446,6 @@ def main() -> None:
     if llama is None:
         sys.exit("this bench compares GGUF files scored by llama.cpp: pass --llama-cpp DIR or set LLAMA_CPP_DIR "
                  "(README recipe; llama-quantize, llama-perplexity and llama-imatrix built)")
-    import llama_cpp
     if llama_cpp.find_bin(str(llama.bin), ("llama-imatrix",))[0] is None:
         sys.exit(f"llama-imatrix is not built in {llama.bin}; add it to the cmake targets (README recipe)")
     runs = RUNS if not args.runs else [] if args.runs == "none" else [RUNS[int(i)] for i in args.runs.split(",")]
@@ -459,7 +483,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory(dir=args.root) as tmp:
             for label, method, how in runs:
                 ours.append(workbench_row(llama, lm, label, method, how, lrows, calibration, Path(info["base"]),
-                                          args.ctx, args.threads, Path(tmp), args.gptq_tokens, log, baseline))
+                                          cut, args.ctx, args.threads, Path(tmp), args.gptq_tokens, log, baseline))
         everything[name] = {"source": {k: v for k, v in source.items() if k != "tensor_types"},
                             "parameters": lm.parameters, "tokens": len(ids), "ctx": args.ctx,
                             "heldout_sha256": sha256(cut), "calibration_sha256": sha256(calib_text),
@@ -474,7 +498,7 @@ def print_table(name: str, res: dict) -> None:
     """Every file by size: bits per weight, llama-perplexity's KL, same top token, perplexity; each workbench
     row with the llama.cpp type it is judged against and the outcome."""
     print(f"\n## {name}: {res['parameters']:,} weights, {res['tokens']} held-out tokens (chunks of {res['ctx']})\n")
-    print("| file | bpw | KL (llama-perplexity) | same top | ppl | judged against | KL minus theirs | outcome |")
+    print("| file | bpw | KL (llama-perplexity) | same top | ppl | judged against | KL minus theirs (paired) | outcome |")
     print("|---|---|---|---|---|---|---|---|")
     rows = [{**r, "label": f"llama.cpp {r['type']} + imatrix" + (
                 f" ({r['own_type_matrices'][0]} of {r['own_type_matrices'][1]} matrices in the source's own type)"
@@ -482,7 +506,8 @@ def print_table(name: str, res: dict) -> None:
         [{**r, "label": f"workbench {r['label']}"} for r in res["workbench"]]
     for r in sorted(rows, key=lambda r: (r["tensor_bytes"], "versus" in r)):
         judged = "" if "versus" not in r else (
-            f"{r['versus']} | {r['minus_versus']:+.5f} ± {r['minus_versus_se']:.5f} | {r['outcome']}"
+            f"{r['versus']} | {r['minus_versus']:+.5f} ± {r['minus_versus_se']:.5f}"
+            f"{'' if r.get('paired') else ' (unpaired)'} | {r['outcome']}"
             if r["versus"] else f" | | {r['outcome']}")
         print(f"| {r['label']} | {r['bits']:.3f} | {r['kl']:.5f} ± {r['kl_se']:.5f} | {r['same_top']:.4f} | "
               f"{r['perplexity']:.3f} | {judged or ' | |'} |")

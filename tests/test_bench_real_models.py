@@ -58,6 +58,21 @@ def test_verdict_judges_against_the_best_llamacpp_file_of_no_smaller_size():
     assert v({"tensor_bytes": 1300, "kl": 0.01, "kl_se": 0.001}, lrows)["versus"] is None
 
 
+def test_verdict_pairs_the_tokens_when_both_rows_carry_them():
+    import numpy as np
+    rng = np.random.default_rng(2)
+    theirs = rng.exponential(0.07, 1000)
+    ours = theirs * 0.97  # 3% less KL on every token: inside the unpaired errors, plainly ahead when paired
+    lrows = [{"type": "Q4_0", "tensor_bytes": 1000, "kl": theirs.mean(), "kl_se": theirs.std() / 31.6,
+              "token_kl": list(theirs)}]
+    row = {"tensor_bytes": 1000, "kl": ours.mean(), "kl_se": ours.std() / 31.6}
+    assert real["verdict"](row, lrows)["outcome"] == "tie" and not real["verdict"](row, lrows)["paired"]
+    got = real["verdict"]({**row, "token_kl": list(ours)}, lrows)
+    assert got["paired"] and got["outcome"] == "win"
+    assert got["minus_versus_se"] < got["minus_versus_se_unpaired"] / 10
+    assert got["minus_versus"] == pytest.approx(ours.mean() - theirs.mean())
+
+
 def test_mirror_and_fill_plans_match_the_bytes_their_gguf_holds(make_tiny_model, tmp_path):
     pytest.importorskip("gguf")
     import gguf
