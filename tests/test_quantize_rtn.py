@@ -166,6 +166,21 @@ def test_full_range_beats_fifteen_levels_and_search_never_loses_to_reference():
     assert err["16+search"] < err["16"]
 
 
+def test_full_range_search_tries_stretched_ranges_too():
+    """A group whose largest weight sits best at -7 (a stretched range, llama.cpp's search reaches it): each
+    group's searched error is at most that of the largest weight mapped to 7.1 ... 7.9 steps with the
+    least-squares scale."""
+    w = _weights(seed=9, out=64, inp=256)
+    wg = w.reshape(64, 8, 32)
+    got = (wg - quantize_weight(w, 4, 32, True, full_range=True, scale_search=True).dequantize().reshape(wg.shape))
+    got = got.square().sum(-1)
+    top = wg.gather(-1, wg.abs().argmax(-1, keepdim=True))
+    for steps in (7.1, 7.3, 7.5, 7.7, 7.9):
+        q = torch.floor(wg * (-steps / top) + 0.5).clamp(-8, 7)
+        s = ((q * wg).sum(-1) / (q * q).sum(-1)).half().float()
+        assert bool((got <= (wg - s[..., None] * q).square().sum(-1) + 1e-7).all()), steps
+
+
 def test_importance_weighting_lowers_the_weighted_error():
     w = _weights(seed=7, out=64, inp=256)
     g = torch.Generator().manual_seed(8)

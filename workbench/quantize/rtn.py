@@ -19,8 +19,9 @@ Full range (``full_range``, symmetric): the codes use every level of ``[-2^(b-1)
 keeping that weight's sign, so it lands on the extra code exactly, as llama.cpp's Q4_0 / Q5_0
 reference rounding does (``floor(w / scale + 1/2)``, in float32, the scale rounded to float16 only for
 storage: the codes are Q4_0's own, bit for bit). On a trained model this beats the 15-level grid:
-one more level per group for the same bits. With ``scale_search`` each shrunk range also tries its
-least-squares scale for the codes it gave (``sum(i w q) / sum(i q^2)``, ``i`` the importance), as
+one more level per group for the same bits. With ``scale_search`` each shrunk range, and nine stretched
+ones (the largest weight at 7.1 ... 7.9 steps instead of 8, at 4 bits; llama.cpp's search reaches them
+too), also tries its least-squares scale for the codes it gave (``sum(i w q) / sum(i q^2)``, ``i`` the importance), as
 llama.cpp's imatrix rounding does; at 8 bits also Q8_0's own rule, ``max / 127`` (a weight shipped as Q8_0 is
 found again exactly); ratio 1.0 stays a candidate, so the search is never worse than Q4_0's (Q8_0's) rounding
 on the (weighted) error it minimises.
@@ -235,6 +236,9 @@ def quantize_groups(wg: torch.Tensor, bits: int, symmetric: bool, clip_max: torc
         return _round_groups(wg, bits, symmetric, 1.0, full_range)
     best, best_err = None, None
     grids = [(ratio, full_range) for ratio in SEARCH_RATIOS]
+    if full_range:  # ranges stretched too: the largest weight at 7.1 ... 7.9 steps (4 bits), as llama.cpp's search
+        top = float(-code_range(bits, True)[0])
+        grids += [(top / (top - 0.1 * i), True) for i in range(1, 10)]
     if full_range and bits == 8:  # Q8_0's own rule, max / 127, too: a weight shipped as Q8_0 keeps its grid
         grids.append((1.0, False))
     for ratio, sixteen in grids:
