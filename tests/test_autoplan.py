@@ -201,3 +201,23 @@ def test_auto_plans_round_layers_as_their_sweep_measured_them(lm, sens, evaluato
     min_max = dataclasses.replace(sens, scale_search=False)
     with pytest.raises(PlanError, match="evaluator rounds layers with .*scale_search=True"):
         refine_plan(lm, min_max, plan_for_budget(lm, min_max, size_bytes=budget), evaluator, trials=1)
+
+
+def test_auto_plan_gives_a_block_layout_only_to_layers_it_fits(make_tiny_model):
+    """A sweep with int4-k measures it on the 256-wide down projections only; the knapsack and the refinement's
+    moves offer it to those layers alone, and the plan quantizes."""
+    from workbench.autoplan import refine_plan
+    from workbench.models import load_model
+    from workbench.quantize import quantize_model
+    lm = load_model(make_tiny_model("qwen2", hidden=64, intermediate=256))
+    ev = PlanEvaluator(lm, evaluation_tokens(lm, tokens=128))
+    report = run_sensitivity(lm, evaluator=ev, precisions=("int4", "int4-k", "int8"), progress=False)
+    wide = {info.name for info in lm.layers if info.shape[1] == 256}
+    floor = plan_footprint(lm, QuantPlan(default="int4", group_size=report.group_size))["size_bytes"]
+    for budget in (floor, int(1.3 * floor)):
+        auto = plan_for_budget(lm, report, size_bytes=budget, choices=("int4", "int4-k", "int8"))
+        assert auto.size_bytes <= budget
+        assert {n for n, p in auto.assignments.items() if p == "int4-k"} <= wide
+        refined = refine_plan(lm, report, auto, ev, trials=4, choices=("int4", "int4-k", "int8"))
+        assert {n for n, p in refined.prediction.assignments.items() if p == "int4-k"} <= wide
+        quantize_model(lm, refined.prediction.plan, progress=False)

@@ -276,3 +276,22 @@ def test_sweeps_with_and_without_the_scale_search_are_cached_apart(lm, workspace
     assert SensitivityReport.from_dict(on.to_dict()).scale_search is True
     old = {k: v for k, v in off.to_dict().items() if k != "scale_search"}  # saved before the field existed
     assert SensitivityReport.from_dict(old).scale_search is False
+
+
+@pytest.mark.parametrize("score", ["kl", "proxy"])
+def test_a_block_layout_is_measured_on_the_layers_it_fits(make_tiny_model, score):
+    """int4-k's 256-weight blocks fit the 256-wide down projections only: the sweep measures it there, and refuses
+    a layout that fits none of the layers asked for."""
+    from workbench.models import load_model
+    lm = load_model(make_tiny_model("qwen2", hidden=64, intermediate=256))
+    report = run_sensitivity(lm, tokens=128, precisions=("int4", "int4-k"), group_size=32, score=score,
+                             progress=False)
+    for layer in report.layers:
+        wide = layer.shape[1] == 256
+        assert ("int4-k" in layer.damage) is wide and "int4" in layer.damage
+        if wide:
+            assert report.damage(layer.name, "int4-k") > 0
+    assert {n for n, _ in report.ranking("int4-k")} == {layer.name for layer in report.layers if layer.shape[1] == 256}
+    with pytest.raises(PlanError, match="cannot sweep int4-k on these layers: int4-k stores 256-weight blocks"):
+        run_sensitivity(lm, tokens=128, precisions=("int4-k",), layers=["model.layers.0.mlp.up_proj"],
+                        progress=False, score=score)

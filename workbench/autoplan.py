@@ -105,6 +105,11 @@ def _units(lm: LoadedModel, names: Sequence[str]) -> list[list[str]]:
     return list(groups.values())
 
 
+def _unit_choices(lm: LoadedModel, unit: Sequence[str], choices: Sequence[str]) -> list[str]:
+    """The choices every layer of ``unit`` can take (a fixed block layout only where its blocks fit)."""
+    return [c for c in choices if not any(get_precision(c).misfit(lm.layer(n).shape[1]) for n in unit)]
+
+
 def _plan_from_assignments(assignments: Mapping[str, str], settings: Mapping, meta: Mapping) -> QuantPlan:
     """A readable plan: the most common precision as default, exact rules for the rest.
 
@@ -148,6 +153,7 @@ def plan_for_budget(lm: LoadedModel, sensitivity: SensitivityReport, *, size_byt
     """The plan with the least predicted damage whose size fits the budget (bytes or bits/weight).
 
     ``targets`` (names such as ``"qnn"``, ``"llama.cpp"``) keeps the plan to precisions all of them carry.
+    A fixed block layout (``int4-k``'s 256-weight blocks) is a choice only for the layers whose inputs it fits.
 
     Layers the sweep did not measure keep fp16. Raises ``PlanError`` when even the smallest
     choice for every layer does not fit, naming the smallest size that does.
@@ -164,7 +170,7 @@ def plan_for_budget(lm: LoadedModel, sensitivity: SensitivityReport, *, size_byt
     options: list[list[tuple[dict[str, str], int, float]]] = []
     for unit in units:
         opts = []
-        for combo in itertools.product(choices, repeat=len(unit)):
+        for combo in itertools.product(_unit_choices(lm, unit, choices), repeat=len(unit)):
             assign = dict(zip(unit, combo))
             nbytes = lm.layer_bytes(assign, gs, sym, names=assign)
             dmg = sum(sensitivity.damage(n, p, metric) for n, p in assign.items())
@@ -243,14 +249,15 @@ def _moves(lm: LoadedModel, sensitivity: SensitivityReport, assign: Mapping[str,
     each with its predicted gain (damage saved minus damage added), best first. Gains may be negative:
     the budget's optimum by prediction has no positive one, and measurement is the judge."""
     # a unit's bytes and damage depend only on its own precision: tabulate them once per call
-    nbytes = [{q: lm.layer_bytes({n: q for n in u}, gs, sym, names=u) for q in choices} for u in units]
-    damage = [{q: sum(sensitivity.damage(n, q, metric) for n in u) for q in choices} for u in units]
+    allowed = [_unit_choices(lm, u, choices) for u in units]
+    nbytes = [{q: lm.layer_bytes({n: q for n in u}, gs, sym, names=u) for q in ok} for u, ok in zip(units, allowed)]
+    damage = [{q: sum(sensitivity.damage(n, q, metric) for n in u) for q in ok} for u, ok in zip(units, allowed)]
     now = [assign[u[0]] for u in units]
     size = lm.layer_bytes(assign, gs, sym) + lm.other_bytes
     out = []
     for i, u in enumerate(units):
         cur = now[i]
-        for q in choices:
+        for q in allowed[i]:
             gain = damage[i][cur] - damage[i][q]
             if q == cur or gain <= 0:
                 continue
@@ -260,7 +267,7 @@ def _moves(lm: LoadedModel, sensitivity: SensitivityReport, assign: Mapping[str,
                 continue
             best = None  # the cheapest way, by predicted damage, to free ``need`` bytes elsewhere
             for j, v in enumerate(units):
-                for r in choices:
+                for r in allowed[j]:
                     if j == i or r == now[j] or nbytes[j][now[j]] - nbytes[j][r] < need:
                         continue
                     cost = damage[j][r] - damage[j][now[j]]

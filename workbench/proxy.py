@@ -169,12 +169,13 @@ def _record(model: nn.Module, blocks: nn.ModuleList, head: nn.Module, group: _Gr
 
 def _weight_error(weight: torch.Tensor, fisher: torch.Tensor, precisions: Sequence[str], settings: QuantPlan,
                   rows: torch.Tensor | None = None) -> dict[str, float]:
-    """``1/2 sum F * (W - Q(W))^2`` per precision, quantizing ``ROW_CHUNK`` rows at a time.
+    """``1/2 sum F * (W - Q(W))^2`` per precision the weight can take, quantizing ``ROW_CHUNK`` rows at a time.
 
     ``Q`` is ``quantize_model``'s RTN for a plan with ``settings`` (``layer_quantizer``); groups, two-level
     channel scales and the scale search never span rows, so rows quantized apart round as the whole does.
     """
     from .quantize import layer_quantizer
+    precisions = [p for p in precisions if not get_precision(p).misfit(weight.shape[1])]  # layouts it cannot take
     quantizers = {p: layer_quantizer(settings, p, tuple(weight.shape)) for p in precisions}
     n = len(rows) if rows is not None else weight.shape[0]
     out = {p: 0.0 for p in precisions}

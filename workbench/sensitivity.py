@@ -48,7 +48,7 @@ from .textio import text_token_ids
 from .workspace import Workspace, atomic_write_json, model_fingerprint, read_json_file
 
 __all__ = ["LayerVariants", "BlockReplay", "PlanEvaluator", "LayerSensitivity", "SensitivityReport", "run_sensitivity",
-           "choose_score", "evaluation_tokens", "sweep_precisions", "DEFAULT_SWEEP_TOKENS",
+           "choose_score", "evaluation_tokens", "sweep_precisions", "fitting", "DEFAULT_SWEEP_TOKENS",
            "SENSITIVITY_STEP", "SCORES", "AUTO_KL_MAX_WORK"]
 
 DEFAULT_SWEEP_TOKENS = 1024  # 2 windows of 512 on the demo model: enough to rank layers, ~0.5 s a trial
@@ -525,9 +525,10 @@ class SensitivityReport:
         return float(d[metric])
 
     def ranking(self, precision: str = "int4", metric: str = "kl") -> list[tuple[str, float]]:
-        """Layers from most to least sensitive at ``precision``."""
-        return sorted(((layer.name, self.damage(layer.name, precision, metric)) for layer in self.layers),
-                      key=lambda kv: -kv[1])
+        """Layers from most to least sensitive at ``precision`` (those it was measured on: a layout fits some)."""
+        name = get_precision(precision).name
+        return sorted(((layer.name, self.damage(layer.name, precision, metric)) for layer in self.layers
+                       if name in layer.damage), key=lambda kv: -kv[1])
 
     def to_dict(self) -> dict:
         return {"model": self.model, "precisions": list(self.precisions), "tokens": self.tokens, "ctx": self.ctx,
@@ -557,6 +558,11 @@ class SensitivityReport:
                                             hint="; run `workbench sensitivity MODEL` first"))
 
 
+def fitting(info, precisions: Sequence[str]) -> list[str]:
+    """The precisions a layer can take: a fixed block layout only where its blocks divide the layer's inputs."""
+    return [p for p in precisions if not get_precision(p).misfit(info.shape[1])]
+
+
 def _trial_key(name: str, precision: str) -> str:
     return f"{name}|{precision}"
 
@@ -575,15 +581,16 @@ def _sweep(evaluator: PlanEvaluator, layers: Sequence, precisions: Sequence[str]
         except json.JSONDecodeError:  # a progress file is only ever replaced atomically; be safe anyway
             state = {"trials": {}, "seconds": 0.0}
     trials: dict[str, dict] = state["trials"]
-    todo = [(info, p) for info in layers for p in precisions if _trial_key(info.name, p) not in trials]
-    total = len(layers) * len(precisions)
+    pairs = [(info, p) for info in layers for p in fitting(info, precisions)]
+    todo = [(info, p) for info, p in pairs if _trial_key(info.name, p) not in trials]
+    total = len(pairs)
     if todo and len(todo) < total:  # said, so a quick finish is not mistaken for a fast sweep
         import logging
         logging.getLogger("workbench").info(f"resuming the sensitivity sweep from {progress_path}: "
                                             f"{total - len(todo)} of {total} trials were measured by an earlier run")
     base = evaluator.evaluate_baseline()
     ran = 0
-    with tqdm(total=len(layers) * len(precisions), initial=len(layers) * len(precisions) - len(todo),
+    with tqdm(total=total, initial=total - len(todo),
               desc="sensitivity", unit="trial", disable=not progress) as bar:
         for info, p in todo:
             t0 = time.perf_counter()
@@ -636,7 +643,7 @@ def _proxy_trials(evaluator: PlanEvaluator, layers: Sequence, precisions: Sequen
     ref = scores.reference_perplexity
     trials = {}
     for info in layers:
-        for p in precisions:
+        for p in fitting(info, precisions):
             kl = scores.damage[info.name][p]
             trials[_trial_key(info.name, p)] = result = {"kl": kl, "nll_delta": kl, "ppl": ref * math.exp(kl),
                                                          "ppl_delta": ref * math.expm1(kl)}
@@ -671,10 +678,6 @@ def run_sensitivity(lm: LoadedModel, *, ids: torch.Tensor | None = None, text_pa
         if prec is None or prec.is_float:
             raise PlanError(f"sensitivity sweeps integer precisions ({', '.join(sweep_precisions())}), not '{p}'")
     precisions = tuple(get_precision(p).name for p in precisions)
-    for p in precisions:
-        misfit = next((why for info in lm.layers if (why := get_precision(p).misfit(info.shape[1]))), None)
-        if misfit:
-            raise PlanError(f"cannot sweep {p} on this model: {misfit}; leave it out (the default sweep does)")
     if evaluator is None:
         if ids is None:
             ids = evaluation_tokens(lm, text_path, tokens)
@@ -691,6 +694,10 @@ def run_sensitivity(lm: LoadedModel, *, ids: torch.Tensor | None = None, text_pa
     if unknown:
         raise PlanError(f"layer(s) {unknown[:3]} are not quantizable layers of this model")
     infos = [lm.layer(n) for n in names]
+    for p in precisions:  # a fixed block layout is measured on the layers it fits, and refused only if none
+        if all(get_precision(p).misfit(info.shape[1]) for info in infos):
+            raise PlanError(f"cannot sweep {p} on these layers: {get_precision(p).misfit(infos[0].shape[1])}; "
+                            "leave it out (the default sweep does)")
     score, reason = choose_score(lm, len(infos) * len(precisions), len(evaluator.ids), score)
     inputs = {"model": model_fingerprint(lm.model), "tokens": hashlib.sha256(evaluator.ids.numpy().tobytes()).hexdigest()[:16],
               "n_tokens": int(len(evaluator.ids)), "ctx": evaluator.ctx, "precisions": list(precisions),
@@ -711,7 +718,8 @@ def run_sensitivity(lm: LoadedModel, *, ids: torch.Tensor | None = None, text_pa
         out = []
         for info in infos:
             out.append(LayerSensitivity(info.name, info.block, info.role, tuple(info.shape), info.parameters,
-                                        info.tied_to, {p: trials[_trial_key(info.name, p)] for p in precisions}))
+                                        info.tied_to, {p: trials[_trial_key(info.name, p)]
+                                                       for p in fitting(info, precisions)}))
         return SensitivityReport(str(lm.name), precisions, int(len(evaluator.ids)), evaluator.ctx, variants.group_size,
                                  variants.symmetric, ref_ppl, out, seconds, ran, score, reason, variants.scale_search,
                                  variants.full_range)

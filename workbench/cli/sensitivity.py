@@ -75,7 +75,7 @@ def run(args) -> int:
     print(f"{'layer':<{width}}  {'params':>9}{heads}")
     for layer in report.layers:
         cells = "".join(f"  {layer.damage[p]['kl']:>11.3e}  {layer.damage[p]['ppl_delta']:>+10.4f}"
-                        for p in report.precisions)
+                        if p in layer.damage else f"  {'-':>11}  {'-':>10}" for p in report.precisions)  # -: misfit
         print(f"{layer.name:<{width}}  {layer.parameters:>9,}{cells}")
     at = "int4" if "int4" in report.precisions else report.precisions[-1]  # the width most plans start from
     worst = report.ranking(at)[:3]
