@@ -33,7 +33,11 @@ Q6_K -> int6-k, Q4_1 -> int4-min, Q5_1 -> int5-min; IQ4_NL has no workbench layo
 same size): the same bytes, the workbench's rounding (16-level grid, importance-weighted scale search from
 the calibration statistics, GPTQ). "Fill" plans put the embedding and the linear layers at a floor and raise
 layers (an untied output layer, attention v, the MLP down projections, then the rest) while the tensors stay
-within a llama.cpp file's. Each row is judged against llama.cpp's best file of no smaller size: among the files whose
+within a llama.cpp file's. "Auto" plans are the knapsack's (``autoplan.plan_for_budget``): every layer at one of
+``AUTO_CHOICES`` (a k-layout only where its blocks fit), the least estimated damage whose tensors stay within a
+llama.cpp file's, from a Fisher-proxy sweep on ``--sweep-tokens`` tokens of the calibration text (never the
+held-out text; cached). AWQ rows search AWQ's scales on the calibration samples ("awq+gptq" folds them into the
+weights, then runs GPTQ). Each row is judged against llama.cpp's best file of no smaller size: among the files whose
 tensors take at least as many bytes, the nearest size (and any within 1% above it), the lowest KL; a
 difference within one standard error is a tie. The comparison is paired: every file's per-token KL is read from
 the log-probabilities llama.cpp gives the held-out text (``llama-perplexity --kl-divergence-base`` run on the
@@ -93,7 +97,16 @@ RUNS = (
     ("GPTQ, Q5_K_M's layout", "gptq", "mirror:Q5_K_M"),
     ("GPTQ, Q6_K's layout", "gptq", "mirror:Q6_K"),
     ("RTN, Q4_K_M's layout", "rtn", "mirror:Q4_K_M"),
+    ("AWQ, Q4_0's layout", "awq", "mirror:Q4_0"),
+    ("AWQ + GPTQ, Q4_K_M's layout", "awq+gptq", "mirror:Q4_K_M"),
+    ("GPTQ, auto plan within IQ4_NL's size", "gptq", "auto:IQ4_NL"),
+    ("GPTQ, auto plan within Q4_K_M's size", "gptq", "auto:Q4_K_M"),
+    ("GPTQ, auto plan within Q5_K_M's size", "gptq", "auto:Q5_K_M"),
+    ("GPTQ, auto plan within Q6_K's size", "gptq", "auto:Q6_K"),
 )
+# what an auto plan may give a layer: every block type the llama.cpp target writes (a k-layout only where its
+# 256-weight blocks fit the layer), float16 for a layer worth its bytes
+AUTO_CHOICES = ("int4", "int4-k", "int4-min", "int5", "int5-k", "int5-min", "int6-k", "int8", "fp16")
 K_LAYOUT = {"int4": "int4-k", "int5": "int5-k"}  # where the blocks fit
 K_FALLBACK = {"int6-k": "int8", "int3-k": "int4", "int4-k": "int4", "int5-k": "int5"}  # where they do not
 # a tie: the two KL figures differ by at most one standard error of their difference: paired, the standard
@@ -271,18 +284,53 @@ def fill_plan(lm, budget: int, embed: str, low: str, high: str):
     return tie_rules(lm, plan)
 
 
-def make_plan(lm, how: str, lrows: list[dict]):
+def auto_plan(lm, budget: int, sensitivity):
+    """The knapsack's plan (``autoplan.plan_for_budget``) from a sweep of ``AUTO_CHOICES`` whose GGUF tensors stay
+    within ``budget`` bytes: each layer the layout that buys the least estimated damage per byte."""
+    from workbench.autoplan import plan_for_budget
+    from workbench.plan import QuantPlan
+    floor = QuantPlan.uniform("int4", **plan_fields())
+    norms = tensor_bytes(lm, floor) - lm.size_bytes(floor)  # the GGUF keeps norms at float32, the planner at fp16
+    auto = plan_for_budget(lm, sensitivity, size_bytes=budget - norms, choices=AUTO_CHOICES)
+    plan = floor
+    for name, precision in auto.assignments.items():
+        if not lm.layer(name).tied_to:  # a tied output layer is the embedding's one tensor
+            plan = plan.with_override(name, precision)
+    plan = tie_rules(lm, plan)
+    if tensor_bytes(lm, plan) > budget:
+        raise SystemExit(f"the auto plan's GGUF tensors take {tensor_bytes(lm, plan)} bytes, over the {budget} "
+                         "of llama.cpp's file")
+    return plan
+
+
+def auto_sweep(lm, ids, root: Path, tokens: int, ctx: int, log):
+    """The Fisher-proxy sweep of every layer at ``AUTO_CHOICES``' integer layouts on calibration tokens (never the
+    held-out text), with the plans' rounding; cached in ``root``'s workspace."""
+    from workbench.sensitivity import run_sensitivity
+    from workbench.workspace import Workspace
+    t0 = time.perf_counter()
+    fields = plan_fields()
+    report = run_sensitivity(lm, ids=ids, tokens=tokens, ctx=ctx, precisions=[p for p in AUTO_CHOICES if p != "fp16"],
+                             group_size=fields["group_size"], symmetric=True, scale_search=True, full_range=True,
+                             score="proxy", workspace=Workspace(root / "ws"), progress=False)
+    step(log, f"proxy sweep for the auto plans ({len(report.layers)} layers, {report.tokens} calibration tokens)", t0)
+    return report
+
+
+def make_plan(lm, how: str, lrows: list[dict], sensitivity=None):
     kind, target, *rest = how.split(":")
     row = next((r for r in lrows if r["type"] == target), None)
     if row is None:
         raise SystemExit(f"'{how}' needs llama.cpp's {target} file: run with --llama-cpp and {target} in the types")
     if kind == "mirror":
         return mirror_plan(lm, row["tensor_types"])
+    if kind == "auto":
+        return auto_plan(lm, row["tensor_bytes"], sensitivity)
     return fill_plan(lm, row["tensor_bytes"], *rest)
 
 
 def own_share(row: dict, source_types: dict[str, str]) -> tuple[int, int]:
-    """(matrices llama.cpp's file stores in the very block type the source GGUF stored them in, matrices): those
+    """(matrices the file stores in the very block type the source GGUF stored them in, matrices): those
     it re-quantizes onto the source's own grid, which it can find again almost exactly (the "float" weights
     are those blocks dequantized), a flattery the reader should see beside the figure."""
     mats = [n for n, t in source_types.items() if t not in ("F32", "F16", "BF16")]
@@ -378,7 +426,8 @@ def llamacpp_side(llama, source_gguf: Path, cut: Path, calib: Path, ctx: int, th
 
 
 def workbench_row(llama, lm, label: str, method: str, how: str, lrows: list[dict], calibration, base: Path,
-                  cut: Path, ctx: int, threads: int, tmp: Path, gptq_tokens: int, log, baseline=None) -> dict:
+                  cut: Path, ctx: int, threads: int, tmp: Path, gptq_tokens: int, log, baseline=None,
+                  sensitivity=None) -> dict:
     """One plan quantized, written as GGUF (its own integers, checked equal to the simulation) and scored by
     llama-perplexity; with ``baseline`` also by the workbench's evaluator."""
     from collections import Counter
@@ -387,7 +436,7 @@ def workbench_row(llama, lm, label: str, method: str, how: str, lrows: list[dict
     from workbench.targets.gguf_file import check_gguf, write_gguf
     gguf, _ = llama_cpp.gguf_module(llama.root)
     t0 = time.perf_counter()
-    plan = make_plan(lm, how, lrows)
+    plan = make_plan(lm, how, lrows, sensitivity)
     qm = quantize_model(lm, plan, method=method, calibration=calibration, progress=False, gptq_tokens=gptq_tokens)
     r = {"label": label, "method": method, "plan": how, "plan_hash": plan.content_hash(),
          "precisions": dict(Counter(p for n, p in qm.precisions.items() if not qm.layer(n).tied_to)),
@@ -401,7 +450,8 @@ def workbench_row(llama, lm, label: str, method: str, how: str, lrows: list[dict
     r["gguf_exact"] = check_gguf(qm, path)["max_abs_diff"] == 0.0
     reader = gguf.GGUFReader(path)
     r.update(bits=quality.gguf_bits_per_weight(reader), size=path.stat().st_size,
-             tensor_bytes=sum(int(t.n_bytes) for t in reader.tensors), sha256=sha256(path))
+             tensor_bytes=sum(int(t.n_bytes) for t in reader.tensors), sha256=sha256(path),
+             tensor_types={t.name: t.tensor_type.name for t in reader.tensors})
     if r["tensor_bytes"] != tensor_bytes(lm, plan):
         raise SystemExit(f"{label}: the GGUF holds {r['tensor_bytes']} tensor bytes, the plan counted "
                          f"{tensor_bytes(lm, plan)}")
@@ -424,6 +474,7 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=64, help="calibration samples (statistics, GPTQ)")
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--gptq-tokens", type=int, default=4096)
+    ap.add_argument("--sweep-tokens", type=int, default=2048, help="calibration tokens of the auto plans' proxy sweep")
     ap.add_argument("--imatrix", type=Path, help="an importance matrix llama-imatrix already wrote for this model "
                     "from the calibration text (one model per run)")
     ap.add_argument("--imatrix-chunks", type=int, help="llama-imatrix chunks of --ctx tokens (default: the whole "
@@ -438,7 +489,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from workbench.calibrate import calibrate
     from workbench.models import load_model
-    from workbench.quantize import measure_reference
+    from workbench.quantize import heldout_ids, measure_reference
     from workbench.workspace import Workspace
 
     log = print
@@ -479,11 +530,18 @@ def main() -> None:
                                     tuple(args.types.split(",")))
         for r in lrows:
             r["own_type_matrices"] = own_share(r, source["tensor_types"])
+        sensitivity = None
+        if any(how.startswith("auto:") for _, _, how in runs):
+            sensitivity = auto_sweep(lm, heldout_ids(lm, calib_text, max_tokens=args.sweep_tokens), args.root,
+                                     args.sweep_tokens, args.ctx, log)
         ours = []
         with tempfile.TemporaryDirectory(dir=args.root) as tmp:
             for label, method, how in runs:
                 ours.append(workbench_row(llama, lm, label, method, how, lrows, calibration, Path(info["base"]),
-                                          cut, args.ctx, args.threads, Path(tmp), args.gptq_tokens, log, baseline))
+                                          cut, args.ctx, args.threads, Path(tmp), args.gptq_tokens, log, baseline,
+                                          sensitivity))
+        for r in ours:
+            r["own_type_matrices"] = own_share(r, source["tensor_types"])
         everything[name] = {"source": {k: v for k, v in source.items() if k != "tensor_types"},
                             "parameters": lm.parameters, "tokens": len(ids), "ctx": args.ctx,
                             "heldout_sha256": sha256(cut), "calibration_sha256": sha256(calib_text),
@@ -500,10 +558,11 @@ def print_table(name: str, res: dict) -> None:
     print(f"\n## {name}: {res['parameters']:,} weights, {res['tokens']} held-out tokens (chunks of {res['ctx']})\n")
     print("| file | bpw | KL (llama-perplexity) | same top | ppl | judged against | KL minus theirs (paired) | outcome |")
     print("|---|---|---|---|---|---|---|---|")
-    rows = [{**r, "label": f"llama.cpp {r['type']} + imatrix" + (
-                f" ({r['own_type_matrices'][0]} of {r['own_type_matrices'][1]} matrices in the source's own type)"
-                if r.get("own_type_matrices", (0,))[0] else "")} for r in res["llama_cpp"]] + \
-        [{**r, "label": f"workbench {r['label']}"} for r in res["workbench"]]
+    def own(r: dict) -> str:
+        n, of = r.get("own_type_matrices", (0, 0))
+        return f" ({n} of {of} matrices in the source's own type)" if n else ""
+    rows = [{**r, "label": f"llama.cpp {r['type']} + imatrix{own(r)}"} for r in res["llama_cpp"]] + \
+        [{**r, "label": f"workbench {r['label']}{own(r)}"} for r in res["workbench"]]
     for r in sorted(rows, key=lambda r: (r["tensor_bytes"], "versus" in r)):
         judged = "" if "versus" not in r else (
             f"{r['versus']} | {r['minus_versus']:+.5f} ± {r['minus_versus_se']:.5f}"

@@ -106,3 +106,33 @@ def test_the_matrices_a_llamacpp_file_keeps_in_the_sources_own_type_are_counted(
     same = {"type": "Q4_K_M", "tensor_types": {**source}}
     other = {"type": "Q5_K_M", "tensor_types": {**source, "blk.0.attn_q.weight": "Q5_1"}}
     assert real["own_share"](same, source) == (2, 2) and real["own_share"](other, source) == (1, 2)
+
+
+def test_auto_plans_stay_within_the_llamacpp_files_bytes_and_spend_them(make_tiny_model, tmp_path):
+    """The auto plan from a proxy sweep on calibration tokens: its GGUF's tensors within the budget and near it, a
+    k-layout only where the 256-weight blocks fit, the tied output one tensor with the embedding, and a larger
+    budget buys less estimated damage."""
+    pytest.importorskip("gguf")
+    import gguf
+    from workbench.autoplan import predict_damage
+    from workbench.models import load_model
+    from workbench.quantize import heldout_ids, quantize_model
+    from workbench.targets.gguf_file import write_gguf
+    lm = load_model(str(make_tiny_model("llama", tie=True, hidden=96, intermediate=256)), dtype="float32")
+    sens = real["auto_sweep"](lm, heldout_ids(lm, max_tokens=256), tmp_path, 256, 128, print)
+    names = real["layer_gguf_names"](lm)
+    low = real["tensor_bytes"](lm, real["mirror_plan"](lm, {g: "Q4_0" for g in names.values()}))
+    high = real["tensor_bytes"](lm, real["mirror_plan"](lm, {g: "Q8_0" for g in names.values()}))
+    damages = []
+    for budget in (low, (low + high) // 2, high):
+        plan = real["auto_plan"](lm, budget, sens)
+        got = real["tensor_bytes"](lm, plan)
+        assert 0.97 * budget < got <= budget
+        resolved = plan.resolve([i.name for i in lm.layers])
+        assert all(resolved[i.name] == resolved[i.tied_to] for i in lm.layers if i.tied_to)
+        assert all(not resolved[i.name].endswith("-k") or i.shape[1] % 256 == 0 for i in lm.layers)
+        damages.append(predict_damage(sens, resolved)["kl_divergence"])
+        qm = quantize_model(lm, plan, progress=False)
+        path = write_gguf(qm, tmp_path / f"{plan.content_hash()}.gguf")
+        assert sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors) == got
+    assert damages[0] > damages[1] > damages[2]
