@@ -37,7 +37,8 @@ within a llama.cpp file's. "Auto" plans are the knapsack's (``autoplan.plan_for_
 ``AUTO_CHOICES`` (a k-layout only where its blocks fit), the least estimated damage whose tensors stay within a
 llama.cpp file's, from a Fisher-proxy sweep on ``--sweep-tokens`` tokens of the calibration text (never the
 held-out text; cached). AWQ rows search AWQ's scales on the calibration samples ("awq+gptq" folds them into the
-weights, then runs GPTQ). Each row is judged against llama.cpp's best file of no smaller size: among the files whose
+weights, then runs GPTQ; ``--awq-tokens`` caps its search). ``--show-auto-plans`` prints what the auto plan gives
+the layers at every size, and how many matrices it stores in the source's own block type. Each row is judged against llama.cpp's best file of no smaller size: among the files whose
 tensors take at least as many bytes, the nearest size (and any within 1% above it), the lowest KL; a
 difference within one standard error is a tie. The comparison is paired: every file's per-token KL is read from
 the log-probabilities llama.cpp gives the held-out text (``llama-perplexity --kl-divergence-base`` run on the
@@ -317,6 +318,21 @@ def auto_sweep(lm, ids, root: Path, tokens: int, ctx: int, log):
     return report
 
 
+def show_auto_plans(lm, lrows: list[dict], sensitivity, source_types: dict[str, str]) -> None:
+    """What the auto plan gives the layers within each llama.cpp file's size, and how many matrices it stores in
+    the source file's own block type (a model shipped at 4-5 bits: the layouts that find its grid again cost
+    nothing, and the knapsack takes them)."""
+    from collections import Counter
+    gguf_type = {v: k for k, v in MIRROR.items() if k not in ("IQ4_NL", "F32", "BF16")}  # int4 -> Q4_0, ...
+    names = layer_gguf_names(lm)
+    for row in lrows:
+        plan = auto_plan(lm, row["tensor_bytes"], sensitivity)
+        given = plan.resolve(list(names))
+        own = sum(gguf_type[given[layer]] == source_types[g] for layer, g in names.items())
+        print(f"  auto plan within {row['type']}'s {row['tensor_bytes']:,} bytes: {tensor_bytes(lm, plan):,} bytes, "
+              f"{dict(Counter(given.values()))}, {own} of {len(names)} matrices in the source's own block type")
+
+
 def make_plan(lm, how: str, lrows: list[dict], sensitivity=None):
     kind, target, *rest = how.split(":")
     row = next((r for r in lrows if r["type"] == target), None)
@@ -427,7 +443,7 @@ def llamacpp_side(llama, source_gguf: Path, cut: Path, calib: Path, ctx: int, th
 
 def workbench_row(llama, lm, label: str, method: str, how: str, lrows: list[dict], calibration, base: Path,
                   cut: Path, ctx: int, threads: int, tmp: Path, gptq_tokens: int, log, baseline=None,
-                  sensitivity=None) -> dict:
+                  sensitivity=None, awq_tokens: int | None = None) -> dict:
     """One plan quantized, written as GGUF (its own integers, checked equal to the simulation) and scored by
     llama-perplexity; with ``baseline`` also by the workbench's evaluator."""
     from collections import Counter
@@ -437,7 +453,8 @@ def workbench_row(llama, lm, label: str, method: str, how: str, lrows: list[dict
     gguf, _ = llama_cpp.gguf_module(llama.root)
     t0 = time.perf_counter()
     plan = make_plan(lm, how, lrows, sensitivity)
-    qm = quantize_model(lm, plan, method=method, calibration=calibration, progress=False, gptq_tokens=gptq_tokens)
+    qm = quantize_model(lm, plan, method=method, calibration=calibration, progress=False, gptq_tokens=gptq_tokens,
+                        awq_tokens=awq_tokens)
     r = {"label": label, "method": method, "plan": how, "plan_hash": plan.content_hash(),
          "precisions": dict(Counter(p for n, p in qm.precisions.items() if not qm.layer(n).tied_to)),
          "quantize_time": step(log, f"{label}: quantize", t0)}
@@ -460,7 +477,9 @@ def workbench_row(llama, lm, label: str, method: str, how: str, lrows: list[dict
     r["score_time"] = step(log, f"{label}: GGUF + llama-perplexity", t0)
     path.unlink()
     log(f"  {label:<58} {r['bits']:.3f} bpw (exact: {r['gguf_exact']})  KL {r['kl']:.5f} ± {r['kl_se']:.5f}  "
-        f"same top {r['same_top']:.4f}  ppl {r['perplexity']:.3f}  vs {r['versus']}: {r['outcome']}")
+        f"same top {r['same_top']:.4f}  ppl {r['perplexity']:.3f}  vs {r['versus']}: {r['outcome']}"
+        + (f" ({r['minus_versus']:+.5f} ± {r['minus_versus_se']:.5f}{'' if r['paired'] else ', unpaired'})"
+           if r["versus"] else ""))
     return r
 
 
@@ -474,6 +493,8 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=64, help="calibration samples (statistics, GPTQ)")
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--gptq-tokens", type=int, default=4096)
+    ap.add_argument("--awq-tokens", type=int, help="AWQ search tokens (default: by model size, "
+                    "awq.default_search_tokens)")
     ap.add_argument("--sweep-tokens", type=int, default=2048, help="calibration tokens of the auto plans' proxy sweep")
     ap.add_argument("--imatrix", type=Path, help="an importance matrix llama-imatrix already wrote for this model "
                     "from the calibration text (one model per run)")
@@ -482,6 +503,9 @@ def main() -> None:
     ap.add_argument("--runs", help="indexes of RUNS to do, e.g. 0,1,3 (default all; none: only llama.cpp's side)")
     ap.add_argument("--types", default=",".join(LLAMA_TYPES), help="llama.cpp types to quantize and score (the "
                     "runs' plans name the ones they need)")
+    ap.add_argument("--show-auto-plans", action="store_true", help="print what the auto plan gives the layers at "
+                    "each llama.cpp file's size (precision counts, matrices in the source's own block type), "
+                    "without quantizing")
     ap.add_argument("--simulate", action="store_true", help="also score each plan with the workbench's evaluator")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--json", type=Path, help="also write every figure here")
@@ -531,15 +555,17 @@ def main() -> None:
         for r in lrows:
             r["own_type_matrices"] = own_share(r, source["tensor_types"])
         sensitivity = None
-        if any(how.startswith("auto:") for _, _, how in runs):
+        if args.show_auto_plans or any(how.startswith("auto:") for _, _, how in runs):
             sensitivity = auto_sweep(lm, heldout_ids(lm, calib_text, max_tokens=args.sweep_tokens), args.root,
                                      args.sweep_tokens, args.ctx, log)
+        if args.show_auto_plans:
+            show_auto_plans(lm, lrows, sensitivity, source["tensor_types"])
         ours = []
         with tempfile.TemporaryDirectory(dir=args.root) as tmp:
             for label, method, how in runs:
                 ours.append(workbench_row(llama, lm, label, method, how, lrows, calibration, Path(info["base"]),
                                           cut, args.ctx, args.threads, Path(tmp), args.gptq_tokens, log, baseline,
-                                          sensitivity))
+                                          sensitivity, args.awq_tokens))
         for r in ours:
             r["own_type_matrices"] = own_share(r, source["tensor_types"])
         everything[name] = {"source": {k: v for k, v in source.items() if k != "tensor_types"},
