@@ -328,9 +328,9 @@ def show_auto_plans(lm, lrows: list[dict], sensitivity, source_types: dict[str, 
     for row in lrows:
         plan = auto_plan(lm, row["tensor_bytes"], sensitivity)
         given = plan.resolve(list(names))
-        own = sum(gguf_type[given[layer]] == source_types[g] for layer, g in names.items())
+        own, of = own_share({"tensor_types": {g: gguf_type[given[layer]] for layer, g in names.items()}}, source_types)
         print(f"  auto plan within {row['type']}'s {row['tensor_bytes']:,} bytes: {tensor_bytes(lm, plan):,} bytes, "
-              f"{dict(Counter(given.values()))}, {own} of {len(names)} matrices in the source's own block type")
+              f"{dict(Counter(given.values()))}, {own} of {of} matrices in the source's own block type")
 
 
 def make_plan(lm, how: str, lrows: list[dict], sensitivity=None):

@@ -27,7 +27,7 @@ import numpy as np
 from .errors import PlanError
 from .evaluate import EvalReport, evaluate, paired_difference
 from .models import LoadedModel
-from .plan import DEFAULT_GROUP_SIZE, QuantPlan, get_precision
+from .plan import DEFAULT_GROUP_SIZE, QuantPlan, fitting_precisions, get_precision
 from .quantize.model import bits_per_weight
 from .sensitivity import PlanEvaluator, SensitivityReport
 
@@ -107,7 +107,8 @@ def _units(lm: LoadedModel, names: Sequence[str]) -> list[list[str]]:
 
 def _unit_choices(lm: LoadedModel, unit: Sequence[str], choices: Sequence[str]) -> list[str]:
     """The choices every layer of ``unit`` can take (a fixed block layout only where its blocks fit)."""
-    return [c for c in choices if not any(get_precision(c).misfit(lm.layer(n).shape[1]) for n in unit)]
+    widths = {lm.layer(n).shape[1] for n in unit}
+    return [c for c in choices if all(fitting_precisions((c,), w) for w in widths)]
 
 
 def _plan_from_assignments(assignments: Mapping[str, str], settings: Mapping, meta: Mapping) -> QuantPlan:

@@ -22,7 +22,7 @@ from typing import Iterable, Mapping
 from .errors import PlanError
 from .workspace import hash_inputs
 
-__all__ = [
+__all__ = ["fitting_precisions", 
     "Precision", "PRECISIONS", "register_precision", "get_precision", "PlanRule", "QuantPlan",
     "PLAN_VERSION", "DEFAULT_GROUP_SIZE", "DEFAULT_SCALE_SEARCH", "QUANTIZER_SETTINGS",
 ]
@@ -434,3 +434,8 @@ class QuantPlan:
         widths = [max(len(r[i]) for r in rows) for i in range(5)]
         return "\n".join("  ".join(c.ljust(w) if i in (0, 3) else c.rjust(w) for i, (c, w) in
                                    enumerate(zip(r, widths))) for r in rows)
+
+
+def fitting_precisions(precisions, in_features: int) -> list[str]:
+    """The precisions a layer of ``in_features`` inputs can take: a fixed block layout only where its blocks fit."""
+    return [p for p in precisions if not get_precision(p).misfit(in_features)]

@@ -37,7 +37,7 @@ from torch.nn import functional as F
 from .errors import PlanError
 from .evaluate import DEFAULT_CTX, strided_windows
 from .models import LoadedModel
-from .plan import DEFAULT_GROUP_SIZE, DEFAULT_SCALE_SEARCH, QuantPlan, get_precision
+from .plan import DEFAULT_GROUP_SIZE, DEFAULT_SCALE_SEARCH, QuantPlan, fitting_precisions, get_precision
 
 __all__ = ["ProxyScores", "proxy_scores", "proxy_supported", "decoder_blocks", "spearman", "HEAD_CHUNK",
            "PROXY_SEED", "PROXY_VERSION"]
@@ -175,7 +175,7 @@ def _weight_error(weight: torch.Tensor, fisher: torch.Tensor, precisions: Sequen
     channel scales and the scale search never span rows, so rows quantized apart round as the whole does.
     """
     from .quantize import layer_quantizer
-    precisions = [p for p in precisions if not get_precision(p).misfit(weight.shape[1])]  # layouts it cannot take
+    precisions = fitting_precisions(precisions, weight.shape[1])  # not the layouts it cannot take
     quantizers = {p: layer_quantizer(settings, p, tuple(weight.shape)) for p in precisions}
     n = len(rows) if rows is not None else weight.shape[0]
     out = {p: 0.0 for p in precisions}

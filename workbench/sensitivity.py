@@ -43,7 +43,7 @@ from .assets import demo_text_path
 from .evaluate import DEFAULT_CTX, EvalReport, ReferenceOutputs, capture_reference, evaluate
 from .models import LoadedModel
 from .proxy import PROXY_VERSION, decoder_blocks, proxy_scores, proxy_supported
-from .plan import DEFAULT_GROUP_SIZE, DEFAULT_SCALE_SEARCH, PRECISIONS, QUANTIZER_SETTINGS, QuantPlan, get_precision
+from .plan import DEFAULT_GROUP_SIZE, DEFAULT_SCALE_SEARCH, PRECISIONS, QUANTIZER_SETTINGS, QuantPlan, fitting_precisions, get_precision
 from .textio import text_token_ids
 from .workspace import Workspace, atomic_write_json, model_fingerprint, read_json_file
 
@@ -560,7 +560,7 @@ class SensitivityReport:
 
 def fitting(info, precisions: Sequence[str]) -> list[str]:
     """The precisions a layer can take: a fixed block layout only where its blocks divide the layer's inputs."""
-    return [p for p in precisions if not get_precision(p).misfit(info.shape[1])]
+    return fitting_precisions(precisions, info.shape[1])
 
 
 def _trial_key(name: str, precision: str) -> str:
