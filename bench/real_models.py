@@ -443,9 +443,10 @@ def llamacpp_side(llama, source_gguf: Path, cut: Path, calib: Path, ctx: int, th
 
 def workbench_row(llama, lm, label: str, method: str, how: str, lrows: list[dict], calibration, base: Path,
                   cut: Path, ctx: int, threads: int, tmp: Path, gptq_tokens: int, log, baseline=None,
-                  sensitivity=None, awq_tokens: int | None = None) -> dict:
+                  sensitivity=None, awq_tokens: int | None = None, workspace=None) -> dict:
     """One plan quantized, written as GGUF (its own integers, checked equal to the simulation) and scored by
-    llama-perplexity; with ``baseline`` also by the workbench's evaluator."""
+    llama-perplexity; with ``baseline`` also by the workbench's evaluator. ``workspace`` keeps AWQ's searches
+    (and GPTQ's progress) by their inputs, so a row run again does not search again."""
     from collections import Counter
 
     from workbench.quantize import measure_cost, quantize_model
@@ -454,7 +455,7 @@ def workbench_row(llama, lm, label: str, method: str, how: str, lrows: list[dict
     t0 = time.perf_counter()
     plan = make_plan(lm, how, lrows, sensitivity)
     qm = quantize_model(lm, plan, method=method, calibration=calibration, progress=False, gptq_tokens=gptq_tokens,
-                        awq_tokens=awq_tokens)
+                        awq_tokens=awq_tokens, workspace=workspace)
     r = {"label": label, "method": method, "plan": how, "plan_hash": plan.content_hash(),
          "precisions": dict(Counter(p for n, p in qm.precisions.items() if not qm.layer(n).tied_to)),
          "quantize_time": step(log, f"{label}: quantize", t0)}
@@ -565,7 +566,7 @@ def main() -> None:
             for label, method, how in runs:
                 ours.append(workbench_row(llama, lm, label, method, how, lrows, calibration, Path(info["base"]),
                                           cut, args.ctx, args.threads, Path(tmp), args.gptq_tokens, log, baseline,
-                                          sensitivity, args.awq_tokens))
+                                          sensitivity, args.awq_tokens, Workspace(args.root / "ws")))
         for r in ours:
             r["own_type_matrices"] = own_share(r, source["tensor_types"])
         everything[name] = {"source": {k: v for k, v in source.items() if k != "tensor_types"},

@@ -233,3 +233,74 @@ def test_a_killed_search_resumes_after_its_last_block(tiny_model_dir, tmp_path, 
     assert all(torch.equal(whole.weights[n].qweight, resumed.weights[n].qweight) for n in whole.weights)
     art = ws.list("awq")[0]
     assert not any(f.startswith("resume") for f in art.manifest["files"]) and not (art.path / "resume").exists()
+
+
+def test_scaled_importance_weighs_the_scaled_weights_error_as_the_unscaled_models(tiny_model_dir):
+    """A layer whose columns are multiplied by s sees inputs x / s: weighing the scaled weight's error by
+    x^2 / s^2 gives the error the unscaled model makes, column by column (GQA-expanded scales included)."""
+    from workbench.quantize.awq import fold_awq_scales, scaled_importance
+    lm = load_model(tiny_model_dir)
+    result = _random_scales(lm.model)
+    params = dict(lm.model.named_parameters())
+    g = torch.Generator().manual_seed(3)
+    names = [n for e in result["groups"] for n in e["group"]["layers"]]
+    importance = {n: torch.rand(params[f"{n}.weight"].shape[1], generator=g) for n in names}
+    scaled = scaled_importance(importance, result)
+    assert set(scaled) == set(importance) and "model.layers.0.self_attn.o_proj" in scaled
+    for entry in result["groups"]:
+        folded = fold_awq_scales(lm.model, {"groups": [entry]})  # this group's scales alone: columns only
+        for n in entry["group"]["layers"]:
+            w, ws = params[f"{n}.weight"].detach().float(), folded[f"{n}.weight"]
+            s_in = ws.abs().sum(0) / w.abs().sum(0)  # the column scales the fold applied
+            err = torch.randn(ws.shape, generator=g)  # an error on the scaled weight is err / s_in on the original
+            assert torch.allclose((err.square() * scaled[n]).sum(), ((err / s_in).square() * importance[n]).sum(),
+                                  rtol=1e-4)
+
+
+def test_awq_keeps_a_clip_only_where_it_beats_the_weighted_scale_search(tiny_model_dir):
+    """With statistics and the scale search on, a layer keeps AWQ's clip only where the clip's output error is
+    below the weighted scale search's; the others are rounded by that search, weighted with their scaled inputs.
+    Without statistics every clip is kept, as before."""
+    from types import SimpleNamespace
+
+    from workbench.quantize.awq import fold_awq_scales, scaled_importance
+    from workbench.quantize.model import activation_importance, layer_quantizer
+    lm = load_model(tiny_model_dir)
+    g = torch.Generator().manual_seed(4)
+    stats = SimpleNamespace(layers={i.name: SimpleNamespace(rms=torch.rand(i.shape[1], generator=g) * 3)
+                                    for i in lm.layers if i.kind != "embedding" and not i.tied_to})
+    calib = _samples(4, 64)
+    plan = QuantPlan.uniform("int4", group_size=32, scale_search=True, full_range=True)
+    qm = quantize_model(lm, plan, method="awq", calibration=calib, stats=stats, progress=False)
+    clip_stats, clips = qm.awq["clip_stats"], qm.awq["clips"]
+    kept = {n for n, st in clip_stats.items() if st["error_clipped"] < st["error_scale_search"]}
+    assert set(clips) == kept and kept and kept != set(clip_stats)  # both kinds occur here
+    folded = fold_awq_scales(lm.model, qm.awq)
+    importance = scaled_importance(activation_importance(None, stats), qm.awq)
+    for name in clip_stats:
+        w = folded[f"{name}.weight"]
+        q = layer_quantizer(plan, "int4", tuple(w.shape))
+        expected = q.quantize(w, clip_max=clips[name]) if name in clips else q.quantize(w, importance=importance[name])
+        assert torch.equal(qm.weights[name].qweight, expected.qweight), name
+    plain = quantize_model(lm, plan, method="awq", calibration=calib, progress=False)  # no statistics
+    assert set(plain.awq["clips"]) == set(plain.awq["clip_stats"])
+    assert not any("error_scale_search" in st for st in plain.awq["clip_stats"].values())
+
+
+def test_search_on_the_layers_own_grid_keeps_weights_that_sit_on_it(tiny_model_dir):
+    """Weights already on the 16-level grid (a checkpoint from a 4-bit file): scored on that grid, alpha = 0
+    rounds them exactly, so every group keeps the identity; scored on the 15-level grid, some group does not."""
+    from workbench.quantize.rtn import fake_quantize
+    lm = load_model(tiny_model_dir)
+    spec = {}
+    with torch.no_grad():
+        for g in scale_groups(lm.model):
+            for name in g.layers:
+                lin = lm.model.get_submodule(name)
+                lin.weight.copy_(fake_quantize(lin.weight.float(), 4, 32, True, full_range=True))
+                spec[name] = (4, 32, True)
+    calib = _samples(4, 64)
+    own = search_awq(lm.model, calib, spec, progress=False, clip=False, grids={n: {"full_range": True} for n in spec})
+    assert all(e["alpha"] == 0.0 and e["loss"] == 0.0 for e in own["groups"])
+    other = search_awq(lm.model, calib, spec, progress=False, clip=False)
+    assert any(e["alpha"] > 0 for e in other["groups"])

@@ -34,9 +34,9 @@ from torch import nn
 from ..errors import PlanError
 from ..compute import widened
 from ..memory import release_freed_memory
-from .rtn import fake_quantize
+from .rtn import fake_quantize, quantize_weight
 
-__all__ = ["ScaleGroup", "find_decoder_blocks", "scale_groups", "search_awq", "fold_awq_scales", "apply_awq_scales_",
+__all__ = ["ScaleGroup", "find_decoder_blocks", "scale_groups", "search_awq", "fold_awq_scales", "apply_awq_scales_", "scaled_importance",
            "save_awq_search", "load_awq_search", "DEFAULT_GRID", "DEFAULT_SEARCH_TOKENS", "DEFAULT_CHUNK_TOKENS", "default_search_tokens",
            "SEARCH_VERSION"]
 
@@ -58,7 +58,7 @@ def default_search_tokens(model: nn.Module) -> int:
     params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     tokens = int(SEARCH_BUDGET // max(params, 1))
     return max(1024, min(DEFAULT_SEARCH_TOKENS, -(-tokens // 1024) * 1024))
-SEARCH_VERSION = 1  # bump when the search changes, so cached results are recomputed
+SEARCH_VERSION = 2  # 2: a clip is kept only where it beats the weighted scale search; bump when the search changes, so cached results are recomputed
 CLIP_TOKENS = 512  # tokens used by the per-group clip search (as in the AWQ code)
 CLIP_STEPS = 10  # shrink ratios 1.0, 0.95, ..., 0.55 (1.0 = no clipping)
 # tokens whose activations inside a block are held at once; the loss is summed over chunks, so the
@@ -203,6 +203,20 @@ def _fold(params: dict[str, torch.Tensor], result: dict) -> dict[str, torch.Tens
     return new
 
 
+def scaled_importance(importance: dict[str, torch.Tensor], result: dict) -> dict[str, torch.Tensor]:
+    """Each layer's per-column importance (mean squared input) after AWQ's scales: a layer whose weight
+    columns are multiplied by ``s`` sees its inputs divided by ``s``, so its squared input becomes ``x^2 / s^2``
+    (what the scale search must weigh the scaled weight's rounding error by)."""
+    out = dict(importance)
+    for entry in result["groups"]:
+        g = ScaleGroup(**entry["group"])
+        s_in = _expand(entry["scales"].to(torch.float32), g)
+        for name in g.layers:
+            if name in out:
+                out[name] = out[name].to(torch.float32) / s_in.to(out[name].device).square()
+    return out
+
+
 @torch.no_grad()
 def apply_awq_scales_(model: nn.Module, result: dict) -> nn.Module:
     """Fold the scales into ``model`` in place (float; no rounding): the function is unchanged."""
@@ -328,9 +342,9 @@ class _ScaleSearch:
     """
 
     def __init__(self, g: ScaleGroup, blk: nn.Module, block_name: str, x_mean: torch.Tensor, spec: dict,
-                 n_grid: int):
+                 n_grid: int, grids: dict[str, dict] | None = None):
         rel = lambda fqn: fqn[len(block_name) + 1:]  # noqa: E731
-        self.g, self.spec = g, spec
+        self.g, self.spec, self.grids = g, spec, grids or {}
         self.inspect = blk.get_submodule(rel(g.inspect))
         self.linears = [(name, blk.get_submodule(rel(name))) for name in g.layers]
         x_prev = _reduce(x_mean.to(torch.float32), g)
@@ -353,7 +367,7 @@ class _ScaleSearch:
                 for (name, lin), w in zip(self.linears, originals):
                     if name in self.spec:
                         bits, gs, sym = self.spec[name]
-                        lin.weight.data = (fake_quantize(w * s_in[None, :], bits, gs, sym)
+                        lin.weight.data = (fake_quantize(w * s_in[None, :], bits, gs, sym, **self.grids.get(name, {}))
                                            / s_in[None, :]).to(w.dtype)
                 self.sse[i] += _sse(_output(self.inspect, calls), refs)
         finally:
@@ -367,24 +381,20 @@ class _ScaleSearch:
                 "loss": losses[best], "identity_loss": losses[0], "losses": losses, "scales": self.scales[best].clone()}
 
 
-def _search_clip(w: torch.Tensor, x: torch.Tensor, bits: int, gs: int | None, sym: bool) -> tuple[torch.Tensor, float, float]:
+def _search_clip(w: torch.Tensor, x: torch.Tensor, bits: int, gs: int | None, sym: bool,
+                 grid: dict | None = None) -> tuple[torch.Tensor, float, float]:
     """Per-(row, group) clip maximum minimising the group's output error; ratio 1.0 (no clip) first.
 
     The error of a group's output over the tokens, mean_t (x_t . dw)^2, is the quadratic form
     dw^T (X^T X / T) dw: one [g, g] Gram matrix per group replaces the [out, tokens, groups] outputs.
     """
     out, inp = w.shape
-    g = gs or inp
-    ng = inp // g
-    wg = w.view(out, ng, g)
-    xg = x.view(-1, ng, g).transpose(0, 1)  # [ng, t, g]
-    gram = xg.transpose(1, 2) @ xg / xg.shape[1]  # [ng, g, g]
-    org_max = wg.abs().amax(-1)
+    gram = _group_gram(x, gs or inp)
+    org_max = w.view(out, gram.shape[0], -1).abs().amax(-1)
     best_max, best_err, first = org_max.clone(), None, None
     for i in range(CLIP_STEPS):
         cur = org_max * (1 - i / DEFAULT_GRID)
-        d = (fake_quantize(w, bits, gs, sym, clip_max=cur).view(out, ng, g) - wg).transpose(0, 1)  # [ng, out, g]
-        err = ((d @ gram) * d).sum(-1).transpose(0, 1)  # [out, ng]
+        err = _group_error(w, fake_quantize(w, bits, gs, sym, clip_max=cur, **(grid or {})), gram)
         if best_err is None:
             best_err, first = err, err.sum().item()
         else:
@@ -392,6 +402,19 @@ def _search_clip(w: torch.Tensor, x: torch.Tensor, bits: int, gs: int | None, sy
             best_err = torch.where(better, err, best_err)
             best_max = torch.where(better, cur, best_max)
     return best_max, first, best_err.sum().item()
+
+
+def _group_gram(x: torch.Tensor, g: int) -> torch.Tensor:
+    """``[groups, g, g]``: each weight group's input Gram matrix over the tokens ``x`` (``[t, in]``)."""
+    xg = x.view(x.shape[0], -1, g).transpose(0, 1)  # [ng, t, g]
+    return xg.transpose(1, 2) @ xg / xg.shape[1]
+
+
+def _group_error(w: torch.Tensor, wq: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
+    """``[out, groups]``: each (row, group)'s output error mean_t (x_t . dw)^2, through its Gram matrix."""
+    out, ng = w.shape[0], gram.shape[0]
+    d = (wq - w).view(out, ng, -1).transpose(0, 1)  # [ng, out, g]
+    return ((d @ gram) * d).sum(-1).transpose(0, 1)
 
 
 def _input_mean_abs(blk: nn.Module, units, names: list[str], block_name: str) -> dict[str, torch.Tensor]:
@@ -419,14 +442,20 @@ def _input_mean_abs(blk: nn.Module, units, names: list[str], block_name: str) ->
 def search_awq(model: nn.Module, samples: list[torch.Tensor], spec: dict[str, tuple[int, int | None, bool]], *,
                mean_abs: dict[str, torch.Tensor] | None = None, n_grid: int = DEFAULT_GRID,
                max_tokens: int = DEFAULT_SEARCH_TOKENS, clip: bool = True, progress: bool = True,
-               chunk_tokens: int = DEFAULT_CHUNK_TOKENS, checkpoint=None) -> dict:
+               chunk_tokens: int = DEFAULT_CHUNK_TOKENS, checkpoint=None, grids: dict[str, dict] | None = None,
+               scale_search: bool = False) -> dict:
     """Search AWQ scales and clips; returns a plain, cacheable dict (the model is not changed).
 
     ``spec`` maps each integer-quantized layer to ``(bits, group_size, symmetric)`` (group sizes
     already resolved per layer). ``mean_abs`` maps a layer to the per-channel mean |input| from
     calibration statistics; missing layers use the captured calibration inputs. Only the block
     inputs and outputs are held for all ``max_tokens``; the activations inside a block are
-    captured ``chunk_tokens`` at a time, so memory stays near the model's own size.
+    captured ``chunk_tokens`` at a time, so memory stays near the model's own size. ``grids`` gives a layer's
+    grid beyond ``spec`` (``{"full_range": True}``: 16 levels at 4 bits; ``{"minimums": True}``: a float
+    minimum per group), so the search scores each alpha on the grid the layer is finally rounded to: a
+    checkpoint whose weights already sit on that grid keeps alpha = 0 where the grid fits them exactly.
+    With ``scale_search`` (the layer is otherwise rounded by the scale search weighted with its inputs' mean
+    square), a layer's clip is kept only where its output error is below that rounding's, on the same tokens.
 
     With ``checkpoint`` (a directory keyed by these inputs) the result so far is saved after
     every block; a run that finds one left by a killed run replays the finished blocks' float
@@ -456,7 +485,7 @@ def search_awq(model: nn.Module, samples: list[torch.Tensor], spec: dict[str, tu
                         units[j][0].copy_(out)
                 continue
             _search_block(i, prefix, blocks, all_groups, spec, units, chunks, clip, clip_step, mean_abs, n_grid,
-                          result)
+                          result, grids or {}, scale_search)
         if checkpoint is not None and i + 1 < len(blocks):
             _save_search_checkpoint(checkpoint, result, i + 1, len(blocks))
     result["seconds"] = time.perf_counter() - t0
@@ -498,7 +527,7 @@ def _load_search_checkpoint(directory, result: dict, blocks: int) -> int:
 
 
 def _search_block(i, prefix, blocks, all_groups, spec, units, chunks, clip, clip_step, mean_abs, n_grid,
-                  result) -> None:
+                  result, grids: dict[str, dict], scale_search: bool) -> None:
     """Scale and clip search of block ``i``; its inputs in ``units`` are replaced by its outputs."""
     bname = f"{prefix}.{i}"
     groups = [g for g in all_groups if g.block == bname and any(n in spec for n in g.layers)]
@@ -511,7 +540,7 @@ def _search_block(i, prefix, blocks, all_groups, spec, units, chunks, clip, clip
     if missing:  # statistics did not cover these inputs: one extra pass over the block measures them
         x_means.update(_input_mean_abs(blk_orig, units, missing, bname))
     # the search swaps quantized weights into this block's linears and always swaps the originals back
-    searches = [_ScaleSearch(g, blk_orig, bname, x_means[g.layers[0]], spec, n_grid) for g in groups]
+    searches = [_ScaleSearch(g, blk_orig, bname, x_means[g.layers[0]], spec, n_grid, grids) for g in groups]
     watch = {g.inspect: sub(g.inspect) for g in groups}
     watch.update({n: sub(n) for n in clip_layers})
     clip_rows: dict[str, list[torch.Tensor]] = {n: [] for n in clip_layers}
@@ -539,9 +568,16 @@ def _search_block(i, prefix, blocks, all_groups, spec, units, chunks, clip, clip
             x = torch.cat(clip_rows.pop(name))[:CLIP_TOKENS]
             if name in s_in:
                 x = x / s_in[name][None, :]
-            clip_max, err0, err1 = _search_clip(w, x, bits, gs, sym)
-            result["clips"][name] = clip_max
+            clip_max, err0, err1 = _search_clip(w, x, bits, gs, sym, grids.get(name))
             result["clip_stats"][name] = {"error_unclipped": err0, "error_clipped": err1}
+            if scale_search:  # the rounding the layer gets without a clip: kept where it does better
+                searched = quantize_weight(w, bits, gs, sym, scale_search=True, importance=x.square().mean(0),
+                                           **grids.get(name, {})).dequantize()
+                err_s = _group_error(w, searched, _group_gram(x, gs or w.shape[1])).sum().item()
+                result["clip_stats"][name]["error_scale_search"] = err_s
+                if err_s <= err1:
+                    continue
+            result["clips"][name] = clip_max
 
 
 # ---------------------------------------------------------------------------------------------

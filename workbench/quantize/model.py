@@ -367,7 +367,8 @@ def _gptq_checkpoint(workspace, model, samples, spec, settings: dict, awq_search
     return workspace.partial_path("gptq", workspace.key(inputs))
 
 
-def _cached_awq_search(workspace, model, samples, mean_abs, spec, awq_tokens, progress) -> dict:
+def _cached_awq_search(workspace, model, samples, mean_abs, spec, awq_tokens, progress, grids=None,
+                       scale_search: bool = False) -> dict:
     """The AWQ search through the workspace: keyed by weights, calibration tokens, layer spec and settings."""
     import hashlib
 
@@ -381,13 +382,15 @@ def _cached_awq_search(workspace, model, samples, mean_abs, spec, awq_tokens, pr
         stats_key = hs.hexdigest()[:16]
     inputs = {"weights": model_fingerprint(model), "calibration": _samples_key(samples), "mean_abs": stats_key,
               "spec": {k: list(v) for k, v in sorted(spec.items())}, "grid": DEFAULT_GRID,
-              "tokens": awq_tokens, "version": SEARCH_VERSION}
+              "tokens": awq_tokens, "version": SEARCH_VERSION,
+              **({"grids": {k: v for k, v in sorted(grids.items())}} if grids else {}),
+              **({"scale_search": True} if scale_search else {})}
 
     def compute(partial):
         import shutil
         resume = partial / "resume"  # per-block progress; the partial directory is keyed by these inputs
         result = search_awq(model, samples, spec, mean_abs=mean_abs, progress=progress,
-                            max_tokens=awq_tokens, checkpoint=resume)
+                            max_tokens=awq_tokens, checkpoint=resume, grids=grids, scale_search=scale_search)
         shutil.rmtree(resume, ignore_errors=True)
         save_awq_search(result, partial)
         return {"groups": len(result["groups"]), "tokens": result["tokens"], "seconds": result["seconds"]}
@@ -450,11 +453,17 @@ def quantize_model(lm, plan: QuantPlan, *, calibration=None, method: str | None 
             samples, mean_abs = _samples_and_stats(calibration, stats)
             from .awq import default_search_tokens
             awq_tokens = awq_tokens or default_search_tokens(model)
+            # each alpha is scored on the grid the layer is rounded to (16 levels, float minimums)
+            grids = {n: {"full_range": True} if q.full_range else {"minimums": True}
+                     for n, q in quantizers.items() if n in spec and (q.full_range or q.minimums)}
+            # a clip is kept where it beats the rounding the layer would otherwise get: the weighted scale search
+            weighed = method == "awq" and plan.scale_search and bool(activation_importance(calibration, stats))
             if workspace is not None:
-                awq_search = _cached_awq_search(workspace, model, samples, mean_abs, spec, awq_tokens, progress)
+                awq_search = _cached_awq_search(workspace, model, samples, mean_abs, spec, awq_tokens, progress,
+                                                grids, weighed)
             else:
                 awq_search = search_awq(model, samples, spec, mean_abs=mean_abs, progress=progress,
-                                        max_tokens=awq_tokens)
+                                        max_tokens=awq_tokens, grids=grids, scale_search=weighed)
         for entry in awq_search["groups"]:
             unfolded.setdefault(entry["group"]["block"], []).append(entry)
         clips = awq_search.get("clips", {}) if method == "awq" else {}  # GPTQ compensates its rounding itself
@@ -493,8 +502,11 @@ def quantize_model(lm, plan: QuantPlan, *, calibration=None, method: str | None 
             float_overrides.update(fold_awq_scales(model, {"groups": unfolded.pop(block)}))
 
     params = dict(model.named_parameters(remove_duplicate=False))
-    # layers rounded to nearest on unscaled weights weigh each input's error by its mean square (AWQ's are rescaled)
-    importance = activation_importance(calibration, stats) if method in ("rtn", "gptq") else {}
+    # the scale search weighs each input column's error by its mean square (after AWQ's scales, where folded)
+    importance = activation_importance(calibration, stats) if method in ("rtn", "gptq", "awq") else {}
+    if method == "awq" and awq_search is not None:
+        from .awq import scaled_importance
+        importance = scaled_importance(importance, awq_search)  # layers without a clip: the weighted search
     # a tied embedding is also the output layer, whose inputs weigh its columns (lookups use whole rows)
     for r in reports:
         if r.tied_to and not r.untied and r.name in importance and r.tied_to not in importance:
