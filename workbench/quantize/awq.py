@@ -58,7 +58,9 @@ def default_search_tokens(model: nn.Module) -> int:
     params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     tokens = int(SEARCH_BUDGET // max(params, 1))
     return max(1024, min(DEFAULT_SEARCH_TOKENS, -(-tokens // 1024) * 1024))
-SEARCH_VERSION = 2  # 2: a clip is kept only where it beats the weighted scale search; bump when the search changes, so cached results are recomputed
+# bump when the search changes, so cached results are recomputed (2: the layer's own grid; a clip kept only where
+# it beats the weighted scale search)
+SEARCH_VERSION = 2
 CLIP_TOKENS = 512  # tokens used by the per-group clip search (as in the AWQ code)
 CLIP_STEPS = 10  # shrink ratios 1.0, 0.95, ..., 0.55 (1.0 = no clipping)
 # tokens whose activations inside a block are held at once; the loss is summed over chunks, so the
