@@ -383,15 +383,15 @@ class _ScaleSearch:
                 "loss": losses[best], "identity_loss": losses[0], "losses": losses, "scales": self.scales[best].clone()}
 
 
-def _search_clip(w: torch.Tensor, x: torch.Tensor, bits: int, gs: int | None, sym: bool,
+def _search_clip(w: torch.Tensor, gram: torch.Tensor, bits: int, gs: int | None, sym: bool,
                  grid: dict | None = None) -> tuple[torch.Tensor, float, float]:
     """Per-(row, group) clip maximum minimising the group's output error; ratio 1.0 (no clip) first.
 
     The error of a group's output over the tokens, mean_t (x_t . dw)^2, is the quadratic form
-    dw^T (X^T X / T) dw: one [g, g] Gram matrix per group replaces the [out, tokens, groups] outputs.
+    dw^T (X^T X / T) dw: one [g, g] Gram matrix per group (``gram``, from ``_group_gram``) replaces the
+    [out, tokens, groups] outputs.
     """
-    out, inp = w.shape
-    gram = _group_gram(x, gs or inp)
+    out = w.shape[0]
     org_max = w.view(out, gram.shape[0], -1).abs().amax(-1)
     best_max, best_err, first = org_max.clone(), None, None
     for i in range(CLIP_STEPS):
@@ -570,12 +570,13 @@ def _search_block(i, prefix, blocks, all_groups, spec, units, chunks, clip, clip
             x = torch.cat(clip_rows.pop(name))[:CLIP_TOKENS]
             if name in s_in:
                 x = x / s_in[name][None, :]
-            clip_max, err0, err1 = _search_clip(w, x, bits, gs, sym, grids.get(name))
+            gram = _group_gram(x, gs or w.shape[1])  # one per layer: the clip search and the comparison share it
+            clip_max, err0, err1 = _search_clip(w, gram, bits, gs, sym, grids.get(name))
             result["clip_stats"][name] = {"error_unclipped": err0, "error_clipped": err1}
             if scale_search:  # the rounding the layer gets without a clip: kept where it does better
                 searched = quantize_weight(w, bits, gs, sym, scale_search=True, importance=x.square().mean(0),
                                            **grids.get(name, {})).dequantize()
-                err_s = _group_error(w, searched, _group_gram(x, gs or w.shape[1])).sum().item()
+                err_s = _group_error(w, searched, gram).sum().item()
                 result["clip_stats"][name]["error_scale_search"] = err_s
                 if err_s <= err1:
                     continue

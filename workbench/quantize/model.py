@@ -445,6 +445,8 @@ def quantize_model(lm, plan: QuantPlan, *, calibration=None, method: str | None 
     minimums = frozenset(n for n, q in quantizers.items() if q.minimums)  # float16 minimums (Q4_1 / Q5_1)
 
     float_overrides: dict[str, torch.Tensor] = {}
+    # the scale search weighs each input column's error by its mean square (after AWQ's scales, where folded)
+    importance = activation_importance(calibration, stats) if method in ("rtn", "gptq", "awq") else {}
     clips: dict[str, torch.Tensor] = {}
     unfolded: dict[str, list[dict]] = {}  # AWQ search entries by block, not yet folded into float copies
     if method in ("awq", "awq+gptq") and spec:
@@ -457,7 +459,7 @@ def quantize_model(lm, plan: QuantPlan, *, calibration=None, method: str | None 
             grids = {n: {"full_range": True} if q.full_range else {"minimums": True}
                      for n, q in quantizers.items() if n in spec and (q.full_range or q.minimums)}
             # a clip is kept where it beats the rounding the layer would otherwise get: the weighted scale search
-            weighed = method == "awq" and plan.scale_search and bool(activation_importance(calibration, stats))
+            weighed = method == "awq" and plan.scale_search and bool(importance)
             if workspace is not None:
                 awq_search = _cached_awq_search(workspace, model, samples, mean_abs, spec, awq_tokens, progress,
                                                 grids, weighed)
@@ -502,8 +504,6 @@ def quantize_model(lm, plan: QuantPlan, *, calibration=None, method: str | None 
             float_overrides.update(fold_awq_scales(model, {"groups": unfolded.pop(block)}))
 
     params = dict(model.named_parameters(remove_duplicate=False))
-    # the scale search weighs each input column's error by its mean square (after AWQ's scales, where folded)
-    importance = activation_importance(calibration, stats) if method in ("rtn", "gptq", "awq") else {}
     if method == "awq" and awq_search is not None:
         from .awq import scaled_importance
         importance = scaled_importance(importance, awq_search)  # layers without a clip: the weighted search
