@@ -38,14 +38,16 @@ from .common import OverrideFile, block_role, half_layers, layer_precisions, rea
 from .registry import OverrideFormat, Target, check_precisions, register_target
 
 __all__ = ["convert_to_mnn", "MnnCausalLM", "mnn_command_line", "keep_matmul_weights_float", "mnn_op_name",
-           "mnn_quant_config", "write_mnn_quant_config", "read_mnn_quant_config", "convert_mnn", "open_mnn", "TARGET"]
+           "run_mnnconvert", "mnn_quant_config", "write_mnn_quant_config", "read_mnn_quant_config", "convert_mnn", "open_mnn", "TARGET"]
 
 
 def mnn_command_line(onnx_path: str | Path, mnn_path: str | Path, weight_bits: int | None = None,
-                     block_size: int | None = None, asymmetric: bool = False) -> list[str]:
-    """The MNNConvert arguments (also valid for the ``MNNConvert`` binary built from MNN's sources)."""
-    args = ["mnnconvert", "-f", "ONNX", "--modelFile", str(onnx_path), "--MNNModel", str(mnn_path),
-            "--bizCode", "workbench"]
+                     block_size: int | None = None, asymmetric: bool = False, *, source: str = "ONNX",
+                     extra: list[str] | None = None) -> list[str]:
+    """The MNNConvert arguments (also valid for the ``MNNConvert`` binary built from MNN's sources); ``source``
+    is the input's format (``ONNX``, or ``JSON``: the converter's own JSON form of a graph)."""
+    args = ["mnnconvert", "-f", source, "--modelFile", str(onnx_path), "--MNNModel", str(mnn_path),
+            "--bizCode", "workbench"] + list(extra or [])
     if weight_bits:
         args += ["--weightQuantBits", str(weight_bits)]
         if block_size:
@@ -104,25 +106,36 @@ def _quiet_fds():
                 os.close(fd)
 
 
-def convert_to_mnn(onnx_path: str | Path, mnn_path: str | Path, *, weight_bits: int | None = None,
-                   block_size: int | None = None, asymmetric: bool = False, quiet: bool = True) -> Path:
-    """Run MNN's ONNX converter in-process; the output is written atomically."""
+def _converter():
     try:
         with _quiet_fds():  # importing the extension prints the CPU's features to stdout
             import _tools  # the MNN wheel's converter extension
     except ImportError:
         raise WorkbenchError("the MNN converter is not available: install the MNN package "
                              "(pip install -c constraints.txt MNN)") from None
+    return _tools
+
+
+def run_mnnconvert(args: list[str], quiet: bool = True) -> None:
+    """MNN's converter in-process with ``args`` (its command line), its printing kept out of the output."""
+    tools = _converter()
+    ctx = _quiet_fds() if quiet else contextlib.nullcontext()
+    with ctx, contextlib.redirect_stdout(io.StringIO()):
+        tools.mnnconvert(args)
+
+
+def convert_to_mnn(onnx_path: str | Path, mnn_path: str | Path, *, weight_bits: int | None = None,
+                   block_size: int | None = None, asymmetric: bool = False, quiet: bool = True,
+                   source: str = "ONNX", extra: list[str] | None = None) -> Path:
+    """Run MNN's converter in-process on an ONNX (or ``source``) graph; the output is written atomically."""
     out = Path(mnn_path)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".partial")
     tmp.unlink(missing_ok=True)
     tmp.with_name(tmp.name + ".weight").unlink(missing_ok=True)
     out.with_name(out.name + ".weight").unlink(missing_ok=True)  # a stale one would be read as this model's
-    args = mnn_command_line(onnx_path, tmp, weight_bits, block_size, asymmetric)
-    ctx = _quiet_fds() if quiet else contextlib.nullcontext()
-    with ctx, contextlib.redirect_stdout(io.StringIO()):
-        _tools.mnnconvert(args)
+    args = mnn_command_line(onnx_path, tmp, weight_bits, block_size, asymmetric, source=source, extra=extra)
+    run_mnnconvert(args, quiet)
     if not tmp.is_file() or tmp.stat().st_size == 0:
         raise WorkbenchError(f"MNN's converter wrote nothing for '{onnx_path}'; run `{' '.join(args)}` to see why")
     weights = tmp.with_name(tmp.name + ".weight")  # MNN's converter puts the weights of large models beside it
