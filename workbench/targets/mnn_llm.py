@@ -39,7 +39,7 @@ from .registry import Target, register_target
 __all__ = ["export_engine_onnx", "write_tokenizer_txt", "write_mnn_llm_folder", "MnnLlm", "open_mnn_llm",
            "convert_mnn_llm", "TARGET", "FILES"]
 
-FILES = ("config.json", "llm_config.json", "llm.mnn", "llm.mnn.weight", "embeddings_bf16.bin", "tokenizer.txt")
+FILES = ("llm.mnn", "llm.mnn.weight", "embeddings_bf16.bin", "config.json", "llm_config.json", "tokenizer.txt")
 MODEL_TYPES = ("qwen2", "qwen3", "llama")  # decoders whose blocks _EngineGraph rebuilds as they compute
 TOKENIZER_MAGIC, HUGGINGFACE_BPE = 430, 3  # tokenizer.txt's header, as MNN's tokenizer.cpp reads it
 
@@ -225,6 +225,10 @@ def write_mnn_llm_folder(sim_lm, qm, out: str | Path, work: str | Path, *, threa
     work.mkdir(parents=True, exist_ok=True)
     model = sim_lm.model
     bits, block, notes = _mnn_weight_args(qm)
+    embed = model.get_input_embeddings()
+    # the embedding is not in the graph here (embeddings_bf16.bin holds it): drop the mnn target's notes on it
+    embed_names = [r.name for r in qm.layers if r.kind == "embedding"]
+    notes = [n for n in notes if not any(n.startswith(e) for e in embed_names)]
     onnx_path, head = export_engine_onnx(model, work / "llm.onnx")
     float_head = "lm_head" not in qm.weights
     kept = []
@@ -246,7 +250,7 @@ def write_mnn_llm_folder(sim_lm, qm, out: str | Path, work: str | Path, *, threa
     convert_to_mnn(rebuilt, out / "llm.mnn", source="MNN", extra=["--saveExternalData"])
     if not (out / "llm.mnn.weight").is_file():
         raise WorkbenchError(f"MNN's converter wrote no llm.mnn.weight beside '{out / 'llm.mnn'}': convert again")
-    emb = model.get_input_embeddings().weight.detach()
+    emb = embed.weight.detach()
     (out / "embeddings_bf16.bin").write_bytes(emb.to(torch.bfloat16).view(torch.int16).numpy().tobytes())
     write_tokenizer_txt(sim_lm.tokenizer, out / "tokenizer.txt", _stop_ids(sim_lm))
     cfg = model.config
@@ -308,7 +312,7 @@ class MnnLlm:
     def _forward(engine, ids: Sequence[int]) -> np.ndarray:
         with _quiet_fds():
             out = engine.forward([int(i) for i in ids])
-        a = np.asarray(out.read(), dtype=np.float32)
+        a = np.array(out.read(), dtype=np.float32, copy=True)  # read() views the engine's buffer, reused next step
         return a.reshape(-1, a.shape[-1])
 
     def logits(self, input_ids: np.ndarray) -> np.ndarray:
@@ -323,6 +327,11 @@ class MnnLlm:
     def steps(self, max_length: int | None = None) -> "_EngineSteps":
         """One generation's steps through the engine's own KV cache (what ``stream_tokens`` drives)."""
         return _EngineSteps(self)
+
+    @property
+    def context(self):
+        """The engine's counters of its last generation (``prompt_len``, ``gen_seq_len``, ``prefill_us``, ...)."""
+        return self.m.context
 
     def _generate(self, prompt: Sequence[int], new_tokens: int):
         """The engine's own generate loop (greedy, as config.json says); its context after."""

@@ -1,0 +1,124 @@
+"""mnn-llm: MNN's LLM model directory, loaded, scored, streamed and timed by MNN's own engine (MNN.llm)."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+try:
+    import MNN.llm  # noqa: F401  (the engine)
+    import _tools  # noqa: F401  (the converter extension)
+except ImportError:
+    pytest.skip("MNN is not installed: pip install -c constraints.txt MNN", allow_module_level=True)
+
+from workbench.cli import main
+from workbench.convert import convert, prepare_models
+from workbench.errors import ModelLoadError, WorkbenchError
+from workbench.models import load_model
+from workbench.plan import QuantPlan
+from workbench.runtime import locate, open_runner
+from workbench.targets.mnn_llm import FILES, MnnLlm, write_tokenizer_txt
+
+EVAL = {"max_tokens": 2048}  # the demo text's first 2,048 tokens: four 512-token windows
+
+
+@pytest.fixture(scope="module")
+def bits4(tmp_path_factory):
+    """`workbench convert demo --bits 4 --target mnn-llm` (the default plan: scale search on)."""
+    out = tmp_path_factory.mktemp("mnn-llm")
+    return convert("demo", "mnn-llm", out, bits=4, **EVAL), out
+
+
+@pytest.fixture(scope="module")
+def minmax(tmp_path_factory):
+    """A plan whose scales are each block's range, which MNN's asymmetric re-quantization reproduces."""
+    out = tmp_path_factory.mktemp("mnn-llm-minmax")
+    prep = prepare_models("demo", plan=QuantPlan.uniform("int4", group_size=32, scale_search=False))
+    return convert("demo", "mnn-llm", out, prepared=prep, **EVAL), out, prep
+
+
+def test_convert_writes_the_engine_directory_and_scores_it_in_the_engine(bits4):
+    report, out = bits4
+    assert all((out / f).is_file() and (out / f).stat().st_size > 0 for f in FILES)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["llm_model"] == "llm.mnn" and cfg["tokenizer_file"] == "tokenizer.txt"
+    assert json.loads((out / "llm_config.json").read_text())["layer_nums"] == 4
+    assert report.details["mnn_llm"]["attention_ops"] == 4  # every layer's attention is MNN's KV-cache op
+    sim = report.simulation["kl_divergence"]
+    assert report.kl_divergence <= 1.5 * sim, (report.kl_divergence, sim)
+    assert report.top1_agreement_vs_simulation >= 0.99 and report.gap is None
+    assert report.details["mnn_llm"]["decode_tokens_per_second_engine"] > 0
+    assert report.details["mnn_llm"]["prefill_ms_engine"] > 0
+
+
+def test_min_max_plan_keeps_its_integers_in_the_weight_file(bits4, minmax):
+    report, out, prep = minmax
+    info = report.details["mnn_llm"]
+    assert (info["weight_bits"], info["block"]) == (4, 32) and info["kept_float"]  # the tied fp16 head stays float
+    # 4-bit codes: the weight file is well under the float one of the searched plan (the head alone is 4 MB)
+    assert (out / "llm.mnn.weight").stat().st_size < 0.5 * (bits4[1] / "llm.mnn.weight").stat().st_size
+    assert report.kl_divergence <= 1.5 * report.simulation["kl_divergence"]
+    assert report.top1_agreement_vs_simulation >= 0.99
+
+
+def test_engine_kv_cache_decode_matches_the_simulation(minmax):
+    """Token by token through the engine's own cache: each step's logits are the simulation's at that position."""
+    _, out, prep = minmax
+    ids = prep.float_lm.tokenizer("The workbench measures what each choice costs.")["input_ids"]
+    with torch.inference_mode():
+        ref = prep.sim_lm.model(torch.tensor([ids])).logits[0].float().numpy()
+    lm = MnnLlm(out, threads=1)
+    steps = lm.steps()
+    got = [steps.start(ids[:3])] + [steps.step(t, i) for i, t in enumerate(ids[3:], 3)]
+    scale = np.abs(ref).max()
+    assert np.abs(np.stack(got) - ref[2:]).max() < 0.01 * scale
+    assert np.abs(lm.logits(np.array([ids]))[0] - ref).max() < 0.01 * scale  # every position, fresh prompt
+
+
+def test_generate_streams_through_the_engine(bits4, capsys):
+    _, out = bits4
+    assert main(["generate", str(out), "--prompt", "Once upon a time", "--max-new-tokens", "8", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["runtime"] == "MNN-LLM" and doc["new_tokens"] == 8
+
+
+def test_profile_prints_the_engine_own_speed(bits4, capsys):
+    _, out = bits4
+    assert locate(out).target.name == "mnn-llm"
+    assert main(["profile", str(out), "--repeats", "1"]) == 0
+    text = capsys.readouterr().out
+    assert "MNN-LLM" in text
+    lm = open_runner(out)
+    ctx_prompt = list(range(1, 33))
+    assert lm.prefill_seconds(ctx_prompt) > 0 and lm.context.prompt_len == 32  # the engine's own counters
+    assert lm.decode_seconds(ctx_prompt, 8) > 0 and lm.context.gen_seq_len == 9
+
+
+def test_tokenizer_file_is_read_by_the_engine_like_the_model_tokenizer(bits4):
+    _, out = bits4
+    lm = MnnLlm(out)
+    prep_tok = load_model("demo").tokenizer
+    text = "Once upon a time, the model said words."
+    assert lm.m.tokenizer_encode(text) == prep_tok(text, add_special_tokens=False)["input_ids"]
+
+
+def test_a_folder_missing_a_file_is_refused_by_name(bits4, tmp_path):
+    _, out = bits4
+    for f in FILES:
+        if f != "tokenizer.txt":
+            (tmp_path / f).write_bytes((out / f).read_bytes())
+    with pytest.raises(ModelLoadError, match="tokenizer.txt"):
+        MnnLlm(tmp_path)
+
+
+def test_non_bpe_tokenizer_is_refused(tmp_path):
+    class Backend:
+        def to_str(self):
+            return json.dumps({"model": {"type": "Unigram", "vocab": []}, "pre_tokenizer": None})
+
+    class Tok:
+        backend_tokenizer = Backend()
+    with pytest.raises(WorkbenchError, match="byte-level BPE"):
+        write_tokenizer_txt(Tok(), tmp_path / "tokenizer.txt", [0])
