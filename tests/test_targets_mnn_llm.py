@@ -53,12 +53,48 @@ def test_convert_writes_the_engine_directory_and_scores_it_in_the_engine(bits4):
     assert report.details["mnn_llm"]["prefill_ms_engine"] > 0
 
 
-def test_min_max_plan_keeps_its_integers_in_the_weight_file(bits4, minmax):
-    report, out, prep = minmax
+def _mnn_blocks(mnn_path, tmp_path):
+    """Each quantized MNN op's weight ``{op name: value [rows, block]}`` read back from ``llm.mnn.weight`` as MNN's
+    format lays it out: at the op's ``external`` offset its code buffer (a dims byte, int16 rows and block, the
+    code table, codes high nibble first), then one float32 scale per row."""
+    from workbench.targets.mnn import run_mnnconvert
+    out = tmp_path / "readback.json"
+    run_mnnconvert(["mnnconvert", "-f", "MNN", "--modelFile", str(mnn_path), "--JsonFile", str(out)])
+    data = np.fromfile(f"{mnn_path}.weight", dtype=np.uint8)
+    blocks = {}
+    for op in json.loads(out.read_text())["oplists"]:
+        main = op.get("main") or {}
+        if op["type"] != "Convolution" or "quanParameter" not in main:
+            continue
+        offset, size, alpha_bytes = main["external"][:3]
+        buf = data[offset:offset + size]
+        alpha = data[offset + size:offset + size + alpha_bytes].view(np.float32)
+        rows, width = (int(x) for x in buf[1:5].view(np.int16))
+        table = buf[6:6 + buf[5]].view(np.int8).astype(np.float32)
+        codes = buf[6 + buf[5]:]
+        idx = np.stack([codes >> 4, codes & 15], -1).reshape(rows, width)
+        blocks[op["name"].split("__")[0]] = table[idx] * alpha[:, None]
+    return blocks
+
+
+def test_the_weight_file_holds_the_plan_integers(bits4, tmp_path):
+    """The default plan's scales are searched (not each block's range): its codes and scales are written as they
+    are, so every weight MNN reads back is the simulation's, exactly."""
+    report, out = bits4
     info = report.details["mnn_llm"]
-    assert (info["weight_bits"], info["block"]) == (4, 32) and info["kept_float"]  # the tied fp16 head stays float
-    # 4-bit codes: the weight file is well under the float one of the searched plan (the head alone is 4 MB)
-    assert (out / "llm.mnn.weight").stat().st_size < 0.5 * (bits4[1] / "llm.mnn.weight").stat().st_size
+    assert (info["weight_bits"], info["block"], info["plan_codes_written"]) == (4, 128, 28)
+    assert info["kept_float"]  # the tied fp16 head stays float
+    prep = prepare_models("demo", bits=4)
+    blocks = _mnn_blocks(out / "llm.mnn", tmp_path)
+    assert len(blocks) == 28
+    for name, qw in prep.qm.weights.items():
+        if prep.qm.layer(name).kind == "linear":
+            np.testing.assert_array_equal(blocks[name].reshape(qw.shape), qw.dequantize().numpy())
+
+
+def test_min_max_plan_runs_within_the_simulation(minmax):
+    report, out, prep = minmax
+    assert report.details["mnn_llm"]["block"] == 32
     assert report.kl_divergence <= 1.5 * report.simulation["kl_divergence"]
     assert report.top1_agreement_vs_simulation >= 0.99
 

@@ -36,7 +36,7 @@ from ..workspace import atomic_write_json
 from .mnn import _mnn_weight_args, _quiet_fds, convert_to_mnn, keep_matmul_weights_float, run_mnnconvert
 from .registry import Target, register_target
 
-__all__ = ["export_engine_onnx", "write_tokenizer_txt", "write_mnn_llm_folder", "MnnLlm", "open_mnn_llm",
+__all__ = ["export_engine_onnx", "plan_codes_layout", "write_plan_codes", "write_tokenizer_txt", "write_mnn_llm_folder", "MnnLlm", "open_mnn_llm",
            "convert_mnn_llm", "TARGET", "FILES"]
 
 FILES = ("llm.mnn", "llm.mnn.weight", "embeddings_bf16.bin", "config.json", "llm_config.json", "tokenizer.txt")
@@ -99,6 +99,13 @@ class _EngineGraph(nn.Module):
             raise WorkbenchError(f"mnn-llm writes {', '.join(MODEL_TYPES)} decoders, not '{cfg.model_type}'; "
                                  "use the mnn target for this model")
         inner = model.model
+        names = {id(m): n for n, m in model.named_modules()}
+        self.layer_of: dict[str, nn.Linear] = {}  # layer name -> its float copy here (to find it in the graph)
+
+        def lin(module) -> nn.Linear:
+            copy = _linear(module)
+            self.layer_of[names[id(module)]] = copy
+            return copy
         self.hidden, self.heads, self.kv_heads = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         rot = inner.rotary_emb
@@ -109,12 +116,12 @@ class _EngineGraph(nn.Module):
             a, m = layer.self_attn, layer.mlp
             b = nn.Module()
             b.ln1, b.ln2 = _Norm(layer.input_layernorm), _Norm(layer.post_attention_layernorm)
-            b.q, b.k, b.v, b.o = (_linear(p) for p in (a.q_proj, a.k_proj, a.v_proj, a.o_proj))
+            b.q, b.k, b.v, b.o = (lin(p) for p in (a.q_proj, a.k_proj, a.v_proj, a.o_proj))
             b.qn = _Norm(a.q_norm) if getattr(a, "q_norm", None) is not None else None
             b.kn = _Norm(a.k_norm) if getattr(a, "k_norm", None) is not None else None
-            b.gate, b.up, b.down = (_linear(p) for p in (m.gate_proj, m.up_proj, m.down_proj))
+            b.gate, b.up, b.down = (lin(p) for p in (m.gate_proj, m.up_proj, m.down_proj))
             self.blocks.append(b)
-        self.norm, self.lm_head = _Norm(inner.norm), _linear(model.lm_head)
+        self.norm, self.lm_head = _Norm(inner.norm), lin(model.lm_head)
 
     def forward(self, input_ids, attention_mask, position_ids, logits_index):
         h = input_ids.view(1, -1, self.hidden)
@@ -138,9 +145,13 @@ class _EngineGraph(nn.Module):
 
 
 def export_engine_onnx(model, path: str | Path) -> tuple[Path, str]:
-    """The engine's graph of ``model`` (weights as it computes with them, float32) as ONNX; and the name of the
-    output layer's weight initializer."""
+    """The engine's graph of ``model`` (weights as it computes with them, float32) as ONNX, each linear layer's
+    MatMul output named after the layer (MNN names the op it makes from it so); and the name of the output
+    layer's weight initializer."""
+    import hashlib
+
     import onnx
+    from onnx import numpy_helper
     graph = _EngineGraph(model).eval()
     n = 3
     args = (torch.zeros(n, 1, graph.hidden), torch.zeros(1, 1, n, n), torch.arange(n, dtype=torch.int32)[None],
@@ -152,11 +163,73 @@ def export_engine_onnx(model, path: str | Path) -> tuple[Path, str]:
                           output_names=["logits"], opset_version=17, dynamo=False,
                           dynamic_axes={"input_ids": {0: "seq_len"}, "attention_mask": {2: "seq_len", 3: "seq_len"},
                                         "position_ids": {1: "seq_len"}})
-    proto = onnx.load(str(path), load_external_data=False)
+    proto = onnx.load(str(path))
+    digest = {hashlib.sha1(lin.weight.detach().T.contiguous().numpy().tobytes()).hexdigest(): name
+              for name, lin in graph.layer_of.items()}
+    by_init = {}
+    for init in proto.graph.initializer:
+        if len(init.dims) == 2:
+            name = digest.get(hashlib.sha1(numpy_helper.to_array(init).tobytes()).hexdigest())
+            if name is not None:
+                by_init[init.name] = name
+    renamed = {}
+    for node in proto.graph.node:
+        if node.op_type == "MatMul" and node.input[1] in by_init and node.output[0] != "logits":
+            renamed[node.output[0]] = by_init[node.input[1]]
+            node.output[0] = by_init[node.input[1]]
+    for node in proto.graph.node:
+        for i, x in enumerate(node.input):
+            if x in renamed:
+                node.input[i] = renamed[x]
     head = next(node for node in proto.graph.node if "logits" in node.output)
     if head.op_type != "MatMul":
         raise WorkbenchError(f"the exported output layer is a {head.op_type}, not a MatMul: export again")
+    onnx.save(proto, str(path))
     return path, head.input[1]
+
+
+def plan_codes_layout(qm) -> tuple[int, int] | None:
+    """(bits, block) when every quantized linear layer is symmetric at one width (4 or 8) and one block size with
+    one float scale per block: MNN's own block layout (codes and a scale per block) then holds the plan's integers
+    as they are, whatever rounded them (scale search, AWQ, GPTQ). None otherwise."""
+    qws = [q for name, q in qm.weights.items() if qm.layer(name).kind == "linear"]
+    if not qws or any(q.zeros is not None or q.sub_scales is not None or q.mins is not None or q.super_block
+                      for q in qws):
+        return None
+    kinds = {(q.bits, q.effective_group_size) for q in qws}
+    if len(kinds) != 1:
+        return None
+    bits, block = next(iter(kinds))
+    return (bits, block) if bits in (4, 8) and block else None
+
+
+def write_plan_codes(doc: dict, qm, bits: int, block: int) -> int:
+    """Put the plan's codes and scales into MNN's quantized ops (in the converter's JSON form): each block's
+    ``alpha`` is its scale, its codes index MNN's code table (``-2^(b-1)`` .. ``2^(b-1)-1``), high nibble first."""
+    done = 0
+    for op in doc.get("oplists", []):
+        if op.get("type") != "Convolution":
+            continue
+        name = op.get("name", "").split("__matmul_converted")[0]
+        qw = qm.weights.get(name)
+        q = (op.get("main") or {}).get("quanParameter")
+        if qw is None or q is None:
+            continue
+        buf = np.asarray(q["buffer"], dtype=np.int64).astype(np.uint8)
+        rows, width = (int(x) for x in np.frombuffer(buf[1:5].tobytes(), np.int16))
+        table = int(buf[5]) or 256
+        header = 6 + table
+        codes = qw.qweight.to(torch.int16).numpy().reshape(-1, block) + (1 << (bits - 1))
+        if (rows, width) != codes.shape or q.get("aMaxOrBits") != bits or len(q["alpha"]) != rows:
+            raise WorkbenchError(f"MNN laid out '{name}' as {rows} x {width} {q.get('aMaxOrBits')}-bit blocks, not the "
+                                 f"plan's {codes.shape[0]} x {block} {bits}-bit ones: this MNN version is not the one "
+                                 "the project pins")
+        flat = codes.reshape(-1).astype(np.uint8)
+        packed = (flat[0::2] << 4 | flat[1::2]) if bits == 4 else flat
+        q["buffer"] = buf[:header].tolist() + packed.astype(np.int8).tolist()
+        q["alpha"] = qw.scales.float().numpy().reshape(-1).tolist()
+        done += 1
+    return done
 
 
 def _attention_ops(doc: dict) -> int:
@@ -224,7 +297,13 @@ def write_mnn_llm_folder(sim_lm, qm, out: str | Path, work: str | Path, *, threa
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
     model = sim_lm.model
+    direct = plan_codes_layout(qm)
     bits, block, notes = _mnn_weight_args(qm)
+    if direct is not None:  # the plan's own codes and scales written into MNN's layout (any rounding method)
+        bits, block = direct
+        notes = [n for n in notes if "stores the simulated weights in float" not in n and "re-quantizes" not in n]
+        notes.append(f"the plan's {bits}-bit codes and per-{block} float scales are written into MNN's quantized "
+                     "weights as they are (MNN's symmetric block layout)")
     embed = model.get_input_embeddings()
     # the embedding is not in the graph here (embeddings_bf16.bin holds it): drop the mnn target's notes on it
     embed_names = [r.name for r in qm.layers if r.kind == "embedding"]
@@ -236,11 +315,20 @@ def write_mnn_llm_folder(sim_lm, qm, out: str | Path, work: str | Path, *, threa
         src = work / "llm-float-head.onnx"
         kept = keep_matmul_weights_float(onnx_path, src, [head])
         onnx_path = src
+    # with --weightQuantAsymmetric this converter writes one scale per block (checked by write_plan_codes), without it
+    # a (minimum, scale) pair
+    if kept:
+        notes.append("the output layer, float in the plan, keeps float32 weights in llm.mnn (a [1, K, N] weight, "
+                     "which MNN's weight quantization leaves alone)")
     plain = convert_to_mnn(onnx_path, work / "plain.mnn", weight_bits=bits, block_size=block, asymmetric=True,
                            extra=["--allowCustomOp"])
     graph_json = work / "llm.json"
     run_mnnconvert(["mnnconvert", "-f", "MNN", "--modelFile", str(plain), "--JsonFile", str(graph_json)])
     doc = json.loads(graph_json.read_text(encoding="utf-8"))
+    written = write_plan_codes(doc, qm, bits, block) if direct is not None else 0
+    quantized = sum(1 for name in qm.weights if qm.layer(name).kind == "linear")
+    if direct is not None and written != quantized:
+        raise WorkbenchError(f"found {written} of the plan's {quantized} quantized layers among MNN's ops: export again")
     rewritten = _attention_ops(doc)
     if rewritten != len(model.model.layers):
         raise WorkbenchError(f"MNN's converter kept {rewritten} of {len(model.model.layers)} attention ops: "
@@ -264,7 +352,8 @@ def write_mnn_llm_folder(sim_lm, qm, out: str | Path, work: str | Path, *, threa
         "memory": "high", "sampler_type": "greedy", "use_template": False, "max_new_tokens": 512})
     notes.append("the token embedding is stored as bfloat16 (embeddings_bf16.bin, the engine's float embedding "
                  "format): its simulated values rounded to 8 significant bits")
-    return {"weight_bits": bits, "block": block, "asymmetric": True, "kept_float": kept,
+    return {"weight_bits": bits, "block": block, "plan_codes_written": written,
+            "kept_float": kept,
             "attention_ops": rewritten, "notes": notes}
 
 
