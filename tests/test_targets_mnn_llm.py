@@ -160,3 +160,13 @@ def test_non_bpe_tokenizer_is_refused(tmp_path):
         backend_tokenizer = Backend()
     with pytest.raises(WorkbenchError, match="byte-level BPE"):
         write_tokenizer_txt(Tok(), tmp_path / "tokenizer.txt", [0])
+
+
+def test_devices_gap_row_shows_the_engine_own_speed_beside_its_kl(bits4):
+    from workbench.devices_gap import CONVERT_RUNTIMES, TARGETS, convert_row, missing_toolchain
+    report, _ = bits4
+    assert "mnn-llm" in TARGETS and missing_toolchain("mnn-llm") is None
+    row = convert_row("mnn-llm", CONVERT_RUNTIMES["mnn-llm"], json.loads(json.dumps(report.to_dict(), default=str)),
+                      1.0, 2**20)
+    assert row["prefill"]["kl"] == report.kl_divergence and row["decode"]["kl"] == report.decode["kl_divergence"]
+    assert "MNN-LLM's own speed" in row["note"] and "decode" in row["note"] and row["gap"] is None

@@ -45,13 +45,14 @@ __all__ = ["TARGETS", "GRAPHS", "GAP_FILE", "HTP_WINDOWS", "HTP_DECODE_WINDOWS",
            "graph_scores", "gap_of", "make_row", "simulation_row", "convert_row", "htp_row", "rknn_row", "absent_row",
            "format_table", "TABLE_HEADER", "table_cells", "in_child"]
 
-TARGETS = ("simulation", "ort-qdq", "mnn", "htp", "rknn")
+TARGETS = ("simulation", "ort-qdq", "mnn", "mnn-llm", "htp", "rknn")
 TARGET_TITLES = {"simulation": "simulation (PyTorch)", "ort-qdq": "CPU onnxruntime (QDQ)", "mnn": "MNN (CPU)",
+                 "mnn-llm": "MNN's LLM engine (CPU)",
                  "htp": "Hexagon HTP emulator", "rknn": "RK3588 simulator"}
 GRAPHS = ("prefill", "decode")
 GAP_FILE = "devices_gap.json"
 HTP_WINDOWS, HTP_DECODE_WINDOWS, PROMPT = 4, 1, 64  # as bench/htp.py and convert --target qnn --soc score
-CONVERT_RUNTIMES = {"ort-qdq": "onnxruntime CPU, QDQ (A16)", "mnn": "MNN CPU"}
+CONVERT_RUNTIMES = {"ort-qdq": "onnxruntime CPU, QDQ (A16)", "mnn": "MNN CPU", "mnn-llm": "MNN-LLM engine, CPU"}
 
 
 # -- measuring (each in a child process) ------------------------------------------------------------------------
@@ -161,7 +162,7 @@ def missing_toolchain(target: str) -> str | None:
     if target == "rknn":
         from .targets.rknn import RKNN_ENV_HINT, rknn_python
         return None if rknn_python() else f"rknn-toolkit2 is not installed: {RKNN_ENV_HINT}"
-    if target == "mnn":
+    if target in ("mnn", "mnn-llm"):
         import importlib.util
         if importlib.util.find_spec("MNN") is None:
             return "MNN is not installed: pip install -c constraints.txt MNN"
@@ -218,8 +219,12 @@ def convert_row(target: str, runtime: str, rep: dict, seconds: float, peak: int)
     dec = graph_scores(d.get("kl_divergence"), d.get("top1_agreement"), d.get("top1_agreement_vs_simulation"),
                        sim_kl, positions=d.get("tokens"))
     graph_bytes = sum(f["bytes"] for f in rep["files"] if Path(f["path"]).suffix != ".json")
+    speed = (rep.get("details") or {}).get("runtime_speed")  # a runtime that times itself (its own counters)
+    notes = ([] if dec else ["no decode graph scored"]) + ([
+        f"{speed['runtime']}'s own speed: prefill {speed['prefill_tokens_per_second']:,.0f} tok/s, decode "
+        f"{speed['decode_tokens_per_second']:,.0f} tok/s, {speed['threads']} thread(s)"] if speed else [])
     return make_row(target, runtime, prefill=pre, decode=dec, bytes_=graph_bytes, seconds=seconds, peak=peak,
-                    note="" if dec else "no decode graph scored")
+                    note="; ".join(notes))
 
 
 def htp_row(m, sim_kl: float | None, seconds: float, peak: int) -> dict:
