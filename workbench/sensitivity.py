@@ -567,13 +567,35 @@ def _trial_key(name: str, precision: str) -> str:
     return f"{name}|{precision}"
 
 
+def _trial(state: tuple, task: tuple[str, str]) -> dict:
+    """One layer alone at one precision, measured against the baseline: a sweep's task on any backend."""
+    evaluator, base = state
+    name, p = task
+    t0 = time.perf_counter()
+    report = evaluator.evaluate_assignments({name: p}, desc=f"{name} {p}")
+    return {"kl": report.kl_divergence, "ppl": report.perplexity, "ppl_delta": report.perplexity - base.perplexity,
+            "nll_delta": report.nll - base.nll, "top1": report.top1_agreement,
+            "seconds": time.perf_counter() - t0}
+
+
+def _worker_state(payload: tuple) -> tuple:
+    """A worker's own evaluator (the same tokens, context and rounding) and its baseline, built once."""
+    lm, ids, ctx, batch_size, settings = payload
+    evaluator = PlanEvaluator(lm, ids, ctx=ctx, batch_size=batch_size,
+                              variants=LayerVariants(lm, **settings, cache_bytes=0))
+    return evaluator, evaluator.evaluate_baseline()
+
+
 def _sweep(evaluator: PlanEvaluator, layers: Sequence, precisions: Sequence[str], progress_path: Path | None,
-           progress: bool, on_trial: Callable[[str, str, dict], None] | None) -> tuple[dict, float, int, float]:
-    """Run every missing trial, saving progress after each.
+           progress: bool, on_trial: Callable[[str, str, dict], None] | None,
+           backend=None) -> tuple[dict, float, int, float]:
+    """Run every missing trial on ``backend`` (default: this process), saving progress after each result.
 
     Returns (trials, reference perplexity, trials run now, seconds spent on trials in all runs).
     """
     from tqdm.auto import tqdm
+    from .sweep_backends import LocalBackend
+    backend = backend or LocalBackend()
     state = {"trials": {}, "seconds": 0.0}
     if progress_path is not None and progress_path.is_file():
         try:
@@ -582,7 +604,7 @@ def _sweep(evaluator: PlanEvaluator, layers: Sequence, precisions: Sequence[str]
             state = {"trials": {}, "seconds": 0.0}
     trials: dict[str, dict] = state["trials"]
     pairs = [(info, p) for info in layers for p in fitting(info, precisions)]
-    todo = [(info, p) for info, p in pairs if _trial_key(info.name, p) not in trials]
+    todo = [(info.name, p) for info, p in pairs if _trial_key(info.name, p) not in trials]
     total = len(pairs)
     if todo and len(todo) < total:  # said, so a quick finish is not mistaken for a fast sweep
         import logging
@@ -592,20 +614,23 @@ def _sweep(evaluator: PlanEvaluator, layers: Sequence, precisions: Sequence[str]
     ran = 0
     with tqdm(total=total, initial=total - len(todo),
               desc="sensitivity", unit="trial", disable=not progress) as bar:
-        for info, p in todo:
-            t0 = time.perf_counter()
-            report = evaluator.evaluate_assignments({info.name: p}, desc=f"{info.name} {p}")
-            result = {"kl": report.kl_divergence, "ppl": report.perplexity,
-                      "ppl_delta": report.perplexity - base.perplexity,
-                      "nll_delta": report.nll - base.nll, "top1": report.top1_agreement}
-            trials[_trial_key(info.name, p)] = result
-            state["seconds"] = float(state.get("seconds", 0.0)) + time.perf_counter() - t0
+        def done(task: tuple[str, str], result: dict) -> None:
+            nonlocal ran
+            result = dict(result)
+            seconds = result.pop("seconds")
+            trials[_trial_key(*task)] = result
+            state["seconds"] = float(state.get("seconds", 0.0)) + seconds
             ran += 1
             if progress_path is not None:
                 atomic_write_json(progress_path, state)
             if on_trial is not None:
-                on_trial(info.name, p, result)
+                on_trial(*task, result)
             bar.update(1)
+
+        v = evaluator.variants
+        backend.run(todo, _trial, done, state=(evaluator, base), setup=_worker_state,
+                    payload=(evaluator.lm, evaluator.ids, evaluator.ctx, evaluator.batch_size,
+                             dict(v.settings.quantizer_settings)))
     return trials, base.perplexity, ran, float(state.get("seconds", 0.0))
 
 
@@ -658,8 +683,8 @@ def run_sensitivity(lm: LoadedModel, *, ids: torch.Tensor | None = None, text_pa
                     scale_search: bool = DEFAULT_SCALE_SEARCH, ctx: int | None = None, layers: Iterable[str] | None = None, evaluator: PlanEvaluator | None = None,
                     full_range: bool = False,
                     score: str = "auto", workspace: Workspace | None = None, force: bool = False,
-                    progress: bool = True, on_trial: Callable[[str, str, dict], None] | None = None
-                    ) -> SensitivityReport:
+                    progress: bool = True, on_trial: Callable[[str, str, dict], None] | None = None,
+                    backend=None) -> SensitivityReport:
     """Sweep every quantizable layer x precision; cached and resumable when a ``workspace`` is given.
 
     ``ids`` (or ``text_path``, default the held-out text) is cut to ``tokens`` tokens. Pass an
@@ -668,7 +693,9 @@ def run_sensitivity(lm: LoadedModel, *, ids: torch.Tensor | None = None, text_pa
     ``precisions`` None sweeps every registered integer precision (``sweep_precisions``).
     ``score``: ``kl`` measures each trial, ``proxy`` estimates every trial in one pass
     (``workbench.proxy``), ``auto`` picks by the sweep's size (``choose_score``); the report says
-    which, and why. ``on_trial(name, precision, result)`` is called after each trial.
+    which, and why. ``on_trial(name, precision, result)`` is called after each trial. ``backend``
+    (``workbench.sweep_backends``) runs measured trials elsewhere, on Ray; default: this process. The
+    result does not depend on it, so neither does the workspace key.
     """
     lm.require_float("sensitivity")  # a quantized model's layers are already integers: sweep its float source
     if precisions is None:
@@ -712,7 +739,7 @@ def run_sensitivity(lm: LoadedModel, *, ids: torch.Tensor | None = None, text_pa
     def measure(progress_path: Path | None) -> tuple[dict, float, int, float]:
         if score == "proxy":
             return _proxy_trials(evaluator, infos, precisions, progress, on_trial)
-        return _sweep(evaluator, infos, precisions, progress_path, progress, on_trial)
+        return _sweep(evaluator, infos, precisions, progress_path, progress, on_trial, backend)
 
     def build(trials: dict, ref_ppl: float, ran: int, seconds: float) -> SensitivityReport:
         out = []

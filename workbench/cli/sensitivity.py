@@ -6,7 +6,9 @@
 
 ``--score kl`` measures every trial, ``--score proxy`` estimates them all in one forward and
 backward pass (Fisher-weighted weight error), ``auto`` (default) measures small models and
-estimates large ones; the output says which was used. Results are cached in the workspace
+estimates large ones; the output says which was used. ``--ray auto`` runs the measured trials on a
+Ray started on 127.0.0.1 for the run, ``--ray ADDRESS`` on a running cluster (docs/sweeps.md); the
+results are the same as without it. Results are cached in the workspace
 (``--workspace``, default ./workspace) and a measured sweep resumes where it stopped when interrupted.
 """
 from __future__ import annotations
@@ -32,6 +34,10 @@ def add_sweep_arguments(p) -> None:
                         "weight error); auto (default): kl for small models, proxy for large ones")
     p.add_argument("--workspace", help="workspace directory for the cached sweep (default ./workspace)")
     p.add_argument("--force", action="store_true", help="recompute the sweep even when it is cached")
+    p.add_argument("--ray", metavar="auto|ADDRESS",
+                   help="run the measured trials on Ray: auto starts one on 127.0.0.1 for this run, ADDRESS joins a "
+                        "running cluster (default: in this process, no service); needs `pip install ray==2.60.0`")
+    p.add_argument("--ray-workers", type=count(1), help="Ray workers (default: one per CPU of the cluster)")
     add_device_argument(p)
 
 
@@ -44,13 +50,15 @@ def add_arguments(p):
 
 
 def sweep(lm, args, progress: bool):
+    from ..sweep_backends import backend_for
+    backend = backend_for(getattr(args, "ray", None), workers=getattr(args, "ray_workers", None))
     chosen = getattr(args, "precisions", None)
     precisions = tuple(chosen.split(",")) if chosen else None
     return run_sensitivity(lm, text_path=args.data, tokens=args.tokens, precisions=precisions,
                            group_size=args.group_size or None, symmetric=not args.asymmetric,
                            scale_search=args.scale_search, score=args.score,
                            workspace=Workspace(args.workspace) if args.workspace else Workspace(),
-                           force=args.force, progress=progress)
+                           force=args.force, progress=progress, backend=backend)
 
 
 def run(args) -> int:
