@@ -103,12 +103,13 @@ class OnnxCausalLM:
         import onnx
         import onnxruntime as ort
         from onnx.external_data_helper import uses_external_data
+        from workbench.folder_paths import inside_folder
         opts.add_session_config_entry("session.disable_prepacking", "1")
         for init in onnx.load(str(path), load_external_data=False).graph.initializer:
             if not uses_external_data(init) or init.data_type in (onnx.TensorProto.INT4, onnx.TensorProto.UINT4):
                 continue  # packed 4-bit (QDQ) weights have no numpy view: the session reads those itself
             info = {e.key: e.value for e in init.external_data}
-            file = (path.parent / info["location"]).resolve()
+            file = inside_folder(path.parent, info.get("location", ""), path, "external data location")
             key = (file, int(info.get("offset", 0)), init.name)
             if key not in self._shared:
                 if file not in self._shared:

@@ -41,6 +41,7 @@ import numpy as np
 from torch import nn
 
 from ..errors import ModelLoadError, WorkbenchError
+from ..folder_paths import inside_folder, refuse_native_libraries
 from ..memory import release_freed_memory
 from ..onnx.build import DATA_FILE, INLINE_LIMIT, DecoderSpec, GraphBuilder, TensorStore, as_array
 from ..runtime.onnx_runner import OnnxCausalLM
@@ -408,6 +409,19 @@ def is_genai_folder(path: str | Path) -> bool:
     return (p / GENAI_CONFIG).is_file() and (p / MODEL_FILE).is_file()
 
 
+def _check_named_files(folder: Path, doc, config_file: Path) -> None:
+    """Every file name genai_config.json gives (``filename``, ``config_filename``, ...) lies inside the folder."""
+    if isinstance(doc, dict):
+        for k, v in doc.items():
+            if isinstance(v, str) and (k == "filename" or k.endswith("_filename") or k.endswith("_file")):
+                inside_folder(folder, v, config_file, k)
+            else:
+                _check_named_files(folder, v, config_file)
+    elif isinstance(doc, list):
+        for v in doc:
+            _check_named_files(folder, v, config_file)
+
+
 class GenaiCausalLM:
     """onnxruntime-genai's runtime over an ``ort-genai`` folder: its KV cache (shared with the past in place),
     its generator and its search.
@@ -419,7 +433,7 @@ class GenaiCausalLM:
 
     runtime = "onnxruntime-genai"
 
-    def __init__(self, folder: str | Path, threads: int | None = None):
+    def __init__(self, folder: str | Path, threads: int | None = None, allow_custom_ops: bool = False):
         try:
             import onnxruntime_genai as og
         except ImportError:
@@ -429,9 +443,21 @@ class GenaiCausalLM:
         if not is_genai_folder(self.folder):
             raise ModelLoadError(f"'{self.folder}' has no {GENAI_CONFIG} and {MODEL_FILE}: convert with --target "
                                  "ort-genai")
-        doc = json.loads((self.folder / GENAI_CONFIG).read_text(encoding="utf-8"))
-        self.max_length = int(doc["search"]["max_length"])
-        self.vocab = int(doc["model"]["vocab_size"])
+        config_file = self.folder / GENAI_CONFIG
+        try:
+            doc = json.loads(config_file.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise ModelLoadError(f"'{config_file}' is not readable JSON ({e}): convert with --target ort-genai "
+                                 "again") from None
+        if not allow_custom_ops:
+            refuse_native_libraries(doc, config_file)
+        try:
+            self.max_length = int(doc["search"]["max_length"])
+            self.vocab = int(doc["model"]["vocab_size"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ModelLoadError(f"'{config_file}' lacks {e} (search.max_length and model.vocab_size are needed): "
+                                 "convert with --target ort-genai again") from None
+        _check_named_files(self.folder, doc.get("model"), config_file)
         self.threads = threads
         self._og = og
         try:
