@@ -71,7 +71,7 @@ def _mnn_blocks(mnn_path, tmp_path):
         offset, size, alpha_bytes = main["external"][:3]
         buf = data[offset:offset + size]
         alpha = data[offset + size:offset + size + alpha_bytes].view(np.float32)
-        rows, width = (int(x) for x in buf[1:5].view(np.int16))
+        rows, width = (int(x) for x in buf[1:5].view(np.uint16))
         table = buf[6:6 + buf[5]].view(np.int8).astype(np.float32)
         codes = buf[6 + buf[5]:]
         idx = np.stack([codes >> 4, codes & 15], -1).reshape(rows, width)

@@ -217,9 +217,10 @@ def write_plan_codes(doc: dict, qm, bits: int, block: int) -> int:
         if qw is None or q is None:
             continue
         buf = np.asarray(q["buffer"], dtype=np.int64).astype(np.uint8)
-        rows, width = (int(x) for x in np.frombuffer(buf[1:5].tobytes(), np.int16))
-        table = int(buf[5]) or 256
-        header = 6 + table
+        dims = 8 if q.get("shapeInt32") else 4  # the two dims: unsigned 16-bit, or 32-bit above 65,535
+        rows, width = (int(x) for x in np.frombuffer(buf[1:1 + dims].tobytes(), np.int32 if dims == 8 else np.uint16))
+        table = int(buf[1 + dims]) or 256
+        header = 2 + dims + table
         codes = qw.qweight.to(torch.int16).numpy().reshape(-1, block) + (1 << (bits - 1))
         if (rows, width) != codes.shape or q.get("aMaxOrBits") != bits or len(q["alpha"]) != rows:
             raise WorkbenchError(f"MNN laid out '{name}' as {rows} x {width} {q.get('aMaxOrBits')}-bit blocks, not the "
@@ -316,11 +317,11 @@ def write_mnn_llm_folder(sim_lm, qm, out: str | Path, work: str | Path, *, threa
         src = work / "llm-float-head.onnx"
         kept = keep_matmul_weights_float(onnx_path, src, [head])
         onnx_path = src
-    # with --weightQuantAsymmetric this converter writes one scale per block (checked by write_plan_codes), without it
-    # a (minimum, scale) pair
     if kept:
         notes.append("the output layer, float in the plan, keeps float32 weights in llm.mnn (a [1, K, N] weight, "
                      "which MNN's weight quantization leaves alone)")
+    # with --weightQuantAsymmetric this converter writes one scale per block (checked by write_plan_codes), without it
+    # a (minimum, scale) pair
     plain = convert_to_mnn(onnx_path, work / "plain.mnn", weight_bits=bits, block_size=block, asymmetric=True,
                            extra=["--allowCustomOp"])
     graph_json = work / "llm.json"
