@@ -156,3 +156,26 @@ def test_a_comparison_on_the_devices_is_its_own_table(tmp_path):
     assert section.count("<tr class='gap-row'>") == 3 and "3.25e-04" in section and "0.9870" in section
     assert "<span class='gap'>GAP</span> prefill: KL &lt;9.9e-01&gt;" in section and "make rknn-env" in section
     assert "On the devices: plan abcd1234" in report.figures and external_loads(page) == []
+
+
+def test_links_out_of_the_run_folder_are_listed_as_skipped_never_followed(demo_run, tmp_path):
+    """A ``root -> /`` folder link and a file link to a file outside: neither walked nor hashed."""
+    import sys
+    root, app = demo_run
+    s = app.session
+    out, outside = tmp_path / "out", tmp_path / "outside"
+    shutil.copytree(s.quantized_path, out / "q")
+    shutil.copytree(s.conversions[0].out_dir, out / "c")
+    outside.mkdir()
+    (outside / "secret").write_text("not the run's")
+    (out / "root").symlink_to("/")
+    (out / "c" / "secret_link").symlink_to(outside / "secret")
+    seen = []
+    sys.addaudithook(lambda event, args: seen.append(str(args[0])) if event in ("open", "os.listdir", "os.scandir")
+                     and args and isinstance(args[0], str) and seen is not None else None)
+    report = build_report(out)
+    watched, seen = list(seen), None
+    rows = {f["file"]: f for c in report.record["conversions"] for f in c.get("files", [])}
+    assert rows["secret_link"]["hash_from"] == "skipped" and rows["secret_link"]["bytes"] is None
+    assert file_sha256(outside / "secret") not in json.dumps(report.record)
+    assert not [p for p in watched if p.startswith(("/proc", "/etc", str(outside)))]

@@ -52,7 +52,8 @@ def _below(d: Path, name: str, depth: int = SEARCH_DEPTH) -> list[Path]:
     found, level = [], [d]
     for _ in range(depth + 1):
         found += [x / name for x in level if (x / name).is_file()]
-        level = [c for x in level for c in sorted(x.iterdir()) if c.is_dir() and not c.name.startswith(".")]
+        level = [c for x in level for c in sorted(x.iterdir())
+                 if c.is_dir() and not c.is_symlink() and not c.name.startswith(".")]  # a link may lead to /
     return sorted(found)
 
 
@@ -110,10 +111,17 @@ def _files_with_hashes(directory: Path, manifest: Mapping | None = None) -> list
     """Every file below ``directory`` with size and SHA-256 (the manifest's, where it lists the file)."""
     listed = (manifest or {}).get("files", {})
     out = []
-    for f in sorted(directory.rglob("*")):
-        if not f.is_file() or f.name.startswith("."):
+    root = directory.resolve()
+    for f in sorted(directory.rglob("*")):  # rglob does not descend into linked folders
+        if f.name.startswith("."):
             continue
         rel = f.relative_to(directory).as_posix()
+        if f.is_symlink() and root not in f.resolve().parents:
+            out.append({"file": rel, "bytes": None, "sha256": "a link out of the folder: not followed",
+                        "hash_from": "skipped"})
+            continue
+        if not f.is_file():
+            continue
         meta = listed.get(rel)
         if meta and meta.get("size") == f.stat().st_size and meta.get("sha256"):
             out.append({"file": rel, "bytes": meta["size"], "sha256": meta["sha256"], "hash_from": "manifest"})
@@ -554,7 +562,8 @@ def _devices_gaps_html(gaps: Sequence[Mapping]) -> str:
 
 def _files_table(files: list[dict]) -> str:
     return html_table(("file", "bytes", "sha256", "hash from"),
-                      [(f["file"], f"{f['bytes']:,}", f["sha256"], f["hash_from"]) for f in files], "files")
+                      [(f["file"], "" if f["bytes"] is None else f"{f['bytes']:,}", f["sha256"], f["hash_from"])
+                       for f in files], "files")
 
 
 def write_report(path: str | Path, out: str | Path, **kwargs) -> Report:
