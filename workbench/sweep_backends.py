@@ -77,6 +77,9 @@ class RayBackend:
         self.nodes: dict[Any, str] = {}  # task -> the node that ran it, for the last run
 
     def _connect(self):
+        if self.address == "auto":  # single-machine mode: every Ray process takes 127.0.0.1 as its address,
+            # instead of probing the outbound route (a UDP connect to 8.8.8.8) and serving on the host's address
+            os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
         ray = import_ray()
         if not ray.is_initialized():
             if self.address == "auto":
