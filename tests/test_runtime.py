@@ -186,3 +186,26 @@ def test_onnx_runner_applies_session_options_to_every_session(exported, lm, tmp_
     assert by_device.prefill.get_providers()[0] == "CPUExecutionProvider"
     last, _, kv = by_device.run_prefill([1, 5, 9])
     np.testing.assert_allclose(last, plain.run_prefill([1, 5, 9])[0], atol=1e-4)
+
+
+def test_an_rknn_conversion_is_refused_as_not_runnable_here_and_a_tree_profile_goes_on(exported, tmp_path, capsys):
+    """rknn writes prefill.onnx + decode.onnx too: its conversion.json, not its file names, says whose folder it
+    is; a tree profile reports the rknn and the damaged folder and still profiles the intact export."""
+    from workbench.profile import profile_directory
+    tree = tmp_path / "out"
+    good, rknn, bad = tree / "a_export", tree / "b_rknn", tree / "c_bad"
+    shutil.copytree(Path(exported.prefill_path).parent, good)
+    shutil.copytree(good, rknn)
+    (rknn / "conversion.json").write_text(json.dumps({"target": "rknn"}))
+    bad.mkdir()
+    for name in ("prefill.onnx", "decode.onnx"):
+        (bad / name).write_bytes(b"not a graph")
+    with pytest.raises(ModelLoadError, match="rknn conversion.*does not run here"):
+        open_runner(rknn)
+    assert locate(rknn, strict=False) is None
+    assert main(["generate", str(rknn), "--prompt", "hi", "--max-new-tokens", "2"]) == 2
+    assert "does not run here" in capsys.readouterr().err
+    profiles = profile_directory(tree, prompt_lengths=(4,), decode_steps=2, repeats=1)
+    err = capsys.readouterr().err
+    assert [p.name for p in profiles] == ["a_export"]
+    assert "b_rknn" in err and "does not run here" in err and "c_bad" in err

@@ -180,13 +180,25 @@ def profile_runtime(name: str, path: str | Path, *, prompt_lengths: Sequence[int
 def profile_directory(directory: str | Path, *, vocab_size: int | None = None, **kwargs) -> list[RuntimeProfile]:
     """Profile every runnable folder at or below ``directory`` (``workbench.runtime.find_runnable``), one after
     another, each named by its path below ``directory``."""
-    from .runtime import find_runnable
+    import sys
+    from .runtime import CONVERSION_FILE, find_runnable, not_runnable_here
     root = Path(directory)
-    out = []
+    out, failed = [], []
+    for conv in sorted(root.rglob(CONVERSION_FILE)):
+        target = not_runnable_here(conv.parent)
+        if target is not None:
+            print(f"profile: skipped '{conv.parent}': a {target} conversion, which does not run here", file=sys.stderr)
     for found in find_runnable(root):
         rel = found.folder.relative_to(root)
-        out.append(profile_runtime(str(rel) if str(rel) != "." else root.name, found.folder, vocab_size=vocab_size,
-                                   **kwargs))
+        try:
+            out.append(profile_runtime(str(rel) if str(rel) != "." else root.name, found.folder,
+                                       vocab_size=vocab_size, **kwargs))
+        except WorkbenchError as e:  # one bad folder does not cost the others their profile
+            failed.append(e)
+    if not out and failed:
+        raise failed[0]  # nothing profiled: the (first) folder's own one-line error
+    for e in failed:
+        print(f"profile: skipped: {e}", file=sys.stderr)
     return out
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from ..errors import ModelLoadError, WorkbenchError
 
-__all__ = ["Runnable", "locate", "find_runnable", "open_runner", "runnable_targets", "describe_files",
+__all__ = ["Runnable", "locate", "find_runnable", "not_runnable_here", "open_runner", "runnable_targets", "describe_files",
            "conversion_target", "CONVERSION_FILE"]
 
 CONVERSION_FILE = "conversion.json"
@@ -92,6 +92,17 @@ def conversion_target(folder: str | Path) -> str | None:
     return target if isinstance(target, str) else None
 
 
+# targets without a runner whose prefill.onnx / decode.onnx take inputs no runner here feeds (rknn's graphs take
+# rope_cos / rope_sin, computed by the device's host code); a qnn folder's float graphs do run as ort-int4's
+OWN_FEEDS = frozenset({"rknn"})
+
+
+def not_runnable_here(folder: str | Path) -> str | None:
+    """The target ``folder``'s conversion.json names when its graphs only look like another target's files."""
+    recorded = conversion_target(folder) if Path(folder).is_dir() else None
+    return recorded if recorded in OWN_FEEDS else None
+
+
 def _missing(folder: Path, target) -> list[str]:
     return [f for f in target.files if not (folder / f).is_file()]
 
@@ -102,6 +113,12 @@ def locate(path: str | Path, *, strict: bool = True) -> Runnable | None:
     names what is missing (not strict: None)."""
     p = Path(path)
     targets = runnable_targets()
+    foreign = not_runnable_here(p.parent if p.is_file() else p)
+    if foreign is not None and (p.is_dir() or any(t.files and t.files[0] == p.name for t in targets)):
+        if not strict:  # another target's files (rknn's ONNX graphs) are not an ort-int4 folder
+            return None
+        raise ModelLoadError(f"'{p}' is a {foreign} conversion, which does not run here: pick an output of "
+                             f"{', '.join(t.name for t in targets)}")
     if p.is_file():
         folder, recorded = p.parent, conversion_target(p.parent)
         named = [t for t in targets if t.files and t.files[0] == p.name]
