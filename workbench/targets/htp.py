@@ -196,18 +196,23 @@ def htp_session_options(soc: HtpSoc, *, context_file: str | Path | None = None) 
 
 @contextlib.contextmanager
 def _stderr_to(path: Path):
-    """The process's file descriptor 2 (where onnxruntime and QNN log) into ``path`` inside."""
+    """The process's file descriptors 2 and 1 (onnxruntime and QNN log to 2; QNN's libnative prints its
+    "# LIBNATIVE: ..." line to 1, which would break `--json` output) into ``path`` inside."""
     import sys
+    sys.stdout.flush()
     sys.stderr.flush()
-    saved = os.dup(2)
+    saved = os.dup(1), os.dup(2)
     with open(path, "wb") as f:
+        os.dup2(f.fileno(), 1)
         os.dup2(f.fileno(), 2)
     try:
         yield
     finally:
+        sys.stdout.flush()
         sys.stderr.flush()
-        os.dup2(saved, 2)
-        os.close(saved)
+        for fd, old in zip((1, 2), saved):
+            os.dup2(old, fd)
+            os.close(old)
 
 
 _REFUSED = re.compile(r"failed for node `([^`]+)` of type `([^`]+)` with error code (\d+)")
