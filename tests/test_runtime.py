@@ -209,3 +209,16 @@ def test_an_rknn_conversion_is_refused_as_not_runnable_here_and_a_tree_profile_g
     err = capsys.readouterr().err
     assert [p.name for p in profiles] == ["a_export"]
     assert "b_rknn" in err and "does not run here" in err and "c_bad" in err
+
+
+def test_a_damaged_graph_or_htp_json_is_a_one_line_error_naming_that_file(exported, tmp_path):
+    from workbench.runtime.onnx_runner import GraphLoadError, OnnxCausalLM
+    from workbench.targets.htp import SOC_FILE, htp_runner
+    folder = tmp_path / "g"
+    shutil.copytree(Path(exported.prefill_path).parent, folder)
+    (folder / "prefill.onnx").write_bytes((folder / "prefill.onnx").read_bytes()[:100])
+    with pytest.raises(GraphLoadError, match=r"prefill\.onnx"):
+        OnnxCausalLM(folder / "prefill.onnx", None)
+    (folder / SOC_FILE).write_text("not json")
+    with pytest.raises(ModelLoadError, match=r"htp\.json.*convert again"):
+        htp_runner(folder)

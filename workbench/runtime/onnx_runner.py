@@ -11,9 +11,20 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from ..errors import ModelLoadError, WorkbenchError
 from ..onnx.build import input_names
 
-__all__ = ["OnnxCausalLM"]
+__all__ = ["OnnxCausalLM", "GraphLoadError"]
+
+
+class GraphLoadError(ModelLoadError):
+    """onnxruntime (or onnx) refused one graph file: the message names that file; ``path`` and ``cause`` let a
+    runner on another backend read the refusal itself."""
+
+    def __init__(self, path: str | Path, cause: BaseException):
+        first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        super().__init__(f"onnxruntime could not load '{path}': {first}; export or convert it again")
+        self.path, self.cause = Path(path), cause
 
 
 def _static_past(decode_path: str | Path) -> bool:
@@ -45,7 +56,11 @@ class OnnxCausalLM:
                  accuracy_level: int | None = None, session_options: Callable[[object], None] | None = None):
         self.providers, self.threads, self.accuracy_level = list(providers), threads, accuracy_level
         self.session_options = session_options
-        self._shared: dict | None = {} if decode_path and _static_past(decode_path) else None
+        try:
+            static = bool(decode_path) and _static_past(decode_path)
+        except Exception as e:  # not an ONNX file onnx can parse
+            raise GraphLoadError(decode_path, e) from None
+        self._shared: dict | None = {} if static else None
         self.decode = self._session(decode_path) if decode_path else None
         self.static_past = self.kv_shape = None
         if self.decode is not None:
@@ -69,6 +84,16 @@ class OnnxCausalLM:
         return feed
 
     def _session(self, path: str | Path):
+        """One session over ``path``; any refusal by onnxruntime (a damaged file, external data it will not
+        read) is a one-line GraphLoadError naming the file."""
+        try:
+            return self._open_session(path)
+        except WorkbenchError:
+            raise
+        except Exception as e:
+            raise GraphLoadError(path, e) from None
+
+    def _open_session(self, path: str | Path):
         import onnxruntime as ort
         opts = ort.SessionOptions()
         opts.log_severity_level = 3

@@ -26,7 +26,7 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from ..errors import PlanError, WorkbenchError
+from ..errors import ModelLoadError, PlanError, WorkbenchError
 from .common import log_softmax
 from .registry import Target, register_target
 
@@ -268,7 +268,7 @@ def _raise_refused(path: Path, soc: HtpSoc, log: str, error: Exception):
 def open_htp(prefill_path: str | Path, decode_path: str | Path | None = None, *, threads: int | None = None,
              device: str | HtpSoc | None = None):
     """``OnnxCausalLM`` on the HTP emulator for ``device``: QDQ graphs or their ``_ctx.onnx`` context models."""
-    from ..runtime.onnx_runner import OnnxCausalLM
+    from ..runtime.onnx_runner import GraphLoadError, OnnxCausalLM
     soc = htp_soc(device)
     apply = htp_session_options(soc)
     with tempfile.TemporaryDirectory(prefix="workbench-htp-") as tmp:
@@ -276,6 +276,8 @@ def open_htp(prefill_path: str | Path, decode_path: str | Path | None = None, *,
         try:
             with _stderr_to(log):
                 return OnnxCausalLM(prefill_path, decode_path, providers=(), threads=threads, session_options=apply)
+        except GraphLoadError as e:  # the graph that failed, prefill or decode, is the one named
+            _raise_refused(e.path, soc, log.read_text(errors="replace"), e.cause)
         except WorkbenchError:
             raise
         except Exception as e:
@@ -296,7 +298,11 @@ def htp_runner(path: str | Path, *, threads: int | None = None, device: str | Ht
     if p.is_file():
         return open_htp(p, threads=threads, device=device)
     if device is None and (p / SOC_FILE).is_file():
-        device = json.loads((p / SOC_FILE).read_text(encoding="utf-8")).get("device")
+        try:
+            device = json.loads((p / SOC_FILE).read_text(encoding="utf-8")).get("device")
+        except (OSError, ValueError, AttributeError) as e:
+            raise ModelLoadError(f"'{p / SOC_FILE}' is not the JSON `workbench convert --target qnn --soc` writes "
+                                 f"({e}): convert again, or pass the device") from None
     graphs = CONTEXT_FILES if (p / CONTEXT_FILES[0]).is_file() else QDQ_FILES
     missing = [g for g in graphs if not (p / g).is_file()]
     if missing:
@@ -426,7 +432,7 @@ def _teacher_forced(runner, ids: Sequence[int], prompt: int) -> np.ndarray:
 
 def _measure(float_graphs, qdq_graphs, windows, device, out_dir, prompt, decode_windows, threads) -> HtpMeasurement:
     import resource
-    from ..runtime.onnx_runner import OnnxCausalLM
+    from ..runtime.onnx_runner import GraphLoadError, OnnxCausalLM
     soc = htp_soc(device)
     t0 = time.perf_counter()
     ctx = write_context_binaries({"prefill": qdq_graphs[0], "decode": qdq_graphs[1]}, out_dir, soc)
