@@ -75,6 +75,7 @@ class RayBackend:
         self.address, self.workers, self.worker_cpus, self.threads = address, workers, float(worker_cpus), int(threads)
         self.started = False  # whether this backend started the Ray it uses (and shuts it down)
         self.nodes: dict[Any, str] = {}  # task -> the node that ran it, for the last run
+        self.peaks: dict[int, int] = {}  # worker -> its peak resident bytes (Linux ru_maxrss), for the last run
 
     def _connect(self):
         if self.address == "auto":  # single-machine mode: every Ray process takes 127.0.0.1 as its address,
@@ -114,7 +115,7 @@ class RayBackend:
         actors = [worker_cls.remote(setup, ref, self.threads) for _ in range(min(n, len(tasks)))]
         queue = list(reversed(tasks))
         running: dict[Any, tuple[int, Any]] = {}
-        self.nodes = {}
+        self.nodes, self.peaks = {}, {}
 
         def submit(i: int) -> None:
             task = queue.pop()
@@ -133,7 +134,8 @@ class RayBackend:
         while running:
             done, _ = ray.wait(list(running), num_returns=1)
             i, task = running.pop(done[0])
-            result, node = ray.get(done[0])
+            result, node, peak = ray.get(done[0])
+            self.peaks[i] = max(self.peaks.get(i, 0), peak)
             if i in last_node and last_node[i] != node:
                 log.warning(f"Ray worker {i} moved from node {last_node[i][:8]} to {node[:8]} (a node was lost); "
                             "its task was retried there")
@@ -153,8 +155,11 @@ class _Worker:
         self.state = setup(payload)
 
     def run(self, fn, task):
+        import resource
+
         import ray
-        return fn(self.state, task), ray.get_runtime_context().get_node_id()
+        result = fn(self.state, task)
+        return result, ray.get_runtime_context().get_node_id(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def backend_for(ray_address: str | None, **kw):
