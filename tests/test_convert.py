@@ -387,12 +387,12 @@ def test_mnn_stores_searched_scales_in_float_and_requantizes_min_max_ones(make_t
     (exactly the simulation's); min/max plans keep MNN's integer weights (reproduced, test above)."""
     from workbench.models import load_model
     from workbench.quantize import quantize_model
-    from workbench.targets.mnn import _mnn_weight_args
+    from workbench.targets.mnn import mnn_weight_args
     lm = load_model(make_tiny_model(hidden=128, intermediate=256, heads=4, kv_heads=2))
-    bits, block, notes = _mnn_weight_args(quantize_model(lm, QuantPlan.uniform("int4"), progress=False))
+    bits, block, notes = mnn_weight_args(quantize_model(lm, QuantPlan.uniform("int4"), progress=False))
     assert (bits, block) == (None, None) and any("--no-scale-search" in n for n in notes)
     plan = QuantPlan.uniform("int4", scale_search=False)
-    assert _mnn_weight_args(quantize_model(lm, plan, progress=False))[:2] == (4, 128)
+    assert mnn_weight_args(quantize_model(lm, plan, progress=False))[:2] == (4, 128)
 
 
 def test_per_layer_head_counts_convert_to_ort_int4_and_ort_genai_refuses_them(make_tiny_model, tmp_path):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from workbench.errors import ModelLoadError
 
-__all__ = ["inside_folder", "refuse_native_libraries"]
+__all__ = ["inside_folder", "json_items", "refuse_native_libraries"]
 
 
 def inside_folder(folder: str | Path, named: str, named_by: str | Path, key: str = "path") -> Path:
@@ -23,17 +23,23 @@ def inside_folder(folder: str | Path, named: str, named_by: str | Path, key: str
     return target
 
 
-def refuse_native_libraries(doc, named_by: str | Path, key_path: str = "") -> None:
-    """ModelLoadError if any ``custom_ops_library`` appears in ``doc``: a model folder never gets to load native
-    code into the workbench's process."""
+def json_items(doc, key_path: str = ""):
+    """Every ``(key path, key, value)`` of a JSON document's objects, depth first (``model.decoder.filename``)."""
     if isinstance(doc, dict):
         for k, v in doc.items():
             here = f"{key_path}.{k}" if key_path else str(k)
-            if k == "custom_ops_library":
-                raise ModelLoadError(f"'{named_by}' names a native library at {here} ({v!r}): the workbench does "
-                                     "not load code named by a model folder; remove the key, or pass "
-                                     "allow_custom_ops=True if you trust this folder")
-            refuse_native_libraries(v, named_by, here)
+            yield here, k, v
+            yield from json_items(v, here)
     elif isinstance(doc, list):
         for i, v in enumerate(doc):
-            refuse_native_libraries(v, named_by, f"{key_path}[{i}]")
+            yield from json_items(v, f"{key_path}[{i}]")
+
+
+def refuse_native_libraries(doc, named_by: str | Path) -> None:
+    """ModelLoadError if any ``custom_ops_library`` appears in ``doc``: a model folder never gets to load native
+    code into the workbench's process."""
+    for here, k, v in json_items(doc):
+        if k == "custom_ops_library":
+            raise ModelLoadError(f"'{named_by}' names a native library at {here} ({v!r}): the workbench does "
+                                 "not load code named by a model folder; remove the key, or pass "
+                                 "allow_custom_ops=True if you trust this folder")

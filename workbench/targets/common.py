@@ -5,7 +5,10 @@ import their dispatcher.
 """
 from __future__ import annotations
 
+import contextlib
+import os
 import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
@@ -14,8 +17,29 @@ from ..errors import PlanError
 from ..plan import QuantPlan, get_precision
 from ..workspace import read_json_file
 
-__all__ = ["log_softmax", "OverrideFile", "layer_precisions", "graph_names", "tensor_for", "read_json_object", "graph_consumers",
+__all__ = ["native_output_to", "log_softmax", "OverrideFile", "layer_precisions", "graph_names", "tensor_for", "read_json_object", "graph_consumers",
            "half_layers", "layers_from_tensors", "block_role", "LINEAR_ROLES"]
+
+
+@contextlib.contextmanager
+def native_output_to(path: str | Path = os.devnull):
+    """File descriptors 1 and 2 into ``path`` while the block runs: native libraries (MNN's converter, QNN's
+    libnative, onnxruntime's logger) print there directly, which would break `--json` output and the progress
+    lines."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    with open(path, "wb") as f:
+        os.dup2(f.fileno(), 1)
+        os.dup2(f.fileno(), 2)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd, old in zip((1, 2), saved):
+            os.dup2(old, fd)
+            os.close(old)
 
 
 @dataclass

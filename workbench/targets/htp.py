@@ -27,7 +27,7 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 
 from ..errors import ModelLoadError, PlanError, WorkbenchError
-from .common import log_softmax
+from .common import log_softmax, native_output_to
 from .registry import Target, register_target
 
 __all__ = ["INSTALL", "DEFAULT_DEVICE", "HtpUnavailable", "HtpRefused", "HtpSoc", "qnn_available", "htp_soc",
@@ -194,27 +194,6 @@ def htp_session_options(soc: HtpSoc, *, context_file: str | Path | None = None) 
     return apply
 
 
-@contextlib.contextmanager
-def _stderr_to(path: Path):
-    """The process's file descriptors 2 and 1 (onnxruntime and QNN log to 2; QNN's libnative prints its
-    "# LIBNATIVE: ..." line to 1, which would break `--json` output) into ``path`` inside."""
-    import sys
-    sys.stdout.flush()
-    sys.stderr.flush()
-    saved = os.dup(1), os.dup(2)
-    with open(path, "wb") as f:
-        os.dup2(f.fileno(), 1)
-        os.dup2(f.fileno(), 2)
-    try:
-        yield
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        for fd, old in zip((1, 2), saved):
-            os.dup2(old, fd)
-            os.close(old)
-
-
 _REFUSED = re.compile(r"failed for node `([^`]+)` of type `([^`]+)` with error code (\d+)")
 _UNSUPPORTED = re.compile(r"Unsupported nodes in QNN EP: \{ name: ([^,]+), type: ([^ }]+)")
 _ERRORS = {  # QNN op-validation codes seen from the HTP backend, and what they mean for a workbench plan
@@ -249,7 +228,7 @@ def _session(path: str | Path, opts_fn: Callable, soc: HtpSoc):
     with tempfile.TemporaryDirectory(prefix="workbench-htp-") as tmp:
         log = Path(tmp) / "qnn.log"
         try:
-            with _stderr_to(log):
+            with native_output_to(log):
                 return ort.InferenceSession(str(path), opts)
         except Exception as e:
             _raise_refused(Path(path), soc, log.read_text(errors="replace"), e)
@@ -274,7 +253,7 @@ def open_htp(prefill_path: str | Path, decode_path: str | Path | None = None, *,
     with tempfile.TemporaryDirectory(prefix="workbench-htp-") as tmp:
         log = Path(tmp) / "qnn.log"
         try:
-            with _stderr_to(log):
+            with native_output_to(log):
                 return OnnxCausalLM(prefill_path, decode_path, providers=(), threads=threads, session_options=apply)
         except GraphLoadError as e:  # the graph that failed, prefill or decode, is the one named
             _raise_refused(e.path, soc, log.read_text(errors="replace"), e.cause)
@@ -337,7 +316,7 @@ def _backend_soc_child(queue, soc_model: int, graph: str) -> None:
     qnn = _require_qnn()
     with tempfile.TemporaryDirectory(prefix="workbench-htp-") as tmp:
         log = Path(tmp) / "qnn.log"
-        with _stderr_to(log):
+        with native_output_to(log):
             try:
                 opts = ort.SessionOptions()
                 opts.log_severity_level = 0
@@ -432,7 +411,7 @@ def _teacher_forced(runner, ids: Sequence[int], prompt: int) -> np.ndarray:
 
 def _measure(float_graphs, qdq_graphs, windows, device, out_dir, prompt, decode_windows, threads) -> HtpMeasurement:
     import resource
-    from ..runtime.onnx_runner import GraphLoadError, OnnxCausalLM
+    from ..runtime.onnx_runner import OnnxCausalLM
     soc = htp_soc(device)
     t0 = time.perf_counter()
     ctx = write_context_binaries({"prefill": qdq_graphs[0], "decode": qdq_graphs[1]}, out_dir, soc)

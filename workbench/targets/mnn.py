@@ -34,11 +34,11 @@ from ..models import LoadedModel
 from ..plan import QuantPlan, get_precision
 from ..quantize.model import resolve_group_size
 from ..workspace import atomic_write_json
-from .common import OverrideFile, block_role, half_layers, layer_precisions, read_json_object
+from .common import OverrideFile, block_role, half_layers, layer_precisions, native_output_to, read_json_object
 from .registry import OverrideFormat, Target, check_precisions, register_target
 
 __all__ = ["convert_to_mnn", "MnnCausalLM", "mnn_command_line", "keep_matmul_weights_float", "mnn_op_name",
-           "run_mnnconvert", "mnn_quant_config", "write_mnn_quant_config", "read_mnn_quant_config", "convert_mnn", "open_mnn", "TARGET"]
+           "run_mnnconvert", "mnn_weight_args", "quiet_fds", "mnn_quant_config", "write_mnn_quant_config", "read_mnn_quant_config", "convert_mnn", "open_mnn", "TARGET"]
 
 
 def mnn_command_line(onnx_path: str | Path, mnn_path: str | Path, weight_bits: int | None = None,
@@ -88,27 +88,14 @@ def keep_matmul_weights_float(onnx_path: str | Path, out_path: str | Path, initi
     return kept
 
 
-@contextlib.contextmanager
-def _quiet_fds():
+def quiet_fds():
     """The converter prints from C++ straight to file descriptors 1 and 2; keep that out of CLI/JSON output."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    saved = [os.dup(1), os.dup(2)]
-    with open(os.devnull, "w") as null:
-        os.dup2(null.fileno(), 1)
-        os.dup2(null.fileno(), 2)
-        try:
-            yield
-        finally:
-            os.dup2(saved[0], 1)
-            os.dup2(saved[1], 2)
-            for fd in saved:
-                os.close(fd)
+    return native_output_to(os.devnull)
 
 
 def _converter():
     try:
-        with _quiet_fds():  # importing the extension prints the CPU's features to stdout
+        with quiet_fds():  # importing the extension prints the CPU's features to stdout
             import _tools  # the MNN wheel's converter extension
     except ImportError:
         raise WorkbenchError("the MNN converter is not available: install the MNN package "
@@ -119,7 +106,7 @@ def _converter():
 def run_mnnconvert(args: list[str], quiet: bool = True) -> None:
     """MNN's converter in-process with ``args`` (its command line), its printing kept out of the output."""
     tools = _converter()
-    ctx = _quiet_fds() if quiet else contextlib.nullcontext()
+    ctx = quiet_fds() if quiet else contextlib.nullcontext()
     with ctx, contextlib.redirect_stdout(io.StringIO()):
         tools.mnnconvert(args)
 
@@ -156,7 +143,7 @@ class MnnCausalLM:
 
     def __init__(self, mnn_path: str | Path, threads: int = 1):
         self.path, self.threads, self._graphs = Path(mnn_path), threads, None
-        with _quiet_fds():  # MNN prints CPU features and the precision mode to stdout
+        with quiet_fds():  # MNN prints CPU features and the precision mode to stdout
             import MNN.expr as F
             import MNN.nn as nn
             config = {"backend": "CPU", "precision": "high", "numThread": threads}
@@ -186,7 +173,7 @@ class MnnCausalLM:
             decode = self.path.with_name(self.path.name.replace("prefill", "decode"))
             if decode == self.path or not decode.is_file():
                 raise ValueError(f"no decode graph beside '{self.path}' (expected '{decode.name}'): convert again")
-            with _quiet_fds():
+            with quiet_fds():
                 import MNN.nn as nn
                 rt = nn.create_runtime_manager(({"backend": "CPU", "precision": "high", "numThread": self.threads},))
                 graphs = []
@@ -282,7 +269,7 @@ def read_mnn_quant_config(path: str | Path, lm: LoadedModel) -> dict[str, str]:
         out[by_op[op]] = "fp16" if spec["bits"] == 16 else f"int{spec['bits']}"
     return out
 
-def _mnn_weight_args(qm) -> tuple[int | None, int | None, list[str]]:
+def mnn_weight_args(qm) -> tuple[int | None, int | None, list[str]]:
     """MNN's --weightQuantBits / --weightQuantBlock for a quantized model, or (None, None) when one setting
     cannot express it; plus notes."""
     qws = [q for name, q in qm.weights.items() if qm.layer(name).kind == "linear"]
@@ -323,7 +310,7 @@ def convert_mnn(job) -> None:
     prep, out, report = job.prep, job.out, job.report
     job.say("exporting the simulation to ONNX")
     ex = export_onnx(prep.sim_lm, job.work / "sim", check=False)
-    wb, block, notes = _mnn_weight_args(prep.qm)
+    wb, block, notes = mnn_weight_args(prep.qm)
     report.notes += notes + ["MNN stores each graph's weights in its own .mnn file"]
     float_inits = [ex.weight_names[r.name] for r in prep.qm.layers if r.name in ex.weight_names
                    and r.name not in prep.qm.weights and ex.weight_layouts.get(r.name) == "in_out"]

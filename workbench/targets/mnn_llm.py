@@ -16,7 +16,7 @@ cache itself, so one graph serves prefill and decode. It is written here as an O
 is a custom ``FusedAttention`` node, converted by MNN's converter, its custom nodes rewritten as
 ``Attention`` ops in the converter's JSON form and converted back with ``--weightQuantBits`` (the same
 asymmetric re-quantization of the simulated weights that reproduces the plan's integers in the ``mnn``
-target, ``_mnn_weight_args``); a float output layer keeps float weights the same way.
+target, ``mnn_weight_args``); a float output layer keeps float weights the same way.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ from torch import nn
 
 from ..errors import ModelLoadError, WorkbenchError
 from ..workspace import atomic_write_json
-from .mnn import _mnn_weight_args, _quiet_fds, convert_to_mnn, keep_matmul_weights_float, run_mnnconvert
+from .mnn import mnn_weight_args, quiet_fds, convert_to_mnn, keep_matmul_weights_float, run_mnnconvert
 from .registry import Target, register_target
 
 __all__ = ["export_engine_onnx", "plan_codes_layout", "write_plan_codes", "write_tokenizer_txt", "write_mnn_llm_folder", "MnnLlm", "open_mnn_llm",
@@ -300,7 +300,7 @@ def write_mnn_llm_folder(sim_lm, qm, out: str | Path, work: str | Path, *, threa
     work.mkdir(parents=True, exist_ok=True)
     model = sim_lm.model
     direct = plan_codes_layout(qm)
-    bits, block, notes = _mnn_weight_args(qm)
+    bits, block, notes = mnn_weight_args(qm)
     if direct is not None:  # the plan's own codes and scales written into MNN's layout (any rounding method)
         bits, block = direct
         notes = [n for n in notes if "stores the simulated weights in float" not in n and "re-quantizes" not in n]
@@ -384,12 +384,12 @@ class MnnLlm:
     def _engine(self, *, all_logits: bool):
         """The engine over the folder's config.json; ``all_logits`` is fixed when it loads (it caches its graph)."""
         try:
-            with _quiet_fds():
+            with quiet_fds():
                 import MNN.llm as llm
         except ImportError:
             raise WorkbenchError("MNN's LLM engine is not available: install the MNN package "
                                  "(pip install -c constraints.txt MNN)") from None
-        with _quiet_fds():
+        with quiet_fds():
             m = llm.create(str(self.folder / "config.json"))
             m.set_config({"thread_num": self.threads, "all_logits": all_logits})
             m.load()
@@ -401,7 +401,7 @@ class MnnLlm:
 
     @staticmethod
     def _forward(engine, ids: Sequence[int]) -> np.ndarray:
-        with _quiet_fds():
+        with quiet_fds():
             out = engine.forward([int(i) for i in ids])
         a = np.array(out.read(), dtype=np.float32, copy=True)  # read() views the engine's buffer, reused next step
         return a.reshape(-1, a.shape[-1])
@@ -439,7 +439,7 @@ class MnnLlm:
     def _generate(self, prompt: Sequence[int], new_tokens: int):
         """The engine's own generate loop (greedy, as config.json says); its context after."""
         self.m.reset()
-        with _quiet_fds():
+        with quiet_fds():
             self.m._c_obj.generate([int(i) for i in prompt], int(new_tokens))
         return self.m.context
 

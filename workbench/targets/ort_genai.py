@@ -41,7 +41,7 @@ import numpy as np
 from torch import nn
 
 from ..errors import ModelLoadError, WorkbenchError
-from ..folder_paths import inside_folder, refuse_native_libraries
+from ..folder_paths import inside_folder, json_items, refuse_native_libraries
 from ..memory import release_freed_memory
 from ..onnx.build import DATA_FILE, INLINE_LIMIT, DecoderSpec, GraphBuilder, TensorStore, as_array
 from ..runtime.onnx_runner import OnnxCausalLM
@@ -411,15 +411,9 @@ def is_genai_folder(path: str | Path) -> bool:
 
 def _check_named_files(folder: Path, doc, config_file: Path) -> None:
     """Every file name genai_config.json gives (``filename``, ``config_filename``, ...) lies inside the folder."""
-    if isinstance(doc, dict):
-        for k, v in doc.items():
-            if isinstance(v, str) and (k == "filename" or k.endswith("_filename") or k.endswith("_file")):
-                inside_folder(folder, v, config_file, k)
-            else:
-                _check_named_files(folder, v, config_file)
-    elif isinstance(doc, list):
-        for v in doc:
-            _check_named_files(folder, v, config_file)
+    for _, k, v in json_items(doc):
+        if isinstance(v, str) and (k == "filename" or k.endswith("_filename") or k.endswith("_file")):
+            inside_folder(folder, v, config_file, k)
 
 
 class GenaiCausalLM:
