@@ -222,7 +222,9 @@ def test_conversion_metrics_match_a_direct_computation(prepared, tiny_model_dir,
             top1 += int((ref.argmax(-1) == sim.argmax(-1)).sum())
             n += w.scored
     assert report.eval_tokens == n
-    assert report.simulation["kl_divergence"] == pytest.approx(kl / n, rel=1e-4)
+    # the reference logits are rebuilt from hidden states (another float32 matmul order): at a KL of ~1e-4 that
+    # moves the mean by ~1e-4 relative; a window scored twice or skipped moves it by far more than 1e-3
+    assert report.simulation["kl_divergence"] == pytest.approx(kl / n, rel=1e-3)
     assert report.simulation["top1_agreement"] == pytest.approx(top1 / n)
 
 
