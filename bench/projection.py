@@ -1,6 +1,13 @@
-"""Projections for the field's published cases beside their published figures, and the 7B-in-9.3-MB claim.
+"""The projection held against the vendors' own measurements, then the field's published claims.
 
     python bench/projection.py
+
+First, per vendor device, runtime and precision (assets/vendor_measurements.json: Qualcomm AI Hub's and Rockchip's
+measurements), the leave-one-model-out error of the fitted decode tokens/s, time to first token and peak memory
+(median |projected / measured - 1| over every measurement, its model left out of the fit; goals 15%, 30%, 20%),
+the effective bandwidth the decode fit implies, and the leave-one-device-out error a device without measurements
+gets from its class. Then the issue's own cases projected by `workbench project` beside the vendors' figures.
+Then the practitioners' claims:
 
 Each case in assets/field_measurements.json (from shared/docs/FIELD.md) is projected from its model's shapes
 (assets/model_shapes.json: "Qwen3-1.5B" does not exist, the Qwen3-1.7B shape stands in; "Qwen2.5-1.8B"
@@ -11,6 +18,7 @@ class: none). A published figure above its bound is impossible and is not fitted
 """
 from __future__ import annotations
 
+import statistics
 import sys
 from pathlib import Path
 
@@ -21,7 +29,61 @@ from workbench.projection import (DEFAULT_CONTEXT, check_claim, check_memory_cla
                                   model_shape, plan_from_spec, project, published_measurements)
 
 
+def _pct(x) -> str:
+    return "-" if x is None else f"{x:.0%}"
+
+
+def vendor_table() -> None:
+    from workbench.vendor_fit import class_transfer_errors, vendor_fits
+    print(f"{'device':<24} {'runtime':<14} {'prec.':<10} {'models':>6} {'rows':>4}  {'decode':>7} {'max':>5}  "
+          f"{'TTFT':>6}  {'memory':>6}  {'GB/s eff.':>9}  decode fit (ms per token)")
+    for (vdev, rt, prec), f in vendor_fits().items():
+        if len(f.models) < 4:
+            continue
+        d = f.decode
+        coef = dict(zip(d.features, d.coef))
+        byte = coef.get("weights_gb", coef.get("weights_gb+kv_gb", 0.0))
+        terms = " + ".join(f"{c:.2f}" + ("" if t == "1" else f"*{t}") for t, c in zip(d.features, d.coef))
+        worst = max(abs(e) for e in d.held_out) if d.held_out else None
+        print(f"{vdev:<24} {rt:<14} {prec:<10} {len(f.models):>6} {len(f.rows):>4}  {_pct(d.median_error):>7} "
+              f"{_pct(worst):>5}  {_pct(f.ttft.median_error if f.ttft else None):>6}  "
+              f"{_pct(f.memory.median_error if f.memory else None):>6}  "
+              f"{(1e3 / byte if byte else float('nan')):>9.1f}  {terms}")
+    print()
+    for cls, rt, prec in (("hexagon-htp", "genie", "w4a16"), ("hexagon-htp", "qairt", "w4a16"),
+                          ("hexagon-htp", "llama.cpp-npu", "q4_0")):
+        e = class_transfer_errors(cls, rt, prec)
+        med = {k: (statistics.median(abs(x) for x in v) if v else None) for k, v in e.items()}
+        print(f"class {cls} {rt} {prec}: a device without measurements, held out by device: decode "
+              f"{_pct(med['decode'])} ({len(e['decode'])}), TTFT {_pct(med['ttft'])} ({len(e['ttft'])})")
+    print()
+
+
+CASES = (  # `workbench project` invocations beside the vendor figure of the same model, device and runtime
+    ("qwen3-4b", "snapdragon-8-elite", "genie", None, 4096, 128, "Qwen3-4B", 26.1, None),
+    ("qwen3-1.7b", "snapdragon-8-elite", "genie", None, 4096, 128, "Qwen3-1.7B", 56.7, None),
+    ("qwen2.5-1.5b", "rk3588", "rkllm", "w8a8", 192, 128, "Qwen2.5-1.5B", 16.69, 1689.21),
+    ("qwen2-0.5b", "rk3588", "rkllm", "w8a8", 192, 128, "Qwen2-0.5B", 41.58, 669.56),
+)
+
+
+def vendor_cases() -> None:
+    from workbench.device_runtimes import get_runtime
+    print(f"{'case':<44} {'projected':>9} {'measured':>8} {'ratio':>6}  {'memory MB':>9} {'measured':>8}  held-out error")
+    for shape, device, rt, prec, ctx, prompt, label, measured, mem in CASES:
+        plan = get_runtime(rt).plan(prec)
+        p = project(shape, device, plan, context=ctx, prompt=prompt, runtime=rt)
+        v = p.vendor
+        peak = f"{v.peak_bytes / 1e6:,.0f}" if v.peak_bytes else "-"
+        print(f"{label + ' ' + v.precision + ', ' + device + ', ' + rt:<44} {v.decode_tps:>9.1f} {measured:>8g} "
+              f"{v.decode_tps / measured:>6.2f}  {peak:>9} {mem or '-':>8}  decode {_pct(v.decode_error)} "
+              f"({v.decode_n}), TTFT {_pct(v.ttft_error)}, memory {_pct(v.memory_error)}")
+    print()
+
+
 def main() -> None:
+    vendor_table()
+    vendor_cases()
     fit = fit_efficiency()
     points = {pt["label"]: pt for c in fit.classes.values() for pt in c.points}
     print(f"{'case':<36} {'device':<20} {'bound':>7} {'proj.':>7} {'publ.':>6} {'error':>7} {'held out':>9}  "
@@ -29,7 +91,7 @@ def main() -> None:
     verdicts = []
     for m in published_measurements():
         p = project(m["shape"], m["device"], plan_from_spec(m["plan"]), context=m.get("context", DEFAULT_CONTEXT),
-                    fit=fit)
+                    fit=fit, runtime=None)
         pt = points.get(m["label"])
         err = f"{pt['error']:+.0%}" if pt else "-"
         loo = f"{pt['loo_error']:+.0%}" if pt and pt["loo_error"] is not None else "-"

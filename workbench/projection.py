@@ -24,16 +24,20 @@ import os
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
 from .assets import ASSETS_DIR
+from .device_runtimes import runtime_for_device
 from .devices import Device, get_device, load_devices
 from .errors import ModelLoadError, WorkbenchError
 from .models import LoadedModel, layer_shapes, model_from_config, quantizable_layers, resolve_model_path
 from .plan import QuantPlan, get_precision
 from .quantize.model import bits_per_weight
 
-__all__ = ["Projection", "ClassFit", "EfficiencyFit", "Claim", "model_shape", "load_shape_config", "project",
+if TYPE_CHECKING:
+    from .vendor_fit import VendorProjection
+
+__all__ = ["Projection", "PlanBytes", "plan_bytes", "AUTO", "ClassFit", "EfficiencyFit", "Claim", "model_shape", "load_shape_config", "project",
            "project_plans", "fit_efficiency", "check_claim", "check_memory_claim", "published_measurements",
            "plan_from_spec",
            "SHAPES_FILE", "MEASUREMENTS_FILE", "DEFAULT_CONTEXT", "DEFAULT_PROMPT"]
@@ -43,6 +47,7 @@ MEASUREMENTS_FILE = ASSETS_DIR / "field_measurements.json"
 DEFAULT_CONTEXT = 1024  # tokens in the KV cache when decoding
 DEFAULT_PROMPT = 128  # prompt tokens for prefill (the field's `--input_dim input_ids 1,128`)
 KV_BYTES = 2  # fp16 KV cache
+AUTO = "auto"  # project(runtime=AUTO): the device class's own LLM runtime
 GIB = 2 ** 30
 
 
@@ -111,6 +116,42 @@ def _attention_dims(config) -> tuple[int, int, int, int]:
 
 
 # -- projection -----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PlanBytes:
+    """What a plan of a model holds and reads: the one byte accounting projections and vendor fits share."""
+
+    weight_bytes: int  # resident weights (tied once, norms at fp16)
+    per_token: int  # weights one decode step reads (the embedding: one row)
+    kv_per_token: int
+    kv_bytes: int  # KV cache at the context
+    buffers: int  # logits + the largest prefill activations at fp16
+    flops: float  # prefill of the prompt: 2 per weight per token, plus attention
+
+
+def plan_bytes(lm: LoadedModel, plan: QuantPlan, *, context: int, prompt: int, kv_bytes: int = KV_BYTES) -> PlanBytes:
+    """Bytes and prefill FLOPs of ``plan`` on ``lm``'s shapes, with ``kv_bytes`` per cached element."""
+    names = [info.name for info in lm.layers]
+    assignments = plan.resolve(names)
+    cfg = lm.config
+    layers, heads, kv_heads, head_dim = _attention_dims(cfg)
+    embed = [i for i in lm.layers if i.kind == "embedding"]
+    read_names = [i.name for i in lm.layers if i.kind != "embedding"]
+    per_token = lm.layer_bytes(assignments, plan.group_size, plan.symmetric, names=read_names) + lm.other_bytes
+    for info in embed:  # a lookup reads one row of the table (tied or not, lm_head reads it all above)
+        table = info.bytes_at(assignments.get(info.name) or "fp16", plan.group_size, plan.symmetric)
+        per_token += table // info.shape[0]
+    shapes = layer_shapes(cfg)  # a pruned model's layers may hold different numbers of KV heads
+    kv_total = sum(kv for _, kv, _ in shapes) if shapes else layers * kv_heads
+    kv_per_token = 2 * kv_total * head_dim * kv_bytes
+    inter = getattr(cfg, "intermediate_size", 4 * cfg.hidden_size)
+    buffers = cfg.vocab_size * 4 + prompt * (2 * inter + 3 * cfg.hidden_size) * 2 + heads * prompt * prompt * 2
+    linear_params = sum(i.parameters for i in lm.layers if i.kind == "linear" and i.name != "lm_head")
+    lm_head = next((i.parameters for i in lm.layers if i.name == "lm_head"), 0)
+    flops = 2.0 * linear_params * prompt + 2.0 * lm_head + 2.0 * layers * heads * head_dim * prompt * prompt
+    return PlanBytes(int(lm.size_bytes(plan)), int(per_token), kv_per_token, kv_per_token * context, int(buffers),
+                     flops)
+
+
 @dataclass
 class Projection:
     """What a plan of a model needs on a device and how fast the device's memory and compute allow it to run."""
@@ -134,7 +175,7 @@ class Projection:
     bandwidth_gbps: float | None
     decode_bound_tps: float | None
     efficiency: float | None
-    efficiency_error: float | None  # the fit's largest relative error on the published measurements it used
+    efficiency_error: float | None  # generic: the fit's largest relative error; vendor fit: its median held-out error
     efficiency_basis: str
     projected_decode_tps: float | None
     prompt: int
@@ -146,6 +187,8 @@ class Projection:
     prefill_bound_ms: float | None
     unsupported_layers: list[tuple[str, str]] = field(default_factory=list)  # (layer, precision)
     notes: list[str] = field(default_factory=list)
+    runtime: str | None = None  # the device LLM runtime projected with (device_runtimes); None: generic
+    vendor: "VendorProjection | None" = None  # fitted to the vendor's measurements of that runtime
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -155,34 +198,29 @@ class Projection:
 
 def project(model, device: str | Device, plan: QuantPlan | None = None, *, context: int = DEFAULT_CONTEXT,
             prompt: int = DEFAULT_PROMPT, fit: "EfficiencyFit | None" = None,
-            ram_gb: float | None = None) -> Projection:
-    """Bounds and projections for ``model`` under ``plan`` (default: fp16) on ``device``; ``ram_gb`` gives the
-    RAM of a particular phone or board where the profile (a SoC's) leaves it unknown or differs."""
+            ram_gb: float | None = None, runtime: str | None = AUTO) -> Projection:
+    """Bounds and projections for ``model`` under ``plan`` on ``device``; ``ram_gb`` gives the RAM of a particular
+    phone or board where the profile (a SoC's) leaves it unknown or differs.
+
+    ``runtime``: the device's LLM runtime (``device_runtimes``; ``"auto"``: its class's own, Genie on a Snapdragon,
+    RKLLM on a Rockchip board; None: none, the bandwidth bound times the practitioners' efficiency). With a runtime,
+    the KV cache has its element size, the plan defaults to its recipe, and speed and memory are fitted to the
+    vendor's measurements (``vendor``), each with its held-out error."""
     if context < 0 or prompt < 1:
         raise WorkbenchError(f"context must be >= 0 and prompt >= 1 tokens (got {context}, {prompt})")
     lm = model_shape(model)
     dev = device if isinstance(device, Device) else get_device(device)
-    plan = plan or QuantPlan.uniform("fp16")
+    rt = runtime_for_device(dev.device_class, None if runtime == AUTO else runtime) if runtime else None
+    plan = plan or (rt.plan() if rt else QuantPlan.uniform("fp16"))
     names = [info.name for info in lm.layers]
     assignments = plan.resolve(names)
     cfg = lm.config
     layers, heads, kv_heads, head_dim = _attention_dims(cfg)
     notes: list[str] = []
 
-    weight_bytes = int(lm.size_bytes(plan))
-    embed = [i for i in lm.layers if i.kind == "embedding"]
-    read_names = [i.name for i in lm.layers if i.kind != "embedding"]
-    per_token = lm.layer_bytes(assignments, plan.group_size, plan.symmetric, names=read_names) + lm.other_bytes
-    for info in embed:  # a lookup reads one row of the table (tied or not, lm_head reads it all above)
-        table = info.bytes_at(assignments.get(info.name) or "fp16", plan.group_size, plan.symmetric)
-        per_token += table // info.shape[0]
-    shapes = layer_shapes(cfg)  # a pruned model's layers may hold different numbers of KV heads
-    kv_total = sum(kv for _, kv, _ in shapes) if shapes else layers * kv_heads
-    kv_per_token = 2 * kv_total * head_dim * KV_BYTES
-    kv_bytes = kv_per_token * context
-    vocab = cfg.vocab_size
-    inter = getattr(cfg, "intermediate_size", 4 * cfg.hidden_size)
-    buffers = vocab * 4 + prompt * (2 * inter + 3 * cfg.hidden_size) * 2 + heads * prompt * prompt * 2
+    b = plan_bytes(lm, plan, context=context, prompt=prompt, kv_bytes=rt.kv_bytes if rt else KV_BYTES)
+    weight_bytes, per_token, kv_per_token, kv_bytes, buffers = (b.weight_bytes, b.per_token, b.kv_per_token,
+                                                                b.kv_bytes, b.buffers)
     total = weight_bytes + kv_bytes + buffers
     notes.append("memory counts weights, KV cache and the graph's own buffers, not the runtime's code or the OS")
 
@@ -217,11 +255,22 @@ def project(model, device: str | Device, plan: QuantPlan | None = None, *, conte
     fit = fit if fit is not None else fit_efficiency()
     eff, err, basis = fit.factor_for(dev.device_class)
     projected = None if bound is None or eff is None else bound * eff
+    vendor = None
+    if rt is not None:
+        from .vendor_fit import vendor_projection
+        vendor = vendor_projection(lm, plan, dev, rt, context=context, prompt=prompt)
+        if vendor is None:
+            notes.append(f"no vendor measurement of {rt.title} is reachable: decode is the bandwidth bound times the "
+                         "practitioners' efficiency")
+        elif vendor.decode_tps is not None:
+            projected = vendor.decode_tps
+            eff = None if bound is None else projected / bound
+            err, basis = vendor.decode_error, vendor.basis
+        else:
+            notes.append(vendor.basis)
 
     # prefill: compute at the plan's precision, and one read of the weights
-    linear_params = sum(i.parameters for i in lm.layers if i.kind == "linear" and i.name != "lm_head")
-    lm_head = next((i.parameters for i in lm.layers if i.name == "lm_head"), 0)
-    flops = 2.0 * linear_params * prompt + 2.0 * lm_head + 2.0 * layers * heads * head_dim * prompt * prompt
+    flops = b.flops
     integer = any(not get_precision(p).is_float for p in assignments.values() if p)
     order = (("int8", dev.npu_int8_tops), ("fp16", dev.npu_fp16_tops))
     order = order if integer else order[::-1]
@@ -240,7 +289,7 @@ def project(model, device: str | Device, plan: QuantPlan | None = None, *, conte
         efficiency=eff, efficiency_error=err, efficiency_basis=basis, projected_decode_tps=projected, prompt=prompt,
         prefill_flops=flops, compute_tops=tops, compute_precision=compute_precision, prefill_compute_ms=compute_ms,
         prefill_memory_ms=memory_ms, prefill_bound_ms=max(known) if known else None,
-        unsupported_layers=unsupported, notes=notes)
+        unsupported_layers=unsupported, notes=notes, runtime=rt.name if rt else None, vendor=vendor)
 
 
 def project_plans(model, devices, plans: Mapping[str, QuantPlan], *, context: int = DEFAULT_CONTEXT,
@@ -384,7 +433,8 @@ def fit_efficiency(measurements: list[dict] | None = None, devices: dict[str, De
     none = EfficiencyFit({}, ClassFit("all", None, [], []))
     for m in measurements:
         dev = get_device(m["device"], devices)
-        p = project(m["shape"], dev, plan_from_spec(m["plan"]), context=m.get("context", DEFAULT_CONTEXT), fit=none)
+        p = project(m["shape"], dev, plan_from_spec(m["plan"]), context=m.get("context", DEFAULT_CONTEXT), fit=none,
+                    runtime=None)
         if p.decode_bound_tps is None:
             continue
         rows.setdefault(dev.device_class, []).append(

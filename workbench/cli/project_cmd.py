@@ -3,16 +3,20 @@
     workbench project qwen2.5-1.5b --device 8gen3 --bits 8 --embeddings int8
     workbench project ./Qwen2.5-7B/config.json --device rk3588 --plan plan.json --context 2048 --json
     workbench project qwen3-1.7b --device rk3588 --bits 8 --claim-decode 22 --claim-peak-gb 1.8
+    workbench project qwen3-4b --device 8elite --runtime genie --context 4096
 
 MODEL_OR_CONFIG is a model directory, a config.json, 'demo', or a shape in assets/model_shapes.json; only
 shapes are read (no weights), so a 7B projects in seconds. A `workbench quantize` directory uses its own plan.
-Decode tokens/s is bounded by bandwidth / bytes read per token; the projection multiplies the bound by an
-efficiency fitted to published measurements of the device's class, and shows that fit's error.
+Decode tokens/s is bounded by bandwidth / bytes read per token. With the device's LLM runtime (--runtime; by
+default its class's own: Genie on a Snapdragon, RKLLM on a Rockchip board) speed, first-token time and memory are
+fitted to the vendor's own measurements of that device and runtime, printed with the error the fit had on models
+it had not seen and the nearest measurement; --runtime none gives the bound times the practitioners' efficiency.
 """
 from __future__ import annotations
 
 from ..errors import PlanError
 from ..models import is_quantized_dir, resolve_model_path
+from ..device_runtimes import RUNTIMES
 from ..plan import QuantPlan
 from ..units import format_bytes
 from .common import count, number, add_json_flag, add_model_argument, print_json
@@ -28,8 +32,10 @@ def add_arguments(p):
     group = p.add_mutually_exclusive_group()
     group.add_argument("--plan", help="quantization plan JSON")
     group.add_argument("--bits", type=int, choices=sorted(BITS), help="uniform plan: 16 (fp16), 8 or 4")
-    p.add_argument("--embeddings", default="fp16", help="with --bits: precision of the embedding and lm_head "
-                   "(default fp16, as QuantPlan.uniform)")
+    p.add_argument("--embeddings", help="with --bits: precision of the embedding and lm_head (default: the runtime's "
+                   "own layout, or fp16 without one)")
+    p.add_argument("--runtime", choices=[*RUNTIMES, "none"], help="the device's LLM runtime (default: the device "
+                   "class's own; 'none': no runtime, the generic bandwidth projection)")
     p.add_argument("--context", type=count(1), default=1024, help="tokens in the KV cache while decoding (default 1024)")
     p.add_argument("--ram-gb", type=number(0, low_open=True), help="RAM of your phone or board in GB, where the device profile (a "
                    "SoC's) does not know it or differs")
@@ -40,23 +46,33 @@ def add_arguments(p):
     add_json_flag(p)
 
 
-def plan_for(args) -> QuantPlan:
-    """--plan, --bits, a quantized directory's own plan, or fp16."""
+def plan_for(args, runtime=None) -> QuantPlan | None:
+    """--plan, --bits (with a runtime and no --embeddings: the runtime's own layout at those bits), a quantized
+    directory's own plan, or None: the runtime's recipe, else fp16."""
     if args.plan:
         return QuantPlan.load(args.plan)
     if args.bits:
-        return QuantPlan.uniform(BITS[args.bits], keep_embeddings=args.embeddings)
+        if runtime is not None and args.embeddings is None:
+            own = [lb for lb in runtime.precisions if runtime.plan(lb).default == BITS[args.bits]]
+            if own:
+                return runtime.plan(own[0])
+        return QuantPlan.uniform(BITS[args.bits], keep_embeddings=args.embeddings or "fp16")
     if is_quantized_dir(args.model):
         return QuantPlan.load(resolve_model_path(args.model) / "plan.json")
-    return QuantPlan.uniform("fp16")
+    return None
 
 
 def run(args) -> int:
-    from ..projection import check_claim, project
+    from ..device_runtimes import runtime_for_device
+    from ..devices import get_device
+    from ..projection import AUTO, check_claim, project
     if args.context < 0 or args.prompt < 1:
         raise PlanError(f"--context must be >= 0 and --prompt >= 1 (got {args.context}, {args.prompt})")
-    p = project(args.model, args.device, plan_for(args), context=args.context, prompt=args.prompt,
-                ram_gb=args.ram_gb)
+    dev = get_device(args.device)
+    runtime = None if args.runtime == "none" else (args.runtime or AUTO)
+    rt = runtime_for_device(dev.device_class, None if runtime == AUTO else runtime) if runtime else None
+    p = project(args.model, dev, plan_for(args, rt), context=args.context, prompt=args.prompt,
+                ram_gb=args.ram_gb, runtime=runtime)
     claims = check_claim(p, decode_tps=args.claim_decode, peak_gb=args.claim_peak_gb, ttft_ms=args.claim_ttft_ms)
     if args.json:
         print_json({**p.to_dict(), "claims": [c.__dict__ for c in claims]})
@@ -83,8 +99,12 @@ def _unsupported(layers: list) -> str:
 def format_projection(p) -> list[str]:
     """The table `workbench project` prints (also used by bench/projection.py); GB = 1e9 bytes."""
     gb = 1e9
-    eff = (f"{p.efficiency:.2f} (fit error up to {p.efficiency_error:.0%}; {p.efficiency_basis})"
-           if p.efficiency is not None else p.efficiency_basis)
+    if p.vendor is not None and p.vendor.decode_tps is not None:
+        eff = (f"{p.efficiency:.2f} of the bound, as the vendor fit below projects" if p.efficiency is not None
+               else "the vendor fit below (no bound to compare)")
+    else:
+        eff = (f"{p.efficiency:.2f} (fit error up to {p.efficiency_error:.0%}; {p.efficiency_basis})"
+               if p.efficiency is not None else p.efficiency_basis)
     decode = (f"{p.projected_decode_tps:.1f} tok/s projected, bound {p.decode_bound_tps:.1f} tok/s "
               f"({p.bandwidth_gbps:g} GB/s / {(p.bytes_per_token + p.kv_bytes) / gb:.3f} GB per token)"
               if p.projected_decode_tps is not None else
@@ -109,4 +129,30 @@ def format_projection(p) -> list[str]:
         f"  prefill            {prefill}",
         f"  NPU cannot run     {_unsupported(p.unsupported_layers)}",
     ]
-    return lines + [f"  note: {n}" for n in p.notes]
+    return lines + vendor_lines(p) + [f"  note: {n}" for n in p.notes]
+
+
+def _pct(err, n) -> str:
+    return f"within {err:.0%} (median) on {n} held-out measurement(s)" if err is not None else "no held-out error"
+
+
+def vendor_lines(p) -> list[str]:
+    """The runtime, the fitted figures with their held-out errors, and the nearest vendor measurement."""
+    v = p.vendor
+    if v is None:
+        return [f"  runtime            {p.runtime or 'none'} (generic bandwidth projection)"]
+    lines = [f"  runtime            {v.runtime_title} ({v.runtime}), projected at its {v.precision} fit",
+             f"  fit                {v.basis}"]
+    if v.decode_tps is not None:
+        lines.append(f"  decode (fitted)    {v.decode_tps:.1f} tok/s, {_pct(v.decode_error, v.decode_n)}")
+    if v.ttft_ms is not None:
+        lines.append(f"  first token        {v.ttft_ms:.0f} ms for {p.prompt} prompt tokens, {_pct(v.ttft_error, v.ttft_n)}")
+    if v.peak_bytes is not None:
+        lines.append(f"  peak memory        {v.peak_bytes / 1e6:,.0f} MB, {_pct(v.memory_error, v.memory_n)}")
+    n = v.nearest
+    if n:
+        extra = "".join([f", first token {n['ttft_ms']:.0f} ms" if n.get("ttft_ms") else "",
+                         f", {n['peak_mb']:,.0f} MB" if n.get("peak_mb") else ""])
+        lines.append(f"  nearest measured   {n['model']} {n['precision']} on {n['vendor_device']}, {n['runtime']}, "
+                     f"context {n['context']}: {n['decode_tps']:.1f} tok/s{extra} ({n['source']})")
+    return lines + [f"  note: {x}" for x in v.notes]

@@ -1,0 +1,165 @@
+"""Regenerate assets/vendor_measurements.json from the vendors' own published measurements.
+
+    python scripts/vendor_measurements.py                      # downloads the qai-hub-models wheel (no install)
+    python scripts/vendor_measurements.py --qai-wheel qai_hub_models-0.65.0-py3-none-any.whl \\
+        --rknn-llm /path/to/rknn-llm                           # a clone (or bare mirror) of airockchip/rknn-llm
+
+Two sources, read as published, nothing typed in by hand:
+- Qualcomm AI Hub's measurements, shipped in the ``qai-hub-models`` wheel on PyPI: every
+  ``qai_hub_models/models/<model>/perf.yaml`` of a model whose shape the workbench knows (decode tokens/s,
+  prefill tokens/s and the time-to-first-token range per precision, runtime, compute unit and context length);
+  ``devices_and_chipsets.yaml`` names each device's chipset. The wheel is read as a zip; installing it would pin
+  an older torch.
+- Rockchip's RKLLM measurements: ``benchmark.md`` of airockchip/rknn-llm at a recorded commit (TTFT, tokens/s and
+  memory for 128 prompt / 64 new tokens, per board, model and dtype).
+
+Each row keeps its source (package, version and file, or repository, commit and path), the vendor's own model
+and device names, the workbench shape (``assets/model_shapes.json``) and device profile (``assets/devices``) it
+is projected with, or null where the workbench has no profile for that device.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import re
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "assets" / "vendor_measurements.json"
+QAI_VERSION = "0.65.0"
+RKNN_LLM_REPO = "airockchip/rknn-llm"
+
+# the vendors' model names -> the workbench shape (assets/model_shapes.json); fine-tunes of one base share its shape
+QAI_MODELS = {
+    "qwen3_0_6b": "qwen3-0.6b", "qwen3_1_7b": "qwen3-1.7b", "qwen3_4b": "qwen3-4b",
+    "qwen3_4b_instruct_2507": "qwen3-4b", "qwen3_8b": "qwen3-8b",
+    "llama_v3_2_1b_instruct": "llama-3.2-1b", "llama_v3_2_3b_instruct": "llama-3.2-3b",
+    "llama_v3_1_8b_instruct": "llama-3.1-8b", "llama_v3_8b_instruct": "llama-3.1-8b",
+    "qwen2_7b_instruct": "qwen2-7b", "smollm2_1_7b_it": "smollm2-1.7b",
+}
+RKNN_MODELS = {("Qwen2", "0.5B"): "qwen2-0.5b", ("Qwen3", "0.6B"): "qwen3-0.6b",
+               ("TinyLLAMA", "1.1B"): "tinyllama-1.1b", ("Qwen2.5", "1.5B"): "qwen2.5-1.5b"}
+# a vendor's chipset or board -> the workbench's device profile (assets/devices/<name>.json)
+PROFILES = {"qualcomm-snapdragon-8-elite-for-galaxy": "snapdragon-8-elite",
+            "qualcomm-snapdragon-x-elite": "snapdragon-x-elite", "RK3588": "rk3588"}
+# AI Hub's runtime keys -> the workbench's runtime names (workbench/device_runtimes.py)
+QAI_RUNTIMES = {"genie": "genie", "geniex_qairt": "qairt", "geniex_llamacpp": "llama.cpp"}
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def qai_rows(wheel: Path) -> tuple[dict, list[dict]]:
+    """AI Hub's LLM measurements of the models above, one row per (model, precision, device, runtime, unit, ctx)."""
+    z = zipfile.ZipFile(wheel)
+    chips = yaml.safe_load(z.read("qai_hub_models/devices_and_chipsets.yaml"))["devices"]
+    source = {"kind": "package", "package": "qai-hub-models", "version": QAI_VERSION, "file": wheel.name,
+              "sha256": _sha256(wheel.read_bytes()), "files": "qai_hub_models/models/<model>/perf.yaml, "
+              "qai_hub_models/devices_and_chipsets.yaml", "publisher": "Qualcomm AI Hub"}
+    rows = []
+    for model, shape in QAI_MODELS.items():
+        path = f"qai_hub_models/models/{model}/perf.yaml"
+        perf = yaml.safe_load(z.read(path))
+        for precision, pd in perf["precisions"].items():
+            for component, cd in pd["components"].items():
+                for device, dd in cd["performance_metrics"].items():
+                    for runtime, rd in dd.items():
+                        if runtime not in QAI_RUNTIMES or not isinstance(rd, dict):
+                            continue
+                        for m in rd.get("llm_metrics", []):
+                            rows.append(_qai_row(model, component, shape, precision, device, chips, runtime, m, path))
+    return source, rows
+
+
+def _qai_row(model, component, shape, precision, device, chips, runtime, m, path) -> dict:
+    name = QAI_RUNTIMES[runtime]
+    unit = m.get("desired_compute_unit")
+    if name == "llama.cpp":
+        name = f"llama.cpp-{unit}"
+    ttft = m.get("time_to_first_token_range_milliseconds") or {}
+    ctx = int(m["context_length"])
+    # the range runs from the shortest prompt to a full context: max / min = context / shortest prompt
+    prompt = round(ctx * ttft["min"] / ttft["max"]) if ttft.get("min") and ttft.get("max") else None
+    chipset = chips.get(device, {}).get("chipset")
+    return {"source": "qai-hub-models", "file": path, "vendor_model": model, "model": component, "shape": shape,
+            "vendor_device": device, "chipset": chipset, "device": PROFILES.get(chipset), "runtime": name,
+            "compute_unit": unit, "precision": precision, "context": ctx, "prompt": prompt, "new_tokens": None,
+            "decode_tps": float(m["tokens_per_second"]),
+            "prefill_tps": None if m.get("prefill_tokens_per_second") is None else float(m["prefill_tokens_per_second"]),
+            "ttft_ms": None if ttft.get("min") is None else float(ttft["min"]), "peak_mb": None}
+
+
+def _benchmark_md(rknn_llm: Path) -> tuple[str, str]:
+    """(text of benchmark.md, commit) from a clone or a bare mirror."""
+    git = ["git", f"--git-dir={rknn_llm / '.git'}"] if (rknn_llm / ".git").exists() else ["git", f"--git-dir={rknn_llm}"]
+    commit = subprocess.run(git + ["rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    text = subprocess.run(git + ["show", f"{commit}:benchmark.md"], capture_output=True, text=True, check=True).stdout
+    return text, commit
+
+
+def rknn_rows(rknn_llm: Path) -> tuple[dict, list[dict]]:
+    """Rockchip's table rows of the models above: a model's name is given once, on its first dtype's row."""
+    text, commit = _benchmark_md(rknn_llm)
+    source = {"kind": "repository", "repository": RKNN_LLM_REPO, "commit": commit, "path": "benchmark.md",
+              "sha256": _sha256(text.encode()), "publisher": "Rockchip"}
+    rows, board, model = [], None, None
+    for line in text.splitlines():
+        head = re.match(r"^###\s+(\S+)", line)
+        if head:
+            board = head.group(1)
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if board is None or len(cells) != 8 or not re.match(r"^[\d.]+$", cells[5] or "x"):
+            continue
+        model = cells[0] or model
+        shape = RKNN_MODELS.get((model, cells[1]))
+        if shape is None:
+            continue
+        seq, new, ttft, tps, mem = (float(c) for c in cells[3:8])
+        rows.append({"source": RKNN_LLM_REPO, "file": "benchmark.md", "vendor_model": f"{model} {cells[1]}",
+                     "model": f"{model}-{cells[1]}", "shape": shape, "vendor_device": board, "chipset": board,
+                     "device": PROFILES.get(board), "runtime": "rkllm", "compute_unit": "npu", "precision": cells[2],
+                     "context": int(seq + new), "prompt": int(seq), "new_tokens": int(new), "decode_tps": tps,
+                     "prefill_tps": seq / ttft * 1e3, "ttft_ms": ttft, "peak_mb": mem})
+    return source, rows
+
+
+def _download_wheel(where: Path) -> Path:
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", f"qai-hub-models=={QAI_VERSION}",
+                    "-d", str(where)], check=True)
+    return next(where.glob("qai_hub_models-*.whl"))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--qai-wheel", type=Path, help=f"qai-hub-models {QAI_VERSION} wheel (default: pip download it)")
+    ap.add_argument("--rknn-llm", type=Path, required=True, help=f"a clone or bare mirror of {RKNN_LLM_REPO}")
+    ap.add_argument("--out", type=Path, default=OUT)
+    args = ap.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        wheel = args.qai_wheel or _download_wheel(Path(tmp))
+        qai_source, qai = qai_rows(wheel)
+    rk_source, rk = rknn_rows(args.rknn_llm)
+    doc = {"about": "Device LLM speed and memory measured and published by the vendors, regenerated by "
+                    "scripts/vendor_measurements.py; nothing typed in by hand. ttft_ms is for `prompt` tokens "
+                    "(AI Hub: the low end of its time-to-first-token range; Rockchip: its TTFT); peak_mb is "
+                    "Rockchip's 'memory(MB)'; `device` is the workbench profile a row is projected with.",
+           "sources": {"qai-hub-models": qai_source, RKNN_LLM_REPO: rk_source},
+           "measurements": qai + rk}
+    tmp_out = args.out.with_suffix(".tmp")
+    tmp_out.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+    tmp_out.replace(args.out)
+    print(f"{len(qai)} AI Hub and {len(rk)} RKLLM measurements -> {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,180 @@
+"""Projections fitted to the vendors' own measurements: sources, the fit, its held-out error, the issue's cases."""
+import json
+import statistics
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from workbench.cli import main
+from workbench.device_runtimes import get_runtime
+from workbench.devices import load_devices
+from workbench.errors import WorkbenchError
+from workbench.projection import SHAPES_FILE, project
+from workbench.vendor_fit import (_fit, _runtime_name, class_transfer_errors, measurement_features, vendor_fits,
+                                  vendor_measurements, vendor_sources)
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+import vendor_measurements as script  # noqa: E402
+
+
+def test_every_measurement_names_its_source_a_known_shape_runtime_and_device():
+    shapes = json.loads(SHAPES_FILE.read_text())["shapes"]
+    devices = load_devices()
+    sources = vendor_sources()
+    rows = vendor_measurements()
+    assert len(rows) > 400
+    for r in rows:
+        assert r["shape"] in shapes and r["source"] in sources and r["file"]
+        assert r["device"] is None or r["device"] in devices
+        get_runtime(_runtime_name(r["runtime"]))
+        assert r["decode_tps"] > 0 and r["context"] >= r["prompt"] > 0
+    assert sources["airockchip/rknn-llm"]["commit"] == "878f9361fd3afa7e167b7079918918f78d2c1c2a"
+    assert sources["qai-hub-models"]["version"] == "0.65.0"
+    rk = {(r["model"], r["vendor_device"], r["precision"]): r for r in rows if r["runtime"] == "rkllm"}
+    assert rk[("Qwen2.5-1.5B", "RK3588", "w8a8")]["peak_mb"] == 1689.21  # as published
+    s25 = [r for r in rows if r["vendor_device"] == "Samsung Galaxy S25" and r["runtime"] == "genie"
+           and r["model"] == "Qwen3-4B" and r["precision"] == "w4a16"]
+    assert [round(r["decode_tps"], 1) for r in s25] == [26.1] and s25[0]["device"] == "snapdragon-8-elite"
+
+
+def test_the_script_reads_both_sources_as_published(tmp_path):
+    perf = {"precisions": {"w4a16": {"components": {"Qwen3-0.6B": {"performance_metrics": {"Samsung Galaxy S25": {
+        "genie": {"llm_metrics": [{"context_length": 4096, "desired_compute_unit": "npu", "tokens_per_second": 125.0,
+                                   "prefill_tokens_per_second": 2262.4,
+                                   "time_to_first_token_range_milliseconds": {"min": 15.92, "max": 509.44}}]},
+        "qnn_context_binary": {"inference_time": 1}}}}}}}}
+    chips = {"devices": {"Samsung Galaxy S25": {"chipset": "qualcomm-snapdragon-8-elite-for-galaxy"}}}
+    wheel = tmp_path / "qai_hub_models-0.65.0-py3-none-any.whl"
+    import yaml
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr("qai_hub_models/devices_and_chipsets.yaml", yaml.safe_dump(chips))
+        for model in script.QAI_MODELS:
+            z.writestr(f"qai_hub_models/models/{model}/perf.yaml",
+                       yaml.safe_dump(perf if model == "qwen3_0_6b" else {"precisions": {}}))
+    source, rows = script.qai_rows(wheel)
+    assert source["version"] == "0.65.0" and len(source["sha256"]) == 64
+    (row,) = rows
+    assert row["prompt"] == 128 and row["ttft_ms"] == 15.92 and row["device"] == "snapdragon-8-elite"
+    assert row["runtime"] == "genie" and row["shape"] == "qwen3-0.6b"
+
+    repo = tmp_path / "rknn-llm"
+    repo.mkdir()
+    (repo / "benchmark.md").write_text(
+        "### RK3576\n\n| Model | Model Size | Dtype | Seqlen | New_tokens | TTFT(ms) | Tokens/s | memory(MB) |\n"
+        "| :-- | :--: | :--: | :--: | :--: | :--: | :--: | :--: |\n"
+        "| Qwen2 | 0.5B | w4a16 | 128 | 64 | 342.37 | 32.56 | 443.44 |\n"
+        "|       | 0.5B | w8a8  | 128 | 64 | 344.27 | 21.73 | 678.43 |\n"
+        "| Gemma2 | 2B | w8a8 | 128 | 64 | 956.77 | 5.24 | 2784.78 |\n")
+    for cmd in (["init", "-q"], ["add", "benchmark.md"],
+                ["-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "bench"]):
+        subprocess.run(["git", "-C", str(repo), *cmd], check=True)
+    source, rows = script.rknn_rows(repo)
+    assert len(source["commit"]) == 40
+    assert [(r["model"], r["precision"], r["decode_tps"], r["peak_mb"]) for r in rows] == [
+        ("Qwen2-0.5B", "w4a16", 32.56, 443.44), ("Qwen2-0.5B", "w8a8", 21.73, 678.43)]  # the name carries down
+    assert rows[0]["context"] == 192 and rows[0]["device"] is None  # no RK3576 profile in the workbench
+
+
+def _synthetic(tmp_path, law):
+    """Measurements made by a known law over real shapes: the fit must find it and project held-out models exactly."""
+    rows = []
+    for shape in ("qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "llama-3.2-1b", "llama-3.2-3b"):
+        for ctx in (512, 4096):
+            r = {"source": "s", "file": "f", "vendor_model": shape, "model": shape, "shape": shape,
+                 "vendor_device": "Board", "chipset": None, "device": None, "runtime": "qairt",
+                 "compute_unit": "npu", "precision": "w4a16", "context": ctx, "prompt": 128, "new_tokens": None,
+                 "prefill_tps": None, "peak_mb": None}
+            f = measurement_features(r)
+            r["decode_tps"] = 1e3 / law(f)
+            r["ttft_ms"] = 5 + 40 * f["tflop"] + 100 * f["kv_gb"]
+            rows.append(r)
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps({"sources": {"s": {"kind": "package", "package": "p", "version": "1"}},
+                                "measurements": rows}))
+    return path
+
+
+def test_the_fit_recovers_a_known_law_and_projects_held_out_models_exactly(tmp_path):
+    path = _synthetic(tmp_path, lambda f: 2.0 + 20.0 * f["weights_gb"] + 50.0 * f["kv_gb"])
+    (fit,) = vendor_fits(path).values()
+    assert fit.decode.features == ("1", "weights_gb", "kv_gb")
+    assert fit.decode.coef == pytest.approx((2.0, 20.0, 50.0), rel=1e-6)
+    assert fit.decode.n == 10 and fit.decode.median_error == pytest.approx(0, abs=1e-9)
+    assert fit.ttft.coef == pytest.approx((5.0, 40.0, 100.0), rel=1e-6)
+    assert fit.memory is None  # nobody measured memory here
+
+
+def test_held_out_error_is_leave_one_model_out():
+    fit = vendor_fits(device="rk3588", runtime="rkllm")[("RK3588", "rkllm", "w8a8")]
+    assert fit.models == ["qwen2-0.5b", "qwen2.5-1.5b", "qwen3-0.6b", "tinyllama-1.1b"]
+    feats = [measurement_features(r) for r in fit.rows]
+    by_hand = []
+    for shape in fit.models:  # each model projected by a fit to the other three
+        train = [(r, f) for r, f in zip(fit.rows, feats) if r["shape"] != shape]
+        part = _fit("decode_ms", [r for r, _ in train], [f for _, f in train])
+        assert part.features == ("1", "weights_gb+kv_gb")  # three models: two coefficients, not an exact pass
+        by_hand += [part(f) / (1e3 / r["decode_tps"]) - 1 for r, f in zip(fit.rows, feats) if r["shape"] == shape]
+    assert fit.decode.held_out == pytest.approx(by_hand)
+    assert fit.decode.median_error == pytest.approx(statistics.median(abs(e) for e in by_hand))
+    assert fit.decode.median_error <= 0.15 and fit.memory.median_error <= 0.20 and fit.ttft.median_error <= 0.30
+
+
+@pytest.mark.parametrize("shape,device,runtime,bits,ctx,measured,measured_mb", [
+    ("qwen3-4b", "8elite", "genie", None, 4096, 26.1, None),
+    ("qwen3-1.7b", "8elite", "genie", None, 4096, 56.7, None),
+    ("qwen2.5-1.5b", "rk3588", "rkllm", "8", 192, 16.69, 1689.21),
+])
+def test_the_vendors_figures_are_projected_within_20_percent_with_error_and_nearest(
+        capsys, shape, device, runtime, bits, ctx, measured, measured_mb):
+    argv = ["project", shape, "--device", device, "--runtime", runtime, "--context", str(ctx), "--json"]
+    assert main(argv + (["--bits", bits] if bits else [])) == 0
+    out = json.loads(capsys.readouterr().out)
+    v = out["vendor"]
+    assert v["decode_tps"] == pytest.approx(measured, rel=0.20) and out["projected_decode_tps"] == v["decode_tps"]
+    assert v["decode_error"] is not None and v["decode_n"] >= 4 and not v["fallback"]
+    assert v["nearest"]["decode_tps"] == pytest.approx(measured, rel=0.01)  # the same model is the nearest
+    if measured_mb:
+        assert v["peak_bytes"] / 1e6 == pytest.approx(measured_mb, rel=0.20) and v["memory_n"] == 4
+    assert main(argv[:-1] + (["--bits", bits] if bits else [])) == 0
+    text = capsys.readouterr().out
+    assert "held-out measurement(s)" in text and "nearest measured" in text and "decode (fitted)" in text
+
+
+def test_a_device_without_measurements_borrows_from_its_class_with_the_class_error():
+    p = project("qwen3-1.7b", "8gen3", context=4096)  # the class's own runtime, its recipe
+    v = p.vendor
+    assert p.runtime == "genie" and v.fallback and "Samsung Galaxy S25" in v.basis
+    errs = class_transfer_errors("hexagon-htp", "genie", "w4a16")
+    assert v.decode_error == pytest.approx(statistics.median(abs(e) for e in errs["decode"]))
+    own = project("qwen3-1.7b", "8elite", context=4096).vendor
+    assert v.decode_error > own.decode_error  # borrowed is less sure than measured
+    ratio = load_devices()["snapdragon-8-elite"].memory_bandwidth_gbps / load_devices()["snapdragon-8-gen-3"].memory_bandwidth_gbps
+    assert own.decode_tps / v.decode_tps == pytest.approx(ratio, rel=0.05)  # mostly bandwidth-bound
+
+
+def test_runtimes_refuse_other_classes_and_unmeasured_ones_say_so():
+    with pytest.raises(WorkbenchError, match="does not run on hexagon-htp"):
+        project("qwen3-1.7b", "8elite", runtime="rkllm")
+    with pytest.raises(WorkbenchError, match="unknown runtime"):
+        project("qwen3-1.7b", "8elite", runtime="tflite")
+    p = project("qwen3-1.7b", "8elite", runtime="mnn")
+    assert p.vendor is None and any("no vendor measurement" in n for n in p.notes)
+    generic = project("qwen3-1.7b", "8elite", runtime=None)
+    assert generic.runtime is None and generic.vendor is None and generic.kv_bytes_per_token == 2 * 2 * 28 * 8 * 128
+
+
+def test_a_plan_is_projected_at_the_measured_precision_it_matches():
+    from workbench.plan import QuantPlan
+    rk = get_runtime("rkllm")
+    assert rk.precision_label(rk.plan("w8a8")) == ("w8a8", None)
+    assert rk.precision_label(QuantPlan(default="int4", group_size=128)) == ("w4a16_g128", None)
+    label, note = rk.precision_label(QuantPlan(default="int4", group_size=64))
+    assert label == "w4a16" and "no Rockchip RKLLM measurement at int4 in groups of 64" in note
+    p = project("qwen2.5-1.5b", "rk3588", QuantPlan.uniform("int4"), runtime="rkllm")
+    assert p.vendor.precision == "w4a16_g128"  # Rockchip measured it on the RK3576 only, which has no profile here
+    assert p.vendor.decode_tps is None and p.vendor.basis.startswith("no vendor fit") and p.vendor.basis in p.notes
+    assert p.projected_decode_tps == pytest.approx(p.decode_bound_tps * p.efficiency)  # the generic projection
