@@ -83,11 +83,12 @@ def test_one_page_with_every_chart_and_nothing_loaded_from_the_network(run):
     assert list(report.figures) == ["Precisions: size against damage", "Quantized model: weight error per layer",
                                     "Conversions against the simulation", "Profile on this host",
                                     "Host decode against its bound", "Plans on devices",
-                                    "Quality, size and projected speed"]
+                                    "Vendor measurements and the fit", "Quality, size and projected speed"]
     assert page.count("Plotly.newPlot(") == len(report.figures) == page.count("class='workbench-figure'")
     assert page.count("plotly.js v") == 1  # the library once, inlined
     assert external_loads(page) == []
-    for text in ("KL", "± ", "ort-int4", "Snapdragon 8 Gen 3", "read bandwidth", "sha256", "transformers"):
+    for text in ("KL", "± ", "ort-int4", "Snapdragon 8 Gen 3", "read bandwidth", "sha256", "transformers",
+                 "nearest vendor measurement", "qai-hub-models"):
         assert text in page
     assert (app.out_dir / "report.html").read_text(encoding="utf-8").count("Plotly.newPlot(") == len(report.figures)
 

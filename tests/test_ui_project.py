@@ -15,7 +15,7 @@ def test_shapes_and_plans_on_chosen_devices():
     direct = project("qwen2.5-1.5b", "rk3588", plans["int4"], context=2048)
     assert out["int4"][0].to_dict() == direct.to_dict()
     assert "RK3588" in panel.table.value and "Kirin 9000" in panel.table.value and "2048" in panel.status.value
-    assert set(panel.figures) == {"devices"}  # nothing measured: no quality / speed chart
+    assert set(panel.figures) == {"devices", "vendor"}  # nothing measured: no quality / speed chart
     assert list(panel.pareto_device.options) == ["RK3588"]  # Kirin 9000's bandwidth is unknown
     panel.devices.value = ()
     assert panel.run() is None and "at least one device" in panel.error
@@ -37,7 +37,7 @@ def test_in_the_app_session_quantized_and_evaluated_plans(tiny_model_dir, worksp
     assert list(out) == ["session plan", "uniform int8"]
     assert [r["label"] for r in panel.rows] == ["uniform int8", "session plan"]  # in the order measured
     assert panel.rows[1]["kl_divergence"] == points[1].kl_divergence
-    assert set(panel.figures) == {"devices", "pareto"}
+    assert set(panel.figures) == {"devices", "vendor", "pareto"}
     assert panel.pareto_device.value == "Snapdragon 8 Gen 3"  # the first device chosen
     assert "Snapdragon 8 Gen 3" in panel.figures["pareto"].layout.title.text
     panel.pareto_device.value = "Jetson Nano 4GB"
@@ -59,3 +59,32 @@ def test_the_app_has_a_project_tab(tiny_model_dir, workspace, tmp_path):
     assert "project-devices" in app.figures_on_show()
     app.project_panel.context.value = -1
     assert app.project_panel.context.value == 0  # bounded: a negative context cannot be typed
+
+
+def test_the_runtime_choice_and_the_vendor_evidence():
+    from workbench.device_runtimes import get_runtime
+    plans = {"w4a16": get_runtime("genie").plan(), "int8": QuantPlan.uniform("int8")}
+    panel = ProjectPanel("qwen3-1.7b", plans=plans, devices=["8elite", "rk3588"], context=4096)
+    assert panel.runtime.value == "auto"
+    out = panel.run()
+    elite, rk = out["w4a16"]
+    assert (elite.runtime, rk.runtime) == ("genie", "rkllm")  # each device's own
+    assert elite.vendor.decode_tps == elite.projected_decode_tps and elite.vendor.decode_error is not None
+    table = panel.table.value
+    assert "Qwen3-1.7B w4a16, Samsung Galaxy S25, ctx 4096: 56.7 tok/s" in table  # the nearest measurement
+    assert "held out, 8)" in table
+    fig = panel.figures["vendor"]
+    measured = next(t for t in fig.data if t.name.startswith("Snapdragon 8 Elite: measured"))
+    assert 56.7 in [round(y, 1) for y in measured.y] and len(measured.x) == len(elite.vendor.points)
+    star = next(t for t in fig.data if t.name == "Snapdragon 8 Elite: w4a16")
+    assert star.y[0] == elite.vendor.decode_tps and star.error_y.array[0] > 0
+    panel.runtime.value = "qairt"  # a named runtime: the Snapdragon takes it, the Rockchip board keeps its own
+    out = panel.run()
+    elite, rk = out["w4a16"]
+    assert elite.runtime == "qairt" and rk.runtime == "rkllm" and any("qairt does not run on rknpu" in n
+                                                                        for n in rk.notes)
+    panel.runtime.value = None
+    out = panel.run()
+    assert all(p.runtime is None and p.vendor is None for p in out["w4a16"])
+    assert "none" in panel.table.value
+    panel.close()

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Mapping
 
 from .assets import ASSETS_DIR
-from .device_runtimes import runtime_for_device
+from .device_runtimes import get_runtime, runtime_for_device
 from .devices import Device, get_device, load_devices
 from .errors import ModelLoadError, WorkbenchError
 from .models import LoadedModel, layer_shapes, model_from_config, quantizable_layers, resolve_model_path
@@ -293,18 +293,33 @@ def project(model, device: str | Device, plan: QuantPlan | None = None, *, conte
 
 
 def project_plans(model, devices, plans: Mapping[str, QuantPlan], *, context: int = DEFAULT_CONTEXT,
-                  prompt: int = DEFAULT_PROMPT, ram_gb: float | None = None) -> dict[str, list[Projection]]:
+                  prompt: int = DEFAULT_PROMPT, ram_gb: float | None = None,
+                  runtime: str | None = AUTO) -> dict[str, list[Projection]]:
     """Every plan (by label) on every device: ``{label: [Projection per device, in the order given]}``.
 
     The model's shapes are read once, so the app, the notebook and the run report compare candidate plans
-    on one footing."""
+    on one footing. ``runtime`` as in :func:`project`; a named runtime applies to the devices it runs on, the
+    others are projected with their own (and a note says so)."""
     lm = model_shape(model)
     registry = load_devices()
     devs = [d if isinstance(d, Device) else get_device(d, registry) for d in devices]
     if not devs:
         raise WorkbenchError("choose at least one device (`workbench devices` lists them)")
-    return {label: [project(lm, d, plan, context=context, prompt=prompt, ram_gb=ram_gb) for d in devs]
-            for label, plan in plans.items()}
+    def runtime_on(d: Device) -> str | None:
+        if runtime in (None, AUTO) or d.device_class in get_runtime(runtime).device_classes:
+            return runtime
+        return AUTO
+
+    out = {}
+    for label, plan in plans.items():
+        out[label] = []
+        for d in devs:
+            p = project(lm, d, plan, context=context, prompt=prompt, ram_gb=ram_gb, runtime=runtime_on(d))
+            if runtime_on(d) != runtime:
+                p.notes.append(f"{runtime} does not run on {d.device_class} devices: projected with "
+                               f"{p.runtime or 'no runtime'}")
+            out[label].append(p)
+    return out
 
 
 # -- claims -------------------------------------------------------------------------------------------

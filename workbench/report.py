@@ -279,19 +279,31 @@ def projection_rows(projections: Mapping[str, Sequence]) -> list[list[str]]:
     rows = []
     for label, ps in projections.items():
         for p in ps:
-            proj = (f"{p.projected_decode_tps:,.1f}" + (f" (±{p.efficiency_error:.0%})" if p.efficiency_error else "")
-                    if p.projected_decode_tps is not None else "-")
+            v = p.vendor
+            fitted = v is not None and v.decode_tps is not None
+            err = (f" (±{p.efficiency_error:.0%}" + (f" held out, {v.decode_n}" if fitted else "") + ")"
+                   if p.efficiency_error else "")
+            proj = f"{p.projected_decode_tps:,.1f}{err}" if p.projected_decode_tps is not None else "-"
+            near = v.nearest if v is not None else None
+            nearest = (f"{near['model']} {near['precision']}, {near['vendor_device']}, ctx {near['context']}: "
+                       f"{near['decode_tps']:.1f} tok/s ({near['source'].split(',')[0]})" if near else "-")
+            first = (f"{v.ttft_ms:,.0f} (±{v.ttft_error:.0%})" if v is not None and v.ttft_ms is not None
+                     and v.ttft_error is not None else "-")
+            runtime = (f"{p.runtime}" + (f" {v.precision}" if v is not None else "")
+                       + (" (borrowed)" if v is not None and v.fallback else "")) if p.runtime else "none"
             bad = p.unsupported_layers
             npu = "none" if not bad else f"{len(bad)}: " + ", ".join(n for n, _ in bad[:3]) + (
                 " ..." if len(bad) > 3 else "") + f" ({', '.join(sorted({q for _, q in bad}))})"
-            rows.append([label, p.device, f"{p.bits_per_weight:.2f}", format_bytes(p.total_bytes),
+            rows.append([label, p.device, runtime, f"{p.bits_per_weight:.2f}", format_bytes(p.total_bytes),
                          _yes(p.fits_ram) + (f" of {p.ram_bytes / 1e9:g} GB" if p.ram_bytes else ""), _yes(p.fits_npu),
-                         _fmt(p.decode_bound_tps, ",.1f"), proj, _fmt(p.prefill_bound_ms, ",.1f"), npu])
+                         _fmt(p.decode_bound_tps, ",.1f"), proj, first, _fmt(p.prefill_bound_ms, ",.1f"), nearest,
+                         npu])
     return rows
 
 
-PROJECTION_HEADER = ("plan", "device", "bits/w", "memory", "fits RAM", "fits NPU limit", "decode bound tok/s",
-                     "projected tok/s (fit error)", "prefill bound ms", "layers the NPU cannot run")
+PROJECTION_HEADER = ("plan", "device", "runtime", "bits/w", "memory", "fits RAM", "fits NPU limit",
+                     "decode bound tok/s", "projected tok/s (fit error)", "first token ms (held out)",
+                     "prefill bound ms", "nearest vendor measurement", "layers the NPU cannot run")
 
 
 def projection_table_html(projections: Mapping[str, Sequence]) -> str:
@@ -344,7 +356,8 @@ def build_report(path: str | Path, *, devices: Sequence[str] | None = None, cont
     from .charts.graph import make_conversion_figure, make_device_gap_figure
     from .charts.precision import make_pareto_figure
     from .charts.profile import make_profile_figure
-    from .charts.projection import make_device_figure, make_host_bound_figure, make_speed_pareto_figure
+    from .charts.projection import (make_device_figure, make_host_bound_figure, make_speed_pareto_figure,
+                                    make_vendor_fit_figure)
     from .charts.quantize import make_layer_error_figure
     from .devices import load_devices
     from .profile import RuntimeProfile
@@ -388,6 +401,8 @@ def build_report(path: str | Path, *, devices: Sequence[str] | None = None, cont
         names = list(devices) if devices else list(load_devices())
         projections = project_plans(shape, names, plans, context=context)
         figures["Plans on devices"] = make_device_figure(projections)
+        if any(p.vendor is not None and p.vendor.points for ps in projections.values() for p in ps):
+            figures["Vendor measurements and the fit"] = make_vendor_fit_figure(projections)
         speeds = [p.device for p in next(iter(projections.values())) if p.projected_decode_tps is not None]
         if rows and speeds:
             figures["Quality, size and projected speed"] = make_speed_pareto_figure(

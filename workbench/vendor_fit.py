@@ -35,7 +35,7 @@ from .assets import ASSETS_DIR
 from .device_runtimes import DeviceRuntime, get_runtime
 from .devices import Device, load_devices
 
-__all__ = ["VENDOR_FILE", "LinearFit", "RuntimeFit", "VendorProjection", "vendor_measurements", "vendor_fits",
+__all__ = ["VENDOR_FILE", "relative_error", "LinearFit", "RuntimeFit", "VendorProjection", "vendor_measurements", "vendor_fits",
            "vendor_projection", "measurement_features", "class_transfer_errors"]
 
 VENDOR_FILE = ASSETS_DIR / "vendor_measurements.json"
@@ -109,12 +109,14 @@ def _nnls_relative(x: list[list[float]], y: list[float]) -> list[float]:
 
 @dataclass
 class LinearFit:
-    """target ~ sum(coef * feature); ``held_out``: per measurement, projected / measured - 1 with its model left out."""
+    """target ~ sum(coef * feature); ``held_out``: per measurement, projected / measured - 1 (of tokens/s for
+    decode) with its model left out."""
 
     target: str
     features: tuple[str, ...]  # "1" is the constant; "weights_gb+kv_gb" a sum
     coef: tuple[float, ...]
     held_out: list[float] = field(default_factory=list)
+    held_out_at: list[float | None] = field(default_factory=list)  # the same, per row of its fit (None: unmeasured)
 
     def __call__(self, f: dict[str, float]) -> float:
         return sum(c * _value(name, f) for name, c in zip(self.features, self.coef))
@@ -136,6 +138,11 @@ def _target(row: dict, target: str) -> float | None:
     if target == "decode_ms":
         return 1e3 / row["decode_tps"] if row.get("decode_tps") else None
     return row.get(target)
+
+
+def relative_error(target: str, projected: float, measured: float) -> float:
+    """projected / measured - 1 of what a user reads: tokens/s for decode (the fit is in time per token)."""
+    return measured / projected - 1 if target == "decode_ms" else projected / measured - 1
 
 
 def _choose(target: str, rows: list[dict]) -> tuple[str, ...]:
@@ -166,15 +173,17 @@ def _fit_with_held_out(target: str, rows: list[dict], feats: list[dict]) -> Line
     full = _fit(target, rows, feats)
     if full is None:
         return None
+    full.held_out_at = [None] * len(rows)
     for shape in sorted({r["shape"] for r in rows}):
         train = [(r, f) for r, f in zip(rows, feats) if r["shape"] != shape]
         part = _fit(target, [r for r, _ in train], [f for _, f in train])
         if part is None:
             continue
-        for r, f in zip(rows, feats):
+        for i, (r, f) in enumerate(zip(rows, feats)):
             y = _target(r, target)
             if r["shape"] == shape and y is not None:
-                full.held_out.append(part(f) / y - 1)
+                full.held_out_at[i] = relative_error(target, part(f), y)
+    full.held_out = [e for e in full.held_out_at if e is not None]
     return full
 
 
@@ -276,7 +285,7 @@ def class_transfer_errors(device_class: str, runtime: str, precision: str,
             for what, target in (("decode", "decode_ms"), ("ttft", "ttft_ms"), ("memory", "peak_mb")):
                 y = _target(r, target)
                 if moved[what] is not None and y is not None:
-                    errs[what].append(moved[what](feat) / y - 1)
+                    errs[what].append(relative_error(target, moved[what](feat), y))
     return errs
 
 
@@ -302,6 +311,7 @@ class VendorProjection:
     nearest: dict | None  # the nearest measurement of this device (or class) and runtime
     points: list[dict] = field(default_factory=list)  # this fit's measurements: for the chart
     notes: list[str] = field(default_factory=list)
+    bytes_gb: float | None = None  # what this plan reads per token with the runtime: its x on the chart
 
 
 def _median_abs(errs: list[float]) -> float | None:
@@ -321,10 +331,13 @@ def _nearest(rows: list[dict], feats: list[dict], f: dict, context: int) -> dict
             "source": source_label(r), "weights_gb": feats[i]["weights_gb"]}
 
 
-def _points(rows: list[dict], feats: list[dict]) -> list[dict]:
-    return [{"model": r["model"], "context": r["context"], "decode_tps": r["decode_tps"],
-             "bytes_gb": f["weights_gb"] + f["kv_gb"], "weights_gb": f["weights_gb"], "kv_gb": f["kv_gb"]}
-            for r, f in zip(rows, feats)]
+def _points(rows: list[dict], feats: list[dict], decode: LinearFit | None, own: bool) -> list[dict]:
+    """The fit's measurements for the chart; ``held_out_tps``: what the fit projected for each with its model left
+    out (own measurements only; a borrowed fit was not made for this device)."""
+    errs = decode.held_out_at if own and decode is not None and decode.held_out_at else [None] * len(rows)
+    return [{"model": r["model"], "vendor_device": r["vendor_device"], "context": r["context"],
+             "decode_tps": r["decode_tps"], "bytes_gb": f["weights_gb"] + f["kv_gb"],
+             "held_out_tps": None if e is None else r["decode_tps"] * (1 + e)} for r, f, e in zip(rows, feats, errs)]
 
 
 def vendor_projection(lm, plan, device: Device, runtime: DeviceRuntime, *, context: int, prompt: int,
@@ -370,4 +383,5 @@ def vendor_projection(lm, plan, device: Device, runtime: DeviceRuntime, *, conte
         None if not decode_ms else 1e3 / decode_ms, _median_abs(errs["decode"]), len(errs["decode"]),
         ttft, _median_abs(errs["ttft"]), len(errs["ttft"]),
         None if peak is None else int(peak * 1e6), _median_abs(errs["memory"]), len(errs["memory"]),
-        _nearest(rows, feats, f, context), _points(rows, feats), notes)
+        _nearest(rows, feats, f, context), _points(rows, feats, moved["decode"], not fallback), notes,
+        bytes_gb=f["weights_gb"] + f["kv_gb"])

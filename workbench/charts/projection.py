@@ -18,7 +18,7 @@ from ..errors import WorkbenchError
 from ..profile import RuntimeProfile
 from ..projection import Projection
 
-__all__ = ["make_host_bound_figure", "make_device_figure", "make_speed_pareto_figure", "speed_of", "pareto_optimal",
+__all__ = ["make_host_bound_figure", "make_device_figure", "make_speed_pareto_figure", "make_vendor_fit_figure", "speed_of", "pareto_optimal",
            "PLAN_COLOURS"]
 
 PLAN_COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#7f7f7f")
@@ -30,8 +30,12 @@ def _profile(p) -> RuntimeProfile:
 
 
 def _projection(p) -> Projection:
-    return p if isinstance(p, Projection) else Projection(**{**p, "unsupported_layers": [
-        tuple(x) for x in p.get("unsupported_layers", [])]})
+    if isinstance(p, Projection):
+        return p
+    from ..vendor_fit import VendorProjection
+    vendor = p.get("vendor")
+    return Projection(**{**p, "unsupported_layers": [tuple(x) for x in p.get("unsupported_layers", [])],
+                         "vendor": VendorProjection(**vendor) if isinstance(vendor, Mapping) else vendor})
 
 
 def _as_dict(obj) -> Mapping:
@@ -181,4 +185,60 @@ def make_speed_pareto_figure(points: Sequence, projections: Mapping[str, Sequenc
     fig.update_yaxes(title_text="tokens/s", row=1, col=3)
     fig.update_layout(title=f"Quality, size and projected speed on {device} (ringed: no other plan is better in all "
                             "three)", template="plotly_white", height=420)
+    return fig
+
+
+def make_vendor_fit_figure(projections: Mapping[str, Sequence]) -> go.Figure:
+    """Per device, the vendor's measurements of its runtime (filled), what the fit projected for each with its model
+    left out (open), and each plan's projection (a star, its bar the median held-out error): tokens/s against the
+    bytes a decode step reads, so the fitted line and the plan sit on the same axes."""
+    plans = {label: [_projection(p) for p in ps] for label, ps in projections.items()}
+    fitted = [(label, p) for label, ps in plans.items() for p in ps if p.vendor is not None and p.vendor.points]
+    fig = go.Figure()
+    if not fitted:
+        fig.add_annotation(text="no vendor measurement of these devices' runtimes to show", showarrow=False,
+                           xref="paper", yref="paper", x=0.5, y=0.5)
+        fig.update_layout(template="plotly_white", height=300, title="Vendor measurements and the fitted projection")
+        return fig
+    shown: set = set()
+    for i, device in enumerate(dict.fromkeys(p.device for _, p in fitted)):
+        colour = PLAN_COLOURS[i % len(PLAN_COLOURS)]
+        first = next(p for _, p in fitted if p.device == device)
+        v = first.vendor
+        key = (v.points[0]["vendor_device"], v.runtime, v.precision)
+        if key not in shown:  # one device's own measurements, once however many plans
+            shown.add(key)
+            pts = sorted(v.points, key=lambda q: q["bytes_gb"])
+            src = f"{key[0]}, {v.runtime} {v.precision}" + (" (borrowed)" if v.fallback else "")
+            fig.add_scatter(x=[q["bytes_gb"] for q in pts], y=[q["decode_tps"] for q in pts], mode="markers",
+                            name=f"{device}: measured ({src})", legendgroup=device,
+                            marker={"color": colour, "size": 9},
+                            customdata=[[q["model"], q["context"]] for q in pts],
+                            hovertemplate="%{customdata[0]}, context %{customdata[1]}: %{y:.1f} tok/s measured<br>"
+                                          "%{x:.3f} GB read per token<extra></extra>")
+            held = [q for q in pts if q.get("held_out_tps")]
+            if held:
+                fig.add_scatter(x=[q["bytes_gb"] for q in held], y=[q["held_out_tps"] for q in held],
+                                mode="markers+lines", name=f"{device}: fit, each model held out", legendgroup=device,
+                                marker={"color": colour, "size": 9, "symbol": "circle-open"},
+                                line={"color": colour, "width": 1, "dash": "dot"},
+                                customdata=[[q["model"], q["decode_tps"]] for q in held],
+                                hovertemplate="%{customdata[0]}: %{y:.1f} tok/s projected without it "
+                                              "(measured %{customdata[1]:.1f})<extra></extra>")
+        for label, p in ((lb, q) for lb, q in fitted if q.device == device):
+            pv = p.vendor
+            if pv.decode_tps is None:
+                continue
+            err = pv.decode_error or 0.0
+            fig.add_scatter(x=[pv.bytes_gb], y=[pv.decode_tps], mode="markers", legendgroup=device,
+                            name=f"{device}: {label}", marker={"color": colour, "size": 16, "symbol": "star",
+                                                               "line": {"color": "#17202a", "width": 1}},
+                            error_y={"type": "data", "symmetric": False, "array": [pv.decode_tps * err],
+                                     "arrayminus": [pv.decode_tps * err], "color": colour},
+                            hovertemplate=f"{label} on {device}: %{{y:.1f}} tok/s projected, within {err:.0%} held "
+                                          f"out ({pv.decode_n})<extra></extra>")
+    fig.update_xaxes(type="log", title_text="GB read per decoded token (weights + KV cache, the runtime's layout)")
+    fig.update_yaxes(type="log", title_text="decode tokens/s")
+    fig.update_layout(template="plotly_white", height=480,
+                      title="Vendor measurements and the fitted projection (open: each model held out of the fit)")
     return fig

@@ -8,7 +8,9 @@
 
 Per plan and device it shows the decode bound and the projected tokens/s, whether weights + KV cache + buffers
 fit the RAM and the accelerator's limit, and which layers the accelerator cannot run at their precision
-(``workbench.projection``). In the app (``session=``) the plans are the session's plan, its quantized model's
+(``workbench.projection``). With a device LLM runtime (``runtime``: each device's own by default) speed, first
+token and memory are fitted to the vendor's measurements, each with its held-out error and the nearest
+measurement, and a chart puts the vendor's points, the fit and the plans on one pair of axes. In the app (``session=``) the plans are the session's plan, its quantized model's
 and every plan the Precisions tab evaluated (``points``); those measured plans are also placed on a chart of
 quality against size against projected speed on one device.
 """
@@ -19,11 +21,12 @@ from typing import Callable, Mapping, Sequence
 
 import ipywidgets as widgets
 
-from ..charts.projection import make_device_figure, make_speed_pareto_figure
+from ..charts.projection import make_device_figure, make_speed_pareto_figure, make_vendor_fit_figure
+from ..device_runtimes import RUNTIMES
 from ..devices import get_device, load_devices
 from ..errors import PlanError
 from ..plan import QuantPlan
-from ..projection import DEFAULT_CONTEXT, project_plans
+from ..projection import AUTO, DEFAULT_CONTEXT, project_plans
 from ..report import Candidates, projection_table_html
 from .base import StepPanel
 
@@ -50,22 +53,29 @@ class ProjectPanel(StepPanel):
                                               rows=min(8, len(registry)), description="devices")
         self.context = widgets.BoundedIntText(value=context, min=0, max=1 << 20, description="context",
                                               tooltip="tokens in the KV cache while decoding")
+        self.runtime = widgets.Dropdown(
+            description="runtime", value=AUTO, layout={"width": "320px"},
+            options=[("each device's own", AUTO)] + [(f"{r.title} ({r.name})", r.name) for r in RUNTIMES.values()]
+            + [("none (bandwidth bound x practitioners' efficiency)", None)],
+            tooltip="the LLM runtime on the device: its weight layout and KV cache, and the vendor measurements fitted")
         self.run_button = widgets.Button(description="Project", button_style="primary", icon="mobile-alt")
         self.run_button.on_click(lambda _: self.run())
         self.pareto_device = widgets.Dropdown(description="speed on", options=[], layout={"width": "320px"})
         self.pareto_device.observe(lambda _: self._draw_pareto(), names="value")
         self.table = widgets.HTML()
-        self.device_plot, self.pareto_plot = widgets.Output(), widgets.Output()
-        self.controls = [self.devices, self.context, self.run_button, self.pareto_device]
+        self.device_plot, self.pareto_plot, self.vendor_plot = widgets.Output(), widgets.Output(), widgets.Output()
+        self.controls = [self.devices, self.context, self.runtime, self.run_button, self.pareto_device]
         head = [widgets.HTML("<b>Project</b> candidate plans onto devices: decode tokens/s bound by memory bandwidth "
-                             "and projected by the efficiency published runs reach, memory fit, and the layers the "
-                             "accelerator cannot run (shapes only: nothing runs)")]
+                             "and fitted to the vendors' own measurements of the device's runtime (with the error "
+                             "the fit had on models it had not seen), memory fit, and the layers the accelerator "
+                             "cannot run (shapes only: nothing runs)")]
         if session is not None:
             from .session import SessionLabel
             head.append(self._own(SessionLabel(session)))
-        super().__init__([*head, widgets.HBox([self.devices, widgets.VBox([self.context, self.run_button])]),
-                          self.status, self.log_output, self.table, self.device_plot, self.pareto_device,
-                          self.pareto_plot])
+        super().__init__([*head, widgets.HBox([self.devices, widgets.VBox([self.context, self.runtime,
+                                                                            self.run_button])]),
+                          self.status, self.log_output, self.table, self.device_plot, self.vendor_plot,
+                          self.pareto_device, self.pareto_plot])
 
     # -- what is projected ----------------------------------------------------------------------------
     def points(self) -> list:
@@ -105,13 +115,15 @@ class ProjectPanel(StepPanel):
         """Project every candidate plan onto the chosen devices; fill the table and the charts."""
         def work():
             plans, rows = self.candidates()
-            return project_plans(self._model(), list(self.devices.value), plans, context=self.context.value), rows
+            return project_plans(self._model(), list(self.devices.value), plans, context=self.context.value,
+                                 runtime=self.runtime.value), rows
         ok, result = self._attempt("projecting...", work)
         if not ok:
             return None
         self.projections, self.rows = result
         self.table.value = projection_table_html(self.projections)
         self._plot("devices", make_device_figure(self.projections), self.device_plot)
+        self._plot("vendor", make_vendor_fit_figure(self.projections), self.vendor_plot)
         first = next(iter(self.projections.values()))
         with_speed = [p.device for p in first if p.projected_decode_tps is not None]
         keep = self.pareto_device.value if self.pareto_device.value in with_speed else None
