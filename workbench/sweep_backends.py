@@ -13,6 +13,7 @@ process; ``--ray ADDRESS`` joins a running cluster.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from typing import Any, Callable, Iterable
@@ -39,6 +40,31 @@ def import_ray():
     except ImportError:
         raise WorkbenchError(f"running a sweep on Ray needs the ray package: {RAY_INSTALL}") from None
     return ray
+
+
+DEAD_END_PROXY = "http://127.0.0.1:9"  # the discard port: nothing listens, a connection is refused at once
+
+
+@contextlib.contextmanager
+def loopback_http_proxy():
+    """Ray's processes started inside this block send HTTP to a refused loopback port instead of the network.
+
+    Even with usage statistics and the dashboard off, the API server Ray 2.60 always starts asks the
+    cloud-metadata addresses (169.254.169.254, metadata.google.internal) which cloud it is on, through
+    ``requests``, which honours the proxy variables; loopback stays direct (``no_proxy``), so Ray's own
+    gRPC between its processes is untouched. The variables are restored when the block ends."""
+    names = {"http_proxy": DEAD_END_PROXY, "HTTP_PROXY": DEAD_END_PROXY, "https_proxy": DEAD_END_PROXY,
+             "HTTPS_PROXY": DEAD_END_PROXY, "no_proxy": "127.0.0.1,localhost,::1", "NO_PROXY": "127.0.0.1,localhost,::1"}
+    saved = {k: os.environ.get(k) for k in names}
+    os.environ.update(names)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 class LocalBackend:
@@ -84,9 +110,10 @@ class RayBackend:
         ray = import_ray()
         if not ray.is_initialized():
             if self.address == "auto":
-                ray.init(address="local", num_cpus=self.workers and int(self.workers * self.worker_cpus + 0.999),
-                         include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
-                         configure_logging=False)
+                with loopback_http_proxy():
+                    ray.init(address="local", num_cpus=self.workers and int(self.workers * self.worker_cpus + 0.999),
+                             include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
+                             configure_logging=False)
                 self.started = True
             else:
                 ray.init(address=self.address, log_to_driver=False, configure_logging=False)
