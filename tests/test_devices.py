@@ -61,6 +61,8 @@ def test_a_negative_figure_is_refused(tmp_path, field):
     ({"value": 3}, "no 'source'"),
     ({"value": None}, "null without a 'reason'"),
     ({"value": "fast", "source": "x"}, "must be a number"),
+    ({"value": float("nan"), "source": "x"}, "is nan, not a figure"),
+    ({"value": float("inf"), "source": "x"}, "is inf, not a figure"),
     (7, "must be an object"),
 ])
 def test_unsourced_or_malformed_figures_are_refused(tmp_path, entry, message):

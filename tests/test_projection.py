@@ -127,3 +127,9 @@ def test_shapes_give_the_published_parameter_counts(name, total, non_embedding):
         embedding = lm.model.get_input_embeddings().weight.numel()
     assert lm.parameters == pytest.approx(total, rel=0.015)
     assert lm.parameters - embedding == pytest.approx(non_embedding, rel=0.01)
+
+
+def test_a_context_past_the_models_positions_is_said():
+    p = project("qwen2.5-0.5b", "rk3588", context=10 ** 12)
+    assert any("past the 32,768 positions the model's config allows" in n for n in p.notes)
+    assert not any("positions" in n for n in project("qwen2.5-0.5b", "rk3588", context=32768).notes)

@@ -13,6 +13,7 @@ negative or unsourced field is refused, naming the file and the field.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -129,6 +130,8 @@ def load_device(path: str | os.PathLike) -> Device:
             if f in NUMBER_FIELDS:
                 if isinstance(value, bool) or not isinstance(value, (int, float)):
                     raise bad(f, f"must be a number, not {value!r}")
+                if not math.isfinite(value):
+                    raise bad(f, f"is {value}, not a figure; give the published one or null with a 'reason'")
                 if value < 0:
                     raise bad(f, f"is negative ({value}); give the published figure")
                 value = float(value)

@@ -223,6 +223,10 @@ def project(model, device: str | Device, plan: QuantPlan | None = None, *, conte
                                                                 b.kv_bytes, b.buffers)
     total = weight_bytes + kv_bytes + buffers
     notes.append("memory counts weights, KV cache and the graph's own buffers, not the runtime's code or the OS")
+    positions = getattr(cfg, "max_position_embeddings", None)
+    if positions and context > positions:
+        notes.append(f"a {context:,}-token context is past the {positions:,} positions the model's config allows "
+                     "(max_position_embeddings): the model cannot use it as trained")
 
     if ram_gb is not None and ram_gb <= 0:
         raise WorkbenchError(f"RAM must be positive, got {ram_gb} GB")
