@@ -1,7 +1,8 @@
 # make app    set up .venv (once) and start JupyterLab on the notebooks, bound to 127.0.0.1
 # make test   set up .venv and .venv-rknn (once) and run the whole test suite, notebooks included
 # make rknn-env  Rockchip's rknn-toolkit2 in its own venv (.venv-rknn), for the rknn target
-# make voila  set up .venv (once) and serve the click-through app (notebooks/app.ipynb) on 127.0.0.1
+# make voila  set up .venv (once) and serve the click-through app (notebooks/app.ipynb) on 127.0.0.1: open the
+#             URL it prints (it carries the token)
 PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
@@ -31,7 +32,8 @@ $(STAMP): requirements.txt constraints.txt pyproject.toml Makefile
 
 app: install
 	$(BIN)/jupyter lab notebooks/ --ServerApp.ip=127.0.0.1 --port=$(PORT) --no-browser \
-		--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate --LabApp.extension_manager=readonly $(ROOTFLAG)
+		--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate --LabApp.extension_manager=readonly \
+		--LabApp.news_url=None $(ROOTFLAG)
 
 voila: install
 	$(BIN)/python -m workbench.ui.serve --port $(VOILA_PORT)

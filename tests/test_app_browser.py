@@ -23,6 +23,7 @@ import sys
 import time
 import zipfile
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 from conftest import CHROMIUM, browser_skips, stop_process
@@ -33,6 +34,7 @@ CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-back
 ARTIFACTS = Path(os.environ.get("WORKBENCH_TEST_ARTIFACTS", ROOT / "tests" / "artifacts"))
 WIDGET_ERRORS = ("Error displaying widget", "Traceback (most recent call last)")
 STEP_TIMEOUT_MS = 420_000  # one heavy step (AWQ, a conversion) on a busy 2-core machine
+APP_URL = re.compile(r"http://127\.0\.0\.1:\d+/\?token=[0-9a-f]+")
 
 try:
     from playwright.sync_api import expect, sync_playwright
@@ -48,32 +50,36 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait_listening(port: int, proc: subprocess.Popen, log: Path, timeout: float = 120) -> None:
-    """Wait for the port, without requesting the page (each page request starts a kernel)."""
+def _wait_for_url(proc: subprocess.Popen, log: Path, timeout: float = 120) -> str:
+    """The URL with the token the server prints once it listens, as a person would copy it (no page requested:
+    each page request starts a kernel)."""
     deadline = time.time() + timeout
-    while True:
+    while not (found := APP_URL.search(log.read_text())):
         assert proc.poll() is None, log.read_text()[-3000:]
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            assert time.time() < deadline, f"voila did not listen on {port} within {timeout:.0f} s"
-            time.sleep(0.5)
+        assert time.time() < deadline, f"voila printed no URL with a token within {timeout:.0f} s"
+        time.sleep(0.5)
+    return found.group(0)
 
 
 @pytest.fixture
 def served_app(tmp_path):
-    """``python -m workbench.ui.serve`` on a free loopback port, with a fresh workspace."""
+    """``python -m workbench.ui.serve`` on a free loopback port, with a fresh workspace; its URL with the token."""
     port = _free_port()
     log = tmp_path / "voila.log"
-    env = {**os.environ, "WORKBENCH_WORKSPACE": str(tmp_path / "workspace")}
+    env = {k: v for k, v in os.environ.items() if k not in ("JUPYTER_TOKEN", "JUPYTER_TOKEN_FILE")}
+    env["WORKBENCH_WORKSPACE"] = str(tmp_path / "workspace")
     proc = subprocess.Popen([sys.executable, "-m", "workbench.ui.serve", "--port", str(port)], cwd=ROOT, env=env,
                             stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        _wait_listening(port, proc, log)
-        yield f"http://127.0.0.1:{port}/", tmp_path / "workspace"
+        yield _wait_for_url(proc, log), tmp_path / "workspace"
     finally:
         stop_process(proc, 30)
+
+
+def _outside(url: str) -> bool:
+    """A request that would leave this machine (data: and blob: URLs never do)."""
+    parts = urlsplit(url)
+    return parts.scheme not in ("data", "blob", "about") and parts.hostname not in ("127.0.0.1", "localhost", "::1")
 
 
 class Walk:
@@ -83,6 +89,9 @@ class Walk:
         self.page, self.artifacts, self.n = page, artifacts, 0
         self.console_errors: list[str] = []
         page.on("console", lambda m: self.console_errors.append(m.text) if m.type == "error" else None)
+        self.requests: list[str] = []  # every URL the page asked for, websockets included
+        page.on("request", lambda r: self.requests.append(r.url))
+        page.on("websocket", lambda ws: self.requests.append(ws.url))
         self.seconds: dict[str, float] = {}
         self._t = time.perf_counter()
 
@@ -123,12 +132,54 @@ class Walk:
             assert bad not in body, f"after '{name}' the page shows '{bad}'"
         missing = [e for e in self.console_errors if "model not found" in e]
         assert not missing, f"after '{name}': {missing[:2]}"
+        outside = [u for u in self.requests if _outside(u)]
+        assert not outside, f"after '{name}' the page requested from another host: {outside[:3]}"
         now = time.perf_counter()
         self.seconds[name], self._t = round(now - self._t, 1), now
         return body
 
     def visible_charts(self) -> int:
         return self.page.locator(".js-plotly-plot").filter(visible=True).count()
+
+
+ICONS = """() => {
+    const icon = document.querySelector('button i.fa');
+    if (!icon) return null;
+    return {family: getComputedStyle(icon).fontFamily, glyph: getComputedStyle(icon, '::before').content,
+            loaded: [...document.fonts].filter(f => f.status === 'loaded').map(f => f.family.replace(/["']/g, ''))};
+}"""
+
+
+def test_the_page_loads_everything_from_this_machine(served_app):
+    """Every request the page makes, websockets included, goes to 127.0.0.1; the buttons' Font Awesome icons
+    (which Voila's stock page links from a CDN) still draw, from Voila's own bundle."""
+    url, _ = served_app
+    requests, refused = [], []
+
+    def only_here(route):
+        if _outside(route.request.url):
+            refused.append(route.request.url)
+            return route.abort()  # nothing leaves the machine during the test either
+        return route.continue_()
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
+        try:
+            page = browser.new_page(viewport={"width": 1300, "height": 1000})
+            page.on("request", lambda r: requests.append(r.url))
+            page.on("websocket", lambda ws: requests.append(ws.url))
+            page.route("**/*", only_here)
+            page.goto(url, timeout=300_000)
+            page.locator(".lm-TabBar-tab").first.wait_for(timeout=300_000)
+            page.get_by_text("quantizable layers").first.wait_for(timeout=300_000)
+            page.wait_for_function(f"({ICONS})()?.loaded.includes('Font Awesome 5 Free')", timeout=60_000)
+            icons = page.evaluate(ICONS)
+            page.wait_for_load_state("networkidle")
+        finally:
+            browser.close()
+    assert [u for u in requests if _outside(u)] == [] and refused == []
+    assert any(u.startswith("ws://127.0.0.1") for u in requests)  # the widgets' kernel websocket, loopback too
+    assert "Font Awesome" in icons["family"] and icons["glyph"] not in ("none", "normal", ""), icons
 
 
 def test_whole_flow_in_headless_chromium(served_app, tmp_path):
