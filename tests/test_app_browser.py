@@ -281,7 +281,16 @@ def test_whole_flow_in_headless_chromium(served_app, tmp_path):
             w.button("Project").click()
             w.wait_text(re.compile(r"\d plan\(s\) on 4 device\(s\)"))
             body = w.done("project")
-            assert "Snapdragon 8 Gen 3" in body and "layers the NPU cannot run" in body and w.visible_charts() >= 2
+            assert "Snapdragon 8 Gen 3" in body and "layers the NPU cannot run" in body and w.visible_charts() >= 3
+            # each device's own runtime, fitted to the vendor's measurements: the held-out error and the nearest
+            # measurement beside each projection, the vendor's points on their own chart
+            assert "nearest vendor measurement" in body and "Samsung Galaxy S25" in body and "held out" in body
+            assert w.page.locator(".js-plotly-plot", has_text="Vendor measurements").filter(visible=True).count() == 1
+            w.field("runtime").select_option(label="Qualcomm QAIRT through GenieX (qairt)")
+            w.button("Project").click()
+            w.wait_text(re.compile(r"qairt w4a16"))
+            body = w.done("project-qairt")
+            assert "qairt does not run on rknpu devices" not in body and "rkllm" in body  # the board keeps its own
             # Compress: importance per head and channel, then a pruned model measured beside the plans
             w.tab("Compress")
             w.button("Score").click()

@@ -1,10 +1,11 @@
+import json
 import math
 
 import pytest
 
 from workbench.devices import get_device, load_devices
 from workbench.plan import QuantPlan
-from workbench.projection import (check_claim, check_memory_claim, fit_efficiency, model_shape, plan_from_spec,
+from workbench.projection import (SHAPES_FILE, check_claim, check_memory_claim, fit_efficiency, model_shape, plan_from_spec,
                                   project, published_measurements)
 
 LLAMA_7B = dict(model_type="llama", hidden_size=4096, num_hidden_layers=32, intermediate_size=11008,
@@ -133,3 +134,18 @@ def test_a_context_past_the_models_positions_is_said():
     p = project("qwen2.5-0.5b", "rk3588", context=10 ** 12)
     assert any("past the 32,768 positions the model's config allows" in n for n in p.notes)
     assert not any("positions" in n for n in project("qwen2.5-0.5b", "rk3588", context=32768).notes)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"num_hidden_layers": 1_000_000, "layer_types": ["full_attention"] * 4}, "1,000,000 layers"),
+    ({"num_hidden_layers": 24.5}, "num_hidden_layers must be a positive whole number"),
+    ({"hidden_size": float("nan")}, "hidden_size must be a positive whole number"),
+])
+def test_a_config_no_model_has_is_one_line_before_anything_is_built(tmp_path, capsys, change, message):
+    from workbench.cli import main
+    cfg = {**json.loads(SHAPES_FILE.read_text())["shapes"]["qwen2.5-0.5b"], **change}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    assert main(["project", str(path), "--device", "rk3588"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0] and str(path) in err[0]

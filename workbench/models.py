@@ -14,6 +14,7 @@ import gc
 import json
 import logging
 import os
+import re
 import struct
 import warnings
 from dataclasses import dataclass, field
@@ -35,7 +36,8 @@ from .workspace import file_sha256
 
 __all__ = ["LayerInfo", "LoadedModel", "resolve_model_path", "load_model",
            "quantizable_layers", "check_safetensors_file", "is_quantized_dir",
-           "weights_mismatch_error", "load_quantized", "quantized_source", "LAYER_SHAPES", "layer_shapes", "model_from_config", "apply_layer_shapes"]
+           "weights_mismatch_error", "load_quantized", "quantized_source", "LAYER_SHAPES", "layer_shapes", "model_from_config", "apply_layer_shapes",
+           "check_model_config", "MAX_PARAMETERS", "MAX_LAYERS"]
 
 MODEL_ALIASES = {"demo": DEMO_MODEL_DIR}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
@@ -366,9 +368,77 @@ def apply_layer_shapes(model: nn.Module, shapes: list[tuple[int, int, int]]) -> 
             m.intermediate_size = inter
 
 
+MAX_PARAMETERS = 100_000_000_000  # far beyond what a step here can hold or time on one machine
+MAX_LAYERS = 1_000  # the deepest published LLMs have under 200; each costs ~1 ms and ~0.1 MB to build, even on meta
+_SIZE_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+              "num_key_value_heads", "head_dim")
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def check_model_config(config, where, weight_files: Iterable[Path] = ()) -> None:
+    """Refuse, before anything is built, a config no model here can have or that its weights contradict.
+
+    Building follows the config's numbers: a million layers is minutes and gigabytes even on the meta
+    device, and a width of 2^40 an allocation that never returns. Sizes must be positive whole numbers,
+    the model at most ``MAX_LAYERS`` layers and ``MAX_PARAMETERS`` parameters (estimated from the sizes),
+    and with ``weight_files`` (safetensors; only their headers are read) the layer count, hidden size and
+    vocabulary must be those the tensors have.
+    """
+    get = config.get if isinstance(config, Mapping) else lambda k: getattr(config, k, None)
+    fix = "fix config.json"
+    sizes = {}
+    for k in _SIZE_KEYS:
+        v = get(k)
+        if v is None:
+            continue
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise ModelLoadError(f"'{where}': {k} must be a positive whole number, got {v!r}; {fix}")
+        sizes[k] = v
+    heads, kv = sizes.get("num_attention_heads"), sizes.get("num_key_value_heads")
+    if heads and kv and heads % kv:
+        raise ModelLoadError(f"'{where}': num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}; "
+                             f"{fix}")
+    layers = sizes.get("num_hidden_layers")
+    if all(k in sizes for k in _SIZE_KEYS[:5]):
+        hidden, kv = sizes["hidden_size"], kv or heads
+        head_dim = sizes.get("head_dim") or max(1, hidden // heads)
+        per_layer = hidden * head_dim * 2 * (heads + kv) + 3 * hidden * sizes["intermediate_size"]
+        embeddings = sizes["vocab_size"] * hidden * (1 if get("tie_word_embeddings") else 2)
+        params = layers * per_layer + embeddings
+        if layers > MAX_LAYERS or params > MAX_PARAMETERS:
+            raise ModelLoadError(f"'{where}' describes {layers:,} layers and about {params / 1e9:,.1f} B parameters "
+                                 f"(from its sizes), beyond the {MAX_LAYERS:,} layers and {MAX_PARAMETERS / 1e9:.0f} B "
+                                 f"parameters any workbench step can handle; {fix}")
+    elif layers is not None and layers > MAX_LAYERS:
+        raise ModelLoadError(f"'{where}' describes {layers:,} layers, beyond the {MAX_LAYERS:,} any workbench step "
+                             f"can handle; {fix}")
+    files = [Path(f) for f in weight_files]
+    if not files:
+        return
+    shapes = _Tensors(files).shapes
+    found = {int(m.group(1)) for k in shapes for m in [_LAYER_INDEX.search(k)] if m}
+    held = f"the weights in '{files[0].parent}'"
+    fix = "fix config.json, or use the one that came with the weights"
+    if found and layers is not None and layers != max(found) + 1:
+        raise ModelLoadError(f"'{where}' gives num_hidden_layers {layers:,} but {held} hold {max(found) + 1} "
+                             f"(layers.0 to layers.{max(found)}); {fix}")
+    expected = {"model.norm.weight": ("hidden_size",), "model.embed_tokens.weight": ("vocab_size", "hidden_size")}
+    for name, keys in expected.items():
+        shape = shapes.get(name)
+        if shape is None or len(shape) != len(keys):
+            continue
+        for k, n in zip(keys, shape):
+            if k in sizes and sizes[k] != n:
+                raise ModelLoadError(f"'{where}' gives {k} {sizes[k]:,} but {held} have {name} of shape "
+                                     f"{list(shape)}; {fix}")
+
+
 def model_from_config(config, *, dtype: torch.dtype | None = None, trust_remote_code: bool = False) -> nn.Module:
-    """``AutoModelForCausalLM.from_config``, then each layer resized to the config's ``layer_shapes`` if it has them."""
+    """``AutoModelForCausalLM.from_config``, then each layer resized to the config's ``layer_shapes`` if it has them.
+
+    The config's sizes are checked first (``check_model_config``), so no caller builds an impossible model."""
     from transformers import AutoModelForCausalLM
+    check_model_config(config, getattr(config, "name_or_path", None) or f"{getattr(config, 'model_type', '')} config")
     kw = {"dtype": dtype} if dtype is not None else {}
     model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code, **kw)
     base = getattr(model, "model", None)
@@ -517,6 +587,7 @@ def load_model(path: str | os.PathLike = "demo", *, dtype: str | torch.dtype = "
         log.warning(f"'{p / 'config.json'}' names its own model code ({custom_code}), which is not run: the model is "
                     f"loaded with transformers' built-in class for '{model_type}', which may differ from it; "
                     f"{REMOTE_CODE_OPT_IN}")
+    check_model_config(raw_cfg, p / "config.json", sorted(p.glob("*.safetensors")))
     torch_dtype = resolve_dtype(dtype, raw_cfg)
     try:
         config = AutoConfig.from_pretrained(p, trust_remote_code=trust_remote_code, local_files_only=True)
@@ -777,7 +848,9 @@ def load_quantized(directory: str | Path, *, verify: bool = True, dtype: str | t
     d = Path(directory)
     meta, files = _open_directory(d, verify)
     version = meta["version"]
-    torch_dtype = resolve_dtype(dtype, _read_json(d / "config.json"))
+    raw_cfg = _read_json(d / "config.json")
+    check_model_config(raw_cfg, d / "config.json", [d / f for f in files])
+    torch_dtype = resolve_dtype(dtype, raw_cfg)
     try:
         config = AutoConfig.from_pretrained(d, local_files_only=True, trust_remote_code=trust_remote_code)
         if hasattr(config, "quantization_config"):  # for transformers' own loader; the integer layers are built here

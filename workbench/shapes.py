@@ -15,7 +15,8 @@ from typing import Mapping
 
 from .assets import ASSETS_DIR
 from .errors import ModelLoadError
-from .models import LoadedModel, layer_shapes, model_from_config, quantizable_layers, resolve_model_path
+from .models import (LoadedModel, check_model_config, layer_shapes, model_from_config, quantizable_layers,
+                     resolve_model_path)
 from .plan import QuantPlan
 
 __all__ = ["SHAPES_FILE", "KV_BYTES", "load_shape_config", "model_shape", "attention_dims", "PlanBytes",
@@ -70,10 +71,15 @@ def model_shape(source, name: str | None = None) -> LoadedModel:
     import torch
     from transformers import AutoConfig
     cfg = {k: v for k, v in cfg.items() if k not in ("auto_map", "quantization_config", "architectures")}
+    check_model_config(cfg, label)  # sizes no model has are refused before transformers builds anything
     model_type = cfg.pop("model_type")
     try:
+        from huggingface_hub.errors import StrictDataclassError  # transformers' typed configs refuse with it
+    except ImportError:
+        StrictDataclassError = ValueError
+    try:
         config = AutoConfig.for_model(model_type, **cfg)
-    except (ValueError, KeyError) as e:
+    except (ValueError, KeyError, TypeError, StrictDataclassError) as e:
         raise ModelLoadError(f"cannot build a '{model_type}' config for '{label}' ({e}); projection needs a model "
                              "type transformers knows") from None
     with torch.device("meta"):

@@ -47,6 +47,21 @@ def count(minimum: int = 1, zero: str | None = None):
     return parse
 
 
+def thread_count():
+    """An argparse type for ``--threads``: 1 up to this machine's CPU cores. More only oversubscribes the cores, and
+    runtimes asked for tens of thousands hang or crash creating them."""
+    import os
+    cores, whole = os.cpu_count() or 1, count(1)
+
+    def parse(value: str) -> int:
+        n = whole(value)
+        if n > cores:
+            raise argparse.ArgumentTypeError(f"must be at most {cores} (this machine's CPU cores), got {n}")
+        return n
+    parse.__name__ = f"whole number from 1 to {cores}"
+    return parse
+
+
 def number(low: float | None = None, high: float | None = None, *, low_open: bool = False, high_open: bool = False):
     """An argparse type: a finite number in the given range (an open end excludes its bound), refused before any
     work with the range it must lie in."""

@@ -16,7 +16,7 @@ import sys
 
 from ..generate import DEFAULT_MAX_NEW_TOKENS, open_model
 from ..runtime.stream import Sampling
-from .common import count, number, add_json_flag, add_model_argument, print_json
+from .common import count, number, thread_count, add_json_flag, add_model_argument, print_json
 
 HELP = "stream a model's continuation of a prompt (converted, quantized or float) with its tokens/s"
 
@@ -30,7 +30,8 @@ def add_arguments(p):
     p.add_argument("--temperature", type=number(0), default=0.0, help="0: greedy (default); above 0: sample")
     p.add_argument("--top-k", type=count(1), default=None, help="sample among the k most likely tokens (default: all)")
     p.add_argument("--seed", type=count(0), default=0, help="seed of the sampling (default 0)")
-    p.add_argument("--threads", type=count(1), default=1, help="runtime threads (default 1)")
+    p.add_argument("--threads", type=thread_count(), default=1,
+                   help="runtime threads, at most the CPU cores (default 1)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn with the chat template")
     p.add_argument("--source", help="the float model a `workbench export` folder came from (its tokenizer)")
     add_json_flag(p)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from ..profile import (DEFAULT_PROMPT_LENGTHS, host_bandwidth, last_level_cache_bytes, parse_prompt_lengths,
                        profile_directory)
 from ..units import format_bytes
-from .common import count, add_json_flag, print_json
+from .common import count, thread_count, add_json_flag, print_json
 
 HELP = "prefill latency, decode tokens/s, size and memory of exported / converted models (this CPU)"
 
@@ -23,7 +23,8 @@ def add_arguments(p):
                    help="prompt lengths to time prefill at (default %(default)s)")
     p.add_argument("--decode-steps", type=count(1), default=32, help="decode steps timed per repeat (default 32)")
     p.add_argument("--repeats", type=count(1), default=5, help="timed repeats after one warm-up; the median is kept")
-    p.add_argument("--threads", type=count(1), default=1, help="runtime threads (default 1)")
+    p.add_argument("--threads", type=thread_count(), default=1,
+                   help="runtime threads, at most the CPU cores (default 1)")
     p.add_argument("--vocab-size", type=count(2), help="token ids are drawn below this (default 1000)")
     p.add_argument("--workspace", help="workspace holding the cached host bandwidth (default ./workspace or "
                    "$WORKBENCH_WORKSPACE)")

@@ -22,8 +22,8 @@ from ..plan import QuantPlan
 from ..quantize.model import CALIBRATED_METHODS, METHODS
 from ..units import format_bytes
 from ..workspace import check_output_dir, staged_output
-from .common import (count, plus_minus, add_device_argument, add_budget_argument, add_json_flag, number, add_model_argument,
-                     add_scale_search_argument, print_json)
+from .common import (count, thread_count, plus_minus, add_device_argument, add_budget_argument, add_json_flag, number,
+                     add_model_argument, add_scale_search_argument, print_json)
 
 FULL_STATS_MAX_PARAMETERS = 100_000_000  # above this the statistics pass costs minutes: opt in, or calibrate first
 HELP = "quantize by plan (RTN / AWQ / GPTQ, INT2..INT8, two-level scales), save, and measure the cost"
@@ -62,8 +62,8 @@ def add_arguments(p):
     p.add_argument("--threshold", type=number(0), default=0.5, help="warn when perplexity rises more than this")
     p.add_argument("--strict", action="store_true", help="fail instead of falling back when the group size "
                    "does not divide a layer")
-    p.add_argument("--threads", type=count(1), help="torch CPU threads (default: torch's; on a busy shared CPU, 1 is "
-                   "often several times faster for the AWQ search)")
+    p.add_argument("--threads", type=thread_count(), help="torch CPU threads, at most the CPU cores (default: torch's; "
+                   "on a busy shared CPU, 1 is often several times faster for the AWQ search)")
     add_device_argument(p)
     add_json_flag(p)
 

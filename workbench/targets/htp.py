@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -28,6 +27,7 @@ import numpy as np
 
 from ..errors import ModelLoadError, PlanError, WorkbenchError
 from .common import log_softmax, native_output_to
+from .processes import die_with_parent, owned_temporary
 from .registry import Target, register_target
 
 __all__ = ["INSTALL", "DEFAULT_DEVICE", "HtpUnavailable", "HtpRefused", "HtpSoc", "qnn_available", "htp_soc",
@@ -225,7 +225,7 @@ def _session(path: str | Path, opts_fn: Callable, soc: HtpSoc):
     import onnxruntime as ort
     opts = ort.SessionOptions()
     opts_fn(opts)
-    with tempfile.TemporaryDirectory(prefix="workbench-htp-") as tmp:
+    with owned_temporary("workbench-htp") as tmp:
         log = Path(tmp) / "qnn.log"
         try:
             with native_output_to(log):
@@ -250,7 +250,7 @@ def open_htp(prefill_path: str | Path, decode_path: str | Path | None = None, *,
     from ..runtime.onnx_runner import GraphLoadError, OnnxCausalLM
     soc = htp_soc(device)
     apply = htp_session_options(soc)
-    with tempfile.TemporaryDirectory(prefix="workbench-htp-") as tmp:
+    with owned_temporary("workbench-htp") as tmp:
         log = Path(tmp) / "qnn.log"
         try:
             with native_output_to(log):
@@ -310,11 +310,18 @@ def backend_soc(soc_model: int, graph: str | Path) -> dict:
     return {"chip": chip.group(1) if chip else None, "arch": int(arch.group(1)) if arch else None}
 
 
+def _in_child() -> None:
+    """First thing in a spawned HTP child: the kernel kills it when the parent dies (killed runs leave none)."""
+    import multiprocessing as mp
+    die_with_parent(mp.parent_process().pid)
+
+
 def _backend_soc_child(queue, soc_model: int, graph: str) -> None:
+    _in_child()
     import onnxruntime as ort
     ort.set_default_logger_severity(0)
     qnn = _require_qnn()
-    with tempfile.TemporaryDirectory(prefix="workbench-htp-") as tmp:
+    with owned_temporary("workbench-htp") as tmp:
         log = Path(tmp) / "qnn.log"
         with native_output_to(log):
             try:
@@ -445,6 +452,7 @@ def _measure(float_graphs, qdq_graphs, windows, device, out_dir, prompt, decode_
 
 
 def _measure_child(queue, args) -> None:
+    _in_child()
     try:
         queue.put(("ok", _measure(*args)))
     except BaseException as e:  # handed back to the parent, which raises it there
@@ -473,7 +481,7 @@ def measure_htp(float_graphs: Sequence[str | Path] | None, qdq_graphs: Sequence[
     decode_windows = len(windows) if decode_windows is None else decode_windows
     with contextlib.ExitStack() as stack:
         if out_dir is None:
-            out_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="workbench-htp-ctx-"))
+            out_dir = stack.enter_context(owned_temporary("workbench-htp-ctx"))
         args = (list(map(str, float_graphs)) if float_graphs else None, list(map(str, qdq_graphs)), windows, soc,
                 str(out_dir), prompt, decode_windows, threads)
         if not isolated:

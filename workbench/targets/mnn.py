@@ -28,7 +28,7 @@ from typing import Mapping
 
 import numpy as np
 
-from ..errors import PlanError, WorkbenchError
+from ..errors import ModelLoadError, PlanError, WorkbenchError
 from ..onnx.export import export_onnx
 from ..models import LoadedModel
 from ..plan import QuantPlan, get_precision
@@ -132,6 +132,20 @@ def convert_to_mnn(onnx_path: str | Path, mnn_path: str | Path, *, weight_bits: 
     return out
 
 
+def _load_graph(nn, path: Path, inputs: list[str], outputs: list[str], rt, what: str):
+    """One .mnn graph; an empty, missing, truncated or foreign file refused in one line naming it."""
+    again = "convert again with --target mnn"
+    if not path.is_file() or path.stat().st_size == 0:
+        raise ModelLoadError(f"'{path}' is {'empty' if path.is_file() else 'missing'}: {again}")
+    try:  # MNN reports a file it cannot parse (truncated, not .mnn) as a SystemError with no message
+        if rt is None:
+            return nn.load_module_from_file(str(path), inputs, outputs)
+        return nn.load_module_from_file(str(path), inputs, outputs, runtime_manager=rt)
+    except (SystemError, RuntimeError):
+        raise ModelLoadError(f"MNN cannot load '{path}' as {what} (a truncated file, not .mnn, or another graph): "
+                             f"{again}") from None
+
+
 class MnnCausalLM:
     """A converted prefill graph run by MNN's Python runtime: ``logits(ids)`` for evaluation.
 
@@ -148,8 +162,8 @@ class MnnCausalLM:
             import MNN.nn as nn
             config = {"backend": "CPU", "precision": "high", "numThread": threads}
             rt = nn.create_runtime_manager((config,))
-            self.module = nn.load_module_from_file(str(mnn_path), ["input_ids", "attention_mask", "position_ids"],
-                                                   ["logits"], runtime_manager=rt)
+            self.module = _load_graph(nn, self.path, ["input_ids", "attention_mask", "position_ids"], ["logits"], rt,
+                                      "a prefill graph taking input_ids, attention_mask and position_ids")
         self._F = F
 
     def logits(self, input_ids: np.ndarray) -> np.ndarray:
@@ -178,9 +192,8 @@ class MnnCausalLM:
                 rt = nn.create_runtime_manager(({"backend": "CPU", "precision": "high", "numThread": self.threads},))
                 graphs = []
                 for path in (self.path, decode):
-                    info = nn.load_module_from_file(str(path), [], []).get_info()
-                    graphs.append(nn.load_module_from_file(str(path), info["inputNames"], info["outputNames"],
-                                                           runtime_manager=rt))
+                    info = _load_graph(nn, path, [], [], None, "a graph").get_info()
+                    graphs.append(_load_graph(nn, path, info["inputNames"], info["outputNames"], rt, "a graph"))
             self._graphs = tuple(graphs)
         return self._graphs
 

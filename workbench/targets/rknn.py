@@ -32,7 +32,6 @@ import os
 import resource
 import shutil
 import subprocess
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -43,6 +42,7 @@ import numpy as np
 from ..errors import WorkbenchError
 from .base import inspect_graph
 from .common import log_softmax
+from .processes import die_with_parent_fn, owned_tempdir
 from .registry import Target, register_target
 
 __all__ = ["write_rknn_bundle", "convert_rknn", "TARGET", "MASK_FILL", "RKNN_ENV_HINT", "rknn_python",
@@ -56,6 +56,7 @@ WORKER = Path(__file__).resolve().parent / "rknn_build.py"
 RKNN_ENV_HINT = "`make rknn-env` (in the repository) creates .venv-rknn with rknn-toolkit2 2.5.0"
 STALL_LAYERS = 24  # rknn-toolkit2 2.5.0 stalled past 14 min in a graph-optimisation pass from this many blocks
 DEFAULT_TIMEOUT = 1200.0  # seconds for the whole build + simulation subprocess
+TEMP_KIND = "workbench-rknn"  # <tmp>/workbench-rknn-<pid>-*: the toolkit's inputs and outputs (~300 MB), one run's
 PLATFORM = "rk3588"
 PLATFORM_DTYPES = {"rk3588": ("w8a8", "w16a16i_dfp")}
 
@@ -417,7 +418,7 @@ def build_rknn(prep, out_dir: str | Path, *, static: tuple[int, int] = (128, 511
     scaling = float(getattr(lm.model.model.rotary_emb, "attention_scaling", 1.0))
     (out / "rope_inv_freq.json").write_text(json.dumps({"inv_freq": inv_freq, "attention_scaling": scaling}))
     tok = lm.tokenizer
-    work = Path(tempfile.mkdtemp(prefix="workbench-rknn-"))
+    work = owned_tempdir(TEMP_KIND)  # a killed run's is removed here, by the next one
     result = RknnResult(dtype or "float16", platform, RknnScores(), RknnScores(), not_kept=not_kept)
     try:
         say("calibration and evaluation inputs (the float model's KV cache for decode)")
@@ -502,7 +503,7 @@ def _run_worker(py: Path, request: dict, work: Path, log: Path, timeout: float, 
     with open(log, "w") as f:
         try:
             proc = subprocess.run([str(py), "-P", str(WORKER), str(req), str(res)], stdout=f, stderr=subprocess.STDOUT,
-                                  env=env, cwd=work, timeout=timeout)
+                                  env=env, cwd=work, timeout=timeout, preexec_fn=die_with_parent_fn())
         except subprocess.TimeoutExpired:
             why = (f"its graph optimisation stalls from {STALL_LAYERS} blocks: build per block (fewer layers per "
                    "graph)" if layers >= STALL_LAYERS else "w8a8 calibration and hybrid quantization's passes over "
@@ -536,7 +537,7 @@ def measure_rknn(model, *, bits: int | None = 8, plan=None, float16: bool = Fals
     """Build and simulate ``model`` for rk3588; KL / top-1 per graph, ``.rknn`` size, time and peak memory."""
     from ..convert import prepare_models
     prep = prepared or prepare_models(model, plan=plan, bits=None if plan is not None else bits)
-    out = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix="workbench-rknn-out-"))
+    out = Path(out_dir) if out_dir else owned_tempdir(f"{TEMP_KIND}-out")
     t0 = time.perf_counter()
     try:
         r = build_rknn(prep, out, static=static, float16=float16, decode_positions=decode_positions,
