@@ -23,6 +23,8 @@ resident memory (the child's ru_maxrss from os.wait4) are its own:
     convert       workbench convert RTN-OUT --target ort-int4 --out ...      (float MODEL --bits 4 without it)
     convert-genai the same with --target ort-genai (the fused graph onnxruntime-genai runs)
     convert-gguf  the same with --target llama.cpp (the plan's own integers as one GGUF, read back and checked)
+    convert-mnn-llm the same with --target mnn-llm (MNN's LLM engine directory, scored and timed by MNN.llm)
+    profile-mnn-llm workbench profile MNN-LLM-OUT --threads 2   (the engine's own prefill / decode counters)
     convert-qdq   workbench convert MODEL --bits 8 --target ort-qdq --max-tokens 256 --out ...  (static QDQ prefill
                   and decode graphs for the QNN execution provider, weights from the plan's integers, calibrated,
                   both graphs scored on onnxruntime's CPU; 256 tokens: a decode window at 0.5B takes about a minute)
@@ -72,14 +74,15 @@ from shapes import SHAPES  # noqa: E402  (no torch import: build_shape imports i
 
 SCALE_SHAPES = ("qwen2.5-0.5b", "qwen2.5-1.5b", "qwen3-4b")
 STEPS = ("info", "calibrate", "quantize-rtn", "quantize-awq", "quantize-gptq", "eval", "sensitivity", "plan", "export",
-         "convert", "convert-genai", "convert-gguf", "convert-qdq", "prune", "distill")
+         "convert", "convert-genai", "convert-gguf", "convert-mnn-llm", "profile-mnn-llm", "convert-qdq", "prune",
+         "distill")
 ALIASES = {"load": ("info",), "quantize": ("quantize-rtn", "quantize-awq", "quantize-gptq"), "rtn": ("quantize-rtn",),
            "awq": ("quantize-awq",), "gptq": ("quantize-gptq",), "evaluate": ("eval",), "convert-ort-int4": ("convert",)}
 NEEDS = {"quantize-awq": "calibrate", "quantize-gptq": "calibrate", "plan": "sensitivity",
-         "distill": "prune"}  # skipped when it failed
+         "distill": "prune", "profile-mnn-llm": "convert-mnn-llm"}  # skipped when it failed
 COMMAND = {"quantize-rtn": "quantize", "quantize-awq": "quantize", "quantize-gptq": "quantize"}  # step -> subcommand
-OUTPUTS = ("rtn-int4", "awq-int4", "gptq-int4", "plan.json", "onnx", "ort-int4", "ort-genai", "llama.cpp", "ort-qdq",
-           "pruned", "distilled")  # removed unless --keep-outputs
+OUTPUTS = ("rtn-int4", "awq-int4", "gptq-int4", "plan.json", "onnx", "ort-int4", "ort-genai", "llama.cpp", "mnn-llm",
+           "ort-qdq", "pruned", "distilled")  # removed unless --keep-outputs
 GB = 1024.0  # MiB per GiB
 
 # (seconds, peak GiB) limits, None = no limit; a target always requires the step to complete.
@@ -207,6 +210,29 @@ def _gguf_detail(out: dict) -> str | None:
             f"{(out['details'].get('gguf_bytes') or 0) / 2**20:,.0f} MiB")
 
 
+def _mnn_llm_detail(out: dict) -> str | None:
+    """The conversion's output size and its write time (the rest of the step is scoring in the engine)."""
+    files = out.get("files") or []
+    if not files:
+        return None
+    size = sum(f.get("bytes") or 0 for f in files if isinstance(f, dict))
+    write = ((out.get("details") or {}).get("seconds") or {}).get("write")
+    return f"{size / 2**20:,.0f} MiB written" + (f" in {write:.1f} s" if isinstance(write, (int, float)) else "")
+
+
+def _profile_detail(out: dict) -> str | None:
+    """The runtime's prefill times and decode speed from `workbench profile --json` (its first profile)."""
+    prof = next(iter(out.get("profiles") or []), None)
+    if not prof:
+        return None
+    prefill = (prof.get("prefill_ms") or {}).items()
+    parts = [prof.get("runtime")] + [f"prefill {n} tok {ms:,.0f} ms" for n, ms in prefill]
+    tps = prof.get("decode_tokens_per_second")
+    if isinstance(tps, (int, float)):
+        parts.append(f"decode {tps:.1f} tok/s")
+    return ", ".join(p for p in parts if p)
+
+
 def detail(step: str, out: dict) -> str:
     """A few figures from the step's own --json output for the table."""
     def num(key, fmt):
@@ -228,6 +254,8 @@ def detail(step: str, out: dict) -> str:
         "convert": [num("top1_agreement_vs_simulation", "top-1 vs sim {:.4f}")],
         "convert-genai": [num("top1_agreement_vs_simulation", "top-1 vs sim {:.4f}")],
         "convert-gguf": [_gguf_detail(out)],
+        "convert-mnn-llm": [num("top1_agreement_vs_simulation", "top-1 vs sim {:.4f}"), _mnn_llm_detail(out)],
+        "profile-mnn-llm": [_profile_detail(out)],
         "convert-qdq": [num("kl_divergence", "KL {:.2e}"), (out.get("decode") or {}).get("kl_divergence") is not None
                         and f"decode KL {out['decode']['kl_divergence']:.2e}" or None],
         "prune": [num("parameters_after", "{:,} params kept"), num("seconds", "{:.1f} s in prune()")],
@@ -330,8 +358,9 @@ def step_command(step: str, model: Path, shape_dir: Path, args, rows: dict[str, 
                 "--json"], ""
     if step == "export":
         return ["export", m, "--out", str(shape_dir / "onnx"), "--json"], ""
-    if step in ("convert", "convert-genai", "convert-gguf"):
-        target = {"convert": "ort-int4", "convert-genai": "ort-genai", "convert-gguf": "llama.cpp"}[step]
+    if step in ("convert", "convert-genai", "convert-gguf", "convert-mnn-llm"):
+        target = {"convert": "ort-int4", "convert-genai": "ort-genai", "convert-gguf": "llama.cpp",
+                  "convert-mnn-llm": "mnn-llm"}[step]
         rtn = shape_dir / "rtn-int4"
         if (rtn / "quantization.json").is_file():
             return ["convert", str(rtn), "--target", target, "--out", str(shape_dir / target), "--json"], \
@@ -339,6 +368,8 @@ def step_command(step: str, model: Path, shape_dir: Path, args, rows: dict[str, 
         why = "quantize-rtn not run" if "quantize-rtn" not in rows else "quantize-rtn saved nothing"
         return ["convert", m, "--bits", "4", "--target", target, "--out", str(shape_dir / target),
                 "--json"], f"from the float model --bits 4 ({why})"
+    if step == "profile-mnn-llm":
+        return ["profile", str(shape_dir / "mnn-llm"), "--threads", "2", "--json"], "2 threads"
     if step == "convert-qdq":
         return ["convert", m, "--bits", "8", "--target", "ort-qdq", "--max-tokens", "256", "--out",
                 str(shape_dir / "ort-qdq"), "--json"], "256 evaluation tokens"

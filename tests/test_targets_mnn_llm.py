@@ -170,3 +170,55 @@ def test_devices_gap_row_shows_the_engine_own_speed_beside_its_kl(bits4):
                       1.0, 2**20)
     assert row["prefill"]["kl"] == report.kl_divergence and row["decode"]["kl"] == report.decode["kl_divergence"]
     assert "MNN-LLM's own speed" in row["note"] and "decode" in row["note"] and row["gap"] is None
+
+
+@pytest.fixture(scope="module")
+def biased_qwen2(tmp_path_factory):
+    """A tiny Qwen2 whose q/k/v projections carry non-zero biases (MNN's converter merges each MatMul with its
+    bias Add), converted with a plan MNN's block layout holds as it is."""
+    from transformers import Qwen2ForCausalLM
+
+    from conftest import build_tiny_model
+    path = build_tiny_model(tmp_path_factory.mktemp("qwen2-bias") / "qwen2", "qwen2")
+    model = Qwen2ForCausalLM.from_pretrained(path)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                assert proj.bias is not None
+                proj.bias.normal_(0, 0.5)
+    model.save_pretrained(path)
+    out = tmp_path_factory.mktemp("mnn-llm-qwen2")
+    prep = prepare_models(str(path), plan=QuantPlan.uniform("int4", group_size=32))
+    return convert(str(path), "mnn-llm", out, prepared=prep, max_tokens=256), out, prep
+
+
+def test_biased_projections_keep_the_plan_integers_and_their_bias(biased_qwen2, tmp_path):
+    report, out, prep = biased_qwen2
+    quantized = [n for n in prep.qm.weights if prep.qm.layer(n).kind == "linear"]
+    assert len(quantized) == 14 and report.details["mnn_llm"]["plan_codes_written"] == 14
+    blocks = _mnn_blocks(out / "llm.mnn", tmp_path)
+    for name in quantized:
+        qw = prep.qm.weights[name]
+        np.testing.assert_array_equal(blocks[name].reshape(qw.shape), qw.dequantize().numpy())
+    ids = prep.float_lm.tokenizer("The workbench measures what each choice costs.")["input_ids"]
+    with torch.inference_mode():
+        ref = prep.sim_lm.model(torch.tensor([ids])).logits[0].float().numpy()
+    got = MnnLlm(out).logits(np.array([ids]))[0]  # the biases are in the engine graph: its logits are the simulation's
+    assert np.abs(got - ref).max() < 0.01 * np.abs(ref).max()
+    assert report.top1_agreement_vs_simulation >= 0.99
+
+
+def test_weights_past_the_inline_limit_go_to_onnx_external_data(biased_qwen2, tmp_path):
+    """Past ``inline_limit`` bytes the ONNX graph's weights are written to its external-data file one tensor at a
+    time (what keeps a 0.5 B model's conversion bounded); the engine then computes what the inline graph does."""
+    from workbench.onnx.build import DATA_FILE
+    from workbench.targets.mnn_llm import write_mnn_llm_folder
+    _, inline_out, prep = biased_qwen2
+    work = tmp_path / "work"
+    info = write_mnn_llm_folder(prep.sim_lm, prep.qm, tmp_path / "out", work, inline_limit=0)
+    assert info["plan_codes_written"] == 14
+    data = work / DATA_FILE
+    assert data.is_file() and data.stat().st_size > 4 * (work / "llm.onnx").stat().st_size
+    ids = np.array([prep.float_lm.tokenizer("Weights from the data file.")["input_ids"]])
+    np.testing.assert_allclose(MnnLlm(tmp_path / "out").logits(ids), MnnLlm(inline_out).logits(ids), rtol=0, atol=1e-5)

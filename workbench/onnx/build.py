@@ -35,7 +35,7 @@ from ..compute import float32_weight
 from ..errors import ModelLoadError
 
 __all__ = ["DecoderSpec", "TensorStore", "GraphBuilder", "FloatWeights", "BuiltGraphs", "build_graphs",
-           "DATA_FILE", "INLINE_LIMIT", "input_names", "output_names", "as_array"]
+           "DATA_FILE", "INLINE_LIMIT", "input_names", "output_names", "as_array", "rotary_tables", "apply_rotary"]
 
 DATA_FILE = "weights.data"
 INLINE_LIMIT = 64 * 2**20  # weights above this go to one external-data file (protobuf stops at 2 GB)
@@ -354,7 +354,7 @@ class FloatWeights:
 
 # -- the decoder --------------------------------------------------------------------------------
 
-def _rotary(g: GraphBuilder, spec: DecoderSpec) -> tuple[str, str]:
+def rotary_tables(g: GraphBuilder, spec: DecoderSpec) -> tuple[str, str]:
     """cos and sin ``[batch, 1, seq, head_dim]`` from position_ids, as transformers computes them in float32."""
     pos = g.unsqueeze(g.op("Cast", ["position_ids"], to=1), [2])  # [B, S, 1]
     freqs = g.op("Mul", [pos, g.const(spec.inv_freq, np.float32)])  # == inv_freq @ positions: one product each
@@ -366,7 +366,7 @@ def _rotary(g: GraphBuilder, spec: DecoderSpec) -> tuple[str, str]:
     return g.unsqueeze(cos, [1]), g.unsqueeze(sin, [1])
 
 
-def _apply_rotary(g: GraphBuilder, x: str, cos: str, sin: str, head_dim: int) -> str:
+def apply_rotary(g: GraphBuilder, x: str, cos: str, sin: str, head_dim: int) -> str:
     half = head_dim // 2
     x1 = g.op("Slice", [x, g.const([0]), g.const([half]), g.const([3])])
     x2 = g.op("Slice", [x, g.const([half]), g.const([head_dim]), g.const([3])])
@@ -411,7 +411,7 @@ def _attention(g: GraphBuilder, spec: DecoderSpec, policy: FloatWeights, attn: n
     q = heads("q_proj", hq, "q_norm" if spec.qk_norm else None)
     k = heads("k_proj", hkv, "k_norm" if spec.qk_norm else None)
     v = heads("v_proj", hkv, None)
-    q, k = _apply_rotary(g, q, cos, sin, d), _apply_rotary(g, k, cos, sin, d)
+    q, k = apply_rotary(g, q, cos, sin, d), apply_rotary(g, k, cos, sin, d)
     if with_past:
         k = g.op("Concat", [f"past_key_values.{i}.key", k], axis=2)
         v = g.op("Concat", [f"past_key_values.{i}.value", v], axis=2)
@@ -444,7 +444,7 @@ def _decoder_graph(spec: DecoderSpec, policy: FloatWeights, store: TensorStore, 
     g = GraphBuilder(store, opset, static)
     base, n = spec.base, spec.layers
     h = policy.embedding(g, base.embed_tokens, "model.embed_tokens", "input_ids")
-    cos, sin = _rotary(g, spec)
+    cos, sin = rotary_tables(g, spec)
     bias = _attention_bias(g, with_past)
     presents = []
     for i, block in enumerate(base.layers):

@@ -13,25 +13,27 @@ The graph takes ``input_ids`` (the embedded tokens, ``[seq, 1, hidden]``), ``att
 ``position_ids`` ``[1, seq]`` and ``logits_index`` (``-1``: the last position, ``0``: all of them) and
 gives ``logits``. Its attention is MNN's ``Attention`` op with ``kv_cache`` on: the engine keeps the KV
 cache itself, so one graph serves prefill and decode. It is written here as an ONNX graph whose attention
-is a custom ``FusedAttention`` node, converted by MNN's converter, its custom nodes rewritten as
-``Attention`` ops in the converter's JSON form and converted back with ``--weightQuantBits`` (the same
+is a custom ``FusedAttention`` node, built op by op (``onnx.build``: one weight widened at a time, large
+models' weights in ONNX external data), converted by MNN's converter with ``--weightQuantBits`` (the same
 asymmetric re-quantization of the simulated weights that reproduces the plan's integers in the ``mnn``
-target, ``mnn_weight_args``); a float output layer keeps float weights the same way.
+target, ``mnn_weight_args``) and its weights in their own file; the custom nodes are then rewritten as
+``Attention`` ops in the converter's JSON form, which holds only the weights' offsets, and the plan's own
+codes and scales are written into the weight file in place. A float output layer keeps float weights.
 """
 from __future__ import annotations
 
-import contextlib
-import io
 import json
+import os
 import time
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 import torch
-from torch import nn
 
 from ..errors import ModelLoadError, WorkbenchError
+from ..onnx.build import (DATA_FILE, INLINE_LIMIT, DecoderSpec, FloatWeights, GraphBuilder, TensorStore, apply_rotary,
+                          rotary_tables)
 from ..workspace import atomic_write_json
 from .mnn import mnn_weight_args, quiet_fds, convert_to_mnn, keep_matmul_weights_float, run_mnnconvert
 from .registry import Target, register_target
@@ -43,150 +45,86 @@ FILES = ("llm.mnn", "llm.mnn.weight", "embeddings_bf16.bin", "config.json", "llm
 MODEL_TYPES = ("qwen2", "qwen3", "llama")  # decoders whose blocks _EngineGraph rebuilds as they compute
 PROFILE_PROMPT = 64  # held-out tokens of the prompt the conversion times the engine on
 TOKENIZER_MAGIC, HUGGINGFACE_BPE = 430, 3  # tokenizer.txt's header, as MNN's tokenizer.cpp reads it
+ATTENTION_DOMAIN = "LlmExporter"  # the custom op's domain, as MNN's llmexport.py writes it
 
 
-class _FusedAttentionOp(torch.autograd.Function):
-    """A node MNN's converter keeps (``--allowCustomOp``) and this module turns into MNN's ``Attention`` op."""
+def export_engine_onnx(model, path: str | Path, *, inline_limit: int | None = None) -> tuple[Path, str]:
+    """The engine's graph of ``model`` as ONNX, built op by op (``onnx.build``): each weight widened to float32 on its
+    own and, past ``inline_limit`` bytes, written to the external-data file beside ``path``, so no float32 copy of the
+    model is held. Each linear layer's output (its bias Add's, when it has one: MNN's converter merges the two) is
+    named after the layer, which MNN names its op from. Returns the path and the output layer's weight initializer."""
+    from onnx import TensorProto, helper
 
-    @staticmethod
-    def symbolic(g, q, k, v, mask, output_dim, layer_index):
-        from torch.onnx.symbolic_helper import _get_tensor_sizes
-        out = g.op("LlmExporter::FusedAttention", q, k, v, mask, output_dim_i=output_dim, kv_cache_i=1,
-                   name_s=f"/layers.{layer_index}/self_attn/FusedAttention", layer_index_i=layer_index,
-                   kv_shared_layer_index_i=-1)
-        return out.setType(q.type().with_sizes(_get_tensor_sizes(q)[:2] + [output_dim]))
-
-    @staticmethod
-    def forward(ctx, q, k, v, mask, output_dim, layer_index):
-        """Causal attention without a cache: what the engine's op computes on a prompt (used for tracing)."""
-        rep = q.shape[2] // k.shape[2]
-        qh, kh, vh = (t.transpose(1, 2) for t in (q, k.repeat_interleave(rep, 2), v.repeat_interleave(rep, 2)))
-        out = nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
-        return out.transpose(1, 2).reshape(q.shape[0], q.shape[1], output_dim)
-
-
-def _linear(module) -> nn.Linear:
-    """A float32 ``nn.Linear`` with the weights a (possibly quantized) layer computes with."""
-    w = module.weight.detach().float()
-    lin = nn.Linear(w.shape[1], w.shape[0], bias=getattr(module, "bias", None) is not None)
-    lin.weight.data = w.clone()
-    if lin.bias is not None:
-        lin.bias.data = module.bias.detach().float().clone()
-    return lin
-
-
-class _Norm(nn.Module):
-    def __init__(self, module):
-        super().__init__()
-        self.weight = nn.Parameter(module.weight.detach().float().clone(), requires_grad=False)
-        self.eps = float(getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6)))
-
-    def forward(self, x):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
-
-
-def _rotate(x, cos, sin):
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
-
-
-class _EngineGraph(nn.Module):
-    """The decoder as MNN's engine calls it: embedded tokens in, logits at ``logits_index`` onward out."""
-
-    def __init__(self, model):
-        super().__init__()
-        cfg = model.config
-        if cfg.model_type not in MODEL_TYPES:
-            raise WorkbenchError(f"mnn-llm writes {', '.join(MODEL_TYPES)} decoders, not '{cfg.model_type}'; "
-                                 "use the mnn target for this model")
-        inner = model.model
-        names = {id(m): n for n, m in model.named_modules()}
-        self.layer_of: dict[str, nn.Linear] = {}  # layer name -> its float copy here (to find it in the graph)
-
-        def lin(module) -> nn.Linear:
-            copy = _linear(module)
-            self.layer_of[names[id(module)]] = copy
-            return copy
-        self.hidden, self.heads, self.kv_heads = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        rot = inner.rotary_emb
-        self.register_buffer("inv_freq", rot.inv_freq.detach().float().clone(), persistent=False)
-        self.rope_scale = float(getattr(rot, "attention_scaling", 1.0))
-        self.blocks = nn.ModuleList()
-        for layer in inner.layers:
-            a, m = layer.self_attn, layer.mlp
-            b = nn.Module()
-            b.ln1, b.ln2 = _Norm(layer.input_layernorm), _Norm(layer.post_attention_layernorm)
-            b.q, b.k, b.v, b.o = (lin(p) for p in (a.q_proj, a.k_proj, a.v_proj, a.o_proj))
-            b.qn = _Norm(a.q_norm) if getattr(a, "q_norm", None) is not None else None
-            b.kn = _Norm(a.k_norm) if getattr(a, "k_norm", None) is not None else None
-            b.gate, b.up, b.down = (lin(p) for p in (m.gate_proj, m.up_proj, m.down_proj))
-            self.blocks.append(b)
-        self.norm, self.lm_head = _Norm(inner.norm), lin(model.lm_head)
-
-    def forward(self, input_ids, attention_mask, position_ids, logits_index):
-        h = input_ids.view(1, -1, self.hidden)
-        n = h.shape[1]
-        freqs = position_ids.float()[0, :, None] * self.inv_freq[None]
-        emb = torch.cat((freqs, freqs), -1)
-        cos, sin = (emb.cos() * self.rope_scale)[None, :, None], (emb.sin() * self.rope_scale)[None, :, None]
-        for i, b in enumerate(self.blocks):
-            x = b.ln1(h)
-            q = b.q(x).view(1, n, self.heads, self.head_dim)
-            k = b.k(x).view(1, n, self.kv_heads, self.head_dim)
-            v = b.v(x).view(1, n, self.kv_heads, self.head_dim)
-            if b.qn is not None:
-                q, k = b.qn(q), b.kn(k)
-            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-            h = h + b.o(_FusedAttentionOp.apply(q, k, v, attention_mask, self.heads * self.head_dim, i))
-            x = b.ln2(h)
-            h = h + b.down(nn.functional.silu(b.gate(x)) * b.up(x))
-        h = h[:, logits_index.to(torch.int64):, :]
-        return self.lm_head(self.norm(h))
-
-
-def export_engine_onnx(model, path: str | Path) -> tuple[Path, str]:
-    """The engine's graph of ``model`` (weights as it computes with them, float32) as ONNX, each linear layer's
-    MatMul output named after the layer (MNN names the op it makes from it so); and the name of the output
-    layer's weight initializer."""
-    import hashlib
-
-    import onnx
-    from onnx import numpy_helper
-    graph = _EngineGraph(model).eval()
-    n = 3
-    args = (torch.zeros(n, 1, graph.hidden), torch.zeros(1, 1, n, n), torch.arange(n, dtype=torch.int32)[None],
-            torch.tensor([-1], dtype=torch.int32))
+    cfg = model.config
+    if cfg.model_type not in MODEL_TYPES:
+        raise WorkbenchError(f"mnn-llm writes {', '.join(MODEL_TYPES)} decoders, not '{cfg.model_type}'; "
+                             "use the mnn target for this model")
+    spec = DecoderSpec.from_model(model)
     path = Path(path)
-    with torch.inference_mode(False), torch.no_grad(), contextlib.redirect_stdout(io.StringIO()):
-        torch.onnx.export(graph, args, str(path), input_names=["input_ids", "attention_mask", "position_ids",
-                                                                 "logits_index"],
-                          output_names=["logits"], opset_version=17, dynamo=False,
-                          dynamic_axes={"input_ids": {0: "seq_len"}, "attention_mask": {2: "seq_len", 3: "seq_len"},
-                                        "position_ids": {1: "seq_len"}})
-    proto = onnx.load(str(path))
-    digest = {hashlib.sha1(lin.weight.detach().T.contiguous().numpy().tobytes()).hexdigest(): name
-              for name, lin in graph.layer_of.items()}
-    by_init = {}
-    for init in proto.graph.initializer:
-        if len(init.dims) == 2:
-            name = digest.get(hashlib.sha1(numpy_helper.to_array(init).tobytes()).hexdigest())
-            if name is not None:
-                by_init[init.name] = name
-    renamed = {}
-    for node in proto.graph.node:
-        if node.op_type == "MatMul" and node.input[1] in by_init and node.output[0] != "logits":
-            renamed[node.output[0]] = by_init[node.input[1]]
-            node.output[0] = by_init[node.input[1]]
-    for node in proto.graph.node:
-        for i, x in enumerate(node.input):
-            if x in renamed:
-                node.input[i] = renamed[x]
-    head = next(node for node in proto.graph.node if "logits" in node.output)
-    if head.op_type != "MatMul":
-        raise WorkbenchError(f"the exported output layer is a {head.op_type}, not a MatMul: export again")
-    onnx.save(proto, str(path))
-    return path, head.input[1]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for stale in (path, path.parent / DATA_FILE):
+        stale.unlink(missing_ok=True)  # a graph left from an earlier export must not point into new data
+    store = TensorStore(path.parent, INLINE_LIMIT if inline_limit is None else inline_limit)
+    policy = FloatWeights()
+    g = GraphBuilder(store, 17, None)
+    d = spec.head_dim
+
+    def linear(module, fqn: str, x: str) -> str:
+        policy.linear(g, module, fqn, x)
+        g.nodes[-1].output[0] = fqn  # the last node is the MatMul, or the bias Add after it
+        return fqn
+
+    try:
+        with torch.no_grad():
+            h = g.reshape("input_ids", [1, -1, spec.hidden])  # [seq, 1, hidden] -> [1, seq, hidden]
+            cos, sin = (g.op("Transpose", [t], perm=[0, 2, 1, 3]) for t in rotary_tables(g, spec))  # [1, seq, 1, d]
+            for i, block in enumerate(spec.base.layers):
+                p, a, m = f"model.layers.{i}", block.self_attn, block.mlp
+                hq, hkv = spec.heads_of(i)
+                g.scope = p
+                x = g.rms_norm(h, block.input_layernorm, f"{p}.input_layernorm")
+                q, k, v = (g.reshape(linear(getattr(a, n), f"{p}.self_attn.{n}", x), [1, -1, heads, d])
+                           for n, heads in (("q_proj", hq), ("k_proj", hkv), ("v_proj", hkv)))
+                if spec.qk_norm:
+                    q = g.rms_norm(q, a.q_norm, f"{p}.self_attn.q_norm")
+                    k = g.rms_norm(k, a.k_norm, f"{p}.self_attn.k_norm")
+                q, k = apply_rotary(g, q, cos, sin, d), apply_rotary(g, k, cos, sin, d)
+                att = g.op("FusedAttention", [q, k, v, "attention_mask"], domain=ATTENTION_DOMAIN,
+                           name=f"/{p}/self_attn/FusedAttention", output_dim=hq * d, kv_cache=1, layer_index=i,
+                           kv_shared_layer_index=-1)
+                g.nodes[-1].attribute.append(helper.make_attribute("name", f"/layers.{i}/self_attn/FusedAttention"))
+                g.scope = p
+                h = g.op("Add", [h, linear(a.o_proj, f"{p}.self_attn.o_proj", att)])
+                x = g.rms_norm(h, block.post_attention_layernorm, f"{p}.post_attention_layernorm")
+                gate = linear(m.gate_proj, f"{p}.mlp.gate_proj", x)
+                act = g.op("Mul", [gate, g.op("Sigmoid", [gate])])
+                g.scope = p
+                h = g.op("Add", [h, linear(m.down_proj, f"{p}.mlp.down_proj",
+                                           g.op("Mul", [act, linear(m.up_proj, f"{p}.mlp.up_proj", x)]))])
+            g.scope = ""
+            start = g.op("Cast", ["logits_index"], to=TensorProto.INT64)
+            h = g.op("Slice", [h, start, g.const([np.iinfo(np.int64).max]), g.const([1])])  # logits_index onward
+            h = g.rms_norm(h, spec.base.norm, "model.norm")
+            policy.lm_head(g, spec.model.get_output_embeddings(), "lm_head", h, spec.base.embed_tokens)
+            g.nodes[-1].output[0] = "logits"
+        store.close()
+        seq = "seq_len"
+        inputs = [helper.make_tensor_value_info("input_ids", TensorProto.FLOAT, [seq, 1, spec.hidden]),
+                  helper.make_tensor_value_info("attention_mask", TensorProto.FLOAT, [1, 1, seq, seq]),
+                  helper.make_tensor_value_info("position_ids", TensorProto.INT32, [1, seq]),
+                  helper.make_tensor_value_info("logits_index", TensorProto.INT32, [1])]
+        outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, "logits_len", spec.vocab])]
+        graph = helper.make_graph(g.nodes, "llm", inputs, outputs,
+                                  list(g.constants.values()) + [store.proto(w) for w in g.weights])
+        proto = helper.make_model(graph, producer_name="workbench", opset_imports=[
+            helper.make_opsetid("", 17), helper.make_opsetid(ATTENTION_DOMAIN, 1)])
+        proto.ir_version = min(proto.ir_version, 10)  # what the converters here read
+        tmp = path.with_name(path.name + ".partial")
+        tmp.write_bytes(proto.SerializeToString())
+        os.replace(tmp, path)
+    finally:
+        store.close()
+    return path, policy.weight_names["lm_head"]
 
 
 def plan_codes_layout(qm) -> tuple[int, int] | None:
@@ -204,33 +142,40 @@ def plan_codes_layout(qm) -> tuple[int, int] | None:
     return (bits, block) if bits in (4, 8) and block else None
 
 
-def write_plan_codes(doc: dict, qm, bits: int, block: int) -> int:
-    """Put the plan's codes and scales into MNN's quantized ops (in the converter's JSON form): each block's
-    ``alpha`` is its scale, its codes index MNN's code table (``-2^(b-1)`` .. ``2^(b-1)-1``), high nibble first."""
+def write_plan_codes(doc: dict, weight_file: str | Path, qm, bits: int, block: int) -> int:
+    """Put the plan's codes and scales into MNN's quantized ops, in place in their external weight file (``doc`` is
+    the graph in the converter's JSON form, each op's ``external`` its offset and byte counts there): each block's
+    scale is its ``alpha``, its codes index MNN's code table (``-2^(b-1)`` .. ``2^(b-1)-1``), high nibble first."""
+    data = np.memmap(weight_file, dtype=np.uint8, mode="r+")
     done = 0
     for op in doc.get("oplists", []):
         if op.get("type") != "Convolution":
             continue
         name = op.get("name", "").split("__matmul_converted")[0]
         qw = qm.weights.get(name)
-        q = (op.get("main") or {}).get("quanParameter")
-        if qw is None or q is None:
+        main = op.get("main") or {}
+        q, ext = main.get("quanParameter"), main.get("external")
+        if qw is None or q is None or not ext:
             continue
-        buf = np.asarray(q["buffer"], dtype=np.int64).astype(np.uint8)
+        offset, size, alpha_bytes = (int(x) for x in ext[:3])
+        buf = data[offset:offset + size]
         dims = 8 if q.get("shapeInt32") else 4  # the two dims: unsigned 16-bit, or 32-bit above 65,535
         rows, width = (int(x) for x in np.frombuffer(buf[1:1 + dims].tobytes(), np.int32 if dims == 8 else np.uint16))
         table = int(buf[1 + dims]) or 256
         header = 2 + dims + table
         codes = qw.qweight.to(torch.int16).numpy().reshape(-1, block) + (1 << (bits - 1))
-        if (rows, width) != codes.shape or q.get("aMaxOrBits") != bits or len(q["alpha"]) != rows:
+        flat = codes.reshape(-1).astype(np.uint8)
+        packed = (flat[0::2] << 4 | flat[1::2]) if bits == 4 else flat
+        if ((rows, width) != codes.shape or q.get("aMaxOrBits") != bits or alpha_bytes != 4 * rows
+                or q.get("scaleStorage", "FP32") != "FP32" or header + packed.size != size):
             raise WorkbenchError(f"MNN laid out '{name}' as {rows} x {width} {q.get('aMaxOrBits')}-bit blocks, not the "
                                  f"plan's {codes.shape[0]} x {block} {bits}-bit ones: this MNN version is not the one "
                                  "the project pins")
-        flat = codes.reshape(-1).astype(np.uint8)
-        packed = (flat[0::2] << 4 | flat[1::2]) if bits == 4 else flat
-        q["buffer"] = buf[:header].tolist() + packed.astype(np.int8).tolist()
-        q["alpha"] = qw.scales.float().numpy().reshape(-1).tolist()
+        buf[header:] = packed
+        data[offset + size:offset + size + alpha_bytes] = qw.scales.float().numpy().reshape(-1).view(np.uint8)
         done += 1
+    data.flush()
+    del data
     return done
 
 
@@ -293,8 +238,10 @@ def _stop_ids(lm) -> list[int]:
     return [int(i) for i in dict.fromkeys(out)]
 
 
-def write_mnn_llm_folder(sim_lm, qm, out: str | Path, work: str | Path, *, threads: int = 4) -> dict:
-    """MNN's LLM model directory for the simulation ``sim_lm`` of ``qm``; returns what was decided (notes)."""
+def write_mnn_llm_folder(sim_lm, qm, out: str | Path, work: str | Path, *, threads: int = 4,
+                         inline_limit: int | None = None) -> dict:
+    """MNN's LLM model directory for the simulation ``sim_lm`` of ``qm``; returns what was decided (notes).
+    ``inline_limit``: the ONNX graph's weights past this many bytes go to external data (``INLINE_LIMIT``)."""
     out, work = Path(out), Path(work)
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
@@ -310,7 +257,7 @@ def write_mnn_llm_folder(sim_lm, qm, out: str | Path, work: str | Path, *, threa
     # the embedding is not in the graph here (embeddings_bf16.bin holds it): drop the mnn target's notes on it
     embed_names = [r.name for r in qm.layers if r.kind == "embedding"]
     notes = [n for n in notes if not any(n.startswith(e) for e in embed_names)]
-    onnx_path, head = export_engine_onnx(model, work / "llm.onnx")
+    onnx_path, head = export_engine_onnx(model, work / "llm.onnx", inline_limit=inline_limit)
     float_head = "lm_head" not in qm.weights
     kept = []
     if bits and float_head:
@@ -322,12 +269,17 @@ def write_mnn_llm_folder(sim_lm, qm, out: str | Path, work: str | Path, *, threa
                      "which MNN's weight quantization leaves alone)")
     # with --weightQuantAsymmetric this converter writes one scale per block (checked by write_plan_codes), without it
     # a (minimum, scale) pair
+    # with --weightQuantAsymmetric this converter writes one scale per block (checked by write_plan_codes), without it
+    # a (minimum, scale) pair; the weights go to plain.mnn.weight, so the graph's JSON form holds only their offsets
     plain = convert_to_mnn(onnx_path, work / "plain.mnn", weight_bits=bits, block_size=block, asymmetric=True,
-                           extra=["--allowCustomOp"])
+                           extra=["--allowCustomOp", "--saveExternalData"])
+    weight_file = plain.with_name(plain.name + ".weight")
+    if not weight_file.is_file():
+        raise WorkbenchError(f"MNN's converter wrote no weight file beside '{plain}': convert again")
     graph_json = work / "llm.json"
     run_mnnconvert(["mnnconvert", "-f", "MNN", "--modelFile", str(plain), "--JsonFile", str(graph_json)])
     doc = json.loads(graph_json.read_text(encoding="utf-8"))
-    written = write_plan_codes(doc, qm, bits, block) if direct is not None else 0
+    written = write_plan_codes(doc, weight_file, qm, bits, block) if direct is not None else 0
     quantized = sum(1 for name in qm.weights if qm.layer(name).kind == "linear")
     if direct is not None and written != quantized:
         raise WorkbenchError(f"found {written} of the plan's {quantized} quantized layers among MNN's ops: export again")
@@ -336,10 +288,8 @@ def write_mnn_llm_folder(sim_lm, qm, out: str | Path, work: str | Path, *, threa
         raise WorkbenchError(f"MNN's converter kept {rewritten} of {len(model.model.layers)} attention ops: "
                              "this MNN version does not carry the custom op; install the pinned MNN")
     graph_json.write_text(json.dumps(doc), encoding="utf-8")
-    rebuilt = convert_to_mnn(graph_json, work / "llm.mnn", source="JSON")  # JSON input keeps its weights inline
-    convert_to_mnn(rebuilt, out / "llm.mnn", source="MNN", extra=["--saveExternalData"])
-    if not (out / "llm.mnn.weight").is_file():
-        raise WorkbenchError(f"MNN's converter wrote no llm.mnn.weight beside '{out / 'llm.mnn'}': convert again")
+    convert_to_mnn(graph_json, out / "llm.mnn", source="JSON")  # its ops keep their offsets into the weight file
+    weight_file.replace(out / "llm.mnn.weight")
     emb = embed.weight.detach()
     (out / "embeddings_bf16.bin").write_bytes(emb.to(torch.bfloat16).view(torch.int16).numpy().tobytes())
     write_tokenizer_txt(sim_lm.tokenizer, out / "tokenizer.txt", _stop_ids(sim_lm))
@@ -376,10 +326,18 @@ class MnnLlm:
             raise ModelLoadError(f"'{self.folder}' has no {', '.join(missing)}: convert it again "
                                  "(`workbench convert MODEL --target mnn-llm --out DIR`)")
         self.threads = threads or 1
+        self._m = self._scorer = None
         t = time.perf_counter()
-        self.m = self._engine(all_logits=False)
+        self._m = self._engine(all_logits=False)
         self.load_seconds = time.perf_counter() - t
-        self._scorer = None
+
+    @property
+    def m(self):
+        """The engine that steps and times (the last position's logits), loaded again if ``logits`` let it go."""
+        if self._m is None:
+            self._scorer = None
+            self._m = self._engine(all_logits=False)
+        return self._m
 
     def _engine(self, *, all_logits: bool):
         """The engine over the folder's config.json; ``all_logits`` is fixed when it loads (it caches its graph)."""
@@ -408,8 +366,10 @@ class MnnLlm:
 
     def logits(self, input_ids: np.ndarray) -> np.ndarray:
         """Logits ``[1, n, vocab]`` of one fresh prompt, every position (a second engine, loaded with
-        ``all_logits``, on first use)."""
+        ``all_logits``, on first use, in place of the stepping one: one engine's weights resident at a time, about
+        2 GB each at 0.5 B)."""
         if self._scorer is None:
+            self._m = None
             self._scorer = self._engine(all_logits=True)
         ids = np.asarray(input_ids).reshape(-1)
         self._scorer.reset()
