@@ -144,3 +144,44 @@ def test_a_static_graph_whose_external_data_lies_outside_is_refused_before_openi
         OnnxCausalLM(folder / Path(static_graphs.prefill_path).name, decode)
     assert not [p for p in paths if Path(p).resolve().is_relative_to(outside.resolve())]
 
+
+
+@pytest.mark.parametrize("named", ["../outside/ctx_qnn.bin", "/etc/passwd", "link.bin"])
+def test_a_context_graph_naming_a_binary_outside_is_refused_before_any_session(tmp_path, named):
+    """An EPContext node's ep_cache_context (a compiled QNN context kept beside the graph) is a path like any
+    other: outside the folder it is refused before onnxruntime is asked to open it."""
+    from onnx import TensorProto, helper
+    from workbench.runtime.onnx_runner import OnnxCausalLM
+    folder, outside = tmp_path / "ctx", tmp_path / "outside"
+    folder.mkdir(), outside.mkdir()
+    (outside / "ctx_qnn.bin").write_bytes(b"\0" * 4096)
+    if named == "link.bin":
+        (folder / "link.bin").symlink_to(outside / "ctx_qnn.bin")
+    node = helper.make_node("EPContext", ["input_ids"], ["logits"], name="qnn_ctx", domain="com.microsoft",
+                            embed_mode=0, ep_cache_context=named, source="Qnn")
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, 8])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, 8, 16])])
+    path = folder / "prefill_ctx.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                      helper.make_opsetid("com.microsoft", 1)]), str(path))
+    with opened() as paths, pytest.raises(ModelLoadError, match=r"ep_cache_context of node 'qnn_ctx'.*outside its "
+                                                                 r"folder"):
+        OnnxCausalLM(path)
+    assert not [p for p in paths if Path(p).resolve().is_relative_to(outside.resolve()) or p == "/etc/passwd"]
+
+
+def test_a_packed_4_bit_weight_outside_is_refused_too(tmp_path):
+    """4-bit (QDQ) weights are left to onnxruntime to read: their location is checked all the same."""
+    from onnx import TensorProto, helper
+    from workbench.folder_paths import check_graph_paths
+    folder = tmp_path / "qdq"
+    folder.mkdir()
+    w = TensorProto(name="w", data_type=TensorProto.INT4, dims=[4], data_location=TensorProto.EXTERNAL)
+    for key, value in (("location", "../elsewhere/w.bin"), ("offset", "0"), ("length", "2")):
+        w.external_data.add(key=key, value=value)
+    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])], initializer=[w])
+    onnx.save(helper.make_model(graph), str(folder / "g.onnx"))
+    with pytest.raises(ModelLoadError, match=r"external data location '\.\./elsewhere/w\.bin'.*outside"):
+        check_graph_paths(folder / "g.onnx")

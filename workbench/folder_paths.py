@@ -7,7 +7,7 @@ from pathlib import Path
 
 from workbench.errors import ModelLoadError
 
-__all__ = ["inside_folder", "json_items", "refuse_native_libraries"]
+__all__ = ["inside_folder", "json_items", "refuse_native_libraries", "check_graph_paths"]
 
 
 def inside_folder(folder: str | Path, named: str, named_by: str | Path, key: str = "path") -> Path:
@@ -43,3 +43,25 @@ def refuse_native_libraries(doc, named_by: str | Path) -> None:
             raise ModelLoadError(f"'{named_by}' names a native library at {here} ({v!r}): the workbench does "
                                  "not load code named by a model folder; remove the key, or pass "
                                  "allow_custom_ops=True if you trust this folder")
+
+
+def check_graph_paths(graph: str | Path) -> None:
+    """ModelLoadError unless every file an ONNX graph names lies inside its folder: each initializer's external
+    data ``location`` and each EPContext node's ``ep_cache_context`` (a compiled context binary kept beside the
+    graph). Read before any session is made, so onnxruntime never opens what a hostile graph points at."""
+    import onnx
+    from onnx.external_data_helper import uses_external_data
+    graph = Path(graph)
+    proto = onnx.load(str(graph), load_external_data=False)
+    for init in proto.graph.initializer:
+        if uses_external_data(init):
+            info = {e.key: e.value for e in init.external_data}
+            inside_folder(graph.parent, info.get("location", ""), graph, "external data location")
+    for node in proto.graph.node:
+        if node.op_type != "EPContext":
+            continue
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        if int(attrs.get("embed_mode", 1)) == 0:  # 1: the binary is inside the graph itself
+            ref = attrs.get("ep_cache_context", b"")
+            inside_folder(graph.parent, ref.decode("utf-8", "replace") if isinstance(ref, bytes) else ref, graph,
+                          f"ep_cache_context of node '{node.name}'")

@@ -95,6 +95,8 @@ class OnnxCausalLM:
 
     def _open_session(self, path: str | Path):
         import onnxruntime as ort
+        from workbench.folder_paths import check_graph_paths
+        check_graph_paths(path)  # nothing a graph names outside its folder is opened, by us or by onnxruntime
         opts = ort.SessionOptions()
         opts.log_severity_level = 3
         if self.threads:
