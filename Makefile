@@ -26,6 +26,7 @@ $(STAMP): requirements.txt constraints.txt pyproject.toml Makefile
 # onnxruntime-qnn 2.7.0: Qualcomm's QNN EP as an onnxruntime >= 1.24.2 plugin with the HTP emulator (x86-64);
 # --no-deps keeps the project's onnxruntime (the htp target, `convert --target qnn --soc`)
 	$(BIN)/pip install -q --no-deps onnxruntime-qnn==2.7.0
+	$(BIN)/pip install -q --no-deps executorch==1.5.1 torchao==0.18.0 ruamel.yaml==0.19.1 tabulate==0.10.0
 	$(BIN)/pip install -q --no-deps -e .
 	$(BIN)/python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	touch $(STAMP)

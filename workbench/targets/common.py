@@ -17,7 +17,7 @@ from ..errors import PlanError
 from ..plan import QuantPlan, get_precision
 from ..workspace import read_json_file
 
-__all__ = ["native_output_to", "log_softmax", "OverrideFile", "layer_precisions", "graph_names", "tensor_for", "read_json_object", "graph_consumers",
+__all__ = ["score_in_runtime", "PROFILE_PROMPT", "native_output_to", "log_softmax", "OverrideFile", "layer_precisions", "graph_names", "tensor_for", "read_json_object", "graph_consumers",
            "half_layers", "layers_from_tensors", "block_role", "LINEAR_ROLES"]
 
 
@@ -144,3 +144,28 @@ def log_softmax(x):
     x = np.asarray(x, dtype=np.float64)
     x = x - x.max(-1, keepdims=True)
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+PROFILE_PROMPT = 64  # held-out tokens of the prompt a conversion times its runtime on
+
+
+def score_in_runtime(job, runner, label: str, main_file: Path, source: str, *, warm_up: bool = False) -> None:
+    """Score a runtime's own logits (prefill, then decode through its own cache) and time it, into the report.
+
+    ``runner`` has ``logits``, ``prefill_seconds``, ``decode_seconds``, ``runtime``, ``threads`` and
+    ``load_seconds``; ``source`` says where its times come from (its own counters, or a clock around calls)."""
+    ev = job.evaluator()
+    if ev is None:
+        return
+    report = job.report
+    ev.fill(report, ev.score(runner.logits, label), main_file)
+    ev.fill_decode(report, ev.score_decode(runner, label), main_file)
+    prompt = list(ev.ids[:PROFILE_PROMPT].tolist())
+    if warm_up:
+        runner.prefill_seconds(prompt)
+    prefill = runner.prefill_seconds(prompt)
+    decode = runner.decode_seconds(prompt, job.greedy_steps)
+    report.details["runtime_speed"] = {
+        "runtime": runner.runtime, "source": source, "threads": runner.threads, "prompt_tokens": len(prompt),
+        "prefill_ms": prefill * 1000, "prefill_tokens_per_second": len(prompt) / prefill,
+        "decode_tokens_per_second": job.greedy_steps / decode, "load_seconds": runner.load_seconds}

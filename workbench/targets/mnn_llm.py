@@ -35,6 +35,7 @@ from ..errors import ModelLoadError, WorkbenchError
 from ..onnx.build import (DATA_FILE, INLINE_LIMIT, DecoderSpec, FloatWeights, GraphBuilder, TensorStore, apply_rotary,
                           rotary_tables)
 from ..workspace import atomic_write_json
+from .common import score_in_runtime
 from .mnn import mnn_weight_args, quiet_fds, convert_to_mnn, keep_matmul_weights_float, run_mnnconvert
 from .registry import Target, register_target
 
@@ -43,7 +44,6 @@ __all__ = ["export_engine_onnx", "plan_codes_layout", "write_plan_codes", "write
 
 FILES = ("llm.mnn", "llm.mnn.weight", "embeddings_bf16.bin", "config.json", "llm_config.json", "tokenizer.txt")
 MODEL_TYPES = ("qwen2", "qwen3", "llama")  # decoders whose blocks _EngineGraph rebuilds as they compute
-PROFILE_PROMPT = 64  # held-out tokens of the prompt the conversion times the engine on
 TOKENIZER_MAGIC, HUGGINGFACE_BPE = 430, 3  # tokenizer.txt's header, as MNN's tokenizer.cpp reads it
 ATTENTION_DOMAIN = "LlmExporter"  # the custom op's domain, as MNN's llmexport.py writes it
 
@@ -445,19 +445,8 @@ def convert_mnn_llm(job) -> None:
     report.notes += info.pop("notes")
     report.details["mnn_llm"] = info
     runner = MnnLlm(job.out, threads=2)
-    ev = job.evaluator()
-    if ev is None:
-        return
-    ev.fill(report, ev.score(runner.logits, "mnn-llm"), job.out / "llm.mnn")
-    ev.fill_decode(report, ev.score_decode(runner, "mnn-llm"), job.out / "llm.mnn")  # through the engine's cache
-    prompt = list(ev.ids[:PROFILE_PROMPT].tolist())
-    prefill = runner.prefill_seconds(prompt)
-    decode = runner.decode_seconds(prompt, job.greedy_steps)
-    report.details["runtime_speed"] = {
-        "runtime": runner.runtime, "source": "the engine's own counters (context.prefill_us, context.decode_us)",
-        "threads": runner.threads, "prompt_tokens": len(prompt), "prefill_ms": prefill * 1000,
-        "prefill_tokens_per_second": len(prompt) / prefill, "decode_tokens_per_second": job.greedy_steps / decode,
-        "load_seconds": runner.load_seconds}
+    score_in_runtime(job, runner, "mnn-llm", job.out / "llm.mnn",
+                     "the engine's own counters (context.prefill_us, context.decode_us)")
 
 
 TARGET = register_target(Target(
