@@ -17,9 +17,10 @@ def test_report_of_command_line_outputs(tmp_path, capsys):
     summary = json.loads(capsys.readouterr().out)
     assert summary["run"] == str(out.resolve()) and summary["bytes"] == len(page.read_bytes())
     assert summary["figures"] == ["Quantized model: weight error per layer", "Conversions against the simulation",
-                                  "Plans on devices", "Quality, size and projected speed"]
+                                  "Plans on devices", "Vendor measurements and the fit",
+                                  "Quality, size and projected speed"]
     text = page.read_text(encoding="utf-8")
-    assert text.count("Plotly.newPlot(") == 4 and "RK3588" in text and "Jetson" not in text
+    assert text.count("Plotly.newPlot(") == 5 and "RK3588" in text and "Jetson" not in text
     assert main(["report", str(out), "--out", str(page), "--context", "4096"]) == 0
     assert "4096-token KV cache" in page.read_text(encoding="utf-8") and "wrote" in capsys.readouterr().out
 
