@@ -110,7 +110,9 @@ def test_the_script_gives_one_line_exit_2_bounded_memory_and_no_output(case, rea
     assert rc == 2 and len(err) == 1 and err[0].startswith("gguf_to_hf: error: ") and str(path) in err[0], err
     assert re.search(says, err[0])
     assert not (tmp_path / "new").exists()
-    assert peak < 1024, f"{peak} MB"  # the imports (torch) and nothing of the file's claimed sizes
+    # the imports (torch, transformers; more on a fresh environment's first run) and nothing of the file's claimed
+    # sizes, which are terabytes
+    assert peak < 2048, f"{peak} MB"
 
 
 def test_an_unsupported_architecture_is_one_line_and_leaves_nothing(tmp_path):

@@ -35,7 +35,7 @@ def test_every_chart_draws_offline(demo_run):
     root, app = demo_run
     page_file = app.out_dir / "report.html"
     figures = len(build_report(root).figures)
-    assert figures == 7
+    assert figures == 8
     requests, errors = [], []
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=OFFLINE_FLAGS)
