@@ -228,3 +228,17 @@ def test_one_window_prints_no_plus_minus_nan(capsys):
 def test_eval_text_that_is_a_directory_says_so(tmp_path, capsys):
     assert main(["eval", "demo", "--text", str(tmp_path)]) == 2
     assert capsys.readouterr().err.strip().endswith(f"text path '{tmp_path}' is a directory; pass a UTF-8 text file")
+
+
+def test_a_command_prints_no_third_party_noise():
+    """torchao, installed for the executorch target, is imported by transformers and logs the GPU kernels it cannot
+    load; a user's command shows none of that."""
+    import os
+    import subprocess
+    import sys
+    env = {**os.environ, "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run([sys.executable, "-m", "workbench", "info", "demo"], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert proc.returncode == 0 and "4.20 M parameters" in proc.stdout
+    for noise in ("Failed to load", "register_constant", "_C_mxfp8"):
+        assert noise not in proc.stderr, proc.stderr[-1000:]

@@ -7,12 +7,17 @@ The main verbs::
 """
 from __future__ import annotations
 
+import logging
 import warnings
 
 from .offline import apply_offline_env
 
 apply_offline_env()  # before anything imports onnxruntime or the Hugging Face libraries
 warnings.filterwarnings("ignore", message=".*_C_mxfp8.*")
+# torchao (there for the executorch target) is imported by transformers whenever it is installed; on a CPU machine
+# it logs each GPU kernel library it cannot load, and torch logs its enum registrations: noise on every command
+logging.getLogger("torchao").setLevel(logging.ERROR)
+logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
 
 from .assets import DEMO_MODEL_DIR, demo_text_path  # noqa: E402
 from .errors import DataError, ModelLoadError, PlanError, WorkbenchError, WorkspaceError  # noqa: E402
