@@ -195,6 +195,7 @@ class RuntimeFit:
     precision: str
     device: str | None  # the workbench device profile it stands for
     rows: list[dict]
+    feats: list[dict]  # each row's features (measurement_features), computed once
     decode: LinearFit | None
     ttft: LinearFit | None
     memory: LinearFit | None
@@ -214,7 +215,7 @@ def _fit_group(rows: list[dict]) -> RuntimeFit:
     ttft = _fit_with_held_out("ttft_ms", rows, feats)
     memory = _fit_with_held_out("peak_mb", rows, feats)
     return RuntimeFit(r0["vendor_device"], _runtime_name(r0["runtime"]), r0["precision"], r0["device"], rows,
-                      decode, ttft, memory)
+                      feats, decode, ttft, memory)
 
 
 @lru_cache(maxsize=4)
@@ -244,10 +245,14 @@ def vendor_fits(path: str | Path = VENDOR_FILE, *, device: str | None = None,
 BANDWIDTH_TERMS = ("weights_gb", "kv_gb", "weights_gb+kv_gb")
 
 
+def _nearest_in_bandwidth(bandwidths: list[float], to_bandwidth: float) -> int:
+    return min(range(len(bandwidths)), key=lambda j: abs(math.log(bandwidths[j] / to_bandwidth)))
+
+
 def _transfer(fits: list[RuntimeFit], bandwidths: list[float], to_bandwidth: float) -> dict[str, LinearFit | None]:
     """The class member nearest in bandwidth, its byte terms scaled by the bandwidth ratio (time and memory terms as
     they are): a phone borrows from a phone before a laptop."""
-    i = min(range(len(fits)), key=lambda j: abs(math.log(bandwidths[j] / to_bandwidth)))
+    i = _nearest_in_bandwidth(bandwidths, to_bandwidth)
     scale = bandwidths[i] / to_bandwidth
     out = {}
     for what in ("decode", "ttft", "memory"):
@@ -279,8 +284,7 @@ def class_transfer_errors(device_class: str, runtime: str, precision: str,
         if not others:
             continue
         moved = _transfer([o for o, _ in others], [b for _, b in others], bw)
-        for r in f.rows:
-            feat = measurement_features(r)
+        for r, feat in zip(f.rows, f.feats):
             for what, target in (("decode", "decode_ms"), ("ttft", "ttft_ms"), ("memory", "peak_mb")):
                 y = _target(r, target)
                 if moved[what] is not None and y is not None:
@@ -354,7 +358,7 @@ def vendor_projection(lm, plan, device: Device, runtime: DeviceRuntime, *, conte
         fit = max(own, key=lambda x: len(x.rows))
         moved = {"decode": fit.decode, "ttft": fit.ttft, "memory": fit.memory}
         errs = {w: (lf.held_out if lf else []) for w, lf in moved.items()}
-        rows = fit.rows
+        rows, feats = fit.rows, fit.feats
         basis = (f"fitted to {len(rows)} {runtime.name} {precision} measurement(s) of {len(fit.models)} models on "
                  f"{fit.vendor_device} ({source_label(rows[0]).split(',')[0]}); error held out by model")
         fallback = False
@@ -367,13 +371,12 @@ def vendor_projection(lm, plan, device: Device, runtime: DeviceRuntime, *, conte
                                     0, None, None, 0, None, None, 0, None, [], notes)
         moved = _transfer([m for m, _ in members], [b for _, b in members], device.memory_bandwidth_gbps)
         errs = class_transfer_errors(device.device_class, runtime.name, precision, devices)
-        near = min(members, key=lambda m: abs(math.log(m[1] / device.memory_bandwidth_gbps)))[0]
-        rows = near.rows
+        near = members[_nearest_in_bandwidth([b for _, b in members], device.memory_bandwidth_gbps)][0]
+        rows, feats = near.rows, near.feats
         basis = (f"no {runtime.name} measurement of {device.name}: borrowed from {near.vendor_device}, the "
                  f"{device.device_class} device measured nearest in bandwidth, scaled by bandwidth; error held out by "
                  f"device among {len(members)} measured")
         fallback = True
-    feats = [measurement_features(r) for r in rows]
     decode_ms = moved["decode"](f) if moved["decode"] else None
     ttft = moved["ttft"](f) if moved["ttft"] else None
     peak = moved["memory"](f) if moved["memory"] else None
