@@ -290,7 +290,8 @@ def projection_rows(projections: Mapping[str, Sequence]) -> list[list[str]]:
             first = (f"{v.ttft_ms:,.0f} (±{v.ttft_error:.0%})" if v is not None and v.ttft_ms is not None
                      and v.ttft_error is not None else "-")
             runtime = (f"{p.runtime}" + (f" {v.precision}" if v is not None else "")
-                       + (" (borrowed)" if v is not None and v.fallback else "")) if p.runtime else "none"
+                       + ((" (borrowed)" if fitted else " (no vendor fit)") if v is not None and v.fallback else "")
+                       ) if p.runtime else "none"
             bad = p.unsupported_layers
             npu = "none" if not bad else f"{len(bad)}: " + ", ".join(n for n, _ in bad[:3]) + (
                 " ..." if len(bad) > 3 else "") + f" ({', '.join(sorted({q for _, q in bad}))})"
