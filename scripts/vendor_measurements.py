@@ -48,7 +48,9 @@ RKNN_MODELS = {("Qwen2", "0.5B"): "qwen2-0.5b", ("Qwen3", "0.6B"): "qwen3-0.6b",
                ("TinyLLAMA", "1.1B"): "tinyllama-1.1b", ("Qwen2.5", "1.5B"): "qwen2.5-1.5b"}
 # a vendor's chipset or board -> the workbench's device profile (assets/devices/<name>.json)
 PROFILES = {"qualcomm-snapdragon-8-elite-for-galaxy": "snapdragon-8-elite",
-            "qualcomm-snapdragon-x-elite": "snapdragon-x-elite", "RK3588": "rk3588"}
+            "qualcomm-snapdragon-x-elite": "snapdragon-x-elite", "RK3588": "rk3588",
+            "qualcomm-snapdragon-8-elite-gen5-for-galaxy": "snapdragon-8-elite-gen-5",
+            "qualcomm-snapdragon-x2-elite": "snapdragon-x2-elite", "qualcomm-qcs9075": "dragonwing-iq-9075"}
 # AI Hub's runtime keys -> the workbench's runtime names (workbench/device_runtimes.py)
 QAI_RUNTIMES = {"genie": "genie", "geniex_qairt": "qairt", "geniex_llamacpp": "llama.cpp"}
 
@@ -89,8 +91,11 @@ def _qai_row(model, component, shape, precision, device, chips, runtime, m, path
     # the range runs from the shortest prompt to a full context: max / min = context / shortest prompt
     prompt = round(ctx * ttft["min"] / ttft["max"]) if ttft.get("min") and ttft.get("max") else None
     chipset = chips.get(device, {}).get("chipset")
+    # a device AI Hub lists with a reference_chipset is not in its workbench: its rows repeat that chipset's
+    reference = chips.get(device, {}).get("reference_chipset")
     return {"source": "qai-hub-models", "file": path, "vendor_model": model, "model": component, "shape": shape,
-            "vendor_device": device, "chipset": chipset, "device": PROFILES.get(chipset), "runtime": name,
+            "vendor_device": device, "chipset": chipset, "reference_chipset": reference,
+            "device": PROFILES.get(chipset), "runtime": name,
             "compute_unit": unit, "precision": precision, "context": ctx, "prompt": prompt, "new_tokens": None,
             "decode_tps": float(m["tokens_per_second"]),
             "prefill_tps": None if m.get("prefill_tokens_per_second") is None else float(m["prefill_tokens_per_second"]),
@@ -126,6 +131,7 @@ def rknn_rows(rknn_llm: Path) -> tuple[dict, list[dict]]:
         seq, new, ttft, tps, mem = (float(c) for c in cells[3:8])
         rows.append({"source": RKNN_LLM_REPO, "file": "benchmark.md", "vendor_model": f"{model} {cells[1]}",
                      "model": f"{model}-{cells[1]}", "shape": shape, "vendor_device": board, "chipset": board,
+                     "reference_chipset": None,
                      "device": PROFILES.get(board), "runtime": "rkllm", "compute_unit": "npu", "precision": cells[2],
                      "context": int(seq + new), "prompt": int(seq), "new_tokens": int(new), "decode_tps": tps,
                      "prefill_tps": seq / ttft * 1e3, "ttft_ms": ttft, "peak_mb": mem})

@@ -1,5 +1,6 @@
 """Projections fitted to the vendors' own measurements: sources, the fit, its held-out error, the issue's cases."""
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -147,12 +148,20 @@ def test_the_vendors_figures_are_projected_within_20_percent_with_error_and_near
 def test_a_device_without_measurements_borrows_from_its_class_with_the_class_error():
     p = project("qwen3-1.7b", "8gen3", context=4096)  # the class's own runtime, its recipe
     v = p.vendor
-    assert p.runtime == "genie" and v.fallback and "Samsung Galaxy S25" in v.basis
+    devices = load_devices()
+    measured = {f.device for f in vendor_fits(runtime="genie").values() if f.device}
+    assert {"snapdragon-8-elite", "snapdragon-8-elite-gen-5", "snapdragon-x2-elite", "dragonwing-iq-9075"} <= measured
+    gen3 = devices["snapdragon-8-gen-3"].memory_bandwidth_gbps
+    nearest = min(sorted(measured), key=lambda k: abs(math.log(devices[k].memory_bandwidth_gbps / gen3)))
+    assert p.runtime == "genie" and v.fallback and f"borrowed from " in v.basis
+    own_fit = next(f for f in vendor_fits(device=nearest, runtime="genie").values() if f.precision == "w4a16")
+    assert own_fit.vendor_device in v.basis  # the measured device of the class nearest in bandwidth
     errs = class_transfer_errors("hexagon-htp", "genie", "w4a16")
     assert v.decode_error == pytest.approx(statistics.median(abs(e) for e in errs["decode"]))
-    own = project("qwen3-1.7b", "8elite", context=4096).vendor
+    assert v.decode_n == len(errs["decode"]) > 20  # every measured device's rows, each projected from the others
+    own = project("qwen3-1.7b", nearest, context=4096).vendor
     assert v.decode_error > own.decode_error  # borrowed is less sure than measured
-    ratio = load_devices()["snapdragon-8-elite"].memory_bandwidth_gbps / load_devices()["snapdragon-8-gen-3"].memory_bandwidth_gbps
+    ratio = devices[nearest].memory_bandwidth_gbps / gen3
     assert own.decode_tps / v.decode_tps == pytest.approx(ratio, rel=0.05)  # mostly bandwidth-bound
 
 

@@ -49,10 +49,20 @@ class DeviceRuntime:
     precisions: tuple[str, ...]  # the vendor precision labels it is measured at; the first is its recipe
     kv_bytes: int  # bytes per cached key or value element
     # "allocated": the decode graph has static shapes and reads the cache at its whole context (HTP graphs);
-    # "filled": only the tokens so far (llama.cpp, RKLLM)
+    # "filled": only the tokens so far (llama.cpp, RKLLM); ``kv_tokens`` turns it into the tokens a step reads
     kv_read: str
     measured: str | None  # its runtime name in assets/vendor_measurements.json; None: nobody published one
     source: str
+
+    def kv_tokens(self, context: int, prompt: int, new_tokens: int | None = None) -> float:
+        """Cached tokens a decode step reads, on average over a generation of ``new_tokens`` after ``prompt``.
+
+        An allocated cache is read at its whole ``context`` whatever it holds. A filled one holds the prompt and
+        the tokens generated so far: prompt + new_tokens / 2 on average (Rockchip's 128 + 64 rows read 160, not
+        192); without ``new_tokens`` (AI Hub's rows, a user's ``--context``) the context is what it holds."""
+        if self.kv_read == "allocated" or new_tokens is None:
+            return float(context)
+        return float(min(context, prompt + new_tokens / 2))
 
     def plan(self, precision: str | None = None) -> QuantPlan:
         """The runtime's layout for one of its precisions (default: its recipe) as a plan."""

@@ -161,7 +161,7 @@ def project(model, device: str | Device, plan: QuantPlan | None = None, *, conte
     vendor = None
     if rt is not None:
         from .vendor_fit import vendor_projection
-        vendor = vendor_projection(lm, plan, dev, rt, context=context, prompt=prompt)
+        vendor = vendor_projection(lm, plan, dev, rt, context=context, prompt=prompt, counted=b)
         if vendor is None:
             notes.append(f"no vendor measurement of {rt.title} is reachable: decode is the bandwidth bound times the "
                          "practitioners' efficiency")

@@ -34,7 +34,7 @@ from pathlib import Path
 from .assets import ASSETS_DIR
 from .device_runtimes import DeviceRuntime, get_runtime
 from .devices import Device, load_devices
-from .shapes import model_shape, plan_bytes
+from .shapes import PlanBytes, model_shape, plan_bytes
 
 __all__ = ["VENDOR_FILE", "relative_error", "LinearFit", "RuntimeFit", "VendorProjection", "vendor_measurements", "vendor_fits",
            "vendor_projection", "measurement_features", "class_transfer_errors"]
@@ -69,17 +69,20 @@ def _shape(name: str):
     return model_shape(name)
 
 
-def features_of(lm, plan, *, context: int, prompt: int, kv_bytes: int) -> dict[str, float]:
-    """The quantities the fits use, in GB and TFLOP, from the shared byte accounting."""
-    b = plan_bytes(lm, plan, context=context, prompt=prompt, kv_bytes=kv_bytes)
-    return {"weights_gb": b.per_token / 1e9, "kv_gb": b.kv_bytes / 1e9, "tflop": b.flops / 1e12,
+def features_of(b: PlanBytes, *, kv_tokens: float) -> dict[str, float]:
+    """The quantities the fits use, in GB and TFLOP, from the shared byte accounting: ``kv_gb`` is the cache a
+    decode step reads (``kv_tokens`` of it, ``DeviceRuntime.kv_tokens``), ``resident_gb`` the weights and the whole
+    cache at the context."""
+    return {"weights_gb": b.per_token / 1e9, "kv_gb": b.kv_per_token * kv_tokens / 1e9, "tflop": b.flops / 1e12,
             "resident_gb": (b.weight_bytes + b.kv_bytes) / 1e9, "weight_bytes": b.weight_bytes}
 
 
 def measurement_features(row: dict) -> dict[str, float]:
     rt = get_runtime(_runtime_name(row["runtime"]))
-    return features_of(_shape(row["shape"]), rt.plan(row["precision"]), context=row["context"],
-                       prompt=row["prompt"] or 128, kv_bytes=rt.kv_bytes)
+    prompt = row["prompt"] or 128
+    b = plan_bytes(_shape(row["shape"]), rt.plan(row["precision"]), context=row["context"], prompt=prompt,
+                   kv_bytes=rt.kv_bytes)
+    return features_of(b, kv_tokens=rt.kv_tokens(row["context"], prompt, row.get("new_tokens")))
 
 
 def _runtime_name(measured: str) -> str:
@@ -344,15 +347,18 @@ def _points(rows: list[dict], feats: list[dict], decode: LinearFit | None, own: 
 
 
 def vendor_projection(lm, plan, device: Device, runtime: DeviceRuntime, *, context: int, prompt: int,
-                      devices: dict[str, Device] | None = None) -> VendorProjection | None:
+                      devices: dict[str, Device] | None = None,
+                      counted: PlanBytes | None = None) -> VendorProjection | None:
     """The plan on the device with the runtime, from the fit of its own measurements, else its class's; None when
-    nobody measured this runtime."""
+    nobody measured this runtime. ``counted``: the plan's bytes at this context, prompt and runtime's KV element
+    when the caller has them (``projection.project`` does), so they are counted once."""
     if runtime.measured is None:
         return None
     devices = load_devices() if devices is None else devices
     precision, note = runtime.precision_label(plan)
     notes = [note] if note else []
-    f = features_of(lm, plan, context=context, prompt=prompt, kv_bytes=runtime.kv_bytes)
+    b = counted or plan_bytes(lm, plan, context=context, prompt=prompt, kv_bytes=runtime.kv_bytes)
+    f = features_of(b, kv_tokens=runtime.kv_tokens(context, prompt))
     own = [fit for fit in vendor_fits(device=device.key, runtime=runtime.name).values() if fit.precision == precision]
     if own:
         fit = max(own, key=lambda x: len(x.rows))
