@@ -13,3 +13,15 @@ def test_bench_prints_every_published_case_and_the_impossible_ones(capsys):
     assert "IMPOSSIBLE  Qwen3-1.5B INT8 (RKNN) on RK3588, decode" in out
     assert "IMPOSSIBLE  'a 7B model in 9.3 MB of peak memory'" in out and "> the claimed 0.0093 GB" in out
     assert "efficiency hexagon-htp" in out and "error up to" in out
+
+
+def test_bench_prints_the_vendor_fits_the_three_model_ones_and_the_reference_chipsets(capsys):
+    runpy.run_path(str(BENCH), run_name="__main__")
+    out = capsys.readouterr().out
+    four, three = out.split("three models (the fewest fitted)")[:2]
+    assert "Samsung Galaxy S26       genie" in four and "snapdragon-8-elite-gen-5" in four
+    assert "llama.cpp-npu" in three.split("class hexagon-htp")[0] and "RK3576" in three
+    assert "= snapdragon-x-elite" in four  # the IQ-X7181 is AI Hub's X Elite, not a board of its own
+    assert "18%*" in four or "23%*" in four  # a group past its goal is marked
+    for rt in ("genie", "qairt", "llama.cpp-npu", "llama.cpp-gpu", "llama.cpp-cpu"):
+        assert f"class hexagon-htp {rt} " in out

@@ -187,3 +187,65 @@ def test_a_plan_is_projected_at_the_measured_precision_it_matches():
     assert p.vendor.precision == "w4a16_g128"  # Rockchip measured it on the RK3576 only, which has no profile here
     assert p.vendor.decode_tps is None and p.vendor.basis.startswith("no vendor fit") and p.vendor.basis in p.notes
     assert p.projected_decode_tps == pytest.approx(p.decode_bound_tps * p.efficiency)  # the generic projection
+
+
+def test_a_filled_cache_is_read_at_the_tokens_it_holds_an_allocated_one_at_its_context():
+    genie, rkllm = get_runtime("genie"), get_runtime("rkllm")
+    assert genie.kv_read == "allocated" and rkllm.kv_read == "filled"
+    assert genie.kv_tokens(4096, 128, 64) == 4096  # a static graph reads its whole cache
+    assert rkllm.kv_tokens(192, 128, 64) == 160  # 128 prompt tokens, then 0..63 generated: 32 on average
+    assert rkllm.kv_tokens(1024, 128) == 1024  # no generation given: the context is what the cache holds
+    row = next(r for r in vendor_measurements() if r["runtime"] == "rkllm" and r["model"] == "Qwen2.5-1.5B")
+    f = measurement_features(row)
+    from workbench.shapes import model_shape, plan_bytes
+    b = plan_bytes(model_shape("qwen2.5-1.5b"), rkllm.plan("w8a8"), context=192, prompt=128, kv_bytes=2)
+    assert f["kv_gb"] == pytest.approx(b.kv_per_token * 160 / 1e9)  # read per step
+    assert f["resident_gb"] == pytest.approx((b.weight_bytes + b.kv_per_token * 192) / 1e9)  # held
+
+
+def test_a_projection_counts_its_plans_bytes_once(monkeypatch):
+    import workbench.projection as projection
+    import workbench.vendor_fit as vendor_fit
+    project("qwen3-1.7b", "8elite", context=4096)  # the fits' own rows are counted (and cached) on first use
+    calls = []
+    for module in (projection, vendor_fit):
+        real = module.plan_bytes
+        monkeypatch.setattr(module, "plan_bytes", lambda *a, _real=real, **k: calls.append(1) or _real(*a, **k))
+    p = project("qwen3-1.7b", "8elite", context=4096)
+    assert len(calls) == 1 and p.vendor.decode_tps and not p.vendor.fallback
+
+
+@pytest.mark.parametrize("device,vendor_device", [("s26", "Samsung Galaxy S26"), ("x2-elite", "Snapdragon X2 Elite CRD"),
+                                                  ("iq-9075", "Dragonwing IQ-9075 EVK")])
+def test_the_measured_boards_and_phones_have_profiles_projected_from_their_own_measurements(device, vendor_device):
+    p = project("qwen3-4b", device, context=4096)
+    v = p.vendor
+    measured = next(r for r in vendor_measurements() if r["vendor_device"] == vendor_device and r["runtime"] == "genie"
+                    and r["model"] == "Qwen3-4B" and r["precision"] == "w4a16")
+    assert not v.fallback and vendor_device in v.basis and v.decode_n >= 8
+    assert v.nearest["decode_tps"] == measured["decode_tps"]  # the same model, measured on it
+    assert v.decode_tps == pytest.approx(measured["decode_tps"], rel=0.30)
+    assert v.decode_tps < p.decode_bound_tps  # the profile's sourced bandwidth bounds what was measured
+
+
+def test_a_board_ai_hub_lists_by_its_reference_chipset_is_marked_so():
+    rows = vendor_measurements()
+    q8750 = [r for r in rows if r["vendor_device"] == "Dragonwing Q-8750"]
+    assert q8750 and all(r["reference_chipset"] == "qualcomm-snapdragon-8-elite-for-galaxy" and r["device"] is None
+                         for r in q8750)
+    s25 = {(r["model"], r["precision"], r["context"]): r["decode_tps"] for r in rows
+           if r["vendor_device"] == "Samsung Galaxy S25" and r["runtime"] == "genie"}
+    genie = [r for r in q8750 if r["runtime"] == "genie"]
+    assert genie and all(s25[(r["model"], r["precision"], r["context"])] == r["decode_tps"] for r in genie)  # a copy
+
+
+def test_no_measurement_reads_its_weights_faster_than_its_profiles_sourced_bandwidth():
+    devices = load_devices()
+    checked = set()
+    for f in vendor_fits().values():
+        if f.device:
+            bw = devices[f.device].memory_bandwidth_gbps
+            for r, feat in zip(f.rows, f.feats):  # the weights alone must stream at the measured rate
+                assert r["decode_tps"] * feat["weights_gb"] <= bw, (r["model"], r["vendor_device"], r["runtime"])
+            checked.add(f.device)
+    assert checked >= {"snapdragon-8-elite-gen-5", "snapdragon-x2-elite", "dragonwing-iq-9075", "rk3588"}
