@@ -36,6 +36,16 @@ def _pct(x) -> str:
 GOALS = {"decode": 0.15, "ttft": 0.30, "memory": 0.20}  # the goals for a group measured on at least four models
 
 
+def _twin_spread(f) -> float | None:
+    """The largest gap between two measurements of one shape at one context (fine-tunes of one base, e.g. Qwen3-4B
+    and Qwen3-4B-Instruct-2507): noise no model of shapes can follow."""
+    by = {}
+    for r in f.rows:
+        by.setdefault((r["shape"], r["context"]), []).append(r["decode_tps"])
+    gaps = [max(v) / min(v) - 1 for v in by.values() if len(v) > 1]
+    return max(gaps) if gaps else None
+
+
 def _fit_line(f, profiles: dict) -> str:
     """One (vendor device, runtime, precision): held-out errors (a '*' past its goal), the bandwidth the fit implies."""
     d = f.decode
@@ -49,28 +59,43 @@ def _fit_line(f, profiles: dict) -> str:
     ref = f.rows[0].get("reference_chipset")
     profile = f.device or (f"= {ref.removeprefix('qualcomm-')}" if ref else "-")
     return (f"{f.vendor_device:<24} {f.runtime:<14} {f.precision:<10} {len(f.models):>6} {len(f.rows):>4}  "
-            f"{marks['decode']:>8} {_pct(worst):>5}  {marks['ttft']:>7}  {marks['memory']:>7}  "
+            f"{marks['decode']:>8} {_pct(worst):>5} {_pct(_twin_spread(f)):>6}  {marks['ttft']:>7}  {marks['memory']:>7}  "
             f"{(1e3 / byte if byte else float('nan')):>9.1f}  {profile:<30} {terms}")
+
+
+def _tally(fits: list, label: str) -> str:
+    """How many groups meet each goal, a device AI Hub lists by its reference chipset counted once (it repeats it)."""
+    own = [f for f in fits if not f.rows[0].get("reference_chipset")]
+    parts = []
+    for what, goal in GOALS.items():
+        errs = [getattr(f, what).median_error for f in own
+                if getattr(f, what) and getattr(f, what).median_error is not None]
+        parts.append(f"{what} {sum(e <= goal for e in errs)} of {len(errs)}")
+    return f"{label} (reference-chipset copies left out): " + ", ".join(parts)
 
 
 def vendor_table() -> None:
     from workbench.devices import load_devices
     from workbench.vendor_fit import class_transfer_errors, vendor_fits
     profiles = load_devices()
-    head = (f"{'device':<24} {'runtime':<14} {'prec.':<10} {'models':>6} {'rows':>4}  {'decode':>8} {'max':>5}  "
+    head = (f"{'device':<24} {'runtime':<14} {'prec.':<10} {'models':>6} {'rows':>4}  {'decode':>8} {'max':>5} {'twins':>6}  "
             f"{'TTFT':>7}  {'memory':>7}  {'GB/s eff.':>9}  {'profile':<30} decode fit (ms per token)")
     fits = vendor_fits()
     print("held out by model, at least four models (goals: decode <= 15%, TTFT <= 30%, memory <= 20%; * misses)")
     print(head)
-    for f in fits.values():
-        if len(f.models) >= 4:
-            print(_fit_line(f, profiles))
+    four = [f for f in fits.values() if len(f.models) >= 4]
+    for f in four:
+        print(_fit_line(f, profiles))
+    print(_tally(four, "within goal"))
     print("\nthree models (the fewest fitted): what each fit does with what it has, no goal applies")
     print(head)
-    for f in fits.values():
-        if len(f.models) == 3:
-            print(_fit_line(f, profiles))
-    print("\nprofile '= chipset': AI Hub lists the device with that reference chipset (not a measurement of its own)")
+    three = [f for f in fits.values() if len(f.models) == 3]
+    for f in three:
+        print(_fit_line(f, profiles))
+    print(_tally(three, "within the four-model goals"))
+    print("\ntwins: the largest decode gap between two measurements of one shape at one context (fine-tunes of one "
+          "base): two rows a model of shapes must project alike;\nprofile '= chipset': AI Hub lists the device with that "
+          "reference chipset (not a measurement of its own)")
     print()
     for cls, rt, prec in (("hexagon-htp", "genie", "w4a16"), ("hexagon-htp", "qairt", "w4a16"),
                           ("hexagon-htp", "llama.cpp-npu", "q4_0"), ("hexagon-htp", "llama.cpp-gpu", "q4_0"),
@@ -104,7 +129,28 @@ def vendor_cases() -> None:
     print()
 
 
+def residuals() -> None:
+    """Which feature, if any, the decode residuals follow: each group's held-out median error with other term sets,
+    and each family's in-sample error (`python bench/projection.py --residuals`)."""
+    from workbench.vendor_fit import family_residuals, residual_study, vendor_fits
+    names = None
+    for f in vendor_fits().values():
+        if len(f.models) < 4 or f.rows[0].get("reference_chipset"):
+            continue
+        study = residual_study(f)
+        if names is None:
+            names = list(study)
+            print(f"{'device':<24} {'runtime':<7} " + " ".join(f"{n:>12}" for n in names)
+                  + "  in sample, per family")
+        fams = ", ".join(f"{k} {v:+.0%}" for k, v in family_residuals(f).items())
+        print(f"{f.vendor_device:<24} {f.runtime:<7} " + " ".join(f"{_pct(study[n]):>12}" for n in names) + f"  {fams}")
+    print()
+
+
 def main() -> None:
+    if "--residuals" in sys.argv[1:]:
+        residuals()
+        return
     vendor_table()
     vendor_cases()
     fit = fit_efficiency()

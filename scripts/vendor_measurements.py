@@ -70,6 +70,7 @@ def qai_rows(wheel: Path) -> tuple[dict, list[dict]]:
     for model, shape in QAI_MODELS.items():
         path = f"qai_hub_models/models/{model}/perf.yaml"
         perf = yaml.safe_load(z.read(path))
+        parts = _num_splits(z, model)
         for precision, pd in perf["precisions"].items():
             for component, cd in pd["components"].items():
                 for device, dd in cd["performance_metrics"].items():
@@ -77,8 +78,19 @@ def qai_rows(wheel: Path) -> tuple[dict, list[dict]]:
                         if runtime not in QAI_RUNTIMES or not isinstance(rd, dict):
                             continue
                         for m in rd.get("llm_metrics", []):
-                            rows.append(_qai_row(model, component, shape, precision, device, chips, runtime, m, path))
+                            rows.append({**_qai_row(model, component, shape, precision, device, chips, runtime, m,
+                                                            path), "parts": parts})
     return source, rows
+
+
+def _num_splits(z: zipfile.ZipFile, model: str) -> int | None:
+    """The parts AI Hub splits the model's graph into (``NUM_SPLITS`` in its model.py), None where not stated."""
+    try:
+        text = z.read(f"qai_hub_models/models/{model}/model.py").decode("utf-8")
+    except KeyError:
+        return None
+    m = re.search(r"^NUM_SPLITS\s*=\s*(\d+)", text, re.M)
+    return int(m.group(1)) if m else None
 
 
 def _qai_row(model, component, shape, precision, device, chips, runtime, m, path) -> dict:
@@ -131,7 +143,7 @@ def rknn_rows(rknn_llm: Path) -> tuple[dict, list[dict]]:
         seq, new, ttft, tps, mem = (float(c) for c in cells[3:8])
         rows.append({"source": RKNN_LLM_REPO, "file": "benchmark.md", "vendor_model": f"{model} {cells[1]}",
                      "model": f"{model}-{cells[1]}", "shape": shape, "vendor_device": board, "chipset": board,
-                     "reference_chipset": None,
+                     "reference_chipset": None, "parts": None,
                      "device": PROFILES.get(board), "runtime": "rkllm", "compute_unit": "npu", "precision": cells[2],
                      "context": int(seq + new), "prompt": int(seq), "new_tokens": int(new), "decode_tps": tps,
                      "prefill_tps": seq / ttft * 1e3, "ttft_ms": ttft, "peak_mb": mem})

@@ -25,3 +25,15 @@ def test_bench_prints_the_vendor_fits_the_three_model_ones_and_the_reference_chi
     assert "18%*" in four or "23%*" in four  # a group past its goal is marked
     for rt in ("genie", "qairt", "llama.cpp-npu", "llama.cpp-gpu", "llama.cpp-cpu"):
         assert f"class hexagon-htp {rt} " in out
+
+
+def test_bench_residuals_hold_the_decode_errors_against_each_feature(capsys, monkeypatch):
+    monkeypatch.setattr("sys.argv", ["projection.py", "--residuals"])
+    runpy.run_path(str(BENCH), run_name="__main__")
+    out = capsys.readouterr().out
+    head, *rows = out.strip().splitlines()
+    for column in ("as fitted", "+ parts", "+ layers", "lm_head apart", "byte rate per family"):
+        assert column in head
+    s25 = next(r for r in rows if r.startswith("Samsung Galaxy S25       genie"))
+    assert "llama +" in s25 and "qwen3 -" in s25  # Llama decodes slower than the line through both families
+    assert not any(r.startswith("Dragonwing Q-8750") for r in rows)  # a reference-chipset copy is not studied twice

@@ -249,3 +249,24 @@ def test_no_measurement_reads_its_weights_faster_than_its_profiles_sourced_bandw
                 assert r["decode_tps"] * feat["weights_gb"] <= bw, (r["model"], r["vendor_device"], r["runtime"])
             checked.add(f.device)
     assert checked >= {"snapdragon-8-elite-gen-5", "snapdragon-x2-elite", "dragonwing-iq-9075", "rk3588"}
+
+
+def test_the_residual_study_finds_a_feature_the_measurements_follow(tmp_path):
+    parts = {"qwen3-0.6b": 2, "qwen3-1.7b": 4, "qwen3-4b": 4, "llama-3.2-1b": 3, "llama-3.2-3b": 3, "qwen3-8b": 5}
+    rows = []
+    for shape, n in parts.items():  # one context: decode made by weights and a cost per part
+        r = {"source": "s", "file": "f", "vendor_model": shape, "model": shape, "shape": shape, "vendor_device": "Board",
+             "chipset": None, "reference_chipset": None, "device": None, "runtime": "genie", "compute_unit": "npu",
+             "precision": "w4a16", "context": 4096, "prompt": 128, "new_tokens": None, "parts": n,
+             "prefill_tps": None, "ttft_ms": None, "peak_mb": None}
+        r["decode_tps"] = 1e3 / (1.0 + 20.0 * measurement_features(r)["weights_gb"] + 3.0 * n)
+        rows.append(r)
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps({"sources": {"s": {"kind": "package", "package": "p", "version": "1"}},
+                                "measurements": rows}))
+    from workbench.vendor_fit import family_residuals, residual_study
+    (fit,) = vendor_fits(path).values()
+    study = residual_study(fit)
+    assert study["+ parts"] == pytest.approx(0, abs=1e-6)  # the law is found, held out
+    assert study["weights only"] > 0.02 and study["as fitted"] > 0.02  # without it the parts show as error
+    assert set(family_residuals(fit)) == {"qwen3", "llama"}

@@ -37,7 +37,8 @@ from .devices import Device, load_devices
 from .shapes import PlanBytes, model_shape, plan_bytes
 
 __all__ = ["VENDOR_FILE", "relative_error", "LinearFit", "RuntimeFit", "VendorProjection", "vendor_measurements", "vendor_fits",
-           "vendor_projection", "measurement_features", "class_transfer_errors"]
+           "vendor_projection", "measurement_features", "class_transfer_errors", "study_features", "residual_study",
+           "family_residuals"]
 
 VENDOR_FILE = ASSETS_DIR / "vendor_measurements.json"
 MIN_MODELS = 3  # a (device, runtime, precision) with fewer models is listed, not fitted
@@ -162,23 +163,26 @@ def _choose(target: str, rows: list[dict]) -> tuple[str, ...]:
     return ("1", "resident_gb") if len(points) >= 4 else ("resident_gb",)
 
 
-def _fit(target: str, rows: list[dict], feats: list[dict]) -> LinearFit | None:
+def _fit(target: str, rows: list[dict], feats: list[dict], terms: tuple[str, ...] | None = None) -> LinearFit | None:
     pairs = [(r, f) for r, f in zip(rows, feats) if _target(r, target) is not None]
     if len({r["shape"] for r, _ in pairs}) < 2:
         return None
-    terms = _choose(target, [r for r, _ in pairs])
+    terms = terms or _choose(target, [r for r, _ in pairs])
     coef = _nnls_relative([[_value(t, f) for t in terms] for _, f in pairs], [_target(r, target) for r, _ in pairs])
     return LinearFit(target, terms, tuple(coef))
 
 
-def _fit_with_held_out(target: str, rows: list[dict], feats: list[dict]) -> LinearFit | None:
-    full = _fit(target, rows, feats)
+def _fit_with_held_out(target: str, rows: list[dict], feats: list[dict],
+                       terms: tuple[str, ...] | None = None) -> LinearFit | None:
+    """The fit to every row, with each model's rows projected by a fit to the others (``terms``: fixed, else each
+    fit's own choice)."""
+    full = _fit(target, rows, feats, terms)
     if full is None:
         return None
     full.held_out_at = [None] * len(rows)
     for shape in sorted({r["shape"] for r in rows}):
         train = [(r, f) for r, f in zip(rows, feats) if r["shape"] != shape]
-        part = _fit(target, [r for r, _ in train], [f for _, f in train])
+        part = _fit(target, [r for r, _ in train], [f for _, f in train], terms)
         if part is None:
             continue
         for i, (r, f) in enumerate(zip(rows, feats)):
@@ -242,6 +246,54 @@ def vendor_fits(path: str | Path = VENDOR_FILE, *, device: str | None = None,
     groups = _groups(str(path))
     return {k: _fit_key(k, str(path)) for k, rs in groups.items()
             if (device is None or rs[0]["device"] == device) and (runtime is None or k[1] == runtime)}
+
+
+# -- what else the residuals could follow -----------------------------------------------------------------------------
+def _family(shape: str) -> str:
+    return shape.split("-")[0]  # qwen3, llama, smollm2, ...
+
+
+def study_features(row: dict, feat: dict[str, float]) -> dict[str, float]:
+    """A row's fit features plus what its decode residual could follow: the parts its graph is split into (AI Hub's
+    NUM_SPLITS), its layer count, its lm_head's bytes apart from the rest, and its weights under its family's name."""
+    rt = get_runtime(_runtime_name(row["runtime"]))
+    plan = rt.plan(row["precision"])
+    lm = _shape(row["shape"])
+    head = next((i for i in lm.layers if i.name == "lm_head"), None)
+    lm_head = 0.0 if head is None else head.bytes_at(plan.resolve([head.name])[head.name] or "fp16",
+                                                     plan.group_size, plan.symmetric) / 1e9
+    return {**feat, "parts": float(row.get("parts") or 0), "layers": float(lm.config.num_hidden_layers),
+            "lm_head_gb": lm_head, "body_gb": feat["weights_gb"] - lm_head,
+            f"weights_gb@{_family(row['shape'])}": feat["weights_gb"]}
+
+
+def residual_study(fit: RuntimeFit) -> dict[str, float | None]:
+    """The leave-one-model-out median decode error of the fit as made and with each alternative term set, each fitted
+    and held out the same way: which feature, if any, the residuals follow."""
+    feats = [study_features(r, f) for r, f in zip(fit.rows, fit.feats)]
+    families = sorted({_family(r["shape"]) for r in fit.rows})
+    for f in feats:
+        for fam in families:
+            f.setdefault(f"weights_gb@{fam}", 0.0)
+    options = {"as fitted": fit.decode.features if fit.decode else None, "weights only": ("1", "weights_gb"),
+               "weights + KV as one": ("1", "weights_gb+kv_gb"), "+ parts": ("1", "weights_gb", "parts"),
+               "+ layers": ("1", "weights_gb", "layers"), "lm_head apart": ("1", "body_gb", "lm_head_gb"),
+               "byte rate per family": ("1", *(f"weights_gb@{fam}" for fam in families))}
+    out = {}
+    for name, terms in options.items():
+        lf = _fit_with_held_out("decode_ms", fit.rows, feats, terms) if terms else None
+        out[name] = lf.median_error if lf else None
+    return out
+
+
+def family_residuals(fit: RuntimeFit) -> dict[str, float]:
+    """Per model family, the mean projected / measured - 1 of decode tokens/s under the fit to every row (in sample):
+    a family the line runs through the middle of reads about 0."""
+    by: dict[str, list[float]] = {}
+    for r, f in zip(fit.rows, fit.feats):
+        if fit.decode is not None and r.get("decode_tps"):
+            by.setdefault(_family(r["shape"]), []).append(relative_error("decode_ms", fit.decode(f), 1e3 / r["decode_tps"]))
+    return {fam: statistics.mean(v) for fam, v in sorted(by.items())}
 
 
 # -- a device of the class, from the measured ones ------------------------------------------------------------------
