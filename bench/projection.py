@@ -112,18 +112,25 @@ CASES = (  # `workbench project` invocations beside the vendor figure of the sam
     ("qwen3-1.7b", "snapdragon-8-elite", "genie", None, 4096, 128, "Qwen3-1.7B", 56.7, None),
     ("qwen2.5-1.5b", "rk3588", "rkllm", "w8a8", 192, 128, "Qwen2.5-1.5B", 16.69, 1689.21),
     ("qwen2-0.5b", "rk3588", "rkllm", "w8a8", 192, 128, "Qwen2-0.5B", 41.58, 669.56),
+    # the profiles added for AI Hub's other measured chipsets: the measured figure is the nearest measurement's
+    ("qwen3-4b", "snapdragon-8-elite-gen-5", "genie", None, 4096, 128, "Qwen3-4B", None, None),
+    ("qwen3-4b", "snapdragon-x2-elite", "genie", None, 4096, 128, "Qwen3-4B", None, None),
+    ("qwen3-4b", "dragonwing-iq-9075", "genie", None, 4096, 128, "Qwen3-4B", None, None),
 )
 
 
 def vendor_cases() -> None:
     from workbench.device_runtimes import get_runtime
-    print(f"{'case':<44} {'projected':>9} {'measured':>8} {'ratio':>6}  {'memory MB':>9} {'measured':>8}  held-out error")
+    print(f"{'case':<56} {'projected':>9} {'measured':>8} {'ratio':>6}  {'memory MB':>9} {'measured':>8}  held-out error")
     for shape, device, rt, prec, ctx, prompt, label, measured, mem in CASES:
         plan = get_runtime(rt).plan(prec)
         p = project(shape, device, plan, context=ctx, prompt=prompt, runtime=rt)
         v = p.vendor
+        if measured is None:  # the same model measured on the device, as `workbench project` prints it
+            assert v.nearest["model"] == label, v.nearest
+            measured = round(v.nearest["decode_tps"], 2)
         peak = f"{v.peak_bytes / 1e6:,.0f}" if v.peak_bytes else "-"
-        print(f"{label + ' ' + v.precision + ', ' + device + ', ' + rt:<44} {v.decode_tps:>9.1f} {measured:>8g} "
+        print(f"{label + ' ' + v.precision + ', ' + device + ', ' + rt:<56} {v.decode_tps:>9.1f} {measured:>8g} "
               f"{v.decode_tps / measured:>6.2f}  {peak:>9} {mem or '-':>8}  decode {_pct(v.decode_error)} "
               f"({v.decode_n}), TTFT {_pct(v.ttft_error)}, memory {_pct(v.memory_error)}")
     print()
