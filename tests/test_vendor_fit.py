@@ -61,6 +61,7 @@ def test_the_script_reads_both_sources_as_published(tmp_path):
     (row,) = rows
     assert row["prompt"] == 128 and row["ttft_ms"] == 15.92 and row["device"] == "snapdragon-8-elite"
     assert row["runtime"] == "genie" and row["shape"] == "qwen3-0.6b"
+    assert row["parts"] is None and row["reference_chipset"] is None  # no model.py, no reference chipset given
 
     repo = tmp_path / "rknn-llm"
     repo.mkdir()

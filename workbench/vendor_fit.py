@@ -14,6 +14,10 @@ per (device, runtime, precision):
 - time to first token = a + b * prefill TFLOPs + c * (the KV cache where contexts vary, else the weights);
 - peak memory = a + k * (resident weights + KV cache); k alone below four models.
 
+The KV cache a step reads is the runtime's (``DeviceRuntime.kv_tokens``: a static HTP graph reads its whole context,
+llama.cpp and RKLLM the tokens held). ``residual_study`` holds a fit's decode residuals against other term sets
+(parts of the split graph, layers, the lm_head apart, a byte rate per family), each held out the same way.
+
 Coefficients are non-negative (a step cannot get faster with more bytes) and fitted on relative error. Every
 error quoted is leave-one-model-out: a model's measurements (all its contexts, and fine-tunes of the same base,
 which share its shape) are projected from a fit to the other models only, so "within 8%" is what the fit did on
