@@ -451,6 +451,8 @@ def _output_error(cpu: np.ndarray, htp: np.ndarray, zero_point: int, rows: int) 
     c = cpu.astype(np.int64).reshape(-1, cpu.shape[-2], cpu.shape[-1])[:, :rows] - zero_point
     h = htp.astype(np.int64).reshape(-1, htp.shape[-2], htp.shape[-1])[:, :rows] - zero_point
     d = np.abs(c - h)
+    if not d.size:
+        return {"relative_error": 0.0, "max_steps": 0, "off_fraction": 0.0}
     rms = float(np.sqrt(np.mean(c.astype(np.float64) ** 2))) or 1.0
     return {"relative_error": float(np.sqrt(np.mean(d.astype(np.float64) ** 2))) / rms,
             "max_steps": int(d.max(initial=0)), "off_fraction": float((d > 1).mean())}

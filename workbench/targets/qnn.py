@@ -48,8 +48,8 @@ from ..plan import get_precision
 from ..workspace import atomic_write_json
 from .base import inspect_graph
 from .common import OverrideFile, graph_consumers, graph_names, layers_from_tensors, read_json_object, tensor_for
-from .ort_qdq import (FLOAT_WEIGHT_TYPE, KV_BITS_KEY, KV_TENSOR, MASK_RANGE, causal_mask_tensors, measure_qdq,
-                      qdq_evaluator, qdq_twin)
+from .ort_qdq import (FLOAT_WEIGHT_TYPE, KV_BITS_KEY, KV_TENSOR, MASK_RANGE, causal_mask_tensors, lean_session,
+                      measure_qdq, qdq_evaluator, qdq_twin)
 from .registry import OverrideFormat, Target, check_precisions, register_target
 
 __all__ = ["QNN_ENCODINGS_VERSION", "QNN_LPBQ_VERSION", "DEFAULT_ACTIVATION_BITWIDTH", "RECIPE", "recipe_plan",
@@ -643,6 +643,7 @@ def _run_on_htp(job, soc, sx, prefill_qdq: Path, ev) -> None:
             job.report.gap = (f"on the HTP emulator ({soc.label}) the {' and '.join(off)} graph differs from CPU QDQ "
                               f"(KL {max(getattr(m, g)['kl_vs_simulation'] for g in off):.3g} > {HTP_GAP_KL:g}): "
                               "the NPU does not compute what the QDQ simulation does")
+        _compare_layers(job, soc, prefill_qdq, windows[0], info)
         job.report.notes.append(
             f"on the HTP emulator ({soc.label}): prefill KL {m.prefill['kl_vs_float']:.5f} / top-1 "
             f"{m.prefill['top1_vs_float']:.4f} vs float, KL {m.prefill['kl_vs_simulation']:.2e} vs CPU QDQ "
@@ -653,6 +654,27 @@ def _run_on_htp(job, soc, sx, prefill_qdq: Path, ev) -> None:
     sizes = ", ".join(f"{Path(c['ctx']).name} + {c['bytes'] / 1e6:.1f} MB" for c in info["context_binaries"])
     limit = f" (limit {soc.context_limit_bytes / 2**30:.0f} GiB per context)" if soc.context_limit_bytes else ""
     job.report.notes.append(f"context binaries for {soc.label}: {sizes}{limit}, in {out}")
+
+
+def _compare_layers(job, soc, prefill_qdq: Path, window, info: dict) -> None:
+    """Each weighted layer alone on the HTP against the CPU QDQ graph (``htp.layer_divergence``), from one window;
+    the departing layers are named in the notes and in ``details.htp.divergence`` (what ``plan --htp-divergence``
+    raises to int8)."""
+    from ..runtime.onnx_runner import OnnxCausalLM
+    from .htp import DEPART_ERROR, layer_divergence
+    job.say("comparing each layer alone on the HTP emulator with the CPU QDQ graph")
+    feed = OnnxCausalLM(prefill_qdq, session_options=lean_session).prefill_feed(list(window))
+    div = layer_divergence(prefill_qdq, feed, soc, rows=len(window))
+    info["divergence"] = div
+    worst = max(div["layers"].items(), key=lambda kv: kv[1]["relative_error"])
+    if div["departing"]:
+        job.report.notes.append(f"on the HTP ({soc.label}) {len(div['departing'])} layer(s) run alone depart from the "
+                                f"simulation (relative error above {DEPART_ERROR:g}): {', '.join(div['departing'])}; "
+                                f"`workbench plan MODEL ... --htp-divergence {job.out}` holds them at int8")
+    else:
+        job.report.notes.append(f"every one of the {len(div['layers'])} weighted layers, run alone on the HTP "
+                                f"({soc.label}), stays within {DEPART_ERROR:g} relative error of the simulation "
+                                f"(largest {worst[1]['relative_error']:.2g}, {worst[0]})")
 
 
 def convert_qnn(job) -> None:
