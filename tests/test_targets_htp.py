@@ -245,3 +245,53 @@ def test_the_recipe_runs_on_the_htp_for_8gen3_with_an_int8_kv_cache(tmp_path):
     assert div["departing"] == [n for n, v in div["layers"].items() if v["relative_error"] > div["threshold"]]
     saved = json.loads((tmp_path / "conversion.json").read_text())["details"]["htp"]["divergence"]
     assert saved["departing"] == div["departing"]
+
+
+# -- parts: a context binary over the SoC's limit split at block boundaries --------------------------------------
+
+def test_plan_parts_fills_each_part_up_to_the_limit():
+    from workbench.errors import PlanError
+    from workbench.targets.htp_parts import plan_parts
+    assert plan_parts([10] * 6, limit=100, head_bytes=5, tail_bytes=5) == [(0, 6)]
+    assert plan_parts([10] * 6, limit=30, head_bytes=5, tail_bytes=5) == [(0, 2), (2, 5), (5, 6)]
+    assert plan_parts([10] * 4, limit=30, tail_bytes=20) == [(0, 3), (3, 4)]  # the head needs a part of its own
+    with pytest.raises(PlanError, match="block 1 alone .* over the context limit"):
+        plan_parts([10, 40, 10], limit=30)
+
+
+def test_split_parts_chained_compute_the_whole_graph(demo_qdq, tokens):
+    import onnxruntime as ort
+    from workbench.runtime.onnx_runner import OnnxCausalLM
+    from workbench.targets.htp_parts import _load, plan_parts, run_parts, split_graph, weight_bytes_by_block
+    runner = OnnxCausalLM(*demo_qdq)
+    _, _, kv = runner.run_prefill(tokens[:64])
+    feeds = {"prefill": runner.prefill_feed(tokens[:64]), "decode": runner.decode_feed(tokens[64], kv, 64)}
+    for graph, feed in zip(demo_qdq, feeds.values()):
+        head, blocks, tail = weight_bytes_by_block(_load(graph))
+        assert len(blocks) == 4 and min(blocks) > 100_000 and head > 0 and tail > 0
+        limit = head + blocks[0] + blocks[1] + 1000  # a small "SoC": at most two blocks beside the embedding
+        parts = plan_parts(blocks, limit=limit, head_bytes=head, tail_bytes=tail)
+        assert len(parts) >= 2 and parts[0] == (0, 2) and parts[-1][1] == 4
+        files = split_graph(graph, graph.parent, parts)
+        whole = ort.InferenceSession(str(graph), providers=["CPUExecutionProvider"])
+        names = [o.name for o in whole.get_outputs()]
+        got = run_parts(files, feed)
+        for name, ref in zip(names, whole.run(names, feed)):
+            np.testing.assert_array_equal(got[name], ref, err_msg=name)
+
+
+@needs_qnn
+def test_each_part_compiles_for_the_htp_under_the_limit(demo_qdq, tmp_path):
+    from dataclasses import replace
+    from workbench.targets.htp_parts import _load, plan_parts, split_graph, weight_bytes_by_block
+    graph = demo_qdq[0]
+    head, blocks, tail = weight_bytes_by_block(_load(graph))
+    whole = write_context_binaries({"whole": graph}, tmp_path / "whole", "8gen3")[0]["bytes"]
+    limit = int(whole * 0.7)  # a SoC whose limit the whole graph's binary exceeds
+    small = replace(htp_soc("8gen3"), context_limit_bytes=limit)
+    with pytest.raises(HtpRefused, match="over .* context limit"):
+        write_context_binaries({"whole": graph}, tmp_path / "refused", small)
+    parts = plan_parts(blocks, limit=int(limit * 0.8), head_bytes=head, tail_bytes=tail)  # room for the graph
+    files = split_graph(graph, graph.parent, parts)
+    written = write_context_binaries({f.stem: f for f in files}, tmp_path / "parts", small)
+    assert len(written) == len(parts) >= 2 and all(w["bytes"] <= limit for w in written)
