@@ -54,8 +54,11 @@ def block_boundaries(proto) -> dict[int, str]:
 
 
 def _tensor_bytes(init) -> int:
-    from onnx import helper
+    """Bytes a weight takes packed (4-bit codes two a byte, as in the context binary)."""
+    from onnx import TensorProto, helper
     n = int(np.prod(init.dims)) if init.dims else 1
+    if init.data_type in (TensorProto.INT4, TensorProto.UINT4):
+        return (n + 1) // 2
     return n * np.dtype(helper.tensor_dtype_to_np_dtype(init.data_type)).itemsize
 
 

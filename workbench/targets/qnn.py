@@ -226,8 +226,9 @@ def qnn_encodings(quantized, export, *, graph: str | Path | None = None, calibra
         for t in kv:
             _, layer, kind = KV_TENSOR.match(t).groups()
             acts[t] = symmetric_encoding(kv_encodings[f"{layer}.{kind}"], 8)
-        notes.append(f"{len(kv)} KV-cache tensor(s) at 8 bits, symmetric, each past input sharing its present output's "
-                     "encoding (Qualcomm's w4a16 recipe)")
+        if kv:
+            notes.append("the KV-cache inputs and outputs at 8 bits, symmetric, each past input sharing its present "
+                         "output's encoding (Qualcomm's w4a16 recipe)")
     if mask:
         notes.append(f"{len(mask)} causal-mask tensor(s) pinned to [-{MASK_RANGE:g}, {MASK_RANGE:g}] (min/max "
                      "calibration would give them a scale of ~1e34 and wipe out attention)")
