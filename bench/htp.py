@@ -106,13 +106,13 @@ def split(twin: Path, limit: int, soc: str, out: Path, window) -> list[str]:
     import onnxruntime as ort
     from workbench.runtime.onnx_runner import OnnxCausalLM
     from workbench.targets.htp import htp_soc, write_context_binaries
-    from workbench.targets.htp_parts import _load, plan_parts, run_parts, split_graph, weight_bytes_by_block
+    from workbench.targets.htp_parts import plan_parts, run_parts, split_graph, weight_bytes_by_block
     lines, small = [], replace(htp_soc(soc), context_limit_bytes=limit)
     runner = OnnxCausalLM(twin / "prefill.qdq.onnx")
     feed = runner.prefill_feed(window)
     for g in ("prefill", "decode"):
         graph = twin / f"{g}.qdq.onnx"
-        head, blocks, tail = weight_bytes_by_block(_load(graph))
+        head, blocks, tail = weight_bytes_by_block(graph)
         parts = plan_parts(blocks, limit=limit, head_bytes=head, tail_bytes=tail)
         files = split_graph(graph, twin, parts)
         t0 = time.perf_counter()

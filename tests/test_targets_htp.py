@@ -262,12 +262,12 @@ def test_plan_parts_fills_each_part_up_to_the_limit():
 def test_split_parts_chained_compute_the_whole_graph(demo_qdq, tokens):
     import onnxruntime as ort
     from workbench.runtime.onnx_runner import OnnxCausalLM
-    from workbench.targets.htp_parts import _load, plan_parts, run_parts, split_graph, weight_bytes_by_block
+    from workbench.targets.htp_parts import plan_parts, run_parts, split_graph, weight_bytes_by_block
     runner = OnnxCausalLM(*demo_qdq)
     _, _, kv = runner.run_prefill(tokens[:64])
     feeds = {"prefill": runner.prefill_feed(tokens[:64]), "decode": runner.decode_feed(tokens[64], kv, 64)}
     for graph, feed in zip(demo_qdq, feeds.values()):
-        head, blocks, tail = weight_bytes_by_block(_load(graph))
+        head, blocks, tail = weight_bytes_by_block(graph)
         assert len(blocks) == 4 and min(blocks) > 100_000 and head > 0 and tail > 0
         limit = head + blocks[0] + blocks[1] + 1000  # a small "SoC": at most two blocks beside the embedding
         parts = plan_parts(blocks, limit=limit, head_bytes=head, tail_bytes=tail)
@@ -283,9 +283,9 @@ def test_split_parts_chained_compute_the_whole_graph(demo_qdq, tokens):
 @needs_qnn
 def test_each_part_compiles_for_the_htp_under_the_limit(demo_qdq, tmp_path):
     from dataclasses import replace
-    from workbench.targets.htp_parts import _load, plan_parts, split_graph, weight_bytes_by_block
+    from workbench.targets.htp_parts import plan_parts, split_graph, weight_bytes_by_block
     graph = demo_qdq[0]
-    head, blocks, tail = weight_bytes_by_block(_load(graph))
+    head, blocks, tail = weight_bytes_by_block(graph)
     whole = write_context_binaries({"whole": graph}, tmp_path / "whole", "8gen3")[0]["bytes"]
     limit = int(whole * 0.7)  # a SoC whose limit the whole graph's binary exceeds
     small = replace(htp_soc("8gen3"), context_limit_bytes=limit)

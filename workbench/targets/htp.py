@@ -378,13 +378,14 @@ def _layer_probes(qdq_graph: Path) -> list[dict]:
     """Each weighted MatMul of a QDQ graph (node ``/<layer>/MatMul``): its quantized input, the input's and the
     output's DequantizeLinear / QuantizeLinear parameters, and its weight's DequantizeLinear."""
     import onnx
+    from onnx import numpy_helper
     g = onnx.load(str(qdq_graph), load_external_data=False).graph
     producer = {o: n for n in g.node for o in n.output}
     readers: dict[str, list] = {}
     for n in g.node:
         for i in n.input:
             readers.setdefault(i, []).append(n)
-    inits = {i.name for i in g.initializer}
+    inits = {i.name: i for i in g.initializer}
     probes = []
     for n in g.node:
         m = _WEIGHTED_MATMUL.match(n.name)
@@ -395,7 +396,8 @@ def _layer_probes(qdq_graph: Path) -> list[dict]:
         if (x_dq is None or w_dq is None or out_q is None or x_dq.op_type != "DequantizeLinear"
                 or w_dq.op_type != "DequantizeLinear" or w_dq.input[0] not in inits):
             continue
-        probes.append({"layer": m.group(1), "x_dq": x_dq, "w_dq": w_dq, "out_q": out_q})
+        zero = numpy_helper.to_array(inits[out_q.input[2]]).reshape(-1)
+        probes.append({"layer": m.group(1), "x_dq": x_dq, "w_dq": w_dq, "out_q": out_q, "zero_point": int(zero[0])})
     return probes
 
 
@@ -458,13 +460,6 @@ def _output_error(cpu: np.ndarray, htp: np.ndarray, zero_point: int, rows: int) 
             "max_steps": int(d.max(initial=0)), "off_fraction": float((d > 1).mean())}
 
 
-def _zero_point(graph: Path, name: str) -> int:
-    import onnx
-    from onnx import numpy_helper
-    init = next(i for i in onnx.load(str(graph), load_external_data=False).graph.initializer if i.name == name)
-    return int(numpy_helper.to_array(init).reshape(-1)[0])
-
-
 def layer_divergence(qdq_graph: str | Path, feed: Mapping[str, np.ndarray], device: str | HtpSoc | None = None, *,
                      rows: int | None = None) -> dict:
     """Each weighted layer of a QDQ graph run alone on the HTP emulator and on the CPU (the simulation of what the
@@ -496,7 +491,7 @@ def layer_divergence(qdq_graph: str | Path, feed: Mapping[str, np.ndarray], devi
     rows = rows or inputs[0].shape[-2]
     layers = {}
     for p, c, h in zip(probes, cpu, htp):
-        stats = _output_error(c, h, _zero_point(qdq_graph, p["out_q"].input[2]), rows)
+        stats = _output_error(c, h, p["zero_point"], rows)
         stats["departs"] = stats["relative_error"] > DEPART_ERROR
         layers[p["layer"]] = stats
     return {"device": soc.device, "soc": soc.label, "graph": qdq_graph.name, "positions": int(rows),

@@ -62,9 +62,10 @@ def _tensor_bytes(init) -> int:
     return n * np.dtype(helper.tensor_dtype_to_np_dtype(init.data_type)).itemsize
 
 
-def weight_bytes_by_block(proto) -> tuple[int, list[int], int]:
+def weight_bytes_by_block(graph) -> tuple[int, list[int], int]:
     """Bytes of the initializers read by the embedding (head), by each block, and by the final norm and lm_head
-    (tail), from the nodes' scopes (``/model.layers.<i>/...``)."""
+    (tail) of a graph (a path or a loaded proto), from the weights' names and the nodes' scopes."""
+    proto = _load(graph) if isinstance(graph, (str, Path)) else graph
     sizes = {i.name: _tensor_bytes(i) for i in proto.graph.initializer}
     seen: set[str] = set()
     head, tail, blocks = 0, 0, {}
