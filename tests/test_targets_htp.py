@@ -133,3 +133,165 @@ def test_convert_qnn_for_8gen1_adapts_the_lm_head_and_scores_on_htp(tmp_path):
     assert (tmp_path / "htp-snapdragon-8-gen-1" / "decode_ctx.onnx").is_file()
     saved = json.loads((tmp_path / "conversion.json").read_text())
     assert saved["details"]["htp"]["measurement"]["decode"]["kl_vs_simulation"] == m["decode"]["kl_vs_simulation"]
+
+
+# -- Qualcomm's w4a16 recipe: int8 KV cache, the plan preset, layers that depart on the HTP -------------------------
+
+def _kl(a, b):
+    la, lb = (x - x.max(-1, keepdims=True) for x in (a.astype(np.float64), b.astype(np.float64)))
+    la, lb = (x - np.log(np.exp(x).sum(-1, keepdims=True)) for x in (la, lb))
+    return float((np.exp(la) * (la - lb)).sum(-1).mean())
+
+
+def test_recipe_plan_is_qualcomms_w4a16():
+    from workbench.targets.qnn import RECIPE, recipe_plan
+    plan = recipe_plan(int8_layers=["model.layers.2.mlp.down_proj"])
+    assert plan.default == "int4" and plan.group_size is None and plan.symmetric
+    assert plan.precision_name_for("lm_head") == "int8" and plan.precision_name_for("model.embed_tokens") == "fp16"
+    assert plan.precision_name_for("model.layers.2.mlp.down_proj") == "int8"
+    assert plan.precision_name_for("model.layers.1.mlp.down_proj") == "int4"
+    assert plan.meta["recipe"] == RECIPE and plan.meta["kv_cache_bits"] == 8
+
+
+def test_int8_kv_cache_shares_encodings_and_feeds_back_codes(demo_qdq, tokens, tmp_path):
+    import shutil
+    import onnx
+    from onnx import numpy_helper
+    from workbench.runtime.onnx_runner import OnnxCausalLM
+    from workbench.targets.ort_qdq import int8_kv_cache, kv_cache_dtype
+    for f in demo_qdq[0].parent.iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    paths = [tmp_path / p.name for p in demo_qdq]
+    info = int8_kv_cache(paths)
+    assert info["bits"] == 8 and info["bytes_per_token"] * 4 == info["float32_bytes_per_token"]
+    assert all(kv_cache_dtype(p) == np.int8 for p in paths)
+    # past and present of a layer read one scale, in both graphs: the prefill's codes are the decode's input as is
+    for p in paths:
+        g = onnx.load(str(p), load_external_data=False).graph
+        scales = {i.name: float(numpy_helper.to_array(i)) for i in g.initializer if i.name.startswith("kv_cache.")}
+        assert scales and all(scales[k] == pytest.approx(info["encodings"][k[len("kv_cache."):-len("_scale")]])
+                              for k in scales if k.endswith("_scale"))
+        for n in g.node:
+            if n.op_type in ("QuantizeLinear", "DequantizeLinear") and any(
+                    t.startswith(("present.", "past_key_values.")) and not t.endswith("_dequantized")
+                    for t in (*n.input[:1], *n.output)):
+                assert n.input[1].startswith("kv_cache."), n.name
+    wide, narrow = OnnxCausalLM(*demo_qdq), OnnxCausalLM(*paths)
+    _, _, kv_w = wide.run_prefill(tokens[:64])
+    _, _, kv_n = narrow.run_prefill(tokens[:64])
+    assert kv_n[0].dtype == np.int8 and kv_w[0].dtype == np.float32
+    a, b = [], []
+    for pos in range(64, 70):
+        x, kv_w, _ = wide.run_decode(tokens[pos], kv_w, pos)
+        y, kv_n, _ = narrow.run_decode(tokens[pos], kv_n, pos)
+        a.append(x), b.append(y)
+    assert kv_n[0].dtype == np.int8 and kv_n[0].shape[2] == 70
+    assert 0 < _kl(np.stack(a), np.stack(b)) < 1e-3  # int8 rounding, not a broken cache
+
+
+def test_a_departing_layer_is_one_far_off_the_simulation():
+    from workbench.targets.htp import DEPART_ERROR, _output_error
+    rng = np.random.default_rng(0)
+    cpu = rng.integers(0, 65535, size=(1, 16, 64)).astype(np.uint16)
+    rounding = np.clip(cpu.astype(np.int64) + rng.integers(-3, 4, size=cpu.shape), 0, 65535).astype(np.uint16)
+    saturated = np.clip(cpu, 32768 - 8000, 32768 + 8000)  # an accumulator that clips
+    assert _output_error(cpu, rounding, 32768, 16)["relative_error"] < DEPART_ERROR
+    err = _output_error(cpu, saturated, 32768, 16)
+    assert err["relative_error"] > DEPART_ERROR and err["max_steps"] > 20000
+    assert _output_error(cpu, saturated, 32768, 0)["relative_error"] == 0  # no rows compared: nothing off
+
+
+def test_plan_preset_raises_the_departing_layers_to_int8(tmp_path, capsys):
+    from workbench.cli import main
+    from workbench.plan import QuantPlan
+    conv = tmp_path / "conv"
+    conv.mkdir()
+    (conv / "conversion.json").write_text(json.dumps({"details": {"htp": {"divergence": {
+        "departing": ["model.layers.1.mlp.down_proj"]}}}}))
+    out = tmp_path / "plan.json"
+    assert main(["plan", "demo", "--preset", "qualcomm-w4a16", "--htp-divergence", str(conv), "--out", str(out),
+                 "--eval-tokens", "64", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    plan = QuantPlan.load(out)
+    assert doc["htp_int8_layers"] == ["model.layers.1.mlp.down_proj"] and doc["kl_divergence"] > 0
+    assert plan.precision_name_for("model.layers.1.mlp.down_proj") == "int8"
+    assert plan.precision_name_for("model.layers.0.mlp.down_proj") == "int4" and plan.meta["kv_cache_bits"] == 8
+    (conv / "conversion.json").write_text("{}")
+    assert main(["plan", "demo", "--preset", "qualcomm-w4a16", "--htp-divergence", str(conv), "--out",
+                 str(tmp_path / "p2.json")]) == 2
+    assert "no HTP layer comparison" in capsys.readouterr().err and not (tmp_path / "p2.json").exists()
+
+
+@needs_qnn
+def test_the_recipe_runs_on_the_htp_for_8gen3_with_an_int8_kv_cache(tmp_path):
+    from workbench.convert import convert
+    from workbench.targets.ort_qdq import kv_cache_dtype
+    from workbench.targets.qnn import recipe_plan
+    report = convert("demo", "qnn", tmp_path, plan=recipe_plan(), soc="8gen3", max_tokens=300)
+    kv = report.details["qdq"]["kv_cache"]
+    assert kv["bits"] == 8 and kv["bytes_per_token"] == 1024
+    ctx = tmp_path / "htp-snapdragon-8-gen-3"
+    assert kv_cache_dtype(ctx / "decode_ctx.onnx") == np.int8
+    m = report.details["htp"]["measurement"]
+    for g in ("prefill", "decode"):  # on the HTP as in the simulation, both scored against the float model
+        assert m[g]["kl_vs_simulation"] < 1e-3 and m[g]["top1_vs_simulation"] > 0.98
+        assert m[g]["kl_vs_float"] < 1.5 * m["simulation"][g]["kl_vs_float"] + 0.002
+    assert m["decode"]["tokens"] == 63 and not report.gap
+    enc = json.loads((tmp_path / "quant_overrides_decode.json").read_text())["activation_encodings"]
+    assert enc["past_key_values.0.key"] == enc["present.0.key"] and enc["present.0.key"][0]["bitwidth"] == 8
+    div = report.details["htp"]["divergence"]
+    assert len(div["layers"]) == 29 and "lm_head" in div["layers"]
+    assert all(0 < v["relative_error"] for v in div["layers"].values())  # the HTP rounds differently, slightly
+    assert div["departing"] == [n for n, v in div["layers"].items() if v["relative_error"] > div["threshold"]]
+    saved = json.loads((tmp_path / "conversion.json").read_text())["details"]["htp"]["divergence"]
+    assert saved["departing"] == div["departing"]
+
+
+# -- parts: a context binary over the SoC's limit split at block boundaries --------------------------------------
+
+def test_plan_parts_fills_each_part_up_to_the_limit():
+    from workbench.errors import PlanError
+    from workbench.targets.htp_parts import plan_parts
+    assert plan_parts([10] * 6, limit=100, head_bytes=5, tail_bytes=5) == [(0, 6)]
+    assert plan_parts([10] * 6, limit=30, head_bytes=5, tail_bytes=5) == [(0, 2), (2, 5), (5, 6)]
+    assert plan_parts([10] * 4, limit=30, tail_bytes=20) == [(0, 3), (3, 4)]  # the head needs a part of its own
+    with pytest.raises(PlanError, match="block 1 alone .* over the context limit"):
+        plan_parts([10, 40, 10], limit=30)
+
+
+def test_split_parts_chained_compute_the_whole_graph(demo_qdq, tokens):
+    import onnxruntime as ort
+    from workbench.runtime.onnx_runner import OnnxCausalLM
+    from workbench.targets.htp_parts import plan_parts, run_parts, split_graph, weight_bytes_by_block
+    runner = OnnxCausalLM(*demo_qdq)
+    _, _, kv = runner.run_prefill(tokens[:64])
+    feeds = {"prefill": runner.prefill_feed(tokens[:64]), "decode": runner.decode_feed(tokens[64], kv, 64)}
+    for graph, feed in zip(demo_qdq, feeds.values()):
+        head, blocks, tail = weight_bytes_by_block(graph)
+        assert len(blocks) == 4 and min(blocks) > 100_000 and head > 0 and tail > 0
+        limit = head + blocks[0] + blocks[1] + 1000  # a small "SoC": at most two blocks beside the embedding
+        parts = plan_parts(blocks, limit=limit, head_bytes=head, tail_bytes=tail)
+        assert len(parts) >= 2 and parts[0] == (0, 2) and parts[-1][1] == 4
+        files = split_graph(graph, graph.parent, parts)
+        whole = ort.InferenceSession(str(graph), providers=["CPUExecutionProvider"])
+        names = [o.name for o in whole.get_outputs()]
+        got = run_parts(files, feed)
+        for name, ref in zip(names, whole.run(names, feed)):
+            np.testing.assert_array_equal(got[name], ref, err_msg=name)
+
+
+@needs_qnn
+def test_each_part_compiles_for_the_htp_under_the_limit(demo_qdq, tmp_path):
+    from dataclasses import replace
+    from workbench.targets.htp_parts import plan_parts, split_graph, weight_bytes_by_block
+    graph = demo_qdq[0]
+    head, blocks, tail = weight_bytes_by_block(graph)
+    whole = write_context_binaries({"whole": graph}, tmp_path / "whole", "8gen3")[0]["bytes"]
+    limit = int(whole * 0.7)  # a SoC whose limit the whole graph's binary exceeds
+    small = replace(htp_soc("8gen3"), context_limit_bytes=limit)
+    with pytest.raises(HtpRefused, match="over .* context limit"):
+        write_context_binaries({"whole": graph}, tmp_path / "refused", small)
+    parts = plan_parts(blocks, limit=int(limit * 0.8), head_bytes=head, tail_bytes=tail)  # room for the graph
+    files = split_graph(graph, graph.parent, parts)
+    written = write_context_binaries({f.stem: f for f in files}, tmp_path / "parts", small)
+    assert len(written) == len(parts) >= 2 and all(w["bytes"] <= limit for w in written)

@@ -3,6 +3,8 @@
     workbench plan demo --bits-per-weight 8 --out plan.json
     workbench plan demo --size 4000000 --out plan.json --json
     workbench plan demo --bits-per-weight 8 --target qnn --soc 8gen1 --out plan.json   # what that HTP runs
+    workbench plan demo --preset qualcomm-w4a16 --out plan.json                        # Qualcomm's LLM recipe
+    workbench plan demo --preset qualcomm-w4a16 --htp-divergence out/qnn --out plan.json   # + departing layers int8
 
 The sweep is read from (or written to) the workspace (``--score`` as for `workbench sensitivity`);
 the plan is quantized with quantize_model and evaluated against the unquantized model, and the
@@ -10,7 +12,9 @@ predicted figures are shown beside the measured ones, with the score they were p
 ``--soc`` (a Snapdragon's device profile) keeps the plan to the weights that SoC's HTP generation runs
 (``assets/targets/qnn.json`` ``htp_generations``: no 16-bit weights, so no float layers, before v73): the
 adaptation ``convert --target qnn --soc`` and ``inspect --soc`` apply, made in the plan, naming each layer
-it changes from the plan the budget would otherwise get.
+it changes from the plan the budget would otherwise get. ``--preset qualcomm-w4a16`` writes Qualcomm's w4a16
+LLM recipe (``targets.qnn.recipe_plan``) instead of a budget's plan, with no sweep; ``--htp-divergence`` holds at
+int8 the layers a ``convert --target qnn --soc`` output found departing from the simulation on the HTP.
 """
 from __future__ import annotations
 
@@ -25,6 +29,9 @@ from ..sensitivity import LayerVariants, PlanEvaluator, evaluation_tokens
 from ..units import format_bytes
 from .common import count, number, add_device_argument, add_json_flag, add_model_argument, print_json
 from .sensitivity import add_sweep_arguments, sweep
+from ..targets.qnn import RECIPE, recipe_plan
+
+PRESETS = {RECIPE: recipe_plan}
 
 HELP = "automatic mixed-precision plan under a size or bits/weight budget, predicted and measured"
 
@@ -34,6 +41,9 @@ def add_arguments(p):
     budget = p.add_mutually_exclusive_group(required=True)
     budget.add_argument("--bits-per-weight", type=number(0, 32, low_open=True), help="average bits per weight (all parameters)")
     budget.add_argument("--size", type=count(1), help="total weight bytes")
+    budget.add_argument("--preset", choices=PRESETS, help="a vendor's recipe instead of a budget: qualcomm-w4a16 (int4 "
+                                                          "per-channel weights, int8 lm_head, 16-bit embedding and "
+                                                          "activations, int8 KV cache)")
     p.add_argument("--out", required=True, help="where to write the plan JSON (a new file, or an earlier plan)")
     p.add_argument("--eval-tokens", type=count(2), default=None,
                    help="tokens to measure the chosen plan on (default: the whole text for small models, about a "
@@ -46,14 +56,23 @@ def add_arguments(p):
                         "--target llama.cpp; default: every registered precision")
     p.add_argument("--soc", metavar="DEVICE", help="qnn: the Snapdragon the plan is for (8gen3, 8gen2, 8elite, 8gen1, "
                                                    "xelite): only weights its HTP generation runs (implies --target qnn)")
+    p.add_argument("--htp-divergence", metavar="CONVERSION",
+                   help="hold at int8 the layers this `workbench convert --target qnn --soc DEVICE` output (folder or "
+                        "its conversion.json) found departing from the simulation on the HTP")
     add_sweep_arguments(p)
     add_json_flag(p)
 
 
 def run(args) -> int:
     QuantPlan.check_output_file(args.out)  # before the sweep, not after it
+    raised = []
+    if args.htp_divergence:
+        from ..targets.htp import departing_layers
+        raised = departing_layers(args.htp_divergence)
     lm = load_model(args.model, device=args.device)
     lm.require_float("plan")  # a plan is made for the float model; a quantized one already has its plan
+    if args.preset:
+        return _run_preset(args, lm, raised)
     budget = budget_bytes(lm, size_bytes=args.size, bits_per_weight=args.bits_per_weight)
     targets = tuple(args.target)
     soc = None
@@ -93,6 +112,11 @@ def run(args) -> int:
         refinement = refine_plan(lm, sens, auto, evaluator, trials=args.refine, progress=not args.json,
                                  targets=targets, choices=choices)
         auto = refinement.prediction
+    if raised:
+        plan = auto.plan
+        for name in raised:
+            plan = plan.with_override(name, "int8")
+        auto = replace(auto, plan=plan, assignments={**auto.assignments, **{n: "int8" for n in raised}})
     point = measure_plan(lm, auto.plan, evaluator, label="auto", prediction=auto, progress=not args.json)
     saved = auto.plan.save(Path(args.out))
     out = {"model": str(lm.path), "plan_path": str(saved), "budget_bytes": auto.budget_bytes,
@@ -103,7 +127,7 @@ def run(args) -> int:
            "eval_tokens": point.tokens, "sweep_tokens": sens.tokens, "score": sens.score,
            "score_reason": sens.score_reason, "assignments": auto.assignments,
            "plan": auto.plan.to_dict(), "refinement": refinement.to_dict() if refinement else None,
-           "soc": soc_info}
+           "soc": soc_info, "htp_int8_layers": raised}
     if args.json:
         print_json(out)
         return 0
@@ -126,4 +150,34 @@ def run(args) -> int:
             f"{len(ch)} layer(s) changed from the plan without --soc: " + ", ".join(
                 f"{n} {c['from']} -> {c['to']}" for n, c in ch.items()) if ch else "no layer needed a change"))
     print(f"top-1 agreement {point.top1_agreement:.4f}; plan written to {saved}")
+    return 0
+
+
+def _run_preset(args, lm, raised: list[str]) -> int:
+    """A vendor's recipe as the plan (no sweep, no budget), measured against the float model."""
+    unknown = sorted(set(raised) - {i.name for i in lm.layers})
+    if unknown:
+        from ..errors import PlanError
+        raise PlanError(f"--htp-divergence names layers this model does not have ({', '.join(unknown)}): pass the "
+                        "conversion of this model")
+    plan = PRESETS[args.preset](int8_layers=raised)
+    ids = evaluation_tokens(lm, args.data)
+    ids = ids[:args.eval_tokens or default_token_budget(lm.model, len(ids))]
+    point = measure_plan(lm, plan, PlanEvaluator(lm, ids, progress=not args.json), label=args.preset,
+                         progress=not args.json)
+    saved = plan.save(Path(args.out))
+    out = {"model": str(lm.path), "plan_path": str(saved), "preset": args.preset, "size_bytes": point.size_bytes,
+           "bits_per_weight": point.bits_per_weight, "kl_divergence": point.kl_divergence,
+           "perplexity": point.perplexity, "top1_agreement": point.top1_agreement,
+           "reference_perplexity": point.reference_perplexity, "eval_tokens": point.tokens,
+           "plan": plan.to_dict(), "htp_int8_layers": raised}
+    if args.json:
+        print_json(out)
+        return 0
+    print(f"{args.preset}: {format_bytes(point.size_bytes)}, {point.bits_per_weight:.2f} bits/weight; KL "
+          f"{point.kl_divergence:.3e}, perplexity {point.perplexity:.3f} (float {point.reference_perplexity:.3f}, "
+          f"{point.tokens:,} tokens), top-1 agreement {point.top1_agreement:.4f}")
+    if raised:
+        print(f"held at int8 (they depart from the simulation on the HTP): {', '.join(raised)}")
+    print(f"plan written to {saved}; convert it with `workbench convert MODEL --plan {saved} --target qnn --soc DEVICE`")
     return 0

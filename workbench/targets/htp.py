@@ -32,7 +32,8 @@ from .registry import Target, register_target
 
 __all__ = ["INSTALL", "DEFAULT_DEVICE", "HtpUnavailable", "HtpRefused", "HtpSoc", "qnn_available", "htp_soc",
            "htp_socs", "generation_rules", "float_layers_refused", "soc_runs", "soc_plan_changes", "soc_findings", "htp_session_options", "open_htp", "backend_soc", "write_context_binaries",
-           "HtpMeasurement", "measure_htp", "TARGET"]
+           "HtpMeasurement", "measure_htp", "DEPART_ERROR", "layer_divergence", "departing_layers",
+           "TARGET"]
 
 INSTALL = "pip install --no-deps onnxruntime-qnn==2.7.0"
 DEFAULT_DEVICE = "8gen3"
@@ -367,6 +368,152 @@ def write_context_binaries(graphs: Mapping[str, str | Path], out_dir: str | Path
     (out / SOC_FILE).write_text(json.dumps({"device": soc.device, "soc_model": soc.soc_model, "arch": soc.arch},
                                            indent=2) + "\n", encoding="utf-8")
     return written
+
+
+DEPART_ERROR = 0.02  # a layer run alone whose HTP output is off the simulation's by more (relative RMS) departs
+_WEIGHTED_MATMUL = re.compile(r"^/(.+)/MatMul$")
+
+
+def _layer_probes(qdq_graph: Path) -> list[dict]:
+    """Each weighted MatMul of a QDQ graph (node ``/<layer>/MatMul``): its quantized input, the input's and the
+    output's DequantizeLinear / QuantizeLinear parameters, and its weight's DequantizeLinear."""
+    import onnx
+    from onnx import numpy_helper
+    g = onnx.load(str(qdq_graph), load_external_data=False).graph
+    producer = {o: n for n in g.node for o in n.output}
+    readers: dict[str, list] = {}
+    for n in g.node:
+        for i in n.input:
+            readers.setdefault(i, []).append(n)
+    inits = {i.name: i for i in g.initializer}
+    probes = []
+    for n in g.node:
+        m = _WEIGHTED_MATMUL.match(n.name)
+        if n.op_type != "MatMul" or not m:
+            continue
+        x_dq, w_dq = producer.get(n.input[0]), producer.get(n.input[1])
+        out_q = next((r for r in readers.get(n.output[0], []) if r.op_type == "QuantizeLinear"), None)
+        if (x_dq is None or w_dq is None or out_q is None or x_dq.op_type != "DequantizeLinear"
+                or w_dq.op_type != "DequantizeLinear" or w_dq.input[0] not in inits):
+            continue
+        zero = numpy_helper.to_array(inits[out_q.input[2]]).reshape(-1)
+        probes.append({"layer": m.group(1), "x_dq": x_dq, "w_dq": w_dq, "out_q": out_q, "zero_point": int(zero[0])})
+    return probes
+
+
+def _probe_graph(qdq_graph: Path, probes: list[dict], inputs: Sequence[np.ndarray], out: Path) -> Path:
+    """One graph of every probed MatMul alone: quantized input -> DequantizeLinear -> MatMul (the layer's own
+    weight) -> QuantizeLinear -> quantized output, beside ``qdq_graph`` so its weights' data file resolves."""
+    import onnx
+    from onnx import helper
+    proto = onnx.load(str(qdq_graph), load_external_data=False)
+    g = proto.graph
+    types = {i.name: i.data_type for i in g.initializer}
+    nodes, graph_in, graph_out, keep = [], [], [], set()
+    for k, (p, x) in enumerate(zip(probes, inputs)):
+        inp, y, code = f"probe.{k}.input", f"probe.{k}.matmul", f"probe.{k}.output"
+        graph_in.append(helper.make_tensor_value_info(inp, helper.np_dtype_to_tensor_dtype(x.dtype), list(x.shape)))
+        nodes.append(helper.make_node("DequantizeLinear", [inp, *p["x_dq"].input[1:]], [f"probe.{k}.x"]))
+        nodes.append(helper.make_node("DequantizeLinear", list(p["w_dq"].input), [f"probe.{k}.w"],
+                                      axis=next((a.i for a in p["w_dq"].attribute if a.name == "axis"), 1)))
+        nodes.append(helper.make_node("MatMul", [f"probe.{k}.x", f"probe.{k}.w"], [y], name=f"/{p['layer']}/MatMul"))
+        nodes.append(helper.make_node("QuantizeLinear", [y, *p["out_q"].input[1:]], [code]))
+        graph_out.append(helper.make_tensor_value_info(code, types[p["out_q"].input[2]], None))
+        keep |= set(p["x_dq"].input[1:]) | set(p["w_dq"].input) | set(p["out_q"].input[1:])
+    graph = helper.make_graph(nodes, "layer_probes", graph_in, graph_out, [i for i in g.initializer if i.name in keep])
+    model = helper.make_model(graph, opset_imports=list(proto.opset_import), producer_name="workbench")
+    model.ir_version = proto.ir_version
+    onnx.save(model, str(out))
+    return out
+
+
+def _captured_inputs(qdq_graph: Path, probes: list[dict], feed: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+    """The quantized input of each probed MatMul as the CPU QDQ graph computes it for ``feed``."""
+    import onnx
+    import onnxruntime as ort
+    proto = onnx.load(str(qdq_graph), load_external_data=False)
+    names = [p["x_dq"].input[0] for p in probes]
+    wanted = list(dict.fromkeys(names))
+    del proto.graph.output[:]
+    proto.graph.output.extend(onnx.helper.make_empty_tensor_value_info(n) for n in wanted)
+    side = qdq_graph.with_name(f".{qdq_graph.stem}.probe-inputs.{os.getpid()}.onnx")
+    try:
+        onnx.save(proto, str(side))
+        session = ort.InferenceSession(str(side), providers=["CPUExecutionProvider"])
+    finally:
+        side.unlink(missing_ok=True)
+    got = dict(zip(wanted, session.run(wanted, dict(feed))))
+    return [got[n] for n in names]
+
+
+def _output_error(cpu: np.ndarray, htp: np.ndarray, zero_point: int, rows: int) -> dict:
+    """How far the HTP's output codes are from the CPU's over the first ``rows`` positions: the relative error
+    (RMS of the difference over RMS of the CPU's output, both in steps from the zero point: the scale cancels),
+    the largest difference in quantization steps, and the share of outputs more than one step off."""
+    c = cpu.astype(np.int64).reshape(-1, cpu.shape[-2], cpu.shape[-1])[:, :rows] - zero_point
+    h = htp.astype(np.int64).reshape(-1, htp.shape[-2], htp.shape[-1])[:, :rows] - zero_point
+    d = np.abs(c - h)
+    if not d.size:
+        return {"relative_error": 0.0, "max_steps": 0, "off_fraction": 0.0}
+    rms = float(np.sqrt(np.mean(c.astype(np.float64) ** 2))) or 1.0
+    return {"relative_error": float(np.sqrt(np.mean(d.astype(np.float64) ** 2))) / rms,
+            "max_steps": int(d.max(initial=0)), "off_fraction": float((d > 1).mean())}
+
+
+def layer_divergence(qdq_graph: str | Path, feed: Mapping[str, np.ndarray], device: str | HtpSoc | None = None, *,
+                     rows: int | None = None) -> dict:
+    """Each weighted layer of a QDQ graph run alone on the HTP emulator and on the CPU (the simulation of what the
+    HTP should compute), from the same quantized input: the CPU graph's own input to that layer for ``feed``.
+
+    Qualcomm holds some layers at int8 because "int4 matmul saturates the HTP accumulator ... on-target output
+    diverges from QuantSim"; run alone, a layer's output differs from the CPU's by the HTP's own rounding
+    (a few 16-bit steps), and a layer whose relative error is above ``DEPART_ERROR`` departs. ``rows``:
+    positions compared (the real tokens of a right-padded window). Returns ``{"layers": {layer:
+    {"relative_error", "max_steps", "off_fraction", "departs"}}, "departing": [layers], ...}``.
+    """
+    import onnxruntime as ort
+    qdq_graph = Path(qdq_graph)
+    soc = htp_soc(device)
+    probes = _layer_probes(qdq_graph)
+    if not probes:
+        raise PlanError(f"{qdq_graph.name} has no weighted MatMul behind Q/DQ nodes to probe: pass a QDQ graph "
+                        "(`workbench convert --target ort-qdq` or qnn's ort-qdq-twin)")
+    t0 = time.perf_counter()
+    inputs = _captured_inputs(qdq_graph, probes, feed)
+    probe = qdq_graph.with_name(f".{qdq_graph.stem}.probes.{os.getpid()}.onnx")
+    try:
+        _probe_graph(qdq_graph, probes, inputs, probe)
+        feeds = {f"probe.{k}.input": x for k, x in enumerate(inputs)}
+        cpu = ort.InferenceSession(str(probe), providers=["CPUExecutionProvider"]).run(None, feeds)
+        htp = _session(probe, htp_session_options(soc), soc).run(None, feeds)
+    finally:
+        probe.unlink(missing_ok=True)
+    rows = rows or inputs[0].shape[-2]
+    layers = {}
+    for p, c, h in zip(probes, cpu, htp):
+        stats = _output_error(c, h, p["zero_point"], rows)
+        stats["departs"] = stats["relative_error"] > DEPART_ERROR
+        layers[p["layer"]] = stats
+    return {"device": soc.device, "soc": soc.label, "graph": qdq_graph.name, "positions": int(rows),
+            "threshold": DEPART_ERROR, "layers": layers,
+            "departing": [n for n, st in layers.items() if st["departs"]], "seconds": time.perf_counter() - t0}
+
+
+def departing_layers(conversion: str | Path) -> list[str]:
+    """The layers a ``convert --target qnn --soc`` output found departing from the simulation on the HTP
+    (``conversion.json`` ``details.htp.divergence.departing``): what ``plan --htp-divergence`` raises to int8."""
+    import json
+    p = Path(conversion)
+    p = p / "conversion.json" if p.is_dir() else p
+    try:
+        doc = json.loads(p.read_text(encoding="utf-8"))
+        return list(doc["details"]["htp"]["divergence"]["departing"])
+    except (OSError, ValueError) as e:
+        raise PlanError(f"cannot read '{p}' ({e}): pass the folder `workbench convert --target qnn --soc DEVICE` "
+                        "wrote, or its conversion.json") from None
+    except (KeyError, TypeError):
+        raise PlanError(f"'{p}' has no HTP layer comparison (details.htp.divergence): convert with --target qnn "
+                        "--soc DEVICE and evaluation on") from None
 
 
 @dataclass

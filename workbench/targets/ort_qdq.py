@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
@@ -45,7 +46,8 @@ from .registry import OverrideFormat, Target, check_precisions, register_target
 
 __all__ = ["MASK_RANGE", "ORT_TYPES", "FLOAT_WEIGHT_TYPE", "causal_mask_tensors", "ort_overrides", "lean_session",
            "write_ort_overrides", "load_ort_overrides", "read_ort_overrides", "activation_ranges", "quantize_qdq",
-           "paired_tensors", "decode_shared_ranges", "qdq_twin", "open_qdq_graphs", "TARGET"]
+           "paired_tensors", "decode_shared_ranges", "KV_BITS_KEY", "kv_cache_bits", "kv_cache_encodings",
+           "quantize_kv_cache", "kv_cache_dtype", "int8_kv_cache", "qdq_twin", "open_qdq_graphs", "TARGET"]
 
 MASK_RANGE = 100.0  # exp(-100) is 0 in every float format: masked keys stay masked, real scores keep their resolution
 ORT_TYPES = {(8, True): "QInt8", (8, False): "QUInt8", (4, True): "QInt4", (4, False): "QUInt4",
@@ -447,6 +449,149 @@ def decode_shared_ranges(prefill_onnx: str | Path, decode_onnx: str | Path,
     return {d: prefill_ranges[p] for d, p in pairs.items() if p in prefill_ranges}
 
 
+KV_BITS_KEY = "kv_cache_bits"  # plan.meta: the KV cache's width in the QDQ graphs (8: Qualcomm's w4a16 recipe)
+KV_TENSOR = re.compile(r"^(past_key_values|present)\.(\d+)\.(key|value)$")
+
+
+def kv_cache_bits(plan) -> int | None:
+    """The KV-cache width a plan asks for (``meta["kv_cache_bits"]``: 8), or None (the activations' width)."""
+    bits = (plan.meta or {}).get(KV_BITS_KEY) if plan is not None else None
+    if bits is None:
+        return None
+    if bits != 8:
+        raise PlanError(f"plan meta '{KV_BITS_KEY}' is {bits!r}; the QDQ graphs carry an 8-bit KV cache (8) or the "
+                        "activations' width (leave it out)")
+    return 8
+
+
+def _encoded_range(graph, q_node) -> tuple[float, float]:
+    """The real range a QuantizeLinear's scale and zero point cover."""
+    from onnx import numpy_helper
+    inits = {i.name: i for i in graph.initializer}
+    scale = float(numpy_helper.to_array(inits[q_node.input[1]]).reshape(-1)[0])
+    zp = numpy_helper.to_array(inits[q_node.input[2]])
+    info = np.iinfo(zp.dtype)
+    z = int(zp.reshape(-1)[0])
+    return (info.min - z) * scale, (info.max - z) * scale
+
+
+def _kv_quantize_nodes(graph) -> dict[str, object]:
+    """``{past/present tensor: the QuantizeLinear that encodes it}`` in a QDQ graph."""
+    producer = {o: n for n in graph.node for o in n.output}
+    out = {}
+    for v in graph.input:
+        if KV_TENSOR.match(v.name):
+            q = next((n for n in graph.node if n.op_type == "QuantizeLinear" and n.input[0] == v.name), None)
+            if q is not None:
+                out[v.name] = q
+    for v in graph.output:
+        dq = producer.get(v.name)
+        if KV_TENSOR.match(v.name) and dq is not None and dq.op_type == "DequantizeLinear":
+            q = producer.get(dq.input[0])
+            if q is not None and q.op_type == "QuantizeLinear":
+                out[v.name] = q
+    return out
+
+
+def kv_cache_encodings(graphs) -> dict[str, float]:
+    """``{"<layer>.key": scale}``: one symmetric 8-bit scale per layer's key and value, covering what every graph's
+    16-bit encoding of that layer's past and present covers (prefill's present, decode's past and present), so
+    past and present share it and the cache a graph writes is what the next one reads, code for code."""
+    import onnx
+    amax: dict[str, float] = {}
+    for path in graphs:
+        proto = onnx.load(str(path), load_external_data=False)
+        for tensor, q in _kv_quantize_nodes(proto.graph).items():
+            _, layer, kind = KV_TENSOR.match(tensor).groups()
+            lo, hi = _encoded_range(proto.graph, q)
+            key = f"{layer}.{kind}"
+            amax[key] = max(amax.get(key, 0.0), abs(lo), abs(hi))
+    return {k: (v or 1e-8) / 127.0 for k, v in amax.items()}
+
+
+def quantize_kv_cache(path: str | Path, encodings: Mapping[str, float]) -> int:
+    """Rewrite a QDQ graph's KV cache as int8 with ``encodings`` (``kv_cache_encodings``): each past input and
+    present output becomes an int8 tensor of the graph (symmetric, zero point 0), read by its
+    ``DequantizeLinear`` and written by its ``QuantizeLinear`` directly, so a runtime keeps and feeds back the
+    codes themselves (a quarter of float32's bytes) and never requantizes them. Returns the tensors changed."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+    path = Path(path)
+    proto = onnx.load(str(path), load_external_data=False)
+    g = proto.graph
+    nodes = _kv_quantize_nodes(g)
+    have = {i.name for i in g.initializer}
+    renamed = set()
+    for tensor, q in nodes.items():
+        _, layer, kind = KV_TENSOR.match(tensor).groups()
+        scale, zero = f"kv_cache.{layer}.{kind}_scale", f"kv_cache.{layer}.{kind}_zero_point"
+        if scale not in have:
+            g.initializer.extend([numpy_helper.from_array(np.array(encodings[f"{layer}.{kind}"], np.float32), scale),
+                                  numpy_helper.from_array(np.array(0, np.int8), zero)])
+            have |= {scale, zero}
+        dqs = [n for n in g.node if n.op_type == "DequantizeLinear" and n.input[0] == q.output[0]]
+        if tensor.startswith("past_key_values."):  # int8 input straight into its DequantizeLinear
+            for dq in dqs:
+                dq.input[0], dq.input[1], dq.input[2] = tensor, scale, zero
+            g.node.remove(q)
+            renamed.add(q.output[0])
+            vi = next(v for v in g.input if v.name == tensor)
+        else:  # the QuantizeLinear's int8 output is the graph's output; the float copy is internal
+            q.input[1], q.input[2] = scale, zero
+            inner = tensor + "_dequantized"
+            for n in g.node:
+                for k, name in enumerate(n.input):
+                    if name == tensor:
+                        n.input[k] = inner
+            for dq in dqs:
+                dq.input[0], dq.input[1], dq.input[2] = tensor, scale, zero
+                if dq.output[0] == tensor:
+                    dq.output[0] = inner
+            renamed.add(q.output[0])
+            q.output[0] = tensor
+            vi = next(v for v in g.output if v.name == tensor)
+        vi.type.tensor_type.elem_type = TensorProto.INT8
+    keep = [v for v in g.value_info if v.name not in renamed and not KV_TENSOR.match(v.name)]
+    del g.value_info[:]
+    g.value_info.extend(keep)
+    used = {i for n in g.node for i in n.input}
+    kept = [i for i in g.initializer if i.name in used]
+    del g.initializer[:]
+    g.initializer.extend(kept)
+    tmp = path.with_name(path.name + ".partial")
+    onnx.save(proto, str(tmp))
+    os.replace(tmp, path)
+    return len(nodes)
+
+
+def kv_cache_dtype(path: str | Path):
+    """The numpy dtype of a graph's KV-cache inputs or outputs (float32, or int8 after ``quantize_kv_cache``)."""
+    import onnx
+    from onnx import helper
+    g = onnx.load(str(path), load_external_data=False).graph
+    for v in (*g.input, *g.output):
+        if KV_TENSOR.match(v.name):
+            return np.dtype(helper.tensor_dtype_to_np_dtype(v.type.tensor_type.elem_type))
+    return None
+
+
+def int8_kv_cache(paths, notes: list[str] | None = None) -> dict:
+    """The prefill and decode QDQ graphs ``paths`` rewritten with one shared int8 encoding per layer's key and
+    value (``kv_cache_encodings``, ``quantize_kv_cache``); what was done, for the conversion's details."""
+    import onnx
+    encodings = kv_cache_encodings(paths)
+    changed = sum(quantize_kv_cache(p, encodings) for p in paths)
+    past = [v for v in onnx.load(str(paths[-1]), load_external_data=False).graph.input if KV_TENSOR.match(v.name)]
+    per_token = sum(v.type.tensor_type.shape.dim[1].dim_value * v.type.tensor_type.shape.dim[3].dim_value
+                    for v in past)
+    if notes is not None:
+        notes.append(f"KV cache int8 (Qualcomm's w4a16 recipe): {len(encodings)} symmetric 8-bit encodings, each "
+                     "shared by a layer's past input and present output in both graphs, which read and write the "
+                     f"int8 codes themselves ({per_token:,} bytes a token against {4 * per_token:,} in float32)")
+    return {"bits": 8, "symmetric": True, "encodings": encodings, "tensors": changed, "bytes_per_token": per_token,
+            "float32_bytes_per_token": 4 * per_token}
+
+
 def qdq_twin(job, static_export, qdq_dir: Path, feeds: Mapping[str, list], *,
              float_weight_type: str = FLOAT_WEIGHT_TYPE) -> Path:
     """QDQ prefill/decode graphs of ``static_export`` by the plan (``ort_overrides``), calibrated on ``feeds``
@@ -477,6 +622,8 @@ def qdq_twin(job, static_export, qdq_dir: Path, feeds: Mapping[str, list], *,
     report.details["qdq"] = {"activation_bits": job.activation_bits, "weight_types": bits,
                              "static": list(job.static), "mask_tensors": len(infos["prefill"]["mask_tensors"]),
                              "mask_range": infos["prefill"]["mask_range"]}
+    if kv_cache_bits(job.prep.qm.plan):
+        report.details["qdq"]["kv_cache"] = int8_kv_cache(paths, report.notes)
     for g in ("prefill", "decode"):
         report.details[f"inspection_qdq_{g}"] = inspect_graph(qdq_dir / f"{g}.qdq.onnx", "qnn").summary()
     return paths[0]

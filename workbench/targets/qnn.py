@@ -48,10 +48,12 @@ from ..plan import get_precision
 from ..workspace import atomic_write_json
 from .base import inspect_graph
 from .common import OverrideFile, graph_consumers, graph_names, layers_from_tensors, read_json_object, tensor_for
-from .ort_qdq import FLOAT_WEIGHT_TYPE, MASK_RANGE, causal_mask_tensors, measure_qdq, qdq_evaluator, qdq_twin
+from .ort_qdq import (FLOAT_WEIGHT_TYPE, KV_BITS_KEY, KV_TENSOR, MASK_RANGE, causal_mask_tensors, lean_session,
+                      measure_qdq, qdq_evaluator, qdq_twin)
 from .registry import OverrideFormat, Target, check_precisions, register_target
 
-__all__ = ["QNN_ENCODINGS_VERSION", "QNN_LPBQ_VERSION", "DEFAULT_ACTIVATION_BITWIDTH",
+__all__ = ["QNN_ENCODINGS_VERSION", "QNN_LPBQ_VERSION", "DEFAULT_ACTIVATION_BITWIDTH", "RECIPE", "recipe_plan",
+           "symmetric_encoding",
            "qnn_encodings", "write_qnn_encodings",
            "read_qnn_encodings", "validate_qnn_encodings", "graph_tensor_names", "range_encoding",
            "write_qnn_bundle", "write_calibration_raw", "TARGET"]
@@ -61,6 +63,21 @@ QNN_LPBQ_VERSION = "1.0.0"  # the first AIMET encodings layout with LPBQ
 ENC_TYPES = ("PER_TENSOR", "PER_CHANNEL", "PER_BLOCK", "LPBQ")
 DEFAULT_ACTIVATION_BITWIDTH = 16  # A16W8 / A16W4: what LLMs on Hexagon use; 8-bit activations wreck attention
 FLOAT16 = [{"bitwidth": 16, "dtype": "float"}]
+RECIPE = "qualcomm-w4a16"  # the recipe every LLM in qai-hub-models 0.65.0 ships in (templates/llm)
+
+
+def recipe_plan(*, int8_layers: Iterable[str] = (), method: str = "rtn") -> "QuantPlan":
+    """Qualcomm's w4a16 LLM recipe as a plan: int4 symmetric weights per output channel, ``lm_head`` int8 per
+    channel, the embedding at 16 bits (the plan keeps it fp16, the QDQ graphs hold it as 16-bit integers), 16-bit
+    activations and an 8-bit KV cache whose past and present share one encoding (``meta["kv_cache_bits"]``).
+    ``int8_layers``: layers held at int8 (the recipe's ``int8_param_names``: those whose int4 MatMul saturates
+    the HTP accumulator, so the device departs from the simulation; ``targets.htp.divergent_layers`` finds them)."""
+    from ..plan import PlanRule, QuantPlan
+    rules = [PlanRule("*embed_tokens", "fp16"), PlanRule("lm_head", "int8")]
+    rules += [PlanRule(name, "int8") for name in int8_layers]
+    return QuantPlan(default="int4", rules=tuple(rules), group_size=None, symmetric=True, method=method,
+                     meta={"recipe": RECIPE, KV_BITS_KEY: 8, "activation_bits": 16, "embedding_bits": 16,
+                           **({"int8_layers": list(int8_layers)} if int8_layers else {})})
 
 
 def _int_encodings(qw) -> list[dict]:
@@ -84,6 +101,13 @@ def range_encoding(lo: float, hi: float, bits: int) -> list[dict]:
     offset = int(round(lo / scale))
     return [{"bitwidth": bits, "dtype": "int", "is_symmetric": "False", "scale": scale, "offset": offset,
              "min": offset * scale, "max": (offset + top) * scale}]
+
+
+def symmetric_encoding(scale: float, bits: int) -> list[dict]:
+    """A symmetric ``bits``-bit encoding of step ``scale`` (AIMET's offset -2^(bits-1))."""
+    offset, top = -(1 << (bits - 1)), (1 << bits) - 1
+    return [{"bitwidth": bits, "dtype": "int", "is_symmetric": "True", "scale": float(scale), "offset": offset,
+             "min": offset * float(scale), "max": (offset + top) * float(scale)}]
 
 
 def _float_encoding(precision) -> list[dict]:
@@ -132,11 +156,13 @@ def _load_graph(export, graph: str | Path | None):
 
 
 def qnn_encodings(quantized, export, *, graph: str | Path | None = None, calibration=None,
-                  activation_bitwidth: int = DEFAULT_ACTIVATION_BITWIDTH, notes: list[str] | None = None) -> dict:
+                  activation_bitwidth: int = DEFAULT_ACTIVATION_BITWIDTH, notes: list[str] | None = None,
+                  kv_encodings: Mapping[str, float] | None = None) -> dict:
     """The QNN/AIMET encodings of a ``QuantizedModel`` for the graph ``export`` wrote (or ``graph``, its twin).
 
     ``calibration`` (``CalibrationStats``) adds ``activation_bitwidth``-bit ranges for the inputs
-    of the integer MatMuls, from the largest |x| seen.
+    of the integer MatMuls, from the largest |x| seen. ``kv_encodings`` (``{"<layer>.key": scale}``, the
+    QDQ graphs' int8 KV cache) gives each layer's past input and present output that symmetric 8-bit encoding.
     """
     notes = notes if notes is not None else []
     weight_names, _ = graph_names(export)
@@ -195,6 +221,14 @@ def qnn_encodings(quantized, export, *, graph: str | Path | None = None, calibra
     mask = causal_mask_tensors(proto)
     for t in mask:
         acts[t] = range_encoding(-MASK_RANGE, MASK_RANGE, activation_bitwidth)
+    if kv_encodings:
+        kv = [v.name for v in (*proto.graph.input, *proto.graph.output) if KV_TENSOR.match(v.name)]
+        for t in kv:
+            _, layer, kind = KV_TENSOR.match(t).groups()
+            acts[t] = symmetric_encoding(kv_encodings[f"{layer}.{kind}"], 8)
+        if kv:
+            notes.append("the KV-cache inputs and outputs at 8 bits, symmetric, each past input sharing its present "
+                         "output's encoding (Qualcomm's w4a16 recipe)")
     if mask:
         notes.append(f"{len(mask)} causal-mask tensor(s) pinned to [-{MASK_RANGE:g}, {MASK_RANGE:g}] (min/max "
                      "calibration would give them a scale of ~1e34 and wipe out attention)")
@@ -231,11 +265,12 @@ def _calibration_ranges(calibration, readers) -> dict[str, float]:
 
 
 def write_qnn_encodings(path: str | Path, quantized, export, *, graph: str | Path | None = None, calibration=None,
-                        activation_bitwidth: int = DEFAULT_ACTIVATION_BITWIDTH) -> OverrideFile:
+                        activation_bitwidth: int = DEFAULT_ACTIVATION_BITWIDTH,
+                        kv_encodings: Mapping[str, float] | None = None) -> OverrideFile:
     """Write the encodings JSON after checking it (format, and names against the graph when it is at hand)."""
     notes: list[str] = []
     doc = qnn_encodings(quantized, export, graph=graph, calibration=calibration,
-                        activation_bitwidth=activation_bitwidth, notes=notes)
+                        activation_bitwidth=activation_bitwidth, notes=notes, kv_encodings=kv_encodings)
     graph = graph if graph is not None else getattr(export, "prefill_path", None)
     validate_qnn_encodings(doc, onnx_path=graph)
     p = atomic_write_json(Path(path), doc)
@@ -520,7 +555,7 @@ def _dims(proto) -> list[tuple[str, str]]:
 
 def write_qnn_bundle(out_dir: str | Path, export, qm, feeds: Mapping[str, Sequence[Mapping[str, np.ndarray]]], *,
                      activation_bits: int = DEFAULT_ACTIVATION_BITWIDTH, weight_bits: int = 8,
-                     soc_model: str | None = None) -> dict:
+                     soc_model: str | None = None, kv_encodings: Mapping[str, float] | None = None) -> dict:
     """Write validated overrides, calibration inputs and ``commands.sh`` for the static graphs of ``export``."""
     import onnx
     out = Path(out_dir)
@@ -534,7 +569,7 @@ def write_qnn_bundle(out_dir: str | Path, export, qm, feeds: Mapping[str, Sequen
     for name, path in graphs.items():
         proto = onnx.load(str(path), load_external_data=False)
         written = write_qnn_encodings(out / f"quant_overrides_{name}.json", qm, export, graph=path,
-                                      activation_bitwidth=activation_bits)
+                                      activation_bitwidth=activation_bits, kv_encodings=kv_encodings)
         notes += [n for n in written.notes if n not in notes]
         order = [n for n, _ in _dims(proto)]
         write_calibration_raw(out, name, feeds[name], order)
@@ -609,6 +644,7 @@ def _run_on_htp(job, soc, sx, prefill_qdq: Path, ev) -> None:
             job.report.gap = (f"on the HTP emulator ({soc.label}) the {' and '.join(off)} graph differs from CPU QDQ "
                               f"(KL {max(getattr(m, g)['kl_vs_simulation'] for g in off):.3g} > {HTP_GAP_KL:g}): "
                               "the NPU does not compute what the QDQ simulation does")
+        _compare_layers(job, soc, prefill_qdq, windows[0], info)
         job.report.notes.append(
             f"on the HTP emulator ({soc.label}): prefill KL {m.prefill['kl_vs_float']:.5f} / top-1 "
             f"{m.prefill['top1_vs_float']:.4f} vs float, KL {m.prefill['kl_vs_simulation']:.2e} vs CPU QDQ "
@@ -621,6 +657,27 @@ def _run_on_htp(job, soc, sx, prefill_qdq: Path, ev) -> None:
     job.report.notes.append(f"context binaries for {soc.label}: {sizes}{limit}, in {out}")
 
 
+def _compare_layers(job, soc, prefill_qdq: Path, window, info: dict) -> None:
+    """Each weighted layer alone on the HTP against the CPU QDQ graph (``htp.layer_divergence``), from one window;
+    the departing layers are named in the notes and in ``details.htp.divergence`` (what ``plan --htp-divergence``
+    raises to int8)."""
+    from ..runtime.onnx_runner import OnnxCausalLM
+    from .htp import DEPART_ERROR, layer_divergence
+    job.say("comparing each layer alone on the HTP emulator with the CPU QDQ graph")
+    feed = OnnxCausalLM(prefill_qdq, session_options=lean_session).prefill_feed(list(window))
+    div = layer_divergence(prefill_qdq, feed, soc, rows=len(window))
+    info["divergence"] = div
+    worst = max(div["layers"].items(), key=lambda kv: kv[1]["relative_error"])
+    if div["departing"]:
+        job.report.notes.append(f"on the HTP ({soc.label}) {len(div['departing'])} layer(s) run alone depart from the "
+                                f"simulation (relative error above {DEPART_ERROR:g}): {', '.join(div['departing'])}; "
+                                f"`workbench plan MODEL ... --htp-divergence {job.out}` holds them at int8")
+    else:
+        job.report.notes.append(f"every one of the {len(div['layers'])} weighted layers, run alone on the HTP "
+                                f"({soc.label}), stays within {DEPART_ERROR:g} relative error of the simulation "
+                                f"(largest {worst[1]['relative_error']:.2g}, {worst[0]})")
+
+
 def convert_qnn(job) -> None:
     """The static graphs with the plan's encodings and the SDK's commands, and their QDQ twin measured here;
     with ``--soc``, compiled for that Snapdragon by onnxruntime-qnn and run on its HTP emulator."""
@@ -630,7 +687,9 @@ def convert_qnn(job) -> None:
     ev = qdq_evaluator(job)  # the float model leaves memory before the float graphs run for calibration
     feeds = job.feeds(sx)
     prefill_qdq = qdq_twin(job, sx, job.out / "ort-qdq-twin", feeds, float_weight_type=float_weights)
-    info = write_qnn_bundle(job.out, sx, job.prep.qm, feeds, activation_bits=job.activation_bits)
+    kv = job.report.details["qdq"].get("kv_cache") or {}
+    info = write_qnn_bundle(job.out, sx, job.prep.qm, feeds, activation_bits=job.activation_bits,
+                            kv_encodings=kv.get("encodings"))
     job.report.notes += info["notes"]
     job.report.notes.append("the metrics above come from the QDQ twin of the same static graphs (same bit widths, "
                             "same mask fix) in onnxruntime CPU" + ("" if soc else "; --soc DEVICE runs it on the HTP "
