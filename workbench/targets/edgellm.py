@@ -49,6 +49,7 @@ TILE = 64  # Int4GroupwiseGemmPluginV2's fragment layout needs N % 64 == 0 and K
 PLUGIN_DOMAIN = "trt_edgellm"
 INT4_OP = "Int4GroupwiseGemmPluginV2"
 DEFAULT_TIMEOUT = 900.0  # seconds for the exporter subprocess
+CHECK_TOKENS = 128  # held-out tokens onnxruntime runs the graph outside the plugins on
 LLM_DIR, CHECKPOINT_DIR, BUILD_SCRIPT = "llm", "checkpoint", "build.sh"
 # the chat template Edge-LLM's exporter requires when the model's tokenizer has none: the messages' text in order
 PLAIN_CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
@@ -413,10 +414,12 @@ def convert_edgellm(job) -> None:
     max_pos = int(getattr(prep.float_lm.model.config, "max_position_embeddings", 0) or ctx)
     script = write_build_script(job.out, max_input_len=min(ctx, max_pos), max_kv=max_pos)
     info["build_command"] = f"bash {shlex.quote(str(script))}"
-    ev = job.evaluator()
-    if ev is not None:
-        info["onnxruntime_outside_plugins"] = run_outside_plugins(job.out / LLM_DIR, prep,
-                                                                  ev.ids[:min(len(ev.ids), 128)])
+    if job.evaluate_outputs:  # the first CHECK_TOKENS of the text (nothing here runs the plugins: no KL to score)
+        from ..assets import demo_text_path
+        from ..textio import read_tokens
+        ids, _ = read_tokens(prep.float_lm.tokenizer, job.text or demo_text_path("heldout"), max_tokens=CHECK_TOKENS)
+        job.say(f"running the graph outside its plugin nodes in onnxruntime ({len(ids)} tokens)")
+        info["onnxruntime_outside_plugins"] = run_outside_plugins(job.out / LLM_DIR, prep, ids)
     report.details["edgellm"] = info
     report.notes += [
         "the plan's int4 codes and float16 scales are stored in the ONNX as they are (read back layer by layer)",
