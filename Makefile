@@ -1,6 +1,7 @@
 # make app    set up .venv (once) and start JupyterLab on the notebooks, bound to 127.0.0.1
 # make test   set up .venv and .venv-rknn (once) and run the whole test suite, notebooks included
 # make rknn-env  Rockchip's rknn-toolkit2 in its own venv (.venv-rknn), for the rknn target
+# make edgellm-env  NVIDIA's TensorRT Edge-LLM exporter in its own venv (.venv-edgellm), for the tensorrt-edgellm target
 # make voila  set up .venv (once) and serve the click-through app (notebooks/app.ipynb) on 127.0.0.1: open the
 #             URL it prints (it carries the token)
 PY      ?= python3
@@ -12,7 +13,7 @@ VOILA_PORT ?= 8866
 ROOTFLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 STAMP   := $(VENV)/.installed
 
-.PHONY: install app voila test bench demo-model clean rknn-env
+.PHONY: install app voila test bench demo-model clean rknn-env edgellm-env
 
 install: $(STAMP)
 
@@ -39,7 +40,7 @@ app: install
 voila: install
 	$(BIN)/python -m workbench.ui.serve --port $(VOILA_PORT)
 
-test: install rknn-env
+test: install rknn-env edgellm-env
 	$(BIN)/python -m pytest tests/ --nbmake notebooks/ -q
 
 bench: install
@@ -63,5 +64,25 @@ $(RKNN_STAMP):
 	PYTHONPATH=workbench/targets/rknn_stub $(RKNN_VENV)/bin/python -c "import rknn.api"
 	touch $(RKNN_STAMP)
 
+# make edgellm-env  TensorRT Edge-LLM's exporter (tensorrt-edgellm 0.11.0, Python 3.10-3.12) in its own venv
+# (its export extra pins transformers 5.14.1 and onnx 1.19.0); the tensorrt-edgellm target runs its export
+# as a subprocess. torch is pinned first so nothing pulls a CUDA build; the package goes in --no-deps: its
+# base dependency cuda-python is only for the Jetson runtime, and its [tools] extra (torchvision) breaks it.
+EDGELLM_VENV  := .venv-edgellm
+EDGELLM_STAMP := $(EDGELLM_VENV)/.installed
+
+edgellm-env: $(EDGELLM_STAMP)
+
+$(EDGELLM_STAMP):
+	test -x $(EDGELLM_VENV)/bin/python || $(PY) -m venv $(EDGELLM_VENV)
+	$(EDGELLM_VENV)/bin/pip install -q --upgrade pip
+	$(EDGELLM_VENV)/bin/pip install -q torch==2.13.0
+	$(EDGELLM_VENV)/bin/pip install -q torch==2.13.0 transformers==5.14.1 'huggingface-hub>=1.5.0,<2.0' \
+		onnx==1.19.0 onnxscript==0.7.1 safetensors==0.8.0 numpy==2.2.6 onnx-graphsurgeon==0.6.1
+	$(EDGELLM_VENV)/bin/pip install -q --no-deps tensorrt-edgellm==0.11.0
+	$(EDGELLM_VENV)/bin/python -c "import torch, tensorrt_edgellm; tensorrt_edgellm.export_onnx; \
+		assert torch.__version__.startswith('2.13.0'), torch.__version__"
+	touch $(EDGELLM_STAMP)
+
 clean:
-	rm -rf $(VENV) $(RKNN_VENV) workspace .pytest_cache
+	rm -rf $(VENV) $(RKNN_VENV) $(EDGELLM_VENV) workspace .pytest_cache

@@ -33,3 +33,19 @@ def test_prints_the_table_and_writes_the_rows(tiny_model_dir, tmp_path, capsys):
     rows = json.loads((tmp_path / "w" / "devices_gap.json").read_text())["rows"]
     assert f"| {rows[0]['prefill']['kl']:.2e} |" in table[0]
     assert "plotly" in html.read_text()[:20000].lower()
+
+
+@pytest.mark.slow
+def test_prints_the_executorch_row_with_its_own_tok_s(tiny_model_dir, tmp_path, capsys):
+    from workbench.devices_gap import missing_toolchain
+    if missing_toolchain("executorch"):
+        pytest.skip(missing_toolchain("executorch"))
+    assert bench.main(["--model", str(tiny_model_dir), "--bits", "4", "--targets", "executorch", "--max-tokens",
+                       "256", "--work", str(tmp_path / "w")]) == 0
+    out = capsys.readouterr().out
+    head = next(line for line in out.splitlines() if line.startswith("| target |"))
+    line = next(line for line in out.splitlines() if line.startswith("| executorch |"))
+    row = json.loads((tmp_path / "w" / "devices_gap.json").read_text())["rows"][0]
+    assert "prefill tok/s" in head and row["speed"]["decode_tps"] > 0
+    assert f"| {row['speed']['prefill_tps']:,.0f} | {row['speed']['decode_tps']:,.0f} |" in line
+    assert f"| {row['prefill']['kl']:.2e} |" in line

@@ -133,3 +133,56 @@ def test_htp_refuses_a_plan_its_generation_cannot_run_naming_the_layers(tiny_mod
     assert qdq["prefill"]["kl"] > 0 and gap.soc == "snapdragon-8-gen-1"
     assert htp["error"].startswith("failed: HtpRefused: Snapdragon 8 Gen 1 (soc 36, HTP v69) runs no 16-bit weights")
     assert "lm_head" in htp["error"] and "--soc snapdragon-8-gen-1" in htp["error"]
+
+
+def _speed(runtime, prefill, decode):
+    return {"runtime": runtime, "source": "its own counters", "threads": 2, "prompt_tokens": 64,
+            "prefill_ms": 64 / prefill * 1000, "prefill_tokens_per_second": prefill,
+            "decode_tokens_per_second": decode, "load_seconds": 0.1}
+
+
+def test_a_runtime_that_times_itself_has_its_tok_s_in_the_row_and_table():
+    """mnn-llm and executorch rows carry their runtime's own prefill / decode tok/s in two columns, beside KL, top-1
+    and size; a row without them (ort-qdq, an older file) shows '-' there."""
+    dec = {"kl_divergence": 0.005, "top1_agreement": 0.96, "top1_agreement_vs_simulation": 0.98, "tokens": 512}
+    mnn = convert_row("mnn-llm", "MNN-LLM engine, CPU", {**_report(SIM_KL, 0.97, 0.99, dec),
+                      "details": {"runtime_speed": _speed("MNN-LLM", 2345.6, 321.4)}}, 20.0, 2**29)
+    et = convert_row("executorch", "ExecuTorch runtime, XNNPACK CPU", {**_report(SIM_KL, 0.97, 0.99, dec),
+                     "details": {"runtime_speed": _speed("ExecuTorch (XNNPACK)", 1500.0, 210.0)}}, 30.0, 2**29)
+    qdq = convert_row("ort-qdq", "cpu", _report(SIM_KL, 0.97, 0.99), 30.0, 2**29)
+    old = {k: v for k, v in qdq.items() if k != "speed"}  # a devices_gap.json written before rows had speed
+    assert mnn["speed"]["prefill_tps"] == 2345.6 and mnn["speed"]["decode_tps"] == 321.4
+    assert et["speed"]["runtime"] == "ExecuTorch (XNNPACK)" and qdq["speed"] is None
+    assert "MNN-LLM's own, 2 thread(s), 64-token prompt" in mnn["note"]
+    table = format_table([mnn, et, qdq, old]).splitlines()
+    head = [c.strip() for c in table[0].strip("|").split("|")]
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in table[2:]]
+    p, d, mb = head.index("prefill tok/s"), head.index("decode tok/s"), head.index("MB")
+    assert (cells[0][p], cells[0][d], cells[0][mb]) == ("2,346", "321", "3.0")
+    assert (cells[1][p], cells[1][d]) == ("1,500", "210")
+    assert cells[2][p] == cells[2][d] == cells[3][p] == "-"
+
+
+def test_the_new_targets_are_offered_with_what_to_install():
+    from workbench.devices_gap import TARGET_TITLES, TARGETS
+    assert {"mnn-llm", "executorch"} <= set(TARGETS) and TARGET_TITLES["executorch"].startswith("ExecuTorch")
+    t = toolchains()
+    assert set(t) == set(TARGETS) and (t["executorch"] is None or "executorch==1.5.1" in t["executorch"])
+
+
+@pytest.mark.slow
+def test_real_run_of_the_runtimes_that_time_themselves(tiny_model_dir, tmp_path):
+    """executorch and mnn-llm measured for real on a tiny model's int4 plan: KL and top-1 against the float model,
+    decode through each runtime's own cache, and each runtime's own tok/s in its row."""
+    missing = {t: toolchains()[t] for t in ("executorch", "mnn-llm")}
+    if any(missing.values()):
+        pytest.skip("; ".join(w for w in missing.values() if w))
+    gap = measure_devices_gap(tiny_model_dir, bits=4, targets=["simulation", "mnn-llm", "executorch"],
+                              max_tokens=256, work=tmp_path / "gap")
+    assert [r["target"] for r in gap.rows] == ["simulation", "mnn-llm", "executorch"]
+    for row in gap.rows[1:]:
+        assert row["error"] is None, row["note"]
+        assert 0 < row["prefill"]["kl"] < 1 and row["decode"]["kl"] > 0 and row["bytes"] > 10_000
+        assert row["speed"]["prefill_tps"] > 0 and row["speed"]["decode_tps"] > 0
+    table = format_table(gap.rows)
+    assert f"{gap.rows[2]['speed']['decode_tps']:,.0f}" in table.splitlines()[4]

@@ -147,14 +147,18 @@ def test_a_comparison_on_the_devices_is_its_own_table(tmp_path):
     (work / "ort-qdq" / "conversion.json").write_text(json.dumps({"target": "ort-qdq", "kl_divergence": 0.5}))
     sim = simulation_row({"kl_divergence": 3.25e-4, "top1_agreement": 0.987, "tokens": 512}, 4.0, 2**28)
     bad = {**sim, "target": "mnn", "runtime": "MNN CPU", "gap": "prefill: KL <9.9e-01> > 1.5 x simulation"}
+    et = {**sim, "target": "executorch", "runtime": "ExecuTorch runtime, XNNPACK CPU", "bytes": 3_800_000,
+          "speed": {"runtime": "ExecuTorch (XNNPACK)", "prefill_tps": 5432.1, "decode_tps": 234.5}}
     DevicesGap("demo", QuantPlan.uniform("int8").to_dict(), "abcd1234", "snapdragon-8-gen-3", 512, 4,
-               [sim, bad, absent_row("rknn", "rknn-toolkit2 is not installed: make rknn-env")], str(work),
+               [sim, bad, et, absent_row("rknn", "rknn-toolkit2 is not installed: make rknn-env")], str(work),
                complete=True).save()
     report = build_report(work, devices=["8gen3"])
     assert report.record["conversions"] == [] and len(report.record["devices_gaps"]) == 1
     page = report.html
     section = page[page.index("<h2>On the devices</h2>"):page.index("<h2>Host profile</h2>")]
-    assert section.count("<tr class='gap-row'>") == 3 and "3.25e-04" in section and "0.9870" in section
+    assert section.count("<tr class='gap-row'>") == 4 and "3.25e-04" in section and "0.9870" in section
+    assert "<th>prefill tok/s</th><th>decode tok/s</th>" in section  # the runtime's own speed beside size
+    assert "<td>3.8</td><td>5,432</td><td>234</td>" in section
     assert "<span class='gap'>GAP</span> prefill: KL &lt;9.9e-01&gt;" in section and "make rknn-env" in section
     assert "On the devices: plan abcd1234" in report.figures and external_loads(page) == []
 

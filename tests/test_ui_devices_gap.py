@@ -67,3 +67,22 @@ def test_table_marks_gaps_and_failures():
     out = gap_table_html(rows)
     assert "GAP</span> prefill: KL &lt;big&gt;" in out and "1.00e-01" in out and "font-style:italic" in out
     assert out.count("<tr class='gap-row'") == 2
+
+
+def test_the_runtimes_that_time_themselves_show_their_tok_s(session, monkeypatch):
+    """The Export tab offers the mnn-llm and executorch rows, and the table shows a runtime's own tok/s in its columns
+    (a row without them: '-')."""
+    import workbench.ui.devices_gap as ui
+    monkeypatch.setattr(ui, "toolchains", lambda: {t: None for t in ui.TARGETS})  # as if every toolchain were here
+    p = DevicesGapPanel(session)
+    assert {"mnn-llm", "executorch"} <= set(p.checks) and p.checks["executorch"].description.startswith("ExecuTorch")
+    assert not p.checks["executorch"].disabled and not p.checks["executorch"].value  # one click, not a default
+    base = {"prefill": {"kl": 0.01, "top1": 0.95}, "decode": {"kl": 0.02, "top1": 0.9}, "bytes": 2 * 10**6,
+            "seconds": 9.0, "peak_bytes": 2**30, "gap": None, "note": "", "error": None}
+    rows = [{**base, "target": "executorch", "runtime": "ExecuTorch runtime, XNNPACK CPU",
+             "speed": {"runtime": "ExecuTorch (XNNPACK)", "prefill_tps": 4321.0, "decode_tps": 123.4}},
+            {**base, "target": "ort-qdq", "runtime": "cpu"}]
+    out = gap_table_html(rows)
+    assert "<th>prefill tok/s</th><th>decode tok/s</th>" in out
+    et, qdq = out.split("<tr class='gap-row'")[1:]
+    assert "<td>2.0</td><td>4,321</td><td>123</td>" in et and "<td>2.0</td><td>-</td><td>-</td>" in qdq

@@ -7,8 +7,11 @@ toolchain installed here computes for it, all scored against the float model.
     read_devices_gap("out/devices-gap/devices_gap.json")
 
 Targets (``TARGETS``): ``simulation`` (the quantized model in PyTorch), ``ort-qdq`` (onnxruntime's CPU on the
-QDQ graphs, prefill and teacher-forced decode), ``mnn``, ``htp`` (the Hexagon HTP emulator of onnxruntime-qnn
-running ort-qdq's QDQ graphs compiled for a Snapdragon) and ``rknn`` (the RK3588 simulator of rknn-toolkit2).
+QDQ graphs, prefill and teacher-forced decode), ``mnn``, ``mnn-llm`` (MNN's LLM engine on its own model directory),
+``executorch`` (ExecuTorch's runtime on an XNNPACK ``.pte`` holding the plan's codes), ``htp`` (the Hexagon HTP
+emulator of onnxruntime-qnn running ort-qdq's QDQ graphs compiled for a Snapdragon) and ``rknn`` (the RK3588
+simulator of rknn-toolkit2). A runtime that times itself (MNN-LLM's own prefill / decode counters, ExecuTorch's
+``Method.execute`` calls) has its prefill and decode tok/s in its row (``speed``) beside its KL, top-1 and size.
 Each runs in a child process of its own, so its time and peak resident memory are its own (RKNN: the larger of
 that process and the toolkit's subprocess). A graph whose KL to the float model exceeds the simulation's by
 ``GAP_KL_RATIO`` (+ ``GAP_KL_FLOOR``), or whose top-1 agreement with the simulation is below ``GAP_TOP1`` (the
@@ -42,17 +45,19 @@ from .workspace import atomic_write_json, read_json_file
 
 __all__ = ["TARGETS", "GRAPHS", "GAP_FILE", "HTP_WINDOWS", "HTP_DECODE_WINDOWS", "PROMPT", "TARGET_TITLES",
            "DevicesGap", "missing_toolchain", "toolchains", "measure_devices_gap", "read_devices_gap",
-           "graph_scores", "gap_of", "make_row", "simulation_row", "convert_row", "htp_row", "rknn_row", "absent_row",
+           "graph_scores", "gap_of", "runtime_speed", "make_row", "simulation_row", "convert_row", "htp_row", "rknn_row",
+           "absent_row",
            "format_table", "TABLE_HEADER", "table_cells", "in_child"]
 
-TARGETS = ("simulation", "ort-qdq", "mnn", "mnn-llm", "htp", "rknn")
+TARGETS = ("simulation", "ort-qdq", "mnn", "mnn-llm", "executorch", "htp", "rknn")
 TARGET_TITLES = {"simulation": "simulation (PyTorch)", "ort-qdq": "CPU onnxruntime (QDQ)", "mnn": "MNN (CPU)",
-                 "mnn-llm": "MNN's LLM engine (CPU)",
+                 "mnn-llm": "MNN's LLM engine (CPU)", "executorch": "ExecuTorch (XNNPACK, CPU)",
                  "htp": "Hexagon HTP emulator", "rknn": "RK3588 simulator"}
 GRAPHS = ("prefill", "decode")
 GAP_FILE = "devices_gap.json"
 HTP_WINDOWS, HTP_DECODE_WINDOWS, PROMPT = 4, 1, 64  # as bench/htp.py and convert --target qnn --soc score
-CONVERT_RUNTIMES = {"ort-qdq": "onnxruntime CPU, QDQ (A16)", "mnn": "MNN CPU", "mnn-llm": "MNN-LLM engine, CPU"}
+CONVERT_RUNTIMES = {"ort-qdq": "onnxruntime CPU, QDQ (A16)", "mnn": "MNN CPU", "mnn-llm": "MNN-LLM engine, CPU",
+                    "executorch": "ExecuTorch runtime, XNNPACK CPU"}
 
 
 # -- measuring (each in a child process) ------------------------------------------------------------------------
@@ -166,6 +171,11 @@ def missing_toolchain(target: str) -> str | None:
         import importlib.util
         if importlib.util.find_spec("MNN") is None:
             return "MNN is not installed: pip install -c constraints.txt MNN"
+    if target == "executorch":
+        import importlib.util
+        if importlib.util.find_spec("executorch") is None or importlib.util.find_spec("torchao") is None:
+            from .targets.executorch import INSTALL as ET_INSTALL
+            return f"ExecuTorch is not installed: {ET_INSTALL}"
     return None
 
 
@@ -196,12 +206,22 @@ def gap_of(g: dict | None) -> str | None:
     return None
 
 
+def runtime_speed(speed: dict | None) -> dict | None:
+    """A conversion's ``details.runtime_speed`` (the runtime timing itself: its own counters, or a clock around
+    its own calls) as a row's ``speed``: prefill and decode tok/s, threads and where the times come from."""
+    if not speed:
+        return None
+    return {"runtime": speed["runtime"], "prefill_tps": speed["prefill_tokens_per_second"],
+            "decode_tps": speed["decode_tokens_per_second"], "threads": speed.get("threads"),
+            "prompt_tokens": speed.get("prompt_tokens"), "source": speed.get("source")}
+
+
 def make_row(target: str, runtime: str, *, prefill=None, decode=None, bytes_=None, seconds=None, peak=None,
-             note: str = "", error: str | None = None) -> dict:
+             note: str = "", error: str | None = None, speed: dict | None = None) -> dict:
     flags = [f"{name}: {why}" for name, g in (("prefill", prefill), ("decode", decode)) if (why := gap_of(g))]
     return {"target": target, "runtime": runtime, "prefill": prefill, "decode": decode, "bytes": bytes_,
             "seconds": seconds, "peak_bytes": peak, "gap": "; ".join(flags) or None, "note": note, "error": error,
-            "cause": None, "layerwise": None}
+            "cause": None, "layerwise": None, "speed": speed}
 
 
 def simulation_row(sim: dict, seconds: float, peak: int) -> dict:
@@ -219,12 +239,12 @@ def convert_row(target: str, runtime: str, rep: dict, seconds: float, peak: int)
     dec = graph_scores(d.get("kl_divergence"), d.get("top1_agreement"), d.get("top1_agreement_vs_simulation"),
                        sim_kl, positions=d.get("tokens"))
     graph_bytes = sum(f["bytes"] for f in rep["files"] if Path(f["path"]).suffix != ".json")
-    speed = (rep.get("details") or {}).get("runtime_speed")  # a runtime that times itself (its own counters)
+    speed = runtime_speed((rep.get("details") or {}).get("runtime_speed"))  # a runtime that times itself
     notes = ([] if dec else ["no decode graph scored"]) + ([
-        f"{speed['runtime']}'s own speed: prefill {speed['prefill_tokens_per_second']:,.0f} tok/s, decode "
-        f"{speed['decode_tokens_per_second']:,.0f} tok/s, {speed['threads']} thread(s)"] if speed else [])
+        f"tok/s: {speed['runtime']}'s own, {speed['threads']} thread(s), {speed['prompt_tokens']}-token prompt"]
+        if speed else [])
     return make_row(target, runtime, prefill=pre, decode=dec, bytes_=graph_bytes, seconds=seconds, peak=peak,
-                    note="; ".join(notes))
+                    note="; ".join(notes), speed=speed)
 
 
 def htp_row(m, sim_kl: float | None, seconds: float, peak: int) -> dict:
@@ -257,7 +277,14 @@ def _cell(g: dict | None, key: str, fmt: str) -> str:
 
 
 TABLE_HEADER = ("target", "runtime", "prefill KL", "prefill top-1", "decode KL", "decode top-1",
-                "top-1 vs sim (pre / dec)", "positions (pre / dec)", "MB", "s", "peak GiB", "gap")
+                "top-1 vs sim (pre / dec)", "positions (pre / dec)", "MB", "prefill tok/s", "decode tok/s", "s",
+                "peak GiB", "gap")
+
+
+def _tps(r: dict, key: str) -> str:
+    """A row's own-runtime speed (``-`` where the runtime does not time itself, or a file written before)."""
+    speed = r.get("speed")
+    return "-" if not speed or speed.get(key) is None else f"{speed[key]:,.0f}"
 
 
 def table_cells(r: dict) -> list[str]:
@@ -267,7 +294,7 @@ def table_cells(r: dict) -> list[str]:
             _cell(p, "kl", ".2e"), _cell(p, "top1", ".4f"), _cell(d, "kl", ".2e"), _cell(d, "top1", ".4f"),
             f"{_cell(p, 'top1_vs_sim', '.4f')} / {_cell(d, 'top1_vs_sim', '.4f')}",
             f"{_cell(p, 'positions', ',')} / {_cell(d, 'positions', ',')}",
-            "-" if r["bytes"] is None else f"{r['bytes'] / 1e6:.1f}",
+            "-" if r["bytes"] is None else f"{r['bytes'] / 1e6:.1f}", _tps(r, "prefill_tps"), _tps(r, "decode_tps"),
             "-" if r["seconds"] is None else f"{r['seconds']:.0f}",
             "-" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**30:.2f}",
             (r["gap"] or "") + (f". Layer-wise: {r['cause']}" if r.get("gap") and r.get("cause") else "")]

@@ -564,7 +564,8 @@ def _devices_gaps_html(gaps: Sequence[Mapping]) -> str:
         parts.append(f"<p>plan {_e(g.get('plan_hash'))} of <code>{_e(g.get('model'))}</code>, "
                      f"{_e(_fmt(g.get('max_tokens'), ',', 'all'))} held-out tokens, HTP {_e(g.get('soc'))}"
                      f"{'' if g.get('complete') else ' (incomplete: the run stopped before every target)'}; KL / "
-                     f"top-1 against the float model; <code>{_e(g['file'])}</code></p>")
+                     f"top-1 against the float model; tok/s: the runtime's own where it times itself; "
+                     f"<code>{_e(g['file'])}</code></p>")
         head = "".join(f"<th>{_e(h)}</th>" for h in TABLE_HEADER)
         body = []
         for r in g["rows"]:

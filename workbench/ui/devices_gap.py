@@ -87,8 +87,9 @@ class DevicesGapPanel(StepPanel):
         super().__init__([
             widgets.HTML("<b>Compare on the devices</b>: the session's plan in the workbench's simulation beside "
                          "what each runtime and NPU toolchain installed here computes for it, each against the "
-                         "float model (KL, top-1; prefill and decode), with its size, time and peak memory; a gap "
-                         "from the simulation is flagged"),
+                         "float model (KL, top-1; prefill and decode), with its size, the runtime's own prefill / decode "
+                         "tok/s where it times itself (MNN-LLM, ExecuTorch), time and peak memory; a gap from the "
+                         "simulation is flagged"),
             widgets.HBox(list(self.checks.values())), self.missing_label,
             widgets.HBox([self.soc, self.tokens, self.run_button]), widgets.HBox([self.progress, self.status]),
             self.plan_label, self.table, self.chart_box, self.log_output])
