@@ -212,3 +212,38 @@ def test_attempt_reports_failure_when_the_output_widget_keeps_the_exception(app,
     monkeypatch.setattr(app, "log_output", kernel_like_output())
     assert app._attempt("working", lambda: (_ for _ in ()).throw(PlanError("bad plan"))) == (False, None)
     assert "bad plan" in app.status.value
+
+
+def test_a_second_model_starts_a_new_run_and_the_zip_holds_only_its_results(app, make_tiny_model, tmp_path):
+    """Loading another model moves the outputs to a new run folder: its report and zip describe that model alone."""
+    first_dir, first = app.out_dir, app.lm
+    assert app.calibrate_panel.run() is not None and app.quantize_panel.run() is not None
+    assert app.download() is not None and (first_dir / "figures" / "calibrate-heatmap.json").is_file()
+    other = make_tiny_model("llama", hidden=96, intermediate=160)
+    lm = app.load(str(other))
+    assert lm is not None and app.error is None
+    assert app.out_dir != first_dir and app.out_dir_text.value == str(app.out_dir)
+    assert "new run folder" in app.status.value
+    assert app.quantize_panel.run() is not None
+    path = app.download()
+    assert path is not None and path.parent == app.out_dir
+    run = app.out_dir.name
+    with zipfile.ZipFile(path) as z:
+        names = set(z.namelist())
+        report = json.loads(z.read(f"{run}/report.json"))
+        page = z.read(f"{run}/report.html").decode()
+        record = json.loads(z.read(f"{run}/run.json"))
+    assert record["fingerprint"] == report["model"]["fingerprint"] == app.session.fingerprint
+    assert report["model"]["path"] == str(lm.path) and "calibration" not in report
+    assert not any("calibrate" in n for n in names)  # the first model's calibration figures stayed behind
+    assert str(first.path) not in page and str(first.path) not in json.dumps(report)
+    # the first run is untouched and still names its own model
+    assert json.loads((first_dir / "run.json").read_text())["path"] == str(first.path)
+    # choosing the first run's folder for the second model is refused in one line
+    app.out_dir_text.value = str(first_dir)
+    assert "holds the run of another model" in app.error and app.session.out_dir != first_dir
+
+
+def test_reloading_the_same_model_keeps_its_run_folder(app):
+    before = app.out_dir
+    assert app.load() is not None and app.out_dir == before

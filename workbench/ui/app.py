@@ -41,7 +41,7 @@ from .overrides import OverridePanel
 from .profile import ProfilePanel
 from .project import ProjectPanel
 from .quantize import QuantizePanel
-from .session import ARCHIVE_SEND_LIMIT, AppSession, SessionLabel
+from .session import ARCHIVE_SEND_LIMIT, AppSession, SessionLabel, run_model
 
 __all__ = ["WorkbenchApp", "TAB_TITLES"]
 
@@ -94,6 +94,7 @@ class WorkbenchApp(StepPanel):
         self.controls = [self.model_path, self.load_button, self.out_dir_text, self.download_button,
                          self.sweep_button, self.use_plan_button, self.continue_button]
         self.session.observe(self._on_plan, names="plan")
+        self.session.observe(self._on_session_out_dir, names="out_dir")
         super().__init__([
             widgets.HTML("<p>Choose per-layer INT4 / INT8 / FP16, see what it costs in perplexity, KL divergence "
                          "and size, and export for a target.</p>"),
@@ -123,6 +124,7 @@ class WorkbenchApp(StepPanel):
         """Load the model into the session and build every tab; a bad path becomes a red status line."""
         if model is not None:
             self.model_path.value = str(model)
+        before = self.session.out_dir
         ok, lm = self._attempt(f"loading {self.model_path.value}...", lambda: self.session.load(self.model_path.value))
         if not ok:
             return None
@@ -152,8 +154,9 @@ class WorkbenchApp(StepPanel):
             self.tabs.set_title(i, title)
         self.tabs.selected_index = 1  # Calibrate: fine-tuning is optional
         self.plan_label.value = "Quantize and Export use uniform INT4 until you press <i>Use this plan</i>"
+        moved = " (a new run folder: a run holds one model's results)" if s.out_dir != before else ""
         self.status.value = html.escape(f"loaded {lm.name}: {len(lm.layers)} quantizable layers; outputs go to "
-                                        f"{s.out_dir}")
+                                        f"{s.out_dir}{moved}")
         return lm
 
     def run_sensitivity(self):
@@ -238,8 +241,20 @@ class WorkbenchApp(StepPanel):
         if panel is not None and plan is not None and panel.lm is self.session.lm and panel.plan != plan:
             panel.set_plan(plan, "plan from the Quantize tab")
 
+    def _on_session_out_dir(self, change) -> None:
+        """Loading another model moved the outputs to a new run folder: the text box shows it."""
+        if Path(self.out_dir_text.value).expanduser().resolve() != change["new"]:
+            self.out_dir_text.value = str(change["new"])
+
     def _on_out_dir(self, change) -> None:
         new = Path(change["new"].strip() or str(self.session.out_dir)).expanduser().resolve()
+        if new == self.session.out_dir:
+            return
+        owner = run_model(new) if new.is_dir() else None
+        if owner is not None and self.lm is not None and owner.get("fingerprint") != self.session.fingerprint:
+            self._show_error(f"{new} holds the run of another model ({owner.get('model')}): choose an empty folder")
+            self.out_dir_text.value = str(self.session.out_dir)
+            return
         self.session.out_dir = new
         if self.override_panel is not None:
             self.override_panel.path.value = str(new / "plan.json")
