@@ -313,6 +313,31 @@ class OverridePanel(widgets.VBox):
         self._update_chart()
         return out
 
+    def evaluate_frontier(self, budgets: Sequence[float] = (1.1, 1.25)) -> list[PlanPoint]:
+        """Uniform INT8 and INT4, and the automatic plans (``plan_for_budget``) at ``budgets`` times the INT4 size,
+        all measured: what fills the chart as soon as a sensitivity sweep ends."""
+        if self.sensitivity is None:
+            self._log("run the sensitivity sweep first: automatic plans are chosen from it")
+            return []
+        from ..autoplan import plan_for_budget
+        points = self.evaluate_uniform()
+        if len(points) < 2:
+            return points
+        self._freeze(True)
+        try:
+            for factor in budgets:
+                auto = plan_for_budget(self.lm, self.sensitivity, size_bytes=int(factor * points[1].size_bytes))
+                point = self._measure(auto.plan, f"auto {auto.bits_per_weight:.2f} b/w")
+                points.append(point)
+                pred = f" (predicted {point.predicted_kl:.3e})" if point.predicted_kl is not None else ""
+                self._log(f"{point.label}: KL {point.kl_divergence:.3e}{pred}")
+        except WorkbenchError as e:
+            self._log(f"evaluation failed: {e}")
+        finally:
+            self._freeze(False)
+        self._update_chart()
+        return points
+
     # -- display helpers ----------------------------------------------------------------------------
     def _make_chart(self):
         import plotly.graph_objects as go
