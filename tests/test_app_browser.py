@@ -1,6 +1,6 @@
 """The app as a person meets it: Voila serves it, headless Chromium clicks through the whole flow.
 
-On the demo model: calibrate, sweep, one layer to FP16 by pattern, Evaluate (a point on the chart),
+On the demo model: calibrate, the default sensitivity, one layer to FP16 by its row's button, Evaluate (a point on the chart),
 Use this plan, quantize with AWQ, convert to ort-int4 and MNN, profile, generate from the INT4 ONNX
 beside the float model, project the plans onto devices, download the run and read
 the downloaded model with ``workbench eval``; then the Fine-tune tab for two steps. After every step
@@ -208,15 +208,18 @@ def test_whole_flow_in_headless_chromium(served_app, tmp_path):
             body = w.done("calibrate")
             assert "8 samples, 1,024 tokens kept" in body and w.visible_charts() >= 1
 
-            # Precisions: sweep, one layer to FP16 by pattern, Evaluate, Use this plan
+            # Precisions: the default sensitivity (the Fisher estimate) fills the chart, one layer to FP16 by its
+            # row's button, Evaluate, Use this plan
             w.tab("Precisions")
-            w.button("Run sensitivity sweep").click()
-            w.wait_text("sensitivity of 30 layers measured")
+            w.button("Run sensitivity").click()
+            w.wait_text(re.compile(r"estimated KL \(Fisher proxy\) of 30 layers .*the chart below"))
+            chart = page.locator(".js-plotly-plot").filter(visible=True).first
+            expect(chart.locator(".scatterlayer .point").first).to_be_attached()  # filled as the sweep ends
             w.done("sweep")
-            page.get_by_placeholder(re.compile(r"\*\.q_proj")).fill("*.0.mlp.down_proj")
-            w.button("Apply rule").click()
-            row = page.locator(".widget-hbox").filter(has=page.locator("code", has_text="model.layers.0.mlp.down_proj"))
-            expect(row.locator("select").first).to_have_value("FP16")  # ipywidgets option values are the labels
+            row = page.locator(".widget-hbox").filter(has=page.locator("code", has_text=re.compile(
+                r"^layers\.0\.mlp\.down_proj$")))
+            row.locator("button", has_text=re.compile(r"^\s*FP16\s*$")).first.click()
+            expect(row.locator("button.mod-active", has_text="FP16").first).to_be_visible()
             w.button("Evaluate").click()
             w.wait_text(re.compile(r"perplexity \d+\.\d+ \(float"))
             chart = page.locator(".js-plotly-plot").filter(visible=True).first

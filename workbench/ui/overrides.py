@@ -47,6 +47,7 @@ def precision_choices() -> list[tuple[str, str]]:
 BITS_HELP = ("bits/weight: the stored bits of every quantizable layer's weights (codes plus their scales) over "
              "its weight count; a layer kept at FP16 (often the embedding) counts 16, so INT4 everywhere else "
              "reads above 4")
+CHART_WIDTH = 980  # pixels
 _KEEP = "keep"  # dropdown value for a layer the plan leaves alone (precision None)
 
 
@@ -462,12 +463,18 @@ class OverridePanel(widgets.VBox):
         return points
 
     # -- display helpers ----------------------------------------------------------------------------
+    def _figure(self):
+        """The Pareto chart at a width its two panels and legend fit (the page's default squeezes them)."""
+        fig = make_pareto_figure(self.points)
+        fig.update_layout(width=CHART_WIDTH)
+        return fig
+
     def _make_chart(self):
         import plotly.graph_objects as go
-        return go.FigureWidget(make_pareto_figure(self.points))
+        return go.FigureWidget(self._figure())
 
     def _update_chart(self) -> None:
-        fig = make_pareto_figure(self.points)
+        fig = self._figure()
         with self.chart.batch_update():
             self.chart.data = ()
             self.chart.add_traces(list(fig.data))
