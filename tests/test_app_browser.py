@@ -26,7 +26,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
-from conftest import CHROMIUM, browser_skips, stop_process
+from conftest import CHROMIUM, browser_skips, build_tiny_model, stop_process
 
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -324,10 +324,41 @@ def test_whole_flow_in_headless_chromium(served_app, tmp_path):
             w.wait_text("held-out perplexity")
             w.done("finetune")
             assert w.visible_charts() >= 1
+
+            # A second model: a new run folder, and its zip holds that model's results alone
+            second = build_tiny_model(tmp_path / "second-model", "qwen2")
+            w.tab("Calibrate")  # the Fine-tune tab has a model field of its own
+            w.fill("model", second)
+            w.button("Load").first.click()
+            try:
+                w.wait_text(re.compile(r"a new run folder"), timeout=90_000)
+            finally:
+                page.screenshot(path=str(ARTIFACTS / "16-second-load.png"), full_page=True)
+            assert not page.get_by_text("held-out perplexity").filter(visible=True).count()  # nothing left over
+            w.tab("Quantize")
+            w.button("Run").click()
+            w.wait_text(re.compile(r"integer layers in"))
+            with page.expect_download(timeout=STEP_TIMEOUT_MS) as dl2:
+                w.button("Download run (zip)").click()
+            second_archive = tmp_path / dl2.value.suggested_filename
+            dl2.value.save_as(second_archive)
+            w.wait_text("downloading")
+            body = w.done("second-model")
+            assert "integer layers in" not in body  # the Quantize status went once Download succeeded
         finally:
             browser.close()
     seconds = round(time.perf_counter() - t0, 1)
     (ARTIFACTS / "timings.json").write_text(json.dumps({"total": seconds, **w.seconds}, indent=1))
+
+    assert second_archive.stem != archive.stem  # another run folder
+    with zipfile.ZipFile(second_archive) as z:
+        report = json.loads(z.read(f"{second_archive.stem}/report.json"))
+        record = json.loads(z.read(f"{second_archive.stem}/run.json"))
+        page = z.read(f"{second_archive.stem}/report.html").decode()
+        names2 = set(z.namelist())
+    assert report["model"]["path"] == str(second) and record["fingerprint"] == report["model"]["fingerprint"]
+    assert not any("devices-gap" in n or "calibrate" in n or "compress" in n for n in names2)
+    assert "demo-model" not in page and "precision_evaluations" in report and not report["precision_evaluations"]
 
     run = archive.stem
     with zipfile.ZipFile(archive) as z:
