@@ -1,6 +1,6 @@
 """The app as a person meets it: Voila serves it, headless Chromium clicks through the whole flow.
 
-On the demo model: calibrate, sweep, one layer to FP16 by pattern, Evaluate (a point on the chart),
+On the demo model: calibrate, the default sensitivity, one layer to FP16 by its row's button, Evaluate (a point on the chart),
 Use this plan, quantize with AWQ, convert to ort-int4 and MNN, profile, generate from the INT4 ONNX
 beside the float model, project the plans onto devices, download the run and read
 the downloaded model with ``workbench eval``; then the Fine-tune tab for two steps. After every step
@@ -26,7 +26,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
-from conftest import CHROMIUM, browser_skips, stop_process
+from conftest import CHROMIUM, browser_skips, build_tiny_model, stop_process
 
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -208,15 +208,18 @@ def test_whole_flow_in_headless_chromium(served_app, tmp_path):
             body = w.done("calibrate")
             assert "8 samples, 1,024 tokens kept" in body and w.visible_charts() >= 1
 
-            # Precisions: sweep, one layer to FP16 by pattern, Evaluate, Use this plan
+            # Precisions: the default sensitivity (the Fisher estimate) fills the chart, one layer to FP16 by its
+            # row's button, Evaluate, Use this plan
             w.tab("Precisions")
-            w.button("Run sensitivity sweep").click()
-            w.wait_text("sensitivity of 30 layers measured")
+            w.button("Run sensitivity").click()
+            w.wait_text(re.compile(r"estimated KL \(Fisher proxy\) of 30 layers .*the chart below"))
+            chart = page.locator(".js-plotly-plot").filter(visible=True).first
+            expect(chart.locator(".scatterlayer .point").first).to_be_attached()  # filled as the sweep ends
             w.done("sweep")
-            page.get_by_placeholder(re.compile(r"\*\.q_proj")).fill("*.0.mlp.down_proj")
-            w.button("Apply rule").click()
-            row = page.locator(".widget-hbox").filter(has=page.locator("code", has_text="model.layers.0.mlp.down_proj"))
-            expect(row.locator("select").first).to_have_value("FP16")  # ipywidgets option values are the labels
+            row = page.locator(".widget-hbox").filter(has=page.locator("code", has_text=re.compile(
+                r"^layers\.0\.mlp\.down_proj$")))
+            row.locator("button", has_text=re.compile(r"^\s*FP16\s*$")).first.click()
+            expect(row.locator("button.mod-active", has_text="FP16").first).to_be_visible()
             w.button("Evaluate").click()
             w.wait_text(re.compile(r"perplexity \d+\.\d+ \(float"))
             chart = page.locator(".js-plotly-plot").filter(visible=True).first
@@ -321,10 +324,41 @@ def test_whole_flow_in_headless_chromium(served_app, tmp_path):
             w.wait_text("held-out perplexity")
             w.done("finetune")
             assert w.visible_charts() >= 1
+
+            # A second model: a new run folder, and its zip holds that model's results alone
+            second = build_tiny_model(tmp_path / "second-model", "qwen2")
+            w.tab("Calibrate")  # the Fine-tune tab has a model field of its own
+            w.fill("model", second)
+            w.button("Load").first.click()
+            try:
+                w.wait_text(re.compile(r"a new run folder"), timeout=90_000)
+            finally:
+                page.screenshot(path=str(ARTIFACTS / "16-second-load.png"), full_page=True)
+            assert not page.get_by_text("held-out perplexity").filter(visible=True).count()  # nothing left over
+            w.tab("Quantize")
+            w.button("Run").click()
+            w.wait_text(re.compile(r"integer layers in"))
+            with page.expect_download(timeout=STEP_TIMEOUT_MS) as dl2:
+                w.button("Download run (zip)").click()
+            second_archive = tmp_path / dl2.value.suggested_filename
+            dl2.value.save_as(second_archive)
+            w.wait_text("downloading")
+            body = w.done("second-model")
+            assert "integer layers in" not in body  # the Quantize status went once Download succeeded
         finally:
             browser.close()
     seconds = round(time.perf_counter() - t0, 1)
     (ARTIFACTS / "timings.json").write_text(json.dumps({"total": seconds, **w.seconds}, indent=1))
+
+    assert second_archive.stem != archive.stem  # another run folder
+    with zipfile.ZipFile(second_archive) as z:
+        report = json.loads(z.read(f"{second_archive.stem}/report.json"))
+        record = json.loads(z.read(f"{second_archive.stem}/run.json"))
+        page = z.read(f"{second_archive.stem}/report.html").decode()
+        names2 = set(z.namelist())
+    assert report["model"]["path"] == str(second) and record["fingerprint"] == report["model"]["fingerprint"]
+    assert not any("devices-gap" in n or "calibrate" in n or "compress" in n for n in names2)
+    assert "demo-model" not in page and "precision_evaluations" in report and not report["precision_evaluations"]
 
     run = archive.stem
     with zipfile.ZipFile(archive) as z:

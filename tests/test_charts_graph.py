@@ -1,4 +1,5 @@
 """charts.graph: operator histogram, bytes per block and the conversion bars, each from the data given."""
+from workbench.charts.checks import figure_problems
 from workbench.charts.graph import (DOMAIN_COLORS, PROBLEM_COLOR, make_block_bytes_figure, make_conversion_figure,
                                     make_device_gap_figure, make_op_histogram_figure)
 from workbench.onnx.inspect import OpCount
@@ -13,8 +14,8 @@ def test_op_histogram_sorts_by_count_and_marks_rejected_ops():
     assert [list(c) for c in bar.customdata] == [["ai.onnx", 17], ["com.microsoft", 1], ["ai.onnx", 17]]
 
 
-def test_block_bytes_in_model_order_and_mebibytes():
-    [bar] = make_block_bytes_figure({"embed_tokens": 2 ** 21, "layers.0": 2 ** 20, "lm_head": 0}).data
+def test_block_bytes_in_model_order_and_megabytes():
+    [bar] = make_block_bytes_figure({"embed_tokens": 2_000_000, "layers.0": 1_000_000, "lm_head": 0}).data
     assert list(bar.x) == ["embed_tokens", "layers.0", "lm_head"] and list(bar.y) == [2.0, 1.0, 0.0]
     assert list(bar.text) == ["2.00", "1.00", "0.00"]
 
@@ -28,8 +29,12 @@ def test_conversion_bars_leave_out_what_did_not_run_and_mark_a_gap():
     sim, conv = make_conversion_figure(reports).data
     assert list(sim.x) == list(conv.x) == ["ort-int4", "mnn"]
     assert list(sim.y) == [0.019, 0.02] and list(conv.y) == [0.02, 0.2]
-    assert conv.marker.color[1] == PROBLEM_COLOR and conv.marker.color[0] != PROBLEM_COLOR
-    assert list(conv.text) == ["top-1 vs sim 0.990", "top-1 vs sim 0.800"]
+    # the gap is outlined and labelled in red; the fill keeps the legend's colour
+    assert conv.marker.line.color[1] == PROBLEM_COLOR and conv.marker.line.color[0] != PROBLEM_COLOR
+    assert isinstance(conv.marker.color, str) and conv.marker.color != PROBLEM_COLOR
+    assert list(conv.text) == ["top-1 vs sim 0.990", "GAP, top-1 vs sim 0.800"]
+    fig = make_conversion_figure(reports, gap_rule="gap (red): KL above 1.5 x the simulation's")
+    assert "KL above 1.5" in fig.layout.title.text and figure_problems(fig) == []
 
 
 def test_device_gap_bars_per_graph_mark_the_flagged_graph_and_skip_absent_targets():
@@ -45,3 +50,6 @@ def test_device_gap_bars_per_graph_mark_the_flagged_graph_and_skip_absent_target
     assert pre.marker.color != dec.marker.color  # the legend tells the graphs apart, gap or not
     layout = make_device_gap_figure(rows).layout.yaxis
     assert layout.type == "log" and layout.range[0] == -3 and 0.5 < 10 ** layout.range[1]  # from the decade below
+    assert figure_problems(make_device_gap_figure(rows)) == []
+    one = make_device_gap_figure([rows[0]])  # one bar: still a decade, ticks at the powers of ten
+    assert figure_problems(one) == [] and one.layout.yaxis.range[1] - one.layout.yaxis.range[0] >= 1

@@ -59,7 +59,7 @@ def test_quantize_keeps_the_plans_settings(app):
 
 
 def test_sweep_then_plan_reaches_quantize_and_precisions_follows_quantize(app):
-    report = app.run_sensitivity()
+    report = app.run_sensitivity(frontier=False)
     assert report is not None and app.override_panel.sensitivity is report is app.session.sensitivity
     name = app.lm.layers[0].name
     app.override_panel.dropdowns[name].value = "fp16"
@@ -212,3 +212,123 @@ def test_attempt_reports_failure_when_the_output_widget_keeps_the_exception(app,
     monkeypatch.setattr(app, "log_output", kernel_like_output())
     assert app._attempt("working", lambda: (_ for _ in ()).throw(PlanError("bad plan"))) == (False, None)
     assert "bad plan" in app.status.value
+
+
+def test_a_second_model_starts_a_new_run_and_the_zip_holds_only_its_results(app, make_tiny_model, tmp_path):
+    """Loading another model moves the outputs to a new run folder: its report and zip describe that model alone."""
+    first_dir, first = app.out_dir, app.lm
+    assert app.calibrate_panel.run() is not None and app.quantize_panel.run() is not None
+    assert app.download() is not None and (first_dir / "figures" / "calibrate-heatmap.json").is_file()
+    other = make_tiny_model("llama", hidden=96, intermediate=160)
+    lm = app.load(str(other))
+    assert lm is not None and app.error is None
+    assert app.out_dir != first_dir and app.out_dir_text.value == str(app.out_dir)
+    assert "new run folder" in app.status.value
+    assert app.quantize_panel.run() is not None
+    path = app.download()
+    assert path is not None and path.parent == app.out_dir
+    run = app.out_dir.name
+    with zipfile.ZipFile(path) as z:
+        names = set(z.namelist())
+        report = json.loads(z.read(f"{run}/report.json"))
+        page = z.read(f"{run}/report.html").decode()
+        record = json.loads(z.read(f"{run}/run.json"))
+    assert record["fingerprint"] == report["model"]["fingerprint"] == app.session.fingerprint
+    assert report["model"]["path"] == str(lm.path) and "calibration" not in report
+    assert not any("calibrate" in n for n in names)  # the first model's calibration figures stayed behind
+    assert str(first.path) not in page and str(first.path) not in json.dumps(report)
+    # the first run is untouched and still names its own model
+    assert json.loads((first_dir / "run.json").read_text())["path"] == str(first.path)
+    # choosing the first run's folder for the second model is refused in one line
+    app.out_dir_text.value = str(first_dir)
+    assert "holds the run of another model" in app.error and app.session.out_dir != first_dir
+
+
+def test_reloading_the_same_model_keeps_its_run_folder(app):
+    before = app.out_dir
+    assert app.load() is not None and app.out_dir == before
+
+
+def test_default_sensitivity_is_the_fisher_estimate_and_fills_the_chart(app):
+    """The quick estimate by default, then uniform and automatic plans measured: the chart has points at once."""
+    assert app.sweep_how.value == "proxy" and app.sweep_precisions.value == ("int8", "int4")
+    report = app.run_sensitivity()
+    assert report is not None and report.score == "proxy" and report.precisions == ("int8", "int4")
+    labels = [p.label for p in app.override_panel.points]
+    assert labels[:2] == ["uniform int8", "uniform int4"] and sum(lab.startswith("auto") for lab in labels) == 2
+    fig = app.override_panel.chart
+    assert {t.name for t in fig.data} >= {"uniform", "auto"} and all(len(t.x) for t in fig.data)
+    assert "estimated KL" in app.sweep_line.html.value and "chart" in app.sweep_line.html.value
+    assert app.sweep_line.bar.layout.display == "none"  # the bar shows only while it runs
+    assert "precisions-pareto" in app.figures_on_show()
+    again = app.run_sensitivity()  # cached, and the chart is not measured twice
+    assert again.trials_run == 0 and [p.label for p in app.override_panel.points] == labels
+
+
+def test_the_measured_sweep_stays_available(app):
+    app.sweep_how.value = "kl"
+    report = app.run_sensitivity(precisions=("int4",), frontier=False)
+    assert report is not None and report.score == "kl" and report.precisions == ("int4",)
+    assert "measured KL" in app.sweep_line.html.value
+
+
+def test_library_progress_drives_the_status_lines_bar(app):
+    import tqdm.auto
+    seen = []
+
+    def work():
+        with tqdm.auto.tqdm(total=4, desc="layers") as bar:
+            for _ in range(4):
+                for _ in tqdm.auto.tqdm(range(7), desc="inner", leave=False):  # nested: not the widget's count
+                    pass
+                bar.update(1)
+                seen.append((app.sweep_line.bar.value, app.sweep_line.bar.max, app.sweep_line.bar.layout.display))
+        return True
+
+    ok, _ = app._attempt("working", work, app.sweep_line)
+    assert ok and seen[-1] == (4, 4, "") and [v for v, _, _ in seen] == [1, 2, 3, 4]
+    assert app.sweep_line.bar.layout.display == "none" and app.sweep_line.bar.description == "layers"
+
+
+def test_a_status_line_clears_when_another_action_succeeds(app):
+    assert app.convert_panel.run("ort-int4") is None and "quantize first" in app.convert_panel.status.value
+    assert app.download_line.html.value == "" and app.status.value.startswith("loaded")
+    assert app.quantize_panel.run() is not None
+    assert app.convert_panel.status.value == "" and app.status.value == ""  # earlier messages are gone
+    assert "integer layers" in app.quantize_panel.status.value  # the new one sits under its own button
+    assert app.download() is not None and app.quantize_panel.status.value == ""
+    assert "downloading" in app.download_line.html.value
+
+
+# figures of workbench/charts/projection.py: its log axes still label minor ticks and its speed chart zooms
+PROJECTION_FIGURES = ("project-devices", "project-vendor", "project-pareto")
+
+
+@pytest.fixture
+def walked(app):
+    """Every tab's main action once, so that every figure the app makes is on show."""
+    assert app.calibrate_panel.run() is not None
+    assert app.run_sensitivity() is not None and app.override_panel.evaluate() is not None
+    assert app.quantize_panel.run() is not None and app.convert_panel.run("ort-int4") is not None
+    app.profile_panel.prompt_lengths.value, app.profile_panel.repeats.value = "8", 1
+    assert app.profile_panel.run() is not None and app.project_panel.run() is not None
+    app.compress_panel.mlp.value = 0.25
+    assert app.compress_panel.score() is not None and app.compress_panel.prune() is not None
+    return app.figures_on_show()
+
+
+def test_every_figure_the_app_makes_reads_true(walked):
+    """Legend colours are marker colours, no axis zooms near-equal points apart, log axes tick at decades."""
+    from workbench.charts.checks import check_figures
+    expected = {"calibrate-coverage", "calibrate-heatmap", "calibrate-overview", "calibrate-channels",
+                "precisions-pareto", "quantize-cost", "quantize-errors", "export-conversions", "profile-profile",
+                "profile-decode-bound", "compress-pareto", "compress-table", "compress-heads", "compress-channels"}
+    assert expected <= set(walked)
+    problems = check_figures({k: v for k, v in walked.items() if k not in PROJECTION_FIGURES})
+    assert problems == {}
+
+
+@pytest.mark.xfail(reason="workbench/charts/projection.py: log axes without decade ticks, a zoomed speed axis")
+def test_the_project_tabs_figures_read_true(walked):
+    from workbench.charts.checks import check_figures
+    assert check_figures({k: walked[k] for k in PROJECTION_FIGURES if k in walked}) == {}

@@ -118,3 +118,28 @@ def test_a_group_size_that_does_not_divide_a_pruned_width_falls_back_and_says_so
     from workbench.models import load_model
     assert pruned_size == load_model(panel.out_dir / "pruned").size_bytes(plan)
     assert "fell back to another group size" in panel.status.value
+
+
+def _bar_colours(fig):
+    return [c for t in fig.data if t.type == "bar" for c in t.marker.color]
+
+
+def test_after_score_the_channel_chart_greys_what_the_sliders_remove_and_prune_keeps_the_prediction(panel):
+    from workbench.charts.checks import figure_problems
+    assert panel.score() is not None
+    channels = panel.figures["channels"]
+    colours = _bar_colours(channels)
+    grey = colours.count("#d9d9d9")
+    assert grey > 0 and grey < len(colours) and "removed by these settings" in channels.layout.title.text
+    assert "by the scores" in panel.predicted.value and figure_problems(channels) == []
+    predicted = panel.predicted.value.split("by layer: ")[1].split(";")[0]
+    panel.mlp.value = 0.5  # moving a slider re-greys
+    assert _bar_colours(panel.figures["channels"]).count("#d9d9d9") > grey
+    panel.mlp.value = 0.25
+    report = panel.prune()
+    assert report is not None, panel.error
+    kept = [len(k) for k in report["kept"]["mlp"]]
+    assert _bar_colours(panel.figures["channels"]).count("#d9d9d9") == sum(128 - k for k in kept)
+    assert "removed by Prune" in panel.figures["channels"].layout.title.text
+    after = panel.predicted.value.split("by layer: ")[1].split(";")[0]
+    assert after == predicted and [int(x.split("/")[1]) for x in after.split(", ")] == kept

@@ -88,3 +88,37 @@ def test_every_registered_precision_is_offered_and_sized_as_stored(lm, evaluator
     assert panel.plan.precision_name_for(Q0) == "int4-lpbq"
     assert panel.totals["size_bytes"] == before["size_bytes"] + (lm.layer(Q0).bytes_at("int4-lpbq") -
                                                                  lm.layer(Q0).bytes_at("int8"))
+
+
+def test_each_row_has_int4_int8_fp16_buttons_and_a_menu_for_the_rest(lm, evaluator):
+    panel = OverridePanel(lm, evaluator=evaluator)
+    row = panel.dropdowns[Q0]
+    assert [v for _, v in row.buttons.options] == ["int4", "int8", "fp16"] and row.buttons.value == "int8"
+    row.buttons.value = "fp16"  # a click on FP16
+    assert panel.plan.precision_name_for(Q0) == "fp16" and row.more.value == ""
+    row.more.value = "int3"  # the menu
+    assert panel.plan.precision_name_for(Q0) == "int3" and row.buttons.value is None
+    assert panel.undo() and row.buttons.value == "fp16"
+    assert not any(o[1] in ("int4", "int8", "fp16") for o in row.more.options)
+    assert "max_height" not in str(panel.table.layout.max_height or "")  # the whole table, no inner scroll
+
+
+def test_select_many_by_type_and_block_range_without_a_pattern(lm, evaluator):
+    panel = OverridePanel(lm, evaluator=evaluator)
+    before = {name: panel.plan.precision_name_for(name) for name in panel.dropdowns}
+    n = panel.apply_selection(["v_proj", "down_proj"], (1, 1), "fp16")
+    changed = {name for name in panel.dropdowns if panel.plan.precision_name_for(name) != before[name]}
+    assert n == 2 and changed == {"model.layers.1.self_attn.v_proj", "model.layers.1.mlp.down_proj"}
+    assert panel.undo() and {name: panel.plan.precision_name_for(name) for name in panel.dropdowns} == before
+    everything = panel.apply_selection([], (0, 1), "int4")  # no type picked: every type, embedding included
+    assert everything == len(lm.layers) and all(d.value == "int4" for d in panel.dropdowns.values())
+    assert panel.selected_layers(["embed_tokens"], (0, 0), outside=False) == []
+    assert panel.apply_selection(["q_proj"], (5, 9), "fp16") == 0  # the tiny model has blocks 0-1
+
+
+def test_the_bars_have_a_colour_legend_with_thresholds_and_sizes_are_in_mb(lm, evaluator):
+    sens = run_sensitivity(lm, evaluator=evaluator, score="proxy", progress=False)
+    panel = OverridePanel(lm, evaluator=evaluator, sensitivity=sens)
+    assert "below" in panel.legend.value and "above" in panel.legend.value and "nats per token" in panel.legend.value
+    assert "MB = 10<sup>6</sup> bytes" in panel.totals_label.value and "MiB" not in panel.totals_label.value
+    assert "bits/weight:" in panel.totals_label.value

@@ -13,6 +13,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from .finetune import make_loss_figure
+from .style import log_axis
 
 __all__ = ["make_head_importance_figure", "make_channel_importance_figure", "make_distill_figure",
            "make_compress_table_figure"]
@@ -55,8 +56,10 @@ def make_head_importance_figure(importance, score: str = "taylor", unit: str = "
 
 
 def make_channel_importance_figure(importance, score: str = "taylor",
-                                   kept: Sequence[Sequence[int]] | None = None) -> go.Figure:
-    """One panel per layer: its MLP channels' scores sorted high to low, the kept ones in colour."""
+                                   kept: Sequence[Sequence[int]] | None = None,
+                                   removed_by: str = "Prune") -> go.Figure:
+    """One panel per layer: its MLP channels' scores sorted high to low, the kept ones in colour, the removed
+    ones grey (``removed_by``: "Prune", or "these settings" for what the sliders would remove)."""
     imp = _as_dict(importance)
     table = imp["activation_mlp" if score == "activation" else "taylor_mlp"]
     n = len(table)
@@ -71,8 +74,12 @@ def make_channel_importance_figure(importance, score: str = "taylor",
                                                                                           "line": {"width": 0}},
                              showlegend=False, hovertext=[f"channel {j}" for j in order]),
                       row=i // cols + 1, col=i % cols + 1)
-    fig.update_yaxes(type="log")
-    fig.update_layout(title=f"MLP channels per layer, most important first ({score} score; grey: removed)",
+    values = [v for row in table for v in row]
+    fig.update_yaxes(**log_axis(values))
+    kept_n = [len(k) for k in kept] if kept is not None else None
+    note = (f"blue: kept, grey: removed by {removed_by} (kept per layer: {', '.join(map(str, kept_n))})"
+            if kept_n is not None else "none removed yet")
+    fig.update_layout(title=f"MLP channels per layer, most important first ({score} score; {note})",
                       template="plotly_white", height=260 * nrows + 80, bargap=0)
     return fig
 

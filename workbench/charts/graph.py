@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import plotly.graph_objects as go
 
+from .style import log_axis
+
 __all__ = ["make_op_histogram_figure", "make_block_bytes_figure", "make_conversion_figure", "make_device_gap_figure",
            "DOMAIN_COLORS"]
 
@@ -33,28 +35,40 @@ def make_op_histogram_figure(inventory, problem_ops=(), title: str = "Operators 
 
 
 def make_block_bytes_figure(block_bytes: dict[str, int], title: str = "Parameter bytes per block") -> go.Figure:
-    """Bars of initializer bytes per block, in model order, labelled in MB."""
+    """Bars of initializer bytes per block, in model order, labelled in MB (10^6 bytes)."""
     names = list(block_bytes)
-    mb = [block_bytes[n] / 2**20 for n in names]
+    mb = [block_bytes[n] / 1e6 for n in names]
     fig = go.Figure(go.Bar(x=names, y=mb, marker_color="#2a9d8f", text=[f"{v:.2f}" for v in mb],
                            textposition="outside", hovertemplate="%{x}: %{y:.3f} MB<extra></extra>"))
-    fig.update_layout(title=title, yaxis_title="MB (as stored)", margin=dict(l=10, r=10, t=50, b=40))
+    fig.update_layout(title=title, yaxis_title="MB as stored (10^6 bytes)", margin=dict(l=10, r=10, t=50, b=40))
     return fig
 
 
-def make_conversion_figure(reports: list[dict], title: str = "Converted models against the simulation") -> go.Figure:
-    """Grouped bars per target: KL to the float model (converted vs simulation); top-1 vs simulation as text."""
+def make_conversion_figure(reports: list[dict], title: str = "Converted models against the simulation",
+                           gap_rule: str = "") -> go.Figure:
+    """Grouped bars per target: KL to the float model (converted vs simulation); top-1 vs simulation as text.
+
+    A converted bar with a gap keeps the legend's colour, outlined and labelled in red (a red fill would make
+    the legend's "converted" colour wrong); ``gap_rule`` says under the title when a gap is flagged."""
     runnable = [r for r in reports if r.get("kl_divergence") is not None]
     targets = [r["target"] for r in runnable]
+    flagged = [bool(r.get("gap")) for r in runnable]
     fig = go.Figure([
         go.Bar(name="simulation", x=targets, y=[r["simulation"]["kl_divergence"] for r in runnable],
                marker_color="#a8dadc"),
-        go.Bar(name="converted", x=targets, y=[r["kl_divergence"] for r in runnable],
-               marker_color=[PROBLEM_COLOR if r.get("gap") else "#457b9d" for r in runnable],
-               text=[f"top-1 vs sim {r['top1_agreement_vs_simulation']:.3f}" for r in runnable],
-               textposition="outside")])
-    fig.update_layout(title=title, barmode="group", yaxis_title="KL divergence to the float model",
-                      margin=dict(l=10, r=10, t=50, b=40))
+        go.Bar(name="converted", x=targets, y=[r["kl_divergence"] for r in runnable], marker_color="#457b9d",
+               marker_line_color=[PROBLEM_COLOR if f else "#457b9d" for f in flagged],
+               marker_line_width=[3 if f else 0 for f in flagged],
+               text=[("GAP, " if f else "") + f"top-1 vs sim {r['top1_agreement_vs_simulation']:.3f}"
+                     for r, f in zip(runnable, flagged)],
+               textfont_color=[PROBLEM_COLOR if f else "#17202a" for f in flagged], textposition="outside")])
+    kls = [r["kl_divergence"] for r in runnable] + [r["simulation"]["kl_divergence"] for r in runnable]
+    axis = log_axis(kls)
+    if "range" in axis:
+        axis["range"] = [axis["range"][0], axis["range"][1] + 0.3]  # room for the labels above the bars
+    full = title + (f"<br><sup>{gap_rule}</sup>" if gap_rule else "")
+    fig.update_layout(title=full, barmode="group", margin=dict(l=10, r=10, t=70 if gap_rule else 50, b=40))
+    fig.update_yaxes(title_text="KL divergence to the float model (nats/token)", **axis)
     return fig
 
 
@@ -78,10 +92,10 @@ def make_device_gap_figure(rows: list[dict], title: str = "The simulation agains
             hovertemplate="%{x} " + graph + ": KL %{y:.2e}, %{text}<extra></extra>"))
     fig = go.Figure(bars)
     kls = [r[g]["kl"] for r in ran for g in ("prefill", "decode") if r.get(g) and r[g]["kl"] > 0]
-    yaxis = {"type": "log", "title": "KL divergence to the float model"}
+    yaxis = {**log_axis(kls), "title": "KL divergence to the float model (nats/token)"}
     if kls:
-        yaxis["range"] = [math.floor(math.log10(min(kls))) - (min(kls) == 10 ** math.floor(math.log10(min(kls)))),
-                          math.log10(max(kls)) + 0.3]  # room for the labels above the tallest bar
+        lo = math.floor(math.log10(min(kls))) - (min(kls) == 10 ** math.floor(math.log10(min(kls))))
+        yaxis["range"] = [lo, max(math.log10(max(kls)) + 0.3, lo + 1)]  # room for the labels above the tallest bar
     fig.update_layout(title=title, barmode="group", yaxis=yaxis, margin=dict(l=10, r=10, t=50, b=40),
                       uniformtext_minsize=10, uniformtext_mode="show")  # labels stay legible over narrow bars
     return fig

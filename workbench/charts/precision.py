@@ -13,7 +13,9 @@ import plotly.graph_objects as go
 from plotly.colors import qualitative
 from plotly.subplots import make_subplots
 
-__all__ = ["make_sensitivity_figure", "make_pareto_figure", "make_difficulty_figure"]
+from .style import KIND_COLOURS, linear_range, log_axis
+
+__all__ = ["make_sensitivity_figure", "make_pareto_figure", "make_difficulty_figure", "point_kind"]
 
 _PALETTE = tuple(qualitative.Plotly)  # one colour per layer type
 _METRIC_TITLES = {"kl": "KL divergence to the float model (nats/token)", "ppl_delta": "perplexity change",
@@ -61,41 +63,64 @@ def make_sensitivity_figure(report, precision: str = "int4", metric: str = "kl",
     return fig
 
 
+def point_kind(label: str) -> str:
+    """The kind of a Pareto point by its label: uniform, auto, pruned or custom (a plan chosen by hand)."""
+    for kind in ("uniform", "auto", "pruned"):
+        if label.startswith(kind):
+            return kind
+    return "custom"
+
+
 def make_pareto_figure(points: Sequence, x: str = "bits_per_weight") -> go.Figure:
-    """KL divergence and perplexity against size (``bits_per_weight`` or ``size_bytes``), measured and predicted."""
+    """KL divergence and perplexity against size (``bits_per_weight`` or ``size_bytes``), measured and predicted.
+
+    One colour per kind of plan in both panels and in its prediction (an open circle); a point's name is in
+    its hover text (long names on the plot overlap and are cut at its edge); axes never zoom two near-equal
+    points apart (``style``)."""
     if x not in ("bits_per_weight", "size_bytes"):
         raise ValueError(f"x must be 'bits_per_weight' or 'size_bytes', not {x!r}")
     rows = [_as_dict(p) for p in points]
-    fig = make_subplots(rows=1, cols=2, subplot_titles=("KL divergence (lower is better)", "perplexity"))
-    kinds = {}
+    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.12,
+                        subplot_titles=("KL divergence to the float model (lower is better)",
+                                        "perplexity (lower is better)"))
+    kinds: dict[str, list] = {}
     for r in rows:
-        label = r.get("label", "")
-        kind = "uniform" if label.startswith("uniform") else "auto" if label.startswith("auto") else \
-            "pruned" if label.startswith("pruned") else "custom"
-        kinds.setdefault(kind, []).append(r)
+        kinds.setdefault(point_kind(r.get("label", "")), []).append(r)
     symbols = {"uniform": "square", "auto": "circle", "custom": "diamond", "pruned": "star"}
+    unit = "bits/weight" if x == "bits_per_weight" else "bytes"
+    kl_values, ppl_values, x_values = [], [], []
     for kind, rs in kinds.items():
         rs = sorted(rs, key=lambda r: r[x])
         xs = [r[x] for r in rs]
-        text = [r.get("label", "") for r in rs]
-        mode = "lines+markers+text" if kind == "auto" else "markers+text"
+        colour = KIND_COLOURS[kind]
+        hover = [f"{r.get('label', '')}<br>{r[x]:,.2f} {unit}" for r in rs]
+        mode = "lines+markers" if kind == "auto" else "markers"
+        x_values += xs
         for col, key in ((1, "kl_divergence"), (2, "perplexity")):
-            fig.add_trace(go.Scatter(x=xs, y=[r[key] for r in rs], mode=mode, name=kind, legendgroup=kind,
-                                     showlegend=col == 1, text=text, textposition="top center",
-                                     marker={"symbol": symbols[kind], "size": 10}), row=1, col=col)
-        pred = [(r[x], r.get("predicted_kl"), r.get("predicted_perplexity")) for r in rs
+            ys = [r[key] for r in rs]
+            (kl_values if col == 1 else ppl_values).extend(ys)
+            fig.add_trace(go.Scatter(x=xs, y=ys, mode=mode, name=kind, legendgroup=kind, showlegend=col == 1,
+                                     hovertext=hover, hovertemplate="%{hovertext}<br>%{y:.4g}<extra></extra>",
+                                     line={"color": colour}, marker={"symbol": symbols[kind], "size": 10,
+                                                                     "color": colour}), row=1, col=col)
+        pred = [(r[x], r.get("predicted_kl"), r.get("predicted_perplexity"), r.get("label", "")) for r in rs
                 if r.get("predicted_kl") is not None]
         if pred and kind != "uniform":
             for col, idx in ((1, 1), (2, 2)):
-                fig.add_trace(go.Scatter(x=[p[0] for p in pred], y=[p[idx] for p in pred], mode="markers",
+                ys = [p[idx] for p in pred]
+                (kl_values if col == 1 else ppl_values).extend(v for v in ys if v is not None)
+                fig.add_trace(go.Scatter(x=[p[0] for p in pred], y=ys, mode="markers",
                                          name=f"{kind} (predicted)", legendgroup=f"{kind}-pred", showlegend=col == 1,
-                                         marker={"symbol": "circle-open", "size": 12}), row=1, col=col)
+                                         hovertext=[f"{p[3]}, predicted" for p in pred],
+                                         hovertemplate="%{hovertext}<br>%{y:.4g}<extra></extra>",
+                                         marker={"symbol": "circle-open", "size": 13, "color": colour,
+                                                 "line": {"width": 2, "color": colour}}), row=1, col=col)
     title_x = "bits per weight" if x == "bits_per_weight" else "size (bytes)"
-    fig.update_xaxes(title_text=title_x)
-    fig.update_yaxes(title_text="KL (nats/token)", type="log", row=1, col=1)
-    fig.update_yaxes(title_text="perplexity", row=1, col=2)
+    fig.update_xaxes(title_text=title_x, range=linear_range(x_values))
+    fig.update_yaxes(title_text="KL (nats/token)", row=1, col=1, **log_axis(kl_values))
+    fig.update_yaxes(title_text="perplexity", row=1, col=2, range=linear_range(ppl_values))
     fig.update_layout(title="Size against damage: uniform plans and automatic plans", template="plotly_white",
-                      height=420)
+                      height=420, legend={"title": "plan"})
     return fig
 
 

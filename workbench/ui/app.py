@@ -31,7 +31,7 @@ from ..models import LoadedModel
 from ..plan import QuantPlan
 from ..sensitivity import run_sensitivity
 from ..workspace import Workspace
-from .base import FileDownload, StepPanel
+from .base import FileDownload, StatusGroup, StatusLine, StepPanel
 from .calibrate import CalibratePanel
 from .compress import CompressPanel
 from .finetune import FinetunePanel
@@ -41,9 +41,14 @@ from .overrides import OverridePanel
 from .profile import ProfilePanel
 from .project import ProjectPanel
 from .quantize import QuantizePanel
-from .session import ARCHIVE_SEND_LIMIT, AppSession, SessionLabel
+from .session import ARCHIVE_SEND_LIMIT, AppSession, SessionLabel, run_model
 
-__all__ = ["WorkbenchApp", "TAB_TITLES"]
+__all__ = ["WorkbenchApp", "TAB_TITLES", "SENSITIVITY_CHOICES", "SWEEP_PRECISIONS"]
+
+# how the Precisions tab scores layers: the Fisher proxy answers in seconds, the measured sweep takes minutes
+SENSITIVITY_CHOICES = (("Quick estimate (Fisher proxy, seconds)", "proxy"), ("Measured sweep (thorough, minutes)", "kl"))
+SWEEP_PRECISIONS = (("INT8 and INT4", ("int8", "int4")), ("INT2 to INT8", ("int8", "int6", "int5", "int4", "int3", "int2")),
+                    ("every precision", None))  # None: every registered integer precision (sweep_precisions)
 
 TAB_TITLES = ("Fine-tune", "Calibrate", "Precisions", "Quantize", "Export", "Profile", "Generate", "Project",
               "Compress")
@@ -76,10 +81,21 @@ class WorkbenchApp(StepPanel):
                                               layout={"width": "auto"})
         self.download_button.on_click(lambda _: self.download())
         self.download_link = FileDownload()
-        self.sweep_button = widgets.Button(description="Run sensitivity sweep", icon="chart-bar",
-                                           tooltip="each layer alone at INT8 and INT4: how much it hurts",
+        self.sweep_how = widgets.ToggleButtons(options=SENSITIVITY_CHOICES, value="proxy", style={"button_width": "auto"},
+                                               tooltips=["estimated KL of each layer alone, from one forward and "
+                                                         "one backward pass", "KL of each layer alone measured, "
+                                                         "one forward pass per layer and precision"])
+        self.sweep_precisions = widgets.Dropdown(options=SWEEP_PRECISIONS, value=SWEEP_PRECISIONS[0][1],
+                                                 description="precisions", layout={"width": "260px"})
+        self.sweep_button = widgets.Button(description="Run sensitivity", icon="chart-bar", button_style="primary",
+                                           tooltip="each layer alone at the chosen precisions: how much it hurts; then "
+                                                   "uniform and automatic plans are measured for the chart",
                                            layout={"width": "auto"})
         self.sweep_button.on_click(lambda _: self.run_sensitivity())
+        self.status_group = StatusGroup()  # a message lasts until another action succeeds
+        self.status_group.add(self.status_line)  # under Load
+        self.download_line = self.status_group.add(StatusLine())
+        self.sweep_line = self.status_group.add(StatusLine())
         self.use_plan_button = widgets.Button(description="Use this plan", icon="arrow-right",
                                               tooltip="Quantize and Export take the per-layer plan shown here",
                                               layout={"width": "auto"})
@@ -92,14 +108,16 @@ class WorkbenchApp(StepPanel):
         self.finetune_label, self.precisions_label = SessionLabel(self.session), SessionLabel(self.session)
         self.tabs = widgets.Tab()
         self.controls = [self.model_path, self.load_button, self.out_dir_text, self.download_button,
-                         self.sweep_button, self.use_plan_button, self.continue_button]
+                         self.sweep_how, self.sweep_precisions, self.sweep_button, self.use_plan_button,
+                         self.continue_button]
         self.session.observe(self._on_plan, names="plan")
+        self.session.observe(self._on_session_out_dir, names="out_dir")
         super().__init__([
             widgets.HTML("<p>Choose per-layer INT4 / INT8 / FP16, see what it costs in perplexity, KL divergence "
                          "and size, and export for a target.</p>"),
-            widgets.HBox([self.model_path, self.load_button]),
-            widgets.HBox([self.out_dir_text, self.download_button, self.download_link]),
-            self.status, self.log_output, self.tabs])
+            widgets.HBox([self.model_path, self.load_button]), self.status_line,
+            widgets.HBox([self.out_dir_text, self.download_button, self.download_link]), self.download_line,
+            self.log_output, self.tabs])
 
     # -- what the session holds, under the names the app has always used -----------------------------
     @property
@@ -123,6 +141,7 @@ class WorkbenchApp(StepPanel):
         """Load the model into the session and build every tab; a bad path becomes a red status line."""
         if model is not None:
             self.model_path.value = str(model)
+        before = self.session.out_dir
         ok, lm = self._attempt(f"loading {self.model_path.value}...", lambda: self.session.load(self.model_path.value))
         if not ok:
             return None
@@ -150,34 +169,57 @@ class WorkbenchApp(StepPanel):
                               self.compress_panel]
         for i, title in enumerate(TAB_TITLES):
             self.tabs.set_title(i, title)
+        for panel in (self.finetune_panel, self.calibrate_panel, self.quantize_panel, self.convert_panel,
+                      self.profile_panel, self.generate_panel, self.project_panel, self.compress_panel,
+                      getattr(self.convert_panel, "gap_panel", None)):
+            if panel is not None:
+                self.status_group.add(panel.status_line)
         self.tabs.selected_index = 1  # Calibrate: fine-tuning is optional
         self.plan_label.value = "Quantize and Export use uniform INT4 until you press <i>Use this plan</i>"
+        moved = " (a new run folder: a run holds one model's results)" if s.out_dir != before else ""
         self.status.value = html.escape(f"loaded {lm.name}: {len(lm.layers)} quantizable layers; outputs go to "
-                                        f"{s.out_dir}")
+                                        f"{s.out_dir}{moved}")
         return lm
 
-    def run_sensitivity(self):
-        """Sweep every layer at INT8 and INT4 (cached in the workspace); the Precisions tab shows the bars."""
-        if not self._require_model():
+    def run_sensitivity(self, score: str | None = None, precisions=(), frontier: bool = True):
+        """Score every layer alone (cached in the workspace); the Precisions tab shows the bars, then uniform
+        INT8 / INT4 and automatic plans are measured so that the size-against-damage chart has points.
+
+        ``score``: ``proxy`` (the default choice: the Fisher estimate, seconds) or ``kl`` (measured, minutes);
+        ``precisions``: a tuple, or None for every registered one; both default to the tab's choices."""
+        if not self._require_model(self.sweep_line):
             return None
+        score = score or self.sweep_how.value
+        precisions = self.sweep_precisions.value if precisions == () else precisions
         plan = self.override_panel.plan
-        ok, report = self._attempt("sweeping layer sensitivity...", lambda: run_sensitivity(
-            self.lm, tokens=self.sweep_tokens, **plan.quantizer_settings, workspace=self.workspace, progress=True))
+        how = "estimating" if score == "proxy" else "measuring"
+        ok, report = self._attempt(f"{how} each layer's sensitivity...", lambda: run_sensitivity(
+            self.lm, tokens=self.sweep_tokens, precisions=precisions, **plan.quantizer_settings, score=score,
+            workspace=self.workspace, progress=True), self.sweep_line)
         if not ok:
             return None
         self.session.sensitivity = report
-        self._set_override_panel(OverridePanel(self.lm, sensitivity=report, plan=plan, tokens=self.sweep_tokens,
-                                               points=self.override_panel.points))
-        self.status.value = html.escape(f"sensitivity of {len(report.layers)} layers measured on "
-                                        f"{self.sweep_tokens} tokens")
+        panel = OverridePanel(self.lm, sensitivity=report, plan=plan, tokens=self.sweep_tokens,
+                              points=self.override_panel.points)
+        self._set_override_panel(panel)
+        done = (f"{report.score_label} of {len(report.layers)} layers at {', '.join(report.precisions)} on "
+                f"{report.tokens:,} tokens ({report.seconds:.1f} s)")
+        if frontier and not any(p.label.startswith("auto") for p in panel.points):
+            ok, _ = self._attempt(f"{done}; measuring uniform and automatic plans for the chart...",
+                                  panel.evaluate_frontier, self.sweep_line)
+            if not ok:
+                return report
+        self.sweep_line.html.value = html.escape(done) + ("; the chart below shows uniform and automatic plans"
+                                                          if panel.points else "")
         return report
 
     def use_plan(self) -> QuantPlan | None:
         """Make the Precisions tab's plan the session's: Quantize runs it, Export converts its result."""
-        if not self._require_model():
+        if not self._require_model(self.sweep_line):
             return None
         plan = self.override_panel.plan
         self.session.plan = plan
+        self.status_group.succeeded(None)  # every earlier message is done with
         totals = self.override_panel.totals
         self.plan_label.value = html.escape(f"Quantize and Export use this plan ({totals['bits_per_weight']:.2f} "
                                             f"bits/weight, {totals['size_bytes'] / 1e6:.2f} MB)")
@@ -187,25 +229,27 @@ class WorkbenchApp(StepPanel):
         """Load the model the Fine-tune tab merged, in every tab."""
         report = self.finetune_panel.report if self.finetune_panel is not None else None
         if report is None:
-            self._show_error("fine-tune first (the Fine-tune button above)")
+            self._show_error("fine-tune first (the Fine-tune button above)",
+                             self.finetune_panel.status_line if self.finetune_panel is not None else None)
             return None
         return self.load(report.out_dir)
 
     def download(self) -> Path | None:
         """Pack the run into one zip under the output folder and hand it to the browser."""
-        if not self._require_model():
+        if not self._require_model(self.download_line):
             return None
         ok, path = self._attempt("packing the run...", lambda: self.session.write_archive(
-            self.figures_on_show(), self.override_panel.points if self.override_panel else ()))
+            self.figures_on_show(), self.override_panel.points if self.override_panel else ()), self.download_line)
         if not ok:
             return None
         size = path.stat().st_size
         if size <= ARCHIVE_SEND_LIMIT:
             self.download_link.send_file(path)
-            self.status.value = html.escape(f"downloading {path.name} ({size / 1e6:.1f} MB); also kept at {path}")
+            self.download_line.html.value = html.escape(f"downloading {path.name} ({size / 1e6:.1f} MB); also kept "
+                                                        f"at {path}")
         else:
-            self.status.value = html.escape(f"{path} is {size / 1e9:.1f} GB, too big to send through the page: "
-                                            "copy it from there")
+            self.download_line.html.value = html.escape(f"{path} is {size / 1e9:.1f} GB, too big to send through "
+                                                        "the page: copy it from there")
         return path
 
     def figures_on_show(self) -> dict:
@@ -229,7 +273,9 @@ class WorkbenchApp(StepPanel):
         self.override_panel = panel
         panel.path.value = str(self.session.out_dir / "plan.json")  # its Save / Load file, in the outputs folder
         self.precisions_box.children = [self.precisions_label,
-                                        widgets.HBox([self.sweep_button, self.use_plan_button, self.plan_label]),
+                                        widgets.HBox([self.sweep_how, self.sweep_precisions, self.sweep_button]),
+                                        self.sweep_line,
+                                        widgets.HBox([self.use_plan_button, self.plan_label]),
                                         panel]
 
     def _on_plan(self, change) -> None:
@@ -238,15 +284,28 @@ class WorkbenchApp(StepPanel):
         if panel is not None and plan is not None and panel.lm is self.session.lm and panel.plan != plan:
             panel.set_plan(plan, "plan from the Quantize tab")
 
+    def _on_session_out_dir(self, change) -> None:
+        """Loading another model moved the outputs to a new run folder: the text box shows it."""
+        if Path(self.out_dir_text.value).expanduser().resolve() != change["new"]:
+            self.out_dir_text.value = str(change["new"])
+
     def _on_out_dir(self, change) -> None:
         new = Path(change["new"].strip() or str(self.session.out_dir)).expanduser().resolve()
+        if new == self.session.out_dir:
+            return
+        owner = run_model(new) if new.is_dir() else None
+        if owner is not None and self.lm is not None and owner.get("fingerprint") != self.session.fingerprint:
+            self._show_error(f"{new} holds the run of another model ({owner.get('model')}): choose an empty folder",
+                             self.download_line)
+            self.out_dir_text.value = str(self.session.out_dir)
+            return
         self.session.out_dir = new
         if self.override_panel is not None:
             self.override_panel.path.value = str(new / "plan.json")
-        self.status.value = html.escape(f"outputs go to {new}")
+        self.download_line.html.value = html.escape(f"outputs go to {new}")
 
-    def _require_model(self) -> bool:
+    def _require_model(self, line: StatusLine | None = None) -> bool:
         if self.lm is None:
-            self._show_error("load a model first")
+            self._show_error("load a model first", line)
             return False
         return True

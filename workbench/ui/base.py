@@ -1,10 +1,13 @@
-"""What every step panel shares: a status line, a log, frozen controls while working, figures.
+"""What every step panel shares: a status line with its progress bar, a log, frozen controls while working, figures.
 
-A panel subclasses ``StepPanel``, calls ``self._setup()`` before building its widgets, lists its
-inputs in ``self.controls`` and wraps its work in ``self._attempt(message, work)``: controls are
-disabled while it runs, library output goes to the log widget, library progress bars become one line
-after the status message, and bad input becomes a red status line (and ``panel.error``) instead of a
-traceback. ``self._watch(session, handler, names)`` observes a shared object until the panel closes.
+A panel subclasses ``StepPanel``, calls ``self._setup()`` before building its widgets, places
+``self.status_line`` under its button, lists its inputs in ``self.controls`` and wraps its work in
+``self._attempt(message, work)``: controls are disabled while it runs, library output goes to the log
+widget, the library's progress bars drive the line's ipywidgets bar (and a short text after the
+message), and bad input becomes a red status line (and ``panel.error``) instead of a traceback.
+Status lines joined in one ``StatusGroup`` (the app's) are cleared when another action of the group
+succeeds, so no message outlives the next step. ``self._watch(session, handler, names)`` observes a
+shared object until the panel closes.
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ from IPython.display import display
 
 from ..errors import WorkbenchError
 
-__all__ = ["StepPanel", "FileDownload", "progress_into"]
+__all__ = ["StepPanel", "StatusLine", "StatusGroup", "FileDownload", "progress_into"]
 
 T = TypeVar("T")
 W = TypeVar("W", bound=widgets.Widget)
@@ -57,8 +60,10 @@ class _LineWriter(io.TextIOBase):
 
 
 @contextlib.contextmanager
-def progress_into(show: Callable[[str], None]) -> Iterator[None]:
-    """While inside, the library's ``tqdm.auto`` bars are text lines given to ``show``.
+def progress_into(show: Callable[[str], None],
+                  count: Callable[[int, float | None, str], None] | None = None) -> Iterator[None]:
+    """While inside, the library's ``tqdm.auto`` bars are text lines given to ``show``; the outermost open
+    bar's count goes to ``count(n, total, description)`` (what a panel's progress bar shows).
 
     In a kernel ``tqdm.auto`` draws ipywidgets bars; those the library opens with ``leave=False`` close
     their widget when done, and an Output widget that captured them during a button press then shows
@@ -70,12 +75,36 @@ def progress_into(show: Callable[[str], None]) -> Iterator[None]:
     from tqdm.std import tqdm as std_tqdm
 
     writer = _LineWriter(show)
+    open_bars: list = []  # the first is the outermost: nested bars (a layer's passes) do not move the widget
 
     class LineTqdm(std_tqdm):
         def __init__(self, *args, **kwargs):
             kwargs["file"] = writer
             kwargs.setdefault("ncols", 90)
             super().__init__(*args, **kwargs)
+            if not self.disable:
+                open_bars.append(self)
+                self._count()
+
+        def _count(self) -> None:
+            if count is not None and open_bars and open_bars[0] is self:
+                count(self.n, self.total, self.desc or "")
+
+        def update(self, n=1):
+            shown = super().update(n)
+            self._count()  # every step: the text line refreshes at most ten times a second, the bar need not wait
+            return shown
+
+        def display(self, msg=None, pos=None):
+            shown = super().display(msg, pos)
+            self._count()
+            return shown
+
+        def close(self):
+            if not self.disable and self in open_bars:
+                self._count()
+                open_bars.remove(self)
+            super().close()
 
     saved = tqdm.auto.tqdm, tqdm.autonotebook.tqdm
     tqdm.auto.tqdm = tqdm.autonotebook.tqdm = LineTqdm
@@ -83,6 +112,57 @@ def progress_into(show: Callable[[str], None]) -> Iterator[None]:
         yield
     finally:
         tqdm.auto.tqdm, tqdm.autonotebook.tqdm = saved
+
+
+class StatusGroup:
+    """Status lines of one app: an action that succeeds on one clears the others' earlier messages."""
+
+    def __init__(self):
+        self.lines: list[StatusLine] = []
+
+    def add(self, line: "StatusLine") -> "StatusLine":
+        if line not in self.lines:
+            self.lines.append(line)
+            line.group = self
+        return line
+
+    def succeeded(self, line: "StatusLine") -> None:
+        for other in self.lines:
+            if other is not line and not other.busy:
+                other.clear()
+
+
+class StatusLine(widgets.HBox):
+    """One action's status, placed under its button: a progress bar (shown while a library bar runs) and a line."""
+
+    def __init__(self, bar_width: str = "260px"):
+        self.html = widgets.HTML()
+        self.bar = widgets.IntProgress(value=0, min=0, max=1, layout={"width": bar_width, "display": "none"},
+                                       style={"bar_color": "#2e86c1"})
+        self.group: StatusGroup | None = None
+        self.busy = False
+        super().__init__([self.bar, self.html], layout={"align_items": "center"})
+        self.add_class("workbench-status")
+
+    def count(self, n: int, total: float | None, desc: str) -> None:
+        """Move the bar to ``n`` of ``total`` (an unknown total leaves it pulsing at full)."""
+        self.bar.layout.display = ""
+        self.bar.max = max(int(total or 0), 1)
+        self.bar.value = min(int(n), self.bar.max) if total else self.bar.max
+        self.bar.bar_style = "" if total else "info"
+        self.bar.description = desc[:18]
+        self.bar.tooltip = f"{desc} {n}/{int(total) if total else '?'}"
+
+    def hide_bar(self) -> None:
+        self.bar.layout.display = "none"
+
+    def clear(self) -> None:
+        self.html.value = ""
+        self.hide_bar()
+
+    def succeeded(self) -> None:
+        if self.group is not None:
+            self.group.succeeded(self)
 
 
 class StepPanel(widgets.VBox):
@@ -93,7 +173,8 @@ class StepPanel(widgets.VBox):
         self.figures: dict = {}  # the figures on show, by name; tests read them without a browser
         self.controls: list[widgets.Widget] = []
         self._on_close: list[Callable[[], None]] = []
-        self.status = widgets.HTML()
+        self.status_line = StatusLine()
+        self.status = self.status_line.html  # the text of the line; panels set it after a result
         self.log_output = widgets.Output(layout={"border": "1px solid #ddd", "max_height": log_height,
                                                  "overflow": "auto"})
 
@@ -101,30 +182,41 @@ class StepPanel(widgets.VBox):
         for w in self.controls:
             w.disabled = frozen
 
-    def _show_error(self, error: Exception | str) -> None:
+    def _show_error(self, error: Exception | str, line: StatusLine | None = None) -> None:
         self.error = str(error)
-        self.status.value = f"<span style='color:#c0392b'>error: {html.escape(self.error)}</span>"
+        line = line or self.status_line
+        line.hide_bar()
+        line.html.value = f"<span style='color:#c0392b'>error: {html.escape(self.error)}</span>"
 
-    def _attempt(self, message: str, work: Callable[[], T]) -> tuple[bool, T | None]:
-        """Run ``work`` with controls frozen and output captured; ``(False, None)`` on bad input."""
+    def _attempt(self, message: str, work: Callable[[], T], line: StatusLine | None = None) -> tuple[bool, T | None]:
+        """Run ``work`` with controls frozen and output captured; ``(False, None)`` on bad input.
+
+        ``line``: the status line beside the button that asked (default the panel's own)."""
+        line = line or self.status_line
         self._freeze(True)
         self.error = None
-        self.status.value = html.escape(message)
+        line.busy = True
+        line.hide_bar()
+        line.html.value = html.escape(message)
 
-        def show(line: str) -> None:
-            self.status.value = f"{html.escape(message)} <span style='color:#5d6d7e'>{html.escape(line)}</span>"
+        def show(text: str) -> None:
+            line.html.value = f"{html.escape(message)} <span style='color:#5d6d7e'>{html.escape(text)}</span>"
         refused = None
         try:
-            with self.log_output, progress_into(show):
+            with self.log_output, progress_into(show, line.count):
                 try:
-                    return True, work()
+                    result = work()
+                    line.hide_bar()
+                    line.succeeded()
+                    return True, result
                 except (WorkbenchError, ValueError) as e:
                     refused = e
             # reached without ``refused`` when the output widget showed an unexpected exception's traceback:
             # in a kernel it keeps exceptions to itself
-            self._show_error(refused or "unexpected error: its traceback is in the log below")
+            self._show_error(refused or "unexpected error: its traceback is in the log below", line)
             return False, None
         finally:
+            line.busy = False
             self._freeze(False)
 
     def _watch(self, owner: traitlets.HasTraits, handler: Callable, names) -> None:

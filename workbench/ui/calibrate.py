@@ -71,7 +71,7 @@ class CalibratePanel(StepPanel):
             head.append(self._own(SessionLabel(session)))
         super().__init__([
             *head, self.data, widgets.HBox([self.samples, self.seq_len, self.seed]),
-            widgets.HBox([self.bilingual, self.run_button]), self.status, self.log_output, tabs])
+            widgets.HBox([self.bilingual, self.run_button]), self.status_line, self.log_output, tabs])
 
     def run(self) -> CalibrationStats | None:
         """Load the calibration set and compute (or read back) the statistics; show the results."""

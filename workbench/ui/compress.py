@@ -69,10 +69,13 @@ class CompressPanel(StepPanel):
         self.prune_report: dict | None = None
         self.distill_report: DistillReport | None = None
         self._ids = self._reference = None
+        # changed on release: after Score each change redraws which units the plan would remove
         self.heads = widgets.FloatSlider(value=heads, min=0, max=0.95, step=0.05, description="heads removed",
-                                         readout_format=".0%", style={"description_width": "110px"})
+                                         readout_format=".0%", style={"description_width": "110px"},
+                                         continuous_update=False)
         self.mlp = widgets.FloatSlider(value=mlp, min=0, max=0.95, step=0.05, description="MLP removed",
-                                       readout_format=".0%", style={"description_width": "110px"})
+                                       readout_format=".0%", style={"description_width": "110px"},
+                                       continuous_update=False)
         self.head_unit = widgets.Dropdown(options=list(HEAD_UNITS), value="group", description="head unit")
         self.score_kind = widgets.Dropdown(options=list(SCORES), value="taylor", description="rank by")
         self.quantize = widgets.Checkbox(value=True, description="also quantize", indent=False,
@@ -91,7 +94,7 @@ class CompressPanel(StepPanel):
         self.prune_button.on_click(lambda _: self.prune())
         self.distill_button.on_click(lambda _: self.distill())
         for w in (self.heads, self.mlp, self.head_unit, self.quantize):
-            w.observe(lambda _: self._update_prediction(), names="value")
+            w.observe(lambda _: self._on_settings(), names="value")
         self.importance_plot, self.channel_plot, self.pareto_plot, self.table_plot, self.loss_plot = \
             (widgets.Output() for _ in range(5))
         self.controls = [self.heads, self.mlp, self.head_unit, self.score_kind, self.quantize, self.steps,
@@ -108,7 +111,7 @@ class CompressPanel(StepPanel):
             widgets.HBox([self.quantize, self.plan_note]), widgets.HBox([self.steps, self.temperature]),
             self.predicted,
             widgets.HBox([self.score_button, self.prune_button, self.distill_button]), self.progress,
-            self.status, self.log_output, self.pareto_plot, self.table_plot, self.loss_plot, self.importance_plot,
+            self.status_line, self.log_output, self.pareto_plot, self.table_plot, self.loss_plot, self.importance_plot,
             self.channel_plot])
         if session is not None:
             self._watch(session, lambda _: self._on_plan(), "plan")
@@ -154,11 +157,27 @@ class CompressPanel(StepPanel):
         return PrunePlan(heads=round(self.heads.value, 4), mlp=round(self.mlp.value, 4),
                          head_unit=self.head_unit.value, score=self.score_kind.value)
 
+    def _on_settings(self) -> None:
+        """A slider or option moved: predict again, and once scored, grey the units the plan would remove."""
+        self._update_prediction()
+        if self.importance is not None and self.prune_report is None:
+            self._show_importance(self._predicted_kept())
+
+    def _predicted_kept(self) -> dict | None:
+        """The heads and channels Prune would keep at the sliders' settings, by the scores (None if unscored)."""
+        if self.importance is None:
+            return None
+        try:
+            return self.plan().keep(self.geo, self.importance)
+        except WorkbenchError:
+            return None
+
     def _update_prediction(self) -> dict | None:
         if self.unsupported:
             return None
         try:
-            size = predicted_size(self.lm, self.plan(), self.quant_plan)
+            # with the scores, which layers lose units is what Prune will do (without them, spread evenly)
+            size = predicted_size(self.lm, self.plan(), self.quant_plan, importance=self.importance)
         except Exception as e:  # noqa: BLE001 - a slider position the model cannot take: say so, keep going
             self.predicted.value = f"<span style='color:#c0392b'>{html.escape(str(e))}</span>"
             return None
@@ -166,7 +185,9 @@ class CompressPanel(StepPanel):
         fp16 = self.lm.size_bytes(precision="fp16")
         q = f", {size['quantized_bytes']:,} B with {self._plan_tag()}" if self.quantize.value else ""
         per_layer = ", ".join(f"{s['heads']}/{s['intermediate']}" for s in size["layers"])
-        self.predicted.value = (f"predicted: {size['heads_removed']:.0%} of query heads, {size['kv_heads_removed']:.0%} "
+        basis = "by the scores" if self.importance is not None else "spread evenly until Score"
+        self.predicted.value = (f"predicted ({basis}): {size['heads_removed']:.0%} of query heads, "
+                                f"{size['kv_heads_removed']:.0%} "
                                 f"of KV heads, {size['mlp_removed']:.1%} of MLP channels removed (query heads / MLP "
                                 f"channels by layer: {per_layer}; of {g.heads}/{g.intermediate}); "
                                 f"{size['parameters']:,} parameters, <b>{size['fp16_bytes']:,} B</b> at fp16 "
@@ -226,17 +247,21 @@ class CompressPanel(StepPanel):
         if not ok:
             return None
         self.importance = imp
-        self._show_importance()
+        self.prune_report = None  # the chart now shows what the sliders would remove
+        self._update_prediction()
+        self._show_importance(self._predicted_kept())
         self.status.value = f"scored {imp.tokens:,} tokens (gradients) and {imp.kl_tokens:,} (KL per masked head)"
         return imp
 
-    def _show_importance(self, kept: dict | None = None) -> None:
+    def _show_importance(self, kept: dict | None = None, pruned: bool = False) -> None:
+        """The scores, with the units kept marked: by Prune (``pruned``) or as the sliders would (predicted)."""
         unit, score = self.head_unit.value, self.score_kind.value
         self._plot("heads", make_head_importance_figure(self.importance, score=score, unit=unit,
                                                         kept=kept["heads"] if kept else None), self.importance_plot)
         self._plot("channels", make_channel_importance_figure(
             self.importance, score="activation" if score == "activation" else "taylor",
-            kept=kept["mlp"] if kept else None), self.channel_plot)
+            kept=kept["mlp"] if kept else None, removed_by="Prune" if pruned else "these settings"),
+            self.channel_plot)
 
     def prune(self) -> dict | None:
         """Prune by the sliders into ``out_dir/pruned``; measure it (and it quantized) against the original."""
@@ -263,7 +288,8 @@ class CompressPanel(StepPanel):
         if self.importance is None:
             from ..prune import IMPORTANCE_FILE
             self.importance = PruneImportance.load(self.out_dir / "pruned" / IMPORTANCE_FILE)
-        self._show_importance(report["kept"])
+        self._show_importance(report["kept"], pruned=True)
+        self._update_prediction()  # the counts by layer are now the ones Prune kept
         self._show_points()
         p = next(p for p in self.points if p["label"] == "pruned")
         f = next(p for p in self.points if p["label"] == "float")

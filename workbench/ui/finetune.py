@@ -50,7 +50,7 @@ class FinetunePanel(StepPanel):
                          "ordinary model that the later steps load"),
             self.data, self.out_dir, widgets.HBox([self.steps, self.rank, self.lr]),
             widgets.HBox([self.batch_size, self.seq_len, self.run_button]), self.progress,
-            self.status, self.log_output, self.plot])
+            self.status_line, self.log_output, self.plot])
 
     def config(self) -> FinetuneConfig:
         return FinetuneConfig(steps=self.steps.value, rank=self.rank.value, lr=self.lr.value,

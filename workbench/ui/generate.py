@@ -107,7 +107,7 @@ class GeneratePanel(StepPanel):
             *head, self.choice, self.model, self.prompt,
             widgets.HBox([self.max_tokens, self.temperature, self.top_k, self.seed]),
             widgets.HBox([self.threads, self.chat, self.compare, self.generate_button]),
-            self.status, self.log_output, widgets.HBox(list(self.columns.values()))])
+            self.status_line, self.log_output, widgets.HBox(list(self.columns.values()))])
 
     # -- what can be chosen ---------------------------------------------------------------------------
     def choices(self) -> list[tuple[str, str]]:

@@ -16,12 +16,17 @@ from pathlib import Path
 import ipywidgets as widgets
 
 from ..charts.graph import make_block_bytes_figure, make_conversion_figure, make_op_histogram_figure
-from ..convert import CONVERT_TARGETS, ConversionReport, convert, prepare_models
+from ..convert import (CONVERT_TARGETS, GAP_KL_FLOOR, GAP_KL_RATIO, GAP_TOP1, ConversionReport, convert,
+                       prepare_models)
 from ..onnx.inspect import initializer_bytes_by_block
 from ..targets import TARGETS, GraphReport, inspect_graph
 from .base import StepPanel
 
 __all__ = ["GraphPanel", "ConvertPanel", "NetronServer"]
+
+# where a gap is judged, the rule is shown: the converted model is not what was evaluated when it is this far off
+GAP_RULE = (f"gap (red): KL above {GAP_KL_RATIO:g} x the simulation's + {GAP_KL_FLOOR:g}, or top-1 agreement with "
+            f"the simulation below {GAP_TOP1:g}")
 
 SEVERITY_COLORS = {"error": "#c0392b", "warning": "#d68910", "info": "#5d6d7e"}
 
@@ -87,7 +92,7 @@ class GraphPanel(StepPanel):
         self.controls = [self.path, self.target, self.inspect_button]
         super().__init__([
             widgets.HTML("<b>Inspect a graph</b>: operators, target compatibility, parameter bytes"),
-            self.path, widgets.HBox([self.target, self.inspect_button, self.netron_button]), self.status,
+            self.path, widgets.HBox([self.target, self.inspect_button, self.netron_button]), self.status_line,
             self.log_output, self.findings, widgets.HBox([self.histogram_plot, self.bytes_plot]), self.netron_view])
 
     def run(self) -> GraphReport | None:
@@ -125,10 +130,11 @@ class GraphPanel(StepPanel):
 
 def _conversion_rows(reports: list[ConversionReport]) -> str:
     head = ("<tr><th>target</th><th>KL (converted)</th><th>KL (simulation)</th><th>top-1 vs float</th>"
-            "<th>top-1 vs simulation</th><th>MB written</th><th>seconds</th><th>gap</th></tr>")
+            "<th>top-1 vs simulation</th><th title='every file written, MB = 10^6 bytes'>MB written</th>"
+            "<th>seconds</th><th>gap</th></tr>")
     rows = []
     for r in reports:
-        mb = sum(f["bytes"] for f in r.files) / 2**20
+        mb = sum(f["bytes"] for f in r.files) / 1e6  # MB = 10^6 bytes, as everywhere in the app
         if r.runnable and r.kl_divergence is not None:
             cells = (f"<td>{r.kl_divergence:.5f}</td><td>{r.simulation['kl_divergence']:.5f}</td>"
                      f"<td>{r.top1_agreement:.4f}</td><td>{r.top1_agreement_vs_simulation:.4f}</td>")
@@ -182,7 +188,7 @@ class ConvertPanel(StepPanel):
         super().__init__([
             *head, widgets.HBox([self.target, self.out_dir]),
             widgets.HBox([self.accuracy_level, self.activation_bits, self.max_tokens, self.convert_button]),
-            self.status, self.log_output, self.table, self.plot,
+            self.status_line, self.log_output, self.table, self.plot,
             *([widgets.HTML("<hr>"), self.gap_panel] if self.gap_panel is not None else [])])
 
     def _on_session_quantized(self, change) -> None:
@@ -205,7 +211,7 @@ class ConvertPanel(StepPanel):
         self.reports = [r for r in self.reports if r.target != report.target] + [report]
         self.status.value = html.escape(report.summary()) + self._against_quantize_tab(report)
         self.table.value = _conversion_rows(self.reports)
-        self.figure = make_conversion_figure([r.to_dict() for r in self.reports])
+        self.figure = make_conversion_figure([r.to_dict() for r in self.reports], gap_rule=GAP_RULE)
         self._plot("conversions", self.figure, self.plot)
         return report
 

@@ -2,11 +2,14 @@
 
     panel = OverridePanel(lm, sensitivity=report)        # report from run_sensitivity (optional)
     panel.set_precision("model.layers.0.self_attn.q_proj", "fp16")
+    panel.apply_selection(["v_proj"], (0, 3), "fp16")    # every v_proj of blocks 0-3, no pattern to type
     panel.apply_rule("*.v_proj", "fp16"); panel.totals  # size and bits/weight, no model run
     panel.evaluate()                                     # the Evaluate button: ppl, KL, top-1, a Pareto point
     panel.undo(); panel.save("plan.json")
     display(panel)
 
+Each layer is one compact row: its sensitivity bar and three buttons for the usual INT4 / INT8 /
+FP16, with a menu beside them for every other precision; the whole table shows at once.
 Evaluate swaps cached quantized weights into the float model and scores it against reference
 log-probs captured once (``PlanEvaluator``); blocks before the first layer changed since the last
 press are replayed from that press, so after the first press a one-layer change re-runs only the
@@ -19,6 +22,7 @@ import time
 from typing import Sequence
 
 import ipywidgets as widgets
+import traitlets
 
 from ..autoplan import PlanPoint, plan_footprint, predict_damage
 from ..charts.precision import make_pareto_figure
@@ -27,7 +31,11 @@ from ..models import LoadedModel
 from ..plan import PlanRule, QuantPlan, get_precision
 from ..sensitivity import DEFAULT_SWEEP_TOKENS, LayerVariants, PlanEvaluator, SensitivityReport, evaluation_tokens
 
-__all__ = ["OverridePanel", "precision_choices"]
+__all__ = ["OverridePanel", "LayerChoice", "precision_choices", "COMMON_PRECISIONS", "DAMAGE_BANDS"]
+
+COMMON_PRECISIONS = ("int4", "int8", "fp16")  # a button each; every other precision is in the row's menu
+# the bars' colours: where a layer's damage sits between the least and most sensitive layer (log scale)
+DAMAGE_BANDS = (("#2ca02c", "least sensitive 40%"), ("#ff7f0e", "middle"), ("#d62728", "most sensitive 25%"))
 
 
 def precision_choices() -> list[tuple[str, str]]:
@@ -36,6 +44,10 @@ def precision_choices() -> list[tuple[str, str]]:
     ints = [p.name for p in PRECISIONS.values() if not p.is_float]
     ordered = [n for n in ("int4", "int8") if n in ints] + [n for n in ints if n not in ("int4", "int8")] + ["fp16"]
     return [(n.upper(), n) for n in ordered]
+BITS_HELP = ("bits/weight: the stored bits of every quantizable layer's weights (codes plus their scales) over "
+             "its weight count; a layer kept at FP16 (often the embedding) counts 16, so INT4 everywhere else "
+             "reads above 4")
+CHART_WIDTH = 980  # pixels
 _KEEP = "keep"  # dropdown value for a layer the plan leaves alone (precision None)
 
 
@@ -44,10 +56,60 @@ def _bar_html(value: float | None, lo: float, hi: float) -> str:
     if value is None:
         return "<span style='color:#999'>no sweep</span>"
     frac = 0.0 if hi <= lo else (math.log10(max(value, lo)) - math.log10(lo)) / (math.log10(hi) - math.log10(lo))
-    width = int(4 + 96 * min(max(frac, 0.0), 1.0))
-    colour = "#d62728" if frac > 0.75 else "#ff7f0e" if frac > 0.4 else "#2ca02c"
+    width = int(4 + 76 * min(max(frac, 0.0), 1.0))
+    colour = DAMAGE_BANDS[2][0] if frac > 0.75 else DAMAGE_BANDS[1][0] if frac > 0.4 else DAMAGE_BANDS[0][0]
     return (f"<div style='display:flex;align-items:center;gap:6px'><div style='width:{width}px;height:10px;"
             f"background:{colour}'></div><span style='font-size:11px'>{value:.2e}</span></div>")
+
+
+def _legend_html(lo: float, hi: float, kl_title: str) -> str:
+    """What the bars' colours mean, with the KL at each threshold."""
+    def at(frac: float) -> float:
+        return 10 ** (math.log10(lo) + frac * (math.log10(hi) - math.log10(lo)))
+    swatch = "<span style='display:inline-block;width:10px;height:10px;background:{}'></span> {}"
+    parts = [swatch.format(DAMAGE_BANDS[0][0], f"below {at(0.4):.1e}"),
+             swatch.format(DAMAGE_BANDS[1][0], f"{at(0.4):.1e} to {at(0.75):.1e}"),
+             swatch.format(DAMAGE_BANDS[2][0], f"above {at(0.75):.1e}")]
+    return (f"<div style='font-size:12px;color:#34495e'>bars: {kl_title} when the layer alone is quantized (nats per "
+            "token, log scale between the least and most sensitive layer): " + " &nbsp; ".join(parts) + "</div>")
+
+
+class LayerChoice(widgets.HBox):
+    """One layer's precision: INT4 / INT8 / FP16 buttons and a menu for the rest. ``value`` is the precision name
+    (or ``keep`` for a layer the plan leaves alone); ``options`` lists every choice as (label, value)."""
+
+    value = traitlets.Unicode()
+
+    def __init__(self, value: str, options: Sequence[tuple[str, str]]):
+        self.options = list(options)
+        common = [(label, v) for label, v in self.options if v in COMMON_PRECISIONS]
+        self.buttons = widgets.ToggleButtons(options=common, value=None, style={"button_width": "54px"},
+                                             layout={"width": "auto"})
+        self.more = widgets.Dropdown(options=[("other...", "")] + [o for o in self.options if o[1] not in
+                                                                     COMMON_PRECISIONS],
+                                     value="", layout={"width": "112px"})
+        super().__init__([self.buttons, self.more], layout={"align_items": "center"})
+        self.buttons.observe(self._picked, names="value")
+        self.more.observe(self._picked, names="value")
+        self.value = value
+
+    def _picked(self, change) -> None:
+        if change["new"]:  # None / "" when the other control took the choice
+            self.value = change["new"]
+
+    @traitlets.observe("value")
+    def _show(self, change) -> None:
+        v = change["new"]
+        self.buttons.value = v if v in COMMON_PRECISIONS else None
+        self.more.value = "" if v in COMMON_PRECISIONS else v
+
+    @property
+    def disabled(self) -> bool:
+        return self.buttons.disabled
+
+    @disabled.setter
+    def disabled(self, value: bool) -> None:
+        self.buttons.disabled = self.more.disabled = value
 
 
 class OverridePanel(widgets.VBox):
@@ -79,27 +141,50 @@ class OverridePanel(widgets.VBox):
         lo, hi = (min(positive), max(positive)) if positive else (1e-9, 1e-9)
         kl_title = "est. KL" if sensitivity is not None and sensitivity.score == "proxy" else "KL"
         options = precision_choices() + [("unchanged", _KEEP)]
-        self.dropdowns: dict[str, widgets.Dropdown] = {}
-        header = widgets.HTML("<b style='display:inline-block;width:300px'>layer</b>"
-                              "<b style='display:inline-block;width:90px'>shape</b>"
-                              "<b style='display:inline-block;width:90px'>params</b>"
-                              f"<b style='display:inline-block;width:170px'>{kl_title} alone at "
-                              f"{sensitivity_precision}</b>"
-                              "<b>precision</b>")
+        self.dropdowns: dict[str, LayerChoice] = {}  # by layer: the row's choice (buttons and menu)
+        cell = "display:inline-block;font-weight:bold;font-size:12px"
+        header = widgets.HTML(f"<span style='{cell};width:250px'>layer</span>"
+                              f"<span style='{cell};width:80px'>shape</span>"
+                              f"<span style='{cell};width:80px'>parameters</span>"
+                              f"<span style='{cell};width:140px'>{kl_title} alone at {sensitivity_precision}</span>"
+                              f"<span style='{cell}'>precision</span>")
         rows = [header]
         for info in lm.layers:
-            dd = widgets.Dropdown(options=options, value=self._value_for(info.name),
-                                  layout={"width": "110px"}, description="")
-            dd.observe(self._on_dropdown(info.name), names="value")
-            self.dropdowns[info.name] = dd
-            tied = f" <i style='color:#999'>(tied to {info.tied_to})</i>" if info.tied_to else ""
+            choice = LayerChoice(self._value_for(info.name), options)
+            choice.observe(self._on_dropdown(info.name), names="value")
+            self.dropdowns[info.name] = choice
+            short = info.name.removeprefix("model.")
+            tied = " <i style='color:#999'>(tied)</i>" if info.tied_to else ""
             rows.append(widgets.HBox([
-                widgets.HTML(f"<code>{info.name}</code>{tied}", layout={"width": "300px"}),
-                widgets.HTML("x".join(map(str, info.shape)), layout={"width": "90px"}),
-                widgets.HTML(f"{info.parameters:,}", layout={"width": "90px"}),
-                widgets.HTML(_bar_html(damages.get(info.name), lo, hi), layout={"width": "170px"}),
-                dd], layout={"flex": "0 0 auto"}))  # rows keep their height; the table scrolls instead
-        self.table = widgets.VBox(rows, layout={"max_height": "420px", "overflow": "auto"})
+                widgets.HTML(f"<code style='font-size:11px' title='{info.name}'>{short}</code>{tied}",
+                             layout={"width": "250px"}),
+                widgets.HTML(f"<span style='font-size:11px'>{'x'.join(map(str, info.shape))}</span>",
+                             layout={"width": "80px"}),
+                widgets.HTML(f"<span style='font-size:11px'>{info.parameters:,}</span>", layout={"width": "80px"}),
+                widgets.HTML(_bar_html(damages.get(info.name), lo, hi), layout={"width": "140px"}),
+                choice], layout={"flex": "0 0 auto", "height": "30px", "align_items": "center"}))
+        self.table = widgets.VBox(rows)  # the whole table, no scroll box inside the page
+        self.legend = widgets.HTML(_legend_html(lo, hi, kl_title) if positive else "")
+
+        # many layers at once, no pattern to type: layer types and a block range
+        roles = list(dict.fromkeys(info.role for info in lm.layers))
+        blocks = sorted({int(info.block.split(".")[1]) for info in lm.layers if info.block.startswith("layers.")})
+        self.select_roles = widgets.SelectMultiple(options=roles, value=(), rows=min(len(roles), 5),
+                                                   description="layer types", layout={"width": "280px"},
+                                                   tooltip="Ctrl / Shift to pick several; none picked: every type")
+        self.select_blocks = widgets.IntRangeSlider(value=(blocks[0], blocks[-1]) if blocks else (0, 0),
+                                                    min=blocks[0] if blocks else 0, max=blocks[-1] if blocks else 0,
+                                                    description="blocks", continuous_update=False,
+                                                    layout={"width": "340px"}, disabled=not blocks)
+        self.select_outside = widgets.Checkbox(value=True, description="and the embedding / output layer",
+                                               indent=False, layout={"width": "auto"},
+                                               tooltip="layers outside the blocks, when their type is picked")
+        self.select_precision = widgets.Dropdown(options=precision_choices(), value="fp16", layout={"width": "110px"})
+        self.select_button = widgets.Button(description="Set selected", icon="check-square",
+                                            tooltip="give every layer of the picked types in the block range this "
+                                                    "precision")
+        self.select_button.on_click(lambda _: self.apply_selection(self.select_roles.value, self.select_blocks.value,
+                                                                   self.select_precision.value))
 
         self.pattern = widgets.Text(placeholder="*.q_proj  or  re:.*layers\\.[0-1]\\..*", description="pattern",
                                     layout={"width": "360px"})
@@ -123,13 +208,19 @@ class OverridePanel(widgets.VBox):
         self.chart = self._make_chart()
         self._controls = [self.apply_button, self.undo_button, self.evaluate_button, self.baselines_button,
                           self.save_button, self.load_button, self.pattern, self.rule_precision,
+                          self.select_roles, self.select_blocks, self.select_precision, self.select_button,
                           *self.dropdowns.values()]
         self._refresh_totals()
         super().__init__([
             widgets.HTML("<h3>Per-layer precision</h3>"),
             self.totals_label,
+            widgets.HBox([self.select_roles, widgets.VBox([self.select_blocks, self.select_outside]),
+                          self.select_precision, self.select_button, self.undo_button]),
+            self.legend,
             self.table,
-            widgets.HBox([self.pattern, self.rule_precision, self.apply_button, self.undo_button]),
+            widgets.HTML("<small>or by name: a glob (<code>*.v_proj</code>) or <code>re:</code> a regular "
+                         "expression</small>"),
+            widgets.HBox([self.pattern, self.rule_precision, self.apply_button]),
             widgets.HBox([self.evaluate_button, self.baselines_button, self.result_label]),
             widgets.HBox([self.path, self.save_button, self.load_button]),
             self.chart,
@@ -194,6 +285,37 @@ class OverridePanel(widgets.VBox):
         self._set_plan(new, f"rule {pattern} -> {precision}")
         return True
 
+    def selected_layers(self, roles: Sequence[str] = (), blocks: tuple[int, int] | None = None,
+                        outside: bool | None = None) -> list[str]:
+        """Layers whose type is in ``roles`` (none: every type) and whose block is in ``blocks`` (inclusive);
+        the embedding and output layer (no block) too when ``outside`` (default: the checkbox)."""
+        outside = self.select_outside.value if outside is None else outside
+        picked = []
+        for info in self.lm.layers:
+            if roles and info.role not in roles:
+                continue
+            if info.block.startswith("layers."):
+                if blocks is not None and not blocks[0] <= int(info.block.split(".")[1]) <= blocks[1]:
+                    continue
+            elif not outside:
+                continue
+            picked.append(info.name)
+        return picked
+
+    def apply_selection(self, roles: Sequence[str], blocks: tuple[int, int] | None, precision: str | None) -> int:
+        """Give every layer of ``roles`` in the block range ``precision``: one step, undone by one Undo."""
+        names = self.selected_layers(tuple(roles), tuple(blocks) if blocks is not None else None)
+        if not names:
+            self._log("no layer is of those types in those blocks")
+            return 0
+        plan = self.plan
+        for name in names:
+            plan = plan.with_override(name, precision)
+        what = ", ".join(roles) if roles else "every layer type"
+        span = f" in blocks {blocks[0]}-{blocks[1]}" if blocks is not None else ""
+        self._set_plan(plan, f"{len(names)} layers ({what}{span}) -> {precision}")
+        return len(names)
+
     def set_plan(self, plan: QuantPlan, what: str = "plan set") -> None:
         """Show ``plan`` (e.g. the app session's, changed in another tab); Undo goes back to the previous one."""
         plan.validate(self.dropdowns)
@@ -243,8 +365,10 @@ class OverridePanel(widgets.VBox):
                 pred = f" &nbsp; predicted KL <b>{d['kl_divergence']:.2e}</b>"
             except WorkbenchError:
                 pred = ""
-        self.totals_label.value = (f"total <b>{t['size_bytes'] / 2**20:.2f} MiB</b> ({t['size_bytes']:,} bytes), "
-                                   f"<b>{t['bits_per_weight']:.2f}</b> bits/weight &nbsp; [{mix}]{pred}")
+        self.totals_label.value = (
+            f"weights <b>{t['size_bytes'] / 1e6:.2f} MB</b> ({t['size_bytes']:,} bytes; MB = 10<sup>6</sup> bytes), "
+            f"<b>{t['bits_per_weight']:.2f}</b> bits/weight &nbsp; [{mix}]{pred}<br><small style='color:#5d6d7e'>"
+            f"{BITS_HELP}</small>")
 
     def _evaluator_for(self, plan: QuantPlan) -> PlanEvaluator:
         ev = self._evaluator
@@ -313,13 +437,44 @@ class OverridePanel(widgets.VBox):
         self._update_chart()
         return out
 
+    def evaluate_frontier(self, budgets: Sequence[float] = (1.1, 1.25)) -> list[PlanPoint]:
+        """Uniform INT8 and INT4, and the automatic plans (``plan_for_budget``) at ``budgets`` times the INT4 size,
+        all measured: what fills the chart as soon as a sensitivity sweep ends."""
+        if self.sensitivity is None:
+            self._log("run the sensitivity sweep first: automatic plans are chosen from it")
+            return []
+        from ..autoplan import plan_for_budget
+        points = self.evaluate_uniform()
+        if len(points) < 2:
+            return points
+        self._freeze(True)
+        try:
+            for factor in budgets:
+                auto = plan_for_budget(self.lm, self.sensitivity, size_bytes=int(factor * points[1].size_bytes))
+                point = self._measure(auto.plan, f"auto {auto.bits_per_weight:.2f} b/w")
+                points.append(point)
+                pred = f" (predicted {point.predicted_kl:.3e})" if point.predicted_kl is not None else ""
+                self._log(f"{point.label}: KL {point.kl_divergence:.3e}{pred}")
+        except WorkbenchError as e:
+            self._log(f"evaluation failed: {e}")
+        finally:
+            self._freeze(False)
+        self._update_chart()
+        return points
+
     # -- display helpers ----------------------------------------------------------------------------
+    def _figure(self):
+        """The Pareto chart at a width its two panels and legend fit (the page's default squeezes them)."""
+        fig = make_pareto_figure(self.points)
+        fig.update_layout(width=CHART_WIDTH)
+        return fig
+
     def _make_chart(self):
         import plotly.graph_objects as go
-        return go.FigureWidget(make_pareto_figure(self.points))
+        return go.FigureWidget(self._figure())
 
     def _update_chart(self) -> None:
-        fig = make_pareto_figure(self.points)
+        fig = self._figure()
         with self.chart.batch_update():
             self.chart.data = ()
             self.chart.add_traces(list(fig.data))

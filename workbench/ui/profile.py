@@ -71,7 +71,7 @@ class ProfilePanel(StepPanel):
             self._watch(session, self._on_session_folder, ["quantized", "out_dir"])
         super().__init__([
             *head, self.directory, widgets.HBox([self.prompt_lengths, self.threads, self.repeats, self.run_button]),
-            self.status, self.log_output, self.table, self.plot, self.bound_plot])
+            self.status_line, self.log_output, self.table, self.plot, self.bound_plot])
 
     def run(self) -> list[RuntimeProfile] | None:
         ok, result = self._attempt("profiling...", lambda: (profile_directory(

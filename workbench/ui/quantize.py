@@ -94,7 +94,7 @@ class QuantizePanel(StepPanel):
         super().__init__([
             *head, widgets.HBox([self.method, self.bits, self.group_size, self.symmetric, self.scale_search]),
             widgets.HBox([self.data, self.calibration_note]),
-            widgets.HBox([self.eval_tokens, self.run_button]), self.status, self.log_output, self.warnings,
+            widgets.HBox([self.eval_tokens, self.run_button]), self.status_line, self.log_output, self.warnings,
             self.table_plot, self.error_plot])
 
     @staticmethod

@@ -29,14 +29,15 @@ import ipywidgets as widgets
 import traitlets
 
 from ..autoplan import plan_footprint
-from ..errors import PlanError, WorkbenchError
+from ..errors import PlanError, WorkbenchError, WorkspaceError
 from ..models import LoadedModel, load_model
 from ..plan import QuantPlan
-from ..workspace import Workspace, atomic_write_json, atomic_write_text, library_versions
+from ..workspace import Workspace, atomic_write_json, atomic_write_text, library_versions, model_fingerprint, read_json_file
 
-__all__ = ["AppSession", "SessionLabel", "describe_plan", "default_run_dir", "ARCHIVE_SEND_LIMIT"]
+__all__ = ["AppSession", "SessionLabel", "describe_plan", "default_run_dir", "run_model", "ARCHIVE_SEND_LIMIT", "RUN_FILE"]
 
 ARCHIVE_SEND_LIMIT = 1 << 30  # bytes; a bigger archive stays on disk (its path is shown) instead of crossing the page
+RUN_FILE = "run.json"  # in a run folder: the one model its files were made from (name, path, fingerprint)
 OVERRIDE_FILES = (("llamacpp", "llamacpp-tensor-types.txt"), ("mnn", "mnn-quant-config.json"))
 
 
@@ -53,9 +54,21 @@ def describe_plan(plan: QuantPlan, lm: LoadedModel | None = None) -> str:
 
 
 def default_run_dir(workspace: Workspace | None = None) -> Path:
-    """Where a new app session writes: ``<workspace>/app/run-<date>-<time>`` (absolute)."""
+    """Where a new app session writes: ``<workspace>/app/run-<date>-<time>`` (absolute; ``-2``, ``-3``... when
+    a run of that second exists already)."""
     ws = workspace or Workspace()
-    return ws.root.resolve() / "app" / time.strftime("run-%Y%m%d-%H%M%S")
+    base = ws.root.resolve() / "app" / time.strftime("run-%Y%m%d-%H%M%S")
+    path, n = base, 1
+    while path.exists():
+        n += 1
+        path = base.with_name(f"{base.name}-{n}")
+    return path
+
+
+def run_model(run_dir: Path) -> dict | None:
+    """The model a run folder's files were made from (its ``run.json``), or None for a folder not yet used."""
+    path = Path(run_dir) / RUN_FILE
+    return read_json_file(path, "run record", error=WorkspaceError) if path.is_file() else None
 
 
 def _jsonable(obj):
@@ -77,6 +90,7 @@ class AppSession(traitlets.HasTraits):
     host = traitlets.Dict(None, allow_none=True)  # this host's read bandwidth when they were timed (host_bandwidth)
     devices_gap = traitlets.Any(None, allow_none=True)  # the latest DevicesGap (Export tab, Compare on the devices)
     out_dir = traitlets.Instance(Path)
+    fingerprint = traitlets.Unicode("")  # the loaded model's (``model_fingerprint``): a run folder holds one model's files
     archive_path = traitlets.Instance(Path, allow_none=True)
 
     def __init__(self, *, out_dir: str | Path | None = None, workspace: Workspace | None = None):
@@ -92,13 +106,29 @@ class AppSession(traitlets.HasTraits):
         return lm
 
     def set_model(self, lm: LoadedModel) -> None:
+        """Start over on ``lm``. A run folder describes one model: when it holds another model's files (one
+        loaded before in this session, or a ``run.json`` naming another fingerprint), outputs move to a new
+        run folder, so the report and the zip never mix two models."""
+        fingerprint = model_fingerprint(lm.model)
+        owner = run_model(self.out_dir)
+        if (self.lm is not None and fingerprint != self.fingerprint) or \
+                (owner is not None and owner.get("fingerprint") != fingerprint):
+            self.out_dir = default_run_dir(self.workspace)
         self._prepared = None
         with self.hold_trait_notifications():
+            self.fingerprint = fingerprint
             self.calibration = self.sensitivity = self.quantized = self.quantized_path = self.cost = None
             self.conversions, self.profiles, self.host = [], [], None
             self.archive_path = self.devices_gap = None
             self.plan = QuantPlan.uniform("int4")
             self.lm = lm
+        self._claim_run_dir()
+
+    def _claim_run_dir(self) -> None:
+        """Write ``run.json`` (the loaded model's name, path and fingerprint) in the outputs folder."""
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(self.out_dir / RUN_FILE, {"model": self.lm.name, "path": str(self.lm.path),
+                                                    "fingerprint": self.fingerprint})
 
     def set_quantized(self, qm, cost=None) -> Path:
         """Make ``qm`` the session's quantized model: save it (with its measured cost) and drop older conversions."""
@@ -183,7 +213,8 @@ class AppSession(traitlets.HasTraits):
         lm = self.lm
         doc: dict = {"created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "versions": library_versions(),
                      "model": None if lm is None else {"name": lm.name, "path": str(lm.path),
-                                                        "parameters": lm.parameters, "layers": len(lm.layers)},
+                                                        "parameters": lm.parameters, "layers": len(lm.layers),
+                                                        "fingerprint": self.fingerprint},
                      "plan": None if self.plan is None else self.plan_info()}
         if self.calibration is not None:
             calib_set, stats = self.calibration
@@ -214,6 +245,12 @@ class AppSession(traitlets.HasTraits):
         if self.lm is None or self.plan is None:
             raise PlanError("load a model first")
         out = self.out_dir
+        owner = run_model(out)
+        if owner is not None and owner.get("fingerprint") != self.fingerprint:
+            raise WorkspaceError(f"the outputs folder {out} holds the run of another model ({owner.get('model')}); "
+                                 "choose an empty folder or load that model")
+        if owner is None:
+            self._claim_run_dir()
         out.mkdir(parents=True, exist_ok=True)
         self.plan.save(out / "plan.json")
         overrides = self.write_override_files(out / "overrides")
@@ -231,7 +268,7 @@ class AppSession(traitlets.HasTraits):
             members += _tree(self.quantized_path, "model")
         if self.conversions and self.conversion_dir.is_dir():
             members += _tree(self.conversion_dir, "convert")
-        for name in ("plan.json", "report.json", "report.md", "report.html"):
+        for name in (RUN_FILE, "plan.json", "report.json", "report.md", "report.html"):
             members.append((out / name, name))
         from ..devices_gap import GAP_FILE
         for gap in sorted((out / "devices-gap").glob(f"*/{GAP_FILE}")):  # the rows, not the graphs they measured

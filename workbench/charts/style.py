@@ -1,0 +1,47 @@
+"""What every chart shares so that it reads the same and does not mislead: axis spans, log ticks, colours.
+
+    fig.update_yaxes(**log_axis(values))        # ticks at powers of ten only, written 10^-3, at least one decade
+    fig.update_yaxes(range=linear_range(values))  # None, or a span that a near-constant series cannot zoom below
+
+A one-point (or nearly constant) series left to plotly's autorange fills the plot: 0.00338 and 0.00356
+then look far apart. A log axis over less than a decade gets minor labels ("5, 2, 0.001, 5, 2") unless
+its ticks are pinned to the decades. ``workbench.charts.checks`` tests each figure for both.
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+__all__ = ["log_axis", "linear_range", "MIN_RELATIVE_SPAN", "KIND_COLOURS"]
+
+MIN_RELATIVE_SPAN = 0.2  # a linear axis spans at least this fraction of its largest value
+# one colour per kind of point, the same in every chart that shows that kind (Precisions, Compress, Project)
+KIND_COLOURS = {"uniform": "#1f77b4", "auto": "#2ca02c", "custom": "#d62728", "pruned": "#9467bd",
+                "quantized": "#ff7f0e", "float": "#7f7f7f"}
+
+
+def log_axis(values: Iterable[float], pad: float = 0.15) -> dict:
+    """Settings for a log axis over ``values`` (positive ones): ticks at each power of ten written as a power,
+    a range of at least one whole decade around them (so at least two ticks show)."""
+    vals = [v for v in values if v is not None and v > 0 and math.isfinite(v)]
+    settings = {"type": "log", "dtick": 1, "exponentformat": "power", "minor": {"showgrid": False}}
+    if not vals:
+        return settings
+    lo, hi = math.log10(min(vals)) - pad, math.log10(max(vals)) + pad
+    lo, hi = math.floor(lo), max(math.ceil(hi), math.floor(lo) + 1)
+    return {**settings, "range": [lo, hi]}
+
+
+def linear_range(values: Iterable[float], min_relative_span: float = MIN_RELATIVE_SPAN) -> list[float] | None:
+    """A range for a linear axis whose values sit closer together than ``min_relative_span`` of their size
+    (None when they are spread enough for plotly's own autorange): centred on them, that span wide."""
+    vals = [v for v in values if v is not None and math.isfinite(v)]
+    if not vals:
+        return None
+    lo, hi = min(vals), max(vals)
+    size = max(abs(lo), abs(hi))
+    need = min_relative_span * size if size > 0 else 1.0
+    if hi - lo >= need:
+        return None
+    mid = (lo + hi) / 2
+    return [mid - need / 2 - 0.05 * need, mid + need / 2 + 0.05 * need]
