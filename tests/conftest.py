@@ -67,6 +67,20 @@ def make_tiny_model(tmp_path):
     return make
 
 
+@pytest.fixture(scope="session")
+def _default_workspace_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("default-workspace")
+
+
+@pytest.fixture(autouse=True)
+def default_workspace(_default_workspace_root, monkeypatch):
+    """``Workspace()`` (what commands use unless told) writes under the test session's scratch folder, never the
+    checkout's ./workspace; shared by the session so statistics computed once are reused."""
+    import workbench.workspace
+    monkeypatch.setattr(workbench.workspace, "DEFAULT_WORKSPACE", _default_workspace_root)
+    return _default_workspace_root
+
+
 @pytest.fixture
 def workspace(tmp_path):
     from workbench.workspace import Workspace

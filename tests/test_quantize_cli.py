@@ -196,3 +196,24 @@ def test_scale_search_is_on_for_bits_and_a_plan_files_own_otherwise(tmp_path):
     old.write_text(json.dumps({"version": 1, "default": "int4", "rules": []}))
     assert plan("--plan", str(old)).scale_search is False
     assert plan("--plan", str(old), "--scale-search").scale_search is True
+
+
+def test_rtn_weighs_its_search_by_importance_by_default_and_says_where_it_came_from(tiny_model_dir, tmp_path,
+                                                                                  heldout, capsys, monkeypatch):
+    """`--bits 4 --method rtn` computes (then reuses) importance statistics from the bundled calibration text
+    and says so; --no-importance rounds without them, as does a plan without the scale search."""
+    import workbench.workspace
+    monkeypatch.setattr(workbench.workspace, "DEFAULT_WORKSPACE", tmp_path / "ws")  # nothing stored yet
+    def run(out, *extra):
+        assert main(["quantize", str(tiny_model_dir), "--out", str(tmp_path / out), "--bits", "4", "--group-size",
+                     "32", "--method", "rtn", "--text", str(heldout), "--ctx", "128", *extra]) == 0
+        return capsys.readouterr().out, json.loads((tmp_path / out / "report.json").read_text())
+    out, report = run("first")
+    assert "importance from 16 x 256 tokens of the bundled calibration text (computed now" in out
+    assert report["importance"].startswith("importance from 16 x 256 tokens")
+    out, again = run("second")
+    assert "(stored in the workspace;" in out and again["kl_divergence"] == report["kl_divergence"]
+    out, plain = run("plain", "--no-importance")
+    assert "importance from" not in out and plain["importance"] is None
+    out, minmax = run("minmax", "--no-scale-search")
+    assert "importance from" not in out and minmax["importance"] is None

@@ -88,3 +88,18 @@ def test_panel_offers_every_registered_integer_precision(tiny_model_dir):
     assert panel.current_plan().default == "int4-lpbq" and panel.current_plan().group_size == 32
     panel.bits.value = 3
     assert panel.current_plan().default == "int3"
+
+
+def test_rtn_reads_importance_and_the_16_level_grid_is_a_checkbox(tiny_model_dir, heldout, workspace):
+    """The panel rounds as `workbench quantize` does by default (the scale search weighed by importance
+    statistics, computed into the workspace); "16 levels" is the full-range grid, dropped for asymmetric codes."""
+    lm = load_model(tiny_model_dir)
+    panel = QuantizePanel(lm, bits=4, group_size=32, text=heldout, workspace=workspace)
+    assert panel.current_plan().full_range is False and panel.current_plan().scale_search is True
+    assert panel.run() is not None and panel.error is None
+    assert list(workspace.root.glob("calibrate/*")), "the importance statistics were not computed"
+    panel.full_range.value = True
+    assert panel.current_plan().full_range is True
+    assert panel.run() is not None and panel.rows[-1]["label"] == "INT4 RTN g32 16-level"
+    panel.symmetric.value = False
+    assert panel.current_plan().full_range is False

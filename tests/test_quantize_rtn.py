@@ -278,3 +278,18 @@ def test_importance_is_tempered_toward_each_rows_larger_weights():
     sigma2 = torch.tensor([3.5, 350.0])[:, None, None]
     assert torch.allclose(got, imp * (sigma2 + wg.square()).sqrt())
     assert torch.allclose(got[1], 10 * got[0])  # a row ten times larger: ten times the weights, same order
+
+
+@pytest.mark.parametrize("kw", [{"full_range": True}, {}, {"symmetric": False}])
+def test_the_scale_search_in_row_blocks_equals_one_block(monkeypatch, kw):
+    """The search runs over blocks of rows to stay in cache; the blocks change nothing, bit for bit."""
+    import workbench.quantize.rtn as rtn
+    w = _weights(seed=3, out=37, inp=192)
+    imp = torch.rand(192, generator=torch.Generator().manual_seed(4)) + 0.1
+    whole = quantize_weight(w, 4, 32, scale_search=True, importance=imp, **kw)
+    monkeypatch.setattr(rtn, "SEARCH_BLOCK_VALUES", 5 * 192)  # 5 rows a block, the last one 2
+    blocked = quantize_weight(w, 4, 32, scale_search=True, importance=imp, **kw)
+    assert torch.equal(whole.qweight, blocked.qweight) and torch.equal(whole.scales, blocked.scales)
+    assert (whole.zeros is None) == (blocked.zeros is None)
+    if whole.zeros is not None:
+        assert torch.equal(whole.zeros, blocked.zeros)

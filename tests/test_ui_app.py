@@ -87,7 +87,7 @@ def test_awq_from_quantize_is_what_export_converts(app):
     """Quantize with AWQ in the app, convert to ort-int4: the simulation Export compares with is that AWQ model."""
     assert "until the Calibrate tab has run" in app.quantize_panel.calibration_note.value
     assert app.calibrate_panel.run() is not None
-    assert "AWQ uses the Calibrate tab's run: 4 samples" in app.quantize_panel.calibration_note.value
+    assert "AWQ and RTN's importance use the Calibrate tab's run: 4 samples" in app.quantize_panel.calibration_note.value
     app.quantize_panel.method.value = "awq"
     cost = app.quantize_panel.run()
     assert cost is not None, app.quantize_panel.error

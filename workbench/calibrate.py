@@ -42,7 +42,7 @@ from .data import CalibrationSet, load_calibration_set
 from .errors import WorkspaceError
 from .workspace import Artifact, Workspace, atomic_write_bytes, atomic_write_json, model_fingerprint
 
-__all__ = ["LayerStats", "CalibrationStats", "run_calibration", "calibrate",
+__all__ = ["LayerStats", "CalibrationStats", "run_calibration", "calibrate", "importance_statistics", "reads_importance",
            "OUTLIER_FACTOR", "PERCENTILES", "HIST_EDGES", "SAMPLE_BUDGET", "STATS_VERSION"]
 
 log = logging.getLogger("workbench")
@@ -446,3 +446,44 @@ def calibrate(lm, data: str | Path | None = None, samples: int = 128, seq_len: i
     stats = CalibrationStats.load(art.path)
     stats.artifact, stats.cached = art, not computed
     return cs, stats
+
+
+# what `workbench calibrate` computes by default: statistics already stored at these sizes are used first
+CALIBRATE_SAMPLES, CALIBRATE_SEQ_LEN = 128, 512
+# the rounding's own statistics when none are stored: 16 samples of 256 tokens, fewer on big models so the pass
+# stays about a minute of a 2-core CPU (parameter-tokens, as evaluate.EVAL_BUDGET)
+IMPORTANCE_SEQ_LEN, IMPORTANCE_SAMPLES = 256, (4, 16)
+IMPORTANCE_BUDGET = 1e12
+
+
+def importance_statistics(lm, data: str | Path | None = None, workspace: Workspace | None = None, *,
+                          progress: bool = True) -> tuple[tuple[CalibrationSet, CalibrationStats], str]:
+    """The activation statistics the scale search weighs each weight's error by (each input column's mean
+    squared activation, as llama.cpp's importance matrix), and a line saying where they came from.
+
+    The workspace's statistics from `workbench calibrate` on the same model and text come first; otherwise a
+    short pass over the calibration text (default: the bundled one) is run and cached. The scale search with
+    this importance is what beats llama.cpp's reference rounding on trained models (docs/quantize.md).
+    """
+    ws = workspace if workspace is not None else Workspace()
+    name = "the bundled calibration text" if data is None else f"'{data}'"
+    max_pos = getattr(getattr(lm.model, "config", None), "max_position_embeddings", None) or CALIBRATE_SEQ_LEN
+    if max_pos >= CALIBRATE_SEQ_LEN:  # `workbench calibrate`'s default statistics can exist only then
+        cs, stats = calibrate(lm, data, samples=CALIBRATE_SAMPLES, seq_len=CALIBRATE_SEQ_LEN, workspace=ws,
+                              progress=progress, compute=False)
+        if stats is not None:
+            return (cs, stats), (f"importance from the workspace's calibration statistics ({len(cs)} x "
+                                 f"{CALIBRATE_SEQ_LEN} tokens of {name})")
+    low, high = IMPORTANCE_SAMPLES
+    samples = int(min(high, max(low, IMPORTANCE_BUDGET // (max(lm.parameters, 1) * IMPORTANCE_SEQ_LEN))))
+    cs, stats = calibrate(lm, data, samples=samples,
+                          seq_len=min(IMPORTANCE_SEQ_LEN, max_pos), workspace=ws, progress=progress)
+    how = "stored in the workspace" if stats.cached else "computed now, kept in the workspace"
+    return (cs, stats), (f"importance from {len(cs)} x {min(IMPORTANCE_SEQ_LEN, max_pos)} tokens of {name} ({how}; "
+                         "`workbench calibrate` for more, --no-importance for none)")
+
+
+def reads_importance(plan, method: str | None = None) -> bool:
+    """Whether ``plan``'s rounding weighs each weight's error by activation statistics by default: round-to-
+    nearest with the scale search (AWQ and GPTQ take their own calibration)."""
+    return (method or plan.method) == "rtn" and bool(plan.scale_search)

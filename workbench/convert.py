@@ -93,11 +93,14 @@ class PreparedModels:
 
 
 def prepare_models(model, *, plan: QuantPlan | str | Path | None = None, bits: int | None = None,
-                   progress: bool = False, device: str = "cpu") -> PreparedModels:
+                   progress: bool = False, device: str = "cpu", importance: bool = True) -> PreparedModels:
     """Resolve MODEL as a float model with a plan (or ``bits``), or a directory written by ``workbench quantize``.
 
-    The models (and quantization) run on ``device``; graphs and onnxruntime stay on the CPU.
+    A float model is quantized as `workbench quantize` does by default: RTN's scale search weighs errors by the
+    importance statistics (``calibrate.importance_statistics``) unless ``importance`` is False. The models (and
+    quantization) run on ``device``; graphs and onnxruntime stay on the CPU.
     """
+    from .calibrate import importance_statistics, reads_importance
     from .models import load_quantized
     from .quantize import quantize_model
     if is_quantized_dir(model):
@@ -128,7 +131,12 @@ def prepare_models(model, *, plan: QuantPlan | str | Path | None = None, bits: i
         plan.validate([info.name for info in float_lm.layers])
     except PlanError as e:
         raise PlanError(f"the plan does not fit model '{model}': {e}") from None
-    qm = quantize_model(float_lm, plan, progress=progress)
+    calibration = None
+    if importance and reads_importance(plan):
+        calibration, how = importance_statistics(float_lm, progress=progress)
+        if progress:
+            print(how)
+    qm = quantize_model(float_lm, plan, calibration=calibration, progress=progress)
     sim_lm = LoadedModel(qm.build_model(float_lm.model), float_lm.tokenizer, float_lm.path,
                          f"{float_lm.name} (simulated)", float_lm.layers)
     return PreparedModels(float_lm, sim_lm, qm, str(model))

@@ -10,6 +10,7 @@ held-out text (default: the bundled one), with standard errors of the per-window
 """
 from __future__ import annotations
 
+import argparse
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -42,12 +43,21 @@ def add_arguments(p):
                    "int8-lpbq: 4-bit integer group scales under a float16 scale per output channel, Qualcomm's LPBQ)")
     p.add_argument("--group-size", type=count(0), help="columns per scale (default: the plan's, 128); 0 = per-channel")
     p.add_argument("--asymmetric", action="store_true", help="unsigned codes with zero points")
+    p.add_argument("--full-range", action=argparse.BooleanOptionalAction, default=None,
+                   help="symmetric codes over all 2^b levels with stretched ranges searched (llama.cpp's Q4_0 / Q5_0 "
+                        "grid): lower KL on trained models at about 4x the search time (default: the plan's; off "
+                        "for --bits; docs/quantize.md, 'The default rounding')")
     add_scale_search_argument(p, default=None, says="the plan's; on for --bits")
     p.add_argument("--method", choices=METHODS, help="round-to-nearest, AWQ, GPTQ, or AWQ's scales then GPTQ "
                    "(default: the plan's, rtn)")
     p.add_argument("--act-order", action="store_true", help="GPTQ: visit columns by decreasing input energy "
                    "(group scales then fixed from the original weights)")
-    p.add_argument("--data", help="calibration text for AWQ and GPTQ (default: the bundled calibration text)")
+    p.add_argument("--importance", action=argparse.BooleanOptionalAction, default=True,
+                   help="RTN's scale search weighs each weight's error by its input column's mean squared activation "
+                        "(llama.cpp's importance matrix): the workspace's `workbench calibrate` statistics, else a "
+                        "short pass over --data, cached (default: on; docs/quantize.md, 'The default rounding')")
+    p.add_argument("--data", help="calibration text for AWQ, GPTQ and RTN's importance (default: the bundled "
+                                  "calibration text)")
     p.add_argument("--samples", type=count(1), default=128, help="calibration samples (AWQ, GPTQ)")
     p.add_argument("--seq-len", type=count(2), default=512, help="calibration sample length in tokens (AWQ, GPTQ)")
     p.add_argument("--full-stats", action="store_true", help="AWQ: run the calibration statistics pass over every "
@@ -95,6 +105,8 @@ def _plan_from_args(args) -> QuantPlan:
         changes["symmetric"] = False
     if args.scale_search is not None:
         changes["scale_search"] = args.scale_search
+    if args.full_range is not None:
+        changes["full_range"] = args.full_range
     if args.method:
         changes["method"] = args.method
     return replace(plan, **changes) if changes else plan
@@ -124,6 +136,13 @@ def run(args) -> int:
         if calibration[1] is None and progress:
             print("AWQ: mean |x| from the search's own calibration tokens (no stored statistics for this model and "
                   "set; `workbench calibrate` first, or --full-stats, to use every sample)")
+    from ..calibrate import importance_statistics, reads_importance
+    importance = None
+    if args.importance and reads_importance(plan):
+        from ..workspace import Workspace
+        calibration, importance = importance_statistics(lm, data=args.data, workspace=Workspace(), progress=progress)
+        if progress:
+            print(importance)
     t0 = time.perf_counter()
     qm = quantize_model(lm, plan, calibration=calibration, strict=args.strict, progress=progress,
                         workspace=workspace, awq_tokens=args.awq_tokens, act_order=args.act_order)
@@ -136,7 +155,7 @@ def run(args) -> int:
         t1 = time.perf_counter()
         baseline = measure_reference(lm.model, ids, ctx=min(ctx, len(ids)), progress=progress)
         cost = measure_cost(qm, baseline, saved_dir=staged, threshold=args.threshold, progress=progress)
-        result = {"model": str(lm.path), "out": str(out), "method": qm.method, "plan": plan.to_dict(),
+        result = {"model": str(lm.path), "out": str(out), "method": qm.method, "plan": plan.to_dict(), "importance": importance,
                   **cost.to_dict(), "reference_size_bytes": weight_file_bytes(lm.path),
                   "quantize_seconds": quantize_seconds, "evaluate_seconds": time.perf_counter() - t1,
                   "layers": [{"name": r.name, "precision": r.precision,

@@ -63,6 +63,9 @@ __all__ = ["quantize_weight", "fake_quantize", "two_level_groups", "channel_scal
 
 _TINY = 2.0 ** -24  # smallest float16 step: an all-zero group gets this scale, never a division by zero
 SEARCH_RATIOS = tuple(1.0 - 0.05 * i for i in range(11))
+# values per row block of the scale search (2 MB of float32): small enough to stay in cache, large enough that
+# torch's per-call cost does not count
+SEARCH_BLOCK_VALUES = 1 << 19
 
 
 def _fp16_ceil(x: torch.Tensor) -> torch.Tensor:
@@ -234,21 +237,44 @@ def quantize_groups(wg: torch.Tensor, bits: int, symmetric: bool, clip_max: torc
     wg = _clipped(wg, clip_max)
     if not scale_search:
         return _round_groups(wg, bits, symmetric, 1.0, full_range)
-    best, best_err = None, None
+    grids = search_grids(bits, full_range)
+    rows = max(1, SEARCH_BLOCK_VALUES // max(1, wg.shape[1] * wg.shape[2]))
+    parts = []
+    for r in range(0, wg.shape[0], rows):  # row blocks: each stays in cache through its ~40 candidates
+        imp = importance if importance is None or importance.dim() < 3 else importance[r:r + rows]
+        parts.append(_searched_block(wg[r:r + rows], bits, symmetric, grids, imp, full_range))
+    if len(parts) == 1:
+        return tuple(parts[0])
+    return tuple(None if p[0] is None else torch.cat(p) for p in zip(*parts))
+
+
+def search_grids(bits: int, full_range: bool) -> list[tuple[float, bool]]:
+    """The (range ratio, 16-level grid) pairs the scale search tries, ratio 1.0 first."""
     grids = [(ratio, full_range) for ratio in SEARCH_RATIOS]
     if full_range:  # ranges stretched too: the largest weight at 7.1 ... 7.9 steps (4 bits), as llama.cpp's search
         top = float(-code_range(bits, True)[0])
         grids += [(top / (top - 0.1 * i), True) for i in range(1, 10)]
     if full_range and bits == 8:  # Q8_0's own rule, max / 127, too: a weight shipped as Q8_0 keeps its grid
         grids.append((1.0, False))
+    return grids
+
+
+def _searched_block(wg: torch.Tensor, bits: int, symmetric: bool, grids, importance: torch.Tensor | None,
+                    full_range: bool) -> list:
+    """The least (weighted) error codes, scales and zeros of a block of rows over ``grids``."""
+    best, best_err = None, None
     for ratio, sixteen in grids:
         q, scales, zeros = _round_groups(wg, bits, symmetric, ratio, sixteen)
         candidates = [(q, scales)]
         if full_range:
             candidates.append((q, least_squares_scales(wg, q, importance)))
         for q, scales in candidates:
-            err = (wg - _dequantize_groups(q, scales, zeros)).square_()
-            err = (err if importance is None else err * importance).sum(-1)
+            err = _dequantize_groups(q, scales, zeros)
+            torch.sub(wg, err, out=err)  # in place: the same arithmetic as (wg - dq)^2 * importance, fewer buffers
+            err.square_()
+            if importance is not None:
+                err.mul_(importance)
+            err = err.sum(-1)
             if best is None:
                 best, best_err = [q, scales, zeros], err
                 continue
@@ -258,7 +284,7 @@ def quantize_groups(wg: torch.Tensor, bits: int, symmetric: bool, clip_max: torc
             best[1] = torch.where(better, scales, best[1])
             if zeros is not None:
                 best[2] = torch.where(better, zeros, best[2])
-    return tuple(best)
+    return best
 
 
 def search_weights(wg: torch.Tensor, importance: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@
 Every run adds a row to the results table, so RTN and AWQ, INT8 and INT4 can be compared on the
 same held-out windows (the reference is evaluated once per panel). Given a plan, the controls start
 from the plan's method, group size and symmetry. In the app (``session=``) the plan is the session's,
-AWQ uses the Calibrate tab's calibration, and each result becomes the session's quantized model
+AWQ and RTN's scale search use the Calibrate tab's calibration, and each result becomes the session's quantized model
 (saved, and what Export converts).
 """
 from __future__ import annotations
@@ -23,6 +23,7 @@ from ..assets import demo_text_path
 from ..charts.quantize import make_cost_table_figure, make_layer_error_figure
 from ..evaluate import DEFAULT_CTX
 from ..models import LoadedModel
+from ..calibrate import reads_importance
 from ..plan import QuantPlan, get_precision
 from ..quantize import CALIBRATED_METHODS, heldout_ids, measure_cost, measure_reference, quantize_model
 from ..workspace import Workspace
@@ -72,6 +73,10 @@ class QuantizePanel(StepPanel):
         self.scale_search = widgets.Checkbox(value=scale_search, description="scale search", indent=False,
                                              tooltip="each group's range searched for the least error instead of "
                                                      "min/max (AWQ's clipped layers keep their clips)")
+        self.full_range = widgets.Checkbox(value=start.full_range, description="16 levels", indent=False,
+                                           tooltip="symmetric codes over all 2^b levels with stretched ranges "
+                                                   "(llama.cpp's Q4_0 grid): lower KL on trained models, about 4x "
+                                                   "the search time (docs/quantize.md)")
         self.eval_tokens = widgets.IntText(value=max_tokens or 0, description="eval tokens",
                                            tooltip="held-out tokens the cost is measured on; 0 = the whole text")
         self.data = widgets.Text(value=str(data or demo_text_path("calibration")), description="calibration",
@@ -80,7 +85,8 @@ class QuantizePanel(StepPanel):
         self.run_button.on_click(lambda _: self.run())
         self.table_plot, self.error_plot = widgets.Output(), widgets.Output()
         self.warnings = widgets.HTML()
-        self.controls = [self.method, self.bits, self.group_size, self.symmetric, self.scale_search, self.data,
+        self.controls = [self.method, self.bits, self.group_size, self.symmetric, self.scale_search, self.full_range,
+                         self.data,
                          self.eval_tokens, self.run_button]
         head = [widgets.HTML(f"<b>Quantize</b> {html.escape(lm.name)}: weights to integers by plan, cost measured "
                              "against the unquantized model")]
@@ -92,7 +98,8 @@ class QuantizePanel(StepPanel):
             self._watch(session, self._show_calibration, "calibration")
             self._show_calibration()
         super().__init__([
-            *head, widgets.HBox([self.method, self.bits, self.group_size, self.symmetric, self.scale_search]),
+            *head, widgets.HBox([self.method, self.bits, self.group_size, self.symmetric, self.scale_search,
+                                 self.full_range]),
             widgets.HBox([self.data, self.calibration_note]),
             widgets.HBox([self.eval_tokens, self.run_button]), self.status_line, self.log_output, self.warnings,
             self.table_plot, self.error_plot])
@@ -115,10 +122,10 @@ class QuantizePanel(StepPanel):
         """Say which calibration AWQ will use: the Calibrate tab's run, or this file."""
         calibration = self.session.calibration
         if calibration is None:
-            self.calibration_note.value = "<small>AWQ calibrates on this file until the Calibrate tab has run</small>"
+            self.calibration_note.value = "<small>AWQ and RTN's importance calibrate on this file until the Calibrate tab has run</small>"
         else:
             meta = calibration[1].meta
-            self.calibration_note.value = (f"<small>AWQ uses the Calibrate tab's run: {meta.get('samples', '?')} "
+            self.calibration_note.value = (f"<small>AWQ and RTN's importance use the Calibrate tab's run: {meta.get('samples', '?')} "
                                            f"samples, {meta.get('tokens', 0):,} tokens</small>")
 
     def _on_session_plan(self, change) -> None:
@@ -137,11 +144,13 @@ class QuantizePanel(StepPanel):
         self.group_size.value = plan.group_size
         self.symmetric.value = plan.symmetric
         self.scale_search.value = plan.scale_search
+        self.full_range.value = plan.full_range
 
     def current_plan(self) -> QuantPlan:
         """The plan the controls describe (the given plan with these settings, or a uniform one)."""
         settings = {"group_size": self.group_size.value, "symmetric": self.symmetric.value,
-                    "scale_search": self.scale_search.value, "method": self.method.value}
+                    "scale_search": self.scale_search.value, "method": self.method.value,
+                    "full_range": self.full_range.value and self.symmetric.value}  # an asymmetric grid has 2^b
         if self.bits.value == "plan":
             return replace(self.base_plan, **settings)
         return QuantPlan.uniform(self._uniform_precision(), **settings)
@@ -172,11 +181,14 @@ class QuantizePanel(StepPanel):
         self._plot("errors", make_layer_error_figure(self.qm.layers), self.error_plot)
         return self.cost
 
-    def _calibration(self, workspace: Workspace):
-        """AWQ's calibration: the session's (the Calibrate tab's run) when there is one, else computed here."""
+    def _calibration(self, workspace: Workspace, plan: QuantPlan):
+        """AWQ's calibration and RTN's importance weights: the session's (the Calibrate tab's run) when there is
+        one, else computed here (RTN: the short pass `workbench quantize` runs by default)."""
         if self.session is not None and self.session.calibration is not None:
             return self.session.calibration
-        from ..calibrate import calibrate
+        from ..calibrate import calibrate, importance_statistics
+        if plan.method not in CALIBRATED_METHODS:
+            return importance_statistics(self.lm, self.data.value.strip() or None, workspace, progress=False)[0]
         result = calibrate(self.lm, self.data.value.strip() or None, samples=self.samples_n, seq_len=self.seq_len,
                            workspace=workspace)
         if self.session is not None:
@@ -188,7 +200,7 @@ class QuantizePanel(StepPanel):
         plan = self.current_plan()
         label = (f"{'plan' if self.bits.value == 'plan' else self._uniform_precision().upper()} {plan.method.upper()} "
                  f"g{plan.group_size or 'channel'}{'' if plan.symmetric else ' asym'}"
-                 f"{'' if plan.scale_search else ' min/max'}")
+                 f"{'' if plan.scale_search else ' min/max'}{' 16-level' if plan.full_range else ''}")
         tokens = self.eval_tokens.value or None
         if self.baseline is None or self._baseline_tokens != tokens:  # rows compare on one text: start them again
             self.baseline = measure_reference(self.lm.model, heldout_ids(self.lm, self.text_path, tokens), ctx=self.ctx)
@@ -198,9 +210,9 @@ class QuantizePanel(StepPanel):
             self.rows.append({"label": "float (reference)", "perplexity": ref.perplexity,
                               "bits_per_weight": 16.0, "seconds": None})
         calibration = workspace = None
-        if plan.method in CALIBRATED_METHODS:
+        if plan.method in CALIBRATED_METHODS or reads_importance(plan):  # RTN's search weighs errors by them
             workspace = self.workspace or Workspace()  # statistics and the AWQ search are cached there
-            calibration = self._calibration(workspace)
+            calibration = self._calibration(workspace, plan)
         t0 = time.perf_counter()
         self.qm = quantize_model(self.lm, plan, calibration=calibration, workspace=workspace)
         seconds = time.perf_counter() - t0
