@@ -48,7 +48,7 @@ def test_every_rule_table_names_its_source():
 
 def test_each_target_is_one_module_in_one_registry():
     builtin = {"ort-int4", "ort-genai", "ort-qdq", "qnn", "mnn", "mnn-llm", "executorch", "llama.cpp", "tensorrt",
-               "rknn"}
+               "tensorrt-edgellm", "rknn"}
     assert builtin == set(target_names("convert"))
     modules = {get_target(n).module for n in builtin}
     assert len(modules) == len(builtin) and all(m.startswith("workbench.targets.") for m in modules)
