@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for bits in [int(b) for b in args.widths.split(",")]:
         base = QuantPlan.uniform(f"int{bits}", group_size=args.group_size)
-        variants = {"default": (base, True), "15": (replace(base, full_range=False), False),
+        variants = {"default": (QuantPlan.default_for(f"int{bits}", group_size=args.group_size), True), "15": (replace(base, full_range=False), False),
                     "15+imp": (replace(base, full_range=False), True), "16": (replace(base, full_range=True), False),
                     "16+imp": (replace(base, full_range=True), True),
                     "asym+imp": (replace(base, full_range=False, symmetric=False), True)}

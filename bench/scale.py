@@ -362,10 +362,12 @@ def step_command(step: str, model: Path, shape_dir: Path, args, rows: dict[str, 
         target = {"convert": "ort-int4", "convert-genai": "ort-genai", "convert-gguf": "llama.cpp",
                   "convert-mnn-llm": "mnn-llm"}[step]
         rtn = shape_dir / "rtn-int4"
-        if (rtn / "quantization.json").is_file():
+        signed = (rtn / "plan.json").is_file() and json.loads((rtn / "plan.json").read_text()).get("full_range")
+        if (rtn / "quantization.json").is_file() and (target == "llama.cpp" or not signed):
             return ["convert", str(rtn), "--target", target, "--out", str(shape_dir / target), "--json"], \
                 "from quantize-rtn's output"
-        why = "quantize-rtn not run" if "quantize-rtn" not in rows else "quantize-rtn saved nothing"
+        why = ("quantize-rtn not run" if "quantize-rtn" not in rows else
+               "quantize-rtn's 16-level grid is GGUF's only" if signed else "quantize-rtn saved nothing")
         return ["convert", m, "--bits", "4", "--target", target, "--out", str(shape_dir / target),
                 "--json"], f"from the float model --bits 4 ({why})"
     if step == "profile-mnn-llm":

@@ -451,3 +451,15 @@ def test_qdq_decode_graph_scores_like_the_prefill_graph_on_the_demo_model(tmp_pa
     assert d["top1_agreement"] >= 0.98 and report.gap is None
     saved = json.loads((tmp_path / "conversion.json").read_text())
     assert saved["decode"]["kl_divergence"] == d["kl_divergence"]
+
+
+def test_a_16_level_model_is_refused_by_a_device_target_before_any_graph(tiny_model_dir, tmp_path):
+    """The 16-level grid signs its group scales (llama.cpp's Q4_0); a device format cannot hold them, so
+    convert stops with the flag that fixes it and writes nothing."""
+    plan = QuantPlan.default_for("int4", group_size=32)
+    assert plan.full_range
+    signed = prepare_models(tiny_model_dir, plan=plan, importance=False)
+    assert any((w.scales < 0).any() for w in signed.qm.weights.values())
+    with pytest.raises(PlanError, match="--no-full-range"):
+        convert(tiny_model_dir, "qnn", tmp_path / "qnn", prepared=signed)
+    assert not (tmp_path / "qnn").exists()

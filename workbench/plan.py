@@ -24,7 +24,8 @@ from .workspace import hash_inputs
 
 __all__ = ["fitting_precisions", 
     "Precision", "PRECISIONS", "register_precision", "get_precision", "PlanRule", "QuantPlan",
-    "PLAN_VERSION", "DEFAULT_GROUP_SIZE", "DEFAULT_SCALE_SEARCH", "QUANTIZER_SETTINGS",
+    "PLAN_VERSION", "DEFAULT_GROUP_SIZE", "DEFAULT_SCALE_SEARCH", "DEFAULT_FULL_RANGE",
+    "QUANTIZER_SETTINGS",
 ]
 
 PLAN_VERSION = 1
@@ -34,6 +35,10 @@ SCALE_BYTES = 2  # one fp16 scale per group (per output channel when per-channel
 # asymmetric int4 g32: README, "Scale search"); a plan file without the field was saved before it existed, or with
 # it off, and means off
 DEFAULT_SCALE_SEARCH = True
+# plans made from a width (`--bits`, the app) round to the symmetric 16-level grid: lowest KL at every width 2-8 on a
+# trained model, at about 4.6x the search time (docs/quantize.md, 'The default rounding'); a plan file without
+# the field means off
+DEFAULT_FULL_RANGE = True
 # the plan fields besides precision and method that decide how a layer is rounded: equal settings, equal codes
 QUANTIZER_SETTINGS = ("group_size", "symmetric", "scale_search", "full_range")
 
@@ -277,6 +282,13 @@ class QuantPlan:
         rules = () if keep_embeddings is None else (
             PlanRule("*embed_tokens", keep_embeddings), PlanRule("lm_head", keep_embeddings))
         return cls(default=precision, rules=rules, **kw)
+
+    @classmethod
+    def default_for(cls, precision: str, **kw) -> "QuantPlan":
+        """What `workbench quantize --bits` and the app start from: ``uniform`` with the rounding measured best
+        at every width (the 16-level grid where symmetric; docs/quantize.md, 'The default rounding')."""
+        kw.setdefault("full_range", DEFAULT_FULL_RANGE and kw.get("symmetric", True))
+        return cls.uniform(precision, **kw)
 
     def with_override(self, pattern: str, precision: str | None) -> "QuantPlan":
         """A new plan where ``pattern`` (a name or a pattern) maps to ``precision``."""

@@ -75,8 +75,9 @@ class QuantizePanel(StepPanel):
                                                      "min/max (AWQ's clipped layers keep their clips)")
         self.full_range = widgets.Checkbox(value=start.full_range, description="16 levels", indent=False,
                                            tooltip="symmetric codes over all 2^b levels with stretched ranges "
-                                                   "(llama.cpp's Q4_0 grid): lower KL on trained models, about 4x "
-                                                   "the search time (docs/quantize.md)")
+                                                   "(llama.cpp's Q4_0 grid): lowest KL at every width on trained "
+                                                   "models, about 4.6x the search time; GGUF export only, its "
+                                                   "scales are signed (docs/quantize.md)")
         self.eval_tokens = widgets.IntText(value=max_tokens or 0, description="eval tokens",
                                            tooltip="held-out tokens the cost is measured on; 0 = the whole text")
         self.data = widgets.Text(value=str(data or demo_text_path("calibration")), description="calibration",
