@@ -453,13 +453,20 @@ def test_qdq_decode_graph_scores_like_the_prefill_graph_on_the_demo_model(tmp_pa
     assert saved["decode"]["kl_divergence"] == d["kl_divergence"]
 
 
-def test_a_16_level_model_is_refused_by_a_device_target_before_any_graph(tiny_model_dir, tmp_path):
-    """The 16-level grid signs its group scales (llama.cpp's Q4_0); a device format cannot hold them, so
-    convert stops with the flag that fixes it and writes nothing."""
+def test_a_16_level_model_goes_to_matmulnbits_and_is_refused_by_a_device_target(tiny_model_dir, tmp_path):
+    """The 16-level grid signs its group scales (llama.cpp's Q4_0). MatMulNBits holds them (its output is the
+    simulation's); a device format cannot, so convert stops there with the flag that fixes it, writing nothing."""
     plan = QuantPlan.default_for("int4", group_size=32)
     assert plan.full_range
     signed = prepare_models(tiny_model_dir, plan=plan, importance=False)
     assert any((w.scales < 0).any() for w in signed.qm.weights.values())
+    report = convert(tiny_model_dir, "ort-int4", tmp_path / "int4", prepared=signed, accuracy_level=0, **EVAL)
+    inits = {i.name: i for i in onnx.load(str(tmp_path / "int4" / "prefill.onnx")).graph.initializer}
+    qw = signed.qm.weights["model.layers.0.mlp.down_proj"]
+    scales = onnx.numpy_helper.to_array(inits["model.layers.0.mlp.down_proj.weight.scales"])
+    assert (scales < 0).any() and (scales == qw.scales.numpy().repeat(32 // matmulnbits_block_size(32), axis=1)).all()
+    assert report.top1_agreement_vs_simulation >= 0.99  # float activations: the simulation's own numbers
+    assert abs(report.simulation["kl_divergence"] - report.kl_divergence) < 1e-3
     with pytest.raises(PlanError, match="--no-full-range"):
         convert(tiny_model_dir, "qnn", tmp_path / "qnn", prepared=signed)
     assert not (tmp_path / "qnn").exists()

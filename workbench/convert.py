@@ -542,17 +542,22 @@ class ConvertJob:
             ev.fill(self.report, ev.score(run_logits, desc), measured_on)
 
 
+SIGNED_SCALE_TARGETS = ("llama.cpp", "ort-int4", "ort-genai")  # formats whose group scales may be negative
+
+
 def check_signed_scales(target: str, qm) -> None:
     """The 16-level grid (``full_range``, `workbench quantize --bits`'s default) signs each group's scale, as
-    llama.cpp's Q4_0 does; only GGUF holds that. Refuse before any graph is built, naming the fix."""
-    if target == "llama.cpp" or not qm.plan.full_range:
+    llama.cpp's Q4_0 does; GGUF and onnxruntime's MatMulNBits (a float scale times code minus zero point) hold
+    that, the NPU formats do not. Refuse before any graph is built, naming the fix."""
+    if target in SIGNED_SCALE_TARGETS or not qm.plan.full_range:
         return
     signed = [n for n, w in qm.weights.items() if w.sub_scales is None and bool((w.scales < 0).any())]
     if signed:
         raise PlanError(f"{len(signed)} layer(s) (e.g. {signed[0]}) were rounded on the 16-level grid, whose group "
                         f"scales carry a sign (llama.cpp's Q4_0 layout), which {target} cannot hold: quantize again "
                         f"with `workbench quantize ... --no-full-range` (or \"full_range\": false in the plan), "
-                        f"or convert this model with --target llama.cpp")
+                        f"or convert this model with --target "
+                        f"{' / '.join(SIGNED_SCALE_TARGETS)}")
 
 
 def convert(model, target: str, out_dir: str | Path, *, plan: QuantPlan | str | Path | None = None,

@@ -76,8 +76,8 @@ class QuantizePanel(StepPanel):
         self.full_range = widgets.Checkbox(value=start.full_range, description="16 levels", indent=False,
                                            tooltip="symmetric codes over all 2^b levels with stretched ranges "
                                                    "(llama.cpp's Q4_0 grid): lowest KL at every width on trained "
-                                                   "models, about 4.6x the search time; GGUF export only, its "
-                                                   "scales are signed (docs/quantize.md)")
+                                                   "models, about 4.6x the search time; its scales are signed, "
+                                                   "so only GGUF and onnxruntime int4 hold it (docs/quantize.md)")
         self.eval_tokens = widgets.IntText(value=max_tokens or 0, description="eval tokens",
                                            tooltip="held-out tokens the cost is measured on; 0 = the whole text")
         self.data = widgets.Text(value=str(data or demo_text_path("calibration")), description="calibration",
