@@ -91,7 +91,9 @@ def test_decode_through_the_program_cache_matches_a_whole_prompt(bits4):
     np.testing.assert_allclose(np.stack(steps), whole[20:], atol=1e-4)
     with torch.no_grad():  # the exported module, run eagerly, computes the program's arithmetic
         eager = EtDecoder(prep.sim_lm.model, lm.max_length)(torch.tensor([ids]), torch.arange(len(ids)))[0].numpy()
-    assert np.mean(np.argmax(eager, -1) == np.argmax(whole, -1)) >= 0.95
+    # the program's int8 dynamic activations move logits by up to 0.7% of their range on the demo model (0.10 of
+    # 14.7); argmax agreement would test near-ties of arbitrary token ids, not the arithmetic
+    assert np.abs(eager - whole).max() < 0.02 * np.abs(eager).max()
     with pytest.raises(WorkbenchError, match=f"holds {lm.max_length} positions"):
         lm.logits(np.arange(1, lm.max_length + 2)[None])
 
