@@ -476,10 +476,10 @@ def importance_statistics(lm, data: str | Path | None = None, workspace: Workspa
                                  f"{CALIBRATE_SEQ_LEN} tokens of {name})")
     low, high = IMPORTANCE_SAMPLES
     samples = int(min(high, max(low, IMPORTANCE_BUDGET // (max(lm.parameters, 1) * IMPORTANCE_SEQ_LEN))))
-    cs, stats = calibrate(lm, data, samples=samples,
-                          seq_len=min(IMPORTANCE_SEQ_LEN, max_pos), workspace=ws, progress=progress)
+    seq_len = min(IMPORTANCE_SEQ_LEN, max_pos)
+    cs, stats = calibrate(lm, data, samples=samples, seq_len=seq_len, workspace=ws, progress=progress)
     how = "stored in the workspace" if stats.cached else "computed now, kept in the workspace"
-    return (cs, stats), (f"importance from {len(cs)} x {min(IMPORTANCE_SEQ_LEN, max_pos)} tokens of {name} ({how}; "
+    return (cs, stats), (f"importance from {len(cs)} x {seq_len} tokens of {name} ({how}; "
                          "`workbench calibrate` for more, --no-importance for none)")
 
 

@@ -53,7 +53,7 @@ from .runtime.onnx_runner import OnnxCausalLM
 from .models import LoadedModel, is_quantized_dir, load_model
 from .plan import QuantPlan
 from .textio import read_tokens
-from .targets import check_precisions, get_target, target_names
+from .targets import check_precisions, check_signed_scales, get_target, target_names
 from .workspace import atomic_write_json
 
 __all__ = ["CONVERT_TARGETS", "ConversionReport", "PreparedModels", "ConvertJob", "prepare_models", "convert",
@@ -542,24 +542,6 @@ class ConvertJob:
             ev.fill(self.report, ev.score(run_logits, desc), measured_on)
 
 
-SIGNED_SCALE_TARGETS = ("llama.cpp", "ort-int4", "ort-genai")  # formats whose group scales may be negative
-
-
-def check_signed_scales(target: str, qm) -> None:
-    """The 16-level grid (``full_range``, `workbench quantize --bits`'s default) signs each group's scale, as
-    llama.cpp's Q4_0 does; GGUF and onnxruntime's MatMulNBits (a float scale times code minus zero point) hold
-    that, the NPU formats do not. Refuse before any graph is built, naming the fix."""
-    if target in SIGNED_SCALE_TARGETS or not qm.plan.full_range:
-        return
-    signed = [n for n, w in qm.weights.items() if w.sub_scales is None and bool((w.scales < 0).any())]
-    if signed:
-        raise PlanError(f"{len(signed)} layer(s) (e.g. {signed[0]}) were rounded on the 16-level grid, whose group "
-                        f"scales carry a sign (llama.cpp's Q4_0 layout), which {target} cannot hold: quantize again "
-                        f"with `workbench quantize ... --no-full-range` (or \"full_range\": false in the plan), "
-                        f"or convert this model with --target "
-                        f"{' / '.join(SIGNED_SCALE_TARGETS)}")
-
-
 def convert(model, target: str, out_dir: str | Path, *, plan: QuantPlan | str | Path | None = None,
             bits: int | None = None, prepared: PreparedModels | None = None, text: str | Path | None = None,
             max_tokens: int | None = None, ctx: int | None = None, activation_bits: int = 16,
@@ -582,7 +564,7 @@ def convert(model, target: str, out_dir: str | Path, *, plan: QuantPlan | str | 
     t0 = time.perf_counter()
     prep = prepared or prepare_models(model, plan=plan, bits=bits, progress=progress, device=device)
     check_precisions(spec, prep.qm.precisions)
-    check_signed_scales(target, prep.qm)
+    check_signed_scales(spec, prep.qm)
     report_seconds = {"prepare": time.perf_counter() - t0}
     release_freed_memory()  # quantization's temporaries: hand their pages back before the graphs are built
     out = Path(out_dir)

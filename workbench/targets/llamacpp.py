@@ -175,7 +175,7 @@ def _read(path, lm, export=None) -> dict[str, str]:
 
 
 TARGET = register_target(Target(
-    "llama.cpp", "llama.cpp (GGUF)", rules=None, convert=convert_llamacpp, runnable=False,
+    "llama.cpp", "llama.cpp (GGUF)", rules=None, convert=convert_llamacpp, runnable=False, signed_scales=True,
     overrides=OverrideFormat("llamacpp", _write, _read), module=__name__, int_bits=(4, 5, 8),
     layouts=("int3-k", "int4-k", "int5-k", "int6-k", "int4-min", "int5-min"),
     precision_note="llama.cpp's blocks hold symmetric 4, 5 and 8-bit codes with a float16 scale per 32 weights "

@@ -622,5 +622,5 @@ def convert_ort_genai(job) -> None:
 
 TARGET = register_target(Target(
     "ort-genai", "ONNX Runtime CPU, fused graph for onnxruntime-genai (GroupQueryAttention, MatMulNBits)",
-    rules="ort", convert=convert_ort_genai, runnable=True, runner=GenaiCausalLM, files=(MODEL_FILE, GENAI_CONFIG),
+    rules="ort", convert=convert_ort_genai, runnable=True, signed_scales=True, runner=GenaiCausalLM, files=(MODEL_FILE, GENAI_CONFIG),
     module=__name__))

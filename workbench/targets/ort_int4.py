@@ -317,6 +317,7 @@ def open_graphs(folder: str | Path, *, threads: int | None = None) -> OnnxCausal
 
 TARGET = register_target(Target(
     "ort-int4", "ONNX Runtime CPU, INT4/INT8 MatMulNBits", rules="ort", convert=convert_ort_int4, runnable=True,
+    signed_scales=True,
     runner=open_graphs, files=("prefill.onnx", "decode.onnx"), module=__name__, int_bits=NBITS,
     two_level=tuple((b, k) for b in NBITS for k in range(1, 9)),
     precision_note="onnxruntime's CPU MatMulNBits runs 2, 4 and 8-bit codes only; int3, int5 and int6 run in the "

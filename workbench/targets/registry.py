@@ -66,6 +66,7 @@ class Target:
     two_level: tuple[tuple[int, int], ...] = ()  # (code bits, sub-scale bits) of two-level scales it carries exactly
     layouts: tuple[str, ...] = ()  # precisions with a fixed block layout (``int3-k``) it stores as they are
     precision_note: str = ""  # why it carries no other precisions, said when it refuses one
+    signed_scales: bool = False  # group scales may be negative (the 16-level grid's, as GGUF's Q4_0 and MatMulNBits)
 
     def carries(self, precision: Precision) -> bool:
         """Whether this target carries ``precision`` as the plan stores it (bit width, and scales)."""
@@ -165,6 +166,21 @@ def _describe(p: Precision) -> str:
 
 def _layers_text(layers: list[str]) -> str:
     return ", ".join(layers[:3]) + (f" and {len(layers) - 3} more" if len(layers) > 3 else "")
+
+
+def check_signed_scales(target: Target, qm) -> None:
+    """The 16-level grid (``full_range``, `workbench quantize --bits`'s default) signs each group's scale, as
+    llama.cpp's Q4_0 does; a target without ``signed_scales`` cannot hold that. Refuse before any graph is built,
+    naming the fix."""
+    if target.signed_scales or not qm.plan.full_range:
+        return
+    signed = [n for n, w in qm.weights.items() if w.sub_scales is None and bool((w.scales < 0).any())]
+    if signed:
+        holders = " / ".join(t.name for t in _TARGETS.values() if t.signed_scales)
+        raise PlanError(f"{len(signed)} layer(s) (e.g. {signed[0]}) were rounded on the 16-level grid, whose group "
+                        f"scales carry a sign (llama.cpp's Q4_0 layout), which {target.name} cannot hold: quantize "
+                        f"again with `workbench quantize ... --no-full-range` (or \"full_range\": false in the plan), "
+                        f"or convert this model with --target {holders}")
 
 
 def check_precisions(target: Target, precisions: Mapping[str, str | None] | Iterable[str | None],
