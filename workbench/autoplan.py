@@ -29,7 +29,7 @@ from .evaluate import EvalReport, evaluate, paired_difference
 from .models import LoadedModel
 from .plan import DEFAULT_GROUP_SIZE, QuantPlan, fitting_precisions, get_precision
 from .quantize.model import bits_per_weight
-from .sensitivity import PlanEvaluator, SensitivityReport
+from .sensitivity import LayerVariants, PlanEvaluator, SensitivityReport
 
 __all__ = ["PlanPrediction", "PlanPoint", "Refinement", "refine_plan", "budget_bytes", "check_budget", "plan_footprint", "predict_damage", "plan_for_budget", "measure_plan",
            "pareto_points", "compare_points", "DEFAULT_CHOICES"]
@@ -279,17 +279,32 @@ def _moves(lm: LoadedModel, sensitivity: SensitivityReport, assign: Mapping[str,
     return sorted(out, key=lambda m: -m[0])
 
 
+def _refine_trial(evaluator: PlanEvaluator, task: tuple) -> float:
+    """One refinement move measured: the whole plan (``task``: its sorted layer -> precision pairs)."""
+    return evaluator.evaluate_assignments(dict(task), desc="refine").kl_divergence
+
+
+def _refine_worker_state(payload: tuple) -> PlanEvaluator:
+    """A remote worker's evaluator for refinement moves, rounding as the caller's does and keeping codes."""
+    lm, ids, ctx, batch_size, settings = payload
+    return PlanEvaluator(lm, ids, ctx=ctx, batch_size=batch_size, variants=LayerVariants(lm, **settings))
+
+
 def refine_plan(lm: LoadedModel, sensitivity: SensitivityReport, prediction: PlanPrediction,
                 evaluator: PlanEvaluator, *, trials: int = 12, per_round: int = 3,
                 choices: Sequence[str] | None = DEFAULT_CHOICES, metric: str = "kl",
-                progress: bool = False, targets: Sequence[str] = ()) -> Refinement:
+                progress: bool = False, targets: Sequence[str] = (), backend=None) -> Refinement:
     """Greedy refinement by measured KL: the predicted damages assume layers do not interact; they do.
 
     Each round measures the ``per_round`` moves with the best predicted gain (a unit to another
     precision, paid for by lowering another unit when the budget is full) and keeps the one that
     lowers the measured KL most; it stops when no move measured helps or after ``trials`` measurements.
+    A round's moves are independent: ``backend`` (``workbench.sweep_backends``) measures them side by side.
     """
     from tqdm.auto import tqdm
+
+    from .sweep_backends import LocalBackend
+    backend = backend or LocalBackend()
     t0 = time.perf_counter()
     gs, sym = sensitivity.group_size, sensitivity.symmetric
     if not evaluator.variants.matches(QuantPlan(default=None, **sensitivity.quantizer_settings)):
@@ -301,16 +316,25 @@ def refine_plan(lm: LoadedModel, sensitivity: SensitivityReport, prediction: Pla
     units = _units(lm, [layer.name for layer in sensitivity.layers])
     start = current = evaluator.evaluate_assignments(assign, desc="refine").kl_divergence
     moves, tried, seen = [], 0, set()
+    # one object for every round: a backend holding workers (``with backend:``) reuses them for it
+    payload = (lm, evaluator.ids, evaluator.ctx, evaluator.batch_size, dict(evaluator.variants.settings.quantizer_settings))
     with tqdm(total=trials, desc="refine plan (measured)", unit="trial", disable=not progress, leave=False) as bar:
         while tried < trials:
             candidates = [m for m in _moves(lm, sensitivity, assign, units, choices, prediction.budget_bytes, gs, sym,
                                             metric) if tuple(sorted(m[1].items())) not in seen][:per_round]
             best = None
-            for _gain, change in candidates[:trials - tried]:
-                seen.add(tuple(sorted(change.items())))
-                kl = evaluator.evaluate_assignments({**assign, **change}, desc="refine").kl_divergence
-                tried += 1
+            batch = [tuple(sorted({**assign, **change}.items())) for _gain, change in candidates[:trials - tried]]
+            measured: dict[tuple, float] = {}
+
+            def done(task: tuple, kl: float) -> None:
+                measured[task] = kl
                 bar.update(1)
+
+            backend.run(batch, _refine_trial, done, state=evaluator, setup=_refine_worker_state, payload=payload)
+            for (_gain, change), task in zip(candidates, batch):  # in predicted order: ties go as serially
+                seen.add(tuple(sorted(change.items())))
+                tried += 1
+                kl = measured[task]
                 if kl < current and (best is None or kl < best[0]):
                     best = (kl, change)
             if best is None:

@@ -3,7 +3,9 @@
 A sweep hands a backend its tasks (small, picklable: a layer and a precision), a ``setup`` that builds
 the per-worker state from one ``payload`` (the model and the evaluation tokens), and ``fn(state, task)``.
 ``LocalBackend`` runs them one after another in this process, as the workbench always has.
-``RayBackend`` puts the payload into Ray's object store once, starts one actor per worker that builds
+``ProcessBackend`` runs them on worker processes of this machine, forked from this one: each inherits the
+caller's state (the model, its reference outputs, the baseline) copy-on-write, so nothing is pickled or
+loaded twice and no service is started. ``RayBackend`` puts the payload into Ray's object store once, starts one actor per worker that builds
 its state once, and streams each result back as it finishes; the caller stores every result as it
 arrives, so a stopped sweep resumes from what was finished, on either backend.
 
@@ -16,11 +18,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import resource
 from typing import Any, Callable, Iterable
 
 from .errors import WorkbenchError
 
-__all__ = ["RAY_ENV", "RAY_INSTALL", "LocalBackend", "RayBackend", "backend_for", "import_ray"]
+__all__ = ["RAY_ENV", "RAY_INSTALL", "LocalBackend", "ProcessBackend", "RayBackend", "backend_for", "import_ray"]
 
 RAY_INSTALL = "pip install ray==2.60.0 -c constraints.txt"
 RAY_ENV = {
@@ -67,7 +70,17 @@ def loopback_http_proxy():
                 os.environ[k] = v
 
 
-class LocalBackend:
+class _Backend:
+    """``with backend:`` holds what a backend starts (a Ray, its workers) across several runs; a no-op here."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
+class LocalBackend(_Backend):
     """Every task in this process, in order: what a sweep does without ``--ray``."""
 
     name = "local"
@@ -80,14 +93,105 @@ class LocalBackend:
             on_result(task, fn(state, task))
 
 
-class RayBackend:
+def peak_resident_bytes() -> int:
+    """This process's peak resident memory (Linux ``ru_maxrss``; pages shared with a parent count in full)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def private_bytes() -> int:
+    """This process's own memory now: resident pages no other process shares (0 where /proc is missing)."""
+    try:
+        text = open("/proc/self/smaps_rollup", encoding="ascii").read()
+    except OSError:
+        return 0
+    return sum(int(line.split()[1]) * 1024 for line in text.splitlines()
+               if line.startswith(("Private_Clean:", "Private_Dirty:")))
+
+
+_INHERITED: tuple | None = None  # (fn, state) while a ProcessBackend runs: what its forked workers inherit
+
+
+def _worker_start(threads: int) -> None:
+    import signal
+
+    import torch
+    torch.set_num_threads(threads)  # OpenMP's pool is not carried across fork: the worker sizes its own
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the caller, which stops the workers
+
+
+def _worker_task(task):
+    fn, state = _INHERITED
+    result = fn(state, task)
+    return result, os.getpid(), peak_resident_bytes(), private_bytes()
+
+
+class ProcessBackend(_Backend):
+    """Tasks on ``workers`` processes of this machine, forked from this one after the state is built.
+
+    Each worker inherits the caller's state copy-on-write (the model's weights stay one copy in memory), runs
+    with ``threads`` torch threads, and returns each result as it finishes. A worker that dies (the
+    kernel's out-of-memory killer, a signal) stops the run with an error; the results already handed to
+    ``on_result`` stay kept, so the sweep resumes from them. Linux and macOS (fork); no service, no Ray.
+    """
+
+    name = "processes"
+
+    def __init__(self, workers: int = 2, *, threads: int = 1):
+        if workers < 1:
+            raise WorkbenchError(f"a sweep needs at least 1 worker, got {workers}")
+        self.workers, self.threads = int(workers), max(1, int(threads))
+        self.peaks: dict[int, int] = {}  # worker pid -> its peak resident bytes (shared model pages included)
+        self.private: dict[int, int] = {}  # worker pid -> its largest private bytes (its own, after a task)
+
+    def run(self, tasks: Iterable, fn: Callable[[Any, Any], Any], on_result: Callable[[Any, Any], None], *,
+            state: Any = None, setup: Callable[[Any], Any] | None = None, payload: Any = None) -> None:
+        global _INHERITED
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor, as_completed
+        from concurrent.futures.process import BrokenProcessPool
+        tasks = list(tasks)
+        if state is None:
+            state = setup(payload)  # built once, here: every worker inherits it
+        n = min(self.workers, len(tasks))
+        self.peaks, self.private = {}, {}
+        if n <= 1:
+            LocalBackend().run(tasks, fn, on_result, state=state)
+            return
+        try:
+            context = multiprocessing.get_context("fork")
+        except ValueError:
+            raise WorkbenchError("local worker processes need fork (Linux, macOS); use --workers 1 or --ray auto") \
+                from None
+        _INHERITED = (fn, state)
+        pool = ProcessPoolExecutor(n, mp_context=context, initializer=_worker_start, initargs=(self.threads,))
+        try:
+            futures = {pool.submit(_worker_task, task): task for task in tasks}
+            for future in as_completed(futures):
+                try:
+                    result, pid, peak, private = future.result()
+                except BrokenProcessPool:
+                    raise WorkbenchError(f"a sweep worker process died (out of memory, or killed) after "
+                                         f"{sum(f.done() for f in futures)} of {len(tasks)} tasks; the finished "
+                                         "ones are kept: rerun to resume, with fewer --workers if memory ran "
+                                         "out") from None
+                self.peaks[pid] = max(self.peaks.get(pid, 0), peak)
+                self.private[pid] = max(self.private.get(pid, 0), private)
+                on_result(futures[future], result)
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+            _INHERITED = None
+
+
+class RayBackend(_Backend):
     """Tasks on Ray actors: one per worker, each building its state once from the payload in the object store.
 
     ``address``: ``auto`` starts a Ray for this process on 127.0.0.1 (no dashboard); anything else is a
     running cluster's address to join. A process already connected to Ray (``ray.is_initialized()``)
     uses that connection. ``workers`` defaults to the cluster's CPUs / ``worker_cpus``; ``threads`` is
     each worker's torch thread count. Actors are spread over the nodes and restarted elsewhere when a node
-    is lost; the task they held is retried there, and the move is logged.
+    is lost; the task they held is retried there, and the move is logged. Inside ``with backend:`` the Ray
+    and its actors outlive each run: a later run with the same ``setup`` and ``payload`` object reuses the
+    actors' state (the refinement's rounds), and everything is released when the block ends.
     """
 
     name = "ray"
@@ -102,6 +206,27 @@ class RayBackend:
         self.started = False  # whether this backend started the Ray it uses (and shuts it down)
         self.nodes: dict[Any, str] = {}  # task -> the node that ran it, for the last run
         self.peaks: dict[int, int] = {}  # worker -> its peak resident bytes (Linux ru_maxrss), for the last run
+        self._held = False  # inside ``with``: keep Ray and the actors between runs
+        self._actors: tuple | None = None  # ((setup, id(payload)), actors) of the last run
+
+    def __enter__(self):
+        self._connect()
+        self._held = True
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._held = False
+        self._release(import_ray())
+
+    def _release(self, ray) -> None:
+        """Kill the kept actors (a stopped sweep leaves none holding the cluster's CPUs); stop a Ray we started."""
+        if self._actors is not None:
+            for actor in self._actors[1]:
+                ray.kill(actor)
+            self._actors = None
+        if self.started:
+            ray.shutdown()
+            self.started = False
 
     def _connect(self):
         if self.address == "auto":  # single-machine mode: every Ray process takes 127.0.0.1 as its address,
@@ -130,16 +255,27 @@ class RayBackend:
         try:
             self._run(ray, tasks, fn, on_result, setup, payload)
         finally:
-            if self.started:
-                ray.shutdown()
-                self.started = False
+            if not self._held:
+                self._release(ray)
 
-    def _run(self, ray, tasks, fn, on_result, setup, payload) -> None:
+    def _workers_for(self, ray, setup, payload, wanted: int) -> list:
+        """The actors for this setup and payload: the kept ones when they match, else new ones."""
+        key = (setup, id(payload))
+        if self._actors is not None and self._actors[0] == key:
+            return self._actors[1]
+        if self._actors is not None:
+            for actor in self._actors[1]:
+                ray.kill(actor)
         worker_cls = ray.remote(_Worker).options(num_cpus=self.worker_cpus, max_restarts=-1, max_task_retries=-1,
                                                  scheduling_strategy="SPREAD")
         n = self.workers or max(1, int(ray.cluster_resources().get("CPU", 1) // self.worker_cpus))
         ref = ray.put(payload)  # once: every actor reads it from the object store, no task carries it
-        actors = [worker_cls.remote(setup, ref, self.threads) for _ in range(min(n, len(tasks)))]
+        n = n if self._held else min(n, wanted)  # kept actors serve later, larger runs too
+        self._actors = (key, [worker_cls.remote(setup, ref, self.threads) for _ in range(n)])
+        return self._actors[1]
+
+    def _run(self, ray, tasks, fn, on_result, setup, payload) -> None:
+        actors = self._workers_for(ray, setup, payload, len(tasks))
         queue = list(reversed(tasks))
         running: dict[Any, tuple[int, Any]] = {}
         self.nodes, self.peaks = {}, {}
@@ -148,11 +284,7 @@ class RayBackend:
             task = queue.pop()
             running[actors[i].run.remote(fn, task)] = (i, task)
 
-        try:
-            self._stream(ray, actors, queue, running, submit, on_result)
-        finally:  # a stopped sweep leaves no actor holding the cluster's CPUs
-            for actor in actors:
-                ray.kill(actor)
+        self._stream(ray, actors[:len(tasks)], queue, running, submit, on_result)
 
     def _stream(self, ray, actors, queue, running, submit, on_result) -> None:
         last_node: dict[int, str] = {}
@@ -182,13 +314,15 @@ class _Worker:
         self.state = setup(payload)
 
     def run(self, fn, task):
-        import resource
-
         import ray
         result = fn(self.state, task)
-        return result, ray.get_runtime_context().get_node_id(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return result, ray.get_runtime_context().get_node_id(), peak_resident_bytes()
 
 
-def backend_for(ray_address: str | None, **kw):
-    """``LocalBackend()`` without an address, else a ``RayBackend`` for it (``auto``: a Ray on 127.0.0.1)."""
-    return LocalBackend() if not ray_address else RayBackend(ray_address, **kw)
+def backend_for(ray_address: str | None = None, workers: int | None = None):
+    """Where a sweep runs: a ``RayBackend`` when an address is given (``auto``: a Ray on 127.0.0.1; ``workers``
+    None: one per CPU of the cluster), else ``workers`` local processes (``ProcessBackend``), else this
+    process (``LocalBackend``, for ``workers`` None or 1)."""
+    if ray_address:
+        return RayBackend(ray_address, workers=workers)
+    return ProcessBackend(workers) if workers and workers > 1 else LocalBackend()

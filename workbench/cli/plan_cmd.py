@@ -28,7 +28,7 @@ from ..plan import QuantPlan
 from ..sensitivity import LayerVariants, PlanEvaluator, evaluation_tokens
 from ..units import format_bytes
 from .common import count, number, add_device_argument, add_json_flag, add_model_argument, print_json
-from .sensitivity import add_sweep_arguments, sweep
+from .sensitivity import add_sweep_arguments, sweep, sweep_backend
 from ..targets.qnn import RECIPE, recipe_plan
 
 PRESETS = {RECIPE: recipe_plan}
@@ -74,6 +74,12 @@ def run(args) -> int:
     if args.preset:
         return _run_preset(args, lm, raised)
     budget = budget_bytes(lm, size_bytes=args.size, bits_per_weight=args.bits_per_weight)
+    with sweep_backend(args) as backend:  # one Ray (or none) for the sweep and the refinement's rounds
+        return _run_budget(args, lm, budget, raised, backend)
+
+
+def _run_budget(args, lm, budget: int, raised: list[str], backend) -> int:
+    """The plan the sweep's damages choose within ``budget`` bytes, refined and measured."""
     targets = tuple(args.target)
     soc = None
     if args.soc:
@@ -81,7 +87,7 @@ def run(args) -> int:
         soc = htp_soc(args.soc)  # an unknown device, or one without an HTP, before the sweep
         targets = targets if "qnn" in targets else (*targets, "qnn")
     check_budget(lm, budget, group_size=args.group_size or None, symmetric=not args.asymmetric, targets=targets)
-    sens = sweep(lm, args, progress=not args.json)
+    sens = sweep(lm, args, progress=not args.json, backend=backend)
     choices, soc_info = None, None
     if soc is not None:
         from ..targets.htp import soc_plan_changes, soc_runs
@@ -110,7 +116,7 @@ def run(args) -> int:
     refinement = None
     if args.refine > 0:
         refinement = refine_plan(lm, sens, auto, evaluator, trials=args.refine, progress=not args.json,
-                                 targets=targets, choices=choices)
+                                 targets=targets, choices=choices, backend=backend)
         auto = refinement.prediction
     if raised:
         plan = auto.plan

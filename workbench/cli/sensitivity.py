@@ -6,7 +6,8 @@
 
 ``--score kl`` measures every trial, ``--score proxy`` estimates them all in one forward and
 backward pass (Fisher-weighted weight error), ``auto`` (default) measures small models and
-estimates large ones; the output says which was used. ``--ray auto`` runs the measured trials on a
+estimates large ones; the output says which was used. ``--workers N`` runs the measured trials on N
+processes of this machine (forked: the model is not copied), ``--ray auto`` runs the measured trials on a
 Ray started on 127.0.0.1 for the run, ``--ray ADDRESS`` on a running cluster (docs/sweeps.md); the
 results are the same as without it. Results are cached in the workspace
 (``--workspace``, default ./workspace) and a measured sweep resumes where it stopped when interrupted.
@@ -37,7 +38,10 @@ def add_sweep_arguments(p) -> None:
     p.add_argument("--ray", metavar="auto|ADDRESS",
                    help="run the measured trials on Ray: auto starts one on 127.0.0.1 for this run, ADDRESS joins a "
                         "running cluster (default: in this process, no service); needs `pip install ray==2.60.0`")
-    p.add_argument("--ray-workers", type=count(1), help="Ray workers (default: one per CPU of the cluster)")
+    p.add_argument("--workers", "--ray-workers", dest="workers", type=count(1),
+                   help="processes the measured trials run on: on this machine without --ray (default 1: this "
+                        "process; each worker inherits the loaded model, no copy), Ray workers with it (default: one "
+                        "per CPU of the cluster)")
     add_device_argument(p)
 
 
@@ -49,9 +53,14 @@ def add_arguments(p):
     add_json_flag(p)
 
 
-def sweep(lm, args, progress: bool):
+def sweep_backend(args):
+    """Where the measured trials run, from ``--ray`` and ``--workers``."""
     from ..sweep_backends import backend_for
-    backend = backend_for(getattr(args, "ray", None), workers=getattr(args, "ray_workers", None))
+    return backend_for(getattr(args, "ray", None), workers=getattr(args, "workers", None))
+
+
+def sweep(lm, args, progress: bool, backend=None):
+    backend = backend or sweep_backend(args)
     chosen = getattr(args, "precisions", None)
     precisions = tuple(chosen.split(",")) if chosen else None
     return run_sensitivity(lm, text_path=args.data, tokens=args.tokens, precisions=precisions,
