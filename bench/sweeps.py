@@ -1,0 +1,127 @@
+"""The measured sensitivity sweep serial, on local worker processes and on a two-node Ray cluster on this
+machine: wall time, tasks per second, peak memory per worker, whether the results are identical, and what
+8 and 32 workers would take.
+
+    python bench/sweeps.py [--model demo] [--tokens 1024] [--precisions int8,int4] [--workers 2]
+                           [--runs serial,processes,ray] [--threads 2]
+    python bench/sweeps.py --model ~/.cache/workbench-bench/shapes/qwen2.5-0.5b --tokens 256 --precisions int4
+
+Each run is its own child process (its peak memory is its own; no run warms the next). ``serial`` is the
+workbench's default (this process, ``--threads`` torch threads); ``processes`` is ``--workers N`` (forked
+workers, one thread each, the model shared copy-on-write); ``ray`` is ``ray.cluster_utils.Cluster`` with two
+nodes of N/2 CPUs on this machine, one actor per CPU, each loading the model from Ray's object store.
+Peak memory per worker is its peak resident set (shared pages count in full in each); for processes the
+private part (what the worker adds) is shown beside it. The projection to 8 and 32 workers is arithmetic
+from the measured per-trial time and start-up, not a measurement.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+RUNS = ("serial", "processes", "ray")
+
+
+def one_run(args) -> dict:
+    """The sweep on one backend, in this process: what the parent prints a row of."""
+    import torch
+
+    from workbench.models import load_model
+    from workbench.sensitivity import run_sensitivity
+    from workbench.sweep_backends import ProcessBackend, RayBackend, peak_resident_bytes
+
+    torch.set_num_threads(args.threads)
+    t_load = time.perf_counter()
+    lm = load_model(args.model)
+    t_load = time.perf_counter() - t_load
+    kw = dict(tokens=args.tokens, precisions=tuple(args.precisions.split(",")), score="kl", progress=False)
+    cluster = None
+    if args.one == "serial":
+        backend = None
+    elif args.one == "processes":
+        backend = ProcessBackend(args.workers)
+    else:
+        from workbench.sweep_backends import import_ray
+        ray = import_ray()
+        from ray.cluster_utils import Cluster
+        half = max(1, args.workers // 2)
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": half, "include_dashboard": False,
+                                                                 "node_ip_address": "127.0.0.1"})
+        cluster.add_node(num_cpus=args.workers - half, node_ip_address="127.0.0.1")
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, log_to_driver=False)
+        backend = RayBackend("joined", workers=args.workers)
+    t0 = time.perf_counter()
+    report = run_sensitivity(lm, **kw, backend=backend)
+    wall = time.perf_counter() - t0
+    out = {"run": args.one, "model": str(lm.name), "layers": len(report.layers), "trials": report.trials_run,
+           "wall": wall, "load": t_load, "trial_seconds": report.seconds, "damage": [x.damage for x in report.layers],
+           "peak": peak_resident_bytes(), "workers": {}, "nodes": 0}
+    if args.one == "processes":
+        out["workers"] = {str(pid): [backend.peaks[pid], backend.private[pid]] for pid in backend.peaks}
+    elif args.one == "ray":
+        out["workers"] = {str(i): [p, None] for i, p in backend.peaks.items()}
+        out["nodes"] = len(set(backend.nodes.values()))
+        ray.shutdown()
+        cluster.shutdown()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="demo")
+    ap.add_argument("--tokens", type=int, default=1024)
+    ap.add_argument("--precisions", default="int8,int4")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2, help="torch threads of the serial run")
+    ap.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {','.join(RUNS)}")
+    ap.add_argument("--one", choices=RUNS, help=argparse.SUPPRESS)  # a child: one run, JSON on stdout
+    args = ap.parse_args()
+    if args.one:
+        print(json.dumps(one_run(args)))
+        return
+    from workbench.units import format_bytes
+    rows = []
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]) + os.pathsep
+           + os.environ.get("PYTHONPATH", "")}
+    for run in args.runs.split(","):
+        cmd = [sys.executable, __file__, "--one", run, "--model", args.model, "--tokens", str(args.tokens),
+               "--precisions", args.precisions, "--workers", str(args.workers), "--threads", str(args.threads)]
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        if done.returncode != 0:
+            print(f"{run}: failed\n{done.stderr[-3000:]}")
+            continue
+        rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    if not rows:
+        return
+    first = rows[0]
+    n = first["trials"]
+    print(f"{first['model']}: {n} trials ({first['layers']} layers x {args.precisions}), {args.tokens:,} tokens, "
+          f"{os.cpu_count()} CPUs")
+    print(f"{'run':<26} {'wall s':>8} {'tasks/s':>8} {'vs serial':>9}  peak memory per worker (private)")
+    serial = next((r for r in rows if r["run"] == "serial"), None)
+    for r in rows:
+        label = {"serial": f"serial ({args.threads} threads)", "processes": f"{args.workers} local processes",
+                 "ray": f"Ray, 2 nodes, {args.workers} workers"}[r["run"]]
+        ratio = f"{r['wall'] / serial['wall']:.2f}x" if serial else "-"
+        mem = ", ".join(format_bytes(p) + (f" ({format_bytes(q)})" if q else "") for p, q in r["workers"].values()) \
+            or f"{format_bytes(r['peak'])} (the whole process)"
+        print(f"{label:<26} {r['wall']:>8.1f} {r['trials'] / r['wall']:>8.2f} {ratio:>9}  {mem}")
+        if serial and r is not serial:
+            print(f"{'':<26} results identical to serial: {r['damage'] == serial['damage']}"
+                  + (f"; ran on {r['nodes']} nodes" if r["run"] == "ray" else ""))
+    if serial:
+        per_task = serial["trial_seconds"] / n
+        setup = max(0.0, serial["wall"] - serial["trial_seconds"])  # reference and baseline passes
+        for w in (8, 32):
+            print(f"projected on {w} workers: {setup + per_task * n / w:,.1f} s (measured {per_task:.3f} s per "
+                  f"trial on one {args.threads}-thread process, {setup:.1f} s for the reference and baseline)")
+
+
+if __name__ == "__main__":
+    main()
