@@ -137,20 +137,42 @@ def vendor_cases() -> None:
 
 
 def residuals() -> None:
-    """Which feature, if any, the decode residuals follow: each group's held-out median error with other term sets,
-    and each family's in-sample error (`python bench/projection.py --residuals`)."""
-    from workbench.vendor_fit import family_residuals, residual_study, vendor_fits
-    names = None
-    for f in vendor_fits().values():
-        if len(f.models) < 4 or f.rows[0].get("reference_chipset"):
-            continue
-        study = residual_study(f)
-        if names is None:
-            names = list(study)
-            print(f"{'device':<24} {'runtime':<7} " + " ".join(f"{n:>12}" for n in names)
-                  + "  in sample, per family")
-        fams = ", ".join(f"{k} {v:+.0%}" for k, v in family_residuals(f).items())
-        print(f"{f.vendor_device:<24} {f.runtime:<7} " + " ".join(f"{_pct(study[n]):>12}" for n in names) + f"  {fams}")
+    """Which feature, if any, the residuals follow: each group's held-out median error of decode and of the first token
+    with other term sets and a fit on absolute error, each family's in-sample decode error, how much of each miss one
+    build's rows carry, and Genie against QAIRT on the same chip (`python bench/projection.py --residuals`)."""
+    from workbench.vendor_fit import (family_residuals, residual_study, runtime_ratios, vendor_fits,
+                                      without_each_model)
+    fits = [f for f in vendor_fits().values() if len(f.models) >= 4 and not f.rows[0].get("reference_chipset")]
+    for what, target, tail in (("decode", "decode_ms", "  in sample, per family"), ("ttft", "ttft_ms", "")):
+        print(f"{what}: held out by model, median |error|, per term set (goal {GOALS[what]:.0%})")
+        names = None
+        for f in fits:
+            study = residual_study(f, target)
+            if names is None:
+                names = list(study)
+                print(f"{'device':<24} {'runtime':<7} " + " ".join(f"{n:>13}" for n in names) + tail)
+            fams = ", ".join(f"{k} {v:+.0%}" for k, v in family_residuals(f).items()) if what == "decode" else ""
+            print(f"{f.vendor_device:<24} {f.runtime:<7} " + " ".join(f"{_pct(study[n]):>13}" for n in names)
+                  + (f"  {fams}" if fams else ""))
+        print()
+    print("the misses with one build's rows taken out of the data (the headline keeps every row)")
+    for f in fits:
+        for what, target in (("decode", "decode_ms"), ("ttft", "ttft_ms")):
+            lf = getattr(f, what)
+            if lf is None or lf.median_error is None or lf.median_error <= GOALS[what]:
+                continue
+            print(f"{f.vendor_device} {f.runtime} {what} {_pct(lf.median_error)}")
+            for by in ("model", "shape"):
+                without = ", ".join(f"{m.removesuffix('-Instruct')} {_pct(e)}"
+                                    for m, e in without_each_model(f, target, by).items())
+                print(f"  without one {'build' if by == 'model' else 'shape (all its builds)'}: {without}")
+    print()
+    print("Genie / QAIRT on the same chip, the same model, 4,096 tokens (the same context binaries): decode tokens/s, "
+          "first-token time")
+    for device, ratios in runtime_ratios().items():
+        cells = ", ".join(f"{m.removesuffix('-Instruct')} {d:.2f}/{'-' if t is None else f'{t:.2f}'}"
+                          for m, d, t in ratios)
+        print(f"{device:<24} {cells}")
     print()
 
 

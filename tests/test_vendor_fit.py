@@ -271,3 +271,58 @@ def test_the_residual_study_finds_a_feature_the_measurements_follow(tmp_path):
     assert study["+ parts"] == pytest.approx(0, abs=1e-6)  # the law is found, held out
     assert study["weights only"] > 0.02 and study["as fitted"] > 0.02  # without it the parts show as error
     assert set(family_residuals(fit)) == {"qwen3", "llama"}
+
+
+def test_the_absolute_error_fit_passes_through_the_rows_one_far_off_row_aside():
+    from workbench.vendor_fit import _nlad_relative, _nnls_relative
+    xs = [0.4, 0.8, 1.0, 1.8, 2.2, 4.0]
+    y = [2.0 + 30.0 * x for x in xs]
+    y[2] *= 2.0  # one measurement twice as slow as the law
+    x = [[1.0, v] for v in xs]
+    assert _nlad_relative(x, y) == pytest.approx([2.0, 30.0], rel=1e-9)  # the other five, exactly
+    assert _nnls_relative(x, y) != pytest.approx([2.0, 30.0], rel=0.02)  # squares are pulled by it
+    assert _nlad_relative([[1.0, v] for v in xs], [1.0 - 0.1 * v for v in xs])[1] == 0.0  # never a negative slope
+
+
+def test_the_first_token_study_finds_attention_over_the_whole_context(tmp_path):
+    from workbench.vendor_fit import residual_study, study_features
+    path = _synthetic(tmp_path, lambda f: 2.0 + 20.0 * f["weights_gb"] + 50.0 * f["kv_gb"])
+    data = json.loads(path.read_text())
+    for r in data["measurements"]:  # a 128-token graph that attends to every slot of its cache
+        r["ttft_ms"] = 5.0 + 40.0 * study_features(r, measurement_features(r))["tflop_ctx"]
+    path.write_text(json.dumps(data))
+    (fit,) = vendor_fits(path).values()
+    study = residual_study(fit, "ttft_ms")
+    assert study["attn. to ctx"] == pytest.approx(0, abs=1e-6)  # the law, held out
+    assert study["as fitted"] > 0.005 and study["FLOPs only"] > 0.02
+    assert residual_study(fit)["as fitted"] == pytest.approx(0, abs=1e-9)  # decode follows its own law
+
+
+def test_without_each_model_names_the_rows_that_carry_an_error(tmp_path):
+    from workbench.vendor_fit import without_each_model
+    path = _synthetic(tmp_path, lambda f: 2.0 + 20.0 * f["weights_gb"] + 50.0 * f["kv_gb"])
+    data = json.loads(path.read_text())
+    for r in data["measurements"]:
+        if r["model"] == "qwen3-1.7b":
+            r["decode_tps"] /= 2.5  # one model measured far slower than its siblings
+    path.write_text(json.dumps(data))
+    (fit,) = vendor_fits(path).values()
+    assert fit.decode.median_error > 0.05
+    without = without_each_model(fit)
+    assert without["qwen3-1.7b"] == pytest.approx(0, abs=1e-6)
+    assert min(e for m, e in without.items() if m != "qwen3-1.7b") > 0.05
+    assert set(without_each_model(fit, by="shape")) == set(without)
+
+
+def test_genie_and_qairt_run_the_same_binaries_and_the_rows_named_in_the_docs_stand_apart():
+    from workbench.vendor_fit import runtime_ratios
+    ratios = runtime_ratios()
+    assert "Dragonwing Q-8750" not in ratios  # a copy of the S25's rows
+    decode = {(d, m): r for d, rs in ratios.items() for m, r, _ in rs}
+    ttft = {(d, m): t for d, rs in ratios.items() for m, _, t in rs}
+    xe = "Snapdragon X Elite CRD"
+    assert decode[(xe, "Qwen3-1.7B")] == pytest.approx(0.42, abs=0.01)
+    assert min(r for (d, _), r in decode.items() if d != xe) >= 0.84  # Genie keeps up with QAIRT everywhere else
+    assert sum(r < 0.7 for (d, _), r in decode.items() if d == xe) == 5  # of its 7 models
+    assert ttft[("Arduino VENTUNO Q", "Llama-v3.2-3B-Instruct")] == pytest.approx(2.15, abs=0.01)
+    assert max(t for (d, m), t in ttft.items() if d == "Dragonwing IQ-9075 EVK") < 1.01  # its sibling board

@@ -15,8 +15,10 @@ per (device, runtime, precision):
 - peak memory = a + k * (resident weights + KV cache); k alone below four models.
 
 The KV cache a step reads is the runtime's (``DeviceRuntime.kv_tokens``: a static HTP graph reads its whole context,
-llama.cpp and RKLLM the tokens held). ``residual_study`` holds a fit's decode residuals against other term sets
-(parts of the split graph, layers, the lm_head apart, a byte rate per family), each held out the same way.
+llama.cpp and RKLLM the tokens held). ``residual_study`` holds a fit's decode or first-token residuals against other
+term sets (parts of the split graph, layers, vocabulary, the lm_head apart, a byte rate per family, the KV cache of
+the prompt alone, prefill attention over the whole context) and against a fit on absolute rather than squared
+error, each held out the same way; ``without_each_model`` says how much of a group's error one build's rows carry.
 
 Coefficients are non-negative (a step cannot get faster with more bytes) and fitted on relative error. Every
 error quoted is leave-one-model-out: a model's measurements (all its contexts, and fine-tunes of the same base,
@@ -38,11 +40,11 @@ from pathlib import Path
 from .assets import ASSETS_DIR
 from .device_runtimes import DeviceRuntime, get_runtime
 from .devices import Device, load_devices
-from .shapes import PlanBytes, model_shape, plan_bytes
+from .shapes import PlanBytes, attention_dims, model_shape, plan_bytes
 
 __all__ = ["VENDOR_FILE", "relative_error", "LinearFit", "RuntimeFit", "VendorProjection", "vendor_measurements", "vendor_fits",
            "vendor_projection", "measurement_features", "class_transfer_errors", "study_features", "residual_study",
-           "family_residuals"]
+           "family_residuals", "without_each_model", "runtime_ratios"]
 
 VENDOR_FILE = ASSETS_DIR / "vendor_measurements.json"
 MIN_MODELS = 3  # a (device, runtime, precision) with fewer models is listed, not fitted
@@ -114,6 +116,40 @@ def _nnls_relative(x: list[list[float]], y: list[float]) -> list[float]:
     return [float(v) for v in best]
 
 
+def _nlad_relative(x: list[list[float]], y: list[float]) -> list[float]:
+    """min sum(|x.c / y - 1|) over c >= 0, exactly: a linear program, whose optimum is a vertex where the columns it
+    uses are met exactly by as many rows; every such vertex is tried (<= 3 columns, a few dozen rows). Only
+    ``residual_study`` fits with it: one row far off its siblings moves it less than it moves squares."""
+    import numpy as np
+    a = np.asarray(x, dtype=float) / np.asarray(y, dtype=float)[:, None]
+    n, p = a.shape
+    best, best_r = np.zeros(p), float(n)  # c = 0: every row off by 1
+    for k in range(p, 0, -1):
+        for cols in itertools.combinations(range(p), k):
+            sub = a[:, cols]
+            pick = np.array(list(itertools.combinations(range(n), k)), dtype=int)
+            if not len(pick):
+                continue
+            mats = sub[pick]
+            mats = mats[np.linalg.matrix_rank(mats) == k]
+            if not len(mats):
+                continue
+            c = np.linalg.solve(mats, np.ones((len(mats), k, 1)))[..., 0]
+            c = c[(c >= -1e-12).all(axis=1)].clip(min=0)
+            if not len(c):
+                continue
+            r = np.abs(sub @ c.T - 1).sum(axis=0)
+            i = int(r.argmin())
+            if r[i] < best_r - 1e-12:
+                best = np.zeros(p)
+                best[list(cols)] = c[i]
+                best_r = float(r[i])
+    return [float(v) for v in best]
+
+
+SOLVERS = {"squares": _nnls_relative, "absolute": _nlad_relative}  # the loss on relative error
+
+
 @dataclass
 class LinearFit:
     """target ~ sum(coef * feature); ``held_out``: per measurement, projected / measured - 1 (of tokens/s for
@@ -167,26 +203,27 @@ def _choose(target: str, rows: list[dict]) -> tuple[str, ...]:
     return ("1", "resident_gb") if len(points) >= 4 else ("resident_gb",)
 
 
-def _fit(target: str, rows: list[dict], feats: list[dict], terms: tuple[str, ...] | None = None) -> LinearFit | None:
+def _fit(target: str, rows: list[dict], feats: list[dict], terms: tuple[str, ...] | None = None,
+         loss: str = "squares") -> LinearFit | None:
     pairs = [(r, f) for r, f in zip(rows, feats) if _target(r, target) is not None]
     if len({r["shape"] for r, _ in pairs}) < 2:
         return None
     terms = terms or _choose(target, [r for r, _ in pairs])
-    coef = _nnls_relative([[_value(t, f) for t in terms] for _, f in pairs], [_target(r, target) for r, _ in pairs])
+    coef = SOLVERS[loss]([[_value(t, f) for t in terms] for _, f in pairs], [_target(r, target) for r, _ in pairs])
     return LinearFit(target, terms, tuple(coef))
 
 
 def _fit_with_held_out(target: str, rows: list[dict], feats: list[dict],
-                       terms: tuple[str, ...] | None = None) -> LinearFit | None:
+                       terms: tuple[str, ...] | None = None, loss: str = "squares") -> LinearFit | None:
     """The fit to every row, with each model's rows projected by a fit to the others (``terms``: fixed, else each
-    fit's own choice)."""
-    full = _fit(target, rows, feats, terms)
+    fit's own choice; ``loss``: on relative error, ``SOLVERS``)."""
+    full = _fit(target, rows, feats, terms, loss)
     if full is None:
         return None
     full.held_out_at = [None] * len(rows)
     for shape in sorted({r["shape"] for r in rows}):
         train = [(r, f) for r, f in zip(rows, feats) if r["shape"] != shape]
-        part = _fit(target, [r for r, _ in train], [f for _, f in train], terms)
+        part = _fit(target, [r for r, _ in train], [f for _, f in train], terms, loss)
         if part is None:
             continue
         for i, (r, f) in enumerate(zip(rows, feats)):
@@ -258,35 +295,100 @@ def _family(shape: str) -> str:
 
 
 def study_features(row: dict, feat: dict[str, float]) -> dict[str, float]:
-    """A row's fit features plus what its decode residual could follow: the parts its graph is split into (AI Hub's
-    NUM_SPLITS), its layer count, its lm_head's bytes apart from the rest, and its weights under its family's name."""
+    """A row's fit features plus what its residuals could follow: the parts its graph is split into (AI Hub's
+    NUM_SPLITS), its layer count, its vocabulary (hundred-thousand tokens), its lm_head's bytes apart from the rest,
+    its weights under its family's name, the KV cache of the prompt's tokens alone (``kv_prompt_gb``: what a step
+    reads if the graph reads only what it holds), and the prefill FLOPs with attention over the whole allocated
+    context (``tflop_ctx``: a static 128-token graph attends to every slot of its cache, masked or not)."""
     rt = get_runtime(_runtime_name(row["runtime"]))
     plan = rt.plan(row["precision"])
     lm = _shape(row["shape"])
+    layers, heads, _, head_dim = attention_dims(lm.config)
     head = next((i for i in lm.layers if i.name == "lm_head"), None)
     lm_head = 0.0 if head is None else head.bytes_at(plan.resolve([head.name])[head.name] or "fp16",
                                                      plan.group_size, plan.symmetric) / 1e9
-    return {**feat, "parts": float(row.get("parts") or 0), "layers": float(lm.config.num_hidden_layers),
-            "lm_head_gb": lm_head, "body_gb": feat["weights_gb"] - lm_head,
-            f"weights_gb@{_family(row['shape'])}": feat["weights_gb"]}
+    prompt = row["prompt"] or 128
+    kv_per_token = feat["kv_gb"] / rt.kv_tokens(row["context"], prompt, row.get("new_tokens"))
+    causal = 2.0 * layers * heads * head_dim * prompt * prompt / 1e12  # as plan_bytes counts the prompt's attention
+    whole = 4.0 * layers * heads * head_dim * prompt * row["context"] / 1e12
+    return {**feat, "parts": float(row.get("parts") or 0), "layers": float(layers),
+            "vocab": lm.config.vocab_size / 1e5, "lm_head_gb": lm_head, "body_gb": feat["weights_gb"] - lm_head,
+            f"weights_gb@{_family(row['shape'])}": feat["weights_gb"], "kv_prompt_gb": kv_per_token * prompt,
+            "tflop_ctx": feat["tflop"] - causal + whole if rt.kv_read == "allocated" else feat["tflop"]}
 
 
-def residual_study(fit: RuntimeFit) -> dict[str, float | None]:
-    """The leave-one-model-out median decode error of the fit as made and with each alternative term set, each fitted
-    and held out the same way: which feature, if any, the residuals follow."""
+def _swap(terms: tuple[str, ...] | None, old: str, new: str) -> tuple[str, ...] | None:
+    return None if terms is None else tuple("+".join(new if p == old else p for p in t.split("+")) for t in terms)
+
+
+def _study_rows(fit: RuntimeFit) -> tuple[list[dict], list[str]]:
     feats = [study_features(r, f) for r, f in zip(fit.rows, fit.feats)]
     families = sorted({_family(r["shape"]) for r in fit.rows})
     for f in feats:
         for fam in families:
             f.setdefault(f"weights_gb@{fam}", 0.0)
-    options = {"as fitted": fit.decode.features if fit.decode else None, "weights only": ("1", "weights_gb"),
-               "weights + KV as one": ("1", "weights_gb+kv_gb"), "+ parts": ("1", "weights_gb", "parts"),
-               "+ layers": ("1", "weights_gb", "layers"), "lm_head apart": ("1", "body_gb", "lm_head_gb"),
-               "byte rate per family": ("1", *(f"weights_gb@{fam}" for fam in families))}
+    return feats, families
+
+
+def residual_study(fit: RuntimeFit, target: str = "decode_ms") -> dict[str, float | None]:
+    """The leave-one-model-out median error of the fit as made and with each alternative term set (or loss), each
+    fitted and held out the same way: which feature, if any, the residuals follow. ``target``: ``decode_ms`` (errors
+    of tokens/s) or ``ttft_ms``."""
+    feats, families = _study_rows(fit)
+    if target == "decode_ms":
+        fitted = fit.decode.features if fit.decode else None
+        options = {"as fitted": fitted, "weights only": ("1", "weights_gb"), "weights + KV": ("1", "weights_gb+kv_gb"),
+                   "KV at prompt": _swap(fitted, "kv_gb", "kv_prompt_gb"), "+ parts": ("1", "weights_gb", "parts"),
+                   "+ layers": ("1", "weights_gb", "layers"), "+ vocabulary": ("1", "weights_gb", "vocab"),
+                   "lm_head apart": ("1", "body_gb", "lm_head_gb"),
+                   "rate / family": ("1", *(f"weights_gb@{fam}" for fam in families))}
+    elif target == "ttft_ms":
+        fitted = fit.ttft.features if fit.ttft else None
+        options = {"as fitted": fitted, "FLOPs only": ("1", "tflop"), "+ weights": ("1", "tflop", "weights_gb"),
+                   "+ KV": ("1", "tflop", "kv_gb"), "+ parts": ("1", "tflop", "parts"),
+                   "+ layers": ("1", "tflop", "layers"),
+                   "attn. to ctx": _swap(fitted, "tflop", "tflop_ctx")}
+    else:
+        raise ValueError(f"no residual study of '{target}'")
     out = {}
     for name, terms in options.items():
-        lf = _fit_with_held_out("decode_ms", fit.rows, feats, terms) if terms else None
+        lf = _fit_with_held_out(target, fit.rows, feats, terms) if terms else None
         out[name] = lf.median_error if lf else None
+    lf = _fit_with_held_out(target, fit.rows, feats, fitted, loss="absolute") if fitted else None
+    out["least |err|"] = lf.median_error if lf else None  # the fitted terms, on absolute relative error
+    return out
+
+
+def without_each_model(fit: RuntimeFit, target: str = "decode_ms", by: str = "model") -> dict[str, float | None]:
+    """Per measured model (``by="model"``: a vendor build, Qwen3-4B and Qwen3-4B-Instruct-2507 apart; ``"shape"``: every
+    build of one base), the group's leave-one-model-out median error with that model's rows taken out of the data
+    altogether: how far one model's rows carry the error. The headline keeps every row; this only says where the
+    error comes from."""
+    out = {}
+    for model in sorted({r[by] for r in fit.rows if _target(r, target) is not None}):
+        keep = [(r, f) for r, f in zip(fit.rows, fit.feats) if r[by] != model]
+        lf = _fit_with_held_out(target, [r for r, _ in keep], [f for _, f in keep])
+        out[model] = lf.median_error if lf else None
+    return out
+
+
+def runtime_ratios(a: str = "genie", b: str = "qairt", *, precision: str = "w4a16", context: int = 4096,
+                   path: str | Path = VENDOR_FILE) -> dict[str, list[tuple[str, float, float | None]]]:
+    """Per vendor device, each model measured with both runtimes at one precision and context: (model, decode
+    tokens/s of ``a`` / of ``b``, time to first token of ``a`` / of ``b``). Genie and QAIRT run the same context
+    binaries, so a ratio far from its siblings' marks a measurement, not a shape. A board AI Hub lists by its
+    reference chipset is left out (its rows repeat the chipset's)."""
+    by: dict[tuple[str, str], dict[str, dict]] = {}
+    for r in vendor_measurements(path):
+        if (r["precision"] == precision and r["context"] == context and r["runtime"] in (a, b)
+                and not r.get("reference_chipset")):
+            by.setdefault((r["vendor_device"], r["model"]), {})[r["runtime"]] = r
+    out: dict[str, list[tuple[str, float, float | None]]] = {}
+    for (device, model), v in sorted(by.items()):
+        if a in v and b in v:
+            ra, rb = v[a], v[b]
+            ttft = ra["ttft_ms"] / rb["ttft_ms"] if ra.get("ttft_ms") and rb.get("ttft_ms") else None
+            out.setdefault(device, []).append((model, ra["decode_tps"] / rb["decode_tps"], ttft))
     return out
 
 
