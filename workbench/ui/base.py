@@ -137,8 +137,9 @@ class StatusLine(widgets.HBox):
 
     def __init__(self, bar_width: str = "260px"):
         self.html = widgets.HTML()
+        # its label, the library bar's name (18 characters at most, the rest in the tooltip), is shown whole
         self.bar = widgets.IntProgress(value=0, min=0, max=1, layout={"width": bar_width, "display": "none"},
-                                       style={"bar_color": "#2e86c1"})
+                                       style={"bar_color": "#2e86c1", "description_width": "initial"})
         self.group: StatusGroup | None = None
         self.busy = False
         super().__init__([self.bar, self.html], layout={"align_items": "center"})
