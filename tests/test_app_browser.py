@@ -282,7 +282,7 @@ def test_whole_flow_in_headless_chromium(served_app, tmp_path):
             # Project: the session's plan and the evaluated ones on the default devices; the speed chart
             w.tab("Project")
             w.button("Project").click()
-            w.wait_text(re.compile(r"\d plan\(s\) on 4 device\(s\)"))
+            w.wait_text(re.compile(r"\d plan\(s\) on 6 device\(s\)"))
             body = w.done("project")
             assert "Snapdragon 8 Gen 3" in body and "layers the NPU cannot run" in body and w.visible_charts() >= 3
             # each device's own runtime, fitted to the vendor's measurements: the held-out error and the nearest

@@ -1,8 +1,9 @@
 """Projection figures draw exactly what workbench.profile and workbench.projection computed."""
 import pytest
 
+from workbench.charts.checks import check_figures
 from workbench.charts.projection import (NO_FIT, make_device_figure, make_host_bound_figure,
-                                         make_speed_pareto_figure, pareto_optimal)
+                                         make_speed_pareto_figure, make_vendor_fit_figure, pareto_optimal)
 from workbench.errors import WorkbenchError
 from workbench.plan import QuantPlan
 from workbench.profile import RuntimeProfile
@@ -25,10 +26,13 @@ def test_device_figure_shows_bound_projection_and_memory(projections):
         assert list(by_name[label].y) == [p.projected_decode_tps for p in ps]
         memory = next(t for t in fig.data if t.name == label and t.xaxis == "x2")
         assert list(memory.y) == pytest.approx([p.total_bytes / 1e9 for p in ps])
-    # fp16 weights of 1.7 B parameters and an 8k-token KV cache do not fit the Jetson Nano's 4 GB: the bar is red
+    # fp16 weights of 1.7 B parameters and an 8k-token KV cache do not fit the Jetson Nano's 4 GB: the bar is
+    # hatched and outlined in red, and keeps the plan's colour (its legend entry's)
     fp16 = next(t for t in fig.data if t.name == "fp16" and t.xaxis == "x2")
-    assert fp16.marker.color[0] == NO_FIT and projections["fp16"][0].fits_ram is False
-    assert fp16.marker.color[1] != NO_FIT
+    assert projections["fp16"][0].fits_ram is False and fp16.marker.color == by_name["fp16"].marker.color
+    assert fp16.marker.line.color[0] == NO_FIT and fp16.marker.pattern.shape[0] == "x"
+    assert fp16.text[0] == "does not fit"
+    assert fp16.marker.line.color[1] != NO_FIT and fp16.marker.pattern.shape[1] == ""
     assert "not on NPU" in by_name["int8"].text[0]  # the Nano computes in fp16 only
     assert [a.x for a in fig.layout.annotations if a.text == "bandwidth unknown"] == ["Kirin 9000"]
     ram = next(t for t in fig.data if t.name == "RAM")
@@ -73,3 +77,24 @@ def test_host_bound_figure_uses_the_profiles_own_bound():
     assert measured.y[0] == 1500.0 and measured.text[0] == f"{p.fraction_of_bound(23.5):.2f} of bound"
     empty = make_host_bound_figure([no_decode], 23.5)
     assert "profile a conversion first" in empty.layout.annotations[0].text
+
+
+def test_every_projection_figure_reads_true(projections):
+    """Log axes tick at decades over at least one; one plan (or near-equal ones) is not zoomed apart."""
+    points = [{"label": "fp16", "kl_divergence": 1e-6, "bits_per_weight": 16.0},
+              {"label": "int8", "kl_divergence": 2e-5, "bits_per_weight": 8.1},
+              {"label": "int4", "kl_divergence": 7e-3, "bits_per_weight": 4.6}]
+    fitted = project_plans("qwen3-1.7b", ["snapdragon-8-elite", "rk3588"], PLANS, context=2048)
+    assert any(p.vendor is not None and p.vendor.points for p in fitted["int4"])  # the vendor chart has points
+    one = {"int4": projections["int4"]}
+    figures = {"devices": make_device_figure(projections), "devices-one-plan": make_device_figure(one),
+               "vendor": make_vendor_fit_figure(fitted), "vendor-none": make_vendor_fit_figure(projections),
+               "pareto": make_speed_pareto_figure(points, projections, "RK3588"),
+               "pareto-one-plan": make_speed_pareto_figure(points[2:], one, "RK3588"),
+               "pareto-fitted": make_speed_pareto_figure(points, fitted, "Snapdragon 8 Elite")}
+    assert check_figures(figures) == {}
+    fig = figures["devices"]
+    assert fig.layout.yaxis.type == "log" and fig.layout.yaxis.dtick == 1 and fig.layout.yaxis2.dtick == 1
+    lo, hi = figures["pareto-one-plan"].layout.xaxis2.range  # one speed: a span around it, not a zoom into it
+    speed = projections["int4"][1].projected_decode_tps
+    assert lo < speed < hi and hi - lo >= 0.2 * speed

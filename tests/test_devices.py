@@ -75,3 +75,32 @@ def test_unsourced_or_malformed_figures_are_refused(tmp_path, entry, message):
 def test_unknown_device_names_the_choices():
     with pytest.raises(DeviceError, match="unknown device 'pixel-99'; choose one of: .*rk3588"):
         get_device("pixel-99")
+
+
+def test_the_devices_table_lines_up_however_long_a_name(tmp_path, monkeypatch, capsys):
+    """`workbench devices`: every column as wide as its widest cell, so a long key or name shifts none."""
+    from workbench.cli import main
+    long = _profile(name="A Very Long Development Board Name With Its Revision",
+                    device_class="a-long-accelerator-class", ram_gb={"value": 123456.25, "source": "x"})
+    (tmp_path / "a-board-whose-file-name-is-longer-than-any-bundled-one.json").write_text(json.dumps(long))
+    monkeypatch.setenv("WORKBENCH_DEVICES", str(tmp_path))
+    assert main(["devices"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header, rule, rows = lines[0], lines[1], lines[2:-1]
+    devices = load_devices()
+    assert set(rule) == {"-"} and len(rows) == len(devices)
+    left = {"device": lambda d: d.key, "name": lambda d: d.name, "class": lambda d: d.device_class,
+            "weights": lambda d: ",".join(d.weight_precisions)}
+    right = {"GB/s": "memory_bandwidth_gbps", "INT8 TOPS": "npu_int8_tops", "FP16 TOPS": "npu_fp16_tops",
+             "RAM GB": "ram_gb", "NPU limit GB": "npu_memory_limit_gb"}
+    for line, d in zip(rows, devices.values()):
+        for title, cell in left.items():  # a text column starts where its title does, whole
+            at = header.index(title)
+            assert line[at:at + len(cell(d))] == cell(d) and (at == 0 or line[at - 1] == " "), (title, line)
+        for title, field in right.items():  # a number column ends where its title does
+            end = header.index(title) + len(title)
+            v = getattr(d, field)
+            cell = "-" if v is None else f"{v:g}"
+            assert line[end - len(cell):end] == cell and line[end - len(cell) - 1] == " " and line[end] == " ", \
+                (title, line)
+    assert max(len(x) for x in rows) == len(rule) and "123456" in rows[-1]  # the user's folder comes last

@@ -7,8 +7,9 @@ import stat
 import pytest
 
 from workbench.convert import GAP_KL_FLOOR, GAP_KL_RATIO, GAP_TOP1
-from workbench.devices_gap import (GAP_FILE, DevicesGap, absent_row, convert_row, format_table, gap_of, graph_scores,
-                                   htp_row, measure_devices_gap, read_devices_gap, rknn_row, simulation_row, toolchains)
+from workbench.devices_gap import (GAP_FILE, GAP_RULE, DevicesGap, absent_row, convert_row, format_table, gap_of,
+                                   graph_scores, htp_row, measure_devices_gap, read_devices_gap, rknn_row,
+                                   simulation_row, toolchains)
 from workbench.errors import PlanError, WorkbenchError
 from workbench.plan import QuantPlan
 from workbench.targets.htp import INSTALL, HtpMeasurement, qnn_available
@@ -55,7 +56,11 @@ def test_rows_flag_what_convert_and_the_htp_rule_would():
     assert htp["peak_bytes"] == 2**29  # the larger of the child and the HTP process
     assert rknn["gap"] == f"decode: top-1 vs simulation 0.500 < {GAP_TOP1:g}"
     assert rknn["peak_bytes"] == 2**30 and absent["gap"] is None and absent["error"] is None
-    table = format_table(rows).splitlines()
+    text = format_table(rows)
+    table, rule = text.split("\n\n")  # the table, then the rule its gaps are flagged by
+    table = table.splitlines()
+    assert rule == GAP_RULE and f"above {GAP_KL_RATIO:g}x the simulation's + {GAP_KL_FLOOR:g}" in rule
+    assert f"below {GAP_TOP1:g}" in rule and f"above {HTP_GAP_KL:g}" in rule
     assert len(table) == 2 + len(rows) and all(line.count("|") == table[0].count("|") for line in table)
     assert "**GAP**" in table[3] and "**GAP**" not in table[2]
     assert "make rknn-env" in table[-1] and "| - | - | - | - |" in table[-1]

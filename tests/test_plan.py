@@ -197,6 +197,18 @@ def test_table_lists_layers_and_total():
     table = plan.table(layers)
     assert "int4" in table and "fp16" in table and "total" in table
     assert f"{4096 * 256 * 2:,}" in table
+    lines = table.splitlines()  # text_table: names left, numbers right, each column as wide as its widest cell
+    assert len({len(line) for line in lines}) == 1 and lines[-1].startswith("total ")
+
+
+def test_text_table_sizes_columns_to_their_cells():
+    from workbench.units import text_table
+    out = text_table([("name", "n"), ("a-much-longer-name", "1,024"), ("b", "7")], right={1}, rule="-")
+    assert out.splitlines() == ["name                    n",
+                                "-------------------------",
+                                "a-much-longer-name  1,024",
+                                "b                       7"]
+    assert text_table([("x", "y"), ("long cell", "")]).splitlines() == ["x          y", "long cell"]  # no trailing space
 
 
 def test_scale_search_round_trips_and_is_type_checked():

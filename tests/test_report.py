@@ -1,4 +1,5 @@
 """The run report: found from a workspace or a run folder, read from the run's own files, one offline page."""
+import html
 import json
 import shutil
 from html.parser import HTMLParser
@@ -160,6 +161,8 @@ def test_a_comparison_on_the_devices_is_its_own_table(tmp_path):
     assert "<th>prefill tok/s</th><th>decode tok/s</th>" in section  # the runtime's own speed beside size
     assert "<td>3.8</td><td>5,432</td><td>234</td>" in section
     assert "<span class='gap'>GAP</span> prefill: KL &lt;9.9e-01&gt;" in section and "make rknn-env" in section
+    from workbench.devices_gap import GAP_RULE
+    assert f"</table><p class='gap-rule'>{html.escape(GAP_RULE)}</p>" in section  # the threshold judged by
     assert "On the devices: plan abcd1234" in report.figures and external_loads(page) == []
 
 

@@ -1,8 +1,10 @@
 """The Export tab's Compare on the devices: the session's plan measured by workbench.devices_gap, table and chart
 filled target by target, a target without its toolchain disabled with what to install."""
+import html
+
 import pytest
 
-from workbench.devices_gap import GAP_FILE, read_devices_gap
+from workbench.devices_gap import GAP_FILE, GAP_RULE, read_devices_gap
 from workbench.plan import QuantPlan
 from workbench.ui.devices_gap import DevicesGapPanel, gap_table_html
 from workbench.ui.session import AppSession, report_markdown
@@ -43,7 +45,7 @@ def test_run_fills_table_chart_session_and_report(session, tmp_path):
     assert f"{sim['prefill']['kl']:.2e}" in p.table.value and "data-target='simulation'" in p.table.value
     if gap.row("htp") is not None:  # chosen without ort-qdq: its row says so, the simulation is unaffected
         assert "choose ort-qdq too" in gap.row("htp")["note"]
-    assert p.progress.value == len(gap.rows) and "no gap flagged" in p.status.value
+    assert p.progress.value == len(gap.rows) and f"no gap flagged ({GAP_RULE})" in p.status.value
     assert [t.name for t in p.chart.data] == ["prefill", "decode"] and p.chart.data[0].y[0] == sim["prefill"]["kl"]
     assert p.figures["devices-gap"] is p.chart and p.chart_box.layout.display == ""
     assert session.devices_gap is gap and gap.plan_hash == session.plan.content_hash()
@@ -67,6 +69,8 @@ def test_table_marks_gaps_and_failures():
     out = gap_table_html(rows)
     assert "GAP</span> prefill: KL &lt;big&gt;" in out and "1.00e-01" in out and "font-style:italic" in out
     assert out.count("<tr class='gap-row'") == 2
+    assert f"</table><div class='gap-rule' style='font-size:12px;color:#566573'>{html.escape(GAP_RULE)}</div>" in out
+    assert "1.5x the simulation" in GAP_RULE  # the threshold, not only the verdict
 
 
 def test_the_runtimes_that_time_themselves_show_their_tok_s(session, monkeypatch):

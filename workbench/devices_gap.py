@@ -47,7 +47,7 @@ __all__ = ["TARGETS", "GRAPHS", "GAP_FILE", "HTP_WINDOWS", "HTP_DECODE_WINDOWS",
            "DevicesGap", "missing_toolchain", "toolchains", "measure_devices_gap", "read_devices_gap",
            "graph_scores", "gap_of", "runtime_speed", "make_row", "simulation_row", "convert_row", "htp_row", "rknn_row",
            "absent_row",
-           "format_table", "TABLE_HEADER", "table_cells", "in_child"]
+           "format_table", "TABLE_HEADER", "GAP_RULE", "table_cells", "in_child"]
 
 TARGETS = ("simulation", "ort-qdq", "mnn", "mnn-llm", "executorch", "htp", "rknn")
 TARGET_TITLES = {"simulation": "simulation (PyTorch)", "ort-qdq": "CPU onnxruntime (QDQ)", "mnn": "MNN (CPU)",
@@ -281,6 +281,11 @@ TABLE_HEADER = ("target", "runtime", "prefill KL", "prefill top-1", "decode KL",
                 "peak GiB", "gap")
 
 
+# what ``gap_of`` judges a gap by, in words: shown with every table of rows (and wherever "no gap" is said)
+GAP_RULE = (f"gap: KL to the float model above {GAP_KL_RATIO:g}x the simulation's + {GAP_KL_FLOOR:g}, top-1 "
+            f"agreement with the simulation below {GAP_TOP1:g}, or (HTP) KL to CPU QDQ above {HTP_GAP_KL:g}")
+
+
 def _tps(r: dict, key: str) -> str:
     """A row's own-runtime speed (``-`` where the runtime does not time itself, or a file written before)."""
     speed = r.get("speed")
@@ -301,7 +306,8 @@ def table_cells(r: dict) -> list[str]:
 
 
 def format_table(rows: list[dict]) -> str:
-    """The rows as a Markdown table (KL and top-1 against the float model; vs sim: top-1 against the simulation)."""
+    """The rows as a Markdown table (KL and top-1 against the float model; vs sim: top-1 against the simulation),
+    and under it, after a blank line, the rule a gap is flagged by (``GAP_RULE``)."""
     head = "| " + " | ".join(TABLE_HEADER) + " |"
     lines = [head, "|" + "---|" * len(TABLE_HEADER)]
     for r in rows:
@@ -309,7 +315,7 @@ def format_table(rows: list[dict]) -> str:
         if r["gap"]:
             cells[-1] = f"**GAP** {cells[-1]}"
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return "\n".join([*lines, "", GAP_RULE])
 
 
 # -- the run ----------------------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Iterable, Mapping
 
 from .errors import PlanError
+from .units import text_table
 from .workspace import hash_inputs
 
 __all__ = ["fitting_precisions", 
@@ -443,9 +444,7 @@ class QuantPlan:
             rows.append((info.name, "x".join(map(str, info.shape)), f"{info.parameters:,}",
                          pname or "(unchanged)", f"{nbytes:,}"))
         rows.append(("total", "", "", "", f"{total:,}"))
-        widths = [max(len(r[i]) for r in rows) for i in range(5)]
-        return "\n".join("  ".join(c.ljust(w) if i in (0, 3) else c.rjust(w) for i, (c, w) in
-                                   enumerate(zip(r, widths))) for r in rows)
+        return text_table(rows, right={1, 2, 4})
 
 
 def fitting_precisions(precisions, in_features: int) -> list[str]:

@@ -558,7 +558,7 @@ def _render(record: Mapping, figures: Mapping, projections: Mapping, context: in
 
 def _devices_gaps_html(gaps: Sequence[Mapping]) -> str:
     """Each comparison's table (``workbench.devices_gap.table_cells``), its flagged gaps in red."""
-    from .devices_gap import TABLE_HEADER, table_cells
+    from .devices_gap import GAP_RULE, TABLE_HEADER, table_cells
     parts = []
     for g in gaps:
         parts.append(f"<p>plan {_e(g.get('plan_hash'))} of <code>{_e(g.get('model'))}</code>, "
@@ -573,7 +573,8 @@ def _devices_gaps_html(gaps: Sequence[Mapping]) -> str:
             if r.get("gap"):
                 cells[-1] = f"<span class='gap'>GAP</span> {cells[-1]}"
             body.append("<tr class='gap-row'>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
-        parts.append(f"<table class='devices-gap'><tr>{head}</tr>{''.join(body)}</table>")
+        parts.append(f"<table class='devices-gap'><tr>{head}</tr>{''.join(body)}</table>"
+                     f"<p class='gap-rule'>{_e(GAP_RULE)}</p>")
     return "".join(parts)
 
 

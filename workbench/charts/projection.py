@@ -17,6 +17,7 @@ from plotly.subplots import make_subplots
 from ..errors import WorkbenchError
 from ..profile import RuntimeProfile
 from ..projection import Projection
+from .style import linear_range, log_axis
 
 __all__ = ["make_host_bound_figure", "make_device_figure", "make_speed_pareto_figure", "make_vendor_fit_figure", "speed_of", "pareto_optimal",
            "PLAN_COLOURS"]
@@ -67,7 +68,7 @@ def make_host_bound_figure(profiles: Sequence, read_gbps: float) -> go.Figure:
 def make_device_figure(projections: Mapping[str, Sequence]) -> go.Figure:
     """Two panels over the devices, one colour per plan: decode tokens/s projected (filled) inside its bandwidth
     bound (outline), with the layers the accelerator cannot run as text; memory needed against RAM and the NPU's
-    limit (a bar in red does not fit)."""
+    limit (a bar hatched and outlined in red does not fit; it keeps its plan's colour)."""
     plans = {label: [_projection(p) for p in ps] for label, ps in projections.items()}
     if not plans:
         raise WorkbenchError("nothing to draw: project at least one plan onto one device")
@@ -86,9 +87,13 @@ def make_device_figure(projections: Mapping[str, Sequence]) -> go.Figure:
                     customdata=[[p.efficiency or 0, p.bits_per_weight] for p in ps],
                     hovertemplate="%{x}: %{y:,.1f} tok/s projected (efficiency %{customdata[0]:.2f})<br>"
                                   "%{customdata[1]:.2f} bits/weight<extra>" + label + "</extra>", row=1, col=1)
+        misfit = [p.fits_ram is False or p.fits_npu is False for p in ps]
         fig.add_bar(x=x, y=[p.total_bytes / 1e9 for p in ps], offsetgroup=label, legendgroup=label, showlegend=False,
-                    name=label, marker_color=[NO_FIT if p.fits_ram is False or p.fits_npu is False else colour
-                                              for p in ps],
+                    name=label, marker={"color": colour,  # the plan's colour, as its legend entry says
+                                        "pattern": {"shape": ["x" if m else "" for m in misfit], "fgcolor": NO_FIT,
+                                                    "solidity": 0.5},
+                                        "line": {"color": [NO_FIT if m else colour for m in misfit], "width": 2}},
+                    text=["does not fit" if m else "" for m in misfit], textposition="inside",
                     customdata=[[p.weight_bytes / 1e9, p.kv_bytes / 1e9, p.buffer_bytes / 1e9, p.context] for p in ps],
                     hovertemplate="%{x}: %{y:.3f} GB<br>weights %{customdata[0]:.3f}, KV %{customdata[1]:.3f} at "
                                   "%{customdata[3]} tokens, buffers %{customdata[2]:.3f}<extra>" + label + "</extra>",
@@ -107,11 +112,14 @@ def make_device_figure(projections: Mapping[str, Sequence]) -> go.Figure:
             fig.add_annotation(x=d, y=0.05, xref="x", yref="y domain", text="bandwidth unknown", textangle=-90,
                                yanchor="bottom", showarrow=False, font={"color": "#7f8c8d"})
     fig.update_xaxes(categoryorder="array", categoryarray=devices)
-    fig.update_yaxes(type="log", title_text="tokens/s", row=1, col=1)
-    fig.update_yaxes(type="log", title_text="GB (1e9 bytes)", row=1, col=2)
+    speeds = [v for ps in plans.values() for p in ps for v in (p.decode_bound_tps, p.projected_decode_tps)]
+    sizes = [p.total_bytes / 1e9 for ps in plans.values() for p in ps] + \
+        [v / 1e9 for p in first for v in (p.ram_bytes, p.npu_limit_bytes) if v]
+    fig.update_yaxes(title_text="tokens/s", row=1, col=1, **log_axis(speeds))
+    fig.update_yaxes(title_text="GB (1e9 bytes)", row=1, col=2, **log_axis(sizes))
     ctx = first[0].context
     fig.update_layout(barmode="group", template="plotly_white", height=460, legend_title="plan",
-                      title=f"Candidate plans on each device ({ctx}-token context; red: does not fit)")
+                      title=f"Candidate plans on each device ({ctx}-token context; hatched in red: does not fit)")
     return fig
 
 
@@ -166,8 +174,11 @@ def make_speed_pareto_figure(points: Sequence, projections: Mapping[str, Sequenc
               (3, "bits_per_weight", "tokens_per_second"))
     for col, xk, yk in panels:
         sel = [(r, b) for r, b in zip(rows, best) if r.get(xk) is not None and r.get(yk) is not None]
+        xs, ys = [r[xk] for r, _ in sel], [r[yk] for r, _ in sel]
+        fig.update_xaxes(range=linear_range(xs), row=1, col=col)
+        fig.update_yaxes(**(log_axis(ys) if yk == "kl_divergence" else {"range": linear_range(ys)}), row=1, col=col)
         fig.add_scatter(
-            x=[r[xk] for r, _ in sel], y=[r[yk] for r, _ in sel], mode="markers+text", row=1, col=col, cliponaxis=False,
+            x=xs, y=ys, mode="markers+text", row=1, col=col, cliponaxis=False,
             text=[r["label"] for r, _ in sel], textposition="top center", showlegend=False, name="plans",
             marker={"size": 12, "color": [r["tokens_per_second"] or lo for r, _ in sel], "colorscale": "Viridis",
                     "cmin": lo, "cmax": hi if hi > lo else lo + 1, "showscale": col == 3,
@@ -180,8 +191,7 @@ def make_speed_pareto_figure(points: Sequence, projections: Mapping[str, Sequenc
     fig.update_xaxes(title_text="bits per weight", row=1, col=1)
     fig.update_xaxes(title_text="tokens/s", row=1, col=2)
     fig.update_xaxes(title_text="bits per weight", row=1, col=3)
-    fig.update_yaxes(title_text="KL (nats/token)", type="log", row=1, col=1)
-    fig.update_yaxes(type="log", row=1, col=2)
+    fig.update_yaxes(title_text="KL (nats/token)", row=1, col=1)
     fig.update_yaxes(title_text="tokens/s", row=1, col=3)
     fig.update_layout(title=f"Quality, size and projected speed on {device} (ringed: no other plan is better in all "
                             "three)", template="plotly_white", height=420)
@@ -201,6 +211,8 @@ def make_vendor_fit_figure(projections: Mapping[str, Sequence]) -> go.Figure:
         fig.update_layout(template="plotly_white", height=300, title="Vendor measurements and the fitted projection")
         return fig
     shown: set = set()
+    xs: list[float] = []  # every value drawn, for the axes' decades
+    ys: list[float] = []
     for i, device in enumerate(dict.fromkeys(p.device for _, p in fitted)):
         colour = PLAN_COLOURS[i % len(PLAN_COLOURS)]
         first = next(p for _, p in fitted if p.device == device)
@@ -209,6 +221,9 @@ def make_vendor_fit_figure(projections: Mapping[str, Sequence]) -> go.Figure:
         if key not in shown:  # one device's own measurements, once however many plans
             shown.add(key)
             pts = sorted(v.points, key=lambda q: q["bytes_gb"])
+            xs.extend(q["bytes_gb"] for q in pts)
+            ys.extend(q["decode_tps"] for q in pts)
+            ys.extend(q["held_out_tps"] for q in pts if q.get("held_out_tps"))
             src = f"{key[0]}, {v.runtime} {v.precision}" + (" (borrowed)" if v.fallback else "")
             fig.add_scatter(x=[q["bytes_gb"] for q in pts], y=[q["decode_tps"] for q in pts], mode="markers",
                             name=f"{device}: measured ({src})", legendgroup=device,
@@ -230,6 +245,8 @@ def make_vendor_fit_figure(projections: Mapping[str, Sequence]) -> go.Figure:
             if pv.decode_tps is None:
                 continue
             err = pv.decode_error or 0.0
+            xs.append(pv.bytes_gb)
+            ys.extend((pv.decode_tps * (1 - err), pv.decode_tps * (1 + err)))
             fig.add_scatter(x=[pv.bytes_gb], y=[pv.decode_tps], mode="markers", legendgroup=device,
                             name=f"{device}: {label}", marker={"color": colour, "size": 16, "symbol": "star",
                                                                "line": {"color": "#17202a", "width": 1}},
@@ -237,8 +254,8 @@ def make_vendor_fit_figure(projections: Mapping[str, Sequence]) -> go.Figure:
                                      "arrayminus": [pv.decode_tps * err], "color": colour},
                             hovertemplate=f"{label} on {device}: %{{y:.1f}} tok/s projected, within {err:.0%} held "
                                           f"out ({pv.decode_n})<extra></extra>")
-    fig.update_xaxes(type="log", title_text="GB read per decoded token (weights + KV cache, the runtime's layout)")
-    fig.update_yaxes(type="log", title_text="decode tokens/s")
+    fig.update_xaxes(title_text="GB read per decoded token (weights + KV cache, the runtime's layout)", **log_axis(xs))
+    fig.update_yaxes(title_text="decode tokens/s", **log_axis(ys))
     fig.update_layout(template="plotly_white", height=480,
                       title="Vendor measurements and the fitted projection (open: each model held out of the fit)")
     return fig

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 from ..devices import LIST_FIELDS, NUMBER_FIELDS, load_devices
+from ..units import text_table
 from .common import add_json_flag, print_json
 
 HELP = "list device profiles and where each figure comes from"
@@ -28,13 +29,14 @@ def run(args) -> int:
         print_json([d.to_dict() for d in devices.values()])
         return 0
     cols = [("GB/s", "memory_bandwidth_gbps"), ("INT8 TOPS", "npu_int8_tops"), ("FP16 TOPS", "npu_fp16_tops"),
-            ("RAM GB", "ram_gb"), ("NPU limit GB", "npu_memory_limit_gb"), ("weights", "weight_precisions")]
-    header = f"{'device':<20} {'name':<22} {'class':<13}" + "".join(f"{c:>13}" for c, _ in cols[:-1]) + "  weights"
-    print(header)
-    print("-" * len(header))
-    for d in devices.values():
-        print(f"{d.key:<20} {d.name:<22} {d.device_class:<13}"
-              + "".join(f"{_fmt(getattr(d, f)):>13}" for _, f in cols[:-1]) + f"  {_fmt(d.weight_precisions)}")
+            ("RAM GB", "ram_gb"), ("NPU limit GB", "npu_memory_limit_gb")]
+    rows = [("device", "name", "class", *(c for c, _ in cols), "weights")]
+    rows += [(d.key, d.name, d.device_class, *(_fmt(getattr(d, f)) for _, f in cols), _fmt(d.weight_precisions))
+             for d in devices.values()]
+    lines = text_table(rows, right=range(3, 3 + len(cols)), rule="-").splitlines()
+    print("\n".join(lines[:2]))
+    for d, line in zip(devices.values(), lines[2:]):
+        print(line)
         if args.sources:
             for f in (*NUMBER_FIELDS, *LIST_FIELDS):
                 print(f"    {f}: {d.source(f)}")

@@ -22,6 +22,7 @@ from torch import nn
 
 from ..errors import PlanError
 from ..plan import QuantPlan, get_precision
+from ..units import text_table
 from .qtensor import SUPPORTED_BITS, QuantizedWeight, SubScales
 from .rtn import quantize_weight
 from .storage import layer_storage, save_quantized
@@ -290,8 +291,7 @@ class QuantizedModel:
             rows.append((r.name, "x".join(map(str, r.shape)), r.precision or "(unchanged)",
                          "-" if r.name not in self.weights else str(r.group_size or "channel"),
                          "" if r.weight_error is None else f"{r.weight_error:.4f}", note))
-        widths = [max(len(row[i]) for row in rows) for i in range(6)]
-        return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
+        return text_table(rows)
 
     def to_dict(self) -> dict:
         return {"method": self.method, "plan": self.plan.to_dict(), "seconds": self.seconds,

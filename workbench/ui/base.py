@@ -26,7 +26,7 @@ from IPython.display import display
 
 from ..errors import WorkbenchError
 
-__all__ = ["StepPanel", "StatusLine", "StatusGroup", "FileDownload", "progress_into"]
+__all__ = ["StepPanel", "StatusLine", "StatusGroup", "CheckList", "FileDownload", "progress_into"]
 
 T = TypeVar("T")
 W = TypeVar("W", bound=widgets.Widget)
@@ -137,8 +137,9 @@ class StatusLine(widgets.HBox):
 
     def __init__(self, bar_width: str = "260px"):
         self.html = widgets.HTML()
+        # its label, the library bar's name (18 characters at most, the rest in the tooltip), is shown whole
         self.bar = widgets.IntProgress(value=0, min=0, max=1, layout={"width": bar_width, "display": "none"},
-                                       style={"bar_color": "#2e86c1"})
+                                       style={"bar_color": "#2e86c1", "description_width": "initial"})
         self.group: StatusGroup | None = None
         self.busy = False
         super().__init__([self.bar, self.html], layout={"align_items": "center"})
@@ -163,6 +164,57 @@ class StatusLine(widgets.HBox):
     def succeeded(self) -> None:
         if self.group is not None:
             self.group.succeeded(self)
+
+
+class CheckList(widgets.VBox):
+    """Several choices as a titled grid of checkboxes (no Ctrl-click): ``value`` is the tuple of chosen keys of
+    ``options`` (``[(label, key), ...]``), in the order given (a box ticked later comes last); ``disabled`` freezes
+    every box."""
+
+    value = traitlets.Tuple()
+    disabled = traitlets.Bool(False)
+
+    def __init__(self, options, value=(), *, description: str = "", columns: int = 2, width: str = "210px"):
+        self.options = [(str(label), key) for label, key in options]
+        self.boxes = {key: widgets.Checkbox(value=False, description=label, indent=False,
+                                            layout={"width": width, "margin": "0"})
+                      for label, key in self.options}
+        grid = widgets.GridBox(list(self.boxes.values()), layout={
+            "grid_template_columns": f"repeat({columns}, {width})", "grid_gap": "0 8px"})
+        head = [widgets.HTML(f"<b>{html.escape(description)}</b>")] if description else []
+        super().__init__([*head, grid])
+        self.add_class("workbench-checklist")
+        self._syncing = False
+        for box in self.boxes.values():
+            box.observe(self._from_boxes, names="value")
+        self.value = tuple(value)
+
+    @traitlets.validate("value")
+    def _valid(self, proposal):
+        chosen = tuple(dict.fromkeys(proposal["value"]))
+        unknown = [k for k in chosen if k not in self.boxes]
+        if unknown:
+            raise traitlets.TraitError(f"not among the choices: {', '.join(map(str, unknown))}")
+        return chosen
+
+    @traitlets.observe("value")
+    def _to_boxes(self, change) -> None:
+        self._syncing = True
+        try:
+            for key, box in self.boxes.items():
+                box.value = key in change["new"]
+        finally:
+            self._syncing = False
+
+    @traitlets.observe("disabled")
+    def _freeze(self, change) -> None:
+        for box in self.boxes.values():
+            box.disabled = change["new"]
+
+    def _from_boxes(self, _change) -> None:
+        if not self._syncing:  # the boxes still ticked keep their place, a newly ticked one comes last
+            ticked = [k for k, box in self.boxes.items() if box.value]
+            self.value = tuple(k for k in self.value if k in ticked) + tuple(k for k in ticked if k not in self.value)
 
 
 class StepPanel(widgets.VBox):

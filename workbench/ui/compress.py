@@ -83,7 +83,7 @@ class CompressPanel(StepPanel):
         self.plan_note = widgets.HTML()
         self.steps = widgets.BoundedIntText(value=steps, min=1, max=100_000, description="distil steps")
         self.temperature = widgets.BoundedFloatText(value=temperature, min=0.1, max=100, step=0.5,
-                                                    description="temperature")
+                                                    description="temperature", style={"description_width": "initial"})
         self.predicted = widgets.HTML()
         self.progress = widgets.IntProgress(value=0, min=0, max=steps, description="distil", bar_style="info")
         self.score_button = widgets.Button(description="Score", icon="bar-chart",

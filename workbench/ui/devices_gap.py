@@ -20,8 +20,8 @@ import traceback
 import ipywidgets as widgets
 
 from ..charts.graph import make_device_gap_figure
-from ..devices_gap import (HTP_WINDOWS, TABLE_HEADER, TARGET_TITLES, TARGETS, DevicesGap, measure_devices_gap,
-                           table_cells, toolchains)
+from ..devices_gap import (GAP_RULE, HTP_WINDOWS, TABLE_HEADER, TARGET_TITLES, TARGETS, DevicesGap,
+                           measure_devices_gap, table_cells, toolchains)
 from ..errors import WorkbenchError
 from ..targets.htp import DEFAULT_DEVICE, htp_soc, htp_socs
 from .base import StepPanel
@@ -33,7 +33,8 @@ WINDOW = 128  # the HTP scores 128-token windows
 
 
 def gap_table_html(rows: list[dict]) -> str:
-    """The rows as an HTML table: a flagged gap in red, a failed target's row in red italics."""
+    """The rows as an HTML table: a flagged gap in red, a failed target's row in red italics; under it, the rule a
+    gap is flagged by."""
     head = "".join(f"<th>{html.escape(h)}</th>" for h in TABLE_HEADER)
     body = []
     for r in rows:
@@ -45,7 +46,8 @@ def gap_table_html(rows: list[dict]) -> str:
         body.append(f"<tr class='gap-row' data-target='{html.escape(r['target'])}'{style}>"
                     + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
     return ("<table class='workbench-gap' style='border-collapse:collapse;font-size:12px'><tr>" + head + "</tr>"
-            + "".join(body) + "</table><style>.workbench-gap td,.workbench-gap th{border:1px solid #ddd;"
+            + "".join(body) + "</table><div class='gap-rule' style='font-size:12px;color:#566573'>"
+            + html.escape(GAP_RULE) + "</div><style>.workbench-gap td,.workbench-gap th{border:1px solid #ddd;"
             "padding:2px 6px;text-align:left;vertical-align:top}.workbench-gap th{background:#f4f6f7}</style>")
 
 
@@ -168,6 +170,7 @@ class DevicesGapPanel(StepPanel):
         self.status.value = html.escape(
             f"{len(gap.rows)} target(s) in {gap.seconds:.0f} s; "
             + (f"gap flagged for {', '.join(flagged)}" if flagged else "no gap flagged")
+            + f" ({GAP_RULE})"
             + (f"; failed: {', '.join(failed)}" if failed else "") + f"; saved in {gap.work_dir}")
         return gap
 

@@ -35,7 +35,7 @@ class FinetunePanel(StepPanel):
         self.steps = widgets.BoundedIntText(value=steps, min=1, max=1_000_000, description="steps")
         self.rank = widgets.Dropdown(options=[4, 8, 16, 32, 64], value=rank, description="LoRA rank")
         self.lr = widgets.FloatLogSlider(value=lr, base=10, min=-5, max=-2, step=0.25, description="learning rate",
-                                         readout_format=".1e")
+                                         readout_format=".1e", style={"description_width": "initial"})
         self.batch_size = widgets.BoundedIntText(value=batch_size, min=1, max=1024, description="batch")
         self.seq_len = widgets.BoundedIntText(value=seq_len, min=8, max=1 << 16, description="seq len")
         self.overwrite = overwrite

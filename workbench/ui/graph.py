@@ -163,8 +163,11 @@ class ConvertPanel(StepPanel):
         self.target = widgets.Dropdown(options=list(CONVERT_TARGETS), value="ort-int4", description="target")
         self.out_dir = widgets.Text(value=str(session.conversion_dir if session is not None else out_dir),
                                     description="output", layout={"width": "640px"})
-        self.accuracy_level = widgets.Dropdown(options=[0, 4], value=accuracy_level, description="INT4 acc. level")
-        self.activation_bits = widgets.Dropdown(options=[16, 8], value=activation_bits, description="QDQ act. bits")
+        label = {"description_width": "initial"}  # the whole label, not "INT4 acc. ..."
+        self.accuracy_level = widgets.Dropdown(options=[0, 4], value=accuracy_level, description="INT4 acc. level",
+                                               style=label)
+        self.activation_bits = widgets.Dropdown(options=[16, 8], value=activation_bits, description="QDQ act. bits",
+                                                style=label)
         self.max_tokens = widgets.IntText(value=max_tokens or 0, description="eval tokens",
                                           tooltip="0 = the whole evaluation text")
         self.convert_button = widgets.Button(description="Convert", button_style="primary", icon="cogs")

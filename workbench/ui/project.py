@@ -28,11 +28,15 @@ from ..errors import PlanError
 from ..plan import QuantPlan
 from ..projection import AUTO, DEFAULT_CONTEXT, project_plans
 from ..report import Candidates, projection_table_html
-from .base import StepPanel
+from .base import CheckList, StepPanel
 
 __all__ = ["ProjectPanel", "DEFAULT_DEVICES"]
 
-DEFAULT_DEVICES = ("snapdragon-8-gen-3", "snapdragon-8-elite", "rk3588", "jetson-orin-nano")
+# the devices a user most likely projects onto, each fitted to its vendor's own measurements where they exist:
+# the last three Snapdragon phone chips (the 8 Elite Gen 5 is the Galaxy S26's), the X2 Elite laptop chip, the
+# RK3588 board and the Jetson Orin Nano
+DEFAULT_DEVICES = ("snapdragon-8-gen-3", "snapdragon-8-elite", "snapdragon-8-elite-gen-5", "snapdragon-x2-elite",
+                   "rk3588", "jetson-orin-nano")
 
 
 class ProjectPanel(StepPanel):
@@ -49,8 +53,7 @@ class ProjectPanel(StepPanel):
         registry = load_devices()
         chosen = [get_device(k, registry).key for k in devices] if devices is not None else \
             [k for k in DEFAULT_DEVICES if k in registry] or list(registry)[:1]
-        self.devices = widgets.SelectMultiple(options=[(d.name, k) for k, d in registry.items()], value=chosen,
-                                              rows=min(8, len(registry)), description="devices")
+        self.devices = CheckList([(d.name, k) for k, d in registry.items()], value=chosen, description="devices")
         self.context = widgets.BoundedIntText(value=context, min=0, max=1 << 20, description="context",
                                               tooltip="tokens in the KV cache while decoding")
         self.runtime = widgets.Dropdown(
