@@ -9,8 +9,9 @@ Qwen2.5-0.5B shape, INT8 QDQ graphs compiled for one Snapdragon, prefill and tea
 ``--recipe`` converts with Qualcomm's w4a16 plan (``targets.qnn.recipe_plan``: int4 per channel, int8 lm_head,
 16-bit embedding and activations, int8 KV cache) instead of INT8; ``--divergence`` runs each weighted layer
 alone on the HTP against the CPU QDQ graph (``htp.layer_divergence``); ``--split-limit-mib`` splits both QDQ
-graphs into parts whose weights fit that limit (``htp_parts``), compiles each part for the SoC and checks its
-context binary against the limit, and runs the parts chained on the CPU against the whole graph.
+graphs into parts whose context binaries fit that limit (``htp.write_htp_binaries``, what ``workbench convert
+--target qnn --soc ... --split-limit-mib`` runs), and runs the prefill parts chained on the CPU against the whole
+graph.
 
 Each evaluation runs in a child process (``measure_htp``), so the peak is the HTP evaluation's own
 (compiling, the context binaries, the CPU QDQ and float graphs it is compared with).
@@ -52,7 +53,7 @@ def main() -> None:
     ap.add_argument("--work", help="folder for the graphs (default: a temporary one)")
     ap.add_argument("--recipe", action="store_true", help="Qualcomm's w4a16 recipe (int8 KV cache) instead of INT8")
     ap.add_argument("--divergence", action="store_true", help="each layer alone on the HTP against the simulation")
-    ap.add_argument("--split-limit-mib", type=float, help="split into parts whose weights fit this many MiB")
+    ap.add_argument("--split-limit-mib", type=float, help="split into parts whose context binaries fit this many MiB")
     args = ap.parse_args()
     from workbench.targets.htp import measure_htp
     with tempfile.TemporaryDirectory(prefix="bench-htp-") as tmp:
@@ -100,30 +101,28 @@ def divergence(graph: Path, window, soc: str) -> list[str]:
 
 
 def split(twin: Path, limit: int, soc: str, out: Path, window) -> list[str]:
-    """Parts of both QDQ graphs under ``limit``, each compiled for ``soc`` and checked; chained on the CPU."""
-    from dataclasses import replace
-    import numpy as np
-    import onnxruntime as ort
+    """Both QDQ graphs compiled for ``soc`` with each context binary under ``limit`` (``htp.write_htp_binaries``:
+    a graph over it split into parts), and the prefill parts chained on the CPU against the whole graph."""
     from workbench.runtime.onnx_runner import OnnxCausalLM
-    from workbench.targets.htp import htp_soc, write_context_binaries
-    from workbench.targets.htp_parts import plan_parts, run_parts, split_graph, weight_bytes_by_block
-    lines, small = [], replace(htp_soc(soc), context_limit_bytes=limit)
-    runner = OnnxCausalLM(twin / "prefill.qdq.onnx")
-    feed = runner.prefill_feed(window)
-    for g in ("prefill", "decode"):
-        graph = twin / f"{g}.qdq.onnx"
-        head, blocks, tail = weight_bytes_by_block(graph)
-        parts = plan_parts(blocks, limit=limit, head_bytes=head, tail_bytes=tail)
-        files = split_graph(graph, twin, parts)
-        t0 = time.perf_counter()
-        written = write_context_binaries({f.stem: f for f in files}, out, small)
-        lines.append(f"  {g}: weights {(head + sum(blocks) + tail) / 2**20:.1f} MiB -> {len(parts)} parts {parts} "
-                     f"under {limit / 2**20:.0f} MiB; context binaries "
-                     + ", ".join(f"{w['bytes'] / 2**20:.1f}" for w in written) + f" MiB ({time.perf_counter() - t0:.1f} s)")
-        if g == "prefill":
-            whole = ort.InferenceSession(str(graph), providers=["CPUExecutionProvider"]).run(["logits"], feed)[0]
-            same = np.array_equal(run_parts(files, feed)["logits"], whole)
-            lines.append(f"  prefill parts chained on the CPU give the whole graph's logits: {same}")
+    from workbench.targets.htp import write_htp_binaries
+    from workbench.targets.htp_parts import check_chained
+    graphs = {g: twin / f"{g}.qdq.onnx" for g in ("prefill", "decode")}
+    t0 = time.perf_counter()
+    written = write_htp_binaries(graphs, out, soc, limit=limit)
+    seconds = time.perf_counter() - t0
+    if written["parts"] is None:
+        return [f"  every graph fits one context binary under {limit / 2**20:.0f} MiB: "
+                + ", ".join(f"{w['bytes'] / 2**20:.1f}" for w in written["context_binaries"]) + " MiB"]
+    lines = []
+    for g, d in written["parts"]["graphs"].items():
+        lines.append(f"  {g}: weights {d['weight_bytes'] / 2**20:.1f} MiB -> {len(d['parts'])} parts "
+                     f"{[tuple(p['blocks']) for p in d['parts']]} under {limit / 2**20:.0f} MiB; context binaries "
+                     + ", ".join(f"{p['bytes'] / 2**20:.1f}" for p in d["parts"]) + " MiB")
+    lines.append(f"  compiled in {seconds:.1f} s; manifest {out / 'parts.json'}")
+    parts = [out / p["qdq"] for p in written["parts"]["graphs"]["prefill"]["parts"]]
+    if len(parts) > 1:
+        same = check_chained(graphs["prefill"], parts, OnnxCausalLM(graphs["prefill"]).prefill_feed(window))
+        lines.append(f"  prefill parts chained on the CPU give the whole graph's outputs: {same['identical']}")
     return lines
 
 

@@ -3,6 +3,7 @@ refused nodes named, the 8 Gen 1 adaptation, context binaries reloaded. Skipped 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -295,3 +296,113 @@ def test_each_part_compiles_for_the_htp_under_the_limit(demo_qdq, tmp_path):
     files = split_graph(graph, graph.parent, parts)
     written = write_context_binaries({f.stem: f for f in files}, tmp_path / "parts", small)
     assert len(written) == len(parts) >= 2 and all(w["bytes"] <= limit for w in written)
+
+
+def test_split_to_fit_numbers_the_parts_and_names_what_passes_between_them(demo_qdq, tokens, tmp_path):
+    from workbench.runtime.onnx_runner import OnnxCausalLM
+    from workbench.targets.htp_parts import PartsCausalLM, check_chained, split_to_fit, weight_bytes_by_block
+    graph = demo_qdq[0]
+    head, blocks, tail = weight_bytes_by_block(graph)
+    assert split_to_fit(graph, head + sum(blocks) + tail, tmp_path)["parts"][0]["onnx"] == str(graph)  # fits: whole
+    budget = max(head + blocks[0], blocks[-1] + tail) + 1000  # the embedding or the head beside one block at most
+    split = split_to_fit(graph, budget, tmp_path)
+    parts = split["parts"]
+    assert len(parts) >= 3 and [p["part"] for p in parts] == list(range(1, len(parts) + 1))
+    assert parts[0]["blocks"][0] == 0 and parts[-1]["blocks"][1] == 4
+    assert all(a["blocks"][1] == b["blocks"][0] for a, b in zip(parts, parts[1:]))  # contiguous, in order
+    assert [f"prefill_part_{k}_of_{len(parts)}.onnx" for k in range(1, len(parts) + 1)] == \
+        [p["onnx"].rsplit("/", 1)[-1] for p in parts]
+    assert sum(p["weight_bytes"] for p in parts) == split["weight_bytes"] == head + sum(blocks) + tail
+    for a, b in zip(parts, parts[1:]):  # each part gives the next the residual stream's 16-bit codes
+        (given,) = [o for o in a["outputs"] if o.get("to_part") == b["part"]]
+        (taken,) = [i for i in b["inputs"] if i.get("from_part") == a["part"]]
+        assert given["name"] == taken["name"] and given["dtype"] == taken["dtype"] == "uint16"
+        assert given["shape"] == taken["shape"] == [1, 128, 256]  # batch, static sequence, hidden size
+    assert [o["name"] for o in parts[-1]["outputs"]][0] == "logits" and split["outputs"][0] == "logits"
+    files = [p["onnx"] for p in parts]
+    feed = OnnxCausalLM(graph).prefill_feed(tokens[:100])
+    assert check_chained(graph, files, feed) == {"identical": True, "max_abs_diff": 0.0, "outputs": 9}
+    # the parts driven as one prefill graph (and the decode graph's parts as one decode graph): the same numbers
+    dsplit = split_to_fit(demo_qdq[1], budget, tmp_path)
+    chained = PartsCausalLM(files, [p["onnx"] for p in dsplit["parts"]])
+    whole = OnnxCausalLM(*demo_qdq)
+    np.testing.assert_array_equal(chained.logits(np.array([tokens[:100]])), whole.logits(np.array([tokens[:100]])))
+    _, _, kv_p = chained.run_prefill(tokens[:64])
+    _, _, kv_w = whole.run_prefill(tokens[:64])
+    step_p, _, _ = chained.run_decode(tokens[64], kv_p, 64)
+    step_w, _, _ = whole.run_decode(tokens[64], kv_w, 64)
+    np.testing.assert_array_equal(step_p, step_w)
+
+
+def test_split_limit_needs_a_soc(tmp_path, capsys):
+    from workbench.cli import main
+    assert main(["convert", "demo", "--bits", "8", "--target", "qnn", "--split-limit-mib", "4",
+                 "--out", str(tmp_path / "a")]) == 2
+    assert "--soc DEVICE" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["convert", "demo", "--bits", "8", "--target", "qnn", "--soc", "8gen3", "--split-limit-mib", "0",
+              "--out", str(tmp_path / "b")])
+    assert "split-limit-mib" in capsys.readouterr().err
+
+
+@needs_qnn
+def test_convert_qnn_splits_each_graph_into_parts_under_the_limit(tmp_path, tokens):
+    from workbench.convert import convert
+    from workbench.targets.htp_parts import PARTS_FILE, read_parts
+    limit = 4 << 20  # the demo's graphs hold 7.1 MiB of weights: over this limit, so each is split
+    report = convert("demo", "qnn", tmp_path, bits=8, soc="8gen3", split_limit_bytes=limit, evaluate_outputs=False)
+    folder = tmp_path / "htp-snapdragon-8-gen-3"
+    manifest = read_parts(folder)
+    assert manifest["limit_bytes"] == limit and manifest["soc_limit_bytes"] == 4 << 30
+    assert manifest == json.loads((folder / PARTS_FILE).read_text())
+    for g in ("prefill", "decode"):
+        parts = manifest["graphs"][g]["parts"]
+        n = len(parts)
+        assert n >= 2 and [p["part"] for p in parts] == list(range(1, n + 1))
+        assert [p["bin"] for p in parts] == [[f"{g}_part_{k}_of_{n}.bin"] for k in range(1, n + 1)]
+        for p in parts:
+            size = (folder / p["bin"][0]).stat().st_size
+            assert size == p["bytes"] <= limit and (folder / p["ctx"]).is_file()
+            assert (folder / p["qdq"]).resolve().parent == tmp_path / "ort-qdq-twin"
+        assert parts[0]["blocks"][0] == 0 and parts[-1]["blocks"][1] == 4
+    htp = report.details["htp"]
+    assert htp["context_limit_bytes"] == limit and htp["parts"]["prefill_chained_on_cpu"]["identical"]
+    assert any("split to fit a context limit of 4.0 MiB (--split-limit-mib): prefill in 2 part(s)" in n
+               for n in report.notes)
+    assert not report.gap
+    # the folder runs through the htp runner as its parts chained, computing what the whole graph does on the HTP
+    chained = get_target("htp").runner(folder)
+    whole = open_htp(tmp_path / "ort-qdq-twin" / "prefill.qdq.onnx", device="8gen3")
+    ids = np.array([tokens[:128]])
+    np.testing.assert_array_equal(chained.logits(ids), whole.logits(ids))
+
+
+@needs_qnn
+def test_a_part_over_the_limit_once_compiled_is_split_again(demo_qdq, tmp_path, monkeypatch):
+    from workbench.targets import htp
+    from workbench.targets.htp_parts import weight_bytes_by_block
+    head, blocks, tail = weight_bytes_by_block(demo_qdq[0])
+    monkeypatch.setattr(htp, "CONTEXT_OVERHEAD", 0.0)  # planned by the weights alone: the binaries come out larger
+    limit = head + blocks[0] + blocks[1] + 1000
+    written = htp.write_htp_binaries({"prefill": demo_qdq[0]}, tmp_path, "8gen3", limit=limit)
+    parts = written["parts"]["graphs"]["prefill"]["parts"]
+    assert len(parts) >= 3 and all(p["bytes"] <= limit for p in parts)  # two blocks and the embedding did not fit
+    assert sorted(f.name for f in tmp_path.glob("*.bin")) == sorted(p["bin"][0] for p in parts)  # nothing left over
+    # under the SoC's own limit (4 GiB) the graph is one context binary, as before, and no manifest is written
+    whole = htp.write_htp_binaries({"prefill": demo_qdq[0]}, tmp_path / "whole", "8gen3")
+    assert whole["parts"] is None and whole["limit_bytes"] == 4 << 30
+    assert not (tmp_path / "whole" / "parts.json").exists()
+    assert [Path(c["ctx"]).name for c in whole["context_binaries"]] == ["prefill_ctx.onnx"]
+
+
+@pytest.mark.slow
+@needs_qnn
+def test_split_graphs_are_scored_on_the_htp_as_parts(tmp_path):
+    from workbench.convert import convert
+    report = convert("demo", "qnn", tmp_path, bits=8, soc="8gen3", split_limit_bytes=4 << 20, max_tokens=300)
+    htp = report.details["htp"]
+    m = htp["measurement"]
+    assert len(htp["parts"]["graphs"]["prefill"]["parts"]) >= 2
+    assert len(m["context_files"]) == sum(len(g["parts"]) for g in htp["parts"]["graphs"].values())
+    assert m["prefill"]["kl_vs_simulation"] < 1e-3 and m["decode"]["kl_vs_simulation"] < 1e-3
+    assert m["decode"]["tokens"] == 63 and not report.gap

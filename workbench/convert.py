@@ -500,7 +500,7 @@ class ConvertJob:
 
     def __init__(self, prep: PreparedModels, out: Path, report: ConversionReport, work: Path, *, text, max_tokens,
                  ctx, activation_bits, accuracy_level, static, calibration_samples, calibration_seq_len,
-                 greedy_steps, evaluate_outputs, progress, say, owns_models, soc=None):
+                 greedy_steps, evaluate_outputs, progress, say, owns_models, soc=None, split_limit_bytes=None):
         self.prep, self.out, self.report, self.work = prep, out, report, work
         self.text, self.max_tokens, self.ctx = text, max_tokens, ctx
         self.activation_bits, self.accuracy_level, self.greedy_steps = activation_bits, accuracy_level, greedy_steps
@@ -508,6 +508,7 @@ class ConvertJob:
         self.evaluate_outputs, self.progress, self.say, self.owns_models = evaluate_outputs, progress, say, owns_models
         self.default_ctx = DEFAULT_CTX
         self.soc = soc  # the device profile of the NPU the target compiles for (qnn: a Snapdragon), or None
+        self.split_limit_bytes = split_limit_bytes  # each compiled context under this (default: the SoC's limit)
         max_pos = getattr(prep.float_lm.model.config, "max_position_embeddings", None)
         self.static = static
         self._static_note = None
@@ -548,17 +549,22 @@ def convert(model, target: str, out_dir: str | Path, *, plan: QuantPlan | str | 
             accuracy_level: int = 4, static: tuple[int, int] = DEFAULT_STATIC, calibration_samples: int = 16,
             calibration_seq_len: int = 128, greedy_steps: int = 32, evaluate_outputs: bool = True,
             progress: bool = False, log: Callable[[str], None] | None = None,
-            device: str = "cpu", soc: str | None = None) -> ConversionReport:
+            device: str = "cpu", soc: str | None = None, split_limit_bytes: int | None = None) -> ConversionReport:
     """Convert for ``target`` (a registered target) into ``out_dir``; run and compare the result where it can run.
 
     ``max_tokens`` None evaluates on ``default_eval_tokens`` (the whole text for small models).
     ``device`` is where the PyTorch models run (``prepare_models``); ignored with ``prepared``.
     ``soc``: the device profile of the NPU to compile for and run on (``qnn``: a Snapdragon, e.g. ``8gen3``).
+    ``split_limit_bytes``: each context binary compiled for ``soc`` under this many bytes instead of the SoC's own
+    context limit (``qnn``: a graph over it is split into parts).
     """
     say = log or (lambda m: None)
     if target not in CONVERT_TARGETS:
         raise PlanError(f"unknown conversion target '{target}'; choose one of: {', '.join(CONVERT_TARGETS)}")
     spec = get_target(target)
+    if split_limit_bytes is not None and (split_limit_bytes <= 0 or not soc):
+        raise PlanError("--split-limit-mib sizes the context binaries compiled for a SoC: give a positive limit and "
+                        "--soc DEVICE")
     if max_tokens is not None and max_tokens < 2:
         raise PlanError(f"--max-tokens must be at least 2 (one token is predicted from another), got {max_tokens}")
     t0 = time.perf_counter()
@@ -579,7 +585,8 @@ def convert(model, target: str, out_dir: str | Path, *, plan: QuantPlan | str | 
                                 activation_bits=activation_bits, accuracy_level=accuracy_level, static=static,
                                 calibration_samples=calibration_samples, calibration_seq_len=calibration_seq_len,
                                 greedy_steps=greedy_steps, evaluate_outputs=evaluate_outputs, progress=progress,
-                                say=say, owns_models=prepared is None, soc=soc))
+                                say=say, owns_models=prepared is None, soc=soc,
+                                split_limit_bytes=split_limit_bytes))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     if not report.runnable:

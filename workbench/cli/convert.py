@@ -4,6 +4,7 @@
     workbench convert demo --bits 4 --target ort-genai --out out/genai    # one fused graph, onnxruntime-genai runs it
     workbench convert out/demo-int4 --target mnn --out out/mnn --json     # a `workbench quantize` output
     workbench convert demo --plan plan.json --target qnn --out out/qnn    # bundle + measured QDQ twin
+    workbench convert demo --bits 8 --target qnn --soc 8gen3 --split-limit-mib 4 --out out/qnn   # in parts
 
 JSON: files, kl_divergence and top1_agreement (against the float model),
 top1_agreement_vs_simulation (against the workbench's own quantized model), and the simulation's numbers.
@@ -17,7 +18,7 @@ from pathlib import Path
 from ..convert import CONVERT_TARGETS, convert, write_conversion_json
 from ..units import format_bytes
 from ..workspace import check_output_dir, rebase_paths, staged_output
-from .common import count, add_device_argument, add_json_flag, add_model_argument, print_json
+from .common import count, number, add_device_argument, add_json_flag, add_model_argument, print_json
 from .export import parse_static
 
 CONVERT_FORMAT = "workbench-convert"  # the kind named in the manifest of a conversion's --out
@@ -47,6 +48,10 @@ def add_arguments(p):
     p.add_argument("--soc", metavar="DEVICE", help="qnn: the Snapdragon to compile for and run on with "
                    "onnxruntime-qnn's HTP emulator, a `workbench devices` name or alias (8gen3, 8gen2, 8elite, 8gen1, "
                    "x-elite): context binaries for it, prefill and decode scored on it")
+    p.add_argument("--split-limit-mib", type=number(0, low_open=True), metavar="MIB",
+                   help="qnn with --soc: each context binary under this many MiB instead of the SoC's own limit "
+                        "(2 GiB before HTP v73, 4 GiB from v73); a graph over it is split into numbered parts "
+                        "listed in parts.json")
     add_device_argument(p)  # the PyTorch models; graphs and onnxruntime run on the CPU
     add_json_flag(p)
 
@@ -60,7 +65,8 @@ def run(args) -> int:
                          max_tokens=args.max_tokens, ctx=args.ctx, activation_bits=args.activation_bits,
                          accuracy_level=args.accuracy_level, static=static,
                          progress=not args.json, log=None if args.json else print, device=args.device,
-                         soc=args.soc)
+                         soc=args.soc,
+                         split_limit_bytes=int(args.split_limit_mib * 2**20) if args.split_limit_mib else None)
         report = rebase_paths(report, staged, Path(args.out))
         # the report names where the files will be once swapped in, not the staging directory
         write_conversion_json(report, staged)
@@ -95,8 +101,12 @@ def run(args) -> int:
                 m = htp[g]
                 print(f"  {g:<8} vs float: KL {m['kl_vs_float']:.5f} top-1 {m['top1_vs_float']:.4f}; vs CPU QDQ: KL "
                       f"{m['kl_vs_simulation']:.2e} top-1 {m['top1_vs_simulation']:.4f} ({m['tokens']:,} positions)")
-            print(f"  context binaries {format_bytes(htp['context_bytes'])}; compile {htp['compile_seconds']:.1f} s, "
-                  f"run {htp['eval_seconds']:.1f} s, peak {format_bytes(htp['peak_rss_bytes'])}")
+            parts = report.details["htp"].get("parts")
+            split = (" in parts (" + ", ".join(f"{g} {len(d['parts'])}" for g, d in parts["graphs"].items()) + ")"
+                     if parts else "")
+            print(f"  context binaries {format_bytes(htp['context_bytes'])}{split}; compile "
+                  f"{htp['compile_seconds']:.1f} s, run {htp['eval_seconds']:.1f} s, peak "
+                  f"{format_bytes(htp['peak_rss_bytes'])}")
         if report.gap:
             print(f"GAP: {report.gap}")
     stages = ", ".join(f"{name.replace('_', ' ')} {sec:.1f}" for name, sec in report.details.get("seconds", {}).items())

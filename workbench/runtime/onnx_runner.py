@@ -170,7 +170,8 @@ class OnnxCausalLM:
             mask = np.ones_like(ids)
         pos = np.broadcast_to(np.arange(ids.shape[1], dtype=np.int64), ids.shape).copy()
         feed = self._feed({"input_ids": ids, "attention_mask": mask, "position_ids": pos, **self._empty_past(b)})
-        if not isinstance(self.vocab, int):  # a graph from elsewhere with a symbolic vocabulary size
+        if not isinstance(self.vocab, int) or not hasattr(self.prefill, "io_binding"):
+            # a graph from elsewhere with a symbolic vocabulary size, or one run in parts (htp_parts.ChainedSession)
             return self.prefill.run(["logits"], feed)[0][:, :n]
         # onnxruntime writes the logits straight into this array: no arena copy of tokens x vocabulary kept
         out = np.empty((b, ids.shape[1], self.vocab), np.float32)

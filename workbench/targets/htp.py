@@ -3,6 +3,7 @@
     runner = get_target("htp").runner("out/qnn/prefill.qdq.onnx", decode_path=..., device="8gen3")
     runner.logits(ids)                                   # on the HTP emulator for soc 57 (HTP v75)
     write_context_binaries({"prefill": p, "decode": d}, "out/qnn/htp", htp_soc("8gen3"))
+    write_htp_binaries({"prefill": p, "decode": d}, "out/qnn/htp", "8gen3", limit=64 << 20)   # split to fit
     m = measure_htp(float_graphs, qdq_graphs, ids, device="8gen1")   # HtpMeasurement
 
 ``onnxruntime-qnn`` (``pip install --no-deps onnxruntime-qnn==2.7.0``) is Qualcomm's QNN execution
@@ -11,7 +12,9 @@ arithmetic for the SoC it is told (``soc_model``, from the device profile's ``qn
 Without a SoC it cannot finalise a graph; with CPU fallback off (always, here) a node the HTP
 refuses fails the session, and ``HtpRefused`` names each such node and why, from the backend's log.
 Context binaries (``<graph>_ctx.onnx`` + ``<graph>_ctx_qnn.bin``) are what a phone loads; their size
-is checked against the SoC's context limit (the profile's ``npu_memory_limit_gb``).
+is checked against the SoC's context limit (the profile's ``npu_memory_limit_gb``). ``write_htp_binaries``
+splits a graph whose binary would be over it into parts (``htp_parts``), each compiled on its own
+(``<graph>_part_<k>_of_<n>_ctx.onnx`` + ``<graph>_part_<k>_of_<n>.bin``) and listed in ``parts.json``.
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ import contextlib
 import os
 import re
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
@@ -31,7 +34,9 @@ from .processes import die_with_parent, owned_temporary
 from .registry import Target, register_target
 
 __all__ = ["INSTALL", "DEFAULT_DEVICE", "HtpUnavailable", "HtpRefused", "HtpSoc", "qnn_available", "htp_soc",
-           "htp_socs", "generation_rules", "float_layers_refused", "soc_runs", "soc_plan_changes", "soc_findings", "htp_session_options", "open_htp", "backend_soc", "write_context_binaries",
+           "htp_socs", "generation_rules", "float_layers_refused", "soc_runs", "soc_plan_changes", "soc_findings",
+           "htp_session_options", "open_htp", "backend_soc", "write_context_binaries", "CONTEXT_OVERHEAD",
+           "write_htp_binaries",
            "HtpMeasurement", "measure_htp", "DEPART_ERROR", "layer_divergence", "departing_layers",
            "TARGET"]
 
@@ -245,23 +250,33 @@ def _raise_refused(path: Path, soc: HtpSoc, log: str, error: Exception):
     raise HtpRefused(f"{soc.label} could not compile {path.name}: {str(error).strip().splitlines()[0]}") from None
 
 
-def open_htp(prefill_path: str | Path, decode_path: str | Path | None = None, *, threads: int | None = None,
-             device: str | HtpSoc | None = None):
-    """``OnnxCausalLM`` on the HTP emulator for ``device``: QDQ graphs or their ``_ctx.onnx`` context models."""
+def open_htp(prefill_path: str | Path | Sequence[str | Path], decode_path: str | Path | Sequence[str | Path] | None
+             = None, *, threads: int | None = None, device: str | HtpSoc | None = None):
+    """``OnnxCausalLM`` on the HTP emulator for ``device``: QDQ graphs or their ``_ctx.onnx`` context models; a
+    graph given as a list of its parts in order (``write_htp_binaries``) runs them chained (``PartsCausalLM``)."""
     from ..runtime.onnx_runner import GraphLoadError, OnnxCausalLM
+    from .htp_parts import PartsCausalLM
     soc = htp_soc(device)
     apply = htp_session_options(soc)
+
+    def listed(p):
+        return p if p is None else [p] if isinstance(p, (str, Path)) else list(p)
+    in_parts = not all(isinstance(p, (str, Path)) for p in (prefill_path, decode_path) if p is not None)
+    if in_parts:
+        prefill_path, decode_path = listed(prefill_path), listed(decode_path)
+    runner = PartsCausalLM if in_parts else OnnxCausalLM
     with owned_temporary("workbench-htp") as tmp:
         log = Path(tmp) / "qnn.log"
         try:
             with native_output_to(log):
-                return OnnxCausalLM(prefill_path, decode_path, providers=(), threads=threads, session_options=apply)
+                return runner(prefill_path, decode_path, providers=(), threads=threads, session_options=apply)
         except GraphLoadError as e:  # the graph that failed, prefill or decode, is the one named
             _raise_refused(e.path, soc, log.read_text(errors="replace"), e.cause)
         except WorkbenchError:
             raise
         except Exception as e:
-            _raise_refused(Path(decode_path or prefill_path), soc, log.read_text(errors="replace"), e)
+            last = decode_path or prefill_path
+            _raise_refused(Path(last[0] if in_parts else last), soc, log.read_text(errors="replace"), e)
 
 
 CONTEXT_FILES = ("prefill_ctx.onnx", "decode_ctx.onnx")
@@ -283,6 +298,11 @@ def htp_runner(path: str | Path, *, threads: int | None = None, device: str | Ht
         except (OSError, ValueError, AttributeError) as e:
             raise ModelLoadError(f"'{p / SOC_FILE}' is not the JSON `workbench convert --target qnn --soc` writes "
                                  f"({e}): convert again, or pass the device") from None
+    from .htp_parts import PARTS_FILE, read_parts
+    if (p / PARTS_FILE).is_file():  # graphs split to fit the SoC's context limit: their parts chained
+        graphs = read_parts(p)["graphs"]
+        prefill, decode = ([p / part["ctx"] for part in graphs[g]["parts"]] for g in ("prefill", "decode"))
+        return open_htp(prefill, decode, threads=threads, device=device)
     graphs = CONTEXT_FILES if (p / CONTEXT_FILES[0]).is_file() else QDQ_FILES
     missing = [g for g in graphs if not (p / g).is_file()]
     if missing:
@@ -359,15 +379,120 @@ def write_context_binaries(graphs: Mapping[str, str | Path], out_dir: str | Path
         size = sum(b.stat().st_size for b in bins)
         for b in bins:
             if soc.context_limit_bytes and b.stat().st_size > soc.context_limit_bytes:
-                raise HtpRefused(f"{b.name} is {b.stat().st_size / GiB:.2f} GiB, over {soc.label}'s context limit of "
-                                 f"{soc.context_limit_bytes / GiB:.0f} GiB; split the model into several graphs "
-                                 "(fewer blocks each) or quantize more layers to 4 bits")
+                raise HtpRefused(f"{b.name} is {_mib(b.stat().st_size)}, over {soc.label}'s context limit of "
+                                 f"{_mib(soc.context_limit_bytes)}; split the graph into parts (write_htp_binaries, "
+                                 "which `workbench convert --target qnn --soc` uses) or quantize more layers to 4 bits")
         written.append({"graph": name, "ctx": str(ctx), "bin": [str(b) for b in bins], "bytes": size,
                         "limit_bytes": soc.context_limit_bytes, "seconds": time.perf_counter() - t0})
     import json
     (out / SOC_FILE).write_text(json.dumps({"device": soc.device, "soc_model": soc.soc_model, "arch": soc.arch},
                                            indent=2) + "\n", encoding="utf-8")
     return written
+
+
+def _mib(n: int) -> str:
+    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / 2**20:.1f} MiB"
+
+
+CONTEXT_OVERHEAD = 0.10  # a context binary's bytes beyond its weights', as a share (5-9 % measured on the demo, INT8)
+
+
+def _rename_binary(entry: dict, stem: str) -> dict:
+    """The context binary of ``entry`` renamed ``<stem>.bin`` (Qualcomm's part names) and its context model pointed
+    at it; left as onnxruntime named it when the model holds several binaries."""
+    import onnx
+    ctx = Path(entry["ctx"])
+    proto = onnx.load(str(ctx))
+    nodes = [n for n in proto.graph.node if n.op_type == "EPContext"]
+    if len(nodes) != 1 or len(entry["bin"]) != 1:
+        return entry
+    old, new = Path(entry["bin"][0]), ctx.with_name(f"{stem}.bin")
+    for a in nodes[0].attribute:
+        if a.name == "ep_cache_context":
+            a.s = new.name.encode()
+    os.replace(old, new)
+    tmp = ctx.with_name(ctx.name + ".partial")
+    onnx.save(proto, str(tmp))
+    os.replace(tmp, ctx)
+    return {**entry, "bin": [str(new)]}
+
+
+def _compile_to_fit(name: str, graph: Path, out: Path, soc: HtpSoc, limit: int, tries: int) -> tuple[dict, list]:
+    """``graph`` in the fewest parts whose context binaries are each under ``limit``: planned by the weights' bytes
+    with ``CONTEXT_OVERHEAD``, compiled, and planned again tighter (by the largest binary's excess) while a part is
+    still over. Returns (``htp_parts.split_to_fit``'s description, the context binaries written)."""
+    from .htp_parts import split_to_fit
+    unchecked = replace(soc, context_limit_bytes=None)
+    budget = int(limit / (1 + CONTEXT_OVERHEAD))
+    for _ in range(tries):
+        split = split_to_fit(graph, budget)
+        parts = split["parts"]
+        if len(parts) == 1:
+            written = write_context_binaries({name: graph}, out, unchecked)
+        else:
+            written = []
+            for p in parts:
+                stem = Path(p["onnx"]).stem
+                entry = write_context_binaries({stem: p["onnx"]}, out, unchecked)[0]
+                written.append(_rename_binary({**entry, "part": p["part"], "of": len(parts)}, stem))
+        worst = max(w["bytes"] for w in written)
+        if worst <= limit:
+            return split, [{**w, "limit_bytes": limit} for w in written]
+        for w in written:  # over the limit: none of these are kept
+            for f in (w["ctx"], *w["bin"]):
+                Path(f).unlink(missing_ok=True)
+        if len(parts) > 1:
+            for p in parts:
+                Path(p["onnx"]).unlink(missing_ok=True)
+        budget = int(budget * limit / worst * 0.97)
+    raise HtpRefused(f"{graph.name} still has a context binary over {soc.label}'s limit of {_mib(limit)} after "
+                     f"{tries} splits: quantize more layers to 4 bits, or give a larger limit")
+
+
+def write_htp_binaries(graphs: Mapping[str, str | Path], out_dir: str | Path, device: str | HtpSoc | None = None, *,
+                       limit: int | None = None, tries: int = 3) -> dict:
+    """Context binaries of QDQ graphs for the SoC, each under ``limit`` bytes (default the SoC's context limit).
+
+    A graph whose binary would be over the limit (its weights' bytes plus ``CONTEXT_OVERHEAD``) is split at block
+    boundaries (``htp_parts``) into the fewest parts that fit, written beside the graph (its weights may be
+    there), each compiled on its own into ``out_dir`` as ``<graph>_part_<k>_of_<n>_ctx.onnx`` +
+    ``<graph>_part_<k>_of_<n>.bin``; a part still over the limit once compiled is planned again, tighter. When
+    any graph is split, ``parts.json`` (``htp_parts.PARTS_FILE``) lists every graph's parts in order (a graph that
+    fits as one part of one) with their blocks, weights, binaries and sizes, and the tensors each part takes and
+    gives (one passed between parts marked ``from_part`` / ``to_part``). Returns ``{"limit_bytes",
+    "context_binaries": [write_context_binaries' entries], "graphs": {name: [context models in order]}, "parts":
+    the manifest or None}``.
+    """
+    import json
+    from .htp_parts import PARTS_FILE, PARTS_FORMAT
+    soc = htp_soc(device)
+    limit = limit or soc.context_limit_bytes
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / PARTS_FILE).unlink(missing_ok=True)
+    written, order, described = [], {}, {}
+    for name, path in graphs.items():
+        if limit is None:
+            w = write_context_binaries({name: path}, out, soc)
+            written += w
+            order[name] = [w[0]["ctx"]]
+            continue
+        split, w = _compile_to_fit(name, Path(path), out, soc, limit, tries)
+        written += w
+        order[name] = [e["ctx"] for e in w]
+        for part, e in zip(split["parts"], w):
+            part.update(ctx=Path(e["ctx"]).name, bin=[Path(b).name for b in e["bin"]], bytes=e["bytes"],
+                        qdq=os.path.relpath(part.pop("onnx"), out))
+        described[name] = {"source": Path(path).name, **{k: v for k, v in split.items() if k != "graph"}}
+    manifest = None
+    if any(len(g["parts"]) > 1 for g in described.values()):
+        manifest = {"format": PARTS_FORMAT, "version": 1, "device": soc.device, "soc": soc.label,
+                    "soc_model": soc.soc_model, "arch": soc.arch, "limit_bytes": limit,
+                    "soc_limit_bytes": soc.context_limit_bytes, "graphs": described}
+        tmp = out / (PARTS_FILE + ".partial")
+        tmp.write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
+        os.replace(tmp, out / PARTS_FILE)
+    return {"limit_bytes": limit, "context_binaries": written, "graphs": order, "parts": manifest}
 
 
 DEPART_ERROR = 0.02  # a layer run alone whose HTP output is off the simulation's by more (relative RMS) departs
@@ -531,6 +656,7 @@ class HtpMeasurement:
     compile_seconds: float = 0.0
     eval_seconds: float = 0.0
     peak_rss_bytes: int = 0  # of the process that compiled and ran (a child process of its own by default)
+    parts: dict | None = None  # the graphs split to fit the context limit (write_htp_binaries' manifest), or None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -563,15 +689,22 @@ def _teacher_forced(runner, ids: Sequence[int], prompt: int) -> np.ndarray:
     return np.stack(out)
 
 
-def _measure(float_graphs, qdq_graphs, windows, device, out_dir, prompt, decode_windows, threads) -> HtpMeasurement:
+def _measure(float_graphs, qdq_graphs, windows, device, out_dir, prompt, decode_windows, threads,
+             limit=None) -> HtpMeasurement:
     import resource
     from ..runtime.onnx_runner import OnnxCausalLM
     soc = htp_soc(device)
     t0 = time.perf_counter()
-    ctx = write_context_binaries({"prefill": qdq_graphs[0], "decode": qdq_graphs[1]}, out_dir, soc)
+    if limit is None:
+        ctx = write_context_binaries({"prefill": qdq_graphs[0], "decode": qdq_graphs[1]}, out_dir, soc)
+        graphs, parts = [c["ctx"] for c in ctx], None
+    else:
+        w = write_htp_binaries({"prefill": qdq_graphs[0], "decode": qdq_graphs[1]}, out_dir, soc, limit=limit)
+        ctx, parts = w["context_binaries"], w["parts"]
+        graphs = [w["graphs"][g] if parts else w["graphs"][g][0] for g in ("prefill", "decode")]
     compile_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    htp = open_htp(ctx[0]["ctx"], ctx[1]["ctx"], device=soc, threads=threads)
+    htp = open_htp(*graphs, device=soc, threads=threads)
     cpu = OnnxCausalLM(*qdq_graphs, threads=threads)
     ref = OnnxCausalLM(*float_graphs, threads=threads) if float_graphs else None
     acc = {k: _Agreement() for k in ("pf", "ps", "df", "ds", "sf", "sdf")}
@@ -595,7 +728,7 @@ def _measure(float_graphs, qdq_graphs, windows, device, out_dir, prompt, decode_
     sim = {"prefill": acc["sf"].result("float"), "decode": acc["sdf"].result("float")}
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return HtpMeasurement(soc.device, soc.soc_model, soc.arch, prefill, decode, sim,
-                          sum(c["bytes"] for c in ctx), ctx, compile_s, time.perf_counter() - t0, peak)
+                          sum(c["bytes"] for c in ctx), ctx, compile_s, time.perf_counter() - t0, peak, parts)
 
 
 def _measure_child(queue, args) -> None:
@@ -609,7 +742,7 @@ def _measure_child(queue, args) -> None:
 def measure_htp(float_graphs: Sequence[str | Path] | None, qdq_graphs: Sequence[str | Path],
                 windows: Sequence[Sequence[int]], *, device: str | HtpSoc | None = None,
                 out_dir: str | Path | None = None, prompt: int | None = None, decode_windows: int | None = None,
-                threads: int | None = None, isolated: bool = True) -> HtpMeasurement:
+                threads: int | None = None, isolated: bool = True, limit: int | None = None) -> HtpMeasurement:
     """Compile the QDQ (prefill, decode) graphs for ``device``'s HTP, run them on the emulator, and compare.
 
     ``windows``: token windows (each at most the static sequence length); prefill scores every
@@ -617,7 +750,8 @@ def measure_htp(float_graphs: Sequence[str | Path] | None, qdq_graphs: Sequence[
     first ``decode_windows`` (default all), every step scored. Compared against the float graphs
     (``float_graphs``, optional) and the CPU QDQ graphs (the simulation of what HTP runs). The
     context binaries go to ``out_dir`` (a temporary folder by default). ``isolated`` runs it all in a
-    child process, so ``peak_rss_bytes`` is the HTP evaluation's own peak.
+    child process, so ``peak_rss_bytes`` is the HTP evaluation's own peak. ``limit``: each context binary under
+    this many bytes, a graph over it split into parts (``write_htp_binaries``), run chained on the HTP.
     """
     _require_qnn()
     soc = htp_soc(device)
@@ -630,7 +764,7 @@ def measure_htp(float_graphs: Sequence[str | Path] | None, qdq_graphs: Sequence[
         if out_dir is None:
             out_dir = stack.enter_context(owned_temporary("workbench-htp-ctx"))
         args = (list(map(str, float_graphs)) if float_graphs else None, list(map(str, qdq_graphs)), windows, soc,
-                str(out_dir), prompt, decode_windows, threads)
+                str(out_dir), prompt, decode_windows, threads, limit)
         if not isolated:
             return _measure(*args)
         import multiprocessing as mp

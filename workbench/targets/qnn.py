@@ -619,26 +619,32 @@ def _soc_for(job):
     return soc, "QUInt8"
 
 
-def _run_on_htp(job, soc, sx, prefill_qdq: Path, ev) -> None:
-    """Context binaries for ``soc`` and (with an evaluator) prefill and decode scored on the HTP emulator."""
-    from .htp import INSTALL, measure_htp, qnn_available, write_context_binaries
+def _run_on_htp(job, soc, sx, prefill_qdq: Path, ev, feed: Mapping[str, np.ndarray]) -> None:
+    """Context binaries for ``soc``, each under its context limit (``--split-limit-mib``, else the SoC's: a graph
+    over it is split into parts), and (with an evaluator) prefill and decode scored on the HTP emulator."""
+    from .htp import INSTALL, measure_htp, qnn_available, write_htp_binaries
     if not qnn_available():
         job.report.notes.append(f"onnxruntime-qnn is not installed, so nothing ran on the HTP ({soc.label}): "
                                 f"{INSTALL}")
         return
     decode_qdq = prefill_qdq.with_name("decode.qdq.onnx")
     out = job.out / f"htp-{soc.device}"
+    limit = job.split_limit_bytes or soc.context_limit_bytes
     job.say(f"compiling for {soc.label} with onnxruntime-qnn, then running on its HTP emulator")
     info = {"soc": soc.label, "device": soc.device, "soc_model": soc.soc_model, "arch": soc.arch,
-            "context_limit_bytes": soc.context_limit_bytes}
+            "context_limit_bytes": limit, "soc_context_limit_bytes": soc.context_limit_bytes}
     if ev is None:
-        info["context_binaries"] = write_context_binaries({"prefill": prefill_qdq, "decode": decode_qdq}, out, soc)
+        written = write_htp_binaries({"prefill": prefill_qdq, "decode": decode_qdq}, out, soc, limit=limit)
+        info["context_binaries"], parts = written["context_binaries"], written["parts"]
     else:
         windows = [ev.ids[w.begin:w.end].tolist() for w in ev.windows[:HTP_WINDOWS]]
         m = measure_htp([sx.prefill_path, sx.decode_path], [prefill_qdq, decode_qdq], windows, device=soc,
-                        out_dir=out, decode_windows=HTP_DECODE_WINDOWS)
-        info["measurement"] = m.to_dict()
-        info["context_binaries"] = m.context_files
+                        out_dir=out, decode_windows=HTP_DECODE_WINDOWS, limit=limit)
+        info["measurement"] = {k: v for k, v in m.to_dict().items() if k != "parts"}  # the parts: info["parts"]
+        info["context_binaries"], parts = m.context_files, m.parts
+    if parts:
+        _report_parts(job, soc, parts, prefill_qdq, feed, out, info)
+    if ev is not None:
         off = [g for g in ("prefill", "decode") if getattr(m, g)["kl_vs_simulation"] > HTP_GAP_KL]
         if off and not job.report.gap:
             job.report.gap = (f"on the HTP emulator ({soc.label}) the {' and '.join(off)} graph differs from CPU QDQ "
@@ -652,9 +658,41 @@ def _run_on_htp(job, soc, sx, prefill_qdq: Path, ev) -> None:
             f"{m.decode['top1_vs_float']:.4f} vs float, KL {m.decode['kl_vs_simulation']:.2e} vs CPU QDQ "
             f"({m.decode['tokens']} steps after a {m.decode['prompt']}-token prompt)")
     job.report.details["htp"] = info
-    sizes = ", ".join(f"{Path(c['ctx']).name} + {c['bytes'] / 1e6:.1f} MB" for c in info["context_binaries"])
-    limit = f" (limit {soc.context_limit_bytes / 2**30:.0f} GiB per context)" if soc.context_limit_bytes else ""
-    job.report.notes.append(f"context binaries for {soc.label}: {sizes}{limit}, in {out}")
+    if not parts:
+        sizes = ", ".join(f"{Path(c['ctx']).name} + {c['bytes'] / 1e6:.1f} MB" for c in info["context_binaries"])
+        job.report.notes.append(f"context binaries for {soc.label}: {sizes}"
+                                + (f" (limit {_mib(limit)} per context)" if limit else "") + f", in {out}")
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def _blocks(first: int, end: int) -> str:
+    return f"block {first}" if end - first == 1 else f"blocks {first}-{end - 1}"
+
+
+def _report_parts(job, soc, parts: dict, prefill_qdq: Path, feed: Mapping[str, np.ndarray], out: Path,
+                  info: dict) -> None:
+    """The split in the notes (parts and sizes, graph by graph) and ``details.htp.parts``; the prefill parts chained
+    on the CPU against the whole QDQ prefill graph, for one calibration sample (a difference is a gap)."""
+    from .htp_parts import PARTS_FILE, check_chained
+    prefill = parts["graphs"]["prefill"]["parts"]
+    files = [out / p["qdq"] for p in prefill]
+    chained = check_chained(prefill_qdq, files, feed) if len(files) > 1 else None
+    info["parts"] = {**parts, "manifest": str(out / PARTS_FILE), "prefill_chained_on_cpu": chained}
+    whose = "--split-limit-mib" if job.split_limit_bytes else f"{soc.label}'s own"
+    graphs = "; ".join(f"{g} in {len(d['parts'])} part(s): " + ", ".join(
+        f"{p['ctx'].removesuffix('_ctx.onnx')} ({_blocks(*p['blocks'])}) {_mib(p['bytes'])}" for p in d["parts"])
+        for g, d in parts["graphs"].items())
+    job.report.notes.append(f"split to fit a context limit of {_mib(parts['limit_bytes'])} ({whose}): {graphs}; "
+                            f"listed in order, with the tensors passed between parts, in {out / PARTS_FILE}")
+    if chained is not None and chained["identical"]:
+        job.report.notes.append(f"the prefill parts chained on the CPU give the whole QDQ prefill graph's "
+                                f"{chained['outputs']} outputs bit for bit")
+    elif chained is not None and not job.report.gap:
+        job.report.gap = (f"the prefill parts chained on the CPU differ from the whole QDQ prefill graph (largest "
+                          f"difference {chained['max_abs_diff']:.3g}): the split does not compute what the graph does")
 
 
 def _compare_layers(job, soc, prefill_qdq: Path, window, info: dict) -> None:
@@ -698,7 +736,7 @@ def convert_qnn(job) -> None:
         job.report.details[f"inspection_{g}"] = inspect_graph(job.out / f"{g}.onnx", "qnn").summary()
     measure_qdq(job, prefill_qdq, ev)
     if soc is not None:
-        _run_on_htp(job, soc, sx, prefill_qdq, ev)
+        _run_on_htp(job, soc, sx, prefill_qdq, ev, feeds["prefill"][0])
 
 
 def _write(path, lm, plan, *, quantized=None, export=None, calibration=None) -> OverrideFile:
