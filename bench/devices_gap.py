@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from workbench.devices_gap import HTP_WINDOWS, PROMPT, TARGETS, format_table, measure_devices_gap  # noqa: E402
+from workbench.cli.common import add_backend_arguments, backend_from_args  # noqa: E402
 from workbench.errors import WorkbenchError  # noqa: E402
 
 
@@ -45,6 +46,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--targets", default=",".join(TARGETS))
     ap.add_argument("--html", help="also write the chart (plotly) here")
     ap.add_argument("--work", help="folder for what the targets write (default: a temporary one)")
+    add_backend_arguments(ap, "the targets")
     args = ap.parse_args(argv)
     args.targets = args.targets.split(",")
     unknown = [t for t in args.targets if t not in TARGETS]
@@ -64,7 +66,7 @@ def main(argv=None) -> int:
     try:
         gap = measure_devices_gap(model, plan=args.plan, bits=None if args.plan else args.bits, targets=args.targets,
                                   soc=args.soc, max_tokens=args.max_tokens, windows=args.windows, prompt=args.prompt,
-                                  work=work, log=lambda m: print(m, flush=True))
+                                  work=work, log=lambda m: print(m, flush=True), backend=backend_from_args(args))
     except WorkbenchError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -50,9 +50,8 @@ def one_run(args) -> dict:
         ray = import_ray()
         from ray.cluster_utils import Cluster
         half = max(1, args.workers // 2)
-        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": half, "include_dashboard": False,
-                                                                 "node_ip_address": "127.0.0.1"})
-        cluster.add_node(num_cpus=args.workers - half, node_ip_address="127.0.0.1")
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": half, "include_dashboard": False})
+        cluster.add_node(num_cpus=args.workers - half)
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, log_to_driver=False)
         backend = RayBackend("joined", workers=args.workers)
@@ -113,14 +112,76 @@ def main() -> None:
             or f"{format_bytes(r['peak'])} (the whole process)"
         print(f"{label:<26} {r['wall']:>8.1f} {r['trials'] / r['wall']:>8.2f} {ratio:>9}  {mem}")
         if serial and r is not serial:
-            print(f"{'':<26} results identical to serial: {r['damage'] == serial['damage']}"
+            same = r["damage"] == serial["damage"]
+            print(f"{'':<26} results identical to serial: {same}"
+                  + ("" if same else f" (largest relative difference {largest_difference(r, serial):.1e}: one-thread "
+                                     "workers sum some products in another order than two threads)")
                   + (f"; ran on {r['nodes']} nodes" if r["run"] == "ray" else ""))
-    if serial:
-        per_task = serial["trial_seconds"] / n
-        setup = max(0.0, serial["wall"] - serial["trial_seconds"])  # reference and baseline passes
-        for w in (8, 32):
-            print(f"projected on {w} workers: {setup + per_task * n / w:,.1f} s (measured {per_task:.3f} s per "
-                  f"trial on one {args.threads}-thread process, {setup:.1f} s for the reference and baseline)")
+    spread = next((r for r in rows if r["run"] == "processes"), None)
+    if serial and spread:
+        project(args, first, serial, spread)
+
+
+def largest_difference(a: dict, b: dict) -> float:
+    """The largest relative difference between two runs' figures, over every layer, precision and metric."""
+    worst = 0.0
+    for x, y in zip(a["damage"], b["damage"]):
+        for p in x:
+            for k, v in x[p].items():
+                w = y[p][k]
+                worst = max(worst, abs(v - w) / max(abs(v), abs(w), 1e-30))
+    return worst
+
+
+# Qwen2.5-14B's published config.json (not in assets/model_shapes.json, which holds the shapes the device
+# projection uses): 48 blocks, hidden 5120, MLP 13824, 40 heads over 8 KV heads, 152,064 rows, untied.
+QWEN25_14B = {"model_type": "qwen2", "hidden_size": 5120, "intermediate_size": 13824, "num_hidden_layers": 48,
+              "num_attention_heads": 40, "num_key_value_heads": 8, "vocab_size": 152064,
+              "max_position_embeddings": 32768, "tie_word_embeddings": False}
+
+
+def trial_work(lm, tokens: int, precisions: int) -> float:
+    """Parameter-tokens a measured sweep multiplies: each trial runs the blocks from its layer's block on, then
+    the output layer, over ``tokens`` tokens (the blocks before it are replayed)."""
+    import re
+    from collections import defaultdict
+
+    def block(info) -> int | None:  # None: the output layer alone; the embedding changes every block
+        m = re.search(r"(\d+)$", str(info.block))
+        return int(m.group(1)) if m else (None if info.role == "lm_head" else 0)
+
+    per_block = defaultdict(int)
+    head = sum(i.parameters for i in lm.layers if i.role == "lm_head")
+    for info in lm.layers:
+        if info.role not in ("lm_head", "embed_tokens"):
+            per_block[block(info)] += info.parameters
+    depth = max(per_block) + 1 if per_block else 0
+    after = {b: sum(per_block[c] for c in range(b, depth)) + head for b in range(depth)}
+    return float(sum(tokens * (head if block(i) is None else after[block(i)]) for i in lm.layers) * precisions)
+
+
+def project(args, first: dict, serial: dict, spread: dict) -> None:
+    """What the same sweep costs on more workers, and on 7B / 14B shapes: arithmetic from the measured runs."""
+    from workbench.models import load_model
+    from workbench.shapes import model_shape
+    precisions = len(args.precisions.split(","))
+    n, w = spread["trials"], args.workers
+    per_task = spread["trial_seconds"] / n  # one one-thread worker's seconds per trial, measured side by side
+    setup = max(0.0, serial["wall"] - serial["trial_seconds"])  # the reference and baseline passes
+    print(f"\non paper, from the {w}-process run: {per_task:.3f} s per trial on one core, {setup:.1f} s of "
+          "reference and baseline passes, each worker a core like these")
+    for k in (8, 32):
+        print(f"  this sweep on {k} workers: {setup + per_task * n / k:,.1f} s")
+    measured = trial_work(load_model(args.model), args.tokens, precisions)
+    per_work = per_task * n / measured
+    print(f"  cost per parameter-token of a trial: {per_work:.3e} core-s (the output layer and later blocks "
+          "included; quantizing the layer itself not scaled separately)")
+    for name, source in (("Qwen2.5-7B", "qwen2.5-7b"), ("Qwen2.5-14B", QWEN25_14B)):
+        shape = model_shape(source, name)
+        work = trial_work(shape, args.tokens, precisions)
+        trials = len(shape.layers) * precisions
+        cells = ", ".join(f"{k} workers {per_work * work / k / 3600:,.2f} h" for k in (1, 8, 32))
+        print(f"  {name} ({trials} trials, {args.tokens:,} tokens): {cells}")
 
 
 if __name__ == "__main__":

@@ -191,3 +191,21 @@ def test_real_run_of_the_runtimes_that_time_themselves(tiny_model_dir, tmp_path)
         assert row["speed"]["prefill_tps"] > 0 and row["speed"]["decode_tps"] > 0
     table = format_table(gap.rows)
     assert f"{gap.rows[2]['speed']['decode_tps']:,.0f}" in table.splitlines()[4]
+
+
+@pytest.mark.slow
+def test_targets_side_by_side_give_the_rows_one_after_another_gives(tiny_model_dir, tmp_path):
+    """On two worker processes the rows come back in the table's order with the same scores; the HTP row, which
+    needs ort-qdq's graphs, still waits for them."""
+    from workbench.sweep_backends import ProcessBackend
+    plan = QuantPlan.uniform("int8")
+    kw = dict(plan=plan, targets=["ort-qdq", "simulation", "htp"], max_tokens=128)
+    serial = measure_devices_gap(tiny_model_dir, **kw, work=tmp_path / "a")
+    seen = []
+    spread = measure_devices_gap(tiny_model_dir, **kw, work=tmp_path / "b", backend=ProcessBackend(2),
+                                 on_row=lambda g: seen.append(len(g.rows)))
+    assert [r["target"] for r in spread.rows] == [r["target"] for r in serial.rows] == ["simulation", "ort-qdq", "htp"]
+    assert seen == [1, 2, 3] and spread.complete
+    for a, b in zip(serial.rows, spread.rows):
+        assert (a["prefill"] or {}).get("kl") == (b["prefill"] or {}).get("kl") and a["runtime"] == b["runtime"]
+    assert read_devices_gap(tmp_path / "b").rows == json.loads(json.dumps(spread.rows))

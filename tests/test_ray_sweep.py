@@ -128,7 +128,7 @@ def test_cli_ray_auto_matches_the_serial_run_and_sends_nothing_outside(tiny_mode
     assert serial.returncode == 0, serial.stderr[-2000:]
     trace = tmp_path / "trace.txt"
     spread = subprocess.run(["strace", "-f", "-qq", "-e", "trace=connect,sendto,sendmsg,sendmmsg", "-o", str(trace),
-                             *args, "--workspace", str(tmp_path / "b"), "--ray", "auto", "--ray-workers", "2"],
+                             *args, "--workspace", str(tmp_path / "b"), "--ray", "auto", "--workers", "2"],
                             capture_output=True, text=True, env=env, timeout=500)
     assert spread.returncode == 0, spread.stderr[-2000:]
     a, b = json.loads(serial.stdout), json.loads(spread.stdout)
@@ -139,3 +139,23 @@ def test_cli_ray_auto_matches_the_serial_run_and_sends_nothing_outside(tiny_mode
     assert "169.254.169.254" not in text and "/metadata/" not in text
     outside = [line for line in outside_calls(text) if '"::ffff:127.' not in line]  # v4-mapped loopback (gRPC)
     assert outside == []  # no route probe to 8.8.8.8, no metadata probe, no DNS, nothing sent to another host
+
+
+@pytest.mark.slow
+def test_cli_plan_on_ray_auto_gives_the_serial_plan(tiny_model_dir, tmp_path):
+    """`workbench plan --ray auto`: the sweep and the refinement's rounds on Ray choose and measure the same plan."""
+    import os
+    import subprocess
+    _ray()
+    env = {**os.environ, "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    outs = []
+    for name, extra in (("serial", ["--workers", "1"]), ("ray", ["--ray", "auto", "--workers", "2"])):
+        run = subprocess.run([sys.executable, "-m", "workbench", "plan", str(tiny_model_dir), "--bits-per-weight", "5",
+                              "--score", "kl", "--tokens", "64", "--refine", "3",
+                              "--out", str(tmp_path / f"{name}.json"), "--workspace", str(tmp_path / name), "--json",
+                              *extra], capture_output=True, text=True, env=env, timeout=600)
+        assert run.returncode == 0, run.stderr[-2000:]
+        outs.append(json.loads(run.stdout))
+    a, b = outs
+    assert b["assignments"] == a["assignments"] and b["refinement"]["moves"] == a["refinement"]["moves"]
+    assert b["kl_divergence"] == a["kl_divergence"] and b["refinement"]["trials"] == a["refinement"]["trials"] > 0

@@ -40,6 +40,7 @@ from .convert import DEFAULT_STATIC, GAP_KL_FLOOR, GAP_KL_RATIO, GAP_TOP1
 from .errors import PlanError, WorkbenchError
 from .models import is_quantized_dir, quantized_source
 from .plan import QuantPlan
+from .sweep_backends import LocalBackend
 from .targets.qnn import HTP_GAP_KL
 from .workspace import atomic_write_json, read_json_file
 
@@ -381,10 +382,13 @@ def measure_devices_gap(model: str | Path, *, plan: QuantPlan | dict | str | Pat
                         bits: int | None = None, targets: Sequence[str] = TARGETS, soc: str = "8gen3",
                         max_tokens: int | None = None, windows: int = HTP_WINDOWS, prompt: int = PROMPT,
                         work: str | Path, log: Callable[[str], None] | None = None,
-                        on_row: Callable[[DevicesGap], None] | None = None) -> DevicesGap:
+                        on_row: Callable[[DevicesGap], None] | None = None, backend=None) -> DevicesGap:
     """Measure ``targets`` for one plan of ``model`` (a float model with ``plan`` or ``bits``, or a quantized model
     directory), each in a child process, into ``work``; returns the rows (``DevicesGap``), also saved there as
-    ``GAP_FILE`` after every target. ``on_row`` sees the result after every target (a progress display)."""
+    ``GAP_FILE`` after every target. ``on_row`` sees the result after every target (a progress display).
+    ``backend`` (``workbench.sweep_backends``; default one after another here) runs the targets side by side:
+    on worker processes, or on Ray nodes that see ``model`` and ``work`` at the same paths (a shared
+    filesystem). Side by side, each row's time and peak memory are measured while others run."""
     say = log or (lambda m: None)
     model = str(model)
     unknown = [t for t in targets if t not in TARGETS]
@@ -413,31 +417,45 @@ def measure_devices_gap(model: str | Path, *, plan: QuantPlan | dict | str | Pat
     gap = DevicesGap(model, recorded.to_dict(), recorded.content_hash(), soc, max_tokens, windows,
                      work_dir=str(work.resolve()), created=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
     t0 = time.perf_counter()
-    sim_kl = None
     ordered = [t for t in TARGETS if t in targets]
-    for k, target in enumerate(ordered, 1):
-        why = missing_toolchain(target)
-        if why:
-            say(f"{target}: {why}")
-            gap.rows.append(absent_row(target, why))
-        else:
-            say(f"{target}: running ({k}/{len(ordered)}) ...")
-            try:
-                row = _measure_one(target, model, plan_doc, bits, work, max_tokens, soc, windows, prompt, sim_kl,
-                                   gap.row("ort-qdq"), gap.plan)
-                if target == "simulation":
-                    sim_kl = row["prefill"]["kl"]
-                gap.rows.append(row)
-            except Exception as e:  # a toolchain that fails is a row saying how, not a crash of the whole table
-                msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
-                gap.rows.append(absent_row(target, f"failed: {type(e).__name__}: {msg}", error=True))
-            say(f"{target}: done")
+    found: dict[str, dict] = {}
+
+    def done(target: str, row: dict) -> None:
+        found[target] = row
+        say(f"{target}: done")
+        gap.rows = [found[t] for t in ordered if t in found]  # the table's order, whatever finished first
         gap.seconds = time.perf_counter() - t0
-        gap.complete = k == len(ordered)
+        gap.complete = len(found) == len(ordered)
         gap.save()
         if on_row is not None:
             on_row(gap)
+
+    for target in ordered:
+        why = missing_toolchain(target)
+        if why:
+            say(f"{target}: {why}")
+            done(target, absent_row(target, why))
+    # the HTP compiles ort-qdq's graphs and is judged against the simulation: it runs after both
+    for phase in ([t for t in ordered if t != "htp"], ["htp"]):
+        todo = [t for t in phase if t in ordered and t not in found]
+        for k, target in enumerate(todo, 1):
+            say(f"{target}: running ({k}/{len(todo)}) ...")
+        sim = found.get("simulation")
+        common = (model, plan_doc, bits, str(work), max_tokens, soc, windows, prompt,
+                  sim["prefill"]["kl"] if sim and sim.get("prefill") else None, found.get("ort-qdq"), gap.plan)
+        (backend or LocalBackend()).run(todo, _measure_target, done, state=common)
     return gap
+
+
+def _measure_target(common: tuple, target: str) -> dict:
+    """One target's row, on any sweep backend; a toolchain that fails is a row saying how, not a crash."""
+    model, plan_doc, bits, work, max_tokens, soc, windows, prompt, sim_kl, qdq, recorded = common
+    try:
+        return _measure_one(target, model, plan_doc, bits, Path(work), max_tokens, soc, windows, prompt, sim_kl,
+                            qdq, recorded)
+    except Exception as e:
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        return absent_row(target, f"failed: {type(e).__name__}: {msg}", error=True)
 
 
 def _measure_one(target: str, model: str, plan: dict | None, bits: int | None, work: Path, max_tokens: int | None,

@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterable
 
 from .errors import WorkbenchError
 
-__all__ = ["RAY_ENV", "RAY_INSTALL", "LocalBackend", "ProcessBackend", "RayBackend", "backend_for", "import_ray"]
+__all__ = ["RAY_ENV", "RAY_INSTALL", "LocalBackend", "ProcessBackend", "RayBackend", "backend_for", "default_workers", "import_ray"]
 
 RAY_INSTALL = "pip install ray==2.60.0 -c constraints.txt"
 RAY_ENV = {
@@ -319,10 +319,20 @@ class _Worker:
         return result, ray.get_runtime_context().get_node_id(), peak_resident_bytes()
 
 
+def default_workers() -> int:
+    """Worker processes a measured sweep runs on when none is named: one per CPU of this machine, where fork is
+    available (``bench/sweeps.py``: two forked one-thread workers finish a 2-core machine's sweep sooner than
+    one two-thread process, the same values; the model's pages are shared, not copied)."""
+    import multiprocessing
+    if "fork" not in multiprocessing.get_all_start_methods():
+        return 1
+    return max(1, os.cpu_count() or 1)
+
+
 def backend_for(ray_address: str | None = None, workers: int | None = None):
     """Where a sweep runs: a ``RayBackend`` when an address is given (``auto``: a Ray on 127.0.0.1; ``workers``
     None: one per CPU of the cluster), else ``workers`` local processes (``ProcessBackend``), else this
-    process (``LocalBackend``, for ``workers`` None or 1)."""
+    process (``LocalBackend``, for ``workers`` None or 1). The CLI and the app name ``default_workers()``."""
     if ray_address:
         return RayBackend(ray_address, workers=workers)
     return ProcessBackend(workers) if workers and workers > 1 else LocalBackend()

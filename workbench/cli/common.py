@@ -129,3 +129,22 @@ def _device(value: str) -> str:
         raise argparse.ArgumentTypeError(f"{value} was asked for but this torch ({torch.__version__}) sees no CUDA "
                                          "GPU; leave --device out to run on the CPU")
     return value
+
+
+def add_backend_arguments(p, what: str, default: str = "1: this process") -> None:
+    """``--workers`` and ``--ray``: where a sweep's independent tasks run (``workbench.sweep_backends``)."""
+    p.add_argument("--workers", type=count(1),
+                   help=f"processes {what} run on: on this machine without --ray (default {default}; forked "
+                        "workers share the loaded model, no copy), Ray workers with it (default: one per CPU of "
+                        "the cluster)")
+    p.add_argument("--ray", metavar="auto|ADDRESS",
+                   help=f"run {what} on Ray: auto starts one on 127.0.0.1 for this run, ADDRESS joins a running "
+                        "cluster (docs/sweeps.md); needs `pip install ray==2.60.0`")
+
+
+def backend_from_args(args, default_workers: int = 1):
+    """The backend ``--ray`` and ``--workers`` name; ``default_workers`` local processes when neither is given."""
+    from ..sweep_backends import backend_for
+    ray = getattr(args, "ray", None)
+    workers = getattr(args, "workers", None)
+    return backend_for(ray, workers=workers if workers or ray else default_workers)

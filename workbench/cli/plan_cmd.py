@@ -26,9 +26,10 @@ from ..evaluate import default_token_budget
 from ..models import load_model
 from ..plan import QuantPlan
 from ..sensitivity import LayerVariants, PlanEvaluator, evaluation_tokens
+from ..sweep_backends import default_workers
 from ..units import format_bytes
-from .common import count, number, add_device_argument, add_json_flag, add_model_argument, print_json
-from .sensitivity import add_sweep_arguments, sweep, sweep_backend
+from .common import backend_from_args, count, number, add_device_argument, add_json_flag, add_model_argument, print_json
+from .sensitivity import add_sweep_arguments, sweep
 from ..targets.qnn import RECIPE, recipe_plan
 
 PRESETS = {RECIPE: recipe_plan}
@@ -74,7 +75,7 @@ def run(args) -> int:
     if args.preset:
         return _run_preset(args, lm, raised)
     budget = budget_bytes(lm, size_bytes=args.size, bits_per_weight=args.bits_per_weight)
-    with sweep_backend(args) as backend:  # one Ray (or none) for the sweep and the refinement's rounds
+    with backend_from_args(args, default_workers()) as backend:  # one Ray (or none) for the sweep and the refinement's rounds
         return _run_budget(args, lm, budget, raised, backend)
 
 

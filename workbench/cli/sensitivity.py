@@ -16,8 +16,10 @@ from __future__ import annotations
 
 from ..models import load_model
 from ..sensitivity import DEFAULT_SWEEP_TOKENS, METRICS, run_sensitivity
+from ..sweep_backends import default_workers
 from ..workspace import Workspace
-from .common import count, add_device_argument, add_json_flag, add_model_argument, add_scale_search_argument, print_json
+from .common import (add_backend_arguments, add_device_argument, add_json_flag, add_model_argument,
+                     add_scale_search_argument, backend_from_args, count, print_json)
 
 HELP = "per-layer sensitivity sweep (KL and perplexity change of each layer quantized alone)"
 
@@ -35,13 +37,7 @@ def add_sweep_arguments(p) -> None:
                         "weight error); auto (default): kl for small models, proxy for large ones")
     p.add_argument("--workspace", help="workspace directory for the cached sweep (default ./workspace)")
     p.add_argument("--force", action="store_true", help="recompute the sweep even when it is cached")
-    p.add_argument("--ray", metavar="auto|ADDRESS",
-                   help="run the measured trials on Ray: auto starts one on 127.0.0.1 for this run, ADDRESS joins a "
-                        "running cluster (default: in this process, no service); needs `pip install ray==2.60.0`")
-    p.add_argument("--workers", "--ray-workers", dest="workers", type=count(1),
-                   help="processes the measured trials run on: on this machine without --ray (default 1: this "
-                        "process; each worker inherits the loaded model, no copy), Ray workers with it (default: one "
-                        "per CPU of the cluster)")
+    add_backend_arguments(p, "the measured trials", "one per CPU")
     add_device_argument(p)
 
 
@@ -53,14 +49,8 @@ def add_arguments(p):
     add_json_flag(p)
 
 
-def sweep_backend(args):
-    """Where the measured trials run, from ``--ray`` and ``--workers``."""
-    from ..sweep_backends import backend_for
-    return backend_for(getattr(args, "ray", None), workers=getattr(args, "workers", None))
-
-
 def sweep(lm, args, progress: bool, backend=None):
-    backend = backend or sweep_backend(args)
+    backend = backend or backend_from_args(args, default_workers())
     chosen = getattr(args, "precisions", None)
     precisions = tuple(chosen.split(",")) if chosen else None
     return run_sensitivity(lm, text_path=args.data, tokens=args.tokens, precisions=precisions,

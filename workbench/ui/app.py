@@ -23,6 +23,7 @@ beside the notebooks. ``notebooks/app.ipynb`` shows the app; ``make voila`` serv
 from __future__ import annotations
 
 import html
+import os
 from pathlib import Path
 
 import ipywidgets as widgets
@@ -30,6 +31,7 @@ import ipywidgets as widgets
 from ..models import LoadedModel
 from ..plan import QuantPlan
 from ..sensitivity import run_sensitivity
+from ..sweep_backends import backend_for, default_workers
 from ..workspace import Workspace
 from .base import FileDownload, StatusGroup, StatusLine, StepPanel
 from .calibrate import CalibratePanel
@@ -87,6 +89,11 @@ class WorkbenchApp(StepPanel):
                                                          "one forward pass per layer and precision"])
         self.sweep_precisions = widgets.Dropdown(options=SWEEP_PRECISIONS, value=SWEEP_PRECISIONS[0][1],
                                                  description="precisions", layout={"width": "260px"})
+        self.sweep_workers = widgets.BoundedIntText(value=default_workers(), min=1, max=max(1, os.cpu_count() or 1),
+                                                    description="workers", layout={"width": "150px"},
+                                                    tooltip="processes the measured sweep runs on, each with the "
+                                                            "model shared (no copy); the bar counts finished "
+                                                            "layers from all of them")
         self.sweep_button = widgets.Button(description="Run sensitivity", icon="chart-bar", button_style="primary",
                                            tooltip="each layer alone at the chosen precisions: how much it hurts; then "
                                                    "uniform and automatic plans are measured for the chart",
@@ -108,7 +115,7 @@ class WorkbenchApp(StepPanel):
         self.finetune_label, self.precisions_label = SessionLabel(self.session), SessionLabel(self.session)
         self.tabs = widgets.Tab()
         self.controls = [self.model_path, self.load_button, self.out_dir_text, self.download_button,
-                         self.sweep_how, self.sweep_precisions, self.sweep_button, self.use_plan_button,
+                         self.sweep_how, self.sweep_precisions, self.sweep_workers, self.sweep_button, self.use_plan_button,
                          self.continue_button]
         self.session.observe(self._on_plan, names="plan")
         self.session.observe(self._on_session_out_dir, names="out_dir")
@@ -195,7 +202,8 @@ class WorkbenchApp(StepPanel):
         how = "estimating" if score == "proxy" else "measuring"
         ok, report = self._attempt(f"{how} each layer's sensitivity...", lambda: run_sensitivity(
             self.lm, tokens=self.sweep_tokens, precisions=precisions, **plan.quantizer_settings, score=score,
-            workspace=self.workspace, progress=True), self.sweep_line)
+            workspace=self.workspace, progress=True, backend=backend_for(workers=self.sweep_workers.value)),
+            self.sweep_line)
         if not ok:
             return None
         self.session.sensitivity = report
@@ -273,7 +281,7 @@ class WorkbenchApp(StepPanel):
         self.override_panel = panel
         panel.path.value = str(self.session.out_dir / "plan.json")  # its Save / Load file, in the outputs folder
         self.precisions_box.children = [self.precisions_label,
-                                        widgets.HBox([self.sweep_how, self.sweep_precisions, self.sweep_button]),
+                                        widgets.HBox([self.sweep_how, self.sweep_precisions, self.sweep_workers, self.sweep_button]),
                                         self.sweep_line,
                                         widgets.HBox([self.use_plan_button, self.plan_label]),
                                         panel]
