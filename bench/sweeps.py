@@ -79,6 +79,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2, help="torch threads of the serial run")
     ap.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {','.join(RUNS)}")
+    ap.add_argument("--json", help="also write every run's figures here")
     ap.add_argument("--one", choices=RUNS, help=argparse.SUPPRESS)  # a child: one run, JSON on stdout
     args = ap.parse_args()
     if args.one:
@@ -98,6 +99,8 @@ def main() -> None:
         rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
     if not rows:
         return
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows), encoding="utf-8")
     first = rows[0]
     n = first["trials"]
     print(f"{first['model']}: {n} trials ({first['layers']} layers x {args.precisions}), {args.tokens:,} tokens, "
@@ -114,7 +117,7 @@ def main() -> None:
         if serial and r is not serial:
             same = r["damage"] == serial["damage"]
             print(f"{'':<26} results identical to serial: {same}"
-                  + ("" if same else f" (largest relative difference {largest_difference(r, serial):.1e}: one-thread "
+                  + ("" if same else f" (largest relative KL difference {largest_difference(r, serial):.1e}: one-thread "
                                      "workers sum some products in another order than two threads)")
                   + (f"; ran on {r['nodes']} nodes" if r["run"] == "ray" else ""))
     spread = next((r for r in rows if r["run"] == "processes"), None)
@@ -123,13 +126,13 @@ def main() -> None:
 
 
 def largest_difference(a: dict, b: dict) -> float:
-    """The largest relative difference between two runs' figures, over every layer, precision and metric."""
+    """The largest relative difference between two runs' KL, over every layer and precision (perplexity
+    changes are differences of near-equal numbers: relative to themselves they say little)."""
     worst = 0.0
     for x, y in zip(a["damage"], b["damage"]):
         for p in x:
-            for k, v in x[p].items():
-                w = y[p][k]
-                worst = max(worst, abs(v - w) / max(abs(v), abs(w), 1e-30))
+            v, w = x[p]["kl"], y[p]["kl"]
+            worst = max(worst, abs(v - w) / max(abs(v), abs(w), 1e-30))
     return worst
 
 
