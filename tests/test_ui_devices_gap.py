@@ -45,7 +45,7 @@ def test_run_fills_table_chart_session_and_report(session, tmp_path):
     assert f"{sim['prefill']['kl']:.2e}" in p.table.value and "data-target='simulation'" in p.table.value
     if gap.row("htp") is not None:  # chosen without ort-qdq: its row says so, the simulation is unaffected
         assert "choose ort-qdq too" in gap.row("htp")["note"]
-    assert p.progress.value == len(gap.rows) and f"no gap flagged ({GAP_RULE})" in p.status.value
+    assert p.progress.value == len(gap.rows) and html.escape(f"no gap flagged ({GAP_RULE})") in p.status.value
     assert [t.name for t in p.chart.data] == ["prefill", "decode"] and p.chart.data[0].y[0] == sim["prefill"]["kl"]
     assert p.figures["devices-gap"] is p.chart and p.chart_box.layout.display == ""
     assert session.devices_gap is gap and gap.plan_hash == session.plan.content_hash()

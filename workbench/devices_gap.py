@@ -436,14 +436,21 @@ def measure_devices_gap(model: str | Path, *, plan: QuantPlan | dict | str | Pat
             say(f"{target}: {why}")
             done(target, absent_row(target, why))
     # the HTP compiles ort-qdq's graphs and is judged against the simulation: it runs after both
+    backend = backend or LocalBackend()
     for phase in ([t for t in ordered if t != "htp"], ["htp"]):
         todo = [t for t in phase if t in ordered and t not in found]
-        for k, target in enumerate(todo, 1):
-            say(f"{target}: running ({k}/{len(todo)}) ...")
+        if not todo:
+            continue
         sim = found.get("simulation")
         common = (model, plan_doc, bits, str(work), max_tokens, soc, windows, prompt,
                   sim["prefill"]["kl"] if sim and sim.get("prefill") else None, found.get("ort-qdq"), gap.plan)
-        (backend or LocalBackend()).run(todo, _measure_target, done, state=common)
+        if isinstance(backend, LocalBackend):  # one after another: say which one runs now
+            for target in todo:
+                say(f"{target}: running ({ordered.index(target) + 1}/{len(ordered)}) ...")
+                done(target, _measure_target(common, target))
+        else:
+            say(f"{', '.join(todo)}: running side by side ({backend.name}) ...")
+            backend.run(todo, _measure_target, done, state=common)
     return gap
 
 
