@@ -91,6 +91,17 @@ class Interrupted(Exception):
     """Raised by ``interrupt_at``'s callback: a run killed part-way, for resume tests."""
 
 
+def stop_sweep_after(n: int):
+    """An ``on_trial(name, precision, result)`` callback that stops a sweep (KeyboardInterrupt) at its n-th trial."""
+    seen = []
+
+    def on_trial(name, precision, result):
+        seen.append((name, precision))
+        if len(seen) == n:
+            raise KeyboardInterrupt
+    return on_trial
+
+
 def interrupt_at(step: int):
     """An ``on_step(step, loss)`` callback that interrupts a training run when it reaches ``step``."""
     def on_step(at, _loss):

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from conftest import stop_sweep_after
 from workbench.errors import WorkbenchError
 from workbench.sensitivity import run_sensitivity
 from workbench.sweep_backends import RAY_INSTALL, LocalBackend, RayBackend, backend_for
@@ -70,17 +71,10 @@ def test_two_nodes_give_the_serial_result_on_both_nodes(lm, two_nodes, tmp_path)
 @pytest.mark.slow
 def test_a_stopped_ray_sweep_resumes_without_redoing_trials(lm, two_nodes, tmp_path):
     ws = Workspace(tmp_path / "ws")
-    seen = []
-
-    def stop_after_three(name, precision, result):
-        seen.append((name, precision))
-        if len(seen) == 3:
-            raise KeyboardInterrupt
-
     backend = RayBackend("joined", workers=2, worker_cpus=0.5)
     with pytest.raises(KeyboardInterrupt):
         run_sensitivity(lm, tokens=64, precisions=PRECISIONS, progress=False, workspace=ws, backend=backend,
-                        on_trial=stop_after_three)
+                        on_trial=stop_sweep_after(3))
     progress = list((tmp_path / "ws").rglob("progress.json"))
     assert len(progress) == 1 and len(json.loads(progress[0].read_text())["trials"]) == 3
     total = len(lm.layers) * len(PRECISIONS)

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from conftest import stop_sweep_after
 from workbench.errors import WorkbenchError
 from workbench.sensitivity import run_sensitivity
 from workbench.sweep_backends import LocalBackend, ProcessBackend, RayBackend, backend_for
@@ -40,16 +41,9 @@ def test_two_processes_give_the_serial_sweep_exactly(lm):
 
 def test_a_stopped_sweep_on_processes_resumes_without_redoing_trials(lm, tmp_path):
     ws = Workspace(tmp_path / "ws")
-    seen = []
-
-    def stop_after_three(name, precision, result):
-        seen.append((name, precision))
-        if len(seen) == 3:
-            raise KeyboardInterrupt
-
     with pytest.raises(KeyboardInterrupt):
         run_sensitivity(lm, tokens=64, precisions=PRECISIONS, progress=False, workspace=ws,
-                        backend=ProcessBackend(2), on_trial=stop_after_three)
+                        backend=ProcessBackend(2), on_trial=stop_sweep_after(3))
     progress = list((tmp_path / "ws").rglob("progress.json"))
     assert len(progress) == 1 and len(json.loads(progress[0].read_text())["trials"]) == 3
     again = run_sensitivity(lm, tokens=64, precisions=PRECISIONS, progress=False, workspace=ws,
