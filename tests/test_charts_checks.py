@@ -4,7 +4,7 @@ from plotly.subplots import make_subplots
 
 from workbench.charts.checks import figure_problems
 from workbench.charts.precision import make_pareto_figure
-from workbench.charts.style import linear_range, log_axis
+from workbench.charts.style import EDGE_DECADES, linear_range, log_axis
 
 
 def _two_panels(colour=None):
@@ -44,6 +44,14 @@ def test_log_axes_need_decade_ticks_and_a_decade():
     assert any("less than a decade" in p for p in problems)
     fig.update_yaxes(**log_axis([0.00338, 0.00356]))
     assert figure_problems(fig) == [] and fig.layout.yaxis.range[1] - fig.layout.yaxis.range[0] >= 1
+
+
+def test_end_decades_sit_inside_the_plot_and_subplot_titles_above_their_labels():
+    lo, hi = log_axis([2e-5, 6e-3])["range"]
+    assert (lo, hi) == (-5 - EDGE_DECADES, -2 + EDGE_DECADES)  # 10^-5 and 10^-2 labelled, not on the edges
+    fig = make_pareto_figure([_point("uniform int4", 4.5, 6e-3, 27.6), _point("uniform int8", 8.5, 2e-5, 27.4)])
+    titles = [a for a in fig.layout.annotations if a.text.startswith(("KL divergence", "perplexity"))]
+    assert len(titles) == 2 and all(a.yshift and a.yshift > 0 for a in titles)
 
 
 def test_long_point_labels_are_found():

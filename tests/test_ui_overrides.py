@@ -1,6 +1,7 @@
 """The override panel without a browser: dropdowns change the plan and totals, rules, undo, evaluate, files."""
 from __future__ import annotations
 
+import ipywidgets as widgets
 import pytest
 
 from workbench.plan import QuantPlan
@@ -114,6 +115,19 @@ def test_select_many_by_type_and_block_range_without_a_pattern(lm, evaluator):
     assert everything == len(lm.layers) and all(d.value == "int4" for d in panel.dropdowns.values())
     assert panel.selected_layers(["embed_tokens"], (0, 0), outside=False) == []
     assert panel.apply_selection(["q_proj"], (5, 9), "fp16") == 0  # the tiny model has blocks 0-1
+
+
+def test_layer_types_are_ticked_not_ctrl_clicked(lm, evaluator):
+    panel = OverridePanel(lm, evaluator=evaluator)
+    boxes = panel.select_roles.boxes
+    assert {"q_proj", "down_proj"} <= set(boxes) and all(isinstance(b, widgets.Checkbox) for b in boxes.values())
+    before = {name: panel.plan.precision_name_for(name) for name in panel.dropdowns}
+    boxes["down_proj"].value = True
+    panel.select_blocks.value = (0, 0)
+    panel.select_precision.value = "fp16"
+    panel.select_button.click()
+    changed = {name for name in panel.dropdowns if panel.plan.precision_name_for(name) != before[name]}
+    assert changed == {"model.layers.0.mlp.down_proj"} and panel.select_roles.value == ("down_proj",)
 
 
 def test_the_bars_have_a_colour_legend_with_thresholds_and_sizes_are_in_mb(lm, evaluator):

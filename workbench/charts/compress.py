@@ -13,7 +13,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from .finetune import make_loss_figure
-from .style import log_axis
+from .style import lift_subplot_titles, log_axis
 
 __all__ = ["make_head_importance_figure", "make_channel_importance_figure", "make_distill_figure",
            "make_compress_table_figure"]
@@ -65,7 +65,8 @@ def make_channel_importance_figure(importance, score: str = "taylor",
     n = len(table)
     cols = min(4, n)
     nrows = -(-n // cols)
-    fig = make_subplots(rows=nrows, cols=cols, subplot_titles=[f"layer {i}" for i in range(n)], shared_yaxes=True)
+    fig = lift_subplot_titles(make_subplots(rows=nrows, cols=cols, subplot_titles=[f"layer {i}" for i in range(n)],
+                                            shared_yaxes=True))
     for i, row in enumerate(table):
         order = sorted(range(len(row)), key=lambda j: -row[j])
         keep = set(kept[i]) if kept is not None else set(order)

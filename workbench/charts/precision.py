@@ -13,7 +13,7 @@ import plotly.graph_objects as go
 from plotly.colors import qualitative
 from plotly.subplots import make_subplots
 
-from .style import KIND_COLOURS, linear_range, log_axis
+from .style import KIND_COLOURS, lift_subplot_titles, linear_range, log_axis
 
 __all__ = ["make_sensitivity_figure", "make_pareto_figure", "make_difficulty_figure", "point_kind"]
 
@@ -80,9 +80,9 @@ def make_pareto_figure(points: Sequence, x: str = "bits_per_weight") -> go.Figur
     if x not in ("bits_per_weight", "size_bytes"):
         raise ValueError(f"x must be 'bits_per_weight' or 'size_bytes', not {x!r}")
     rows = [_as_dict(p) for p in points]
-    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.12,
-                        subplot_titles=("KL divergence to the float model (lower is better)",
-                                        "perplexity (lower is better)"))
+    fig = lift_subplot_titles(make_subplots(
+        rows=1, cols=2, horizontal_spacing=0.12,
+        subplot_titles=("KL divergence to the float model (lower is better)", "perplexity (lower is better)")))
     kinds: dict[str, list] = {}
     for r in rows:
         kinds.setdefault(point_kind(r.get("label", "")), []).append(r)
@@ -130,8 +130,8 @@ def make_difficulty_figure(rows: Sequence, precision: str = "int4", score_label:
     the input's outlier channels (max / median channel abs-max), log-log, one colour per layer type.
     ``score_label``: how the damages were obtained (the sensitivity report's ``score_label``)."""
     rows = [_as_dict(r) for r in rows]
-    fig = make_subplots(rows=1, cols=2, subplot_titles=("damage by block (embedding left, output right)",
-                                                        "damage against input outlier channels"))
+    fig = lift_subplot_titles(make_subplots(rows=1, cols=2, subplot_titles=(
+        "damage by block (embedding left, output right)", "damage against input outlier channels")))
     blocks = [r["block"] for r in rows if r["block"] is not None]
     last = max(blocks) if blocks else 0
 

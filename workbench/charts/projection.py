@@ -17,7 +17,7 @@ from plotly.subplots import make_subplots
 from ..errors import WorkbenchError
 from ..profile import RuntimeProfile
 from ..projection import Projection
-from .style import linear_range, log_axis
+from .style import lift_subplot_titles, linear_range, log_axis
 
 __all__ = ["make_host_bound_figure", "make_device_figure", "make_speed_pareto_figure", "make_vendor_fit_figure", "speed_of", "pareto_optimal",
            "PLAN_COLOURS"]
@@ -73,8 +73,8 @@ def make_device_figure(projections: Mapping[str, Sequence]) -> go.Figure:
     if not plans:
         raise WorkbenchError("nothing to draw: project at least one plan onto one device")
     devices = list(dict.fromkeys(p.device for ps in plans.values() for p in ps))
-    fig = make_subplots(rows=1, cols=2, subplot_titles=("decode tokens/s: projected (filled) and bound (outline)",
-                                                        "memory needed: weights + KV cache + graph buffers"))
+    fig = lift_subplot_titles(make_subplots(rows=1, cols=2, subplot_titles=(
+        "decode tokens/s: projected (filled) and bound (outline)", "memory needed: weights + KV cache + graph buffers")))
     for i, (label, ps) in enumerate(plans.items()):
         colour = PLAN_COLOURS[i % len(PLAN_COLOURS)]
         x = [p.device for p in ps]
@@ -168,8 +168,8 @@ def make_speed_pareto_figure(points: Sequence, projections: Mapping[str, Sequenc
     best = pareto_optimal(rows, (("kl_divergence", -1), ("bits_per_weight", -1), ("tokens_per_second", 1)))
     speeds = [r["tokens_per_second"] for r in rows]
     lo, hi = min(s for s in speeds if s is not None), max(s for s in speeds if s is not None)
-    fig = make_subplots(rows=1, cols=3, subplot_titles=("KL against bits/weight", "KL against projected tokens/s",
-                                                        "projected tokens/s against bits/weight"))
+    fig = lift_subplot_titles(make_subplots(rows=1, cols=3, subplot_titles=(
+        "KL against bits/weight", "KL against projected tokens/s", "projected tokens/s against bits/weight")))
     panels = ((1, "bits_per_weight", "kl_divergence"), (2, "tokens_per_second", "kl_divergence"),
               (3, "bits_per_weight", "tokens_per_second"))
     for col, xk, yk in panels:

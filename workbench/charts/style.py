@@ -12,8 +12,9 @@ from __future__ import annotations
 import math
 from typing import Iterable
 
-__all__ = ["log_axis", "linear_range", "MIN_RELATIVE_SPAN", "KIND_COLOURS"]
+__all__ = ["log_axis", "lift_subplot_titles", "linear_range", "EDGE_DECADES", "MIN_RELATIVE_SPAN", "KIND_COLOURS"]
 
+EDGE_DECADES = 0.08  # a log axis reaches this far past its first and last labelled decade
 MIN_RELATIVE_SPAN = 0.2  # a linear axis spans at least this fraction of its largest value
 # one colour per kind of point, the same in every chart that shows that kind (Precisions, Compress, Project)
 KIND_COLOURS = {"uniform": "#1f77b4", "auto": "#2ca02c", "custom": "#d62728", "pruned": "#9467bd",
@@ -29,7 +30,17 @@ def log_axis(values: Iterable[float], pad: float = 0.15) -> dict:
         return settings
     lo, hi = math.log10(min(vals)) - pad, math.log10(max(vals)) + pad
     lo, hi = math.floor(lo), max(math.ceil(hi), math.floor(lo) + 1)
-    return {**settings, "range": [lo, hi]}
+    # the end decades' ticks sit a little inside the plot, so their labels (10 with a raised exponent) are not
+    # cut by the plot's edge or run into a subplot title above it
+    return {**settings, "range": [lo - EDGE_DECADES, hi + EDGE_DECADES]}
+
+
+def lift_subplot_titles(fig, pixels: int = 12):
+    """Raise ``make_subplots``' titles off their plots' top edge, where a top tick label would run into them."""
+    for note in fig.layout.annotations or ():
+        if note.yref == "paper" and note.yanchor == "bottom":
+            note.yshift = pixels
+    return fig
 
 
 def linear_range(values: Iterable[float], min_relative_span: float = MIN_RELATIVE_SPAN) -> list[float] | None:

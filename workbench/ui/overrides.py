@@ -30,6 +30,7 @@ from ..errors import WorkbenchError
 from ..models import LoadedModel
 from ..plan import PlanRule, QuantPlan, get_precision
 from ..sensitivity import DEFAULT_SWEEP_TOKENS, LayerVariants, PlanEvaluator, SensitivityReport, evaluation_tokens
+from .base import CheckList
 
 __all__ = ["OverridePanel", "LayerChoice", "precision_choices", "COMMON_PRECISIONS", "DAMAGE_BANDS"]
 
@@ -169,9 +170,8 @@ class OverridePanel(widgets.VBox):
         # many layers at once, no pattern to type: layer types and a block range
         roles = list(dict.fromkeys(info.role for info in lm.layers))
         blocks = sorted({int(info.block.split(".")[1]) for info in lm.layers if info.block.startswith("layers.")})
-        self.select_roles = widgets.SelectMultiple(options=roles, value=(), rows=min(len(roles), 5),
-                                                   description="layer types", layout={"width": "280px"},
-                                                   tooltip="Ctrl / Shift to pick several; none picked: every type")
+        self.select_roles = CheckList([(role, role) for role in roles], description="layer types (none ticked: "
+                                      "every type)", columns=4, width="110px")
         self.select_blocks = widgets.IntRangeSlider(value=(blocks[0], blocks[-1]) if blocks else (0, 0),
                                                     min=blocks[0] if blocks else 0, max=blocks[-1] if blocks else 0,
                                                     description="blocks", continuous_update=False,
