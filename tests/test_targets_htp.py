@@ -3,6 +3,7 @@ refused nodes named, the 8 Gen 1 adaptation, context binaries reloaded. Skipped 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -345,12 +346,20 @@ def test_split_limit_needs_a_soc(tmp_path, capsys):
     assert "split-limit-mib" in capsys.readouterr().err
 
 
-@needs_qnn
-def test_convert_qnn_splits_each_graph_into_parts_under_the_limit(tmp_path, tokens):
+@pytest.fixture(scope="module")
+def split_conversion(tmp_path_factory):
+    """`convert --target qnn --soc 8gen3 --split-limit-mib 4` of the demo at INT8: its output folder and report."""
     from workbench.convert import convert
+    out = tmp_path_factory.mktemp("qnn-split")
+    # the demo's graphs hold 7.1 MiB of weights: over this limit, so each is split
+    return out, convert("demo", "qnn", out, bits=8, soc="8gen3", split_limit_bytes=4 << 20, evaluate_outputs=False)
+
+
+@needs_qnn
+def test_convert_qnn_splits_each_graph_into_parts_under_the_limit(split_conversion, tokens):
     from workbench.targets.htp_parts import PARTS_FILE, read_parts
-    limit = 4 << 20  # the demo's graphs hold 7.1 MiB of weights: over this limit, so each is split
-    report = convert("demo", "qnn", tmp_path, bits=8, soc="8gen3", split_limit_bytes=limit, evaluate_outputs=False)
+    tmp_path, report = split_conversion
+    limit = 4 << 20
     folder = tmp_path / "htp-snapdragon-8-gen-3"
     manifest = read_parts(folder)
     assert manifest["limit_bytes"] == limit and manifest["soc_limit_bytes"] == 4 << 30
@@ -375,6 +384,31 @@ def test_convert_qnn_splits_each_graph_into_parts_under_the_limit(tmp_path, toke
     whole = open_htp(tmp_path / "ort-qdq-twin" / "prefill.qdq.onnx", device="8gen3")
     ids = np.array([tokens[:128]])
     np.testing.assert_array_equal(chained.logits(ids), whole.logits(ids))
+
+
+@needs_qnn
+def test_generate_and_profile_open_a_split_folder(split_conversion, tokens, tmp_path):
+    from workbench.generate import open_model
+    from workbench.profile import profile_runtime
+    from workbench.runtime import locate
+    folder = split_conversion[0] / "htp-snapdragon-8-gen-3"
+    found = locate(folder)
+    manifest = json.loads((folder / "parts.json").read_text())
+    parts = [p for g in ("prefill", "decode") for p in manifest["graphs"][g]["parts"]]
+    bins = [folder / p["bin"][0] for p in parts]
+    assert found.target.name == "htp" and found.entry == folder / parts[0]["ctx"]
+    assert [g.name for g in found.decode_graphs] == [p["ctx"] for p in manifest["graphs"]["decode"]["parts"]]
+    generation = open_model(folder).generate(tokens[:8], max_new_tokens=4)
+    assert generation.tokens  # the parts chained stream tokens through the HTP emulator
+    prof = profile_runtime("split", folder, prompt_lengths=(16,), decode_steps=2, repeats=1)
+    assert prof.size_bytes >= sum(b.stat().st_size for b in bins)  # the context binaries count, not only the stubs
+    decode_bins = sum(b.stat().st_size for b, p in zip(bins, parts) if p["bin"][0].startswith("decode"))
+    assert prof.decode_bytes == decode_bins and prof.decode_tokens_per_second > 0
+    damaged = tmp_path / "copy" / folder.name
+    shutil.copytree(folder, damaged)
+    (damaged / bins[-1].name).unlink()  # a part's binary gone: named, with what to do
+    with pytest.raises(WorkbenchError, match=f"{bins[-1].name} is missing.*convert again"):
+        profile_runtime("damaged", damaged)
 
 
 @needs_qnn

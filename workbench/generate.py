@@ -196,13 +196,26 @@ def _json_docs(model_dir: Path) -> list[dict]:
     return docs
 
 
-def _conversion_source(directory: Path) -> tuple[Path | None, str | None]:
-    """(the float model a conversion came from, its target) from ``conversion.json``; Nones when not said."""
+def _conversion_record(directory: Path) -> dict | None:
     try:
         doc = json.loads((directory / "conversion.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return None, None
-    if not isinstance(doc, dict):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def _conversion_source(directory: Path) -> tuple[Path | None, str | None]:
+    """(the float model a conversion came from, its target) from ``conversion.json``; Nones when not said. A
+    folder without one that its parent's conversion wrote (``qnn``'s ``htp-<device>``) is named by the parent's."""
+    doc = _conversion_record(directory)
+    if doc is None and not (directory / "conversion.json").exists():
+        parent = _conversion_record(directory.parent)
+        files = parent.get("files") if parent is not None else None
+        wrote_it = isinstance(files, list) and any(
+            isinstance(f, dict) and isinstance(f.get("path"), str) and Path(f["path"]).parent.name == directory.name
+            for f in files)
+        doc = parent if wrote_it else None
+    if doc is None:
         return None, None
     source = (doc.get("quantized_model") or {}).get("source_model")
     return (Path(source) if source else None), doc.get("target")
@@ -289,6 +302,6 @@ def open_model(model: str | Path | LoadedModel, *, tokenizer=None, source: str |
     if limit is not None:
         positions = min(positions or limit, limit)
     runtime = getattr(runner, "runtime", found.target.name)
-    kind = target or (found.target.files[0] if found.target.files else found.target.name)
+    kind = target or (found.files[0] if found.files else found.target.name)
     return TextGenerator(runner, tokenizer, folder, runtime, f"{folder.name} ({kind}, {runtime})",
                          eos, positions, threads, src)

@@ -79,13 +79,14 @@ def parse_prompt_lengths(text: str) -> tuple[int, ...]:
 
 
 def _files_of(path: Path) -> list[Path]:
-    """The graph and its external-data files (same folder, named in the ONNX model)."""
+    """The graph and its external-data files (same folder, named in the ONNX model), context binaries included."""
     files = [path]
     if path.suffix == ".onnx":
         from onnx.external_data_helper import uses_external_data
 
-        from .onnx.inspect import load_onnx
+        from .onnx.inspect import context_cache_files, load_onnx
         proto = load_onnx(path)  # names the file when it is truncated, empty or not ONNX
+        files += [f for f in context_cache_files(proto, path.parent) if f.is_file() and f not in files]
         for init in proto.graph.initializer:
             if uses_external_data(init):
                 loc = next((e.value for e in init.external_data if e.key == "location"), None)
@@ -118,6 +119,7 @@ def profile_runtime(name: str, path: str | Path, *, prompt_lengths: Sequence[int
         raise WorkbenchError(f"'{path}' holds nothing a target runs; pass a `workbench export` or `workbench "
                              "convert` output")
     decode = found.decode_graph
+    decode_graphs = found.decode_graphs  # a graph split into parts: each part's share of a step
     files = list(dict.fromkeys(f for m in found.model_files for f in _files_of(m)))  # shared data once
     before = settled_rss_mb()
     reset = reset_peak_rss()
@@ -135,7 +137,7 @@ def profile_runtime(name: str, path: str | Path, *, prompt_lengths: Sequence[int
     runtime = getattr(runner, "runtime", found.target.name)
     report = RuntimeProfile(name, runtime, [str(f) for f in files], sum(f.stat().st_size for f in files), threads,
                             repeats, load_seconds=load_seconds,
-                            decode_bytes=decode_step_bytes(decode) if decode else None)
+                            decode_bytes=sum(decode_step_bytes(g) for g in decode_graphs) if decode_graphs else None)
     vocab = vocab_size or 1000
     rng = np.random.default_rng(0)
     for n in prompt_lengths:

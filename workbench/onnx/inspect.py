@@ -186,6 +186,22 @@ def initializer_bytes_by_block(model) -> dict[str, int]:
     return dict(sorted(totals.items(), key=lambda kv: order(kv[0])))
 
 
+def context_cache_files(proto, folder: Path) -> list[Path]:
+    """The context binaries an execution provider's ``EPContext`` nodes keep outside the graph (``embed_mode`` 0,
+    as the HTP's ``_ctx.onnx`` files): the compiled graph, its weights included, named beside ``folder``'s graph."""
+    files = []
+    for node in proto.graph.node:
+        if node.op_type != "EPContext":
+            continue
+        attrs = {a.name: a for a in node.attribute}
+        embedded = "embed_mode" in attrs and attrs["embed_mode"].i == 1
+        if "ep_cache_context" in attrs and not embedded:
+            path = Path(folder) / attrs["ep_cache_context"].s.decode("utf-8", "replace")
+            if path not in files:
+                files.append(path)
+    return files
+
+
 def decode_step_bytes(decode: Path) -> int:
     """Bytes one decode step reads: the decode graph's weights, except that an embedding table (an initializer
     only Gather reads) and GroupQueryAttention's rotary caches are read one row per token, and a float16
@@ -197,6 +213,9 @@ def decode_step_bytes(decode: Path) -> int:
     from onnx import TensorProto
 
     proto = load_onnx(decode)
+    caches = context_cache_files(proto, decode.parent)
+    if caches:  # a compiled context: its binary holds the weights, all of them read each step
+        return sum(f.stat().st_size for f in caches if f.is_file())
     sizes = initializer_bytes(proto)
     half = {init.name for init in proto.graph.initializer if init.data_type == TensorProto.FLOAT16}
     dims = {init.name: list(init.dims) for init in proto.graph.initializer}

@@ -29,7 +29,7 @@ from pathlib import Path
 from ..errors import ModelLoadError, WorkbenchError
 
 __all__ = ["Runnable", "locate", "find_runnable", "not_runnable_here", "open_runner", "runnable_targets", "describe_files",
-           "conversion_target", "CONVERSION_FILE"]
+           "conversion_target", "target_files", "CONVERSION_FILE"]
 
 CONVERSION_FILE = "conversion.json"
 DATA_SUFFIXES = (".json", ".txt")  # declared files that are settings, not model files (not counted as its size)
@@ -44,22 +44,34 @@ class Runnable:
     recorded: str | None = None  # conversion.json's target (None: none, or one without a runner)
 
     @property
+    def files(self) -> tuple[str, ...]:
+        """What the folder holds for its target: the target's ``files``, or those its ``layout`` finds there."""
+        return target_files(self.folder, self.target)
+
+    @property
     def entry(self) -> Path:
         """The file the runner opens first (the prefill graph, ``model.onnx``), or the folder for a target
         that declares no files."""
-        return self.folder / self.target.files[0] if self.target.files else self.folder
+        return self.folder / self.files[0] if self.files else self.folder
 
     @property
     def model_files(self) -> list[Path]:
         """The declared files that hold the model (settings such as ``genai_config.json`` left out)."""
-        return [self.folder / f for f in self.target.files if not f.endswith(DATA_SUFFIXES)]
+        return [self.folder / f for f in self.files if not f.endswith(DATA_SUFFIXES)]
+
+    @property
+    def decode_graphs(self) -> list[Path]:
+        """The graphs one decode step runs, in order: the ``decode*`` files (a graph split into parts has several),
+        else the one model file serving both prefill and decode."""
+        files = self.model_files
+        decode = [f for f in files if f.name.startswith("decode")]
+        return decode or (files if len(files) == 1 else [])
 
     @property
     def decode_graph(self) -> Path | None:
-        """The graph one decode step runs: the declared ``decode.*`` file, else the one model file serving both."""
-        files = self.model_files
-        decode = [f for f in files if f.name.startswith("decode")]
-        return decode[0] if decode else files[0] if len(files) == 1 else None
+        """The first (usually the only) graph of a decode step."""
+        graphs = self.decode_graphs
+        return graphs[0] if graphs else None
 
     def open(self, *, threads: int | None = None):
         """The target's runner over the folder."""
@@ -103,8 +115,14 @@ def not_runnable_here(folder: str | Path) -> str | None:
     return recorded if recorded in OWN_FEEDS else None
 
 
+def target_files(folder: Path, target) -> tuple[str, ...]:
+    """The files ``target``'s output holds in ``folder``: what its ``layout`` finds there, else its ``files``."""
+    found = target.layout(folder) if getattr(target, "layout", None) is not None and folder.is_dir() else None
+    return tuple(found) if found else target.files
+
+
 def _missing(folder: Path, target) -> list[str]:
-    return [f for f in target.files if not (folder / f).is_file()]
+    return [f for f in target_files(folder, target) if not (folder / f).is_file()]
 
 
 def locate(path: str | Path, *, strict: bool = True) -> Runnable | None:
@@ -146,7 +164,7 @@ def locate(path: str | Path, *, strict: bool = True) -> Runnable | None:
             return Runnable(p, own, recorded)
         if strict:
             raise ModelLoadError(f"'{p}' is a {own.name} conversion without {', '.join(missing)}: its runner needs "
-                                 f"{' and '.join(own.files)}; convert again")
+                                 f"{' and '.join(target_files(p, own))}; convert again")
         return None
     for t in targets:
         if t.files and not _missing(p, t):

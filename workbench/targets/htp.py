@@ -311,6 +311,24 @@ def htp_runner(path: str | Path, *, threads: int | None = None, device: str | Ht
     return open_htp(p / graphs[0], p / graphs[1], threads=threads, device=device)
 
 
+def htp_files(folder: str | Path) -> tuple[str, ...] | None:
+    """The registry's layout: the files of a folder whose graphs are split into parts (its manifest's context
+    models, prefill first, then the manifest; each model names its binary, which sizes count through it); None for
+    a folder of whole graphs (``CONTEXT_FILES``). A manifest that does not read is the whole listing, so the
+    runner opens it and says what is wrong with it."""
+    import json
+    from .htp_parts import PARTS_FILE
+    path = Path(folder) / PARTS_FILE
+    if not path.is_file():
+        return None
+    try:
+        graphs = json.loads(path.read_text(encoding="utf-8"))["graphs"]
+        ctx = [str(part["ctx"]) for g in ("prefill", "decode") for part in graphs[g]["parts"]]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return (PARTS_FILE,)
+    return (*ctx, PARTS_FILE)
+
+
 def backend_soc(soc_model: int, graph: str | Path) -> dict:
     """What the HTP backend itself says of ``soc_model`` while compiling ``graph``: ``{"chip", "arch"}``.
 
@@ -781,5 +799,5 @@ def measure_htp(float_graphs: Sequence[str | Path] | None, qdq_graphs: Sequence[
 
 TARGET = register_target(Target(
     "htp", "Qualcomm Hexagon HTP (onnxruntime-qnn; the emulator on x86-64)", rules="qnn", runnable=True,
-    runner=htp_runner, files=CONTEXT_FILES, int_bits=(4, 8), float_bits=(16,), module=__name__,
+    runner=htp_runner, files=CONTEXT_FILES, layout=htp_files, int_bits=(4, 8), float_bits=(16,), module=__name__,
     precision_note="runs the QDQ graphs `convert --target qnn` writes: 4 and 8-bit weights, 16-bit ones on HTP v73+"))

@@ -330,7 +330,7 @@ class PartsCausalLM(OnnxCausalLM):
 
 def read_parts(folder: str | Path) -> dict:
     """The manifest (``PARTS_FILE``) ``htp.write_htp_binaries`` wrote in ``folder``, checked: every part's files
-    there, numbered 1..n in order."""
+    (context model and binaries) there, numbered 1..n in order."""
     import json
     path = Path(folder) / PARTS_FILE
     try:
@@ -341,8 +341,9 @@ def read_parts(folder: str | Path) -> dict:
             if [p["part"] for p in parts] != list(range(1, len(parts) + 1)):
                 raise ValueError(f"{name}'s parts are not numbered 1..{len(parts)} in order")
             for p in parts:
-                if not (Path(folder) / p["ctx"]).is_file():
-                    raise ValueError(f"{p['ctx']} is missing")
+                for f in [p["ctx"], *p.get("bin", [])]:
+                    if not (Path(folder) / f).is_file():
+                        raise ValueError(f"{f} is missing")
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise PlanError(f"'{path}' is not the manifest `workbench convert --target qnn --soc` writes ({e}): convert "
                         "again") from None

@@ -59,6 +59,9 @@ class Target:
     # ``run_decode``, or ``steps()``), naming its ``runtime``; ``workbench.runtime.open_runner`` calls it
     runner: Callable | None = None
     files: tuple[str, ...] = ()  # what its output folder holds, all of it; the first is what the runner opens
+    # layout(folder) -> the files its output holds in that folder when they vary (an HTP graph split into parts),
+    # or None: ``files``
+    layout: Callable | None = None
     overrides: OverrideFormat | None = None
     int_bits: tuple[int, ...] = (4, 8)  # integer weight widths it carries
     float_bits: tuple[int, ...] = (16, 32)  # float weight widths it carries
