@@ -24,6 +24,10 @@ resident memory (the child's ru_maxrss from os.wait4) are its own:
     convert-genai the same with --target ort-genai (the fused graph onnxruntime-genai runs)
     convert-gguf  the same with --target llama.cpp (the plan's own integers as one GGUF, read back and checked)
     convert-mnn-llm the same with --target mnn-llm (MNN's LLM engine directory, scored and timed by MNN.llm)
+    convert-executorch the same with --target executorch (a .pte for XNNPACK holding the plan's integers, scored by
+                  ExecuTorch's runtime)
+    convert-edgellm the same with --target tensorrt-edgellm (Edge-LLM's ONNX bundle, read back against the plan and run
+                  outside its plugins by onnxruntime; needs `make edgellm-env`)
     profile-mnn-llm workbench profile MNN-LLM-OUT --threads 2   (the engine's own prefill / decode counters)
     convert-qdq   workbench convert MODEL --bits 8 --target ort-qdq --max-tokens 256 --out ...  (static QDQ prefill
                   and decode graphs for the QNN execution provider, weights from the plan's integers, calibrated,
@@ -74,15 +78,18 @@ from shapes import SHAPES  # noqa: E402  (no torch import: build_shape imports i
 
 SCALE_SHAPES = ("qwen2.5-0.5b", "qwen2.5-1.5b", "qwen3-4b")
 STEPS = ("info", "calibrate", "quantize-rtn", "quantize-awq", "quantize-gptq", "eval", "sensitivity", "plan", "export",
-         "convert", "convert-genai", "convert-gguf", "convert-mnn-llm", "profile-mnn-llm", "convert-qdq", "prune",
-         "distill")
+         "convert", "convert-genai", "convert-gguf", "convert-mnn-llm", "profile-mnn-llm", "convert-executorch",
+         "convert-edgellm", "convert-qdq", "prune", "distill")
 ALIASES = {"load": ("info",), "quantize": ("quantize-rtn", "quantize-awq", "quantize-gptq"), "rtn": ("quantize-rtn",),
            "awq": ("quantize-awq",), "gptq": ("quantize-gptq",), "evaluate": ("eval",), "convert-ort-int4": ("convert",)}
 NEEDS = {"quantize-awq": "calibrate", "quantize-gptq": "calibrate", "plan": "sensitivity",
          "distill": "prune", "profile-mnn-llm": "convert-mnn-llm"}  # skipped when it failed
+CONVERT_TARGET = {"convert": "ort-int4", "convert-genai": "ort-genai", "convert-gguf": "llama.cpp",
+                  "convert-mnn-llm": "mnn-llm", "convert-executorch": "executorch",
+                  "convert-edgellm": "tensorrt-edgellm"}  # step -> --target of a 4-bit conversion
 COMMAND = {"quantize-rtn": "quantize", "quantize-awq": "quantize", "quantize-gptq": "quantize"}  # step -> subcommand
 OUTPUTS = ("rtn-int4", "awq-int4", "gptq-int4", "plan.json", "onnx", "ort-int4", "ort-genai", "llama.cpp", "mnn-llm",
-           "ort-qdq", "pruned", "distilled")  # removed unless --keep-outputs
+           "executorch", "tensorrt-edgellm", "ort-qdq", "pruned", "distilled")  # removed unless --keep-outputs
 GB = 1024.0  # MiB per GiB
 
 # (seconds, peak GiB) limits, None = no limit; a target always requires the step to complete.
@@ -210,7 +217,7 @@ def _gguf_detail(out: dict) -> str | None:
             f"{(out['details'].get('gguf_bytes') or 0) / 2**20:,.0f} MiB")
 
 
-def _mnn_llm_detail(out: dict) -> str | None:
+def _written_detail(out: dict) -> str | None:
     """The conversion's output size and its write time (the rest of the step is scoring in the engine)."""
     files = out.get("files") or []
     if not files:
@@ -254,8 +261,10 @@ def detail(step: str, out: dict) -> str:
         "convert": [num("top1_agreement_vs_simulation", "top-1 vs sim {:.4f}")],
         "convert-genai": [num("top1_agreement_vs_simulation", "top-1 vs sim {:.4f}")],
         "convert-gguf": [_gguf_detail(out)],
-        "convert-mnn-llm": [num("top1_agreement_vs_simulation", "top-1 vs sim {:.4f}"), _mnn_llm_detail(out)],
+        "convert-mnn-llm": [num("top1_agreement_vs_simulation", "top-1 vs sim {:.4f}"), _written_detail(out)],
         "profile-mnn-llm": [_profile_detail(out)],
+        "convert-executorch": [num("kl_divergence", "KL {:.2e}"), _written_detail(out)],
+        "convert-edgellm": [_written_detail(out)],
         "convert-qdq": [num("kl_divergence", "KL {:.2e}"), (out.get("decode") or {}).get("kl_divergence") is not None
                         and f"decode KL {out['decode']['kl_divergence']:.2e}" or None],
         "prune": [num("parameters_after", "{:,} params kept"), num("seconds", "{:.1f} s in prune()")],
@@ -358,9 +367,8 @@ def step_command(step: str, model: Path, shape_dir: Path, args, rows: dict[str, 
                 "--json"], ""
     if step == "export":
         return ["export", m, "--out", str(shape_dir / "onnx"), "--json"], ""
-    if step in ("convert", "convert-genai", "convert-gguf", "convert-mnn-llm"):
-        target = {"convert": "ort-int4", "convert-genai": "ort-genai", "convert-gguf": "llama.cpp",
-                  "convert-mnn-llm": "mnn-llm"}[step]
+    if step in CONVERT_TARGET:
+        target = CONVERT_TARGET[step]
         rtn = shape_dir / "rtn-int4"
         signed = (rtn / "plan.json").is_file() and json.loads((rtn / "plan.json").read_text()).get("full_range")
         if (rtn / "quantization.json").is_file() and (target == "llama.cpp" or not signed):

@@ -90,3 +90,24 @@ def test_the_runtimes_that_time_themselves_show_their_tok_s(session, monkeypatch
     assert "<th>prefill tok/s</th><th>decode tok/s</th>" in out
     et, qdq = out.split("<tr class='gap-row'")[1:]
     assert "<td>2.0</td><td>4,321</td><td>123</td>" in et and "<td>2.0</td><td>-</td><td>-</td>" in qdq
+
+
+def test_side_by_side_runs_the_targets_on_worker_processes(session, monkeypatch):
+    """The panel's "side by side" box picks the sweep backend measure_devices_gap runs the targets on: one after
+    another by default (each row's time and memory its own), worker processes when raised."""
+    import workbench.ui.devices_gap as ui
+    from workbench.sweep_backends import LocalBackend, ProcessBackend
+    seen = []
+
+    def fake(model, *, backend, work, **kw):
+        seen.append(backend)
+        raise ui.WorkbenchError("stopped here")
+    monkeypatch.setattr(ui, "measure_devices_gap", fake)
+    p = DevicesGapPanel(session)
+    assert p.workers.value == 1 and p.workers in p.controls
+    p.run()
+    p.workers.value = 2
+    p.run()
+    assert isinstance(seen[0], LocalBackend)
+    assert isinstance(seen[1], ProcessBackend) and seen[1].workers == 2
+    assert p.error == "stopped here" and not p.workers.disabled

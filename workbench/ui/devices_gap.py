@@ -5,7 +5,7 @@
     panel.start()      # what the button does: the same in a background thread (the kernel stays free)
 
 Checkboxes for the targets (those whose toolchain is not installed are disabled, with what to install), the
-Snapdragon for the HTP from the device profiles, the token budget; Run measures them with
+Snapdragon for the HTP from the device profiles, the token budget, how many targets run at once; Run measures them with
 ``workbench.devices_gap.measure_devices_gap`` (each target in a child process) and fills the table and the chart
 target by target. The result is saved as ``devices_gap.json`` in ``session.devices_gap_dir``, where
 ``workbench report`` finds it. A target that fails is a row saying how; the rest still run.
@@ -13,6 +13,7 @@ target by target. The result is saved as ``devices_gap.json`` in ``session.devic
 from __future__ import annotations
 
 import html
+import os
 import threading
 import time
 import traceback
@@ -24,6 +25,7 @@ from ..devices_gap import (GAP_RULE, HTP_WINDOWS, TABLE_HEADER, TARGET_TITLES, T
                            measure_devices_gap, table_cells, toolchains)
 from ..errors import WorkbenchError
 from ..targets.htp import DEFAULT_DEVICE, htp_soc, htp_socs
+from ..sweep_backends import backend_for
 from .base import StepPanel
 
 __all__ = ["DevicesGapPanel", "gap_table_html", "DEFAULT_TARGETS"]
@@ -76,6 +78,11 @@ class DevicesGapPanel(StepPanel):
         self.tokens = widgets.BoundedIntText(value=max_tokens, min=WINDOW, max=10**7, step=WINDOW,
                                              description="tokens", tooltip="held-out tokens each target is scored on "
                                              "(the HTP: that many 128-token windows, at most 4)")
+        self.workers = widgets.BoundedIntText(value=1, min=1, max=max(1, os.cpu_count() or 1),
+                                              description="side by side", layout={"width": "190px"},
+                                              style={"description_width": "90px"},
+                                              tooltip="targets measured at once, each in its own process (1: one "
+                                                      "after another, so each row's time and memory are its own)")
         self.run_button = widgets.Button(description="Compare on the devices", button_style="primary",
                                          icon="microchip", layout={"width": "auto"})
         self.run_button.on_click(lambda _: self.start())
@@ -85,7 +92,7 @@ class DevicesGapPanel(StepPanel):
         self.table = widgets.HTML()
         self.chart = _figure_widget([])
         self.chart_box = widgets.Box([self.chart], layout={"display": "none", "width": "100%"})  # once a row ran
-        self.controls = [*self.checks.values(), self.soc, self.tokens, self.run_button]
+        self.controls = [*self.checks.values(), self.soc, self.tokens, self.workers, self.run_button]
         super().__init__([
             widgets.HTML("<b>Compare on the devices</b>: the session's plan in the workbench's simulation beside "
                          "what each runtime and NPU toolchain installed here computes for it, each against the "
@@ -93,7 +100,7 @@ class DevicesGapPanel(StepPanel):
                          "tok/s where it times itself (MNN-LLM, ExecuTorch), time and peak memory; a gap from the "
                          "simulation is flagged"),
             widgets.HBox(list(self.checks.values())), self.missing_label,
-            widgets.HBox([self.soc, self.tokens, self.run_button]), widgets.HBox([self.progress, self.status]),
+            widgets.HBox([self.soc, self.tokens, self.workers, self.run_button]), widgets.HBox([self.progress, self.status]),
             self.plan_label, self.table, self.chart_box, self.log_output])
         self.add_class("workbench-devices-gap")  # the section, for the browser test and a page's styles
 
@@ -153,7 +160,8 @@ class DevicesGapPanel(StepPanel):
 
             gap = measure_devices_gap(model, plan=plan, targets=targets, soc=self.soc.value,
                                       max_tokens=self.tokens.value, windows=windows,
-                                      work=self.session.devices_gap_dir, log=say, on_row=on_row)
+                                      work=self.session.devices_gap_dir, log=say, on_row=on_row,
+                                      backend=backend_for(workers=self.workers.value))
         except WorkbenchError as e:
             self._show_error(e)
             return None
