@@ -57,13 +57,22 @@ def test_warning_names_likely_causes_above_the_threshold(setup):
     cost = measure_cost(qm, base, threshold=-1e6, progress=False)
     assert len(cost.warnings) == 1
     w = cost.warnings[0]
-    assert "above the -1000000.0 threshold. Likely causes:" in w
+    assert f"above the {-1e6:.0%} threshold. Likely causes:" in w and "of the float model's" in w
     assert "layers with the largest weight error" in w
     assert "embedding / lm_head is quantized" in w
     assert "try method 'gptq' or 'awq'" in w
     assert "group size per-channel is coarse" in w
     quiet = measure_cost(qm, base, threshold=1e9, progress=False)
     assert quiet.warnings == []
+
+
+def test_the_threshold_is_a_fraction_of_the_float_perplexity(setup):
+    """A rise of 1.2 at perplexity 4,173 is nothing, at perplexity 10 it is a lot: the threshold is relative."""
+    lm, base = setup
+    qm = quantize_model(lm, QuantPlan.uniform("int4", keep_embeddings="int4", group_size=None), progress=False)
+    rel = measure_cost(qm, base, threshold=1e9, progress=False).perplexity_change_relative
+    assert measure_cost(qm, base, threshold=rel + 1e-3, progress=False).warnings == []
+    assert len(measure_cost(qm, base, threshold=rel - 1e-3, progress=False).warnings) == 1
 
 
 def test_reference_report_matches_a_full_evaluation(setup):

@@ -20,6 +20,7 @@ from ..memory import release_freed_memory
 from ..models import load_model
 from ..errors import PlanError
 from ..plan import QuantPlan
+from ..quantize.cost import DEFAULT_PPL_THRESHOLD
 from ..quantize.model import CALIBRATED_METHODS, METHODS
 from ..units import format_bytes
 from ..workspace import check_output_dir, staged_output
@@ -69,7 +70,9 @@ def add_arguments(p):
     p.add_argument("--ctx", type=count(2), help=f"evaluation window (default {DEFAULT_CTX}, or the model's maximum when "
                    "that is shorter)")
     add_budget_argument(p)
-    p.add_argument("--threshold", type=number(0), default=0.5, help="warn when perplexity rises more than this")
+    p.add_argument("--threshold", type=number(0), default=DEFAULT_PPL_THRESHOLD,
+                   help="warn, naming likely causes, when perplexity rises by more than this fraction of the float "
+                        "model's (default 0.05: 5%%, the usual 0.5 at perplexity 10)")
     p.add_argument("--strict", action="store_true", help="fail instead of falling back when the group size "
                    "does not divide a layer")
     p.add_argument("--threads", type=thread_count(), help="torch CPU threads, at most the CPU cores (default: torch's; "

@@ -27,7 +27,9 @@ from .storage import weight_file_bytes
 __all__ = ["Baseline", "QuantCost", "measure_reference", "measure_cost", "heldout_ids", "check_ctx", "likely_causes",
            "DEFAULT_PPL_THRESHOLD"]
 
-DEFAULT_PPL_THRESHOLD = 0.5  # practitioners' rule: INT8 raises perplexity 0.1-0.3; above 0.5, look for a cause
+# a relative rise: practitioners' rule is 0.5 at perplexity ~10 (INT8 raises it 0.1-0.3; above 0.5, look for a
+# cause), which an absolute threshold would misjudge at perplexity 4 or 4,000
+DEFAULT_PPL_THRESHOLD = 0.05
 
 
 def check_ctx(lm, ctx: int | None) -> int:
@@ -149,7 +151,8 @@ def likely_causes(qm, cost: "QuantCost") -> list[str]:
 
 def measure_cost(qm, baseline: Baseline, *, candidate: nn.Module | None = None, saved_dir: str | Path | None = None,
                  threshold: float = DEFAULT_PPL_THRESHOLD, progress: bool = True) -> QuantCost:
-    """Evaluate the quantized model against ``baseline`` on the same text and windows.
+    """Evaluate the quantized model against ``baseline`` on the same text and windows; a warning naming likely causes
+    when perplexity rose by more than ``threshold`` (a fraction of the float model's).
 
     ``candidate`` is a model computing the quantized weights; by default ``qm.build_model()``, which
     shares the source's unchanged tensors and holds integer layers as codes (no second float copy).
@@ -173,7 +176,8 @@ def measure_cost(qm, baseline: Baseline, *, candidate: nn.Module | None = None, 
         bits_per_weight=qm.bits_per_weight, weight_bytes=qm.storage_bytes(),
         size_bytes=weight_file_bytes(saved_dir) if saved_dir else None,
         tokens=rep.tokens, windows=rep.windows, ctx=rep.ctx, report=rep)
-    if cost.perplexity_change > threshold:
-        cost.warnings.append(f"perplexity rose by {cost.perplexity_change:.3f} ({cost.perplexity_change_relative:+.1%}), "
-                             f"above the {threshold} threshold. Likely causes: " + "; ".join(likely_causes(qm, cost)))
+    if cost.perplexity_change_relative > threshold:
+        cost.warnings.append(f"perplexity rose by {cost.perplexity_change:.3f} ({cost.perplexity_change_relative:+.1%} "
+                             f"of the float model's {ref_ppl:.3f} on {rep.tokens:,} tokens), above the {threshold:.0%} "
+                             "threshold. Likely causes: " + "; ".join(likely_causes(qm, cost)))
     return cost
