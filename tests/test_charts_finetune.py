@@ -18,3 +18,13 @@ def test_loss_figure_without_validation_and_with_its_own_title():
     fig = make_loss_figure({"losses": [1.0, 0.5]}, title="Distillation: KL", y_title="KL")
     assert [t.name for t in fig.data] == ["loss", "mean of 1"] and fig.layout.title.text == "Distillation: KL"
     assert fig.layout.yaxis.title.text == "KL" and not fig.layout.shapes
+
+
+def test_no_line_is_drawn_on_the_axis():
+    """Two steps and a flat held-back line below them (what the app's short run gives): every value sits inside the
+    y range with a margin, a flat line too."""
+    fig = make_loss_figure({"losses": [4.46, 4.51], "validation": [(0, 4.22), (2, 4.22)], "best_step": 2})
+    low, high = fig.layout.yaxis.range
+    assert low < 4.22 - 0.01 and high > 4.51 + 0.01
+    flat = make_loss_figure({"losses": [2.0, 2.0]}).layout.yaxis.range
+    assert flat[0] < 2.0 < flat[1]

@@ -344,6 +344,7 @@ _ADVANCE = {**dict(zip("abcdefghijklmnopqrstuvwxyz", (1255, 1300, 1126, 1300, 12
             **dict.fromkeys("0123456789", 1303), " ": 651, ".": 651, ",": 651, "-": 739, "/": 690, ":": 690,
             "(": 799, ")": 799, "'": 563, "_": 1024, "%": 1946}
 LABEL_PX = 80  # ipywidgets 8's --jp-widgets-inline-label-width, at its 13 px font
+CHECKBOX_PX = 22  # the box and its gap before a checkbox's label
 
 
 def label_px(text: str, font_px: float = 13) -> float:
@@ -353,7 +354,8 @@ def label_px(text: str, font_px: float = 13) -> float:
 
 def cut_labels(root) -> list[str]:
     """Every widget under ``root`` whose description is wider than its label (ipywidgets cuts it: "temperat…").
-    A label of width "initial" (or "auto") is as wide as its text; buttons and checkboxes show theirs whole."""
+    A label of width "initial" (or "auto") is as wide as its text; buttons and checkboxes of no fixed width show
+    theirs whole."""
     import ipywidgets as widgets
     seen, stack, cut = set(), [root], []
     while stack:
@@ -363,6 +365,11 @@ def cut_labels(root) -> list[str]:
         seen.add(id(w))
         stack.extend(getattr(w, "children", None) or ())
         desc = getattr(w, "description", None)
+        if desc and isinstance(w, widgets.Checkbox) and str(w.layout.width or "").endswith("px"):
+            room = float(w.layout.width[:-2]) - CHECKBOX_PX  # a fixed-width checkbox: its label is what is left
+            if label_px(desc) > room:
+                cut.append(f"Checkbox '{desc}' ({label_px(desc):.0f} px in {room:.0f} px)")
+            continue
         if not desc or isinstance(w, (widgets.Button, widgets.ToggleButton, widgets.Checkbox)):
             continue
         width = getattr(getattr(w, "style", None), "description_width", "") or f"{LABEL_PX}px"

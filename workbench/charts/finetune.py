@@ -37,4 +37,9 @@ def make_loss_figure(report, *, title: str | None = None, y_title: str = "cross-
                   f"{r['eval_tokens']:,} tokens)")
     fig.update_layout(title=title, xaxis_title="step", yaxis_title=y_title,
                       template="plotly_white", height=380)
+    ys = [y for trace in fig.data for y in trace.y if y is not None and y == y]
+    if ys:  # a margin around the data, so a flat line is not drawn on the axis
+        low, high = min(ys), max(ys)
+        pad = 0.08 * (high - low) or 0.05 * abs(high) or 0.05
+        fig.update_yaxes(range=[low - pad, high + pad])
     return fig

@@ -66,6 +66,10 @@ def make_cost_table_figure(rows: Sequence[Mapping]) -> go.Figure:
         cells[7].append("-" if r.get("seconds") is None else f"{r['seconds']:.1f}")
     fig = go.Figure(go.Table(header={"values": header, "fill_color": "#eee", "align": "left"},
                              cells={"values": cells, "align": "left"}))
-    fig.update_layout(title="What quantization cost (against the unquantized model, same windows)",
+    tokens = sorted({r["tokens"] for r in rows if r.get("tokens")})
+    on = (f"the same {tokens[0]:,} held-out tokens" if len(tokens) == 1 else
+          f"{', '.join(f'{t:,}' for t in tokens)} held-out tokens (compare rows of one count)" if tokens else
+          "the same windows")
+    fig.update_layout(title=f"What quantization cost (against the unquantized model, {on})",
                       height=120 + 30 * max(1, len(rows)), margin={"l": 10, "r": 10, "t": 40, "b": 10})
     return fig

@@ -26,11 +26,19 @@ from IPython.display import display
 
 from ..errors import WorkbenchError
 
-__all__ = ["StepPanel", "StatusLine", "StatusGroup", "CheckList", "FileDownload", "progress_into"]
+__all__ = ["StepPanel", "StatusLine", "StatusGroup", "CheckList", "FileDownload", "progress_into", "ruled_table"]
 
 T = TypeVar("T")
 W = TypeVar("W", bound=widgets.Widget)
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")  # tqdm moves the cursor between nested bars
+
+
+def ruled_table(cls: str, head: str, rows: str) -> str:
+    """An HTML table whose columns read apart: cell borders and padding, a shaded header (``head``: the header
+    row's ``<th>`` cells; ``rows``: the ``<tr>`` rows), styled under its own class ``cls``."""
+    return (f"<style>.{cls} td,.{cls} th{{border:1px solid #ddd;padding:2px 6px;text-align:left;vertical-align:top}}"
+            f".{cls} th{{background:#f4f6f7}}</style>"
+            f"<table class='{cls}' style='border-collapse:collapse;font-size:12px'><tr>{head}</tr>{rows}</table>")
 
 
 def _in_widget_callback() -> bool:

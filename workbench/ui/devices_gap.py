@@ -26,7 +26,7 @@ from ..devices_gap import (GAP_RULE, HTP_WINDOWS, TABLE_HEADER, TARGET_TITLES, T
 from ..errors import WorkbenchError
 from ..targets.htp import DEFAULT_DEVICE, htp_soc, htp_socs
 from ..sweep_backends import backend_for
-from .base import StepPanel
+from .base import StepPanel, ruled_table
 
 __all__ = ["DevicesGapPanel", "gap_table_html", "DEFAULT_TARGETS"]
 
@@ -47,10 +47,8 @@ def gap_table_html(rows: list[dict]) -> str:
             " style='color:#7f8c8d'" if r["runtime"] == "not run" else "")
         body.append(f"<tr class='gap-row' data-target='{html.escape(r['target'])}'{style}>"
                     + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
-    return ("<table class='workbench-gap' style='border-collapse:collapse;font-size:12px'><tr>" + head + "</tr>"
-            + "".join(body) + "</table><div class='gap-rule' style='font-size:12px;color:#566573'>"
-            + html.escape(GAP_RULE) + "</div><style>.workbench-gap td,.workbench-gap th{border:1px solid #ddd;"
-            "padding:2px 6px;text-align:left;vertical-align:top}.workbench-gap th{background:#f4f6f7}</style>")
+    return (ruled_table("workbench-gap", head, "".join(body))
+            + "<div class='gap-rule' style='font-size:12px;color:#566573'>" + html.escape(GAP_RULE) + "</div>")
 
 
 class DevicesGapPanel(StepPanel):

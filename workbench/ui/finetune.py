@@ -46,7 +46,7 @@ class FinetunePanel(StepPanel):
         self.controls = [self.data, self.out_dir, self.steps, self.rank, self.lr, self.batch_size, self.seq_len,
                          self.run_button]
         super().__init__([
-            widgets.HTML(f"<b>Fine-tune</b> {html.escape(str(model))} with LoRA; the adapters are merged into an "
+            widgets.HTML(f"<b>Fine-tune</b> (optional) {html.escape(str(model))} with LoRA; the adapters are merged into an "
                          "ordinary model that the later steps load"),
             self.data, self.out_dir, widgets.HBox([self.steps, self.rank, self.lr]),
             widgets.HBox([self.batch_size, self.seq_len, self.run_button]), self.progress,

@@ -20,7 +20,7 @@ from ..convert import (CONVERT_TARGETS, GAP_KL_FLOOR, GAP_KL_RATIO, GAP_TOP1, Co
                        prepare_models)
 from ..onnx.inspect import initializer_bytes_by_block
 from ..targets import TARGETS, GraphReport, inspect_graph
-from .base import StepPanel
+from .base import StepPanel, ruled_table
 
 __all__ = ["GraphPanel", "ConvertPanel", "NetronServer"]
 
@@ -129,9 +129,9 @@ class GraphPanel(StepPanel):
 
 
 def _conversion_rows(reports: list[ConversionReport]) -> str:
-    head = ("<tr><th>target</th><th>KL (converted)</th><th>KL (simulation)</th><th>top-1 vs float</th>"
+    head = ("<th>target</th><th>KL (converted)</th><th>KL (simulation)</th><th>top-1 vs float</th>"
             "<th>top-1 vs simulation</th><th title='every file written, MB = 10^6 bytes'>MB written</th>"
-            "<th>seconds</th><th>gap</th></tr>")
+            "<th>seconds</th><th>gap</th>")
     rows = []
     for r in reports:
         mb = sum(f["bytes"] for f in r.files) / 1e6  # MB = 10^6 bytes, as everywhere in the app
@@ -142,7 +142,7 @@ def _conversion_rows(reports: list[ConversionReport]) -> str:
             cells = "<td colspan=4>not runnable here: commands and inputs written</td>"
         gap = f"<span style='color:#c0392b'>{html.escape(r.gap)}</span>" if r.gap else ""
         rows.append(f"<tr><td>{r.target}</td>{cells}<td>{mb:.2f}</td><td>{r.seconds:.1f}</td><td>{gap}</td></tr>")
-    return "<table>" + head + "".join(rows) + "</table>"
+    return ruled_table("workbench-conversions", head, "".join(rows))
 
 
 class ConvertPanel(StepPanel):

@@ -171,7 +171,7 @@ class OverridePanel(widgets.VBox):
         roles = list(dict.fromkeys(info.role for info in lm.layers))
         blocks = sorted({int(info.block.split(".")[1]) for info in lm.layers if info.block.startswith("layers.")})
         self.select_roles = CheckList([(role, role) for role in roles], description="layer types (none ticked: "
-                                      "every type)", columns=4, width="110px")
+                                      "every type)", columns=4, width="135px")
         self.select_blocks = widgets.IntRangeSlider(value=(blocks[0], blocks[-1]) if blocks else (0, 0),
                                                     min=blocks[0] if blocks else 0, max=blocks[-1] if blocks else 0,
                                                     description="blocks", continuous_update=False,
