@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{report['bytes'] / mb:,.0f} MiB written ({', '.join(f'{k} {v / mb:,.1f} MiB' for k, v in files.items())})")
     prefill = ", ".join(f"{n} tokens {ms:,.0f} ms" for n, ms in prof["prefill_ms"].items())
     print(f"workbench profile, {prof['threads']} thread(s), load average {load[0]:.1f}: prefill {prefill}; decode "
-          f"{prof['decode_tokens_per_second']:.2f} tok/s; engine resident {prof['peak_rss_added_mb']:,.0f} MB")
+          f"{prof['decode_tokens_per_second']:.2f} tok/s; engine resident {prof['peak_rss_added_mb']:,.0f} MiB")
     return 0
 
 

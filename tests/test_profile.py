@@ -157,3 +157,12 @@ def test_decode_bytes_count_widened_float16_weights_at_float32(tmp_path):
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 1, 100])], [table])
     onnx.save(helper.make_model(graph), tmp_path / "tied.onnx")
     assert decode_step_bytes(tmp_path / "tied.onnx") == 100 * 8 * 4 + 8 * 2
+
+
+def test_the_memory_a_model_added_is_shown_in_the_unit_of_its_size():
+    """peak_rss_added_mb is MiB (/proc); tables and summaries say MB (10^6 bytes), as the size beside it."""
+    from workbench.profile import RuntimeProfile
+    p = RuntimeProfile(name="m", runtime="onnxruntime", files=[], size_bytes=2 * 10**6, threads=1, repeats=1,
+                       peak_rss_added_mb=100.0)
+    assert p.rss_added_mb == 104.8576 and "+105 MB RSS" in p.summary()
+    assert RuntimeProfile(name="m", runtime="x", files=[], size_bytes=1, threads=1, repeats=1).rss_added_mb is None

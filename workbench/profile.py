@@ -44,7 +44,7 @@ class RuntimeProfile:
     prefill_ms: dict[int, float] = field(default_factory=dict)  # prompt length -> median milliseconds
     decode_tokens_per_second: float | None = None
     load_seconds: float = 0.0
-    peak_rss_added_mb: float | None = None
+    peak_rss_added_mb: float | None = None  # MiB (/proc's kB / 1024); shown as rss_added_mb
     decode_bytes: int | None = None  # the decode graph and its weights: what one decode step reads at most
     notes: list[str] = field(default_factory=list)
 
@@ -60,10 +60,15 @@ class RuntimeProfile:
         bound = self.decode_bound(read_gbps)
         return self.decode_tokens_per_second / bound if bound and self.decode_tokens_per_second else None
 
+    @property
+    def rss_added_mb(self) -> float | None:
+        """The resident memory the model added, in MB (10^6 bytes), the unit its size is shown in."""
+        return None if self.peak_rss_added_mb is None else self.peak_rss_added_mb * 2**20 / 1e6
+
     def summary(self) -> str:
         pre = ", ".join(f"{n} tokens {ms:.1f} ms" for n, ms in self.prefill_ms.items())
         dec = f"; decode {self.decode_tokens_per_second:.0f} tok/s" if self.decode_tokens_per_second else ""
-        mem = f"; +{self.peak_rss_added_mb:.0f} MB RSS" if self.peak_rss_added_mb is not None else ""
+        mem = f"; +{self.rss_added_mb:.0f} MB RSS" if self.rss_added_mb is not None else ""
         return f"{self.name} ({self.runtime}): {self.size_bytes / 1e6:.2f} MB; prefill {pre}{dec}{mem}"
 
 

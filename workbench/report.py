@@ -510,7 +510,7 @@ def _render(record: Mapping, figures: Mapping, projections: Mapping, context: in
             prow.append([p.name, p.runtime, f"{p.size_bytes / 1e6:.2f}",
                          ", ".join(f"{n}: {ms:.1f}" for n, ms in p.prefill_ms.items()),
                          _fmt(p.decode_tokens_per_second, ",.0f"), _fmt(bound, ",.0f"), _fmt(frac, ".2f"),
-                         _fmt(p.peak_rss_added_mb, ".0f")])
+                         _fmt(p.rss_added_mb, ".0f")])
         parts.append(html_table(("model", "runtime", "MB", "prefill ms by prompt", "decode tok/s", "bound tok/s",
                                  "of bound", "+RSS MB"), prow))
     else:

@@ -54,7 +54,7 @@ def run(args) -> int:
         bound = p.decode_bound(gbps) if p.decode_tokens_per_second else None
         frac = p.fraction_of_bound(gbps)
         dec += (f"{bound:>8.0f}" if bound else f"{'-':>8}") + (f"{frac:>9.2f}" if frac is not None else f"{'-':>9}")
-        mem = f"{p.peak_rss_added_mb:>9.0f}" if p.peak_rss_added_mb is not None else f"{'-':>9}"
+        mem = f"{p.rss_added_mb:>9.0f}" if p.rss_added_mb is not None else f"{'-':>9}"
         print(f"{p.name:<24}{p.runtime:<19}{format_bytes(p.size_bytes):>10}{cells}{dec}{mem}")
         for note in p.notes:
             print(f"  note: {note}")

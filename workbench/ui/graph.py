@@ -69,7 +69,7 @@ def _findings_html(report: GraphReport) -> str:
         rows.append(f"<tr><td style='color:{SEVERITY_COLORS[f.severity]};font-weight:bold'>{f.severity}</td>"
                     f"<td>{html.escape(f.rule)}</td><td>{html.escape(f.message)}<br><small>{nodes}</small></td>"
                     f"<td>{html.escape(f.fix)}</td></tr>")
-    return ("<table><tr><th>severity</th><th>rule</th><th>what</th><th>fix</th></tr>" + "".join(rows) + "</table>")
+    return ruled_table("workbench-findings", "<th>severity</th><th>rule</th><th>what</th><th>fix</th>", "".join(rows))
 
 
 class GraphPanel(StepPanel):

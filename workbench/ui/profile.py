@@ -18,15 +18,18 @@ import ipywidgets as widgets
 from ..charts.profile import make_profile_figure
 from ..charts.projection import make_host_bound_figure
 from ..profile import DEFAULT_PROMPT_LENGTHS, RuntimeProfile, host_bandwidth, parse_prompt_lengths, profile_directory
-from .base import StepPanel
+from .base import StepPanel, ruled_table
 
 __all__ = ["ProfilePanel"]
 
 
 def _rows(profiles: list[RuntimeProfile], read_gbps: float) -> str:
     lengths = sorted({n for p in profiles for n in p.prefill_ms})
-    head = ("<tr><th>model</th><th>runtime</th><th>MB</th>" + "".join(f"<th>prefill {n} ms</th>" for n in lengths)
-            + "<th>decode tok/s</th><th>bound tok/s</th><th>of bound</th><th>+RSS MB</th></tr>")
+    head = ("<th>model</th><th>runtime</th><th title='the files the runtime loads, MB = 10^6 bytes'>MB</th>"
+            + "".join(f"<th>prefill {n} ms</th>" for n in lengths)
+            + "<th>decode tok/s</th><th title='this host read bandwidth / bytes one decode step reads'>bound tok/s"
+              "</th><th>of bound</th><th title='resident memory the model added while it ran, MB = 10^6 bytes'>"
+              "+RSS MB</th>")
     rows = []
     for p in profiles:
         cells = "".join(f"<td>{p.prefill_ms[n]:.1f}</td>" if n in p.prefill_ms else "<td>-</td>" for n in lengths)
@@ -34,10 +37,10 @@ def _rows(profiles: list[RuntimeProfile], read_gbps: float) -> str:
         bound, frac = p.decode_bound(read_gbps), p.fraction_of_bound(read_gbps)
         dec += f"</td><td>{bound:.0f}" if bound else "</td><td>-"
         dec += f"</td><td>{frac:.2f}" if frac is not None else "</td><td>-"
-        mem = f"{p.peak_rss_added_mb:.0f}" if p.peak_rss_added_mb is not None else "-"
+        mem = f"{p.rss_added_mb:.0f}" if p.rss_added_mb is not None else "-"
         rows.append(f"<tr><td>{html.escape(p.name)}</td><td>{p.runtime}</td><td>{p.size_bytes / 1e6:.2f}</td>{cells}"
                     f"<td>{dec}</td><td>{mem}</td></tr>")
-    return "<table>" + head + "".join(rows) + "</table>"
+    return ruled_table("workbench-profiles", head, "".join(rows))
 
 
 class ProfilePanel(StepPanel):
