@@ -291,7 +291,7 @@ def projection_rows(projections: Mapping[str, Sequence]) -> list[list[str]]:
                      and v.ttft_error is not None else "-")
             runtime = (f"{p.runtime}" + (f" {v.precision}" if v is not None else "")
                        + ((" (borrowed)" if fitted else " (no vendor fit)") if v is not None and v.fallback else "")
-                       ) if p.runtime else "none"
+                       ) if p.runtime else "none: practitioners' efficiency"
             bad = p.unsupported_layers
             npu = "none" if not bad else f"{len(bad)}: " + ", ".join(n for n, _ in bad[:3]) + (
                 " ..." if len(bad) > 3 else "") + f" ({', '.join(sorted({q for _, q in bad}))})"

@@ -26,19 +26,23 @@ from IPython.display import display
 
 from ..errors import WorkbenchError
 
-__all__ = ["StepPanel", "StatusLine", "StatusGroup", "CheckList", "FileDownload", "progress_into", "ruled_table"]
+__all__ = ["StepPanel", "StatusLine", "StatusGroup", "CheckList", "FileDownload", "progress_into", "ruled_style", "ruled_table"]
 
 T = TypeVar("T")
 W = TypeVar("W", bound=widgets.Widget)
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")  # tqdm moves the cursor between nested bars
 
 
+def ruled_style(cls: str) -> str:
+    """A ``<style>`` that makes a table of class ``cls`` read in columns: cell borders, padding, a shaded header."""
+    return (f"<style>.{cls}{{border-collapse:collapse;font-size:12px}}.{cls} td,.{cls} th{{border:1px solid #ddd;"
+            f"padding:2px 6px;text-align:left;vertical-align:top}}.{cls} th{{background:#f4f6f7}}</style>")
+
+
 def ruled_table(cls: str, head: str, rows: str) -> str:
-    """An HTML table whose columns read apart: cell borders and padding, a shaded header (``head``: the header
-    row's ``<th>`` cells; ``rows``: the ``<tr>`` rows), styled under its own class ``cls``."""
-    return (f"<style>.{cls} td,.{cls} th{{border:1px solid #ddd;padding:2px 6px;text-align:left;vertical-align:top}}"
-            f".{cls} th{{background:#f4f6f7}}</style>"
-            f"<table class='{cls}' style='border-collapse:collapse;font-size:12px'><tr>{head}</tr>{rows}</table>")
+    """An HTML table of class ``cls`` in ``ruled_style`` (``head``: the header row's ``<th>`` cells; ``rows``: the
+    ``<tr>`` rows)."""
+    return f"{ruled_style(cls)}<table class='{cls}'><tr>{head}</tr>{rows}</table>"
 
 
 def _in_widget_callback() -> bool:
