@@ -50,7 +50,9 @@ def make_head_importance_figure(importance, score: str = "taylor", unit: str = "
         ys = [rows[i] for i, ks in enumerate(kept) for _ in ks]
         fig.add_scatter(x=xs, y=ys, mode="markers", name="kept", marker={"color": "white", "size": 9,
                                                                          "line": {"color": "black", "width": 1}})
-    fig.update_layout(title=f"Attention {'KV groups' if unit == 'group' else 'query heads'} per layer: {label}",
+    what = "KV groups" if unit == "group" else "query heads"
+    fig.update_layout(title=f"Attention {what} per layer: {label}"
+                      + (f" (white dots: the {what} Prune kept; none: removed)" if kept is not None else ""),
                       template="plotly_white", height=max(260, 40 * len(rows) + 140), yaxis={"autorange": "reversed"})
     return fig
 
