@@ -196,20 +196,13 @@ def _json_docs(model_dir: Path) -> list[dict]:
     return docs
 
 
-def _conversion_record(directory: Path) -> dict | None:
-    try:
-        doc = json.loads((directory / "conversion.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return doc if isinstance(doc, dict) else None
-
-
 def _conversion_source(directory: Path) -> tuple[Path | None, str | None]:
     """(the float model a conversion came from, its target) from ``conversion.json``; Nones when not said. A
     folder without one that its parent's conversion wrote (``qnn``'s ``htp-<device>``) is named by the parent's."""
-    doc = _conversion_record(directory)
+    from .runtime import conversion_record
+    doc = conversion_record(directory)
     if doc is None and not (directory / "conversion.json").exists():
-        parent = _conversion_record(directory.parent)
+        parent = conversion_record(directory.parent)
         files = parent.get("files") if parent is not None else None
         wrote_it = isinstance(files, list) and any(
             isinstance(f, dict) and isinstance(f.get("path"), str) and Path(f["path"]).parent.name == directory.name

@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 from ..errors import ModelLoadError, WorkbenchError
 
 __all__ = ["Runnable", "locate", "find_runnable", "not_runnable_here", "open_runner", "runnable_targets", "describe_files",
-           "conversion_target", "target_files", "CONVERSION_FILE"]
+           "conversion_record", "conversion_target", "target_files", "CONVERSION_FILE"]
 
 CONVERSION_FILE = "conversion.json"
 DATA_SUFFIXES = (".json", ".txt")  # declared files that are settings, not model files (not counted as its size)
@@ -43,9 +44,10 @@ class Runnable:
     target: object  # workbench.targets.Target
     recorded: str | None = None  # conversion.json's target (None: none, or one without a runner)
 
-    @property
+    @cached_property
     def files(self) -> tuple[str, ...]:
-        """What the folder holds for its target: the target's ``files``, or those its ``layout`` finds there."""
+        """What the folder holds for its target: the target's ``files``, or those its ``layout`` finds there (read
+        once: entry, model_files and the decode graphs all ask)."""
         return target_files(self.folder, self.target)
 
     @property
@@ -94,13 +96,18 @@ def describe_files() -> str:
     return ", ".join(seen[:-1]) + (" or " if len(seen) > 1 else "") + seen[-1] if seen else "(no runnable target)"
 
 
-def conversion_target(folder: str | Path) -> str | None:
-    """The target ``folder``'s ``conversion.json`` names, or None (no such file, or not one the workbench wrote)."""
+def conversion_record(folder: str | Path) -> dict | None:
+    """``folder``'s ``conversion.json``, or None (no such file, or not a JSON object)."""
     try:
         doc = json.loads((Path(folder) / CONVERSION_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    target = doc.get("target") if isinstance(doc, dict) else None
+    return doc if isinstance(doc, dict) else None
+
+
+def conversion_target(folder: str | Path) -> str | None:
+    """The target ``folder``'s ``conversion.json`` names, or None (no such file, or not one the workbench wrote)."""
+    target = (conversion_record(folder) or {}).get("target")
     return target if isinstance(target, str) else None
 
 

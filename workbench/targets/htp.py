@@ -314,19 +314,17 @@ def htp_runner(path: str | Path, *, threads: int | None = None, device: str | Ht
 def htp_files(folder: str | Path) -> tuple[str, ...] | None:
     """The registry's layout: the files of a folder whose graphs are split into parts (its manifest's context
     models, prefill first, then the manifest; each model names its binary, which sizes count through it); None for
-    a folder of whole graphs (``CONTEXT_FILES``). A manifest that does not read is the whole listing, so the
-    runner opens it and says what is wrong with it."""
-    import json
-    from .htp_parts import PARTS_FILE
-    path = Path(folder) / PARTS_FILE
-    if not path.is_file():
+    a folder of whole graphs (``CONTEXT_FILES``). A manifest that ``read_parts`` refuses is the whole listing, so
+    the runner opens it and says what is wrong with it."""
+    from .htp_parts import PARTS_FILE, read_parts
+    if not (Path(folder) / PARTS_FILE).is_file():
         return None
     try:
-        graphs = json.loads(path.read_text(encoding="utf-8"))["graphs"]
-        ctx = [str(part["ctx"]) for g in ("prefill", "decode") for part in graphs[g]["parts"]]
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        graphs = read_parts(folder)["graphs"]
+    except PlanError:
         return (PARTS_FILE,)
-    return (*ctx, PARTS_FILE)
+    return (*(str(part["ctx"]) for g in ("prefill", "decode") if g in graphs
+              for part in graphs[g]["parts"]), PARTS_FILE)
 
 
 def backend_soc(soc_model: int, graph: str | Path) -> dict:
