@@ -1,5 +1,5 @@
 # make app    set up .venv (once) and start JupyterLab on the notebooks, bound to 127.0.0.1
-# make test   set up .venv and .venv-rknn (once) and run the whole test suite, notebooks included
+# make test   set up .venv, .venv-rknn and .venv-edgellm (once) and run the whole test suite, notebooks included
 # make rknn-env  Rockchip's rknn-toolkit2 in its own venv (.venv-rknn), for the rknn target
 # make edgellm-env  NVIDIA's TensorRT Edge-LLM exporter in its own venv (.venv-edgellm), for the tensorrt-edgellm target
 # make voila  set up .venv (once) and serve the click-through app (notebooks/app.ipynb) on 127.0.0.1: open the
