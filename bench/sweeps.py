@@ -64,7 +64,7 @@ def one_run(args) -> dict:
     if args.one == "processes":
         out["workers"] = {str(pid): [backend.peaks[pid], backend.private[pid]] for pid in backend.peaks}
     elif args.one == "ray":
-        out["workers"] = {str(i): [p, None] for i, p in backend.peaks.items()}
+        out["workers"] = {str(i): [p, backend.private.get(i)] for i, p in backend.peaks.items()}
         out["nodes"] = len(set(backend.nodes.values()))
         ray.shutdown()
         cluster.shutdown()

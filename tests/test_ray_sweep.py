@@ -153,3 +153,25 @@ def test_cli_plan_on_ray_auto_gives_the_serial_plan(tiny_model_dir, tmp_path):
     a, b = outs
     assert b["assignments"] == a["assignments"] and b["refinement"]["moves"] == a["refinement"]["moves"]
     assert b["kl_divergence"] == a["kl_divergence"] and b["refinement"]["trials"] == a["refinement"]["trials"] > 0
+
+
+@pytest.mark.slow
+def test_the_payload_tensors_are_mapped_from_the_store_not_copied(two_nodes):
+    """A worker's model is the object store's one copy: two reads of the payload share memory, keep dtypes, shapes
+    and tied weights; the tensor serializer is registered only while the payload is put."""
+    import torch
+
+    from workbench.sweep_backends import _tensors_shared_in_the_store
+    ray, _cluster = two_nodes
+    emb = torch.nn.Embedding(50, 8)
+    head = torch.nn.Linear(8, 50, bias=False)
+    head.weight = emb.weight
+    halves = torch.randn(3, 5).to(torch.bfloat16)
+    with _tensors_shared_in_the_store(ray):
+        ref = ray.put((torch.nn.ModuleDict({"emb": emb, "head": head}), halves))
+    (m1, h1), (m2, _) = ray.get(ref), ray.get(ref)
+    assert m1["emb"].weight is m1["head"].weight
+    assert m1["emb"].weight.data_ptr() == m2["emb"].weight.data_ptr()  # one mapping of the store, no copy
+    assert torch.equal(m1["emb"].weight, emb.weight) and h1.dtype == torch.bfloat16 and torch.equal(h1, halves)
+    plain = ray.put(halves)
+    assert ray.get(plain).data_ptr() != ray.get(plain).data_ptr()  # outside the block: Ray's own (copying) pickle

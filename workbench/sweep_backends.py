@@ -206,6 +206,7 @@ class RayBackend(_Backend):
         self.started = False  # whether this backend started the Ray it uses (and shuts it down)
         self.nodes: dict[Any, str] = {}  # task -> the node that ran it, for the last run
         self.peaks: dict[int, int] = {}  # worker -> its peak resident bytes (Linux ru_maxrss), for the last run
+        self.private: dict[int, int] = {}  # worker -> its largest private bytes (the object store's pages excluded)
         self._held = False  # inside ``with``: keep Ray and the actors between runs
         self._actors: tuple | None = None  # ((setup, id(payload)), actors) of the last run
 
@@ -269,7 +270,8 @@ class RayBackend(_Backend):
         worker_cls = ray.remote(_Worker).options(num_cpus=self.worker_cpus, max_restarts=-1, max_task_retries=-1,
                                                  scheduling_strategy="SPREAD")
         n = self.workers or max(1, int(ray.cluster_resources().get("CPU", 1) // self.worker_cpus))
-        ref = ray.put(payload)  # once: every actor reads it from the object store, no task carries it
+        with _tensors_shared_in_the_store(ray):  # once: every actor maps it from the object store, no task carries it
+            ref = ray.put(payload)
         n = n if self._held else min(n, wanted)  # kept actors serve later, larger runs too
         self._actors = (key, [worker_cls.remote(setup, ref, self.threads) for _ in range(n)])
         return self._actors[1]
@@ -278,7 +280,7 @@ class RayBackend(_Backend):
         actors = self._workers_for(ray, setup, payload, len(tasks))
         queue = list(reversed(tasks))
         running: dict[Any, tuple[int, Any]] = {}
-        self.nodes, self.peaks = {}, {}
+        self.nodes, self.peaks, self.private = {}, {}, {}
 
         def submit(i: int) -> None:
             task = queue.pop()
@@ -293,8 +295,9 @@ class RayBackend(_Backend):
         while running:
             done, _ = ray.wait(list(running), num_returns=1)
             i, task = running.pop(done[0])
-            result, node, peak = ray.get(done[0])
+            result, node, peak, private = ray.get(done[0])
             self.peaks[i] = max(self.peaks.get(i, 0), peak)
+            self.private[i] = max(self.private.get(i, 0), private)
             if i in last_node and last_node[i] != node:
                 log.warning(f"Ray worker {i} moved from node {last_node[i][:8]} to {node[:8]} (a node was lost); "
                             "its task was retried there")
@@ -303,6 +306,44 @@ class RayBackend(_Backend):
             on_result(task, result)
             if queue:
                 submit(i)
+
+
+def _tensor_from_store(parts: tuple):
+    """A tensor over the object store's bytes, not a copy (read-only there: a sweep's trials swap weights, never
+    write them)."""
+    import warnings
+
+    import torch
+    array, dtype, shape = parts
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch notes that the store's array is not writable
+        return torch.from_numpy(array).view(getattr(torch, dtype.rpartition(".")[2])).reshape(shape)
+
+
+def _tensor_to_store(tensor) -> tuple:
+    """A CPU tensor as its raw bytes (a NumPy array, which pickle 5 hands Ray out of band), its dtype and shape."""
+    flat = tensor.detach().cpu().contiguous().reshape(-1)
+    import torch
+    return flat.view(torch.uint8).numpy(), str(tensor.dtype), tuple(tensor.shape)
+
+
+@contextlib.contextmanager
+def _tensors_shared_in_the_store(ray):
+    """While a payload is put, its tensors travel as raw bytes: every actor on a node then maps the one copy in
+    the node's object store instead of unpickling a model of its own (a 1.5B model is 6 GB per worker else).
+    Whatever serializer was registered for tensors before is put back."""
+    import torch
+    dispatch = ray.cloudpickle.CloudPickler.dispatch
+    before = dispatch.get(torch.Tensor)
+    ray.util.register_serializer(torch.Tensor, serializer=_tensor_to_store,
+                                 deserializer=_tensor_from_store)
+    try:
+        yield
+    finally:
+        if before is None:
+            ray.util.deregister_serializer(torch.Tensor)
+        else:
+            dispatch[torch.Tensor] = before
 
 
 class _Worker:
@@ -316,7 +357,7 @@ class _Worker:
     def run(self, fn, task):
         import ray
         result = fn(self.state, task)
-        return result, ray.get_runtime_context().get_node_id(), peak_resident_bytes()
+        return result, ray.get_runtime_context().get_node_id(), peak_resident_bytes(), private_bytes()
 
 
 def default_workers() -> int:
