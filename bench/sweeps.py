@@ -33,7 +33,7 @@ def one_run(args) -> dict:
 
     from workbench.models import load_model
     from workbench.sensitivity import run_sensitivity
-    from workbench.sweep_backends import ProcessBackend, RayBackend, peak_resident_bytes
+    from workbench.sweep_backends import ProcessBackend, RayBackend, model_bytes, peak_resident_bytes
 
     torch.set_num_threads(args.threads)
     t_load = time.perf_counter()
@@ -50,8 +50,12 @@ def one_run(args) -> dict:
         ray = import_ray()
         from ray.cluster_utils import Cluster
         half = max(1, args.workers // 2)
-        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": half, "include_dashboard": False})
-        cluster.add_node(num_cpus=args.workers - half)
+        # each node's object store must hold the model, or every actor unpickles a copy of its own (the test
+        # cluster's default store is 150 MB a node; a real node's is 30% of its memory)
+        store = int(model_bytes(lm) * 1.2) + (256 << 20)
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": half, "include_dashboard": False,
+                                                                "object_store_memory": store})
+        cluster.add_node(num_cpus=args.workers - half, object_store_memory=store)
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, log_to_driver=False)
         backend = RayBackend("joined", workers=args.workers)

@@ -175,3 +175,23 @@ def test_the_payload_tensors_are_mapped_from_the_store_not_copied(two_nodes):
     assert torch.equal(m1["emb"].weight, emb.weight) and h1.dtype == torch.bfloat16 and torch.equal(h1, halves)
     plain = ray.put(halves)
     assert ray.get(plain).data_ptr() != ray.get(plain).data_ptr()  # outside the block: Ray's own (copying) pickle
+
+
+@pytest.mark.slow
+def test_a_model_larger_than_the_store_is_said(two_nodes, caplog):
+    """The test cluster's nodes keep 150 MB object stores: a larger model would be copied into every worker."""
+    import logging
+
+    import torch
+
+    from workbench.sweep_backends import _warn_if_the_store_is_small, model_bytes
+    ray, _cluster = two_nodes
+    emb = torch.nn.Embedding(1000, 64)
+    head = torch.nn.Linear(64, 1000, bias=False)
+    head.weight = emb.weight
+    assert model_bytes((torch.nn.ModuleDict({"emb": emb, "head": head}), "tokens")) == 1000 * 64 * 4  # tied once
+    with caplog.at_level(logging.WARNING, logger="workbench"):
+        _warn_if_the_store_is_small(ray, torch.nn.Linear(64, 1000))
+        assert not caplog.records
+        _warn_if_the_store_is_small(ray, torch.nn.Linear(8192, 5120, bias=False))  # 168 MB
+    assert "--object-store-memory" in caplog.text and "0.17 GB" in caplog.text

@@ -23,7 +23,8 @@ from typing import Any, Callable, Iterable
 
 from .errors import WorkbenchError
 
-__all__ = ["RAY_ENV", "RAY_INSTALL", "LocalBackend", "ProcessBackend", "RayBackend", "backend_for", "default_workers", "import_ray"]
+__all__ = ["RAY_ENV", "RAY_INSTALL", "LocalBackend", "ProcessBackend", "RayBackend", "backend_for", "default_workers",
+           "import_ray", "model_bytes"]
 
 RAY_INSTALL = "pip install ray==2.60.0 -c constraints.txt"
 RAY_ENV = {
@@ -270,6 +271,7 @@ class RayBackend(_Backend):
         worker_cls = ray.remote(_Worker).options(num_cpus=self.worker_cpus, max_restarts=-1, max_task_retries=-1,
                                                  scheduling_strategy="SPREAD")
         n = self.workers or max(1, int(ray.cluster_resources().get("CPU", 1) // self.worker_cpus))
+        _warn_if_the_store_is_small(ray, payload)
         with _tensors_shared_in_the_store(ray):  # once: every actor maps it from the object store, no task carries it
             ref = ray.put(payload)
         n = n if self._held else min(n, wanted)  # kept actors serve later, larger runs too
@@ -325,6 +327,31 @@ def _tensor_to_store(tensor) -> tuple:
     flat = tensor.detach().cpu().contiguous().reshape(-1)
     import torch
     return flat.view(torch.uint8).numpy(), str(tensor.dtype), tuple(tensor.shape)
+
+
+def model_bytes(payload: Any) -> int:
+    """The bytes of the tensors in a payload's models (a ``LoadedModel``, a module, or a tuple holding them)."""
+    import torch
+    items = payload if isinstance(payload, (tuple, list)) else (payload,)
+    seen, total = set(), 0
+    for item in items:
+        module = getattr(item, "model", item)
+        if isinstance(module, torch.nn.Module):
+            for t in (*module.parameters(), *module.buffers()):
+                if t.data_ptr() not in seen:
+                    seen.add(t.data_ptr())
+                    total += t.numel() * t.element_size()
+    return total
+
+
+def _warn_if_the_store_is_small(ray, payload: Any) -> None:
+    """Say so when a node's object store cannot hold the model: its actors then each keep a copy of their own."""
+    size = model_bytes(payload)
+    stores = [n["Resources"].get("object_store_memory", 0) for n in ray.nodes() if n.get("Alive")]
+    if size and stores and min(stores) < size:
+        log.warning(f"the model ({size / 1e9:.2f} GB) is larger than a node's object store "
+                    f"({min(stores) / 1e9:.2f} GB): each Ray worker will hold a copy of its own; start the nodes "
+                    "with a larger --object-store-memory")
 
 
 @contextlib.contextmanager
