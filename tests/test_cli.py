@@ -97,7 +97,7 @@ OTHER_PROGRAMS_OPTIONS = {
     "--tensor-type": "llama", "--tensor-type-file": "llama-quantize", "--outtype": "convert_hf_to_gguf",
     "--outfile": "convert_hf_to_gguf", "--sym": "llmexport", "--path": "llmexport", "--export": "llmexport",
     "--no-deps": "pip install", "--platform": "build_rknn.py", "--port": "workbench.ui.serve",
-    "--notebook": "workbench.ui.serve", "--no-browser": "voila",
+    "--notebook": "workbench.ui.serve", "--no-browser": "voila", "--object-store-memory": "ray start",
 }
 
 

@@ -351,7 +351,7 @@ def _warn_if_the_store_is_small(ray, payload: Any) -> None:
     if size and stores and min(stores) < size:
         log.warning(f"the model ({size / 1e9:.2f} GB) is larger than a node's object store "
                     f"({min(stores) / 1e9:.2f} GB): each Ray worker will hold a copy of its own; start the nodes "
-                    "with a larger --object-store-memory")
+                    "with a larger store (ray start --object-store-memory BYTES)")
 
 
 @contextlib.contextmanager
