@@ -186,6 +186,11 @@ class LoadedModel:
         return self.layer_bytes(assignments, group_size, symmetric) + self.other_bytes
 
 
+def stored_bytes(model: nn.Module) -> int:
+    """Bytes a module's parameters hold in memory, at their own dtype; a tied parameter counted once."""
+    return sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+
+
 def quantized_source(path: Path) -> str | None:
     """The float model a ``workbench quantize`` output was made from (its ``quantization.json``), or None."""
     try:

@@ -41,7 +41,7 @@ from .assets import demo_text_path
 from .errors import DataError, PlanError, WorkspaceError
 from .assets import demo_text_path
 from .evaluate import DEFAULT_CTX, EvalReport, ReferenceOutputs, capture_reference, evaluate
-from .models import LoadedModel
+from .models import LoadedModel, stored_bytes
 from .proxy import PROXY_VERSION, decoder_blocks, proxy_scores, proxy_supported
 from .plan import DEFAULT_GROUP_SIZE, DEFAULT_SCALE_SEARCH, PRECISIONS, QUANTIZER_SETTINGS, QuantPlan, fitting_precisions, get_precision
 from .textio import text_token_ids
@@ -114,7 +114,7 @@ class LayerVariants:
         # a plan holding only the rounding settings: what ``layer_quantizer`` reads
         self.settings = QuantPlan(default=None, group_size=group_size, symmetric=symmetric, scale_search=scale_search,
                                   full_range=full_range)
-        self.cache_bytes = _stored_bytes(lm.model) if cache_bytes is None else int(cache_bytes)
+        self.cache_bytes = stored_bytes(lm.model) if cache_bytes is None else int(cache_bytes)
         self._names = [info.name for info in lm.layers]
         self._given: dict[tuple[str, str], object] = {}  # weights of an earlier quantize step, reused as they are
         self._cache: OrderedDict[tuple[str, str], object] = OrderedDict()
@@ -271,10 +271,6 @@ def _settings_text(plan: QuantPlan) -> str:
 def _code_bytes(qw) -> int:
     """Memory a QuantizedWeight holds: codes, scales and zero points."""
     return sum(t.numel() * t.element_size() for t in (qw.qweight, qw.scales, qw.zeros) if t is not None)
-
-
-def _stored_bytes(model: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
 
 
 MAX_REPLAY_BYTES = 1 << 30  # recorded block outputs kept for replay; above this every trial runs in full

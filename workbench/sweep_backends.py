@@ -324,24 +324,19 @@ def _tensor_from_store(parts: tuple):
 
 def _tensor_to_store(tensor) -> tuple:
     """A CPU tensor as its raw bytes (a NumPy array, which pickle 5 hands Ray out of band), its dtype and shape."""
-    flat = tensor.detach().cpu().contiguous().reshape(-1)
     import torch
+    flat = tensor.detach().cpu().contiguous().reshape(-1)
     return flat.view(torch.uint8).numpy(), str(tensor.dtype), tuple(tensor.shape)
 
 
 def model_bytes(payload: Any) -> int:
-    """The bytes of the tensors in a payload's models (a ``LoadedModel``, a module, or a tuple holding them)."""
+    """The bytes of the parameters in a payload's models (a ``LoadedModel``, a module, or a tuple holding them)."""
     import torch
+
+    from .models import stored_bytes
     items = payload if isinstance(payload, (tuple, list)) else (payload,)
-    seen, total = set(), 0
-    for item in items:
-        module = getattr(item, "model", item)
-        if isinstance(module, torch.nn.Module):
-            for t in (*module.parameters(), *module.buffers()):
-                if t.data_ptr() not in seen:
-                    seen.add(t.data_ptr())
-                    total += t.numel() * t.element_size()
-    return total
+    modules = (getattr(item, "model", item) for item in items)
+    return sum(stored_bytes(m) for m in modules if isinstance(m, torch.nn.Module))
 
 
 def _warn_if_the_store_is_small(ray, payload: Any) -> None:
