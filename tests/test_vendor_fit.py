@@ -270,6 +270,7 @@ def test_the_residual_study_finds_a_feature_the_measurements_follow(tmp_path):
     study = residual_study(fit)
     assert study["+ parts"] == pytest.approx(0, abs=1e-6)  # the law is found, held out
     assert study["weights only"] > 0.02 and study["as fitted"] > 0.02  # without it the parts show as error
+    assert study["chosen / fold"] > 0.02  # a plan has no parts to project from: never chosen
     assert set(family_residuals(fit)) == {"qwen3", "llama"}
 
 
@@ -295,6 +296,7 @@ def test_the_first_token_study_finds_attention_over_the_whole_context(tmp_path):
     study = residual_study(fit, "ttft_ms")
     assert study["attn. to ctx"] == pytest.approx(0, abs=1e-6)  # the law, held out
     assert study["as fitted"] > 0.005 and study["FLOPs only"] > 0.02
+    assert study["chosen / fold"] == pytest.approx(0, abs=1e-6)  # each fold finds the law from its training models
     assert residual_study(fit)["as fitted"] == pytest.approx(0, abs=1e-9)  # decode follows its own law
 
 

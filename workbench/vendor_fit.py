@@ -18,7 +18,9 @@ The KV cache a step reads is the runtime's (``DeviceRuntime.kv_tokens``: a stati
 llama.cpp and RKLLM the tokens held). ``residual_study`` holds a fit's decode or first-token residuals against other
 term sets (parts of the split graph, layers, vocabulary, the lm_head apart, a byte rate per family, the KV cache of
 the prompt alone, prefill attention over the whole context) and against a fit on absolute rather than squared
-error, each held out the same way; ``without_each_model`` says how much of a group's error one build's rows carry.
+error, each held out the same way, and against choosing the term set per fold from the training models alone
+(``chosen / fold``: model selection held out as well); ``without_each_model`` says how much of a group's error one
+build's rows carry.
 
 Coefficients are non-negative (a step cannot get faster with more bytes) and fitted on relative error. Every
 error quoted is leave-one-model-out: a model's measurements (all its contexts, and fine-tunes of the same base,
@@ -356,7 +358,31 @@ def residual_study(fit: RuntimeFit, target: str = "decode_ms") -> dict[str, floa
         out[name] = lf.median_error if lf else None
     lf = _fit_with_held_out(target, fit.rows, feats, fitted, loss="absolute") if fitted else None
     out["least |err|"] = lf.median_error if lf else None  # the fitted terms, on absolute relative error
+    choices = {n: t for n, t in options.items() if t and n not in PLAN_UNKNOWN}
+    out["chosen / fold"] = _median_abs(_chosen_per_fold(target, fit.rows, feats, choices))
     return out
+
+
+PLAN_UNKNOWN = ("+ parts", "rate / family")  # term sets a user's plan has no value for: never chosen
+
+
+def _chosen_per_fold(target: str, rows: list[dict], feats: list[dict],
+                     options: dict[str, tuple[str, ...]]) -> list[float]:
+    """Model selection held out too: for each model left out, the term set with the least leave-one-model-out error
+    on the other models alone is fitted to them and projects the one left out. The errors (as ``relative_error``)
+    say what choosing terms per group from the data would do on a model the choice had not seen."""
+    errs = []
+    for shape in sorted({r["shape"] for r in rows}):
+        train = [(r, f) for r, f in zip(rows, feats) if r["shape"] != shape]
+        tr_rows, tr_feats = [r for r, _ in train], [f for _, f in train]
+        scored = [(lf.median_error, name) for name, terms in options.items()
+                  if (lf := _fit_with_held_out(target, tr_rows, tr_feats, terms)) and lf.median_error is not None]
+        if not scored:
+            continue
+        chosen = _fit(target, tr_rows, tr_feats, options[min(scored, key=lambda s: s[0])[1]])
+        errs += [relative_error(target, chosen(f), _target(r, target)) for r, f in zip(rows, feats)
+                 if r["shape"] == shape and _target(r, target) is not None]
+    return errs
 
 
 def without_each_model(fit: RuntimeFit, target: str = "decode_ms", by: str = "model") -> dict[str, float | None]:
