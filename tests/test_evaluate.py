@@ -205,3 +205,28 @@ def test_default_budget_is_the_whole_text_on_small_models_and_whole_windows_on_b
     budget = default_token_budget(Big(), 23_000, 512)
     assert (budget - 1) % 512 == 0 and budget - 1 >= EVAL_BUDGET / 494e6 and budget - 1 >= MIN_EVAL_WINDOWS * 512
     assert params < 494e6
+
+
+def test_kept_reference_log_probs_give_the_same_figures_and_stay_within_their_budget(lm, make_tiny_model, monkeypatch):
+    """Many comparisons against one reference keep its log-probabilities once (one output layer per evaluation)."""
+    import sys
+    monkeypatch.setattr(sys.modules["workbench.evaluate"], "HEAD_CHUNK_TOKENS", 16)  # several chunks per window
+    other = load_model(make_tiny_model(seed=5)).model
+    ids = torch.randint(0, 4096, (80,), generator=torch.Generator().manual_seed(2))
+    rebuilt = capture_reference(lm.model, ids, ctx=32, progress=False)
+    kept = capture_reference(lm.model, ids, ctx=32, progress=False)
+    scored = sum(h.shape[0] for h in kept.hidden)
+    assert not kept.keep_log_probs(scored * 4096 * 4 - 1)  # one byte short of all of them: none kept
+    assert kept.keep_log_probs(scored * 4096 * 4)
+    first = evaluate(other, ids, reference=kept, ctx=32, progress=False)
+    assert len(kept._kept) == sum(-(-h.shape[0] // 16) for h in kept.hidden)  # every chunk of every window
+    assert kept.nbytes >= scored * 4096 * 4
+    held = dict(kept._kept)
+    again = evaluate(other, ids, reference=kept, ctx=32, progress=False)
+    assert all(kept._kept[k] is t for k, t in held.items())  # reused, and never written into
+    plain = evaluate(other, ids, reference=rebuilt, ctx=32, progress=False)
+    assert not rebuilt._kept
+    for report in (first, again):
+        assert (report.window_kl, report.window_nll, report.window_top1) == \
+            (plain.window_kl, plain.window_nll, plain.window_top1)  # bit for bit
+    assert torch.equal(held[(0, 0, 16)], torch.log_softmax(rebuilt.logits(0, slice(0, 16)), dim=-1))

@@ -173,10 +173,43 @@ class ReferenceOutputs:
     # never write into it); None when ``hidden`` holds logits
     head: nn.Module | None
     scheme: str = "strided"
+    # bytes of log-probabilities kept between comparisons (``keep_log_probs``); 0: rebuilt every time
+    keep_bytes: int = field(default=0, compare=False)
+    _kept: dict = field(default_factory=dict, repr=False, compare=False)
 
     def logits(self, k: int, rows: slice = slice(None)) -> torch.Tensor:
         """Float32 logits of window ``k`` (the given rows of its scored tokens)."""
         return _logits(self.head, self.hidden[k][rows])
+
+    def keep_log_probs(self, max_bytes: int) -> bool:
+        """Keep the log-probabilities ``chunk_log_probs`` builds when all of them fit in ``max_bytes``.
+
+        Many comparisons against one reference (a sweep's trials, a plan search's candidates) then
+        pay for one output layer per evaluation, the candidate's, instead of two: a third to a half of
+        a trial on a Qwen vocabulary. Returns whether they are kept."""
+        vocab = self._vocab()
+        scored = sum(h.shape[0] for h in self.hidden)
+        self.keep_bytes = max_bytes if vocab and scored * vocab * 4 <= max_bytes else 0
+        return self.keep_bytes > 0
+
+    def _vocab(self) -> int | None:
+        if self.head is None:
+            return self.hidden[0].shape[-1] if self.hidden else None
+        weight = getattr(self.head, "weight", None)
+        qw = getattr(self.head, "quantized", None)
+        return qw.shape[0] if qw is not None else (weight.shape[0] if weight is not None else None)
+
+    def chunk_log_probs(self, k: int, rows: slice) -> torch.Tensor:
+        """Float32 log-probabilities of window ``k``'s ``rows``: the same every call, kept once built when
+        ``keep_log_probs`` allowed it. Read-only: a kept tensor is handed to every caller."""
+        key = (k, rows.start, rows.stop)
+        kept = self._kept.get(key)
+        if kept is not None:
+            return kept
+        lp = torch.log_softmax(self.logits(k, rows), dim=-1)
+        if self.keep_bytes and sum(t.numel() * 4 for t in self._kept.values()) + lp.numel() * 4 <= self.keep_bytes:
+            self._kept[key] = lp
+        return lp
 
     def window_log_probs(self, k: int) -> torch.Tensor:
         """Log-probabilities of window ``k`` ([scored, vocab]); materialises one window, for small models."""
@@ -188,7 +221,8 @@ class ReferenceOutputs:
 
     @property
     def nbytes(self) -> int:
-        return sum(h.numel() * 4 for h in self.hidden)  # the head is the model's own tensor
+        kept = sum(t.numel() * 4 for t in self._kept.values())
+        return sum(h.numel() * 4 for h in self.hidden) + kept  # the head is the model's own tensor
 
 
 def _batches(windows: Sequence[Window], batch_size: int):
@@ -382,14 +416,14 @@ def evaluate(model: nn.Module, ids: torch.Tensor, *, reference: nn.Module | Refe
                     lp = torch.log_softmax(logits, dim=-1)
                     del logits  # at most three chunk-sized tensors are alive at once
                     nll += -lp.gather(1, targets[:, None]).sum().item()
-                    ref_logits = ref_scorer.logits(ref_rows[k][sl]) if ref_scorer is not None else \
-                        stored.logits(start + k, sl)
-                    rlp = torch.log_softmax(ref_logits, dim=-1)
-                    del ref_logits
+                    if ref_scorer is not None:
+                        rlp = torch.log_softmax(ref_scorer.logits(ref_rows[k][sl]), dim=-1)
+                    else:
+                        rlp = stored.chunk_log_probs(start + k, sl)  # read-only: it may be kept
                     top1 += int((rlp.argmax(-1) == lp.argmax(-1)).sum().item())
                     ref_nll += -rlp.gather(1, targets[:, None]).sum().item()
                     diff = lp.neg_().add_(rlp)  # log p_ref - log p, in place
-                    kl += (rlp.exp_() * diff).sum(-1).clamp_min(0).sum().item()
+                    kl += diff.mul_(rlp.exp()).sum(-1).clamp_min(0).sum().item()
                     del lp, rlp, diff
                 report.window_nll.append(nll)
                 report.window_tokens.append(w.scored)

@@ -51,6 +51,9 @@ __all__ = ["LayerVariants", "BlockReplay", "PlanEvaluator", "LayerSensitivity", 
            "choose_score", "evaluation_tokens", "sweep_precisions", "fitting", "DEFAULT_SWEEP_TOKENS",
            "SENSITIVITY_STEP", "SCORES", "AUTO_KL_MAX_WORK"]
 
+# the reference's log-probabilities kept across an evaluator's evaluations (one output layer per trial, not two):
+# a default 1,024-token sweep of a Qwen vocabulary holds 622 MB; a longer text rebuilds them each time
+KEPT_REFERENCE_BYTES = 768 << 20
 DEFAULT_SWEEP_TOKENS = 1024  # 2 windows of 512 on the demo model: enough to rank layers, ~0.5 s a trial
 SCORES = ("kl", "proxy")
 # trials x tokens x parameters above which `auto` estimates instead of measuring: the demo model's sweep is
@@ -391,6 +394,8 @@ class PlanEvaluator:
         if self._reference is None:
             self._reference = capture_reference(self.lm.model, self.ids, ctx=self.ctx, batch_size=self.batch_size,
                                                 progress=self.progress)
+        if not self._reference.keep_bytes:  # a reference passed in is compared many times here too
+            self._reference.keep_log_probs(KEPT_REFERENCE_BYTES)
         return self._reference
 
     def evaluate_baseline(self) -> EvalReport:
