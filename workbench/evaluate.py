@@ -208,7 +208,7 @@ class ReferenceOutputs:
         if kept is not None:
             return kept
         lp = torch.log_softmax(self.logits(k, rows), dim=-1)
-        if self.keep_bytes and sum(t.numel() * 4 for t in self._kept.values()) + lp.numel() * 4 <= self.keep_bytes:
+        if self.keep_bytes:  # keep_log_probs checked that every chunk together fits
             self._kept[key] = lp
         return lp
 

@@ -384,6 +384,8 @@ class PlanEvaluator:
         self.batch_size = batch_size
         self.variants = variants or LayerVariants(lm)
         self._reference = reference
+        if reference is not None and not reference.keep_bytes:  # a reference passed in is compared many times here too
+            reference.keep_log_probs(KEPT_REFERENCE_BYTES)
         self.baseline: EvalReport | None = None
         self.replay = BlockReplay(lm.model)  # recorded on the float model: for single-layer trials
         self._plan_replay = BlockReplay(lm.model)  # recorded on the last plan evaluated: for small edits
@@ -394,7 +396,6 @@ class PlanEvaluator:
         if self._reference is None:
             self._reference = capture_reference(self.lm.model, self.ids, ctx=self.ctx, batch_size=self.batch_size,
                                                 progress=self.progress)
-        if not self._reference.keep_bytes:  # a reference passed in is compared many times here too
             self._reference.keep_log_probs(KEPT_REFERENCE_BYTES)
         return self._reference
 

@@ -375,11 +375,11 @@ def _chosen_per_fold(target: str, rows: list[dict], feats: list[dict],
     for shape in sorted({r["shape"] for r in rows}):
         train = [(r, f) for r, f in zip(rows, feats) if r["shape"] != shape]
         tr_rows, tr_feats = [r for r, _ in train], [f for _, f in train]
-        scored = [(lf.median_error, name) for name, terms in options.items()
-                  if (lf := _fit_with_held_out(target, tr_rows, tr_feats, terms)) and lf.median_error is not None]
-        if not scored:
+        fits = [lf for terms in options.values()  # each the fit to every training row, with its held-out error
+                if (lf := _fit_with_held_out(target, tr_rows, tr_feats, terms)) and lf.median_error is not None]
+        if not fits:
             continue
-        chosen = _fit(target, tr_rows, tr_feats, options[min(scored, key=lambda s: s[0])[1]])
+        chosen = min(fits, key=lambda lf: lf.median_error)  # ties: the first listed
         errs += [relative_error(target, chosen(f), _target(r, target)) for r, f in zip(rows, feats)
                  if r["shape"] == shape and _target(r, target) is not None]
     return errs
