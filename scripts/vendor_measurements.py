@@ -2,9 +2,10 @@
 
     python scripts/vendor_measurements.py                      # downloads the qai-hub-models wheel (no install)
     python scripts/vendor_measurements.py --qai-wheel qai_hub_models-0.65.0-py3-none-any.whl \\
-        --rknn-llm /path/to/rknn-llm                           # a clone (or bare mirror) of airockchip/rknn-llm
+        --rknn-llm /path/to/rknn-llm \\                        # a clone (or bare mirror) of airockchip/rknn-llm
+        --jetson-ai-lab /path/to/jetson-generative-ai-playground  # and of NVIDIA-AI-IOT's Jetson AI Lab site
 
-Two sources, read as published, nothing typed in by hand:
+Three sources, read as published, nothing typed in by hand:
 - Qualcomm AI Hub's measurements, shipped in the ``qai-hub-models`` wheel on PyPI: every
   ``qai_hub_models/models/<model>/perf.yaml`` of a model whose shape the workbench knows (decode tokens/s,
   prefill tokens/s and the time-to-first-token range per precision, runtime, compute unit and context length);
@@ -12,6 +13,10 @@ Two sources, read as published, nothing typed in by hand:
   an older torch.
 - Rockchip's RKLLM measurements: ``benchmark.md`` of airockchip/rknn-llm at a recorded commit (TTFT, tokens/s and
   memory for 128 prompt / 64 new tokens, per board, model and dtype).
+- NVIDIA's Jetson AI Lab benchmarks: ``docs/benchmarks.md`` of NVIDIA-AI-IOT/jetson-generative-ai-playground at a
+  recorded commit: decode tokens/s of the Jetson Orin Nano before and after its "Super" clocks, run with MLC at
+  INT4 by jetson-containers' ``packages/llm/mlc/benchmark.sh`` (q4f16_ft, a 16-token prompt, 128 new tokens).
+  Its "SmolLM2" row names no size (that script runs three), so it is left out.
 
 Each row keeps its source (package, version and file, or repository, commit and path), the vendor's own model
 and device names, the workbench shape (``assets/model_shapes.json``) and device profile (``assets/devices``) it
@@ -35,6 +40,13 @@ ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "assets" / "vendor_measurements.json"
 QAI_VERSION = "0.65.0"
 RKNN_LLM_REPO = "airockchip/rknn-llm"
+RKNN_LLM_COMMIT = "878f9361fd3afa7e167b7079918918f78d2c1c2a"
+JETSON_REPO = "NVIDIA-AI-IOT/jetson-generative-ai-playground"
+JETSON_COMMIT = "8b997d2760a9d7aac4c3afa813cc51c97cc6fb87"  # the last version of docs/benchmarks.md
+# how those figures were run: dusty-nv/jetson-containers packages/llm/mlc/benchmark.sh (MLC 0.1.4)
+JETSON_METHOD = {"repository": "dusty-nv/jetson-containers", "commit": "e45e41fdd1bc3fbcaeab6e35e88222c81bd2b0e0",
+                 "path": "packages/llm/mlc/benchmark.sh", "quantization": "q4f16_ft",
+                 "prompt": "/data/prompts/completion_16.json", "prompt_tokens": 16, "max_new_tokens": 128}
 
 # the vendors' model names -> the workbench shape (assets/model_shapes.json); fine-tunes of one base share its shape
 QAI_MODELS = {
@@ -46,6 +58,8 @@ QAI_MODELS = {
 }
 RKNN_MODELS = {("Qwen2", "0.5B"): "qwen2-0.5b", ("Qwen3", "0.6B"): "qwen3-0.6b",
                ("TinyLLAMA", "1.1B"): "tinyllama-1.1b", ("Qwen2.5", "1.5B"): "qwen2.5-1.5b"}
+JETSON_MODELS = {"Llama 3.1 8B": "llama-3.1-8b", "Llama 3.2 3B": "llama-3.2-3b", "Qwen2.5 7B": "qwen2.5-7b"}
+JETSON_BOARDS = {"Jetson Orin Nano (original)": "jetson-orin-nano", "Jetson Orin Nano Super": "jetson-orin-nano-super"}
 # a vendor's chipset or board -> the workbench's device profile (assets/devices/<name>.json)
 PROFILES = {"qualcomm-snapdragon-8-elite-for-galaxy": "snapdragon-8-elite",
             "qualcomm-snapdragon-x-elite": "snapdragon-x-elite", "RK3588": "rk3588",
@@ -114,26 +128,33 @@ def _qai_row(model, component, shape, precision, device, chips, runtime, m, path
             "ttft_ms": None if ttft.get("min") is None else float(ttft["min"]), "peak_mb": None}
 
 
-def _benchmark_md(rknn_llm: Path) -> tuple[str, str]:
-    """(text of benchmark.md, commit) from a clone or a bare mirror."""
-    git = ["git", f"--git-dir={rknn_llm / '.git'}"] if (rknn_llm / ".git").exists() else ["git", f"--git-dir={rknn_llm}"]
-    commit = subprocess.run(git + ["rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    text = subprocess.run(git + ["show", f"{commit}:benchmark.md"], capture_output=True, text=True, check=True).stdout
-    return text, commit
+def _repo_file(clone: Path, commit: str, path: str) -> str:
+    """One file at a recorded commit, from a clone or a bare mirror."""
+    git_dir = clone / ".git" if (clone / ".git").exists() else clone
+    return subprocess.run(["git", f"--git-dir={git_dir}", "show", f"{commit}:{path}"], capture_output=True, text=True,
+                          check=True).stdout
 
 
-def rknn_rows(rknn_llm: Path) -> tuple[dict, list[dict]]:
+def _repo_source(repo: str, commit: str, path: str, text: str, publisher: str, **more) -> dict:
+    return {"kind": "repository", "repository": repo, "commit": commit, "path": path,
+            "sha256": _sha256(text.encode()), "publisher": publisher, **more}
+
+
+def _cells(line: str) -> list[str]:
+    return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
+def rknn_rows(rknn_llm: Path, commit: str = RKNN_LLM_COMMIT) -> tuple[dict, list[dict]]:
     """Rockchip's table rows of the models above: a model's name is given once, on its first dtype's row."""
-    text, commit = _benchmark_md(rknn_llm)
-    source = {"kind": "repository", "repository": RKNN_LLM_REPO, "commit": commit, "path": "benchmark.md",
-              "sha256": _sha256(text.encode()), "publisher": "Rockchip"}
+    text = _repo_file(rknn_llm, commit, "benchmark.md")
+    source = _repo_source(RKNN_LLM_REPO, commit, "benchmark.md", text, "Rockchip")
     rows, board, model = [], None, None
     for line in text.splitlines():
         head = re.match(r"^###\s+(\S+)", line)
         if head:
             board = head.group(1)
             continue
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        cells = _cells(line)
         if board is None or len(cells) != 8 or not re.match(r"^[\d.]+$", cells[5] or "x"):
             continue
         model = cells[0] or model
@@ -150,6 +171,32 @@ def rknn_rows(rknn_llm: Path) -> tuple[dict, list[dict]]:
     return source, rows
 
 
+def jetson_rows(clone: Path, commit: str = JETSON_COMMIT) -> tuple[dict, list[dict]]:
+    """NVIDIA's Orin Nano table: one row per (model, board column) of the models above."""
+    path = "docs/benchmarks.md"
+    text = _repo_file(clone, commit, path)
+    source = _repo_source(JETSON_REPO, commit, path, text, "NVIDIA (Jetson AI Lab)", method=JETSON_METHOD)
+    rows, boards = [], None
+    for line in text.splitlines():
+        cells = _cells(line)
+        if cells and cells[0] == "Model" and set(JETSON_BOARDS) <= set(cells):
+            boards = {i: cells[i] for i in range(len(cells)) if cells[i] in JETSON_BOARDS}
+            continue
+        if boards is None or not cells or cells[0] not in JETSON_MODELS:
+            continue
+        prompt, new = JETSON_METHOD["prompt_tokens"], JETSON_METHOD["max_new_tokens"]
+        for i, board in boards.items():
+            rows.append({"source": JETSON_REPO, "file": path, "vendor_model": cells[0], "model": cells[0],
+                         "shape": JETSON_MODELS[cells[0]], "vendor_device": board, "chipset": "Jetson Orin Nano",
+                         "reference_chipset": None, "parts": None, "device": JETSON_BOARDS[board], "runtime": "mlc",
+                         "compute_unit": "gpu", "precision": JETSON_METHOD["quantization"], "context": prompt + new,
+                         "prompt": prompt, "new_tokens": new, "decode_tps": float(cells[i]), "prefill_tps": None,
+                         "ttft_ms": None, "peak_mb": None})
+        if cells[0] == list(JETSON_MODELS)[-1]:
+            boards = None  # the table's end for the models named: later tables (vision models) have other columns
+    return source, rows
+
+
 def _download_wheel(where: Path) -> Path:
     subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", f"qai-hub-models=={QAI_VERSION}",
                     "-d", str(where)], check=True)
@@ -160,22 +207,24 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--qai-wheel", type=Path, help=f"qai-hub-models {QAI_VERSION} wheel (default: pip download it)")
     ap.add_argument("--rknn-llm", type=Path, required=True, help=f"a clone or bare mirror of {RKNN_LLM_REPO}")
+    ap.add_argument("--jetson-ai-lab", type=Path, required=True, help=f"a clone or bare mirror of {JETSON_REPO}")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         wheel = args.qai_wheel or _download_wheel(Path(tmp))
         qai_source, qai = qai_rows(wheel)
     rk_source, rk = rknn_rows(args.rknn_llm)
+    nv_source, nv = jetson_rows(args.jetson_ai_lab)
     doc = {"about": "Device LLM speed and memory measured and published by the vendors, regenerated by "
                     "scripts/vendor_measurements.py; nothing typed in by hand. ttft_ms is for `prompt` tokens "
                     "(AI Hub: the low end of its time-to-first-token range; Rockchip: its TTFT); peak_mb is "
                     "Rockchip's 'memory(MB)'; `device` is the workbench profile a row is projected with.",
-           "sources": {"qai-hub-models": qai_source, RKNN_LLM_REPO: rk_source},
-           "measurements": qai + rk}
+           "sources": {"qai-hub-models": qai_source, RKNN_LLM_REPO: rk_source, JETSON_REPO: nv_source},
+           "measurements": qai + rk + nv}
     tmp_out = args.out.with_suffix(".tmp")
     tmp_out.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
     tmp_out.replace(args.out)
-    print(f"{len(qai)} AI Hub and {len(rk)} RKLLM measurements -> {args.out}")
+    print(f"{len(qai)} AI Hub, {len(rk)} RKLLM and {len(nv)} Jetson AI Lab measurements -> {args.out}")
     return 0
 
 

@@ -42,7 +42,18 @@ def test_every_measurement_names_its_source_a_known_shape_runtime_and_device():
     assert [round(r["decode_tps"], 1) for r in s25] == [26.1] and s25[0]["device"] == "snapdragon-8-elite"
 
 
-def test_the_script_reads_both_sources_as_published(tmp_path):
+def _commit(repo, files: dict[str, str]) -> str:
+    """A one-commit repository holding ``files``; its commit."""
+    for name, text in files.items():
+        (repo / name).parent.mkdir(parents=True, exist_ok=True)
+        (repo / name).write_text(text)
+    for cmd in (["init", "-q"], ["add", "."], ["-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "bench"]):
+        subprocess.run(["git", "-C", str(repo), *cmd], check=True)
+    return subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+def test_the_script_reads_every_source_as_published(tmp_path):
     perf = {"precisions": {"w4a16": {"components": {"Qwen3-0.6B": {"performance_metrics": {"Samsung Galaxy S25": {
         "genie": {"llm_metrics": [{"context_length": 4096, "desired_compute_unit": "npu", "tokens_per_second": 125.0,
                                    "prefill_tokens_per_second": 2262.4,
@@ -64,21 +75,34 @@ def test_the_script_reads_both_sources_as_published(tmp_path):
     assert row["parts"] is None and row["reference_chipset"] is None  # no model.py, no reference chipset given
 
     repo = tmp_path / "rknn-llm"
-    repo.mkdir()
-    (repo / "benchmark.md").write_text(
+    commit = _commit(repo, {"benchmark.md": (
         "### RK3576\n\n| Model | Model Size | Dtype | Seqlen | New_tokens | TTFT(ms) | Tokens/s | memory(MB) |\n"
         "| :-- | :--: | :--: | :--: | :--: | :--: | :--: | :--: |\n"
         "| Qwen2 | 0.5B | w4a16 | 128 | 64 | 342.37 | 32.56 | 443.44 |\n"
         "|       | 0.5B | w8a8  | 128 | 64 | 344.27 | 21.73 | 678.43 |\n"
-        "| Gemma2 | 2B | w8a8 | 128 | 64 | 956.77 | 5.24 | 2784.78 |\n")
-    for cmd in (["init", "-q"], ["add", "benchmark.md"],
-                ["-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "bench"]):
-        subprocess.run(["git", "-C", str(repo), *cmd], check=True)
-    source, rows = script.rknn_rows(repo)
-    assert len(source["commit"]) == 40
+        "| Gemma2 | 2B | w8a8 | 128 | 64 | 956.77 | 5.24 | 2784.78 |\n")})
+    source, rows = script.rknn_rows(repo, commit)
+    assert source["commit"] == commit
     assert [(r["model"], r["precision"], r["decode_tps"], r["peak_mb"]) for r in rows] == [
         ("Qwen2-0.5B", "w4a16", 32.56, 443.44), ("Qwen2-0.5B", "w8a8", 21.73, 678.43)]  # the name carries down
     assert rows[0]["context"] == 192 and rows[0]["device"] is None  # no RK3576 profile in the workbench
+
+    repo = tmp_path / "jetson-ai-lab"
+    commit = _commit(repo, {"docs/benchmarks.md": (
+        "    | Model        | Jetson Orin Nano (original) | Jetson Orin Nano Super | Perf Gain (X) |\n"
+        "    |--------------|:---------------------------:|:----------------------:|:-------------:|\n"
+        "    | Llama 3.2 3B |             27.7            |          43.07         |      1.55     |\n"
+        "    | Gemma 2 2B   |             21.5            |          34.97         |      1.63     |\n"
+        "    | Qwen2.5 7B   |             14.2            |          21.75         |      1.53     |\n"
+        "    | SmolLM2      |              41             |          64.5          |      1.57     |\n\n"
+        "    | Model          | Jetson Orin Nano (original) | Jetson Orin Nano Super | Perf Gain (X) |\n"
+        "    | VILA 1.5 3B    |             0.7             |          1.06          |      1.51     |\n")})
+    source, rows = script.jetson_rows(repo, commit)
+    assert source["commit"] == commit and source["method"]["quantization"] == "q4f16_ft"
+    assert [(r["shape"], r["device"], r["decode_tps"]) for r in rows] == [
+        ("llama-3.2-3b", "jetson-orin-nano", 27.7), ("llama-3.2-3b", "jetson-orin-nano-super", 43.07),
+        ("qwen2.5-7b", "jetson-orin-nano", 14.2), ("qwen2.5-7b", "jetson-orin-nano-super", 21.75)]
+    assert rows[0]["runtime"] == "mlc" and (rows[0]["prompt"], rows[0]["new_tokens"], rows[0]["context"]) == (16, 128, 144)
 
 
 def _synthetic(tmp_path, law):
@@ -167,7 +191,7 @@ def test_a_device_without_measurements_borrows_from_its_class_with_the_class_err
 
 
 def test_runtimes_refuse_other_classes_and_unmeasured_ones_say_so():
-    with pytest.raises(WorkbenchError, match="does not run on hexagon-htp"):
+    with pytest.raises(WorkbenchError, match="does not run on Snapdragon 8 Elite"):
         project("qwen3-1.7b", "8elite", runtime="rkllm")
     with pytest.raises(WorkbenchError, match="unknown runtime"):
         project("qwen3-1.7b", "8elite", runtime="tflite")
@@ -328,3 +352,16 @@ def test_genie_and_qairt_run_the_same_binaries_and_the_rows_named_in_the_docs_st
     assert sum(r < 0.7 for (d, _), r in decode.items() if d == xe) == 5  # of its 7 models
     assert ttft[("Arduino VENTUNO Q", "Llama-v3.2-3B-Instruct")] == pytest.approx(2.15, abs=0.01)
     assert max(t for (d, m), t in ttft.items() if d == "Dragonwing IQ-9075 EVK") < 1.01  # its sibling board
+
+
+def test_a_jetson_orin_projects_from_nvidias_mlc_measurements_and_the_nano_is_not_given_mlc():
+    p = project("llama-3.2-3b", "orin-nano-super", context=144, prompt=16)
+    assert p.runtime == "mlc" and not p.vendor.fallback and p.vendor.precision == "q4f16_ft"
+    assert p.vendor.decode_tps == pytest.approx(43.07, rel=0.2) and p.vendor.decode_n == 3
+    assert p.vendor.nearest["decode_tps"] == 43.07 and "jetson-generative-ai-playground" in p.vendor.nearest["source"]
+    # the Orin Nano and its "Super" clocks are one chipset: neither says anything held out of another chip
+    assert class_transfer_errors("jetson-gpu", "mlc", "q4f16_ft") == {"decode": [], "ttft": [], "memory": []}
+    # MLC is not built for the Jetson Nano's JetPack: its default stays the generic projection, asking is refused
+    assert project("qwen2.5-1.5b", "jetson-nano", context=512).runtime is None
+    with pytest.raises(WorkbenchError, match="L4T 35"):
+        project("qwen2.5-1.5b", "jetson-nano", runtime="mlc")

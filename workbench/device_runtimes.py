@@ -36,6 +36,10 @@ RECIPES = {
     "q4_0": recipe_plan("int4", 32, lm_head="int6-k", embedding="int4", symmetric=True),
     # RKLLM (Rockchip's benchmark.md dtypes): per-channel int8 or int4, or int4 in 128-weight groups
     "w8a8": recipe_plan("int8", None), "w4a16_g128": recipe_plan("int4", 128),
+    # MLC LLM's q4f16_ft (mlc-llm quantization/ft_quantization.py): symmetric int4 per output channel with fp16
+    # scales for the linear layers; the lm_head and the embedding fall back to int4 in 32-weight groups, counted
+    # here per channel like the body (0.5 bits a weight under, about 1% of an 8B's bytes)
+    "q4f16_ft": recipe_plan("int4", None, lm_head="int4", embedding="int4", symmetric=True),
 }
 
 
@@ -53,6 +57,11 @@ class DeviceRuntime:
     kv_read: str
     measured: str | None  # its runtime name in assets/vendor_measurements.json; None: nobody published one
     source: str
+    not_on: tuple[str, ...] = ()  # device profiles of its classes it does not run on, and why
+    not_on_why: str = ""
+
+    def runs_on(self, device) -> bool:
+        return device.device_class in self.device_classes and device.key not in self.not_on
 
     def kv_tokens(self, context: int, prompt: int, new_tokens: int | None = None) -> float:
         """Cached tokens a decode step reads, on average over a generation of ``new_tokens`` after ``prompt``.
@@ -99,12 +108,17 @@ RUNTIMES: dict[str, DeviceRuntime] = {r.name: r for r in (
       for unit in ("npu", "gpu", "cpu")),
     DeviceRuntime("rkllm", "Rockchip RKLLM", ("rknpu",), ("w8a8", "w4a16", "w4a16_g128"), 2, "filled", "rkllm",
                   "airockchip/rknn-llm benchmark.md: 128 prompt and 64 new tokens; RK3588 runs only w8a8"),
+    DeviceRuntime("mlc", "MLC LLM (CUDA)", ("jetson-gpu",), ("q4f16_ft",), 2, "filled", "mlc",
+                  "NVIDIA Jetson AI Lab benchmarks.md: jetson-containers' MLC benchmark, q4f16_ft, 16 prompt and 128 "
+                  "new tokens; a paged fp16 KV cache read as far as it is filled",
+                  ("jetson-nano",), "jetson-containers builds MLC for L4T 35 and later (JetPack 5, packages/llm/mlc/"
+                  "config.py); the Jetson Nano's last is L4T 32 (JetPack 4)"),
     DeviceRuntime("mnn", "Alibaba MNN LLM engine", ("hexagon-htp", "davinci-npu", "rknpu"), ("w4a16_g128",), 2,
                   "filled", None, "MNN's llmexport default: int4 weights in 128-weight blocks; no vendor "
                   "measurement is published in a form reachable here"),
 )}
 # a device class's own vendor runtime: what `workbench project` assumes when no --runtime is given
-DEFAULT_RUNTIME = {"hexagon-htp": "genie", "rknpu": "rkllm"}
+DEFAULT_RUNTIME = {"hexagon-htp": "genie", "rknpu": "rkllm", "jetson-gpu": "mlc"}
 
 
 def get_runtime(name: str) -> DeviceRuntime:
@@ -113,14 +127,18 @@ def get_runtime(name: str) -> DeviceRuntime:
     return RUNTIMES[name]
 
 
-def runtime_for_device(device_class: str, name: str | None) -> DeviceRuntime | None:
-    """The runtime asked for (refused if it does not run on the class), or the class's own; None: no LLM runtime
-    of this class is measured (the generic bandwidth projection applies)."""
+def runtime_for_device(device, name: str | None) -> DeviceRuntime | None:
+    """The runtime asked for (refused if it does not run on the device), or the device class's own; None: no LLM
+    runtime of this class is measured, or the class's own does not run on this device (the generic bandwidth
+    projection applies)."""
+    cls = device.device_class
     if name is None:
-        return RUNTIMES.get(DEFAULT_RUNTIME.get(device_class, ""))
+        rt = RUNTIMES.get(DEFAULT_RUNTIME.get(cls, ""))
+        return rt if rt is not None and rt.runs_on(device) else None
     rt = get_runtime(name)
-    if device_class not in rt.device_classes:
-        raise WorkbenchError(f"runtime '{name}' does not run on {device_class} devices; for those choose one of: "
-                             + (", ".join(r.name for r in RUNTIMES.values() if device_class in r.device_classes)
-                                or "none (project without --runtime)"))
+    if not rt.runs_on(device):
+        runs = [r.name for r in RUNTIMES.values() if r.runs_on(device)]
+        why = rt.not_on_why if device.key in rt.not_on else f"it runs on {', '.join(rt.device_classes)} devices"
+        raise WorkbenchError(f"runtime '{name}' does not run on {device.name} ({why}); for it choose one of: "
+                             + (", ".join(runs) or "none (project without --runtime)"))
     return rt

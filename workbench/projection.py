@@ -109,7 +109,7 @@ def project(model, device: str | Device, plan: QuantPlan | None = None, *, conte
         raise WorkbenchError(f"context must be >= 0 and prompt >= 1 tokens (got {context}, {prompt})")
     lm = model_shape(model)
     dev = device if isinstance(device, Device) else get_device(device)
-    rt = runtime_for_device(dev.device_class, None if runtime == AUTO else runtime) if runtime else None
+    rt = runtime_for_device(dev, None if runtime == AUTO else runtime) if runtime else None
     plan = plan or (rt.plan() if rt else QuantPlan.uniform("fp16"))
     names = [info.name for info in lm.layers]
     assignments = plan.resolve(names)
@@ -209,7 +209,7 @@ def project_plans(model, devices, plans: Mapping[str, QuantPlan], *, context: in
     if not devs:
         raise WorkbenchError("choose at least one device (`workbench devices` lists them)")
     def runtime_on(d: Device) -> str | None:
-        if runtime in (None, AUTO) or d.device_class in get_runtime(runtime).device_classes:
+        if runtime in (None, AUTO) or get_runtime(runtime).runs_on(d):
             return runtime
         return AUTO
 
@@ -219,8 +219,8 @@ def project_plans(model, devices, plans: Mapping[str, QuantPlan], *, context: in
         for d in devs:
             p = project(lm, d, plan, context=context, prompt=prompt, ram_gb=ram_gb, runtime=runtime_on(d))
             if runtime_on(d) != runtime:
-                p.notes.append(f"{runtime} does not run on {d.device_class} devices: projected with "
-                               f"{p.runtime or 'no runtime'}")
+                where = d.name if d.device_class in get_runtime(runtime).device_classes else f"{d.device_class} devices"
+                p.notes.append(f"{runtime} does not run on {where}: projected with {p.runtime or 'no runtime'}")
             out[label].append(p)
     return out
 

@@ -462,12 +462,13 @@ def _class_members(device_class: str, runtime: str, precision: str,
 
 def class_transfer_errors(device_class: str, runtime: str, precision: str,
                           devices: dict[str, Device] | None = None) -> dict[str, list[float]]:
-    """Leave-one-device-out: each measured device projected from the class's other measured devices."""
+    """Leave-one-chipset-out: each measured device projected from the class's measured devices of other chipsets
+    (one chipset at two clocks, the Orin Nano and its "Super" mode, says nothing of another chip)."""
     devices = load_devices() if devices is None else devices
     members = _class_members(device_class, runtime, precision, devices)
     errs: dict[str, list[float]] = {"decode": [], "ttft": [], "memory": []}
-    for i, (f, bw) in enumerate(members):
-        others = [m for j, m in enumerate(members) if j != i]
+    for f, bw in members:
+        others = [m for m in members if m[0].rows[0]["chipset"] != f.rows[0]["chipset"]]
         if not others:
             continue
         moved = _transfer([o for o, _ in others], [b for _, b in others], bw)
@@ -563,9 +564,11 @@ def vendor_projection(lm, plan, device: Device, runtime: DeviceRuntime, *, conte
         errs = class_transfer_errors(device.device_class, runtime.name, precision, devices)
         near = members[_nearest_in_bandwidth([b for _, b in members], device.memory_bandwidth_gbps)][0]
         rows, feats = near.rows, near.feats
+        chipsets = len({m.rows[0]["chipset"] for m, _ in members})
         basis = (f"no {runtime.name} measurement of {device.name}: borrowed from {near.vendor_device}, the "
-                 f"{device.device_class} device measured nearest in bandwidth, scaled by bandwidth; error held out by "
-                 f"device among {len(members)} measured")
+                 f"{device.device_class} device measured nearest in bandwidth, scaled by bandwidth; "
+                 + (f"error held out by chipset among {chipsets} measured" if chipsets > 1 else
+                    "one chipset measured, so no error can be held out"))
         fallback = True
     decode_ms = moved["decode"](f) if moved["decode"] else None
     ttft = moved["ttft"](f) if moved["ttft"] else None

@@ -70,7 +70,7 @@ def run(args) -> int:
         raise PlanError(f"--context must be >= 0 and --prompt >= 1 (got {args.context}, {args.prompt})")
     dev = get_device(args.device)
     runtime = None if args.runtime == "none" else (args.runtime or AUTO)
-    rt = runtime_for_device(dev.device_class, None if runtime == AUTO else runtime) if runtime else None
+    rt = runtime_for_device(dev, None if runtime == AUTO else runtime) if runtime else None
     p = project(args.model, dev, plan_for(args, rt), context=args.context, prompt=args.prompt,
                 ram_gb=args.ram_gb, runtime=runtime)
     claims = check_claim(p, decode_tps=args.claim_decode, peak_gb=args.claim_peak_gb, ttft_ms=args.claim_ttft_ms)
