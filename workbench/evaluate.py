@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from .errors import DataError
-from .logits import final_hidden, head_logits
+from .logits import final_hidden, head_logits, head_vocab
 from .textio import check_text_path, tokenize_bounded
 
 __all__ = ["Window", "strided_windows", "llamacpp_windows", "eval_windows", "SCHEMES", "encode_text", "EvalReport",
@@ -196,9 +196,7 @@ class ReferenceOutputs:
     def _vocab(self) -> int | None:
         if self.head is None:
             return self.hidden[0].shape[-1] if self.hidden else None
-        weight = getattr(self.head, "weight", None)
-        qw = getattr(self.head, "quantized", None)
-        return qw.shape[0] if qw is not None else (weight.shape[0] if weight is not None else None)
+        return head_vocab(self.head)
 
     def chunk_log_probs(self, k: int, rows: slice) -> torch.Tensor:
         """Float32 log-probabilities of window ``k``'s ``rows``: the same every call, kept once built when

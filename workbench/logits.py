@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["final_hidden", "head_input", "head_logits", "trainable_head_logits", "chunked_sum", "loss_chunk_rows",
-           "VOCAB_CHUNK", "LOSS_CHUNK_ELEMENTS"]
+__all__ = ["final_hidden", "head_input", "head_logits", "head_vocab", "trainable_head_logits", "chunked_sum",
+           "loss_chunk_rows", "VOCAB_CHUNK", "LOSS_CHUNK_ELEMENTS"]
 
 VOCAB_CHUNK = 16384  # output-layer rows widened to float32 at a time (58 MB at hidden size 896)
 LOSS_CHUNK_ELEMENTS = 1 << 24  # tokens x vocabulary float32 per tensor of a training loss: 64 MB
@@ -51,11 +51,20 @@ def head_input(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 
 @torch.inference_mode()
+def head_vocab(head: nn.Module) -> int | None:
+    """Rows of an output layer (float or a QuantLinear's codes); None for a module with neither."""
+    qw = getattr(head, "quantized", None)
+    if qw is not None:
+        return qw.shape[0]
+    weight = getattr(head, "weight", None)
+    return None if weight is None else weight.shape[0]
+
+
 def head_logits(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """Float32 ``hidden @ W.T (+ b)`` for hidden ``[tokens, hidden]``, W widened or dequantized in row slices."""
     qw = getattr(head, "quantized", None)  # a QuantLinear: its codes, never dequantized whole
     weight = None if qw is not None else head.weight.detach()
-    vocab = qw.shape[0] if qw is not None else weight.shape[0]
+    vocab = head_vocab(head)
     device = qw.qweight.device if qw is not None else weight.device
     hidden = hidden.to(device, torch.float32)
     logits = torch.empty((hidden.shape[0], vocab), dtype=torch.float32, device=device)
