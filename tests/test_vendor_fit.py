@@ -365,3 +365,13 @@ def test_a_jetson_orin_projects_from_nvidias_mlc_measurements_and_the_nano_is_no
     assert project("qwen2.5-1.5b", "jetson-nano", context=512).runtime is None
     with pytest.raises(WorkbenchError, match="L4T 35"):
         project("qwen2.5-1.5b", "jetson-nano", runtime="mlc")
+
+
+def test_a_plan_far_outside_the_measured_models_is_said_to_be_extrapolated():
+    from workbench.report import projection_rows
+    inside = project("qwen3-4b", "8elite", context=4096)
+    assert not inside.vendor.extrapolated and not any("extrapolation" in n for n in inside.vendor.notes)
+    tiny = project("qwen2.5-0.5b", "orin-nano", context=144, prompt=16)  # NVIDIA measured 3B-8B models only
+    assert tiny.vendor.extrapolated and any("outside the 1.61-3.76 GB" in n for n in tiny.vendor.notes)
+    (row,) = projection_rows({"recipe": [tiny]})
+    assert "extrapolated" in row[8]

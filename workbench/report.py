@@ -281,8 +281,8 @@ def projection_rows(projections: Mapping[str, Sequence]) -> list[list[str]]:
         for p in ps:
             v = p.vendor
             fitted = v is not None and v.decode_tps is not None
-            err = (f" (±{p.efficiency_error:.0%}" + (f" held out, {v.decode_n}" if fitted else "") + ")"
-                   if p.efficiency_error else "")
+            err = (f" (±{p.efficiency_error:.0%}" + (f" held out, {v.decode_n}" if fitted else "")
+                   + ("; extrapolated" if fitted and v.extrapolated else "") + ")" if p.efficiency_error else "")
             proj = f"{p.projected_decode_tps:,.1f}{err}" if p.projected_decode_tps is not None else "-"
             near = v.nearest if v is not None else None
             nearest = (f"{near['model']} {near['precision']}, {near['vendor_device']}, ctx {near['context']}: "

@@ -50,6 +50,7 @@ __all__ = ["VENDOR_FILE", "relative_error", "LinearFit", "RuntimeFit", "VendorPr
 
 VENDOR_FILE = ASSETS_DIR / "vendor_measurements.json"
 MIN_MODELS = 3  # a (device, runtime, precision) with fewer models is listed, not fitted
+EXTRAPOLATION = 1.5  # a plan reading more than this factor beyond the measured weights is said to be extrapolated
 
 
 @lru_cache(maxsize=4)
@@ -503,6 +504,7 @@ class VendorProjection:
     points: list[dict] = field(default_factory=list)  # this fit's measurements: for the chart
     notes: list[str] = field(default_factory=list)
     bytes_gb: float | None = None  # what this plan reads per token with the runtime: its x on the chart
+    extrapolated: bool = False  # the plan reads far more or fewer weights than any measured model
 
 
 def _median_abs(errs: list[float]) -> float | None:
@@ -570,6 +572,13 @@ def vendor_projection(lm, plan, device: Device, runtime: DeviceRuntime, *, conte
                  + (f"error held out by chipset among {chipsets} measured" if chipsets > 1 else
                     "one chipset measured, so no error can be held out"))
         fallback = True
+    measured_gb = [x["weights_gb"] for x in feats]
+    extrapolated = bool(feats) and not (min(measured_gb) / EXTRAPOLATION <= f["weights_gb"]
+                                        <= max(measured_gb) * EXTRAPOLATION)
+    if extrapolated:
+        notes.append(f"this plan reads {f['weights_gb']:.3g} GB of weights per token, outside the "
+                     f"{min(measured_gb):.3g}-{max(measured_gb):.3g} GB its measurements read: an extrapolation, "
+                     "which the held-out error does not cover")
     decode_ms = moved["decode"](f) if moved["decode"] else None
     ttft = moved["ttft"](f) if moved["ttft"] else None
     peak = moved["memory"](f) if moved["memory"] else None
@@ -579,4 +588,4 @@ def vendor_projection(lm, plan, device: Device, runtime: DeviceRuntime, *, conte
         ttft, _median_abs(errs["ttft"]), len(errs["ttft"]),
         None if peak is None else int(peak * 1e6), _median_abs(errs["memory"]), len(errs["memory"]),
         _nearest(rows, feats, f, context), _points(rows, feats, moved["decode"], not fallback), notes,
-        bytes_gb=f["weights_gb"] + f["kv_gb"])
+        bytes_gb=f["weights_gb"] + f["kv_gb"], extrapolated=extrapolated)
