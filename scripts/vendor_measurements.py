@@ -178,11 +178,14 @@ def jetson_rows(clone: Path, commit: str = JETSON_COMMIT) -> tuple[dict, list[di
     source = _repo_source(JETSON_REPO, commit, path, text, "NVIDIA (Jetson AI Lab)", method=JETSON_METHOD)
     rows, boards = [], None
     for line in text.splitlines():
+        if not line.strip().startswith("|"):
+            boards = None  # a table ends at its first line that is not a row
+            continue
         cells = _cells(line)
-        if cells and cells[0] == "Model" and set(JETSON_BOARDS) <= set(cells):
+        if cells[0] == "Model" and set(JETSON_BOARDS) <= set(cells):
             boards = {i: cells[i] for i in range(len(cells)) if cells[i] in JETSON_BOARDS}
             continue
-        if boards is None or not cells or cells[0] not in JETSON_MODELS:
+        if boards is None or cells[0] not in JETSON_MODELS:
             continue
         prompt, new = JETSON_METHOD["prompt_tokens"], JETSON_METHOD["max_new_tokens"]
         for i, board in boards.items():
@@ -192,8 +195,6 @@ def jetson_rows(clone: Path, commit: str = JETSON_COMMIT) -> tuple[dict, list[di
                          "compute_unit": "gpu", "precision": JETSON_METHOD["quantization"], "context": prompt + new,
                          "prompt": prompt, "new_tokens": new, "decode_tps": float(cells[i]), "prefill_tps": None,
                          "ttft_ms": None, "peak_mb": None})
-        if cells[0] == list(JETSON_MODELS)[-1]:
-            boards = None  # the table's end for the models named: later tables (vision models) have other columns
     return source, rows
 
 
