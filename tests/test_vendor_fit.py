@@ -102,7 +102,8 @@ def test_the_script_reads_every_source_as_published(tmp_path):
     assert [(r["shape"], r["device"], r["decode_tps"]) for r in rows] == [
         ("llama-3.2-3b", "jetson-orin-nano", 27.7), ("llama-3.2-3b", "jetson-orin-nano-super", 43.07),
         ("qwen2.5-7b", "jetson-orin-nano", 14.2), ("qwen2.5-7b", "jetson-orin-nano-super", 21.75)]
-    assert rows[0]["runtime"] == "mlc" and (rows[0]["prompt"], rows[0]["new_tokens"], rows[0]["context"]) == (16, 128, 144)
+    assert rows[0]["runtime"] == "mlc"
+    assert (rows[0]["prompt"], rows[0]["new_tokens"], rows[0]["context"]) == (16, 128, 144)
 
 
 def _synthetic(tmp_path, law):
