@@ -49,12 +49,16 @@ JETSON_METHOD = {"repository": "dusty-nv/jetson-containers", "commit": "e45e41fd
                  "prompt": "/data/prompts/completion_16.json", "prompt_tokens": 16, "max_new_tokens": 128}
 
 # the vendors' model names -> the workbench shape (assets/model_shapes.json); fine-tunes of one base share its shape
+# (AI Hub's ELYZA-JP, TAIDE and SEA-LION builds are Llama-3 8B's). Left out: llama_v3_2_3b_instruct_ssd, whose
+# tokens/s come from self-speculative decoding (several tokens per verified step), and models of other families
 QAI_MODELS = {
     "qwen3_0_6b": "qwen3-0.6b", "qwen3_1_7b": "qwen3-1.7b", "qwen3_4b": "qwen3-4b",
     "qwen3_4b_instruct_2507": "qwen3-4b", "qwen3_8b": "qwen3-8b",
     "llama_v3_2_1b_instruct": "llama-3.2-1b", "llama_v3_2_3b_instruct": "llama-3.2-3b",
     "llama_v3_1_8b_instruct": "llama-3.1-8b", "llama_v3_8b_instruct": "llama-3.1-8b",
     "qwen2_7b_instruct": "qwen2-7b", "smollm2_1_7b_it": "smollm2-1.7b",
+    "llama_v3_1_sea_lion_3_5_8b_r": "llama-3.1-8b", "llama_v3_elyza_jp_8b": "llama-3.1-8b",
+    "llama_v3_taide_8b_chat": "llama-3.1-8b",
 }
 RKNN_MODELS = {("Qwen2", "0.5B"): "qwen2-0.5b", ("Qwen3", "0.6B"): "qwen3-0.6b",
                ("TinyLLAMA", "1.1B"): "tinyllama-1.1b", ("Qwen2.5", "1.5B"): "qwen2.5-1.5b"}
@@ -92,6 +96,8 @@ def qai_rows(wheel: Path) -> tuple[dict, list[dict]]:
                         if runtime not in QAI_RUNTIMES or not isinstance(rd, dict):
                             continue
                         for m in rd.get("llm_metrics", []):
+                            if not m.get("tokens_per_second"):
+                                continue  # AI Hub writes 0.0 where a run gave no figure: not a measurement
                             rows.append({**_qai_row(model, component, shape, precision, device, chips, runtime, m,
                                                             path), "parts": parts})
     return source, rows
