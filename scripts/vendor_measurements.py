@@ -137,8 +137,11 @@ def _qai_row(model, component, shape, precision, device, chips, runtime, m, path
 def _repo_file(clone: Path, commit: str, path: str) -> str:
     """One file at a recorded commit, from a clone or a bare mirror."""
     git_dir = clone / ".git" if (clone / ".git").exists() else clone
-    return subprocess.run(["git", f"--git-dir={git_dir}", "show", f"{commit}:{path}"], capture_output=True, text=True,
-                          check=True).stdout
+    done = subprocess.run(["git", f"--git-dir={git_dir}", "show", f"{commit}:{path}"], capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"{clone} has no {path} at commit {commit[:12]} ({done.stderr.strip() or 'not a git clone'}): "
+                         "pass a full clone of the source repository that holds that commit")
+    return done.stdout
 
 
 def _repo_source(repo: str, commit: str, path: str, text: str, publisher: str, **more) -> dict:

@@ -86,6 +86,8 @@ def test_the_script_reads_every_source_as_published(tmp_path):
         "| Gemma2 | 2B | w8a8 | 128 | 64 | 956.77 | 5.24 | 2784.78 |\n")})
     source, rows = script.rknn_rows(repo, commit)
     assert source["commit"] == commit
+    with pytest.raises(SystemExit, match="has no benchmark.md at commit 878f9361fd3a"):
+        script.rknn_rows(repo)  # a clone without the recorded commit: said, not a traceback
     assert [(r["model"], r["precision"], r["decode_tps"], r["peak_mb"]) for r in rows] == [
         ("Qwen2-0.5B", "w4a16", 32.56, 443.44), ("Qwen2-0.5B", "w8a8", 21.73, 678.43)]  # the name carries down
     assert rows[0]["context"] == 192 and rows[0]["device"] is None  # no RK3576 profile in the workbench
