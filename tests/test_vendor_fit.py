@@ -305,8 +305,8 @@ def test_the_residual_study_finds_a_feature_the_measurements_follow(tmp_path):
     assert set(family_residuals(fit)) == {"qwen3", "llama"}
 
 
-def test_the_absolute_error_fit_passes_through_the_rows_one_far_off_row_aside():
-    from workbench.vendor_fit import _nlad_relative, _nnls_relative
+def test_the_absolute_and_per_shape_fits_move_less_for_far_off_or_repeated_rows():
+    from workbench.vendor_fit import SOLVERS, _nlad_relative, _nnls_relative
     xs = [0.4, 0.8, 1.0, 1.8, 2.2, 4.0]
     y = [2.0 + 30.0 * x for x in xs]
     y[2] *= 2.0  # one measurement twice as slow as the law
@@ -314,6 +314,11 @@ def test_the_absolute_error_fit_passes_through_the_rows_one_far_off_row_aside():
     assert _nlad_relative(x, y) == pytest.approx([2.0, 30.0], rel=1e-9)  # the other five, exactly
     assert _nnls_relative(x, y) != pytest.approx([2.0, 30.0], rel=0.02)  # squares are pulled by it
     assert _nlad_relative([[1.0, v] for v in xs], [1.0 - 0.1 * v for v in xs])[1] == 0.0  # never a negative slope
+    # one weight per shape: three builds of one shape measured alike pull the fit no harder than one
+    rows = [{"shape": "a", "context": 1}] * 3 + [{"shape": "b", "context": 1}]
+    weighted = SOLVERS["squares / shape"]([[1.0]] * 4, [1.0, 1.0, 1.0, 2.0], rows)
+    assert weighted == pytest.approx(_nnls_relative([[1.0]] * 2, [1.0, 2.0]))
+    assert weighted != pytest.approx(_nnls_relative([[1.0]] * 4, [1.0, 1.0, 1.0, 2.0]))
 
 
 def test_the_first_token_study_finds_attention_over_the_whole_context(tmp_path):

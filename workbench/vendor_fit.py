@@ -101,11 +101,13 @@ def _runtime_name(measured: str) -> str:
 
 
 # -- least squares on relative error, coefficients >= 0 ----------------------------------------------------------
-def _nnls_relative(x: list[list[float]], y: list[float]) -> list[float]:
-    """min sum((x.c / y - 1)^2) over c >= 0: every subset of columns solved, the best feasible kept (<= 3 columns)."""
+def _nnls_relative(x: list[list[float]], y: list[float], w: list[float] | None = None) -> list[float]:
+    """min sum(w (x.c / y - 1)^2) over c >= 0 (``w``: 1 each by default): every subset of columns solved, the best
+    feasible kept (<= 3 columns)."""
     import numpy as np
-    a = np.asarray(x, dtype=float) / np.asarray(y, dtype=float)[:, None]
-    ones = np.ones(len(y))
+    root = np.sqrt(np.ones(len(y)) if w is None else np.asarray(w, dtype=float))
+    a = np.asarray(x, dtype=float) / np.asarray(y, dtype=float)[:, None] * root[:, None]
+    ones = root
     best, best_r = np.zeros(a.shape[1]), math.inf
     for k in range(a.shape[1], 0, -1):
         for cols in itertools.combinations(range(a.shape[1]), k):
@@ -150,7 +152,18 @@ def _nlad_relative(x: list[list[float]], y: list[float]) -> list[float]:
     return [float(v) for v in best]
 
 
-SOLVERS = {"squares": _nnls_relative, "absolute": _nlad_relative}  # the loss on relative error
+def _per_shape_weights(rows: list[dict]) -> list[float]:
+    """1 / the builds measured at a row's (shape, context): five fine-tunes of one base weigh as one model."""
+    count: dict[tuple, int] = {}
+    for r in rows:
+        count[(r["shape"], r["context"])] = count.get((r["shape"], r["context"]), 0) + 1
+    return [1 / count[(r["shape"], r["context"])] for r in rows]
+
+
+# the loss on relative error: each row's square (the fit), absolute values, or squares with one weight per shape
+SOLVERS = {"squares": lambda x, y, rows: _nnls_relative(x, y),
+           "absolute": lambda x, y, rows: _nlad_relative(x, y),
+           "squares / shape": lambda x, y, rows: _nnls_relative(x, y, _per_shape_weights(rows))}
 
 
 @dataclass
@@ -212,7 +225,8 @@ def _fit(target: str, rows: list[dict], feats: list[dict], terms: tuple[str, ...
     if len({r["shape"] for r, _ in pairs}) < 2:
         return None
     terms = terms or _choose(target, [r for r, _ in pairs])
-    coef = SOLVERS[loss]([[_value(t, f) for t in terms] for _, f in pairs], [_target(r, target) for r, _ in pairs])
+    coef = SOLVERS[loss]([[_value(t, f) for t in terms] for _, f in pairs], [_target(r, target) for r, _ in pairs],
+                         [r for r, _ in pairs])
     return LinearFit(target, terms, tuple(coef))
 
 
@@ -359,6 +373,8 @@ def residual_study(fit: RuntimeFit, target: str = "decode_ms") -> dict[str, floa
         out[name] = lf.median_error if lf else None
     lf = _fit_with_held_out(target, fit.rows, feats, fitted, loss="absolute") if fitted else None
     out["least |err|"] = lf.median_error if lf else None  # the fitted terms, on absolute relative error
+    lf = _fit_with_held_out(target, fit.rows, feats, fitted, loss="squares / shape") if fitted else None
+    out["one / shape"] = lf.median_error if lf else None  # the fitted terms, each shape's builds weighing as one
     choices = {n: t for n, t in options.items() if t and n not in PLAN_UNKNOWN}
     out["chosen / fold"] = _median_abs(_chosen_per_fold(target, fit.rows, feats, choices))
     return out
