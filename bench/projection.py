@@ -102,7 +102,7 @@ def vendor_table() -> None:
                           ("hexagon-htp", "llama.cpp-cpu", "q4_0")):
         e = class_transfer_errors(cls, rt, prec)
         med = {k: (statistics.median(abs(x) for x in v) if v else None) for k, v in e.items()}
-        print(f"class {cls} {rt} {prec}: a device without measurements, held out by device: decode "
+        print(f"class {cls} {rt} {prec}: a device without measurements, held out by chipset: decode "
               f"{_pct(med['decode'])} ({len(e['decode'])}), TTFT {_pct(med['ttft'])} ({len(e['ttft'])})")
     print()
 

@@ -371,10 +371,10 @@ def residual_study(fit: RuntimeFit, target: str = "decode_ms") -> dict[str, floa
     for name, terms in options.items():
         lf = _fit_with_held_out(target, fit.rows, feats, terms) if terms else None
         out[name] = lf.median_error if lf else None
-    lf = _fit_with_held_out(target, fit.rows, feats, fitted, loss="absolute") if fitted else None
-    out["least |err|"] = lf.median_error if lf else None  # the fitted terms, on absolute relative error
-    lf = _fit_with_held_out(target, fit.rows, feats, fitted, loss="squares / shape") if fitted else None
-    out["one / shape"] = lf.median_error if lf else None  # the fitted terms, each shape's builds weighing as one
+    # the fitted terms on absolute relative error, and with each shape's builds weighing as one model
+    for name, loss in (("least |err|", "absolute"), ("one / shape", "squares / shape")):
+        lf = _fit_with_held_out(target, fit.rows, feats, fitted, loss=loss) if fitted else None
+        out[name] = lf.median_error if lf else None
     choices = {n: t for n, t in options.items() if t and n not in PLAN_UNKNOWN}
     out["chosen / fold"] = _median_abs(_chosen_per_fold(target, fit.rows, feats, choices))
     return out
