@@ -50,7 +50,6 @@ def head_input(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return got[0].to(torch.float32)
 
 
-@torch.inference_mode()
 def head_vocab(head: nn.Module) -> int | None:
     """Rows of an output layer (float or a QuantLinear's codes); None for a module with neither."""
     qw = getattr(head, "quantized", None)
@@ -60,6 +59,7 @@ def head_vocab(head: nn.Module) -> int | None:
     return None if weight is None else weight.shape[0]
 
 
+@torch.inference_mode()
 def head_logits(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """Float32 ``hidden @ W.T (+ b)`` for hidden ``[tokens, hidden]``, W widened or dequantized in row slices."""
     qw = getattr(head, "quantized", None)  # a QuantLinear: its codes, never dequantized whole

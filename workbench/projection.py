@@ -217,8 +217,9 @@ def project_plans(model, devices, plans: Mapping[str, QuantPlan], *, context: in
     for label, plan in plans.items():
         out[label] = []
         for d in devs:
-            p = project(lm, d, plan, context=context, prompt=prompt, ram_gb=ram_gb, runtime=runtime_on(d))
-            if runtime_on(d) != runtime:
+            on = runtime_on(d)
+            p = project(lm, d, plan, context=context, prompt=prompt, ram_gb=ram_gb, runtime=on)
+            if on != runtime:
                 where = d.name if d.device_class in get_runtime(runtime).device_classes else f"{d.device_class} devices"
                 p.notes.append(f"{runtime} does not run on {where}: projected with {p.runtime or 'no runtime'}")
             out[label].append(p)
