@@ -72,7 +72,11 @@ def test_the_runtime_choice_and_the_vendor_evidence():
     assert elite.vendor.decode_tps == elite.projected_decode_tps and elite.vendor.decode_error is not None
     table = panel.table.value
     assert "Qwen3-1.7B w4a16, Samsung Galaxy S25, ctx 4096: 56.7 tok/s" in table  # the nearest measurement
-    assert "held out, 8)" in table
+    assert "held out by model, 8)" in table
+    other = ProjectPanel("qwen2.5-1.5b", plans={"w4a16": plans["w4a16"]}, devices=["8elite"], context=4096)
+    other.run()  # no Genie measurement of a Qwen2 / Qwen2.5 model: the error of a family left out, and said
+    assert "held out by family, 8; no qwen2 model measured)" in other.table.value
+    other.close()
     fig = panel.figures["vendor"]
     measured = next(t for t in fig.data if t.name.startswith("Snapdragon 8 Elite: measured"))
     assert 56.7 in [round(y, 1) for y in measured.y] and len(measured.x) == len(elite.vendor.points)

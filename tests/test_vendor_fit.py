@@ -111,13 +111,13 @@ def test_the_script_reads_every_source_as_published(tmp_path):
     assert (rows[0]["prompt"], rows[0]["new_tokens"], rows[0]["context"]) == (16, 128, 144)
 
 
-def _synthetic(tmp_path, law):
+def _synthetic(tmp_path, law, runtime="qairt", device=None):
     """Measurements made by a known law over real shapes: the fit must find it and project held-out models exactly."""
     rows = []
     for shape in ("qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "llama-3.2-1b", "llama-3.2-3b"):
         for ctx in (512, 4096):
             r = {"source": "s", "file": "f", "vendor_model": shape, "model": shape, "shape": shape,
-                 "vendor_device": "Board", "chipset": None, "device": None, "runtime": "qairt",
+                 "vendor_device": "Board", "chipset": None, "device": device, "runtime": runtime,
                  "compute_unit": "npu", "precision": "w4a16", "context": ctx, "prompt": 128, "new_tokens": None,
                  "prefill_tps": None, "peak_mb": None}
             f = measurement_features(r)
@@ -138,6 +138,47 @@ def test_the_fit_recovers_a_known_law_and_projects_held_out_models_exactly(tmp_p
     assert fit.decode.n == 10 and fit.decode.median_error == pytest.approx(0, abs=1e-9)
     assert fit.ttft.coef == pytest.approx((5.0, 40.0, 100.0), rel=1e-6)
     assert fit.memory is None  # nobody measured memory here
+
+
+def test_genie_fits_a_byte_rate_per_family_and_a_new_family_gets_the_error_of_a_family_left_out(tmp_path):
+    def law(f):  # Qwen3 builds read their bytes 1.5x faster than Llama builds
+        return 2.0 + (20.0 if "weights_gb@llama" in f else 13.0) * f["weights_gb"]
+    (genie,) = vendor_fits(_synthetic(tmp_path, law, "genie", "snapdragon-8-elite")).values()
+    assert genie.families == ["llama", "qwen3"]
+    assert genie.decode.features == ("1", "weights_gb@llama", "weights_gb@qwen3")
+    assert genie.decode.coef == pytest.approx((2.0, 20.0, 13.0), rel=1e-6)
+    assert genie.decode.median_error == pytest.approx(0, abs=1e-9)  # each model held out, its family's rate kept
+    assert not genie.decode.held_out_family  # a per-family rate says nothing of a family left out
+    one = genie.decode_any  # one rate for all: what a family not measured here is projected with
+    assert "weights_gb@llama" not in one.features and one.median_error > 0.02
+    feats = [measurement_features(r) for r in genie.rows]
+    by_hand = []
+    for fam in ("llama", "qwen3"):  # each family projected by a fit to the other alone
+        train = [(r, f) for r, f in zip(genie.rows, feats) if not r["shape"].startswith(fam)]
+        part = _fit("decode_ms", [r for r, _ in train], [f for _, f in train])
+        by_hand += [(1e3 / part(f)) / r["decode_tps"] - 1 for r, f in zip(genie.rows, feats)
+                    if r["shape"].startswith(fam)]
+    assert sorted(one.held_out_family) == pytest.approx(sorted(by_hand))
+    assert one.family_error > one.median_error  # a new family is less sure than a new model of a known one
+
+    (tmp_path / "qairt").mkdir()
+    (qairt,) = vendor_fits(_synthetic(tmp_path / "qairt", law)).values()
+    assert qairt.decode is qairt.decode_any  # QAIRT's rows show no family rate: one rate for every family
+
+
+def test_a_plan_of_a_family_not_measured_says_so_and_quotes_the_family_held_out_error():
+    fit = next(f for f in vendor_fits(device="snapdragon-8-elite", runtime="genie").values() if f.precision == "w4a16")
+    assert fit.families == ["llama", "qwen3"] and fit.decode is not fit.decode_any
+    qwen3 = project("qwen3-1.7b", "8elite", context=4096, runtime="genie").vendor
+    assert qwen3.family == "qwen3" and qwen3.family_measured
+    assert qwen3.decode_error == pytest.approx(fit.decode.median_error) and "qwen3 models' own byte rate" in qwen3.basis
+    qwen25 = project("qwen2.5-1.5b", "8elite", context=4096, runtime="genie").vendor
+    assert qwen25.family == "qwen2" and not qwen25.family_measured
+    assert qwen25.decode_error == pytest.approx(fit.decode_any.family_error)
+    assert qwen25.decode_error > qwen3.decode_error
+    assert qwen25.ttft_error == pytest.approx(fit.ttft.family_error)
+    assert "held out by family" in qwen25.basis
+    assert any("no genie measurement of a qwen2 model" in n for n in qwen25.notes)
 
 
 def test_held_out_error_is_leave_one_model_out():
@@ -177,7 +218,9 @@ def test_the_vendors_figures_are_projected_within_20_percent_with_error_and_near
 
 
 def test_a_device_without_measurements_borrows_from_its_class_with_the_class_error():
-    p = project("qwen3-1.7b", "8gen3", context=4096)  # the class's own runtime, its recipe
+    # a family no Genie group measured (Qwen2.5): measured devices project it at their one byte rate too, which is
+    # what a borrowed fit scales by bandwidth
+    p = project("qwen2.5-1.5b", "8gen3", context=4096)  # the class's own runtime, its recipe
     v = p.vendor
     devices = load_devices()
     measured = {f.device for f in vendor_fits(runtime="genie").values() if f.device}
@@ -190,7 +233,7 @@ def test_a_device_without_measurements_borrows_from_its_class_with_the_class_err
     errs = class_transfer_errors("hexagon-htp", "genie", "w4a16")
     assert v.decode_error == pytest.approx(statistics.median(abs(e) for e in errs["decode"]))
     assert v.decode_n == len(errs["decode"]) > 20  # every measured device's rows, each projected from the others
-    own = project("qwen3-1.7b", nearest, context=4096).vendor
+    own = project("qwen2.5-1.5b", nearest, context=4096).vendor
     assert v.decode_error > own.decode_error  # borrowed is less sure than measured
     ratio = devices[nearest].memory_bandwidth_gbps / gen3
     assert own.decode_tps / v.decode_tps == pytest.approx(ratio, rel=0.05)  # mostly bandwidth-bound

@@ -59,6 +59,10 @@ class DeviceRuntime:
     source: str
     not_on: tuple[str, ...] = ()  # device profiles of its classes it does not run on, and why
     not_on_why: str = ""
+    # decode fitted with a byte rate per model family where its measurements hold two or more families of two or
+    # more models each: AI Hub's Genie runs its Qwen3 builds 1.5-2.9x faster than QAIRT does and its Llama builds
+    # 1.0-1.4x, on every device it measured (`python bench/projection.py --residuals`, "rate / family")
+    rate_per_family: bool = False
 
     def runs_on(self, device) -> bool:
         return device.device_class in self.device_classes and device.key not in self.not_on
@@ -99,7 +103,8 @@ class DeviceRuntime:
 
 RUNTIMES: dict[str, DeviceRuntime] = {r.name: r for r in (
     DeviceRuntime("genie", "Qualcomm Genie (QNN HTP)", ("hexagon-htp",), ("w4a16", "w4"), 1, "allocated", "genie",
-                  "qai-hub-models 0.65.0: int8 KV cache, 128-token prefill and 1-token decode graphs"),
+                  "qai-hub-models 0.65.0: int8 KV cache, 128-token prefill and 1-token decode graphs",
+                  rate_per_family=True),
     DeviceRuntime("qairt", "Qualcomm QAIRT through GenieX", ("hexagon-htp",), ("w4a16", "w4"), 1, "allocated",
                   "qairt", "qai-hub-models 0.65.0 (runtime geniex_qairt): the same context binaries as Genie"),
     *(DeviceRuntime(f"llama.cpp-{unit}", f"llama.cpp on the {unit.upper()} (GenieX)", ("hexagon-htp",), ("q4_0",),

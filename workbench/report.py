@@ -281,7 +281,9 @@ def projection_rows(projections: Mapping[str, Sequence]) -> list[list[str]]:
         for p in ps:
             v = p.vendor
             fitted = v is not None and v.decode_tps is not None
-            err = (f" (±{p.efficiency_error:.0%}" + (f" held out, {v.decode_n}" if fitted else "")
+            held = "" if not fitted else f" held out by {'model' if v.family_measured else 'family'}, {v.decode_n}"
+            err = (f" (±{p.efficiency_error:.0%}{held}"
+                   + (f"; no {v.family} model measured" if fitted and not v.family_measured else "")
                    + ("; extrapolated" if fitted and v.extrapolated else "") + ")" if p.efficiency_error else "")
             proj = f"{p.projected_decode_tps:,.1f}{err}" if p.projected_decode_tps is not None else "-"
             near = v.nearest if v is not None else None

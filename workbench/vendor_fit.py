@@ -92,7 +92,8 @@ def measurement_features(row: dict) -> dict[str, float]:
     prompt = row["prompt"] or 128
     b = plan_bytes(_shape(row["shape"]), rt.plan(row["precision"]), context=row["context"], prompt=prompt,
                    kv_bytes=rt.kv_bytes)
-    return features_of(b, kv_tokens=rt.kv_tokens(row["context"], prompt, row.get("new_tokens")))
+    f = features_of(b, kv_tokens=rt.kv_tokens(row["context"], prompt, row.get("new_tokens")))
+    return {**f, f"weights_gb@{_family(row['shape'])}": f["weights_gb"]}
 
 
 def _runtime_name(measured: str) -> str:
@@ -176,6 +177,8 @@ class LinearFit:
     coef: tuple[float, ...]
     held_out: list[float] = field(default_factory=list)
     held_out_at: list[float | None] = field(default_factory=list)  # the same, per row of its fit (None: unmeasured)
+    # the same with each family left out (a plan of a family the fit has not seen); empty below two families
+    held_out_family: list[float] = field(default_factory=list)
 
     def __call__(self, f: dict[str, float]) -> float:
         return sum(c * _value(name, f) for name, c in zip(self.features, self.coef))
@@ -188,9 +191,14 @@ class LinearFit:
     def n(self) -> int:
         return len(self.held_out)
 
+    @property
+    def family_error(self) -> float | None:
+        return statistics.median(abs(e) for e in self.held_out_family) if self.held_out_family else None
+
 
 def _value(name: str, f: dict[str, float]) -> float:
-    return 1.0 if name == "1" else sum(f[p] for p in name.split("+"))
+    """A term's value; a per-family term (``weights_gb@qwen3``) reads 0 for a row or plan of another family."""
+    return 1.0 if name == "1" else sum(f.get(p, 0.0) if "@" in p else f[p] for p in name.split("+"))
 
 
 def _target(row: dict, target: str) -> float | None:
@@ -233,22 +241,34 @@ def _fit(target: str, rows: list[dict], feats: list[dict], terms: tuple[str, ...
 def _fit_with_held_out(target: str, rows: list[dict], feats: list[dict],
                        terms: tuple[str, ...] | None = None, loss: str = "squares") -> LinearFit | None:
     """The fit to every row, with each model's rows projected by a fit to the others (``terms``: fixed, else each
-    fit's own choice; ``loss``: on relative error, ``SOLVERS``)."""
+    fit's own choice; ``loss``: on relative error, ``SOLVERS``), and each family's by a fit to the other families
+    (not for per-family terms, which have nothing to say of a family left out)."""
     full = _fit(target, rows, feats, terms, loss)
     if full is None:
         return None
-    full.held_out_at = [None] * len(rows)
-    for shape in sorted({r["shape"] for r in rows}):
-        train = [(r, f) for r, f in zip(rows, feats) if r["shape"] != shape]
+    full.held_out_at = _left_out(target, rows, feats, terms, loss, key=lambda r: r["shape"])
+    full.held_out = [e for e in full.held_out_at if e is not None]
+    if not any("@" in t for t in full.features) and len({_family(r["shape"]) for r in rows}) >= 2:
+        by_family = _left_out(target, rows, feats, terms, loss, key=lambda r: _family(r["shape"]))
+        full.held_out_family = [e for e in by_family if e is not None]
+    return full
+
+
+def _left_out(target: str, rows: list[dict], feats: list[dict], terms: tuple[str, ...] | None, loss: str,
+              key) -> list[float | None]:
+    """Per row, projected / measured - 1 from a fit to the rows of other ``key`` (a shape, a family); None where
+    the row is unmeasured or the others cannot be fitted."""
+    out: list[float | None] = [None] * len(rows)
+    for k in sorted({key(r) for r in rows}):
+        train = [(r, f) for r, f in zip(rows, feats) if key(r) != k]
         part = _fit(target, [r for r, _ in train], [f for _, f in train], terms, loss)
         if part is None:
             continue
         for i, (r, f) in enumerate(zip(rows, feats)):
             y = _target(r, target)
-            if r["shape"] == shape and y is not None:
-                full.held_out_at[i] = relative_error(target, part(f), y)
-    full.held_out = [e for e in full.held_out_at if e is not None]
-    return full
+            if key(r) == k and y is not None:
+                out[i] = relative_error(target, part(f), y)
+    return out
 
 
 @dataclass
@@ -261,13 +281,22 @@ class RuntimeFit:
     device: str | None  # the workbench device profile it stands for
     rows: list[dict]
     feats: list[dict]  # each row's features (measurement_features), computed once
-    decode: LinearFit | None
+    decode: LinearFit | None  # for a plan of a family measured here (per-family rates where the runtime has them)
     ttft: LinearFit | None
     memory: LinearFit | None
+    decode_any: LinearFit | None = None  # one rate for every family: a plan of a family not measured here
+
+    def __post_init__(self):
+        if self.decode_any is None:
+            self.decode_any = self.decode
 
     @property
     def models(self) -> list[str]:
         return sorted({r["shape"] for r in self.rows})
+
+    @property
+    def families(self) -> list[str]:
+        return sorted({_family(r["shape"]) for r in self.rows})
 
     def label(self) -> str:
         return f"{self.vendor_device} {self.runtime} {self.precision}"
@@ -276,11 +305,14 @@ class RuntimeFit:
 def _fit_group(rows: list[dict]) -> RuntimeFit:
     feats = [measurement_features(r) for r in rows]
     r0 = rows[0]
-    decode = _fit_with_held_out("decode_ms", rows, feats)
+    runtime = _runtime_name(r0["runtime"])
+    decode_any = _fit_with_held_out("decode_ms", rows, feats)
+    per_family = _family_terms(rows) if get_runtime(runtime).rate_per_family else None
+    decode = _fit_with_held_out("decode_ms", rows, feats, per_family) if per_family else decode_any
     ttft = _fit_with_held_out("ttft_ms", rows, feats)
     memory = _fit_with_held_out("peak_mb", rows, feats)
-    return RuntimeFit(r0["vendor_device"], _runtime_name(r0["runtime"]), r0["precision"], r0["device"], rows,
-                      feats, decode, ttft, memory)
+    return RuntimeFit(r0["vendor_device"], runtime, r0["precision"], r0["device"], rows, feats, decode, ttft, memory,
+                      decode_any)
 
 
 @lru_cache(maxsize=4)
@@ -308,7 +340,24 @@ def vendor_fits(path: str | Path = VENDOR_FILE, *, device: str | None = None,
 
 # -- what else the residuals could follow -----------------------------------------------------------------------------
 def _family(shape: str) -> str:
-    return shape.split("-")[0]  # qwen3, llama, smollm2, ...
+    """A shape's model family: the architecture its config names (qwen2 holds Qwen2 and Qwen2.5; llama holds Llama 3,
+    TinyLlama and SmolLM2), what a user's own model is known by too (``family_of``)."""
+    return family_of(_shape(shape))
+
+
+def family_of(lm) -> str | None:
+    return getattr(getattr(lm, "config", None), "model_type", None)
+
+
+def _family_terms(rows: list[dict]) -> tuple[str, ...] | None:
+    """A constant and one byte rate per family, where the rows hold two or more families each measured on two or more
+    models (a model left out then still leaves its family's rate a point); None otherwise."""
+    shapes: dict[str, set[str]] = {}
+    for r in rows:
+        shapes.setdefault(_family(r["shape"]), set()).add(r["shape"])
+    if len(shapes) < 2 or min(len(v) for v in shapes.values()) < 2:
+        return None
+    return ("1", *(f"weights_gb@{fam}" for fam in sorted(shapes)))
 
 
 def study_features(row: dict, feat: dict[str, float]) -> dict[str, float]:
@@ -353,8 +402,10 @@ def residual_study(fit: RuntimeFit, target: str = "decode_ms") -> dict[str, floa
     of tokens/s) or ``ttft_ms``."""
     feats, families = _study_rows(fit)
     if target == "decode_ms":
-        fitted = fit.decode.features if fit.decode else None
-        options = {"as fitted": fitted, "weights only": ("1", "weights_gb"), "weights + KV": ("1", "weights_gb+kv_gb"),
+        # the alternatives vary the one-rate fit (a family's own rate is a column of its own)
+        fitted = fit.decode_any.features if fit.decode_any else None
+        options = {"as fitted": fit.decode.features if fit.decode else None, "one rate": fitted,
+                   "weights only": ("1", "weights_gb"), "weights + KV": ("1", "weights_gb+kv_gb"),
                    "KV at prompt": _swap(fitted, "kv_gb", "kv_prompt_gb"), "+ parts": ("1", "weights_gb", "parts"),
                    "+ layers": ("1", "weights_gb", "layers"), "+ vocabulary": ("1", "weights_gb", "vocab"),
                    "lm_head apart": ("1", "body_gb", "lm_head_gb"),
@@ -375,7 +426,8 @@ def residual_study(fit: RuntimeFit, target: str = "decode_ms") -> dict[str, floa
     for name, loss in (("least |err|", "absolute"), ("one / shape", "squares / shape")):
         lf = _fit_with_held_out(target, fit.rows, feats, fitted, loss=loss) if fitted else None
         out[name] = lf.median_error if lf else None
-    choices = {n: t for n, t in options.items() if t and n not in PLAN_UNKNOWN}
+    choices = {n: t for n, t in options.items()
+               if t and n not in PLAN_UNKNOWN and not any("@" in term for term in t)}
     out["chosen / fold"] = _median_abs(_chosen_per_fold(target, fit.rows, feats, choices))
     return out
 
@@ -436,12 +488,13 @@ def runtime_ratios(a: str = "genie", b: str = "qairt", *, precision: str = "w4a1
 
 
 def family_residuals(fit: RuntimeFit) -> dict[str, float]:
-    """Per model family, the mean projected / measured - 1 of decode tokens/s under the fit to every row (in sample):
+    """Per model family, the mean projected / measured - 1 of decode tokens/s under the one-rate fit (in sample):
     a family the line runs through the middle of reads about 0."""
     by: dict[str, list[float]] = {}
     for r, f in zip(fit.rows, fit.feats):
-        if fit.decode is not None and r.get("decode_tps"):
-            by.setdefault(_family(r["shape"]), []).append(relative_error("decode_ms", fit.decode(f), 1e3 / r["decode_tps"]))
+        if fit.decode_any is not None and r.get("decode_tps"):
+            by.setdefault(_family(r["shape"]), []).append(
+                relative_error("decode_ms", fit.decode_any(f), 1e3 / r["decode_tps"]))
     return {fam: statistics.mean(v) for fam, v in sorted(by.items())}
 
 
@@ -460,7 +513,7 @@ def _transfer(fits: list[RuntimeFit], bandwidths: list[float], to_bandwidth: flo
     scale = bandwidths[i] / to_bandwidth
     out = {}
     for what in ("decode", "ttft", "memory"):
-        lf = getattr(fits[i], what)
+        lf = getattr(fits[i], "decode_any" if what == "decode" else what)  # one rate: the bandwidth scales it
         out[what] = None if lf is None else LinearFit(lf.target, lf.features, tuple(
             c * scale if what == "decode" and t in BANDWIDTH_TERMS else c for t, c in zip(lf.features, lf.coef)))
     return out
@@ -521,6 +574,8 @@ class VendorProjection:
     notes: list[str] = field(default_factory=list)
     bytes_gb: float | None = None  # what this plan reads per token with the runtime: its x on the chart
     extrapolated: bool = False  # the plan reads far more or fewer weights than any measured model
+    family: str | None = None  # the plan's model family (its architecture)
+    family_measured: bool = True  # False: no measurement of its family here; the errors are held out by family
 
 
 def _median_abs(errs: list[float]) -> float | None:
@@ -563,13 +618,24 @@ def vendor_projection(lm, plan, device: Device, runtime: DeviceRuntime, *, conte
     b = counted or plan_bytes(lm, plan, context=context, prompt=prompt, kv_bytes=runtime.kv_bytes)
     f = features_of(b, kv_tokens=runtime.kv_tokens(context, prompt))
     own = [fit for fit in vendor_fits(device=device.key, runtime=runtime.name).values() if fit.precision == precision]
+    family = family_of(lm)
+    family_measured = True
     if own:
         fit = max(own, key=lambda x: len(x.rows))
-        moved = {"decode": fit.decode, "ttft": fit.ttft, "memory": fit.memory}
-        errs = {w: (lf.held_out if lf else []) for w, lf in moved.items()}
+        family_measured = family in fit.families
+        moved = {"decode": fit.decode if family_measured else fit.decode_any, "ttft": fit.ttft, "memory": fit.memory}
+        errs = {w: (lf.held_out if family_measured else lf.held_out_family) if lf else [] for w, lf in moved.items()}
         rows, feats = fit.rows, fit.feats
+        held = "by model" if family_measured else "by family"
         basis = (f"fitted to {len(rows)} {runtime.name} {precision} measurement(s) of {len(fit.models)} models on "
-                 f"{fit.vendor_device} ({source_label(rows[0]).split(',')[0]}); error held out by model")
+                 f"{fit.vendor_device} ({source_label(rows[0]).split(',')[0]}); error held out {held}")
+        if any("@" in t for t in fit.decode.features) and family_measured:
+            basis += f"; decode at the {family} models' own byte rate"
+        if not family_measured:
+            notes.append(f"no {runtime.name} measurement of a {family or 'unnamed'} model on {fit.vendor_device} "
+                         f"(measured: {', '.join(fit.families)}): its errors are those of projecting a family the fit "
+                         "had not seen" + ("" if len(fit.families) > 1 else
+                                           "; one family measured, so none can be held out"))
         fallback = False
     else:
         members = _class_members(device.device_class, runtime.name, precision, devices)
@@ -595,6 +661,8 @@ def vendor_projection(lm, plan, device: Device, runtime: DeviceRuntime, *, conte
         notes.append(f"this plan reads {f['weights_gb']:.3g} GB of weights per token, outside the "
                      f"{min(measured_gb):.3g}-{max(measured_gb):.3g} GB its measurements read: an extrapolation, "
                      "which the held-out error does not cover")
+    if family:
+        f = {**f, f"weights_gb@{family}": f["weights_gb"]}
     decode_ms = moved["decode"](f) if moved["decode"] else None
     ttft = moved["ttft"](f) if moved["ttft"] else None
     peak = moved["memory"](f) if moved["memory"] else None
@@ -604,4 +672,5 @@ def vendor_projection(lm, plan, device: Device, runtime: DeviceRuntime, *, conte
         ttft, _median_abs(errs["ttft"]), len(errs["ttft"]),
         None if peak is None else int(peak * 1e6), _median_abs(errs["memory"]), len(errs["memory"]),
         _nearest(rows, feats, f, context), _points(rows, feats, moved["decode"], not fallback), notes,
-        bytes_gb=f["weights_gb"] + f["kv_gb"], extrapolated=extrapolated)
+        bytes_gb=f["weights_gb"] + f["kv_gb"], extrapolated=extrapolated, family=family,
+        family_measured=family_measured)
