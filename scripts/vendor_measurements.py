@@ -81,12 +81,16 @@ def qai_rows(wheel: Path) -> tuple[dict, list[dict]]:
     """AI Hub's LLM measurements of the models above, one row per (model, precision, device, runtime, unit, ctx)."""
     z = zipfile.ZipFile(wheel)
     chips = yaml.safe_load(z.read("qai_hub_models/devices_and_chipsets.yaml"))["devices"]
-    source = {"kind": "package", "package": "qai-hub-models", "version": QAI_VERSION, "file": wheel.name,
+    version = wheel.name.split("-")[1]  # the release the wheel is (earlier ones: scripts/vendor_history.py)
+    source = {"kind": "package", "package": "qai-hub-models", "version": version, "file": wheel.name,
               "sha256": _sha256(wheel.read_bytes()), "files": "qai_hub_models/models/<model>/perf.yaml, "
               "qai_hub_models/devices_and_chipsets.yaml", "publisher": "Qualcomm AI Hub"}
     rows = []
+    names = set(z.namelist())
     for model, shape in QAI_MODELS.items():
         path = f"qai_hub_models/models/{model}/perf.yaml"
+        if path not in names:
+            continue  # an earlier release (scripts/vendor_history.py reads those too) may not have the model yet
         perf = yaml.safe_load(z.read(path))
         parts = _num_splits(z, model)
         for precision, pd in perf["precisions"].items():

@@ -130,6 +130,27 @@ def _synthetic(tmp_path, law, runtime="qairt", device=None):
     return path
 
 
+def test_the_history_script_shows_how_one_builds_figure_moved_between_releases(tmp_path, capsys):
+    import yaml
+    import vendor_history
+    def wheel(release, genie, qairt):
+        perf = {"precisions": {"w4a16": {"components": {"Qwen3-4B": {"performance_metrics": {"Board X": {
+            rt: {"llm_metrics": [{"context_length": 4096, "desired_compute_unit": "npu", "tokens_per_second": v}]}
+            for rt, v in (("genie", genie), ("geniex_qairt", qairt))}}}}}}}
+        path = tmp_path / f"qai_hub_models-{release}-py3-none-any.whl"
+        with zipfile.ZipFile(path, "w") as z:
+            z.writestr("qai_hub_models/devices_and_chipsets.yaml", yaml.safe_dump({"devices": {}}))
+            z.writestr("qai_hub_models/models/qwen3_4b/perf.yaml", yaml.safe_dump(perf))  # the only model it has
+        return path
+    wheels = [wheel("0.65.0", 6.0, 12.0), wheel("0.60.0", 18.0, 12.0), wheel("0.62.2", 6.0, 12.0)]
+    assert vendor_history.history(wheels, "Board X")[("Qwen3-4B", "genie", "w4a16", 4096)] == {
+        "0.60.0": 18.0, "0.62.2": 6.0, "0.65.0": 6.0}  # oldest release first, whatever the order given
+    assert vendor_history.main([str(w) for w in wheels] + ["--device", "Board X"]) == 0
+    out = capsys.readouterr().out
+    assert "18.0" in out and "=" in out and "200%" in out  # 18 -> 6 -> 6 (repeated): figures 3x apart
+    assert "qairt    a build's figures apart: median 0%" in out
+
+
 def test_the_fit_recovers_a_known_law_and_projects_held_out_models_exactly(tmp_path):
     path = _synthetic(tmp_path, lambda f: 2.0 + 20.0 * f["weights_gb"] + 50.0 * f["kv_gb"])
     (fit,) = vendor_fits(path).values()
