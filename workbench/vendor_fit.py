@@ -363,9 +363,10 @@ def _family_terms(rows: list[dict]) -> tuple[str, ...] | None:
 def study_features(row: dict, feat: dict[str, float]) -> dict[str, float]:
     """A row's fit features plus what its residuals could follow: the parts its graph is split into (AI Hub's
     NUM_SPLITS), its layer count, its vocabulary (hundred-thousand tokens), its lm_head's bytes apart from the rest,
-    its weights under its family's name, the KV cache of the prompt's tokens alone (``kv_prompt_gb``: what a step
-    reads if the graph reads only what it holds), and the prefill FLOPs with attention over the whole allocated
-    context (``tflop_ctx``: a static 128-token graph attends to every slot of its cache, masked or not)."""
+    its weights and prefill FLOPs under its family's name, the KV cache of the prompt's tokens alone
+    (``kv_prompt_gb``: what a step reads if the graph reads only what it holds), and the prefill FLOPs with attention
+    over the whole allocated context (``tflop_ctx``: a static 128-token graph attends to every slot of its cache,
+    masked or not)."""
     rt = get_runtime(_runtime_name(row["runtime"]))
     plan = rt.plan(row["precision"])
     lm = _shape(row["shape"])
@@ -379,7 +380,8 @@ def study_features(row: dict, feat: dict[str, float]) -> dict[str, float]:
     whole = 4.0 * layers * heads * head_dim * prompt * row["context"] / 1e12
     return {**feat, "parts": float(row.get("parts") or 0), "layers": float(layers),
             "vocab": lm.config.vocab_size / 1e5, "lm_head_gb": lm_head, "body_gb": feat["weights_gb"] - lm_head,
-            f"weights_gb@{_family(row['shape'])}": feat["weights_gb"], "kv_prompt_gb": kv_per_token * prompt,
+            f"weights_gb@{_family(row['shape'])}": feat["weights_gb"], f"tflop@{_family(row['shape'])}": feat["tflop"],
+            "kv_prompt_gb": kv_per_token * prompt,
             "tflop_ctx": feat["tflop"] - causal + whole if rt.kv_read == "allocated" else feat["tflop"]}
 
 
@@ -393,6 +395,7 @@ def _study_rows(fit: RuntimeFit) -> tuple[list[dict], list[str]]:
     for f in feats:
         for fam in families:
             f.setdefault(f"weights_gb@{fam}", 0.0)
+            f.setdefault(f"tflop@{fam}", 0.0)
     return feats, families
 
 
@@ -415,7 +418,8 @@ def residual_study(fit: RuntimeFit, target: str = "decode_ms") -> dict[str, floa
         options = {"as fitted": fitted, "FLOPs only": ("1", "tflop"), "+ weights": ("1", "tflop", "weights_gb"),
                    "+ KV": ("1", "tflop", "kv_gb"), "+ parts": ("1", "tflop", "parts"),
                    "+ layers": ("1", "tflop", "layers"),
-                   "attn. to ctx": _swap(fitted, "tflop", "tflop_ctx")}
+                   "attn. to ctx": _swap(fitted, "tflop", "tflop_ctx"),
+                   "rate / family": ("1", *(f"tflop@{fam}" for fam in families))}
     else:
         raise ValueError(f"no residual study of '{target}'")
     out = {}
