@@ -194,7 +194,7 @@ def test_a_plan_of_a_family_not_measured_says_so_and_quotes_the_family_held_out_
     assert qwen3.family == "qwen3" and qwen3.family_measured
     assert qwen3.decode_error == pytest.approx(fit.decode.median_error) and "qwen3 models' own byte rate" in qwen3.basis
     qwen25 = project("qwen2.5-1.5b", "8elite", context=4096, runtime="genie").vendor
-    assert qwen25.family == "qwen2" and not qwen25.family_measured
+    assert qwen25.family == "qwen2" and not qwen25.family_measured and qwen25.held_out_by == "family"
     assert qwen25.decode_error == pytest.approx(fit.decode_any.family_error)
     assert qwen25.decode_error > qwen3.decode_error
     assert qwen25.ttft_error == pytest.approx(fit.ttft.family_error)
@@ -248,7 +248,7 @@ def test_a_device_without_measurements_borrows_from_its_class_with_the_class_err
     assert {"snapdragon-8-elite", "snapdragon-8-elite-gen-5", "snapdragon-x2-elite", "dragonwing-iq-9075"} <= measured
     gen3 = devices["snapdragon-8-gen-3"].memory_bandwidth_gbps
     nearest = min(sorted(measured), key=lambda k: abs(math.log(devices[k].memory_bandwidth_gbps / gen3)))
-    assert p.runtime == "genie" and v.fallback and f"borrowed from " in v.basis
+    assert p.runtime == "genie" and v.fallback and f"borrowed from " in v.basis and v.held_out_by == "chipset"
     own_fit = next(f for f in vendor_fits(device=nearest, runtime="genie").values() if f.precision == "w4a16")
     assert own_fit.vendor_device in v.basis  # the measured device of the class nearest in bandwidth
     errs = class_transfer_errors("hexagon-htp", "genie", "w4a16")

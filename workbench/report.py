@@ -281,7 +281,7 @@ def projection_rows(projections: Mapping[str, Sequence]) -> list[list[str]]:
         for p in ps:
             v = p.vendor
             fitted = v is not None and v.decode_tps is not None
-            held = "" if not fitted else f" held out by {'model' if v.family_measured else 'family'}, {v.decode_n}"
+            held = "" if not fitted else f" held out by {v.held_out_by}, {v.decode_n}"
             err = (f" (±{p.efficiency_error:.0%}{held}"
                    + (f"; no {v.family} model measured" if fitted and not v.family_measured else "")
                    + ("; extrapolated" if fitted and v.extrapolated else "") + ")" if p.efficiency_error else "")

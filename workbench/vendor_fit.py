@@ -580,6 +580,7 @@ class VendorProjection:
     extrapolated: bool = False  # the plan reads far more or fewer weights than any measured model
     family: str | None = None  # the plan's model family (its architecture)
     family_measured: bool = True  # False: no measurement of its family here; the errors are held out by family
+    held_out_by: str = "model"  # what each error left out: "model", "family" (a new family), "chipset" (borrowed)
 
 
 def _median_abs(errs: list[float]) -> float | None:
@@ -630,9 +631,9 @@ def vendor_projection(lm, plan, device: Device, runtime: DeviceRuntime, *, conte
         moved = {"decode": fit.decode if family_measured else fit.decode_any, "ttft": fit.ttft, "memory": fit.memory}
         errs = {w: (lf.held_out if family_measured else lf.held_out_family) if lf else [] for w, lf in moved.items()}
         rows, feats = fit.rows, fit.feats
-        held = "by model" if family_measured else "by family"
+        held_out_by = "model" if family_measured else "family"
         basis = (f"fitted to {len(rows)} {runtime.name} {precision} measurement(s) of {len(fit.models)} models on "
-                 f"{fit.vendor_device} ({source_label(rows[0]).split(',')[0]}); error held out {held}")
+                 f"{fit.vendor_device} ({source_label(rows[0]).split(',')[0]}); error held out by {held_out_by}")
         if any("@" in t for t in fit.decode.features) and family_measured:
             basis += f"; decode at the {family} models' own byte rate"
         if not family_measured:
@@ -653,6 +654,7 @@ def vendor_projection(lm, plan, device: Device, runtime: DeviceRuntime, *, conte
         near = members[_nearest_in_bandwidth([b for _, b in members], device.memory_bandwidth_gbps)][0]
         rows, feats = near.rows, near.feats
         chipsets = len({m.rows[0]["chipset"] for m, _ in members})
+        held_out_by = "chipset"
         basis = (f"no {runtime.name} measurement of {device.name}: borrowed from {near.vendor_device}, the "
                  f"{device.device_class} device measured nearest in bandwidth, scaled by bandwidth; "
                  + (f"error held out by chipset among {chipsets} measured" if chipsets > 1 else
@@ -677,4 +679,4 @@ def vendor_projection(lm, plan, device: Device, runtime: DeviceRuntime, *, conte
         None if peak is None else int(peak * 1e6), _median_abs(errs["memory"]), len(errs["memory"]),
         _nearest(rows, feats, f, context), _points(rows, feats, moved["decode"], not fallback), notes,
         bytes_gb=f["weights_gb"] + f["kv_gb"], extrapolated=extrapolated, family=family,
-        family_measured=family_measured)
+        family_measured=family_measured, held_out_by=held_out_by)
