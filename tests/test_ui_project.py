@@ -80,6 +80,9 @@ def test_the_runtime_choice_and_the_vendor_evidence():
     fig = panel.figures["vendor"]
     measured = next(t for t in fig.data if t.name.startswith("Snapdragon 8 Elite: measured"))
     assert 56.7 in [round(y, 1) for y in measured.y] and len(measured.x) == len(elite.vendor.points)
+    held = [t for t in fig.data if t.name.startswith("Snapdragon 8 Elite: fit, each model held out")]
+    assert sorted(t.name.rsplit("(", 1)[1] for t in held) == ["llama rate)", "qwen3 rate)"]  # Genie: per family
+    assert sum(len(t.x) for t in held) == len(elite.vendor.points)
     star = next(t for t in fig.data if t.name == "Snapdragon 8 Elite: w4a16")
     assert star.y[0] == elite.vendor.decode_tps and star.error_y.array[0] > 0
     panel.runtime.value = "qairt"  # a named runtime: the Snapdragon takes it, the Rockchip board keeps its own

@@ -581,6 +581,7 @@ class VendorProjection:
     family: str | None = None  # the plan's model family (its architecture)
     family_measured: bool = True  # False: no measurement of its family here; the errors are held out by family
     held_out_by: str = "model"  # what each error left out: "model", "family" (a new family), "chipset" (borrowed)
+    per_family: bool = False  # decode projected at the plan's family's own byte rate
 
 
 def _median_abs(errs: list[float]) -> float | None:
@@ -602,10 +603,11 @@ def _nearest(rows: list[dict], feats: list[dict], f: dict, context: int) -> dict
 
 def _points(rows: list[dict], feats: list[dict], decode: LinearFit | None, own: bool) -> list[dict]:
     """The fit's measurements for the chart; ``held_out_tps``: what the fit projected for each with its model left
-    out (own measurements only; a borrowed fit was not made for this device)."""
+    out (own measurements only; a borrowed fit was not made for this device); ``family``: a per-family fit draws one
+    line per family."""
     errs = decode.held_out_at if own and decode is not None and decode.held_out_at else [None] * len(rows)
     return [{"model": r["model"], "vendor_device": r["vendor_device"], "context": r["context"],
-             "decode_tps": r["decode_tps"], "bytes_gb": f["weights_gb"] + f["kv_gb"],
+             "family": _family(r["shape"]), "decode_tps": r["decode_tps"], "bytes_gb": f["weights_gb"] + f["kv_gb"],
              "held_out_tps": None if e is None else r["decode_tps"] * (1 + e)} for r, f, e in zip(rows, feats, errs)]
 
 
@@ -624,7 +626,7 @@ def vendor_projection(lm, plan, device: Device, runtime: DeviceRuntime, *, conte
     f = features_of(b, kv_tokens=runtime.kv_tokens(context, prompt))
     own = [fit for fit in vendor_fits(device=device.key, runtime=runtime.name).values() if fit.precision == precision]
     family = family_of(lm)
-    family_measured = True
+    family_measured, per_family = True, False
     if own:
         fit = max(own, key=lambda x: len(x.rows))
         family_measured = family in fit.families
@@ -634,7 +636,8 @@ def vendor_projection(lm, plan, device: Device, runtime: DeviceRuntime, *, conte
         held_out_by = "model" if family_measured else "family"
         basis = (f"fitted to {len(rows)} {runtime.name} {precision} measurement(s) of {len(fit.models)} models on "
                  f"{fit.vendor_device} ({source_label(rows[0]).split(',')[0]}); error held out by {held_out_by}")
-        if any("@" in t for t in fit.decode.features) and family_measured:
+        per_family = family_measured and any("@" in t for t in fit.decode.features)
+        if per_family:
             basis += f"; decode at the {family} models' own byte rate"
         if not family_measured:
             notes.append(f"no {runtime.name} measurement of a {family or 'unnamed'} model on {fit.vendor_device} "
@@ -679,4 +682,4 @@ def vendor_projection(lm, plan, device: Device, runtime: DeviceRuntime, *, conte
         None if peak is None else int(peak * 1e6), _median_abs(errs["memory"]), len(errs["memory"]),
         _nearest(rows, feats, f, context), _points(rows, feats, moved["decode"], not fallback), notes,
         bytes_gb=f["weights_gb"] + f["kv_gb"], extrapolated=extrapolated, family=family,
-        family_measured=family_measured, held_out_by=held_out_by)
+        family_measured=family_measured, held_out_by=held_out_by, per_family=per_family)

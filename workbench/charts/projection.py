@@ -232,12 +232,17 @@ def make_vendor_fit_figure(projections: Mapping[str, Sequence]) -> go.Figure:
                             hovertemplate="%{customdata[0]}, context %{customdata[1]}: %{y:.1f} tok/s measured<br>"
                                           "%{x:.3f} GB read per token<extra></extra>")
             held = [q for q in pts if q.get("held_out_tps")]
-            if held:
-                fig.add_scatter(x=[q["bytes_gb"] for q in held], y=[q["held_out_tps"] for q in held],
-                                mode="markers+lines", name=f"{device}: fit, each model held out", legendgroup=device,
+            families = sorted({q.get("family") for q in held}, key=str) if v.per_family else [None]
+            for fam, dash in zip(families, ("dot", "dash", "dashdot", "longdash") * 4):
+                line = [q for q in held if fam is None or q.get("family") == fam]
+                if not line:
+                    continue
+                fig.add_scatter(x=[q["bytes_gb"] for q in line], y=[q["held_out_tps"] for q in line],
+                                mode="markers+lines", legendgroup=device,
+                                name=f"{device}: fit, each model held out" + (f" ({fam} rate)" if fam else ""),
                                 marker={"color": colour, "size": 9, "symbol": "circle-open"},
-                                line={"color": colour, "width": 1, "dash": "dot"},
-                                customdata=[[q["model"], q["decode_tps"]] for q in held],
+                                line={"color": colour, "width": 1, "dash": dash},
+                                customdata=[[q["model"], q["decode_tps"]] for q in line],
                                 hovertemplate="%{customdata[0]}: %{y:.1f} tok/s projected without it "
                                               "(measured %{customdata[1]:.1f})<extra></extra>")
         for label, p in ((lb, q) for lb, q in fitted if q.device == device):
