@@ -60,8 +60,8 @@ class DeviceRuntime:
     not_on: tuple[str, ...] = ()  # device profiles of its classes it does not run on, and why
     not_on_why: str = ""
     # decode fitted with a byte rate per model family where its measurements hold two or more families of two or
-    # more models each: AI Hub's Genie runs its Qwen3 builds 1.5-2.9x faster than QAIRT does and its Llama builds
-    # 1.0-1.4x, on every device it measured (`python bench/projection.py --residuals`, "rate / family")
+    # more models each: on every chip AI Hub measured but the X Elite, Genie runs its Qwen3 builds 1.14-2.93x as fast
+    # as QAIRT on the same binaries and its Llama builds 0.84-1.41x (`python bench/projection.py --residuals`)
     rate_per_family: bool = False
 
     def runs_on(self, device) -> bool:
