@@ -79,12 +79,16 @@ def _shape(name: str):
     return model_shape(name)
 
 
-def features_of(b: PlanBytes, *, kv_tokens: float) -> dict[str, float]:
+def features_of(b: PlanBytes, *, kv_tokens: float, family: str | None = None) -> dict[str, float]:
     """The quantities the fits use, in GB and TFLOP, from the shared byte accounting: ``kv_gb`` is the cache a
     decode step reads (``kv_tokens`` of it, ``DeviceRuntime.kv_tokens``), ``resident_gb`` the weights and the whole
-    cache at the context."""
-    return {"weights_gb": b.per_token / 1e9, "kv_gb": b.kv_per_token * kv_tokens / 1e9, "tflop": b.flops / 1e12,
-            "resident_gb": (b.weight_bytes + b.kv_bytes) / 1e9, "weight_bytes": b.weight_bytes}
+    cache at the context; ``weights_gb@<family>`` the weights again under the model's family, for a per-family
+    rate."""
+    f = {"weights_gb": b.per_token / 1e9, "kv_gb": b.kv_per_token * kv_tokens / 1e9, "tflop": b.flops / 1e12,
+         "resident_gb": (b.weight_bytes + b.kv_bytes) / 1e9, "weight_bytes": b.weight_bytes}
+    if family:
+        f[f"weights_gb@{family}"] = f["weights_gb"]
+    return f
 
 
 def measurement_features(row: dict) -> dict[str, float]:
@@ -92,8 +96,8 @@ def measurement_features(row: dict) -> dict[str, float]:
     prompt = row["prompt"] or 128
     b = plan_bytes(_shape(row["shape"]), rt.plan(row["precision"]), context=row["context"], prompt=prompt,
                    kv_bytes=rt.kv_bytes)
-    f = features_of(b, kv_tokens=rt.kv_tokens(row["context"], prompt, row.get("new_tokens")))
-    return {**f, f"weights_gb@{_family(row['shape'])}": f["weights_gb"]}
+    return features_of(b, kv_tokens=rt.kv_tokens(row["context"], prompt, row.get("new_tokens")),
+                       family=_family(row["shape"]))
 
 
 def _runtime_name(measured: str) -> str:
@@ -196,6 +200,11 @@ class LinearFit:
         return statistics.median(abs(e) for e in self.held_out_family) if self.held_out_family else None
 
 
+def _per_family(terms: tuple[str, ...]) -> bool:
+    """Terms with a rate per family (``weights_gb@qwen3``): they say nothing of a family they were not fitted to."""
+    return any("@" in t for t in terms)
+
+
 def _value(name: str, f: dict[str, float]) -> float:
     """A term's value; a per-family term (``weights_gb@qwen3``) reads 0 for a row or plan of another family."""
     return 1.0 if name == "1" else sum(f.get(p, 0.0) if "@" in p else f[p] for p in name.split("+"))
@@ -238,17 +247,17 @@ def _fit(target: str, rows: list[dict], feats: list[dict], terms: tuple[str, ...
     return LinearFit(target, terms, tuple(coef))
 
 
-def _fit_with_held_out(target: str, rows: list[dict], feats: list[dict],
-                       terms: tuple[str, ...] | None = None, loss: str = "squares") -> LinearFit | None:
+def _fit_with_held_out(target: str, rows: list[dict], feats: list[dict], terms: tuple[str, ...] | None = None,
+                       loss: str = "squares", by_family: bool = False) -> LinearFit | None:
     """The fit to every row, with each model's rows projected by a fit to the others (``terms``: fixed, else each
-    fit's own choice; ``loss``: on relative error, ``SOLVERS``), and each family's by a fit to the other families
-    (not for per-family terms, which have nothing to say of a family left out)."""
+    fit's own choice; ``loss``: on relative error, ``SOLVERS``); ``by_family``: each family's rows too, by a fit to
+    the other families (not for per-family terms, which have nothing to say of a family left out)."""
     full = _fit(target, rows, feats, terms, loss)
     if full is None:
         return None
     full.held_out_at = _left_out(target, rows, feats, terms, loss, key=lambda r: r["shape"])
     full.held_out = [e for e in full.held_out_at if e is not None]
-    if not any("@" in t for t in full.features) and len({_family(r["shape"]) for r in rows}) >= 2:
+    if by_family and not _per_family(full.features) and len({_family(r["shape"]) for r in rows}) >= 2:
         by_family = _left_out(target, rows, feats, terms, loss, key=lambda r: _family(r["shape"]))
         full.held_out_family = [e for e in by_family if e is not None]
     return full
@@ -282,13 +291,10 @@ class RuntimeFit:
     rows: list[dict]
     feats: list[dict]  # each row's features (measurement_features), computed once
     decode: LinearFit | None  # for a plan of a family measured here (per-family rates where the runtime has them)
+    decode_any: LinearFit | None  # one rate for every family (``decode`` itself without per-family rates): a plan
+    # of a family not measured here, and what a device of the class borrows
     ttft: LinearFit | None
     memory: LinearFit | None
-    decode_any: LinearFit | None = None  # one rate for every family: a plan of a family not measured here
-
-    def __post_init__(self):
-        if self.decode_any is None:
-            self.decode_any = self.decode
 
     @property
     def models(self) -> list[str]:
@@ -306,13 +312,13 @@ def _fit_group(rows: list[dict]) -> RuntimeFit:
     feats = [measurement_features(r) for r in rows]
     r0 = rows[0]
     runtime = _runtime_name(r0["runtime"])
-    decode_any = _fit_with_held_out("decode_ms", rows, feats)
+    decode_any = _fit_with_held_out("decode_ms", rows, feats, by_family=True)
     per_family = _family_terms(rows) if get_runtime(runtime).rate_per_family else None
     decode = _fit_with_held_out("decode_ms", rows, feats, per_family) if per_family else decode_any
-    ttft = _fit_with_held_out("ttft_ms", rows, feats)
-    memory = _fit_with_held_out("peak_mb", rows, feats)
-    return RuntimeFit(r0["vendor_device"], runtime, r0["precision"], r0["device"], rows, feats, decode, ttft, memory,
-                      decode_any)
+    ttft = _fit_with_held_out("ttft_ms", rows, feats, by_family=True)
+    memory = _fit_with_held_out("peak_mb", rows, feats, by_family=True)
+    return RuntimeFit(r0["vendor_device"], runtime, r0["precision"], r0["device"], rows, feats, decode, decode_any,
+                      ttft, memory)
 
 
 @lru_cache(maxsize=4)
@@ -380,8 +386,7 @@ def study_features(row: dict, feat: dict[str, float]) -> dict[str, float]:
     whole = 4.0 * layers * heads * head_dim * prompt * row["context"] / 1e12
     return {**feat, "parts": float(row.get("parts") or 0), "layers": float(layers),
             "vocab": lm.config.vocab_size / 1e5, "lm_head_gb": lm_head, "body_gb": feat["weights_gb"] - lm_head,
-            f"weights_gb@{_family(row['shape'])}": feat["weights_gb"], f"tflop@{_family(row['shape'])}": feat["tflop"],
-            "kv_prompt_gb": kv_per_token * prompt,
+            f"tflop@{_family(row['shape'])}": feat["tflop"], "kv_prompt_gb": kv_per_token * prompt,
             "tflop_ctx": feat["tflop"] - causal + whole if rt.kv_read == "allocated" else feat["tflop"]}
 
 
@@ -391,12 +396,7 @@ def _swap(terms: tuple[str, ...] | None, old: str, new: str) -> tuple[str, ...] 
 
 def _study_rows(fit: RuntimeFit) -> tuple[list[dict], list[str]]:
     feats = [study_features(r, f) for r, f in zip(fit.rows, fit.feats)]
-    families = sorted({_family(r["shape"]) for r in fit.rows})
-    for f in feats:
-        for fam in families:
-            f.setdefault(f"weights_gb@{fam}", 0.0)
-            f.setdefault(f"tflop@{fam}", 0.0)
-    return feats, families
+    return feats, fit.families
 
 
 def residual_study(fit: RuntimeFit, target: str = "decode_ms") -> dict[str, float | None]:
@@ -430,8 +430,7 @@ def residual_study(fit: RuntimeFit, target: str = "decode_ms") -> dict[str, floa
     for name, loss in (("least |err|", "absolute"), ("one / shape", "squares / shape")):
         lf = _fit_with_held_out(target, fit.rows, feats, fitted, loss=loss) if fitted else None
         out[name] = lf.median_error if lf else None
-    choices = {n: t for n, t in options.items()
-               if t and n not in PLAN_UNKNOWN and not any("@" in term for term in t)}
+    choices = {n: t for n, t in options.items() if t and n not in PLAN_UNKNOWN and not _per_family(t)}
     out["chosen / fold"] = _median_abs(_chosen_per_fold(target, fit.rows, feats, choices))
     return out
 
@@ -623,9 +622,9 @@ def vendor_projection(lm, plan, device: Device, runtime: DeviceRuntime, *, conte
     precision, note = runtime.precision_label(plan)
     notes = [note] if note else []
     b = counted or plan_bytes(lm, plan, context=context, prompt=prompt, kv_bytes=runtime.kv_bytes)
-    f = features_of(b, kv_tokens=runtime.kv_tokens(context, prompt))
-    own = [fit for fit in vendor_fits(device=device.key, runtime=runtime.name).values() if fit.precision == precision]
     family = family_of(lm)
+    f = features_of(b, kv_tokens=runtime.kv_tokens(context, prompt), family=family)
+    own = [fit for fit in vendor_fits(device=device.key, runtime=runtime.name).values() if fit.precision == precision]
     family_measured, per_family = True, False
     if own:
         fit = max(own, key=lambda x: len(x.rows))
@@ -636,7 +635,7 @@ def vendor_projection(lm, plan, device: Device, runtime: DeviceRuntime, *, conte
         held_out_by = "model" if family_measured else "family"
         basis = (f"fitted to {len(rows)} {runtime.name} {precision} measurement(s) of {len(fit.models)} models on "
                  f"{fit.vendor_device} ({source_label(rows[0]).split(',')[0]}); error held out by {held_out_by}")
-        per_family = family_measured and any("@" in t for t in fit.decode.features)
+        per_family = family_measured and _per_family(fit.decode.features)
         if per_family:
             basis += f"; decode at the {family} models' own byte rate"
         if not family_measured:
@@ -670,8 +669,6 @@ def vendor_projection(lm, plan, device: Device, runtime: DeviceRuntime, *, conte
         notes.append(f"this plan reads {f['weights_gb']:.3g} GB of weights per token, outside the "
                      f"{min(measured_gb):.3g}-{max(measured_gb):.3g} GB its measurements read: an extrapolation, "
                      "which the held-out error does not cover")
-    if family:
-        f = {**f, f"weights_gb@{family}": f["weights_gb"]}
     decode_ms = moved["decode"](f) if moved["decode"] else None
     ttft = moved["ttft"](f) if moved["ttft"] else None
     peak = moved["memory"](f) if moved["memory"] else None

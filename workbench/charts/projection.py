@@ -9,6 +9,7 @@ Every number comes from ``workbench.profile`` and ``workbench.projection``: thes
 """
 from __future__ import annotations
 
+import itertools
 from typing import Mapping, Sequence
 
 import plotly.graph_objects as go
@@ -233,7 +234,7 @@ def make_vendor_fit_figure(projections: Mapping[str, Sequence]) -> go.Figure:
                                           "%{x:.3f} GB read per token<extra></extra>")
             held = [q for q in pts if q.get("held_out_tps")]
             families = sorted({q.get("family") for q in held}, key=str) if v.per_family else [None]
-            for fam, dash in zip(families, ("dot", "dash", "dashdot", "longdash") * 4):
+            for fam, dash in zip(families, itertools.cycle(("dot", "dash", "dashdot", "longdash"))):
                 line = [q for q in held if fam is None or q.get("family") == fam]
                 if not line:
                     continue
