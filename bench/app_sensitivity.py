@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from workbench.ui.app import WorkbenchApp  # noqa: E402
-from workbench.workspace import Workspace  # noqa: E402
+from workbench.files.workspace import Workspace  # noqa: E402
 
 GOAL_SECONDS = 30.0
 

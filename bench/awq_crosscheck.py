@@ -25,9 +25,9 @@ def main() -> None:
     args = ap.parse_args()
     import torch
 
-    from workbench.evaluate import read_text
+    from workbench.evaluation.evaluate import read_text
     from workbench.assets import demo_text_path
-    from workbench.models import load_model
+    from workbench.model.load import load_model
     from workbench.quantize.crosscheck import AutoAwqUnavailable, calibration_texts, compare_with_autoawq, patched_autoawq
     if args.threads:
         torch.set_num_threads(args.threads)

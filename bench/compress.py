@@ -35,15 +35,15 @@ def main() -> None:
     ap.add_argument("--out", default="/tmp/compress-bench")
     args = ap.parse_args()
 
-    from workbench.distill import DistillConfig, distill
-    from workbench.evaluate import capture_reference, paired_difference
+    from workbench.compress.distill import DistillConfig, distill
+    from workbench.evaluation.evaluate import capture_reference, paired_difference
     from workbench.onnx.export import export_onnx
-    from workbench.models import load_model
-    from workbench.plan import QuantPlan
-    from workbench.prune import PrunePlan, head_and_channel_importance, measure_point, prune
+    from workbench.model.load import load_model
+    from workbench.quantize.plan import QuantPlan
+    from workbench.compress.prune import PrunePlan, head_and_channel_importance, measure_point, prune
     from workbench.quantize import quantize_model
-    from workbench.sensitivity import evaluation_tokens
-    from workbench.workspace import Workspace
+    from workbench.precision.sensitivity import evaluation_tokens
+    from workbench.files.workspace import Workspace
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

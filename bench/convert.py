@@ -19,9 +19,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from workbench.convert import GAP_TOP1, convert, prepare_models
+from workbench.targets.convert import GAP_TOP1, convert, prepare_models
 from workbench.onnx.export import export_onnx
-from workbench.models import load_model
+from workbench.model.load import load_model
 
 TARGETS = ("ort-int4", "mnn", "ort-qdq", "qnn", "tensorrt", "rknn")
 

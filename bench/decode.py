@@ -13,7 +13,7 @@ weights (``-p int4 -e cpu``, at block 32, its default, and 128) and llama.cpp (`
 ``llama-quantize`` to each ``--gguf`` type, ``llama-bench``). Every artifact decodes ``--steps`` tokens on ``--threads`` threads after a
 ``--prompt``-token prompt (llama-bench: ``-p 0 -n STEPS``, its own loop from an empty context);
 the table gives tokens/s, the bytes one decode step reads (the weights, an embedding table one row),
-and the fraction of this host's read-bandwidth bound (``workbench.profile.host_bandwidth``) reached.
+and the fraction of this host's read-bandwidth bound (``workbench.run.profile.host_bandwidth``) reached.
 Artifacts are timed in rounds (each once a round, its fastest round kept), so a load that comes
 and goes on a shared machine falls on all of them. Absent tools are reported as absent, never left out.
 Keeps under 4 GB resident on the 301 M shape.
@@ -143,9 +143,9 @@ def folder_bytes(*paths: Path) -> int:
 def build_workbench(model_dir: Path, out: Path, group_sizes: list[int], with_int4: bool, say) -> dict[int, int]:
     """The float export, an ``ort-genai`` folder per group size and (optionally, at the first) the ``ort-int4``
     graphs, each from one quantized model; returns the plan's stored layer bytes per group size."""
-    from workbench.convert import prepare_models
+    from workbench.targets.convert import prepare_models
     from workbench.onnx.export import export_onnx
-    from workbench.plan import QuantPlan
+    from workbench.quantize.plan import QuantPlan
     from workbench.targets.ort_genai import build_fused_onnx, write_genai_folder
     from workbench.targets.ort_int4 import build_nbits_onnx
     stored = {}
@@ -189,7 +189,7 @@ def measure(args, say=print) -> tuple[list[Row], float]:
     import numpy as np
 
     from workbench.onnx.inspect import decode_step_bytes
-    from workbench.profile import host_bandwidth
+    from workbench.run.profile import host_bandwidth
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     shape = TINY if args.tiny else SHAPE

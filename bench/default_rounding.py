@@ -9,7 +9,7 @@ Each row quantizes every linear layer at the width (embeddings and tied output f
 top-1 agreement, perplexity, and the time the rounding took. The configurations:
 
 - ``default``: what `workbench quantize MODEL --bits N` does now (the plan's defaults, importance from the
-  default calibration statistics: ``workbench.calibrate.importance_statistics``);
+  default calibration statistics: ``workbench.model.calibrate.importance_statistics``);
 - ``15`` / ``15+imp``: the 15-level symmetric grid (max / (2^(b-1) - 1)) with the scale search, without / with
   the importance;
 - ``16`` / ``16+imp``: the 16-level grid (llama.cpp's Q4_0 / Q5_0 layout) with the scale search and its
@@ -71,9 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from workbench.calibrate import importance_statistics
-    from workbench.models import load_model
-    from workbench.plan import QuantPlan
+    from workbench.model.calibrate import importance_statistics
+    from workbench.model.load import load_model
+    from workbench.quantize.plan import QuantPlan
     from workbench.quantize import heldout_ids, measure_cost, measure_reference, quantize_model
     from quality import evaluate_weights
     from real_models import reference_weights

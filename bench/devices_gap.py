@@ -9,9 +9,9 @@ against the float model (KL, top-1) for prefill and decode where it has them, wi
 Each target runs in a child process of its own, so its peak resident memory is its own (RKNN: the larger of
 that process and the toolkit's subprocess). A graph whose KL to the float model exceeds the simulation's by
 ``GAP_KL_RATIO`` (+ ``GAP_KL_FLOOR``), or whose top-1 agreement with the simulation is below ``GAP_TOP1``
-(the rules ``workbench.convert`` flags conversions by), or that differs from CPU QDQ on the HTP by more than
+(the rules ``workbench.targets.convert`` flags conversions by), or that differs from CPU QDQ on the HTP by more than
 ``HTP_GAP_KL`` (``convert --target qnn --soc``'s rule), is flagged. A target whose toolchain is not installed
-is a row saying what to install. The measuring is ``workbench.devices_gap`` (the app's Export tab and
+is a row saying what to install. The measuring is ``workbench.run.devices_gap`` (the app's Export tab and
 ``workbench report`` use it too); this is its command line. The rows are also written to
 ``WORK/devices_gap.json``.
 """
@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from workbench.devices_gap import HTP_WINDOWS, PROMPT, TARGETS, format_table, measure_devices_gap  # noqa: E402
+from workbench.run.devices_gap import HTP_WINDOWS, PROMPT, TARGETS, format_table, measure_devices_gap  # noqa: E402
 from workbench.cli.common import add_backend_arguments, backend_from_args  # noqa: E402
 from workbench.errors import WorkbenchError  # noqa: E402
 

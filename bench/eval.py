@@ -5,7 +5,7 @@
 Prints, on the bundled held-out text:
 - the model's strided perplexity, the vocabulary size, and a unigram model's perplexity (token
   frequencies of the training text, add-one smoothed) on the same tokens;
-- evaluation throughput (tokens/s, best of N after a warm-up) of ``workbench.evaluate`` next to a
+- evaluation throughput (tokens/s, best of N after a warm-up) of ``workbench.evaluation.evaluate`` next to a
   plain transformers forward loop over the same windows (batch 1, labels, ``.loss``), and the ratio;
 - a greedy generation sample.
 """
@@ -19,7 +19,7 @@ import time
 import torch
 
 from workbench import encode_text, evaluate, load_model, read_text
-from workbench.evaluate import strided_windows
+from workbench.evaluation.evaluate import strided_windows
 from workbench.assets import demo_text_path
 
 

@@ -26,7 +26,7 @@ def main() -> None:
     args = ap.parse_args()
     import torch
 
-    from workbench.finetune import FinetuneConfig, finetune_lora
+    from workbench.compress.finetune import FinetuneConfig, finetune_lora
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg = FinetuneConfig(steps=args.steps, rank=args.rank, lr=args.lr, batch_size=args.batch_size,

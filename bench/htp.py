@@ -30,10 +30,10 @@ sys.path.insert(0, str(ROOT))
 
 def prepare(model: str, work: Path, static: tuple[int, int], recipe: bool = False):
     """Float static graphs and their QDQ twin (``ort-qdq``'s; INT8, or Qualcomm's recipe), with held-out tokens."""
-    from workbench.convert import convert
-    from workbench.evaluate import encode_text, read_text
+    from workbench.targets.convert import convert
+    from workbench.evaluation.evaluate import encode_text, read_text
     from workbench.assets import demo_text_path
-    from workbench.models import load_model
+    from workbench.model.load import load_model
     from workbench.targets.qnn import recipe_plan
     plan = {"plan": recipe_plan()} if recipe else {"bits": 8}
     report = convert(model, "qnn", work, static=static, evaluate_outputs=False, **plan)

@@ -6,7 +6,7 @@ traits (input outlier channels, heavy-tailed weights, place), on the real models
 Per model (fetched as bench/real_models.py does): calibration statistics from the bundled calibration text,
 every layer quantized alone at int4 in 32-weight groups on the 16-level grid with the scale search (the layout
 the workbench writes as Q4_0) and its KL measured on the held-out text (``--score proxy``: the Fisher
-estimate, one pass), then ``workbench.layer_difficulty``: the hardest layers with what stands out about them,
+estimate, one pass), then ``workbench.precision.layer_difficulty``: the hardest layers with what stands out about them,
 each trait's rank correlation with the damage, and the damage's share by place and by layer type. The chart
 (``make_difficulty_figure``) is written beside the models as NAME-difficulty.html. Wall time and peak memory
 of each step are printed.
@@ -35,12 +35,12 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=12, help="hardest layers listed")
     ap.add_argument("--json", type=Path, help="also write every row and summary here")
     args = ap.parse_args()
-    from workbench.calibrate import calibrate
+    from workbench.model.calibrate import calibrate
     from workbench.charts.precision import make_difficulty_figure
-    from workbench.layer_difficulty import difficulty_summary, layer_difficulty
-    from workbench.models import load_model
-    from workbench.sensitivity import run_sensitivity
-    from workbench.workspace import Workspace
+    from workbench.precision.layer_difficulty import difficulty_summary, layer_difficulty
+    from workbench.model.load import load_model
+    from workbench.precision.sensitivity import run_sensitivity
+    from workbench.files.workspace import Workspace
 
     everything = {}
     for name in args.models.split(","):

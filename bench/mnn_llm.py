@@ -39,8 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args(argv)
 
-    from workbench.convert import prepare_models
-    from workbench.memory import release_freed_memory, reset_peak_rss, rss_mb
+    from workbench.targets.convert import prepare_models
+    from workbench.numerics.memory import release_freed_memory, reset_peak_rss, rss_mb
     from workbench.targets.mnn_llm import write_mnn_llm_folder
 
     model = build_shape(args.shape, Path(args.models_dir).expanduser() / shape_label(args.shape, args.layers),

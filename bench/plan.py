@@ -29,12 +29,12 @@ from pathlib import Path
 
 import torch
 
-from workbench.autoplan import compare_points, measure_plan, plan_footprint, plan_for_budget
-from workbench.models import load_model, resolve_model_path
-from workbench.plan import QuantPlan
-from workbench.sensitivity import DEFAULT_SWEEP_TOKENS, PlanEvaluator, evaluation_tokens, run_sensitivity
+from workbench.precision.autoplan import compare_points, measure_plan, plan_footprint, plan_for_budget
+from workbench.model.load import load_model, resolve_model_path
+from workbench.quantize.plan import QuantPlan
+from workbench.precision.sensitivity import DEFAULT_SWEEP_TOKENS, PlanEvaluator, evaluation_tokens, run_sensitivity
 from workbench.ui.overrides import OverridePanel
-from workbench.workspace import Workspace
+from workbench.files.workspace import Workspace
 
 
 def time_panel_evaluate(lm, sens, tokens: int, repeats: int = 7) -> dict:

@@ -24,8 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from workbench.devices import get_device  # noqa: E402
-from workbench.projection import (DEFAULT_CONTEXT, check_claim, check_memory_claim, fit_efficiency,  # noqa: E402
+from workbench.devices.profiles import get_device  # noqa: E402
+from workbench.devices.projection import (DEFAULT_CONTEXT, check_claim, check_memory_claim, fit_efficiency,  # noqa: E402
                                   model_shape, plan_from_spec, project, published_measurements)
 
 
@@ -77,8 +77,8 @@ def _tally(fits: list, label: str) -> str:
 
 
 def vendor_table() -> None:
-    from workbench.devices import load_devices
-    from workbench.vendor_fit import class_transfer_errors, vendor_fits
+    from workbench.devices.profiles import load_devices
+    from workbench.devices.vendor_fit import class_transfer_errors, vendor_fits
     profiles = load_devices()
     head = (f"{'device':<24} {'runtime':<14} {'prec.':<10} {'models':>6} {'rows':>4}  {'decode':>8} {'max':>5} {'twins':>6}  "
             f"{'TTFT':>7}  {'memory':>7}  {'new fam.':>9}  {'GB/s eff.':>9}  {'profile':<30} decode fit (ms per token)")
@@ -125,7 +125,7 @@ CASES = (  # `workbench project` invocations beside the vendor figure of the sam
 
 
 def vendor_cases() -> None:
-    from workbench.device_runtimes import get_runtime
+    from workbench.devices.runtimes import get_runtime
     print(f"{'case':<56} {'projected':>9} {'measured':>8} {'ratio':>6}  {'memory MB':>9} {'measured':>8}  held-out error")
     for shape, device, rt, prec, ctx, prompt, label, measured, mem in CASES:
         plan = get_runtime(rt).plan(prec)
@@ -145,7 +145,7 @@ def residuals() -> None:
     """Which feature, if any, the residuals follow: each group's held-out median error of decode and of the first token
     with other term sets and a fit on absolute error, each family's in-sample decode error, how much of each miss one
     build's rows carry, and Genie against QAIRT on the same chip (`python bench/projection.py --residuals`)."""
-    from workbench.vendor_fit import (family_residuals, residual_study, runtime_ratios, vendor_fits,
+    from workbench.devices.vendor_fit import (family_residuals, residual_study, runtime_ratios, vendor_fits,
                                       without_each_model)
     fits = [f for f in vendor_fits().values() if len(f.models) >= 4 and not f.rows[0].get("reference_chipset")]
     for what, target, tail in (("decode", "decode_ms", "  in sample, per family"), ("ttft", "ttft_ms", "")):
@@ -222,7 +222,7 @@ def main() -> None:
     print()
     for v in verdicts:
         print(v)
-    from workbench.plan import PRECISIONS
+    from workbench.quantize.plan import PRECISIONS
     seven_b = model_shape("qwen2.5-7b")
     fewest = min(p.bits for p in PRECISIONS.values())
     claim = check_memory_claim(seven_b.parameters, 0.0093, bits=fewest)

@@ -161,7 +161,7 @@ def load_gguf_weights(lm, reader, dequantize) -> dict[str, torch.Tensor]:
 
 def evaluate_weights(lm, weights: dict[str, torch.Tensor], baseline):
     """KL of the float model with ``weights`` swapped in, on the baseline's chunks; the model is restored."""
-    from workbench.evaluate import evaluate
+    from workbench.evaluation.evaluate import evaluate
     modules = dict(lm.model.named_modules())
     saved = {n: modules[n].weight for n in weights}
     try:
@@ -206,11 +206,11 @@ def best_plans(lm, baseline, sizes, *, configs, calibration, workspace, sweep_to
     with ``target``, among the precisions that target carries (what it can ship). ``offset``: bits/weight
     the shipped file adds beyond the plan's count (a GGUF's float32 norms), taken off each budget.
     The winner keeps its quantized model (``qm``) for writing."""
-    from workbench.autoplan import plan_for_budget
+    from workbench.precision.autoplan import plan_for_budget
     from workbench.errors import PlanError
-    from workbench.plan import PRECISIONS
+    from workbench.quantize.plan import PRECISIONS
     from workbench.quantize import measure_cost, quantize_model
-    from workbench.sensitivity import run_sensitivity, sweep_precisions
+    from workbench.precision.sensitivity import run_sensitivity, sweep_precisions
     from workbench.targets import get_target
     sweeps = {}
     for gs, sym in configs:
@@ -292,12 +292,12 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    from workbench.calibrate import calibrate
-    from workbench.evaluate import paired_difference
+    from workbench.model.calibrate import calibrate
+    from workbench.evaluation.evaluate import paired_difference
     from workbench.assets import demo_text_path
-    from workbench.models import load_model
+    from workbench.model.load import load_model
     from workbench.quantize import heldout_ids, measure_reference
-    from workbench.workspace import Workspace
+    from workbench.files.workspace import Workspace
 
     log = (lambda *a, **k: print(*a, file=sys.stderr, **k)) if args.json else print
     configs = [(int(c[:-1]), c[-1] == "s") for c in args.configs.split(",")]

@@ -44,18 +44,18 @@ METHODS = [("INT8 RTN", 8, "rtn"), ("INT4 RTN", 4, "rtn"), ("INT4 AWQ", 4, "awq"
 
 def run_one(args) -> None:
     """Child: quantize once to warm up, once timed; save; print one JSON line."""
-    from workbench.memory import reset_peak_rss, rss_mb, settled_rss_mb
-    from workbench.models import load_model
-    from workbench.plan import QuantPlan
+    from workbench.numerics.memory import reset_peak_rss, rss_mb, settled_rss_mb
+    from workbench.model.load import load_model
+    from workbench.quantize.plan import QuantPlan
     from workbench.quantize import CALIBRATED_METHODS, quantize_model
-    from workbench.workspace import Workspace
+    from workbench.files.workspace import Workspace
     if args.threads:
         torch.set_num_threads(args.threads)
     lm = load_model(args.model, dtype="float32")
     plan = QuantPlan.uniform(f"int{args.bits}", group_size=args.group_size or None, method=args.method)
     calibration = None
     if args.method in CALIBRATED_METHODS:  # statistics were computed by the parent: read back from the workspace
-        from workbench.calibrate import calibrate
+        from workbench.model.calibrate import calibrate
         calibration = calibrate(lm, samples=args.samples, seq_len=args.seq_len, workspace=Workspace(args.workspace),
                                 progress=False)
         # warm-up on a small slice, so one-time costs (allocator, kernels) are not in the timed run
@@ -90,9 +90,9 @@ WIDTH_ROWS = ["int8", "int8-lpbq", "int6", "int5", "int3", "int2"]
 
 def run_formats(args) -> None:
     """KL and stored bits per weight of every scale format and width on the held-out text (see the docstring)."""
-    from workbench.data import load_calibration_set
-    from workbench.models import load_model
-    from workbench.plan import QuantPlan
+    from workbench.evaluation.data import load_calibration_set
+    from workbench.model.load import load_model
+    from workbench.quantize.plan import QuantPlan
     from workbench.quantize import heldout_ids, measure_cost, measure_reference, quantize_model
     lm = load_model(args.model, dtype="float32")
     ids = heldout_ids(lm, max_tokens=args.eval_tokens or None, ctx=args.ctx)
@@ -134,12 +134,12 @@ def _search_configs(text: str) -> list[tuple[str, int | None, bool]]:
 
 def run_scale_search(args) -> None:
     """KL without and with the scale search, per method and precision (see the docstring)."""
-    from workbench.calibrate import calibrate
-    from workbench.evaluate import paired_difference
-    from workbench.models import load_model
-    from workbench.plan import QuantPlan
+    from workbench.model.calibrate import calibrate
+    from workbench.evaluation.evaluate import paired_difference
+    from workbench.model.load import load_model
+    from workbench.quantize.plan import QuantPlan
     from workbench.quantize import CALIBRATED_METHODS, heldout_ids, measure_cost, measure_reference, quantize_model
-    from workbench.workspace import Workspace
+    from workbench.files.workspace import Workspace
     lm = load_model(args.model, dtype="float32")
     ids = heldout_ids(lm, max_tokens=args.eval_tokens or None, ctx=args.ctx)
     baseline = measure_reference(lm.model, ids, ctx=args.ctx, progress=False)
@@ -209,9 +209,9 @@ def main() -> None:
     if args.scale_search:
         return run_scale_search(args)
 
-    from workbench.evaluate import paired_difference
-    from workbench.models import load_model
-    from workbench.models import load_quantized
+    from workbench.evaluation.evaluate import paired_difference
+    from workbench.model.load import load_model
+    from workbench.model.load import load_quantized
     from workbench.quantize import heldout_ids, measure_cost, measure_reference
     from workbench.quantize.storage import weight_file_bytes
 
@@ -225,8 +225,8 @@ def main() -> None:
              "size": weight_file_bytes(lm.path)}]
     reports = {}
     with tempfile.TemporaryDirectory() as tmp:
-        from workbench.calibrate import calibrate
-        from workbench.workspace import Workspace
+        from workbench.model.calibrate import calibrate
+        from workbench.files.workspace import Workspace
         t0 = time.perf_counter()
         calibrate(lm, samples=args.samples, seq_len=args.seq_len, workspace=Workspace(Path(tmp) / "ws"), progress=False)
         calib_seconds = time.perf_counter() - t0

@@ -186,7 +186,7 @@ def reference_weights(lm, kind: str, plan) -> dict[str, torch.Tensor]:
 
 def uniform_plan(bits: int, **fields):
     """Every linear layer at ``int{bits}`` in 32-weight groups, the embedding and output layer at float16."""
-    from workbench.plan import QuantPlan
+    from workbench.quantize.plan import QuantPlan
     plan = QuantPlan.uniform(f"int{bits}", group_size=32, symmetric=True, **fields)
     return plan
 
@@ -226,7 +226,7 @@ def plan_fields() -> dict:
 
 def mirror_plan(lm, tensor_types: dict[str, str]):
     """The plan giving each layer the workbench layout of the type llama.cpp stored its tensor in."""
-    from workbench.plan import QuantPlan
+    from workbench.quantize.plan import QuantPlan
     plan = QuantPlan.uniform("int4", **plan_fields())
     for layer, gname in layer_gguf_names(lm).items():
         kind = tensor_types.get(gname)
@@ -246,7 +246,7 @@ def tie_rules(lm, plan):
 
 def tensor_bytes(lm, plan) -> int:
     """Bytes of every tensor of the plan's GGUF: layers at their layouts, norms and biases float32."""
-    from workbench.plan import get_precision
+    from workbench.quantize.plan import get_precision
     total = 0
     for info in lm.layers:
         if info.tied_to:
@@ -260,7 +260,7 @@ def tensor_bytes(lm, plan) -> int:
 def layout_for(info, precision: str) -> str:
     """``int4`` / ``int5`` as their k-layout where the layer's inputs fill 256-weight blocks; a k-layout that
     does not fit as its 32-weight stand-in."""
-    from workbench.plan import get_precision
+    from workbench.quantize.plan import get_precision
     k = K_LAYOUT.get(precision)
     if k and not get_precision(k).misfit(info.shape[1]):
         return k
@@ -270,7 +270,7 @@ def layout_for(info, precision: str) -> str:
 def fill_plan(lm, budget: int, embed: str, low: str, high: str):
     """Embedding at ``embed``, linear layers at ``low``, raised to ``high`` in ``ROLE_ORDER`` while the GGUF's
     tensors stay within ``budget`` bytes."""
-    from workbench.plan import QuantPlan
+    from workbench.quantize.plan import QuantPlan
     plan = QuantPlan.uniform("int4", **plan_fields())
     linear = [info for info in lm.layers if info.kind != "embedding" and not info.tied_to]
     for info in lm.layers:
@@ -289,8 +289,8 @@ def fill_plan(lm, budget: int, embed: str, low: str, high: str):
 def auto_plan(lm, budget: int, sensitivity):
     """The knapsack's plan (``autoplan.plan_for_budget``) from a sweep of ``AUTO_CHOICES`` whose GGUF tensors stay
     within ``budget`` bytes: each layer the layout that buys the least estimated damage per byte."""
-    from workbench.autoplan import plan_for_budget
-    from workbench.plan import QuantPlan
+    from workbench.precision.autoplan import plan_for_budget
+    from workbench.quantize.plan import QuantPlan
     floor = QuantPlan.uniform("int4", **plan_fields())
     norms = tensor_bytes(lm, floor) - lm.size_bytes(floor)  # the GGUF keeps norms at float32, the planner at fp16
     auto = plan_for_budget(lm, sensitivity, size_bytes=budget - norms, choices=AUTO_CHOICES)
@@ -308,8 +308,8 @@ def auto_plan(lm, budget: int, sensitivity):
 def auto_sweep(lm, ids, root: Path, tokens: int, ctx: int, log):
     """The Fisher-proxy sweep of every layer at ``AUTO_CHOICES``' integer layouts on calibration tokens (never the
     held-out text), with the plans' rounding; cached in ``root``'s workspace."""
-    from workbench.sensitivity import run_sensitivity
-    from workbench.workspace import Workspace
+    from workbench.precision.sensitivity import run_sensitivity
+    from workbench.files.workspace import Workspace
     t0 = time.perf_counter()
     fields = plan_fields()
     report = run_sensitivity(lm, ids=ids, tokens=tokens, ctx=ctx, precisions=[p for p in AUTO_CHOICES if p != "fp16"],
@@ -487,9 +487,9 @@ def workbench_row(llama, lm, label: str, method: str, how: str, lrows: list[dict
 
 def run_rows(runs: list, row, workers: int = 1, threads: int = 1) -> list[dict]:
     """``row(run)`` for every run, in the order of ``runs``: one after another here, or side by side on ``workers``
-    forked processes of ``threads`` torch threads each (``workbench.sweep_backends.ProcessBackend``), sharing the
+    forked processes of ``threads`` torch threads each (``workbench.model.sweep_backends.ProcessBackend``), sharing the
     loaded model, its calibration and the float logits; rows are independent: each writes and scores its own GGUF."""
-    from workbench.sweep_backends import ProcessBackend
+    from workbench.model.sweep_backends import ProcessBackend
     if workers <= 1:
         return [row(run) for run in runs]
     got: dict[int, dict] = {}
@@ -527,10 +527,10 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="also write every figure here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from workbench.calibrate import calibrate
-    from workbench.models import load_model
+    from workbench.model.calibrate import calibrate
+    from workbench.model.load import load_model
     from workbench.quantize import heldout_ids, measure_reference
-    from workbench.workspace import Workspace
+    from workbench.files.workspace import Workspace
 
     log = print
     llama = quality.LlamaCpp.find(args.llama_cpp)

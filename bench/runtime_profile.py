@@ -18,7 +18,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="runtime threads (default 1)")
     args = ap.parse_args()
     from workbench.cli import main as workbench
-    from workbench.profile import build_candidates
+    from workbench.run.profile import build_candidates
     with tempfile.TemporaryDirectory() as tmp:
         out = build_candidates(args.model, tmp, bits=4, candidates=args.candidates.split(","))
         print(f"model {args.model}, uniform INT4 g128 for the converted candidates")

@@ -18,11 +18,11 @@ import time
 
 import torch
 
-from workbench.autoplan import compare_points, measure_plan, plan_footprint, plan_for_budget
-from workbench.models import load_model
-from workbench.plan import QuantPlan
-from workbench.proxy import spearman
-from workbench.sensitivity import DEFAULT_SWEEP_TOKENS, PlanEvaluator, evaluation_tokens, run_sensitivity
+from workbench.precision.autoplan import compare_points, measure_plan, plan_footprint, plan_for_budget
+from workbench.model.load import load_model
+from workbench.quantize.plan import QuantPlan
+from workbench.precision.proxy import spearman
+from workbench.precision.sensitivity import DEFAULT_SWEEP_TOKENS, PlanEvaluator, evaluation_tokens, run_sensitivity
 
 
 def main() -> None:

@@ -31,9 +31,9 @@ def one_run(args) -> dict:
     """The sweep on one backend, in this process: what the parent prints a row of."""
     import torch
 
-    from workbench.models import load_model
-    from workbench.sensitivity import run_sensitivity
-    from workbench.sweep_backends import ProcessBackend, RayBackend, model_bytes, peak_resident_bytes
+    from workbench.model.load import load_model
+    from workbench.precision.sensitivity import run_sensitivity
+    from workbench.model.sweep_backends import ProcessBackend, RayBackend, model_bytes, peak_resident_bytes
 
     torch.set_num_threads(args.threads)
     t_load = time.perf_counter()
@@ -46,7 +46,7 @@ def one_run(args) -> dict:
     elif args.one == "processes":
         backend = ProcessBackend(args.workers)
     else:
-        from workbench.sweep_backends import import_ray
+        from workbench.model.sweep_backends import import_ray
         ray = import_ray()
         from ray.cluster_utils import Cluster
         half = max(1, args.workers // 2)
@@ -169,8 +169,8 @@ def trial_work(lm, tokens: int, precisions: int) -> float:
 
 def project(args, first: dict, serial: dict, spread: dict) -> None:
     """What the same sweep costs on more workers, and on 7B / 14B shapes: arithmetic from the measured runs."""
-    from workbench.models import load_model
-    from workbench.shapes import model_shape
+    from workbench.model.load import load_model
+    from workbench.model.shapes import model_shape
     precisions = len(args.precisions.split(","))
     n, w = spread["trials"], args.workers
     per_task = spread["trial_seconds"] / n  # one one-thread worker's seconds per trial, measured side by side

@@ -1,4 +1,5 @@
-"""Check the package's import graph: no cycle among its modules, no private name imported across modules.
+"""Check the package's import graph: no cycle among its modules, no private name imported across modules, and
+no import of a higher layer.
 
     python scripts/check_imports.py                 # checks workbench/ next to this script
     python scripts/check_imports.py path/to/pkg     # any package directory
@@ -15,8 +16,17 @@ Problems reported, one line each, and exit status 1 when there is any:
 - ``cycle: a -> b -> a``: a strongly connected set of modules, shown as one cycle through it;
 - ``private: a imports _name from b``: a name starting with one underscore imported from another
   module of the package (dunder names such as ``__version__`` are not private).
+- ``layer: a (layer i) imports b (layer j)``: ``j > i``, for a package whose ``__init__`` declares
+  ``__layers__``, its subpackages and root modules from the bottom up (an entry may be a tuple of names
+  that share a layer). A module of a subpackage may import its own subpackage and any lower layer; the
+  package's own ``__init__`` and ``__main__`` stand above every layer (the ``__init__`` re-exports);
+  a module in no layer is reported as ``unplaced``.
 A package's own ``__init__`` importing its submodules (and those importing names from their
 package's ``__init__``) is a cycle like any other and is reported.
+
+The summary line counts the imports among the package's modules, and how many of them stand inside a
+function: those may only defer a heavy third-party package (torch, onnxruntime, an SDK) that the
+imported module loads, since a cycle or a higher layer is refused either way.
 """
 from __future__ import annotations
 
@@ -47,24 +57,52 @@ def _resolve(module: str, is_package: bool, level: int, target: str | None) -> s
     return ".".join(base + ([target] if target else []))
 
 
-def imports_of(name: str, path: Path, modules: dict[str, Path]) -> list[tuple[str, str | None]]:
-    """``(imported module, name imported from it or None)`` for every import in the file."""
+def imports_of(name: str, path: Path, modules: dict[str, Path], *,
+               with_place: bool = False) -> list[tuple]:
+    """``(imported module, name imported from it or None)`` for every import in the file; with ``with_place``
+    a third item says whether the import stands inside a function."""
     tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
     is_package = path.name == "__init__.py"
-    found: list[tuple[str, str | None]] = []
+    found: list[tuple[str, str | None, bool]] = []
+    in_function: set[int] = set()
     for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            in_function.update(id(n) for n in ast.walk(node) if n is not node)
+    for node in ast.walk(tree):
+        inner = id(node) in in_function
         if isinstance(node, ast.Import):
             for alias in node.names:
-                found.append((alias.name, None))
+                found.append((alias.name, None, inner))
         elif isinstance(node, ast.ImportFrom):
             mod = _resolve(name, is_package, node.level, node.module)
             for alias in node.names:
                 sub = f"{mod}.{alias.name}"
                 if sub in modules:  # `from . import x`: the submodule x
-                    found.append((sub, None))
+                    found.append((sub, None, inner))
                 else:
-                    found.append((mod, alias.name))
-    return [(m, n) for m, n in found if m in modules]
+                    found.append((mod, alias.name, inner))
+    return [(m, n, f) if with_place else (m, n) for m, n, f in found if m in modules]
+
+
+def declared_layers(root: Path) -> list[tuple[str, ...]] | None:
+    """The package's ``__layers__`` (read with ``ast``, bottom first), each entry as a tuple of names; None if absent."""
+    tree = ast.parse((root / "__init__.py").read_text(encoding="utf-8"))
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__layers__" for t in node.targets):
+            return [tuple([e]) if isinstance(e, str) else tuple(e) for e in ast.literal_eval(node.value)]
+    return None
+
+
+def layer_of(module: str, package: str, layers: list[tuple[str, ...]]) -> int | None:
+    """The layer index of ``module`` (its first name under the package), -1 for the package itself and its
+    ``__main__`` (above every layer), None when no layer names it."""
+    parts = module.split(".")
+    if len(parts) == 1 or parts[1] == "__main__":
+        return -1
+    for i, names in enumerate(layers):
+        if parts[1] in names:
+            return i
+    return None
 
 
 def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -130,14 +168,34 @@ def check(root: str | Path) -> list[str]:
     modules = module_names(root)
     graph: dict[str, set[str]] = {m: set() for m in modules}
     problems = []
+    layers = declared_layers(root)
     for name, path in modules.items():
         for target, imported in imports_of(name, path, modules):
             if target != name:
                 graph[name].add(target)
             if imported and imported.startswith("_") and not imported.startswith("__") and target != name:
                 problems.append(f"private: {name} imports {imported} from {target}")
+        if layers is None:
+            continue
+        mine = layer_of(name, root.name, layers)
+        if mine is None:
+            problems.append(f"unplaced: {name} is in no layer of __layers__")
+            continue
+        for target in graph[name]:
+            theirs = layer_of(target, root.name, layers)
+            if mine != -1 and theirs is not None and (theirs == -1 or theirs > mine):
+                problems.append(f"layer: {name} (layer {mine}) imports {target} (layer {theirs})")
     problems = sorted(set(problems))
     return [f"cycle: {' -> '.join(c)}" for c in find_cycles(graph)] + problems
+
+
+def import_counts(root: str | Path) -> tuple[int, int]:
+    """(imports among the package's modules, how many of them stand inside a function)."""
+    root = Path(root)
+    modules = module_names(root)
+    places = [inner for name, path in modules.items()
+              for target, _, inner in imports_of(name, path, modules, with_place=True) if target != name]
+    return len(places), sum(places)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -150,7 +208,11 @@ def main(argv: list[str] | None = None) -> int:
     for line in problems:
         print(line)
     if not problems:
-        print(f"{root.name}: {len(module_names(root))} modules, no import cycle, no private name imported")
+        total, inner = import_counts(root)
+        layers = declared_layers(root)
+        layered = f"{len(layers)} layers, no import of a higher layer, " if layers else ""
+        print(f"{root.name}: {len(module_names(root))} modules, {layered}no import cycle, no private name imported; "
+              f"{total} imports among them, {inner} inside functions")
     return 1 if problems else 0
 
 

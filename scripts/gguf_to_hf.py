@@ -26,7 +26,7 @@ from collections import Counter
 from pathlib import Path
 
 from workbench.errors import ModelLoadError, WorkbenchError
-from workbench.workspace import file_sha256, staged_output
+from workbench.files.workspace import file_sha256, staged_output
 
 KIND = "gguf-to-hf"  # the manifest format of an output, so a later run may replace it and nothing else
 MAX_DIMS = 4  # GGML_MAX_DIMS

@@ -69,7 +69,7 @@ PROFILES = {"qualcomm-snapdragon-8-elite-for-galaxy": "snapdragon-8-elite",
             "qualcomm-snapdragon-x-elite": "snapdragon-x-elite", "RK3588": "rk3588",
             "qualcomm-snapdragon-8-elite-gen5-for-galaxy": "snapdragon-8-elite-gen-5",
             "qualcomm-snapdragon-x2-elite": "snapdragon-x2-elite", "qualcomm-qcs9075": "dragonwing-iq-9075"}
-# AI Hub's runtime keys -> the workbench's runtime names (workbench/device_runtimes.py)
+# AI Hub's runtime keys -> the workbench's runtime names (workbench/devices/runtimes.py)
 QAI_RUNTIMES = {"genie": "genie", "geniex_qairt": "qairt", "geniex_llamacpp": "llama.cpp"}
 
 

@@ -53,7 +53,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def lm(tiny_model_dir):
     """The tiny model loaded once per test module."""
-    from workbench.models import load_model
+    from workbench.model.load import load_model
     return load_model(tiny_model_dir)
 
 
@@ -76,14 +76,14 @@ def _default_workspace_root(tmp_path_factory):
 def default_workspace(_default_workspace_root, monkeypatch):
     """``Workspace()`` (what commands use unless told) writes under the test session's scratch folder, never the
     checkout's ./workspace; shared by the session so statistics computed once are reused."""
-    import workbench.workspace
-    monkeypatch.setattr(workbench.workspace, "DEFAULT_WORKSPACE", _default_workspace_root)
+    import workbench.files.workspace
+    monkeypatch.setattr(workbench.files.workspace, "DEFAULT_WORKSPACE", _default_workspace_root)
     return _default_workspace_root
 
 
 @pytest.fixture
 def workspace(tmp_path):
-    from workbench.workspace import Workspace
+    from workbench.files.workspace import Workspace
     return Workspace(tmp_path / "ws")
 
 
@@ -125,7 +125,7 @@ def demo_run(tmp_path_factory):
     """The app's flow on the demo model, once per test session: uniform INT8/INT4 evaluated in Precisions, RTN INT4
     quantized, converted to ort-int4, profiled, projected, downloaded. Returns ``(workspace root, app)``."""
     from workbench.ui.app import WorkbenchApp
-    from workbench.workspace import Workspace
+    from workbench.files.workspace import Workspace
     root = tmp_path_factory.mktemp("demo-run") / "workspace"
     app = WorkbenchApp("demo", samples=4, seq_len=64, sweep_tokens=128, eval_tokens=1024, workspace=Workspace(root),
                        out_dir=root / "app" / "run-demo")

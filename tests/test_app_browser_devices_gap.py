@@ -14,7 +14,7 @@ import time
 from test_app_browser import ARTIFACTS, CHROMIUM, CHROMIUM_FLAGS, STEP_TIMEOUT_MS, Walk, browser_skips, \
     served_app, sync_playwright  # noqa: F401 - served_app is the fixture
 
-from workbench.devices_gap import GAP_FILE, TABLE_HEADER
+from workbench.run.devices_gap import GAP_FILE, TABLE_HEADER
 from workbench.targets.htp import qnn_available
 
 pytestmark = browser_skips(sync_playwright is not None)

@@ -5,11 +5,11 @@ import itertools
 
 import pytest
 
-from workbench.autoplan import (measure_plan, pareto_points, plan_footprint, plan_for_budget, predict_damage,
+from workbench.precision.autoplan import (measure_plan, pareto_points, plan_footprint, plan_for_budget, predict_damage,
                                 compare_points)
 from workbench.errors import PlanError
-from workbench.plan import QuantPlan
-from workbench.sensitivity import LayerSensitivity, PlanEvaluator, SensitivityReport, evaluation_tokens, run_sensitivity
+from workbench.quantize.plan import QuantPlan
+from workbench.precision.sensitivity import LayerSensitivity, PlanEvaluator, SensitivityReport, evaluation_tokens, run_sensitivity
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +135,7 @@ def test_plan_estimate_is_the_quantized_models_bits_per_weight(lm, symmetric):
 
 
 def test_refinement_keeps_the_budget_and_only_accepts_measured_gains(lm, sens, evaluator):
-    from workbench.autoplan import refine_plan
+    from workbench.precision.autoplan import refine_plan
     budget = int(1.1 * plan_footprint(lm, QuantPlan.uniform("int4", keep_embeddings="int4"))["size_bytes"])
     auto = plan_for_budget(lm, sens, size_bytes=budget)
     assert len({p for p in auto.assignments.values() if p != "fp16"}) >= 2  # a mixed plan to refine
@@ -153,7 +153,7 @@ def test_refinement_keeps_the_budget_and_only_accepts_measured_gains(lm, sens, e
 
 
 def test_auto_plan_chooses_among_every_registered_precision(lm, sens):
-    from workbench.plan import PRECISIONS
+    from workbench.quantize.plan import PRECISIONS
     # all but the fixed 256-weight layouts, which the tiny model's 64-wide layers cannot hold
     assert set(sens.precisions) == {p.name for p in PRECISIONS.values() if not p.is_float and not p.misfit(64)}
     budget = plan_footprint(lm, QuantPlan.uniform("int3", keep_embeddings="int3"))["size_bytes"]
@@ -190,7 +190,7 @@ def test_auto_plans_round_layers_as_their_sweep_measured_them(lm, sens, evaluato
     the layers the sweep (and refinement) measured; refinement refuses an evaluator that rounds otherwise."""
     import dataclasses
 
-    from workbench.autoplan import refine_plan
+    from workbench.precision.autoplan import refine_plan
     assert sens.scale_search and evaluator.variants.scale_search  # the defaults, as in new plans
     budget = int(1.1 * plan_footprint(lm, QuantPlan.uniform("int4", keep_embeddings="int4"))["size_bytes"])
     for search in (True, False):
@@ -206,8 +206,8 @@ def test_auto_plans_round_layers_as_their_sweep_measured_them(lm, sens, evaluato
 def test_auto_plan_gives_a_block_layout_only_to_layers_it_fits(make_tiny_model):
     """A sweep with int4-k measures it on the 256-wide down projections only; the knapsack and the refinement's
     moves offer it to those layers alone, and the plan quantizes."""
-    from workbench.autoplan import refine_plan
-    from workbench.models import load_model
+    from workbench.precision.autoplan import refine_plan
+    from workbench.model.load import load_model
     from workbench.quantize import quantize_model
     lm = load_model(make_tiny_model("qwen2", hidden=64, intermediate=256))
     ev = PlanEvaluator(lm, evaluation_tokens(lm, tokens=128))

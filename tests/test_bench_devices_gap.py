@@ -1,4 +1,4 @@
-"""bench/devices_gap.py: a thin command line over workbench.devices_gap (the rows are tested in test_devices_gap)."""
+"""bench/devices_gap.py: a thin command line over workbench.run.devices_gap (the rows are tested in test_devices_gap)."""
 import importlib.util
 import json
 from pathlib import Path
@@ -37,7 +37,7 @@ def test_prints_the_table_and_writes_the_rows(tiny_model_dir, tmp_path, capsys):
 
 @pytest.mark.slow
 def test_prints_the_executorch_row_with_its_own_tok_s(tiny_model_dir, tmp_path, capsys):
-    from workbench.devices_gap import missing_toolchain
+    from workbench.run.devices_gap import missing_toolchain
     if missing_toolchain("executorch"):
         pytest.skip(missing_toolchain("executorch"))
     assert bench.main(["--model", str(tiny_model_dir), "--bits", "4", "--targets", "executorch", "--max-tokens",

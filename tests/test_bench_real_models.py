@@ -14,7 +14,7 @@ import gguf_to_hf  # noqa: E402
 
 def test_reference_rounding_is_the_workbench_full_range_grid_on_the_plans_layers(make_tiny_model):
     pytest.importorskip("gguf")
-    from workbench.models import load_model
+    from workbench.model.load import load_model
     from workbench.quantize import quantize_model
     lm = load_model(str(make_tiny_model("llama", tie=False)), dtype="float32")
     plan = real["uniform_plan"](4, full_range=True, scale_search=False)
@@ -30,7 +30,7 @@ def test_reference_rounding_is_the_workbench_full_range_grid_on_the_plans_layers
 
 def test_gguf_to_hf_round_trips_a_gguf_and_records_its_source(make_tiny_model, tmp_path):
     pytest.importorskip("gguf")
-    from workbench.models import load_model
+    from workbench.model.load import load_model
     from workbench.quantize import quantize_model
     from workbench.targets.gguf_file import write_gguf
     lm = load_model(str(make_tiny_model("qwen2")), dtype="float32")
@@ -76,7 +76,7 @@ def test_verdict_pairs_the_tokens_when_both_rows_carry_them():
 def test_mirror_and_fill_plans_match_the_bytes_their_gguf_holds(make_tiny_model, tmp_path):
     pytest.importorskip("gguf")
     import gguf
-    from workbench.models import load_model
+    from workbench.model.load import load_model
     from workbench.quantize import quantize_model
     from workbench.targets.gguf_file import write_gguf
     lm = load_model(str(make_tiny_model("llama", tie=True, hidden=256, intermediate=512)), dtype="float32")
@@ -114,8 +114,8 @@ def test_auto_plans_stay_within_the_llamacpp_files_bytes_and_spend_them(make_tin
     budget buys less estimated damage."""
     pytest.importorskip("gguf")
     import gguf
-    from workbench.autoplan import predict_damage
-    from workbench.models import load_model
+    from workbench.precision.autoplan import predict_damage
+    from workbench.model.load import load_model
     from workbench.quantize import heldout_ids, quantize_model
     from workbench.targets.gguf_file import write_gguf
     lm = load_model(str(make_tiny_model("llama", tie=True, hidden=96, intermediate=256)), dtype="float32")

@@ -5,12 +5,12 @@ import numpy as np
 import pytest
 import torch
 
-import workbench.calibrate as calibrate_mod
-from workbench.calibrate import HIST_EDGES, CalibrationStats, LayerStats, calibrate, run_calibration
-from workbench.data import CalibrationSet, load_calibration_set
+import workbench.model.calibrate as calibrate_mod
+from workbench.model.calibrate import HIST_EDGES, CalibrationStats, LayerStats, calibrate, run_calibration
+from workbench.evaluation.data import CalibrationSet, load_calibration_set
 from workbench.errors import WorkspaceError
-from workbench.models import load_model
-from workbench.workspace import model_fingerprint
+from workbench.model.load import load_model
+from workbench.files.workspace import model_fingerprint
 
 TEXT = ("Quantization maps floating point weights to a few integer levels; calibration shows which input "
         "channels carry the large activations that decide the scales. ") * 40
@@ -196,7 +196,7 @@ def _same_stats(a: CalibrationStats, b: CalibrationStats) -> None:
 
 
 def test_a_killed_calibration_resumes_from_its_checkpoint(lm, calib_file, tmp_path, monkeypatch, caplog):
-    from workbench.workspace import Workspace
+    from workbench.files.workspace import Workspace
     monkeypatch.setattr(calibrate_mod, "CHECKPOINT_SECONDS", 0.0)  # a checkpoint after every batch
     kw = dict(samples=6, seq_len=64, batch_size=2, progress=False)
     _, whole = calibrate(lm, calib_file, workspace=Workspace(tmp_path / "a"), **kw)

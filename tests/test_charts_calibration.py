@@ -4,10 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workbench.calibrate import HIST_EDGES, CalibrationStats, LayerStats
+from workbench.model.calibrate import HIST_EDGES, CalibrationStats, LayerStats
 from workbench.charts.calibration import (layer_order, make_channel_magnitude_figure, make_layer_overview_figure,
                                           make_stat_heatmap_figure, make_token_length_figure)
-from workbench.data import CoverageReport
+from workbench.evaluation.data import CoverageReport
 
 
 def layer(name, abs_max, kurtosis=0.0):

@@ -1,6 +1,6 @@
 """charts.profile: one bar per model in each of the three panels, from the profiles given."""
 from workbench.charts.profile import make_profile_figure
-from workbench.profile import RuntimeProfile
+from workbench.run.profile import RuntimeProfile
 
 
 def test_three_panels_from_profiles_or_their_dicts():

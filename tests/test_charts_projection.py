@@ -1,13 +1,13 @@
-"""Projection figures draw exactly what workbench.profile and workbench.projection computed."""
+"""Projection figures draw exactly what workbench.run.profile and workbench.devices.projection computed."""
 import pytest
 
 from workbench.charts.checks import check_figures
 from workbench.charts.projection import (NO_FIT, make_device_figure, make_host_bound_figure,
                                          make_speed_pareto_figure, make_vendor_fit_figure, pareto_optimal)
 from workbench.errors import WorkbenchError
-from workbench.plan import QuantPlan
-from workbench.profile import RuntimeProfile
-from workbench.projection import project_plans
+from workbench.quantize.plan import QuantPlan
+from workbench.run.profile import RuntimeProfile
+from workbench.devices.projection import project_plans
 
 PLANS = {"fp16": QuantPlan.uniform("fp16"), "int8": QuantPlan.uniform("int8", keep_embeddings="int8"),
          "int4": QuantPlan.uniform("int4")}

@@ -64,7 +64,7 @@ def test_console_script_runs():
 @pytest.mark.parametrize("exc", [RuntimeError("boom\nsecond line"), KeyError("x"), AttributeError("no attr")])
 def test_unexpected_exception_says_bug_and_logs_the_traceback(capsys, monkeypatch, tmp_path, exc):
     import workbench.cli.info as info
-    import workbench.workspace as workspace
+    import workbench.files.workspace as workspace
 
     def broken(args):
         raise exc

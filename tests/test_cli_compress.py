@@ -59,7 +59,7 @@ def test_removing_every_unit_is_refused_before_any_work(tiny_model_dir, tmp_path
 
 def test_distill_refusals_are_one_line(tiny_model_dir, tmp_path, capsys):
     plan = tmp_path / "int4.json"
-    from workbench.plan import QuantPlan
+    from workbench.quantize.plan import QuantPlan
     QuantPlan.uniform("int4").save(plan)
     assert main(["distill", str(tiny_model_dir), "--teacher", str(tiny_model_dir), "--out", str(tmp_path / "d"),
                  "--plan", str(plan), "--mode", "lora"]) == 2

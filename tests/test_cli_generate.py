@@ -4,7 +4,7 @@ import json
 import pytest
 
 from workbench.cli import main
-from workbench.generate import open_model
+from workbench.run.generate import open_model
 
 pytestmark = pytest.mark.slow  # every test here converts or exports and runs a runtime first
 
@@ -14,8 +14,8 @@ PROMPT = "A class definition"
 @pytest.fixture(scope="module")
 def genai_folder(tmp_path_factory):
     """The demo model's INT4 plan as an ort-genai folder (the artifact onnxruntime-genai runs)."""
-    from workbench.models import load_model
-    from workbench.plan import QuantPlan
+    from workbench.model.load import load_model
+    from workbench.quantize.plan import QuantPlan
     from workbench.quantize import quantize_model
     from workbench.targets.ort_genai import build_fused_onnx, write_genai_folder
     lm = load_model("demo")
@@ -67,7 +67,7 @@ def test_bad_input_is_one_line(tmp_path, capsys):
 
 
 def test_a_corrupt_conversion_record_is_named_with_the_option_that_passes_the_source(tmp_path, capsys):
-    from workbench.models import load_model
+    from workbench.model.load import load_model
     from workbench.onnx.export import export_onnx
     export_onnx(load_model("demo"), tmp_path, check=False)
     (tmp_path / "conversion.json").write_text('{"target": "ort-int4", "quantized_model": {', encoding="utf-8")

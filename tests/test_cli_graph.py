@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from workbench.cli import main
-from workbench.plan import QuantPlan
+from workbench.quantize.plan import QuantPlan
 
 
 def _json(capsys) -> dict:
@@ -42,7 +42,7 @@ def test_export_failing_midway_leaves_nothing_in_out(tiny_model_dir, tmp_path, c
     def broken(paths):
         assert all(p.is_file() for p in paths)  # the graphs were written (staged) before the failure
         raise RuntimeError("check failed")
-    import workbench.workspace as workspace
+    import workbench.files.workspace as workspace
     monkeypatch.setattr(graph, "check_graphs", broken)
     monkeypatch.setattr(workspace, "DEFAULT_WORKSPACE", tmp_path / "ws")  # where a bug's log goes
     out = tmp_path / "onnx"

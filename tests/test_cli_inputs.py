@@ -100,7 +100,7 @@ def plan_files(draw):
 @BOUNDED
 @given(plan_files())
 def test_any_plan_file_loads_or_is_refused_naming_the_file_and_field(scratch, case):
-    from workbench.plan import PRECISIONS, QuantPlan
+    from workbench.quantize.plan import PRECISIONS, QuantPlan
     text, field = case
     d = _fresh(scratch, "plan")
     path = d / "plan.json"
@@ -147,7 +147,7 @@ def jsonl_files(draw):
 @BOUNDED
 @given(jsonl_files())
 def test_jsonl_lines_are_read_or_the_bad_line_is_named(scratch, case):
-    from workbench.data import read_records
+    from workbench.evaluation.data import read_records
     text, rows, bad_line = case
     path = _fresh(scratch, "jsonl") / "calib.jsonl"
     path.write_text(text, encoding="utf-8")
@@ -175,7 +175,7 @@ def alpaca_files(draw):
 @BOUNDED
 @given(alpaca_files() | json_values.map(json.dumps) | texts)
 def test_alpaca_json_is_read_or_the_bad_record_is_named(scratch, text):
-    from workbench.data import read_records
+    from workbench.evaluation.data import read_records
     path = _fresh(scratch, "alpaca") / "calib.json"
     path.write_text(text, encoding="utf-8")
     try:
@@ -193,7 +193,7 @@ def test_alpaca_json_is_read_or_the_bad_record_is_named(scratch, text):
 @BOUNDED
 @given(st.binary(max_size=300) | texts.map(lambda t: t.encode("utf-8")))
 def test_plain_text_is_tokenized_or_refused_naming_the_file(scratch, demo_tokenizer, raw):
-    from workbench.data import load_calibration_set
+    from workbench.evaluation.data import load_calibration_set
     path = _fresh(scratch, "text") / "calib.txt"
     path.write_bytes(raw)
     try:
@@ -210,8 +210,8 @@ def test_plain_text_is_tokenized_or_refused_naming_the_file(scratch, demo_tokeni
        st.integers(8, 64))
 def test_plain_text_without_any_newline_is_read_in_pieces_or_refused(scratch, demo_tokenizer, text, piece_chars):
     """A file with no newline at all streams in bounded pieces that join back to it, and calibrates or is refused."""
-    from workbench.data import load_calibration_set
-    from workbench.textio import iter_text
+    from workbench.evaluation.data import load_calibration_set
+    from workbench.evaluation.textio import iter_text
     path = _fresh(scratch, "oneline") / "calib.txt"
     path.write_text(text, encoding="utf-8")
     try:
@@ -266,7 +266,7 @@ def model_damage(draw):
 def test_a_damaged_model_directory_loads_or_is_refused_in_one_line(scratch, tiny_model_dir, damage):
     import random
 
-    from workbench.models import load_model
+    from workbench.model.load import load_model
     kind, detail = damage
     d = _fresh(scratch, "model") / "m"
     shutil.copytree(tiny_model_dir, d)

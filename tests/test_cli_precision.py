@@ -6,7 +6,7 @@ import json
 import pytest
 
 from workbench.cli import main
-from workbench.plan import QuantPlan
+from workbench.quantize.plan import QuantPlan
 
 
 def run_json(capsys, *argv):
@@ -115,7 +115,7 @@ def test_convert_refuses_an_out_holding_other_files(capsys, tiny_model_dir, tmp_
 def test_plan_for_a_soc_keeps_to_what_its_htp_runs_and_names_the_changes(capsys, tiny_model_dir, ws, tmp_path):
     """At 14 bits/weight the plan keeps layers in fp16; for 8 Gen 1 (HTP v69: no 16-bit weights) it may not, and
     says which layers it changed; 8 Gen 3 (v75) runs them, so nothing changes there."""
-    from workbench.plan import get_precision
+    from workbench.quantize.plan import get_precision
     argv = ["plan", tiny_model_dir, "--bits-per-weight", 14, "--tokens", 256, "--eval-tokens", 256, "--workspace", ws]
     free = run_json(capsys, *argv, "--out", tmp_path / "free.json", "--target", "qnn", "--json")
     floats = {n for n, p in free["assignments"].items() if get_precision(p).is_float}

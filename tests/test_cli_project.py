@@ -28,7 +28,7 @@ def test_project_table_flags_an_impossible_claim(capsys):
 
 
 def test_project_reads_a_plan_and_a_model_directory(capsys, tiny_model_dir, tmp_path):
-    from workbench.plan import QuantPlan
+    from workbench.quantize.plan import QuantPlan
     plan = tmp_path / "plan.json"
     QuantPlan.uniform("int4").with_override("*.v_proj", "int8").save(plan)
     out = run_json(capsys, "project", str(tiny_model_dir), "--device", "jetson-nano", "--plan", str(plan), "--json")
@@ -65,7 +65,7 @@ def test_devices_refuses_a_bad_user_file_in_one_line(capsys, tmp_path, monkeypat
 
 
 def test_project_a_quantized_directory_uses_its_own_plan(capsys, lm, tmp_path):
-    from workbench.plan import QuantPlan
+    from workbench.quantize.plan import QuantPlan
     from workbench.quantize import quantize_model
     plan = QuantPlan.uniform("int4").with_override("*.down_proj", "int8")
     qm = quantize_model(lm, plan)

@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from workbench.compute import (disable_float32_compute, enable_float32_compute, float32_compute_enabled,
+from workbench.numerics.compute import (disable_float32_compute, enable_float32_compute, float32_compute_enabled,
                                narrow_saved_weights, stored_dtype, widened)
-from workbench.models import load_model
+from workbench.model.load import load_model
 
 
 @pytest.fixture(scope="module")
@@ -95,8 +95,8 @@ def test_backward_reads_the_16_bit_weight_not_a_float32_copy_kept_from_the_forwa
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_quantize_and_evaluate_on_cuda_give_the_cpu_figures(tiny_model_dir):
-    from workbench.evaluate import capture_reference, evaluate
-    from workbench.plan import QuantPlan
+    from workbench.evaluation.evaluate import capture_reference, evaluate
+    from workbench.quantize.plan import QuantPlan
     from workbench.quantize import quantize_model
     ids = torch.randint(0, 4096, (200,), generator=torch.Generator().manual_seed(0))
     figures = []
@@ -111,8 +111,8 @@ def test_quantize_and_evaluate_on_cuda_give_the_cpu_figures(tiny_model_dir):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_sensitivity_scores_on_cuda_give_the_cpu_figures(tiny_model_dir):
-    from workbench.proxy import proxy_scores
-    from workbench.sensitivity import run_sensitivity
+    from workbench.precision.proxy import proxy_scores
+    from workbench.precision.sensitivity import run_sensitivity
     ids = torch.randint(0, 4096, (300,), generator=torch.Generator().manual_seed(0))
     figures = []
     for device in ("cpu", "cuda"):

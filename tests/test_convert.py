@@ -7,10 +7,10 @@ import numpy as np
 import onnx
 import pytest
 
-from workbench.convert import convert, prepare_models
+from workbench.targets.convert import convert, prepare_models
 from workbench.errors import PlanError
-from workbench.overrides import validate_qnn_encodings
-from workbench.plan import QuantPlan
+from workbench.precision.overrides import validate_qnn_encodings
+from workbench.quantize.plan import QuantPlan
 from workbench.targets.ort_int4 import matmulnbits_block_size
 from workbench.targets.ort_qdq import causal_mask_tensors
 
@@ -133,7 +133,7 @@ def _nodes(path, op_type):
 def test_int4_graphs_share_one_weights_file(prepared, tiny_model_dir, tmp_path, monkeypatch):
     from onnx.external_data_helper import uses_external_data
 
-    from workbench.profile import profile_runtime
+    from workbench.run.profile import profile_runtime
     monkeypatch.setattr("workbench.onnx.build.INLINE_LIMIT", 0)  # the path graphs over 2 GB take
     report = convert(tiny_model_dir, "ort-int4", tmp_path, prepared=prepared, **EVAL)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["conversion.json", "decode.onnx", "prefill.onnx",
@@ -190,11 +190,11 @@ def test_float16_layers_are_stored_as_float16_and_said_so(prepared, tiny_model_d
 
 
 def test_default_evaluation_budget_on_big_models(prepared, tiny_model_dir, tmp_path, monkeypatch):
-    from workbench.convert import MIN_EVAL_TOKENS, default_eval_tokens
+    from workbench.targets.convert import MIN_EVAL_TOKENS, default_eval_tokens
     assert default_eval_tokens(4_200_000, 23_000) == 23_000  # the demo model: the whole text
     assert default_eval_tokens(494_000_000, 23_000) == MIN_EVAL_TOKENS
-    monkeypatch.setattr("workbench.convert.EVAL_PARAMETER_TOKENS", 1e6)
-    monkeypatch.setattr("workbench.convert.MIN_EVAL_TOKENS", 300)
+    monkeypatch.setattr("workbench.targets.convert.EVAL_PARAMETER_TOKENS", 1e6)
+    monkeypatch.setattr("workbench.targets.convert.MIN_EVAL_TOKENS", 300)
     report = convert(tiny_model_dir, "ort-int4", tmp_path, prepared=prepared, ctx=128, greedy_steps=4)
     assert report.eval_tokens == 300 - 3  # three windows of 128, 128 and 44 tokens; each window's first unscored
     assert any(n.startswith("evaluated on the first 300 of ") for n in report.notes)
@@ -204,10 +204,10 @@ def test_default_evaluation_budget_on_big_models(prepared, tiny_model_dir, tmp_p
 def test_conversion_metrics_match_a_direct_computation(prepared, tiny_model_dir, tmp_path, monkeypatch):
     import torch
 
-    from workbench.evaluate import encode_text, read_text, strided_windows
+    from workbench.evaluation.evaluate import encode_text, read_text, strided_windows
     from workbench.assets import demo_text_path
-    monkeypatch.setattr("workbench.convert.REF_ROWS", 50)  # reference chunks and comparison chunks that do not
-    monkeypatch.setattr("workbench.convert.COMPARE_ELEMENTS", 4096 * 7)  # line up with each other or the windows
+    monkeypatch.setattr("workbench.targets.convert.REF_ROWS", 50)  # reference chunks and comparison chunks that do not
+    monkeypatch.setattr("workbench.targets.convert.COMPARE_ELEMENTS", 4096 * 7)  # line up with each other or the windows
     report = convert(tiny_model_dir, "ort-int4", tmp_path, prepared=prepared, max_tokens=300, ctx=128,
                      greedy_steps=4)
     ids = encode_text(prepared.float_lm.tokenizer, read_text(demo_text_path("heldout")))[:300]
@@ -242,7 +242,7 @@ def test_mnn_and_qdq_read_external_data(make_tiny_model, tmp_path, monkeypatch):
 
 
 def test_gap_needs_more_top1_changes_than_quantizing_makes():
-    from workbench.convert import _judge, _Scores
+    from workbench.targets.convert import _judge, _Scores
 
     def scores(kl, top1, vs_sim):  # per-token figures over 1,000 tokens
         return _Scores(tokens=1000, kl=kl * 1000, top1=int(top1 * 1000), vs_simulation=int(vs_sim * 1000))
@@ -310,9 +310,9 @@ def test_conversion_json_names_the_plan_and_the_quantized_model(prepared, tiny_m
 def test_registered_precision_works_through_every_target_or_is_refused_by_name(lm, tiny_model_dir, tmp_path,
                                                                               monkeypatch):
     from workbench.onnx.export import export_onnx
-    from workbench.overrides import OVERRIDE_FORMATS, write_overrides
-    from workbench.plan import PRECISIONS, Precision, register_precision
-    monkeypatch.setattr("workbench.plan.PRECISIONS", dict(PRECISIONS))  # registered for this test only
+    from workbench.precision.overrides import OVERRIDE_FORMATS, write_overrides
+    from workbench.quantize.plan import PRECISIONS, Precision, register_precision
+    monkeypatch.setattr("workbench.quantize.plan.PRECISIONS", dict(PRECISIONS))  # registered for this test only
     register_precision(Precision("w8", 8, False, "8-bit integers under another name"))
     register_precision(Precision("int6", 6, False, "6-bit integers"))
     register_precision(Precision("fp8", 8, True, "8-bit float"))
@@ -353,7 +353,7 @@ def test_mnn_weight_file_of_a_large_model_is_kept_with_it(tiny_model_dir, tmp_pa
     import workbench.targets.mnn as mnn
     from workbench.onnx.export import export_onnx
     from workbench.runtime.onnx_runner import OnnxCausalLM
-    from workbench.models import load_model
+    from workbench.model.load import load_model
     ex = export_onnx(load_model(tiny_model_dir), tmp_path / "onnx", check=False)
     command_line = mnn.mnn_command_line
     monkeypatch.setattr(mnn, "mnn_command_line", lambda *a, **k: command_line(*a, **k) + ["--saveExternalData"])
@@ -387,7 +387,7 @@ def test_two_level_plan_converts_to_a_qnn_bundle_with_lpbq_encodings(tiny_model_
 def test_mnn_stores_searched_scales_in_float_and_requantizes_min_max_ones(make_tiny_model):
     """MNN re-quantizes from each block's range, which a searched scale is not: those weights go as float32
     (exactly the simulation's); min/max plans keep MNN's integer weights (reproduced, test above)."""
-    from workbench.models import load_model
+    from workbench.model.load import load_model
     from workbench.quantize import quantize_model
     from workbench.targets.mnn import mnn_weight_args
     lm = load_model(make_tiny_model(hidden=128, intermediate=256, heads=4, kv_heads=2))
@@ -399,7 +399,7 @@ def test_mnn_stores_searched_scales_in_float_and_requantizes_min_max_ones(make_t
 
 def test_per_layer_head_counts_convert_to_ort_int4_and_ort_genai_refuses_them(make_tiny_model, tmp_path):
     from workbench.errors import ModelLoadError
-    from workbench.prune import PrunePlan, prune
+    from workbench.compress.prune import PrunePlan, prune
     pruned = tmp_path / "pruned"
     plan = PrunePlan(layers={"1": {"heads_keep": [1], "mlp_keep": list(range(64))}})  # layers 0 and 2 whole
     prune(make_tiny_model(layers=3), plan, pruned, evaluate_tokens=None, progress=False)
@@ -411,7 +411,7 @@ def test_per_layer_head_counts_convert_to_ort_int4_and_ort_genai_refuses_them(ma
 
 
 def test_decode_calibration_spreads_positions_over_the_static_past(prepared, tmp_path):
-    from workbench.convert import calibration_feeds
+    from workbench.targets.convert import calibration_feeds
     from workbench.onnx.export import export_onnx
     from workbench.runtime.onnx_runner import OnnxCausalLM
     ex = export_onnx(prepared.float_lm, tmp_path, static=(16, 48), check=False)

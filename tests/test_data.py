@@ -6,7 +6,7 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from workbench.data import (CalibrationSet, detect_language, load_calibration_set, normalize_lang, read_records,
+from workbench.evaluation.data import (CalibrationSet, detect_language, load_calibration_set, normalize_lang, read_records,
                             script_counts)
 from workbench.errors import DataError
 from workbench.assets import DEMO_MODEL_DIR
@@ -305,7 +305,7 @@ def test_default_is_the_demo_calibration_text(tok):
 
 def test_plain_text_without_newlines_is_read_in_pieces_like_a_whole_read(tmp_path, tok, monkeypatch):
     """A one-line text cut into many pieces gives (nearly) the tokens of one whole-text call, as one record."""
-    import workbench.textio as textio
+    import workbench.evaluation.textio as textio
     text = EN * 40  # ~12 k characters, no newline
     p = tmp_path / "one.txt"
     p.write_text(text, encoding="utf-8")
@@ -319,7 +319,7 @@ def test_plain_text_without_newlines_is_read_in_pieces_like_a_whole_read(tmp_pat
 
 
 def test_a_large_jsonl_is_read_only_as_far_as_the_draw_needs(tmp_path, tok):
-    from workbench.data import MIN_POOL_TOKENS
+    from workbench.evaluation.data import MIN_POOL_TOKENS
     p = write_jsonl(tmp_path / "big.jsonl", [{"text": EN * 4}] * (MIN_POOL_TOKENS // 60))
     cs = load_calibration_set(p, tokenizer=tok, samples=8, seq_len=64)
     assert len(cs) == 8 and cs.report.read_note and "read only the first" in cs.report.read_note
@@ -327,7 +327,7 @@ def test_a_large_jsonl_is_read_only_as_far_as_the_draw_needs(tmp_path, tok):
 
 
 def test_a_jsonl_line_too_long_to_parse_is_refused(tmp_path, monkeypatch):
-    import workbench.data as data
+    import workbench.evaluation.data as data
     monkeypatch.setattr(data, "MAX_RECORD_BYTES", 1 << 20)
     p = write_jsonl(tmp_path / "c.jsonl", [{"text": "short"}, {"text": "x " * (1 << 20)}])
     with pytest.raises(DataError, match=r"c\.jsonl' line 2 is longer than 1 MB; split it"):
@@ -349,7 +349,7 @@ def test_calibration_on_a_100mb_one_line_text_stays_bounded(tmp_path):
     with open(big, "w", encoding="utf-8") as f:
         for _ in range(100 * 1024 * 1024 // len(words) + 1):
             f.write(words)
-    code = ("import json, sys; from transformers import AutoTokenizer; from workbench.data import load_calibration_set;"
+    code = ("import json, sys; from transformers import AutoTokenizer; from workbench.evaluation.data import load_calibration_set;"
             "from workbench.assets import DEMO_MODEL_DIR; tok = AutoTokenizer.from_pretrained(DEMO_MODEL_DIR);"
             "cs = load_calibration_set(sys.argv[1], tokenizer=tok, samples=8, seq_len=128);"
             "print(json.dumps({'n': len(cs), 'lens': [len(s) for s in cs.samples], 'note': cs.report.read_note,"

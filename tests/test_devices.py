@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from workbench.devices import LIST_FIELDS, NUMBER_FIELDS, DeviceError, get_device, load_device, load_devices
+from workbench.devices.profiles import LIST_FIELDS, NUMBER_FIELDS, DeviceError, get_device, load_device, load_devices
 
 REQUIRED = ("Snapdragon 8 Gen 2", "Snapdragon 8 Gen 3", "Snapdragon 8 Elite", "Snapdragon X Elite", "RK3588",
             "Jetson Orin Nano 8GB", "Jetson Nano 4GB", "Kirin 9000")

@@ -1,4 +1,4 @@
-"""workbench.devices_gap: the rows built from fake measurements (which graphs they flag), and a real run on a tiny
+"""workbench.run.devices_gap: the rows built from fake measurements (which graphs they flag), and a real run on a tiny
 model where one target fails and the others still fill their rows."""
 import json
 import os
@@ -6,12 +6,12 @@ import stat
 
 import pytest
 
-from workbench.convert import GAP_KL_FLOOR, GAP_KL_RATIO, GAP_TOP1
-from workbench.devices_gap import (GAP_FILE, GAP_RULE, DevicesGap, absent_row, convert_row, format_table, gap_of,
+from workbench.targets.convert import GAP_KL_FLOOR, GAP_KL_RATIO, GAP_TOP1
+from workbench.run.devices_gap import (GAP_FILE, GAP_RULE, DevicesGap, absent_row, convert_row, format_table, gap_of,
                                    graph_scores, htp_row, measure_devices_gap, read_devices_gap, rknn_row,
                                    simulation_row, toolchains)
 from workbench.errors import PlanError, WorkbenchError
-from workbench.plan import QuantPlan
+from workbench.quantize.plan import QuantPlan
 from workbench.targets.htp import INSTALL, HtpMeasurement, qnn_available
 from workbench.targets.qnn import HTP_GAP_KL
 from workbench.targets.rknn import RknnMeasurement, RknnScores
@@ -169,7 +169,7 @@ def test_a_runtime_that_times_itself_has_its_tok_s_in_the_row_and_table():
 
 
 def test_the_new_targets_are_offered_with_what_to_install():
-    from workbench.devices_gap import TARGET_TITLES, TARGETS
+    from workbench.run.devices_gap import TARGET_TITLES, TARGETS
     assert {"mnn-llm", "executorch"} <= set(TARGETS) and TARGET_TITLES["executorch"].startswith("ExecuTorch")
     t = toolchains()
     assert set(t) == set(TARGETS) and (t["executorch"] is None or "executorch==1.5.1" in t["executorch"])
@@ -197,7 +197,7 @@ def test_real_run_of_the_runtimes_that_time_themselves(tiny_model_dir, tmp_path)
 def test_targets_side_by_side_give_the_rows_one_after_another_gives(tiny_model_dir, tmp_path):
     """On two worker processes the rows come back in the table's order with the same scores; the HTP row, which
     needs ort-qdq's graphs, still waits for them."""
-    from workbench.sweep_backends import ProcessBackend
+    from workbench.model.sweep_backends import ProcessBackend
     plan = QuantPlan.uniform("int8")
     kw = dict(plan=plan, targets=["ort-qdq", "simulation", "htp"], max_tokens=128)
     serial = measure_devices_gap(tiny_model_dir, **kw, work=tmp_path / "a")

@@ -5,13 +5,13 @@ import pytest
 import torch
 
 from conftest import Interrupted, interrupt_at
-from workbench.distill import (DistillConfig, _remove_fake_quant, attention_head_map, default_layer_map, distill,
+from workbench.compress.distill import (DistillConfig, _remove_fake_quant, attention_head_map, default_layer_map, distill,
                                distillation_loss, fake_quantized, temperature_at)
 from workbench.errors import WorkbenchError
-from workbench.finetune import CHECKPOINT
-from workbench.models import load_model
-from workbench.plan import QuantPlan
-from workbench.prune import PrunePlan, prune
+from workbench.compress.finetune import CHECKPOINT
+from workbench.model.load import load_model
+from workbench.quantize.plan import QuantPlan
+from workbench.compress.prune import PrunePlan, prune
 
 CFG = DistillConfig(steps=8, batch_size=4, seq_len=32, lr=3e-4, warmup=1, checkpoint_every=3, eval_every=4)
 
@@ -186,7 +186,7 @@ def test_chunked_loss_and_gradient_checkpointing_train_exactly_as_the_whole_batc
                                                                                monkeypatch):
     """The soft labels a few tokens at a time (recomputed in backward) and blocks recomputed in backward change
     memory, not the training: the same losses step by step."""
-    import workbench.logits as logits
+    import workbench.numerics.logits as logits
     cfg = DistillConfig(steps=2, batch_size=2, seq_len=16, eval_every=2, mode="lora", rank=4, lr=1e-3, hard_weight=0.5)
     whole = distill(pruned_dir, tiny_model_dir, tmp_path / "a", cfg, eval_tokens=64, progress=False)
     monkeypatch.setattr(logits, "LOSS_CHUNK_ELEMENTS", 7 * 4096)  # 7 rows per chunk of the tiny vocabulary

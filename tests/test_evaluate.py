@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from workbench.errors import DataError
-from workbench.evaluate import (capture_reference, encode_text, eval_windows, evaluate, llamacpp_windows,
+from workbench.evaluation.evaluate import (capture_reference, encode_text, eval_windows, evaluate, llamacpp_windows,
                                 paired_difference, read_text, strided_windows)
-from workbench.models import load_model
+from workbench.model.load import load_model
 
 
 def hand_perplexity(model, ids, ctx, stride):
@@ -154,7 +154,7 @@ def test_empty_text_errors(lm, tmp_path):
 
 def _log_probs_from_full_logits(model, ids, ctx):
     """The plain method: the model's own logits, whole windows at once."""
-    from workbench.evaluate import strided_windows
+    from workbench.evaluation.evaluate import strided_windows
     out = []
     with torch.no_grad():
         for w in strided_windows(len(ids), ctx):
@@ -167,9 +167,9 @@ def test_streaming_evaluation_equals_full_logits(tiny_model_dir, monkeypatch):
     """Hidden states + the head a chunk of tokens at a time give the figures of whole-window logits."""
     import sys
 
-    from workbench.evaluate import capture_reference, evaluate, reference_report, strided_windows
-    from workbench.models import load_model
-    monkeypatch.setattr(sys.modules["workbench.evaluate"], "HEAD_CHUNK_TOKENS", 7)  # several chunks per window
+    from workbench.evaluation.evaluate import capture_reference, evaluate, reference_report, strided_windows
+    from workbench.model.load import load_model
+    monkeypatch.setattr(sys.modules["workbench.evaluation.evaluate"], "HEAD_CHUNK_TOKENS", 7)  # several chunks per window
     ref = load_model(tiny_model_dir)
     cand = load_model(tiny_model_dir)
     with torch.no_grad():
@@ -195,7 +195,7 @@ def test_streaming_evaluation_equals_full_logits(tiny_model_dir, monkeypatch):
 
 
 def test_default_budget_is_the_whole_text_on_small_models_and_whole_windows_on_big_ones(lm):
-    from workbench.evaluate import EVAL_BUDGET, MIN_EVAL_WINDOWS, default_token_budget
+    from workbench.evaluation.evaluate import EVAL_BUDGET, MIN_EVAL_WINDOWS, default_token_budget
     assert default_token_budget(lm.model, 23_000, 512) == 23_000
     params = sum(p.numel() for p in {id(p): p for p in lm.model.parameters()}.values())
 
@@ -210,7 +210,7 @@ def test_default_budget_is_the_whole_text_on_small_models_and_whole_windows_on_b
 def test_kept_reference_log_probs_give_the_same_figures_and_stay_within_their_budget(lm, make_tiny_model, monkeypatch):
     """Many comparisons against one reference keep its log-probabilities once (one output layer per evaluation)."""
     import sys
-    monkeypatch.setattr(sys.modules["workbench.evaluate"], "HEAD_CHUNK_TOKENS", 16)  # several chunks per window
+    monkeypatch.setattr(sys.modules["workbench.evaluation.evaluate"], "HEAD_CHUNK_TOKENS", 16)  # several chunks per window
     other = load_model(make_tiny_model(seed=5)).model
     ids = torch.randint(0, 4096, (80,), generator=torch.Generator().manual_seed(2))
     rebuilt = capture_reference(lm.model, ids, ctx=32, progress=False)

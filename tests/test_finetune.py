@@ -6,10 +6,10 @@ import torch
 
 from conftest import Interrupted, interrupt_at
 from workbench.errors import DataError, WorkbenchError
-from workbench.evaluate import encode_text, evaluate, read_text
-from workbench.finetune import CHECKPOINT, FinetuneConfig, finetune_lora, training_windows
+from workbench.evaluation.evaluate import encode_text, evaluate, read_text
+from workbench.compress.finetune import CHECKPOINT, FinetuneConfig, finetune_lora, training_windows
 from workbench.assets import demo_text_path
-from workbench.models import load_model
+from workbench.model.load import load_model
 
 CFG = FinetuneConfig(steps=12, batch_size=4, seq_len=32, lr=5e-3, warmup=2, checkpoint_every=5, eval_every=10)
 
@@ -109,7 +109,7 @@ def test_training_text_without_newlines_is_read_only_as_far_as_the_steps_need(tm
 
     from transformers import AutoTokenizer
 
-    from workbench.finetune import FinetuneConfig, training_token_budget, training_windows
+    from workbench.compress.finetune import FinetuneConfig, training_token_budget, training_windows
     from workbench.assets import DEMO_MODEL_DIR
     lm = types.SimpleNamespace(tokenizer=AutoTokenizer.from_pretrained(DEMO_MODEL_DIR))
     p = tmp_path / "train.txt"

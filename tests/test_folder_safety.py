@@ -13,7 +13,7 @@ import onnx
 import pytest
 
 from workbench.errors import ModelLoadError
-from workbench.folder_paths import inside_folder
+from workbench.files.folder_paths import inside_folder
 
 _OPENED: list[str] | None = None
 
@@ -173,7 +173,7 @@ def test_a_context_graph_naming_a_binary_outside_is_refused_before_any_session(t
 def test_a_packed_4_bit_weight_outside_is_refused_too(tmp_path):
     """4-bit (QDQ) weights are left to onnxruntime to read: their location is checked all the same."""
     from onnx import TensorProto, helper
-    from workbench.folder_paths import check_graph_paths
+    from workbench.files.folder_paths import check_graph_paths
     folder = tmp_path / "qdq"
     folder.mkdir()
     w = TensorProto(name="w", data_type=TensorProto.INT4, dims=[4], data_location=TensorProto.EXTERNAL)

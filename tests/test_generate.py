@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from workbench.errors import ModelLoadError, WorkbenchError
-from workbench.generate import IncrementalText, encode_prompt, open_model
+from workbench.run.generate import IncrementalText, encode_prompt, open_model
 from workbench.onnx.export import export_onnx
 from workbench.runtime.onnx_runner import OnnxCausalLM
 from workbench.runtime.stream import GenerationStats, Sampling, stream_tokens
@@ -29,7 +29,7 @@ def greedy_without_cache(model, prompt, steps):
 @pytest.fixture(scope="module")
 def demo():
     """The demo model: trained, so its greedy continuations vary (a random tiny model repeats one token)."""
-    from workbench.models import load_model
+    from workbench.model.load import load_model
     return load_model("demo")
 
 
@@ -83,7 +83,7 @@ def test_mnn_stream_with_kv_cache_equals_pytorch(exported, prompt, reference, tm
 
 
 def test_quantized_directory_runs_in_pytorch(demo, prompt, tmp_path):
-    from workbench.plan import QuantPlan
+    from workbench.quantize.plan import QuantPlan
     from workbench.quantize import quantize_model
     out = quantize_model(demo, QuantPlan.uniform("int4", group_size=32), progress=False).save(tmp_path / "q")
     model = open_model(out)
@@ -225,7 +225,7 @@ def test_bad_model_folders_are_one_line_errors(exported, tmp_path):
 def test_ort_genai_folder_streams_in_onnxruntime_genai(demo, prompt, tmp_path):
     """An ort-genai folder runs in onnxruntime-genai; with float activations and fp16 layers it continues as the
     PyTorch model of the same weights does, and it needs no conversion.json: the folder holds its tokenizer."""
-    from workbench.plan import QuantPlan
+    from workbench.quantize.plan import QuantPlan
     from workbench.quantize import quantize_model
     from workbench.targets.ort_genai import build_fused_onnx, write_genai_folder
     qm = quantize_model(demo, QuantPlan.uniform("int4"), progress=False)

@@ -57,7 +57,7 @@ def real_gguf(tmp_path_factory):
     import runpy
     sys.path.insert(0, str(ROOT / "tests"))
     from conftest import build_tiny_model
-    from workbench.models import load_model
+    from workbench.model.load import load_model
     from workbench.quantize import quantize_model
     from workbench.targets.gguf_file import write_gguf
     real = runpy.run_path(str(ROOT / "bench" / "real_models.py"))

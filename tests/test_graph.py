@@ -10,7 +10,7 @@ from workbench.errors import ModelLoadError
 from workbench.onnx.export import export_onnx
 from workbench.onnx.inspect import load_onnx, operator_inventory
 from workbench.runtime.onnx_runner import OnnxCausalLM
-from workbench.models import load_model
+from workbench.model.load import load_model
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,7 @@ def _one_line_error(capsys, argv, *needles):
 @pytest.fixture(scope="module")
 def mnn_prefill(tmp_path_factory):
     """A real prefill.mnn of the demo model's export (its bytes, to truncate)."""
-    from workbench.models import load_model
+    from workbench.model.load import load_model
     from workbench.onnx.export import export_onnx
     from workbench.targets.mnn import convert_to_mnn
     root = tmp_path_factory.mktemp("mnn")
@@ -149,7 +149,7 @@ MISMATCHED = [({"num_hidden_layers": 8, "layer_types": ["full_attention"] * 8},
 
 @pytest.mark.parametrize("changes, says", ABSURD + MISMATCHED)
 def test_load_model_refuses_a_config_before_building_it(changes, says, tmp_path):
-    from workbench.models import load_model
+    from workbench.model.load import load_model
     d = _demo_with(tmp_path, **changes)
     with pytest.raises(ModelLoadError, match="fix config.json") as e:
         load_model(d)
@@ -169,8 +169,8 @@ def test_every_command_refuses_a_million_layers_in_one_line(argv, tmp_path, caps
 
 
 def test_a_quantized_directory_with_an_edited_config_is_refused(lm, tmp_path):
-    from workbench.models import load_model, load_quantized
-    from workbench.plan import QuantPlan
+    from workbench.model.load import load_model, load_quantized
+    from workbench.quantize.plan import QuantPlan
     from workbench.quantize import quantize_model
     out = quantize_model(lm, QuantPlan.uniform("int8"), progress=False).save(tmp_path / "q")
     cfg = json.loads((out / "config.json").read_text())
@@ -190,7 +190,7 @@ def test_shape_only_configs_are_refused_where_models_are_built(changes, says):
     """``model_from_config`` (what `project`, `prune` and the quantized loader build with) checks first; transformers'
     own config class already refuses sizes that are not integers."""
     from transformers import AutoConfig
-    from workbench.models import model_from_config
+    from workbench.model.load import model_from_config
     cfg = {**json.loads((DEMO_MODEL_DIR / "config.json").read_text()), **changes}
     cfg["layer_types"] = ["full_attention"] * cfg["num_hidden_layers"]
     config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
@@ -201,7 +201,7 @@ def test_shape_only_configs_are_refused_where_models_are_built(changes, says):
 
 def test_the_largest_real_shapes_still_pass():
     """The bound sits above real models: a 72 B Qwen2.5 shape and an 80-layer one are not refused."""
-    from workbench.models import check_model_config
+    from workbench.model.load import check_model_config
     qwen72 = {"vocab_size": 152064, "hidden_size": 8192, "num_hidden_layers": 80, "num_attention_heads": 64,
               "num_key_value_heads": 8, "intermediate_size": 29568, "tie_word_embeddings": False}
     check_model_config(qwen72, "qwen2.5-72b")

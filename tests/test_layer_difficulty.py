@@ -3,14 +3,14 @@ import pytest
 import torch
 
 from conftest import build_tiny_model
-from workbench.layer_difficulty import TRAIT_FACTOR, difficulty_summary, layer_difficulty, spearman
+from workbench.precision.layer_difficulty import TRAIT_FACTOR, difficulty_summary, layer_difficulty, spearman
 
 
 @pytest.fixture(scope="module")
 def swept(tmp_path_factory):
-    from workbench.calibrate import calibrate
-    from workbench.models import load_model
-    from workbench.sensitivity import run_sensitivity
+    from workbench.model.calibrate import calibrate
+    from workbench.model.load import load_model
+    from workbench.precision.sensitivity import run_sensitivity
     lm = load_model(str(build_tiny_model(tmp_path_factory.mktemp("d") / "m", "llama", layers=3, tie=False)))
     with torch.no_grad():  # one weight far out in block 1's up projection: its groups lose their levels
         lm.model.model.layers[1].mlp.up_proj.weight[3, 7] = 40 * lm.model.model.layers[1].mlp.up_proj.weight.abs().max()
@@ -20,7 +20,7 @@ def swept(tmp_path_factory):
 
 
 def _ws(factory):
-    from workbench.workspace import Workspace
+    from workbench.files.workspace import Workspace
     return Workspace(factory.mktemp("ws"))
 
 

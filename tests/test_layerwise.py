@@ -1,11 +1,11 @@
-"""workbench.layerwise: a graph altered in one layer is found departing there; one altered only in its output
+"""workbench.run.layerwise: a graph altered in one layer is found departing there; one altered only in its output
 layer departs after the blocks; an unaltered one keeps to the reference everywhere."""
 import onnx
 import pytest
 from onnx import numpy_helper
 
-from workbench.layerwise import POINTS, block_output_tensors, compare_blocks
-from workbench.models import load_model
+from workbench.run.layerwise import POINTS, block_output_tensors, compare_blocks
+from workbench.model.load import load_model
 from workbench.onnx.export import export_onnx
 
 WINDOW = list(range(5, 69))

@@ -2,8 +2,8 @@
 import torch
 from torch import nn
 
-import workbench.logits as logits
-from workbench.logits import chunked_sum, trainable_head_logits
+import workbench.numerics.logits as logits
+from workbench.numerics.logits import chunked_sum, trainable_head_logits
 
 
 def _head(dtype=torch.float32, bias=True):

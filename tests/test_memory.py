@@ -3,7 +3,7 @@ import platform
 
 import pytest
 
-from workbench.memory import release_freed_memory, reset_peak_rss, rss_mb
+from workbench.numerics.memory import release_freed_memory, reset_peak_rss, rss_mb
 
 
 @pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc only")

@@ -7,7 +7,7 @@ import torch
 
 from workbench.errors import ModelLoadError
 from workbench.assets import DEMO_MODEL_DIR
-from workbench.models import load_model, quantizable_layers, resolve_model_path
+from workbench.model.load import load_model, quantizable_layers, resolve_model_path
 
 
 def test_demo_alias():
@@ -163,7 +163,7 @@ def test_pickled_weights_that_do_not_cover_the_model_are_refused(tiny_model_dir,
 
 
 def test_a_quantized_directory_loads_as_the_quantized_model(tiny_model_dir, tmp_path):
-    from workbench.plan import QuantPlan
+    from workbench.quantize.plan import QuantPlan
     from workbench.quantize import quantize_model
     from workbench.quantize.layers import QuantLinear
     lm = load_model(tiny_model_dir)

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from workbench.errors import PlanError
-from workbench.overrides import (OVERRIDE_FORMATS, gguf_tensor_name, graph_tensor_names, load_ort_overrides,
+from workbench.precision.overrides import (OVERRIDE_FORMATS, gguf_tensor_name, graph_tensor_names, load_ort_overrides,
                                  mnn_op_name, read_overrides, read_qnn_encodings, validate_qnn_encodings,
                                  write_overrides, write_qnn_encodings)
-from workbench.plan import QuantPlan
+from workbench.quantize.plan import QuantPlan
 from workbench.quantize import quantize_model
 
 QV_FP16 = QuantPlan.uniform("int8").with_override("*.q_proj", "fp16").with_override("*.v_proj", "fp16")
@@ -148,7 +148,7 @@ def test_missing_graph_and_bad_format_are_clear(lm, tmp_path):
 
 
 def test_activation_encodings_from_calibration_name_graph_tensors(lm, graph, tmp_path, workspace):
-    from workbench.calibrate import calibrate
+    from workbench.model.calibrate import calibrate
     _, stats = calibrate(lm, samples=4, seq_len=64, workspace=workspace, progress=False)
     qm = quantize_model(lm, QV_FP16, progress=False)
     f = write_qnn_encodings(tmp_path / "qa.json", qm, graph, calibration=stats)

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from workbench.errors import PlanError
-from workbench.models import LayerInfo
-from workbench.plan import PRECISIONS, PlanRule, Precision, QuantPlan, get_precision, register_precision
+from workbench.model.load import LayerInfo
+from workbench.quantize.plan import PRECISIONS, PlanRule, Precision, QuantPlan, get_precision, register_precision
 
 NAMES = [
     "model.embed_tokens",
@@ -219,7 +219,7 @@ def test_scale_search_round_trips_and_is_type_checked():
 
 
 def test_scale_search_is_on_for_new_plans_and_off_for_files_saved_without_it():
-    from workbench.plan import DEFAULT_SCALE_SEARCH
+    from workbench.quantize.plan import DEFAULT_SCALE_SEARCH
     assert DEFAULT_SCALE_SEARCH is True and QuantPlan().scale_search and QuantPlan.uniform("int4").scale_search
     off = QuantPlan.uniform("int4", scale_search=False)
     assert QuantPlan.from_json(off.to_json()) == off
@@ -235,7 +235,7 @@ def test_every_plan_field_has_a_json_type_check():
     """A field added to QuantPlan without a type check would let a string "false" read as true again."""
     import dataclasses
 
-    from workbench.plan import _FIELD_TYPES
+    from workbench.quantize.plan import _FIELD_TYPES
     assert {f.name for f in dataclasses.fields(QuantPlan)} == set(_FIELD_TYPES)
 
 

@@ -6,8 +6,8 @@ import pytest
 from workbench.charts.profile import make_profile_figure
 from workbench.cli import main
 from workbench.errors import WorkbenchError
-from workbench.profile import build_candidates, profile_directory
-from workbench.runtime import find_runnable
+from workbench.run.profile import build_candidates, profile_directory
+from workbench.run.locate import find_runnable
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +58,8 @@ def test_cli_table_shows_each_decode_speed_against_the_host_bound(candidates, ca
 
 
 def test_host_bandwidth_is_measured_once_and_cached(tmp_path, monkeypatch):
-    import workbench.profile as prof
-    from workbench.workspace import Workspace
+    import workbench.run.profile as prof
+    from workbench.files.workspace import Workspace
     calls = []
     monkeypatch.setattr(prof, "measure_read_bandwidth", lambda: calls.append(1) or 12.5)
     ws = Workspace(tmp_path / "ws")
@@ -70,7 +70,7 @@ def test_host_bandwidth_is_measured_once_and_cached(tmp_path, monkeypatch):
 
 
 def test_read_bandwidth_and_the_fraction_of_the_bound():
-    from workbench.profile import RuntimeProfile, measure_read_bandwidth
+    from workbench.run.profile import RuntimeProfile, measure_read_bandwidth
     assert measure_read_bandwidth(64 * 2 ** 20, repeats=2) > 0.1  # GB/s: any machine reads faster than this
     p = RuntimeProfile("x", "onnxruntime", [], 0, 1, 1, decode_tokens_per_second=5.0, decode_bytes=2_000_000_000)
     assert p.decode_bound(10.0) == pytest.approx(5.0) and p.fraction_of_bound(10.0) == pytest.approx(1.0)
@@ -161,7 +161,7 @@ def test_decode_bytes_count_widened_float16_weights_at_float32(tmp_path):
 
 def test_the_memory_a_model_added_is_shown_in_the_unit_of_its_size():
     """peak_rss_added_mb is MiB (/proc); tables and summaries say MB (10^6 bytes), as the size beside it."""
-    from workbench.profile import RuntimeProfile
+    from workbench.run.profile import RuntimeProfile
     p = RuntimeProfile(name="m", runtime="onnxruntime", files=[], size_bytes=2 * 10**6, threads=1, repeats=1,
                        peak_rss_added_mb=100.0)
     assert p.rss_added_mb == 104.8576 and "+105 MB RSS" in p.summary()

@@ -3,9 +3,9 @@ import math
 
 import pytest
 
-from workbench.devices import get_device, load_devices
-from workbench.plan import QuantPlan
-from workbench.projection import (SHAPES_FILE, check_claim, check_memory_claim, fit_efficiency, model_shape, plan_from_spec,
+from workbench.devices.profiles import get_device, load_devices
+from workbench.quantize.plan import QuantPlan
+from workbench.devices.projection import (SHAPES_FILE, check_claim, check_memory_claim, fit_efficiency, model_shape, plan_from_spec,
                                   project, published_measurements)
 
 LLAMA_7B = dict(model_type="llama", hidden_size=4096, num_hidden_layers=32, intermediate_size=11008,

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from workbench.errors import PlanError
-from workbench.models import load_model
-from workbench.proxy import proxy_scores, proxy_supported, spearman
-from workbench.sensitivity import (AUTO_KL_MAX_WORK, SensitivityReport, choose_score, evaluation_tokens,
+from workbench.model.load import load_model
+from workbench.precision.proxy import proxy_scores, proxy_supported, spearman
+from workbench.precision.sensitivity import (AUTO_KL_MAX_WORK, SensitivityReport, choose_score, evaluation_tokens,
                                    run_sensitivity)
 
 TOKENS = 256
@@ -91,8 +91,8 @@ def test_proxy_scores_the_error_of_the_weights_quantize_model_writes(lm, setting
     matrix is the score of the shipped weights under it."""
     from dataclasses import replace
 
-    from workbench.plan import QuantPlan
-    from workbench.proxy import _weight_error
+    from workbench.quantize.plan import QuantPlan
+    from workbench.precision.proxy import _weight_error
     from workbench.quantize import quantize_model
     plan = QuantPlan.uniform("int4", keep_embeddings="int8", **settings)
     assert plan.scale_search

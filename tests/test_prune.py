@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from workbench.errors import PlanError
-from workbench.evaluate import evaluate
-from workbench.models import load_model
-from workbench.prune import (PruneImportance, PrunePlan, geometry, head_and_channel_importance, prune, prune_model)
-from workbench.sensitivity import evaluation_tokens
+from workbench.evaluation.evaluate import evaluate
+from workbench.model.load import load_model
+from workbench.compress.prune import (PruneImportance, PrunePlan, geometry, head_and_channel_importance, prune, prune_model)
+from workbench.precision.sensitivity import evaluation_tokens
 
 IDS = torch.arange(1, 49)[None] * 37 % 4000
 
@@ -96,7 +96,7 @@ def test_a_unit_that_does_nothing_scores_zero_and_goes_first(tiny_model_dir):
 def test_importance_is_cached_in_the_workspace(lm, workspace, monkeypatch):
     first = head_and_channel_importance(lm, tokens=256, seq_len=64, kl_tokens=128, workspace=workspace,
                                         progress=False)
-    import workbench.prune as prune_mod
+    import workbench.compress.prune as prune_mod
     monkeypatch.setattr(prune_mod, "_gradient_scores", lambda *a, **k: pytest.fail("recomputed"))
     again = head_and_channel_importance(lm, tokens=256, seq_len=64, kl_tokens=128, workspace=workspace,
                                         progress=False)
@@ -221,9 +221,9 @@ def test_per_layer_counts_give_a_directory_that_loads_exports_quantizes_and_matc
     from transformers import AutoModelForCausalLM
 
     from workbench.onnx.export import export_onnx
-    from workbench.models import LAYER_SHAPES
-    from workbench.plan import QuantPlan
-    from workbench.prune import head_mapping, predicted_size, save_pruned
+    from workbench.model.load import LAYER_SHAPES
+    from workbench.quantize.plan import QuantPlan
+    from workbench.compress.prune import head_mapping, predicted_size, save_pruned
     from workbench.quantize import quantize_model
     lm, imp = deep
     plan = PrunePlan(heads=0.25, mlp=0.2)
@@ -253,7 +253,7 @@ def test_per_layer_counts_give_a_directory_that_loads_exports_quantizes_and_matc
     assert 0 < ev.kl_divergence < 1
     qm.save(tmp_path / "int4")
     assert load_model(tmp_path / "int4").parameters == counted  # codes counted as the weights they replace
-    from workbench.projection import model_shape, project  # shapes on the meta device, KV cache per layer
+    from workbench.devices.projection import model_shape, project  # shapes on the meta device, KV cache per layer
     assert sum(p.numel() for p in model_shape(out).model.parameters()) == counted
     kv = [project(d, "snapdragon-8-gen-3").kv_bytes_per_token for d in (out, lm.path)]
     assert kv[0] * 8 == kv[1] * 6  # 6 of the 8 KV heads are left
@@ -264,7 +264,7 @@ def test_per_layer_counts_give_a_directory_that_loads_exports_quantizes_and_matc
 
 def test_a_broken_layer_shapes_field_is_refused_in_one_line(deep, tmp_path):
     from workbench.errors import ModelLoadError
-    from workbench.prune import save_pruned
+    from workbench.compress.prune import save_pruned
     lm, imp = deep
     out = save_pruned(prune_model(lm, PrunePlan(heads=0.25), imp), lm, tmp_path / "p")
     cfg = json.loads((out / "config.json").read_text())

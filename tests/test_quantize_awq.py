@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from workbench.errors import PlanError
-from workbench.models import load_model
-from workbench.plan import QuantPlan
+from workbench.model.load import load_model
+from workbench.quantize.plan import QuantPlan
 from workbench.quantize import apply_awq_scales_, quantize_model, search_awq
 from workbench.quantize.awq import scale_groups
 
@@ -129,7 +129,7 @@ def test_cached_search_result_is_reused_and_fp16_layers_take_folded_scales(tiny_
     assert all(torch.equal(first.weights[n].qweight, again.weights[n].qweight) for n in first.weights)
     assert "model.layers.0.self_attn.v_proj.weight" in first.float_overrides
     assert "model.layers.0.input_layernorm.weight" in first.float_overrides
-    from workbench.models import load_quantized
+    from workbench.model.load import load_quantized
     lm2, _ = load_quantized(first.save(tmp_path / "awq"))
     ids = torch.stack(_samples(1, 64, seed=9))
     with torch.no_grad():
@@ -160,7 +160,7 @@ def test_awq_refuses_what_it_cannot_do(tiny_model_dir):
 
 def test_cross_check_against_autoawq(make_tiny_model):
     """On a tiny Llama, our AWQ beats RTN in KL and is at least as good as autoawq's (aliasing fixed)."""
-    from workbench.evaluate import encode_text
+    from workbench.evaluation.evaluate import encode_text
     from workbench.assets import demo_text_path
     from workbench.quantize.crosscheck import (AutoAwqUnavailable, calibration_texts, compare_with_autoawq,
                                                patched_autoawq)
@@ -205,7 +205,7 @@ def _same_search(a: dict, b: dict) -> None:
 def test_a_killed_search_resumes_after_its_last_block(tiny_model_dir, tmp_path, monkeypatch, caplog):
     """Killed in block 1 of 2, the search resumes after block 0 (saved), says so, and gives the same result."""
     import workbench.quantize.awq as awq
-    from workbench.workspace import Workspace
+    from workbench.files.workspace import Workspace
     lm = load_model(tiny_model_dir)
     plan = QuantPlan.uniform("int4", group_size=32)
     calib = _samples(3, 64, seed=4)

@@ -32,7 +32,7 @@ def test_quantize_json(tiny_model_dir, tmp_path, heldout, capsys):
 
 
 def test_quantize_table_output_with_a_plan_and_fallback(tiny_model_dir, tmp_path, heldout, capsys):
-    from workbench.plan import QuantPlan
+    from workbench.quantize.plan import QuantPlan
     plan = tmp_path / "plan.json"
     QuantPlan.uniform("int4").with_override("*.down_proj", "int8").save(plan)
     rc = main(["quantize", str(tiny_model_dir), "--out", str(tmp_path / "q"), "--plan", str(plan),
@@ -112,7 +112,7 @@ def test_complete_earlier_output_is_replaced(tiny_model_dir, tmp_path, heldout, 
 @pytest.mark.parametrize("failure", [RuntimeError("evaluation broke"), KeyboardInterrupt()])
 def test_failed_evaluation_leaves_no_output(tiny_model_dir, tmp_path, heldout, capsys, monkeypatch, failure):
     import workbench.quantize as quantize
-    import workbench.workspace as workspace
+    import workbench.files.workspace as workspace
 
     def broken(*a, **k):
         raise failure
@@ -202,8 +202,8 @@ def test_rtn_weighs_its_search_by_importance_by_default_and_says_where_it_came_f
                                                                                   heldout, capsys, monkeypatch):
     """`--bits 4 --method rtn` computes (then reuses) importance statistics from the bundled calibration text
     and says so; --no-importance rounds without them, as does a plan without the scale search."""
-    import workbench.workspace
-    monkeypatch.setattr(workbench.workspace, "DEFAULT_WORKSPACE", tmp_path / "ws")  # nothing stored yet
+    import workbench.files.workspace
+    monkeypatch.setattr(workbench.files.workspace, "DEFAULT_WORKSPACE", tmp_path / "ws")  # nothing stored yet
     def run(out, *extra):
         assert main(["quantize", str(tiny_model_dir), "--out", str(tmp_path / out), "--bits", "4", "--group-size",
                      "32", "--method", "rtn", "--text", str(heldout), "--ctx", "128", *extra]) == 0

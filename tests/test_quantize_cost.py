@@ -3,10 +3,10 @@ import math
 
 import pytest
 
-from workbench.evaluate import encode_text
+from workbench.evaluation.evaluate import encode_text
 from workbench.assets import demo_text_path
-from workbench.models import load_model
-from workbench.plan import QuantPlan
+from workbench.model.load import load_model
+from workbench.quantize.plan import QuantPlan
 from workbench.quantize import measure_cost, measure_reference, quantize_model
 from workbench.quantize.storage import weight_file_bytes
 
@@ -76,7 +76,7 @@ def test_the_threshold_is_a_fraction_of_the_float_perplexity(setup):
 
 
 def test_reference_report_matches_a_full_evaluation(setup):
-    from workbench.evaluate import evaluate
+    from workbench.evaluation.evaluate import evaluate
     lm, base = setup
     full = evaluate(lm.model, base.ids, ctx=128, progress=False)
     assert base.report.perplexity == pytest.approx(full.perplexity, rel=1e-6)  # float32 sums in another order

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from workbench.errors import PlanError
-from workbench.plan import QuantPlan
+from workbench.quantize.plan import QuantPlan
 from workbench.quantize import gptq_quantize_weight, quantize_model, quantize_weight
 from workbench.quantize.rtn import quantize_groups
 
@@ -144,7 +144,7 @@ def test_a_killed_gptq_resumes_after_its_last_block(lm, tmp_path, monkeypatch, c
     """Killed in block 1 of 2, GPTQ goes on from block 1 with block 0's saved codes (two-level ones too),
     says so, gives the same codes, and leaves no checkpoint behind."""
     import workbench.quantize.gptq as gptq
-    from workbench.workspace import Workspace
+    from workbench.files.workspace import Workspace
     gen = torch.Generator().manual_seed(3)
     samples = [torch.randint(0, lm.model.config.vocab_size, (64,), generator=gen) for _ in range(3)]
     plan = QuantPlan.uniform("int4", group_size=32).with_override("*.v_proj", "int4-lpbq")
@@ -192,7 +192,7 @@ def test_full_range_gptq_uses_sixteen_levels_and_beats_full_range_rtn():
 
 @pytest.mark.parametrize("precision", ["int4-k", "int5-k"])
 def test_gptq_with_two_level_minimums_stays_on_the_grid_and_beats_rtn(precision):
-    from workbench.plan import get_precision
+    from workbench.quantize.plan import get_precision
     p = get_precision(precision)
     w, x, h = _layer(rows=16, cols=512, tokens=2048, seed=3, rank=32)
     rtn = quantize_weight(w, p.bits, 32, True, scale_bits=p.sub_scales, scale_search=True, importance=torch.diag(h))

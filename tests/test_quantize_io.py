@@ -8,9 +8,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from workbench.errors import ModelLoadError, WorkspaceError
-from workbench.evaluate import evaluate
-from workbench.models import load_model, load_quantized
-from workbench.plan import QuantPlan
+from workbench.evaluation.evaluate import evaluate
+from workbench.model.load import load_model, load_quantized
+from workbench.quantize.plan import QuantPlan
 from workbench.quantize import pack_int4, quantize_model
 from workbench.quantize.storage import pack_int32, unpack_int32, write_manifest
 from workbench.quantize.layers import QuantEmbedding, QuantLinear
@@ -62,7 +62,7 @@ def test_loaded_model_computes_from_the_codes_in_the_stored_dtype(make_tiny_mode
     """No float copy of an integer layer; float tensors in the checkpoint's dtype, computing in float32."""
     from transformers import AutoModelForCausalLM
 
-    from workbench.compute import float32_compute_enabled
+    from workbench.numerics.compute import float32_compute_enabled
     src = make_tiny_model("qwen2", tie=False)  # q/k/v biases, untied head
     AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).save_pretrained(src)
     lm = load_model(src)
@@ -328,7 +328,7 @@ def test_the_loader_imports_model_and_model_never_imports_the_loader():
     import ast
     from pathlib import Path
 
-    import workbench.models as loader
+    import workbench.model.load as loader
     import workbench.quantize.model as model_module
     import workbench.quantize.storage as storage_module
 

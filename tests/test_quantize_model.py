@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from workbench.errors import PlanError
-from workbench.models import load_model
-from workbench.plan import PRECISIONS, Precision, QuantPlan
+from workbench.model.load import load_model
+from workbench.quantize.plan import PRECISIONS, Precision, QuantPlan
 from workbench.quantize import quantize_model, resolve_group_size
 
 

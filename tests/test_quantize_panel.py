@@ -2,8 +2,8 @@
 import pytest
 
 from workbench.charts.quantize import make_cost_table_figure, make_layer_error_figure
-from workbench.models import load_model
-from workbench.plan import QuantPlan
+from workbench.model.load import load_model
+from workbench.quantize.plan import QuantPlan
 from workbench.ui.quantize import QuantizePanel
 
 

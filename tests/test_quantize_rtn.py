@@ -206,7 +206,7 @@ def test_full_range_refuses_asymmetric_and_two_level():
 def test_two_level_minimums_fit_offset_groups_and_search_never_loses(precision):
     """Q4_K / Q5_K's layout: unsigned codes, w = d*sc*q - dmin*m; a group sitting off zero keeps its levels
     (symmetric codes would spend half of them on the empty side), and the weighted search beats min/max."""
-    from workbench.plan import get_precision
+    from workbench.quantize.plan import get_precision
     p = get_precision(precision)
     torch.manual_seed(0)
     w = torch.randn(8, 512) * 0.1 + torch.linspace(-1, 1, 8)[:, None]  # rows offset from zero

@@ -7,7 +7,7 @@ import torch
 from workbench.quantize.rtn import quantize_weight
 from workbench.quantize.storage import (ct_layout, pack_int32, stored_shapes, unpack_int32, weight_file_bytes,
                                         weight_from_file, weight_tensors, write_manifest)
-from workbench.workspace import file_sha256
+from workbench.files.workspace import file_sha256
 
 
 @pytest.mark.parametrize("bits", [4, 8])

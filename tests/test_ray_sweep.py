@@ -9,16 +9,16 @@ import pytest
 
 from conftest import stop_sweep_after
 from workbench.errors import WorkbenchError
-from workbench.sensitivity import run_sensitivity
-from workbench.sweep_backends import RAY_INSTALL, LocalBackend, RayBackend, backend_for
-from workbench.workspace import Workspace
+from workbench.precision.sensitivity import run_sensitivity
+from workbench.model.sweep_backends import RAY_INSTALL, LocalBackend, RayBackend, backend_for
+from workbench.files.workspace import Workspace
 
 PRECISIONS = ("int8", "int4")
 
 
 def _ray():
     try:
-        from workbench.sweep_backends import import_ray
+        from workbench.model.sweep_backends import import_ray
         return import_ray()
     except WorkbenchError:
         pytest.skip(f"needs ray: {RAY_INSTALL}")
@@ -161,7 +161,7 @@ def test_the_payload_tensors_are_mapped_from_the_store_not_copied(two_nodes):
     and tied weights; the tensor serializer is registered only while the payload is put."""
     import torch
 
-    from workbench.sweep_backends import _tensors_shared_in_the_store
+    from workbench.model.sweep_backends import _tensors_shared_in_the_store
     ray, _cluster = two_nodes
     emb = torch.nn.Embedding(50, 8)
     head = torch.nn.Linear(8, 50, bias=False)
@@ -184,7 +184,7 @@ def test_a_model_larger_than_the_store_is_said(two_nodes, caplog):
 
     import torch
 
-    from workbench.sweep_backends import _warn_if_the_store_is_small, model_bytes
+    from workbench.model.sweep_backends import _warn_if_the_store_is_small, model_bytes
     ray, _cluster = two_nodes
     emb = torch.nn.Embedding(1000, 64)
     head = torch.nn.Linear(64, 1000, bias=False)

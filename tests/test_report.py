@@ -6,10 +6,10 @@ from html.parser import HTMLParser
 
 import pytest
 
-from workbench.plan import QuantPlan
-from workbench.projection import project
-from workbench.report import RunNotFound, build_report, find_run, write_report
-from workbench.workspace import file_sha256
+from workbench.quantize.plan import QuantPlan
+from workbench.devices.projection import project
+from workbench.charts.report import RunNotFound, build_report, find_run, write_report
+from workbench.files.workspace import file_sha256
 
 
 class _Loads(HTMLParser):
@@ -142,7 +142,7 @@ def test_written_atomically_and_never_into_a_directory(demo_run, tmp_path):
 def test_a_comparison_on_the_devices_is_its_own_table(tmp_path):
     """A folder bench/devices_gap.py (or the Export tab) wrote: the table and chart of devices_gap.json; the
     conversions it made for it are in that table, not again under Conversions."""
-    from workbench.devices_gap import DevicesGap, absent_row, simulation_row
+    from workbench.run.devices_gap import DevicesGap, absent_row, simulation_row
     work = tmp_path / "gap"
     (work / "ort-qdq").mkdir(parents=True)
     (work / "ort-qdq" / "conversion.json").write_text(json.dumps({"target": "ort-qdq", "kl_divergence": 0.5}))
@@ -161,7 +161,7 @@ def test_a_comparison_on_the_devices_is_its_own_table(tmp_path):
     assert "<th>prefill tok/s</th><th>decode tok/s</th>" in section  # the runtime's own speed beside size
     assert "<td>3.8</td><td>5,432</td><td>234</td>" in section
     assert "<span class='gap'>GAP</span> prefill: KL &lt;9.9e-01&gt;" in section and "make rknn-env" in section
-    from workbench.devices_gap import GAP_RULE
+    from workbench.run.devices_gap import GAP_RULE
     assert f"</table><p class='gap-rule'>{html.escape(GAP_RULE)}</p>" in section  # the threshold judged by
     assert "On the devices: plan abcd1234" in report.figures and external_loads(page) == []
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import CHROMIUM, browser_skips
-from workbench.report import build_report
+from workbench.charts.report import build_report
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = Path(os.environ.get("WORKBENCH_TEST_ARTIFACTS", ROOT / "tests" / "artifacts"))

@@ -11,7 +11,7 @@ import torch
 
 from workbench.cli import main
 from workbench.errors import ModelLoadError, WorkbenchError
-from workbench.runtime import describe_files, find_runnable, locate, open_runner
+from workbench.run.locate import describe_files, find_runnable, locate, open_runner
 from workbench.targets import Target, get_target, register_target
 
 TABLE = "skipgram.npz"
@@ -191,7 +191,7 @@ def test_onnx_runner_applies_session_options_to_every_session(exported, lm, tmp_
 def test_an_rknn_conversion_is_refused_as_not_runnable_here_and_a_tree_profile_goes_on(exported, tmp_path, capsys):
     """rknn writes prefill.onnx + decode.onnx too: its conversion.json, not its file names, says whose folder it
     is; a tree profile reports the rknn and the damaged folder and still profiles the intact export."""
-    from workbench.profile import profile_directory
+    from workbench.run.profile import profile_directory
     tree = tmp_path / "out"
     good, rknn, bad = tree / "a_export", tree / "b_rknn", tree / "c_bad"
     shutil.copytree(Path(exported.prefill_path).parent, good)

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from workbench.errors import PlanError
-from workbench.evaluate import evaluate
-from workbench.models import load_model
-from workbench.plan import QuantPlan
+from workbench.evaluation.evaluate import evaluate
+from workbench.model.load import load_model
+from workbench.quantize.plan import QuantPlan
 from workbench.quantize import quantize_model
-from workbench.sensitivity import (PROGRESS_FILE, SENSITIVITY_STEP, LayerVariants, PlanEvaluator, SensitivityReport,
+from workbench.precision.sensitivity import (PROGRESS_FILE, SENSITIVITY_STEP, LayerVariants, PlanEvaluator, SensitivityReport,
                                    evaluation_tokens, run_sensitivity)
 
 TOKENS = 256
@@ -109,7 +109,7 @@ def test_fast_evaluation_equals_quantize_model_then_evaluate(tiny_model_dir, dty
 
 @pytest.mark.slow
 def test_sweep_measures_every_layer_at_every_registered_precision_and_fewer_bits_hurt_more(lm, evaluator):
-    from workbench.plan import PRECISIONS
+    from workbench.quantize.plan import PRECISIONS
     report = run_sensitivity(lm, evaluator=evaluator, progress=False)
     assert [layer.name for layer in report.layers] == [info.name for info in lm.layers]
     # every registered integer precision whose blocks fit the tiny model's 64-wide layers (int3-k's 256 do not)
@@ -282,7 +282,7 @@ def test_sweeps_with_and_without_the_scale_search_are_cached_apart(lm, workspace
 def test_a_block_layout_is_measured_on_the_layers_it_fits(make_tiny_model, score):
     """int4-k's 256-weight blocks fit the 256-wide down projections only: the sweep measures it there, and refuses
     a layout that fits none of the layers asked for."""
-    from workbench.models import load_model
+    from workbench.model.load import load_model
     lm = load_model(make_tiny_model("qwen2", hidden=64, intermediate=256))
     report = run_sensitivity(lm, tokens=128, precisions=("int4", "int4-k"), group_size=32, score=score,
                              progress=False)

@@ -12,9 +12,9 @@ import pytest
 
 from conftest import stop_sweep_after
 from workbench.errors import WorkbenchError
-from workbench.sensitivity import run_sensitivity
-from workbench.sweep_backends import LocalBackend, ProcessBackend, RayBackend, backend_for
-from workbench.workspace import Workspace
+from workbench.precision.sensitivity import run_sensitivity
+from workbench.model.sweep_backends import LocalBackend, ProcessBackend, RayBackend, backend_for
+from workbench.files.workspace import Workspace
 
 PRECISIONS = ("int8", "int4")
 
@@ -67,9 +67,9 @@ def test_a_worker_that_dies_is_reported_and_finished_results_are_kept():
 
 
 def test_refinement_on_processes_equals_the_serial_refinement(lm):
-    from workbench.autoplan import plan_for_budget, plan_footprint, refine_plan
-    from workbench.plan import QuantPlan
-    from workbench.sensitivity import LayerVariants, PlanEvaluator, evaluation_tokens
+    from workbench.precision.autoplan import plan_for_budget, plan_footprint, refine_plan
+    from workbench.quantize.plan import QuantPlan
+    from workbench.precision.sensitivity import LayerVariants, PlanEvaluator, evaluation_tokens
     sens = run_sensitivity(lm, tokens=64, precisions=PRECISIONS, progress=False)
     budget = int(1.1 * plan_footprint(lm, QuantPlan.uniform("int4", keep_embeddings="int4"))["size_bytes"])
     auto = plan_for_budget(lm, sens, size_bytes=budget)

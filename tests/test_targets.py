@@ -9,7 +9,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from workbench.errors import WorkbenchError
-from workbench.models import load_model
+from workbench.model.load import load_model
 from workbench.onnx.export import export_onnx
 from workbench.targets import RULE_TABLES, RULES_DIR, TARGETS, get_target, inspect_graph, load_rules, target_names
 from workbench.targets.base import _check_memory
@@ -245,9 +245,9 @@ def toy_target(tmp_path, monkeypatch):
 
 def test_a_new_target_is_one_module_and_one_rule_table(toy_target, tiny_model_dir, lm, tmp_path):
     from workbench.cli import main
-    from workbench.convert import CONVERT_TARGETS, convert, prepare_models
-    from workbench.overrides import OVERRIDE_FORMATS, read_overrides, write_overrides
-    from workbench.plan import QuantPlan
+    from workbench.targets.convert import CONVERT_TARGETS, convert, prepare_models
+    from workbench.precision.overrides import OVERRIDE_FORMATS, read_overrides, write_overrides
+    from workbench.quantize.plan import QuantPlan
     assert "toy" in CONVERT_TARGETS and "toy" in TARGETS and "toy-json" in OVERRIDE_FORMATS
     report = convert(tiny_model_dir, "toy", tmp_path / "out", prepared=prepare_models(tiny_model_dir, bits=8),
                      max_tokens=300, ctx=64)
@@ -264,7 +264,7 @@ def test_a_new_target_is_one_module_and_one_rule_table(toy_target, tiny_model_di
 
 @pytest.fixture(scope="module")
 def static_feeds(tiny_model_dir, exported_pair):
-    from workbench.convert import calibration_feeds
+    from workbench.targets.convert import calibration_feeds
     from workbench.runtime.onnx_runner import OnnxCausalLM
     _, static = exported_pair
     return calibration_feeds(load_model(tiny_model_dir), samples=3, seq_len=16,
@@ -331,14 +331,14 @@ def demo():
 
 @pytest.fixture(scope="module")
 def demo_lpbq(demo):
-    from workbench.plan import QuantPlan
+    from workbench.quantize.plan import QuantPlan
     from workbench.quantize import quantize_model
     return quantize_model(demo, QuantPlan.uniform("int4-lpbq", group_size=32), progress=False)
 
 
 def test_refusal_names_the_layer_and_the_precision(demo):
     from workbench.errors import PlanError
-    from workbench.plan import QuantPlan
+    from workbench.quantize.plan import QuantPlan
     from workbench.targets import check_precisions
     from workbench.targets.common import layer_precisions
     plan = QuantPlan.uniform("int4").with_override("model.layers.1.mlp.down_proj", "int3")
@@ -380,7 +380,7 @@ def test_k_layouts_with_minimums_are_llamacpp_only_and_refused_by_name_elsewhere
 
 def test_qnn_lpbq_encodings_validate_and_carry_the_stored_scales(demo, demo_lpbq, tmp_path):
     from workbench.errors import PlanError
-    from workbench.overrides import read_qnn_encodings, validate_qnn_encodings, write_qnn_encodings
+    from workbench.precision.overrides import read_qnn_encodings, validate_qnn_encodings, write_qnn_encodings
     export = export_onnx(demo, tmp_path / "onnx", check=False)
     f = write_qnn_encodings(tmp_path / "lpbq.json", demo_lpbq, export)
     doc = json.loads(f.path.read_text())
@@ -413,8 +413,8 @@ def test_qnn_lpbq_encodings_validate_and_carry_the_stored_scales(demo, demo_lpbq
 @pytest.mark.parametrize("precision", ["int4-lpbq", "int2"])
 def test_two_level_and_int2_plans_run_in_ort_int4_as_simulated(tmp_path, precision):
     """MatMulNBits runs the plan's own codes: two-level scales as their exact products, int2 as 2-bit blocks."""
-    from workbench.convert import convert
-    from workbench.plan import QuantPlan
+    from workbench.targets.convert import convert
+    from workbench.quantize.plan import QuantPlan
     report = convert("demo", "ort-int4", tmp_path, plan=QuantPlan.uniform(precision, group_size=32),
                      max_tokens=2048, ctx=256, greedy_steps=8)
     assert report.details["replaced_layers"] == 28 and not report.details["kept_float"]

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from workbench.convert import convert, prepare_models
+from workbench.targets.convert import convert, prepare_models
 from workbench.errors import PlanError, WorkbenchError
-from workbench.plan import QuantPlan
+from workbench.quantize.plan import QuantPlan
 from workbench.targets.edgellm import (BUILD_SCRIPT, INT4_OP, LLM_DIR, PLUGIN_DOMAIN, EdgeLlmError, bundle_weights,
                                        carried_group, check_bundle_codes, edgellm_python, unpack_fragment)
 

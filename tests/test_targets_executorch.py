@@ -16,10 +16,10 @@ except ImportError:
                 "ruamel.yaml==0.19.1 tabulate==0.10.0 (or make install)", allow_module_level=True)
 
 from workbench.cli import main
-from workbench.convert import convert, prepare_models
+from workbench.targets.convert import convert, prepare_models
 from workbench.errors import ModelLoadError, PlanError, WorkbenchError
-from workbench.plan import QuantPlan
-from workbench.runtime import locate, open_runner
+from workbench.quantize.plan import QuantPlan
+from workbench.run.locate import locate, open_runner
 from workbench.targets.executorch import FILES, PTE_FILE, EtDecoder, ExecuTorchLM, check_pte_codes, pte_weights
 
 pytestmark = pytest.mark.slow

@@ -5,7 +5,7 @@ import torch
 
 from conftest import build_tiny_model
 from workbench.errors import PlanError
-from workbench.plan import QuantPlan, get_precision
+from workbench.quantize.plan import QuantPlan, get_precision
 from workbench.quantize import quantize_model
 from workbench.quantize.rtn import quantize_weight
 from workbench.targets.gguf_file import _permute_rows, check_gguf, ggml_type_of, pack_blocks, write_gguf
@@ -93,7 +93,7 @@ def test_llama_rotary_rows_are_interleaved_as_llamacpp_reads_them():
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama"])
 def test_quantized_model_written_as_gguf_holds_exactly_its_weights(arch, tmp_path):
-    from workbench.models import load_model
+    from workbench.model.load import load_model
     lm = load_model(build_tiny_model(tmp_path / arch, arch, hidden=256, intermediate=512, layers=2))
     plan = QuantPlan.uniform("int4", keep_embeddings="int8", group_size=32) \
         .with_override("*.down_proj", "int3-k").with_override("*.v_proj", "int6-k") \
@@ -122,14 +122,14 @@ def test_quantized_model_written_as_gguf_holds_exactly_its_weights(arch, tmp_pat
 def test_a_fixed_layout_that_does_not_fit_a_layer_is_refused_naming_it(lm):
     with pytest.raises(PlanError, match="layer 'model.layers.0.self_attn.q_proj': int3-k stores 256-weight blocks"):
         quantize_model(lm, QuantPlan.uniform("int3-k"), progress=False)
-    from workbench.sensitivity import sweep_precisions
+    from workbench.precision.sensitivity import sweep_precisions
     assert "int3-k" in sweep_precisions() and "int3-k" not in sweep_precisions(True, lm.layers)
 
 
 def test_a_saved_quantized_model_converts_to_the_same_gguf(tmp_path):
     """From a `workbench quantize` directory (layers loaded as integer modules) the file is the same."""
-    from workbench.models import load_model
-    from workbench.models import load_quantized
+    from workbench.model.load import load_model
+    from workbench.model.load import load_quantized
     from workbench.quantize import save_quantized
     lm = load_model(build_tiny_model(tmp_path / "m", "qwen2", hidden=256, intermediate=512, layers=1))
     qm = quantize_model(lm, QuantPlan.uniform("int4", group_size=32).with_override("*.down_proj", "int6-k")
@@ -150,7 +150,7 @@ def test_a_saved_quantized_model_converts_to_the_same_gguf(tmp_path):
                                                 ("int6-k", "int4", ("Q6_K", "Q4_0"))])
 def test_embedding_and_untied_output_are_quantized_and_written_at_their_types(embed, output, kinds, tmp_path):
     """The plan puts token_embd / output at integer types: lookups use the dequantized rows, the file holds them."""
-    from workbench.models import load_model
+    from workbench.model.load import load_model
     lm = load_model(build_tiny_model(tmp_path / "m", "qwen2", hidden=256, intermediate=512, layers=1, tie=False))
     plan = QuantPlan.uniform("int8", keep_embeddings=None, group_size=32) \
         .with_override("model.embed_tokens", embed).with_override("lm_head", output)
@@ -173,7 +173,7 @@ def test_embedding_and_untied_output_are_quantized_and_written_at_their_types(em
 def test_layouts_with_minimums_round_every_method_into_their_blocks(method, asymmetric, low, high, kinds, tmp_path):
     """int4-k / int5-k and int4-min / int5-min are asymmetric by their layout, in a symmetric plan (beside Q4_0)
     or an asymmetric one; GPTQ rounds them to the same grid, and all land in their blocks read back equal."""
-    from workbench.models import load_model
+    from workbench.model.load import load_model
     lm = load_model(build_tiny_model(tmp_path / "m", "qwen2", hidden=256, intermediate=512, layers=1))
     plan = QuantPlan.uniform(low, keep_embeddings="int8", group_size=32, symmetric=not asymmetric) \
         .with_override("*.down_proj", high)

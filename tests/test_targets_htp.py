@@ -11,7 +11,7 @@ import pytest
 
 from workbench.errors import WorkbenchError
 
-from workbench.devices import get_device
+from workbench.devices.profiles import get_device
 from workbench.targets import get_target
 from workbench.targets.htp import (INSTALL, HtpRefused, backend_soc, float_layers_refused, htp_soc, htp_socs,
                                    open_htp, qnn_available, refusals, soc_findings, write_context_binaries)
@@ -22,7 +22,7 @@ needs_qnn = pytest.mark.skipif(not qnn_available(), reason=f"onnxruntime-qnn is 
 @pytest.fixture(scope="module")
 def demo_qdq(tmp_path_factory):
     """The demo model at INT8 as `convert --target ort-qdq` writes it (prefill + decode QDQ graphs)."""
-    from workbench.convert import convert
+    from workbench.targets.convert import convert
     out = tmp_path_factory.mktemp("qdq")
     convert("demo", "ort-qdq", out, bits=8, evaluate_outputs=False)
     return out / "prefill.qdq.onnx", out / "decode.qdq.onnx"
@@ -30,9 +30,9 @@ def demo_qdq(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tokens():
-    from workbench.evaluate import encode_text, read_text
+    from workbench.evaluation.evaluate import encode_text, read_text
     from workbench.assets import demo_text_path
-    from workbench.models import load_model
+    from workbench.model.load import load_model
     lm = load_model("demo")
     return encode_text(lm.tokenizer, read_text(demo_text_path("heldout"))).tolist()[:128]
 
@@ -124,7 +124,7 @@ def test_context_binaries_reload_with_identical_outputs(demo_qdq, tokens, tmp_pa
 
 @needs_qnn
 def test_convert_qnn_for_8gen1_adapts_the_lm_head_and_scores_on_htp(tmp_path):
-    from workbench.convert import convert
+    from workbench.targets.convert import convert
     report = convert("demo", "qnn", tmp_path, bits=8, soc="8gen1", max_tokens=300)
     # the demo plan keeps the embedding and lm_head float: both get 8-bit weights (only the MatMul is refused)
     assert report.details["htp_adapted_layers"] == ["model.embed_tokens", "lm_head"]
@@ -205,7 +205,7 @@ def test_a_departing_layer_is_one_far_off_the_simulation():
 
 def test_plan_preset_raises_the_departing_layers_to_int8(tmp_path, capsys):
     from workbench.cli import main
-    from workbench.plan import QuantPlan
+    from workbench.quantize.plan import QuantPlan
     conv = tmp_path / "conv"
     conv.mkdir()
     (conv / "conversion.json").write_text(json.dumps({"details": {"htp": {"divergence": {
@@ -226,7 +226,7 @@ def test_plan_preset_raises_the_departing_layers_to_int8(tmp_path, capsys):
 
 @needs_qnn
 def test_the_recipe_runs_on_the_htp_for_8gen3_with_an_int8_kv_cache(tmp_path):
-    from workbench.convert import convert
+    from workbench.targets.convert import convert
     from workbench.targets.ort_qdq import kv_cache_dtype
     from workbench.targets.qnn import recipe_plan
     report = convert("demo", "qnn", tmp_path, plan=recipe_plan(), soc="8gen3", max_tokens=300)
@@ -349,7 +349,7 @@ def test_split_limit_needs_a_soc(tmp_path, capsys):
 @pytest.fixture(scope="module")
 def split_conversion(tmp_path_factory):
     """`convert --target qnn --soc 8gen3 --split-limit-mib 4` of the demo at INT8: its output folder and report."""
-    from workbench.convert import convert
+    from workbench.targets.convert import convert
     out = tmp_path_factory.mktemp("qnn-split")
     # the demo's graphs hold 7.1 MiB of weights: over this limit, so each is split
     return out, convert("demo", "qnn", out, bits=8, soc="8gen3", split_limit_bytes=4 << 20, evaluate_outputs=False)
@@ -388,9 +388,9 @@ def test_convert_qnn_splits_each_graph_into_parts_under_the_limit(split_conversi
 
 @needs_qnn
 def test_generate_and_profile_open_a_split_folder(split_conversion, tokens, tmp_path):
-    from workbench.generate import open_model
-    from workbench.profile import profile_runtime
-    from workbench.runtime import locate
+    from workbench.run.generate import open_model
+    from workbench.run.profile import profile_runtime
+    from workbench.run.locate import locate
     folder = split_conversion[0] / "htp-snapdragon-8-gen-3"
     found = locate(folder)
     manifest = json.loads((folder / "parts.json").read_text())
@@ -432,7 +432,7 @@ def test_a_part_over_the_limit_once_compiled_is_split_again(demo_qdq, tmp_path, 
 @pytest.mark.slow
 @needs_qnn
 def test_split_graphs_are_scored_on_the_htp_as_parts(tmp_path):
-    from workbench.convert import convert
+    from workbench.targets.convert import convert
     report = convert("demo", "qnn", tmp_path, bits=8, soc="8gen3", split_limit_bytes=4 << 20, max_tokens=300)
     htp = report.details["htp"]
     m = htp["measurement"]

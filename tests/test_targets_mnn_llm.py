@@ -14,11 +14,11 @@ except ImportError:
     pytest.skip("MNN is not installed: pip install -c constraints.txt MNN", allow_module_level=True)
 
 from workbench.cli import main
-from workbench.convert import convert, prepare_models
+from workbench.targets.convert import convert, prepare_models
 from workbench.errors import ModelLoadError, WorkbenchError
-from workbench.models import load_model
-from workbench.plan import QuantPlan
-from workbench.runtime import locate, open_runner
+from workbench.model.load import load_model
+from workbench.quantize.plan import QuantPlan
+from workbench.run.locate import locate, open_runner
 from workbench.targets.mnn_llm import FILES, MnnLlm, write_tokenizer_txt
 
 EVAL = {"max_tokens": 2048}  # the demo text's first 2,048 tokens: four 512-token windows
@@ -163,7 +163,7 @@ def test_non_bpe_tokenizer_is_refused(tmp_path):
 
 
 def test_devices_gap_row_shows_the_engine_own_speed_beside_its_kl(bits4):
-    from workbench.devices_gap import CONVERT_RUNTIMES, TARGETS, convert_row, missing_toolchain
+    from workbench.run.devices_gap import CONVERT_RUNTIMES, TARGETS, convert_row, missing_toolchain
     report, _ = bits4
     assert "mnn-llm" in TARGETS and missing_toolchain("mnn-llm") is None
     row = convert_row("mnn-llm", CONVERT_RUNTIMES["mnn-llm"], json.loads(json.dumps(report.to_dict(), default=str)),

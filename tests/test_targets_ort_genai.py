@@ -10,11 +10,11 @@ import torch
 from onnx import numpy_helper
 
 from workbench.cli import main
-from workbench.data import load_calibration_set
+from workbench.evaluation.data import load_calibration_set
 from workbench.errors import ModelLoadError
 from workbench.runtime.parity import greedy_agreement, parity, torch_reference
-from workbench.models import load_model
-from workbench.plan import QuantPlan
+from workbench.model.load import load_model
+from workbench.quantize.plan import QuantPlan
 from workbench.quantize import quantize_model
 from workbench.targets import inspect_graph
 from workbench.targets.ort_genai import (GenaiCausalLM, build_fused_onnx, fused_runner, is_genai_folder,

@@ -128,7 +128,7 @@ def test_a_killed_htp_measurement_takes_its_spawned_child_and_resource_tracker(t
     from workbench.targets.htp import qnn_available
     if not qnn_available():
         pytest.skip("onnxruntime-qnn is not installed")
-    from workbench.convert import convert
+    from workbench.targets.convert import convert
     convert("demo", "ort-qdq", tmp_path / "qdq", bits=8, evaluate_outputs=False, static=(16, 32))
     graphs = [tmp_path / "qdq" / "prefill.qdq.onnx", tmp_path / "qdq" / "decode.qdq.onnx"]
     parent = subprocess.Popen([sys.executable, "-c", PARENT_HTP, *map(str, graphs)])

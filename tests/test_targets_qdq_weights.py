@@ -7,9 +7,9 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
-from workbench.convert import calibration_feeds, prepare_models
+from workbench.targets.convert import calibration_feeds, prepare_models
 from workbench.onnx.export import export_onnx
-from workbench.plan import QuantPlan
+from workbench.quantize.plan import QuantPlan
 from workbench.runtime.onnx_runner import OnnxCausalLM
 from workbench.targets.ort_qdq import ort_overrides, quantize_qdq
 

@@ -93,7 +93,7 @@ def test_deep_models_are_refused_before_the_stall(monkeypatch, tmp_path):
 
 @pytest.fixture(scope="module")
 def demo_int8():
-    from workbench.convert import prepare_models
+    from workbench.targets.convert import prepare_models
     return prepare_models("demo", bits=8)
 
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 from conftest import run_measured  # noqa: E402
 from workbench.errors import DataError  # noqa: E402
-from workbench.textio import READ_BYTES, iter_text, read_tokens, split_text, tokenize_bounded  # noqa: E402
+from workbench.evaluation.textio import READ_BYTES, iter_text, read_tokens, split_text, tokenize_bounded  # noqa: E402
 
 BOUNDED = settings(max_examples=40, derandomize=True, deadline=None, database=None)
 # text without any newline: words, runs of spaces and tabs, long unbroken runs, non-ASCII
@@ -24,7 +24,7 @@ no_newline = st.lists(st.sampled_from(list("ab c\tdé中文 ") + ["xxxxxxxxxxxxx
 def tok():
     from transformers import AutoTokenizer
 
-    from workbench.models import DEMO_MODEL_DIR
+    from workbench.model.load import DEMO_MODEL_DIR
     return AutoTokenizer.from_pretrained(DEMO_MODEL_DIR)
 
 

@@ -6,8 +6,8 @@ from dataclasses import replace
 
 import pytest
 
-from workbench.models import load_model
-from workbench.plan import QuantPlan
+from workbench.model.load import load_model
+from workbench.quantize.plan import QuantPlan
 from workbench.ui.app import TAB_TITLES, WorkbenchApp
 from workbench.ui.session import AppSession
 

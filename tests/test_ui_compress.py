@@ -1,7 +1,7 @@
 """The Compress panel without a browser: prediction follows the sliders, Score / Prune / Distil add points."""
 import pytest
 
-from workbench.plan import QuantPlan
+from workbench.quantize.plan import QuantPlan
 from workbench.ui.compress import CompressPanel
 
 
@@ -75,7 +75,7 @@ def test_the_app_has_a_compress_tab_that_shares_the_precisions_chart(tiny_model_
 def test_quantized_points_and_qat_use_the_session_plan_and_follow_it(tiny_model_dir, tmp_path, workspace, monkeypatch):
     """The app's one plan: a session plan of INT8 gives INT8 sizes, labels and a distillation trained for INT8."""
     import workbench.ui.compress as ui
-    from workbench.models import load_model
+    from workbench.model.load import load_model
     from workbench.ui.session import AppSession
     real = ui.DistillConfig
     monkeypatch.setattr(ui, "DistillConfig", lambda **kw: real(batch_size=2, seq_len=16, eval_every=2, **kw))
@@ -115,7 +115,7 @@ def test_a_group_size_that_does_not_divide_a_pruned_width_falls_back_and_says_so
     assert "group size 64 does not divide 96 input features; using 32" in \
         point["fallbacks"]["model.layers.0.mlp.down_proj"]
     pruned_size = point["size_bytes"]
-    from workbench.models import load_model
+    from workbench.model.load import load_model
     assert pruned_size == load_model(panel.out_dir / "pruned").size_bytes(plan)
     assert "fell back to another group size" in panel.status.value
 

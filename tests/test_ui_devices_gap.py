@@ -1,11 +1,11 @@
-"""The Export tab's Compare on the devices: the session's plan measured by workbench.devices_gap, table and chart
+"""The Export tab's Compare on the devices: the session's plan measured by workbench.run.devices_gap, table and chart
 filled target by target, a target without its toolchain disabled with what to install."""
 import html
 
 import pytest
 
-from workbench.devices_gap import GAP_FILE, GAP_RULE, read_devices_gap
-from workbench.plan import QuantPlan
+from workbench.run.devices_gap import GAP_FILE, GAP_RULE, read_devices_gap
+from workbench.quantize.plan import QuantPlan
 from workbench.ui.devices_gap import DevicesGapPanel, gap_table_html
 from workbench.ui.session import AppSession, report_markdown
 
@@ -96,7 +96,7 @@ def test_side_by_side_runs_the_targets_on_worker_processes(session, monkeypatch)
     """The panel's "side by side" box picks the sweep backend measure_devices_gap runs the targets on: one after
     another by default (each row's time and memory its own), worker processes when raised."""
     import workbench.ui.devices_gap as ui
-    from workbench.sweep_backends import LocalBackend, ProcessBackend
+    from workbench.model.sweep_backends import LocalBackend, ProcessBackend
     seen = []
 
     def fake(model, *, backend, work, **kw):

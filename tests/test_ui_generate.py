@@ -22,7 +22,7 @@ def speed(column) -> float:
 @pytest.fixture(scope="module")
 def demo_app(tmp_path_factory):
     """The app on the demo model, quantized (RTN INT4) and converted to ort-int4 through its own tabs."""
-    from workbench.workspace import Workspace
+    from workbench.files.workspace import Workspace
     root = tmp_path_factory.mktemp("app")
     app = WorkbenchApp("demo", samples=4, seq_len=32, eval_tokens=256, out_dir=root / "run",
                        workspace=Workspace(root / "ws"))

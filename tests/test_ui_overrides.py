@@ -4,8 +4,8 @@ from __future__ import annotations
 import ipywidgets as widgets
 import pytest
 
-from workbench.plan import QuantPlan
-from workbench.sensitivity import PlanEvaluator, evaluation_tokens, run_sensitivity
+from workbench.quantize.plan import QuantPlan
+from workbench.precision.sensitivity import PlanEvaluator, evaluation_tokens, run_sensitivity
 from workbench.ui.overrides import OverridePanel
 
 Q0 = "model.layers.0.self_attn.q_proj"
@@ -79,7 +79,7 @@ def test_a_proxy_sweep_is_labelled_as_an_estimate(lm, evaluator):
 
 
 def test_every_registered_precision_is_offered_and_sized_as_stored(lm, evaluator):
-    from workbench.plan import PRECISIONS
+    from workbench.quantize.plan import PRECISIONS
     panel = OverridePanel(lm, evaluator=evaluator)
     offered = {v for _, v in panel.dropdowns[Q0].options}
     assert {p.name for p in PRECISIONS.values() if not p.is_float} | {"fp16"} <= offered

@@ -1,5 +1,5 @@
 """The profile panel without a browser: Run fills the table and the chart; a bad folder is a status line."""
-from workbench.profile import build_candidates
+from workbench.run.profile import build_candidates
 from workbench.ui.profile import ProfilePanel
 
 
@@ -26,7 +26,7 @@ def test_bad_folder_and_bad_lengths_are_status_lines(tmp_path):
 
 
 def test_in_the_app_the_folder_follows_exports_output(tiny_model_dir, workspace, tmp_path):
-    from workbench.models import load_model
+    from workbench.model.load import load_model
     from workbench.ui.session import AppSession
     session = AppSession(out_dir=tmp_path / "run", workspace=workspace)
     session.set_model(load_model(tiny_model_dir))

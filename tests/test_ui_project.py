@@ -1,7 +1,7 @@
 """The project panel without a browser: plans on chosen devices, each plan once, measured plans on the speed chart."""
-from workbench.models import load_model
-from workbench.plan import QuantPlan
-from workbench.projection import project
+from workbench.model.load import load_model
+from workbench.quantize.plan import QuantPlan
+from workbench.devices.projection import project
 from workbench.ui.overrides import OverridePanel
 from workbench.ui.project import ProjectPanel
 from workbench.ui.session import AppSession
@@ -62,7 +62,7 @@ def test_the_app_has_a_project_tab(tiny_model_dir, workspace, tmp_path):
 
 
 def test_the_runtime_choice_and_the_vendor_evidence():
-    from workbench.device_runtimes import get_runtime
+    from workbench.devices.runtimes import get_runtime
     plans = {"w4a16": get_runtime("genie").plan(), "int8": QuantPlan.uniform("int8")}
     panel = ProjectPanel("qwen3-1.7b", plans=plans, devices=["8elite", "rk3588"], context=4096)
     assert panel.runtime.value == "auto"

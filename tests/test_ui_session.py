@@ -1,5 +1,5 @@
 """ui.session: the state every tab shares: a new model starts over, a quantized model is saved by its plan's hash."""
-from workbench.plan import QuantPlan
+from workbench.quantize.plan import QuantPlan
 from workbench.quantize import quantize_model
 from workbench.ui.session import AppSession, describe_plan
 

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from workbench.cli import main
-from workbench.device_runtimes import get_runtime
-from workbench.devices import load_devices
+from workbench.devices.runtimes import get_runtime
+from workbench.devices.profiles import load_devices
 from workbench.errors import WorkbenchError
-from workbench.projection import SHAPES_FILE, project
-from workbench.vendor_fit import (_fit, _runtime_name, class_transfer_errors, measurement_features, vendor_fits,
+from workbench.devices.projection import SHAPES_FILE, project
+from workbench.devices.vendor_fit import (_fit, _runtime_name, class_transfer_errors, measurement_features, vendor_fits,
                                   vendor_measurements, vendor_sources)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -272,7 +272,7 @@ def test_runtimes_refuse_other_classes_and_unmeasured_ones_say_so():
 
 
 def test_a_plan_is_projected_at_the_measured_precision_it_matches():
-    from workbench.plan import QuantPlan
+    from workbench.quantize.plan import QuantPlan
     rk = get_runtime("rkllm")
     assert rk.precision_label(rk.plan("w8a8")) == ("w8a8", None)
     assert rk.precision_label(QuantPlan(default="int4", group_size=128)) == ("w4a16_g128", None)
@@ -292,15 +292,15 @@ def test_a_filled_cache_is_read_at_the_tokens_it_holds_an_allocated_one_at_its_c
     assert rkllm.kv_tokens(1024, 128) == 1024  # no generation given: the context is what the cache holds
     row = next(r for r in vendor_measurements() if r["runtime"] == "rkllm" and r["model"] == "Qwen2.5-1.5B")
     f = measurement_features(row)
-    from workbench.shapes import model_shape, plan_bytes
+    from workbench.model.shapes import model_shape, plan_bytes
     b = plan_bytes(model_shape("qwen2.5-1.5b"), rkllm.plan("w8a8"), context=192, prompt=128, kv_bytes=2)
     assert f["kv_gb"] == pytest.approx(b.kv_per_token * 160 / 1e9)  # read per step
     assert f["resident_gb"] == pytest.approx((b.weight_bytes + b.kv_per_token * 192) / 1e9)  # held
 
 
 def test_a_projection_counts_its_plans_bytes_once(monkeypatch):
-    import workbench.projection as projection
-    import workbench.vendor_fit as vendor_fit
+    import workbench.devices.projection as projection
+    import workbench.devices.vendor_fit as vendor_fit
     project("qwen3-1.7b", "8elite", context=4096)  # the fits' own rows are counted (and cached) on first use
     calls = []
     for module in (projection, vendor_fit):
@@ -360,7 +360,7 @@ def test_the_residual_study_finds_a_feature_the_measurements_follow(tmp_path):
     path = tmp_path / "m.json"
     path.write_text(json.dumps({"sources": {"s": {"kind": "package", "package": "p", "version": "1"}},
                                 "measurements": rows}))
-    from workbench.vendor_fit import family_residuals, residual_study
+    from workbench.devices.vendor_fit import family_residuals, residual_study
     (fit,) = vendor_fits(path).values()
     study = residual_study(fit)
     assert study["+ parts"] == pytest.approx(0, abs=1e-6)  # the law is found, held out
@@ -370,7 +370,7 @@ def test_the_residual_study_finds_a_feature_the_measurements_follow(tmp_path):
 
 
 def test_the_absolute_and_per_shape_fits_move_less_for_far_off_or_repeated_rows():
-    from workbench.vendor_fit import SOLVERS, _nlad_relative, _nnls_relative
+    from workbench.devices.vendor_fit import SOLVERS, _nlad_relative, _nnls_relative
     xs = [0.4, 0.8, 1.0, 1.8, 2.2, 4.0]
     y = [2.0 + 30.0 * x for x in xs]
     y[2] *= 2.0  # one measurement twice as slow as the law
@@ -386,7 +386,7 @@ def test_the_absolute_and_per_shape_fits_move_less_for_far_off_or_repeated_rows(
 
 
 def test_the_first_token_study_finds_attention_over_the_whole_context(tmp_path):
-    from workbench.vendor_fit import residual_study, study_features
+    from workbench.devices.vendor_fit import residual_study, study_features
     path = _synthetic(tmp_path, lambda f: 2.0 + 20.0 * f["weights_gb"] + 50.0 * f["kv_gb"])
     data = json.loads(path.read_text())
     for r in data["measurements"]:  # a 128-token graph that attends to every slot of its cache
@@ -401,7 +401,7 @@ def test_the_first_token_study_finds_attention_over_the_whole_context(tmp_path):
 
 
 def test_without_each_model_names_the_rows_that_carry_an_error(tmp_path):
-    from workbench.vendor_fit import without_each_model
+    from workbench.devices.vendor_fit import without_each_model
     path = _synthetic(tmp_path, lambda f: 2.0 + 20.0 * f["weights_gb"] + 50.0 * f["kv_gb"])
     data = json.loads(path.read_text())
     for r in data["measurements"]:
@@ -417,7 +417,7 @@ def test_without_each_model_names_the_rows_that_carry_an_error(tmp_path):
 
 
 def test_genie_and_qairt_run_the_same_binaries_and_the_rows_named_in_the_docs_stand_apart():
-    from workbench.vendor_fit import runtime_ratios
+    from workbench.devices.vendor_fit import runtime_ratios
     ratios = runtime_ratios()
     assert "Dragonwing Q-8750" not in ratios  # a copy of the S25's rows
     decode = {(d, m): r for d, rs in ratios.items() for m, r, _ in rs}
@@ -444,7 +444,7 @@ def test_a_jetson_orin_projects_from_nvidias_mlc_measurements_and_the_nano_is_no
 
 
 def test_a_plan_far_outside_the_measured_models_is_said_to_be_extrapolated():
-    from workbench.report import projection_rows
+    from workbench.charts.report import projection_rows
     inside = project("qwen3-4b", "8elite", context=4096)
     assert not inside.vendor.extrapolated and not any("extrapolation" in n for n in inside.vendor.notes)
     tiny = project("qwen2.5-0.5b", "orin-nano", context=144, prompt=16)  # NVIDIA measured 3B-8B models only

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from workbench.errors import WorkspaceError
-from workbench.workspace import Workspace, atomic_write_text, hash_inputs, output_lock, staged_output
+from workbench.files.workspace import Workspace, atomic_write_text, hash_inputs, output_lock, staged_output
 
 
 def test_get_or_compute_caches_on_inputs(workspace):
@@ -83,7 +83,7 @@ def test_hash_inputs_stable():
 # -- output directories -------------------------------------------------------------------------
 
 def test_staged_output_writes_new_and_replaces_only_its_own_kind(tmp_path):
-    from workbench.workspace import check_output_dir, staged_output
+    from workbench.files.workspace import check_output_dir, staged_output
     out = tmp_path / "o"
     with staged_output(out, "workbench-test") as d:
         assert d.parent == tmp_path and d.name.startswith(".o.partial-") and not out.exists()
@@ -103,7 +103,7 @@ def test_staged_output_writes_new_and_replaces_only_its_own_kind(tmp_path):
 
 
 def test_staged_output_failure_keeps_the_earlier_output(tmp_path):
-    from workbench.workspace import staged_output
+    from workbench.files.workspace import staged_output
     out = tmp_path / "o"
     with staged_output(out, "workbench-test") as d:
         (d / "a").write_text("old")
@@ -114,7 +114,7 @@ def test_staged_output_failure_keeps_the_earlier_output(tmp_path):
 
 
 def test_staged_output_refuses_files_added_while_it_ran(tmp_path):
-    from workbench.workspace import staged_output
+    from workbench.files.workspace import staged_output
     out = tmp_path / "o"
     with pytest.raises(WorkspaceError, match="no workbench manifest"), staged_output(out, "workbench-test") as d:
         (d / "a").write_text("new")
@@ -127,7 +127,7 @@ def test_what_a_killed_run_staged_is_removed_by_the_next_run(tmp_path):
     import subprocess
     import sys
 
-    from workbench.workspace import staged_output
+    from workbench.files.workspace import staged_output
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     stale = tmp_path / f".o.partial-{int(dead.stdout)}-abc"
     (stale / "weights").mkdir(parents=True)
@@ -153,7 +153,7 @@ def _holder(code: str) -> subprocess.Popen:
 
 def test_a_second_writer_of_one_out_is_refused_in_one_line_and_a_killed_one_leaves_no_lock(tmp_path):
     out = tmp_path / "q"
-    holder = _holder(f"import time; from workbench.workspace import output_lock\n"
+    holder = _holder(f"import time; from workbench.files.workspace import output_lock\n"
                      f"with output_lock({str(out)!r}):\n    print('held', flush=True); time.sleep(60)")
     try:
         done = subprocess.run([sys.executable, "-m", "workbench", "quantize", "demo", "--bits", "8", "--out", str(out)],
@@ -173,7 +173,7 @@ def test_a_second_writer_of_one_out_is_refused_in_one_line_and_a_killed_one_leav
 
 def test_a_second_run_of_one_workspace_step_is_refused(tmp_path):
     ws = tmp_path / "ws"
-    holder = _holder("import time; from workbench.workspace import Workspace\n"
+    holder = _holder("import time; from workbench.files.workspace import Workspace\n"
                      f"Workspace({str(ws)!r}).get_or_compute('calibrate', {{'a': 1}}, "
                      "lambda d: (print('held', flush=True), time.sleep(60)) and None)")
     try:

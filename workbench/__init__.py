@@ -21,12 +21,20 @@ logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
 
 from .assets import DEMO_MODEL_DIR, demo_text_path  # noqa: E402
 from .errors import DataError, ModelLoadError, PlanError, WorkbenchError, WorkspaceError  # noqa: E402
-from .evaluate import EvalReport, encode_text, evaluate, paired_difference, read_text  # noqa: E402
-from .models import LayerInfo, LoadedModel, load_model  # noqa: E402
-from .plan import PRECISIONS, Precision, QuantPlan, get_precision, register_precision  # noqa: E402
-from .workspace import Artifact, Workspace  # noqa: E402
+from .evaluation.evaluate import EvalReport, encode_text, evaluate, paired_difference, read_text  # noqa: E402
+from .model.load import LayerInfo, LoadedModel, load_model  # noqa: E402
+from .quantize.plan import PRECISIONS, Precision, QuantPlan, get_precision, register_precision  # noqa: E402
+from .files.workspace import Artifact, Workspace  # noqa: E402
 
 __version__ = "0.1.0"
+# The import layers, bottom first (docs/architecture.md says what each holds): a module may import its own
+# package and any layer below it, never one above, at module level or inside a function
+# (scripts/check_imports.py checks it; tests/test_check_imports.py runs that).
+__layers__ = (
+    ("errors", "units", "offline", "assets"),  # the basics: they import nothing of the package
+    "files", "numerics", "evaluation", "quantize", "model", "devices", "runtime", "onnx", "targets", "run",
+    "precision", "compress", "charts", "cli", "ui",
+)
 __all__ = [
     "WorkbenchError", "ModelLoadError", "PlanError", "DataError", "WorkspaceError",
     "EvalReport", "encode_text", "evaluate", "paired_difference", "read_text",

@@ -1,7 +1,7 @@
 """Where the bundled files live: the demo model, its texts, the device and target tables.
 
 Imports nothing from the package, so any module can find the assets without pulling in the model
-loader (``workbench.models``) and what it imports.
+loader (``workbench.model.load``) and what it imports.
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
     make_op_histogram_figure(operator_inventory("out/onnx/decode.onnx"))
     make_block_bytes_figure(initializer_bytes_by_block("out/onnx/decode.onnx"))
     make_conversion_figure([report.to_dict() for report in reports])
-    make_device_gap_figure(rows)  # workbench.devices_gap: prefill and decode KL per target
+    make_device_gap_figure(rows)  # workbench.run.devices_gap: prefill and decode KL per target
 
 Pure functions: data in, ``plotly.graph_objects.Figure`` out.
 """
@@ -73,7 +73,7 @@ def make_conversion_figure(reports: list[dict], title: str = "Converted models a
 
 
 def make_device_gap_figure(rows: list[dict], title: str = "The simulation against the devices") -> go.Figure:
-    """Grouped bars per target (``workbench.devices_gap`` rows): KL to the float model for prefill and decode, log
+    """Grouped bars per target (``workbench.run.devices_gap`` rows): KL to the float model for prefill and decode, log
     scale from the decade below the smallest (a log bar starts at the axis' foot: a foot just under the bars would
     make 6e-3 look a tenth of 9e-3), top-1 against the float model as text; a flagged graph outlined and labelled
     in red (the legend keeps each graph's own colour); targets that did not run left out."""

@@ -125,7 +125,7 @@ def make_pareto_figure(points: Sequence, x: str = "bits_per_weight") -> go.Figur
 
 
 def make_difficulty_figure(rows: Sequence, precision: str = "int4", score_label: str = "measured KL") -> go.Figure:
-    """Why layers are hard (``workbench.layer_difficulty`` rows): left, each layer's damage by block, one line per
+    """Why layers are hard (``workbench.precision.layer_difficulty`` rows): left, each layer's damage by block, one line per
     layer type (the first and last blocks, the embedding and output layer at the ends); right, damage against
     the input's outlier channels (max / median channel abs-max), log-log, one colour per layer type.
     ``score_label``: how the damages were obtained (the sensitivity report's ``score_label``)."""

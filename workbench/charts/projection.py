@@ -5,7 +5,7 @@ and quality against size against projected speed.
     make_device_figure(project_plans(lm, ["8gen3", "rk3588"], {"int4": plan}))
     make_speed_pareto_figure(points, projections, device="RK3588")   # points: PlanPoint or dicts with label, KL, size
 
-Every number comes from ``workbench.profile`` and ``workbench.projection``: these functions only draw them.
+Every number comes from ``workbench.run.profile`` and ``workbench.devices.projection``: these functions only draw them.
 """
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from ..errors import WorkbenchError
-from ..profile import RuntimeProfile
-from ..projection import Projection
+from ..run.profile import RuntimeProfile
+from ..devices.projection import Projection
 from .style import lift_subplot_titles, linear_range, log_axis
 
 __all__ = ["make_host_bound_figure", "make_device_figure", "make_speed_pareto_figure", "make_vendor_fit_figure", "speed_of", "pareto_optimal",
@@ -34,7 +34,7 @@ def _profile(p) -> RuntimeProfile:
 def _projection(p) -> Projection:
     if isinstance(p, Projection):
         return p
-    from ..vendor_fit import VendorProjection
+    from ..devices.vendor_fit import VendorProjection
     vendor = p.get("vendor")
     return Projection(**{**p, "unsupported_layers": [tuple(x) for x in p.get("unsupported_layers", [])],
                          "vendor": VendorProjection(**vendor) if isinstance(vendor, Mapping) else vendor})

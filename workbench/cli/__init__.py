@@ -88,7 +88,7 @@ def _one_writer(args):
     out = getattr(args, "out", None)
     if not isinstance(out, str) or not out:
         return contextlib.nullcontext()
-    from ..workspace import output_lock
+    from ..files.workspace import output_lock
     return output_lock(out)
 
 
@@ -127,7 +127,7 @@ def write_bug_log(e: BaseException, args=None, argv: list[str] = ()) -> Path:
     import time
     import traceback
 
-    from ..workspace import DEFAULT_WORKSPACE
+    from ..files.workspace import DEFAULT_WORKSPACE
     text = (f"workbench {shlex.join(argv)}\n"
             + "".join(traceback.format_exception(type(e), e, e.__traceback__)))
     name = f"error-{time.strftime('%Y%m%d-%H%M%S')}-{getattr(args, 'command', 'workbench')}.log"

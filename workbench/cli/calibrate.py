@@ -5,10 +5,10 @@
 """
 from __future__ import annotations
 
-from ..calibrate import OUTLIER_FACTOR, calibrate
-from ..data import DEFAULT_SAMPLES, DEFAULT_SEQ_LEN
-from ..models import load_model
-from ..workspace import Workspace
+from ..model.calibrate import OUTLIER_FACTOR, calibrate
+from ..evaluation.data import DEFAULT_SAMPLES, DEFAULT_SEQ_LEN
+from ..model.load import load_model
+from ..files.workspace import Workspace
 from .common import count, number, add_device_argument, add_json_flag, add_model_argument, print_json
 
 HELP = "activation statistics (per-channel magnitudes, outliers) over a calibration set"

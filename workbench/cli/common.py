@@ -103,7 +103,7 @@ def _budget(value: str):
 
 def add_scale_search_argument(p, default: bool | None = None, says: str | None = None):
     """``--scale-search`` / ``--no-scale-search``; ``default`` None: the plan's value (``says`` tells which)."""
-    from ..plan import DEFAULT_SCALE_SEARCH
+    from ..quantize.plan import DEFAULT_SCALE_SEARCH
     if default is None and says is None:
         default = DEFAULT_SCALE_SEARCH
     p.add_argument("--scale-search", action=argparse.BooleanOptionalAction, default=default,
@@ -132,7 +132,7 @@ def _device(value: str) -> str:
 
 
 def add_backend_arguments(p, what: str, default: str = "1: this process") -> None:
-    """``--workers`` and ``--ray``: where a sweep's independent tasks run (``workbench.sweep_backends``)."""
+    """``--workers`` and ``--ray``: where a sweep's independent tasks run (``workbench.model.sweep_backends``)."""
     p.add_argument("--workers", type=count(1),
                    help=f"processes {what} run on: on this machine without --ray (default {default}; forked "
                         "workers share the loaded model, no copy), Ray workers with it (default: one per CPU of "
@@ -144,7 +144,7 @@ def add_backend_arguments(p, what: str, default: str = "1: this process") -> Non
 
 def backend_from_args(args, default_workers: int = 1):
     """The backend ``--ray`` and ``--workers`` name; ``default_workers`` local processes when neither is given."""
-    from ..sweep_backends import backend_for
+    from ..model.sweep_backends import backend_for
     ray = getattr(args, "ray", None)
     workers = getattr(args, "workers", None)
     return backend_for(ray, workers=workers if workers or ray else default_workers)

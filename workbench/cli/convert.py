@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..convert import CONVERT_TARGETS, convert, write_conversion_json
+from ..targets.convert import CONVERT_TARGETS, convert, write_conversion_json
 from ..units import format_bytes
-from ..workspace import check_output_dir, rebase_paths, staged_output
+from ..files.workspace import check_output_dir, rebase_paths, staged_output
 from .common import count, number, add_device_argument, add_json_flag, add_model_argument, print_json
 from .export import parse_static
 

@@ -5,7 +5,7 @@
 """
 from __future__ import annotations
 
-from ..devices import LIST_FIELDS, NUMBER_FIELDS, load_devices
+from ..devices.profiles import LIST_FIELDS, NUMBER_FIELDS, load_devices
 from ..units import text_table
 from .common import add_json_flag, print_json
 

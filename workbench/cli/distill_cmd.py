@@ -8,8 +8,8 @@ pass, gradients passed straight through); quantize the output with the same plan
 """
 from __future__ import annotations
 
-from ..distill import MODES, DistillConfig, distill
-from ..plan import QuantPlan
+from ..compress.distill import MODES, DistillConfig, distill
+from ..quantize.plan import QuantPlan
 from .common import count, number, add_json_flag, add_model_argument, print_json
 
 HELP = "distil a pruned or quantized student from its original model; writes the trained student"

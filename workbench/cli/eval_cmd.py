@@ -4,9 +4,9 @@ from __future__ import annotations
 import sys
 
 from ..assets import demo_text_path
-from ..evaluate import DEFAULT_CTX, SCHEMES, default_token_budget, evaluate
-from ..models import load_model
-from ..textio import read_tokens
+from ..evaluation.evaluate import DEFAULT_CTX, SCHEMES, default_token_budget, evaluate
+from ..model.load import load_model
+from ..evaluation.textio import read_tokens
 from .common import count, plus_minus, add_device_argument, add_budget_argument, add_json_flag, add_model_argument, print_json
 
 HELP = "perplexity, and KL / top-1 agreement against a reference model"

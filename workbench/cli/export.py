@@ -10,9 +10,9 @@ from pathlib import Path
 
 from ..errors import WorkbenchError
 from ..onnx.export import DEFAULT_OPSET, export_onnx
-from ..models import load_model
+from ..model.load import load_model
 from ..units import format_bytes
-from ..workspace import check_output_dir, rebase_paths, staged_output
+from ..files.workspace import check_output_dir, rebase_paths, staged_output
 from .common import count, add_device_argument, add_json_flag, add_model_argument, print_json
 
 HELP = "ONNX prefill/decode graphs with KV cache, checked against PyTorch"

@@ -5,7 +5,7 @@
 """
 from __future__ import annotations
 
-from ..finetune import FinetuneConfig, finetune_lora
+from ..compress.finetune import FinetuneConfig, finetune_lora
 from .common import count, number, add_json_flag, add_model_argument, print_json
 
 HELP = "LoRA fine-tuning on your text before quantizing; writes a merged model directory"

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import sys
 
-from ..generate import DEFAULT_MAX_NEW_TOKENS, open_model
+from ..run.generate import DEFAULT_MAX_NEW_TOKENS, open_model
 from ..runtime.stream import Sampling
 from .common import count, number, thread_count, add_json_flag, add_model_argument, print_json
 

@@ -1,7 +1,7 @@
 """Show a model's quantizable layers and its size at each precision."""
 from __future__ import annotations
 
-from ..models import load_model
+from ..model.load import load_model
 from ..units import format_bytes
 from .common import add_device_argument, add_json_flag, add_model_argument, print_json
 

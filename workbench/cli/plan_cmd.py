@@ -21,12 +21,12 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from ..autoplan import budget_bytes, check_budget, measure_plan, plan_for_budget, refine_plan
-from ..evaluate import default_token_budget
-from ..models import load_model
-from ..plan import QuantPlan
-from ..sensitivity import LayerVariants, PlanEvaluator, evaluation_tokens
-from ..sweep_backends import default_workers
+from ..precision.autoplan import budget_bytes, check_budget, measure_plan, plan_for_budget, refine_plan
+from ..evaluation.evaluate import default_token_budget
+from ..model.load import load_model
+from ..quantize.plan import QuantPlan
+from ..precision.sensitivity import LayerVariants, PlanEvaluator, evaluation_tokens
+from ..model.sweep_backends import default_workers
 from ..units import format_bytes
 from .common import backend_from_args, count, number, add_device_argument, add_json_flag, add_model_argument, print_json
 from .sensitivity import add_sweep_arguments, sweep
@@ -92,7 +92,7 @@ def _run_budget(args, lm, budget: int, raised: list[str], backend) -> int:
     choices, soc_info = None, None
     if soc is not None:
         from ..targets.htp import soc_plan_changes, soc_runs
-        from ..plan import get_precision
+        from ..quantize.plan import get_precision
         from ..targets import get_target
         carried = [c for c in ("fp16", *sens.precisions) if all(get_target(t).carries(get_precision(c)) for t in targets)]
         choices = [c for c in carried if soc_runs(c, soc)]  # what the targets carry and this HTP generation runs

@@ -9,7 +9,7 @@ projection's efficiency (`workbench project`).
 """
 from __future__ import annotations
 
-from ..profile import (DEFAULT_PROMPT_LENGTHS, host_bandwidth, last_level_cache_bytes, parse_prompt_lengths,
+from ..run.profile import (DEFAULT_PROMPT_LENGTHS, host_bandwidth, last_level_cache_bytes, parse_prompt_lengths,
                        profile_directory)
 from ..units import format_bytes
 from .common import count, thread_count, add_json_flag, print_json
@@ -37,7 +37,7 @@ def run(args) -> int:
     profiles = profile_directory(args.directory, prompt_lengths=parse_prompt_lengths(args.prompt_lengths),
                                  decode_steps=args.decode_steps, repeats=args.repeats, threads=args.threads,
                                  vocab_size=args.vocab_size)
-    from ..workspace import Workspace
+    from ..files.workspace import Workspace
     host = host_bandwidth(Workspace(args.workspace) if args.workspace else None, force=args.measure_bandwidth)
     gbps = host["read_gbps"]
     if args.json:

@@ -15,9 +15,9 @@ it had not seen and the nearest measurement; --runtime none gives the bound time
 from __future__ import annotations
 
 from ..errors import PlanError
-from ..models import is_quantized_dir, resolve_model_path
-from ..device_runtimes import RUNTIMES
-from ..plan import QuantPlan
+from ..model.load import is_quantized_dir, resolve_model_path
+from ..devices.runtimes import RUNTIMES
+from ..quantize.plan import QuantPlan
 from ..units import format_bytes
 from .common import count, number, add_json_flag, add_model_argument, print_json
 
@@ -63,9 +63,9 @@ def plan_for(args, runtime=None) -> QuantPlan | None:
 
 
 def run(args) -> int:
-    from ..device_runtimes import runtime_for_device
-    from ..devices import get_device
-    from ..projection import AUTO, check_claim, project
+    from ..devices.runtimes import runtime_for_device
+    from ..devices.profiles import get_device
+    from ..devices.projection import AUTO, check_claim, project
     if args.context < 0 or args.prompt < 1:
         raise PlanError(f"--context must be >= 0 and --prompt >= 1 (got {args.context}, {args.prompt})")
     dev = get_device(args.device)

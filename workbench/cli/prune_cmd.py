@@ -11,8 +11,8 @@ beside it says what each layer kept and what the pruning cost on held-out text.
 from __future__ import annotations
 
 from ..errors import PlanError
-from ..prune import DEFAULT_IMPORTANCE_TOKENS, HEAD_UNITS, SCORES, SPREADS, PrunePlan, prune
-from ..workspace import Workspace
+from ..compress.prune import DEFAULT_IMPORTANCE_TOKENS, HEAD_UNITS, SCORES, SPREADS, PrunePlan, prune
+from ..files.workspace import Workspace
 from .common import count, number, plus_minus, add_json_flag, add_model_argument, print_json
 
 HELP = "prune attention heads and MLP channels by importance; writes a smaller model directory"

@@ -15,15 +15,15 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from ..evaluate import DEFAULT_CTX
-from ..memory import release_freed_memory
-from ..models import load_model
+from ..evaluation.evaluate import DEFAULT_CTX
+from ..numerics.memory import release_freed_memory
+from ..model.load import load_model
 from ..errors import PlanError
-from ..plan import QuantPlan
+from ..quantize.plan import QuantPlan
 from ..quantize.cost import DEFAULT_PPL_THRESHOLD
 from ..quantize.model import CALIBRATED_METHODS, METHODS
 from ..units import format_bytes
-from ..workspace import check_output_dir, staged_output
+from ..files.workspace import check_output_dir, staged_output
 from .common import (count, thread_count, plus_minus, add_device_argument, add_budget_argument, add_json_flag, number,
                      add_model_argument, add_scale_search_argument, print_json)
 
@@ -83,7 +83,7 @@ def add_arguments(p):
 
 def _precision_from_args(args) -> str:
     """The precision ``--bits`` (and ``--two-level``) name."""
-    from ..plan import PRECISIONS
+    from ..quantize.plan import PRECISIONS
     name = f"int{args.bits or 4}"
     if not getattr(args, "two_level", False):
         return name
@@ -131,8 +131,8 @@ def run(args) -> int:
     progress = not args.json
     calibration = workspace = None
     if plan.method in CALIBRATED_METHODS:
-        from ..calibrate import calibrate
-        from ..workspace import Workspace
+        from ..model.calibrate import calibrate
+        from ..files.workspace import Workspace
         workspace = Workspace()  # calibration statistics and the AWQ search are cached there
         full = args.full_stats or lm.parameters <= FULL_STATS_MAX_PARAMETERS
         calibration = calibrate(lm, data=args.data, samples=args.samples, seq_len=args.seq_len, workspace=workspace,
@@ -140,10 +140,10 @@ def run(args) -> int:
         if calibration[1] is None and progress:
             print("AWQ: mean |x| from the search's own calibration tokens (no stored statistics for this model and "
                   "set; `workbench calibrate` first, or --full-stats, to use every sample)")
-    from ..calibrate import importance_statistics, reads_importance
+    from ..model.calibrate import importance_statistics, reads_importance
     importance = None
     if args.importance and reads_importance(plan):
-        from ..workspace import Workspace
+        from ..files.workspace import Workspace
         calibration, importance = importance_statistics(lm, data=args.data, workspace=Workspace(), progress=progress)
         if progress:
             print(importance)

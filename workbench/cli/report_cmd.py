@@ -30,7 +30,7 @@ def add_arguments(p):
 
 def run(args) -> int:
     from ..errors import WorkbenchError
-    from ..report import write_report
+    from ..charts.report import write_report
     if args.context is not None and args.context < 0:
         raise WorkbenchError(f"--context must be >= 0 (got {args.context})")
     report = write_report(args.run, args.out, devices=args.device, context=args.context,

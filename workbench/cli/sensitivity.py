@@ -14,10 +14,10 @@ results are the same as without it. Results are cached in the workspace
 """
 from __future__ import annotations
 
-from ..models import load_model
-from ..sensitivity import DEFAULT_SWEEP_TOKENS, METRICS, run_sensitivity
-from ..sweep_backends import default_workers
-from ..workspace import Workspace
+from ..model.load import load_model
+from ..precision.sensitivity import DEFAULT_SWEEP_TOKENS, METRICS, run_sensitivity
+from ..model.sweep_backends import default_workers
+from ..files.workspace import Workspace
 from .common import (add_backend_arguments, add_device_argument, add_json_flag, add_model_argument,
                      add_scale_search_argument, backend_from_args, count, print_json)
 

@@ -31,8 +31,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..compute import float32_weight
+from ..numerics.compute import float32_weight
 from ..errors import ModelLoadError
+from ..runtime.onnx_runner import input_names
 
 __all__ = ["DecoderSpec", "TensorStore", "GraphBuilder", "FloatWeights", "BuiltGraphs", "build_graphs",
            "DATA_FILE", "INLINE_LIMIT", "input_names", "output_names", "as_array", "rotary_tables", "apply_rotary"]
@@ -42,13 +43,6 @@ INLINE_LIMIT = 64 * 2**20  # weights above this go to one external-data file (pr
 ALIGN_THRESHOLD, ALIGNMENT = 2**20, 2**16  # large tensors start on 64 KiB boundaries, so runtimes can map them
 MASK_MIN = float(np.finfo(np.float32).min)  # what transformers' eager mask uses for hidden positions
 UNSUPPORTED_ROPE = ("dynamic", "longrope")  # frequency tables that change with the sequence length
-
-
-def input_names(num_layers: int, with_past: bool) -> list[str]:
-    names = ["input_ids", "attention_mask", "position_ids"]
-    if with_past:
-        names += [f"past_key_values.{i}.{kv}" for i in range(num_layers) for kv in ("key", "value")]
-    return names
 
 
 def output_names(num_layers: int) -> list[str]:

@@ -31,7 +31,7 @@ from ..errors import ModelLoadError
 from ..runtime.onnx_runner import OnnxCausalLM
 from ..runtime.parity import greedy_agreement, parity, torch_reference
 from ..runtime.stream import torch_threads
-from ..workspace import atomic_write_json
+from ..files.workspace import atomic_write_json
 from .build import DATA_FILE, build_graphs
 
 __all__ = ["ExportResult", "export_onnx", "share_external_data", "check_graphs", "DEFAULT_OPSET", "PREFILL_FILE",
@@ -203,7 +203,7 @@ def export_onnx(lm, out_dir: str | Path, *, static: tuple[int, int] | None = Non
     result.onnx_tokens = runner.generate_greedy(tokens, greedy_steps)
     del runner
     if release_model:
-        from ..models import load_model
+        from ..model.load import load_model
         model = load_model(lm.path, dtype=dtype, device=device, load_tokenizer=False).model
     with torch_threads(1):
         result.greedy_match_steps, result.torch_tokens = greedy_agreement(model, tokens, result.onnx_tokens)

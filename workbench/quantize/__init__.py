@@ -1,12 +1,12 @@
 """Weight quantization by plan: RTN, AWQ and GPTQ, INT2..INT8 and two-level scales, one representation for all.
 
-    from workbench.quantize import quantize_model            # load_quantized: workbench.models
+    from workbench.quantize import quantize_model            # load_quantized: workbench.model.load
     qm = quantize_model(lm, QuantPlan.uniform("int4"), method="awq", calibration=calib_set)
     qm.apply_(lm.model); qm.save("out/demo-int4-awq")
 
 Modules: ``qtensor`` (the representation, int4 packing), ``rtn`` (round-to-nearest), ``awq``
 (scale and clip search, folding), ``gptq`` (error-compensating rounding), ``model`` (plan application, group-size fallback), ``storage``
-(the directory a quantized model is saved as; ``workbench.models.load_quantized`` loads it), ``cost`` (perplexity, KL, top-1, size against the unquantized model), ``crosscheck``
+(the directory a quantized model is saved as; ``workbench.model.load.load_quantized`` loads it), ``cost`` (perplexity, KL, top-1, size against the unquantized model), ``crosscheck``
 (AWQ against autoawq, where it imports).
 """
 from .awq import apply_awq_scales_, fold_awq_scales, load_awq_search, save_awq_search, search_awq

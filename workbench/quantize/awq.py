@@ -32,8 +32,8 @@ import torch
 from torch import nn
 
 from ..errors import PlanError
-from ..compute import widened
-from ..memory import release_freed_memory
+from ..numerics.compute import widened
+from ..numerics.memory import release_freed_memory
 from .rtn import fake_quantize, quantize_weight
 
 __all__ = ["ScaleGroup", "find_decoder_blocks", "scale_groups", "search_awq", "fold_awq_scales", "apply_awq_scales_", "scaled_importance",
@@ -500,7 +500,7 @@ def _save_search_checkpoint(directory, result: dict, blocks_done: int, blocks: i
     import shutil
     from pathlib import Path
 
-    from ..workspace import atomic_write_json, swap_into_place
+    from ..files.workspace import atomic_write_json, swap_into_place
     d = Path(directory)
     staged = d.with_name(d.name + ".writing")
     shutil.rmtree(staged, ignore_errors=True)
@@ -591,7 +591,7 @@ def save_awq_search(result: dict, directory) -> None:
 
     from safetensors.torch import save_file
 
-    from ..workspace import atomic_write_json
+    from ..files.workspace import atomic_write_json
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     tensors = {f"scales.{i}": e["scales"].cpu().contiguous() for i, e in enumerate(result["groups"])}

@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..evaluate import (DEFAULT_CTX, EvalReport, ReferenceOutputs, capture_reference, evaluate,
+from ..evaluation.evaluate import (DEFAULT_CTX, EvalReport, ReferenceOutputs, capture_reference, evaluate,
                         default_token_budget, paired_difference, reference_report)
-from ..textio import text_token_ids
+from ..evaluation.textio import text_token_ids
 from .storage import weight_file_bytes
 
 __all__ = ["Baseline", "QuantCost", "measure_reference", "measure_cost", "heldout_ids", "check_ctx", "likely_causes",

@@ -91,8 +91,8 @@ def compare_with_autoawq(lm, texts: list[str], auto_awq, *, group_size: int = 12
     defaults to the bundled held-out text.
     """
     from ..assets import demo_text_path
-    from ..evaluate import encode_text, evaluate, read_text
-    from ..plan import QuantPlan
+    from ..evaluation.evaluate import encode_text, evaluate, read_text
+    from .plan import QuantPlan
     from .model import quantize_model
     from .rtn import fake_quantize
     if not texts:

@@ -39,9 +39,9 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..compute import widened
+from ..numerics.compute import widened
 from ..errors import PlanError
-from ..memory import release_freed_memory
+from ..numerics.memory import release_freed_memory
 from .awq import capture_block_inputs, run_block, token_chunks, find_decoder_blocks
 from .qtensor import QuantizedWeight, SubScales, code_range, group_channel_scales
 from .rtn import (group_weights, quantize_groups, channel_scales_for, check_full_range, check_two_level, dequantize_codes,
@@ -333,7 +333,7 @@ def _save_checkpoint(directory, weights: dict[str, QuantizedWeight], names: list
 
     from safetensors.torch import save_file
 
-    from ..workspace import atomic_write_json
+    from ..files.workspace import atomic_write_json
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     tensors, layers = {}, {}

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..errors import PlanError
-from ..plan import QuantPlan, get_precision
+from .plan import QuantPlan, get_precision
 from ..units import text_table
 from .qtensor import SUPPORTED_BITS, QuantizedWeight, SubScales
 from .rtn import quantize_weight
@@ -324,7 +324,7 @@ def _samples_and_stats(calibration, stats):
         calibration, stats = calibration[0], calibration[1] or stats
     samples = getattr(calibration, "samples", calibration)
     if not isinstance(samples, (list, tuple)) or not samples or not all(isinstance(s, torch.Tensor) for s in samples):
-        raise PlanError("AWQ and GPTQ need calibration data: pass calibration=CalibrationSet (workbench.data."
+        raise PlanError("AWQ and GPTQ need calibration data: pass calibration=CalibrationSet (workbench.evaluation.data."
                         "load_calibration_set) or a list of 1-D token-id tensors")
     mean_abs = None
     if stats is not None:
@@ -358,7 +358,7 @@ def _gptq_checkpoint(workspace, model, samples, spec, settings: dict, awq_search
 
     None (no resume) without a workspace, or for AWQ+GPTQ on a search the workspace did not store.
     """
-    from ..workspace import model_fingerprint
+    from ..files.workspace import model_fingerprint
     if workspace is None or (awq_search is not None and not awq_search.get("workspace_key")):
         return None
     inputs = {"weights": model_fingerprint(model), "calibration": _samples_key(samples),
@@ -372,7 +372,7 @@ def _cached_awq_search(workspace, model, samples, mean_abs, spec, awq_tokens, pr
     """The AWQ search through the workspace: keyed by weights, calibration tokens, layer spec and settings."""
     import hashlib
 
-    from ..workspace import model_fingerprint
+    from ..files.workspace import model_fingerprint
     from .awq import DEFAULT_GRID, SEARCH_VERSION, load_awq_search, save_awq_search, search_awq
     stats_key = None
     if mean_abs:

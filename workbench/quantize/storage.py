@@ -1,6 +1,6 @@
 """How a quantized model is stored: the compressed-tensors packing, the tensors as stored, and writing the directory.
 
-``workbench.models.load_quantized`` loads the directory back (``load_model`` does for any quantized
+``workbench.model.load.load_quantized`` loads the directory back (``load_model`` does for any quantized
 directory). This module depends on nothing else of the package's quantization (a ``QuantizedModel``
 is passed in), so the model can save itself and count its stored bytes without an import cycle.
 
@@ -51,8 +51,8 @@ from safetensors.torch import save_file
 from torch.nn import functional as F
 
 from ..errors import WorkspaceError
-from ..plan import get_precision
-from ..workspace import (atomic_write_json, check_output_dir, file_sha256, library_versions, make_parents,
+from .plan import get_precision
+from ..files.workspace import (atomic_write_json, check_output_dir, file_sha256, library_versions, make_parents,
                          output_lock, remove_empty, swap_into_place)
 from .qtensor import QuantizedWeight, SubScales, pack_bits, pack_int4, unpack_bits, unpack_int4
 

@@ -12,9 +12,16 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ..errors import ModelLoadError, WorkbenchError
-from ..onnx.build import input_names
 
-__all__ = ["OnnxCausalLM", "GraphLoadError"]
+__all__ = ["OnnxCausalLM", "GraphLoadError", "input_names"]
+
+
+def input_names(num_layers: int, with_past: bool) -> list[str]:
+    """The inputs of an exported graph, in the order the runner feeds them (``onnx.build`` names its graphs' by it)."""
+    names = ["input_ids", "attention_mask", "position_ids"]
+    if with_past:
+        names += [f"past_key_values.{i}.{kv}" for i in range(num_layers) for kv in ("key", "value")]
+    return names
 
 
 class GraphLoadError(ModelLoadError):
@@ -95,7 +102,7 @@ class OnnxCausalLM:
 
     def _open_session(self, path: str | Path):
         import onnxruntime as ort
-        from workbench.folder_paths import check_graph_paths
+        from workbench.files.folder_paths import check_graph_paths
         check_graph_paths(path)  # nothing a graph names outside its folder is opened, by us or by onnxruntime
         opts = ort.SessionOptions()
         opts.log_severity_level = 3
@@ -130,7 +137,7 @@ class OnnxCausalLM:
         import onnx
         import onnxruntime as ort
         from onnx.external_data_helper import uses_external_data
-        from workbench.folder_paths import inside_folder
+        from workbench.files.folder_paths import inside_folder
         opts.add_session_config_entry("session.disable_prepacking", "1")
         for init in onnx.load(str(path), load_external_data=False).graph.initializer:
             if not uses_external_data(init) or init.data_type in (onnx.TensorProto.INT4, onnx.TensorProto.UINT4):
@@ -232,6 +239,6 @@ class OnnxCausalLM:
         return outs[0][0, -1], new_kv, outs[1:]
 
     def generate_greedy(self, prompt: Sequence[int], steps: int) -> list[int]:
-        """``steps`` greedy tokens after ``prompt`` (no end-of-sequence stop): ``workbench.generate``'s loop."""
+        """``steps`` greedy tokens after ``prompt`` (no end-of-sequence stop): ``workbench.run.generate``'s loop."""
         from .stream import stream_tokens
         return list(stream_tokens(self, prompt, steps))

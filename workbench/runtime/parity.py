@@ -31,7 +31,7 @@ def greedy_agreement(model: nn.Module, prompt: Sequence[int], tokens: Sequence[i
     count and the model's own greedy tokens as far as they are determined (one past the first
     disagreement).
     """
-    from ..logits import final_hidden, head_logits
+    from ..numerics.logits import final_hidden, head_logits
     tokens = [int(t) for t in tokens]
     if not tokens:
         return 0, []

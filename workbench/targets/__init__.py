@@ -3,7 +3,7 @@
     report = inspect_graph("out/onnx/decode.onnx", "qnn")
     print(report.summary()); get_target("qnn").convert, target_names("convert")
 
-Each module here (``ort_int4``, ``ort_genai``, ``ort_qdq``, ``qnn``, ``mnn``, ``llamacpp``, ``tensorrt``, ``rknn``)
+``convert`` is the convert step that runs one (``convert(model, plan, target, out)``). Each other module here (``ort_int4``, ``ort_genai``, ``ort_qdq``, ``qnn``, ``mnn``, ``llamacpp``, ``tensorrt``, ``rknn``)
 registers one ``Target``: its rule table (``assets/targets/*.json``), its converter, its runner and
 its override-file format. Every module of this package except the shared ones is imported here, so
 adding a target is one file plus one rule table; a target defined elsewhere registers itself with
@@ -21,7 +21,7 @@ __all__ = ["TARGETS", "RULES_DIR", "Finding", "GraphReport", "inspect_graph", "l
            "Target", "OverrideFormat", "register_target", "get_target", "target_names", "override_format",
            "check_precisions", "check_signed_scales", "RULE_TABLES"]
 
-_SHARED = {"base", "registry", "common"}
+_SHARED = {"base", "registry", "common", "convert"}  # not targets: the shared pieces and the convert step
 for _m in pkgutil.iter_modules(__path__):
     if _m.name not in _SHARED:
         importlib.import_module(f"{__name__}.{_m.name}")

@@ -1,6 +1,6 @@
 """What every target module shares: the written override file, plan and graph lookups, float16 layers.
 
-Kept apart from ``workbench.overrides`` (which dispatches to the targets) so target modules never
+Kept apart from ``workbench.precision.overrides`` (which dispatches to the targets) so target modules never
 import their dispatcher.
 """
 from __future__ import annotations
@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Mapping
 
 from ..errors import PlanError
-from ..plan import QuantPlan, get_precision
-from ..workspace import read_json_file
+from ..quantize.plan import QuantPlan, get_precision
+from ..files.workspace import read_json_file
 
 __all__ = ["score_in_runtime", "PROFILE_PROMPT", "native_output_to", "log_softmax", "OverrideFile", "layer_precisions", "graph_names", "tensor_for", "read_json_object", "graph_consumers",
            "half_layers", "layers_from_tensors", "block_role", "LINEAR_ROLES"]

@@ -416,7 +416,7 @@ def convert_edgellm(job) -> None:
     info["build_command"] = f"bash {shlex.quote(str(script))}"
     if job.evaluate_outputs:  # the first CHECK_TOKENS of the text (nothing here runs the plugins: no KL to score)
         from ..assets import demo_text_path
-        from ..textio import read_tokens
+        from ..evaluation.textio import read_tokens
         ids, _ = read_tokens(prep.float_lm.tokenizer, job.text or demo_text_path("heldout"), max_tokens=CHECK_TOKENS)
         job.say(f"running the graph outside its plugin nodes in onnxruntime ({len(ids)} tokens)")
         info["onnxruntime_outside_plugins"] = run_outside_plugins(job.out / LLM_DIR, prep, ids)

@@ -354,7 +354,7 @@ def open_executorch(folder: str | Path, *, threads: int | None = None) -> ExecuT
 
 def convert_executorch(job) -> None:
     """The simulation as an XNNPACK ``.pte`` holding the plan's codes, scored and timed in ExecuTorch's runtime."""
-    from ..memory import reset_peak_rss, rss_mb, settled_rss_mb
+    from ..numerics.memory import reset_peak_rss, rss_mb, settled_rss_mb
     prep, report = job.prep, job.report
     qm = prep.qm
     for name, qw in qm.weights.items():  # refuse before exporting, naming the layer

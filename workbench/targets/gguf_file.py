@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from ..errors import PlanError
-from ..plan import get_precision
+from ..quantize.plan import get_precision
 from ..quantize.qtensor import QuantizedWeight
 
 __all__ = ["ggml_type_of", "pack_blocks", "write_gguf", "check_gguf", "gguf_parameter_name", "GGUF_ARCHES"]

@@ -79,7 +79,7 @@ class HtpSoc:
 
 def htp_socs() -> dict[str, HtpSoc]:
     """Every device profile with a QNN soc id and an HTP generation."""
-    from ..devices import load_devices
+    from ..devices.profiles import load_devices
     return {k: _soc(d) for k, d in load_devices().items() if d.qnn_soc_model and d.htp_arch}
 
 
@@ -92,7 +92,7 @@ def htp_soc(device: str | HtpSoc | None = None) -> HtpSoc:
     """The SoC of a device profile by name or alias (``8gen3``, ``Snapdragon 8 Elite``, ``sm8450``)."""
     if isinstance(device, HtpSoc):
         return device
-    from ..devices import get_device
+    from ..devices.profiles import get_device
     d = get_device(device or DEFAULT_DEVICE)
     if not d.qnn_soc_model or not d.htp_arch:
         raise PlanError(f"device '{d.key}' has no Hexagon HTP (no qnn_soc_model / htp_arch in its profile); choose "
@@ -108,7 +108,7 @@ def generation_rules() -> dict:
 
 def float_layers_refused(precisions: Mapping[str, str | None], soc: HtpSoc) -> list[str]:
     """Layers whose QDQ weights would be 16-bit (the plan keeps them float) on an HTP that refuses 16-bit weights."""
-    from ..plan import get_precision
+    from ..quantize.plan import get_precision
     if soc.arch >= generation_rules()["min_arch_16bit_weights"]:
         return []
     return [layer for layer, name in precisions.items()
@@ -118,7 +118,7 @@ def float_layers_refused(precisions: Mapping[str, str | None], soc: HtpSoc) -> l
 def soc_runs(precision, soc: HtpSoc) -> bool:
     """Whether ``soc``'s HTP generation runs weights of ``precision`` (``htp_generations.weight_bits``; a float
     precision is a 16-bit weight in the QDQ graph)."""
-    from ..plan import get_precision
+    from ..quantize.plan import get_precision
     p = get_precision(precision)
     if p is None:
         return True

@@ -22,10 +22,10 @@ import time
 from pathlib import Path
 
 from ..errors import PlanError
-from ..models import LoadedModel
-from ..plan import QuantPlan, get_precision
+from ..model.load import LoadedModel
+from ..quantize.plan import QuantPlan, get_precision
 from ..quantize.storage import stored_integer_layers
-from ..workspace import atomic_write_text
+from ..files.workspace import atomic_write_text
 from .common import OverrideFile, layer_precisions
 from .gguf_file import check_gguf, gguf_parameter_name, write_gguf
 from .registry import OverrideFormat, Target, check_precisions, register_target

@@ -30,10 +30,10 @@ import numpy as np
 
 from ..errors import ModelLoadError, PlanError, WorkbenchError
 from ..onnx.export import export_onnx
-from ..models import LoadedModel
-from ..plan import QuantPlan, get_precision
+from ..model.load import LoadedModel
+from ..quantize.plan import QuantPlan, get_precision
 from ..quantize.model import resolve_group_size
-from ..workspace import atomic_write_json
+from ..files.workspace import atomic_write_json
 from .common import OverrideFile, block_role, half_layers, layer_precisions, native_output_to, read_json_object
 from .registry import OverrideFormat, Target, check_precisions, register_target
 

@@ -34,7 +34,7 @@ import torch
 from ..errors import ModelLoadError, WorkbenchError
 from ..onnx.build import (DATA_FILE, INLINE_LIMIT, DecoderSpec, FloatWeights, GraphBuilder, TensorStore, apply_rotary,
                           rotary_tables)
-from ..workspace import atomic_write_json
+from ..files.workspace import atomic_write_json
 from .common import score_in_runtime
 from .mnn import mnn_weight_args, quiet_fds, convert_to_mnn, keep_matmul_weights_float, run_mnnconvert
 from .registry import Target, register_target

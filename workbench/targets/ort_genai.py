@@ -41,8 +41,8 @@ import numpy as np
 from torch import nn
 
 from ..errors import ModelLoadError, WorkbenchError
-from ..folder_paths import inside_folder, json_items, refuse_native_libraries
-from ..memory import release_freed_memory
+from ..files.folder_paths import inside_folder, json_items, refuse_native_libraries
+from ..numerics.memory import release_freed_memory
 from ..onnx.build import DATA_FILE, INLINE_LIMIT, DecoderSpec, GraphBuilder, TensorStore, as_array
 from ..runtime.onnx_runner import OnnxCausalLM
 from ..runtime.parity import greedy_agreement, parity, torch_reference
@@ -420,7 +420,7 @@ class GenaiCausalLM:
     """onnxruntime-genai's runtime over an ``ort-genai`` folder: its KV cache (shared with the past in place),
     its generator and its search.
 
-    ``steps()`` gives what ``workbench.generate.stream_tokens`` drives (logits after each appended token,
+    ``steps()`` gives what ``workbench.run.generate.stream_tokens`` drives (logits after each appended token,
     picked by the workbench's own picker, so sampling reads the same across runtimes); ``greedy`` runs
     onnxruntime-genai's own greedy search; ``decode_speed`` times it.
     """
@@ -550,7 +550,7 @@ def fused_runner(folder: str | Path, threads: int | None = 1) -> OnnxCausalLM:
 
 def _float_head_note(qm, model_path: Path) -> str | None:
     """What a float ``lm_head`` costs each decoded token on the CPU (read as float32), when the plan keeps it so."""
-    from ..plan import get_precision
+    from ..quantize.plan import get_precision
     from ..onnx.inspect import decode_step_bytes
     prec = get_precision(qm.precisions.get("lm_head")) if qm.precisions.get("lm_head") else None
     r = next((r for r in qm.layers if r.name == "lm_head"), None)

@@ -31,10 +31,10 @@ from typing import Mapping
 
 import numpy as np
 
-from ..memory import release_freed_memory
-from ..models import LoadedModel
+from ..numerics.memory import release_freed_memory
+from ..model.load import LoadedModel
 from ..onnx.build import BuiltGraphs, FloatWeights, GraphBuilder, as_array, build_graphs
-from ..plan import get_precision
+from ..quantize.plan import get_precision
 from ..runtime.onnx_runner import OnnxCausalLM
 from ..runtime.parity import greedy_agreement
 from .common import half_layers

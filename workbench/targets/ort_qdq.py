@@ -36,8 +36,8 @@ import numpy as np
 from ..errors import PlanError
 from ..onnx.export import share_external_data
 from ..runtime.onnx_runner import OnnxCausalLM
-from ..plan import get_precision
-from ..workspace import atomic_write_json
+from ..quantize.plan import get_precision
+from ..files.workspace import atomic_write_json
 from .base import inspect_graph
 from .common import OverrideFile, graph_names, layers_from_tensors, read_json_object, tensor_for
 from .ort_int4 import release_float_model
@@ -147,7 +147,7 @@ def write_ort_overrides(path: str | Path, quantized, export) -> OverrideFile:
     p = atomic_write_json(Path(path), doc)
     return OverrideFile(p, "ort", len(doc["init_overrides"]), notes,
                         "get_qnn_qdq_config(model, reader, activation_type=QuantType.QUInt16, "
-                        f"**workbench.overrides.load_ort_overrides('{p}'))")
+                        f"**workbench.precision.overrides.load_ort_overrides('{p}'))")
 
 
 def _with_quant_types(init_overrides: Mapping[str, list[dict]], where: str) -> dict[str, list[dict]]:

@@ -44,8 +44,8 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 
 from ..errors import PlanError
-from ..plan import get_precision
-from ..workspace import atomic_write_json
+from ..quantize.plan import get_precision
+from ..files.workspace import atomic_write_json
 from .base import inspect_graph
 from .common import OverrideFile, graph_consumers, graph_names, layers_from_tensors, read_json_object, tensor_for
 from .ort_qdq import (FLOAT_WEIGHT_TYPE, KV_BITS_KEY, KV_TENSOR, MASK_RANGE, causal_mask_tensors, lean_session,
@@ -72,7 +72,7 @@ def recipe_plan(*, int8_layers: Iterable[str] = (), method: str = "rtn") -> "Qua
     activations and an 8-bit KV cache whose past and present share one encoding (``meta["kv_cache_bits"]``).
     ``int8_layers``: layers held at int8 (the recipe's ``int8_param_names``: those whose int4 MatMul saturates
     the HTP accumulator, so the device departs from the simulation; ``targets.htp.divergent_layers`` finds them)."""
-    from ..plan import PlanRule, QuantPlan
+    from ..quantize.plan import PlanRule, QuantPlan
     rules = [PlanRule("*embed_tokens", "fp16"), PlanRule("lm_head", "int8")]
     rules += [PlanRule(name, "int8") for name in int8_layers]
     return QuantPlan(default="int4", rules=tuple(rules), group_size=None, symmetric=True, method=method,
@@ -518,7 +518,7 @@ def read_qnn_encodings(path: str | Path) -> dict[str, dict]:
 
 def _lpbq_precision(compressed_bw: int, bw: int) -> str:
     """The registered two-level precision an LPBQ encoding stands for."""
-    from ..plan import PRECISIONS
+    from ..quantize.plan import PRECISIONS
     for p in PRECISIONS.values():
         if p.two_level and p.bits == compressed_bw and p.scale_bits == bw - compressed_bw:
             return p.name

@@ -6,9 +6,9 @@
 A target is one module under ``workbench/targets/`` (or anywhere: it only has to call
 ``register_target`` when imported) plus its operator rule table (``assets/targets/<rules>.json``,
 or a path). It names its rule table, its converter (``convert(job)``, given a
-``workbench.convert.ConvertJob``), whether the converted model runs here (``runnable``), its
+``workbench.targets.convert.ConvertJob``), whether the converted model runs here (``runnable``), its
 runner and the files its output holds (``runner(folder, *, threads)``, ``files``: what
-``workbench.runtime.open_runner`` opens a folder with, so ``generate``, ``profile`` and the app run
+``workbench.run.locate.open_runner`` opens a folder with, so ``generate``, ``profile`` and the app run
 every runnable target's output without knowing its files), and its override-file format (``OverrideFormat``: writer and reader of per-layer precisions). ``inspect``,
 ``convert``, ``overrides`` and the app list and dispatch through ``target_names`` and ``get_target``.
 
@@ -26,7 +26,7 @@ from typing import Callable, Iterable
 
 from ..assets import ASSETS_DIR
 from ..errors import PlanError, WorkbenchError
-from ..plan import Precision, get_precision
+from ..quantize.plan import Precision, get_precision
 
 __all__ = ["Target", "OverrideFormat", "register_target", "get_target", "target_names", "override_format",
            "check_precisions", "registered_targets", "TargetNames", "RULES_DIR", "rules_path"]
@@ -56,7 +56,7 @@ class Target:
     convert: Callable | None = None  # convert(job: ConvertJob) -> None; fills job.report
     runnable: bool = False  # the converted model runs here, so conversions measure KL and top-1
     # runner(folder, *, threads) -> what ``workbench.runtime.stream.stream_tokens`` drives (``run_prefill`` /
-    # ``run_decode``, or ``steps()``), naming its ``runtime``; ``workbench.runtime.open_runner`` calls it
+    # ``run_decode``, or ``steps()``), naming its ``runtime``; ``workbench.run.locate.open_runner`` calls it
     runner: Callable | None = None
     files: tuple[str, ...] = ()  # what its output folder holds, all of it; the first is what the runner opens
     # layout(folder) -> the files its output holds in that folder when they vary (an HTP graph split into parts),

@@ -205,7 +205,7 @@ def rknn_calibration_feeds(lm, static: tuple[int, int], samples: int, inv_freq, 
                            text: str | Path | None = None) -> dict[str, list[dict]]:
     """Calibration inputs of the rewritten graphs: prefill windows of the calibration text, and decode
     steps at past lengths spread over ``[1, past]`` (``spread_positions``), each with the float model's KV."""
-    from ..evaluate import encode_text, read_text
+    from ..evaluation.evaluate import encode_text, read_text
     from ..assets import demo_text_path
     seq, past = static
     ids = np.asarray(encode_text(lm.tokenizer, read_text(text or demo_text_path("calibration")), source="calibration"))
@@ -293,7 +293,7 @@ def _score(ref: np.ndarray, sim: np.ndarray, got: np.ndarray, targets: np.ndarra
 
 def _precision_choice(qm, platform: str) -> tuple[str | None, list[str], dict[str, str]]:
     """(dtype or None for float16, layers kept float by hybrid quantization, layers not kept as planned)."""
-    from ..plan import get_precision
+    from ..quantize.plan import get_precision
     precs = {r.name: get_precision(r.precision) for r in qm.layers if get_precision(r.precision) is not None}
     if all(p.is_float for p in precs.values()):
         return None, [], {}
@@ -389,7 +389,7 @@ def build_rknn(prep, out_dir: str | Path, *, static: tuple[int, int] = (128, 511
     Decode: ``decode_positions`` steps spread over the past, each fed the float model's KV cache
     (teacher forced), so the decode graph's own error is measured at every past length.
     """
-    from ..evaluate import encode_text, read_text
+    from ..evaluation.evaluate import encode_text, read_text
     from ..onnx.export import export_onnx
     from ..assets import demo_text_path
     say = say or (lambda m: None)
@@ -535,7 +535,7 @@ def measure_rknn(model, *, bits: int | None = 8, plan=None, float16: bool = Fals
                  static: tuple[int, int] = (128, 511), decode_positions: int = 64, eval_windows: int = 4,
                  timeout: float = DEFAULT_TIMEOUT, prepared=None) -> RknnMeasurement:
     """Build and simulate ``model`` for rk3588; KL / top-1 per graph, ``.rknn`` size, time and peak memory."""
-    from ..convert import prepare_models
+    from .convert import prepare_models
     prep = prepared or prepare_models(model, plan=plan, bits=None if plan is not None else bits)
     out = Path(out_dir) if out_dir else owned_tempdir(f"{TEMP_KIND}-out")
     t0 = time.perf_counter()
@@ -622,7 +622,7 @@ def _fill_report(job, r: RknnResult) -> None:
                       "perplexity": p.simulation_perplexity}
     rep.eval_tokens, rep.ctx = p.positions, job.static[0]
     rep.details["rknn"] = r.to_dict()
-    from ..convert import GAP_TOP1
+    from .convert import GAP_TOP1
     low = [f"{name} {s.top1_agreement_vs_simulation:.3f}" for name, s in (("prefill", p), ("decode", d))
            if s.top1_agreement_vs_simulation < GAP_TOP1]
     if low:

@@ -28,11 +28,11 @@ from pathlib import Path
 
 import ipywidgets as widgets
 
-from ..models import LoadedModel
-from ..plan import QuantPlan
-from ..sensitivity import run_sensitivity
-from ..sweep_backends import backend_for, default_workers
-from ..workspace import Workspace
+from ..model.load import LoadedModel
+from ..quantize.plan import QuantPlan
+from ..precision.sensitivity import run_sensitivity
+from ..model.sweep_backends import backend_for, default_workers
+from ..files.workspace import Workspace
 from .base import FileDownload, StatusGroup, StatusLine, StepPanel
 from .calibrate import CalibratePanel
 from .compress import CompressPanel

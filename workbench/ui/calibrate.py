@@ -5,7 +5,7 @@
     panel.calib_set.report, panel.stats.layers
     display(panel)
 
-Results are cached in the workspace (see ``workbench.calibrate.calibrate``), so a second run with
+Results are cached in the workspace (see ``workbench.model.calibrate.calibrate``), so a second run with
 the same model, text and settings reads them back. In the app (``session=``) the result becomes the
 session's calibration, which AWQ in the Quantize tab uses.
 """
@@ -15,13 +15,13 @@ import html
 
 import ipywidgets as widgets
 
-from ..calibrate import CalibrationStats, calibrate
+from ..model.calibrate import CalibrationStats, calibrate
 from ..charts.calibration import (make_channel_magnitude_figure, make_layer_overview_figure,
                                   make_stat_heatmap_figure, make_token_length_figure)
 from ..assets import demo_text_path
-from ..data import DEFAULT_SAMPLES, DEFAULT_SEQ_LEN, CalibrationSet
-from ..models import LoadedModel
-from ..workspace import Workspace
+from ..evaluation.data import DEFAULT_SAMPLES, DEFAULT_SEQ_LEN, CalibrationSet
+from ..model.load import LoadedModel
+from ..files.workspace import Workspace
 from .base import StepPanel
 
 __all__ = ["CalibratePanel"]

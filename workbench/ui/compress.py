@@ -28,15 +28,15 @@ import ipywidgets as widgets
 from ..charts.compress import (make_channel_importance_figure, make_compress_table_figure, make_distill_figure,
                                make_head_importance_figure)
 from ..charts.precision import make_pareto_figure
-from ..distill import DistillConfig, DistillReport, distill
-from ..evaluate import capture_reference
-from ..models import LoadedModel, load_model
-from ..plan import QuantPlan
+from ..compress.distill import DistillConfig, DistillReport, distill
+from ..evaluation.evaluate import capture_reference
+from ..model.load import LoadedModel, load_model
+from ..quantize.plan import QuantPlan
 from ..errors import WorkbenchError
-from ..prune import (HEAD_UNITS, SCORES, Geometry, PruneImportance, PrunePlan, geometry, head_and_channel_importance,
+from ..compress.prune import (HEAD_UNITS, SCORES, Geometry, PruneImportance, PrunePlan, geometry, head_and_channel_importance,
                      measure_point, predicted_size, prune)
-from ..sensitivity import evaluation_tokens
-from ..workspace import Workspace
+from ..precision.sensitivity import evaluation_tokens
+from ..files.workspace import Workspace
 from .base import StepPanel
 from .session import describe_plan
 
@@ -286,7 +286,7 @@ class CompressPanel(StepPanel):
             return None
         self.prune_report = report
         if self.importance is None:
-            from ..prune import IMPORTANCE_FILE
+            from ..compress.prune import IMPORTANCE_FILE
             self.importance = PruneImportance.load(self.out_dir / "pruned" / IMPORTANCE_FILE)
         self._show_importance(report["kept"], pruned=True)
         self._update_prediction()  # the counts by layer are now the ones Prune kept

@@ -6,7 +6,7 @@
 
 Checkboxes for the targets (those whose toolchain is not installed are disabled, with what to install), the
 Snapdragon for the HTP from the device profiles, the token budget, how many targets run at once; Run measures them with
-``workbench.devices_gap.measure_devices_gap`` (each target in a child process) and fills the table and the chart
+``workbench.run.devices_gap.measure_devices_gap`` (each target in a child process) and fills the table and the chart
 target by target. The result is saved as ``devices_gap.json`` in ``session.devices_gap_dir``, where
 ``workbench report`` finds it. A target that fails is a row saying how; the rest still run.
 """
@@ -21,11 +21,11 @@ import traceback
 import ipywidgets as widgets
 
 from ..charts.graph import make_device_gap_figure
-from ..devices_gap import (GAP_RULE, HTP_WINDOWS, TABLE_HEADER, TARGET_TITLES, TARGETS, DevicesGap,
+from ..run.devices_gap import (GAP_RULE, HTP_WINDOWS, TABLE_HEADER, TARGET_TITLES, TARGETS, DevicesGap,
                            measure_devices_gap, table_cells, toolchains)
 from ..errors import WorkbenchError
 from ..targets.htp import DEFAULT_DEVICE, htp_soc, htp_socs
-from ..sweep_backends import backend_for
+from ..model.sweep_backends import backend_for
 from .base import StepPanel, ruled_table
 
 __all__ = ["DevicesGapPanel", "gap_table_html", "DEFAULT_TARGETS"]

@@ -15,7 +15,7 @@ import ipywidgets as widgets
 
 from ..assets import demo_text_path
 from ..charts.finetune import make_loss_figure
-from ..finetune import FinetuneConfig, FinetuneReport, finetune_lora
+from ..compress.finetune import FinetuneConfig, FinetuneReport, finetune_lora
 from .base import StepPanel
 
 __all__ = ["FinetunePanel"]

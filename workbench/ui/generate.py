@@ -19,10 +19,10 @@ from pathlib import Path
 import ipywidgets as widgets
 
 from ..errors import ModelLoadError
-from ..generate import DEFAULT_MAX_NEW_TOKENS, Generation, TextGenerator, open_model
-from ..runtime import locate
+from ..run.generate import DEFAULT_MAX_NEW_TOKENS, Generation, TextGenerator, open_model
+from ..run.locate import locate
 from ..runtime.stream import Sampling
-from ..models import LoadedModel
+from ..model.load import LoadedModel
 from .base import StepPanel
 
 __all__ = ["GeneratePanel", "FLOAT", "DEFAULT_PROMPT"]

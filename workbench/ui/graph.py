@@ -16,7 +16,7 @@ from pathlib import Path
 import ipywidgets as widgets
 
 from ..charts.graph import make_block_bytes_figure, make_conversion_figure, make_op_histogram_figure
-from ..convert import (CONVERT_TARGETS, GAP_KL_FLOOR, GAP_KL_RATIO, GAP_TOP1, ConversionReport, convert,
+from ..targets.convert import (CONVERT_TARGETS, GAP_KL_FLOOR, GAP_KL_RATIO, GAP_TOP1, ConversionReport, convert,
                        prepare_models)
 from ..onnx.inspect import initializer_bytes_by_block
 from ..targets import TARGETS, GraphReport, inspect_graph

@@ -24,12 +24,12 @@ from typing import Sequence
 import ipywidgets as widgets
 import traitlets
 
-from ..autoplan import PlanPoint, plan_footprint, predict_damage
+from ..precision.autoplan import PlanPoint, plan_footprint, predict_damage
 from ..charts.precision import make_pareto_figure
 from ..errors import WorkbenchError
-from ..models import LoadedModel
-from ..plan import PlanRule, QuantPlan, get_precision
-from ..sensitivity import DEFAULT_SWEEP_TOKENS, LayerVariants, PlanEvaluator, SensitivityReport, evaluation_tokens
+from ..model.load import LoadedModel
+from ..quantize.plan import PlanRule, QuantPlan, get_precision
+from ..precision.sensitivity import DEFAULT_SWEEP_TOKENS, LayerVariants, PlanEvaluator, SensitivityReport, evaluation_tokens
 from .base import CheckList
 
 __all__ = ["OverridePanel", "LayerChoice", "precision_choices", "COMMON_PRECISIONS", "DAMAGE_BANDS"]
@@ -41,7 +41,7 @@ DAMAGE_BANDS = (("#2ca02c", "least sensitive 40%"), ("#ff7f0e", "middle"), ("#d6
 
 def precision_choices() -> list[tuple[str, str]]:
     """(label, precision) for the dropdowns: INT4 and INT8 first, every other registered integer precision, FP16."""
-    from ..plan import PRECISIONS
+    from ..quantize.plan import PRECISIONS
     ints = [p.name for p in PRECISIONS.values() if not p.is_float]
     ordered = [n for n in ("int4", "int8") if n in ints] + [n for n in ints if n not in ("int4", "int8")] + ["fp16"]
     return [(n.upper(), n) for n in ordered]
@@ -443,7 +443,7 @@ class OverridePanel(widgets.VBox):
         if self.sensitivity is None:
             self._log("run the sensitivity sweep first: automatic plans are chosen from it")
             return []
-        from ..autoplan import plan_for_budget
+        from ..precision.autoplan import plan_for_budget
         points = self.evaluate_uniform()
         if len(points) < 2:
             return points

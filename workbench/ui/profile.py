@@ -17,7 +17,7 @@ import ipywidgets as widgets
 
 from ..charts.profile import make_profile_figure
 from ..charts.projection import make_host_bound_figure
-from ..profile import DEFAULT_PROMPT_LENGTHS, RuntimeProfile, host_bandwidth, parse_prompt_lengths, profile_directory
+from ..run.profile import DEFAULT_PROMPT_LENGTHS, RuntimeProfile, host_bandwidth, parse_prompt_lengths, profile_directory
 from .base import StepPanel, ruled_table
 
 __all__ = ["ProfilePanel"]

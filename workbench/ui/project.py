@@ -8,7 +8,7 @@
 
 Per plan and device it shows the decode bound and the projected tokens/s, whether weights + KV cache + buffers
 fit the RAM and the accelerator's limit, and which layers the accelerator cannot run at their precision
-(``workbench.projection``). With a device LLM runtime (``runtime``: each device's own by default) speed, first
+(``workbench.devices.projection``). With a device LLM runtime (``runtime``: each device's own by default) speed, first
 token and memory are fitted to the vendor's measurements, each with its held-out error and the nearest
 measurement, and a chart puts the vendor's points, the fit and the plans on one pair of axes. In the app (``session=``) the plans are the session's plan, its quantized model's
 and every plan the Precisions tab evaluated (``points``); those measured plans are also placed on a chart of
@@ -22,12 +22,12 @@ from typing import Callable, Mapping, Sequence
 import ipywidgets as widgets
 
 from ..charts.projection import make_device_figure, make_speed_pareto_figure, make_vendor_fit_figure
-from ..device_runtimes import RUNTIMES
-from ..devices import get_device, load_devices
+from ..devices.runtimes import RUNTIMES
+from ..devices.profiles import get_device, load_devices
 from ..errors import PlanError
-from ..plan import QuantPlan
-from ..projection import AUTO, DEFAULT_CONTEXT, project_plans
-from ..report import Candidates, projection_table_html
+from ..quantize.plan import QuantPlan
+from ..devices.projection import AUTO, DEFAULT_CONTEXT, project_plans
+from ..charts.report import Candidates, projection_table_html
 from .base import CheckList, StepPanel, ruled_style
 
 __all__ = ["ProjectPanel", "DEFAULT_DEVICES"]

@@ -21,12 +21,12 @@ import ipywidgets as widgets
 
 from ..assets import demo_text_path
 from ..charts.quantize import make_cost_table_figure, make_layer_error_figure
-from ..evaluate import DEFAULT_CTX
-from ..models import LoadedModel
-from ..calibrate import reads_importance
-from ..plan import QuantPlan, get_precision
+from ..evaluation.evaluate import DEFAULT_CTX
+from ..model.load import LoadedModel
+from ..model.calibrate import reads_importance
+from ..quantize.plan import QuantPlan, get_precision
 from ..quantize import CALIBRATED_METHODS, heldout_ids, measure_cost, measure_reference, quantize_model
-from ..workspace import Workspace
+from ..files.workspace import Workspace
 from .base import StepPanel
 
 __all__ = ["QuantizePanel"]
@@ -187,7 +187,7 @@ class QuantizePanel(StepPanel):
         one, else computed here (RTN: the short pass `workbench quantize` runs by default)."""
         if self.session is not None and self.session.calibration is not None:
             return self.session.calibration
-        from ..calibrate import calibrate, importance_statistics
+        from ..model.calibrate import calibrate, importance_statistics
         if plan.method not in CALIBRATED_METHODS:
             return importance_statistics(self.lm, self.data.value.strip() or None, workspace, progress=False)[0]
         result = calibrate(self.lm, self.data.value.strip() or None, samples=self.samples_n, seq_len=self.seq_len,

@@ -28,11 +28,11 @@ from typing import Mapping, Sequence
 import ipywidgets as widgets
 import traitlets
 
-from ..autoplan import plan_footprint
+from ..precision.autoplan import plan_footprint
 from ..errors import PlanError, WorkbenchError, WorkspaceError
-from ..models import LoadedModel, load_model
-from ..plan import QuantPlan
-from ..workspace import Workspace, atomic_write_json, atomic_write_text, library_versions, model_fingerprint, read_json_file
+from ..model.load import LoadedModel, load_model
+from ..quantize.plan import QuantPlan
+from ..files.workspace import Workspace, atomic_write_json, atomic_write_text, library_versions, model_fingerprint, read_json_file
 
 __all__ = ["AppSession", "SessionLabel", "describe_plan", "default_run_dir", "run_model", "ARCHIVE_SEND_LIMIT", "RUN_FILE"]
 
@@ -178,8 +178,8 @@ class AppSession(traitlets.HasTraits):
 
     # -- actions ------------------------------------------------------------------------------------
     def prepared(self):
-        """The float model and the session's quantized model, as ``workbench.convert`` takes them (no reload)."""
-        from ..convert import PreparedModels
+        """The float model and the session's quantized model, as ``workbench.targets.convert`` takes them (no reload)."""
+        from ..targets.convert import PreparedModels
         if self.quantized is None:
             raise PlanError("nothing to convert yet: quantize first (Quantize tab, Run)")
         if self._prepared is None or self._prepared[0] is not self.quantized:
@@ -190,7 +190,7 @@ class AppSession(traitlets.HasTraits):
 
     def convert(self, target: str, out_dir: str | Path | None = None, **kwargs):
         """Convert exactly the session's quantized model for ``target``; conversion.json names its plan."""
-        from ..convert import convert
+        from ..targets.convert import convert
         prep = self.prepared()
         out = Path(out_dir) if out_dir else self.conversion_dir / target
         report = convert(str(self.quantized_path), target, out, prepared=prep, **kwargs)
@@ -199,7 +199,7 @@ class AppSession(traitlets.HasTraits):
 
     def write_override_files(self, directory: Path) -> list[dict]:
         """The plan for converters that take per-layer precisions as a file (llama.cpp, MNN's llmexport)."""
-        from ..overrides import write_overrides
+        from ..precision.overrides import write_overrides
         written = []
         for fmt, name in OVERRIDE_FILES:
             try:
@@ -239,7 +239,7 @@ class AppSession(traitlets.HasTraits):
         return _jsonable(doc)
 
     def write_archive(self, figures: Mapping[str, object] | None = None, points: Sequence = ()) -> Path:
-        """Write plan, report (JSON, Markdown and the offline HTML page of ``workbench.report``), figures and
+        """Write plan, report (JSON, Markdown and the offline HTML page of ``workbench.charts.report``), figures and
         override files under ``out_dir``; pack them with the quantized model (``model/``, a directory
         ``workbench eval`` reads) and the conversions into one zip."""
         if self.lm is None or self.plan is None:
@@ -261,7 +261,7 @@ class AppSession(traitlets.HasTraits):
                              "conversions": "convert/" if self.conversions else None}
         atomic_write_json(out / "report.json", report)
         atomic_write_text(out / "report.md", report_markdown(report))
-        from ..report import build_report
+        from ..charts.report import build_report
         atomic_write_text(out / "report.html", build_report(out).html)  # the page to send: opens offline
         members: list[tuple[Path, str]] = []
         if self.quantized_path is not None and self.quantized_path.is_dir():
@@ -270,7 +270,7 @@ class AppSession(traitlets.HasTraits):
             members += _tree(self.conversion_dir, "convert")
         for name in (RUN_FILE, "plan.json", "report.json", "report.md", "report.html"):
             members.append((out / name, name))
-        from ..devices_gap import GAP_FILE
+        from ..run.devices_gap import GAP_FILE
         for gap in sorted((out / "devices-gap").glob(f"*/{GAP_FILE}")):  # the rows, not the graphs they measured
             members.append((gap, gap.relative_to(out).as_posix()))
         for sub in ("overrides", "figures"):
@@ -354,7 +354,7 @@ def report_markdown(report: dict) -> str:
                          f"{_fmt(r.get('top1_agreement_vs_simulation'), '.4f')} | {r.get('gap') or ''} |")
         lines.append("")
     if report.get("devices_gap"):
-        from ..devices_gap import format_table
+        from ..run.devices_gap import format_table
         g = report["devices_gap"]
         lines += ["## On the devices (devices-gap/)", "", f"plan {g['plan_hash']}, {g['max_tokens'] or 'all'} tokens, "
                   f"HTP {g['soc']}; KL / top-1 against the float model", "", format_table(g["rows"]), ""]

@@ -1,0 +1,291 @@
+"""Speed, size and memory of exported and converted models, run on this machine's CPU.
+
+    profiles = profile_directory("out/convert")        # every runnable folder found below it
+    profiles[0].decode_tokens_per_second, profiles[0].prefill_ms[128], profiles[0].size_bytes
+
+Each folder is opened by the runner its target registers (``workbench.run.locate``: onnxruntime for the
+ONNX graphs, MNN for ``.mnn``, onnxruntime-genai for an ``ort-genai`` folder), warmed up once, then timed
+``repeats`` times; the median is reported. Prefill is timed per prompt length, decode as tokens
+per second over ``decode_steps`` steps after a prompt. Sizes are the files on disk (external data
+included); memory is the peak resident memory the runtime added while loading and running (Linux).
+These are CPU figures: they rank choices against each other here, they do not predict an NPU's.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from ..errors import ModelLoadError, WorkbenchError
+from ..onnx.inspect import decode_step_bytes
+
+__all__ = ["RuntimeProfile", "profile_runtime", "profile_directory", "build_candidates",
+           "parse_prompt_lengths", "measure_read_bandwidth", "host_bandwidth", "last_level_cache_bytes",
+           "DEFAULT_PROMPT_LENGTHS", "DEFAULT_CANDIDATES"]
+
+DEFAULT_PROMPT_LENGTHS = (32, 128)
+DEFAULT_CANDIDATES = ("float", "ort-int4", "ort-genai", "mnn")  # "float": the unquantized export; the rest: targets
+
+
+@dataclass
+class RuntimeProfile:
+    """What one model costs to run here: prefill latency, decode speed, size on disk, memory."""
+
+    name: str
+    runtime: str
+    files: list[str]
+    size_bytes: int
+    threads: int
+    repeats: int
+    prefill_ms: dict[int, float] = field(default_factory=dict)  # prompt length -> median milliseconds
+    decode_tokens_per_second: float | None = None
+    load_seconds: float = 0.0
+    peak_rss_added_mb: float | None = None  # MiB (/proc's kB / 1024); shown as rss_added_mb
+    decode_bytes: int | None = None  # the decode graph and its weights: what one decode step reads at most
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def decode_bound(self, read_gbps: float) -> float | None:
+        """Tokens/s this host's read bandwidth allows when every step reads the decode graph's weights once."""
+        return read_gbps * 1e9 / self.decode_bytes if self.decode_bytes else None
+
+    def fraction_of_bound(self, read_gbps: float) -> float | None:
+        """Measured decode tokens/s over that bound: read the same way as a device projection's efficiency."""
+        bound = self.decode_bound(read_gbps)
+        return self.decode_tokens_per_second / bound if bound and self.decode_tokens_per_second else None
+
+    @property
+    def rss_added_mb(self) -> float | None:
+        """The resident memory the model added, in MB (10^6 bytes), the unit its size is shown in."""
+        return None if self.peak_rss_added_mb is None else self.peak_rss_added_mb * 2**20 / 1e6
+
+    def summary(self) -> str:
+        pre = ", ".join(f"{n} tokens {ms:.1f} ms" for n, ms in self.prefill_ms.items())
+        dec = f"; decode {self.decode_tokens_per_second:.0f} tok/s" if self.decode_tokens_per_second else ""
+        mem = f"; +{self.rss_added_mb:.0f} MB RSS" if self.rss_added_mb is not None else ""
+        return f"{self.name} ({self.runtime}): {self.size_bytes / 1e6:.2f} MB; prefill {pre}{dec}{mem}"
+
+
+def parse_prompt_lengths(text: str) -> tuple[int, ...]:
+    """``"32,128"`` -> ``(32, 128)``, with an error that shows the expected form."""
+    try:
+        lengths = tuple(int(x) for x in str(text).split(",") if x.strip())
+    except ValueError:
+        lengths = ()
+    if not lengths or min(lengths) < 1:
+        raise WorkbenchError(f"prompt lengths are comma-separated positive integers, e.g. 32,128; got '{text}'")
+    return lengths
+
+
+def _files_of(path: Path) -> list[Path]:
+    """The graph and its external-data files (same folder, named in the ONNX model), context binaries included."""
+    files = [path]
+    if path.suffix == ".onnx":
+        from onnx.external_data_helper import uses_external_data
+
+        from ..onnx.inspect import context_cache_files, load_onnx
+        proto = load_onnx(path)  # names the file when it is truncated, empty or not ONNX
+        files += [f for f in context_cache_files(proto, path.parent) if f.is_file() and f not in files]
+        for init in proto.graph.initializer:
+            if uses_external_data(init):
+                loc = next((e.value for e in init.external_data if e.key == "location"), None)
+                if loc and (path.parent / loc) not in files:
+                    files.append(path.parent / loc)
+    return files
+
+
+def _median_ms(fn, repeats: int) -> float:
+    fn()  # warm-up: first-run allocation and kernel choice are not the steady state
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1000)
+    return statistics.median(times)
+
+
+def profile_runtime(name: str, path: str | Path, *, prompt_lengths: Sequence[int] = DEFAULT_PROMPT_LENGTHS,
+                    decode_steps: int = 32, repeats: int = 5, threads: int = 1,
+                    vocab_size: int | None = None) -> RuntimeProfile:
+    """Time the model in ``path`` (a converted or exported folder, or its first file), opened by the runner its
+    target registers (``workbench.run.locate``); prompts are fixed pseudo-random token ids (seeded)."""
+    from ..numerics.memory import reset_peak_rss, rss_mb, settled_rss_mb
+    from .locate import locate
+    if repeats < 1 or decode_steps < 1 or not prompt_lengths or min(prompt_lengths) < 1:
+        raise WorkbenchError("profile: repeats, decode_steps and every prompt length must be at least 1")
+    found = locate(path)
+    if found is None:
+        raise WorkbenchError(f"'{path}' holds nothing a target runs; pass a `workbench export` or `workbench "
+                             "convert` output")
+    decode = found.decode_graph
+    decode_graphs = found.decode_graphs  # a graph split into parts: each part's share of a step
+    files = list(dict.fromkeys(f for m in found.model_files for f in _files_of(m)))  # shared data once
+    before = settled_rss_mb()
+    reset = reset_peak_rss()
+    t = time.perf_counter()
+    try:
+        runner = found.open(threads=threads)
+    except WorkbenchError:
+        raise
+    except Exception as e:  # the runtime's own errors for a file that parses but does not load
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelLoadError(f"could not load '{found.entry}'" + (f" with '{decode}'" if decode not in (None, found.entry)
+                                                                 else "") + f": {first}; export or convert it again") \
+            from None
+    load_seconds = time.perf_counter() - t
+    runtime = getattr(runner, "runtime", found.target.name)
+    report = RuntimeProfile(name, runtime, [str(f) for f in files], sum(f.stat().st_size for f in files), threads,
+                            repeats, load_seconds=load_seconds,
+                            decode_bytes=sum(decode_step_bytes(g) for g in decode_graphs) if decode_graphs else None)
+    vocab = vocab_size or 1000
+    rng = np.random.default_rng(0)
+    for n in prompt_lengths:
+        static = getattr(runner, "static_seq", None)
+        if static is not None and n > static:
+            report.notes.append(f"prompt of {n} tokens skipped: the static graph takes {static}")
+            continue
+        if static is not None and n < static:
+            report.notes.append(f"prompt of {n} tokens runs padded to the static graph's {static}")
+        ids = rng.integers(1, vocab, size=(1, n))
+        if hasattr(runner, "prefill_seconds"):  # a runtime that times its own prompt pass (onnxruntime-genai)
+            report.prefill_ms[n] = _median_ms(lambda ids=ids: runner.prefill_seconds(ids[0].tolist()), repeats)
+        elif hasattr(runner, "prefill_feed"):  # onnxruntime: the prefill session alone, without the KV slicing
+            report.prefill_ms[n] = _median_ms(lambda ids=ids: runner.prefill.run(None, runner.prefill_feed(ids[0])),
+                                              repeats)
+        elif hasattr(runner, "logits"):
+            report.prefill_ms[n] = _median_ms(lambda ids=ids: runner.logits(ids), repeats)
+        else:
+            report.prefill_ms[n] = _median_ms(lambda ids=ids: runner.run_prefill(ids[0].tolist()), repeats)
+    if hasattr(runner, "decode_seconds"):  # onnxruntime-genai: its own generator loop, after the prompt
+        prompt = rng.integers(1, vocab, size=min(prompt_lengths)).tolist()
+        runner.decode_seconds(prompt, decode_steps)  # warm-up, as for the other runtimes
+        times = [runner.decode_seconds(prompt, decode_steps) for _ in range(repeats)]
+        report.decode_tokens_per_second = decode_steps / statistics.median(times)
+    elif hasattr(runner, "run_decode"):  # graph runners decode with the KV cache (run_prefill, then run_decode)
+        prompt = rng.integers(1, vocab, size=min(prompt_lengths)).tolist()
+        _, _, kv0 = runner.run_prefill(prompt)
+        limit = getattr(runner, "static_past", None)
+        steps = decode_steps if limit is None else max(1, min(decode_steps, limit - len(prompt)))
+
+        def decode_run():
+            kv, pos = kv0, len(prompt)
+            for i in range(steps):
+                _, kv, _ = runner.run_decode(int(prompt[i % len(prompt)]), kv, pos)
+                pos += 1
+        report.decode_tokens_per_second = steps / (_median_ms(decode_run, repeats) / 1000)
+    if reset and before is not None:
+        report.peak_rss_added_mb = (rss_mb("VmHWM") or before) - before
+    return report
+
+
+def profile_directory(directory: str | Path, *, vocab_size: int | None = None, **kwargs) -> list[RuntimeProfile]:
+    """Profile every runnable folder at or below ``directory`` (``workbench.run.locate.find_runnable``), one after
+    another, each named by its path below ``directory``."""
+    import sys
+    from .locate import CONVERSION_FILE, find_runnable, not_runnable_here
+    root = Path(directory)
+    out, failed = [], []
+    for conv in sorted(root.rglob(CONVERSION_FILE)):
+        target = not_runnable_here(conv.parent)
+        if target is not None:
+            print(f"profile: skipped '{conv.parent}': a {target} conversion, which does not run here", file=sys.stderr)
+    for found in find_runnable(root):
+        rel = found.folder.relative_to(root)
+        try:
+            out.append(profile_runtime(str(rel) if str(rel) != "." else root.name, found.folder,
+                                       vocab_size=vocab_size, **kwargs))
+        except WorkbenchError as e:  # one bad folder does not cost the others their profile
+            failed.append(e)
+    if not out and failed:
+        raise failed[0]  # nothing profiled: the (first) folder's own one-line error
+    for e in failed:
+        print(f"profile: skipped: {e}", file=sys.stderr)
+    return out
+
+
+def build_candidates(model="demo", out_dir: str | Path = "out/profile", *, plan=None, bits: int | None = 4,
+                     candidates: Sequence[str] = DEFAULT_CANDIDATES, progress: bool = False) -> Path:
+    """Export the float model and convert it for each target into ``out_dir/<candidate>``, ready to profile.
+
+    Conversions here skip their accuracy evaluation (``workbench convert`` does that); this only
+    builds the files whose speed and size are compared.
+    """
+    from ..targets.convert import CONVERT_TARGETS, convert, prepare_models
+    from ..onnx.export import export_onnx
+    unknown = [c for c in candidates if c != "float" and c not in CONVERT_TARGETS]
+    if unknown:
+        raise WorkbenchError(f"unknown candidate(s) {unknown}; choose from float, {', '.join(CONVERT_TARGETS)}")
+    out = Path(out_dir)
+    prepared = prepare_models(model, plan=plan, bits=None if plan is not None else bits, progress=progress)
+    for c in candidates:
+        if c == "float":
+            export_onnx(prepared.float_lm, out / "float", check=False)
+        else:
+            convert(model, c, out / c, prepared=prepared, evaluate_outputs=False, calibration_samples=4,
+                    calibration_seq_len=64, progress=progress)
+    return out
+
+
+# -- this host's own bound ------------------------------------------------------------------------------
+BANDWIDTH_STEP = "host-bandwidth"
+BANDWIDTH_METHOD = "numpy float32 max over 256 MiB, one thread, fastest of 5 after a warm-up (v2)"
+
+
+def measure_read_bandwidth(nbytes: int = 256 * 2 ** 20, repeats: int = 5) -> float:
+    """This machine's read bandwidth in GB/s (1e9 bytes/s): one thread reducing (SIMD max) a buffer far larger
+    than its caches, fastest of ``repeats`` (a bound is what the memory can give, not its average under load).
+    A float sum is slower than the memory on some CPUs (it measured half of this max here), so it is not used."""
+    a = np.ones(nbytes // 4, dtype=np.float32)  # written once, so every page is resident before timing
+    a.max()
+    best = min(_timed(a.max) for _ in range(repeats))
+    return a.nbytes / best / 1e9
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def _cpu_model() -> str:
+    import platform
+    try:
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def last_level_cache_bytes() -> int | None:
+    """The largest CPU cache (Linux sysfs), or None: a decode graph smaller than it can beat the DRAM bound."""
+    sizes = []
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        try:
+            text = f.read_text(encoding="ascii").strip().upper()
+            sizes.append(int(text.rstrip("KMG")) * {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30}.get(text[-1:], 1))
+        except (OSError, ValueError):
+            continue
+    return max(sizes) if sizes else None
+
+
+def host_bandwidth(workspace=None, *, force: bool = False) -> dict:
+    """This host's read bandwidth, measured once and cached in the workspace (keyed by host and CPU model):
+    ``{"read_gbps", "method", "host", "cpu", "measured"}``. ``force`` measures again."""
+    import platform
+
+    from ..files.workspace import Workspace
+    ws = workspace if workspace is not None else Workspace()
+    inputs = {"host": platform.node(), "cpu": _cpu_model(), "method": BANDWIDTH_METHOD}
+
+    def compute(_partial: Path) -> dict:
+        return {"read_gbps": measure_read_bandwidth(), "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    art = ws.get_or_compute(BANDWIDTH_STEP, inputs, compute, force=force)
+    return {**inputs, **art.manifest["result"], "artifact": str(art.path)}
