@@ -239,3 +239,12 @@ def test_image_set_bad_files(tmp_path):
     (bad_csv / "captions.csv").write_text("image,text\na.png\n")
     refused(read_image_set, bad_csv, match="captions.csv' line 2: no text")
     refused(read_image_set, bad_csv / "a.png", match="is not an image set's captions file")
+
+
+def test_thirty_two_bit_grey_read_as_sixteen_bit_range(tmp_path):
+    p = tmp_path / "int.tiff"
+    Image.fromarray(np.array([[0, 65535, 70000, -5]], dtype=np.int32)).save(p)
+    with Image.open(p) as raw:
+        assert raw.mode == "I"
+    out = read_image(p)
+    assert [out.getpixel((x, 0))[0] for x in range(4)] == [0, 255, 255, 0]
