@@ -38,7 +38,8 @@ COLOURS = {"red": (220, 30, 30), "green": (30, 160, 50), "blue": (30, 70, 220), 
 SHAPES = ("circle", "square", "triangle")
 COUNTS = ("one", "two", "three", "four")
 POSITIONS = ("left", "right", "top", "bottom")
-# Qwen2.5-VL's chat format, reduced to what the demo needs: the picture, then the question, then "Answer:"
+# Qwen2.5-VL's chat format, reduced to what the demo needs: the picture, then the question, then "Answer:" (Jinja's
+# trim_blocks, which transformers sets, drops the newline after the tag: the prompt ends "...shape?Answer:")
 CHAT_TEMPLATE = (
     "{% for message in messages %}{% if message['content'] is string %}{{ message['content'] }}{% else %}"
     "{% for part in message['content'] %}{% if part['type'] == 'image' %}"

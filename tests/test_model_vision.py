@@ -224,3 +224,20 @@ def test_cli_generate_missing_image(qwen25_dir, tmp_path, capsys):
     bad.write_bytes(b"not a picture")
     assert main(["generate", str(qwen25_dir), "--prompt", "What?", "--image", str(bad)]) == 2
     assert "not a picture" in capsys.readouterr().err
+
+
+def test_a_plan_addresses_vision_layers_by_their_own_names(qwen25_dir):
+    """Vision layers are quantizable layers like any other: a plan rule over ``model.visual.*`` reaches them."""
+    from workbench.quantize.model import quantize_model
+    from workbench.quantize.plan import QuantPlan
+    lm = load_model(qwen25_dir)
+    plan = QuantPlan(default=None, rules=[{"pattern": "model.visual.*", "precision": "int8"}])
+    qm = quantize_model(lm, plan, method="rtn", progress=False)
+    done = {r.name: r.precision for r in qm.layers}
+    assert done["model.visual.blocks.0.attn.qkv"] == "int8" and done["model.visual.merger.mlp.0"] == "int8"
+    assert done.get("model.language_model.layers.0.mlp.down_proj") is None
+    inputs = lm.processor(_picture("red"), "What colour?")
+    with torch.no_grad():
+        ref = lm.model(**inputs).logits
+        out = qm.build_model(lm.model)(**inputs).logits
+    assert 0 < (out - ref).abs().max() < 0.1  # the vision side changed, a little

@@ -24,7 +24,7 @@ HELP = "stream a model's continuation of a prompt (converted, quantized or float
 
 def add_arguments(p):
     add_model_argument(p, "a `workbench convert` or `workbench export` output, a `workbench quantize` output, a "
-                          "model directory, or 'demo'")
+                          "model directory, 'demo', or 'demo-vl' (with --image)")
     p.add_argument("--prompt", required=True, help="the text to continue")
     p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
                    help="stop after this many new tokens (default %(default)s)")
