@@ -39,15 +39,16 @@ def run(args) -> int:
             print(f"{part.name:<16} {', '.join(part.prefixes):<44} {part.parameters:>11,} "
                   f"{format_bytes(part.bytes):>10} {part.layers:>7}")
         print()
-    header = f"{'layer':<40} {'shape':>12} {'params':>11} " + " ".join(f"{p:>10}" for p in PRECISIONS)
+    w = max([40] + [len(layer.name) for layer in lm.layers])  # a VLM's names are longer than a text model's
+    header = f"{'layer':<{w}} {'shape':>12} {'params':>11} " + " ".join(f"{p:>10}" for p in PRECISIONS)
     print(header)
     print("-" * len(header))
     for layer in lm.layers:
         shape = "x".join(map(str, layer.shape))
         tied = "  (tied)" if layer.tied_to else ""
-        print(f"{layer.name:<40} {shape:>12} {layer.parameters:>11,} "
+        print(f"{layer.name:<{w}} {shape:>12} {layer.parameters:>11,} "
               + " ".join(f"{format_bytes(layer.bytes_at(p)):>10}" for p in PRECISIONS) + tied)
     print("-" * len(header))
-    print(f"{'model total (tied weights once, norms at fp16)':<65}"
+    print(f"{'model total (tied weights once, norms at fp16)':<{w + 25}}"
           + " ".join(f"{format_bytes(sizes[p]):>10}" for p in PRECISIONS))
     return 0
