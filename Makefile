@@ -13,7 +13,7 @@ VOILA_PORT ?= 8866
 ROOTFLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 STAMP   := $(VENV)/.installed
 
-.PHONY: install app voila test bench demo-model clean rknn-env edgellm-env
+.PHONY: install app voila test bench demo-model demo-vl-model clean rknn-env edgellm-env
 
 install: $(STAMP)
 
@@ -48,6 +48,9 @@ bench: install
 
 demo-model: install
 	$(BIN)/python scripts/build_demo_model.py
+
+demo-vl-model: install
+	$(BIN)/python scripts/build_demo_vl_model.py
 
 # make rknn-env  Rockchip's rknn-toolkit2 in its own venv (its pins conflict with .venv); the rknn
 # target runs it as a subprocess with the project's torch stub (workbench/targets/rknn_stub) on PYTHONPATH

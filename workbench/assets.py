@@ -7,10 +7,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["ASSETS_DIR", "DEMO_MODEL_DIR", "demo_text_path"]
+__all__ = ["ASSETS_DIR", "DEMO_MODEL_DIR", "DEMO_VL_MODEL_DIR", "DEMO_VL_DATA_DIR", "demo_text_path"]
 
 ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
 DEMO_MODEL_DIR = ASSETS_DIR / "demo-model"
+DEMO_VL_MODEL_DIR = ASSETS_DIR / "demo-vl-model"  # the demo vision-language model (scripts/build_demo_vl_model.py)
+DEMO_VL_DATA_DIR = ASSETS_DIR / "demo-vl"  # its held-out pictures, questions, captions and calibration pairs
 
 
 def demo_text_path(kind: str) -> Path:

@@ -6,7 +6,8 @@ import json
 import sys
 
 
-def add_model_argument(p, help_text: str = "a local Hugging Face model directory, or 'demo' (the bundled model)"):
+def add_model_argument(p, help_text: str = "a local Hugging Face model directory, or 'demo' (the bundled model; "
+                                           "'demo-vl' the bundled vision-language model)"):
     p.add_argument("model", help=help_text)
 
 

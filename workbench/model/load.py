@@ -25,7 +25,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from ..assets import DEMO_MODEL_DIR
+from ..assets import DEMO_MODEL_DIR, DEMO_VL_MODEL_DIR
 from ..errors import ModelLoadError
 from ..quantize.plan import DEFAULT_GROUP_SIZE, QuantPlan, get_precision
 from ..quantize.model import LayerQuantReport, QuantizedModel
@@ -39,7 +39,7 @@ __all__ = ["LayerInfo", "LoadedModel", "resolve_model_path", "load_model",
            "weights_mismatch_error", "load_quantized", "quantized_source", "LAYER_SHAPES", "layer_shapes", "model_from_config", "apply_layer_shapes",
            "check_model_config", "MAX_PARAMETERS", "MAX_LAYERS"]
 
-MODEL_ALIASES = {"demo": DEMO_MODEL_DIR}
+MODEL_ALIASES = {"demo": DEMO_MODEL_DIR, "demo-vl": DEMO_VL_MODEL_DIR}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 log = logging.getLogger("workbench")  # notes for the user; the CLI prints them as "workbench <command>: note: ..."
@@ -50,7 +50,8 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
 
 def resolve_model_path(name_or_path: str | os.PathLike) -> Path:
-    """``demo`` names the bundled model; anything else is a local directory."""
+    """``demo`` names the bundled model (``demo-vl`` the bundled vision-language one); anything else is a local
+    directory."""
     if str(name_or_path) in MODEL_ALIASES:
         return MODEL_ALIASES[str(name_or_path)]
     return Path(name_or_path).expanduser()
@@ -71,7 +72,17 @@ class LayerInfo:
 
     @property
     def block(self) -> str:
-        """``layers.3`` for block layers, else the top-level part (``embed_tokens``, ``lm_head``)."""
+        """``layers.3`` for block layers, else the top-level part (``embed_tokens``, ``lm_head``); a vision-language
+        model's vision side is named by its module (``visual.blocks.0``, ``visual.merger``,
+        ``vision_model.encoder.layers.0``), so it never shares a name with a language-model block."""
+        m = _VISION_MODULE.search(self.name)
+        if m:
+            rest = self.name[m.end():].split(".")
+            for key in ("blocks", "layers"):
+                if key in rest:
+                    i = rest.index(key)
+                    return ".".join([m.group(1), *rest[:i + 2]])
+            return f"{m.group(1)}.{rest[0]}"
         parts = self.name.split(".")
         if "layers" in parts:
             i = parts.index("layers")
@@ -91,6 +102,9 @@ class LayerInfo:
         return {"name": self.name, "kind": self.kind, "shape": list(self.shape), "parameters": self.parameters,
                 "tied_to": self.tied_to,
                 "bytes": {p: self.bytes_at(p) for p in ("fp32", "fp16", "int8", "int4")}}
+
+
+_VISION_MODULE = re.compile(r"(?:^|\.)(visual|vision_model|vision_tower|connector|multi_modal_projector)\.")
 
 
 def quantizable_layers(model: nn.Module) -> list[LayerInfo]:
@@ -117,7 +131,8 @@ class LoadedModel:
     """A model, its tokenizer and where they came from.
 
     ``quantized`` is the QuantizedModel behind a model loaded from a ``workbench quantize`` directory
-    (its integer layers compute from their codes); None for a float model.
+    (its integer layers compute from their codes); None for a float model. ``processor`` is set for a
+    vision-language model (``workbench.model.vision.VisionInputs``: picture and question to model inputs).
     """
 
     model: nn.Module
@@ -126,10 +141,27 @@ class LoadedModel:
     name: str
     layers: list[LayerInfo] = field(default_factory=list)
     quantized: object = field(default=None, repr=False)
+    processor: object = field(default=None, repr=False)
 
     @property
     def config(self):
         return self.model.config
+
+    @property
+    def text_config(self):
+        """The language model's config: the config itself for a text model, its ``text_config`` for a VLM."""
+        return self.model.config.get_text_config()
+
+    @property
+    def is_vision(self) -> bool:
+        """Whether the model takes pictures (it has a vision encoder)."""
+        return getattr(self.model.config, "vision_config", None) is not None
+
+    def parts(self) -> list:
+        """A VLM's vision encoder, projector and language model (``ModelPart``: prefixes, parameters, bytes);
+        a text model is one part, its language model."""
+        from .vision import model_parts
+        return model_parts(self.model, [info.name for info in self.layers])
 
     @property
     def parameters(self) -> int:
@@ -259,7 +291,8 @@ def weights_mismatch_error(where, missing=(), unexpected=(), mismatched=()) -> M
 def _check_directory(path: Path, name: str) -> dict:
     if not path.exists():
         hint = " (the bundled demo model is missing: run scripts/build_demo_model.py)" if name == "demo" else \
-            "; pass a local Hugging Face model directory, or 'demo' for the bundled model"
+            " (the bundled demo vision-language model is missing: run scripts/build_demo_vl_model.py)" \
+            if name == "demo-vl" else "; pass a local Hugging Face model directory, or 'demo' for the bundled model"
         raise ModelLoadError(f"model path '{path}' does not exist{hint}")
     if not path.is_dir():
         raise ModelLoadError(f"model path '{path}' is a file; pass the directory that holds config.json")
@@ -571,6 +604,10 @@ def load_model(path: str | os.PathLike = "demo", *, dtype: str | torch.dtype = "
         lm.name = name
         return lm
     raw_cfg = _check_directory(p, name)
+    from .vision import is_vision_config
+    if is_vision_config(raw_cfg):
+        return _load_vision(p, name, raw_cfg, dtype=dtype, device=device, trust_remote_code=trust_remote_code,
+                            load_tokenizer=load_tokenizer, float32_compute=float32_compute)
     model_type = raw_cfg.get("model_type")
     archs = raw_cfg.get("architectures") or []
     if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs) or \
@@ -628,6 +665,26 @@ def load_model(path: str | os.PathLike = "demo", *, dtype: str | torch.dtype = "
         enable_float32_compute(model)
     tokenizer = load_tokenizer_from(p, trust_remote_code=trust_remote_code) if load_tokenizer else None
     return LoadedModel(model=model, tokenizer=tokenizer, path=p, name=name, layers=quantizable_layers(model))
+
+
+def _load_vision(p: Path, name: str, raw_cfg: dict, *, dtype, device: str, trust_remote_code: bool,
+                 load_tokenizer: bool, float32_compute: bool) -> LoadedModel:
+    """A vision-language model directory (``workbench.model.vision``), with its picture preprocessing."""
+    from .vision import load_vision_model, vision_inputs
+    text = raw_cfg.get("text_config")
+    check_model_config(text if isinstance(text, dict) else raw_cfg, p / "config.json")
+    model, info, config, family = load_vision_model(p, raw_cfg, resolve_dtype(dtype, raw_cfg),
+                                                    trust_remote_code=trust_remote_code)
+    mismatched = [(k, tuple(a), tuple(b)) for k, a, b in info.get("mismatched_keys") or ()]
+    if info.get("missing_keys") or info.get("unexpected_keys") or mismatched:
+        raise weights_mismatch_error(p, info.get("missing_keys") or (), info.get("unexpected_keys") or (), mismatched)
+    model.to(device).eval()
+    if float32_compute:
+        from ..numerics.compute import enable_float32_compute
+        enable_float32_compute(model)
+    tokenizer = load_tokenizer_from(p) if load_tokenizer else None
+    return LoadedModel(model=model, tokenizer=tokenizer, path=p, name=name, layers=quantizable_layers(model),
+                       processor=vision_inputs(family, p, config, tokenizer))
 
 
 def load_tokenizer_from(p: Path, *, trust_remote_code: bool = False, required: bool = True):

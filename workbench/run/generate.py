@@ -33,7 +33,7 @@ from typing import Iterator, Sequence
 
 from ..errors import ModelLoadError, WorkbenchError
 from ..model.load import LoadedModel
-from ..runtime.stream import GenerationStats, Sampling, stream_tokens
+from ..runtime.stream import GenerationStats, Sampling, stream_tokens, torch_threads
 
 __all__ = ["Piece", "Generation", "TextGenerator", "IncrementalText", "open_model",
            "encode_prompt", "DEFAULT_MAX_NEW_TOKENS"]
@@ -94,8 +94,9 @@ class Generation:
     """One streaming generation: iterate for ``Piece``s; ``text``, ``tokens`` and ``stats`` fill as it goes."""
 
     def __init__(self, model: "TextGenerator", prompt_ids: Sequence[int], max_new_tokens: int,
-                 sampling: Sampling | None):
+                 sampling: Sampling | None, runner: object = None):
         self.model, self.prompt_ids = model, [int(t) for t in prompt_ids]
+        self.runner = runner if runner is not None else model.runner
         self.max_new_tokens, self.sampling = max_new_tokens, sampling
         self.stats = GenerationStats(len(self.prompt_ids))
         self.tokens: list[int] = []
@@ -108,7 +109,7 @@ class Generation:
         self._started = True
         m = self.model
         text = IncrementalText(m.tokenizer, self.prompt_ids)
-        for token in stream_tokens(m.runner, self.prompt_ids, self.max_new_tokens, sampling=self.sampling,
+        for token in stream_tokens(self.runner, self.prompt_ids, self.max_new_tokens, sampling=self.sampling,
                                    eos_ids=m.eos_ids, max_positions=m.max_positions, threads=m.threads,
                                    stats=self.stats):
             self.tokens.append(token)
@@ -155,16 +156,71 @@ class TextGenerator:
     max_positions: int | None = None
     threads: int | None = None  # PyTorch's threads while generating (graph runners got theirs when loaded)
     source: Path | None = None  # the float model it was converted or quantized from; None for a float model
+    images: object = None  # a vision-language model's picture-and-question preprocessing (VisionInputs); else None
 
     def stream(self, prompt: str | Sequence[int], *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-               sampling: Sampling | None = None, chat: bool = False) -> Generation:
-        """A generation of up to ``max_new_tokens`` after ``prompt`` (text, or token ids); runs as it is iterated."""
+               sampling: Sampling | None = None, chat: bool = False, image=None) -> Generation:
+        """A generation of up to ``max_new_tokens`` after ``prompt`` (text, or token ids); runs as it is iterated.
+
+        ``image`` (a PIL image or a path) asks a vision-language model about a picture: the prompt is the
+        question, put after the picture through the model's chat template."""
+        if image is not None:
+            return self._stream_image(prompt, image, max_new_tokens, sampling)
         ids = encode_prompt(self.tokenizer, prompt, chat=chat) if isinstance(prompt, str) else list(prompt)
         return Generation(self, ids, max_new_tokens, sampling)
+
+    def _stream_image(self, prompt, image, max_new_tokens: int, sampling: Sampling | None) -> Generation:
+        if self.images is None:
+            raise WorkbenchError(f"'{self.name}' has no vision encoder: it cannot take an image (drop --image, or "
+                                 "pass a vision-language model such as demo-vl)")
+        if not isinstance(prompt, str):
+            raise WorkbenchError("a question about an image must be text, not token ids")
+        if isinstance(image, (str, Path)):
+            from ..model.vision import read_rgb_image
+            image = read_rgb_image(image)
+        inputs = self.images(image, prompt)
+        ids = [int(t) for t in inputs.pop("input_ids")[0]]
+        inputs.pop("attention_mask", None)
+        return Generation(self, ids, max_new_tokens, sampling, runner=_ImageRunner(self.runner, inputs, self.threads))
 
     def generate(self, prompt: str | Sequence[int], **kwargs) -> Generation:
         """``stream`` run to the end: ``.text``, ``.tokens``, ``.stats``."""
         return self.stream(prompt, **kwargs).run()
+
+
+class _ImageRunner:
+    """A PyTorch vision-language model with one picture: the prefill takes the prompt and the picture's pixels,
+    each later step one token and the KV cache (``steps()``, the shape ``stream_tokens`` drives)."""
+
+    def __init__(self, model, image_inputs: dict, threads: int | None):
+        self.model, self.image_inputs, self.threads = model, image_inputs, threads
+
+    def steps(self, total: int) -> "_ImageSteps":
+        return _ImageSteps(self.model, self.image_inputs, self.threads)
+
+
+class _ImageSteps:
+    def __init__(self, model, image_inputs: dict, threads: int | None):
+        self.model, self.image_inputs, self.threads, self.cache = model, image_inputs, threads, None
+        self.device = next(model.parameters()).device
+
+    def _run(self, ids: list[int], **extra):
+        """One forward pass; a single unpadded sequence needs no attention mask, and after the prefill the model
+        places each token from the cache length and the position offset the picture left (Qwen's rope deltas)."""
+        import torch
+        with torch.inference_mode(), torch_threads(self.threads):
+            out = self.model(input_ids=torch.tensor([ids], device=self.device), past_key_values=self.cache,
+                             use_cache=True, logits_to_keep=1, **extra)
+        self.cache = out.past_key_values
+        return out.logits[0, -1].float().cpu().numpy()
+
+    def start(self, prompt: list[int]):
+        from transformers import DynamicCache
+        self.cache = DynamicCache()
+        return self._run(prompt, **{k: v.to(self.device) for k, v in self.image_inputs.items()})
+
+    def step(self, token: int, position: int | None = None):
+        return self._run([token])
 
 
 def _int_ids(value) -> list[int]:
@@ -232,12 +288,12 @@ def _from_loaded(lm: LoadedModel, threads: int | None) -> TextGenerator:
     from ..model.load import quantized_source, load_tokenizer_from
     tokenizer = lm.tokenizer or load_tokenizer_from(lm.path)
     gen_cfg = getattr(lm.model, "generation_config", None)
-    eos, positions = _model_settings(lm.model.config.to_dict(), gen_cfg.to_dict() if gen_cfg is not None else {},
-                                     tokenizer=tokenizer)
+    eos, positions = _model_settings(lm.model.config.to_dict(), lm.text_config.to_dict(),
+                                     gen_cfg.to_dict() if gen_cfg is not None else {}, tokenizer=tokenizer)
     kind = f"{lm.quantized.method} quantized" if lm.quantized is not None else "float"
     source = quantized_source(lm.path) if lm.quantized is not None else None
     return TextGenerator(lm.model, tokenizer, Path(lm.path), "PyTorch", f"{Path(lm.name).name} ({kind}, PyTorch)", eos,
-                         positions, threads, Path(source) if source else None)
+                         positions, threads, Path(source) if source else None, images=lm.processor)
 
 
 def open_model(model: str | Path | LoadedModel, *, tokenizer=None, source: str | Path | None = None,
