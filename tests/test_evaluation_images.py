@@ -238,7 +238,7 @@ def test_image_set_bad_files(tmp_path):
     refused(read_image_set, bad_csv, match="needs an 'image' column")
     (bad_csv / "captions.csv").write_text("image,text\na.png\n")
     refused(read_image_set, bad_csv, match="captions.csv' line 2: no text")
-    refused(read_image_set, bad_csv / "a.png", match="is not an image set's captions file")
+    refused(read_image_set, bad_csv / "a.png", match="is not an image set's records file")
 
 
 def test_thirty_two_bit_grey_read_as_sixteen_bit_range(tmp_path):

@@ -25,6 +25,9 @@ An image set (``read_image_set``) is a folder of images with ``captions.jsonl`` 
     {"image": "cat.png", "text": "a cat asleep on a red sofa"}
     {"image": "sign.jpg", "question": "What does the sign say?", "answer": "STOP"}
 
+``caption`` is taken where a record has no ``text``. A records file of another name (``questions.jsonl``,
+``calibration.csv``) is read when it is given itself; its folder is the set's folder.
+
 Every image path stays inside the folder (no absolute paths, no ``..``, no symlink leading out).
 """
 from __future__ import annotations
@@ -45,7 +48,8 @@ __all__ = ["read_image", "read_image_set", "ImageTextPair", "DEFAULT_MAX_PIXELS"
 # 50 megapixels: a 48 MP phone photo passes; decoding costs at most 150 MB as RGB (200 MB as RGBA)
 DEFAULT_MAX_PIXELS = 50_000_000
 CAPTION_FILES = ("captions.jsonl", "captions.csv", "captions.tsv")
-IMAGE_FIELDS = ("image", "text", "question", "answer")
+RECORD_SUFFIXES = (".jsonl", ".csv", ".tsv")
+IMAGE_FIELDS = ("image", "text", "caption", "question", "answer")
 MAX_CAPTIONS_BYTES = 64 << 20  # a captions file is read whole: beyond this it is refused, not held
 MAX_LISTED = 5  # how many missing images an error names
 _ALPHA_MODES = ("RGBA", "LA", "PA", "RGBa", "La")
@@ -182,6 +186,8 @@ def _record(obj, folder: Path, loc: str) -> ImageTextPair:
         raise DataError(f"{loc}: missing field 'image' (fields present: {fields}); each record names an image "
                         "file in the folder")
     values = {}
+    if obj.get("text") in (None, "") and "caption" in obj:  # a caption under its own name
+        obj = {**obj, "text": obj["caption"]}
     for name in ("text", "question", "answer"):
         v = obj.get(name)
         if v is not None and not isinstance(v, str):
@@ -230,7 +236,7 @@ def _table_pairs(p: Path, folder: Path) -> list[ImageTextPair]:
     if not header:
         return []
     reader.fieldnames = header
-    if "image" not in header or not ({"text", "answer"} & set(header)):
+    if "image" not in header or not ({"text", "caption", "answer"} & set(header)):
         raise DataError(f"'{p}' line 1: the header ({', '.join(header)}) needs an 'image' column and a 'text' "
                         "column (or 'question' and 'answer' columns)")
     out = []
@@ -260,9 +266,9 @@ def read_image_set(path: str | Path) -> list[ImageTextPair]:
     """
     p = Path(path).expanduser()
     if p.is_file():
-        if p.name not in CAPTION_FILES:
-            raise DataError(f"'{p}' is not an image set's captions file; pass the set's folder, or its "
-                            f"{' / '.join(CAPTION_FILES)}")
+        if p.suffix.lower() not in RECORD_SUFFIXES:
+            raise DataError(f"'{p}' is not an image set's records file (.jsonl, .csv or .tsv); pass the set's "
+                            f"folder, or a records file such as its {' / '.join(CAPTION_FILES)}")
         folder, files = p.parent, [p]
     elif p.is_dir():
         folder, files = p, [p / name for name in CAPTION_FILES if (p / name).is_file()]

@@ -21,9 +21,11 @@ import torch
 from torch import nn
 
 from ..errors import DataError, ModelLoadError
+from ..evaluation.images import read_image
+from ..evaluation.vision import AnswerScores, VisionSample
 
 __all__ = ["VISION_MODEL_TYPES", "is_vision_config", "ModelPart", "model_parts", "VisionInputs",
-           "load_vision_model", "read_rgb_image"]
+           "load_vision_model", "answer_scorer", "answer_text"]
 
 # model_type -> (transformers class, image-prompt family)
 VISION_MODEL_TYPES = {
@@ -47,19 +49,6 @@ def is_vision_config(raw_cfg: dict) -> bool:
     model_type = raw_cfg.get("model_type")
     return (isinstance(model_type, str) and model_type in VISION_MODEL_TYPES) or \
         isinstance(raw_cfg.get("vision_config"), dict)
-
-
-def read_rgb_image(path) -> "object":
-    """A picture as an RGB PIL image; the one place images are read here, so a stricter reader can replace it."""
-    from PIL import Image, UnidentifiedImageError
-    p = Path(path)
-    if not p.is_file():
-        raise DataError(f"image '{p}' does not exist or is not a file")
-    try:
-        with Image.open(p) as im:
-            return im.convert("RGB")
-    except (UnidentifiedImageError, OSError, ValueError) as e:
-        raise DataError(f"'{p}' is not a picture Pillow can read ({' '.join(str(e).split())[:120]})") from None
 
 
 @dataclass(frozen=True)
@@ -232,3 +221,41 @@ def vision_inputs(family: str, path: Path, config, tokenizer) -> VisionInputs | 
     if tokenizer is None:
         return None
     return VisionInputs(family, _image_processor(family, path, config), tokenizer, config)
+
+
+def answer_text(prompt_ids: list[int], answer: str, tokenizer) -> str:
+    """The answer as it follows the prompt: after a prompt ending in a space or a newline as it is, else after one
+    space (what the demo VLM learned after ``Answer:``, and how most BPE vocabularies write a word that follows
+    another)."""
+    last = tokenizer.decode(prompt_ids[-1:]) if prompt_ids else ""
+    return answer if not last or last[-1].isspace() else " " + answer
+
+
+def answer_scorer(model: nn.Module, inputs: VisionInputs, *, chat: bool = True):
+    """A scorer for ``workbench.evaluation.vision``: the log-probabilities of a sample's answer tokens given its
+    picture and prompt, built by the same ``VisionInputs`` that ``generate`` uses (chat template, image tokens,
+    their 3D positions), so a score and a generated answer see one prompt. ``model`` may be the float model or a
+    quantized one built from it; only the answer positions' logits are computed (``logits_to_keep``)."""
+    tok = inputs.tokenizer
+
+    @torch.inference_mode()
+    def score(sample: VisionSample) -> AnswerScores:
+        image = read_image(sample.image) if isinstance(sample.image, (str, Path)) else sample.image
+        feats = inputs(image, sample.prompt, chat=chat)
+        ids = feats["input_ids"]
+        answer = tok(answer_text(ids[0].tolist(), sample.answer, tok), add_special_tokens=False)["input_ids"]
+        if not answer:
+            raise DataError(f"{sample.where or 'a sample'}: the answer is empty after tokenizing; give each record "
+                            "a non-empty answer")
+        extra = torch.tensor([answer], dtype=ids.dtype)
+        feats["input_ids"] = torch.cat([ids, extra], dim=1)
+        feats["attention_mask"] = torch.ones_like(feats["input_ids"])
+        if "mm_token_type_ids" in feats:
+            feats["mm_token_type_ids"] = torch.cat([feats["mm_token_type_ids"], torch.zeros_like(extra)], dim=1)
+        device = next(model.parameters()).device  # pixels stay float32, as generate feeds them (float32 compute)
+        feats = {k: v.to(device) for k, v in feats.items()}
+        out = model(**feats, use_cache=False, logits_to_keep=len(answer) + 1)
+        logits = out.logits[0, -(len(answer) + 1):-1]  # position j predicts token j + 1
+        return AnswerScores(torch.log_softmax(logits.float().cpu(), dim=-1), torch.tensor(answer))
+
+    return score

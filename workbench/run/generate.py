@@ -176,8 +176,8 @@ class TextGenerator:
         if not isinstance(prompt, str):
             raise WorkbenchError("a question about an image must be text, not token ids")
         if isinstance(image, (str, Path)):
-            from ..model.vision import read_rgb_image
-            image = read_rgb_image(image)
+            from ..evaluation.images import read_image
+            image = read_image(image)
         inputs = self.images(image, prompt)
         ids = [int(t) for t in inputs.pop("input_ids")[0]]
         inputs.pop("attention_mask", None)
