@@ -1,7 +1,7 @@
 """The one exception family the workbench raises for bad input: each message says what to do."""
 from __future__ import annotations
 
-__all__ = ["WorkbenchError", "ModelLoadError", "PlanError", "DataError", "WorkspaceError"]
+__all__ = ["WorkbenchError", "ModelLoadError", "PlanError", "DataError", "WorkspaceError", "NativeEngineError"]
 
 
 class WorkbenchError(Exception):
@@ -22,3 +22,7 @@ class DataError(WorkbenchError):
 
 class WorkspaceError(WorkbenchError):
     """An artifact in the workspace is missing or inconsistent."""
+
+
+class NativeEngineError(ModelLoadError):
+    """A native runtime (run in a child process) crashed or refused a model folder: the folder is damaged."""
