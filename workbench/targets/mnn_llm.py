@@ -40,7 +40,7 @@ from .common import score_in_runtime
 from .mnn import mnn_weight_args, convert_to_mnn, keep_matmul_weights_float, run_mnnconvert
 from .registry import Target, register_target
 
-__all__ = ["check_mnn_llm_folder", "export_engine_onnx", "plan_codes_layout", "write_plan_codes", "write_tokenizer_txt", "write_mnn_llm_folder", "MnnLlm", "open_mnn_llm",
+__all__ = ["check_mnn_llm_folder", "graph_weight_bytes", "export_engine_onnx", "plan_codes_layout", "write_plan_codes", "write_tokenizer_txt", "write_mnn_llm_folder", "MnnLlm", "open_mnn_llm",
            "convert_mnn_llm", "TARGET", "FILES"]
 
 FILES = ("llm.mnn", "llm.mnn.weight", "embeddings_bf16.bin", "config.json", "llm_config.json", "tokenizer.txt")
@@ -360,13 +360,61 @@ def _read_tokenizer_header(path: Path) -> tuple[int, list[int]]:
     return vocab, ids
 
 
+CONVOLUTION, BLOB = 9, 7  # MNN.fbs's OpParameter union: the tables whose ``external`` points into the weight file
+EXTERNAL_FIELD = {CONVOLUTION: 6, BLOB: 9}  # Convolution2D.external, Blob.external: [offset, bytes, bytes...]
+
+
+def graph_weight_bytes(graph: str | Path) -> int:
+    """The bytes of ``llm.mnn.weight`` an MNN graph reads: the furthest end (offset plus its byte counts) of its ops'
+    ``external`` ranges, read from the graph's flatbuffer (``Net.oplists[i].main``) without MNN; ModelLoadError when
+    the flatbuffer does not parse (a garbage or truncated graph, which MNN would read past its end)."""
+    import struct
+
+    from flatbuffers import encode, number_types as nt
+    from flatbuffers.table import Table
+    graph = Path(graph)
+    buf = bytearray(graph.read_bytes())
+
+    def field(t: Table, i: int) -> int:
+        return t.Offset(4 + 2 * i)
+
+    try:
+        net = Table(buf, encode.Get(nt.UOffsetTFlags.packer_type, buf, 0))
+        ops = field(net, 3)  # Net.oplists
+        count = net.VectorLen(ops) if ops else 0
+        if count * 4 > len(buf):
+            raise IndexError(count)
+        start, end = net.Vector(ops) if ops else 0, 0
+        for k in range(count):
+            op = Table(buf, net.Indirect(start + 4 * k))
+            kind_at, main_at = field(op, 1), field(op, 2)  # Op.main: the union's type, then its table
+            kind = op.Get(nt.Uint8Flags, op.Pos + kind_at) if kind_at else 0
+            if kind not in EXTERNAL_FIELD or not main_at:
+                continue
+            main = Table(buf, op.Indirect(op.Pos + main_at))
+            ext_at = field(main, EXTERNAL_FIELD[kind])
+            if not ext_at:
+                continue
+            n, at = main.VectorLen(ext_at), main.Vector(ext_at)
+            if not 2 <= n <= 8:
+                raise IndexError(n)
+            ext = [main.Get(nt.Int64Flags, at + 8 * j) for j in range(n)]
+            if min(ext) < 0:
+                raise IndexError(ext)
+            end = max(end, ext[0] + sum(ext[1:]))
+    except (IndexError, struct.error, ValueError, OverflowError, TypeError):
+        raise ModelLoadError(f"'{graph}' is not an MNN graph (its op table does not parse): it is damaged or "
+                             "truncated; convert it again") from None
+    return end
+
+
 def check_mnn_llm_folder(folder: str | Path) -> dict:
     """Check an ``mnn-llm`` folder as MNN's engine would read it, before the engine gets it; the files it reads.
 
     Both configs parse; ``base_dir`` is refused (MNN prefixes it to every name); every name a config gives lies
     inside the folder (no absolute path, no ``..``, no symlink out); each file the engine reads is there with a
     plausible size: the embedding ``vocab x hidden x 2`` bytes (bf16), ``llm.mnn.weight`` non-empty and holding
-    what ``tie_embeddings`` points at, ``llm_config.json``'s sizes sane, the tokenizer's header whole, and each file
+    what the graph's ops and ``tie_embeddings`` point at, ``llm_config.json``'s sizes sane, the tokenizer's header whole, and each file
     the size ``manifest.json`` recorded when the folder was written."""
     from ..files.folder_paths import folder_file, folder_json, named_paths
     folder = Path(folder)
@@ -410,7 +458,8 @@ def check_mnn_llm_folder(folder: str | Path) -> dict:
     if not 4 <= root < graph.stat().st_size:
         raise ModelLoadError(f"'{graph}' is not an MNN graph (its root offset {root:,} lies outside its "
                              f"{graph.stat().st_size:,} bytes): convert it again")
-    weight = named("llm_weight", "llm.mnn.weight")
+    weight = named("llm_weight", "llm.mnn.weight", at_least=max(1, graph_weight_bytes(graph)),
+                   why=f"its graph '{graph.name}' reads (the end of its ops' external ranges)")
     tokenizer = named("tokenizer_file", "tokenizer.txt", at_least=8, why="of a tokenizer header")
     vocab, _ = _read_tokenizer_header(tokenizer)
     files = {"config": config_file, "llm_config": llm_config_file, "llm_model": graph, "llm_weight": weight,
