@@ -34,10 +34,26 @@ REPO = Path(__file__).resolve().parents[1]
 def good(tmp_path_factory):
     """`workbench convert demo --bits 4 --target mnn-llm` (a short evaluation: the folder, its manifest and record)."""
     out = tmp_path_factory.mktemp("hardening") / "good"
+    stale = _stale_scratch_folder()
     proc = _cli("convert", "demo", "--bits", "4", "--target", "mnn-llm", "--out", out, "--max-tokens", "256")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (out / "manifest.json").is_file() and (out / "conversion.json").is_file()
+    STALE["left"] = stale.exists()
     return out
+
+
+STALE: dict = {}
+
+
+def _stale_scratch_folder() -> Path:
+    """What a killed conversion leaves: ``<tmp>/workbench-convert-<its pid>-xxxx``, its process gone."""
+    import tempfile
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = Path(tempfile.gettempdir()) / f"workbench-convert-{dead.pid}-killedrun"
+    (stale / "mnn-llm").mkdir(parents=True, exist_ok=True)
+    (stale / "mnn-llm" / "llm.onnx").write_bytes(b"\0" * 1000)
+    return stale
 
 
 def _cli(*args, strace_log: Path | None = None) -> subprocess.CompletedProcess:
@@ -301,3 +317,18 @@ def test_folder_file_refuses_what_the_engine_should_not_read(tmp_path):
     (tmp_path / "c.json").write_text("[]")
     with pytest.raises(ModelLoadError, match="not an object"):
         folder_json(tmp_path / "c.json")
+
+
+def test_a_killed_conversion_scratch_folder_is_removed_by_the_next_conversion(good):
+    assert STALE == {"left": False}
+
+
+def test_terminal_escapes_in_a_conversion_record_are_never_printed_raw(good, tmp_path):
+    d = _copy(good, tmp_path / "folder", manifest=True)
+    _edit_json(d / "conversion.json", target="\x1b]0;owned\x07\x1b[2Jmnn-llm")
+    gen = _cli("generate", d, "--prompt", "hi", "--max-new-tokens", "2")
+    assert gen.returncode == 0, gen.stderr[-2000:]
+    assert "\x1b" not in gen.stdout + gen.stderr and "\\x1b" in gen.stdout  # shown escaped in the header
+    (d / "llm.mnn").unlink()  # now nothing runs there: the error names the recorded target
+    line = _one_error_line(_cli("generate", d, "--prompt", "hi"))
+    assert "\x1b" not in line and "\\x1b]0;owned" in line, line

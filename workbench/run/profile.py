@@ -20,7 +20,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..errors import ModelLoadError, WorkbenchError
+from ..errors import ModelLoadError, WorkbenchError, printable
 from ..onnx.inspect import decode_step_bytes
 
 __all__ = ["RuntimeProfile", "profile_runtime", "profile_directory", "build_candidates",
@@ -215,13 +215,8 @@ def profile_directory(directory: str | Path, *, vocab_size: int | None = None, *
     if not out and failed:
         raise failed[0][1]  # nothing profiled: the (first) folder's own one-line error
     for folder, e in failed:
-        print(f"profile: skipped '{folder}': {_printable(str(e))}", file=sys.stderr)
+        print(f"profile: skipped '{printable(folder)}': {printable(str(e))}", file=sys.stderr)
     return out
-
-
-def _printable(text: str) -> str:
-    """``text`` on one line with control characters (terminal escapes a folder's files could carry) escaped."""
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in " ".join(text.splitlines()))
 
 
 def build_candidates(model="demo", out_dir: str | Path = "out/profile", *, plan=None, bits: int | None = 4,

@@ -664,8 +664,11 @@ def convert_mnn_llm(job) -> None:
     report.notes += info.pop("notes")
     report.details["mnn_llm"] = info
     runner = MnnLlm(job.out, threads=2)
-    score_in_runtime(job, runner, "mnn-llm", job.out / "llm.mnn",
-                     "the engine's own counters (context.prefill_us, context.decode_us)")
+    try:
+        score_in_runtime(job, runner, "mnn-llm", job.out / "llm.mnn",
+                         "the engine's own counters (context.prefill_us, context.decode_us)")
+    finally:
+        runner.close()
 
 
 TARGET = register_target(Target(
