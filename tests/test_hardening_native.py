@@ -328,7 +328,43 @@ def test_terminal_escapes_in_a_conversion_record_are_never_printed_raw(good, tmp
     _edit_json(d / "conversion.json", target="\x1b]0;owned\x07\x1b[2Jmnn-llm")
     gen = _cli("generate", d, "--prompt", "hi", "--max-new-tokens", "2")
     assert gen.returncode == 0, gen.stderr[-2000:]
-    assert "\x1b" not in gen.stdout + gen.stderr and "\\x1b" in gen.stdout  # shown escaped in the header
-    (d / "llm.mnn").unlink()  # now nothing runs there: the error names the recorded target
+    assert "\x1b" not in gen.stdout + gen.stderr and "\\x1b" in gen.stderr  # shown escaped in the header
+    for f in ("llm.mnn", "config.json"):  # now nothing runs there: the error names the recorded target
+        (d / f).unlink()
     line = _one_error_line(_cli("generate", d, "--prompt", "hi"))
     assert "\x1b" not in line and "\\x1b]0;owned" in line, line
+
+
+def _genai_folder(tmp_path: Path, graph_bytes: bytes | None = None, location: str | None = None) -> Path:
+    import onnx
+    from onnx import TensorProto, helper
+    folder = tmp_path / "genai"
+    folder.mkdir(parents=True)
+    (folder / "genai_config.json").write_text(json.dumps({
+        "model": {"vocab_size": 8, "context_length": 16, "decoder": {"filename": "model.onnx"}},
+        "search": {"max_length": 16}}))
+    if graph_bytes is not None:
+        (folder / "model.onnx").write_bytes(graph_bytes)
+        return folder
+    w = helper.make_tensor("w", TensorProto.FLOAT, [4], [0.0] * 4)
+    w.data_location = TensorProto.EXTERNAL
+    w.ClearField("float_data")
+    for k, v in (("location", location), ("offset", "0"), ("length", "16")):
+        w.external_data.add(key=k, value=v)
+    graph = helper.make_graph([helper.make_node("Identity", ["w"], ["y"])], "g", [],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])], [w])
+    onnx.save(helper.make_model(graph), str(folder / "model.onnx"))
+    return folder
+
+
+def test_an_ort_genai_graph_naming_data_outside_or_damaged_is_refused_before_the_runtime(tmp_path):
+    pytest.importorskip("onnxruntime_genai", reason="pip install --no-deps onnxruntime-genai==0.18.0")
+    from workbench.targets.ort_genai import GenaiCausalLM
+    secret = tmp_path / "secret.bin"
+    secret.write_bytes(b"\0" * 16)
+    untouched = _untouched(secret)
+    with pytest.raises(ModelLoadError, match="outside its folder"):
+        GenaiCausalLM(_genai_folder(tmp_path, location="../secret.bin"))
+    untouched()
+    with pytest.raises(ModelLoadError, match="not a readable ONNX graph"):
+        GenaiCausalLM(_genai_folder(tmp_path / "b", graph_bytes=os.urandom(3000)))

@@ -149,7 +149,9 @@ class ChildEngine:
             status, result, seconds = self.conn.recv()
             if status == "ok" and isinstance(result, tuple) and result[:1] == ("array",):
                 import numpy as np
-                result = np.frombuffer(self.conn.recv_bytes(), dtype=np.float32).reshape(result[1])
+                out = np.empty(result[1], dtype=np.float32)  # writable, filled in place from the pipe
+                self.conn.recv_bytes_into(memoryview(out).cast("B"))
+                result = out
         except (EOFError, OSError):
             raise ChildCrashed(self._how()) from None
         if status != "ok":
