@@ -150,6 +150,9 @@ def _damage(case: str, d: Path, outside: Path) -> str:
     if case == "hidden-not-the-files":  # a sane number, but not the one the embedding file was written with
         _edit_json(d / "llm_config.json", hidden_size=512)
         return "embeddings_bf16.bin"
+    if case == "huge-run-settings":
+        _edit_json(d / "config.json", max_all_tokens=1 << 40)
+        return "max_all_tokens"
     if case == "config-not-json":
         (d / "config.json").write_text("{not json", encoding="utf-8")
         return "config.json' is not JSON"
@@ -172,8 +175,8 @@ def _damage(case: str, d: Path, outside: Path) -> str:
 
 
 DAMAGE = ["weight-truncated", "weight-empty", "graph-truncated", "graph-garbage", "tokenizer-garbage",
-          "tokenizer-truncated", "huge-hidden", "huge-layers", "hidden-not-the-files", "config-not-json",
-          "llm-config-not-json", "embeddings-missing", "embeddings-truncated", "manifest-size"]
+          "tokenizer-truncated", "huge-hidden", "huge-layers", "hidden-not-the-files", "huge-run-settings",
+          "config-not-json", "llm-config-not-json", "embeddings-missing", "embeddings-truncated", "manifest-size"]
 
 
 @pytest.fixture

@@ -40,7 +40,8 @@ from .common import score_in_runtime
 from .mnn import mnn_weight_args, convert_to_mnn, keep_matmul_weights_float, run_mnnconvert
 from .registry import Target, register_target
 
-__all__ = ["check_mnn_llm_folder", "graph_weight_bytes", "export_engine_onnx", "plan_codes_layout", "write_plan_codes", "write_tokenizer_txt", "write_mnn_llm_folder", "MnnLlm", "open_mnn_llm",
+__all__ = ["check_mnn_llm_folder", "graph_weight_bytes",
+           "export_engine_onnx", "plan_codes_layout", "write_plan_codes", "write_tokenizer_txt", "write_mnn_llm_folder", "MnnLlm", "open_mnn_llm",
            "convert_mnn_llm", "TARGET", "FILES"]
 
 FILES = ("llm.mnn", "llm.mnn.weight", "embeddings_bf16.bin", "config.json", "llm_config.json", "tokenizer.txt")
@@ -313,6 +314,7 @@ def write_mnn_llm_folder(sim_lm, qm, out: str | Path, work: str | Path, *, threa
 PATH_KEY = re.compile(r"(^|_)(model|weight|file|dir|path|config)$")  # config keys MNN joins to its base_dir
 ENGINE_SCRIPT = Path(__file__).with_name("mnn_llm_engine.py")
 LIMITS = {"hidden_size": 1 << 16, "layer_nums": 1024, "max_position_embeddings": 1 << 24}  # far past any edge LM
+RUN_LIMITS = {"max_all_tokens": 1 << 24, "max_new_tokens": 1 << 24, "thread_num": 1024}  # config.json's, when given
 
 
 def _mnn_path_key(key) -> bool:
@@ -320,7 +322,8 @@ def _mnn_path_key(key) -> bool:
 
 
 def _manifest_sizes(folder: Path) -> dict[str, int]:
-    """``{file: bytes}`` from the folder's ``manifest.json`` (what `workbench convert` wrote), or {} if absent/unreadable."""
+    """``{file: bytes}`` from the folder's ``manifest.json`` (what `workbench convert` wrote); {} when it is absent or
+    unreadable (the other checks do not rely on it)."""
     try:
         doc = json.loads((folder / "manifest.json").read_text(encoding="utf-8"))
         files = doc.get("files") if isinstance(doc, dict) else None
@@ -414,16 +417,21 @@ def check_mnn_llm_folder(folder: str | Path) -> dict:
     Both configs parse; ``base_dir`` is refused (MNN prefixes it to every name); every name a config gives lies
     inside the folder (no absolute path, no ``..``, no symlink out); each file the engine reads is there with a
     plausible size: the embedding ``vocab x hidden x 2`` bytes (bf16), ``llm.mnn.weight`` non-empty and holding
-    what the graph's ops and ``tie_embeddings`` point at, ``llm_config.json``'s sizes sane, the tokenizer's header whole, and each file
-    the size ``manifest.json`` recorded when the folder was written."""
+    what the graph's ops and ``tie_embeddings`` point at, ``llm_config.json``'s sizes sane, the tokenizer's header
+    whole, and each file the size ``manifest.json`` recorded when the folder was written."""
     from ..files.folder_paths import folder_file, folder_json, named_paths
     folder = Path(folder)
     config_file = folder / "config.json"
     config = folder_json(config_file, "`workbench convert MODEL --target mnn-llm`")
     if "base_dir" in config:
-        raise ModelLoadError(f"'{config_file}' sets base_dir ({config['base_dir']!r}), which sends MNN's engine to read "
-                             "every file from there: a folder's config may only name its own files; remove it")
+        raise ModelLoadError(f"'{config_file}' sets base_dir ({config['base_dir']!r}), which sends MNN's engine to "
+                             "read every file from there: a folder's config may only name its own files; remove it")
     named_paths(folder, config, config_file, _mnn_path_key)  # every path-like key, used or not, stays inside
+    for key, limit in RUN_LIMITS.items():
+        value = config.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= limit):
+            raise ModelLoadError(f"'{config_file}' gives {key} {value!r}: a whole number from 1 to {limit:,} is "
+                                 "needed; convert it again")
     recorded = _manifest_sizes(folder)
 
     def named(key: str, default: str, **size) -> Path:
@@ -448,7 +456,8 @@ def check_mnn_llm_folder(folder: str | Path) -> dict:
             raise ModelLoadError(f"'{llm_config_file}' gives {key} {value!r}: a whole number from 1 to {limit:,} is "
                                  "needed (MNN sizes its buffers from it); convert it again")
     kv = llm_config.get("key_value_shape", [])
-    if not isinstance(kv, list) or any(isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= 1 << 16 for v in kv):
+    if not isinstance(kv, list) or any(isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= 1 << 16
+                                       for v in kv):
         raise ModelLoadError(f"'{llm_config_file}' gives key_value_shape {kv!r}: whole numbers from 1 to 65,536 are "
                              "needed; convert it again")
     hidden = llm_config["hidden_size"]
