@@ -1,7 +1,8 @@
 """The one exception family the workbench raises for bad input: each message says what to do."""
 from __future__ import annotations
 
-__all__ = ["WorkbenchError", "ModelLoadError", "PlanError", "DataError", "WorkspaceError"]
+__all__ = ["WorkbenchError", "ModelLoadError", "PlanError", "DataError", "WorkspaceError", "NativeEngineError",
+           "printable"]
 
 
 class WorkbenchError(Exception):
@@ -22,3 +23,13 @@ class DataError(WorkbenchError):
 
 class WorkspaceError(WorkbenchError):
     """An artifact in the workspace is missing or inconsistent."""
+
+
+class NativeEngineError(ModelLoadError):
+    """A native runtime (run in a child process) crashed or refused a model folder: the folder is damaged."""
+
+
+def printable(text: str) -> str:
+    """``text`` on one line with control characters escaped (``\\x1b``): names read from a model folder (a
+    ``conversion.json`` target, a config's file name) may carry terminal escapes that must not reach a terminal."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in " ".join(str(text).splitlines()))

@@ -17,7 +17,7 @@ import logging
 import sys
 from pathlib import Path
 
-from ..errors import WorkbenchError
+from ..errors import WorkbenchError, printable
 
 __all__ = ["main", "COMMANDS"]
 
@@ -112,7 +112,7 @@ def error_line(e: BaseException, args=None, argv: list[str] = ()) -> str:
     else is a bug in the workbench: its traceback goes to a log file, not the screen.
     """
     if isinstance(e, (WorkbenchError, ValueError, OSError)):
-        return "error: " + "; ".join(line.strip() for line in str(e).splitlines() if line.strip())
+        return "error: " + printable("; ".join(line.strip() for line in str(e).splitlines() if line.strip()))
     if isinstance(e, MemoryError):
         return "error: out of memory; close other programs, or use a smaller model, --max-tokens or --samples"
     log = write_bug_log(e, args, argv)

@@ -7,7 +7,8 @@ from pathlib import Path
 
 from workbench.errors import ModelLoadError
 
-__all__ = ["inside_folder", "json_items", "refuse_native_libraries", "check_graph_paths"]
+__all__ = ["inside_folder", "json_items", "refuse_native_libraries", "check_graph_paths", "folder_json", "folder_file",
+           "named_paths"]
 
 
 def inside_folder(folder: str | Path, named: str, named_by: str | Path, key: str = "path") -> Path:
@@ -65,3 +66,61 @@ def check_graph_paths(graph: str | Path) -> None:
             ref = attrs.get("ep_cache_context", b"")
             inside_folder(graph.parent, ref.decode("utf-8", "replace") if isinstance(ref, bytes) else ref, graph,
                           f"ep_cache_context of node '{node.name}'")
+
+
+# -- a native runtime's folder, checked before the runtime gets it ---------------------------------------
+# A native engine (MNN's LLM engine, ExecuTorch, onnxruntime-genai) trusts its folder: a config naming
+# /etc/passwd is opened, a truncated weight file is read past its end (a segfault that takes the workbench
+# with it). These checks run first, in Python, so a damaged or tampered folder is one line naming the file.
+
+def folder_json(path: str | Path, what: str = "") -> dict:
+    """The JSON object in ``path``, or ModelLoadError naming the file (missing, not UTF-8, not JSON, not an
+    object): a runtime handed a config it cannot parse runs on its defaults instead of saying so."""
+    path = Path(path)
+    hint = f"convert it again{f' ({what})' if what else ''}"
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ModelLoadError(f"'{path}' is missing: {hint}") from None
+    except UnicodeDecodeError:
+        raise ModelLoadError(f"'{path}' is not UTF-8 text: {hint}") from None
+    except OSError as e:
+        raise ModelLoadError(f"'{path}' cannot be read ({e.strerror or e}): {hint}") from None
+    import json
+    try:
+        doc = json.loads(text)
+    except ValueError as e:
+        raise ModelLoadError(f"'{path}' is not JSON ({e}): {hint}") from None
+    if not isinstance(doc, dict):
+        raise ModelLoadError(f"'{path}' holds a JSON {type(doc).__name__}, not an object: {hint}")
+    return doc
+
+
+def folder_file(folder: str | Path, named, named_by: str | Path, key: str = "file", *, size: int | None = None,
+                at_least: int = 1, why: str = "") -> Path:
+    """The regular file ``folder / named``: inside the folder (no absolute path, no ``..``, no symlink leaving
+    it), present, and ``size`` bytes exactly (or at least ``at_least``); ModelLoadError naming it otherwise.
+    ``why`` says where an expected size comes from (``vocab x hidden x 2``)."""
+    path = inside_folder(folder, named, named_by, key)
+    shown = Path(folder) / named
+    if not path.is_file():
+        what = "is not a regular file" if path.exists() else "is missing"
+        raise ModelLoadError(f"'{shown}' ({key} in '{named_by}') {what}: convert it again")
+    have = path.stat().st_size
+    if size is not None and have != size:
+        raise ModelLoadError(f"'{shown}' holds {have:,} bytes, not the {size:,} {why or 'expected'}: it is truncated "
+                             "or not this model's; convert it again")
+    if size is None and have < at_least:
+        raise ModelLoadError(f"'{shown}' holds {have:,} bytes, less than the {at_least:,} "
+                             f"{why or 'a model file needs'}: it is truncated; convert it again")
+    return path
+
+
+def named_paths(folder: str | Path, doc, named_by: str | Path, is_path_key) -> dict[str, Path]:
+    """``{key path: resolved file}`` for every string ``doc`` gives under a key ``is_path_key(key)`` accepts, each
+    checked to lie inside ``folder`` (``inside_folder``); empty strings are left to the caller."""
+    out = {}
+    for here, k, v in json_items(doc):
+        if isinstance(k, str) and is_path_key(k) and isinstance(v, str) and v:
+            out[here] = inside_folder(folder, v, named_by, here)
+    return out

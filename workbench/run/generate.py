@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from ..errors import ModelLoadError, WorkbenchError
+from ..errors import ModelLoadError, WorkbenchError, printable
 from ..model.load import LoadedModel
 from ..runtime.stream import GenerationStats, Sampling, stream_tokens, torch_threads
 
@@ -267,7 +267,8 @@ def _conversion_source(directory: Path) -> tuple[Path | None, str | None]:
     if doc is None:
         return None, None
     source = (doc.get("quantized_model") or {}).get("source_model")
-    return (Path(source) if source else None), doc.get("target")
+    target = doc.get("target")
+    return (Path(source) if source else None), (printable(target) if isinstance(target, str) else None)
 
 
 def _corrupt_conversion_record(directory: Path) -> str | None:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
-from ..errors import ModelLoadError, WorkbenchError
+from ..errors import ModelLoadError, WorkbenchError, printable
 
 __all__ = ["Runnable", "locate", "find_runnable", "not_runnable_here", "open_runner", "runnable_targets", "describe_files",
            "conversion_record", "conversion_target", "target_files", "CONVERSION_FILE"]
@@ -108,7 +108,7 @@ def conversion_record(folder: str | Path) -> dict | None:
 def conversion_target(folder: str | Path) -> str | None:
     """The target ``folder``'s ``conversion.json`` names, or None (no such file, or not one the workbench wrote)."""
     target = (conversion_record(folder) or {}).get("target")
-    return target if isinstance(target, str) else None
+    return printable(target) if isinstance(target, str) else None  # shown in messages: no terminal escapes
 
 
 # targets without a runner whose prefill.onnx / decode.onnx take inputs no runner here feeds (rknn's graphs take

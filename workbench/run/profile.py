@@ -20,7 +20,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..errors import ModelLoadError, WorkbenchError
+from ..errors import ModelLoadError, WorkbenchError, printable
 from ..onnx.inspect import decode_step_bytes
 
 __all__ = ["RuntimeProfile", "profile_runtime", "profile_directory", "build_candidates",
@@ -100,13 +100,15 @@ def _files_of(path: Path) -> list[Path]:
     return files
 
 
-def _median_ms(fn, repeats: int) -> float:
+def _median_ms(fn, repeats: int, own=None) -> float:
+    """Median milliseconds of ``fn`` after a warm-up; ``own()``, when given, is the time the runtime measured for
+    the last call itself (a runtime in a child process: the pipe to it is not the runtime's time)."""
     fn()  # warm-up: first-run allocation and kernel choice are not the steady state
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
         fn()
-        times.append((time.perf_counter() - t) * 1000)
+        times.append((time.perf_counter() - t if own is None else own()) * 1000)
     return statistics.median(times)
 
 
@@ -139,6 +141,10 @@ def profile_runtime(name: str, path: str | Path, *, prompt_lengths: Sequence[int
                                                                  else "") + f": {first}; export or convert it again") \
             from None
     load_seconds = time.perf_counter() - t
+    child = getattr(runner, "out_of_process", False)  # its engine runs in a child: load, calls and memory timed there
+    if child:
+        load_seconds = runner.load_seconds
+    own = (lambda: runner.call_seconds) if child else None
     runtime = getattr(runner, "runtime", found.target.name)
     report = RuntimeProfile(name, runtime, [str(f) for f in files], sum(f.stat().st_size for f in files), threads,
                             repeats, load_seconds=load_seconds,
@@ -154,14 +160,15 @@ def profile_runtime(name: str, path: str | Path, *, prompt_lengths: Sequence[int
             report.notes.append(f"prompt of {n} tokens runs padded to the static graph's {static}")
         ids = rng.integers(1, vocab, size=(1, n))
         if hasattr(runner, "prefill_seconds"):  # a runtime that times its own prompt pass (onnxruntime-genai)
-            report.prefill_ms[n] = _median_ms(lambda ids=ids: runner.prefill_seconds(ids[0].tolist()), repeats)
+            report.prefill_ms[n] = _median_ms(lambda ids=ids: runner.prefill_seconds(ids[0].tolist()), repeats,
+                                              own)
         elif hasattr(runner, "prefill_feed"):  # onnxruntime: the prefill session alone, without the KV slicing
             report.prefill_ms[n] = _median_ms(lambda ids=ids: runner.prefill.run(None, runner.prefill_feed(ids[0])),
                                               repeats)
         elif hasattr(runner, "logits"):
-            report.prefill_ms[n] = _median_ms(lambda ids=ids: runner.logits(ids), repeats)
+            report.prefill_ms[n] = _median_ms(lambda ids=ids: runner.logits(ids), repeats, own)
         else:
-            report.prefill_ms[n] = _median_ms(lambda ids=ids: runner.run_prefill(ids[0].tolist()), repeats)
+            report.prefill_ms[n] = _median_ms(lambda ids=ids: runner.run_prefill(ids[0].tolist()), repeats, own)
     if hasattr(runner, "decode_seconds"):  # onnxruntime-genai: its own generator loop, after the prompt
         prompt = rng.integers(1, vocab, size=min(prompt_lengths)).tolist()
         runner.decode_seconds(prompt, decode_steps)  # warm-up, as for the other runtimes
@@ -179,7 +186,10 @@ def profile_runtime(name: str, path: str | Path, *, prompt_lengths: Sequence[int
                 _, kv, _ = runner.run_decode(int(prompt[i % len(prompt)]), kv, pos)
                 pos += 1
         report.decode_tokens_per_second = steps / (_median_ms(decode_run, repeats) / 1000)
-    if reset and before is not None:
+    if child:
+        report.peak_rss_added_mb = runner.peak_rss_added_mb()
+        runner.close()
+    elif reset and before is not None:
         report.peak_rss_added_mb = (rss_mb("VmHWM") or before) - before
     return report
 
@@ -200,12 +210,12 @@ def profile_directory(directory: str | Path, *, vocab_size: int | None = None, *
         try:
             out.append(profile_runtime(str(rel) if str(rel) != "." else root.name, found.folder,
                                        vocab_size=vocab_size, **kwargs))
-        except WorkbenchError as e:  # one bad folder does not cost the others their profile
-            failed.append(e)
+        except WorkbenchError as e:  # one bad folder (a crashed engine included) does not cost the others theirs
+            failed.append((found.folder, e))
     if not out and failed:
-        raise failed[0]  # nothing profiled: the (first) folder's own one-line error
-    for e in failed:
-        print(f"profile: skipped: {e}", file=sys.stderr)
+        raise failed[0][1]  # nothing profiled: the (first) folder's own one-line error
+    for folder, e in failed:
+        print(f"profile: skipped '{printable(folder)}': {printable(str(e))}", file=sys.stderr)
     return out
 
 

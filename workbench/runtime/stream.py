@@ -145,6 +145,17 @@ def _graph_positions(runner) -> int | None:
     return past + 1 if past is not None else None
 
 
+def _timed(steps, compute, pick) -> tuple[int, float]:
+    """The token ``pick`` draws from ``compute()`` and the seconds both took. A runtime in a child process
+    (``engine_seconds`` on its steps) times its own call there, so the pipe to it is not counted as compute."""
+    t = time.perf_counter()
+    logits = compute()
+    mid = time.perf_counter()
+    token = pick(logits)
+    own = getattr(steps, "engine_seconds", None)
+    return token, (mid - t if own is None else own) + time.perf_counter() - mid
+
+
 def stream_tokens(runner, prompt: Sequence[int], max_new_tokens: int, *, sampling: Sampling | None = None,
                   eos_ids: Sequence[int] = (), max_positions: int | None = None, threads: int | None = None,
                   stats: GenerationStats | None = None) -> Iterator[int]:
@@ -170,9 +181,7 @@ def stream_tokens(runner, prompt: Sequence[int], max_new_tokens: int, *, samplin
     if limit is not None and len(prompt) > limit:
         raise ValueError(f"the prompt has {len(prompt)} tokens, more than the model's {limit} positions: shorten it")
     pick, eos = (sampling or Sampling()).picker(), {int(t) for t in eos_ids}
-    t = time.perf_counter()
-    token = pick(steps.start(prompt))
-    stats.prefill_seconds = time.perf_counter() - t
+    token, stats.prefill_seconds = _timed(steps, lambda: steps.start(prompt), pick)
     fed = len(prompt)
     while True:
         stats.new_tokens += 1
@@ -186,7 +195,6 @@ def stream_tokens(runner, prompt: Sequence[int], max_new_tokens: int, *, samplin
         if limit is not None and fed >= limit:
             stats.stop_reason = "context"
             return
-        t = time.perf_counter()
-        token = pick(steps.step(token, fed))
-        stats.decode_seconds += time.perf_counter() - t
+        token, spent = _timed(steps, lambda: steps.step(token, fed), pick)
+        stats.decode_seconds += spent
         fed += 1

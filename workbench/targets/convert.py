@@ -34,7 +34,6 @@ import itertools
 import json
 import math
 import shutil
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -53,6 +52,7 @@ from ..runtime.onnx_runner import OnnxCausalLM
 from ..model.load import LoadedModel, is_quantized_dir, load_model
 from ..quantize.plan import QuantPlan
 from ..evaluation.textio import read_tokens
+from .processes import owned_tempdir
 from .registry import check_precisions, check_signed_scales, get_target, target_names
 from ..files.workspace import atomic_write_json
 
@@ -579,7 +579,7 @@ def convert(model, target: str, out_dir: str | Path, *, plan: QuantPlan | str | 
     report.details["seconds"] = report_seconds  # per stage; targets add their own
     report.plan = prep.qm.plan.to_dict()
     report.quantized_model, report.upstream = quantized_model_provenance(prep)
-    work = Path(tempfile.mkdtemp(prefix="workbench-convert-"))
+    work = owned_tempdir(CONVERT_TEMP)  # <tmp>/workbench-convert-<pid>-*: a killed run's is removed here, by the next
     try:
         spec.convert(ConvertJob(prep, out, report, work, text=text, max_tokens=max_tokens, ctx=ctx,
                                 activation_bits=activation_bits, accuracy_level=accuracy_level, static=static,
@@ -596,6 +596,9 @@ def convert(model, target: str, out_dir: str | Path, *, plan: QuantPlan | str | 
     write_conversion_json(report)
     report.files = _files(out)
     return report
+
+
+CONVERT_TEMP = "workbench-convert"  # a conversion's scratch folder kind (targets.processes.owned_tempdir)
 
 
 def write_conversion_json(report: ConversionReport, directory: str | Path | None = None) -> Path:

@@ -281,6 +281,23 @@ def check_pte_codes(path: str | Path, qm) -> int:
     return found
 
 
+PTE_MAGIC = b"ET"  # a .pte is a flatbuffer whose file identifier (bytes 4-8) is "ET" and a two-digit version
+
+
+def check_pte_header(path: str | Path) -> None:
+    """ModelLoadError unless ``path`` starts as an ExecuTorch program does (its flatbuffer identifier ``ET..``,
+    a root offset inside the file): checked before the runtime parses it."""
+    from ..files.folder_paths import folder_file
+    path = Path(path)
+    folder_file(path.parent, path.name, path.parent, "program", at_least=16, why="of a program's header")
+    with open(path, "rb") as f:
+        head = f.read(8)
+    root = int.from_bytes(head[:4], "little")
+    if head[4:6] != PTE_MAGIC or not head[6:8].isdigit() or not 8 <= root < path.stat().st_size:
+        raise ModelLoadError(f"'{path}' is not an ExecuTorch program (its header is {head[4:8]!r}, not 'ET' and a "
+                             "version): it is damaged; convert it again")
+
+
 class ExecuTorchLM:
     """A ``model.pte`` in ExecuTorch's runtime: logits of a fresh prompt, prefill / decode steps through the
     program's own KV cache, and timings of the runtime's ``execute`` calls for both."""
@@ -297,10 +314,16 @@ class ExecuTorchLM:
         self.threads = threads or 1
         from executorch.extension.pybindings import portable_lib
         t = time.perf_counter()
-        with native_output_to():  # the runtime logs the CPU probe and the thread pool from C++
-            portable_lib._unsafe_reset_threadpool(self.threads)
-            self.program = Runtime.get().load_program(path)
-            self.method = self.program.load_method("forward")
+        check_pte_header(path)
+        try:
+            with native_output_to():  # the runtime logs the CPU probe and the thread pool from C++
+                portable_lib._unsafe_reset_threadpool(self.threads)
+                self.program = Runtime.get().load_program(path)
+                self.method = self.program.load_method("forward")
+        except RuntimeError as e:  # the runtime's own verdict on a file that is not a whole program
+            first = str(e).strip().splitlines()[0] if str(e).strip() else "no message"
+            raise ModelLoadError(f"ExecuTorch could not load '{path}' ({first}): it is damaged or truncated; "
+                                 "convert it again") from None
         if self.method is None:
             raise ModelLoadError(f"'{path}' has no forward method: convert it again")
         meta = self.method.metadata

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from pathlib import Path
 from typing import Sequence
@@ -36,10 +37,11 @@ from ..onnx.build import (DATA_FILE, INLINE_LIMIT, DecoderSpec, FloatWeights, Gr
                           rotary_tables)
 from ..files.workspace import atomic_write_json
 from .common import score_in_runtime
-from .mnn import mnn_weight_args, quiet_fds, convert_to_mnn, keep_matmul_weights_float, run_mnnconvert
+from .mnn import mnn_weight_args, convert_to_mnn, keep_matmul_weights_float, run_mnnconvert
 from .registry import Target, register_target
 
-__all__ = ["export_engine_onnx", "plan_codes_layout", "write_plan_codes", "write_tokenizer_txt", "write_mnn_llm_folder", "MnnLlm", "open_mnn_llm",
+__all__ = ["check_mnn_llm_folder", "graph_weight_bytes",
+           "export_engine_onnx", "plan_codes_layout", "write_plan_codes", "write_tokenizer_txt", "write_mnn_llm_folder", "MnnLlm", "open_mnn_llm",
            "convert_mnn_llm", "TARGET", "FILES"]
 
 FILES = ("llm.mnn", "llm.mnn.weight", "embeddings_bf16.bin", "config.json", "llm_config.json", "tokenizer.txt")
@@ -309,15 +311,221 @@ def write_mnn_llm_folder(sim_lm, qm, out: str | Path, work: str | Path, *, threa
             "attention_ops": rewritten, "notes": notes}
 
 
+PATH_KEY = re.compile(r"(^|_)(model|weight|file|dir|path|config)$")  # config keys MNN joins to its base_dir
+ENGINE_SCRIPT = Path(__file__).with_name("mnn_llm_engine.py")
+LIMITS = {"hidden_size": 1 << 16, "layer_nums": 1024, "max_position_embeddings": 1 << 24}  # far past any edge LM
+RUN_LIMITS = {"max_all_tokens": 1 << 24, "max_new_tokens": 1 << 24, "thread_num": 1024}  # config.json's, when given
+
+
+def _mnn_path_key(key) -> bool:
+    return isinstance(key, str) and bool(PATH_KEY.search(key))
+
+
+def _manifest_sizes(folder: Path) -> dict[str, int]:
+    """``{file: bytes}`` from the folder's ``manifest.json`` (what `workbench convert` wrote); {} when it is absent or
+    unreadable (the other checks do not rely on it)."""
+    try:
+        doc = json.loads((folder / "manifest.json").read_text(encoding="utf-8"))
+        files = doc.get("files") if isinstance(doc, dict) else None
+        return {k: int(v["size"]) for k, v in (files or {}).items()
+                if isinstance(v, dict) and isinstance(v.get("size"), int)}
+    except (OSError, ValueError, TypeError, AttributeError):
+        return {}
+
+
+def _read_tokenizer_header(path: Path) -> tuple[int, list[int]]:
+    """(vocabulary size, special/stop/prefix ids) of MNN's ``tokenizer.txt`` (byte-level BPE, type 3), after checking
+    its header and that it holds the lines the header promises; ModelLoadError naming the file otherwise."""
+    bad = f"'{path}' is not MNN's tokenizer.txt"
+    try:
+        with open(path, "rb") as f:
+            head = [f.readline() for _ in range(4)]
+            lines = 4 + sum(1 for _ in f)
+        magic, kind = (int(x) for x in head[0].split())
+        counts = [int(x) for x in head[1].split()]
+        ids = [int(x) for x in head[2].split()]
+        sizes = [int(x) for x in head[3].split()]
+    except (OSError, ValueError):
+        raise ModelLoadError(f"{bad} (its header does not parse): convert it again") from None
+    if magic != TOKENIZER_MAGIC:
+        raise ModelLoadError(f"{bad} (magic {magic}, not {TOKENIZER_MAGIC}): convert it again")
+    if kind != HUGGINGFACE_BPE:
+        return 0, []  # another tokenizer kind (MNN's exporter writes several): its body is the engine's to read
+    if len(counts) != 3 or min(counts) < 0 or len(ids) != sum(counts) or len(sizes) != 2 or min(sizes) < 1:
+        raise ModelLoadError(f"{bad} (its counts line does not match its ids): convert it again")
+    vocab, merges = sizes
+    if lines < 4 + vocab + merges:
+        raise ModelLoadError(f"'{path}' promises {vocab:,} tokens and {merges:,} merges but holds {lines - 4:,} lines: "
+                             "it is truncated; convert it again")
+    if ids and (min(ids) < 0 or max(ids) >= vocab):
+        raise ModelLoadError(f"'{path}' names special token {max(ids) if max(ids) >= vocab else min(ids)}, outside its "
+                             f"{vocab:,}-token vocabulary: convert it again")
+    return vocab, ids
+
+
+CONVOLUTION, BLOB = 9, 7  # MNN.fbs's OpParameter union: the tables whose ``external`` points into the weight file
+EXTERNAL_FIELD = {CONVOLUTION: 6, BLOB: 9}  # Convolution2D.external, Blob.external: [offset, bytes, bytes...]
+
+
+def graph_weight_bytes(graph: str | Path) -> int:
+    """The bytes of ``llm.mnn.weight`` an MNN graph reads: the furthest end (offset plus its byte counts) of its ops'
+    ``external`` ranges, read from the graph's flatbuffer (``Net.oplists[i].main``) without MNN; ModelLoadError when
+    the flatbuffer does not parse (a garbage or truncated graph, which MNN would read past its end)."""
+    import struct
+
+    from flatbuffers import encode, number_types as nt
+    from flatbuffers.table import Table
+    graph = Path(graph)
+    buf = bytearray(graph.read_bytes())
+
+    def field(t: Table, i: int) -> int:
+        return t.Offset(4 + 2 * i)
+
+    try:
+        net = Table(buf, encode.Get(nt.UOffsetTFlags.packer_type, buf, 0))
+        ops = field(net, 3)  # Net.oplists
+        count = net.VectorLen(ops) if ops else 0
+        if count * 4 > len(buf):
+            raise IndexError(count)
+        start, end = net.Vector(ops) if ops else 0, 0
+        for k in range(count):
+            op = Table(buf, net.Indirect(start + 4 * k))
+            kind_at, main_at = field(op, 1), field(op, 2)  # Op.main: the union's type, then its table
+            kind = op.Get(nt.Uint8Flags, op.Pos + kind_at) if kind_at else 0
+            if kind not in EXTERNAL_FIELD or not main_at:
+                continue
+            main = Table(buf, op.Indirect(op.Pos + main_at))
+            ext_at = field(main, EXTERNAL_FIELD[kind])
+            if not ext_at:
+                continue
+            n, at = main.VectorLen(ext_at), main.Vector(ext_at)
+            if not 2 <= n <= 8:
+                raise IndexError(n)
+            ext = [main.Get(nt.Int64Flags, at + 8 * j) for j in range(n)]
+            if min(ext) < 0:
+                raise IndexError(ext)
+            end = max(end, ext[0] + sum(ext[1:]))
+    except (IndexError, struct.error, ValueError, OverflowError, TypeError):
+        raise ModelLoadError(f"'{graph}' is not an MNN graph (its op table does not parse): it is damaged or "
+                             "truncated; convert it again") from None
+    return end
+
+
+def check_mnn_llm_folder(folder: str | Path) -> dict:
+    """Check an ``mnn-llm`` folder as MNN's engine would read it, before the engine gets it; the files it reads.
+
+    Both configs parse; ``base_dir`` is refused (MNN prefixes it to every name); every name a config gives lies
+    inside the folder (no absolute path, no ``..``, no symlink out); each file the engine reads is there with a
+    plausible size: the embedding ``vocab x hidden x 2`` bytes (bf16), ``llm.mnn.weight`` non-empty and holding
+    what the graph's ops and ``tie_embeddings`` point at, ``llm_config.json``'s sizes sane, the tokenizer's header
+    whole, and each file the size ``manifest.json`` recorded when the folder was written."""
+    from ..files.folder_paths import folder_file, folder_json, named_paths
+    folder = Path(folder)
+    config_file = folder / "config.json"
+    config = folder_json(config_file, "`workbench convert MODEL --target mnn-llm`")
+    if "base_dir" in config:
+        raise ModelLoadError(f"'{config_file}' sets base_dir ({config['base_dir']!r}), which sends MNN's engine to "
+                             "read every file from there: a folder's config may only name its own files; remove it")
+    named_paths(folder, config, config_file, _mnn_path_key)  # every path-like key, used or not, stays inside
+    for key, limit in RUN_LIMITS.items():
+        value = config.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= limit):
+            raise ModelLoadError(f"'{config_file}' gives {key} {value!r}: a whole number from 1 to {limit:,} is "
+                                 "needed; convert it again")
+    recorded = _manifest_sizes(folder)
+
+    def named(key: str, default: str, **size) -> Path:
+        value = config.get(key, default)
+        if not isinstance(value, str):
+            raise ModelLoadError(f"'{config_file}' gives {key} as {value!r}, not a file name: convert it again")
+        path = folder_file(folder, value, config_file, key, **size)
+        want = recorded.get(value)
+        if want is not None and path.stat().st_size != want:
+            raise ModelLoadError(f"'{folder / value}' holds {path.stat().st_size:,} bytes, not the {want:,} "
+                                 "manifest.json recorded when it was written: it is damaged; convert it again")
+        return path
+
+    llm_config_file = named("llm_config", "llm_config.json")
+    llm_config = folder_json(llm_config_file, "`workbench convert MODEL --target mnn-llm`")
+    named_paths(folder, llm_config, llm_config_file, _mnn_path_key)
+    for key, limit in LIMITS.items():
+        value = llm_config.get(key)
+        if key == "max_position_embeddings" and value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= limit:
+            raise ModelLoadError(f"'{llm_config_file}' gives {key} {value!r}: a whole number from 1 to {limit:,} is "
+                                 "needed (MNN sizes its buffers from it); convert it again")
+    kv = llm_config.get("key_value_shape", [])
+    if not isinstance(kv, list) or any(isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= 1 << 16
+                                       for v in kv):
+        raise ModelLoadError(f"'{llm_config_file}' gives key_value_shape {kv!r}: whole numbers from 1 to 65,536 are "
+                             "needed; convert it again")
+    hidden = llm_config["hidden_size"]
+    graph = named("llm_model", "llm.mnn", at_least=16, why="of a graph's header")
+    with open(graph, "rb") as f:
+        root = int.from_bytes(f.read(4), "little")  # a flatbuffer starts with its root table's offset
+    if not 4 <= root < graph.stat().st_size:
+        raise ModelLoadError(f"'{graph}' is not an MNN graph (its root offset {root:,} lies outside its "
+                             f"{graph.stat().st_size:,} bytes): convert it again")
+    weight = named("llm_weight", "llm.mnn.weight", at_least=max(1, graph_weight_bytes(graph)),
+                   why=f"its graph '{graph.name}' reads (the end of its ops' external ranges)")
+    tokenizer = named("tokenizer_file", "tokenizer.txt", at_least=8, why="of a tokenizer header")
+    vocab, _ = _read_tokenizer_header(tokenizer)
+    files = {"config": config_file, "llm_config": llm_config_file, "llm_model": graph, "llm_weight": weight,
+             "tokenizer_file": tokenizer}
+    tied = llm_config.get("tie_embeddings")
+    if tied is not None:  # the embedding is read from llm.mnn.weight: [offset, bytes, alpha offset, alpha bytes, ...]
+        parts = tied[:4] if isinstance(tied, list) else None
+        size = weight.stat().st_size
+        if (not parts or len(parts) < 4 or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in parts)
+                or parts[0] + parts[1] > size or parts[2] + parts[3] > size):
+            raise ModelLoadError(f"'{llm_config_file}' gives tie_embeddings {tied!r}, which does not lie within "
+                                 f"'{weight}' ({size:,} bytes): convert it again")
+        return files
+    row = hidden * 2
+    emb = named("embedding_file", "embeddings_bf16.bin", at_least=row, why=f"of one bf16 row of {hidden} values")
+    have = emb.stat().st_size
+    if have % row or have // row < vocab:
+        raise ModelLoadError(f"'{emb}' holds {have:,} bytes, not vocab x hidden x 2 = {vocab:,} x {hidden} x 2 = "
+                             f"{vocab * row:,} (bf16 rows of llm_config.json's hidden_size for each token of "
+                             f"'{tokenizer.name}'): it is truncated or not this model's; convert it again")
+    files["embedding_file"] = emb
+    return files
+
+
+class _EngineView:
+    """What a caller may still ask the engine directly (its tokenizer, its counters): answered by the child."""
+
+    def __init__(self, lm: "MnnLlm", name: str):
+        self.lm, self.name = lm, name
+
+    def tokenizer_encode(self, text: str) -> list[int]:
+        return list(self.lm._call("tokenizer_encode", self.name, text))
+
+    @property
+    def context(self):
+        from types import SimpleNamespace
+        return SimpleNamespace(**self.lm._call("context", self.name))
+
+    def reset(self) -> None:
+        self.lm._call("reset", self.name)
+
+
 class MnnLlm:
     """A ``mnn-llm`` folder in MNN's own LLM engine: logits, token steps, and the engine's own timings.
 
     ``logits(ids)`` runs a fresh prompt with every position's logits (``all_logits``); ``steps()`` is what
     ``stream_tokens`` drives (the engine's KV cache, one token a step); ``prefill_seconds`` and
     ``decode_seconds`` read the engine's ``prefill_us`` / ``decode_us`` counters.
+
+    The folder is checked first (``check_mnn_llm_folder``), and the engine runs in a child process
+    (``mnn_llm_engine.py``): a folder that still crashes it is one error naming the folder, and the workbench
+    goes on. ``call_seconds`` is the time the child spent in the engine for the last call (its own clock, not
+    the pipe's), which the token loop and the profile report; ``load_seconds`` likewise.
     """
 
     runtime = "MNN-LLM"
+    out_of_process = True  # times, load time and memory are the child's (call_seconds, load_seconds, peak_rss_added_mb)
 
     def __init__(self, folder: str | Path, threads: int | None = None):
         self.folder = Path(folder)
@@ -325,55 +533,64 @@ class MnnLlm:
         if missing:
             raise ModelLoadError(f"'{self.folder}' has no {', '.join(missing)}: convert it again "
                                  "(`workbench convert MODEL --target mnn-llm --out DIR`)")
+        self.files = check_mnn_llm_folder(self.folder)
         self.threads = threads or 1
-        self._m = self._scorer = None
-        t = time.perf_counter()
-        self._m = self._engine(all_logits=False)
-        self.load_seconds = time.perf_counter() - t
+        self._child = None
+        self._engine_name = None
+        self.call_seconds = 0.0
+        self.load_seconds = self._engine("step")
+
+    def _crashed(self, how: str, doing: str):
+        from ..errors import NativeEngineError
+        names = ", ".join(p.name for p in self.files.values() if not p.name.endswith(".json"))
+        return NativeEngineError(f"MNN's LLM engine crashed ({how}) {doing} '{self.folder}': its files ({names}) are "
+                                 "damaged or not what config.json says; convert it again")
+
+    def _call(self, op: str, *args):
+        """One request to the engine's child; its crash or error becomes one line naming the folder."""
+        from .processes import ChildCrashed, ChildEngine, ChildFailed
+        doing = "loading" if op == "load" else "running"
+        try:
+            if self._child is None:
+                self._child = ChildEngine(ENGINE_SCRIPT)
+            result = self._child.call(op, *args)
+        except ChildCrashed as e:
+            self.close()
+            raise self._crashed(e.how, doing) from None
+        except ChildFailed as e:
+            if "No module named 'MNN'" in str(e):
+                raise WorkbenchError("MNN's LLM engine is not available: install the MNN package "
+                                     "(pip install -c constraints.txt MNN)") from None
+            raise ModelLoadError(f"MNN's LLM engine failed {doing} '{self.folder}' ({e}): convert it again") from None
+        self.call_seconds = self._child.seconds
+        return result
+
+    def _engine(self, name: str) -> float:
+        """Load the engine ``name`` (``step``: last position's logits, ``score``: all of them) in the child, in place
+        of the other (one engine's weights resident at a time); the seconds its load took."""
+        if not self._call("load", str(self.folder / "config.json"), self.threads, name == "score", name):
+            raise ModelLoadError(f"MNN's LLM engine could not load '{self.folder}': convert it again")
+        self._engine_name = name
+        return self.call_seconds
+
+    def _use(self, name: str) -> str:
+        if self._engine_name != name:
+            self._engine(name)
+        return name
 
     @property
-    def m(self):
+    def m(self) -> _EngineView:
         """The engine that steps and times (the last position's logits), loaded again if ``logits`` let it go."""
-        if self._m is None:
-            self._scorer = None
-            self._m = self._engine(all_logits=False)
-        return self._m
+        return _EngineView(self, self._use("step"))
 
-    def _engine(self, *, all_logits: bool):
-        """The engine over the folder's config.json; ``all_logits`` is fixed when it loads (it caches its graph)."""
-        try:
-            with quiet_fds():
-                import MNN.llm as llm
-        except ImportError:
-            raise WorkbenchError("MNN's LLM engine is not available: install the MNN package "
-                                 "(pip install -c constraints.txt MNN)") from None
-        with quiet_fds():
-            m = llm.create(str(self.folder / "config.json"))
-            m.set_config({"thread_num": self.threads, "all_logits": all_logits})
-            m.load()
-            probe = m.forward([0])  # load() says nothing of failure; a graph that did not load gives no logits
-        if probe is None or len(probe.shape) != 3:
-            raise ModelLoadError(f"MNN's LLM engine could not load '{self.folder}': convert it again")
-        m.reset()
-        return m
-
-    @staticmethod
-    def _forward(engine, ids: Sequence[int]) -> np.ndarray:
-        with quiet_fds():
-            out = engine.forward([int(i) for i in ids])
-        a = np.array(out.read(), dtype=np.float32, copy=True)  # read() views the engine's buffer, reused next step
-        return a.reshape(-1, a.shape[-1])
+    def _forward(self, name: str, ids: Sequence[int], reset: bool = False) -> np.ndarray:
+        return self._call("forward", self._use(name), [int(i) for i in ids], reset)
 
     def logits(self, input_ids: np.ndarray) -> np.ndarray:
-        """Logits ``[1, n, vocab]`` of one fresh prompt, every position (a second engine, loaded with
-        ``all_logits``, on first use, in place of the stepping one: one engine's weights resident at a time, about
-        2 GB each at 0.5 B)."""
-        if self._scorer is None:
-            self._m = None
-            self._scorer = self._engine(all_logits=True)
+        """Logits ``[1, n, vocab]`` of one fresh prompt, every position (an engine loaded with ``all_logits``, on
+        first use, in place of the stepping one: one engine's weights resident at a time)."""
         ids = np.asarray(input_ids).reshape(-1)
-        self._scorer.reset()
-        return self._forward(self._scorer, ids).reshape(1, len(ids), -1)
+        return self._forward("score", ids, reset=True).reshape(1, len(ids), -1)
 
     def steps(self, max_length: int | None = None) -> "_EngineSteps":
         """One generation's steps through the engine's own KV cache (what ``stream_tokens`` drives)."""
@@ -387,21 +604,18 @@ class MnnLlm:
     def run_prefill(self, prompt: Sequence[int]) -> tuple[np.ndarray, np.ndarray, None]:
         """A fresh prompt through the engine's cache: the last position's logits (twice: the engine gives only
         that one here) and no KV cache of ours (the engine keeps its own); ``run_decode`` calls follow in order."""
-        self.m.reset()
-        last = self._forward(self.m, prompt)[-1]
+        last = self._forward("step", prompt, reset=True)[-1]
         return last, last[None, None], None
 
     def run_decode(self, token: int, kv, position: int) -> tuple[np.ndarray, None, None]:
         """The next token through the engine's own cache (``kv`` is unused: the engine's state is the cache, so
         steps go in order after ``run_prefill``)."""
-        return self._forward(self.m, [token])[-1], None, None
+        return self._forward("step", [token])[-1], None, None
 
     def _generate(self, prompt: Sequence[int], new_tokens: int):
         """The engine's own generate loop (greedy, as config.json says); its context after."""
-        self.m.reset()
-        with quiet_fds():
-            self.m._c_obj.generate([int(i) for i in prompt], int(new_tokens))
-        return self.m.context
+        from types import SimpleNamespace
+        return SimpleNamespace(**self._call("generate", self._use("step"), [int(i) for i in prompt], int(new_tokens)))
 
     def prefill_seconds(self, prompt: Sequence[int]) -> float:
         """The engine's own prefill time of ``prompt`` (``context.prefill_us``)."""
@@ -416,19 +630,33 @@ class MnnLlm:
             raise WorkbenchError(f"MNN's engine stopped after {ctx.gen_seq_len} token(s); nothing was decoded")
         return ctx.decode_us / 1e6 * steps / made
 
+    def peak_rss_added_mb(self) -> float | None:
+        """The peak resident memory the engine's child added over its own start (MiB), or None off Linux."""
+        return self._call("peak_rss_added_mb")
+
+    def close(self) -> None:
+        """End the engine's child process (it also ends with this object, or with the workbench)."""
+        child, self._child, self._engine_name = self._child, None, None
+        if child is not None:
+            child.close()
+
 
 class _EngineSteps:
-    """One generation through the engine's KV cache: the prompt, then one token a step."""
+    """One generation through the engine's KV cache: the prompt, then one token a step. ``engine_seconds``: the
+    engine's own time for the last of them (measured in its child process)."""
 
     def __init__(self, lm: MnnLlm):
         self.lm = lm
 
+    @property
+    def engine_seconds(self) -> float:
+        return self.lm.call_seconds
+
     def start(self, prompt: list[int]) -> np.ndarray:
-        self.lm.m.reset()
-        return self.lm._forward(self.lm.m, prompt)[-1]
+        return self.lm._forward("step", prompt, reset=True)[-1]
 
     def step(self, token: int, position: int) -> np.ndarray:
-        return self.lm._forward(self.lm.m, [token])[-1]
+        return self.lm._forward("step", [token])[-1]
 
 
 def open_mnn_llm(folder: str | Path, *, threads: int | None = None) -> MnnLlm:
@@ -445,8 +673,11 @@ def convert_mnn_llm(job) -> None:
     report.notes += info.pop("notes")
     report.details["mnn_llm"] = info
     runner = MnnLlm(job.out, threads=2)
-    score_in_runtime(job, runner, "mnn-llm", job.out / "llm.mnn",
-                     "the engine's own counters (context.prefill_us, context.decode_us)")
+    try:
+        score_in_runtime(job, runner, "mnn-llm", job.out / "llm.mnn",
+                         "the engine's own counters (context.prefill_us, context.decode_us)")
+    finally:
+        runner.close()
 
 
 TARGET = register_target(Target(

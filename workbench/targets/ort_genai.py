@@ -41,7 +41,7 @@ import numpy as np
 from torch import nn
 
 from ..errors import ModelLoadError, WorkbenchError
-from ..files.folder_paths import inside_folder, json_items, refuse_native_libraries
+from ..files.folder_paths import check_graph_paths, folder_file, inside_folder, json_items, refuse_native_libraries
 from ..numerics.memory import release_freed_memory
 from ..onnx.build import DATA_FILE, INLINE_LIMIT, DecoderSpec, GraphBuilder, TensorStore, as_array
 from ..runtime.onnx_runner import OnnxCausalLM
@@ -410,10 +410,20 @@ def is_genai_folder(path: str | Path) -> bool:
 
 
 def _check_named_files(folder: Path, doc, config_file: Path) -> None:
-    """Every file name genai_config.json gives (``filename``, ``config_filename``, ...) lies inside the folder."""
+    """Every file name genai_config.json gives (``filename``, ``config_filename``, ...) lies inside the folder, and
+    each graph it names is there, parses, and names only files inside the folder itself (external data)."""
     for _, k, v in json_items(doc):
         if isinstance(v, str) and (k == "filename" or k.endswith("_filename") or k.endswith("_file")):
             inside_folder(folder, v, config_file, k)
+            if v.endswith(".onnx"):
+                graph = folder_file(folder, v, config_file, k, at_least=8, why="of an ONNX graph")
+                try:
+                    check_graph_paths(graph)
+                except ModelLoadError:
+                    raise
+                except Exception as e:  # onnx's own parse error for a damaged graph
+                    raise ModelLoadError(f"'{graph}' is not a readable ONNX graph ({type(e).__name__}): it is "
+                                         "damaged or truncated; convert with --target ort-genai again") from None
 
 
 class GenaiCausalLM:

@@ -3,6 +3,7 @@
     subprocess.run(cmd, preexec_fn=die_with_parent_fn())      # a child the kernel kills with its parent
     def child_main(...): die_with_parent(parent_pid); ...      # the same, first thing in a multiprocessing child
     with owned_temporary("workbench-rknn") as work: ...         # /tmp/workbench-rknn-<pid>-xxxx, removed on exit
+    child = ChildEngine(SCRIPT); child.call("load", ...)     # a native engine whose crash ends only the child
 
 A vendor toolkit runs in a child (rknn-toolkit2 in its own venv, the HTP emulator in a spawned process):
 killed by SIGKILL or SIGTERM, the parent runs no cleanup, so the child would go on computing for minutes
@@ -22,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 __all__ = ["die_with_parent", "die_with_parent_fn", "process_alive", "remove_orphaned_temporaries",
-           "owned_tempdir", "owned_temporary"]
+           "owned_tempdir", "owned_temporary", "ChildEngine", "ChildCrashed", "ChildFailed"]
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
@@ -91,3 +92,99 @@ def owned_temporary(kind: str):
         yield d
     finally:
         shutil.rmtree(d, ignore_errors=True)
+
+
+class ChildCrashed(Exception):
+    """The engine's child process ended mid-request (a segfault, an abort, the kernel's OOM killer): ``how``."""
+
+    def __init__(self, how: str):
+        super().__init__(how)
+        self.how = how
+
+
+class ChildFailed(Exception):
+    """The engine raised in its child process (the child lives on): its message."""
+
+
+class ChildEngine:
+    """A native engine served by a script in a child process (``python -P script FD``): a crash there ends the
+    child, not the workbench, and comes back as ``ChildCrashed``. The child dies with this process.
+
+    ``call(op, *args)`` sends one request and returns its result; ``seconds`` is the time the child spent in the
+    engine for it (its own clock: the pipe and the child's start-up are not counted). Array results arrive as
+    raw float32 bytes after their reply."""
+
+    def __init__(self, script: str | Path):
+        import socket
+        import subprocess
+        import sys
+        from multiprocessing.connection import Connection
+        ours, theirs = socket.socketpair()
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-P", str(script), str(theirs.fileno())],
+                                         pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                         preexec_fn=die_with_parent_fn())
+        finally:
+            theirs.close()
+        self.conn = Connection(ours.detach())
+        self.seconds = 0.0
+        self._receive()  # "ready": the engine's library imported
+
+    def _how(self) -> str:
+        try:
+            rc = self.proc.wait(timeout=10)
+        except Exception:
+            self.proc.kill()
+            rc = self.proc.wait()
+        if rc < 0:
+            try:
+                return f"killed by {signal.Signals(-rc).name}"
+            except ValueError:
+                return f"killed by signal {-rc}"
+        return f"exited with status {rc}"
+
+    def _receive(self):
+        try:
+            status, result, seconds = self.conn.recv()
+            if status == "ok" and isinstance(result, tuple) and result[:1] == ("array",):
+                import numpy as np
+                out = np.empty(result[1], dtype=np.float32)  # writable, filled in place from the pipe
+                self.conn.recv_bytes_into(memoryview(out).cast("B"))
+                result = out
+        except (EOFError, OSError):
+            raise ChildCrashed(self._how()) from None
+        if status != "ok":
+            raise ChildFailed(str(result))
+        self.seconds = float(seconds)
+        return result
+
+    def call(self, op: str, *args):
+        """The child's answer to ``op(*args)``; ChildCrashed when the child ends before answering."""
+        if self.proc.poll() is not None:
+            raise ChildCrashed(self._how())
+        try:
+            self.conn.send((op, args))
+        except OSError:
+            raise ChildCrashed(self._how()) from None
+        return self._receive()
+
+    def close(self) -> None:
+        """Ask the child to end, then make sure it has."""
+        proc = getattr(self, "proc", None)
+        if proc is None or proc.poll() is not None:
+            return
+        try:
+            self.conn.send(("close", ()))
+            proc.wait(timeout=5)
+        except Exception:
+            proc.kill()
+            proc.wait()
+        finally:
+            self.conn.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
