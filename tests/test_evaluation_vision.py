@@ -1,4 +1,5 @@
-"""Image-conditioned quality on a tiny random Qwen2.5-VL: answer KL / top-1, image-text matching, the scorer."""
+"""Image-conditioned quality on a tiny random Qwen2.5-VL: answer KL / top-1, image-text matching, and the scorer
+(``workbench.model.vision.answer_scorer``, the model's own image inputs) they are measured through."""
 from __future__ import annotations
 
 import copy
@@ -13,10 +14,10 @@ from PIL import Image
 from workbench.assets import DEMO_MODEL_DIR
 from workbench.errors import DataError
 from workbench.evaluation.images import read_image_set
-from workbench.evaluation.vision import (PLAIN_TEMPLATE, AnswerScores, VisionSample, answer_kl, answer_samples,
+from workbench.evaluation.vision import (AnswerScores, VisionSample, answer_kl, answer_samples,
                                          capture_answer_reference, caption_samples, choose_distractors,
-                                         image_text_matching, itm_paired_difference, paired_answer_difference,
-                                         qwen2_5_vl_scorer)
+                                         image_text_matching, itm_paired_difference, paired_answer_difference)
+from workbench.model.vision import VisionInputs, answer_scorer
 
 IMAGE_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]
 PROMPT = "Name it:"
@@ -47,7 +48,13 @@ def parts():
     model = Qwen2_5_VLForConditionalGeneration(cfg).eval()
     ip = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=56 * 56, patch_size=14, merge_size=2,
                                   temporal_patch_size=2)
-    return SimpleNamespace(model=model, processor=SimpleNamespace(image_processor=ip, tokenizer=tok), tok=tok)
+    return SimpleNamespace(model=model, processor=SimpleNamespace(image_processor=ip, tokenizer=tok), tok=tok,
+                           inputs=VisionInputs("qwen", ip, tok, cfg))
+
+
+def scorer(model, parts):
+    """The answer scorer over the plain prompt: the picture's tokens, then the prompt (no chat turns)."""
+    return answer_scorer(model, parts.inputs, chat=False)
 
 
 def images():
@@ -66,15 +73,15 @@ def trained(parts):
     start, image, end = tok.convert_tokens_to_ids(IMAGE_TOKENS)
     feats = ip(images=images(), return_tensors="pt")
     prompt = tok(PROMPT, add_special_tokens=False)["input_ids"]
-    rows = [[start] + [image] * 4 + [end] + prompt + tok(c, add_special_tokens=False)["input_ids"] for c in CAPTIONS]
+    rows = [[start] + [image] * 4 + [end] + prompt + tok(" " + c, add_special_tokens=False)["input_ids"] for c in CAPTIONS]
     ids = torch.tensor(rows)
     labels = ids.clone()
     labels[:, :-2] = -100  # only the caption's tokens are learnt
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     model.train()
-    for _ in range(20):
+    for _ in range(40):
         loss = model(input_ids=ids, pixel_values=feats["pixel_values"], image_grid_thw=feats["image_grid_thw"],
-                     labels=labels, use_cache=False).loss
+                     mm_token_type_ids=(ids == image).long(), labels=labels, use_cache=False).loss
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -93,18 +100,19 @@ def perturbed(model, scale=0.05, seed=1):
 # ---------------------------------------------------------------- the scorer
 
 def test_scorer_matches_a_full_forward(parts):
-    score = qwen2_5_vl_scorer(parts.model, parts.processor, template=PLAIN_TEMPLATE)
+    score = scorer(parts.model, parts)
     s = VisionSample(images()[0], PROMPT, "a red square")
     out = score(s)
     tok, ip = parts.tok, parts.processor.image_processor
-    answer = tok("a red square", add_special_tokens=False)["input_ids"]
+    answer = tok(" a red square", add_special_tokens=False)["input_ids"]  # after "Name it:", one space
     assert out.targets.tolist() == answer and out.log_probs.shape == (len(answer), len(tok) + 1)
     start, image, end = tok.convert_tokens_to_ids(IMAGE_TOKENS)
     ids = [start] + [image] * 4 + [end] + tok(PROMPT, add_special_tokens=False)["input_ids"] + answer
     feats = ip(images=[images()[0]], return_tensors="pt")
     with torch.inference_mode():
-        logits = parts.model(input_ids=torch.tensor([ids]), pixel_values=feats["pixel_values"],
-                             image_grid_thw=feats["image_grid_thw"], use_cache=False).logits[0]
+        t = torch.tensor([ids])
+        logits = parts.model(input_ids=t, pixel_values=feats["pixel_values"], image_grid_thw=feats["image_grid_thw"],
+                             mm_token_type_ids=(t == image).long(), use_cache=False).logits[0]
     want = torch.log_softmax(logits[-len(answer) - 1:-1].float(), -1)
     assert torch.allclose(out.log_probs, want, atol=1e-5)
     assert math.isclose(out.total, float(want.gather(1, torch.tensor(answer)[:, None]).sum()), rel_tol=1e-5)
@@ -114,23 +122,21 @@ def test_scorer_matches_a_full_forward(parts):
 
 
 def test_scorer_reads_image_paths_and_refuses_bad_text(parts, tmp_path):
-    score = qwen2_5_vl_scorer(parts.model, parts.processor, template=PLAIN_TEMPLATE)
+    score = scorer(parts.model, parts)
     p = tmp_path / "red.png"
     images()[0].save(p)
     from_path = score(VisionSample(p, PROMPT, "dog"))
     assert torch.allclose(from_path.log_probs, score(VisionSample(images()[0], PROMPT, "dog")).log_probs)
-    with pytest.raises(DataError, match="the prompt holds an image token"):
+    with pytest.raises(DataError, match="image placeholder"):
         score(VisionSample(p, "look <|image_pad|>", "dog", "line 4"))
     with pytest.raises(DataError, match="answer is empty"):
         score(VisionSample(p, PROMPT, ""))
-    with pytest.raises(ValueError, match="template must hold"):
-        qwen2_5_vl_scorer(parts.model, parts.processor, template="{prompt}")
 
 
 # ---------------------------------------------------------------- answer KL and top-1
 
 def test_answer_kl_of_a_model_against_itself_is_zero(parts):
-    score = qwen2_5_vl_scorer(parts.model, parts.processor, template=PLAIN_TEMPLATE)
+    score = scorer(parts.model, parts)
     report = answer_kl(score, samples(), reference=score)
     assert report.kl_divergence == 0.0 and report.top1_agreement == 1.0
     assert report.samples == 6 and report.tokens == 12
@@ -139,9 +145,9 @@ def test_answer_kl_of_a_model_against_itself_is_zero(parts):
 
 
 def test_answer_kl_of_a_perturbed_copy(parts):
-    ref = qwen2_5_vl_scorer(parts.model, parts.processor, template=PLAIN_TEMPLATE)
-    small = qwen2_5_vl_scorer(perturbed(parts.model, 0.05), parts.processor, template=PLAIN_TEMPLATE)
-    large = qwen2_5_vl_scorer(perturbed(parts.model, 0.5), parts.processor, template=PLAIN_TEMPLATE)
+    ref = scorer(parts.model, parts)
+    small = scorer(perturbed(parts.model, 0.05), parts)
+    large = scorer(perturbed(parts.model, 0.5), parts)
     stored = capture_answer_reference(ref, samples())
     a, b = answer_kl(small, samples(), reference=stored), answer_kl(large, samples(), reference=ref)
     assert 0 < a.kl_divergence < b.kl_divergence
@@ -156,7 +162,7 @@ def test_answer_kl_of_a_perturbed_copy(parts):
 
 
 def test_answer_kl_refuses_mismatched_scorers(parts):
-    ref = qwen2_5_vl_scorer(parts.model, parts.processor, template=PLAIN_TEMPLATE)
+    ref = scorer(parts.model, parts)
 
     def shifted(sample):  # scores one token fewer
         out = ref(sample)
@@ -184,7 +190,7 @@ def test_distractors_are_deterministic_and_never_the_true_caption():
 
 
 def test_itm_with_the_image_beats_a_broken_scorer(parts, trained):
-    good = qwen2_5_vl_scorer(trained, parts.processor, template=PLAIN_TEMPLATE)
+    good = scorer(trained, parts)
     grey = Image.new("RGB", (56, 56), (128, 128, 128))
 
     def blind(sample):  # the deliberately broken scorer: every image replaced by the same grey picture

@@ -7,6 +7,14 @@
 
 Perplexity, KL divergence and top-1 agreement are measured against the unquantized model on the
 held-out text (default: the bundled one), with standard errors of the per-window differences.
+
+A vision-language model is scored on pictures instead (``--images``, default the bundled demo-vl held-out set):
+the answer tokens' KL and top-1 given the image, and image-text matching accuracy of the float and the quantized
+model; on text too when ``--text`` is given. ``--bits`` sets the language model; the vision encoder and the
+projector keep ``--vision-bits`` / ``--projector-bits`` (default 8: Qualcomm's w8a16 encoder, llama.cpp's q8_0
+mmproj, ExecuTorch's 8-bit weights; docs/quantize.md, 'Vision-language models').
+
+    workbench quantize demo-vl --bits 4 --out out/demo-vl-int4 --json
 """
 from __future__ import annotations
 
@@ -18,6 +26,7 @@ from pathlib import Path
 from ..evaluation.evaluate import DEFAULT_CTX
 from ..numerics.memory import release_freed_memory
 from ..model.load import load_model
+from ..model.vision_quality import measure_vision_quality, part_plan, vision_eval_set
 from ..errors import PlanError
 from ..quantize.plan import QuantPlan
 from ..quantize.cost import DEFAULT_PPL_THRESHOLD
@@ -30,6 +39,14 @@ from .common import (count, thread_count, plus_minus, add_device_argument, add_b
 FULL_STATS_MAX_PARAMETERS = 100_000_000  # above this the statistics pass costs minutes: opt in, or calibrate first
 HELP = "quantize by plan (RTN / AWQ / GPTQ, INT2..INT8, two-level scales), save, and measure the cost"
 BITS = (2, 3, 4, 5, 6, 8)
+PART_BITS = ("4", "8", "16")
+DEFAULT_VISION_BITS = "8"
+
+
+def part_precision(bits: str | None, fallback: str) -> str | None:
+    """``--vision-bits`` / ``--projector-bits`` as a precision name: 16 leaves the part unquantized (None)."""
+    bits = bits or fallback
+    return None if bits == "16" else f"int{bits}"
 
 
 def add_arguments(p):
@@ -66,7 +83,14 @@ def add_arguments(p):
                    "workspace from `workbench calibrate`, else mean |x| over the search's own tokens, as AutoAWQ does)")
     p.add_argument("--awq-tokens", type=count(1), help="AWQ: calibration tokens the search runs on (default: 8,192, "
                    "fewer on big models: 2,048 at 0.5 B parameters)")
-    p.add_argument("--text", help="held-out text to measure on (default: the bundled held-out text)")
+    p.add_argument("--text", help="held-out text to measure on (default: the bundled held-out text; a vision-language "
+                                  "model is measured on text only when this is given)")
+    p.add_argument("--images", help="a vision-language model: the image set it is scored on (a folder with "
+                                    "captions.jsonl, or a records file; default: the bundled demo-vl held-out set)")
+    p.add_argument("--vision-bits", choices=PART_BITS, default=None, help="a vision-language model: the vision "
+                   "encoder's precision (default 8; 16 leaves it unquantized)")
+    p.add_argument("--projector-bits", choices=PART_BITS, default=None, help="a vision-language model: the "
+                   "projector's / merger's precision (default: --vision-bits)")
     p.add_argument("--ctx", type=count(2), help=f"evaluation window (default {DEFAULT_CTX}, or the model's maximum when "
                    "that is shorter)")
     add_budget_argument(p)
@@ -126,8 +150,18 @@ def run(args) -> int:
         import torch
         torch.set_num_threads(args.threads)
     lm = load_model(args.model, device=args.device)
+    vision = getattr(lm, "is_vision", False)
+    images = None
+    if vision:
+        vision_bits = args.vision_bits or DEFAULT_VISION_BITS
+        plan = part_plan(lm, plan, vision=part_precision(vision_bits, DEFAULT_VISION_BITS),
+                         projector=part_precision(args.projector_bits, vision_bits))
+        images = vision_eval_set(args.images)  # a bad image set fails here, not after quantizing
+    elif args.images or args.vision_bits or args.projector_bits:
+        raise PlanError(f"'{args.model}' is a text model (no vision encoder): drop --images / --vision-bits / "
+                        "--projector-bits, or pass a vision-language model such as demo-vl")
     ctx = check_ctx(lm, args.ctx)  # a bad --ctx or --text fails here, not after quantizing
-    ids = heldout_ids(lm, args.text, args.max_tokens, ctx)
+    ids = heldout_ids(lm, args.text, args.max_tokens, ctx) if not vision or args.text else None
     progress = not args.json
     calibration = workspace = None
     if plan.method in CALIBRATED_METHODS:
@@ -157,10 +191,18 @@ def run(args) -> int:
         qm.save(staged)
         release_freed_memory()  # the per-layer float32 temporaries of quantizing and saving
         t1 = time.perf_counter()
-        baseline = measure_reference(lm.model, ids, ctx=min(ctx, len(ids)), progress=progress)
-        cost = measure_cost(qm, baseline, saved_dir=staged, threshold=args.threshold, progress=progress)
+        cost = quality = None
+        if ids is not None:
+            baseline = measure_reference(lm.model, ids, ctx=min(ctx, len(ids)), progress=progress)
+            cost = measure_cost(qm, baseline, saved_dir=staged, threshold=args.threshold, progress=progress)
+        if vision:
+            quality = measure_vision_quality(lm, qm.build_model(), images, progress=progress)
+        measured = cost.to_dict() if cost else {"size_bytes": weight_file_bytes(staged),
+                                                "bits_per_weight": qm.bits_per_weight, "weight_bytes": qm.storage_bytes()}
         result = {"model": str(lm.path), "out": str(out), "method": qm.method, "plan": plan.to_dict(), "importance": importance,
-                  **cost.to_dict(), "reference_size_bytes": weight_file_bytes(lm.path),
+                  **measured, **({"vision": quality.to_dict()} if quality else {}),
+                  "parts": [p.to_dict() for p in lm.parts()] if vision else None,
+                  "reference_size_bytes": weight_file_bytes(lm.path),
                   "quantize_seconds": quantize_seconds, "evaluate_seconds": time.perf_counter() - t1,
                   "layers": [{"name": r.name, "precision": r.precision,
                               "group_size": r.group_size if r.name in qm.weights else None,
@@ -171,9 +213,13 @@ def run(args) -> int:
         return 0
     print(qm.table())
     print()
-    print(f"saved {out}: {format_bytes(cost.size_bytes)} of weight files "
-          f"(source {format_bytes(result['reference_size_bytes'])}), {cost.bits_per_weight:.2f} bits per weight; "
+    print(f"saved {out}: {format_bytes(result['size_bytes'])} of weight files "
+          f"(source {format_bytes(result['reference_size_bytes'])}), {result['bits_per_weight']:.2f} bits per weight; "
           f"{qm.method} took {quantize_seconds:.1f} s")
+    if quality:
+        print(quality.summary())
+    if cost is None:
+        return 0
     print(f"perplexity {cost.perplexity:.3f} vs {cost.reference_perplexity:.3f} "
           f"({plus_minus(cost.perplexity_change, cost.perplexity_change_stderr, '+.3f')}, "
           f"{cost.perplexity_change_relative:+.2%}); "

@@ -3,7 +3,8 @@
 Written against plain callables, so this layer needs no model code: a *scorer* takes one
 ``VisionSample`` (an image, a prompt, an answer) and returns the model's log-probabilities at the
 positions that predict the answer's tokens, with those tokens (``AnswerScores``). Logits are fine too:
-they are normalised here. ``qwen2_5_vl_scorer`` builds one for a transformers Qwen2.5-VL model.
+they are normalised here. ``workbench.model.vision.answer_scorer`` builds one from a loaded VLM, through the
+same image inputs and chat template that ``generate`` uses.
 
 * ``answer_kl``: KL(reference || candidate) and top-1 agreement over the answer tokens given the image,
   per sample, with standard errors from the spread of per-sample means (as the text metrics use
@@ -13,8 +14,8 @@ they are normalised here. ``qwen2_5_vl_scorer`` builds one for a transformers Qw
   is the fraction where the true caption scores strictly highest. ``itm_paired_difference`` compares two
   models on the same draws: the accuracy gap with its paired standard error, and how often they agree.
 
-    ref = qwen2_5_vl_scorer(float_model, processor)
-    cand = qwen2_5_vl_scorer(quantized_model, processor)
+    ref = answer_scorer(lm.model, lm.processor)            # workbench.model.vision
+    cand = answer_scorer(quantized_model, lm.processor)
     samples = answer_samples(read_image_set("set/"))
     kl = answer_kl(cand, samples, reference=ref)
     itm_f = image_text_matching(ref, caption_samples(pairs)); itm_q = image_text_matching(cand, ...)
@@ -36,8 +37,7 @@ from .images import DEFAULT_MAX_PIXELS, ImageTextPair, read_image
 
 __all__ = ["VisionSample", "AnswerScores", "Scorer", "CAPTION_PROMPT", "answer_samples", "caption_samples",
            "score_sample", "capture_answer_reference", "VisionKLReport", "answer_kl", "paired_answer_difference",
-           "choose_distractors", "ITMReport", "image_text_matching", "itm_paired_difference",
-           "QWEN_CHAT_TEMPLATE", "PLAIN_TEMPLATE", "qwen2_5_vl_scorer"]
+           "choose_distractors", "ITMReport", "image_text_matching", "itm_paired_difference"]
 
 CAPTION_PROMPT = "Describe this image in one sentence."
 
@@ -318,63 +318,3 @@ def itm_paired_difference(candidate: ITMReport, baseline: ITMReport) -> dict:
 
 
 # ---------------------------------------------------------------- a scorer for Qwen2.5-VL (and Qwen2-VL)
-
-# Qwen's chat format with the image in the user turn, as its processor's chat template writes it
-QWEN_CHAT_TEMPLATE = ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
-                      "{image}{prompt}<|im_end|>\n<|im_start|>assistant\n")
-PLAIN_TEMPLATE = "{image}{prompt}"  # no chat turns: for base models and tokenizers without Qwen's tokens
-
-
-def qwen2_5_vl_scorer(model, processor=None, *, image_processor=None, tokenizer=None,
-                      template: str = QWEN_CHAT_TEMPLATE, max_pixels: int = DEFAULT_MAX_PIXELS) -> Callable:
-    """A scorer for a transformers ``Qwen2_5_VLForConditionalGeneration`` (or Qwen2-VL), taken duck-typed.
-
-    ``processor`` is anything with ``image_processor`` and ``tokenizer`` (or pass those two): the image
-    processor gives ``pixel_values`` and ``image_grid_thw``, and ``<|vision_start|>``, one image token per
-    merged patch (grid t*h*w / merge_size**2) and ``<|vision_end|>`` stand where ``{image}`` is in
-    ``template``. The answer is tokenized on its own and appended; one forward pass returns the logits that
-    predict it (``logits_to_keep``: never the whole sequence x vocabulary).
-    """
-    image_processor = image_processor or getattr(processor, "image_processor", None)
-    tokenizer = tokenizer or getattr(processor, "tokenizer", None)
-    if image_processor is None or tokenizer is None:
-        raise ValueError("pass a processor with image_processor and tokenizer, or both of them")
-    cfg = model.config
-    try:
-        image_id, start_id, end_id = cfg.image_token_id, cfg.vision_start_token_id, cfg.vision_end_token_id
-    except AttributeError:
-        raise ValueError(f"{type(model).__name__}'s config has no image_token_id / vision_start_token_id / "
-                         "vision_end_token_id: not a Qwen2-VL-style model") from None
-    merge = getattr(image_processor, "merge_size", None) or cfg.vision_config.spatial_merge_size
-    if template.count("{image}") != 1 or template.count("{prompt}") != 1:
-        raise ValueError(f"template must hold '{{image}}' and '{{prompt}}' once each, got {template!r}")
-    before, _, after = template.partition("{image}")
-
-    def encode(text: str, what: str, where: str) -> list[int]:
-        ids = list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
-        if any(t in (image_id, start_id, end_id) for t in ids):
-            raise DataError(f"{where}: the {what} holds an image token (<|image_pad|> or a vision start/end); "
-                            "remove it: the image goes where the template says")
-        return ids
-
-    @torch.inference_mode()
-    def score(sample: VisionSample) -> AnswerScores:
-        where = sample.where or "a sample"
-        features = image_processor(images=[_image(sample.image, max_pixels)], return_tensors="pt")
-        grid = features["image_grid_thw"]
-        n_image = int(grid[0].prod()) // merge ** 2
-        prefix = (encode(before, "template", where) + [start_id] + [image_id] * n_image + [end_id]
-                  + encode(after.replace("{prompt}", sample.prompt), "prompt", where))
-        answer = encode(sample.answer, "answer", where)
-        if not answer:
-            raise DataError(f"{where}: the answer is empty after tokenizing; give each record a non-empty answer")
-        param = next(model.parameters())
-        ids = torch.tensor([prefix + answer], device=param.device)
-        dtype = getattr(model, "dtype", param.dtype)
-        out = model(input_ids=ids, attention_mask=torch.ones_like(ids),
-                    pixel_values=features["pixel_values"].to(param.device, dtype=dtype),
-                    image_grid_thw=grid.to(param.device), use_cache=False, logits_to_keep=len(answer) + 1)
-        logits = out.logits[0, -(len(answer) + 1):-1]  # position j predicts token j + 1
-        return AnswerScores(torch.log_softmax(logits.float().cpu(), dim=-1), torch.tensor(answer))
-
-    return score

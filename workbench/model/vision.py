@@ -240,6 +240,8 @@ def answer_scorer(model: nn.Module, inputs: VisionInputs, *, chat: bool = True):
 
     @torch.inference_mode()
     def score(sample: VisionSample) -> AnswerScores:
+        if not (sample.answer or "").strip():
+            raise DataError(f"{sample.where or 'a sample'}: the answer is empty; give each record a non-empty answer")
         image = read_image(sample.image) if isinstance(sample.image, (str, Path)) else sample.image
         feats = inputs(image, sample.prompt, chat=chat)
         ids = feats["input_ids"]

@@ -21,7 +21,7 @@ __all__ = ["TARGETS", "RULES_DIR", "Finding", "GraphReport", "inspect_graph", "l
            "Target", "OverrideFormat", "register_target", "get_target", "target_names", "override_format",
            "check_precisions", "check_signed_scales", "RULE_TABLES"]
 
-_SHARED = {"base", "registry", "common", "convert"}  # not targets: the shared pieces and the convert step
+_SHARED = {"base", "registry", "common", "convert", "mnn_llm_engine"}  # not targets: shared pieces, the convert step, a child script
 for _m in pkgutil.iter_modules(__path__):
     if _m.name not in _SHARED:
         importlib.import_module(f"{__name__}.{_m.name}")
