@@ -33,6 +33,7 @@ from ..quantize.qtensor import QuantizedWeight, SubScales, unpack_int4
 from ..quantize.storage import (FORMAT, FORMAT_VERSION, HALF_DTYPES, V1_FLOAT_FILE, V1_QUANT_FILE, WEIGHTS_FILE,
                                stored_integer_layers, stored_shapes, weight_from_file)
 from ..files.workspace import file_sha256
+from .vision import VISION_MODEL_TYPES, is_vision_config, load_vision_model, model_parts, vision_inputs
 
 __all__ = ["LayerInfo", "LoadedModel", "resolve_model_path", "load_model",
            "quantizable_layers", "check_safetensors_file", "is_quantized_dir",
@@ -160,7 +161,6 @@ class LoadedModel:
     def parts(self) -> list:
         """A VLM's vision encoder, projector and language model (``ModelPart``: prefixes, parameters, bytes);
         a text model is one part, its language model."""
-        from .vision import model_parts
         return model_parts(self.model, [info.name for info in self.layers])
 
     @property
@@ -478,7 +478,12 @@ def model_from_config(config, *, dtype: torch.dtype | None = None, trust_remote_
     from transformers import AutoModelForCausalLM
     check_model_config(config, getattr(config, "name_or_path", None) or f"{getattr(config, 'model_type', '')} config")
     kw = {"dtype": dtype} if dtype is not None else {}
-    model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code, **kw)
+    vision_class = VISION_MODEL_TYPES.get(getattr(config, "model_type", None))
+    if vision_class is not None:  # a vision-language model: its own transformers class, never remote code
+        import transformers
+        model = getattr(transformers, vision_class[0])._from_config(config, **kw)
+    else:
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code, **kw)
     base = getattr(model, "model", None)
     rotary = getattr(base, "rotary_emb", None)
     if dtype not in (None, torch.float32) and rotary is not None and hasattr(rotary, "inv_freq"):
@@ -604,7 +609,6 @@ def load_model(path: str | os.PathLike = "demo", *, dtype: str | torch.dtype = "
         lm.name = name
         return lm
     raw_cfg = _check_directory(p, name)
-    from .vision import is_vision_config
     if is_vision_config(raw_cfg):
         return _load_vision(p, name, raw_cfg, dtype=dtype, device=device, trust_remote_code=trust_remote_code,
                             load_tokenizer=load_tokenizer, float32_compute=float32_compute)
@@ -670,7 +674,7 @@ def load_model(path: str | os.PathLike = "demo", *, dtype: str | torch.dtype = "
 def _load_vision(p: Path, name: str, raw_cfg: dict, *, dtype, device: str, trust_remote_code: bool,
                  load_tokenizer: bool, float32_compute: bool) -> LoadedModel:
     """A vision-language model directory (``workbench.model.vision``), with its picture preprocessing."""
-    from .vision import load_vision_model, vision_inputs
+
     text = raw_cfg.get("text_config")
     check_model_config(text if isinstance(text, dict) else raw_cfg, p / "config.json")
     model, info, config, family = load_vision_model(p, raw_cfg, resolve_dtype(dtype, raw_cfg),
@@ -974,8 +978,9 @@ def load_quantized(directory: str | Path, *, verify: bool = True, dtype: str | t
         enable_float32_compute(model)
     tokenizer = load_tokenizer_from(d, trust_remote_code=trust_remote_code, required=require_tokenizer) \
         if load_tokenizer else None
+    family = VISION_MODEL_TYPES.get(getattr(model.config, "model_type", None))
     lm = LoadedModel(model=model, tokenizer=tokenizer, path=d, name=str(directory), layers=quantizable_layers(model),
-                     quantized=qm)
+                     quantized=qm, processor=vision_inputs(family[1], d, model.config, tokenizer) if family else None)
     qm.source = lm
     from ..numerics.memory import release_freed_memory
     release_freed_memory()  # the per-layer unpacking temporaries

@@ -56,6 +56,7 @@ from ..files.workspace import (atomic_write_json, check_output_dir, file_sha256,
                          output_lock, remove_empty, swap_into_place)
 from .qtensor import QuantizedWeight, SubScales, pack_bits, pack_int4, unpack_bits, unpack_int4
 
+SOURCE_SETTINGS = ("preprocessor_config.json",)  # copied from the source model where it has them
 __all__ = ["save_quantized", "layer_storage", "float_storage", "write_report", "FORMAT", "FORMAT_VERSION",
            "weight_file_bytes", "pack_int32", "unpack_int32", "compressed_tensors_config", "WEIGHTS_FILE",
            "WORKBENCH_WEIGHTS_FILE", "TRANSFORMERS_CANNOT", "CT_FORMAT", "HALF_DTYPES", "stored_shapes",
@@ -363,6 +364,9 @@ def _save_quantized(qm, directory: str | Path, report: dict | None) -> Path:
         _write_config(qm, tmp, transformers_loads)
         if lm.tokenizer is not None:
             lm.tokenizer.save_pretrained(tmp)
+        for name in SOURCE_SETTINGS:  # a vision-language model's picture preprocessing goes with it
+            if (Path(lm.path) / name).is_file():
+                shutil.copyfile(Path(lm.path) / name, tmp / name)
         tensors = float_storage(qm)
         for r in stored:
             tensors.update(weight_tensors(r.name, qm.weights[r.name]))
