@@ -1,15 +1,17 @@
-"""Build the bundled demo vision-language model: rendered pictures, questions about them, and a small
-Qwen2.5-VL trained from scratch to answer them.
+"""Build the bundled demo vision-language model: rendered pictures, questions and captions about them, and a
+small Qwen2.5-VL trained from scratch to answer and caption them.
 
 The pictures are drawn with PIL (one to four circles, squares or triangles of one colour, a single
 shape on the left, right, top or bottom), so the build needs no network and no data set. The text
-side reuses the demo text model's tokenizer with Qwen2.5-VL's image tokens added.
+side reuses the demo text model's tokenizer with Qwen2.5-VL's image tokens added. Each training example
+asks one of five things equally often: the caption (``CAPTION_PROMPT``, the prompt the workbench's
+image-text matching uses), colour, shape, count or position; each example weighs the same in the loss.
 
-    python scripts/build_demo_vl_model.py              # ~10 min on one busy CPU core
+    python scripts/build_demo_vl_model.py              # ~11 min on one busy CPU core
     python scripts/build_demo_vl_model.py --steps 40   # quick smoke build
 
 Writes ``assets/demo-vl-model/`` (safetensors, config, tokenizer, preprocessor config, BUILD.json with
-the held-out accuracy) and ``assets/demo-vl/`` (held-out pictures with questions and captions, and
+the held-out accuracy per question kind, caption accuracy and image-text matching accuracy) and ``assets/demo-vl/`` (held-out pictures with questions and captions, and
 calibration pairs). Seeded: the same Python, Pillow and torch give the same model.
 """
 from __future__ import annotations
@@ -27,6 +29,10 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # `make demo-vl-model` runs the script without the package installed
+from workbench.evaluation.vision import CAPTION_PROMPT, AnswerScores, VisionSample, image_text_matching  # noqa: E402
+
 OUT = ROOT / "assets" / "demo-vl-model"
 DATA = ROOT / "assets" / "demo-vl"
 TEXT_TOKENIZER = ROOT / "assets" / "demo-model" / "tokenizer.json"
@@ -50,9 +56,12 @@ CHAT_TEMPLATE = (
 
 # -- pictures and questions ----------------------------------------------------------------------------------------
 
-def random_scene(rng: random.Random) -> dict:
+KINDS = ("colour", "shape", "count", "position")
+
+
+def random_scene(rng: random.Random, count: int | None = None) -> dict:
     """What a picture shows: count, shape, colour and (for a single shape) where it is."""
-    n = rng.randint(1, 4)
+    n = count or rng.randint(1, 4)
     return {"count": n, "shape": rng.choice(SHAPES), "colour": rng.choice(list(COLOURS)),
             "position": rng.choice(POSITIONS) if n == 1 else None}
 
@@ -112,6 +121,7 @@ def questions(scene: dict) -> list[tuple[str, str, str]]:
 
 
 def caption(scene: dict) -> str:
+    """The scene in words: count, colour, shape and, for a single shape, where it is."""
     n = scene["count"]
     text = f"{COUNTS[n - 1]} {scene['colour']} {scene['shape']}{'s' if n > 1 else ''}"
     return text + (f" on the {scene['position']}" if scene["position"] in ("left", "right") else
@@ -176,13 +186,25 @@ def _batched_vision_attention(self, hidden_states, cu_seqlens, position_embeddin
 IMAGE_PAD_ID = None  # set in main from the tokenizer
 
 
-def make_batch(rng, tok, processor, n_image_tokens, batch):
+def training_example(rng: random.Random, caption_share: float) -> tuple[dict, str, str, str]:
+    """A fresh scene and one (kind, question, answer) about it: the caption with probability ``caption_share``,
+    else a kind drawn uniformly from KINDS (a position question gets a single-shape scene); 0.2 asks all five
+    kinds equally often."""
+    if rng.random() < caption_share:
+        scene = random_scene(rng)
+        return scene, "caption", CAPTION_PROMPT, caption(scene)
+    kind = rng.choice(KINDS)
+    scene = random_scene(rng, 1 if kind == "position" else None)
+    _, q, a = next(x for x in questions(scene) if x[0] == kind)
+    return scene, kind, q, a
+
+
+def make_batch(rng, tok, processor, n_image_tokens, batch, caption_share=0.0):
     """A batch of fresh pictures, one question each, right-padded; targets are the answer tokens and EOS."""
     images, seqs, answer_at = [], [], []
     for _ in range(batch):
-        scene = random_scene(rng)
+        scene, _, q, a = training_example(rng, caption_share)
         images.append(render(scene, rng))
-        _, q, a = rng.choice(questions(scene))
         p = prompt_ids(tok, q, n_image_tokens)
         ans = tok(" " + a, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
         seqs.append(p + ans)
@@ -195,14 +217,16 @@ def make_batch(rng, tok, processor, n_image_tokens, batch):
         mask[i, :len(s)] = 1
     pix = processor(images, return_tensors="pt")
     pix["mm_token_type_ids"] = (ids == IMAGE_PAD_ID).long()  # what Qwen2.5-VL's processor gives: 3D positions
-    # positions whose next token is an answer token: (row, position, target)
-    rows, pos, tgt = [], [], []
+    # positions whose next token is an answer token: (row, position, target, weight); each example weighs the
+    # same whatever its answer's length, so a caption's many tokens don't drown the one-word answers
+    rows, pos, tgt, weight = [], [], [], []
     for i, (start, n) in enumerate(answer_at):
         for j in range(n):
             rows.append(i)
             pos.append(start + j - 1)
             tgt.append(seqs[i][start + j])
-    return ids, mask, pix, (torch.tensor(rows), torch.tensor(pos), torch.tensor(tgt))
+            weight.append(1.0 / (n * batch))
+    return ids, mask, pix, (torch.tensor(rows), torch.tensor(pos), torch.tensor(tgt), torch.tensor(weight))
 
 
 @torch.no_grad()
@@ -215,6 +239,21 @@ def answer(model, tok, processor, image, question: str, max_new_tokens: int = 6)
                          image_grid_thw=pix["image_grid_thw"], mm_token_type_ids=(ids == IMAGE_PAD_ID).long(), max_new_tokens=max_new_tokens, do_sample=False,
                          pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
     return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+
+
+def answer_scorer(model, tok, processor):
+    """A scorer for ``workbench.evaluation.vision``: the model's log-probabilities of ``" " + answer``'s tokens
+    (no EOS) after the prompt exactly as training builds it (image tokens, ``mm_token_type_ids``)."""
+    @torch.no_grad()
+    def score(sample: VisionSample) -> AnswerScores:
+        pix = processor([sample.image], return_tensors="pt")
+        p = prompt_ids(tok, sample.prompt, int(pix["image_grid_thw"].prod()) // 4)
+        a = tok(" " + sample.answer, add_special_tokens=False)["input_ids"]
+        ids = torch.tensor([p + a])
+        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=pix["pixel_values"],
+                       image_grid_thw=pix["image_grid_thw"], mm_token_type_ids=(ids == IMAGE_PAD_ID).long()).logits
+        return AnswerScores(torch.log_softmax(logits[0, len(p) - 1:len(p) - 1 + len(a)].float(), -1), torch.tensor(a))
+    return score
 
 
 def heldout_set(seed: int, n: int) -> list[dict]:
@@ -231,9 +270,10 @@ def heldout_set(seed: int, n: int) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=1600)
+    ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--batch", type=int, default=48)
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--caption-share", type=float, default=0.2, help="share of training examples asking the caption")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (1: fastest for a model this small on shared cores; 0: torch's default)")
     ap.add_argument("--seed", type=int, default=0)
@@ -262,7 +302,7 @@ def main() -> None:
     rng = random.Random(args.seed)
 
     # the batched attention must give what transformers' own per-image loop gives
-    ids, mask, pix, _ = make_batch(random.Random(-1), tok, processor, n_image_tokens, 4)
+    ids, mask, pix, *_ = make_batch(random.Random(-1), tok, processor, n_image_tokens, 4)
     with torch.no_grad():
         ref = model.model.visual(pix["pixel_values"], grid_thw=pix["image_grid_thw"]).pooler_output
         for blk in model.model.visual.blocks:
@@ -277,12 +317,13 @@ def main() -> None:
     model.train()
     running = None
     for step in range(args.steps):
-        ids, mask, pix, (rows, pos, tgt) = make_batch(rng, tok, processor, n_image_tokens, args.batch)
+        ids, mask, pix, (rows, pos, tgt, weight) = make_batch(rng, tok, processor, n_image_tokens, args.batch,
+                                                      args.caption_share)
         hidden = model.model(input_ids=ids, attention_mask=mask, pixel_values=pix["pixel_values"],
                              image_grid_thw=pix["image_grid_thw"],
                              mm_token_type_ids=pix["mm_token_type_ids"]).last_hidden_state
         logits = model.lm_head(hidden[rows, pos])  # only where an answer token is predicted
-        loss = torch.nn.functional.cross_entropy(logits, tgt)
+        loss = (torch.nn.functional.cross_entropy(logits, tgt, reduction="none") * weight).sum()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -325,11 +366,20 @@ def main() -> None:
     # accuracy of the saved (float16) checkpoint, reloaded by transformers' own class, computing in float32
     from PIL import Image
     saved = Qwen2_5_VLForConditionalGeneration.from_pretrained(args.out, dtype=torch.float32).eval()
+    pictures = {}
+    for r in rows_c:
+        with Image.open(args.data / r["image"]) as im:
+            pictures[r["image"]] = im.convert("RGB")
     right: dict[str, list[int]] = {}
     for r in rows_q:
-        with Image.open(args.data / r["image"]) as im:
-            got = answer(saved, tok, processor, im.convert("RGB"), r["question"])
+        got = answer(saved, tok, processor, pictures[r["image"]], r["question"])
         right.setdefault(r["kind"], []).append(int(got == r["answer"]))
+    captions_got = [answer(saved, tok, processor, pictures[r["image"]], CAPTION_PROMPT, max_new_tokens=16)
+                    for r in rows_c]
+    caption_accuracy = round(sum(g == r["caption"] for g, r in zip(captions_got, rows_c)) / len(rows_c), 3)
+    itm = image_text_matching(answer_scorer(saved, tok, processor),
+                              [VisionSample(pictures[r["image"]], CAPTION_PROMPT, r["caption"], r["image"])
+                               for r in rows_c], distractors=3, seed=0)
     accuracy = {k: round(sum(v) / len(v), 3) for k, v in right.items()}
     overall = round(sum(map(sum, right.values())) / sum(map(len, right.values())), 3)
     chance = {"colour": 1 / len(COLOURS), "shape": 1 / len(SHAPES), "count": 1 / len(COUNTS),
@@ -341,6 +391,8 @@ def main() -> None:
     print(f"held-out accuracy: {overall:.1%} overall; " +
           ", ".join(f"{k} {v:.1%} (chance {chance[k]:.0%})" for k, v in accuracy.items()), flush=True)
     print(f"a red circle -> {pair[0]!r}, a blue square -> {pair[1]!r}", flush=True)
+    print(f"captions: {caption_accuracy:.1%} exact (e.g. {rows_c[0]['caption']!r} -> {captions_got[0]!r}); "
+          f"image-text matching with 3 distractors: {itm.accuracy:.1%} (chance {itm.chance:.0%})", flush=True)
     (args.out / "BUILD.json").write_text(json.dumps({
         "script": "scripts/build_demo_vl_model.py",
         "args": {k: str(v.relative_to(ROOT)) if isinstance(v, Path) and v.is_relative_to(ROOT) else str(v)
@@ -350,6 +402,10 @@ def main() -> None:
         "seconds": round(time.time() - t0, 1),
         "heldout": {"pictures": args.heldout, "questions": len(rows_q), "accuracy": overall, "by_kind": accuracy,
                     "chance": {k: round(v, 3) for k, v in chance.items()}, "dtype": "float16 weights, float32 compute"},
+        "captions": {"prompt": CAPTION_PROMPT, "pictures": len(rows_c), "exact_match": caption_accuracy,
+                     "examples": {r["caption"]: g for r, g in list(zip(rows_c, captions_got))[:4]}},
+        "image_text_matching": {"data": "captions.jsonl", "scorer": "answer_scorer (the training format)",
+                                **{k: round(v, 3) if isinstance(v, float) else v for k, v in itm.to_dict().items()}},
         "two_pictures": {"red circle": pair[0], "blue square": pair[1]},
     }, indent=2) + "\n")
     print(f"wrote {args.out} and {args.data} in {time.time() - t0:.0f} s", flush=True)
