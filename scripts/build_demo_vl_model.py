@@ -31,7 +31,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # `make demo-vl-model` runs the script without the package installed
-from workbench.evaluation.vision import CAPTION_PROMPT, AnswerScores, VisionSample, image_text_matching  # noqa: E402
+from workbench.evaluation.vision import CAPTION_PROMPT, VisionSample, image_text_matching  # noqa: E402
+from workbench.model.load import load_model  # noqa: E402
+from workbench.model.vision import answer_scorer  # noqa: E402
 
 OUT = ROOT / "assets" / "demo-vl-model"
 DATA = ROOT / "assets" / "demo-vl"
@@ -241,21 +243,6 @@ def answer(model, tok, processor, image, question: str, max_new_tokens: int = 6)
     return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
 
 
-def answer_scorer(model, tok, processor):
-    """A scorer for ``workbench.evaluation.vision``: the model's log-probabilities of ``" " + answer``'s tokens
-    (no EOS) after the prompt exactly as training builds it (image tokens, ``mm_token_type_ids``)."""
-    @torch.no_grad()
-    def score(sample: VisionSample) -> AnswerScores:
-        pix = processor([sample.image], return_tensors="pt")
-        p = prompt_ids(tok, sample.prompt, int(pix["image_grid_thw"].prod()) // 4)
-        a = tok(" " + sample.answer, add_special_tokens=False)["input_ids"]
-        ids = torch.tensor([p + a])
-        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=pix["pixel_values"],
-                       image_grid_thw=pix["image_grid_thw"], mm_token_type_ids=(ids == IMAGE_PAD_ID).long()).logits
-        return AnswerScores(torch.log_softmax(logits[0, len(p) - 1:len(p) - 1 + len(a)].float(), -1), torch.tensor(a))
-    return score
-
-
 def heldout_set(seed: int, n: int) -> list[dict]:
     """Held-out scenes from their own seed (the training pictures come from another stream), balanced over count."""
     rng = random.Random(seed + 1_000_003)
@@ -377,7 +364,8 @@ def main() -> None:
     captions_got = [answer(saved, tok, processor, pictures[r["image"]], CAPTION_PROMPT, max_new_tokens=16)
                     for r in rows_c]
     caption_accuracy = round(sum(g == r["caption"] for g, r in zip(captions_got, rows_c)) / len(rows_c), 3)
-    itm = image_text_matching(answer_scorer(saved, tok, processor),
+    lm = load_model(args.out)  # scored as the workbench scores every VLM: its own inputs, float32 compute
+    itm = image_text_matching(answer_scorer(lm.model, lm.processor),
                               [VisionSample(pictures[r["image"]], CAPTION_PROMPT, r["caption"], r["image"])
                                for r in rows_c], distractors=3, seed=0)
     accuracy = {k: round(sum(v) / len(v), 3) for k, v in right.items()}
@@ -404,7 +392,7 @@ def main() -> None:
                     "chance": {k: round(v, 3) for k, v in chance.items()}, "dtype": "float16 weights, float32 compute"},
         "captions": {"prompt": CAPTION_PROMPT, "pictures": len(rows_c), "exact_match": caption_accuracy,
                      "examples": {r["caption"]: g for r, g in list(zip(rows_c, captions_got))[:4]}},
-        "image_text_matching": {"data": "captions.jsonl", "scorer": "answer_scorer (the training format)",
+        "image_text_matching": {"data": "captions.jsonl", "scorer": "workbench.model.vision.answer_scorer",
                                 **{k: round(v, 3) if isinstance(v, float) else v for k, v in itm.to_dict().items()}},
         "two_pictures": {"red circle": pair[0], "blue square": pair[1]},
     }, indent=2) + "\n")

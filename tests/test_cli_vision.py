@@ -121,3 +121,17 @@ def test_bad_image_sets_are_refused_before_quantizing(small_set, tmp_path, capsy
     assert "not in" in err and not (tmp_path / "q").exists()
     one_line_exit_2(["quantize", "demo", "--out", str(tmp_path / "q2"), "--images", str(small_set)], capsys,
                     "text model")
+
+
+def test_eval_a_quantized_vlm_against_its_float_model_on_pictures(small_set, tmp_path, capsys):
+    out = tmp_path / "q"
+    assert main(["quantize", "demo-vl", "--bits", "4", "--out", str(out), "--images", str(small_set),
+                 "--no-importance", "--json"]) == 0
+    vision = json.loads(capsys.readouterr().out)["vision"]
+    assert main(["eval", str(out), "--ref", "demo-vl", "--images", str(small_set), "--json"]) == 0
+    again = json.loads(capsys.readouterr().out)
+    # the saved model, loaded back, scores what the quantize step measured in memory
+    assert again["answer_kl"] == pytest.approx(vision["answer_kl"], rel=1e-3, abs=1e-6)
+    assert again["itm_accuracy"] == vision["itm_accuracy"]
+    one_line_exit_2(["eval", str(out), "--images", str(small_set)], capsys, "--ref")
+    one_line_exit_2(["eval", "demo", "--ref", "demo", "--images", "default"], capsys, "text model")

@@ -1,11 +1,19 @@
-"""Perplexity (strided) of a model on a text; with --ref, KL divergence and top-1 agreement."""
+"""Perplexity (strided) of a model on a text; with --ref, KL divergence and top-1 agreement.
+
+With ``--images`` (a vision-language model and its float reference, ``--ref``): the answer tokens' KL and top-1
+given each picture, and image-text matching of both, on an image set (``default``: the bundled demo-vl set).
+
+    workbench eval out/demo-vl-int4 --ref demo-vl --images default
+"""
 from __future__ import annotations
 
 import sys
 
 from ..assets import demo_text_path
 from ..evaluation.evaluate import DEFAULT_CTX, SCHEMES, default_token_budget, evaluate
+from ..errors import DataError
 from ..model.load import load_model
+from ..model.vision_quality import measure_vision_quality, vision_eval_set
 from ..evaluation.textio import read_tokens
 from .common import count, plus_minus, add_device_argument, add_budget_argument, add_json_flag, add_model_argument, print_json
 
@@ -22,6 +30,9 @@ def add_arguments(p):
                    help="strided windows (default), or llama.cpp: llama-perplexity's chunks, second half scored, "
                         "to set beside its output (use --ctx 256 or its -c)")
     p.add_argument("--batch-size", type=count(1), default=4, help="windows per forward pass")
+    p.add_argument("--images", help="score a vision-language model against --ref on pictures instead of text: an image "
+                                    "set (a folder with captions.jsonl, or a records file), or 'default' for the "
+                                    "bundled demo-vl held-out set")
     add_budget_argument(p)
     add_device_argument(p)
     add_json_flag(p)
@@ -29,6 +40,8 @@ def add_arguments(p):
 
 def run(args) -> int:
     lm = load_model(args.model, device=args.device)
+    if args.images:
+        return run_images(args, lm)
     text_path = args.text or demo_text_path("heldout")
     # read only as far as the token budget: a text far larger than it is never read whole
     budget = default_token_budget(lm.model, sys.maxsize, args.ctx) if args.max_tokens == "auto" else args.max_tokens
@@ -51,4 +64,24 @@ def run(args) -> int:
         print(f"reference perplexity {report.reference_perplexity:.3f}; KL divergence "
               f"{plus_minus(report.kl_divergence, report.kl_stderr, '.6f')}; "
               f"top-1 agreement {report.top1_agreement:.4f}")
+    return 0
+
+
+def run_images(args, lm) -> int:
+    """The model against its float reference on pictures (``workbench.model.vision_quality``)."""
+    if not lm.is_vision:
+        raise DataError(f"'{args.model}' is a text model (no vision encoder): drop --images, or pass a "
+                        "vision-language model")
+    if not args.ref:
+        raise DataError("--images compares against a reference: add --ref with the float model (e.g. --ref demo-vl)")
+    images = vision_eval_set(None if args.images == "default" else args.images)
+    ref = load_model(args.ref, device=args.device)
+    if not ref.is_vision:
+        raise DataError(f"--ref '{args.ref}' is a text model: give the float vision-language model {args.model} "
+                        "was made from")
+    quality = measure_vision_quality(ref, lm.model, images, progress=not args.json)
+    if args.json:
+        print_json({"model": str(lm.path), "reference": args.ref, **quality.to_dict()})
+    else:
+        print(quality.summary())
     return 0
