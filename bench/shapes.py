@@ -12,25 +12,82 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 DEMO = ROOT / "assets" / "demo-model"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
-# The published configs' shapes, kept as data in assets/model_shapes.json (the projection reads them too).
-SHAPES: dict[str, dict] = json.loads((ROOT / "assets" / "model_shapes.json").read_text(encoding="utf-8"))["shapes"]
+DEMO_VL = ROOT / "assets" / "demo-vl-model"
+VL_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+
+# The published configs' shapes, kept as data in assets/model_shapes.json (the projection reads the text ones too).
+_ALL = json.loads((ROOT / "assets" / "model_shapes.json").read_text(encoding="utf-8"))
+VISION_SHAPES: dict[str, dict] = _ALL["vision_shapes"]
+SHAPES: dict[str, dict] = {**_ALL["shapes"], **VISION_SHAPES}
 
 
 def build_shape(name: str, out: str | Path, *, layers: int | None = None, seed: int = 0) -> Path:
     """Write a random bf16 model of shape ``name`` (optionally only ``layers`` blocks) to ``out``; reuse it if there."""
     if name not in SHAPES:
         raise SystemExit(f"unknown shape '{name}'; choose one of: {', '.join(SHAPES)}")
+    if name in VISION_SHAPES:
+        return build_vision_model_dir(SHAPES[name], Path(out), layers=layers, seed=seed)
     spec = dict(SHAPES[name])
     if layers:
         spec["num_hidden_layers"] = layers
     return build_model_dir(spec, out, seed=seed)
+
+
+def build_vision_model_dir(spec: dict, out: Path, *, layers: int | None = None, seed: int = 0) -> Path:
+    """A random bf16 vision-language model of the config fields ``spec`` with the demo VLM's tokenizer (its vision
+    tokens' ids are the image tokens) and a preprocessor config for the shape's patch and merge sizes."""
+    import torch
+    import transformers
+    from transformers import AutoConfig
+
+    from workbench.model.vision import VISION_MODEL_TYPES
+    if (out / "model.safetensors.index.json").is_file() or (out / "model.safetensors").is_file():
+        return out
+    spec = json.loads(json.dumps(spec))
+    model_type = spec.pop("model_type")
+    if layers:
+        spec["text_config"]["num_hidden_layers"] = layers
+        spec["vision_config"]["depth"] = layers
+        spec["vision_config"].pop("fullatt_block_indexes", None)
+        spec["vision_config"]["deepstack_visual_indexes"] = [] if "deepstack_visual_indexes" in spec["vision_config"] \
+            else None
+        spec["vision_config"] = {k: v for k, v in spec["vision_config"].items() if v is not None}
+    vocab = json.loads((DEMO_VL / "config.json").read_text())
+    ids = {k: vocab[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")}
+    spec["text_config"].update(bos_token_id=0, eos_token_id=0, pad_token_id=0, rms_norm_eps=1e-6)
+    cfg = AutoConfig.for_model(model_type, **spec, **ids)
+    cfg.architectures = [VISION_MODEL_TYPES[model_type][0]]
+    torch.manual_seed(seed)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        model = getattr(transformers, VISION_MODEL_TYPES[model_type][0])._from_config(cfg, dtype=torch.bfloat16)
+    finally:
+        torch.set_default_dtype(previous)
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    for f in VL_TOKENIZER_FILES:
+        if (DEMO_VL / f).is_file():
+            shutil.copy(DEMO_VL / f, tmp / f)
+    vc = spec["vision_config"]
+    pre = json.loads((DEMO_VL / "preprocessor_config.json").read_text())
+    pre.update(patch_size=vc["patch_size"], merge_size=vc["spatial_merge_size"],
+               temporal_patch_size=vc["temporal_patch_size"])
+    (tmp / "preprocessor_config.json").write_text(json.dumps(pre, indent=1))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
 
 
 def build_model_dir(spec: dict, out: str | Path, *, seed: int = 0) -> Path:
