@@ -33,17 +33,18 @@ sys.path.insert(0, str(ROOT))
 
 from workbench.evaluation.images import read_image  # noqa: E402
 from workbench.model.load import load_model  # noqa: E402
-from workbench.model.vision_quality import measure_vision_quality, part_plan, part_prefixes, vision_eval_set  # noqa: E402
+from workbench.model.vision_quality import (measure_vision_baseline, measure_vision_quality, part_plan,  # noqa: E402
+                                            part_prefixes, vision_eval_set)
 from workbench.quantize import quantize_model  # noqa: E402
 from workbench.quantize.plan import QuantPlan  # noqa: E402
 
 NEAR_ZERO = 0.01  # an input counts as near zero below this fraction of the layer's largest |input|
 
 
-def score(lm, plan: QuantPlan, images) -> dict:
+def score(lm, plan: QuantPlan, baseline) -> dict:
     t0 = time.perf_counter()
     qm = quantize_model(lm, plan, progress=False)
-    vq = measure_vision_quality(lm, qm.build_model(), images)
+    vq = measure_vision_quality(lm, qm.build_model(), baseline=baseline)
     return {**vq.to_dict(), "bits_per_weight": qm.bits_per_weight, "seconds": time.perf_counter() - t0}
 
 
@@ -89,12 +90,13 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     lm = load_model(args.model)
     images = vision_eval_set(args.images)
+    baseline = measure_vision_baseline(lm, images)  # the float model, scored once
     base = QuantPlan.default_for("int4")
     rows = []
     for label, vision, projector in [("projector fp16", "int8", None), ("projector int8", "int8", "int8"),
                                      ("projector int4", "int8", "int4"), ("vision fp16", None, "int8"),
                                      ("vision int4", "int4", "int8"), ("all int4", "int4", "int4")]:
-        r = score(lm, part_plan(lm, base, vision=vision, projector=projector), images)
+        r = score(lm, part_plan(lm, base, vision=vision, projector=projector), baseline)
         rows.append({"plan": f"LM int4, vision {vision or 'fp16'}, projector {projector or 'fp16'}", "label": label, **r})
     vision_layers = [layer.name for layer in lm.layers if layer.kind == "linear" and any(
         layer.name.startswith(p + ".") for part in ("vision encoder", "projector") for p in part_prefixes(lm, part))]
@@ -102,7 +104,7 @@ def main(argv=None) -> int:
     alone = dataclasses.replace(base, default=None, rules=())  # every layer float but the one named
     layers = []
     for name in vision_layers:
-        r = score(lm, alone.with_override(name, "int4"), images)
+        r = score(lm, alone.with_override(name, "int4"), baseline)
         layers.append({"layer": name, **traits[name], **r})
     layers.sort(key=lambda r: -r["answer_kl"])
     if args.json:

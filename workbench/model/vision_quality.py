@@ -28,7 +28,8 @@ from ..evaluation.vision import (answer_kl, answer_samples, capture_answer_refer
 from ..quantize.plan import QuantPlan
 from .vision import PART_PREFIXES, answer_scorer, model_parts
 
-__all__ = ["VisionEvalSet", "VisionQuality", "vision_eval_set", "measure_vision_quality", "part_plan",
+__all__ = ["VisionEvalSet", "VisionQuality", "VisionBaseline", "vision_eval_set", "measure_vision_baseline",
+           "measure_vision_quality", "part_plan",
            "part_prefixes", "DEFAULT_DISTRACTORS"]
 
 DEFAULT_DISTRACTORS = 3  # four captions per image: chance 25 %
@@ -107,23 +108,47 @@ class VisionQuality:
         return "\n".join(lines) + f"\n(on {self.source})"
 
 
-def measure_vision_quality(lm, candidate: nn.Module, images: VisionEvalSet | None = None, *,
-                           distractors: int = DEFAULT_DISTRACTORS, reference: nn.Module | None = None,
-                           progress: bool = False) -> VisionQuality:
-    """Score ``candidate`` (a model built from ``lm``'s) against ``reference`` (default ``lm.model``) on ``images``
-    (default: ``vision_eval_set()``), through ``lm``'s own image preprocessing and chat template."""
+@dataclass
+class VisionBaseline:
+    """The float model's side of every comparison on one set, computed once: its answer scores and its matching."""
+
+    images: VisionEvalSet
+    answers: list
+    matching: object | None  # ITMReport, or None when the set has too few captions
+    distractors: int
+
+
+def measure_vision_baseline(lm, images: VisionEvalSet | None = None, *, distractors: int = DEFAULT_DISTRACTORS,
+                            reference: nn.Module | None = None) -> VisionBaseline:
+    """Score the float model (``reference``, default ``lm.model``) once, for any number of candidates."""
     if not getattr(lm, "is_vision", False) or lm.processor is None:
         raise DataError(f"'{lm.path}' is not a vision-language model: score it on text (drop --images)")
     images = images or vision_eval_set()
+    score = answer_scorer(reference if reference is not None else lm.model, lm.processor)
+    matching = image_text_matching(score, images.captions, distractors=distractors) \
+        if len(images.captions) > distractors else None
+    return VisionBaseline(images, capture_answer_reference(score, images.questions), matching, distractors)
+
+
+def measure_vision_quality(lm, candidate: nn.Module, images: VisionEvalSet | None = None, *,
+                           distractors: int = DEFAULT_DISTRACTORS, reference: nn.Module | None = None,
+                           baseline: VisionBaseline | None = None, progress: bool = False) -> VisionQuality:
+    """Score ``candidate`` (a model built from ``lm``'s) against the float model (``reference``, default
+    ``lm.model``; or a ``baseline`` measured once) on ``images`` (default: ``vision_eval_set()``), through ``lm``'s
+    own image preprocessing and chat template."""
     t0 = time.perf_counter()
-    ref_score = answer_scorer(reference if reference is not None else lm.model, lm.processor)
+    if baseline is None:
+        if progress:
+            print(f"scoring the float model on {(images or vision_eval_set()).describe()}", flush=True)
+        baseline = measure_vision_baseline(lm, images, distractors=distractors, reference=reference)
+    images, distractors = baseline.images, baseline.distractors
     cand_score = answer_scorer(candidate, lm.processor)
     if progress:
-        print(f"scoring {images.describe()}", flush=True)
-    kl = answer_kl(cand_score, images.questions, reference=capture_answer_reference(ref_score, images.questions))
-    itm = ref_itm = diff = None
-    if len(images.captions) > distractors:
-        ref_itm = image_text_matching(ref_score, images.captions, distractors=distractors)
+        print(f"scoring the quantized model on {images.describe()}", flush=True)
+    kl = answer_kl(cand_score, images.questions, reference=baseline.answers)
+    itm = diff = None
+    ref_itm = baseline.matching
+    if ref_itm is not None:
         itm = image_text_matching(cand_score, images.captions, distractors=distractors)
         diff = itm_paired_difference(itm, ref_itm)
     return VisionQuality(
