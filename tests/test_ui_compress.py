@@ -143,3 +143,24 @@ def test_after_score_the_channel_chart_greys_what_the_sliders_remove_and_prune_k
     assert "removed by Prune" in panel.figures["channels"].layout.title.text
     after = panel.predicted.value.split("by layer: ")[1].split(";")[0]
     assert after == predicted and [int(x.split("/")[1]) for x in after.split(", ")] == kept
+
+
+def test_precision_plans_measured_on_other_tokens_are_measured_again_on_this_tabs_evaluation(
+        tiny_model_dir, tmp_path, workspace):
+    """Issue 55.1: one chart, one evaluation: a Precisions point scored on 255 tokens is not drawn as it is."""
+    from workbench.charts.precision import evaluation_of
+    other = {"label": "uniform int8", "size_bytes": 1, "bits_per_weight": 8.5, "kl_divergence": 1e-4,
+             "perplexity": 27.7, "tokens": 255, "plan": QuantPlan.uniform("int8")}
+    p = CompressPanel(tiny_model_dir, out_dir=tmp_path / "c", workspace=workspace, heads=0.5, mlp=0.25, steps=2,
+                      eval_tokens=128, importance_tokens=256, extra_points=lambda: [other])
+    try:
+        assert p.prune() is not None, p.error
+        again = next(q for q in p.points if q["label"] == "uniform int8")
+        assert again["tokens"] != 255 and again["perplexity"] != 27.7
+        assert len({evaluation_of(q) for q in p.points}) == 1
+        fig = p.figures["pareto"]
+        assert f"same {again['tokens']:,} tokens" in fig.layout.title.text
+        assert any(t.name == "float model" for t in fig.data)
+        assert not any("float" in str(h) for t in fig.data if t.name != "float model" for h in t.hovertext or ())
+    finally:
+        p.close()

@@ -6,8 +6,11 @@
     display(panel)
 
 Every measured model becomes a point (size against KL and perplexity, against the float model) on
-the same Pareto chart as the precision plans (``extra_points`` supplies those, e.g. the override
-panel's), and a row of the table beside it.
+one Pareto chart with the precision plans (``extra_points`` supplies those, e.g. the override
+panel's), and a row of the table beside it. Every point on the chart is scored on this tab's one
+evaluation (the same text and token count): a precision plan measured elsewhere on other tokens is
+measured again here (round-to-nearest, as every point here) rather than drawn beside points it
+cannot be compared with.
 
 Quantized points, and quantization-aware distillation, use one precision plan: the app session's
 current plan (``session=``: the plan Precisions hands on and Quantize runs, followed as it changes),
@@ -220,13 +223,28 @@ class CompressPanel(StepPanel):
         self.points = [p for p in self.points if p["label"] != label] + [point]
         return point
 
+    def _measure_extra(self) -> None:
+        """Measure the precision plans of ``extra_points`` on this tab's evaluation (each plan once): a point
+        scored on other tokens would sit on the same axis with another text's perplexity."""
+        done = {p.get("plan_hash") for p in self.points}
+        for e in self.extra_points():
+            plan = getattr(e, "plan", None) if not isinstance(e, dict) else e.get("plan")
+            if not isinstance(plan, QuantPlan) or plan.content_hash() in done:
+                continue
+            label = getattr(e, "label", None) or (e.get("label") if isinstance(e, dict) else None) or "plan"
+            label = label.replace(" (RTN preview)", "") + ("" if plan.method == "rtn" else " (RTN)")
+            self._add_point(label, self.lm, plan)
+            done.add(plan.content_hash())
+
     def _show_points(self) -> None:
-        pts = list(self.extra_points()) + self.points
-        pareto = make_pareto_figure(pts, x="size_bytes")
+        pareto = make_pareto_figure(self.points, x="size_bytes")
         plans = list(dict.fromkeys(p["plan"] for p in self.points if p.get("plan")))
-        if plans:  # which precision plan the quantized points were rounded by, on the chart itself
-            pareto.update_layout(title={"text": "quantized points: " + "; ".join(plans), "font": {"size": 13}},
-                                 margin={"t": 80})
+        tokens = self.points[0]["tokens"] if self.points else 0
+        title = (f"Every point scored on the same {tokens:,} tokens of the bundled held-out text "
+                 f"({self._ctx}-token windows)")
+        if plans:  # which precision plans the quantized points were rounded by, on the chart itself
+            title += "<br><span style='font-size:11px'>quantized by: " + html.escape("; ".join(plans)) + "</span>"
+        pareto.update_layout(title={"text": title, "font": {"size": 13}}, margin={"t": 90})
         self._plot("pareto", pareto, self.pareto_plot)
         self._plot("table", make_compress_table_figure(self.points), self.table_plot)
 
@@ -274,6 +292,7 @@ class CompressPanel(StepPanel):
                 self._add_point("float", self.lm, None)
             if quant is not None and not any(p["label"] == tag for p in self.points):
                 self._add_point(tag, self.lm, quant)  # the unpruned model with the same plan, for comparison
+            self._measure_extra()
             report = prune(self.lm, plan, self.out_dir / "pruned", workspace=self.workspace, evaluate_tokens=None,
                            importance=self.importance, progress=True)
             pruned = load_model(self.out_dir / "pruned")
@@ -327,7 +346,9 @@ class CompressPanel(StepPanel):
                              eval_tokens=self.eval_tokens, overwrite=True, progress=True, on_step=on_step)
             student = load_model(self.out_dir / "distilled")
             label = f"pruned + {self._plan_tag(plan)} + distilled" if plan else "pruned + distilled"
-            return report, self._add_point(label, student, plan)
+            point = self._add_point(label, student, plan)
+            self._measure_extra()
+            return report, point
         ok, result = self._attempt("distilling...", work)
         if not ok:
             self.progress.bar_style = "danger"
