@@ -46,7 +46,7 @@ from ..files.workspace import atomic_write_json, read_json_file
 
 __all__ = ["TARGETS", "GRAPHS", "GAP_FILE", "HTP_WINDOWS", "HTP_DECODE_WINDOWS", "PROMPT", "TARGET_TITLES",
            "DevicesGap", "missing_toolchain", "toolchains", "measure_devices_gap", "read_devices_gap",
-           "graph_scores", "gap_of", "runtime_speed", "make_row", "simulation_row", "convert_row", "htp_row", "rknn_row",
+           "graph_scores", "gap_of", "gap_label", "runtime_speed", "make_row", "simulation_row", "convert_row", "htp_row", "rknn_row",
            "absent_row",
            "format_table", "TABLE_HEADER", "GAP_RULE", "table_cells", "in_child"]
 
@@ -204,6 +204,21 @@ def gap_of(g: dict | None) -> str | None:
         return f"top-1 vs simulation {g['top1_vs_sim']:.3f} < {GAP_TOP1:g}"
     if g.get("kl_vs_qdq") is not None and g["kl_vs_qdq"] > HTP_GAP_KL:
         return f"KL vs CPU QDQ {g['kl_vs_qdq']:.3g} > {HTP_GAP_KL:g}"
+    return None
+
+
+def gap_label(g: dict | None) -> str | None:
+    """The quantity ``gap_of`` judged a graph by, short enough for a bar's label ("GAP: top-1 vs simulation
+    0.948 < 0.95"), or None when the graph is not a gap: a label must show what its rule compares, not a
+    neighbouring figure (top-1 against the float model passing 0.95 while top-1 against the simulation fails)."""
+    if not g:
+        return None
+    if g.get("sim_kl") is not None and g["kl"] > GAP_KL_RATIO * g["sim_kl"] + GAP_KL_FLOOR:
+        return f"GAP: KL {g['kl']:.2e} > {GAP_KL_RATIO:g}x simulation's {g['sim_kl']:.2e} + {GAP_KL_FLOOR:g}"
+    if g.get("top1_vs_sim") is not None and g["top1_vs_sim"] < GAP_TOP1:
+        return f"GAP: top-1 vs simulation {g['top1_vs_sim']:.3f} < {GAP_TOP1:g}"
+    if g.get("kl_vs_qdq") is not None and g["kl_vs_qdq"] > HTP_GAP_KL:
+        return f"GAP: KL vs CPU QDQ {g['kl_vs_qdq']:.3g} > {HTP_GAP_KL:g}"
     return None
 
 
