@@ -74,7 +74,7 @@ def test_host_bound_figure_uses_the_profiles_own_bound():
     fig = make_host_bound_figure([p, no_decode.to_dict()], 23.5)
     bound, measured = fig.data
     assert list(bound.x) == ["ort-int4"] and bound.y[0] == pytest.approx(p.decode_bound(23.5))
-    assert measured.y[0] == 1500.0 and measured.text[0] == f"{p.fraction_of_bound(23.5):.2f} of bound"
+    assert measured.y[0] == 1500.0 and measured.text[0] == f"{p.fraction_of_bound(23.5):.2f} of the bound"
     empty = make_host_bound_figure([no_decode], 23.5)
     assert "profile a conversion first" in empty.layout.annotations[0].text
 

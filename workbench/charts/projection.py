@@ -44,19 +44,22 @@ def _as_dict(obj) -> Mapping:
     return obj if isinstance(obj, Mapping) else obj.to_dict()
 
 
-def make_host_bound_figure(profiles: Sequence, read_gbps: float) -> go.Figure:
-    """Per profiled model: measured decode tokens/s beside this host's bound (read bandwidth / bytes per step)."""
+def make_host_bound_figure(profiles: Sequence, read_gbps: float, cache_bytes: int | None = None) -> go.Figure:
+    """Per profiled model: measured decode tokens/s beside this host's bound (read bandwidth / bytes per step). A
+    model whose decode graph fits in ``cache_bytes`` (the CPU's last-level cache) has no memory bound: it is read
+    from the cache, and its bar says so rather than standing above a bound it is not held to."""
     rows = [p for p in map(_profile, profiles) if p.decode_tokens_per_second and p.decode_bytes]
     names = [p.name for p in rows]
-    bounds = [p.decode_bound(read_gbps) for p in rows]
-    fracs = [p.fraction_of_bound(read_gbps) for p in rows]
+    bounds = [p.decode_bound(read_gbps, cache_bytes) for p in rows]
+    fracs = [p.fraction_of_bound(read_gbps, cache_bytes) for p in rows]
+    text = [f"{f:.2f} of the bound" if f is not None else
+            f"in cache ({p.decode_bytes / 1e6:.1f} MB): no memory bound" for p, f in zip(rows, fracs)]
     fig = go.Figure([
         go.Bar(name=f"bound ({read_gbps:.1f} GB/s / bytes per step)", x=names, y=bounds, marker_color="#d5dbdb",
                marker_line={"color": "#566573", "width": 1},
                hovertemplate="%{x}: bound %{y:,.0f} tok/s<extra></extra>"),
         go.Bar(name="measured", x=names, y=[p.decode_tokens_per_second for p in rows], marker_color="#2ca02c",
-               text=[f"{f:.2f} of bound" for f in fracs], textposition="outside",
-               customdata=[p.decode_bytes / 1e6 for p in rows],
+               text=text, textposition="outside", customdata=[p.decode_bytes / 1e6 for p in rows],
                hovertemplate="%{x}: %{y:,.0f} tok/s measured<br>%{customdata:.2f} MB read per step<extra></extra>")])
     fig.update_layout(title="Decode on this host: measured against its memory bound", barmode="group",
                       yaxis_title="tokens/s", template="plotly_white", height=400)
