@@ -387,3 +387,19 @@ def test_no_label_in_the_app_is_cut(app):
     panel = GraphPanel(serve_netron=False)
     assert cut_labels(panel) == []
     panel.close()
+
+
+def test_export_offers_the_targets_the_plan_reaches_and_greys_the_rest_with_why(app):
+    """Issue 55.6: every target offered whatever the plan; one the plan cannot go to is greyed with its reason."""
+    from workbench.quantize.plan import QuantPlan
+    from workbench.targets.registry import plan_reach
+    panel = app.convert_panel
+    app.session.plan = QuantPlan.uniform("int8")
+    offered = [v for _, v in panel.target.options]
+    assert "tensorrt-edgellm" not in offered and "ort-int4" in offered  # Edge-LLM carries int4 only
+    assert "tensorrt-edgellm" in panel.reach_note.value and "cannot carry int8" in panel.reach_note.value
+    assert any("tensorrt (files for the device; not run here)" == label for label, _ in panel.target.options)
+    assert panel.run("tensorrt-edgellm") is None and "cannot carry int8" in panel.error
+    app.session.plan = QuantPlan.uniform("int4")
+    assert "tensorrt-edgellm" in [v for _, v in panel.target.options]
+    assert plan_reach(["int4", "fp16"])["tensorrt-edgellm"] is None

@@ -64,3 +64,22 @@ def test_in_the_app_the_folder_follows_exports_output(tiny_model_dir, workspace,
     panel.close()  # a closed panel no longer follows the session
     session.out_dir = tmp_path / "third"
     assert panel.directory.value.startswith(str(tmp_path / "other"))
+
+
+def test_what_export_says_does_not_run_here_is_neither_generated_nor_profiled(tiny_model_dir, tmp_path, workspace):
+    """Issue 55.6: a TensorRT folder (its model.onnx looks like another target's files) was picked by Generate and
+    timed by Profile while Export said it does not run here."""
+    import json
+    import pytest
+    from workbench.errors import ModelLoadError
+    from workbench.run.locate import find_runnable, locate, not_runnable_here
+    from workbench.targets.registry import get_target
+    out = build_candidates(tiny_model_dir, tmp_path / "c", candidates=("float",))
+    folder = find_runnable(out)[0].folder
+    assert not get_target("tensorrt").runnable
+    (folder / "conversion.json").write_text(json.dumps({"target": "tensorrt"}), encoding="utf-8")
+    assert not_runnable_here(folder) == "tensorrt" and locate(folder, strict=False) is None
+    with pytest.raises(ModelLoadError, match="tensorrt conversion, which does not run here"):
+        locate(folder)
+    (folder / "conversion.json").write_text(json.dumps({"target": "ort-int4"}), encoding="utf-8")
+    assert not_runnable_here(folder) is None  # a target that runs here is still run
