@@ -403,3 +403,18 @@ def test_export_offers_the_targets_the_plan_reaches_and_greys_the_rest_with_why(
     app.session.plan = QuantPlan.uniform("int4")
     assert "tensorrt-edgellm" in [v for _, v in panel.target.options]
     assert plan_reach(["int4", "fp16"])["tensorrt-edgellm"] is None
+
+
+def test_choosing_every_precision_keeps_the_menu_showing_it(app, monkeypatch):
+    """Issue 55.7: a dropdown whose value is None shows nothing chosen: the menu went blank."""
+    import workbench.ui.app as ui
+    app.sweep_precisions.label = "every precision"
+    assert app.sweep_precisions.index == 2 and app.sweep_precisions.label == "every precision"
+    seen = {}
+
+    def fake(lm, precisions, **kw):
+        seen["precisions"] = precisions
+        raise ValueError("stop here")
+    monkeypatch.setattr(ui, "run_sensitivity", fake)
+    app.run_sensitivity()
+    assert seen["precisions"] is None  # every registered precision, as run_sensitivity reads None
