@@ -418,3 +418,37 @@ def test_choosing_every_precision_keeps_the_menu_showing_it(app, monkeypatch):
     monkeypatch.setattr(ui, "run_sensitivity", fake)
     app.run_sensitivity()
     assert seen["precisions"] is None  # every registered precision, as run_sensitivity reads None
+
+
+def test_an_output_folder_the_app_cannot_create_is_one_red_line(app, tmp_path):
+    """Issue 55.14: an output folder the app cannot create showed Path.mkdir's traceback on the page."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder", encoding="utf-8")
+    panel = app.convert_panel
+    assert app.quantize_panel.run() is not None, app.quantize_panel.error
+    panel.out_dir.value = str(blocker / "convert")
+    assert panel.run("ort-int4") is None
+    assert panel.error.startswith(f"cannot use '{blocker / 'convert'}") and "not a directory" in panel.error
+    assert "choose an output folder you can write to" in panel.error
+    assert "Traceback" not in str(panel.log_output.outputs) and panel.error.count("\n") == 0
+
+
+def test_no_stale_status_after_a_later_success_or_a_new_load(app, monkeypatch, tmp_path):
+    """Issue 55.8/55.9: a Convert error stayed after Compare on the devices succeeded; "downloading..." and the first
+    run's "save again" link stayed after a (failed) Load."""
+    import workbench.ui.devices_gap as dg
+    from workbench.run.devices_gap import DevicesGap, make_row, graph_scores
+    assert app.convert_panel.run("ort-int4") is None and "quantize first" in app.convert_panel.status.value
+
+    def measured(model, *, plan, targets, work, on_row, **kw):
+        gap = DevicesGap(str(model), None, None, "8gen3", 512, 4, work_dir=str(work))
+        gap.rows.append(make_row("simulation", "PyTorch", prefill=graph_scores(0.01, 0.9, positions=512)))
+        on_row(gap)
+        return gap
+    monkeypatch.setattr(dg, "measure_devices_gap", measured)
+    assert app.convert_panel.gap_panel.run() is not None
+    assert app.convert_panel.status.value == ""  # the Convert error is gone
+    assert app.download() is not None and "downloading" in app.download_line.html.value
+    assert app.download_link.sent
+    assert app.load(str(tmp_path / "no-such-model")) is None and app.error
+    assert app.download_line.html.value == "" and app.download_link.sent == ""

@@ -152,6 +152,10 @@ class WorkbenchApp(StepPanel):
         if model is not None:
             self.model_path.value = str(model)
         before = self.session.out_dir
+        # whatever Load gives, the last run's download is not this one's: no "downloading" line, no "save again" link
+        self.download_line.clear()
+        if self.download_link.sent:
+            self.download_link.forget()
         ok, lm = self._attempt(f"loading {self.model_path.value}...", lambda: self.session.load(self.model_path.value))
         if not ok:
             return None

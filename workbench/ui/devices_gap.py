@@ -174,6 +174,7 @@ class DevicesGapPanel(StepPanel):
             self._freeze(False)
         self.result = gap
         self.session.devices_gap = gap
+        self.status_line.succeeded()  # another action's earlier error (a failed Convert) is done with
         flagged = [r["target"] for r in gap.flagged]
         failed = [r["target"] for r in gap.rows if r.get("error")]
         self.status.value = html.escape(
