@@ -292,7 +292,8 @@ def projection_rows(projections: Mapping[str, Sequence]) -> list[list[str]]:
             first = (f"{v.ttft_ms:,.0f} (±{v.ttft_error:.0%})" if v is not None and v.ttft_ms is not None
                      and v.ttft_error is not None else "-")
             runtime = (f"{p.runtime}" + (f" {v.precision}" if v is not None else "")
-                       + ((" (borrowed)" if fitted else " (no vendor fit)") if v is not None and v.fallback else "")
+                       + ((" (measured on a similar chip)" if fitted else " (no vendor fit)")
+                          if v is not None and v.fallback else "")
                        ) if p.runtime else "none: practitioners' efficiency"
             bad = p.unsupported_layers
             npu = "none" if not bad else f"{len(bad)}: " + ", ".join(n for n, _ in bad[:3]) + (

@@ -58,8 +58,13 @@ class _Column(widgets.VBox):
         s, tps = gen.stats, gen.stats.tokens_per_second
         speed = f"<b>{tps:,.1f} tok/s</b>" if tps is not None else "<b>- tok/s</b>"
         self.stats.value = (f"{speed} &nbsp; {s.new_tokens} tokens; prefill {s.prompt_tokens} tokens in "
-                            f"{s.prefill_seconds * 1000:,.1f} ms" + (f"; stopped: {s.stop_reason}" if s.stop_reason
-                                                                      else ""))
+                            f"{s.prefill_seconds * 1000:,.1f} ms" + (
+            f"; stopped: {STOP_WORDS.get(s.stop_reason, s.stop_reason)}" if s.stop_reason else ""))
+
+
+# why a generation stopped, in words (the runtime's stop_reason codes)
+STOP_WORDS = {"max_new_tokens": "reached the token limit (max tokens)", "eos": "the model ended its answer",
+              "context": "the model's context is full"}
 
 
 class GeneratePanel(StepPanel):

@@ -171,8 +171,10 @@ class ConvertPanel(StepPanel):
                                                style=label)
         self.activation_bits = widgets.Dropdown(options=[16, 8], value=activation_bits, description="QDQ act. bits",
                                                 style=label)
-        self.max_tokens = widgets.IntText(value=max_tokens or 0, description="eval tokens",
-                                          tooltip="0 = the whole evaluation text")
+        self.max_tokens = widgets.IntText(value=max_tokens or 0, description="tokens scored (0: all)",
+                                          style={"description_width": "initial"}, layout={"width": "220px"},
+                                          tooltip="held-out tokens the converted model is scored on; 0: the whole "
+                                                  "evaluation text")
         self.convert_button = widgets.Button(description="Convert", button_style="primary", icon="cogs")
         self.convert_button.on_click(lambda _: self.run())
         self.table = widgets.HTML()
