@@ -136,3 +136,10 @@ def test_a_flag_says_what_to_try_and_its_button_widens_the_layers_it_names(sessi
     assert all(session.plan.precision_name_for(n) == "fp16" for n in a.layers)
     assert session.plan.precision_name_for("model.layers.0.mlp.up_proj") == "int8"
     assert "press Compare on the devices" in p.status.value
+
+
+def test_kl_top1_and_nats_are_said_in_words_beside_the_table():
+    """Issue 55.10: KL, top-1 and nats unexplained in the app and the report."""
+    out = gap_table_html([])
+    assert "how far the model&#x27;s next-token probabilities are" in out and "nats/token: the unit of KL" in out
+    assert "top-1 agreement: the share of tokens" in out and "title=" in out  # a hover too

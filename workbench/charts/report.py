@@ -461,7 +461,7 @@ def _render(record: Mapping, figures: Mapping, projections: Mapping, context: in
     from plotly.offline import get_plotlyjs
     app = record.get("app_report") or {}
     parts = [f"<h1>workbench run report</h1><p class='note'>run <code>{_e(record['run'])}</code>; report made "
-             f"{_e(record['created'])}</p>"]
+             f"{_e(record['created'])}</p>", _words_html()]  # what the quality figures below mean
     # model and plan
     m = record.get("model") or {}
     parts.append("<h2>Model and plan</h2>")
@@ -601,6 +601,13 @@ def _render(record: Mapping, figures: Mapping, projections: Mapping, context: in
             f"<body>{body}</body></html>\n")
 
 
+def _words_html() -> str:
+    """What KL, nats, top-1 and perplexity mean, one line each (``style.METRIC_WORDS``), hover text included."""
+    from .style import METRIC_WORDS
+    return "<p class='note'>" + "<br>".join(f"<span title='{_e(w)}'>{_e(w)}</span>" for w in METRIC_WORDS.values()) \
+        + "</p>"
+
+
 def _devices_gaps_html(gaps: Sequence[Mapping]) -> str:
     """Each comparison's table (``workbench.run.devices_gap.table_cells``), its flagged gaps in red."""
     from ..run.devices_gap import GAP_RULE, TABLE_HEADER, table_cells
@@ -619,7 +626,7 @@ def _devices_gaps_html(gaps: Sequence[Mapping]) -> str:
                 cells[-1] = f"<span class='gap'>GAP</span> {cells[-1]}"
             body.append("<tr class='gap-row'>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
         parts.append(f"<table class='devices-gap'><tr>{head}</tr>{''.join(body)}</table>"
-                     f"<p class='gap-rule'>{_e(GAP_RULE)}</p>")
+                     f"<p class='gap-rule'>{_e(GAP_RULE)}</p>" + _words_html())
     return "".join(parts)
 
 

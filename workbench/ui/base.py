@@ -33,6 +33,15 @@ W = TypeVar("W", bound=widgets.Widget)
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")  # tqdm moves the cursor between nested bars
 
 
+def metric_words_html(*terms: str) -> str:
+    """One grey line saying what each quality figure (``charts.style.METRIC_WORDS``: KL, nats, top-1, perplexity)
+    means, each term with its meaning as its hover text too."""
+    from ..charts.style import METRIC_WORDS
+    parts = [f"<span title='{html.escape(METRIC_WORDS[t])}'>{html.escape(METRIC_WORDS[t])}</span>"
+             for t in (terms or METRIC_WORDS)]
+    return "<div class='workbench-words' style='font-size:11px;color:#5d6d7e'>" + "; ".join(parts) + "</div>"
+
+
 def file_error(e: OSError) -> str:
     """A file or folder the app cannot create, read or write, in one line: which, and why (an output folder in a
     read-only place was a ``Path.mkdir`` traceback on the page)."""

@@ -40,7 +40,7 @@ from ..compress.prune import (HEAD_UNITS, SCORES, Geometry, PruneImportance, Pru
                      measure_point, predicted_size, prune)
 from ..precision.sensitivity import evaluation_tokens
 from ..files.workspace import Workspace
-from .base import StepPanel
+from .base import StepPanel, metric_words_html
 from .session import describe_plan
 
 __all__ = ["CompressPanel"]
@@ -88,7 +88,8 @@ class CompressPanel(StepPanel):
         self.temperature = widgets.BoundedFloatText(value=temperature, min=0.1, max=100, step=0.5,
                                                     description="temperature", style={"description_width": "initial"})
         self.predicted = widgets.HTML()
-        self.progress = widgets.IntProgress(value=0, min=0, max=steps, description="distil", bar_style="info")
+        self.progress = widgets.IntProgress(value=0, min=0, max=steps, description="distil", bar_style="info",
+                                            layout={"display": "none"})  # shown once a run starts
         self.score_button = widgets.Button(description="Score", icon="bar-chart",
                                            tooltip="importance of every head and MLP channel (cached)")
         self.prune_button = widgets.Button(description="Prune", button_style="primary", icon="scissors")
@@ -114,7 +115,8 @@ class CompressPanel(StepPanel):
             widgets.HBox([self.quantize, self.plan_note]), widgets.HBox([self.steps, self.temperature]),
             self.predicted,
             widgets.HBox([self.score_button, self.prune_button, self.distill_button]), self.progress,
-            self.status_line, self.log_output, self.pareto_plot, self.table_plot, self.loss_plot, self.importance_plot,
+            self.status_line, self.log_output, self.pareto_plot, self.table_plot, widgets.HTML(metric_words_html()),
+            self.loss_plot, self.importance_plot,
             self.channel_plot])
         if session is not None:
             self._watch(session, lambda _: self._on_plan(), "plan")
@@ -326,6 +328,7 @@ class CompressPanel(StepPanel):
         steps = self.steps.value
         cfg = DistillConfig(steps=steps, temperature=self.temperature.value)
         plan = self.quant_plan if self.quantize.value else None
+        self.progress.layout.display = ""
         self.progress.max, self.progress.value, self.progress.bar_style = steps, 0, "info"
         t0 = time.perf_counter()
         first, losses = {}, []

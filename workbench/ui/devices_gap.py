@@ -26,7 +26,7 @@ from ..run.devices_gap import (GAP_RULE, HTP_WINDOWS, TABLE_HEADER, TARGET_TITLE
 from ..errors import WorkbenchError
 from ..targets.htp import DEFAULT_DEVICE, htp_soc, htp_socs
 from ..model.sweep_backends import backend_for
-from .base import StepPanel, ruled_table
+from .base import StepPanel, metric_words_html, ruled_table
 
 __all__ = ["DevicesGapPanel", "gap_table_html", "DEFAULT_TARGETS"]
 
@@ -48,7 +48,8 @@ def gap_table_html(rows: list[dict]) -> str:
         body.append(f"<tr class='gap-row' data-target='{html.escape(r['target'])}'{style}>"
                     + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
     return (ruled_table("workbench-gap", head, "".join(body))
-            + "<div class='gap-rule' style='font-size:12px;color:#566573'>" + html.escape(GAP_RULE) + "</div>")
+            + "<div class='gap-rule' style='font-size:12px;color:#566573'>" + html.escape(GAP_RULE) + "</div>"
+            + metric_words_html("KL", "nats", "top-1"))
 
 
 class DevicesGapPanel(StepPanel):

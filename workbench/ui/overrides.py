@@ -30,7 +30,7 @@ from ..errors import WorkbenchError
 from ..model.load import LoadedModel
 from ..quantize.plan import PlanRule, QuantPlan, get_precision
 from ..precision.sensitivity import DEFAULT_SWEEP_TOKENS, LayerVariants, PlanEvaluator, SensitivityReport, evaluation_tokens
-from .base import CheckList
+from .base import CheckList, metric_words_html
 
 __all__ = ["OverridePanel", "LayerChoice", "precision_choices", "COMMON_PRECISIONS", "DAMAGE_BANDS"]
 
@@ -222,6 +222,7 @@ class OverridePanel(widgets.VBox):
                          "expression</small>"),
             widgets.HBox([self.pattern, self.rule_precision, self.apply_button]),
             widgets.HBox([self.evaluate_button, self.baselines_button, self.result_label]),
+            widgets.HTML(metric_words_html()),
             widgets.HBox([self.path, self.save_button, self.load_button]),
             self.chart,
             self.log_output,
