@@ -452,3 +452,12 @@ def test_no_stale_status_after_a_later_success_or_a_new_load(app, monkeypatch, t
     assert app.download_link.sent
     assert app.load(str(tmp_path / "no-such-model")) is None and app.error
     assert app.download_line.html.value == "" and app.download_link.sent == ""
+
+
+def test_the_intro_sentence_is_said_once():
+    """Issue 55.12: the page said what the app does twice (the notebook's markdown, then the app's own line)."""
+    import json
+    from pathlib import Path
+    nb = json.loads((Path(__file__).resolve().parents[1] / "notebooks" / "app.ipynb").read_text(encoding="utf-8"))
+    markdown = "".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown")
+    assert "INT4 / INT8 / FP16" not in markdown and "precision" not in markdown.lower()
