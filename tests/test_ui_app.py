@@ -401,7 +401,7 @@ def test_export_offers_the_targets_the_plan_reaches_and_greys_the_rest_with_why(
     assert any("tensorrt (files for the device; not run here)" == label for label, _ in panel.target.options)
     assert panel.run("tensorrt-edgellm") is None and "cannot carry int8" in panel.error
     app.session.plan = QuantPlan.uniform("int4")
-    assert "tensorrt-edgellm" in [v for _, v in panel.target.options]
+    assert "cannot carry" not in panel.reach_note.value  # int4 it carries (offered where its exporter is installed)
     assert plan_reach(["int4", "fp16"])["tensorrt-edgellm"] is None
 
 
@@ -461,3 +461,31 @@ def test_the_intro_sentence_is_said_once():
     nb = json.loads((Path(__file__).resolve().parents[1] / "notebooks" / "app.ipynb").read_text(encoding="utf-8"))
     markdown = "".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown")
     assert "INT4 / INT8 / FP16" not in markdown and "precision" not in markdown.lower()
+
+
+def test_a_target_this_machine_cannot_convert_for_is_greyed_in_one_sentence(app, monkeypatch):
+    """Issue 55.13: Edge-LLM's refusal was lines sending the user to the command line, after the click."""
+    import workbench.targets.edgellm as edgellm
+    from workbench.quantize.plan import QuantPlan
+    monkeypatch.setattr(edgellm, "edgellm_python", lambda: None)
+    app.session.plan = QuantPlan.uniform("int4")
+    panel = app.convert_panel
+    assert "tensorrt-edgellm" not in [v for _, v in panel.target.options]
+    import html
+    note = html.unescape(panel.reach_note.value)
+    why = note.split("<b>tensorrt-edgellm</b>: ", 1)[1].split("; <b>", 1)[0]
+    assert "not installed on this machine" in why and "the app cannot convert for it here" in note
+    assert panel.run("tensorrt-edgellm") is None and panel.error.count(". ") == 0 and "\n" not in panel.error
+
+
+def test_a_refusals_command_line_example_becomes_what_to_do_in_the_app(app, monkeypatch):
+    from workbench.errors import PlanError
+    panel = app.convert_panel
+
+    def refuse():
+        raise PlanError("executorch cannot carry layer 'x' as 8-bit per-128 codes: XNNPACK holds int8 weights per "
+                        "channel only; give it int8 per channel (e.g. `workbench quantize MODEL --bits 8 "
+                        "--group-size 0 --out Q`, then convert Q)")
+    monkeypatch.setattr(panel, "_convert_now", refuse)
+    assert panel.run("ort-int4") is None
+    assert "`workbench" not in panel.error and "in the app: a layer's precision is set in Precisions" in panel.error

@@ -68,6 +68,9 @@ class Target:
     module: str = field(default="", compare=False)
     two_level: tuple[tuple[int, int], ...] = ()  # (code bits, sub-scale bits) of two-level scales it carries exactly
     layouts: tuple[str, ...] = ()  # precisions with a fixed block layout (``int3-k``) it stores as they are
+    # missing() -> None when its converter can run on this machine, else one sentence saying what is not here (a
+    # toolchain in its own environment): the app greys the target with it instead of failing after a click
+    missing: Callable[[], str | None] | None = None
     precision_note: str = ""  # why it carries no other precisions, said when it refuses one
     signed_scales: bool = False  # group scales may be negative (the 16-level grid's, as GGUF's Q4_0 and MatMulNBits)
 

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import html
+import re
 import socket
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from ..charts.graph import make_block_bytes_figure, make_conversion_figure, make
 from ..targets.convert import (CONVERT_TARGETS, GAP_KL_FLOOR, GAP_KL_RATIO, GAP_TOP1, ConversionReport, convert,
                        prepare_models)
 from ..onnx.inspect import initializer_bytes_by_block
+from ..errors import PlanError
 from ..targets import TARGETS, GraphReport, inspect_graph
 from ..targets.registry import get_target, plan_reach
 from .base import StepPanel, ruled_table
@@ -216,6 +218,10 @@ class ConvertPanel(StepPanel):
         """Offer the targets the plan can reach, each saying whether it runs here; grey the rest with why."""
         precisions = self._plan_precisions()
         reach = plan_reach(precisions or {}, CONVERT_TARGETS)
+        for t in CONVERT_TARGETS:  # a toolchain not on this machine: one sentence, before anyone clicks
+            missing = get_target(t).missing
+            if reach[t] is None and missing is not None:
+                reach[t] = missing()
         ok = [t for t, why in reach.items() if why is None]
 
         def label(t: str) -> str:
@@ -268,6 +274,17 @@ class ConvertPanel(StepPanel):
                            f"{report.eval_tokens:,})")
 
     def _convert(self) -> ConversionReport:
+        """The library calls behind Convert (a refusal's command-line example becomes what to do in the app)."""
+        try:
+            return self._convert_now()
+        except PlanError as e:
+            short = re.sub(r"\s*\(e\.g\. `workbench [^)]*\)", "", str(e))
+            if short == str(e):
+                raise
+            raise PlanError(short + " (in the app: a layer's precision is set in Precisions, the group size in "
+                                    "Quantize)") from None
+
+    def _convert_now(self) -> ConversionReport:
         """The library calls behind Convert: prepare the float and simulated models once, then convert."""
         kwargs = dict(max_tokens=self.max_tokens.value or None, accuracy_level=self.accuracy_level.value,
                       activation_bits=self.activation_bits.value, progress=True, log=print)
