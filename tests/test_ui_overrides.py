@@ -35,7 +35,10 @@ def test_bulk_rule_overrides_earlier_choices_and_bad_patterns_are_refused(lm, ev
     panel.set_precision(Q0, "int4")
     assert panel.apply_rule("*.q_proj", "fp16")
     assert all(panel.dropdowns[n].value == "fp16" for n in panel.dropdowns if n.endswith("q_proj"))
+    # what a rule did is said beside its button (issue 55.9: it was at the bottom of the tab, under the chart)
+    assert "*.q_proj:" in panel.rule_note.value and "set to fp16" in panel.rule_note.value
     assert not panel.apply_rule("*.qkv_proj", "fp16")
+    assert "rule not applied" in panel.rule_note.value and "#c0392b" in panel.rule_note.value
     assert panel.plan.precision_name_for(Q0) == "fp16"
     panel.undo()
     assert panel.plan.precision_name_for(Q0) == "int4"
