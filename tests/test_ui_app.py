@@ -448,7 +448,10 @@ def test_no_stale_status_after_a_later_success_or_a_new_load(app, monkeypatch, t
     monkeypatch.setattr(dg, "measure_devices_gap", measured)
     assert app.convert_panel.gap_panel.run() is not None
     assert app.convert_panel.status.value == ""  # the Convert error is gone
+    counts = []  # issue 55.8: packing the run moves the bar under Download (it froze the page without one)
+    monkeypatch.setattr(app.download_line, "count", lambda n, total, desc: counts.append((n, total, desc)))
     assert app.download() is not None and "downloading" in app.download_line.html.value
+    assert any(desc.startswith("packing the run") and total and n == total for n, total, desc in counts), counts
     assert app.download_link.sent
     assert app.load(str(tmp_path / "no-such-model")) is None and app.error
     assert app.download_line.html.value == "" and app.download_link.sent == ""

@@ -280,9 +280,13 @@ class AppSession(traitlets.HasTraits):
         fd, tmp = tempfile.mkstemp(dir=out, prefix=".archive-", suffix=".zip")
         os.close(fd)
         try:
-            with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED, compresslevel=6) as z:
+            from tqdm.auto import tqdm  # the app's status line shows this bar: packing a model takes seconds
+            total = sum(src.stat().st_size for src, _ in members)
+            with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED, compresslevel=6) as z, \
+                    tqdm(total=total, unit="B", unit_scale=True, desc="packing the run", leave=False) as bar:
                 for src, arc in members:
                     z.write(src, f"{out.name}/{arc}")
+                    bar.update(src.stat().st_size)
             os.replace(tmp, path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
