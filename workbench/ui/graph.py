@@ -232,7 +232,7 @@ class ConvertPanel(StepPanel):
             self.target.value = current if current in ok else ("ort-int4" if "ort-int4" in ok else ok[0])
         greyed = {t: why for t, why in reach.items() if why}
         self.reach_note.value = "" if not greyed else (
-            "<div style='font-size:12px;color:#7f8c8d'>not offered for this plan: " + "; ".join(
+            "<div style='font-size:12px;color:#7f8c8d'>not offered (the plan cannot go there, or this machine cannot convert for it): " + "; ".join(
                 f"<b>{html.escape(t)}</b>: {html.escape(why)}" for t, why in greyed.items()) + "</div>")
 
     def _on_session_quantized(self, change) -> None:
@@ -251,7 +251,7 @@ class ConvertPanel(StepPanel):
             if target not in [v for _, v in self.target.options]:
                 why = (plan_reach(self._plan_precisions() or {}, [target])[target] if target in CONVERT_TARGETS
                        else f"unknown conversion target '{target}'; choose one of: {', '.join(CONVERT_TARGETS)}")
-                self._show_error(f"not offered for this plan: {why}")
+                self._show_error(f"not offered: {why}")
                 return None
             self.target.value = target
         ok, report = self._attempt(f"converting for {self.target.value}...", self._convert)
