@@ -232,7 +232,8 @@ class ConvertPanel(StepPanel):
             self.target.value = current if current in ok else ("ort-int4" if "ort-int4" in ok else ok[0])
         greyed = {t: why for t, why in reach.items() if why}
         self.reach_note.value = "" if not greyed else (
-            "<div style='font-size:12px;color:#7f8c8d'>not offered (the plan cannot go there, or this machine cannot convert for it): " + "; ".join(
+            "<div style='font-size:12px;color:#7f8c8d'>not offered (the plan cannot go there, or this machine cannot "
+            "convert for it): " + "; ".join(
                 f"<b>{html.escape(t)}</b>: {html.escape(why)}" for t, why in greyed.items()) + "</div>")
 
     def _on_session_quantized(self, change) -> None:
