@@ -139,3 +139,11 @@ def test_the_bars_have_a_colour_legend_with_thresholds_and_sizes_are_in_mb(lm, e
     assert "below" in panel.legend.value and "above" in panel.legend.value and "nats per token" in panel.legend.value
     assert "MB = 10<sup>6</sup> bytes" in panel.totals_label.value and "MiB" not in panel.totals_label.value
     assert "bits/weight:" in panel.totals_label.value
+
+
+def test_the_layer_table_headings_do_not_run_together(lm, evaluator):
+    """Issue 55.11: the headings read "parametersKL alone at int4": each now ends with a gap inside its width."""
+    panel = OverridePanel(lm, evaluator=evaluator)
+    header = panel.table.children[0].value if hasattr(panel.table, "children") else ""
+    spans = [s for s in header.split("<span ")[1:]]
+    assert len(spans) == 5 and all("padding-right:8px" in s and "box-sizing:border-box" in s for s in spans)

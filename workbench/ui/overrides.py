@@ -144,7 +144,8 @@ class OverridePanel(widgets.VBox):
         kl_title = "est. KL" if sensitivity is not None and sensitivity.score == "proxy" else "KL"
         options = precision_choices() + [("unchanged", _KEEP)]
         self.dropdowns: dict[str, LayerChoice] = {}  # by layer: the row's choice (buttons and menu)
-        cell = "display:inline-block;font-weight:bold;font-size:12px"
+        # a gap after each heading: "parameters" and the KL heading ran together ("parametersKL alone at int4")
+        cell = "display:inline-block;font-weight:bold;font-size:11px;padding-right:8px;box-sizing:border-box"
         header = widgets.HTML(f"<span style='{cell};width:250px'>layer</span>"
                               f"<span style='{cell};width:80px'>shape</span>"
                               f"<span style='{cell};width:80px'>parameters</span>"
