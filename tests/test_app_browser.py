@@ -251,7 +251,7 @@ def test_whole_flow_in_headless_chromium(served_app, tmp_path):
             assert sim and measured and sim.group(1) == measured.group(1), status  # the AWQ model, same tokens
             assert "GAP" not in status
             w.done("convert-ort-int4")
-            w.field("target").select_option(label="mnn")
+            w.field("target").select_option(label="mnn (runs here)")
             w.button("Convert").click()
             w.wait_text(re.compile(r"mnn: KL \d"))
             table = page.locator("table").filter(visible=True).last.inner_text()
