@@ -56,7 +56,7 @@ def plan_name(plan: QuantPlan, lm: LoadedModel | None = None) -> str:
 def _bits_why(plan: QuantPlan, lm: LoadedModel) -> str:
     """Why bits/weight reads above the plan's integer width: the layers kept float and their share of the weights."""
     total = sum(i.parameters for i in lm.layers) or 1
-    kept = [(i.name.rsplit(".", 1)[-1], i.parameters) for i, p in
+    kept = [(i.name.removeprefix("model."), i.parameters) for i, p in
             zip(lm.layers, plan.resolve([i.name for i in lm.layers]).values()) if p is None or p.startswith("fp")]
     share = sum(n for _, n in kept) / total
     if share < 0.05:
