@@ -165,3 +165,18 @@ def test_precision_plans_measured_on_other_tokens_are_measured_again_on_this_tab
         assert not any("float" in str(h) for t in fig.data if t.name != "float model" for h in t.hovertext or ())
     finally:
         p.close()
+
+
+def test_a_plan_and_its_rtn_preview_are_measured_once(tiny_model_dir, tmp_path, workspace):
+    """An AWQ plan and the same plan's RTN preview round to the same weights here: one point, not two."""
+    awq = QuantPlan.uniform("int8", method="awq")
+    rtn = QuantPlan.uniform("int8")
+    extra = [{"label": "plan 1 (RTN preview)", "plan": rtn, "tokens": 255}, {"label": "uniform int8", "plan": awq}]
+    p = CompressPanel(tiny_model_dir, out_dir=tmp_path / "c", workspace=workspace, heads=0.5, mlp=0.25, steps=2,
+                      eval_tokens=128, importance_tokens=256, extra_points=lambda: extra)
+    try:
+        assert p.prune() is not None, p.error
+        labels = [q["label"] for q in p.points]
+        assert labels.count("plan 1") == 1 and "uniform int8 (RTN)" not in labels, labels
+    finally:
+        p.close()

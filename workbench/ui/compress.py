@@ -46,6 +46,12 @@ from .session import describe_plan
 __all__ = ["CompressPanel"]
 
 
+def _rounded(plan: QuantPlan) -> str:
+    """The hash of ``plan`` rounded to nearest: what this tab measures whatever the plan's own method."""
+    import dataclasses
+    return dataclasses.replace(plan, method="rtn").content_hash()
+
+
 class CompressPanel(StepPanel):
     """Heads / MLP fractions removed, head unit, score; INT4 on or off; distillation steps and temperature."""
 
@@ -219,6 +225,7 @@ class CompressPanel(StepPanel):
             # the plan (hash, method, group size); its bits/weight on this model are the point's own column
             point["plan"] = describe_plan(plan) + ("" if plan.method == "rtn" else " rounded to nearest")
             point["plan_hash"], point["fallbacks"] = plan.content_hash(), qm.fallbacks
+            point["rounded_hash"] = _rounded(plan)  # what is measured here: the plan rounded to nearest
         else:
             point = measure_point(label, lm.model, ids, ref, size_bytes=lm.size_bytes(precision="fp16"),
                                   bits_per_weight=16.0, ctx=self._ctx)
@@ -228,15 +235,15 @@ class CompressPanel(StepPanel):
     def _measure_extra(self) -> None:
         """Measure the precision plans of ``extra_points`` on this tab's evaluation (each plan once): a point
         scored on other tokens would sit on the same axis with another text's perplexity."""
-        done = {p.get("plan_hash") for p in self.points}
+        done = {p.get("rounded_hash") for p in self.points}
         for e in self.extra_points():
             plan = getattr(e, "plan", None) if not isinstance(e, dict) else e.get("plan")
-            if not isinstance(plan, QuantPlan) or plan.content_hash() in done:
-                continue
+            if not isinstance(plan, QuantPlan) or _rounded(plan) in done:
+                continue  # the same plan rounded to nearest (an AWQ plan and its RTN preview) is measured once
             label = getattr(e, "label", None) or (e.get("label") if isinstance(e, dict) else None) or "plan"
             label = label.replace(" (RTN preview)", "") + ("" if plan.method == "rtn" else " (RTN)")
             self._add_point(label, self.lm, plan)
-            done.add(plan.content_hash())
+            done.add(_rounded(plan))
 
     def _show_points(self) -> None:
         pareto = make_pareto_figure(self.points, x="size_bytes")
@@ -244,8 +251,10 @@ class CompressPanel(StepPanel):
         tokens = self.points[0]["tokens"] if self.points else 0
         title = (f"Every point scored on the same {tokens:,} tokens of the bundled held-out text "
                  f"({self._ctx}-token windows)")
-        if plans:  # which precision plans the quantized points were rounded by, on the chart itself
-            title += "<br><span style='font-size:11px'>quantized by: " + html.escape("; ".join(plans)) + "</span>"
+        if len(plans) == 1:  # which plan the quantized points were rounded by, on the chart itself
+            title += "<br><span style='font-size:11px'>quantized by: " + html.escape(plans[0]) + "</span>"
+        elif plans:  # several: the table's last column names each (a line of them ran off the chart)
+            title += "<br><span style='font-size:11px'>each quantized point's plan: the table's last column</span>"
         pareto.update_layout(title={"text": title, "font": {"size": 13}}, margin={"t": 90})
         self._plot("pareto", pareto, self.pareto_plot)
         self._plot("table", make_compress_table_figure(self.points), self.table_plot)
