@@ -21,7 +21,7 @@ import ipywidgets as widgets
 from ..errors import ModelLoadError
 from ..run.generate import DEFAULT_MAX_NEW_TOKENS, Generation, TextGenerator, open_model
 from ..run.locate import locate
-from ..runtime.stream import Sampling
+from ..runtime.stream import STOP_WORDS, Sampling
 from ..model.load import LoadedModel
 from .base import StepPanel
 
@@ -60,11 +60,6 @@ class _Column(widgets.VBox):
         self.stats.value = (f"{speed} &nbsp; {s.new_tokens} tokens; prefill {s.prompt_tokens} tokens in "
                             f"{s.prefill_seconds * 1000:,.1f} ms" + (
             f"; stopped: {STOP_WORDS.get(s.stop_reason, s.stop_reason)}" if s.stop_reason else ""))
-
-
-# why a generation stopped, in words (the runtime's stop_reason codes)
-STOP_WORDS = {"max_new_tokens": "reached the token limit (max tokens)", "eos": "the model ended its answer",
-              "context": "the model's context is full"}
 
 
 class GeneratePanel(StepPanel):
