@@ -215,9 +215,9 @@ def gap_label(g: dict | None) -> str | None:
     if not g:
         return None
     if g.get("sim_kl") is not None and g["kl"] > GAP_KL_RATIO * g["sim_kl"] + GAP_KL_FLOOR:
-        return f"GAP: KL {g['kl']:.2e} > {GAP_KL_RATIO:g}x simulation's {g['sim_kl']:.2e} + {GAP_KL_FLOOR:g}"
+        return f"GAP: KL {g['kl']:.1e} > {GAP_KL_RATIO:g}x sim's {g['sim_kl']:.1e} + {GAP_KL_FLOOR:g}"
     if g.get("top1_vs_sim") is not None and g["top1_vs_sim"] < GAP_TOP1:
-        return f"GAP: top-1 vs simulation {g['top1_vs_sim']:.3f} < {GAP_TOP1:g}"
+        return f"GAP: top-1 vs sim {g['top1_vs_sim']:.3f} < {GAP_TOP1:g}"
     if g.get("kl_vs_qdq") is not None and g["kl_vs_qdq"] > HTP_GAP_KL:
         return f"GAP: KL vs CPU QDQ {g['kl_vs_qdq']:.3g} > {HTP_GAP_KL:g}"
     return None
