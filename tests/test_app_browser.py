@@ -243,7 +243,7 @@ def test_whole_flow_in_headless_chromium(served_app, tmp_path):
 
             # Export: ort-int4, then MNN, both of that AWQ model
             w.tab("Export")
-            w.fill("eval tokens", 2048)
+            w.fill("tokens scored (0: all)", 2048)
             w.button("Convert").click()
             status = w.wait_text(re.compile(r"ort-int4: KL \d")).inner_text()
             sim = re.search(r"simulation here: ([0-9.]+)", status)
@@ -251,7 +251,7 @@ def test_whole_flow_in_headless_chromium(served_app, tmp_path):
             assert sim and measured and sim.group(1) == measured.group(1), status  # the AWQ model, same tokens
             assert "GAP" not in status
             w.done("convert-ort-int4")
-            w.field("target").select_option(label="mnn")
+            w.field("target").select_option(label="mnn (runs here)")
             w.button("Convert").click()
             w.wait_text(re.compile(r"mnn: KL \d"))
             table = page.locator("table").filter(visible=True).last.inner_text()
@@ -260,7 +260,7 @@ def test_whole_flow_in_headless_chromium(served_app, tmp_path):
 
             # Profile what Export wrote
             w.tab("Profile")
-            w.fill("prompts", 16)
+            w.fill("prompt tokens", 16)
             w.fill("repeats", 1)
             w.button("Profile").click()
             w.wait_text("2 model(s) timed")
@@ -284,13 +284,23 @@ def test_whole_flow_in_headless_chromium(served_app, tmp_path):
             w.button("Project").click()
             w.wait_text(re.compile(r"\d plan\(s\) on 6 device\(s\)"))
             body = w.done("project")
+            # the answer first: tok/s, first token, whether it fits; every device has a RAM figure or says why not
+            assert "tokens/s" in body and "first token" in body and "fits in memory" in body
+            assert "decode bound tok/s" not in body and "unknown: set by the phone" in body  # the rest folded
+            assert not re.search(r"fits in memory\b.*\bunknown\s*$", body, re.M)
+            page.locator("summary", has_text="details").filter(visible=True).first.click()  # the rest, folded
+            body = w.done("project-details")
             assert "Snapdragon 8 Gen 3" in body and "layers the NPU cannot run" in body and w.visible_charts() >= 3
             # each device's own runtime, fitted to the vendor's measurements: the held-out error and the nearest
             # measurement beside each projection, the vendor's points on their own chart
             assert "nearest vendor measurement" in body and "Samsung Galaxy S25" in body and "held out" in body
             assert w.page.locator(".js-plotly-plot", has_text="Vendor measurements").filter(visible=True).count() == 1
             w.field("runtime").select_option(label="Qualcomm QAIRT through GenieX (qairt)")
+            page.evaluate("document.querySelectorAll('details').forEach(d => d.dataset.old = '1')")
             w.button("Project").click()
+            new_table = page.locator("details:not([data-old])").filter(visible=True).first
+            new_table.wait_for(timeout=STEP_TIMEOUT_MS)  # the table of this run, not the last one's
+            new_table.locator("summary").click()
             w.wait_text(re.compile(r"qairt w4a16"))
             body = w.done("project-qairt")
             assert "qairt does not run on rknpu devices" not in body and "rkllm" in body  # the board keeps its own

@@ -37,5 +37,5 @@ def test_distill_and_table_and_pruned_points_on_the_pareto_chart():
              "perplexity_stderr": 9.0, "kl_divergence": 1.0, "kl_stderr": 0.03, "top1_agreement": 0.4}]
     assert list(make_compress_table_figure(rows).data[0].cells.values[3]) == ["50.00 ± 1.00", "170.00 ± 9.00"]
     pareto = make_pareto_figure(rows, x="size_bytes")
-    assert {t.name for t in pareto.data} == {"custom", "pruned"}
+    assert {t.name for t in pareto.data} == {"float model", "pruned"}  # the float model is not a "custom" plan
     assert [t.marker.symbol for t in pareto.data if t.name == "pruned"] == ["star", "star"]

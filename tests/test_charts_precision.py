@@ -37,3 +37,24 @@ def test_pareto_points_per_kind_with_predictions():
     assert list(fig.data[4].y) == [0.012] and list(fig.data[5].y) == [10.4]
     with pytest.raises(ValueError, match="x must be"):
         make_pareto_figure(points, x="kl")
+
+
+def test_pareto_points_from_two_evaluations_are_refused_and_the_one_evaluation_is_in_the_title():
+    """Issue 55.1: a plan at 27.7 on 255 tokens beside the float model at 54.3 on 4,088 reads as halving perplexity."""
+    a = {"label": "plan 1", "bits_per_weight": 7.1, "kl_divergence": 0.003, "perplexity": 27.7, "tokens": 255}
+    b = {"label": "uniform int4", "bits_per_weight": 4.5, "kl_divergence": 0.05, "perplexity": 54.45, "tokens": 4088}
+    with pytest.raises(ValueError, match="different evaluations"):
+        make_pareto_figure([a, b])
+    fig = make_pareto_figure([b, {**a, "tokens": 4088}])
+    assert "same 4,088 tokens" in fig.layout.title.text
+
+
+def test_the_float_model_is_drawn_as_the_float_model_not_a_custom_plan():
+    rows = [{"label": "float", "size_bytes": 10, "bits_per_weight": 16.0, "kl_divergence": 0.0, "perplexity": 54.3},
+            {"label": "uniform int4", "size_bytes": 4, "bits_per_weight": 4.5, "kl_divergence": 0.05,
+             "perplexity": 56.0}]
+    fig = make_pareto_figure(rows, x="size_bytes")
+    names = [t.name for t in fig.data]
+    assert "custom" not in names and names.count("float model") == 1  # only on the perplexity panel
+    fl = next(t for t in fig.data if t.name == "float model")
+    assert fl.xaxis == "x2" and list(fl.y) == [54.3] and fl.marker.symbol != "diamond"

@@ -74,7 +74,7 @@ def test_host_bound_figure_uses_the_profiles_own_bound():
     fig = make_host_bound_figure([p, no_decode.to_dict()], 23.5)
     bound, measured = fig.data
     assert list(bound.x) == ["ort-int4"] and bound.y[0] == pytest.approx(p.decode_bound(23.5))
-    assert measured.y[0] == 1500.0 and measured.text[0] == f"{p.fraction_of_bound(23.5):.2f} of bound"
+    assert measured.y[0] == 1500.0 and measured.text[0] == f"{p.fraction_of_bound(23.5):.2f} of the bound"
     empty = make_host_bound_figure([no_decode], 23.5)
     assert "profile a conversion first" in empty.layout.annotations[0].text
 
@@ -98,3 +98,27 @@ def test_every_projection_figure_reads_true(projections):
     lo, hi = figures["pareto-one-plan"].layout.xaxis2.range  # one speed: a span around it, not a zoom into it
     speed = projections["int4"][1].projected_decode_tps
     assert lo < speed < hi and hi - lo >= 0.2 * speed
+
+
+def test_speed_colours_span_a_fifth_of_the_speed_and_only_ringed_plans_are_named(projections):
+    """Issue 55.11: a colour scale over 429-437 tok/s painted near-equal speeds as opposite ends; names collided."""
+    points = [{"label": "fp16", "kl_divergence": 1e-6, "bits_per_weight": 16.0},
+              {"label": "int8", "kl_divergence": 2e-5, "bits_per_weight": 8.1},
+              {"label": "int4", "kl_divergence": 7e-3, "bits_per_weight": 4.6}]
+    fig = make_speed_pareto_figure(points, projections, "RK3588")
+    m = fig.data[2].marker
+    speeds = [s for s in m.color]
+    assert m.cmax - m.cmin >= 0.2 * max(speeds) * 0.99
+    assert all(t == "" or t in {"fp16", "int8", "int4"} for t in fig.data[1].text)
+
+
+def test_the_share_colour_bar_title_is_not_cut_by_the_bar_panel():
+    from types import SimpleNamespace
+    import torch
+    from workbench.charts.calibration import make_layer_overview_figure
+    layer = SimpleNamespace(hist_counts=torch.tensor([1, 2, 3]), outlier_ratio=0.1, outlier_channels=[1], in_features=4,
+                            max_to_median=3.0, kurtosis=1.0, abs_max_value=2.0)
+    stats = SimpleNamespace(hist_edges=[-2.0, -1.0, 0.0, 1.0], layers={"model.layers.0.mlp.up_proj": layer})
+    fig = make_layer_overview_figure(stats, sort_by="order")
+    bar = fig.data[0].colorbar
+    assert bar.x >= 1.0 and fig.layout.margin.r >= 80  # right of both panels, with room for its title

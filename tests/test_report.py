@@ -187,3 +187,12 @@ def test_links_out_of_the_run_folder_are_listed_as_skipped_never_followed(demo_r
     assert rows["secret_link"]["hash_from"] == "skipped" and rows["secret_link"]["bytes"] is None
     assert file_sha256(outside / "secret") not in json.dumps(report.record)
     assert not [p for p in watched if p.startswith(("/proc", "/etc", str(outside)))]
+
+
+def test_the_report_says_what_kl_top1_nats_and_perplexity_mean():
+    """Issue 55.10: the report's numbers come with a one-line meaning each."""
+    from workbench.charts.report import _words_html
+    from workbench.charts.style import METRIC_WORDS
+    words = _words_html()
+    assert all(k in METRIC_WORDS for k in ("KL", "nats", "top-1", "perplexity"))
+    assert "nats/token: the unit of KL" in words and "only comparable on the same text" in words

@@ -387,3 +387,108 @@ def test_no_label_in_the_app_is_cut(app):
     panel = GraphPanel(serve_netron=False)
     assert cut_labels(panel) == []
     panel.close()
+
+
+def test_export_offers_the_targets_the_plan_reaches_and_greys_the_rest_with_why(app):
+    """Issue 55.6: every target offered whatever the plan; one the plan cannot go to is greyed with its reason."""
+    from workbench.quantize.plan import QuantPlan
+    from workbench.targets.registry import plan_reach
+    panel = app.convert_panel
+    app.session.plan = QuantPlan.uniform("int8")
+    offered = [v for _, v in panel.target.options]
+    assert "tensorrt-edgellm" not in offered and "ort-int4" in offered  # Edge-LLM carries int4 only
+    assert "tensorrt-edgellm" in panel.reach_note.value and "cannot carry int8" in panel.reach_note.value
+    assert any("tensorrt (files for the device; not run here)" == label for label, _ in panel.target.options)
+    assert panel.run("tensorrt-edgellm") is None and "cannot carry int8" in panel.error
+    app.session.plan = QuantPlan.uniform("int4")
+    assert "cannot carry" not in panel.reach_note.value  # int4 it carries (offered where its exporter is installed)
+    assert plan_reach(["int4", "fp16"])["tensorrt-edgellm"] is None
+
+
+def test_choosing_every_precision_keeps_the_menu_showing_it(app, monkeypatch):
+    """Issue 55.7: a dropdown whose value is None shows nothing chosen: the menu went blank."""
+    import workbench.ui.app as ui
+    app.sweep_precisions.label = "every precision"
+    assert app.sweep_precisions.index == 2 and app.sweep_precisions.label == "every precision"
+    seen = {}
+
+    def fake(lm, precisions, **kw):
+        seen["precisions"] = precisions
+        raise ValueError("stop here")
+    monkeypatch.setattr(ui, "run_sensitivity", fake)
+    app.run_sensitivity()
+    assert seen["precisions"] is None  # every registered precision, as run_sensitivity reads None
+
+
+def test_an_output_folder_the_app_cannot_create_is_one_red_line(app, tmp_path):
+    """Issue 55.14: an output folder the app cannot create showed Path.mkdir's traceback on the page."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder", encoding="utf-8")
+    panel = app.convert_panel
+    assert app.quantize_panel.run() is not None, app.quantize_panel.error
+    panel.out_dir.value = str(blocker / "convert")
+    assert panel.run("ort-int4") is None
+    assert panel.error.startswith(f"cannot use '{blocker / 'convert'}") and "not a directory" in panel.error
+    assert "choose an output folder you can write to" in panel.error
+    assert "Traceback" not in str(panel.log_output.outputs) and panel.error.count("\n") == 0
+
+
+def test_no_stale_status_after_a_later_success_or_a_new_load(app, monkeypatch, tmp_path):
+    """Issue 55.8/55.9: a Convert error stayed after Compare on the devices succeeded; "downloading..." and the first
+    run's "save again" link stayed after a (failed) Load."""
+    import workbench.ui.devices_gap as dg
+    from workbench.run.devices_gap import DevicesGap, make_row, graph_scores
+    assert app.convert_panel.run("ort-int4") is None and "quantize first" in app.convert_panel.status.value
+
+    def measured(model, *, plan, targets, work, on_row, **kw):
+        gap = DevicesGap(str(model), None, None, "8gen3", 512, 4, work_dir=str(work))
+        gap.rows.append(make_row("simulation", "PyTorch", prefill=graph_scores(0.01, 0.9, positions=512)))
+        on_row(gap)
+        return gap
+    monkeypatch.setattr(dg, "measure_devices_gap", measured)
+    assert app.convert_panel.gap_panel.run() is not None
+    assert app.convert_panel.status.value == ""  # the Convert error is gone
+    counts = []  # issue 55.8: packing the run moves the bar under Download (it froze the page without one)
+    monkeypatch.setattr(app.download_line, "count", lambda n, total, desc: counts.append((n, total, desc)))
+    assert app.download() is not None and "downloading" in app.download_line.html.value
+    assert any(desc.startswith("packing the run") and total and n == total for n, total, desc in counts), counts
+    assert app.download_link.sent
+    assert app.load(str(tmp_path / "no-such-model")) is None and app.error
+    assert app.download_line.html.value == "" and app.download_link.sent == ""
+
+
+def test_the_intro_sentence_is_said_once():
+    """Issue 55.12: the page said what the app does twice (the notebook's markdown, then the app's own line)."""
+    import json
+    from pathlib import Path
+    nb = json.loads((Path(__file__).resolve().parents[1] / "notebooks" / "app.ipynb").read_text(encoding="utf-8"))
+    markdown = "".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown")
+    assert "INT4 / INT8 / FP16" not in markdown and "precision" not in markdown.lower()
+
+
+def test_a_target_this_machine_cannot_convert_for_is_greyed_in_one_sentence(app, monkeypatch):
+    """Issue 55.13: Edge-LLM's refusal was lines sending the user to the command line, after the click."""
+    import workbench.targets.edgellm as edgellm
+    from workbench.quantize.plan import QuantPlan
+    monkeypatch.setattr(edgellm, "edgellm_python", lambda: None)
+    app.session.plan = QuantPlan.uniform("int4")
+    panel = app.convert_panel
+    assert "tensorrt-edgellm" not in [v for _, v in panel.target.options]
+    import html
+    note = html.unescape(panel.reach_note.value)
+    why = note.split("<b>tensorrt-edgellm</b>: ", 1)[1].split("; <b>", 1)[0]
+    assert "not installed on this machine" in why and "the app cannot convert for it here" in note
+    assert panel.run("tensorrt-edgellm") is None and panel.error.count(". ") == 0 and "\n" not in panel.error
+
+
+def test_a_refusals_command_line_example_becomes_what_to_do_in_the_app(app, monkeypatch):
+    from workbench.errors import PlanError
+    panel = app.convert_panel
+
+    def refuse():
+        raise PlanError("executorch cannot carry layer 'x' as 8-bit per-128 codes: XNNPACK holds int8 weights per "
+                        "channel only; give it int8 per channel (e.g. `workbench quantize MODEL --bits 8 "
+                        "--group-size 0 --out Q`, then convert Q)")
+    monkeypatch.setattr(panel, "_convert_now", refuse)
+    assert panel.run("ort-int4") is None
+    assert "`workbench" not in panel.error and "in the app: a layer's precision is set in Precisions" in panel.error

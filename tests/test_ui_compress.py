@@ -95,9 +95,10 @@ def test_quantized_points_and_qat_use_the_session_plan_and_follow_it(tiny_model_
     assert by[tag]["size_bytes"] == lm.size_bytes(int8) != lm.size_bytes(int4)
     assert by[f"pruned + {tag}"]["size_bytes"] == pruned.size_bytes(int8) != pruned.size_bytes(int4)
     assert by[f"pruned + {tag}"]["bits_per_weight"] > 8  # INT8 codes and their scales, not INT4's
-    assert p.figures["pareto"].layout.title.text == f"quantized points: {by[tag]['plan']}"  # one plan, named once
+    title = p.figures["pareto"].layout.title.text
+    assert title.count("plan ") == 1 and f"quantized by: {by[tag]['plan']}" in title  # one plan, named once
     assert list(p.figures["table"].data[0].cells.values[-1]) == ["-", by[tag]["plan"], "-", by[tag]["plan"]]
-    assert by[tag]["plan"].startswith(f"plan {int8.content_hash()} (RTN")
+    assert by[tag]["plan"].startswith(f"uniform INT8, plan {int8.content_hash()} (RTN")
     report = p.distill()
     assert report is not None, p.error
     assert report.plan == int8.to_dict() and p.points[-1]["label"] == f"pruned + {tag} + distilled"
@@ -143,3 +144,39 @@ def test_after_score_the_channel_chart_greys_what_the_sliders_remove_and_prune_k
     assert "removed by Prune" in panel.figures["channels"].layout.title.text
     after = panel.predicted.value.split("by layer: ")[1].split(";")[0]
     assert after == predicted and [int(x.split("/")[1]) for x in after.split(", ")] == kept
+
+
+def test_precision_plans_measured_on_other_tokens_are_measured_again_on_this_tabs_evaluation(
+        tiny_model_dir, tmp_path, workspace):
+    """Issue 55.1: one chart, one evaluation: a Precisions point scored on 255 tokens is not drawn as it is."""
+    from workbench.charts.precision import evaluation_of
+    other = {"label": "uniform int8", "size_bytes": 1, "bits_per_weight": 8.5, "kl_divergence": 1e-4,
+             "perplexity": 27.7, "tokens": 255, "plan": QuantPlan.uniform("int8")}
+    p = CompressPanel(tiny_model_dir, out_dir=tmp_path / "c", workspace=workspace, heads=0.5, mlp=0.25, steps=2,
+                      eval_tokens=128, importance_tokens=256, extra_points=lambda: [other])
+    try:
+        assert p.prune() is not None, p.error
+        again = next(q for q in p.points if q["label"] == "uniform int8")
+        assert again["tokens"] != 255 and again["perplexity"] != 27.7
+        assert len({evaluation_of(q) for q in p.points}) == 1
+        fig = p.figures["pareto"]
+        assert f"same {again['tokens']:,} tokens" in fig.layout.title.text
+        assert any(t.name == "float model" for t in fig.data)
+        assert not any("float" in str(h) for t in fig.data if t.name != "float model" for h in t.hovertext or ())
+    finally:
+        p.close()
+
+
+def test_a_plan_and_its_rtn_preview_are_measured_once(tiny_model_dir, tmp_path, workspace):
+    """An AWQ plan and the same plan's RTN preview round to the same weights here: one point, not two."""
+    awq = QuantPlan.uniform("int8", method="awq")
+    rtn = QuantPlan.uniform("int8")
+    extra = [{"label": "plan 1 (RTN preview)", "plan": rtn, "tokens": 255}, {"label": "uniform int8", "plan": awq}]
+    p = CompressPanel(tiny_model_dir, out_dir=tmp_path / "c", workspace=workspace, heads=0.5, mlp=0.25, steps=2,
+                      eval_tokens=128, importance_tokens=256, extra_points=lambda: extra)
+    try:
+        assert p.prune() is not None, p.error
+        labels = [q["label"] for q in p.points]
+        assert labels.count("plan 1") == 1 and "uniform int8 (RTN)" not in labels, labels
+    finally:
+        p.close()

@@ -111,3 +111,35 @@ def test_side_by_side_runs_the_targets_on_worker_processes(session, monkeypatch)
     assert isinstance(seen[0], LocalBackend)
     assert isinstance(seen[1], ProcessBackend) and seen[1].workers == 2
     assert p.error == "stopped here" and not p.workers.disabled
+
+
+def test_a_flag_says_what_to_try_and_its_button_widens_the_layers_it_names(session):
+    """Issue 55.4: a red GAP with no next step; the layer-wise cause names the layers, the button sets them."""
+    from workbench.run.devices_gap import gap_advice
+    base = {"runtime": "cpu", "prefill": {"kl": 0.1, "top1": 0.9}, "decode": None, "bytes": 1, "seconds": 1.0,
+            "peak_bytes": 1, "note": "", "error": None}
+    qdq = {**base, "target": "ort-qdq", "gap": "prefill: KL big", "layerwise": {"first_block": 1},
+           "cause": "the QDQ graph departs from the simulation at block 1's mlp (model.layers.1.mlp gate/up/down_proj)"}
+    rknn = {**base, "target": "rknn", "gap": "prefill: top-1 vs simulation 0.9 < 0.95", "cause": None}
+    fine = {**base, "target": "mnn", "gap": None}
+    names = [i.name for i in session.lm.layers]
+    a = gap_advice(qdq, session.plan, names)
+    assert a.layers == [f"model.layers.1.mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
+    assert a.precision == "fp16" and "instead of int8" in a.text  # the session's plan is INT8: one step wider
+    assert gap_advice(fine, session.plan, names) is None and "fp16" in gap_advice(rknn, session.plan, names).text
+    p = DevicesGapPanel(session)
+    p._show_advice([qdq, rknn, fine])
+    assert len(p.advice.children) == 2
+    row, button = p.advice.children[0].children
+    assert "what to try" in row.value and "block 1&#x27;s mlp" in row.value
+    button.click()
+    assert all(session.plan.precision_name_for(n) == "fp16" for n in a.layers)
+    assert session.plan.precision_name_for("model.layers.0.mlp.up_proj") == "int8"
+    assert "press Compare on the devices" in p.status.value
+
+
+def test_kl_top1_and_nats_are_said_in_words_beside_the_table():
+    """Issue 55.10: KL, top-1 and nats unexplained in the app and the report."""
+    out = gap_table_html([])
+    assert "how far the model&#x27;s next-token probabilities are" in out and "nats/token: the unit of KL" in out
+    assert "top-1 agreement: the share of tokens" in out and "title=" in out  # a hover too

@@ -105,3 +105,11 @@ def test_generate_tab_streams_the_ort_genai_artifact_in_onnxruntime_genai(demo_a
     assert chosen.stats.new_tokens == 16 and chosen.text.strip() and speed(panel.columns["chosen"]) > 0
     assert chosen.text.strip()[:12] in panel.columns["chosen"].text.value.replace("&#x27;", "'").replace("&quot;", '"')
     assert float_.model.runtime == "PyTorch" and chosen.tokens[:4] == float_.tokens[:4]
+
+
+def test_why_a_generation_stopped_is_said_in_words():
+    """Issue 55.10: "stopped: max_new_tokens" on the page and in the status line."""
+    from workbench.runtime.stream import GenerationStats
+    s = GenerationStats(prompt_tokens=3, new_tokens=24, stop_reason="max_new_tokens")
+    assert "stopped: reached the token limit (max tokens)" in s.summary() and "max_new_tokens" not in s.summary()
+    assert s.to_dict()["stop_reason"] == "max_new_tokens"  # the code stays in the JSON

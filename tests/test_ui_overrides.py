@@ -35,7 +35,10 @@ def test_bulk_rule_overrides_earlier_choices_and_bad_patterns_are_refused(lm, ev
     panel.set_precision(Q0, "int4")
     assert panel.apply_rule("*.q_proj", "fp16")
     assert all(panel.dropdowns[n].value == "fp16" for n in panel.dropdowns if n.endswith("q_proj"))
+    # what a rule did is said beside its button (issue 55.9: it was at the bottom of the tab, under the chart)
+    assert "*.q_proj:" in panel.rule_note.value and "set to fp16" in panel.rule_note.value
     assert not panel.apply_rule("*.qkv_proj", "fp16")
+    assert "rule not applied" in panel.rule_note.value and "#c0392b" in panel.rule_note.value
     assert panel.plan.precision_name_for(Q0) == "fp16"
     panel.undo()
     assert panel.plan.precision_name_for(Q0) == "int4"
@@ -136,3 +139,11 @@ def test_the_bars_have_a_colour_legend_with_thresholds_and_sizes_are_in_mb(lm, e
     assert "below" in panel.legend.value and "above" in panel.legend.value and "nats per token" in panel.legend.value
     assert "MB = 10<sup>6</sup> bytes" in panel.totals_label.value and "MiB" not in panel.totals_label.value
     assert "bits/weight:" in panel.totals_label.value
+
+
+def test_the_layer_table_headings_do_not_run_together(lm, evaluator):
+    """Issue 55.11: the headings read "parametersKL alone at int4": each now ends with a gap inside its width."""
+    panel = OverridePanel(lm, evaluator=evaluator)
+    header = panel.table.children[0].value if hasattr(panel.table, "children") else ""
+    spans = [s for s in header.split("<span ")[1:]]
+    assert len(spans) == 5 and all("padding-right:8px" in s and "box-sizing:border-box" in s for s in spans)

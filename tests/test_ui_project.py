@@ -95,3 +95,28 @@ def test_the_runtime_choice_and_the_vendor_evidence():
     assert all(p.runtime is None and p.vendor is None for p in out["w4a16"])
     assert "none" in panel.table.value
     panel.close()
+
+
+def test_no_row_is_an_order_of_magnitude_off_its_fitted_neighbour_and_every_row_answers_first():
+    """Issue 55.2: RK3588 INT4 at 2,186 tok/s ("no vendor fit") beside INT8 at 113; "Fits RAM: unknown" with no why."""
+    from workbench.ui.project import DEFAULT_DEVICES
+    plans = {p: QuantPlan.uniform(p) for p in ("int8", "int4", "fp16")}
+    panel = ProjectPanel("qwen2.5-0.5b", plans=plans, devices=list(DEFAULT_DEVICES))
+    out = panel.run()
+    assert panel.error is None, panel.error
+    for i, device in enumerate(DEFAULT_DEVICES):
+        row = [out[p][i] for p in plans]
+        fitted = [r.projected_decode_tps for r in row if r.vendor is not None and r.vendor.decode_tps is not None
+                  and not r.vendor.basis.startswith("no vendor fit")]
+        for r in row:
+            if r.projected_decode_tps is not None and fitted:
+                assert max(fitted) / 10 < r.projected_decode_tps < min(fitted) * 10, (device, r.efficiency_basis)
+            if r.ram_bytes is None:
+                assert r.ram_why and "unknown" not in r.ram_why[:8]  # says why, not just "unknown"
+    rk = out["int4"][DEFAULT_DEVICES.index("rk3588")]
+    assert "w8a8 fit" in rk.vendor.basis and rk.projected_decode_tps < 2 * out["int8"][DEFAULT_DEVICES.index("rk3588")].projected_decode_tps
+    table = panel.table.value
+    head, fold = table.split("<details>", 1)
+    assert "<th>tokens/s</th>" in head and "<th>first token</th>" in head and "<th>fits in memory</th>" in head
+    assert "decode bound tok/s" not in head and "decode bound tok/s" in fold  # the rest behind the fold
+    assert "unknown: set by the phone" in head  # a SoC's RAM: why it is unknown, on the row

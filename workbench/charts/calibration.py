@@ -76,7 +76,8 @@ def make_layer_overview_figure(stats, sort_by: str = "outlier_ratio") -> go.Figu
                      f"{s.max_to_median:.1f}<br>kurtosis {s.kurtosis:.2f}<br>abs-max {s.abs_max_value:.3g}")
     fig = make_subplots(rows=1, cols=2, shared_yaxes=True, column_widths=[0.75, 0.25], horizontal_spacing=0.02,
                         subplot_titles=("distribution of |x| (share of values)", "outlier channels (%)"))
-    fig.add_trace(go.Heatmap(z=z, x=centers, y=labels, colorscale="Viridis", colorbar=dict(title="share", x=0.72),
+    fig.add_trace(go.Heatmap(z=z, x=centers, y=labels, colorscale="Viridis", colorbar=dict(title={"text": "share of<br>values", "side": "top"},
+                                                                    x=1.02, thickness=14),
                              hovertemplate="%{y}<br>|x| ~ 10^%{x:.2f}<br>share %{z:.3f}<extra></extra>"), 1, 1)
     fig.add_trace(go.Bar(x=ratios, y=labels, orientation="h", marker_color="#e76f51", hovertext=hover,
                          hoverinfo="text", name="outlier channels"), 1, 2)
@@ -86,7 +87,7 @@ def make_layer_overview_figure(stats, sort_by: str = "outlier_ratio") -> go.Figu
     fig.update_yaxes(autorange="reversed", row=1, col=1)
     sort_label = SORT_KEYS[sort_by][0] if sort_by in SORT_KEYS else "module order"
     fig.update_layout(title=f"Linear-layer inputs over the calibration set, sorted by {sort_label}",
-                      height=160 + 18 * len(order), showlegend=False, margin=dict(l=10, r=10, t=70, b=40))
+                      height=160 + 18 * len(order), showlegend=False, margin=dict(l=10, r=90, t=70, b=40))
     return fig
 
 

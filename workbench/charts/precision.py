@@ -15,7 +15,7 @@ from plotly.subplots import make_subplots
 
 from .style import KIND_COLOURS, lift_subplot_titles, linear_range, log_axis
 
-__all__ = ["make_sensitivity_figure", "make_pareto_figure", "make_difficulty_figure", "point_kind"]
+__all__ = ["make_sensitivity_figure", "make_pareto_figure", "make_difficulty_figure", "point_kind", "evaluation_of"]
 
 _PALETTE = tuple(qualitative.Plotly)  # one colour per layer type
 _METRIC_TITLES = {"kl": "KL divergence to the float model (nats/token)", "ppl_delta": "perplexity change",
@@ -64,11 +64,23 @@ def make_sensitivity_figure(report, precision: str = "int4", metric: str = "kl",
 
 
 def point_kind(label: str) -> str:
-    """The kind of a Pareto point by its label: uniform, auto, pruned or custom (a plan chosen by hand)."""
+    """The kind of a Pareto point by its label: float (the unquantized model), uniform, auto, pruned or custom
+    (a plan chosen by hand)."""
+    if label == "float" or label.startswith("float "):
+        return "float"
     for kind in ("uniform", "auto", "pruned"):
         if label.startswith(kind):
             return kind
     return "custom"
+
+
+def evaluation_of(point: Mapping) -> str | None:
+    """What a measured point was scored on (``evaluation``, else its token count), None when it does not say:
+    points scored on different texts or token counts cannot share an axis (their perplexities differ by the text,
+    not by the plan)."""
+    if point.get("evaluation"):
+        return str(point["evaluation"])
+    return f"{point['tokens']:,} tokens" if point.get("tokens") else None
 
 
 def make_pareto_figure(points: Sequence, x: str = "bits_per_weight") -> go.Figure:
@@ -76,17 +88,23 @@ def make_pareto_figure(points: Sequence, x: str = "bits_per_weight") -> go.Figur
 
     One colour per kind of plan in both panels and in its prediction (an open circle); a point's name is in
     its hover text (long names on the plot overlap and are cut at its edge); axes never zoom two near-equal
-    points apart (``style``)."""
+    points apart (``style``). Every point must come from one evaluation (the same text and token count), which
+    the title says; points from two are refused (ValueError). The float model is drawn as itself, a grey cross
+    on the perplexity panel (its KL to itself is 0, off a log axis)."""
     if x not in ("bits_per_weight", "size_bytes"):
         raise ValueError(f"x must be 'bits_per_weight' or 'size_bytes', not {x!r}")
     rows = [_as_dict(p) for p in points]
+    evaluations = list(dict.fromkeys(e for e in map(evaluation_of, rows) if e is not None))
+    if len(evaluations) > 1:
+        raise ValueError("these points were scored on different evaluations (" + "; ".join(evaluations)
+                         + "): measure them on one text and token count before drawing them on one axis")
     fig = lift_subplot_titles(make_subplots(
         rows=1, cols=2, horizontal_spacing=0.12,
         subplot_titles=("KL divergence to the float model (lower is better)", "perplexity (lower is better)")))
     kinds: dict[str, list] = {}
     for r in rows:
         kinds.setdefault(point_kind(r.get("label", "")), []).append(r)
-    symbols = {"uniform": "square", "auto": "circle", "custom": "diamond", "pruned": "star"}
+    symbols = {"uniform": "square", "auto": "circle", "custom": "diamond", "pruned": "star", "float": "x-thin-open"}
     unit = "bits/weight" if x == "bits_per_weight" else "bytes"
     kl_values, ppl_values, x_values = [], [], []
     for kind, rs in kinds.items():
@@ -97,12 +115,17 @@ def make_pareto_figure(points: Sequence, x: str = "bits_per_weight") -> go.Figur
         mode = "lines+markers" if kind == "auto" else "markers"
         x_values += xs
         for col, key in ((1, "kl_divergence"), (2, "perplexity")):
+            if kind == "float" and col == 1:
+                continue  # KL of the float model to itself: 0, which a log axis cannot place
             ys = [r[key] for r in rs]
             (kl_values if col == 1 else ppl_values).extend(ys)
-            fig.add_trace(go.Scatter(x=xs, y=ys, mode=mode, name=kind, legendgroup=kind, showlegend=col == 1,
+            fig.add_trace(go.Scatter(x=xs, y=ys, mode=mode, name="float model" if kind == "float" else kind,
+                                     legendgroup=kind, showlegend=col == 1 or kind == "float",
                                      hovertext=hover, hovertemplate="%{hovertext}<br>%{y:.4g}<extra></extra>",
-                                     line={"color": colour}, marker={"symbol": symbols[kind], "size": 10,
-                                                                     "color": colour}), row=1, col=col)
+                                     line={"color": colour},
+                                     marker={"symbol": symbols[kind], "size": 12 if kind == "float" else 10,
+                                             "color": colour, "line": {"width": 2, "color": colour}}),
+                          row=1, col=col)
         pred = [(r[x], r.get("predicted_kl"), r.get("predicted_perplexity"), r.get("label", "")) for r in rs
                 if r.get("predicted_kl") is not None]
         if pred and kind != "uniform":
@@ -119,8 +142,9 @@ def make_pareto_figure(points: Sequence, x: str = "bits_per_weight") -> go.Figur
     fig.update_xaxes(title_text=title_x, range=linear_range(x_values))
     fig.update_yaxes(title_text="KL (nats/token)", row=1, col=1, **log_axis(kl_values))
     fig.update_yaxes(title_text="perplexity", row=1, col=2, range=linear_range(ppl_values))
-    fig.update_layout(title="Size against damage: uniform plans and automatic plans", template="plotly_white",
-                      height=420, legend={"title": "plan"})
+    on = f" (every point scored on the same {evaluations[0]})" if evaluations else ""
+    fig.update_layout(title=f"Size against damage{on}", template="plotly_white", height=420,
+                      legend={"title": "plan"})
     return fig
 
 

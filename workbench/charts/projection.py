@@ -44,19 +44,22 @@ def _as_dict(obj) -> Mapping:
     return obj if isinstance(obj, Mapping) else obj.to_dict()
 
 
-def make_host_bound_figure(profiles: Sequence, read_gbps: float) -> go.Figure:
-    """Per profiled model: measured decode tokens/s beside this host's bound (read bandwidth / bytes per step)."""
+def make_host_bound_figure(profiles: Sequence, read_gbps: float, cache_bytes: int | None = None) -> go.Figure:
+    """Per profiled model: measured decode tokens/s beside this host's bound (read bandwidth / bytes per step). A
+    model whose decode graph fits in ``cache_bytes`` (the CPU's last-level cache) has no memory bound: it is read
+    from the cache, and its bar says so rather than standing above a bound it is not held to."""
     rows = [p for p in map(_profile, profiles) if p.decode_tokens_per_second and p.decode_bytes]
     names = [p.name for p in rows]
-    bounds = [p.decode_bound(read_gbps) for p in rows]
-    fracs = [p.fraction_of_bound(read_gbps) for p in rows]
+    bounds = [p.decode_bound(read_gbps, cache_bytes) for p in rows]
+    fracs = [p.fraction_of_bound(read_gbps, cache_bytes) for p in rows]
+    text = [f"{f:.2f} of the bound" if f is not None else
+            f"in cache ({p.decode_bytes / 1e6:.1f} MB): no memory bound" for p, f in zip(rows, fracs)]
     fig = go.Figure([
         go.Bar(name=f"bound ({read_gbps:.1f} GB/s / bytes per step)", x=names, y=bounds, marker_color="#d5dbdb",
                marker_line={"color": "#566573", "width": 1},
                hovertemplate="%{x}: bound %{y:,.0f} tok/s<extra></extra>"),
         go.Bar(name="measured", x=names, y=[p.decode_tokens_per_second for p in rows], marker_color="#2ca02c",
-               text=[f"{f:.2f} of bound" for f in fracs], textposition="outside",
-               customdata=[p.decode_bytes / 1e6 for p in rows],
+               text=text, textposition="outside", customdata=[p.decode_bytes / 1e6 for p in rows],
                hovertemplate="%{x}: %{y:,.0f} tok/s measured<br>%{customdata:.2f} MB read per step<extra></extra>")])
     fig.update_layout(title="Decode on this host: measured against its memory bound", barmode="group",
                       yaxis_title="tokens/s", template="plotly_white", height=400)
@@ -169,6 +172,10 @@ def make_speed_pareto_figure(points: Sequence, projections: Mapping[str, Sequenc
     best = pareto_optimal(rows, (("kl_divergence", -1), ("bits_per_weight", -1), ("tokens_per_second", 1)))
     speeds = [r["tokens_per_second"] for r in rows]
     lo, hi = min(s for s in speeds if s is not None), max(s for s in speeds if s is not None)
+    # the colour scale spans at least a fifth of the speed, as a linear axis does: 429 and 437 tok/s are one colour
+    # family, not its two ends
+    span = linear_range([lo, hi])
+    c_lo, c_hi = (span[0], span[1]) if span else (lo, hi)
     fig = lift_subplot_titles(make_subplots(rows=1, cols=3, subplot_titles=(
         "KL against bits/weight", "KL against projected tokens/s", "projected tokens/s against bits/weight")))
     panels = ((1, "bits_per_weight", "kl_divergence"), (2, "tokens_per_second", "kl_divergence"),
@@ -180,9 +187,10 @@ def make_speed_pareto_figure(points: Sequence, projections: Mapping[str, Sequenc
         fig.update_yaxes(**(log_axis(ys) if yk == "kl_divergence" else {"range": linear_range(ys)}), row=1, col=col)
         fig.add_scatter(
             x=xs, y=ys, mode="markers+text", row=1, col=col, cliponaxis=False,
-            text=[r["label"] for r, _ in sel], textposition="top center", showlegend=False, name="plans",
+            # names on the ringed plans only (every name overlapped its neighbours'); every point's is in its hover
+            text=[r["label"] if b else "" for r, b in sel], textposition="top center", showlegend=False, name="plans",
             marker={"size": 12, "color": [r["tokens_per_second"] or lo for r, _ in sel], "colorscale": "Viridis",
-                    "cmin": lo, "cmax": hi if hi > lo else lo + 1, "showscale": col == 3,
+                    "cmin": c_lo, "cmax": c_hi if c_hi > c_lo else c_lo + 1, "showscale": col == 3,
                     "colorbar": {"title": "tok/s"}, "line": {"width": [3 if b else 0 for _, b in sel],
                                                             "color": "#c0392b"}},
             customdata=[[r["label"], r["tokens_per_second"] or 0, r["kl_divergence"], r["bits_per_weight"]]

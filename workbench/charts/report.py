@@ -27,7 +27,7 @@ from ..model.load import is_quantized_dir
 from ..files.workspace import atomic_write_text, file_sha256, library_versions
 
 __all__ = ["Report", "RunNotFound", "Candidates", "find_run", "gather_run", "candidate_plans", "build_report",
-           "write_report", "projection_table_html", "html_table"]
+           "write_report", "projection_table_html", "projection_summary_html", "html_table"]
 
 PROFILE_FILE = "profile.json"  # `workbench profile DIR --json > RUN/profile.json`
 
@@ -292,13 +292,14 @@ def projection_rows(projections: Mapping[str, Sequence]) -> list[list[str]]:
             first = (f"{v.ttft_ms:,.0f} (±{v.ttft_error:.0%})" if v is not None and v.ttft_ms is not None
                      and v.ttft_error is not None else "-")
             runtime = (f"{p.runtime}" + (f" {v.precision}" if v is not None else "")
-                       + ((" (borrowed)" if fitted else " (no vendor fit)") if v is not None and v.fallback else "")
+                       + ((" (measured on a similar chip)" if fitted else " (no vendor fit)")
+                          if v is not None and v.fallback else "")
                        ) if p.runtime else "none: practitioners' efficiency"
             bad = p.unsupported_layers
             npu = "none" if not bad else f"{len(bad)}: " + ", ".join(n for n, _ in bad[:3]) + (
                 " ..." if len(bad) > 3 else "") + f" ({', '.join(sorted({q for _, q in bad}))})"
             rows.append([label, p.device, runtime, f"{p.bits_per_weight:.2f}", format_bytes(p.total_bytes),
-                         _yes(p.fits_ram) + (f" of {p.ram_bytes / 1e9:g} GB" if p.ram_bytes else ""), _yes(p.fits_npu),
+                         _fits_cell(p), _yes(p.fits_npu),
                          _fmt(p.decode_bound_tps, ",.1f"), proj, first, _fmt(p.prefill_bound_ms, ",.1f"), nearest,
                          npu])
     return rows
@@ -311,6 +312,48 @@ PROJECTION_HEADER = ("plan", "device", "runtime", "bits/w", "memory", "fits RAM"
 
 def projection_table_html(projections: Mapping[str, Sequence]) -> str:
     return html_table(PROJECTION_HEADER, projection_rows(projections), "projection")
+
+
+SUMMARY_HEADER = ("plan", "device", "tokens/s", "first token", "fits in memory")
+
+
+def _fits_cell(p) -> str:
+    """Whether weights + KV cache + buffers fit the device's RAM, with both sizes, or why that is unknown."""
+    from ..units import format_bytes
+    if p.fits_ram is None:
+        return f"unknown: {p.ram_why or 'no RAM figure for this device'}"
+    return f"{'yes' if p.fits_ram else 'NO'}: {format_bytes(p.total_bytes)} of {format_bytes(p.ram_bytes)}"
+
+
+def projection_summary_rows(projections: Mapping[str, Sequence]) -> list[list[str]]:
+    """The answer a person looks for first, per plan and device: decode speed with its error, time to first
+    token, whether it fits; a figure that is not projected says why."""
+    rows = []
+    for label, ps in projections.items():
+        for p in ps:
+            v = p.vendor
+            if p.projected_decode_tps is None:
+                why = (v.basis if v is not None and v.decode_tps is None else
+                       next((n for n in p.notes if n.startswith("no decode bound")), "no bandwidth or fit"))
+                tps = f"not projected: {why}"
+            else:
+                tps = f"{p.projected_decode_tps:,.0f}" + (f" (±{p.efficiency_error:.0%})" if p.efficiency_error
+                                                          else "")
+            if v is not None and v.ttft_ms is not None:
+                first = f"{v.ttft_ms:,.0f} ms" + (f" (±{v.ttft_error:.0%})" if v.ttft_error is not None else "")
+            elif p.prefill_bound_ms is not None:
+                first = f"at least {p.prefill_bound_ms:,.1f} ms (bound; no vendor fit)"
+            else:
+                first = "not projected: no compute or bandwidth figure"
+            rows.append([label, p.device, tps, first, _fits_cell(p)])
+    return rows
+
+
+def projection_summary_html(projections: Mapping[str, Sequence]) -> str:
+    """The summary table (tokens/s, first token, fits), and every other column behind a "details" fold."""
+    return (html_table(SUMMARY_HEADER, projection_summary_rows(projections), "projection")
+            + "<details><summary>details: runtime, bits per weight, bounds, the nearest vendor measurement, layers "
+            "the NPU cannot run</summary>" + projection_table_html(projections) + "</details>")
 
 
 def _figure_div(i: int, name: str, fig) -> str:
@@ -418,7 +461,7 @@ def _render(record: Mapping, figures: Mapping, projections: Mapping, context: in
     from plotly.offline import get_plotlyjs
     app = record.get("app_report") or {}
     parts = [f"<h1>workbench run report</h1><p class='note'>run <code>{_e(record['run'])}</code>; report made "
-             f"{_e(record['created'])}</p>"]
+             f"{_e(record['created'])}</p>", _words_html()]  # what the quality figures below mean
     # model and plan
     m = record.get("model") or {}
     parts.append("<h2>Model and plan</h2>")
@@ -523,7 +566,7 @@ def _render(record: Mapping, figures: Mapping, projections: Mapping, context: in
                  "device's class (its fit error in brackets); memory = weights + KV cache + graph buffers, not the "
                  "runtime's code</p>")
     if projections:
-        parts.append(projection_table_html(projections))
+        parts.append(projection_summary_html(projections))
     for n in notes:
         parts.append(f"<p class='note'>{_e(n)}</p>")
     # figures
@@ -558,6 +601,13 @@ def _render(record: Mapping, figures: Mapping, projections: Mapping, context: in
             f"<body>{body}</body></html>\n")
 
 
+def _words_html() -> str:
+    """What KL, nats, top-1 and perplexity mean, one line each (``style.METRIC_WORDS``), hover text included."""
+    from .style import METRIC_WORDS
+    return "<p class='note'>" + "<br>".join(f"<span title='{_e(w)}'>{_e(w)}</span>" for w in METRIC_WORDS.values()) \
+        + "</p>"
+
+
 def _devices_gaps_html(gaps: Sequence[Mapping]) -> str:
     """Each comparison's table (``workbench.run.devices_gap.table_cells``), its flagged gaps in red."""
     from ..run.devices_gap import GAP_RULE, TABLE_HEADER, table_cells
@@ -576,7 +626,7 @@ def _devices_gaps_html(gaps: Sequence[Mapping]) -> str:
                 cells[-1] = f"<span class='gap'>GAP</span> {cells[-1]}"
             body.append("<tr class='gap-row'>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
         parts.append(f"<table class='devices-gap'><tr>{head}</tr>{''.join(body)}</table>"
-                     f"<p class='gap-rule'>{_e(GAP_RULE)}</p>")
+                     f"<p class='gap-rule'>{_e(GAP_RULE)}</p>" + _words_html())
     return "".join(parts)
 
 

@@ -12,7 +12,20 @@ from __future__ import annotations
 import math
 from typing import Iterable
 
-__all__ = ["log_axis", "lift_subplot_titles", "linear_range", "EDGE_DECADES", "MIN_RELATIVE_SPAN", "KIND_COLOURS"]
+__all__ = ["log_axis", "lift_subplot_titles", "linear_range", "EDGE_DECADES", "MIN_RELATIVE_SPAN", "KIND_COLOURS",
+           "METRIC_WORDS"]
+
+# what the quality figures mean, in one line each: shown beside every table and chart of them (app and report), so a
+# reader who does not know the terms is not left with "KL 3.4e-03 nats"
+METRIC_WORDS = {
+    "KL": "KL divergence: how far the model's next-token probabilities are from the float model's, averaged over "
+          "the text (0: the same; below 0.01 is usually hard to notice)",
+    "nats": "nats/token: the unit of KL (natural-log based, as perplexity's log is)",
+    "top-1": "top-1 agreement: the share of tokens where the model's most likely next token is the float "
+             "model's (1.000: always)",
+    "perplexity": "perplexity: how surprised the model is by the text (lower is better); only comparable on the "
+                  "same text and token count",
+}
 
 EDGE_DECADES = 0.08  # a log axis reaches this far past its first and last labelled decade
 MIN_RELATIVE_SPAN = 0.2  # a linear axis spans at least this fraction of its largest value

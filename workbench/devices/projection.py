@@ -88,6 +88,7 @@ class Projection:
     notes: list[str] = field(default_factory=list)
     runtime: str | None = None  # the device LLM runtime projected with (device_runtimes); None: generic
     vendor: "VendorProjection | None" = None  # fitted to the vendor's measurements of that runtime
+    ram_why: str | None = None  # why ``ram_bytes`` is unknown (a SoC's RAM is set by the phone or board built on it)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -192,7 +193,8 @@ def project(model, device: str | Device, plan: QuantPlan | None = None, *, conte
         efficiency=eff, efficiency_error=err, efficiency_basis=basis, projected_decode_tps=projected, prompt=prompt,
         prefill_flops=flops, compute_tops=tops, compute_precision=compute_precision, prefill_compute_ms=compute_ms,
         prefill_memory_ms=memory_ms, prefill_bound_ms=max(known) if known else None,
-        unsupported_layers=unsupported, notes=notes, runtime=rt.name if rt else None, vendor=vendor)
+        unsupported_layers=unsupported, notes=notes, runtime=rt.name if rt else None, vendor=vendor,
+        ram_why=None if ram is not None else dev.source("ram_gb").removeprefix("unknown: "))
 
 
 def project_plans(model, devices, plans: Mapping[str, QuantPlan], *, context: int = DEFAULT_CONTEXT,

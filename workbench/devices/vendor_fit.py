@@ -646,22 +646,39 @@ def vendor_projection(lm, plan, device: Device, runtime: DeviceRuntime, *, conte
         fallback = False
     else:
         members = _class_members(device.device_class, runtime.name, precision, devices)
-        if not members or not device.memory_bandwidth_gbps:
+        other = list(vendor_fits(device=device.key, runtime=runtime.name).values())
+        if (not members or not device.memory_bandwidth_gbps) and other:
+            # this device's runtime is measured, at another precision: its time per byte read, applied to the
+            # plan's own bytes, is what the device is known to do (the bandwidth bound times a pooled efficiency
+            # was an order of magnitude off it: RK3588 int4 at 2,320 tok/s beside w8a8's measured 113)
+            fit = max(other, key=lambda x: len(x.rows))
+            moved = {"decode": fit.decode_any, "ttft": fit.ttft, "memory": fit.memory}
+            errs = {w: lf.held_out if lf else [] for w, lf in moved.items()}
+            rows, feats = fit.rows, fit.feats
+            held_out_by = f"model at {fit.precision}"
+            basis = (f"no {runtime.name} {precision} measurement of {device.name}: its {fit.precision} fit ("
+                     f"{len(rows)} measurement(s) of {len(fit.models)} models on {fit.vendor_device}) applied to "
+                     f"this plan's own bytes; the error is the one held out at {fit.precision}")
+            notes.append(f"{runtime.title} is measured on {device.name} only at {fit.precision}: the {precision} "
+                         "plan is projected at that runtime's time per byte read, with its own bytes")
+            fallback = False
+        elif not members or not device.memory_bandwidth_gbps:
             why = ("its bandwidth is unknown" if members else
                    f"no {device.device_class} device with a known bandwidth has {runtime.name} {precision} measurements")
             return VendorProjection(runtime.name, runtime.title, precision, f"no vendor fit: {why}", True, None, None,
                                     0, None, None, 0, None, None, 0, None, [], notes)
-        moved = _transfer([m for m, _ in members], [b for _, b in members], device.memory_bandwidth_gbps)
-        errs = class_transfer_errors(device.device_class, runtime.name, precision, devices)
-        near = members[_nearest_in_bandwidth([b for _, b in members], device.memory_bandwidth_gbps)][0]
-        rows, feats = near.rows, near.feats
-        chipsets = len({m.rows[0]["chipset"] for m, _ in members})
-        held_out_by = "chipset"
-        basis = (f"no {runtime.name} measurement of {device.name}: borrowed from {near.vendor_device}, the "
-                 f"{device.device_class} device measured nearest in bandwidth, scaled by bandwidth; "
-                 + (f"error held out by chipset among {chipsets} measured" if chipsets > 1 else
-                    "one chipset measured, so no error can be held out"))
-        fallback = True
+        else:
+            moved = _transfer([m for m, _ in members], [b for _, b in members], device.memory_bandwidth_gbps)
+            errs = class_transfer_errors(device.device_class, runtime.name, precision, devices)
+            near = members[_nearest_in_bandwidth([b for _, b in members], device.memory_bandwidth_gbps)][0]
+            rows, feats = near.rows, near.feats
+            chipsets = len({m.rows[0]["chipset"] for m, _ in members})
+            held_out_by = "chipset"
+            basis = (f"no {runtime.name} measurement of {device.name}: borrowed from {near.vendor_device}, the "
+                     f"{device.device_class} device measured nearest in bandwidth, scaled by bandwidth; "
+                     + (f"error held out by chipset among {chipsets} measured" if chipsets > 1 else
+                        "one chipset measured, so no error can be held out"))
+            fallback = True
     measured_gb = [x["weights_gb"] for x in feats]
     extrapolated = bool(feats) and not (min(measured_gb) / EXTRAPOLATION <= f["weights_gb"]
                                         <= max(measured_gb) * EXTRAPOLATION)

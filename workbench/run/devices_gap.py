@@ -28,6 +28,7 @@ bench/devices_gap.py, the app's Export tab and the report all go through this mo
 from __future__ import annotations
 
 import json
+import re
 import resource
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -46,7 +47,7 @@ from ..files.workspace import atomic_write_json, read_json_file
 
 __all__ = ["TARGETS", "GRAPHS", "GAP_FILE", "HTP_WINDOWS", "HTP_DECODE_WINDOWS", "PROMPT", "TARGET_TITLES",
            "DevicesGap", "missing_toolchain", "toolchains", "measure_devices_gap", "read_devices_gap",
-           "graph_scores", "gap_of", "runtime_speed", "make_row", "simulation_row", "convert_row", "htp_row", "rknn_row",
+           "graph_scores", "gap_of", "gap_label", "gap_advice", "GapAdvice", "runtime_speed", "make_row", "simulation_row", "convert_row", "htp_row", "rknn_row",
            "absent_row",
            "format_table", "TABLE_HEADER", "GAP_RULE", "table_cells", "in_child"]
 
@@ -205,6 +206,82 @@ def gap_of(g: dict | None) -> str | None:
     if g.get("kl_vs_qdq") is not None and g["kl_vs_qdq"] > HTP_GAP_KL:
         return f"KL vs CPU QDQ {g['kl_vs_qdq']:.3g} > {HTP_GAP_KL:g}"
     return None
+
+
+def gap_label(g: dict | None) -> str | None:
+    """The quantity ``gap_of`` judged a graph by, short enough for a bar's label ("GAP: top-1 vs simulation
+    0.948 < 0.95"), or None when the graph is not a gap: a label must show what its rule compares, not a
+    neighbouring figure (top-1 against the float model passing 0.95 while top-1 against the simulation fails)."""
+    if not g:
+        return None
+    if g.get("sim_kl") is not None and g["kl"] > GAP_KL_RATIO * g["sim_kl"] + GAP_KL_FLOOR:
+        return f"GAP: KL {g['kl']:.1e} > {GAP_KL_RATIO:g}x sim's {g['sim_kl']:.1e} + {GAP_KL_FLOOR:g}"
+    if g.get("top1_vs_sim") is not None and g["top1_vs_sim"] < GAP_TOP1:
+        return f"GAP: top-1 vs sim {g['top1_vs_sim']:.3f} < {GAP_TOP1:g}"
+    if g.get("kl_vs_qdq") is not None and g["kl_vs_qdq"] > HTP_GAP_KL:
+        return f"GAP: KL vs CPU QDQ {g['kl_vs_qdq']:.3g} > {HTP_GAP_KL:g}"
+    return None
+
+
+WIDER = {"int2": "int4", "int3": "int4", "int4": "int8", "int8": "fp16"}  # one step wider, for a layer a gap names
+_BLOCK_PARTS = {"attention": ("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
+                "mlp": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
+
+
+@dataclass
+class GapAdvice:
+    """What to try for a flagged row: one sentence, and where it can be done by a button, the layers to set and
+    the precision to set them to (``apply`` makes that plan)."""
+
+    text: str
+    layers: list[str] = field(default_factory=list)
+    precision: str | None = None
+
+    def apply(self, plan: QuantPlan) -> QuantPlan:
+        for name in self.layers:
+            plan = plan.with_override(name, self.precision)
+        return plan
+
+
+def gap_advice(row: dict, plan: QuantPlan | None, layer_names: Sequence[str] = ()) -> GapAdvice | None:
+    """The next step for a flagged row (None when it is not flagged): the layers its layer-wise cause names one
+    precision wider (a button can set them), the output layer where the departure is after the blocks, or the
+    setting to change where no single layer is the cause or no layer-wise comparison ran."""
+    if not row.get("gap"):
+        return None
+    lw = row.get("layerwise") or {}
+    names = list(layer_names)
+
+    def widen(layers: list[str], where: str) -> GapAdvice:
+        layers = [n for n in layers if not names or n in names]
+        now = {plan.precision_name_for(n) if plan else None for n in layers}
+        current = next(iter(now)) if len(now) == 1 else None
+        to = WIDER.get(current or "", "int8" if current is None else "fp16")
+        if row["target"] == "rknn":
+            to = "fp16"  # the RK3588 keeps a plan's float layers float16 (hybrid quantization); its integers are int8
+        return GapAdvice(f"try {where} ({', '.join(n.rsplit('.', 1)[-1] for n in layers) or 'its layers'}) at {to}"
+                         f"{f' instead of {current}' if current else ''}, then compare again", layers, to)
+
+    cause = row.get("cause") or ""
+    at = re.search(r"at block (\d+)'s (attention|mlp)", cause)
+    if at or lw.get("first_block") is not None:
+        block, part = (int(at[1]), at[2]) if at else (lw["first_block"], "attention")
+        module, projs = _BLOCK_PARTS[part]
+        return widen([f"model.layers.{block}.{module}.{p}" for p in projs], f"block {block}'s {part}")
+    if "lm_head" in cause:
+        return widen(["lm_head"], "the output layer")
+    if cause.startswith("no single layer"):
+        return GapAdvice("no single layer is the cause: every layer rounds slightly differently from the simulation; "
+                         "try a smaller group size (64 or 32) or the scale search in Precisions, then compare again")
+    if row["target"] == "htp":
+        return GapAdvice("the HTP departs from CPU QDQ on the same graphs: its own kernels round differently; run "
+                         "ort-qdq too, whose layer-wise comparison names the layers to widen, or try another SoC")
+    if row["target"] == "rknn":
+        return GapAdvice("the RK3588 quantizes activations to int8 (w8a8): keep the most sensitive layers at fp16 "
+                         "(Precisions' sensitivity sweep names them; fp16 layers stay float16 on the NPU), then "
+                         "compare again")
+    return GapAdvice("no layer-wise comparison ran for this target: run ort-qdq too, whose comparison names the "
+                     "layers to widen, or widen the most sensitive layers in Precisions, then compare again")
 
 
 def runtime_speed(speed: dict | None) -> dict | None:

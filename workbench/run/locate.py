@@ -117,9 +117,18 @@ OWN_FEEDS = frozenset({"rknn"})
 
 
 def not_runnable_here(folder: str | Path) -> str | None:
-    """The target ``folder``'s conversion.json names when its graphs only look like another target's files."""
+    """The target ``folder``'s conversion.json names when its graphs only look like another target's files: one
+    that feeds its own inputs (``OWN_FEEDS``), or one registered as not running here (TensorRT's model.onnx looks like
+    ort-int4's, but Export says it does not run here: Generate and Profile must not run it either)."""
     recorded = conversion_target(folder) if Path(folder).is_dir() else None
-    return recorded if recorded in OWN_FEEDS else None
+    if recorded in OWN_FEEDS:
+        return recorded
+    from ..targets.registry import get_target
+    try:
+        target = get_target(recorded) if recorded else None
+    except WorkbenchError:
+        return None  # a target this install does not register: its files decide
+    return recorded if target is not None and not target.runnable else None
 
 
 def target_files(folder: Path, target) -> tuple[str, ...]:

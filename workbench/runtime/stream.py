@@ -19,7 +19,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 import torch
 
-__all__ = ["Sampling", "GenerationStats", "stream_tokens", "torch_threads"]
+__all__ = ["Sampling", "GenerationStats", "stream_tokens", "torch_threads", "STOP_WORDS"]
 
 
 @contextlib.contextmanager
@@ -33,6 +33,11 @@ def torch_threads(threads: int | None = 1):
         yield
     finally:
         torch.set_num_threads(before)
+
+
+# why a generation stopped, in words (``stop_reason``'s codes stay in the JSON)
+STOP_WORDS = {"max_new_tokens": "reached the token limit (max tokens)", "eos": "the model ended its answer",
+              "context": "the model's context is full"}
 
 
 @dataclass(frozen=True)
@@ -94,7 +99,7 @@ class GenerationStats:
     def summary(self) -> str:
         tps = self.tokens_per_second
         speed = f"{tps:,.1f} tok/s" if tps is not None else "- tok/s"
-        stop = f"; stopped: {self.stop_reason}" if self.stop_reason else ""
+        stop = f"; stopped: {STOP_WORDS.get(self.stop_reason, self.stop_reason)}" if self.stop_reason else ""
         return (f"{self.new_tokens} tokens, {speed} after the first; prefill {self.prompt_tokens} tokens "
                 f"{self.prefill_seconds * 1000:,.1f} ms{stop}")
 

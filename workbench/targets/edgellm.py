@@ -432,7 +432,16 @@ def convert_edgellm(job) -> None:
                             "dequantized float16 values (Edge-LLM looks the embedding up in float16)")
 
 
+def _missing() -> str | None:
+    """One sentence when Edge-LLM's exporter (its own venv) is not on this machine, else None."""
+    if edgellm_python() is not None:
+        return None
+    return ("TensorRT Edge-LLM's exporter is not installed on this machine (it lives in its own environment, which "
+            "`make edgellm-env` creates), so the app cannot convert for it here")
+
+
 TARGET = register_target(Target(
     "tensorrt-edgellm", "TensorRT Edge-LLM (Jetson, W4A16)", rules=None, convert=convert_edgellm, module=__name__,
+    missing=_missing,
     int_bits=(4,), precision_note="Edge-LLM's int4 plugin holds symmetric 4-bit codes with float16 scales per group "
                                   "(one group size per model); float layers are float16"))

@@ -29,7 +29,7 @@ from ..errors import PlanError, WorkbenchError
 from ..quantize.plan import Precision, get_precision
 
 __all__ = ["Target", "OverrideFormat", "register_target", "get_target", "target_names", "override_format",
-           "check_precisions", "registered_targets", "TargetNames", "RULES_DIR", "rules_path"]
+           "check_precisions", "plan_reach", "registered_targets", "TargetNames", "RULES_DIR", "rules_path"]
 
 RULES_DIR = ASSETS_DIR / "targets"
 
@@ -68,6 +68,9 @@ class Target:
     module: str = field(default="", compare=False)
     two_level: tuple[tuple[int, int], ...] = ()  # (code bits, sub-scale bits) of two-level scales it carries exactly
     layouts: tuple[str, ...] = ()  # precisions with a fixed block layout (``int3-k``) it stores as they are
+    # missing() -> None when its converter can run on this machine, else one sentence saying what is not here (a
+    # toolchain in its own environment): the app greys the target with it instead of failing after a click
+    missing: Callable[[], str | None] | None = None
     precision_note: str = ""  # why it carries no other precisions, said when it refuses one
     signed_scales: bool = False  # group scales may be negative (the 16-level grid's, as GGUF's Q4_0 and MatMulNBits)
 
@@ -184,6 +187,22 @@ def check_signed_scales(target: Target, qm) -> None:
                         f"scales carry a sign (llama.cpp's Q4_0 layout), which {target.name} cannot hold: quantize "
                         f"again with `workbench quantize ... --no-full-range` (or \"full_range\": false in the plan), "
                         f"or convert this model with --target {holders}")
+
+
+def plan_reach(precisions: Mapping[str, str | None] | Iterable[str | None],
+               targets: Iterable[str] | None = None) -> dict[str, str | None]:
+    """Per conversion target (``targets``, default every one with a converter): None when it carries every precision
+    of a plan (``{layer: precision}`` or the precisions alone), else why not in one sentence: what the app offers,
+    so a target the plan cannot go to is greyed with its reason rather than refused after a click."""
+    values = list(precisions.values() if isinstance(precisions, Mapping) else precisions)
+    out = {}
+    for name in (targets if targets is not None else target_names("convert")):
+        t = get_target(name)
+        bad = sorted({v for v in values if (pr := get_precision(v)) is not None and not t.carries(pr)})
+        out[name] = None if not bad else (
+            f"{t.title} cannot carry {', '.join(bad)} (it takes "
+            + ", ".join([f"int{b}" for b in t.int_bits] + [f"{b}-bit float" for b in t.float_bits]) + ")")
+    return out
 
 
 def check_precisions(target: Target, precisions: Mapping[str, str | None] | Iterable[str | None],

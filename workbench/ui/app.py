@@ -45,12 +45,15 @@ from .project import ProjectPanel
 from .quantize import QuantizePanel
 from .session import ARCHIVE_SEND_LIMIT, AppSession, SessionLabel, run_model
 
-__all__ = ["WorkbenchApp", "TAB_TITLES", "SENSITIVITY_CHOICES", "SWEEP_PRECISIONS"]
+__all__ = ["WorkbenchApp", "TAB_TITLES", "SENSITIVITY_CHOICES", "SWEEP_PRECISIONS", "EVERY_PRECISION"]
 
 # how the Precisions tab scores layers: the Fisher proxy answers in seconds, the measured sweep takes minutes
 SENSITIVITY_CHOICES = (("Quick estimate (Fisher proxy, seconds)", "proxy"), ("Measured sweep (thorough, minutes)", "kl"))
+# "every": every registered integer precision (run_sensitivity's precisions=None); not None itself, which a
+# dropdown takes for "nothing chosen" and shows blank
+EVERY_PRECISION = "every"
 SWEEP_PRECISIONS = (("INT8 and INT4", ("int8", "int4")), ("INT2 to INT8", ("int8", "int6", "int5", "int4", "int3", "int2")),
-                    ("every precision", None))  # None: every registered integer precision (sweep_precisions)
+                    ("every precision", EVERY_PRECISION))
 
 TAB_TITLES = ("Fine-tune", "Calibrate", "Precisions", "Quantize", "Export", "Profile", "Generate", "Project",
               "Compress")
@@ -149,6 +152,10 @@ class WorkbenchApp(StepPanel):
         if model is not None:
             self.model_path.value = str(model)
         before = self.session.out_dir
+        # whatever Load gives, the last run's download is not this one's: no "downloading" line, no "save again" link
+        self.download_line.clear()
+        if self.download_link.sent:
+            self.download_link.forget()
         ok, lm = self._attempt(f"loading {self.model_path.value}...", lambda: self.session.load(self.model_path.value))
         if not ok:
             return None
@@ -198,6 +205,7 @@ class WorkbenchApp(StepPanel):
             return None
         score = score or self.sweep_how.value
         precisions = self.sweep_precisions.value if precisions == () else precisions
+        precisions = None if precisions == EVERY_PRECISION else precisions
         plan = self.override_panel.plan
         how = "estimating" if score == "proxy" else "measuring"
         ok, report = self._attempt(f"{how} each layer's sensitivity...", lambda: run_sensitivity(

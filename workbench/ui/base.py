@@ -33,6 +33,24 @@ W = TypeVar("W", bound=widgets.Widget)
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")  # tqdm moves the cursor between nested bars
 
 
+def metric_words_html(*terms: str) -> str:
+    """One grey line saying what each quality figure (``charts.style.METRIC_WORDS``: KL, nats, top-1, perplexity)
+    means, each term with its meaning as its hover text too."""
+    from ..charts.style import METRIC_WORDS
+    parts = [f"<span title='{html.escape(METRIC_WORDS[t])}'>{html.escape(METRIC_WORDS[t])}</span>"
+             for t in (terms or METRIC_WORDS)]
+    return "<div class='workbench-words' style='font-size:11px;color:#5d6d7e'>" + "; ".join(parts) + "</div>"
+
+
+def file_error(e: OSError) -> str:
+    """A file or folder the app cannot create, read or write, in one line: which, and why (an output folder in a
+    read-only place was a ``Path.mkdir`` traceback on the page)."""
+    reason = e.strerror or type(e).__name__
+    hint = " (choose an output folder you can write to)" if isinstance(e, (PermissionError, IsADirectoryError)) or \
+        e.errno in (13, 20, 30) else ""
+    return f"cannot use '{e.filename}': {reason.lower() if reason[:1].isupper() else reason}{hint}"
+
+
 def ruled_style(cls: str) -> str:
     """A ``<style>`` that makes a table of class ``cls`` read in columns: cell borders, padding, a shaded header."""
     return (f"<style>.{cls}{{border-collapse:collapse;font-size:12px}}.{cls} td,.{cls} th{{border:1px solid #ddd;"
@@ -275,6 +293,10 @@ class StepPanel(widgets.VBox):
                     return True, result
                 except (WorkbenchError, ValueError) as e:
                     refused = e
+                except OSError as e:
+                    if e.filename is None:
+                        raise  # not about a file or folder: the traceback, in the log
+                    refused = file_error(e)
             # reached without ``refused`` when the output widget showed an unexpected exception's traceback:
             # in a kernel it keeps exceptions to itself
             self._show_error(refused or "unexpected error: its traceback is in the log below", line)
@@ -331,6 +353,13 @@ class FileDownload(anywidget.AnyWidget):
       link.style.display = "none";
       el.appendChild(link);
       model.on("msg:custom", (msg, buffers) => {
+        if (msg && msg.kind === "forget") {  // a new model: the last run's file is not this run's
+          if (link.href) URL.revokeObjectURL(link.href);
+          link.removeAttribute("href");
+          link.textContent = "";
+          link.style.display = "none";
+          return;
+        }
         if (!msg || msg.kind !== "file") return;
         const blob = new Blob(buffers, { type: msg.mime });
         if (link.href) URL.revokeObjectURL(link.href);
@@ -351,3 +380,8 @@ class FileDownload(anywidget.AnyWidget):
         self.send({"kind": "file", "name": Path(path).name, "mime": mime, "size": size}, buffers=[data])
         self.sent = Path(path).name
         return len(data)
+
+    def forget(self) -> None:
+        """Take the "save again" link off the page: the file it saves belongs to an earlier run."""
+        self.send({"kind": "forget"})
+        self.sent = ""

@@ -6,8 +6,11 @@
     display(panel)
 
 Every measured model becomes a point (size against KL and perplexity, against the float model) on
-the same Pareto chart as the precision plans (``extra_points`` supplies those, e.g. the override
-panel's), and a row of the table beside it.
+one Pareto chart with the precision plans (``extra_points`` supplies those, e.g. the override
+panel's), and a row of the table beside it. Every point on the chart is scored on this tab's one
+evaluation (the same text and token count): a precision plan measured elsewhere on other tokens is
+measured again here (round-to-nearest, as every point here) rather than drawn beside points it
+cannot be compared with.
 
 Quantized points, and quantization-aware distillation, use one precision plan: the app session's
 current plan (``session=``: the plan Precisions hands on and Quantize runs, followed as it changes),
@@ -37,10 +40,16 @@ from ..compress.prune import (HEAD_UNITS, SCORES, Geometry, PruneImportance, Pru
                      measure_point, predicted_size, prune)
 from ..precision.sensitivity import evaluation_tokens
 from ..files.workspace import Workspace
-from .base import StepPanel
+from .base import StepPanel, metric_words_html
 from .session import describe_plan
 
 __all__ = ["CompressPanel"]
+
+
+def _rounded(plan: QuantPlan) -> str:
+    """The hash of ``plan`` rounded to nearest: what this tab measures whatever the plan's own method."""
+    import dataclasses
+    return dataclasses.replace(plan, method="rtn").content_hash()
 
 
 class CompressPanel(StepPanel):
@@ -85,7 +94,8 @@ class CompressPanel(StepPanel):
         self.temperature = widgets.BoundedFloatText(value=temperature, min=0.1, max=100, step=0.5,
                                                     description="temperature", style={"description_width": "initial"})
         self.predicted = widgets.HTML()
-        self.progress = widgets.IntProgress(value=0, min=0, max=steps, description="distil", bar_style="info")
+        self.progress = widgets.IntProgress(value=0, min=0, max=steps, description="distil", bar_style="info",
+                                            layout={"display": "none"})  # shown once a run starts
         self.score_button = widgets.Button(description="Score", icon="bar-chart",
                                            tooltip="importance of every head and MLP channel (cached)")
         self.prune_button = widgets.Button(description="Prune", button_style="primary", icon="scissors")
@@ -111,7 +121,8 @@ class CompressPanel(StepPanel):
             widgets.HBox([self.quantize, self.plan_note]), widgets.HBox([self.steps, self.temperature]),
             self.predicted,
             widgets.HBox([self.score_button, self.prune_button, self.distill_button]), self.progress,
-            self.status_line, self.log_output, self.pareto_plot, self.table_plot, self.loss_plot, self.importance_plot,
+            self.status_line, self.log_output, self.pareto_plot, self.table_plot, widgets.HTML(metric_words_html()),
+            self.loss_plot, self.importance_plot,
             self.channel_plot])
         if session is not None:
             self._watch(session, lambda _: self._on_plan(), "plan")
@@ -214,19 +225,37 @@ class CompressPanel(StepPanel):
             # the plan (hash, method, group size); its bits/weight on this model are the point's own column
             point["plan"] = describe_plan(plan) + ("" if plan.method == "rtn" else " rounded to nearest")
             point["plan_hash"], point["fallbacks"] = plan.content_hash(), qm.fallbacks
+            point["rounded_hash"] = _rounded(plan)  # what is measured here: the plan rounded to nearest
         else:
             point = measure_point(label, lm.model, ids, ref, size_bytes=lm.size_bytes(precision="fp16"),
                                   bits_per_weight=16.0, ctx=self._ctx)
         self.points = [p for p in self.points if p["label"] != label] + [point]
         return point
 
+    def _measure_extra(self) -> None:
+        """Measure the precision plans of ``extra_points`` on this tab's evaluation (each plan once): a point
+        scored on other tokens would sit on the same axis with another text's perplexity."""
+        done = {p.get("rounded_hash") for p in self.points}
+        for e in self.extra_points():
+            plan = getattr(e, "plan", None) if not isinstance(e, dict) else e.get("plan")
+            if not isinstance(plan, QuantPlan) or _rounded(plan) in done:
+                continue  # the same plan rounded to nearest (an AWQ plan and its RTN preview) is measured once
+            label = getattr(e, "label", None) or (e.get("label") if isinstance(e, dict) else None) or "plan"
+            label = label.replace(" (RTN preview)", "") + ("" if plan.method == "rtn" else " (RTN)")
+            self._add_point(label, self.lm, plan)
+            done.add(_rounded(plan))
+
     def _show_points(self) -> None:
-        pts = list(self.extra_points()) + self.points
-        pareto = make_pareto_figure(pts, x="size_bytes")
+        pareto = make_pareto_figure(self.points, x="size_bytes")
         plans = list(dict.fromkeys(p["plan"] for p in self.points if p.get("plan")))
-        if plans:  # which precision plan the quantized points were rounded by, on the chart itself
-            pareto.update_layout(title={"text": "quantized points: " + "; ".join(plans), "font": {"size": 13}},
-                                 margin={"t": 80})
+        tokens = self.points[0]["tokens"] if self.points else 0
+        title = (f"Every point scored on the same {tokens:,} tokens of the bundled held-out text "
+                 f"({self._ctx}-token windows)")
+        if len(plans) == 1:  # which plan the quantized points were rounded by, on the chart itself
+            title += "<br><span style='font-size:11px'>quantized by: " + html.escape(plans[0]) + "</span>"
+        elif plans:  # several: the table's last column names each (a line of them ran off the chart)
+            title += "<br><span style='font-size:11px'>each quantized point's plan: the table's last column</span>"
+        pareto.update_layout(title={"text": title, "font": {"size": 13}}, margin={"t": 90})
         self._plot("pareto", pareto, self.pareto_plot)
         self._plot("table", make_compress_table_figure(self.points), self.table_plot)
 
@@ -274,6 +303,7 @@ class CompressPanel(StepPanel):
                 self._add_point("float", self.lm, None)
             if quant is not None and not any(p["label"] == tag for p in self.points):
                 self._add_point(tag, self.lm, quant)  # the unpruned model with the same plan, for comparison
+            self._measure_extra()
             report = prune(self.lm, plan, self.out_dir / "pruned", workspace=self.workspace, evaluate_tokens=None,
                            importance=self.importance, progress=True)
             pruned = load_model(self.out_dir / "pruned")
@@ -307,6 +337,7 @@ class CompressPanel(StepPanel):
         steps = self.steps.value
         cfg = DistillConfig(steps=steps, temperature=self.temperature.value)
         plan = self.quant_plan if self.quantize.value else None
+        self.progress.layout.display = ""
         self.progress.max, self.progress.value, self.progress.bar_style = steps, 0, "info"
         t0 = time.perf_counter()
         first, losses = {}, []
@@ -327,7 +358,9 @@ class CompressPanel(StepPanel):
                              eval_tokens=self.eval_tokens, overwrite=True, progress=True, on_step=on_step)
             student = load_model(self.out_dir / "distilled")
             label = f"pruned + {self._plan_tag(plan)} + distilled" if plan else "pruned + distilled"
-            return report, self._add_point(label, student, plan)
+            point = self._add_point(label, student, plan)
+            self._measure_extra()
+            return report, point
         ok, result = self._attempt("distilling...", work)
         if not ok:
             self.progress.bar_style = "danger"

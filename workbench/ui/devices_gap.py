@@ -22,11 +22,11 @@ import ipywidgets as widgets
 
 from ..charts.graph import make_device_gap_figure
 from ..run.devices_gap import (GAP_RULE, HTP_WINDOWS, TABLE_HEADER, TARGET_TITLES, TARGETS, DevicesGap,
-                           measure_devices_gap, table_cells, toolchains)
+                           gap_advice, measure_devices_gap, table_cells, toolchains)
 from ..errors import WorkbenchError
 from ..targets.htp import DEFAULT_DEVICE, htp_soc, htp_socs
 from ..model.sweep_backends import backend_for
-from .base import StepPanel, ruled_table
+from .base import StepPanel, metric_words_html, ruled_table
 
 __all__ = ["DevicesGapPanel", "gap_table_html", "DEFAULT_TARGETS"]
 
@@ -48,7 +48,8 @@ def gap_table_html(rows: list[dict]) -> str:
         body.append(f"<tr class='gap-row' data-target='{html.escape(r['target'])}'{style}>"
                     + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
     return (ruled_table("workbench-gap", head, "".join(body))
-            + "<div class='gap-rule' style='font-size:12px;color:#566573'>" + html.escape(GAP_RULE) + "</div>")
+            + "<div class='gap-rule' style='font-size:12px;color:#566573'>" + html.escape(GAP_RULE) + "</div>"
+            + metric_words_html("KL", "nats", "top-1"))
 
 
 class DevicesGapPanel(StepPanel):
@@ -88,6 +89,7 @@ class DevicesGapPanel(StepPanel):
                                                                                             "visibility": "hidden"})
         self.plan_label = widgets.HTML()
         self.table = widgets.HTML()
+        self.advice = widgets.VBox(layout={"margin": "4px 0"})  # a flagged row's next step, with its button
         self.chart = _figure_widget([])
         self.chart_box = widgets.Box([self.chart], layout={"display": "none", "width": "100%"})  # once a row ran
         self.controls = [*self.checks.values(), self.soc, self.tokens, self.workers, self.run_button]
@@ -99,7 +101,7 @@ class DevicesGapPanel(StepPanel):
                          "simulation is flagged"),
             widgets.HBox(list(self.checks.values())), self.missing_label,
             widgets.HBox([self.soc, self.tokens, self.workers, self.run_button]), widgets.HBox([self.progress, self.status]),
-            self.plan_label, self.table, self.chart_box, self.log_output])
+            self.plan_label, self.table, self.advice, self.chart_box, self.log_output])
         self.add_class("workbench-devices-gap")  # the section, for the browser test and a page's styles
 
     # -- what the run is of --------------------------------------------------------------------------
@@ -143,6 +145,7 @@ class DevicesGapPanel(StepPanel):
             model, plan, what = self._subject()
             self.plan_label.value = f"<span style='font-size:12px'>of {html.escape(what)}</span>"
             self.table.value = ""
+            self.advice.children = ()
             self._draw([])
             self.progress.max, self.progress.value = len(targets), 0
             self.progress.layout.visibility = "visible"
@@ -155,6 +158,7 @@ class DevicesGapPanel(StepPanel):
                 self.progress.value = len(gap.rows)
                 self.table.value = gap_table_html(gap.rows)
                 self._draw(gap.rows)
+                self._show_advice(gap.rows)
 
             gap = measure_devices_gap(model, plan=plan, targets=targets, soc=self.soc.value,
                                       max_tokens=self.tokens.value, windows=windows,
@@ -171,6 +175,7 @@ class DevicesGapPanel(StepPanel):
             self._freeze(False)
         self.result = gap
         self.session.devices_gap = gap
+        self.status_line.succeeded()  # another action's earlier error (a failed Convert) is done with
         flagged = [r["target"] for r in gap.flagged]
         failed = [r["target"] for r in gap.rows if r.get("error")]
         self.status.value = html.escape(
@@ -179,6 +184,35 @@ class DevicesGapPanel(StepPanel):
             + f" ({GAP_RULE})"
             + (f"; failed: {', '.join(failed)}" if failed else "") + f"; saved in {gap.work_dir}")
         return gap
+
+    def _show_advice(self, rows: list[dict]) -> None:
+        """Under the table, each flagged row's next step (``gap_advice``) and, where it names layers, a button that
+        sets them in the session's plan (every tab follows it; Compare again measures the new plan)."""
+        s = self.session
+        names = [info.name for info in s.lm.layers] if s.lm is not None else []
+        lines = []
+        for r in rows:
+            advice = gap_advice(r, s.plan, names)
+            if advice is None:
+                continue
+            text = widgets.HTML(f"<span style='font-size:12px'><b style='color:#c0392b'>{html.escape(r['target'])}"
+                                f"</b>, what to try: {html.escape(advice.text)}</span>")
+            if advice.layers and advice.precision:
+                button = widgets.Button(description=f"set them to {advice.precision}", icon="wrench",
+                                        layout={"width": "auto"}, tooltip=", ".join(advice.layers))
+                button.on_click(lambda _, a=advice: self._apply(a))
+                lines.append(widgets.HBox([text, button]))
+            else:
+                lines.append(text)
+        self.advice.children = tuple(lines)
+
+    def _apply(self, advice) -> None:
+        """Set the layers a flag named in the session's plan; say what changed and what to do next."""
+        s = self.session
+        s.plan = advice.apply(s.plan)
+        self.error = None
+        self.status.value = html.escape(f"{len(advice.layers)} layer(s) set to {advice.precision} in the session's "
+                                        "plan: press Compare on the devices to measure it")
 
     def _draw(self, rows: list[dict]) -> None:
         """The chart of ``rows`` (kept in ``figures`` for Download once it has any). A new figure widget each time,

@@ -39,7 +39,8 @@ class FinetunePanel(StepPanel):
         self.batch_size = widgets.BoundedIntText(value=batch_size, min=1, max=1024, description="batch")
         self.seq_len = widgets.BoundedIntText(value=seq_len, min=8, max=1 << 16, description="seq len")
         self.overwrite = overwrite
-        self.progress = widgets.IntProgress(value=0, min=0, max=steps, description="steps", bar_style="info")
+        self.progress = widgets.IntProgress(value=0, min=0, max=steps, description="steps", bar_style="info",
+                                            layout={"display": "none"})  # shown once a run starts
         self.run_button = widgets.Button(description="Fine-tune", button_style="primary", icon="play")
         self.run_button.on_click(lambda _: self.run())
         self.plot = widgets.Output()
@@ -58,6 +59,7 @@ class FinetunePanel(StepPanel):
 
     def run(self) -> FinetuneReport | None:
         """Train, merge and save; show perplexity before -> after and the loss curve."""
+        self.progress.layout.display = ""
         self.progress.max, self.progress.value, self.progress.bar_style = self.steps.value, 0, "info"
 
         def on_step(step: int, loss: float) -> None:

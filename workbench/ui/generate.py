@@ -21,7 +21,7 @@ import ipywidgets as widgets
 from ..errors import ModelLoadError
 from ..run.generate import DEFAULT_MAX_NEW_TOKENS, Generation, TextGenerator, open_model
 from ..run.locate import locate
-from ..runtime.stream import Sampling
+from ..runtime.stream import STOP_WORDS, Sampling
 from ..model.load import LoadedModel
 from .base import StepPanel
 
@@ -58,8 +58,8 @@ class _Column(widgets.VBox):
         s, tps = gen.stats, gen.stats.tokens_per_second
         speed = f"<b>{tps:,.1f} tok/s</b>" if tps is not None else "<b>- tok/s</b>"
         self.stats.value = (f"{speed} &nbsp; {s.new_tokens} tokens; prefill {s.prompt_tokens} tokens in "
-                            f"{s.prefill_seconds * 1000:,.1f} ms" + (f"; stopped: {s.stop_reason}" if s.stop_reason
-                                                                      else ""))
+                            f"{s.prefill_seconds * 1000:,.1f} ms" + (
+            f"; stopped: {STOP_WORDS.get(s.stop_reason, s.stop_reason)}" if s.stop_reason else ""))
 
 
 class GeneratePanel(StepPanel):

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import html
+import re
 import socket
 from pathlib import Path
 
@@ -19,7 +20,9 @@ from ..charts.graph import make_block_bytes_figure, make_conversion_figure, make
 from ..targets.convert import (CONVERT_TARGETS, GAP_KL_FLOOR, GAP_KL_RATIO, GAP_TOP1, ConversionReport, convert,
                        prepare_models)
 from ..onnx.inspect import initializer_bytes_by_block
+from ..errors import PlanError
 from ..targets import TARGETS, GraphReport, inspect_graph
+from ..targets.registry import get_target, plan_reach
 from .base import StepPanel, ruled_table
 
 __all__ = ["GraphPanel", "ConvertPanel", "NetronServer"]
@@ -160,7 +163,9 @@ class ConvertPanel(StepPanel):
         self.reports: list[ConversionReport] = []
         self.figure = None
         self._setup()
-        self.target = widgets.Dropdown(options=list(CONVERT_TARGETS), value="ort-int4", description="target")
+        self.target = widgets.Dropdown(options=list(CONVERT_TARGETS), value="ort-int4", description="target",
+                                       layout={"width": "auto"})
+        self.reach_note = widgets.HTML()  # the targets the plan cannot go to, greyed, each with why
         self.out_dir = widgets.Text(value=str(session.conversion_dir if session is not None else out_dir),
                                     description="output", layout={"width": "640px"})
         label = {"description_width": "initial"}  # the whole label, not "INT4 acc. ..."
@@ -168,8 +173,10 @@ class ConvertPanel(StepPanel):
                                                style=label)
         self.activation_bits = widgets.Dropdown(options=[16, 8], value=activation_bits, description="QDQ act. bits",
                                                 style=label)
-        self.max_tokens = widgets.IntText(value=max_tokens or 0, description="eval tokens",
-                                          tooltip="0 = the whole evaluation text")
+        self.max_tokens = widgets.IntText(value=max_tokens or 0, description="tokens scored (0: all)",
+                                          style={"description_width": "initial"}, layout={"width": "220px"},
+                                          tooltip="held-out tokens the converted model is scored on; 0: the whole "
+                                                  "evaluation text")
         self.convert_button = widgets.Button(description="Convert", button_style="primary", icon="cogs")
         self.convert_button.on_click(lambda _: self.run())
         self.table = widgets.HTML()
@@ -185,14 +192,49 @@ class ConvertPanel(StepPanel):
                                  "with the workbench's simulation of that same model"),
                     self._own(SessionLabel(session))]
             self._watch(session, self._on_session_quantized, ["quantized", "out_dir"])
+            self._watch(session, lambda _: self._refresh_targets(), ["plan", "quantized", "lm"])
         else:
             head = [widgets.HTML(f"<b>Convert</b> {html.escape(str(model))}: run the converted model and compare it "
                                  "with the workbench's simulation")]
         super().__init__([
-            *head, widgets.HBox([self.target, self.out_dir]),
+            *head, widgets.HBox([self.target, self.out_dir]), self.reach_note,
             widgets.HBox([self.accuracy_level, self.activation_bits, self.max_tokens, self.convert_button]),
             self.status_line, self.log_output, self.table, self.plot,
             *([widgets.HTML("<hr>"), self.gap_panel] if self.gap_panel is not None else [])])
+        self._refresh_targets()
+
+    def _plan_precisions(self):
+        """``{layer: precision}`` of what Convert would convert: the session's quantized model's plan (else its
+        current plan), or the plan / bits given; None when there is nothing to judge by yet."""
+        s = self.session
+        if s is not None:
+            plan = s.quantized.plan if s.quantized is not None else s.plan
+            return None if plan is None or s.lm is None else plan.resolve([i.name for i in s.lm.layers])
+        if self.plan is not None:  # no model loaded here: the plan's own precisions
+            return [self.plan.default, *(r.precision for r in self.plan.rules)]
+        return [f"int{self.bits}"] if self.bits else None
+
+    def _refresh_targets(self) -> None:
+        """Offer the targets the plan can reach, each saying whether it runs here; grey the rest with why."""
+        precisions = self._plan_precisions()
+        reach = plan_reach(precisions or {}, CONVERT_TARGETS)
+        for t in CONVERT_TARGETS:  # a toolchain not on this machine: one sentence, before anyone clicks
+            missing = get_target(t).missing
+            if reach[t] is None and missing is not None:
+                reach[t] = missing()
+        ok = [t for t, why in reach.items() if why is None]
+
+        def label(t: str) -> str:
+            return f"{t} ({'runs here' if get_target(t).runnable else 'files for the device; not run here'})"
+        current = self.target.value
+        self.target.options = [(label(t), t) for t in ok]
+        if ok:
+            self.target.value = current if current in ok else ("ort-int4" if "ort-int4" in ok else ok[0])
+        greyed = {t: why for t, why in reach.items() if why}
+        self.reach_note.value = "" if not greyed else (
+            "<div style='font-size:12px;color:#7f8c8d'>not offered (the plan cannot go there, or this machine cannot "
+            "convert for it): " + "; ".join(
+                f"<b>{html.escape(t)}</b>: {html.escape(why)}" for t, why in greyed.items()) + "</div>")
 
     def _on_session_quantized(self, change) -> None:
         """A new quantized model (or output folder): its conversions go to their own folder; the table starts empty."""
@@ -207,6 +249,11 @@ class ConvertPanel(StepPanel):
     def run(self, target: str | None = None) -> ConversionReport | None:
         """Convert for ``target`` (default: the dropdown) into ``<output>/<target>``; show the comparison."""
         if target is not None:
+            if target not in [v for _, v in self.target.options]:
+                why = (plan_reach(self._plan_precisions() or {}, [target])[target] if target in CONVERT_TARGETS
+                       else f"unknown conversion target '{target}'; choose one of: {', '.join(CONVERT_TARGETS)}")
+                self._show_error(f"not offered: {why}")
+                return None
             self.target.value = target
         ok, report = self._attempt(f"converting for {self.target.value}...", self._convert)
         if not ok:
@@ -228,6 +275,17 @@ class ConvertPanel(StepPanel):
                            f"{report.eval_tokens:,})")
 
     def _convert(self) -> ConversionReport:
+        """The library calls behind Convert (a refusal's command-line example becomes what to do in the app)."""
+        try:
+            return self._convert_now()
+        except PlanError as e:
+            short = re.sub(r"\s*\(e\.g\. `workbench [^)]*\)", "", str(e))
+            if short == str(e):
+                raise
+            raise PlanError(short + " (in the app: a layer's precision is set in Precisions, the group size in "
+                                    "Quantize)") from None
+
+    def _convert_now(self) -> ConversionReport:
         """The library calls behind Convert: prepare the float and simulated models once, then convert."""
         kwargs = dict(max_tokens=self.max_tokens.value or None, accuracy_level=self.accuracy_level.value,
                       activation_bits=self.activation_bits.value, progress=True, log=print)

@@ -17,6 +17,7 @@ blocks from that layer on, over the token budget.
 """
 from __future__ import annotations
 
+import html
 import math
 import time
 from typing import Sequence
@@ -30,7 +31,7 @@ from ..errors import WorkbenchError
 from ..model.load import LoadedModel
 from ..quantize.plan import PlanRule, QuantPlan, get_precision
 from ..precision.sensitivity import DEFAULT_SWEEP_TOKENS, LayerVariants, PlanEvaluator, SensitivityReport, evaluation_tokens
-from .base import CheckList
+from .base import CheckList, metric_words_html
 
 __all__ = ["OverridePanel", "LayerChoice", "precision_choices", "COMMON_PRECISIONS", "DAMAGE_BANDS"]
 
@@ -143,7 +144,8 @@ class OverridePanel(widgets.VBox):
         kl_title = "est. KL" if sensitivity is not None and sensitivity.score == "proxy" else "KL"
         options = precision_choices() + [("unchanged", _KEEP)]
         self.dropdowns: dict[str, LayerChoice] = {}  # by layer: the row's choice (buttons and menu)
-        cell = "display:inline-block;font-weight:bold;font-size:12px"
+        # a gap after each heading: "parameters" and the KL heading ran together ("parametersKL alone at int4")
+        cell = "display:inline-block;font-weight:bold;font-size:11px;padding-right:8px;box-sizing:border-box"
         header = widgets.HTML(f"<span style='{cell};width:250px'>layer</span>"
                               f"<span style='{cell};width:80px'>shape</span>"
                               f"<span style='{cell};width:80px'>parameters</span>"
@@ -191,6 +193,7 @@ class OverridePanel(widgets.VBox):
         self.rule_precision = widgets.Dropdown(options=precision_choices(), value="fp16", layout={"width": "110px"})
         self.apply_button = widgets.Button(description="Apply rule", icon="check")
         self.apply_button.on_click(lambda _: self.apply_rule(self.pattern.value, self.rule_precision.value))
+        self.rule_note = widgets.HTML()  # what the last rule did, beside its button (not in the log under the chart)
         self.undo_button = widgets.Button(description="Undo", icon="undo", disabled=True)
         self.undo_button.on_click(lambda _: self.undo())
         self.evaluate_button = widgets.Button(description="Evaluate", icon="play", button_style="primary")
@@ -220,8 +223,9 @@ class OverridePanel(widgets.VBox):
             self.table,
             widgets.HTML("<small>or by name: a glob (<code>*.v_proj</code>) or <code>re:</code> a regular "
                          "expression</small>"),
-            widgets.HBox([self.pattern, self.rule_precision, self.apply_button]),
+            widgets.HBox([self.pattern, self.rule_precision, self.apply_button, self.rule_note]),
             widgets.HBox([self.evaluate_button, self.baselines_button, self.result_label]),
+            widgets.HTML(metric_words_html()),
             widgets.HBox([self.path, self.save_button, self.load_button]),
             self.chart,
             self.log_output,
@@ -270,7 +274,7 @@ class OverridePanel(widgets.VBox):
         """Add a bulk rule (glob or ``re:``); a pattern matching no layer is refused with a message."""
         pattern = (pattern or "").strip()
         if not pattern:
-            self._log("type a pattern first, e.g. *.q_proj")
+            self._rule_said("type a pattern first, e.g. *.q_proj", error=True)
             return False
         try:
             new = self.plan
@@ -280,10 +284,18 @@ class OverridePanel(widgets.VBox):
             new = new.with_override(pattern, precision)
             new.validate(self.dropdowns)
         except WorkbenchError as e:
-            self._log(f"rule not applied: {e}")
+            self._rule_said(f"rule not applied: {e}", error=True)
             return False
         self._set_plan(new, f"rule {pattern} -> {precision}")
+        n = sum(1 for name in self.dropdowns if PlanRule(pattern, None).matches(name))
+        self._rule_said(f"{pattern}: {n} layer(s) set to {precision or 'kept as they are'}")
         return True
+
+    def _rule_said(self, message: str, error: bool = False) -> None:
+        """A rule's outcome beside its button, where the eye is; the log keeps it too."""
+        colour = "#c0392b" if error else "#5d6d7e"
+        self.rule_note.value = f"<span style='font-size:12px;color:{colour}'>{html.escape(message)}</span>"
+        self._log(message)
 
     def selected_layers(self, roles: Sequence[str] = (), blocks: tuple[int, int] | None = None,
                         outside: bool | None = None) -> list[str]:

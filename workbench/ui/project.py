@@ -27,7 +27,7 @@ from ..devices.profiles import get_device, load_devices
 from ..errors import PlanError
 from ..quantize.plan import QuantPlan
 from ..devices.projection import AUTO, DEFAULT_CONTEXT, project_plans
-from ..charts.report import Candidates, projection_table_html
+from ..charts.report import Candidates, projection_summary_html
 from .base import CheckList, StepPanel, ruled_style
 
 __all__ = ["ProjectPanel", "DEFAULT_DEVICES"]
@@ -124,7 +124,7 @@ class ProjectPanel(StepPanel):
         if not ok:
             return None
         self.projections, self.rows = result
-        self.table.value = ruled_style("projection") + projection_table_html(self.projections)
+        self.table.value = ruled_style("projection") + projection_summary_html(self.projections)
         self._plot("devices", make_device_figure(self.projections), self.device_plot)
         self._plot("vendor", make_vendor_fit_figure(self.projections), self.vendor_plot)
         first = next(iter(self.projections.values()))

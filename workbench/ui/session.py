@@ -41,16 +41,42 @@ RUN_FILE = "run.json"  # in a run folder: the one model its files were made from
 OVERRIDE_FILES = (("llamacpp", "llamacpp-tensor-types.txt"), ("mnn", "mnn-quant-config.json"))
 
 
+def plan_name(plan: QuantPlan, lm: LoadedModel | None = None) -> str:
+    """``uniform INT4`` or ``mixed INT4 / INT8 / FP16``: a plan by what it does (its hash only tells plans apart)."""
+    if lm is None:
+        outside = {"*embed_tokens", "lm_head"}
+        return (f"uniform {plan.default.upper()}" if all(r.pattern in outside for r in plan.rules)
+                else f"mixed, {plan.default.upper()} by default")
+    body = [p for info, p in zip(lm.layers, plan.resolve([i.name for i in lm.layers]).values())
+            if info.kind == "linear" and info.name != "lm_head"]
+    kinds = sorted({(p or "fp16").upper() for p in body})
+    return f"uniform {kinds[0]}" if len(kinds) == 1 else "mixed " + " / ".join(kinds)
+
+
+def _bits_why(plan: QuantPlan, lm: LoadedModel) -> str:
+    """Why bits/weight reads above the plan's integer width: the layers kept float and their share of the weights."""
+    total = sum(i.parameters for i in lm.layers) or 1
+    kept = [(i.name.removeprefix("model."), i.parameters) for i, p in
+            zip(lm.layers, plan.resolve([i.name for i in lm.layers]).values()) if p is None or p.startswith("fp")]
+    share = sum(n for _, n in kept) / total
+    if share < 0.05:
+        return ""
+    names = ", ".join(dict.fromkeys(n for n, _ in kept))
+    return f": {names} kept at FP16 hold {share:.0%} of the weights"
+
+
 def describe_plan(plan: QuantPlan, lm: LoadedModel | None = None) -> str:
-    """``plan 1a2b3c4d (AWQ, g128, 7.09 bits/w)``: what a tab shows to say which plan it means."""
+    """``uniform INT4, plan 1a2b3c4d (AWQ, g128, 7.09 bits/w: embed_tokens, lm_head kept at FP16 hold 52% of the
+    weights)``: what a tab shows to say which plan it means, by name first, and why its bits/weight are what they
+    are."""
     parts = [plan.method.upper(), f"g{plan.group_size}" if plan.group_size else "per-channel"]
     if not plan.symmetric:
         parts.append("asym")
     if not plan.scale_search:
         parts.append("min/max ranges")
     if lm is not None:
-        parts.append(f"{plan_footprint(lm, plan)['bits_per_weight']:.2f} bits/w")
-    return f"plan {plan.content_hash()} ({', '.join(parts)})"
+        parts.append(f"{plan_footprint(lm, plan)['bits_per_weight']:.2f} bits/w" + _bits_why(plan, lm))
+    return f"{plan_name(plan, lm)}, plan {plan.content_hash()} ({', '.join(parts)})"
 
 
 def default_run_dir(workspace: Workspace | None = None) -> Path:
@@ -280,9 +306,13 @@ class AppSession(traitlets.HasTraits):
         fd, tmp = tempfile.mkstemp(dir=out, prefix=".archive-", suffix=".zip")
         os.close(fd)
         try:
-            with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED, compresslevel=6) as z:
+            from tqdm.auto import tqdm  # the app's status line shows this bar: packing a model takes seconds
+            total = sum(src.stat().st_size for src, _ in members)
+            with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED, compresslevel=6) as z, \
+                    tqdm(total=total, unit="B", unit_scale=True, desc="packing the run", leave=False) as bar:
                 for src, arc in members:
                     z.write(src, f"{out.name}/{arc}")
+                    bar.update(src.stat().st_size)
             os.replace(tmp, path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
