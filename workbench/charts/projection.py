@@ -19,6 +19,7 @@ from ..errors import WorkbenchError
 from ..run.profile import RuntimeProfile
 from ..devices.projection import Projection
 from .style import lift_subplot_titles, linear_range, log_axis
+from ..devices.vendor_fit import VendorProjection
 
 __all__ = ["make_host_bound_figure", "make_device_figure", "make_speed_pareto_figure", "make_vendor_fit_figure", "speed_of", "pareto_optimal",
            "PLAN_COLOURS"]
@@ -34,7 +35,6 @@ def _profile(p) -> RuntimeProfile:
 def _projection(p) -> Projection:
     if isinstance(p, Projection):
         return p
-    from ..devices.vendor_fit import VendorProjection
     vendor = p.get("vendor")
     return Projection(**{**p, "unsupported_layers": [tuple(x) for x in p.get("unsupported_layers", [])],
                          "vendor": VendorProjection(**vendor) if isinstance(vendor, Mapping) else vendor})

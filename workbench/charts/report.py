@@ -21,10 +21,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from ..run.devices_gap import GAP_FILE
+from ..run.devices_gap import GAP_FILE, GAP_RULE, table_cells, TABLE_HEADER
 from ..errors import WorkbenchError
 from ..model.load import is_quantized_dir
-from ..files.workspace import atomic_write_text, file_sha256, library_versions
+from ..files.workspace import atomic_write_text, file_sha256, library_versions, Workspace
+from ..devices.profiles import load_devices
+from ..devices.projection import DEFAULT_CONTEXT, project_plans
+from ..quantize.plan import QuantPlan
+from ..run.profile import BANDWIDTH_STEP, RuntimeProfile
+from ..units import format_bytes
+from .style import METRIC_WORDS
 
 __all__ = ["Report", "RunNotFound", "Candidates", "find_run", "gather_run", "candidate_plans", "build_report",
            "write_report", "projection_table_html", "projection_summary_html", "html_table"]
@@ -96,8 +102,6 @@ def _workspace_of(run: Path, given: Path) -> Path | None:
 
 def _host_from_workspace(root: Path | None) -> dict | None:
     """The newest cached host read bandwidth (``host-bandwidth/`` in the workspace), or None."""
-    from ..run.profile import BANDWIDTH_STEP
-    from ..files.workspace import Workspace
     if root is None or not (root / BANDWIDTH_STEP).is_dir():
         return None
     arts = Workspace(root).list(BANDWIDTH_STEP)
@@ -214,7 +218,6 @@ class Candidates:
         self._labels: dict = {}  # plan hash -> label
 
     def add(self, label: str, plan, kl: float | None = None, bits: float | None = None) -> str:
-        from ..quantize.plan import QuantPlan
         plan = plan if isinstance(plan, QuantPlan) else QuantPlan.from_dict(plan)
         h = plan.content_hash()
         if h in self._labels:
@@ -275,7 +278,6 @@ def _yes(x) -> str:
 
 def projection_rows(projections: Mapping[str, Sequence]) -> list[list[str]]:
     """Per plan and device: the figures a person compares (what ``projection_table_html`` shows)."""
-    from ..units import format_bytes
     rows = []
     for label, ps in projections.items():
         for p in ps:
@@ -319,7 +321,6 @@ SUMMARY_HEADER = ("plan", "device", "tokens/s", "first token", "fits in memory")
 
 def _fits_cell(p) -> str:
     """Whether weights + KV cache + buffers fit the device's RAM, with both sizes, or why that is unknown."""
-    from ..units import format_bytes
     if p.fits_ram is None:
         return f"unknown: {p.ram_why or 'no RAM figure for this device'}"
     return f"{'yes' if p.fits_ram else 'NO'}: {format_bytes(p.total_bytes)} of {format_bytes(p.ram_bytes)}"
@@ -405,9 +406,6 @@ def build_report(path: str | Path, *, devices: Sequence[str] | None = None, cont
     from .projection import (make_device_figure, make_host_bound_figure, make_speed_pareto_figure,
                                     make_vendor_fit_figure)
     from .quantize import make_layer_error_figure
-    from ..devices.profiles import load_devices
-    from ..run.profile import RuntimeProfile
-    from ..devices.projection import DEFAULT_CONTEXT, project_plans
 
     record = gather_run(path)
     context = DEFAULT_CONTEXT if context is None else context
@@ -546,7 +544,6 @@ def _render(record: Mapping, figures: Mapping, projections: Mapping, context: in
         parts.append("<p class='note'>this host's read bandwidth was not measured for this run (`workbench profile` "
                      "measures and caches it)</p>")
     if record["profiles"]:
-        from ..run.profile import RuntimeProfile
         prow = []
         for d in record["profiles"]:
             p = RuntimeProfile(**d)
@@ -603,14 +600,12 @@ def _render(record: Mapping, figures: Mapping, projections: Mapping, context: in
 
 def _words_html() -> str:
     """What KL, nats, top-1 and perplexity mean, one line each (``style.METRIC_WORDS``), hover text included."""
-    from .style import METRIC_WORDS
     return "<p class='note'>" + "<br>".join(f"<span title='{_e(w)}'>{_e(w)}</span>" for w in METRIC_WORDS.values()) \
         + "</p>"
 
 
 def _devices_gaps_html(gaps: Sequence[Mapping]) -> str:
     """Each comparison's table (``workbench.run.devices_gap.table_cells``), its flagged gaps in red."""
-    from ..run.devices_gap import GAP_RULE, TABLE_HEADER, table_cells
     parts = []
     for g in gaps:
         parts.append(f"<p>plan {_e(g.get('plan_hash'))} of <code>{_e(g.get('model'))}</code>, "

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from ..errors import WorkbenchError, printable
+from ..files.workspace import output_lock
 
 __all__ = ["main", "COMMANDS"]
 
@@ -88,7 +89,6 @@ def _one_writer(args):
     out = getattr(args, "out", None)
     if not isinstance(out, str) or not out:
         return contextlib.nullcontext()
-    from ..files.workspace import output_lock
     return output_lock(out)
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from ..model.sweep_backends import backend_for
+from ..quantize.plan import DEFAULT_SCALE_SEARCH
 
 
 def add_model_argument(p, help_text: str = "a local Hugging Face model directory, or 'demo' (the bundled model; "
@@ -104,7 +106,6 @@ def _budget(value: str):
 
 def add_scale_search_argument(p, default: bool | None = None, says: str | None = None):
     """``--scale-search`` / ``--no-scale-search``; ``default`` None: the plan's value (``says`` tells which)."""
-    from ..quantize.plan import DEFAULT_SCALE_SEARCH
     if default is None and says is None:
         default = DEFAULT_SCALE_SEARCH
     p.add_argument("--scale-search", action=argparse.BooleanOptionalAction, default=default,
@@ -145,7 +146,6 @@ def add_backend_arguments(p, what: str, default: str = "1: this process") -> Non
 
 def backend_from_args(args, default_workers: int = 1):
     """The backend ``--ray`` and ``--workers`` name; ``default_workers`` local processes when neither is given."""
-    from ..model.sweep_backends import backend_for
     ray = getattr(args, "ray", None)
     workers = getattr(args, "workers", None)
     return backend_for(ray, workers=workers if workers or ray else default_workers)

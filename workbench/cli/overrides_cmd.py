@@ -18,6 +18,7 @@ from ..model.load import load_model
 from ..precision.overrides import OVERRIDE_FORMATS, write_overrides
 from ..quantize.plan import QuantPlan
 from .common import add_json_flag, print_json
+from ..model.calibrate import calibrate
 
 HELP = "write a plan as QNN encodings, ONNX Runtime overrides, llama.cpp --tensor-type or MNN quant config"
 
@@ -57,7 +58,6 @@ def run(args) -> int:
     if args.activations:
         if args.format != "qnn":
             raise PlanError("--activations applies to --format qnn only")
-        from ..model.calibrate import calibrate
         _, calibration = calibrate(lm, progress=not args.json)
     result = write_overrides(args.format, out, lm, plan, export=export, calibration=calibration)
     if args.json:

@@ -24,13 +24,16 @@ from pathlib import Path
 from ..precision.autoplan import budget_bytes, check_budget, measure_plan, plan_for_budget, refine_plan
 from ..evaluation.evaluate import default_token_budget
 from ..model.load import load_model
-from ..quantize.plan import QuantPlan
+from ..quantize.plan import QuantPlan, get_precision
 from ..precision.sensitivity import LayerVariants, PlanEvaluator, evaluation_tokens
 from ..model.sweep_backends import default_workers
 from ..units import format_bytes
 from .common import backend_from_args, count, number, add_device_argument, add_json_flag, add_model_argument, print_json
 from .sensitivity import add_sweep_arguments, sweep
 from ..targets.qnn import RECIPE, recipe_plan
+from ..errors import PlanError
+from ..targets import get_target
+from ..targets.htp import departing_layers, htp_soc, soc_plan_changes, soc_runs
 
 PRESETS = {RECIPE: recipe_plan}
 
@@ -68,7 +71,6 @@ def run(args) -> int:
     QuantPlan.check_output_file(args.out)  # before the sweep, not after it
     raised = []
     if args.htp_divergence:
-        from ..targets.htp import departing_layers
         raised = departing_layers(args.htp_divergence)
     lm = load_model(args.model, device=args.device)
     lm.require_float("plan")  # a plan is made for the float model; a quantized one already has its plan
@@ -84,16 +86,12 @@ def _run_budget(args, lm, budget: int, raised: list[str], backend) -> int:
     targets = tuple(args.target)
     soc = None
     if args.soc:
-        from ..targets.htp import htp_soc
         soc = htp_soc(args.soc)  # an unknown device, or one without an HTP, before the sweep
         targets = targets if "qnn" in targets else (*targets, "qnn")
     check_budget(lm, budget, group_size=args.group_size or None, symmetric=not args.asymmetric, targets=targets)
     sens = sweep(lm, args, progress=not args.json, backend=backend)
     choices, soc_info = None, None
     if soc is not None:
-        from ..targets.htp import soc_plan_changes, soc_runs
-        from ..quantize.plan import get_precision
-        from ..targets import get_target
         carried = [c for c in ("fp16", *sens.precisions) if all(get_target(t).carries(get_precision(c)) for t in targets)]
         choices = [c for c in carried if soc_runs(c, soc)]  # what the targets carry and this HTP generation runs
         free = plan_for_budget(lm, sens, size_bytes=budget, targets=targets)
@@ -164,7 +162,6 @@ def _run_preset(args, lm, raised: list[str]) -> int:
     """A vendor's recipe as the plan (no sweep, no budget), measured against the float model."""
     unknown = sorted(set(raised) - {i.name for i in lm.layers})
     if unknown:
-        from ..errors import PlanError
         raise PlanError(f"--htp-divergence names layers this model does not have ({', '.join(unknown)}): pass the "
                         "conversion of this model")
     plan = PRESETS[args.preset](int8_layers=raised)

@@ -13,6 +13,7 @@ from ..run.profile import (DEFAULT_PROMPT_LENGTHS, host_bandwidth, last_level_ca
                        profile_directory)
 from ..units import format_bytes
 from .common import count, thread_count, add_json_flag, print_json
+from ..files.workspace import Workspace
 
 HELP = "prefill latency, decode tokens/s, size and memory of exported / converted models (this CPU)"
 
@@ -37,7 +38,6 @@ def run(args) -> int:
     profiles = profile_directory(args.directory, prompt_lengths=parse_prompt_lengths(args.prompt_lengths),
                                  decode_steps=args.decode_steps, repeats=args.repeats, threads=args.threads,
                                  vocab_size=args.vocab_size)
-    from ..files.workspace import Workspace
     host = host_bandwidth(Workspace(args.workspace) if args.workspace else None, force=args.measure_bandwidth)
     gbps = host["read_gbps"]
     if args.json:

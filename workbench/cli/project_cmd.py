@@ -16,10 +16,12 @@ from __future__ import annotations
 
 from ..errors import PlanError
 from ..model.load import is_quantized_dir, resolve_model_path
-from ..devices.runtimes import RUNTIMES
+from ..devices.runtimes import RUNTIMES, runtime_for_device
 from ..quantize.plan import QuantPlan
 from ..units import format_bytes
 from .common import count, number, add_json_flag, add_model_argument, print_json
+from ..devices.profiles import get_device
+from ..devices.projection import AUTO, check_claim, project
 
 HELP = "project memory, decode tokens/s and prefill time of a model and plan on a device"
 BITS = {16: "fp16", 8: "int8", 4: "int4"}
@@ -63,9 +65,6 @@ def plan_for(args, runtime=None) -> QuantPlan | None:
 
 
 def run(args) -> int:
-    from ..devices.runtimes import runtime_for_device
-    from ..devices.profiles import get_device
-    from ..devices.projection import AUTO, check_claim, project
     if args.context < 0 or args.prompt < 1:
         raise PlanError(f"--context must be >= 0 and --prompt >= 1 (got {args.context}, {args.prompt})")
     dev = get_device(args.device)

@@ -29,12 +29,13 @@ from ..model.load import load_model
 from ..model.vision_quality import measure_vision_quality, part_plan, vision_eval_set
 from ..errors import PlanError
 from ..quantize.plan import QuantPlan
-from ..quantize.cost import DEFAULT_PPL_THRESHOLD
+from ..quantize.cost import DEFAULT_PPL_THRESHOLD, check_ctx
 from ..quantize.model import CALIBRATED_METHODS, METHODS
 from ..units import format_bytes
-from ..files.workspace import check_output_dir, staged_output
+from ..files.workspace import check_output_dir, staged_output, Workspace
 from .common import (count, thread_count, plus_minus, add_device_argument, add_budget_argument, add_json_flag, number,
                      add_model_argument, add_scale_search_argument, print_json)
+from ..quantize.storage import FORMAT, weight_file_bytes
 
 FULL_STATS_MAX_PARAMETERS = 100_000_000  # above this the statistics pass costs minutes: opt in, or calibrate first
 HELP = "quantize by plan (RTN / AWQ / GPTQ, INT2..INT8, two-level scales), save, and measure the cost"
@@ -142,8 +143,6 @@ def _plan_from_args(args) -> QuantPlan:
 
 def run(args) -> int:
     from ..quantize import heldout_ids, measure_cost, measure_reference, quantize_model, write_report
-    from ..quantize.cost import check_ctx
-    from ..quantize.storage import FORMAT, weight_file_bytes
     plan = _plan_from_args(args)
     check_output_dir(args.out, FORMAT)  # refuse before any heavy work; checked again when swapped in
     if args.threads:
@@ -166,7 +165,6 @@ def run(args) -> int:
     calibration = workspace = None
     if plan.method in CALIBRATED_METHODS:
         from ..model.calibrate import calibrate
-        from ..files.workspace import Workspace
         workspace = Workspace()  # calibration statistics and the AWQ search are cached there
         full = args.full_stats or lm.parameters <= FULL_STATS_MAX_PARAMETERS
         calibration = calibrate(lm, data=args.data, samples=args.samples, seq_len=args.seq_len, workspace=workspace,
@@ -177,7 +175,6 @@ def run(args) -> int:
     from ..model.calibrate import importance_statistics, reads_importance
     importance = None
     if args.importance and reads_importance(plan):
-        from ..files.workspace import Workspace
         calibration, importance = importance_statistics(lm, data=args.data, workspace=Workspace(), progress=progress)
         if progress:
             print(importance)

@@ -11,6 +11,7 @@ A `workbench profile DIR --json` output saved as RUN/profile.json is read too.
 from __future__ import annotations
 
 from .common import count, add_json_flag, print_json
+from ..errors import WorkbenchError
 
 HELP = "write a self-contained HTML report of a run (opens offline)"
 
@@ -29,7 +30,6 @@ def add_arguments(p):
 
 
 def run(args) -> int:
-    from ..errors import WorkbenchError
     from ..charts.report import write_report
     if args.context is not None and args.context < 0:
         raise WorkbenchError(f"--context must be >= 0 (got {args.context})")

@@ -50,6 +50,8 @@ from ..evaluation.textio import text_token_ids
 from ..quantize.plan import QuantPlan, get_precision
 from ..files.workspace import atomic_write_json, check_output_dir, file_sha256, hash_inputs, swap_into_place, \
     write_output_manifest
+from ..files.workspace import model_fingerprint
+from ..quantize import layer_quantizer
 
 __all__ = ["DistillConfig", "DistillReport", "distill", "distillation_loss", "attention_head_map", "fake_quantized",
            "temperature_at", "DISTILL_FORMAT", "MODES"]
@@ -221,7 +223,6 @@ def fake_quantized(lm: LoadedModel, model: nn.Module, plan: QuantPlan) -> list[s
     that same tensor, so the tie holds in training and after ``_remove_fake_quant``.
     """
     from torch.nn.utils import parametrize
-    from ..quantize import layer_quantizer
     assignments = plan.resolve([info.name for info in lm.layers])
     names = []
     for info in lm.layers:
@@ -393,7 +394,6 @@ def distill(student: str | Path | LoadedModel, teacher: str | Path | LoadedModel
     max_pos = getattr(s_lm.config, "max_position_embeddings", None) or cfg.seq_len
     ctx = min(cfg.seq_len, max_pos, max(2, eval_ids.numel()))
 
-    from ..files.workspace import model_fingerprint
     partial = out.with_name(out.name + ".partial")
     partial.mkdir(parents=True, exist_ok=True)
     checkpoint = Checkpoint(partial / CHECKPOINT, hash_inputs({

@@ -35,6 +35,7 @@ from ..evaluation.textio import ReadExtent, text_token_ids, tokenize_bounded
 from ..model.load import LoadedModel, load_model
 from ..files.workspace import (atomic_write_json, check_output_dir, file_sha256, hash_inputs, model_fingerprint,
                         swap_into_place, write_output_manifest)
+from ..numerics.compute import stored_dtype
 
 __all__ = ["FinetuneConfig", "FinetuneReport", "finetune_lora", "training_windows", "DEFAULT_TARGETS", "run_training",
            "TrainingRun", "save_model_directory", "source_dtype"]
@@ -384,7 +385,6 @@ def save_model_directory(model, lm: LoadedModel, directory: Path, dtype: torch.d
     The model is put back in the dtype it had (a 16-bit model is not widened to a float32 copy); a
     leftover training checkpoint is removed.
     """
-    from ..numerics.compute import stored_dtype
     dtype, before = dtype or source_dtype(lm), stored_dtype(model)
     model.to(dtype)
     try:

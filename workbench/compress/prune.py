@@ -46,13 +46,18 @@ from typing import Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from ..numerics.compute import narrow_saved_weights
+from ..numerics.compute import narrow_saved_weights, enable_float32_compute
 from ..errors import PlanError
-from ..evaluation.evaluate import evaluate
+from ..evaluation.evaluate import evaluate, capture_reference, paired_difference, reference_report
 from ..numerics.logits import chunked_sum, head_input, loss_chunk_rows, trainable_head_logits
-from ..model.load import LoadedModel
+from ..model.load import LoadedModel, LAYER_SHAPES, load_model, model_from_config
 from ..precision.proxy import decoder_blocks
-from ..files.workspace import Workspace, atomic_write_json, read_json_file
+from ..files.workspace import (Workspace, atomic_write_json, read_json_file, model_fingerprint, staged_output,
+                               write_output_manifest)
+from ..assets import demo_text_path
+from ..devices.projection import model_shape
+from ..precision.sensitivity import evaluation_tokens, PlanEvaluator
+from .finetune import save_model_directory
 
 __all__ = ["PrunePlan", "PruneImportance", "PruneResult", "Geometry", "head_and_channel_importance",
            "prune_model", "save_pruned", "prune", "predict_parameters", "predicted_size", "geometry", "PRUNE_FORMAT",
@@ -104,7 +109,6 @@ def geometry(model: nn.Module) -> Geometry:
                 not all(isinstance(getattr(m, p, None), nn.Linear) for p in ("gate_proj", "up_proj", "down_proj")):
             raise PlanError(f"structured pruning needs float q/k/v/o and gate/up/down linear layers in every block; "
                             f"{arch} has others (a quantized model? prune its float source)")
-    from ..model.load import LAYER_SHAPES
     if getattr(cfg, LAYER_SHAPES, None) is not None:
         raise PlanError(f"this model was already pruned to per-layer shapes ('{LAYER_SHAPES}' in its config); prune "
                         "the original model with a plan that removes more")
@@ -570,7 +574,6 @@ def _gradient_scores(lm: LoadedModel, ids: torch.Tensor, geo: Geometry, seq_len:
 def _masked_kl(lm: LoadedModel, ids: torch.Tensor, geo: Geometry, progress: bool) -> tuple[list, list]:
     """KL to the unpruned model with each KV group, then each query head, masked alone (o_proj input zeroed)."""
     from tqdm.auto import tqdm
-    from ..precision.sensitivity import PlanEvaluator
     evaluator = PlanEvaluator(lm, ids, progress=progress)
     evaluator.evaluate_baseline()  # records block outputs: a trial in block k replays blocks 0..k-1
     blocks = decoder_blocks(lm.model)
@@ -623,9 +626,6 @@ def head_and_channel_importance(lm: LoadedModel, *, ids: torch.Tensor | None = N
     measured on the first ``kl_tokens`` of the held-out text like the sensitivity sweep. Cached in
     ``workspace`` under ``prune-importance/`` by the weights, tokens and settings.
     """
-    from ..assets import demo_text_path
-    from ..precision.sensitivity import evaluation_tokens
-    from ..files.workspace import model_fingerprint
     lm.require_float("prune")
     geo = geometry(lm.model)
     if ids is None:
@@ -686,7 +686,6 @@ def pruned_config(config, geo: Geometry, shapes, n_kv: int | None = None, interm
     layer). Layers with different counts get the largest in the standard fields and theirs in
     ``layer_shapes`` (``workbench.model.load.LAYER_SHAPES``), which only the workbench's loader reads.
     """
-    from ..model.load import LAYER_SHAPES
     shapes = _shapes(geo, shapes, n_kv, intermediate)
     cfg = copy.deepcopy(config)
     cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size = (max(s[k] for s in shapes)
@@ -702,7 +701,6 @@ def pruned_config(config, geo: Geometry, shapes, n_kv: int | None = None, interm
 
 def predict_parameters(config, geo: Geometry, shapes, n_kv: int | None = None, intermediate: int | None = None) -> int:
     """Parameters of the pruned model, from shapes alone (built on the meta device, each layer at its counts)."""
-    from ..model.load import model_from_config
     with torch.device("meta"):
         model = model_from_config(pruned_config(config, geo, shapes, n_kv, intermediate))
     return _count(model)
@@ -717,7 +715,6 @@ def predicted_size(lm: LoadedModel, plan: PrunePlan, quant_plan=None,
     ``intermediate`` are the largest counts of any layer, ``layers`` every layer's; which layers lose
     units under a global ratio follows ``importance`` (the totals do not depend on it).
     """
-    from ..devices.projection import model_shape
     geo = geometry(lm.model)
     shapes = plan.layer_counts(geo, importance)
     heads, kv, inter = (max(s[k] for s in shapes) for k in range(3))
@@ -813,7 +810,6 @@ def _count(model: nn.Module) -> int:
 @torch.no_grad()
 def prune_model(lm: LoadedModel, plan: PrunePlan, importance: PruneImportance | None = None) -> PruneResult:
     """A new, smaller model: each layer's kept heads and channels sliced out of ``lm``'s weights."""
-    from ..model.load import model_from_config
     lm.require_float("prune")
     geo = geometry(lm.model)
     kept = plan.keep(geo, importance)
@@ -850,7 +846,6 @@ def prune_model(lm: LoadedModel, plan: PrunePlan, importance: PruneImportance | 
     if cfg.tie_word_embeddings:
         model.tie_weights()
     model.eval()
-    from ..numerics.compute import enable_float32_compute
     if dtype in (torch.float16, torch.bfloat16):
         enable_float32_compute(model)  # as load_model does: float32 arithmetic on 16-bit storage
     after = {"layers": geo.layers, "heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads,
@@ -864,8 +859,6 @@ def save_pruned(result: PruneResult, lm: LoadedModel, out_dir: str | Path, *,
                 importance: PruneImportance | None = None, extra: Mapping | None = None) -> Path:
     """Write the pruned model (source dtype, tokenizer, ``prune.json``) as a Hugging Face directory: a plain one when
     every layer keeps the same counts, else with ``layer_shapes`` in config.json (the workbench loader reads it)."""
-    from .finetune import save_model_directory
-    from ..files.workspace import staged_output, write_output_manifest
     with staged_output(out_dir, PRUNE_FORMAT) as tmp:
         save_model_directory(result.model, lm, tmp)
         atomic_write_json(tmp / PRUNE_REPORT, {"source": str(lm.path), **result.report(), **(extra or {})})
@@ -886,9 +879,6 @@ def prune(model, plan: PrunePlan, out_dir: str | Path, *, workspace: Workspace |
     ``prune.json`` (with held-out perplexity and KL of the pruned model against the original on the
     first ``evaluate_tokens`` tokens; None skips the measurement).
     """
-    from ..evaluation.evaluate import capture_reference, paired_difference, reference_report
-    from ..model.load import load_model
-    from ..precision.sensitivity import evaluation_tokens
     say = on_status or (lambda s: None)
     t0 = time.perf_counter()
     lm = model if isinstance(model, LoadedModel) else load_model(model)

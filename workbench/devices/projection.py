@@ -34,6 +34,7 @@ from ..quantize.plan import QuantPlan, get_precision
 from ..quantize.model import bits_per_weight
 from ..model.shapes import (KV_BYTES, SHAPES_FILE, PlanBytes, attention_dims, load_shape_config, model_shape,  # noqa: F401
                      plan_bytes)
+from .vendor_fit import vendor_projection
 
 if TYPE_CHECKING:
     from .vendor_fit import VendorProjection
@@ -161,7 +162,6 @@ def project(model, device: str | Device, plan: QuantPlan | None = None, *, conte
     projected = None if bound is None or eff is None else bound * eff
     vendor = None
     if rt is not None:
-        from .vendor_fit import vendor_projection
         vendor = vendor_projection(lm, plan, dev, rt, context=context, prompt=prompt, counted=b)
         if vendor is None:
             notes.append(f"no vendor measurement of {rt.title} is reachable: decode is the bandwidth bound times the "

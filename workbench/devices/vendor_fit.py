@@ -40,7 +40,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from ..assets import ASSETS_DIR
-from .runtimes import DeviceRuntime, get_runtime
+from .runtimes import DeviceRuntime, get_runtime, RUNTIMES
 from .profiles import Device, load_devices
 from ..model.shapes import PlanBytes, attention_dims, model_shape, plan_bytes
 
@@ -101,7 +101,6 @@ def measurement_features(row: dict) -> dict[str, float]:
 
 
 def _runtime_name(measured: str) -> str:
-    from .runtimes import RUNTIMES
     return next(r.name for r in RUNTIMES.values() if r.measured == measured)
 
 

@@ -40,6 +40,7 @@ import torch
 
 from ..errors import DataError
 from .textio import PIECE_CHARS, ReadExtent, check_text_path, decode_error, iter_text, tokenize_bounded
+from ..assets import demo_text_path
 
 __all__ = ["TextRecord", "CoverageReport", "CalibrationSet", "read_records", "load_calibration_set",
            "iter_records", "detect_language", "script_counts", "normalize_lang", "DEFAULT_SAMPLES", "DEFAULT_SEQ_LEN",
@@ -437,7 +438,6 @@ def load_calibration_set(path: str | Path | None = None, *, tokenizer, samples: 
     if not 1 <= min_tokens <= seq_len:
         raise ValueError(f"min_tokens must be between 1 and seq_len ({seq_len}), got {min_tokens}")
     if path is None:
-        from ..assets import demo_text_path
         path = demo_text_path("calibration")
     extent = ReadExtent(str(path))
     fmt, stream = iter_records(path, extent=extent)

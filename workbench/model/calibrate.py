@@ -41,6 +41,8 @@ from torch import nn
 from ..evaluation.data import CalibrationSet, load_calibration_set
 from ..errors import WorkspaceError
 from ..files.workspace import Artifact, Workspace, atomic_write_bytes, atomic_write_json, model_fingerprint
+from ..assets import demo_text_path
+from .load import quantizable_layers
 
 __all__ = ["LayerStats", "CalibrationStats", "run_calibration", "calibrate", "importance_statistics", "reads_importance",
            "OUTLIER_FACTOR", "PERCENTILES", "HIST_EDGES", "SAMPLE_BUDGET", "STATS_VERSION"]
@@ -276,7 +278,6 @@ class _StopForward(Exception):
 
 
 def _linear_layers(model: nn.Module) -> dict[str, nn.Linear]:
-    from .load import quantizable_layers
     modules = dict(model.named_modules())
     return {info.name: modules[info.name] for info in quantizable_layers(model) if info.kind == "linear"}
 
@@ -411,7 +412,6 @@ def calibrate(lm, data: str | Path | None = None, samples: int = 128, seq_len: i
     so a changed model or text recomputes and an unchanged one is read back. ``compute=False``
     returns ``(set, None)`` instead of running the statistics pass when they are not stored yet.
     """
-    from ..assets import demo_text_path
     max_pos = getattr(getattr(lm.model, "config", None), "max_position_embeddings", None)
     if max_pos and seq_len > max_pos:
         raise ValueError(f"seq_len {seq_len} exceeds the model's max_position_embeddings ({max_pos}); "

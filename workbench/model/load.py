@@ -34,6 +34,9 @@ from ..quantize.storage import (FORMAT, FORMAT_VERSION, HALF_DTYPES, V1_FLOAT_FI
                                stored_integer_layers, stored_shapes, weight_from_file)
 from ..files.workspace import file_sha256
 from .vision import VISION_MODEL_TYPES, is_vision_config, load_vision_model, model_parts, vision_inputs
+from ..numerics.compute import enable_float32_compute
+from ..numerics.memory import release_freed_memory
+from ..quantize.layers import QuantEmbedding, QuantLinear
 
 __all__ = ["LayerInfo", "LoadedModel", "resolve_model_path", "load_model",
            "quantizable_layers", "check_safetensors_file", "is_quantized_dir",
@@ -114,7 +117,6 @@ def quantizable_layers(model: nn.Module) -> list[LayerInfo]:
     ``QuantLinear`` / ``QuantEmbedding`` (integer layers computing from their codes) count as the
     layers they replace, with the shape of their codes, so a loaded quantized model lists them too.
     """
-    from ..quantize.layers import QuantEmbedding, QuantLinear
     out: list[LayerInfo] = []
     seen: dict[int, str] = {}
     for name, mod in model.named_modules():
@@ -166,7 +168,6 @@ class LoadedModel:
     @property
     def parameters(self) -> int:
         """Weights of the network, an integer layer counted as its codes (tied weights once)."""
-        from ..quantize.layers import QuantEmbedding, QuantLinear
         tensors = {id(p): p for p in self.model.parameters()}
         tensors.update({id(m.qweight): m.qweight for m in self.model.modules()
                         if isinstance(m, (QuantLinear, QuantEmbedding))})
@@ -665,7 +666,6 @@ def load_model(path: str | os.PathLike = "demo", *, dtype: str | torch.dtype = "
         raise weights_mismatch_error(p, info.get("missing_keys") or (), info.get("unexpected_keys") or (), mismatched)
     model.to(device).eval()
     if float32_compute:
-        from ..numerics.compute import enable_float32_compute
         enable_float32_compute(model)
     tokenizer = load_tokenizer_from(p, trust_remote_code=trust_remote_code) if load_tokenizer else None
     return LoadedModel(model=model, tokenizer=tokenizer, path=p, name=name, layers=quantizable_layers(model))
@@ -684,7 +684,6 @@ def _load_vision(p: Path, name: str, raw_cfg: dict, *, dtype, device: str, trust
         raise weights_mismatch_error(p, info.get("missing_keys") or (), info.get("unexpected_keys") or (), mismatched)
     model.to(device).eval()
     if float32_compute:
-        from ..numerics.compute import enable_float32_compute
         enable_float32_compute(model)
     tokenizer = load_tokenizer_from(p) if load_tokenizer else None
     return LoadedModel(model=model, tokenizer=tokenizer, path=p, name=name, layers=quantizable_layers(model),
@@ -974,7 +973,6 @@ def load_quantized(directory: str | Path, *, verify: bool = True, dtype: str | t
                              "this architecture is not supported for quantized loading")
     model.to(device).eval()
     if float32_compute:
-        from ..numerics.compute import enable_float32_compute
         enable_float32_compute(model)
     tokenizer = load_tokenizer_from(d, trust_remote_code=trust_remote_code, required=require_tokenizer) \
         if load_tokenizer else None
@@ -982,6 +980,5 @@ def load_quantized(directory: str | Path, *, verify: bool = True, dtype: str | t
     lm = LoadedModel(model=model, tokenizer=tokenizer, path=d, name=str(directory), layers=quantizable_layers(model),
                      quantized=qm, processor=vision_inputs(family[1], d, model.config, tokenizer) if family else None)
     qm.source = lm
-    from ..numerics.memory import release_freed_memory
     release_freed_memory()  # the per-layer unpacking temporaries
     return lm, qm

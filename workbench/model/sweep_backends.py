@@ -22,6 +22,7 @@ import resource
 from typing import Any, Callable, Iterable
 
 from ..errors import WorkbenchError
+from .load import stored_bytes
 
 __all__ = ["RAY_ENV", "RAY_INSTALL", "LocalBackend", "ProcessBackend", "RayBackend", "backend_for", "default_workers",
            "import_ray", "model_bytes"]
@@ -333,7 +334,6 @@ def model_bytes(payload: Any) -> int:
     """The bytes of the parameters in a payload's models (a ``LoadedModel``, a module, or a tuple holding them)."""
     import torch
 
-    from .load import stored_bytes
     items = payload if isinstance(payload, (tuple, list)) else (payload,)
     modules = (getattr(item, "model", item) for item in items)
     return sum(stored_bytes(m) for m in modules if isinstance(m, torch.nn.Module))

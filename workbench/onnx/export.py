@@ -33,6 +33,7 @@ from ..runtime.parity import greedy_agreement, parity, torch_reference
 from ..runtime.stream import torch_threads
 from ..files.workspace import atomic_write_json
 from .build import DATA_FILE, build_graphs
+from ..model.load import load_model
 
 __all__ = ["ExportResult", "export_onnx", "share_external_data", "check_graphs", "DEFAULT_OPSET", "PREFILL_FILE",
            "DECODE_FILE", "DEFAULT_PROMPT"]
@@ -203,7 +204,6 @@ def export_onnx(lm, out_dir: str | Path, *, static: tuple[int, int] | None = Non
     result.onnx_tokens = runner.generate_greedy(tokens, greedy_steps)
     del runner
     if release_model:
-        from ..model.load import load_model
         model = load_model(lm.path, dtype=dtype, device=device, load_tokenizer=False).model
     with torch_threads(1):
         result.greedy_match_steps, result.torch_tokens = greedy_agreement(model, tokens, result.onnx_tokens)

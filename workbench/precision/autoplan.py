@@ -29,7 +29,9 @@ from ..evaluation.evaluate import EvalReport, evaluate, paired_difference
 from ..model.load import LoadedModel
 from ..quantize.plan import DEFAULT_GROUP_SIZE, QuantPlan, fitting_precisions, get_precision
 from ..quantize.model import bits_per_weight
-from .sensitivity import LayerVariants, PlanEvaluator, SensitivityReport
+from .sensitivity import LayerVariants, PlanEvaluator, SensitivityReport, sweep_precisions
+from ..model.sweep_backends import LocalBackend
+from ..targets import get_target
 
 __all__ = ["PlanPrediction", "PlanPoint", "Refinement", "refine_plan", "budget_bytes", "check_budget", "plan_footprint", "predict_damage", "plan_for_budget", "measure_plan",
            "pareto_points", "compare_points", "DEFAULT_CHOICES"]
@@ -41,8 +43,6 @@ def _choices(sensitivity: SensitivityReport | None, choices: Sequence[str] | Non
              targets: Sequence[str] = (), layers=None) -> list[str]:
     """The precisions a plan may give a layer: ``choices``, else fp16 plus the sweep's (or every registered) ones;
     with ``targets``, only those every one of these targets carries (their rules: ``Target.carries``)."""
-    from .sensitivity import sweep_precisions
-    from ..targets import get_target
     if choices is None:
         choices = ("fp16", *(sensitivity.precisions if sensitivity is not None else sweep_precisions(symmetric, layers)))
     out = [get_precision(c).name for c in choices]
@@ -303,7 +303,6 @@ def refine_plan(lm: LoadedModel, sensitivity: SensitivityReport, prediction: Pla
     """
     from tqdm.auto import tqdm
 
-    from ..model.sweep_backends import LocalBackend
     backend = backend or LocalBackend()
     t0 = time.perf_counter()
     gs, sym = sensitivity.group_size, sensitivity.symmetric

@@ -38,6 +38,8 @@ from ..errors import PlanError
 from ..evaluation.evaluate import DEFAULT_CTX, strided_windows
 from ..model.load import LoadedModel
 from ..quantize.plan import DEFAULT_GROUP_SIZE, DEFAULT_SCALE_SEARCH, QuantPlan, fitting_precisions, get_precision
+from ..numerics.compute import float32_weight, widened
+from ..quantize import layer_quantizer
 
 __all__ = ["ProxyScores", "proxy_scores", "proxy_supported", "decoder_blocks", "spearman", "HEAD_CHUNK",
            "PROXY_SEED", "PROXY_VERSION"]
@@ -174,7 +176,6 @@ def _weight_error(weight: torch.Tensor, fisher: torch.Tensor, precisions: Sequen
     ``Q`` is ``quantize_model``'s RTN for a plan with ``settings`` (``layer_quantizer``); groups, two-level
     channel scales and the scale search never span rows, so rows quantized apart round as the whole does.
     """
-    from ..quantize import layer_quantizer
     precisions = fitting_precisions(precisions, weight.shape[1])  # not the layouts it cannot take
     quantizers = {p: layer_quantizer(settings, p, tuple(weight.shape)) for p in precisions}
     n = len(rows) if rows is not None else weight.shape[0]
@@ -196,7 +197,6 @@ def _head_pass(norm: nn.Module, head: nn.Linear, groups: Sequence[_Group], sampl
     Sets each group's ``grads``: the gradient of log p(y), for ``samples`` label sets drawn from
     the model's own predictions, at the last block's output (through the final norm).
     """
-    from ..numerics.compute import float32_weight, widened
     w_head = float32_weight(head)
     b_head = None if head.bias is None else head.bias.detach().to(torch.float32)
     fisher = torch.zeros_like(w_head)
@@ -229,7 +229,6 @@ def _head_pass(norm: nn.Module, head: nn.Linear, groups: Sequence[_Group], sampl
 def _block_pass(block: nn.Module, index: int, linears: dict[str, nn.Linear],
                 groups: Sequence[_Group]) -> dict[str, torch.Tensor]:
     """Each linear layer's ``sum_t g_t^2 x_t^2`` in one block; moves every group's ``grads`` to the block's input."""
-    from ..numerics.compute import widened
     fishers = {n: torch.zeros(m.weight.shape, device=m.weight.device) for n, m in linears.items()}
     handles = [m.register_forward_hook(_accumulate(fishers[n])) for n, m in linears.items()]
     try:
@@ -258,7 +257,6 @@ def proxy_scores(lm: LoadedModel, ids: torch.Tensor, precisions: Sequence[str] =
     """
     from tqdm.auto import tqdm
 
-    from ..quantize import layer_quantizer
     t0 = time.perf_counter()
     settings = QuantPlan(default=None, group_size=group_size, symmetric=symmetric, scale_search=scale_search,
                          full_range=full_range)

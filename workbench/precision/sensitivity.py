@@ -46,6 +46,9 @@ from .proxy import PROXY_VERSION, decoder_blocks, proxy_scores, proxy_supported
 from ..quantize.plan import DEFAULT_GROUP_SIZE, DEFAULT_SCALE_SEARCH, PRECISIONS, QUANTIZER_SETTINGS, QuantPlan, fitting_precisions, get_precision
 from ..evaluation.textio import text_token_ids
 from ..files.workspace import Workspace, atomic_write_json, model_fingerprint, read_json_file
+from ..model.sweep_backends import LocalBackend
+from ..quantize import layer_quantizer
+from ..quantize.layers import QuantEmbedding, QuantLinear
 
 __all__ = ["LayerVariants", "BlockReplay", "PlanEvaluator", "LayerSensitivity", "SensitivityReport", "run_sensitivity",
            "choose_score", "evaluation_tokens", "sweep_precisions", "fitting", "DEFAULT_SWEEP_TOKENS",
@@ -180,7 +183,6 @@ class LayerVariants:
 
     def quantizer(self, name: str, precision: str):
         """The ``LayerQuantizer`` ``quantize_model`` uses for ``name`` at ``precision`` under these settings."""
-        from ..quantize import layer_quantizer
         return layer_quantizer(self.settings, precision, tuple(self.original(name).shape), name=name)
 
     def _canonical(self, name: str) -> str:
@@ -233,7 +235,6 @@ class LayerVariants:
         differ from the embedding during the trial; the original modules and parameters (and the
         tie) are put back afterwards.
         """
-        from ..quantize.layers import QuantEmbedding, QuantLinear
         model = self.lm.model
         saved: list[tuple[nn.Module, str, object]] = []  # (owner, attribute, original value)
         rounded: dict[int, nn.Parameter] = {}  # a tied weight rounded to fp16 once
@@ -596,7 +597,6 @@ def _sweep(evaluator: PlanEvaluator, layers: Sequence, precisions: Sequence[str]
     Returns (trials, reference perplexity, trials run now, seconds spent on trials in all runs).
     """
     from tqdm.auto import tqdm
-    from ..model.sweep_backends import LocalBackend
     backend = backend or LocalBackend()
     state = {"trials": {}, "seconds": 0.0}
     if progress_path is not None and progress_path.is_file():

@@ -35,6 +35,7 @@ from ..errors import PlanError
 from ..numerics.compute import widened
 from ..numerics.memory import release_freed_memory
 from .rtn import fake_quantize, quantize_weight
+from ..files.workspace import atomic_write_json, swap_into_place
 
 __all__ = ["ScaleGroup", "find_decoder_blocks", "scale_groups", "search_awq", "fold_awq_scales", "apply_awq_scales_", "scaled_importance",
            "save_awq_search", "load_awq_search", "DEFAULT_GRID", "DEFAULT_SEARCH_TOKENS", "DEFAULT_CHUNK_TOKENS", "default_search_tokens",
@@ -500,7 +501,6 @@ def _save_search_checkpoint(directory, result: dict, blocks_done: int, blocks: i
     import shutil
     from pathlib import Path
 
-    from ..files.workspace import atomic_write_json, swap_into_place
     d = Path(directory)
     staged = d.with_name(d.name + ".writing")
     shutil.rmtree(staged, ignore_errors=True)
@@ -591,7 +591,6 @@ def save_awq_search(result: dict, directory) -> None:
 
     from safetensors.torch import save_file
 
-    from ..files.workspace import atomic_write_json
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     tensors = {f"scales.{i}": e["scales"].cpu().contiguous() for i, e in enumerate(result["groups"])}

@@ -23,6 +23,7 @@ from ..evaluation.evaluate import (DEFAULT_CTX, EvalReport, ReferenceOutputs, ca
                         default_token_budget, paired_difference, reference_report)
 from ..evaluation.textio import text_token_ids
 from .storage import weight_file_bytes
+from ..assets import demo_text_path
 
 __all__ = ["Baseline", "QuantCost", "measure_reference", "measure_cost", "heldout_ids", "check_ctx", "likely_causes",
            "DEFAULT_PPL_THRESHOLD"]
@@ -53,7 +54,6 @@ def heldout_ids(lm, path: str | Path | None = None, max_tokens: int | str | None
     ``max_tokens``: None for the whole text, a number, or ``"auto"`` for ``default_token_budget``
     (the whole text on small models, a few thousand tokens on 0.5 B and larger).
     """
-    from ..assets import demo_text_path
     p = Path(path) if path else demo_text_path("heldout")
     if max_tokens == "auto":
         max_tokens = default_token_budget(lm.model, sys.maxsize, ctx)

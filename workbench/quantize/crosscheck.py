@@ -23,6 +23,10 @@ import types
 import torch
 
 from ..errors import WorkbenchError
+from ..assets import demo_text_path
+from ..evaluation.evaluate import encode_text, evaluate, read_text
+from .plan import QuantPlan
+from .rtn import fake_quantize
 
 __all__ = ["AutoAwqUnavailable", "patched_autoawq", "compare_with_autoawq", "calibration_texts"]
 
@@ -90,11 +94,7 @@ def compare_with_autoawq(lm, texts: list[str], auto_awq, *, group_size: int = 12
     ``bits``-bit weights in groups of ``group_size``, as autoawq's GEMM format. ``eval_ids``
     defaults to the bundled held-out text.
     """
-    from ..assets import demo_text_path
-    from ..evaluation.evaluate import encode_text, evaluate, read_text
-    from .plan import QuantPlan
     from .model import quantize_model
-    from .rtn import fake_quantize
     if not texts:
         raise WorkbenchError("the AWQ cross-check needs at least one calibration text")
     aw = auto_awq.from_pretrained(str(lm.path), torch_dtype=torch.float32, device_map="cpu")

@@ -47,6 +47,7 @@ from .qtensor import QuantizedWeight, SubScales, code_range, group_channel_scale
 from .rtn import (group_weights, quantize_groups, channel_scales_for, check_full_range, check_two_level, dequantize_codes,
                   fit_min_groups, float_min_groups, min_groups, min_sub_values, round_codes, round_min_codes,
                   search_weights, two_level_groups)
+from ..files.workspace import atomic_write_json
 
 __all__ = ["gptq_quantize_weight", "search_gptq", "DEFAULT_DAMP", "DEFAULT_BLOCK_COLUMNS", "default_gptq_tokens"]
 
@@ -333,7 +334,6 @@ def _save_checkpoint(directory, weights: dict[str, QuantizedWeight], names: list
 
     from safetensors.torch import save_file
 
-    from ..files.workspace import atomic_write_json
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     tensors, layers = {}, {}

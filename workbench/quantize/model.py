@@ -26,6 +26,10 @@ from ..units import text_table
 from .qtensor import SUPPORTED_BITS, QuantizedWeight, SubScales
 from .rtn import quantize_weight
 from .storage import layer_storage, save_quantized
+from ..files.workspace import model_fingerprint
+from .awq import (DEFAULT_GRID, default_search_tokens, fold_awq_scales, load_awq_search, save_awq_search,
+                  scaled_importance, search_awq, SEARCH_VERSION)
+from .gptq import default_gptq_tokens, search_gptq
 
 __all__ = ["LayerQuantReport", "QuantizedModel", "quantize_model", "resolve_group_size", "METHODS", "activation_importance",
            "CALIBRATED_METHODS", "bits_per_weight", "LayerQuantizer", "layer_quantizer"]
@@ -358,7 +362,6 @@ def _gptq_checkpoint(workspace, model, samples, spec, settings: dict, awq_search
 
     None (no resume) without a workspace, or for AWQ+GPTQ on a search the workspace did not store.
     """
-    from ..files.workspace import model_fingerprint
     if workspace is None or (awq_search is not None and not awq_search.get("workspace_key")):
         return None
     inputs = {"weights": model_fingerprint(model), "calibration": _samples_key(samples),
@@ -372,8 +375,6 @@ def _cached_awq_search(workspace, model, samples, mean_abs, spec, awq_tokens, pr
     """The AWQ search through the workspace: keyed by weights, calibration tokens, layer spec and settings."""
     import hashlib
 
-    from ..files.workspace import model_fingerprint
-    from .awq import DEFAULT_GRID, SEARCH_VERSION, load_awq_search, save_awq_search, search_awq
     stats_key = None
     if mean_abs:
         hs = hashlib.sha256()
@@ -450,10 +451,8 @@ def quantize_model(lm, plan: QuantPlan, *, calibration=None, method: str | None 
     clips: dict[str, torch.Tensor] = {}
     unfolded: dict[str, list[dict]] = {}  # AWQ search entries by block, not yet folded into float copies
     if method in ("awq", "awq+gptq") and spec:
-        from .awq import fold_awq_scales, search_awq
         if awq_search is None:
             samples, mean_abs = _samples_and_stats(calibration, stats)
-            from .awq import default_search_tokens
             awq_tokens = awq_tokens or default_search_tokens(model)
             # each alpha is scored on the grid the layer is rounded to (16 levels, float minimums)
             grids = {n: {"full_range": True} if q.full_range else {"minimums": True}
@@ -473,8 +472,6 @@ def quantize_model(lm, plan: QuantPlan, *, calibration=None, method: str | None 
     gptq_weights: dict[str, QuantizedWeight] = {}
     gptq_result = None
     if method in ("gptq", "awq+gptq") and spec:
-        from .awq import fold_awq_scales
-        from .gptq import default_gptq_tokens, search_gptq
         samples, _ = _samples_and_stats(calibration, stats)
 
         def folded(block: str) -> dict[str, torch.Tensor]:  # AWQ's scales, folded as the block is reached
@@ -505,7 +502,6 @@ def quantize_model(lm, plan: QuantPlan, *, calibration=None, method: str | None 
 
     params = dict(model.named_parameters(remove_duplicate=False))
     if method == "awq" and awq_search is not None:
-        from .awq import scaled_importance
         importance = scaled_importance(importance, awq_search)  # layers without a clip: the weighted search
     # a tied embedding is also the output layer, whose inputs weigh its columns (lookups use whole rows)
     for r in reports:

@@ -21,7 +21,7 @@ from typing import Iterable, Mapping
 
 from ..errors import PlanError
 from ..units import text_table
-from ..files.workspace import hash_inputs
+from ..files.workspace import hash_inputs, atomic_write_text
 
 __all__ = ["fitting_precisions", 
     "Precision", "PRECISIONS", "register_precision", "get_precision", "PlanRule", "QuantPlan",
@@ -400,7 +400,6 @@ class QuantPlan:
             raise PlanError(f"plan is not valid JSON: {e}") from None
 
     def save(self, path: str | Path) -> Path:
-        from ..files.workspace import atomic_write_text
         return atomic_write_text(Path(path), self.to_json() + "\n")
 
     @classmethod

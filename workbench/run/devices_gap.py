@@ -37,13 +37,20 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Callable, Sequence
 
-from ..targets.convert import DEFAULT_STATIC, GAP_KL_FLOOR, GAP_KL_RATIO, GAP_TOP1
+from ..targets.convert import DEFAULT_STATIC, GAP_KL_FLOOR, GAP_KL_RATIO, GAP_TOP1, convert, prepare_models
 from ..errors import PlanError, WorkbenchError
-from ..model.load import is_quantized_dir, quantized_source
+from ..model.load import is_quantized_dir, quantized_source, load_model
 from ..quantize.plan import QuantPlan
 from ..model.sweep_backends import LocalBackend
 from ..targets.qnn import HTP_GAP_KL
 from ..files.workspace import atomic_write_json, read_json_file
+from ..assets import demo_text_path
+from ..evaluation.evaluate import evaluate
+from ..evaluation.textio import read_tokens
+from ..targets.executorch import INSTALL as ET_INSTALL
+from ..targets.htp import float_layers_refused, htp_soc, HtpRefused, INSTALL, measure_htp, qnn_available
+from ..targets.rknn import measure_rknn
+from .layerwise import compare_blocks
 
 __all__ = ["TARGETS", "GRAPHS", "GAP_FILE", "HTP_WINDOWS", "HTP_DECODE_WINDOWS", "PROMPT", "TARGET_TITLES",
            "DevicesGap", "missing_toolchain", "toolchains", "measure_devices_gap", "read_devices_gap",
@@ -82,16 +89,12 @@ def _plan_of(plan: dict | None) -> QuantPlan | None:
 
 
 def _heldout_ids(lm, max_tokens: int | None):
-    from ..assets import demo_text_path
-    from ..evaluation.textio import read_tokens
     ids, _ = read_tokens(lm.tokenizer, demo_text_path("heldout"), max_tokens=max_tokens)
     return ids
 
 
 def _run_simulation(model: str, plan: dict | None, bits: int | None, max_tokens: int | None) -> dict:
     """Quantize by the plan and score the PyTorch simulation against the float model (128-token windows)."""
-    from ..targets.convert import prepare_models
-    from ..evaluation.evaluate import evaluate
     prep = prepare_models(model, plan=_plan_of(plan), bits=bits)
     ids = _heldout_ids(prep.float_lm, max_tokens)
     r = evaluate(prep.sim_lm.model, ids, reference=prep.float_lm.model, ctx=DEFAULT_STATIC[0], progress=False)
@@ -100,7 +103,6 @@ def _run_simulation(model: str, plan: dict | None, bits: int | None, max_tokens:
 
 def _run_convert(model: str, target: str, plan: dict | None, bits: int | None, out: str,
                  max_tokens: int | None) -> dict:
-    from ..targets.convert import convert
     return convert(model, target, out, plan=_plan_of(plan), bits=bits, max_tokens=max_tokens,
                    static=DEFAULT_STATIC).to_dict()
 
@@ -120,9 +122,7 @@ def _run_htp(model: str, qdq_dir: str, work: str, soc: str, n_windows: int = HTP
              plan: dict | None = None):
     """The float static graphs beside ort-qdq's QDQ graphs, compiled for ``soc`` and run on the HTP emulator; a
     plan keeping layers in float (16-bit QDQ weights) that the SoC's HTP generation refuses, before compiling."""
-    from ..model.load import load_model
     from ..onnx.export import export_onnx
-    from ..targets.htp import HtpRefused, float_layers_refused, htp_soc, measure_htp
     lm = load_model(_float_model(model))
     if plan is not None:
         refused = float_layers_refused(QuantPlan.from_dict(plan).resolve(i.name for i in lm.layers), htp_soc(soc))
@@ -144,8 +144,6 @@ def _run_htp(model: str, qdq_dir: str, work: str, soc: str, n_windows: int = HTP
 def _run_layerwise(model: str, plan: dict | None, bits: int | None, qdq_dir: str, work: str) -> dict:
     """Where CPU QDQ's prefill graph leaves the simulation, block by block (``workbench.run.layerwise``), on the first
     window of the held-out text."""
-    from ..targets.convert import prepare_models
-    from .layerwise import compare_blocks
     from ..onnx.export import export_onnx
     q = Path(qdq_dir)
     static = tuple(json.loads((q / "conversion.json").read_text())["details"]["qdq"]["static"])
@@ -157,14 +155,12 @@ def _run_layerwise(model: str, plan: dict | None, bits: int | None, qdq_dir: str
 
 
 def _run_rknn(model: str, plan: dict | None, bits: int | None, out: str):
-    from ..targets.rknn import measure_rknn
     return measure_rknn(model, bits=bits, plan=_plan_of(plan), out_dir=out)
 
 
 def missing_toolchain(target: str) -> str | None:
     """What to install for ``target``, or None when its toolchain is here."""
     if target == "htp":
-        from ..targets.htp import INSTALL, qnn_available
         return None if qnn_available() else f"onnxruntime-qnn is not installed: {INSTALL}"
     if target == "rknn":
         from ..targets.rknn import RKNN_ENV_HINT, rknn_python
@@ -176,7 +172,6 @@ def missing_toolchain(target: str) -> str | None:
     if target == "executorch":
         import importlib.util
         if importlib.util.find_spec("executorch") is None or importlib.util.find_spec("torchao") is None:
-            from ..targets.executorch import INSTALL as ET_INSTALL
             return f"ExecuTorch is not installed: {ET_INSTALL}"
     return None
 
@@ -485,7 +480,6 @@ def measure_devices_gap(model: str | Path, *, plan: QuantPlan | dict | str | Pat
     elif plan is None and bits is None:
         raise PlanError("give a plan or bits (4 or 8) for a float model, or a quantized model directory")
     if soc and "htp" in targets:
-        from ..targets.htp import htp_soc
         soc = htp_soc(soc).device  # an unknown or non-Snapdragon device is refused before anything runs
     recorded = _plan_record(model, plan, bits)
     plan_doc = None if plan is None else plan.to_dict()

@@ -32,8 +32,11 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from ..errors import ModelLoadError, WorkbenchError, printable
-from ..model.load import LoadedModel
+from ..model.load import (LoadedModel, load_model, load_tokenizer_from, quantized_source, resolve_model_path,
+                          TOKENIZER_FILES)
 from ..runtime.stream import GenerationStats, Sampling, stream_tokens, torch_threads
+from ..evaluation.images import read_image
+from .locate import conversion_record, describe_files, locate, runnable_targets
 
 __all__ = ["Piece", "Generation", "TextGenerator", "IncrementalText", "open_model",
            "encode_prompt", "DEFAULT_MAX_NEW_TOKENS"]
@@ -176,7 +179,6 @@ class TextGenerator:
         if not isinstance(prompt, str):
             raise WorkbenchError("a question about an image must be text, not token ids")
         if isinstance(image, (str, Path)):
-            from ..evaluation.images import read_image
             image = read_image(image)
         inputs = self.images(image, prompt)
         ids = [int(t) for t in inputs.pop("input_ids")[0]]
@@ -255,7 +257,6 @@ def _json_docs(model_dir: Path) -> list[dict]:
 def _conversion_source(directory: Path) -> tuple[Path | None, str | None]:
     """(the float model a conversion came from, its target) from ``conversion.json``; Nones when not said. A
     folder without one that its parent's conversion wrote (``qnn``'s ``htp-<device>``) is named by the parent's."""
-    from .locate import conversion_record
     doc = conversion_record(directory)
     if doc is None and not (directory / "conversion.json").exists():
         parent = conversion_record(directory.parent)
@@ -286,7 +287,6 @@ def _corrupt_conversion_record(directory: Path) -> str | None:
 
 
 def _from_loaded(lm: LoadedModel, threads: int | None) -> TextGenerator:
-    from ..model.load import quantized_source, load_tokenizer_from
     tokenizer = lm.tokenizer or load_tokenizer_from(lm.path)
     gen_cfg = getattr(lm.model, "generation_config", None)
     eos, positions = _model_settings(lm.model.config.to_dict(), lm.text_config.to_dict(),
@@ -309,8 +309,6 @@ def open_model(model: str | Path | LoadedModel, *, tokenizer=None, source: str |
     as a ``workbench export`` output), else from the folder itself when it holds its tokenizer (an
     ort-genai folder), else from ``tokenizer`` alone.
     """
-    from ..model.load import TOKENIZER_FILES, load_model, load_tokenizer_from, resolve_model_path
-    from .locate import describe_files, locate, runnable_targets
     if isinstance(model, LoadedModel):
         return _from_loaded(model, threads)
     p = resolve_model_path(model)

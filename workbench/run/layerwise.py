@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Sequence
 
 import numpy as np
+from ..runtime.onnx_runner import OnnxCausalLM
 
 __all__ = ["BLOCK_RATIO", "BLOCK_FLOOR", "LayerwiseResult", "block_output_tensors", "graph_block_outputs",
            "torch_block_outputs", "relative_error", "compare_blocks"]
@@ -117,7 +118,6 @@ def compare_blocks(float_graph: str | Path, graph: str | Path, float_model, sim_
     (at most the static graph's sequence length; the float graph gives the reference in onnxruntime too, so a
     difference of the exporter is not taken for one of the conversion)."""
     import onnx
-    from ..runtime.onnx_runner import OnnxCausalLM
     window = list(map(int, window))
     n = len(window)
     feed = OnnxCausalLM(float_graph).prefill_feed(window)

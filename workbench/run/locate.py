@@ -28,6 +28,8 @@ from functools import cached_property
 from pathlib import Path
 
 from ..errors import ModelLoadError, WorkbenchError, printable
+from ..targets import registry
+from ..targets.registry import get_target
 
 __all__ = ["Runnable", "locate", "find_runnable", "not_runnable_here", "open_runner", "runnable_targets", "describe_files",
            "conversion_record", "conversion_target", "target_files", "CONVERSION_FILE"]
@@ -82,7 +84,6 @@ class Runnable:
 
 def runnable_targets() -> list:
     """Registered targets with a runner, in registration order."""
-    from ..targets import registry
     return [t for t in registry.registered_targets() if t.runner is not None]
 
 
@@ -123,7 +124,6 @@ def not_runnable_here(folder: str | Path) -> str | None:
     recorded = conversion_target(folder) if Path(folder).is_dir() else None
     if recorded in OWN_FEEDS:
         return recorded
-    from ..targets.registry import get_target
     try:
         target = get_target(recorded) if recorded else None
     except WorkbenchError:

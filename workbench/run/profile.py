@@ -21,7 +21,11 @@ from typing import Sequence
 import numpy as np
 
 from ..errors import ModelLoadError, WorkbenchError, printable
-from ..onnx.inspect import decode_step_bytes
+from ..onnx.inspect import decode_step_bytes, context_cache_files, load_onnx
+from ..files.workspace import Workspace
+from ..numerics.memory import reset_peak_rss, rss_mb, settled_rss_mb
+from ..targets.convert import convert, CONVERT_TARGETS, prepare_models
+from .locate import CONVERSION_FILE, find_runnable, locate, not_runnable_here
 
 __all__ = ["RuntimeProfile", "profile_runtime", "profile_directory", "build_candidates",
            "parse_prompt_lengths", "measure_read_bandwidth", "host_bandwidth", "last_level_cache_bytes",
@@ -93,7 +97,6 @@ def _files_of(path: Path) -> list[Path]:
     if path.suffix == ".onnx":
         from onnx.external_data_helper import uses_external_data
 
-        from ..onnx.inspect import context_cache_files, load_onnx
         proto = load_onnx(path)  # names the file when it is truncated, empty or not ONNX
         files += [f for f in context_cache_files(proto, path.parent) if f.is_file() and f not in files]
         for init in proto.graph.initializer:
@@ -121,8 +124,6 @@ def profile_runtime(name: str, path: str | Path, *, prompt_lengths: Sequence[int
                     vocab_size: int | None = None) -> RuntimeProfile:
     """Time the model in ``path`` (a converted or exported folder, or its first file), opened by the runner its
     target registers (``workbench.run.locate``); prompts are fixed pseudo-random token ids (seeded)."""
-    from ..numerics.memory import reset_peak_rss, rss_mb, settled_rss_mb
-    from .locate import locate
     if repeats < 1 or decode_steps < 1 or not prompt_lengths or min(prompt_lengths) < 1:
         raise WorkbenchError("profile: repeats, decode_steps and every prompt length must be at least 1")
     found = locate(path)
@@ -204,7 +205,6 @@ def profile_directory(directory: str | Path, *, vocab_size: int | None = None, l
     another, each named by its path below ``directory``. ``log(line)`` gets what is skipped (default: stderr, where
     the CLI says it; a page shows it as a note, not as an error); ``on_model(i, n, name)`` before each model."""
     import sys
-    from .locate import CONVERSION_FILE, find_runnable, not_runnable_here
     say = log or (lambda line: print(f"profile: {line}", file=sys.stderr))
     root = Path(directory)
     out, failed = [], []
@@ -236,7 +236,6 @@ def build_candidates(model="demo", out_dir: str | Path = "out/profile", *, plan=
     Conversions here skip their accuracy evaluation (``workbench convert`` does that); this only
     builds the files whose speed and size are compared.
     """
-    from ..targets.convert import CONVERT_TARGETS, convert, prepare_models
     from ..onnx.export import export_onnx
     unknown = [c for c in candidates if c != "float" and c not in CONVERT_TARGETS]
     if unknown:
@@ -301,7 +300,6 @@ def host_bandwidth(workspace=None, *, force: bool = False) -> dict:
     ``{"read_gbps", "method", "host", "cpu", "measured"}``. ``force`` measures again."""
     import platform
 
-    from ..files.workspace import Workspace
     ws = workspace if workspace is not None else Workspace()
     inputs = {"host": platform.node(), "cpu": _cpu_model(), "method": BANDWIDTH_METHOD}
 

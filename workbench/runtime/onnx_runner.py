@@ -12,6 +12,8 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ..errors import ModelLoadError, WorkbenchError
+from .stream import stream_tokens
+from workbench.files.folder_paths import check_graph_paths, inside_folder
 
 __all__ = ["OnnxCausalLM", "GraphLoadError", "input_names"]
 
@@ -102,7 +104,6 @@ class OnnxCausalLM:
 
     def _open_session(self, path: str | Path):
         import onnxruntime as ort
-        from workbench.files.folder_paths import check_graph_paths
         check_graph_paths(path)  # nothing a graph names outside its folder is opened, by us or by onnxruntime
         opts = ort.SessionOptions()
         opts.log_severity_level = 3
@@ -137,7 +138,6 @@ class OnnxCausalLM:
         import onnx
         import onnxruntime as ort
         from onnx.external_data_helper import uses_external_data
-        from workbench.files.folder_paths import inside_folder
         opts.add_session_config_entry("session.disable_prepacking", "1")
         for init in onnx.load(str(path), load_external_data=False).graph.initializer:
             if not uses_external_data(init) or init.data_type in (onnx.TensorProto.INT4, onnx.TensorProto.UINT4):
@@ -240,5 +240,4 @@ class OnnxCausalLM:
 
     def generate_greedy(self, prompt: Sequence[int], steps: int) -> list[int]:
         """``steps`` greedy tokens after ``prompt`` (no end-of-sequence stop): ``workbench.run.generate``'s loop."""
-        from .stream import stream_tokens
         return list(stream_tokens(self, prompt, steps))

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 import torch
 from torch import nn
+from ..numerics.logits import final_hidden, head_logits
 
 if TYPE_CHECKING:
     from .onnx_runner import OnnxCausalLM
@@ -31,7 +32,6 @@ def greedy_agreement(model: nn.Module, prompt: Sequence[int], tokens: Sequence[i
     count and the model's own greedy tokens as far as they are determined (one past the first
     disagreement).
     """
-    from ..numerics.logits import final_hidden, head_logits
     tokens = [int(t) for t in tokens]
     if not tokens:
         return 0, []

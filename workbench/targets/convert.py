@@ -49,12 +49,14 @@ from ..numerics.logits import final_hidden, head_logits
 from ..numerics.memory import release_freed_memory
 from ..onnx.export import ExportResult, export_onnx
 from ..runtime.onnx_runner import OnnxCausalLM
-from ..model.load import LoadedModel, is_quantized_dir, load_model
+from ..model.load import LoadedModel, is_quantized_dir, load_model, load_quantized
 from ..quantize.plan import QuantPlan
 from ..evaluation.textio import read_tokens
 from .processes import owned_tempdir
 from .registry import check_precisions, check_signed_scales, get_target, target_names
 from ..files.workspace import atomic_write_json
+from ..evaluation.data import load_calibration_set
+from ..model.calibrate import importance_statistics, reads_importance
 
 __all__ = ["CONVERT_TARGETS", "ConversionReport", "PreparedModels", "ConvertJob", "prepare_models", "convert",
            "GAP_TOP1", "calibration_feeds", "default_eval_tokens", "EVAL_PARAMETER_TOKENS", "MIN_EVAL_TOKENS",
@@ -100,8 +102,6 @@ def prepare_models(model, *, plan: QuantPlan | str | Path | None = None, bits: i
     importance statistics (``calibrate.importance_statistics``) unless ``importance`` is False. The models (and
     quantization) run on ``device``; graphs and onnxruntime stay on the CPU.
     """
-    from ..model.calibrate import importance_statistics, reads_importance
-    from ..model.load import load_quantized
     from ..quantize import quantize_model
     if is_quantized_dir(model):
         if plan is not None or bits is not None:
@@ -195,7 +195,6 @@ def calibration_feeds(lm: LoadedModel, *, samples: int = 16, seq_len: int = 128,
     model: KL 2.0, top-1 0.17). Where the sample is shorter than the position, its whole text is
     the past and the position lies beyond it, which only the position-dependent ranges notice.
     """
-    from ..evaluation.data import load_calibration_set
     calib = load_calibration_set(text, tokenizer=lm.tokenizer, samples=samples, seq_len=seq_len)
     prefill, decode = [], []
     n_samples = len(calib.samples)

@@ -38,6 +38,9 @@ import numpy as np
 from ..errors import PlanError, WorkbenchError
 from .processes import die_with_parent_fn
 from .registry import Target, register_target
+from ..assets import demo_text_path
+from ..evaluation.textio import read_tokens
+from .common import log_softmax
 
 __all__ = ["carried_group", "edgellm_python", "write_checkpoint", "export_bundle", "unpack_fragment",
            "bundle_weights", "check_bundle_codes", "run_outside_plugins", "write_build_script", "convert_edgellm",
@@ -320,7 +323,6 @@ def run_outside_plugins(llm_dir: str | Path, prep, ids) -> dict:
     import onnxruntime as ort
     import torch
     from safetensors.numpy import load_file
-    from .common import log_softmax
     llm_dir = Path(llm_dir)
     part, feeds_from, reads, vis = _open_part(llm_dir / "model.onnx")
     ids = np.asarray(ids, dtype=np.int64).reshape(-1)
@@ -415,8 +417,6 @@ def convert_edgellm(job) -> None:
     script = write_build_script(job.out, max_input_len=min(ctx, max_pos), max_kv=max_pos)
     info["build_command"] = f"bash {shlex.quote(str(script))}"
     if job.evaluate_outputs:  # the first CHECK_TOKENS of the text (nothing here runs the plugins: no KL to score)
-        from ..assets import demo_text_path
-        from ..evaluation.textio import read_tokens
         ids, _ = read_tokens(prep.float_lm.tokenizer, job.text or demo_text_path("heldout"), max_tokens=CHECK_TOKENS)
         job.say(f"running the graph outside its plugin nodes in onnxruntime ({len(ids)} tokens)")
         info["onnxruntime_outside_plugins"] = run_outside_plugins(job.out / LLM_DIR, prep, ids)

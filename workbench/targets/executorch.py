@@ -34,6 +34,9 @@ from torch.nn import functional as F
 from ..errors import ModelLoadError, PlanError, WorkbenchError
 from .common import native_output_to, score_in_runtime
 from .registry import Target, register_target
+from ..files.folder_paths import folder_file
+from ..numerics.memory import reset_peak_rss, rss_mb, settled_rss_mb
+from ..onnx.build import DecoderSpec
 
 __all__ = ["EtDecoder", "carried_layout", "export_pte", "pte_weights", "plan_weight_bytes", "check_pte_codes",
            "ExecuTorchLM", "open_executorch", "convert_executorch", "TARGET", "FILES", "INSTALL", "PTE_FILE"]
@@ -146,7 +149,6 @@ class EtDecoder(nn.Module):
 
     def __init__(self, sim_model: nn.Module, max_len: int):
         super().__init__()
-        from ..onnx.build import DecoderSpec
         spec = DecoderSpec.from_model(sim_model)
         self.max_len, self.head_dim, self.rope_scaling = max_len, spec.head_dim, spec.rope_scaling
         self.heads = [spec.heads_of(i) for i in range(spec.layers)]
@@ -287,7 +289,6 @@ PTE_MAGIC = b"ET"  # a .pte is a flatbuffer whose file identifier (bytes 4-8) is
 def check_pte_header(path: str | Path) -> None:
     """ModelLoadError unless ``path`` starts as an ExecuTorch program does (its flatbuffer identifier ``ET..``,
     a root offset inside the file): checked before the runtime parses it."""
-    from ..files.folder_paths import folder_file
     path = Path(path)
     folder_file(path.parent, path.name, path.parent, "program", at_least=16, why="of a program's header")
     with open(path, "rb") as f:
@@ -377,7 +378,6 @@ def open_executorch(folder: str | Path, *, threads: int | None = None) -> ExecuT
 
 def convert_executorch(job) -> None:
     """The simulation as an XNNPACK ``.pte`` holding the plan's codes, scored and timed in ExecuTorch's runtime."""
-    from ..numerics.memory import reset_peak_rss, rss_mb, settled_rss_mb
     prep, report = job.prep, job.report
     qm = prep.qm
     for name, qw in qm.weights.items():  # refuse before exporting, naming the layer

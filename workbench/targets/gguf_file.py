@@ -35,6 +35,7 @@ import torch
 from ..errors import PlanError
 from ..quantize.plan import get_precision
 from ..quantize.qtensor import QuantizedWeight
+from ..quantize.storage import float_storage, stored_integer_layers
 
 __all__ = ["ggml_type_of", "pack_blocks", "write_gguf", "check_gguf", "gguf_parameter_name", "GGUF_ARCHES"]
 
@@ -288,7 +289,6 @@ _BLOCK = {"Q4_0": (32, 18), "Q5_0": (32, 22), "Q8_0": (32, 34), "Q3_K": (256, 11
 def _tensors(qm) -> list[tuple[str, str, tuple, np.dtype, int, object]]:
     """``(gguf name, ggml type, shape as written, dtype, bytes, make())`` of every tensor in model order;
     ``make()`` packs it when called, so a writer holds one tensor at a time."""
-    from ..quantize.storage import stored_integer_layers, float_storage
     lm = qm.source
     precisions = qm.precisions
     floats = float_storage(qm)
@@ -375,7 +375,6 @@ def check_gguf(qm, path: str | Path) -> dict:
     from gguf.quants import dequantize
     reader = gguf.GGUFReader(str(path))
     by_name = {t.name: t for t in reader.tensors}
-    from ..quantize.storage import stored_integer_layers
     worst, count, weights, types = 0.0, 0, 0, {}
     for r in stored_integer_layers(qm):
         layer, qw = r.name, qm.weights[r.name]

@@ -32,6 +32,11 @@ from ..errors import ModelLoadError, PlanError, WorkbenchError
 from .common import log_softmax, native_output_to
 from .processes import die_with_parent, owned_temporary
 from .registry import Target, register_target
+from ..devices.profiles import get_device, load_devices
+from ..quantize.plan import get_precision
+from ..runtime.onnx_runner import GraphLoadError, OnnxCausalLM
+from .base import Finding, load_rules
+from .htp_parts import PARTS_FILE, PARTS_FORMAT, PartsCausalLM, read_parts, split_to_fit
 
 __all__ = ["INSTALL", "DEFAULT_DEVICE", "HtpUnavailable", "HtpRefused", "HtpSoc", "qnn_available", "htp_soc",
            "htp_socs", "generation_rules", "float_layers_refused", "soc_runs", "soc_plan_changes", "soc_findings",
@@ -79,7 +84,6 @@ class HtpSoc:
 
 def htp_socs() -> dict[str, HtpSoc]:
     """Every device profile with a QNN soc id and an HTP generation."""
-    from ..devices.profiles import load_devices
     return {k: _soc(d) for k, d in load_devices().items() if d.qnn_soc_model and d.htp_arch}
 
 
@@ -92,7 +96,6 @@ def htp_soc(device: str | HtpSoc | None = None) -> HtpSoc:
     """The SoC of a device profile by name or alias (``8gen3``, ``Snapdragon 8 Elite``, ``sm8450``)."""
     if isinstance(device, HtpSoc):
         return device
-    from ..devices.profiles import get_device
     d = get_device(device or DEFAULT_DEVICE)
     if not d.qnn_soc_model or not d.htp_arch:
         raise PlanError(f"device '{d.key}' has no Hexagon HTP (no qnn_soc_model / htp_arch in its profile); choose "
@@ -102,13 +105,11 @@ def htp_soc(device: str | HtpSoc | None = None) -> HtpSoc:
 
 def generation_rules() -> dict:
     """What each HTP generation runs (``assets/targets/qnn.json`` ``htp_generations``)."""
-    from .base import load_rules
     return load_rules("qnn")["htp_generations"]
 
 
 def float_layers_refused(precisions: Mapping[str, str | None], soc: HtpSoc) -> list[str]:
     """Layers whose QDQ weights would be 16-bit (the plan keeps them float) on an HTP that refuses 16-bit weights."""
-    from ..quantize.plan import get_precision
     if soc.arch >= generation_rules()["min_arch_16bit_weights"]:
         return []
     return [layer for layer, name in precisions.items()
@@ -118,7 +119,6 @@ def float_layers_refused(precisions: Mapping[str, str | None], soc: HtpSoc) -> l
 def soc_runs(precision, soc: HtpSoc) -> bool:
     """Whether ``soc``'s HTP generation runs weights of ``precision`` (``htp_generations.weight_bits``; a float
     precision is a 16-bit weight in the QDQ graph)."""
-    from ..quantize.plan import get_precision
     p = get_precision(precision)
     if p is None:
         return True
@@ -135,7 +135,6 @@ def soc_plan_changes(before: Mapping[str, str | None], after: Mapping[str, str |
 def soc_findings(onnx_path: str | Path, device: str | HtpSoc) -> list:
     """``Finding``s for a QDQ graph on ``device``'s HTP generation: 16-bit MatMul weights below v73, by layer."""
     import onnx
-    from .base import Finding
     soc = htp_soc(device)
     rules = generation_rules()
     if soc.arch >= rules["min_arch_16bit_weights"]:
@@ -254,8 +253,6 @@ def open_htp(prefill_path: str | Path | Sequence[str | Path], decode_path: str |
              = None, *, threads: int | None = None, device: str | HtpSoc | None = None):
     """``OnnxCausalLM`` on the HTP emulator for ``device``: QDQ graphs or their ``_ctx.onnx`` context models; a
     graph given as a list of its parts in order (``write_htp_binaries``) runs them chained (``PartsCausalLM``)."""
-    from ..runtime.onnx_runner import GraphLoadError, OnnxCausalLM
-    from .htp_parts import PartsCausalLM
     soc = htp_soc(device)
     apply = htp_session_options(soc)
 
@@ -298,7 +295,6 @@ def htp_runner(path: str | Path, *, threads: int | None = None, device: str | Ht
         except (OSError, ValueError, AttributeError) as e:
             raise ModelLoadError(f"'{p / SOC_FILE}' is not the JSON `workbench convert --target qnn --soc` writes "
                                  f"({e}): convert again, or pass the device") from None
-    from .htp_parts import PARTS_FILE, read_parts
     if (p / PARTS_FILE).is_file():  # graphs split to fit the SoC's context limit: their parts chained
         graphs = read_parts(p)["graphs"]
         prefill, decode = ([p / part["ctx"] for part in graphs[g]["parts"]] for g in ("prefill", "decode"))
@@ -316,7 +312,6 @@ def htp_files(folder: str | Path) -> tuple[str, ...] | None:
     models, prefill first, then the manifest; each model names its binary, which sizes count through it); None for
     a folder of whole graphs (``CONTEXT_FILES``). A manifest that ``read_parts`` refuses is the whole listing, so
     the runner opens it and says what is wrong with it."""
-    from .htp_parts import PARTS_FILE, read_parts
     if not (Path(folder) / PARTS_FILE).is_file():
         return None
     try:
@@ -437,7 +432,6 @@ def _compile_to_fit(name: str, graph: Path, out: Path, soc: HtpSoc, limit: int, 
     """``graph`` in the fewest parts whose context binaries are each under ``limit``: planned by the weights' bytes
     with ``CONTEXT_OVERHEAD``, compiled, and planned again tighter (by the largest binary's excess) while a part is
     still over. Returns (``htp_parts.split_to_fit``'s description, the context binaries written)."""
-    from .htp_parts import split_to_fit
     unchecked = replace(soc, context_limit_bytes=None)
     budget = int(limit / (1 + CONTEXT_OVERHEAD))
     for _ in range(tries):
@@ -480,7 +474,6 @@ def write_htp_binaries(graphs: Mapping[str, str | Path], out_dir: str | Path, de
     the manifest or None}``.
     """
     import json
-    from .htp_parts import PARTS_FILE, PARTS_FORMAT
     soc = htp_soc(device)
     limit = limit or soc.context_limit_bytes
     out = Path(out_dir)
@@ -708,7 +701,6 @@ def _teacher_forced(runner, ids: Sequence[int], prompt: int) -> np.ndarray:
 def _measure(float_graphs, qdq_graphs, windows, device, out_dir, prompt, decode_windows, threads,
              limit=None) -> HtpMeasurement:
     import resource
-    from ..runtime.onnx_runner import OnnxCausalLM
     soc = htp_soc(device)
     t0 = time.perf_counter()
     if limit is None:

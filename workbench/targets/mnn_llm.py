@@ -32,13 +32,15 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ..errors import ModelLoadError, WorkbenchError
+from ..errors import ModelLoadError, WorkbenchError, NativeEngineError
 from ..onnx.build import (DATA_FILE, INLINE_LIMIT, DecoderSpec, FloatWeights, GraphBuilder, TensorStore, apply_rotary,
                           rotary_tables)
 from ..files.workspace import atomic_write_json
 from .common import score_in_runtime
 from .mnn import mnn_weight_args, convert_to_mnn, keep_matmul_weights_float, run_mnnconvert
 from .registry import Target, register_target
+from ..files.folder_paths import folder_file, folder_json, named_paths
+from .processes import ChildCrashed, ChildEngine, ChildFailed
 
 __all__ = ["check_mnn_llm_folder", "graph_weight_bytes",
            "export_engine_onnx", "plan_codes_layout", "write_plan_codes", "write_tokenizer_txt", "write_mnn_llm_folder", "MnnLlm", "open_mnn_llm",
@@ -419,7 +421,6 @@ def check_mnn_llm_folder(folder: str | Path) -> dict:
     plausible size: the embedding ``vocab x hidden x 2`` bytes (bf16), ``llm.mnn.weight`` non-empty and holding
     what the graph's ops and ``tie_embeddings`` point at, ``llm_config.json``'s sizes sane, the tokenizer's header
     whole, and each file the size ``manifest.json`` recorded when the folder was written."""
-    from ..files.folder_paths import folder_file, folder_json, named_paths
     folder = Path(folder)
     config_file = folder / "config.json"
     config = folder_json(config_file, "`workbench convert MODEL --target mnn-llm`")
@@ -541,14 +542,12 @@ class MnnLlm:
         self.load_seconds = self._engine("step")
 
     def _crashed(self, how: str, doing: str):
-        from ..errors import NativeEngineError
         names = ", ".join(p.name for p in self.files.values() if not p.name.endswith(".json"))
         return NativeEngineError(f"MNN's LLM engine crashed ({how}) {doing} '{self.folder}': its files ({names}) are "
                                  "damaged or not what config.json says; convert it again")
 
     def _call(self, op: str, *args):
         """One request to the engine's child; its crash or error becomes one line naming the folder."""
-        from .processes import ChildCrashed, ChildEngine, ChildFailed
         doing = "loading" if op == "load" else "running"
         try:
             if self._child is None:

@@ -50,6 +50,8 @@ from ..runtime.stream import torch_threads
 from .ort_int4 import (ACCURACY_LEVELS, NBitsWeights, nbits_tensors, release_float_model, storage_notes,
                        matmulnbits_block_size)
 from .registry import Target, register_target
+from ..onnx.inspect import decode_step_bytes
+from ..quantize.plan import get_precision
 
 __all__ = ["FusedBuild", "FusedWeights", "build_fused_onnx", "refuse_per_layer_heads", "write_genai_folder", "GenaiCausalLM", "convert_ort_genai",
            "is_genai_folder", "GENAI_TYPES", "MODEL_FILE", "GENAI_CONFIG", "TOKENIZER_FILES", "TARGET"]
@@ -560,8 +562,6 @@ def fused_runner(folder: str | Path, threads: int | None = 1) -> OnnxCausalLM:
 
 def _float_head_note(qm, model_path: Path) -> str | None:
     """What a float ``lm_head`` costs each decoded token on the CPU (read as float32), when the plan keeps it so."""
-    from ..quantize.plan import get_precision
-    from ..onnx.inspect import decode_step_bytes
     prec = get_precision(qm.precisions.get("lm_head")) if qm.precisions.get("lm_head") else None
     r = next((r for r in qm.layers if r.name == "lm_head"), None)
     if r is None or (prec is not None and not prec.is_float):

@@ -39,6 +39,7 @@ from ..runtime.onnx_runner import OnnxCausalLM
 from ..runtime.parity import greedy_agreement
 from .common import half_layers
 from .registry import Target, register_target
+from ..quantize.qtensor import pack_bits
 
 __all__ = ["Int4Build", "NBitsWeights", "build_nbits_onnx", "matmulnbits_block_size", "ACCURACY_LEVELS",
            "convert_ort_int4", "decode_speed", "open_graphs", "TARGET"]
@@ -69,7 +70,6 @@ def nbits_tensors(qw, block: int):
     """MatMulNBits B, scales and zero points from a QuantizedWeight, repeating scales when groups > blocks."""
     import torch
 
-    from ..quantize.qtensor import pack_bits
     n, k = qw.shape
     repeat = qw.effective_group_size // block
     scales = qw.scales.float().repeat_interleave(repeat, dim=1)  # [N, k_blocks]

@@ -44,13 +44,17 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 
 from ..errors import PlanError
-from ..quantize.plan import get_precision
+from ..quantize.plan import get_precision, PlanRule, QuantPlan
 from ..files.workspace import atomic_write_json
 from .base import inspect_graph
 from .common import OverrideFile, graph_consumers, graph_names, layers_from_tensors, read_json_object, tensor_for
 from .ort_qdq import (FLOAT_WEIGHT_TYPE, KV_BITS_KEY, KV_TENSOR, MASK_RANGE, causal_mask_tensors, lean_session,
                       measure_qdq, qdq_evaluator, qdq_twin)
 from .registry import OverrideFormat, Target, check_precisions, register_target
+from ..runtime.onnx_runner import OnnxCausalLM
+from .htp import (DEPART_ERROR, float_layers_refused, htp_soc, INSTALL, layer_divergence, measure_htp, qnn_available,
+                  write_htp_binaries)
+from .htp_parts import check_chained, PARTS_FILE
 
 __all__ = ["QNN_ENCODINGS_VERSION", "QNN_LPBQ_VERSION", "DEFAULT_ACTIVATION_BITWIDTH", "RECIPE", "recipe_plan",
            "symmetric_encoding",
@@ -72,7 +76,6 @@ def recipe_plan(*, int8_layers: Iterable[str] = (), method: str = "rtn") -> "Qua
     activations and an 8-bit KV cache whose past and present share one encoding (``meta["kv_cache_bits"]``).
     ``int8_layers``: layers held at int8 (the recipe's ``int8_param_names``: those whose int4 MatMul saturates
     the HTP accumulator, so the device departs from the simulation; ``targets.htp.divergent_layers`` finds them)."""
-    from ..quantize.plan import PlanRule, QuantPlan
     rules = [PlanRule("*embed_tokens", "fp16"), PlanRule("lm_head", "int8")]
     rules += [PlanRule(name, "int8") for name in int8_layers]
     return QuantPlan(default="int4", rules=tuple(rules), group_size=None, symmetric=True, method=method,
@@ -607,7 +610,6 @@ def _soc_for(job):
     """The Snapdragon of ``--soc`` with the plan checked against what its HTP runs, or None."""
     if not job.soc:
         return None, FLOAT_WEIGHT_TYPE
-    from .htp import float_layers_refused, htp_soc
     soc = htp_soc(job.soc)
     refused = float_layers_refused(job.prep.qm.precisions, soc)
     if not refused:
@@ -622,7 +624,6 @@ def _soc_for(job):
 def _run_on_htp(job, soc, sx, prefill_qdq: Path, ev, feed: Mapping[str, np.ndarray]) -> None:
     """Context binaries for ``soc``, each under its context limit (``--split-limit-mib``, else the SoC's: a graph
     over it is split into parts), and (with an evaluator) prefill and decode scored on the HTP emulator."""
-    from .htp import INSTALL, measure_htp, qnn_available, write_htp_binaries
     if not qnn_available():
         job.report.notes.append(f"onnxruntime-qnn is not installed, so nothing ran on the HTP ({soc.label}): "
                                 f"{INSTALL}")
@@ -676,7 +677,6 @@ def _report_parts(job, soc, parts: dict, prefill_qdq: Path, feed: Mapping[str, n
                   info: dict) -> None:
     """The split in the notes (parts and sizes, graph by graph) and ``details.htp.parts``; the prefill parts chained
     on the CPU against the whole QDQ prefill graph, for one calibration sample (a difference is a gap)."""
-    from .htp_parts import PARTS_FILE, check_chained
     prefill = parts["graphs"]["prefill"]["parts"]
     files = [out / p["qdq"] for p in prefill]
     chained = check_chained(prefill_qdq, files, feed) if len(files) > 1 else None
@@ -699,8 +699,6 @@ def _compare_layers(job, soc, prefill_qdq: Path, window, info: dict) -> None:
     """Each weighted layer alone on the HTP against the CPU QDQ graph (``htp.layer_divergence``), from one window;
     the departing layers are named in the notes and in ``details.htp.divergence`` (what ``plan --htp-divergence``
     raises to int8)."""
-    from ..runtime.onnx_runner import OnnxCausalLM
-    from .htp import DEPART_ERROR, layer_divergence
     job.say("comparing each layer alone on the HTP emulator with the CPU QDQ graph")
     feed = OnnxCausalLM(prefill_qdq, session_options=lean_session).prefill_feed(list(window))
     div = layer_divergence(prefill_qdq, feed, soc, rows=len(window))

@@ -44,6 +44,10 @@ from .base import inspect_graph
 from .common import log_softmax
 from .processes import die_with_parent_fn, owned_tempdir
 from .registry import Target, register_target
+from ..assets import demo_text_path
+from ..evaluation.evaluate import encode_text, read_text
+from ..quantize.plan import get_precision
+from .convert import GAP_TOP1, prepare_models
 
 __all__ = ["write_rknn_bundle", "convert_rknn", "TARGET", "MASK_FILL", "RKNN_ENV_HINT", "rknn_python",
            "prepare_rknn_graph", "rope_feed", "spread_positions", "RknnScores", "RknnResult", "build_rknn",
@@ -205,8 +209,6 @@ def rknn_calibration_feeds(lm, static: tuple[int, int], samples: int, inv_freq, 
                            text: str | Path | None = None) -> dict[str, list[dict]]:
     """Calibration inputs of the rewritten graphs: prefill windows of the calibration text, and decode
     steps at past lengths spread over ``[1, past]`` (``spread_positions``), each with the float model's KV."""
-    from ..evaluation.evaluate import encode_text, read_text
-    from ..assets import demo_text_path
     seq, past = static
     ids = np.asarray(encode_text(lm.tokenizer, read_text(text or demo_text_path("calibration")), source="calibration"))
     return {"prefill": [_prefill_feed(c, inv_freq, scaling) for c in _chunks(ids, seq, samples)],
@@ -293,7 +295,6 @@ def _score(ref: np.ndarray, sim: np.ndarray, got: np.ndarray, targets: np.ndarra
 
 def _precision_choice(qm, platform: str) -> tuple[str | None, list[str], dict[str, str]]:
     """(dtype or None for float16, layers kept float by hybrid quantization, layers not kept as planned)."""
-    from ..quantize.plan import get_precision
     precs = {r.name: get_precision(r.precision) for r in qm.layers if get_precision(r.precision) is not None}
     if all(p.is_float for p in precs.values()):
         return None, [], {}
@@ -389,9 +390,7 @@ def build_rknn(prep, out_dir: str | Path, *, static: tuple[int, int] = (128, 511
     Decode: ``decode_positions`` steps spread over the past, each fed the float model's KV cache
     (teacher forced), so the decode graph's own error is measured at every past length.
     """
-    from ..evaluation.evaluate import encode_text, read_text
     from ..onnx.export import export_onnx
-    from ..assets import demo_text_path
     say = say or (lambda m: None)
     py = rknn_python()
     if py is None:
@@ -535,7 +534,6 @@ def measure_rknn(model, *, bits: int | None = 8, plan=None, float16: bool = Fals
                  static: tuple[int, int] = (128, 511), decode_positions: int = 64, eval_windows: int = 4,
                  timeout: float = DEFAULT_TIMEOUT, prepared=None) -> RknnMeasurement:
     """Build and simulate ``model`` for rk3588; KL / top-1 per graph, ``.rknn`` size, time and peak memory."""
-    from .convert import prepare_models
     prep = prepared or prepare_models(model, plan=plan, bits=None if plan is not None else bits)
     out = Path(out_dir) if out_dir else owned_tempdir(f"{TEMP_KIND}-out")
     t0 = time.perf_counter()
@@ -622,7 +620,6 @@ def _fill_report(job, r: RknnResult) -> None:
                       "perplexity": p.simulation_perplexity}
     rep.eval_tokens, rep.ctx = p.positions, job.static[0]
     rep.details["rknn"] = r.to_dict()
-    from .convert import GAP_TOP1
     low = [f"{name} {s.top1_agreement_vs_simulation:.3f}" for name, s in (("prefill", p), ("decode", d))
            if s.top1_agreement_vs_simulation < GAP_TOP1]
     if low:

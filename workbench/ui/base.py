@@ -25,6 +25,7 @@ from IPython import get_ipython
 from IPython.display import display
 
 from ..errors import WorkbenchError
+from ..charts.style import METRIC_WORDS
 
 __all__ = ["StepPanel", "StatusLine", "StatusGroup", "CheckList", "FileDownload", "progress_into", "ruled_style", "ruled_table"]
 
@@ -36,7 +37,6 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")  # tqdm moves the cursor between ne
 def metric_words_html(*terms: str) -> str:
     """One grey line saying what each quality figure (``charts.style.METRIC_WORDS``: KL, nats, top-1, perplexity)
     means, each term with its meaning as its hover text too."""
-    from ..charts.style import METRIC_WORDS
     parts = [f"<span title='{html.escape(METRIC_WORDS[t])}'>{html.escape(METRIC_WORDS[t])}</span>"
              for t in (terms or METRIC_WORDS)]
     return "<div class='workbench-words' style='font-size:11px;color:#5d6d7e'>" + "; ".join(parts) + "</div>"

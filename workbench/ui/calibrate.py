@@ -23,6 +23,7 @@ from ..evaluation.data import DEFAULT_SAMPLES, DEFAULT_SEQ_LEN, CalibrationSet
 from ..model.load import LoadedModel
 from ..files.workspace import Workspace
 from .base import StepPanel
+from .session import SessionLabel
 
 __all__ = ["CalibratePanel"]
 
@@ -67,7 +68,6 @@ class CalibratePanel(StepPanel):
         head = [widgets.HTML(f"<b>Calibrate</b> {html.escape(lm.name)}: activation statistics of every linear "
                              "layer's input" + (" (AWQ in the Quantize tab uses this calibration)" if session else ""))]
         if session is not None:
-            from .session import SessionLabel
             head.append(self._own(SessionLabel(session)))
         super().__init__([
             *head, self.data, widgets.HBox([self.samples, self.seq_len, self.seed]),

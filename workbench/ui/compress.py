@@ -42,6 +42,7 @@ from ..precision.sensitivity import evaluation_tokens
 from ..files.workspace import Workspace
 from .base import StepPanel, metric_words_html
 from .session import describe_plan
+from ..compress.prune import IMPORTANCE_FILE
 
 __all__ = ["CompressPanel"]
 
@@ -316,7 +317,6 @@ class CompressPanel(StepPanel):
             return None
         self.prune_report = report
         if self.importance is None:
-            from ..compress.prune import IMPORTANCE_FILE
             self.importance = PruneImportance.load(self.out_dir / "pruned" / IMPORTANCE_FILE)
         self._show_importance(report["kept"], pruned=True)
         self._update_prediction()  # the counts by layer are now the ones Prune kept

@@ -24,6 +24,7 @@ from ..run.locate import locate
 from ..runtime.stream import STOP_WORDS, Sampling
 from ..model.load import LoadedModel
 from .base import StepPanel
+from .session import SessionLabel
 
 __all__ = ["GeneratePanel", "FLOAT", "DEFAULT_PROMPT"]
 
@@ -99,7 +100,6 @@ class GeneratePanel(StepPanel):
                              "continues your prompt, token by token, with its speed; the float model continues the "
                              "same prompt beside it (this machine's CPU, one model at a time)")]
         if session is not None:
-            from .session import SessionLabel
             head.append(self._own(SessionLabel(session)))
             self._watch(session, self._on_session, ["conversions", "quantized_path", "lm"])
         self._refresh_choices(select_latest=model is None)

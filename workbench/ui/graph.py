@@ -24,6 +24,8 @@ from ..errors import PlanError
 from ..targets import TARGETS, GraphReport, inspect_graph
 from ..targets.registry import get_target, plan_reach
 from .base import StepPanel, ruled_table
+from .devices_gap import DevicesGapPanel
+from .session import SessionLabel
 
 __all__ = ["GraphPanel", "ConvertPanel", "NetronServer"]
 
@@ -185,8 +187,6 @@ class ConvertPanel(StepPanel):
                          self.convert_button]
         self.gap_panel = None
         if session is not None:
-            from .devices_gap import DevicesGapPanel
-            from .session import SessionLabel
             self.gap_panel = self._own(DevicesGapPanel(session, max_tokens=max_tokens or 512))
             head = [widgets.HTML("<b>Convert</b> the Quantize tab's model: run the converted model and compare it "
                                  "with the workbench's simulation of that same model"),

@@ -25,7 +25,7 @@ from typing import Sequence
 import ipywidgets as widgets
 import traitlets
 
-from ..precision.autoplan import PlanPoint, plan_footprint, predict_damage
+from ..precision.autoplan import PlanPoint, plan_footprint, predict_damage, plan_for_budget
 from ..charts.precision import make_pareto_figure
 from ..errors import WorkbenchError
 from ..model.load import LoadedModel
@@ -455,7 +455,6 @@ class OverridePanel(widgets.VBox):
         if self.sensitivity is None:
             self._log("run the sensitivity sweep first: automatic plans are chosen from it")
             return []
-        from ..precision.autoplan import plan_for_budget
         points = self.evaluate_uniform()
         if len(points) < 2:
             return points

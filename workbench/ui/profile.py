@@ -21,6 +21,7 @@ from ..run.profile import (DEFAULT_PROMPT_LENGTHS, RuntimeProfile, host_bandwidt
                            parse_prompt_lengths, profile_directory)
 from ..units import format_bytes
 from .base import StepPanel, ruled_table
+from .session import SessionLabel
 
 __all__ = ["ProfilePanel"]
 
@@ -83,7 +84,6 @@ class ProfilePanel(StepPanel):
         head = [widgets.HTML("<b>Profile</b> every exported or converted model in a folder: prefill latency, decode "
                              "speed, size, memory (this machine's CPU; an NPU's own numbers come from its SDK)")]
         if session is not None:
-            from .session import SessionLabel
             head.append(self._own(SessionLabel(session)))
             self._watch(session, self._on_session_folder, ["quantized", "out_dir"])
         super().__init__([

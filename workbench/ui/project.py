@@ -29,6 +29,7 @@ from ..quantize.plan import QuantPlan
 from ..devices.projection import AUTO, DEFAULT_CONTEXT, project_plans
 from ..charts.report import Candidates, projection_summary_html
 from .base import CheckList, StepPanel, ruled_style
+from .session import SessionLabel
 
 __all__ = ["ProjectPanel", "DEFAULT_DEVICES"]
 
@@ -73,7 +74,6 @@ class ProjectPanel(StepPanel):
                              "the fit had on models it had not seen), memory fit, and the layers the accelerator "
                              "cannot run (shapes only: nothing runs)")]
         if session is not None:
-            from .session import SessionLabel
             head.append(self._own(SessionLabel(session)))
         super().__init__([*head, widgets.HBox([self.devices, widgets.VBox([self.context, self.runtime,
                                                                             self.run_button])]),

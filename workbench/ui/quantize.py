@@ -23,11 +23,13 @@ from ..assets import demo_text_path
 from ..charts.quantize import make_cost_table_figure, make_layer_error_figure
 from ..evaluation.evaluate import DEFAULT_CTX
 from ..model.load import LoadedModel
-from ..model.calibrate import reads_importance
+from ..model.calibrate import reads_importance, calibrate, importance_statistics
 from ..quantize.plan import QuantPlan, get_precision
 from ..quantize import CALIBRATED_METHODS, heldout_ids, measure_cost, measure_reference, quantize_model
 from ..files.workspace import Workspace
 from .base import StepPanel
+from .overrides import precision_choices
+from .session import SessionLabel
 
 __all__ = ["QuantizePanel"]
 
@@ -93,7 +95,6 @@ class QuantizePanel(StepPanel):
                              "against the unquantized model")]
         self.calibration_note = widgets.HTML()
         if session is not None:
-            from .session import SessionLabel
             head.append(self._own(SessionLabel(session)))
             self._watch(session, self._on_session_plan, "plan")
             self._watch(session, self._show_calibration, "calibration")
@@ -109,7 +110,6 @@ class QuantizePanel(StepPanel):
     def _bit_options(plan: QuantPlan | None) -> list:
         """"plan", then every registered integer precision: plain widths by their bits, fixed layouts (two-level,
         float minimums) by name."""
-        from .overrides import precision_choices
         ints = [(label, get_precision(name)) for label, name in precision_choices() if name != "fp16"]
         return ([("plan", "plan")] if plan is not None else []) + \
             [(label, p.name if p.two_level or p.minimums else p.bits) for label, p in ints]
@@ -187,7 +187,6 @@ class QuantizePanel(StepPanel):
         one, else computed here (RTN: the short pass `workbench quantize` runs by default)."""
         if self.session is not None and self.session.calibration is not None:
             return self.session.calibration
-        from ..model.calibrate import calibrate, importance_statistics
         if plan.method not in CALIBRATED_METHODS:
             return importance_statistics(self.lm, self.data.value.strip() or None, workspace, progress=False)[0]
         result = calibrate(self.lm, self.data.value.strip() or None, samples=self.samples_n, seq_len=self.seq_len,

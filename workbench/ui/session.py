@@ -33,6 +33,11 @@ from ..errors import PlanError, WorkbenchError, WorkspaceError
 from ..model.load import LoadedModel, load_model
 from ..quantize.plan import QuantPlan
 from ..files.workspace import Workspace, atomic_write_json, atomic_write_text, library_versions, model_fingerprint, read_json_file
+from ..charts.report import build_report
+from ..precision.overrides import write_overrides
+from ..quantize.storage import weight_file_bytes
+from ..run.devices_gap import format_table, GAP_FILE
+from ..targets.convert import convert, PreparedModels
 
 __all__ = ["AppSession", "SessionLabel", "describe_plan", "default_run_dir", "run_model", "ARCHIVE_SEND_LIMIT", "RUN_FILE"]
 
@@ -164,7 +169,6 @@ class AppSession(traitlets.HasTraits):
         report = {"plan": self.plan_info(qm.plan), **({"cost": cost.to_dict()} if cost is not None else {})}
         qm.save(path, report=_jsonable(report))
         if cost is not None and cost.size_bytes is None:
-            from ..quantize.storage import weight_file_bytes
             cost.size_bytes = weight_file_bytes(path)  # measured before saving: the size on disk is known now
         self._prepared = None
         with self.hold_trait_notifications():
@@ -205,7 +209,6 @@ class AppSession(traitlets.HasTraits):
     # -- actions ------------------------------------------------------------------------------------
     def prepared(self):
         """The float model and the session's quantized model, as ``workbench.targets.convert`` takes them (no reload)."""
-        from ..targets.convert import PreparedModels
         if self.quantized is None:
             raise PlanError("nothing to convert yet: quantize first (Quantize tab, Run)")
         if self._prepared is None or self._prepared[0] is not self.quantized:
@@ -216,7 +219,6 @@ class AppSession(traitlets.HasTraits):
 
     def convert(self, target: str, out_dir: str | Path | None = None, **kwargs):
         """Convert exactly the session's quantized model for ``target``; conversion.json names its plan."""
-        from ..targets.convert import convert
         prep = self.prepared()
         out = Path(out_dir) if out_dir else self.conversion_dir / target
         report = convert(str(self.quantized_path), target, out, prepared=prep, **kwargs)
@@ -225,7 +227,6 @@ class AppSession(traitlets.HasTraits):
 
     def write_override_files(self, directory: Path) -> list[dict]:
         """The plan for converters that take per-layer precisions as a file (llama.cpp, MNN's llmexport)."""
-        from ..precision.overrides import write_overrides
         written = []
         for fmt, name in OVERRIDE_FILES:
             try:
@@ -287,7 +288,6 @@ class AppSession(traitlets.HasTraits):
                              "conversions": "convert/" if self.conversions else None}
         atomic_write_json(out / "report.json", report)
         atomic_write_text(out / "report.md", report_markdown(report))
-        from ..charts.report import build_report
         atomic_write_text(out / "report.html", build_report(out).html)  # the page to send: opens offline
         members: list[tuple[Path, str]] = []
         if self.quantized_path is not None and self.quantized_path.is_dir():
@@ -296,7 +296,6 @@ class AppSession(traitlets.HasTraits):
             members += _tree(self.conversion_dir, "convert")
         for name in (RUN_FILE, "plan.json", "report.json", "report.md", "report.html"):
             members.append((out / name, name))
-        from ..run.devices_gap import GAP_FILE
         for gap in sorted((out / "devices-gap").glob(f"*/{GAP_FILE}")):  # the rows, not the graphs they measured
             members.append((gap, gap.relative_to(out).as_posix()))
         for sub in ("overrides", "figures"):
@@ -384,7 +383,6 @@ def report_markdown(report: dict) -> str:
                          f"{_fmt(r.get('top1_agreement_vs_simulation'), '.4f')} | {r.get('gap') or ''} |")
         lines.append("")
     if report.get("devices_gap"):
-        from ..run.devices_gap import format_table
         g = report["devices_gap"]
         lines += ["## On the devices (devices-gap/)", "", f"plan {g['plan_hash']}, {g['max_tokens'] or 'all'} tokens, "
                   f"HTP {g['soc']}; KL / top-1 against the float model", "", format_table(g["rows"]), ""]
