@@ -28,12 +28,23 @@ from ..errors import DataError
 from ..numerics.logits import final_hidden, head_logits, head_vocab
 from .textio import check_text_path, tokenize_bounded
 
-__all__ = ["Window", "strided_windows", "llamacpp_windows", "eval_windows", "SCHEMES", "encode_text", "EvalReport",
+__all__ = ["mean_stderr", "Window", "strided_windows", "llamacpp_windows", "eval_windows", "SCHEMES", "encode_text", "EvalReport",
            "ReferenceOutputs", "capture_reference",
            "evaluate", "paired_difference", "DEFAULT_CTX", "default_token_budget", "reference_report",
            "EVAL_BUDGET"]
 
 DEFAULT_CTX = 512  # llama.cpp's llama-perplexity default; the demo model's full context
+
+
+def mean_stderr(values) -> float:
+    """Standard error of the mean of ``values`` (nan with fewer than two): the spread of per-window or
+    per-sample figures that every measured difference here is quoted with."""
+    values = list(values)
+    n = len(values)
+    if n < 2:
+        return float("nan")
+    m = sum(values) / n
+    return math.sqrt(sum((v - m) ** 2 for v in values) / (n - 1) / n)
 
 
 @dataclass(frozen=True)

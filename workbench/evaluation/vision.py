@@ -33,6 +33,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..errors import DataError
+from .evaluate import mean_stderr
 from .images import DEFAULT_MAX_PIXELS, ImageTextPair, read_image
 
 __all__ = ["VisionSample", "AnswerScores", "Scorer", "CAPTION_PROMPT", "answer_samples", "caption_samples",
@@ -112,15 +113,6 @@ def caption_samples(pairs: Sequence[ImageTextPair], *, prompt: str = CAPTION_PRO
     return out
 
 
-def _mean_stderr(values: Sequence[float]) -> float:
-    """Standard error of the mean of ``values`` (nan with fewer than two)."""
-    n = len(values)
-    if n < 2:
-        return float("nan")
-    m = sum(values) / n
-    return math.sqrt(sum((v - m) ** 2 for v in values) / (n - 1) / n)
-
-
 # ---------------------------------------------------------------- answer KL and top-1
 
 def capture_answer_reference(reference: Scorer, samples: Sequence[VisionSample]) -> list[AnswerScores]:
@@ -148,7 +140,7 @@ class VisionKLReport:
     reference_sample_nll: list[float] = field(default_factory=list, repr=False)
 
     def _stderr(self, sums: Sequence[float]) -> float:
-        return _mean_stderr([x / t for x, t in zip(sums, self.sample_tokens)])
+        return mean_stderr([x / t for x, t in zip(sums, self.sample_tokens)])
 
     @property
     def kl_stderr(self) -> float:
@@ -175,7 +167,7 @@ class VisionKLReport:
 def _paired(a: Sequence[float], b: Sequence[float], tokens: Sequence[int]) -> dict:
     """Mean per-token difference of per-sample sums ``a - b``, and the standard error of per-sample differences."""
     mean = (sum(a) - sum(b)) / sum(tokens)
-    return {"mean": mean, "stderr": _mean_stderr([(x - y) / t for x, y, t in zip(a, b, tokens)]),
+    return {"mean": mean, "stderr": mean_stderr([(x - y) / t for x, y, t in zip(a, b, tokens)]),
             "samples": len(tokens)}
 
 
@@ -267,7 +259,7 @@ class ITMReport:
 
     @property
     def stderr(self) -> float:
-        return _mean_stderr(self.correct)
+        return mean_stderr(self.correct)
 
     def to_dict(self, samples: bool = False) -> dict:
         d = asdict(self)
@@ -313,7 +305,7 @@ def itm_paired_difference(candidate: ITMReport, baseline: ITMReport) -> dict:
         raise ValueError("the two matchings drew different distractors; use the same samples, distractors and seed")
     n = candidate.samples
     diffs = [a - b for a, b in zip(candidate.correct, baseline.correct)]
-    return {"mean": sum(diffs) / n, "stderr": _mean_stderr(diffs), "samples": n,
+    return {"mean": sum(diffs) / n, "stderr": mean_stderr(diffs), "samples": n,
             "agreement": sum(a == b for a, b in zip(candidate.chosen, baseline.chosen)) / n}
 
 

@@ -661,30 +661,29 @@ def load_model(path: str | os.PathLike = "demo", *, dtype: str | torch.dtype = "
                                  "the checkpoint to safetensors (model.safetensors) where you trust its source, "
                                  "or get a safetensors copy of the model") from e
         raise ModelLoadError(f"could not load model weights from '{p}': {_one_line(e)}") from e
+    _ready(model, info, p, device, float32_compute)
+    tokenizer = load_tokenizer_from(p, trust_remote_code=trust_remote_code) if load_tokenizer else None
+    return LoadedModel(model=model, tokenizer=tokenizer, path=p, name=name, layers=quantizable_layers(model))
+
+
+def _ready(model: nn.Module, info: dict, p: Path, device: str, float32_compute: bool) -> None:
+    """Refuse weights that do not cover the model (nothing initialised at random), then place it for use."""
     mismatched = [(k, tuple(a), tuple(b)) for k, a, b in info.get("mismatched_keys") or ()]
     if info.get("missing_keys") or info.get("unexpected_keys") or mismatched:
         raise weights_mismatch_error(p, info.get("missing_keys") or (), info.get("unexpected_keys") or (), mismatched)
     model.to(device).eval()
     if float32_compute:
         enable_float32_compute(model)
-    tokenizer = load_tokenizer_from(p, trust_remote_code=trust_remote_code) if load_tokenizer else None
-    return LoadedModel(model=model, tokenizer=tokenizer, path=p, name=name, layers=quantizable_layers(model))
 
 
 def _load_vision(p: Path, name: str, raw_cfg: dict, *, dtype, device: str, trust_remote_code: bool,
                  load_tokenizer: bool, float32_compute: bool) -> LoadedModel:
     """A vision-language model directory (``workbench.model.vision``), with its picture preprocessing."""
-
     text = raw_cfg.get("text_config")
     check_model_config(text if isinstance(text, dict) else raw_cfg, p / "config.json")
     model, info, config, family = load_vision_model(p, raw_cfg, resolve_dtype(dtype, raw_cfg),
                                                     trust_remote_code=trust_remote_code)
-    mismatched = [(k, tuple(a), tuple(b)) for k, a, b in info.get("mismatched_keys") or ()]
-    if info.get("missing_keys") or info.get("unexpected_keys") or mismatched:
-        raise weights_mismatch_error(p, info.get("missing_keys") or (), info.get("unexpected_keys") or (), mismatched)
-    model.to(device).eval()
-    if float32_compute:
-        enable_float32_compute(model)
+    _ready(model, info, p, device, float32_compute)
     tokenizer = load_tokenizer_from(p) if load_tokenizer else None
     return LoadedModel(model=model, tokenizer=tokenizer, path=p, name=name, layers=quantizable_layers(model),
                        processor=vision_inputs(family, p, config, tokenizer))

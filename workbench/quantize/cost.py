@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..evaluation.evaluate import (DEFAULT_CTX, EvalReport, ReferenceOutputs, capture_reference, evaluate,
-                        default_token_budget, paired_difference, reference_report)
+from ..evaluation.evaluate import (DEFAULT_CTX, EvalReport, ReferenceOutputs, capture_reference, default_token_budget,
+                                   evaluate, mean_stderr, paired_difference, reference_report)
 from ..evaluation.textio import text_token_ids
 from .storage import weight_file_bytes
 from ..assets import demo_text_path
@@ -116,14 +116,6 @@ class QuantCost:
         return d
 
 
-def _stderr(values: list[float]) -> float:
-    n = len(values)
-    if n < 2:
-        return float("nan")
-    m = sum(values) / n
-    return math.sqrt(sum((v - m) ** 2 for v in values) / (n - 1) / n)
-
-
 def likely_causes(qm, cost: "QuantCost") -> list[str]:
     """Specific reasons a quantized model may have lost more than the threshold, worst first."""
     causes = []
@@ -172,7 +164,7 @@ def measure_cost(qm, baseline: Baseline, *, candidate: nn.Module | None = None, 
         perplexity_change_stderr=rep.perplexity * d_nll["stderr"],  # delta method on exp(mean nll)
         nll_difference=d_nll["mean"], nll_difference_stderr=d_nll["stderr"],
         kl_divergence=rep.kl_divergence, kl_divergence_stderr=d_kl["stderr"],
-        top1_agreement=rep.top1_agreement, top1_agreement_stderr=_stderr(top1),
+        top1_agreement=rep.top1_agreement, top1_agreement_stderr=mean_stderr(top1),
         bits_per_weight=qm.bits_per_weight, weight_bytes=qm.storage_bytes(),
         size_bytes=weight_file_bytes(saved_dir) if saved_dir else None,
         tokens=rep.tokens, windows=rep.windows, ctx=rep.ctx, report=rep)

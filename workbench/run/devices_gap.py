@@ -190,25 +190,34 @@ def graph_scores(kl=None, top1=None, top1_vs_sim=None, sim_kl=None, kl_vs_qdq=No
             "positions": positions}
 
 
-def gap_of(g: dict | None) -> str | None:
-    """Why one graph's scores are a gap from the simulation (convert's rules; HTP's against CPU QDQ), or None."""
+def _judged(g: dict | None) -> tuple[str, str] | None:
+    """The rule a graph fails (convert's rules; HTP's against CPU QDQ) as (reason, bar label), or None."""
     if not g:
         return None
     if g.get("sim_kl") is not None and g["kl"] > GAP_KL_RATIO * g["sim_kl"] + GAP_KL_FLOOR:
-        return f"KL {g['kl']:.2e} > {GAP_KL_RATIO:g} x simulation {g['sim_kl']:.2e} + {GAP_KL_FLOOR:g}"
+        return (f"KL {g['kl']:.2e} > {GAP_KL_RATIO:g} x simulation {g['sim_kl']:.2e} + {GAP_KL_FLOOR:g}",
+                f"KL {g['kl']:.1e} > {GAP_KL_RATIO:g}x sim's {g['sim_kl']:.1e} + {GAP_KL_FLOOR:g}")
     if g.get("top1_vs_sim") is not None and g["top1_vs_sim"] < GAP_TOP1:
-        return f"top-1 vs simulation {g['top1_vs_sim']:.3f} < {GAP_TOP1:g}"
+        return (f"top-1 vs simulation {g['top1_vs_sim']:.3f} < {GAP_TOP1:g}",
+                f"top-1 vs sim {g['top1_vs_sim']:.3f} < {GAP_TOP1:g}")
     if g.get("kl_vs_qdq") is not None and g["kl_vs_qdq"] > HTP_GAP_KL:
-        return f"KL vs CPU QDQ {g['kl_vs_qdq']:.3g} > {HTP_GAP_KL:g}"
+        reason = f"KL vs CPU QDQ {g['kl_vs_qdq']:.3g} > {HTP_GAP_KL:g}"
+        return reason, reason
     return None
 
 
+def gap_of(g: dict | None) -> str | None:
+    """Why one graph's scores are a gap from the simulation, or None."""
+    judged = _judged(g)
+    return judged[0] if judged else None
+
+
 def gap_label(g: dict | None) -> str | None:
-    """The quantity ``gap_of`` judged a graph by, short enough for a bar's label ("GAP: top-1 vs simulation
-    0.948 < 0.95"), or None when the graph is not a gap: a label must show what its rule compares, not a
-    neighbouring figure (top-1 against the float model passing 0.95 while top-1 against the simulation fails)."""
-    if not g:
-        return None
+    """The quantity ``gap_of`` judged a graph by, short enough for a bar's label ("GAP: top-1 vs sim 0.948 <
+    0.95"), or None when the graph is not a gap: a label must show what its rule compares, not a neighbouring
+    figure (top-1 against the float model passing 0.95 while top-1 against the simulation fails)."""
+    judged = _judged(g)
+    return f"GAP: {judged[1]}" if judged else None
     if g.get("sim_kl") is not None and g["kl"] > GAP_KL_RATIO * g["sim_kl"] + GAP_KL_FLOOR:
         return f"GAP: KL {g['kl']:.1e} > {GAP_KL_RATIO:g}x sim's {g['sim_kl']:.1e} + {GAP_KL_FLOOR:g}"
     if g.get("top1_vs_sim") is not None and g["top1_vs_sim"] < GAP_TOP1:
