@@ -86,6 +86,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="demo-vl")
     ap.add_argument("--images", help="image set (default: the bundled demo-vl held-out set)")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--parts-only", action="store_true", help="only the parts table (each layer alone takes longer)")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     lm = load_model(args.model)
@@ -98,7 +99,10 @@ def main(argv=None) -> int:
                                      ("vision int4", "int4", "int8"), ("all int4", "int4", "int4")]:
         r = score(lm, part_plan(lm, base, vision=vision, projector=projector), baseline)
         rows.append({"plan": f"LM int4, vision {vision or 'fp16'}, projector {projector or 'fp16'}", "label": label, **r})
-    vision_layers = [layer.name for layer in lm.layers if layer.kind == "linear" and any(
+        if not args.json:
+            print(f"  {label}: answer KL {r['answer_kl']:.5f}, ITM {r['itm_accuracy']:.2%} ({r['seconds']:.0f} s)",
+                  file=sys.stderr, flush=True)
+    vision_layers = [] if args.parts_only else [layer.name for layer in lm.layers if layer.kind == "linear" and any(
         layer.name.startswith(p + ".") for part in ("vision encoder", "projector") for p in part_prefixes(lm, part))]
     traits = input_traits(lm, images, vision_layers)
     alone = dataclasses.replace(base, default=None, rules=())  # every layer float but the one named
@@ -118,6 +122,8 @@ def main(argv=None) -> int:
               f"{r['answer_top1']:7.2%} {r['itm_accuracy']:7.2%} ± {r['itm_accuracy_stderr']:.1%} "
               f"{r['reference_itm_accuracy']:9.2%} {r['itm_difference']:+7.2%} ± {r['itm_difference_stderr']:.1%} "
               f"{r['seconds']:5.1f}")
+    if not layers:
+        return 0
     print()
     print("each vision / projector linear alone at int4 (everything else float), most damaging first:")
     print(f"{'layer':<40} {'after norm':>10} {'near-zero in':>12} {'answer KL':>18} {'top-1':>7} {'ITM diff':>16}")
