@@ -223,7 +223,7 @@ def test_cli_generate_missing_image(qwen25_dir, tmp_path, capsys):
     bad = tmp_path / "bad.png"
     bad.write_bytes(b"not a picture")
     assert main(["generate", str(qwen25_dir), "--prompt", "What?", "--image", str(bad)]) == 2
-    assert "not a picture" in capsys.readouterr().err
+    assert "not an image" in capsys.readouterr().err
 
 
 def test_a_plan_addresses_vision_layers_by_their_own_names(qwen25_dir):
