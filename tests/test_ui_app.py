@@ -470,7 +470,8 @@ def test_a_target_this_machine_cannot_convert_for_is_greyed_in_one_sentence(app,
     """Issue 55.13: Edge-LLM's refusal was lines sending the user to the command line, after the click."""
     import workbench.targets.edgellm as edgellm
     from workbench.quantize.plan import QuantPlan
-    monkeypatch.setattr(edgellm, "edgellm_python", lambda: None)
+    monkeypatch.setattr(edgellm, "edgellm_python", lambda: None)  # as on a machine without `make edgellm-env`
+    app.session.plan = QuantPlan.uniform("int8")  # a new plan: the targets it reaches are worked out again
     app.session.plan = QuantPlan.uniform("int4")
     panel = app.convert_panel
     assert "tensorrt-edgellm" not in [v for _, v in panel.target.options]
