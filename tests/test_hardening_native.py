@@ -251,6 +251,46 @@ def test_an_engine_crash_is_one_line_naming_the_folder(good, tmp_path):
         assert "crashed" in line and "SIG" in line and str(d) in line, line
 
 
+HUNG_ENGINE = """
+import sys, time
+from multiprocessing.connection import Connection
+conn = Connection(int(sys.argv[1]))
+conn.send(("ok", "ready", 0.0))
+conn.recv()
+time.sleep(3600)  # an engine that hangs loading the folder
+"""
+
+
+def test_a_hung_engine_is_killed_and_is_one_line_naming_the_folder(good, tmp_path, monkeypatch, capsys):
+    """A folder on which MNN hangs (its child never answers) is stopped after $WORKBENCH_ENGINE_TIMEOUT: one line
+    naming the folder, exit 2, and the engine's child gone."""
+    import time
+
+    import workbench.targets.mnn_llm as mnn_llm
+    from workbench.cli import main
+    script = tmp_path / "hung_engine.py"
+    script.write_text(HUNG_ENGINE)
+    monkeypatch.setattr(mnn_llm, "ENGINE_SCRIPT", script)
+    monkeypatch.setenv("WORKBENCH_ENGINE_TIMEOUT", "2")
+    d = _copy(good, tmp_path / "folder", manifest=True)
+    t = time.monotonic()
+    assert main(["generate", str(d), "--prompt", "hi", "--max-new-tokens", "4"]) == 2
+    assert time.monotonic() - t < 60
+    out, err = capsys.readouterr()
+    lines = [ln for ln in (out + err).splitlines() if ln.strip()]
+    assert len(lines) == 1 and "hung loading" in lines[0] and str(d) in lines[0], lines
+    assert "no answer in 2 s, killed" in lines[0] and "WORKBENCH_ENGINE_TIMEOUT" in lines[0], lines
+    hung = [p for p in Path("/proc").glob("[0-9]*/cmdline") if str(script).encode() in _read(p)]
+    assert not hung, hung
+
+
+def _read(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return b""
+
+
 def test_a_tree_with_bad_folders_profiles_the_good_ones(good, tmp_path):
     root = tmp_path / "tree"
     _copy(good, root / "a-good", manifest=True)

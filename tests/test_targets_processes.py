@@ -148,3 +148,43 @@ def test_a_killed_htp_measurement_takes_its_spawned_child_and_resource_tracker(t
         assert not ctx[0].exists()
     finally:
         new.rmdir()
+
+
+HUNG_ENGINE = """
+import sys, time
+from multiprocessing.connection import Connection
+conn = Connection(int(sys.argv[1]))
+conn.send(("ok", "ready", 0.0))
+op, args = conn.recv()
+if op == "fast":
+    conn.send(("ok", args[0] * 2, 0.0))
+    op, args = conn.recv()
+time.sleep(3600)  # a hung engine: never answers
+"""
+
+
+def test_a_hung_engine_child_is_killed_after_the_timeout(tmp_path):
+    from workbench.targets.processes import ChildCrashed, ChildEngine, ChildHung
+    script = tmp_path / "hung_engine.py"
+    script.write_text(HUNG_ENGINE)
+    child = ChildEngine(script, timeout=1.5)
+    assert child.call("fast", 21) == 42  # answered in time: the timeout is per request
+    t = time.monotonic()
+    with pytest.raises(ChildHung, match=r"no answer in 1.5 s, killed"):
+        child.call("hang")
+    assert time.monotonic() - t < 20
+    assert child.proc.poll() is not None and not _running(child.proc.pid)
+    with pytest.raises(ChildCrashed):  # the next request is refused, not sent to a dead child
+        child.call("fast", 1)
+    child.close()
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "soon", "inf", "nan"])
+def test_a_bad_engine_timeout_setting_is_one_line(monkeypatch, value):
+    from workbench.errors import WorkbenchError
+    from workbench.targets.processes import ENGINE_TIMEOUT_VAR, engine_timeout
+    monkeypatch.setenv(ENGINE_TIMEOUT_VAR, value)
+    with pytest.raises(WorkbenchError, match=r"WORKBENCH_ENGINE_TIMEOUT must be a number of seconds above 0"):
+        engine_timeout()
+    monkeypatch.setenv(ENGINE_TIMEOUT_VAR, "2.5")
+    assert engine_timeout() == 2.5

@@ -40,7 +40,7 @@ from .common import score_in_runtime
 from .mnn import mnn_weight_args, convert_to_mnn, keep_matmul_weights_float, run_mnnconvert
 from .registry import Target, register_target
 from ..files.folder_paths import folder_file, folder_json, named_paths
-from .processes import ChildCrashed, ChildEngine, ChildFailed
+from .processes import ENGINE_TIMEOUT_VAR, ChildCrashed, ChildEngine, ChildFailed, ChildHung, engine_timeout
 
 __all__ = ["check_mnn_llm_folder", "graph_weight_bytes",
            "export_engine_onnx", "plan_codes_layout", "write_plan_codes", "write_tokenizer_txt", "write_mnn_llm_folder", "MnnLlm", "open_mnn_llm",
@@ -551,8 +551,12 @@ class MnnLlm:
         doing = "loading" if op == "load" else "running"
         try:
             if self._child is None:
-                self._child = ChildEngine(ENGINE_SCRIPT)
+                self._child = ChildEngine(ENGINE_SCRIPT, timeout=engine_timeout())
             result = self._child.call(op, *args)
+        except ChildHung as e:
+            self.close()
+            raise NativeEngineError(f"MNN's LLM engine hung {doing} '{self.folder}' ({e.how}): its files may be "
+                                    f"damaged (convert it again), or it needs longer (${ENGINE_TIMEOUT_VAR}=SECONDS)") from None
         except ChildCrashed as e:
             self.close()
             raise self._crashed(e.how, doing) from None

@@ -4,6 +4,7 @@
     def child_main(...): die_with_parent(parent_pid); ...      # the same, first thing in a multiprocessing child
     with owned_temporary("workbench-rknn") as work: ...         # /tmp/workbench-rknn-<pid>-xxxx, removed on exit
     child = ChildEngine(SCRIPT); child.call("load", ...)     # a native engine whose crash ends only the child
+    child = ChildEngine(SCRIPT, timeout=600)                # ... and whose hang is killed after 600 s a request
 
 A vendor toolkit runs in a child (rknn-toolkit2 in its own venv, the HTP emulator in a spawned process):
 killed by SIGKILL or SIGTERM, the parent runs no cleanup, so the child would go on computing for minutes
@@ -22,10 +23,15 @@ import signal
 import tempfile
 from pathlib import Path
 
+from ..errors import WorkbenchError
+
 __all__ = ["die_with_parent", "die_with_parent_fn", "process_alive", "remove_orphaned_temporaries",
-           "owned_tempdir", "owned_temporary", "ChildEngine", "ChildCrashed", "ChildFailed"]
+           "owned_tempdir", "owned_temporary", "ChildEngine", "ChildCrashed", "ChildHung", "ChildFailed",
+           "ENGINE_TIMEOUT_VAR", "engine_timeout"]
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+ENGINE_TIMEOUT_VAR = "WORKBENCH_ENGINE_TIMEOUT"  # seconds one request to a native engine's child may take
+DEFAULT_ENGINE_TIMEOUT = 900.0  # a 7B load from a slow disk or a long generate on a busy CPU, with room to spare
 
 
 def _prctl():
@@ -102,19 +108,39 @@ class ChildCrashed(Exception):
         self.how = how
 
 
+class ChildHung(ChildCrashed):
+    """The engine's child did not answer one request within the timeout, and was killed."""
+
+
 class ChildFailed(Exception):
     """The engine raised in its child process (the child lives on): its message."""
 
 
+def engine_timeout() -> float:
+    """Seconds one request to a native engine may take (``$WORKBENCH_ENGINE_TIMEOUT``, default 900)."""
+    value = os.environ.get(ENGINE_TIMEOUT_VAR, "").strip()
+    if not value:
+        return DEFAULT_ENGINE_TIMEOUT
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > 0 or seconds == float("inf"):
+        raise WorkbenchError(f"${ENGINE_TIMEOUT_VAR} must be a number of seconds above 0, got '{value}': fix it or "
+                             "unset it (default 900)")
+    return seconds
+
+
 class ChildEngine:
     """A native engine served by a script in a child process (``python -P script FD``): a crash there ends the
-    child, not the workbench, and comes back as ``ChildCrashed``. The child dies with this process.
+    child, not the workbench, and comes back as ``ChildCrashed``; a request not answered within ``timeout``
+    seconds (a hung engine) kills the child and comes back as ``ChildHung``. The child dies with this process.
 
     ``call(op, *args)`` sends one request and returns its result; ``seconds`` is the time the child spent in the
     engine for it (its own clock: the pipe and the child's start-up are not counted). Array results arrive as
     raw float32 bytes after their reply."""
 
-    def __init__(self, script: str | Path):
+    def __init__(self, script: str | Path, timeout: float | None = None):
         import socket
         import subprocess
         import sys
@@ -129,6 +155,7 @@ class ChildEngine:
             theirs.close()
         self.conn = Connection(ours.detach())
         self.seconds = 0.0
+        self.timeout = timeout
         self._receive()  # "ready": the engine's library imported
 
     def _how(self) -> str:
@@ -146,6 +173,11 @@ class ChildEngine:
 
     def _receive(self):
         try:
+            if self.timeout is not None and not self.conn.poll(self.timeout):
+                self.proc.kill()
+                self.proc.wait()
+                self.conn.close()
+                raise ChildHung(f"no answer in {self.timeout:g} s, killed")
             status, result, seconds = self.conn.recv()
             if status == "ok" and isinstance(result, tuple) and result[:1] == ("array",):
                 import numpy as np
@@ -161,7 +193,7 @@ class ChildEngine:
 
     def call(self, op: str, *args):
         """The child's answer to ``op(*args)``; ChildCrashed when the child ends before answering."""
-        if self.proc.poll() is not None:
+        if self.proc.poll() is not None or self.conn.closed:
             raise ChildCrashed(self._how())
         try:
             self.conn.send((op, args))
