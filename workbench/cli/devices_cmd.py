@@ -5,7 +5,7 @@
 """
 from __future__ import annotations
 
-from ..devices.profiles import LIST_FIELDS, NUMBER_FIELDS, load_devices
+from ..devices.profiles import LIST_FIELDS, NUMBER_FIELDS, load_devices, replacement_note
 from ..units import text_table
 from .common import add_json_flag, print_json
 
@@ -41,4 +41,7 @@ def run(args) -> int:
             for f in (*NUMBER_FIELDS, *LIST_FIELDS):
                 print(f"    {f}: {d.source(f)}")
     print("- : no source gives it (`--sources` says why). Add a device: one JSON file in $WORKBENCH_DEVICES.")
+    for d in devices.values():
+        if replacement_note(d):
+            print(f"note: {replacement_note(d)}")
     return 0

@@ -84,6 +84,11 @@ def run(args) -> int:
     return 0
 
 
+def _tps(x: float) -> str:
+    """Tokens/s to one decimal, or two significant digits below 0.1 (a huge context's bound is not 0.0)."""
+    return f"{x:.1f}" if x >= 0.1 else f"{x:.2g}"
+
+
 def _yes(x):
     return "unknown" if x is None else ("yes" if x else "NO")
 
@@ -104,10 +109,10 @@ def format_projection(p) -> list[str]:
     else:
         eff = (f"{p.efficiency:.2f} (fit error up to {p.efficiency_error:.0%}; {p.efficiency_basis})"
                if p.efficiency is not None else p.efficiency_basis)
-    decode = (f"{p.projected_decode_tps:.1f} tok/s projected, bound {p.decode_bound_tps:.1f} tok/s "
+    decode = (f"{_tps(p.projected_decode_tps)} tok/s projected, bound {_tps(p.decode_bound_tps)} tok/s "
               f"({p.bandwidth_gbps:g} GB/s / {(p.bytes_per_token + p.kv_bytes) / gb:.3f} GB per token)"
               if p.projected_decode_tps is not None else
-              (f"bound {p.decode_bound_tps:.1f} tok/s" if p.decode_bound_tps is not None else "unknown"))
+              (f"bound {_tps(p.decode_bound_tps)} tok/s" if p.decode_bound_tps is not None else "unknown"))
     prefill = (f"{p.prefill_bound_ms:.0f} ms bound for {p.prompt} tokens (compute "
                + (f"{p.prefill_compute_ms:.0f} ms at {p.compute_tops:g} {p.compute_precision} TOPS"
                   if p.prefill_compute_ms is not None else "unknown")

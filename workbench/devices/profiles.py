@@ -13,9 +13,10 @@ negative or unsourced field is refused, naming the file and the field.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterable
 
@@ -23,7 +24,7 @@ from ..assets import ASSETS_DIR
 from ..errors import WorkbenchError
 
 __all__ = ["DeviceError", "Device", "DEVICES_DIR", "NUMBER_FIELDS", "LIST_FIELDS", "load_device", "load_devices",
-           "get_device"]
+           "get_device", "replacement_note"]
 
 DEVICES_DIR = ASSETS_DIR / "devices"
 ENV_VAR = "WORKBENCH_DEVICES"
@@ -69,6 +70,7 @@ class Device:
     htp_arch: int | None = None
     sources: dict = field(default_factory=dict, compare=False)  # field -> {"source": ...} or {"reason": ...}
     path: Path | None = field(default=None, compare=False)
+    replaces: "Device | None" = field(default=None, compare=False, repr=False)  # the profile of the same name it hides
 
     def source(self, name: str) -> str:
         """Where a figure comes from, or why it is unknown."""
@@ -163,15 +165,35 @@ def _search_dirs(dirs: Iterable[str | os.PathLike] | None) -> list[Path]:
 
 def load_devices(dirs: Iterable[str | os.PathLike] | None = None) -> dict[str, Device]:
     """Every profile in the bundled folder and the user's (``$WORKBENCH_DEVICES``); a later file of the same
-    name replaces an earlier one, so a user can correct a bundled profile."""
+    name replaces an earlier one, so a user can correct a bundled profile (``replaces`` keeps the one it hides, and
+    ``get_device`` says so once, as a note)."""
     out: dict[str, Device] = {}
     for d in _search_dirs(dirs):
         if not d.is_dir():
             raise DeviceError(f"device folder '{d}' does not exist; create it or fix ${ENV_VAR}")
         for path in sorted(d.glob("*.json")):
             device = load_device(path)
+            if device.key in out:
+                device = replace(device, replaces=out[device.key])
             out[device.key] = device
     return out
+
+
+_said: set = set()  # replacements already said in this process (get_device runs once per projection)
+
+
+def replacement_note(device: Device) -> str | None:
+    """One sentence when ``device`` is a user's file hiding a bundled (or earlier) profile of the same name, with the
+    figures that differ: a wrong user file otherwise changes every projection silently."""
+    old = device.replaces
+    if old is None:
+        return None
+    changed = [f"{f} {getattr(device, f):g} (was {getattr(old, f):g})" if isinstance(getattr(device, f), (int, float))
+               and isinstance(getattr(old, f), (int, float)) else f"{f} {getattr(device, f)} (was {getattr(old, f)})"
+               for f in NUMBER_FIELDS if getattr(device, f) != getattr(old, f)]
+    return (f"device '{device.key}' is read from {device.path}, which replaces {old.path}"
+            + (": " + ", ".join(changed[:3]) + (" ..." if len(changed) > 3 else "") if changed
+               else " (same figures)") + f"; move that file out of ${ENV_VAR}'s folder to use the one it replaces")
 
 
 def get_device(name: str, devices: dict[str, Device] | None = None) -> Device:
@@ -182,6 +204,10 @@ def get_device(name: str, devices: dict[str, Device] | None = None) -> Device:
         return "".join(ch for ch in s.lower() if ch.isalnum())
     for device in devices.values():
         if norm(name) in {norm(n) for n in device.names()}:
+            note = replacement_note(device)
+            if note and device.path not in _said:
+                _said.add(device.path)
+                logging.getLogger("workbench").info(note)
             return device
     raise DeviceError(f"unknown device '{name}'; choose one of: {', '.join(sorted(devices))} "
                       f"(`workbench devices` lists them; add one as a JSON file in ${ENV_VAR})")

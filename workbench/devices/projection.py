@@ -129,6 +129,11 @@ def project(model, device: str | Device, plan: QuantPlan | None = None, *, conte
         notes.append(f"a {context:,}-token context is past the {positions:,} positions the model's config allows "
                      "(max_position_embeddings): the model cannot use it as trained")
 
+    if prompt > context:
+        notes.append(f"the {prompt:,}-token prompt is longer than the {context:,}-token context the KV cache is counted "
+                     f"at: memory is projected for {context:,} tokens, prefill for {prompt:,}; give a context of at "
+                     f"least {prompt:,}")
+
     if ram_gb is not None and ram_gb <= 0:
         raise WorkbenchError(f"RAM must be positive, got {ram_gb} GB")
     ram_gb = ram_gb if ram_gb is not None else dev.ram_gb
@@ -168,6 +173,10 @@ def project(model, device: str | Device, plan: QuantPlan | None = None, *, conte
                          "practitioners' efficiency")
         elif vendor.decode_tps is not None:
             projected = vendor.decode_tps
+            if bound is not None and projected > bound:  # the fit knows the model's size, not this context's reads
+                notes.append(f"the vendor fit's {projected:.1f} tok/s is above the bandwidth bound at a {context:,}-token "
+                             f"context ({bound:.3g} tok/s, the KV cache read each token): projected at the bound")
+                projected = bound
             eff = None if bound is None else projected / bound
             err, basis = vendor.decode_error, vendor.basis
         else:
