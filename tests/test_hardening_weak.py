@@ -87,3 +87,45 @@ def test_a_prompt_longer_than_the_context_is_noted():
     assert any("500-token prompt is longer than the 100-token context" in n for n in p.notes), p.notes
     assert not any("prompt is longer" in n for n in project("qwen2.5-1.5b", "8gen3", context=500, prompt=500,
                                                               runtime=None).notes)
+
+
+# -- conversion options: their values in the user's terms, and said when a target ignores them -------------------
+
+@pytest.mark.parametrize("command", ["convert", "export"])
+@pytest.mark.parametrize("value", ["-1,5", "1,1", "0,5", "4,0", "-3,-3"])
+def test_a_static_shape_out_of_range_is_refused_in_the_options_terms(command, value, capsys, tmp_path):
+    extra = ["--bits", "4", "--target", "qnn"] if command == "convert" else []
+    line = _one_error(capsys, command, "demo", *extra, "--static", value, "--out", tmp_path / "out")
+    assert f"--static {value}: SEQ" in line and "at least 2" in line and "PAST" in line, line
+    assert "ctx" not in line, line  # no name the user never gave
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_negative_value_reaches_its_options_own_check(capsys):
+    """argparse alone takes ``-5`` after an option for an unknown flag ("expected one argument")."""
+    with pytest.raises(SystemExit) as stop:
+        main(["project", "demo", "--device", "8gen3", "--ram-gb", "-5"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "argument --ram-gb: must be a finite number > 0, got -5" in err, err
+    assert "expected one argument" not in err
+
+
+def test_options_a_target_does_not_read_are_named():
+    from workbench.targets.convert import ignored_options
+    from workbench.targets.registry import get_target
+    notes = ignored_options(get_target("ort-int4"), static=(64, 128), soc="8gen3")
+    assert notes == ["--static is ignored by ort-int4: it is read by ort-qdq, qnn, rknn only",
+                     "--soc is ignored by ort-int4: it is read by qnn only"], notes
+    assert ignored_options(get_target("qnn"), static=(64, 128), soc="8gen3") == []
+    assert ignored_options(get_target("rknn"), static=(64, 128), soc=None) == []
+    assert ignored_options(get_target("ort-int4"), static=None, soc=None) == []
+
+
+def test_convert_says_which_options_ort_int4_ignored(capsys, tmp_path):
+    rc, out, err = _run(capsys, "convert", "demo", "--bits", "4", "--target", "ort-int4", "--static", "64,128",
+                        "--soc", "8gen3", "--out", tmp_path / "o", "--max-tokens", "64")
+    assert rc == 0, err
+    assert "note: --static is ignored by ort-int4: it is read by ort-qdq, qnn, rknn only" in out, out
+    assert "note: --soc is ignored by ort-int4: it is read by qnn only" in out, out
+    record = json.loads((tmp_path / "o" / "conversion.json").read_text())
+    assert any("--soc is ignored" in n for n in record["notes"])

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import logging
 import sys
 from pathlib import Path
@@ -47,6 +48,12 @@ COMMANDS = {
 
 class OneLineParser(argparse.ArgumentParser):
     """argparse whose refusals are one line (``workbench <cmd>: error: ...``) and a one-line hint, not a usage block."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # a value starting with '-' and a digit (``--static -1,5``, ``--ram-gb -1e3``) is a value, refused by its
+        # option's own check, not taken for an unknown flag ("expected one argument"); argparse matches only -N, -N.N
+        self._negative_number_matcher = re.compile(r"^-\.?\d[\d.,eE+-]*$")
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message}\n{self.prog}: see `{self.prog} --help` for the options\n")

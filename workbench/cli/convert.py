@@ -44,7 +44,7 @@ def add_arguments(p):
     p.add_argument("--activation-bits", type=int, choices=(8, 16), default=16, help="QDQ/QNN activations (default 16)")
     p.add_argument("--accuracy-level", type=int, choices=(0, 1, 2, 3, 4), default=4,
                    help="MatMulNBits accuracy_level: 4 = int8 activation compute (fast), 0 = float (default 4)")
-    p.add_argument("--static", metavar="SEQ,PAST", default="128,512", help="static shapes for qnn/rknn (default 128,512)")
+    p.add_argument("--static", metavar="SEQ,PAST", help="static shapes for qnn, ort-qdq and rknn (default 128,512)")
     p.add_argument("--soc", metavar="DEVICE", help="qnn: the Snapdragon to compile for and run on with "
                    "onnxruntime-qnn's HTP emulator, a `workbench devices` name or alias (8gen3, 8gen2, 8elite, 8gen1, "
                    "x-elite): context binaries for it, prefill and decode scored on it")

@@ -20,13 +20,18 @@ EXPORT_FORMAT = "workbench-onnx-export"  # the kind named in the manifest of an 
 
 
 def parse_static(value: str | None) -> tuple[int, int] | None:
-    """``"128,512"`` -> (128, 512)."""
+    """``"128,512"`` -> (128, 512); refused in the option's own terms (SEQ is also the window a conversion scores,
+    where one token is predicted from another, so at least 2; PAST at least 1)."""
     if not value:
         return None
     try:
         seq, past = (int(v) for v in value.split(","))
     except ValueError:
         raise WorkbenchError(f"--static must be SEQ,PAST (two integers, e.g. 128,512), got '{value}'") from None
+    if seq < 2 or past < 1:
+        raise WorkbenchError(f"--static {value}: SEQ (prompt tokens a prefill graph takes, also the window its "
+                             "scores are measured on) must be at least 2 and PAST (cached tokens a decode graph "
+                             "takes) at least 1, e.g. 128,512")
     return seq, past
 
 

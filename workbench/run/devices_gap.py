@@ -103,8 +103,7 @@ def _run_simulation(model: str, plan: dict | None, bits: int | None, max_tokens:
 
 def _run_convert(model: str, target: str, plan: dict | None, bits: int | None, out: str,
                  max_tokens: int | None) -> dict:
-    return convert(model, target, out, plan=_plan_of(plan), bits=bits, max_tokens=max_tokens,
-                   static=DEFAULT_STATIC).to_dict()
+    return convert(model, target, out, plan=_plan_of(plan), bits=bits, max_tokens=max_tokens).to_dict()
 
 
 def _float_model(model: str) -> str:

@@ -53,14 +53,14 @@ from ..model.load import LoadedModel, is_quantized_dir, load_model, load_quantiz
 from ..quantize.plan import QuantPlan
 from ..evaluation.textio import read_tokens
 from .processes import owned_tempdir
-from .registry import check_precisions, check_signed_scales, get_target, target_names
+from .registry import check_precisions, check_signed_scales, get_target, registered_targets, target_names
 from ..files.workspace import atomic_write_json
 from ..evaluation.data import load_calibration_set
 from ..model.calibrate import importance_statistics, reads_importance
 
 __all__ = ["CONVERT_TARGETS", "ConversionReport", "PreparedModels", "ConvertJob", "prepare_models", "convert",
            "GAP_TOP1", "calibration_feeds", "default_eval_tokens", "EVAL_PARAMETER_TOKENS", "MIN_EVAL_TOKENS",
-           "quantized_model_provenance"]
+           "quantized_model_provenance", "ignored_options", "DEFAULT_STATIC"]
 
 CONVERT_TARGETS = target_names("convert")  # ort-int4, ort-genai, ort-qdq, qnn, mnn, llama.cpp, tensorrt, rknn, and any registered
 GAP_TOP1 = 0.95  # below this top-1 agreement with the simulation, the converted model is not what was evaluated
@@ -545,7 +545,7 @@ class ConvertJob:
 def convert(model, target: str, out_dir: str | Path, *, plan: QuantPlan | str | Path | None = None,
             bits: int | None = None, prepared: PreparedModels | None = None, text: str | Path | None = None,
             max_tokens: int | None = None, ctx: int | None = None, activation_bits: int = 16,
-            accuracy_level: int = 4, static: tuple[int, int] = DEFAULT_STATIC, calibration_samples: int = 16,
+            accuracy_level: int = 4, static: tuple[int, int] | None = None, calibration_samples: int = 16,
             calibration_seq_len: int = 128, greedy_steps: int = 32, evaluate_outputs: bool = True,
             progress: bool = False, log: Callable[[str], None] | None = None,
             device: str = "cpu", soc: str | None = None, split_limit_bytes: int | None = None) -> ConversionReport:
@@ -556,6 +556,8 @@ def convert(model, target: str, out_dir: str | Path, *, plan: QuantPlan | str | 
     ``soc``: the device profile of the NPU to compile for and run on (``qnn``: a Snapdragon, e.g. ``8gen3``).
     ``split_limit_bytes``: each context binary compiled for ``soc`` under this many bytes instead of the SoC's own
     context limit (``qnn``: a graph over it is split into parts).
+    ``static``: fixed (SEQ, PAST) shapes for the targets that read them (default ``DEFAULT_STATIC``); ``static`` or
+    ``soc`` given to a target that reads neither is said in the report's notes.
     """
     say = log or (lambda m: None)
     if target not in CONVERT_TARGETS:
@@ -578,10 +580,12 @@ def convert(model, target: str, out_dir: str | Path, *, plan: QuantPlan | str | 
     report.details["seconds"] = report_seconds  # per stage; targets add their own
     report.plan = prep.qm.plan.to_dict()
     report.quantized_model, report.upstream = quantized_model_provenance(prep)
+    report.notes += ignored_options(spec, static=static, soc=soc)
     work = owned_tempdir(CONVERT_TEMP)  # <tmp>/workbench-convert-<pid>-*: a killed run's is removed here, by the next
     try:
         spec.convert(ConvertJob(prep, out, report, work, text=text, max_tokens=max_tokens, ctx=ctx,
-                                activation_bits=activation_bits, accuracy_level=accuracy_level, static=static,
+                                activation_bits=activation_bits, accuracy_level=accuracy_level,
+                                static=static or DEFAULT_STATIC,
                                 calibration_samples=calibration_samples, calibration_seq_len=calibration_seq_len,
                                 greedy_steps=greedy_steps, evaluate_outputs=evaluate_outputs, progress=progress,
                                 say=say, owns_models=prepared is None, soc=soc,
@@ -595,6 +599,18 @@ def convert(model, target: str, out_dir: str | Path, *, plan: QuantPlan | str | 
     write_conversion_json(report)
     report.files = _files(out)
     return report
+
+
+def ignored_options(spec, **given) -> list[str]:
+    """One note per option given (not None) that ``spec`` (a Target) does not read, naming the targets that do."""
+    notes = []
+    for option, value in given.items():
+        if value is None or option in spec.options:
+            continue
+        readers = [t.name for t in registered_targets() if option in t.options]
+        notes.append(f"--{option.replace('_', '-')} is ignored by {spec.name}: it is read by "
+                     f"{', '.join(readers) or 'no target'} only")
+    return notes
 
 
 CONVERT_TEMP = "workbench-convert"  # a conversion's scratch folder kind (targets.processes.owned_tempdir)

@@ -678,7 +678,7 @@ def open_qdq_graphs(folder: str | Path, *, threads: int | None = None) -> OnnxCa
 TARGET = register_target(Target(
     "ort-qdq", "ONNX Runtime QDQ for the QNN execution provider", rules="qnn", convert=convert_ort_qdq,
     runnable=True, runner=open_qdq_graphs, files=("prefill.qdq.onnx", "decode.qdq.onnx"), int_bits=(4, 8),
-    float_bits=(16, 32),
+    float_bits=(16, 32), options=("static",),
     precision_note="its QDQ weights are 4 or 8-bit with float scales onnxruntime's quantizer computes: two-level "
                    "scales go through ort-int4 or qnn (LPBQ)",
     overrides=OverrideFormat("ort", _write, _read, needs_quantized=True, needs_graph=True),

@@ -748,6 +748,6 @@ def _read(path, lm, export=None) -> dict[str, str]:
 TARGET = register_target(Target(
     "qnn", "Qualcomm QNN HTP", rules="qnn", convert=convert_qnn, runnable=True, int_bits=(4, 8),
     float_bits=(16, 32), overrides=OverrideFormat("qnn", _write, _read, needs_quantized=True, needs_graph=True),
-    module=__name__, two_level=((4, 4),),
+    module=__name__, two_level=((4, 4),), options=("static", "soc"),
     precision_note="HTP runs 4 and 8-bit weights; two-level scales as LPBQ: 4-bit codes with 4-bit sub-scales "
                    "(compressed_bw 4, bw 8)"))

@@ -73,6 +73,9 @@ class Target:
     missing: Callable[[], str | None] | None = None
     precision_note: str = ""  # why it carries no other precisions, said when it refuses one
     signed_scales: bool = False  # group scales may be negative (the 16-level grid's, as GGUF's Q4_0 and MatMulNBits)
+    # conversion options it reads beyond the plan: "static" (fixed SEQ,PAST shapes), "soc" (the NPU compiled for);
+    # ``convert`` notes one given to a target that does not read it
+    options: tuple[str, ...] = ()
 
     def carries(self, precision: Precision) -> bool:
         """Whether this target carries ``precision`` as the plan stores it (bit width, and scales)."""

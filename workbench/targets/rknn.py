@@ -661,4 +661,5 @@ def convert_rknn(job) -> None:
         _fill_report(job, result)
 
 
-TARGET = register_target(Target("rknn", "Rockchip RKNPU2", rules="rknn", convert=convert_rknn, module=__name__))
+TARGET = register_target(Target("rknn", "Rockchip RKNPU2", rules="rknn", convert=convert_rknn, module=__name__,
+                                options=("static",)))
