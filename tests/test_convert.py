@@ -99,7 +99,8 @@ def test_qnn_bundle_has_overrides_inputs_and_commands(prepared, tiny_model_dir, 
 
 def test_sdk_bundles_for_tensorrt_and_rknn(prepared, tiny_model_dir, tmp_path, monkeypatch):
     """Without the RKNN toolkit's venv the rknn target still writes its bundle (the build itself: test_targets_rknn)."""
-    monkeypatch.setenv("WORKBENCH_RKNN_PYTHON", str(tmp_path / "no-rknn-venv" / "python"))
+    import workbench.targets.rknn as rknn
+    monkeypatch.setattr(rknn, "rknn_python", lambda: None)  # no toolkit (a $WORKBENCH_RKNN_PYTHON naming none is refused)
     trt = convert(tiny_model_dir, "tensorrt", tmp_path / "trt", prepared=prepared)
     assert not trt.runnable and trt.kl_divergence is None
     assert "--minShapes=input_ids:1x1" in (tmp_path / "trt" / "commands.sh").read_text()

@@ -129,3 +129,124 @@ def test_convert_says_which_options_ort_int4_ignored(capsys, tmp_path):
     assert "note: --soc is ignored by ort-int4: it is read by qnn only" in out, out
     record = json.loads((tmp_path / "o" / "conversion.json").read_text())
     assert any("--soc is ignored" in n for n in record["notes"])
+
+
+# -- the RKNN toolkit: its python, its result file, a hang ---------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["missing", "directory", "not-executable"])
+def test_an_rknn_python_that_is_not_a_program_is_refused_naming_it(kind, tmp_path, monkeypatch, capsys):
+    py = tmp_path / "venv" / "bin" / "python"
+    if kind == "directory":
+        py.mkdir(parents=True)
+    elif kind == "not-executable":
+        py.parent.mkdir(parents=True)
+        py.write_text("#!/bin/sh\nexit 0\n")
+        py.chmod(0o644)
+    monkeypatch.setenv("WORKBENCH_RKNN_PYTHON", str(py))
+    line = _one_error(capsys, "convert", "demo", "--bits", "8", "--target", "rknn", "--out", tmp_path / "o")
+    why = {"missing": "does not exist", "directory": "is not a file", "not-executable": "is not executable"}[kind]
+    assert f"$WORKBENCH_RKNN_PYTHON names '{py}', which {why}" in line and "make rknn-env" in line, line
+    assert not (tmp_path / "o").exists() and not list(tmp_path.glob(".o.partial-*"))
+
+
+def test_a_bad_rknn_timeout_is_refused_before_any_work(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("WORKBENCH_RKNN_TIMEOUT", "soon")
+    line = _one_error(capsys, "convert", "demo", "--bits", "8", "--target", "rknn", "--out", tmp_path / "o")
+    assert "$WORKBENCH_RKNN_TIMEOUT must be a number of seconds above 0, got 'soon'" in line, line
+
+
+def _result(work: Path, text: str | None = None, doc=None) -> Path:
+    res = work / "result.json"
+    res.write_text(text if text is not None else json.dumps(doc))
+    return res
+
+
+def _graph(work: Path, name: str, logits=None) -> dict:
+    path = work / "logits" / name / "0000.npy"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"\x93NUMPY")
+    return {"name": name, "ok": True, "logits": logits if logits is not None else [str(path)], "rknn_bytes": 10,
+            "seconds": {"build": 1.0}}
+
+
+@pytest.mark.parametrize("case, says", [
+    ("empty", "empty"),
+    ("garbage", "not JSON"),
+    ("a-list", "no list of graphs"),
+    ("no-graphs", "no list of graphs"),
+    ("one-graph", "graphs prefill where prefill, decode were built"),
+    ("logits-outside", "the decode graph has no logits files in its work folder"),
+    ("no-logits", "the prefill graph has no logits files"),
+])
+def test_an_unusable_rknn_result_file_is_one_line(case, says, tmp_path):
+    from workbench.targets.rknn import RknnError, read_worker_result
+    work = tmp_path / "work"
+    work.mkdir()
+    outside = tmp_path / "elsewhere.npy"
+    outside.write_bytes(b"x")
+    good = [_graph(work, "prefill"), _graph(work, "decode")]
+    res = {"empty": lambda: _result(work, ""),
+           "garbage": lambda: _result(work, "\x00\x01garbage{"),
+           "a-list": lambda: _result(work, doc=[1, 2]),
+           "no-graphs": lambda: _result(work, doc={"peak_rss_bytes": 5}),
+           "one-graph": lambda: _result(work, doc={"graphs": good[:1]}),
+           "logits-outside": lambda: _result(work, doc={"graphs": [good[0], _graph(work, "decode", [str(outside)])]}),
+           "no-logits": lambda: _result(work, doc={"graphs": [_graph(work, "prefill", []), good[1]]}),
+           }[case]()
+    with pytest.raises(RknnError) as e:
+        read_worker_result(res, ["prefill", "decode"], work, tmp_path / "rknn_build.log")
+    msg = str(e.value)
+    assert says in msg and str(res) in msg and "rknn_build.log" in msg and "\n" not in msg, msg
+    assert read_worker_result(_result(work, doc={"graphs": good}), ["prefill", "decode"], work, tmp_path / "log")
+
+
+HUNG_TOOLKIT = """#!/bin/sh
+sleep 3600 &
+echo $! > "{pids}"
+echo $$ >> "{pids}"
+wait
+"""
+
+
+def test_a_hung_rknn_toolkit_is_stopped_and_leaves_nothing(tmp_path, monkeypatch, capsys):
+    """A toolkit that never finishes is killed (its own children too) after $WORKBENCH_RKNN_TIMEOUT; the conversion
+    writes its bundle and says why no .rknn was built; no staging folder or toolkit temp folder is left."""
+    import os
+    import tempfile
+    pids = tmp_path / "pids"
+    fake = tmp_path / "python"
+    fake.write_text(HUNG_TOOLKIT.format(pids=pids))
+    fake.chmod(0o755)
+    monkeypatch.setenv("WORKBENCH_RKNN_PYTHON", str(fake))
+    monkeypatch.setenv("WORKBENCH_RKNN_TIMEOUT", "3")
+    rc, out, err = _run(capsys, "convert", "demo", "--bits", "8", "--target", "rknn", "--out", tmp_path / "o",
+                        "--static", "32,64")
+    assert rc == 0, err
+    assert any(ln.startswith("note: no .rknn: rknn-toolkit2 did not finish in 3 s") and "was stopped" in ln
+               and "$WORKBENCH_RKNN_TIMEOUT" in ln for ln in out), out
+    assert (tmp_path / "o" / "build_rknn.py").is_file()
+    assert not list(tmp_path.glob(".o.partial-*")) and not list(tmp_path.glob(".o.old-*"))
+    assert not list(Path(tempfile.gettempdir()).glob(f"workbench-rknn-{os.getpid()}-*"))
+    for pid in map(int, pids.read_text().split()):
+        stat = Path(f"/proc/{pid}/stat")
+        assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z", pid
+
+
+# -- the HTP's refusal of 16-bit weights with 8-bit activations names its cause ------------------------------------
+
+def test_an_fp16_lm_head_with_8_bit_activations_on_htp_v75_is_refused_naming_the_plan_line(tmp_path):
+    """`--bits 8 --activation-bits 8` keeps lm_head fp16, which the QDQ graph holds as 16-bit weights beside 8-bit
+    activations; HTP v75 refuses that pairing (error 3110), not 16-bit weights as such (v73+ runs them)."""
+    pytest.importorskip("onnxruntime_qnn")
+    from workbench.targets.convert import convert
+    from workbench.targets.htp import HtpRefused, matmul_bits, open_htp
+    out = tmp_path / "qdq"
+    convert("demo", "ort-qdq", out, bits=8, activation_bits=8, max_tokens=64)
+    prefill = out / "prefill.qdq.onnx"
+    assert matmul_bits(prefill, ["/lm_head/MatMul", "/model.layers.0.mlp.down_proj/MatMul"]) == {
+        "/lm_head/MatMul": (16, 8), "/model.layers.0.mlp.down_proj/MatMul": (8, 8)}
+    with pytest.raises(HtpRefused) as e:
+        open_htp(prefill, out / "decode.qdq.onnx", device="8gen3")
+    msg = str(e.value)
+    assert "HTP v75" in msg and "16-bit weights with 8-bit activations" in msg and "need HTP v73+" not in msg, msg
+    assert '{"pattern": "lm_head", "precision": "int8"}' in msg and "--activation-bits 16" in msg, msg

@@ -162,8 +162,11 @@ def missing_toolchain(target: str) -> str | None:
     if target == "htp":
         return None if qnn_available() else f"onnxruntime-qnn is not installed: {INSTALL}"
     if target == "rknn":
-        from ..targets.rknn import RKNN_ENV_HINT, rknn_python
-        return None if rknn_python() else f"rknn-toolkit2 is not installed: {RKNN_ENV_HINT}"
+        from ..targets.rknn import RKNN_ENV_HINT, RknnError, rknn_python
+        try:
+            return None if rknn_python() else f"rknn-toolkit2 is not installed: {RKNN_ENV_HINT}"
+        except RknnError as e:  # $WORKBENCH_RKNN_PYTHON naming no python: what to fix, not what to install
+            return str(e)
     if target in ("mnn", "mnn-llm"):
         import importlib.util
         if importlib.util.find_spec("MNN") is None:

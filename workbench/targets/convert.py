@@ -568,6 +568,8 @@ def convert(model, target: str, out_dir: str | Path, *, plan: QuantPlan | str | 
                         "--soc DEVICE")
     if max_tokens is not None and max_tokens < 2:
         raise PlanError(f"--max-tokens must be at least 2 (one token is predicted from another), got {max_tokens}")
+    if spec.check_setup is not None:
+        spec.check_setup()
     t0 = time.perf_counter()
     prep = prepared or prepare_models(model, plan=plan, bits=bits, progress=progress, device=device)
     check_precisions(spec, prep.qm.precisions)

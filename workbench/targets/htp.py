@@ -202,7 +202,8 @@ def htp_session_options(soc: HtpSoc, *, context_file: str | Path | None = None) 
 _REFUSED = re.compile(r"failed for node `([^`]+)` of type `([^`]+)` with error code (\d+)")
 _UNSUPPORTED = re.compile(r"Unsupported nodes in QNN EP: \{ name: ([^,]+), type: ([^ }]+)")
 _ERRORS = {  # QNN op-validation codes seen from the HTP backend, and what they mean for a workbench plan
-    "3110": "the HTP generation does not support this operator's configuration (16-bit weights need HTP v73+)",
+    "3110": "the HTP generation does not support this operator's configuration (16-bit weights: HTP v73+ only, and "
+            "with 16-bit activations)",
 }
 
 
@@ -239,8 +240,54 @@ def _session(path: str | Path, opts_fn: Callable, soc: HtpSoc):
             _raise_refused(Path(path), soc, log.read_text(errors="replace"), e)
 
 
+_BITS = {2: 8, 3: 8, 4: 16, 5: 16, 21: 4, 22: 4}  # ONNX data types of QDQ zero points: uint8, int8, uint16, int16, 4-bit
+
+
+def matmul_bits(path: str | Path, nodes: Sequence[str]) -> dict[str, tuple[int | None, int | None]]:
+    """``{node: (weight bits, activation bits)}`` of the named MatMul / Gemm nodes of a QDQ graph, read from the
+    zero points of the DequantizeLinear nodes feeding them (None where an input is not quantized)."""
+    import onnx
+    proto = onnx.load(str(path), load_external_data=False)
+    inits = {i.name: i.data_type for i in proto.graph.initializer}
+    producer = {o: n for n in proto.graph.node for o in n.output}
+    out = {}
+    for node in proto.graph.node:
+        if node.name not in nodes or node.op_type not in ("MatMul", "Gemm"):
+            continue
+        weight = act = None
+        for name in node.input[:2]:
+            dq = producer.get(name)
+            if dq is None or dq.op_type != "DequantizeLinear":
+                continue
+            source = dq.input[2] if len(dq.input) > 2 and dq.input[2] in inits else dq.input[0]
+            bits = _BITS.get(inits.get(source))
+            if dq.input[0] in inits:
+                weight = bits
+            else:
+                act = bits
+        out[node.name] = (weight, act)
+    return out
+
+
+def _layer_of(node: str) -> str:
+    """``/model.layers.0.mlp.down_proj/MatMul`` or ``/lm_head/MatMul`` -> ``model.layers.0.mlp.down_proj``, ``lm_head`` (the exporter's node names)."""
+    return ".".join(node.strip("/").split("/")[:-1]) or node
+
+
 def _raise_refused(path: Path, soc: HtpSoc, log: str, error: Exception):
     found = refusals(log)
+    if found and soc.arch >= generation_rules()["min_arch_16bit_weights"]:
+        bits = matmul_bits(path, [n for n, _, _ in found])
+        pairs = [n for n, _, why in found if "error 3110" in why and bits.get(n, (None, None)) == (16, 8)]
+        if pairs:
+            layers = sorted({_layer_of(n) for n in pairs})
+            rules = ", ".join(f'{{"pattern": "{name}", "precision": "int8"}}' for name in layers)
+            raise HtpRefused(
+                f"{soc.label} refuses {len(pairs)} node(s) of {path.name} ({', '.join(pairs)}): 16-bit weights with "
+                f"8-bit activations, which its HTP does not pair. The plan keeps {', '.join(layers)} in float (--bits "
+                "keeps lm_head and the embeddings fp16), and a float layer's weights are 16-bit in the QDQ "
+                f"graph: quantize it, with {rules} in the plan's \"rules\" (--plan PLAN.json), or keep "
+                "--activation-bits 16") from None
     if found:
         nodes = "; ".join(f"{n} ({op}: {why})" for n, op, why in found)
         raise HtpRefused(f"{soc.label} refuses {len(found)} node(s) of {path.name}: {nodes}; change those layers' "

@@ -20,14 +20,16 @@ import glob
 import os
 import shutil
 import signal
+import subprocess
 import tempfile
 from pathlib import Path
+from typing import Sequence
 
 from ..errors import WorkbenchError
 
 __all__ = ["die_with_parent", "die_with_parent_fn", "process_alive", "remove_orphaned_temporaries",
            "owned_tempdir", "owned_temporary", "ChildEngine", "ChildCrashed", "ChildHung", "ChildFailed",
-           "ENGINE_TIMEOUT_VAR", "engine_timeout"]
+           "ENGINE_TIMEOUT_VAR", "engine_timeout", "timeout_setting", "run_killable"]
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 ENGINE_TIMEOUT_VAR = "WORKBENCH_ENGINE_TIMEOUT"  # seconds one request to a native engine's child may take
@@ -116,19 +118,38 @@ class ChildFailed(Exception):
     """The engine raised in its child process (the child lives on): its message."""
 
 
-def engine_timeout() -> float:
-    """Seconds one request to a native engine may take (``$WORKBENCH_ENGINE_TIMEOUT``, default 900)."""
-    value = os.environ.get(ENGINE_TIMEOUT_VAR, "").strip()
+def timeout_setting(var: str, default: float) -> float:
+    """Seconds from the environment variable ``var`` (``default`` where unset); anything but a positive, finite
+    number is one line naming the variable."""
+    value = os.environ.get(var, "").strip()
     if not value:
-        return DEFAULT_ENGINE_TIMEOUT
+        return default
     try:
         seconds = float(value)
     except ValueError:
         seconds = float("nan")
     if not seconds > 0 or seconds == float("inf"):
-        raise WorkbenchError(f"${ENGINE_TIMEOUT_VAR} must be a number of seconds above 0, got '{value}': fix it or "
-                             "unset it (default 900)")
+        raise WorkbenchError(f"${var} must be a number of seconds above 0, got '{value}': fix it or unset it "
+                             f"(default {default:g})")
     return seconds
+
+
+def engine_timeout() -> float:
+    """Seconds one request to a native engine may take (``$WORKBENCH_ENGINE_TIMEOUT``, default 900)."""
+    return timeout_setting(ENGINE_TIMEOUT_VAR, DEFAULT_ENGINE_TIMEOUT)
+
+
+def run_killable(cmd: Sequence[str], *, timeout: float, **kwargs) -> int:
+    """``subprocess.run`` in a session of its own: on timeout every process of it is killed (a toolkit's own
+    children too, not only the one started), then ``subprocess.TimeoutExpired`` is raised. Returns the exit status."""
+    proc = subprocess.Popen(list(cmd), start_new_session=True, preexec_fn=die_with_parent_fn(), **kwargs)
+    try:
+        return proc.wait(timeout=timeout)
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
 
 
 class ChildEngine:

@@ -76,6 +76,9 @@ class Target:
     # conversion options it reads beyond the plan: "static" (fixed SEQ,PAST shapes), "soc" (the NPU compiled for);
     # ``convert`` notes one given to a target that does not read it
     options: tuple[str, ...] = ()
+    # check_setup() raises one line when the target's own setup is broken (a toolkit variable naming no program),
+    # before any work; a toolkit that is simply absent is ``missing``'s to say
+    check_setup: Callable[[], None] | None = None
 
     def carries(self, precision: Precision) -> bool:
         """Whether this target carries ``precision`` as the plan stores it (bit width, and scales)."""

@@ -42,7 +42,7 @@ import numpy as np
 from ..errors import WorkbenchError
 from .base import inspect_graph
 from .common import log_softmax
-from .processes import die_with_parent_fn, owned_tempdir
+from .processes import owned_tempdir, run_killable, timeout_setting
 from .registry import Target, register_target
 from ..assets import demo_text_path
 from ..evaluation.evaluate import encode_text, read_text
@@ -51,7 +51,8 @@ from .convert import GAP_TOP1, prepare_models
 
 __all__ = ["write_rknn_bundle", "convert_rknn", "TARGET", "MASK_FILL", "RKNN_ENV_HINT", "rknn_python",
            "prepare_rknn_graph", "rope_feed", "spread_positions", "RknnScores", "RknnResult", "build_rknn",
-           "measure_rknn", "RknnMeasurement", "RknnError", "STALL_LAYERS", "DEFAULT_TIMEOUT"]
+           "measure_rknn", "RknnMeasurement", "RknnError", "STALL_LAYERS", "DEFAULT_TIMEOUT", "TIMEOUT_VAR",
+           "check_rknn_setup", "read_worker_result"]
 
 MASK_FILL = -100.0  # exp(-100) is 0 in float16 and float32: masked keys stay masked, and int8 keeps resolution
 REPO = Path(__file__).resolve().parents[2]
@@ -60,6 +61,8 @@ WORKER = Path(__file__).resolve().parent / "rknn_build.py"
 RKNN_ENV_HINT = "`make rknn-env` (in the repository) creates .venv-rknn with rknn-toolkit2 2.5.0"
 STALL_LAYERS = 24  # rknn-toolkit2 2.5.0 stalled past 14 min in a graph-optimisation pass from this many blocks
 DEFAULT_TIMEOUT = 1200.0  # seconds for the whole build + simulation subprocess
+TIMEOUT_VAR = "WORKBENCH_RKNN_TIMEOUT"  # what `convert --target rknn` gives it instead
+PYTHON_VAR = "WORKBENCH_RKNN_PYTHON"
 TEMP_KIND = "workbench-rknn"  # <tmp>/workbench-rknn-<pid>-*: the toolkit's inputs and outputs (~300 MB), one run's
 PLATFORM = "rk3588"
 PLATFORM_DTYPES = {"rk3588": ("w8a8", "w16a16i_dfp")}
@@ -70,10 +73,24 @@ class RknnError(WorkbenchError):
 
 
 def rknn_python() -> Path | None:
-    """The rknn venv's python (``WORKBENCH_RKNN_PYTHON``, else ``.venv-rknn`` in the repository), or None."""
-    env = os.environ.get("WORKBENCH_RKNN_PYTHON")
+    """The rknn venv's python (``WORKBENCH_RKNN_PYTHON``, else ``.venv-rknn`` in the repository), or None when
+    neither is there. ``WORKBENCH_RKNN_PYTHON`` naming no executable file is an error naming it: the user meant a
+    toolkit, and "not set up" would hide the typo."""
+    env = os.environ.get(PYTHON_VAR)
     py = Path(env) if env else REPO / ".venv-rknn" / "bin" / "python"
-    return py if py.is_file() and os.access(py, os.X_OK) else None
+    if py.is_file() and os.access(py, os.X_OK):
+        return py
+    if env:
+        why = "does not exist" if not py.exists() else "is not a file" if not py.is_file() else "is not executable"
+        raise RknnError(f"${PYTHON_VAR} names '{env}', which {why}: point it at the python of a venv with "
+                        f"rknn-toolkit2, or unset it ({RKNN_ENV_HINT})")
+    return None
+
+
+def check_rknn_setup() -> None:
+    """Before any work: a ``$WORKBENCH_RKNN_PYTHON`` naming no python, or a bad ``$WORKBENCH_RKNN_TIMEOUT``."""
+    rknn_python()
+    timeout_setting(TIMEOUT_VAR, DEFAULT_TIMEOUT)
 
 
 # -- graph rewriting -------------------------------------------------------------------------------
@@ -501,17 +518,48 @@ def _run_worker(py: Path, request: dict, work: Path, log: Path, timeout: float, 
     env = {**os.environ, "PYTHONPATH": str(STUB)}
     with open(log, "w") as f:
         try:
-            proc = subprocess.run([str(py), "-P", str(WORKER), str(req), str(res)], stdout=f, stderr=subprocess.STDOUT,
-                                  env=env, cwd=work, timeout=timeout, preexec_fn=die_with_parent_fn())
+            status = run_killable([str(py), "-P", str(WORKER), str(req), str(res)], stdout=f,
+                                  stderr=subprocess.STDOUT, env=env, cwd=work, timeout=timeout)
         except subprocess.TimeoutExpired:
             why = (f"its graph optimisation stalls from {STALL_LAYERS} blocks: build per block (fewer layers per "
                    "graph)" if layers >= STALL_LAYERS else "w8a8 calibration and hybrid quantization's passes over "
-                   "wide layers (a large vocabulary) are slow on a busy CPU: give more time (timeout=), or build "
-                   "float16 (float16=True), or build per block")
-            raise RknnError(f"rknn-toolkit2 did not finish in {timeout:.0f} s ({layers} blocks); {why}") from None
+                   f"wide layers (a large vocabulary) are slow on a busy CPU: give more time (${TIMEOUT_VAR}=SECONDS "
+                   "or timeout=), or build float16 (float16=True), or build per block")
+            raise RknnError(f"rknn-toolkit2 did not finish in {timeout:g} s ({layers} blocks) and was stopped; "
+                            f"{why}") from None
     if not res.is_file():
-        raise RknnError(f"the rknn-toolkit2 subprocess exited with status {proc.returncode} and no result; see {log}")
-    return json.loads(res.read_text())
+        raise RknnError(f"the rknn-toolkit2 subprocess exited with status {status} and no result; see {log}")
+    return read_worker_result(res, [g["name"] for g in request.get("graphs", [])], work, log)
+
+
+def read_worker_result(res: Path, graphs: Sequence[str], work: Path, log: Path) -> dict:
+    """The worker's ``result.json``, refused in one line (naming it and the log) unless it is what the worker
+    writes: every graph asked for, each ``ok`` with its logits files inside ``work``, or its error."""
+    def bad(what: str) -> RknnError:
+        return RknnError(f"the rknn-toolkit2 subprocess left an unusable result ({res}: {what}); see {log}")
+    try:
+        doc = json.loads(res.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise bad("empty" if not res.stat().st_size else f"not JSON, {e}") from None
+    found = doc.get("graphs") if isinstance(doc, dict) else None
+    if not isinstance(found, list) or not all(isinstance(g, dict) and isinstance(g.get("name"), str) for g in found):
+        raise bad("no list of graphs")
+    names = [g["name"] for g in found]
+    if sorted(names) != sorted(graphs):
+        raise bad(f"graphs {', '.join(names) or 'none'} where {', '.join(graphs)} were built; the toolkit stopped "
+                  "part way")
+    root = work.resolve()
+    for g in found:
+        if not g.get("ok"):
+            g["ok"], g["error"] = False, str(g.get("error") or "no error given")
+            continue
+        logits = g.get("logits")
+        if (not isinstance(logits, list) or not logits or not isinstance(g.get("rknn_bytes"), int)
+                or not isinstance(g.get("seconds"), dict)
+                or not all(isinstance(p, str) and Path(p).resolve().is_relative_to(root) and Path(p).is_file()
+                           for p in logits)):
+            raise bad(f"the {g['name']} graph has no logits files in its work folder, size or times")
+    return doc
 
 
 @dataclass
@@ -649,7 +697,8 @@ def convert_rknn(job) -> None:
     else:
         try:
             result = build_rknn(job.prep, job.out, static=job.static, calibration_samples=job.calibration_samples,
-                                text=job.text, say=job.say, export=sx, calibration=feeds, decode_positions=128)
+                                text=job.text, say=job.say, export=sx, calibration=feeds, decode_positions=128,
+                                timeout=timeout_setting(TIMEOUT_VAR, DEFAULT_TIMEOUT))
         except RknnError as e:
             job.report.notes.append(f"no .rknn: {e}")
             job.report.details["rknn"] = {"error": str(e)}
@@ -662,4 +711,4 @@ def convert_rknn(job) -> None:
 
 
 TARGET = register_target(Target("rknn", "Rockchip RKNPU2", rules="rknn", convert=convert_rknn, module=__name__,
-                                options=("static",)))
+                                options=("static",), check_setup=check_rknn_setup))
