@@ -18,7 +18,7 @@ import logging
 import sys
 from pathlib import Path
 
-from ..errors import WorkbenchError, printable
+from ..errors import WorkbenchError, printable, storage_failure, storage_message
 from ..files.workspace import output_lock
 
 __all__ = ["main", "COMMANDS"]
@@ -118,6 +118,11 @@ def error_line(e: BaseException, args=None, argv: list[str] = ()) -> str:
     input checks and the file system (a missing file, a full disk) and read the same way. Anything
     else is a bug in the workbench: its traceback goes to a log file, not the screen.
     """
+    full = storage_failure(e)
+    if full is not None:  # a full disk or a file-size limit, whichever writer (safetensors, torch, numpy) said it
+        out = getattr(args, "out", None)
+        where = f"'{full[1]}'" if full[1] else f"into '{out}'" if out else "the output"
+        return "error: " + printable(storage_message(full[0], where, "give --out on another disk" if out else None))
     if isinstance(e, (WorkbenchError, ValueError, OSError)):
         return "error: " + printable("; ".join(line.strip() for line in str(e).splitlines() if line.strip()))
     if isinstance(e, MemoryError):

@@ -26,12 +26,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
-from ..errors import WorkspaceError
+from ..errors import WorkbenchError, WorkspaceError, storage_failure, storage_message
 
 __all__ = ["Workspace", "Artifact", "atomic_write_bytes", "atomic_write_text", "atomic_write_json", "read_json_file",
            "hash_inputs", "model_fingerprint", "file_sha256", "library_versions", "DEFAULT_WORKSPACE", "check_output_dir",
            "staged_output", "swap_into_place", "write_output_manifest", "rebase_paths", "resolve_output", "exclusive_lock",
-           "output_lock", "make_parents", "remove_empty", "apply_umask"]
+           "output_lock", "make_parents", "remove_empty", "apply_umask", "storage_error"]
 
 DEFAULT_WORKSPACE = Path(os.environ.get("WORKBENCH_WORKSPACE", "workspace"))
 MANIFEST = "manifest.json"
@@ -273,10 +273,47 @@ def staged_output(path: str | Path, kind: str, option: str = "--out"):
                 write_output_manifest(tmp, kind)
             check_output_dir(out, kind, option)  # still ours to replace after the (possibly long) step
             swap_into_place(tmp, out)
-        except BaseException:
+        except BaseException as e:
+            full = storage_error(e, tmp, out, f"give {option} on another disk") if isinstance(e, Exception) else None
+            if full is None and isinstance(e, WorkbenchError) and str(tmp) in str(e):
+                with contextlib.suppress(TypeError):  # a message naming the staging folder names --out instead
+                    full = type(e)(str(e).replace(str(tmp), str(out)))
             shutil.rmtree(tmp, ignore_errors=True)
             remove_empty(created)
+            if full is not None:  # a full disk or a file-size limit, the file named: not a bug's traceback
+                raise full from None
             raise
+
+
+def _newest_file(folder: Path) -> Path | None:
+    """The file written last under ``folder`` (the one a failed write was filling), or None; among files of the
+    same time stamp (a coarse file-system clock) the largest, which a size limit stopped."""
+    newest = None
+    for f in folder.rglob("*"):
+        with contextlib.suppress(OSError):
+            st = f.stat()
+            if f.is_file() and (newest is None or (st.st_mtime_ns, st.st_size) > newest[0]):
+                newest = ((st.st_mtime_ns, st.st_size), f)
+    return newest and newest[1]
+
+
+def storage_error(e: BaseException, folder: Path, shown: Path | None = None,
+                  other_disk: str | None = None) -> WorkspaceError | None:
+    """A one-line error for a write into ``folder`` that failed on a full disk, a quota or a file-size limit
+    (``errors.storage_failure``), naming the file (the error's own, else the newest under ``folder``; as it would
+    be under ``shown`` once in place), or None for any other failure."""
+    found = storage_failure(e)
+    if found is None:
+        return None
+    code, name = found
+    path = Path(name) if name else _newest_file(Path(folder))
+    if path is not None and shown is not None:
+        with contextlib.suppress(ValueError):
+            path = Path(shown) / path.relative_to(folder)
+    if path is not None and path.suffix == ".partial":  # a writer's own temporary name (onnx export's data)
+        path = path.with_suffix("")
+    where = f"'{path}'" if path is not None else f"into '{shown or folder}'"
+    return WorkspaceError(storage_message(code, where, other_disk))
 
 
 def make_parents(out: Path) -> list[Path]:
@@ -468,19 +505,25 @@ class Workspace:
             raise WorkspaceError(f"the workspace '{self.root}' cannot be used ({e.strerror} at '{e.filename}'): set "
                                  "WORKBENCH_WORKSPACE (or --workspace) to a directory you can write, or leave it unset "
                                  "for ./workspace") from None
-        result = compute(partial)
-        files = {}
-        for f in sorted(partial.rglob("*")):
-            if f.is_file() and f.name != MANIFEST:
-                rel = f.relative_to(partial).as_posix()
-                files[rel] = {"size": f.stat().st_size, "sha256": file_sha256(f)}
-        manifest = {
-            "step": step, "key": key, "inputs": _canonical(inputs),
-            "upstream": [a.key if isinstance(a, Artifact) else str(a) for a in upstream],
-            "versions": library_versions(), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "files": files, "result": _canonical(dict(result)) if result else {},
-        }
-        atomic_write_json(partial / MANIFEST, manifest)
+        try:
+            result = compute(partial)
+            files = {}
+            for f in sorted(partial.rglob("*")):
+                if f.is_file() and f.name != MANIFEST:
+                    rel = f.relative_to(partial).as_posix()
+                    files[rel] = {"size": f.stat().st_size, "sha256": file_sha256(f)}
+            manifest = {
+                "step": step, "key": key, "inputs": _canonical(inputs),
+                "upstream": [a.key if isinstance(a, Artifact) else str(a) for a in upstream],
+                "versions": library_versions(), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "files": files, "result": _canonical(dict(result)) if result else {},
+            }
+            atomic_write_json(partial / MANIFEST, manifest)
+        except Exception as e:
+            full = storage_error(e, partial, other_disk="set WORKBENCH_WORKSPACE to a folder on another disk")
+            if full is not None:  # the partial folder stays: a rerun resumes from it
+                raise full from None
+            raise
         final = self.path(step, key)
         if final.exists():
             shutil.rmtree(final)

@@ -53,7 +53,7 @@ from torch.nn import functional as F
 from ..errors import WorkspaceError
 from .plan import get_precision
 from ..files.workspace import (atomic_write_json, check_output_dir, file_sha256, library_versions, make_parents,
-                         output_lock, remove_empty, swap_into_place)
+                               output_lock, remove_empty, storage_error, swap_into_place)
 from .qtensor import QuantizedWeight, SubScales, pack_bits, pack_int4, unpack_bits, unpack_int4
 
 SOURCE_SETTINGS = ("preprocessor_config.json",)  # copied from the source model where it has them
@@ -395,9 +395,12 @@ def _save_quantized(qm, directory: str | Path, report: dict | None) -> Path:
             atomic_write_json(tmp / "report.json", report)
         write_manifest(tmp, {"method": qm.method, "source": str(lm.path)})
         swap_into_place(tmp, out)
-    except BaseException:
+    except BaseException as e:
+        full = storage_error(e, tmp, out, "give --out on another disk") if isinstance(e, Exception) else None
         shutil.rmtree(tmp, ignore_errors=True)
         remove_empty(created)
+        if full is not None:  # a full disk or a file-size limit, the file named
+            raise full from None
         raise
     return out
 
