@@ -77,7 +77,7 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 sys.path.insert(0, str(BENCH))
-from shapes import SHAPES  # noqa: E402  (no torch import: build_shape imports it, and runs in a child)
+from shapes import SHAPES, is_built  # noqa: E402  (no torch import: build_shape imports it, and runs in a child)
 
 SCALE_SHAPES = ("qwen2.5-0.5b", "qwen2.5-1.5b", "qwen3-4b")
 STEPS = ("info", "calibrate", "quantize-rtn", "quantize-awq", "quantize-gptq", "eval", "sensitivity", "plan", "export",
@@ -103,6 +103,8 @@ TARGETS: dict[str, dict[str, tuple[float | None, float | None]]] = {
                      "convert-qdq": (None, 4.0),
                      "prune": (300.0, 6.0), "distill": (600.0, 8.0)},
     "qwen2.5-1.5b": _ALL_9GB,
+    # the checkpoint as users bring it after fine-tuning or dequantization: float32 file, its own lm_head (issue 54)
+    "qwen2.5-1.5b-f32-untied": {"quantize-rtn": (600.0, 8.0)},
     "qwen3-4b": {"quantize-rtn": (None, 20.0), "convert": (None, 20.0)},
     # a vision-language model's quantize-rtn: the language model at int4, vision int8, scored on the demo-vl pictures
     "qwen3-vl-2b": {"info": (None, 12.0), "quantize-rtn": (None, 12.0)},
@@ -405,7 +407,7 @@ def build_model(shape: str, layers: int | None, models_dir: Path, env: dict, log
     """Build (or find) the random-weight model; a row like a step's."""
     path = models_dir / shape_label(shape, layers)
     row = {"step": "build", "model": str(path)}
-    if (path / "model.safetensors").is_file() and (path / "config.json").is_file():
+    if is_built(path):
         return {**row, "status": "ok", "seconds": None, "peak_mb": None, "note": "cached"}
     code = (f"import sys; sys.path.insert(0, {str(BENCH)!r}); from shapes import build_shape; "
             f"build_shape({shape!r}, {str(path)!r}, layers={layers!r})")
