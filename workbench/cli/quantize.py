@@ -154,7 +154,7 @@ def _plan_from_args(args) -> QuantPlan:
 def _plan_for_targets(plan: QuantPlan, args) -> QuantPlan:
     """The plan rounded on the grid its targets hold (``--target``, else the plan's meta "targets"), which it records."""
     from ..targets import get_target, grid_reach
-    targets = list(dict.fromkeys(args.target)) or list(plan.meta.get("targets") or [])
+    targets = list(dict.fromkeys(args.target)) or plan.meta.get("targets") or []
     if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
         raise PlanError(f"the plan's meta \"targets\" must be a list of target names, got {targets!r}")
     for name in targets:
