@@ -12,6 +12,7 @@ error instead).
 """
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import asdict, astuple, dataclass, field
 from pathlib import Path
@@ -21,6 +22,7 @@ import torch
 from torch import nn
 
 from ..errors import PlanError
+from ..numerics.memory import drop_file_pages
 from .plan import QuantPlan, get_precision
 from ..units import text_table
 from .qtensor import SUPPORTED_BITS, QuantizedWeight, SubScales
@@ -334,6 +336,8 @@ def release_layer_weight(model: nn.Module, name: str) -> None:
     mod = model.get_submodule(name)
     w = mod.weight
     mod.weight = nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device="meta"), requires_grad=False)
+    if sys.getrefcount(w) <= 2:  # nothing else holds it (this frame and the call's argument)
+        drop_file_pages(w)  # a weight read straight from its file: its pages would stay resident otherwise
 
 
 def _device_of(mod: nn.Module, model: nn.Module) -> torch.device:
