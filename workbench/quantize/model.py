@@ -340,6 +340,18 @@ def release_layer_weight(model: nn.Module, name: str) -> None:
         drop_file_pages(w)  # a weight read straight from its file: its pages would stay resident otherwise
 
 
+def round_layer_weight_(model: nn.Module, name: str) -> None:
+    """Give layer ``name`` its weight rounded to float16 values (in its own dtype), unless something besides the
+    layer holds the weight (a reference's pinned output layer reads the float values): the float copy's file pages
+    go back as the rounded one is made, so the quantized model's fp16 layers cost no second copy."""
+    mod = model.get_submodule(name)
+    w = mod.weight
+    if sys.getrefcount(w) > 3 or _fp16_exact(w):  # held elsewhere, or already float16 values
+        return
+    mod.weight = nn.Parameter(w.detach().to(torch.float16).to(w.dtype), requires_grad=False)
+    drop_file_pages(w)
+
+
 def _device_of(mod: nn.Module, model: nn.Module) -> torch.device:
     """Where ``mod`` computes: its first parameter not released to the meta device, else the model's."""
     for t in [*mod.parameters(), *model.parameters()]:
@@ -571,5 +583,12 @@ def quantize_model(lm, plan: QuantPlan, *, calibration=None, method: str | None 
             params.pop(key, None)
             release_layer_weight(model, r.name)
     fold_blocks()  # blocks whose layers all stay float still carry their scales
+    if release_float:  # 16-bit layers rounded where they are, so build_model shares them instead of copying
+        params.clear()
+        for r in reports:
+            prec = get_precision(r.precision) if r.precision else None
+            if prec is not None and prec.is_float and prec.bits == 16 and not r.tied_to and \
+                    not any(t.tied_to == r.name for t in reports):
+                round_layer_weight_(model, r.name)
     return QuantizedModel(plan, method, weights, reports, float_overrides, source=lm, awq=awq_search, gptq=gptq_result,
                           seconds=time.perf_counter() - t0)
