@@ -53,6 +53,9 @@ and the issue's targets beside them with whether each was met:
   < 5 GB; sensitivity + automatic plan < 15 min; convert ort-int4 < 2 min and < 4 GB; convert ort-qdq
   < 4 GB; prune < 5 min and < 6 GB; distill (8 steps of 256 tokens) < 10 min and < 8 GB;
 - Qwen2.5-1.5B: every step completes, each < 9 GB peak;
+- Qwen2.5-1.5B as users often bring it (``--shapes qwen2.5-1.5b-f32-untied --steps quantize-rtn``: float32 file, its
+  own lm_head; every text shape has such a ``-f32-untied`` variant, bench/shapes.py): the default quantize + evaluation
+  < 10 min and < 8 GB;
 - Qwen3-4B: RTN INT4 quantize and convert ort-int4 complete, each < 20 GB peak;
 - the vision-language shapes (``--shapes qwen3-vl-2b,qwen2.5-vl-3b --steps info,quantize-rtn``): quantize-rtn (language
   model int4, vision int8, scored on the bundled demo-vl pictures: answer KL, top-1, image-text matching) < 12 GB at
