@@ -2,10 +2,15 @@
 
     python bench/shapes.py qwen2.5-0.5b --out /tmp/shapes/qwen2.5-0.5b      # 494 M parameters, bf16
     python bench/shapes.py qwen3-4b --out /tmp/shapes/qwen3-4b --layers 2  # the real widths, 2 blocks
+    python bench/shapes.py qwen2.5-1.5b-f32-untied --out /tmp/shapes/f32    # float32 file, its own lm_head
 
 Each directory is a plain Hugging Face model directory (config.json, model.safetensors in bfloat16)
 with the demo model's tokenizer copied in, so every workbench step can load it offline. The
 vocabulary stays at the real 151,936 rows (the demo tokenizer only ever emits ids below 4,096).
+
+Every text shape also has a ``-f32-untied`` variant, the checkpoint as users often bring it after fine-tuning or
+dequantization: float32 safetensors (in 2 GB shards), weights drawn in float32 (so bfloat16 does not hold them
+exactly), and an output layer of its own (``tie_word_embeddings`` false).
 """
 from __future__ import annotations
 
@@ -28,7 +33,16 @@ VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video
 # The published configs' shapes, kept as data in assets/model_shapes.json (the projection reads the text ones too).
 _ALL = json.loads((ROOT / "assets" / "model_shapes.json").read_text(encoding="utf-8"))
 VISION_SHAPES: dict[str, dict] = _ALL["vision_shapes"]
-SHAPES: dict[str, dict] = {**_ALL["shapes"], **VISION_SHAPES}
+F32_UNTIED = "-f32-untied"  # suffix of a shape's float32, untied variant
+SHAPES: dict[str, dict] = {**_ALL["shapes"], **VISION_SHAPES,
+                           **{n + F32_UNTIED: {**s, "tie_word_embeddings": False, "storage_dtype": "float32"}
+                              for n, s in _ALL["shapes"].items()}}
+
+
+def is_built(out: Path) -> bool:
+    """Whether ``out`` already holds a model (one safetensors file, or shards with their index)."""
+    return (out / "config.json").is_file() and any((out / f).is_file() for f in
+                                                   ("model.safetensors", "model.safetensors.index.json"))
 
 
 def build_shape(name: str, out: str | Path, *, layers: int | None = None, seed: int = 0) -> Path:
@@ -91,28 +105,31 @@ def build_vision_model_dir(spec: dict, out: Path, *, layers: int | None = None, 
 
 
 def build_model_dir(spec: dict, out: str | Path, *, seed: int = 0) -> Path:
-    """Write a random bf16 model of the config fields ``spec`` (``model_type`` included) to ``out``; reuse it if there."""
+    """Write a random model of the config fields ``spec`` (``model_type`` included; ``storage_dtype`` float32 for a
+    float32 file, default bf16) to ``out``; reuse it if there."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     out = Path(out)
-    if (out / "model.safetensors").is_file() and (out / "config.json").is_file():
+    if is_built(out):
         return out
     spec = dict(spec)
     model_type = spec.pop("model_type")
+    dtype = getattr(torch, spec.pop("storage_dtype", "bfloat16"))
     cfg = AutoConfig.for_model(model_type, **spec, rms_norm_eps=1e-6, hidden_act="silu", bos_token_id=0,
                                eos_token_id=0, pad_token_id=0)
     cfg.architectures = [{"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[model_type]]
     torch.manual_seed(seed)
     previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)  # never hold an fp32 copy of a 4 B model
+    torch.set_default_dtype(dtype)  # never hold an fp32 copy of a 4 B model unless a float32 file is asked for
     try:
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     finally:
         torch.set_default_dtype(previous)
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
+    # a float32 file in 2 GB shards: saving copies one shard at a time, not the whole model
+    model.save_pretrained(tmp, **({"max_shard_size": "2GB"} if dtype == torch.float32 else {}))
     for f in TOKENIZER_FILES:
         shutil.copy(DEMO / f, tmp / f)
     shutil.rmtree(out, ignore_errors=True)

@@ -54,3 +54,25 @@ def test_steps_that_requantize_refuse_a_quantized_directory_by_name(command, tmp
     assert main([command[0], str(out), *command[1:]]) == 2
     err = capsys.readouterr().err
     assert "is already quantized" in err and "float model it was made from" in err
+
+
+def test_convert_of_a_16_level_model_to_a_device_target_offers_the_command_that_makes_one(tiny_model_dir, tmp_path,
+                                                                                          heldout, capsys):
+    """The default grid's model to qnn: one line, exit 2, naming the one command (same plan, qnn's grid) with the
+    first model's measured KL; that command writes a model the refusal no longer stops."""
+    import shlex
+    q = tmp_path / "q"
+    common = ["--text", str(heldout), "--ctx", "128", "--no-importance"]
+    assert main(["quantize", str(tiny_model_dir), "--out", str(q), "--bits", "4", "--group-size", "32",
+                 *common]) == 0
+    capsys.readouterr()
+    kl = json.loads((q / "report.json").read_text())["kl_divergence"]
+    assert main(["convert", str(q), "--target", "qnn", "--out", str(tmp_path / "c")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "which qnn cannot hold: make one it holds with `workbench quantize " in err[0]
+    assert f"q measured KL {kl:.4g}" in err[0] and not (tmp_path / "c").exists()
+    command = shlex.split(err[0].split("`")[1])
+    assert command[:2] == ["workbench", "quantize"] and command[command.index("--target") + 1] == "qnn"
+    assert main([*command[1:], *common, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert "qnn" in data["reaches"] and data["plan"]["group_size"] == 32 and not data["plan"].get("full_range")

@@ -27,3 +27,26 @@ def test_peak_is_reset_to_what_follows():
     assert rss_mb("VmHWM") - rss_mb("VmRSS") > 200
     if reset_peak_rss():  # some kernels refuse clear_refs; then there is nothing to check
         assert rss_mb("VmHWM") - rss_mb("VmRSS") < 50
+
+
+def test_drop_file_pages_hands_back_a_file_mapped_tensors_pages_and_never_heap_memory(tmp_path):
+    """A weight read straight from its safetensors file keeps its pages resident while the file is mapped; dropped,
+    they leave the process (read from the file again if touched: the values are unchanged). Heap tensors: 0."""
+    import sys
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from workbench.numerics.memory import drop_file_pages, rss_mb
+    if not sys.platform.startswith("linux"):
+        pytest.skip("file mappings are read from /proc/self/maps")
+    w = torch.randn(4096, 2048)  # 32 MiB
+    save_file({"w": w, "b": torch.ones(3)}, tmp_path / "m.safetensors")
+    mapped = load_file(tmp_path / "m.safetensors")["w"]
+    assert torch.equal(mapped, w)  # every page touched
+    before = rss_mb()
+    dropped = drop_file_pages(mapped)  # safetensors maps the file: its tensors are views of that mapping
+    assert dropped >= 31 * 2**20 and rss_mb() < before - 24
+    assert torch.equal(mapped, w)  # the file gives the same values back
+    heap = torch.randn(4096, 2048)
+    assert drop_file_pages(heap) == 0 and drop_file_pages(heap[:, :5]) == 0

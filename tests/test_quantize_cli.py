@@ -217,3 +217,63 @@ def test_rtn_weighs_its_search_by_importance_by_default_and_says_where_it_came_f
     assert "importance from" not in out and plain["importance"] is None
     out, minmax = run("minmax", "--no-scale-search")
     assert "importance from" not in out and minmax["importance"] is None
+
+
+def test_target_picks_the_grid_it_holds_and_a_plans_own_targets_do_too(tmp_path):
+    """--target qnn (or a plan's meta "targets") rounds on the 15-level grid a device target holds; targets that all
+    hold the 16-level grid keep it; --full-range against a device target is refused in one line."""
+    import argparse
+
+    from workbench.cli.quantize import _plan_from_args, add_arguments
+    from workbench.errors import PlanError
+    from workbench.quantize.plan import QuantPlan
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+
+    def plan(*argv):
+        return _plan_from_args(parser.parse_args(["demo", "--out", str(tmp_path / "q"), *argv]))
+    assert plan("--bits", "4").full_range is True
+    assert plan("--bits", "4", "--target", "qnn").full_range is False
+    assert plan("--bits", "4", "--target", "qnn").meta["targets"] == ["qnn"]
+    assert plan("--bits", "4", "--target", "llama.cpp", "--target", "ort-int4").full_range is True
+    assert plan("--bits", "4", "--target", "llama.cpp", "--target", "mnn").full_range is False
+    with pytest.raises(PlanError, match="--full-range rounds on the 16-level grid, which rknn cannot hold"):
+        plan("--bits", "4", "--target", "rknn", "--full-range")
+    own = tmp_path / "own.json"
+    QuantPlan.default_for("int4", meta={"targets": ["ort-qdq"]}).save(own)
+    assert plan("--plan", str(own)).full_range is False
+    bad = tmp_path / "bad.json"
+    QuantPlan.default_for("int4", meta={"targets": "qnn"}).save(bad)
+    with pytest.raises(PlanError, match='meta "targets" must be a list'):
+        plan("--plan", str(bad))
+
+
+def test_quantize_says_which_targets_its_model_reaches(tiny_model_dir, tmp_path, heldout, capsys):
+    """The default (16-level grid) reaches llama.cpp / ort-int4 / ort-genai and says how to reach the rest;
+    --target qnn writes a model qnn (and every other device target) takes, and says so."""
+    from workbench.model.load import load_quantized
+    from workbench.targets import check_signed_scales, get_target, quantized_reach
+    common = ["--group-size", "32", "--text", str(heldout), "--ctx", "128", "--no-importance"]
+    assert main(["quantize", str(tiny_model_dir), "--out", str(tmp_path / "q16"), "--bits", "4", *common]) == 0
+    text = capsys.readouterr().out
+    line = next(ln for ln in text.splitlines() if ln.startswith("reaches: "))
+    assert line.startswith("reaches: llama.cpp, ort-int4, ort-genai; not ") and "--target qnn" in line
+    assert main(["quantize", str(tiny_model_dir), "--out", str(tmp_path / "qnn"), "--bits", "4", "--target", "qnn",
+                 *common, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert {"qnn", "mnn", "rknn", "ort-qdq", "llama.cpp", "ort-int4"} <= set(data["reaches"])
+    assert not data["plan"].get("full_range") and data["unreachable"] == {}
+    _, qm = load_quantized(tmp_path / "qnn")
+    assert quantized_reach(qm)["qnn"] is None
+    check_signed_scales(get_target("qnn"), qm)  # what convert --target qnn checks: passes
+
+
+def test_a_target_that_cannot_carry_the_plan_is_refused_before_quantizing(tiny_model_dir, tmp_path, capsys):
+    from workbench.quantize.plan import QuantPlan
+    plan = tmp_path / "p.json"
+    QuantPlan.uniform("int3", group_size=32).save(plan)
+    assert main(["quantize", str(tiny_model_dir), "--out", str(tmp_path / "q"), "--plan", str(plan),
+                 "--target", "qnn"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot carry precision 'int3'" in err[0]
+    assert not (tmp_path / "q").exists()

@@ -137,6 +137,40 @@ def test_build_model_computes_the_quantized_weights_without_a_float_copy(lm):
     assert not any(isinstance(m, QuantLinear) for m in lm.model.modules())  # the source is left as it was
 
 
+@pytest.mark.parametrize("method", ["rtn", "awq"])
+def test_release_float_frees_each_integer_layers_weight_and_changes_no_result(tiny_model_dir, method):
+    """`workbench quantize` lets each integer layer's float weight go once its codes exist (one float copy at most);
+    the codes, the built model's logits, the saved bytes and the storage count are those of a kept source."""
+    from workbench.model.calibrate import calibrate
+    kept, freed = load_model(tiny_model_dir), load_model(tiny_model_dir)
+    plan = QuantPlan.default_for("int4", group_size=32, method=method).with_override("*.o_proj", "fp16")
+    cal = calibrate(kept, samples=4, seq_len=32, progress=False) if method == "awq" else None
+    a = quantize_model(kept, plan, calibration=cal, progress=False)
+    b = quantize_model(freed, plan, calibration=cal, progress=False, release_float=True)
+    for name, qw in a.weights.items():
+        assert torch.equal(qw.qweight, b.weights[name].qweight) and torch.equal(qw.scales, b.weights[name].scales)
+    params = dict(freed.model.named_parameters())
+    assert params["model.layers.0.mlp.down_proj.weight"].device.type == "meta"  # released
+    o_proj = params["model.layers.0.self_attn.o_proj.weight"]  # fp16: rounded where it is, shared by build_model
+    assert o_proj.device.type == "cpu" and torch.equal(o_proj, o_proj.half().float())
+    assert b.build_model().get_parameter("model.layers.0.self_attn.o_proj.weight") is o_proj
+    assert params["model.embed_tokens.weight"].device.type == "cpu"  # tied to lm_head: kept
+    ids = torch.randint(0, 4096, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(a.build_model()(input_ids=ids).logits, b.build_model()(input_ids=ids).logits)
+    assert a.storage_bytes() == b.storage_bytes()
+
+
+def test_storage_bytes_counts_what_layer_storage_holds(tiny):
+    """Counted from codes and shapes, equal to the stored tensors' bytes (float layers at their stored width)."""
+    from workbench.quantize.storage import layer_storage
+    for plan in (QuantPlan.default_for("int4", group_size=32), QuantPlan.uniform("int8", keep_embeddings=None),
+                 QuantPlan.uniform("int4", symmetric=False, group_size=32).with_override("*.o_proj", None),
+                 QuantPlan.uniform("int4-lpbq", group_size=32).with_override("lm_head", "int8")):
+        qm = quantize_model(tiny, plan, progress=False)
+        assert qm.storage_bytes() == sum(t.numel() * t.element_size() for t in layer_storage(qm).values())
+
+
 def test_rtn_weighs_the_scale_search_by_calibration_statistics(lm):
     """With statistics given, each input column's error counts by its mean squared activation (rms^2)."""
     from types import SimpleNamespace

@@ -4,6 +4,11 @@
     workbench quantize demo --out out/demo-awq --bits 4 --method awq --json
     workbench quantize demo --out out/mixed --plan plan.json --strict
     workbench quantize demo --out out/demo-lpbq --bits 4 --two-level --group-size 32   # int4-lpbq
+    workbench quantize demo --out out/demo-qnn --bits 4 --target qnn   # the grid qnn holds (15 levels)
+
+The output names the conversion targets the written model reaches. ``--target`` (or a plan's own ``"targets"`` in its
+``meta``) picks the grid they hold: the 16-level grid (llama.cpp's Q4_0, the default) signs its group scales, which
+only llama.cpp, ort-int4 and ort-genai hold; a device target (qnn, mnn, rknn, ort-qdq, ...) gets the 15-level grid.
 
 Perplexity, KL divergence and top-1 agreement are measured against the unquantized model on the
 held-out text (default: the bundled one), with standard errors of the per-window differences.
@@ -62,6 +67,10 @@ def add_arguments(p):
                    "int8-lpbq: 4-bit integer group scales under a float16 scale per output channel, Qualcomm's LPBQ)")
     p.add_argument("--group-size", type=count(0), help="columns per scale (default: the plan's, 128); 0 = per-channel")
     p.add_argument("--asymmetric", action="store_true", help="unsigned codes with zero points")
+    p.add_argument("--target", action="append", default=[], metavar="NAME",
+                   help="a conversion target the model is for (repeatable): the plan is rounded on the grid every one "
+                        "of them holds (the 15-level grid for device targets such as qnn, mnn, rknn, ort-qdq) and its "
+                        "precisions are checked against them before quantizing (default: the plan's meta \"targets\")")
     p.add_argument("--full-range", action=argparse.BooleanOptionalAction, default=None,
                    help="symmetric codes over all 2^b levels with stretched ranges searched (llama.cpp's Q4_0 / Q5_0 "
                         "grid): lowest KL at every width on trained models, about 4.6x the search time of the 15-level "
@@ -138,7 +147,47 @@ def _plan_from_args(args) -> QuantPlan:
         changes["full_range"] = args.full_range
     if args.method:
         changes["method"] = args.method
-    return replace(plan, **changes) if changes else plan
+    plan = replace(plan, **changes) if changes else plan
+    return _plan_for_targets(plan, args)
+
+
+def _plan_for_targets(plan: QuantPlan, args) -> QuantPlan:
+    """The plan rounded on the grid its targets hold (``--target``, else the plan's meta "targets"), which it records."""
+    from ..targets import get_target, grid_reach
+    targets = list(dict.fromkeys(args.target)) or plan.meta.get("targets") or []
+    if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+        raise PlanError(f"the plan's meta \"targets\" must be a list of target names, got {targets!r}")
+    for name in targets:
+        if get_target(name).convert is None:
+            raise PlanError(f"'{name}' is not a conversion target; choose from: {', '.join(_convert_targets())}")
+    narrow = grid_reach(targets)
+    if narrow and plan.full_range:
+        if args.full_range:
+            raise PlanError(f"--full-range rounds on the 16-level grid, which {' / '.join(narrow)} cannot hold: drop "
+                            "--full-range (--target picks the grid every target holds)")
+        plan = replace(plan, full_range=False)
+    return replace(plan, meta={**plan.meta, "targets": targets}) if targets else plan
+
+
+def _convert_targets() -> list[str]:
+    from ..targets import target_names
+    return list(target_names("convert"))
+
+
+def reach_text(reaches: list[str], unreachable: dict[str, str], plan: QuantPlan) -> str:
+    """Where the written model can go (`workbench convert --target`), and what makes the rest reachable."""
+    text = f"reaches: {', '.join(reaches) or 'no conversion target'}"
+    if not unreachable:
+        return text
+    grid = [n for n, why in unreachable.items() if "16-level grid" in why]
+    other = [n for n in unreachable if n not in grid]
+    if grid:
+        example = "qnn" if "qnn" in grid else grid[0]
+        text += (f"; not {', '.join(grid)} (the 16-level grid signs its group scales, which they cannot hold: "
+                 f"quantize with --target T, e.g. --target {example}, for a model T holds)")
+    if other:
+        text += f"; not {', '.join(other)} ({unreachable[other[0]]})"
+    return text
 
 
 def run(args) -> int:
@@ -159,6 +208,12 @@ def run(args) -> int:
     elif args.images or args.vision_bits or args.projector_bits:
         raise PlanError(f"'{args.model}' is a text model (no vision encoder): drop --images / --vision-bits / "
                         "--projector-bits, or pass a vision-language model such as demo-vl")
+    targets = list(plan.meta.get("targets") or [])
+    if targets:  # a precision a target cannot carry is refused before quantizing, naming the layers
+        from ..targets import check_precisions, get_target
+        precisions = plan.resolve(info.name for info in lm.layers)
+        for name in targets:
+            check_precisions(get_target(name), precisions)
     ctx = check_ctx(lm, args.ctx)  # a bad --ctx or --text fails here, not after quantizing
     ids = heldout_ids(lm, args.text, args.max_tokens, ctx) if not vision or args.text else None
     progress = not args.json
@@ -178,25 +233,36 @@ def run(args) -> int:
         calibration, importance = importance_statistics(lm, data=args.data, workspace=Workspace(), progress=progress)
         if progress:
             print(importance)
+    # the float model's outputs are captured first (final hidden states: megabytes), so quantizing can let each
+    # integer layer's float weight go as its codes are made: one float copy at most, never float weights + codes
+    baseline = None
+    t1 = time.perf_counter()
+    if ids is not None:
+        baseline = measure_reference(lm.model, ids, ctx=min(ctx, len(ids)), progress=progress)
+    reference_seconds = time.perf_counter() - t1
     t0 = time.perf_counter()
     qm = quantize_model(lm, plan, calibration=calibration, strict=args.strict, progress=progress,
-                        workspace=workspace, awq_tokens=args.awq_tokens, act_order=args.act_order)
+                        workspace=workspace, awq_tokens=args.awq_tokens, act_order=args.act_order,
+                        release_float=not vision)  # a VLM's picture scoring runs the float model afterwards
     quantize_seconds = time.perf_counter() - t0
     out = Path(args.out)
     # the saved model, its evaluation and report.json are staged beside --out and swapped in together
     with staged_output(out, FORMAT) as staged:
         qm.save(staged)
         release_freed_memory()  # the per-layer float32 temporaries of quantizing and saving
-        t1 = time.perf_counter()
+        t1 = time.perf_counter() - reference_seconds
         cost = quality = None
-        if ids is not None:
-            baseline = measure_reference(lm.model, ids, ctx=min(ctx, len(ids)), progress=progress)
+        if baseline is not None:
             cost = measure_cost(qm, baseline, saved_dir=staged, threshold=args.threshold, progress=progress)
         if vision:
             quality = measure_vision_quality(lm, qm.build_model(), images, progress=progress)
         measured = cost.to_dict() if cost else {"size_bytes": weight_file_bytes(staged),
                                                 "bits_per_weight": qm.bits_per_weight, "weight_bytes": qm.storage_bytes()}
+        from ..targets import quantized_reach
+        reach = quantized_reach(qm)
         result = {"model": str(lm.path), "out": str(out), "method": qm.method, "plan": plan.to_dict(), "importance": importance,
+                  "reaches": [n for n, why in reach.items() if why is None],
+                  "unreachable": {n: why for n, why in reach.items() if why is not None},
                   **measured, **({"vision": quality.to_dict()} if quality else {}),
                   "parts": [p.to_dict() for p in lm.parts()] if vision else None,
                   "reference_size_bytes": weight_file_bytes(lm.path),
@@ -213,6 +279,7 @@ def run(args) -> int:
     print(f"saved {out}: {format_bytes(result['size_bytes'])} of weight files "
           f"(source {format_bytes(result['reference_size_bytes'])}), {result['bits_per_weight']:.2f} bits per weight; "
           f"{qm.method} took {quantize_seconds:.1f} s")
+    print(reach_text(result["reaches"], result["unreachable"], plan))
     if quality:
         print(quality.summary())
     if cost is None:

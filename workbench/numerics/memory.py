@@ -10,7 +10,9 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 
-__all__ = ["release_freed_memory", "rss_mb", "reset_peak_rss", "settled_rss_mb"]
+__all__ = ["release_freed_memory", "rss_mb", "reset_peak_rss", "settled_rss_mb", "drop_file_pages"]
+
+MADV_DONTNEED = 4  # Linux: the pages leave this process; a file mapping's are read from the file again if touched
 
 _trim = None
 
@@ -58,3 +60,44 @@ def settled_rss_mb() -> float | None:
     gc.collect()
     release_freed_memory()
     return rss_mb("VmRSS")
+
+
+def _file_mapping(address: int) -> tuple[int, int] | None:
+    """The (start, end) of the file-backed mapping in /proc/self/maps holding ``address``; None when it is not one."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split(maxsplit=5)
+                start, end = (int(x, 16) for x in parts[0].split("-"))
+                if start <= address < end:
+                    path = parts[5].strip() if len(parts) > 5 else ""
+                    return (start, end) if path.startswith("/") else None
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def drop_file_pages(tensor) -> int:
+    """Hand back the resident pages of a tensor that lives in a file mapping (a safetensors checkpoint loaded
+    without a copy), for a caller that no longer reads it: releasing the tensor alone leaves them resident, since
+    the file stays mapped while any other tensor of it lives. Only whole pages inside the tensor are dropped; heap
+    memory is never touched. Returns the bytes dropped (0 where there is nothing to drop, or off Linux)."""
+    import mmap
+    start = tensor.data_ptr()
+    size = tensor.untyped_storage().nbytes() if tensor.is_contiguous() else 0
+    if not size or tensor.device.type != "cpu":
+        return 0
+    span = _file_mapping(start)
+    if span is None or start + size > span[1]:
+        return 0
+    page = mmap.PAGESIZE
+    lo, hi = -(-start // page) * page, (start + size) // page * page
+    if hi <= lo:
+        return 0
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        if libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), MADV_DONTNEED) != 0:
+            return 0
+    except (OSError, AttributeError):
+        return 0
+    return hi - lo

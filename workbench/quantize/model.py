@@ -12,6 +12,7 @@ error instead).
 """
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import asdict, astuple, dataclass, field
 from pathlib import Path
@@ -21,18 +22,19 @@ import torch
 from torch import nn
 
 from ..errors import PlanError
+from ..numerics.memory import drop_file_pages
 from .plan import QuantPlan, get_precision
 from ..units import text_table
 from .qtensor import SUPPORTED_BITS, QuantizedWeight, SubScales
 from .rtn import quantize_weight
-from .storage import layer_storage, save_quantized
+from .storage import save_quantized
 from ..files.workspace import model_fingerprint
 from .awq import (DEFAULT_GRID, default_search_tokens, fold_awq_scales, load_awq_search, save_awq_search,
                   scaled_importance, search_awq, SEARCH_VERSION)
 from .gptq import default_gptq_tokens, search_gptq
 
 __all__ = ["LayerQuantReport", "QuantizedModel", "quantize_model", "resolve_group_size", "METHODS", "activation_importance",
-           "CALIBRATED_METHODS", "bits_per_weight", "LayerQuantizer", "layer_quantizer"]
+           "CALIBRATED_METHODS", "bits_per_weight", "LayerQuantizer", "layer_quantizer", "release_layer_weight"]
 
 METHODS = ("rtn", "awq", "gptq", "awq+gptq")
 CALIBRATED_METHODS = ("awq", "gptq", "awq+gptq")  # they read calibration samples
@@ -257,7 +259,7 @@ class QuantizedModel:
             mod = getattr(parent, leaf)
             if r.name in self.weights:
                 qw = self.weights[r.name]
-                device = next(mod.parameters()).device
+                device = _device_of(mod, new)
                 if isinstance(mod, nn.Embedding):
                     setattr(parent, leaf, QuantEmbedding(qw, mod.padding_idx).to(device))
                 else:
@@ -275,8 +277,24 @@ class QuantizedModel:
         return save_quantized(self, directory, report=report)
 
     def storage_bytes(self) -> int:
-        """Bytes of all layer weights as stored (packed integers + scales + zeros, float layers)."""
-        return sum(t.numel() * t.element_size() for t in layer_storage(self).values())
+        """Bytes of all layer weights as stored (packed integers + scales + zeros, float layers), counted from the
+        codes and shapes: the stored tensors (``layer_storage``) are not built, which at a 1.5 B model held a
+        second copy of every weight at the end of `workbench quantize`."""
+        params = dict(self.source.model.named_parameters(remove_duplicate=False)) if self.source is not None else {}
+        params.update(self.float_overrides)
+        total = 0
+        for r in self.layers:
+            if r.tied_to and not r.untied:
+                continue  # stored once, under the embedding
+            if r.name in self.weights:
+                total += self.weights[r.name].storage_bytes()
+                continue
+            w = params[f"{r.name}.weight"]
+            prec = get_precision(r.precision) if r.precision else None
+            width = prec.bits // 8 if prec is not None and prec.bits in (16, 32) else \
+                2 if w.dtype in (torch.float16, torch.bfloat16) or _fp16_exact(w) else 4
+            total += w.numel() * width
+        return total
 
     @property
     def parameters(self) -> int:
@@ -309,6 +327,37 @@ def _fp16_exact(w: torch.Tensor, rows: int = 8192) -> bool:
     w = w.detach()
     return all(torch.equal(w[i:i + rows].to(torch.float16).to(w.dtype), w[i:i + rows])
                for i in range(0, w.shape[0], rows))
+
+
+def release_layer_weight(model: nn.Module, name: str) -> None:
+    """Swap layer ``name``'s weight for a meta tensor of its shape and dtype (its memory goes back once nothing
+    else holds it; a reference's pinned output layer keeps its own); a forward through it then fails instead of
+    computing with freed memory."""
+    mod = model.get_submodule(name)
+    w = mod.weight
+    mod.weight = nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device="meta"), requires_grad=False)
+    if sys.getrefcount(w) <= 2:  # nothing else holds it (this frame and the call's argument)
+        drop_file_pages(w)  # a weight read straight from its file: its pages would stay resident otherwise
+
+
+def round_layer_weight_(model: nn.Module, name: str) -> None:
+    """Give layer ``name`` its weight rounded to float16 values (in its own dtype), unless something besides the
+    layer holds the weight (a reference's pinned output layer reads the float values): the float copy's file pages
+    go back as the rounded one is made, so the quantized model's fp16 layers cost no second copy."""
+    mod = model.get_submodule(name)
+    w = mod.weight
+    if sys.getrefcount(w) > 3 or _fp16_exact(w):  # held elsewhere, or already float16 values
+        return
+    mod.weight = nn.Parameter(w.detach().to(torch.float16).to(w.dtype), requires_grad=False)
+    drop_file_pages(w)
+
+
+def _device_of(mod: nn.Module, model: nn.Module) -> torch.device:
+    """Where ``mod`` computes: its first parameter not released to the meta device, else the model's."""
+    for t in [*mod.parameters(), *model.parameters()]:
+        if t.device.type != "meta":
+            return t.device
+    return torch.device("cpu")
 
 
 def untie_embeddings_(model: nn.Module) -> nn.Module:
@@ -403,7 +452,7 @@ def _cached_awq_search(workspace, model, samples, mean_abs, spec, awq_tokens, pr
 def quantize_model(lm, plan: QuantPlan, *, calibration=None, method: str | None = None, strict: bool = False,
                    progress: bool = True, stats=None, awq_search: dict | None = None,
                    awq_tokens: int | None = None, workspace=None, gptq_tokens: int | None = None,
-                   act_order: bool = False) -> QuantizedModel:
+                   act_order: bool = False, release_float: bool = False) -> QuantizedModel:
     """Quantize ``lm`` (a LoadedModel) by ``plan``; ``lm.model`` is not changed.
 
     ``method`` defaults to ``plan.method``. AWQ needs ``calibration`` (samples; statistics via
@@ -414,6 +463,11 @@ def quantize_model(lm, plan: QuantPlan, *, calibration=None, method: str | None 
     folds AWQ's searched scales into the float weights first, then runs GPTQ on them (without AWQ's clips).
     Two-level precisions (``int4-lpbq``) are rounded with two-level scales by every method (AWQ searches its
     scales and clips on the float16-scale grid of the same width, then rounds two-level).
+
+    ``release_float``: a caller done with the float model (its reference outputs already captured, as `workbench
+    quantize` does) lets each integer layer's float weight go once its codes exist (``release_layer_weight``), so
+    float weights and codes are never both held whole: at a float32 1.5 B checkpoint, 7 GB + 1.3 GB of codes.
+    ``lm.model`` then no longer computes; ``build_model`` and saving still work.
     """
     from tqdm.auto import tqdm
     t0 = time.perf_counter()
@@ -524,6 +578,17 @@ def quantize_model(lm, plan: QuantPlan, *, calibration=None, method: str | None 
         qw = qw.to(w.device)
         r.weight_error = float((w - qw.dequantize()).norm() / w.norm().clamp_min(1e-12))
         weights[r.name] = qw.to("cpu")  # codes are kept and saved on the CPU; build_model moves them back
+        if release_float and not r.tied_to and not any(t.tied_to == r.name for t in reports):
+            del w
+            params.pop(key, None)
+            release_layer_weight(model, r.name)
     fold_blocks()  # blocks whose layers all stay float still carry their scales
+    if release_float:  # 16-bit layers rounded where they are, so build_model shares them instead of copying
+        params.clear()
+        for r in reports:
+            prec = get_precision(r.precision) if r.precision else None
+            if prec is not None and prec.is_float and prec.bits == 16 and not r.tied_to and \
+                    not any(t.tied_to == r.name for t in reports):
+                round_layer_weight_(model, r.name)
     return QuantizedModel(plan, method, weights, reports, float_overrides, source=lm, awq=awq_search, gptq=gptq_result,
                           seconds=time.perf_counter() - t0)

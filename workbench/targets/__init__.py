@@ -13,13 +13,12 @@ import importlib
 import pkgutil
 
 from .base import RULES_DIR, Finding, GraphReport, graph_is_static, inspect_graph, load_rules
-from .registry import (OverrideFormat, Target, check_precisions, check_signed_scales, get_target, override_format,
-                       register_target,
-                       target_names)
+from .registry import (OverrideFormat, Target, check_precisions, check_signed_scales, get_target, grid_reach,
+                       override_format, quantized_reach, register_target, target_names)
 
 __all__ = ["TARGETS", "RULES_DIR", "Finding", "GraphReport", "inspect_graph", "load_rules", "graph_is_static",
            "Target", "OverrideFormat", "register_target", "get_target", "target_names", "override_format",
-           "check_precisions", "check_signed_scales", "RULE_TABLES"]
+           "check_precisions", "check_signed_scales", "grid_reach", "quantized_reach", "RULE_TABLES"]
 
 _SHARED = {"base", "registry", "common", "convert", "mnn_llm_engine"}  # not targets: shared pieces, the convert step, a child script
 for _m in pkgutil.iter_modules(__path__):

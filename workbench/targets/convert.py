@@ -494,6 +494,30 @@ def quantized_model_provenance(prep: PreparedModels) -> tuple[dict, dict]:
     return info, ({"awq_search": awq_key} if awq_key else {})
 
 
+def regrid_command(prep: PreparedModels, target: str) -> str | None:
+    """For a saved quantized model on the 16-level grid: the one command that makes one ``target`` holds (the same
+    plan, rounded on the target's grid) with the saved model's measured KL beside it; None when the model was not
+    read from a `workbench quantize` folder (the caller's generic advice then stands)."""
+    src = Path(prep.source)
+    if not (is_quantized_dir(src) and (src / "plan.json").is_file()):
+        return None
+    import shlex
+    report = {}
+    if (src / "report.json").is_file():
+        try:
+            report = json.loads((src / "report.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            report = {}
+    kl = report.get("kl_divergence") if isinstance(report, dict) else None
+    measured = (f"{src.name} measured KL {kl:.4g} against its float model on {report.get('tokens', 0):,} tokens; "
+                if isinstance(kl, (int, float)) and not isinstance(kl, bool) else "")
+    out = src.with_name(f"{src.name}-{target}")
+    cmd = " ".join(shlex.quote(str(a)) for a in ("workbench", "quantize", prep.float_lm.path, "--plan",
+                                                   src / "plan.json", "--target", target, "--out", out))
+    return (f"make one it holds with `{cmd}` (the same plan on the 15-level grid {target} holds; {measured}the new "
+            "model's KL is measured when you run it)")
+
+
 class ConvertJob:
     """One conversion as a target's converter sees it: models, output folder, report, options, shared steps."""
 
@@ -573,7 +597,7 @@ def convert(model, target: str, out_dir: str | Path, *, plan: QuantPlan | str | 
     t0 = time.perf_counter()
     prep = prepared or prepare_models(model, plan=plan, bits=bits, progress=progress, device=device)
     check_precisions(spec, prep.qm.precisions)
-    check_signed_scales(spec, prep.qm)
+    check_signed_scales(spec, prep.qm, regrid_command(prep, target))
     report_seconds = {"prepare": time.perf_counter() - t0}
     release_freed_memory()  # quantization's temporaries: hand their pages back before the graphs are built
     out = Path(out_dir)

@@ -29,7 +29,8 @@ from ..errors import PlanError, WorkbenchError
 from ..quantize.plan import Precision, get_precision
 
 __all__ = ["Target", "OverrideFormat", "register_target", "get_target", "target_names", "override_format",
-           "check_precisions", "plan_reach", "registered_targets", "TargetNames", "RULES_DIR", "rules_path"]
+           "check_precisions", "plan_reach", "quantized_reach", "check_signed_scales", "grid_reach",
+           "signed_scale_holders", "signed_layers", "registered_targets", "TargetNames", "RULES_DIR", "rules_path"]
 
 RULES_DIR = ASSETS_DIR / "targets"
 
@@ -180,19 +181,55 @@ def _layers_text(layers: list[str]) -> str:
     return ", ".join(layers[:3]) + (f" and {len(layers) - 3} more" if len(layers) > 3 else "")
 
 
-def check_signed_scales(target: Target, qm) -> None:
+def signed_layers(qm) -> list[str]:
+    """Layers of ``qm`` whose group scales carry a sign (the 16-level grid's, llama.cpp's Q4_0 layout)."""
+    if not qm.plan.full_range:
+        return []
+    return [n for n, w in qm.weights.items() if w.sub_scales is None and bool((w.scales < 0).any())]
+
+
+def signed_scale_holders() -> list[str]:
+    """The conversion targets that hold signed group scales (the 16-level grid)."""
+    return [t.name for t in _TARGETS.values() if t.signed_scales and t.convert is not None]
+
+
+def grid_reach(targets: Iterable[str]) -> list[str]:
+    """Of ``targets``, those that cannot hold the 16-level grid: a plan going to any of them is rounded on the
+    15-level grid (``full_range`` off), what `workbench quantize --target` does."""
+    return [n for n in targets if not get_target(n).signed_scales]
+
+
+def _signed_reason(target: Target, signed: list[str]) -> str:
+    return (f"{len(signed)} layer(s) (e.g. {signed[0]}) were rounded on the 16-level grid, whose group scales carry "
+            f"a sign (llama.cpp's Q4_0 layout), which {target.name} cannot hold")
+
+
+def check_signed_scales(target: Target, qm, fix: str | None = None) -> None:
     """The 16-level grid (``full_range``, `workbench quantize --bits`'s default) signs each group's scale, as
     llama.cpp's Q4_0 does; a target without ``signed_scales`` cannot hold that. Refuse before any graph is built,
-    naming the fix."""
-    if target.signed_scales or not qm.plan.full_range:
+    naming the fix (``fix``: the command that makes a model this target holds, when the caller knows it)."""
+    if target.signed_scales:
         return
-    signed = [n for n, w in qm.weights.items() if w.sub_scales is None and bool((w.scales < 0).any())]
+    signed = signed_layers(qm)
     if signed:
-        holders = " / ".join(t.name for t in _TARGETS.values() if t.signed_scales)
-        raise PlanError(f"{len(signed)} layer(s) (e.g. {signed[0]}) were rounded on the 16-level grid, whose group "
-                        f"scales carry a sign (llama.cpp's Q4_0 layout), which {target.name} cannot hold: quantize "
-                        f"again with `workbench quantize ... --no-full-range` (or \"full_range\": false in the plan), "
-                        f"or convert this model with --target {holders}")
+        holders = " / ".join(signed_scale_holders())
+        fix = fix or (f"quantize again with `workbench quantize ... --target {target.name}` (or --no-full-range, or "
+                      "\"full_range\": false in the plan)")
+        raise PlanError(f"{_signed_reason(target, signed)}: {fix}; or convert this model with --target {holders}")
+
+
+def quantized_reach(qm, targets: Iterable[str] | None = None) -> dict[str, str | None]:
+    """Per conversion target (default every one with a converter): None when it can take the quantized model ``qm``
+    as it is (every precision, and the grid its scales are on), else why not in one sentence; what `workbench
+    quantize` reports, so a user learns where the model can go before converting it."""
+    names = list(targets if targets is not None else target_names("convert"))
+    out = plan_reach(qm.precisions, names)
+    signed = signed_layers(qm)
+    for name in names:
+        t = get_target(name)
+        if out[name] is None and signed and not t.signed_scales:
+            out[name] = _signed_reason(t, signed)
+    return out
 
 
 def plan_reach(precisions: Mapping[str, str | None] | Iterable[str | None],
