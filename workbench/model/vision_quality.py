@@ -30,7 +30,7 @@ from .vision import PART_PREFIXES, answer_scorer, model_parts
 
 __all__ = ["VisionEvalSet", "VisionQuality", "VisionBaseline", "vision_eval_set", "measure_vision_baseline",
            "measure_vision_quality", "part_plan",
-           "part_prefixes", "DEFAULT_DISTRACTORS"]
+           "part_prefixes", "layer_parts", "DEFAULT_DISTRACTORS"]
 
 DEFAULT_DISTRACTORS = 3  # four captions per image: chance 25 %
 
@@ -172,6 +172,20 @@ def part_prefixes(lm, part: str) -> list[str]:
         if p.name == part:
             return list(p.prefixes)
     return []
+
+
+def layer_parts(lm) -> dict[str, str]:
+    """Each quantizable layer's part (``vision encoder``, ``projector``, ``language model``), in layer order; a
+    text model's layers are all the language model's."""
+    names = [layer.name for layer in lm.layers]
+    if not getattr(lm, "is_vision", False):
+        return {n: "language model" for n in names}
+    prefixes = [(p, part.name) for part in model_parts(lm.model, names) for p in part.prefixes]
+    out = {}
+    for n in names:
+        hits = [(len(p), part) for p, part in prefixes if n == p or n.startswith(p + ".")]
+        out[n] = max(hits)[1] if hits else "language model"
+    return out
 
 
 def part_plan(lm, plan: QuantPlan, *, vision: str | None = "keep", projector: str | None = "keep") -> QuantPlan:
