@@ -15,7 +15,7 @@ Text perplexity says nothing about whether a model still reads its pictures; the
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from torch import nn
@@ -25,12 +25,12 @@ from ..errors import DataError, PlanError
 from ..evaluation.images import read_image_set
 from ..evaluation.vision import (answer_kl, answer_samples, capture_answer_reference, caption_samples,
                                  image_text_matching, itm_paired_difference)
-from ..quantize.plan import QuantPlan
+from ..quantize.plan import QuantPlan, VisionRecipe
 from .vision import PART_PREFIXES, answer_scorer, model_parts
 
 __all__ = ["VisionEvalSet", "VisionQuality", "VisionBaseline", "vision_eval_set", "measure_vision_baseline",
            "measure_vision_quality", "part_plan",
-           "part_prefixes", "layer_parts", "DEFAULT_DISTRACTORS"]
+           "part_prefixes", "layer_parts", "recipe_part_plan", "part_layers", "DEFAULT_DISTRACTORS"]
 
 DEFAULT_DISTRACTORS = 3  # four captions per image: chance 25 %
 
@@ -202,3 +202,15 @@ def part_plan(lm, plan: QuantPlan, *, vision: str | None = "keep", projector: st
         for prefix in part_prefixes(lm, part):
             plan = plan.with_override(f"{prefix}.*", precision)
     return plan
+
+
+def recipe_part_plan(lm, plan: QuantPlan, recipe: VisionRecipe) -> QuantPlan:
+    """``plan`` with the vision encoder and projector as ``recipe`` (``quantize.plan.vision_recipe``) ships them, the
+    recipe named in the plan's meta (``vision_recipe``)."""
+    out = part_plan(lm, plan, vision=recipe.vision, projector=recipe.projector)
+    return replace(out, meta={**out.meta, "vision_recipe": recipe.to_dict()})
+
+
+def part_layers(lm, parts=("vision encoder", "projector")) -> list[str]:
+    """The quantizable layers of the named parts, in layer order."""
+    return [n for n, part in layer_parts(lm).items() if part in parts]
