@@ -12,7 +12,8 @@ image; image-text matching accuracy of the quantized and the float model, with t
 2. **Layers**: each linear layer of the vision encoder and the projector alone at int4, everything else
    float: which layer breaks first, and whether it is the first linear after a normalisation (the layer a
    medical-imaging team's Hexagon account names), with each layer's fraction of near-zero inputs
-   (|x| below 1 % of the layer's largest input, over the held-out pictures).
+   (|x| < max |x| / 254, half a step of per-tensor symmetric INT8: the calibration statistics' own rule,
+   ``workbench.model.calibrate.NEAR_ZERO_DIVISOR``, over the held-out pictures).
 
 Quantization: the workbench's default rounding (``QuantPlan.default_for``, round to nearest, no importance
 statistics), group size 128 or the nearest divisor. Prints the tables and each run's seconds; exits 0.
@@ -32,13 +33,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from workbench.evaluation.images import read_image  # noqa: E402
+from workbench.model.calibrate import NEAR_ZERO_DIVISOR  # noqa: E402
 from workbench.model.load import load_model  # noqa: E402
 from workbench.model.vision_quality import (measure_vision_baseline, measure_vision_quality, part_plan,  # noqa: E402
                                             part_prefixes, vision_eval_set)
 from workbench.quantize import quantize_model  # noqa: E402
 from workbench.quantize.plan import QuantPlan  # noqa: E402
-
-NEAR_ZERO = 0.01  # an input counts as near zero below this fraction of the layer's largest |input|
 
 
 def score(lm, plan: QuantPlan, baseline) -> dict:
@@ -49,7 +49,7 @@ def score(lm, plan: QuantPlan, baseline) -> dict:
 
 
 def input_traits(lm, images, names: list[str]) -> dict[str, dict]:
-    """Per layer, over 16 held-out pictures: the fraction of its inputs with |x| < NEAR_ZERO x its largest |x|,
+    """Per layer, over 16 held-out pictures: the fraction of its inputs with |x| < its largest |x| / 254,
     and whether its input is a normalisation's output itself (the first linear after a LayerNorm / RMSNorm,
     found from the tensors that flow, not from names)."""
     modules = dict(lm.model.named_modules())
@@ -77,7 +77,7 @@ def input_traits(lm, images, names: list[str]) -> dict[str, dict]:
     out = {}
     for n, xs in seen.items():
         x = torch.cat(xs).abs()
-        out[n] = {"near_zero": float((x < NEAR_ZERO * x.max()).float().mean()), "after_norm": after_norm[n]}
+        out[n] = {"near_zero": float((x < x.max() / NEAR_ZERO_DIVISOR).float().mean()), "after_norm": after_norm[n]}
     return out
 
 

@@ -346,7 +346,8 @@ def main() -> None:
         name = f"images/calibration-{i:03d}.png"
         render(scene, cal_rng).save(args.data / name)
         kind, q, a = cal_rng.choice(questions(scene))
-        rows_cal.append({"image": name, "text": f"{q}\nAnswer: {a}", "caption": caption(scene)})
+        rows_cal.append({"image": name, "text": f"{q}\nAnswer: {a}", "question": q, "answer": a,
+                         "caption": caption(scene)})
     for fname, rows in (("questions.jsonl", rows_q), ("captions.jsonl", rows_c), ("calibration.jsonl", rows_cal)):
         (args.data / fname).write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
 

@@ -256,3 +256,27 @@ def test_full_range_round_trips_is_symmetric_only_and_absent_means_off():
         QuantPlan.uniform("int4", symmetric=False, full_range=True)
     with pytest.raises(PlanError, match="plan field 'full_range' must be true or false"):
         QuantPlan.from_dict({**plan.to_dict(), "full_range": 1})
+
+
+def test_vision_recipes_per_runtime():
+    from workbench.quantize.plan import vision_recipe, vision_recipe_for
+    for target in ("qnn", "htp", "ort-qdq"):  # Qualcomm: vision encoder w8a16 (int8 weights), language model w4a16
+        r = vision_recipe(target, "qwen2_5_vl")
+        assert (r.vision, r.projector, r.language) == ("int8", "int8", "int4")
+    for model_type, bits in (("qwen2_vl", "int4"), ("qwen2_5_vl", "int4"), ("qwen3_vl", "int4"), ("smolvlm", "int8"),
+                             ("idefics3", "int8")):  # MNN's visual.mnn: int4 block 128 for Qwen-VL, int8 otherwise
+        r = vision_recipe("mnn", model_type)
+        assert (r.vision, r.projector, r.language) == (bits, bits, None)
+        assert vision_recipe("mnn-llm", model_type).vision == bits
+    assert vision_recipe("llama.cpp", "qwen2_5_vl").vision == "fp16"  # mmproj f16 by default
+    assert vision_recipe("llama.cpp", "qwen2_5_vl", mmproj="q8_0").projector == "int8"
+    with pytest.raises(PlanError, match="no vision-language recipe for target 'rknn'"):
+        vision_recipe("rknn")
+    with pytest.raises(PlanError, match="mmproj type"):
+        vision_recipe("llama.cpp", mmproj="q4_0")
+    assert vision_recipe_for(None) is None and vision_recipe_for(["rknn", "tensorrt"]) is None
+    assert vision_recipe_for(["rknn", "qnn"], "smolvlm").vision == "int8"
+    assert vision_recipe_for("mnn", "smolvlm").vision == "int8"
+    assert vision_recipe_for(["qnn", "mnn"], "smolvlm").vision == "int8"  # both int8 for SmolVLM: one recipe
+    with pytest.raises(PlanError, match="differently"):
+        vision_recipe_for(["qnn", "mnn"], "qwen2_5_vl")

@@ -4,6 +4,7 @@
     make_channel_magnitude_figure(stats["model.layers.0.mlp.down_proj"])
     make_stat_heatmap_figure(stats)                              # layer x statistic
     make_token_length_figure(calib_set.report)                   # coverage histogram
+    make_near_zero_figure(stats, parts=layer_parts(lm))          # near-zero inputs per layer, by VLM part
 
 Pure functions: statistics in, ``plotly.graph_objects.Figure`` out.
 """
@@ -14,8 +15,10 @@ import math
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from ..model.calibrate import NEAR_ZERO_DIVISOR
+
 __all__ = ["make_layer_overview_figure", "make_channel_magnitude_figure", "make_stat_heatmap_figure",
-           "make_token_length_figure", "SORT_KEYS", "HEATMAP_STATISTICS", "layer_order"]
+           "make_token_length_figure", "make_near_zero_figure", "PART_COLORS", "SORT_KEYS", "HEATMAP_STATISTICS", "layer_order"]
 
 # sort key -> (label, value of a LayerStats); larger values come first
 SORT_KEYS = {
@@ -29,6 +32,8 @@ HEATMAP_STATISTICS = ("abs_max", "p99.9", "p99", "mean_abs", "std", "kurtosis", 
                       "near_zero_fraction")
 FATE_COLORS = {"sampled": "#2a9d8f", "unused": "#a8dadc", "too_short": "#f4a261", "too_long": "#e76f51",
                "empty": "#6c757d"}
+PART_COLORS = {"vision encoder": "#2a9d8f", "projector": "#e9c46a", "language model": "#264653"}
+NEAR_ZERO_RULE = f"|x| < abs-max / {NEAR_ZERO_DIVISOR:g}"  # what per-tensor symmetric INT8 rounds to 0
 FATE_LABELS = {"sampled": "sampled", "unused": "usable, not drawn", "too_short": "dropped: too short",
                "too_long": "dropped: too long", "empty": "dropped: empty"}
 
@@ -73,7 +78,8 @@ def make_layer_overview_figure(stats, sort_by: str = "outlier_ratio") -> go.Figu
     for n in order:
         s = stats.layers[n]
         hover.append(f"{n}<br>outlier channels {len(s.outlier_channels)}/{s.in_features}<br>max/median "
-                     f"{s.max_to_median:.1f}<br>kurtosis {s.kurtosis:.2f}<br>abs-max {s.abs_max_value:.3g}")
+                     f"{s.max_to_median:.1f}<br>kurtosis {s.kurtosis:.2f}<br>abs-max {s.abs_max_value:.3g}"
+                     f"<br>near zero ({NEAR_ZERO_RULE}) {s.near_zero_fraction:.1%}")
     fig = make_subplots(rows=1, cols=2, shared_yaxes=True, column_widths=[0.75, 0.25], horizontal_spacing=0.02,
                         subplot_titles=("distribution of |x| (share of values)", "outlier channels (%)"))
     fig.add_trace(go.Heatmap(z=z, x=centers, y=labels, colorscale="Viridis", colorbar=dict(title={"text": "share of<br>values", "side": "top"},
@@ -134,6 +140,30 @@ def make_stat_heatmap_figure(stats, statistics=HEATMAP_STATISTICS, sort_by: str 
     fig.update_yaxes(autorange="reversed")
     fig.update_layout(title="Activation statistics per layer (colour: relative to the column's range)",
                       height=160 + 18 * len(order), margin=dict(l=10, r=10, t=60, b=40))
+    return fig
+
+
+def make_near_zero_figure(stats, parts: dict[str, str] | None = None, sort_by: str = "order") -> go.Figure:
+    """Per layer, the share of its inputs near zero (``NEAR_ZERO_RULE``: what symmetric INT8 rounds to 0), one
+    bar each, coloured by the part it belongs to (``parts``: layer -> vision encoder / projector / language model,
+    ``workbench.model.vision_quality.layer_parts``; one colour without it). Sparse inputs (after a GELU or a gated
+    SiLU) are where a per-tensor activation grid wastes its levels."""
+    order = layer_order(stats, sort_by)
+    parts = parts or {}
+    fig = go.Figure()
+    groups = list(dict.fromkeys(parts.get(n, "layers") for n in order))
+    for group in groups:
+        names = [n for n in order if parts.get(n, "layers") == group]
+        fig.add_trace(go.Bar(
+            x=[100 * stats.layers[n].near_zero_fraction for n in names], y=[_short(n) for n in names],
+            orientation="h", name=group, marker_color=PART_COLORS.get(group, "#e76f51"),
+            hovertext=[f"{n}<br>{group}<br>near zero {stats.layers[n].near_zero_fraction:.1%} of "
+                       f"{stats.layers[n].tokens:,} rows x {stats.layers[n].in_features} inputs" for n in names],
+            hoverinfo="text"))
+    fig.update_yaxes(autorange="reversed", categoryorder="array", categoryarray=[_short(n) for n in order])
+    fig.update_xaxes(title_text=f"% of inputs near zero ({NEAR_ZERO_RULE})", range=[0, 100])
+    fig.update_layout(title="Near-zero inputs per layer" + (" by part" if parts else ""), barmode="overlay",
+                      height=160 + 18 * len(order), showlegend=len(groups) > 1, margin=dict(l=10, r=10, t=60, b=40))
     return fig
 
 

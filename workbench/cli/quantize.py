@@ -31,9 +31,9 @@ from pathlib import Path
 from ..evaluation.evaluate import DEFAULT_CTX
 from ..numerics.memory import release_freed_memory
 from ..model.load import load_model
-from ..model.vision_quality import measure_vision_quality, part_plan, vision_eval_set
+from ..model.vision_quality import measure_vision_quality, part_plan, recipe_part_plan, vision_eval_set
 from ..errors import PlanError
-from ..quantize.plan import QuantPlan
+from ..quantize.plan import QuantPlan, vision_recipe_for
 from ..quantize.cost import DEFAULT_PPL_THRESHOLD, check_ctx
 from ..quantize.model import CALIBRATED_METHODS, METHODS
 from ..units import format_bytes
@@ -200,7 +200,13 @@ def run(args) -> int:
     lm = load_model(args.model, device=args.device)
     vision = getattr(lm, "is_vision", False)
     images = None
-    if vision:
+    # a VLM for a deployment target (--target) without --vision-bits / --projector-bits: its runtime's recipe
+    recipe = vision_recipe_for(getattr(args, "target", None), lm.config.model_type) if vision and \
+        args.vision_bits is None and args.projector_bits is None else None
+    if recipe is not None:
+        plan = recipe_part_plan(lm, plan, recipe)
+        images = vision_eval_set(args.images)
+    elif vision:
         vision_bits = args.vision_bits or DEFAULT_VISION_BITS
         plan = part_plan(lm, plan, vision=part_precision(vision_bits, DEFAULT_VISION_BITS),
                          projector=part_precision(args.projector_bits, vision_bits))

@@ -23,29 +23,42 @@ not touched; the hooks are removed even when the forward fails). Per layer:
 
 Layers that read the same tensor (q/k/v, gate/up) share the work. The forward stops right
 after the output layer's input has been read, so no logits are ever computed.
+
+A vision-language model calibrates on image + text pairs (``load_image_calibration_set``: the bundled
+demo-vl calibration pairs by default, or any image set folder with a captions file): each pair runs the
+picture, its question and its answer (a caption answers ``CAPTION_PROMPT``) through the model, exactly as
+the scorer on pictures does, so the vision encoder's and the projector's layers get statistics too, one row
+per image patch, beside the language model's, one row per token.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
+import random
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import torch
 from torch import nn
 
-from ..evaluation.data import CalibrationSet, load_calibration_set
-from ..errors import WorkspaceError
+from ..evaluation.data import CalibrationSet, CoverageReport, load_calibration_set
+from ..evaluation.images import read_image_set
+from ..evaluation.vision import answer_samples
+from ..errors import DataError, WorkspaceError
 from ..files.workspace import Artifact, Workspace, atomic_write_bytes, atomic_write_json, model_fingerprint
-from ..assets import demo_text_path
+from ..assets import DEMO_VL_DATA_DIR, demo_text_path
 from .load import quantizable_layers
+from .vision import answer_inputs
 
-__all__ = ["LayerStats", "CalibrationStats", "run_calibration", "calibrate", "importance_statistics", "reads_importance",
-           "OUTLIER_FACTOR", "PERCENTILES", "HIST_EDGES", "SAMPLE_BUDGET", "STATS_VERSION"]
+__all__ = ["LayerStats", "CalibrationStats", "ImageCalibrationSet", "load_image_calibration_set", "run_calibration",
+           "calibrate", "DEFAULT_IMAGE_CALIBRATION", "importance_statistics", "reads_importance",
+           "OUTLIER_FACTOR", "PERCENTILES", "HIST_EDGES", "SAMPLE_BUDGET", "STATS_VERSION", "NEAR_ZERO_DIVISOR"]
 
 log = logging.getLogger("workbench")
 
@@ -174,6 +187,106 @@ class CalibrationStats:
                                      "run calibration again") from None
             layers[name] = LayerStats(name=name, **vec, **s)
         return cls(layers, doc.get("meta", {}), doc.get("hist_edges", list(HIST_EDGES)))
+
+
+# ---------------------------------------------------------------- image + text calibration pairs
+
+DEFAULT_IMAGE_CALIBRATION = DEMO_VL_DATA_DIR / "calibration.jsonl"  # 64 pictures, each with a question and answer
+
+
+@dataclass
+class ImageCalibrationSet:
+    """Image + text pairs a vision-language model calibrates on: per pair, the model's inputs (pixels, image
+    tokens, question and answer), as ``workbench.model.vision.answer_inputs`` builds them for scoring.
+
+    Each pair is one forward of its own (pictures differ in patch count: no padding, so no padding statistics).
+    The inputs are held: about 4 MB a picture at Qwen2.5-VL's 336 x 504, so 128 pictures hold ~0.5 GB."""
+
+    inputs: list[dict[str, torch.Tensor]]
+    report: CoverageReport
+    seq_len: int
+    where: list[str] = field(default_factory=list)  # per sample: the record it came from
+
+    def __len__(self) -> int:
+        return len(self.inputs)
+
+    @property
+    def samples(self) -> list[dict[str, torch.Tensor]]:
+        """What AWQ and GPTQ capture their block inputs from (``quantize.awq.capture_block_inputs``)."""
+        return self.inputs
+
+    @property
+    def tokens(self) -> int:
+        return sum(int(x["input_ids"].shape[-1]) for x in self.inputs)
+
+    @property
+    def image_tokens(self) -> int:
+        """Language-model positions that hold the picture (Qwen's image tokens, SmolVLM's image patches)."""
+        return sum(int(x["mm_token_type_ids"].sum()) if "mm_token_type_ids" in x else 0 for x in self.inputs)
+
+    @property
+    def fingerprint(self) -> str:
+        """A hash of every input tensor (pixels and token ids): equal fingerprints calibrate identically."""
+        h = hashlib.sha256()
+        for x in self.inputs:
+            for k in sorted(x):
+                t = x[k].contiguous()
+                h.update(f"{k}{tuple(t.shape)}{t.dtype}".encode())
+                h.update(t.numpy().tobytes())
+        return h.hexdigest()[:16]
+
+    def batches(self, batch_size: int = 8) -> Iterator[dict[str, torch.Tensor]]:
+        """One pair's inputs at a time (``batch_size`` is ignored: pictures of different sizes do not stack)."""
+        yield from self.inputs
+
+    def num_batches(self, batch_size: int = 8) -> int:
+        return len(self.inputs)
+
+
+def load_image_calibration_set(lm, path: str | Path | None = None, *, samples: int = 128, seq_len: int = 512,
+                               seed: int = 0) -> ImageCalibrationSet:
+    """Up to ``samples`` pairs of an image set (``path``: a folder with captions.jsonl / .csv / .tsv, or a records
+    file; default the bundled demo-vl calibration pairs), drawn by ``seed`` when there are more, in file order.
+
+    A record with a question and answer runs as that; one with only a caption as ``CAPTION_PROMPT`` answered by
+    it. A pair longer than ``seq_len`` tokens (picture included) is dropped and reported; none left is a DataError.
+    """
+    if not getattr(lm, "is_vision", False) or getattr(lm, "processor", None) is None:
+        raise DataError(f"'{lm.path}' is a text model: calibrate it on text (--data), not on pictures (--images)")
+    source = Path(path) if path is not None else DEFAULT_IMAGE_CALIBRATION
+    pairs = answer_samples(read_image_set(source))
+    order = list(range(len(pairs)))
+    drawn = sorted(random.Random(seed).sample(order, samples)) if len(pairs) > samples else order
+    report = CoverageReport(path=str(source), format="image + text", records=len(pairs), seq_len=seq_len,
+                            min_tokens=1, requested=samples, seed=seed, bilingual=False)
+    chosen = set(drawn)
+    inputs, where, too_long = [], [], []
+    for i, sample in enumerate(pairs):
+        if i not in chosen:
+            report.piece_lengths.append(0)
+            report.piece_fates.append("unused")
+            continue
+        feats, _ = answer_inputs(lm.processor, sample)
+        n = int(feats["input_ids"].shape[-1])
+        report.piece_lengths.append(n)
+        if n > seq_len:
+            report.piece_fates.append("too_long")
+            too_long.append((sample.where, n))
+            continue
+        report.piece_fates.append("sampled")
+        inputs.append(feats)
+        where.append(sample.where)
+    if too_long:
+        report.dropped["too_long"] = {"pieces": len(too_long), "tokens": sum(n for _, n in too_long),
+                                      "where": [w for w, _ in too_long[:5]]}
+    if not inputs:
+        raise DataError(f"no pair of '{source}' fits {seq_len} tokens with its picture (the shortest takes "
+                        f"{min(n for _, n in too_long)}); raise --seq-len or use smaller pictures")
+    report.available = len(pairs) - len(too_long)
+    report.samples = len(inputs)
+    report.tokens = sum(int(x["input_ids"].shape[-1]) for x in inputs)
+    report.available_tokens = report.tokens
+    return ImageCalibrationSet(inputs, report, seq_len, where)
 
 
 # ---------------------------------------------------------------- accumulation
@@ -320,7 +433,7 @@ def _load_checkpoint(path: Path, n_batches: int, acc: dict, gen: torch.Generator
 
 
 @torch.inference_mode()
-def run_calibration(model: nn.Module, calib_set: CalibrationSet, progress: bool = True, *, batch_size: int = 8,
+def run_calibration(model: nn.Module, calib_set: CalibrationSet | ImageCalibrationSet, progress: bool = True, *, batch_size: int = 8,
                     outlier_factor: float = OUTLIER_FACTOR, sample_budget: int = SAMPLE_BUDGET,
                     seed: int = 0, checkpoint: Path | None = None,
                     checkpoint_seconds: float | None = None) -> CalibrationStats:
@@ -374,7 +487,10 @@ def run_calibration(model: nn.Module, calib_set: CalibrationSet, progress: bool 
                 if k < resumed:
                     continue
                 try:
-                    model(input_ids=batch.to(device), use_cache=False)
+                    if isinstance(batch, dict):  # an image + text pair: pixels, image tokens, question, answer
+                        model(**{k: v.to(device) for k, v in batch.items()}, use_cache=False)
+                    else:
+                        model(input_ids=batch.to(device), use_cache=False)
                 except _StopForward:
                     pass
                 last["x"] = last["moments"] = None
@@ -392,6 +508,8 @@ def run_calibration(model: nn.Module, calib_set: CalibrationSet, progress: bool 
     seconds = time.perf_counter() - t0
     missing = [n for n in layers if n not in stats]
     meta = {"samples": len(calib_set), "tokens": calib_set.tokens, "seq_len": calib_set.seq_len,
+            **({"images": len(calib_set), "image_tokens": calib_set.image_tokens}
+               if isinstance(calib_set, ImageCalibrationSet) else {}),
             "calibration": calib_set.fingerprint, "batch_size": batch_size, "seconds": seconds,
             "outlier_factor": outlier_factor, "sample_budget": sample_budget, "seed": seed,
             "near_zero_rule": f"|x| < abs_max / {NEAR_ZERO_DIVISOR:g}", "percentiles_of": "|x|",
@@ -403,22 +521,36 @@ def run_calibration(model: nn.Module, calib_set: CalibrationSet, progress: bool 
 
 def calibrate(lm, data: str | Path | None = None, samples: int = 128, seq_len: int = 512,
               workspace: Workspace | None = None, *, seed: int = 0, bilingual: bool = False, batch_size: int = 8,
-              outlier_factor: float = OUTLIER_FACTOR, progress: bool = True,
-              force: bool = False, compute: bool = True) -> tuple[CalibrationSet, CalibrationStats | None]:
+              outlier_factor: float = OUTLIER_FACTOR, progress: bool = True, force: bool = False,
+              compute: bool = True, images: str | Path | None = None
+              ) -> tuple[CalibrationSet | ImageCalibrationSet, CalibrationStats | None]:
     """Load the calibration set, then compute (or find in the workspace) the model's activation statistics.
 
-    ``data`` defaults to the demo model's calibration text; ``workspace`` to ``Workspace()``. The
-    artifact is keyed by the model's weights, the calibration token ids and these parameters,
-    so a changed model or text recomputes and an unchanged one is read back. ``compute=False``
-    returns ``(set, None)`` instead of running the statistics pass when they are not stored yet.
+    ``data`` defaults to the demo model's calibration text; ``workspace`` to ``Workspace()``. A vision-language
+    model calibrates on image + text pairs instead: ``images`` (an image set), by default the bundled demo-vl
+    pairs, unless ``data`` (text: the language model's layers only) is given. The artifact is keyed by the
+    model's weights, the calibration inputs and these parameters, so a changed model or set recomputes and an
+    unchanged one is read back. ``compute=False`` returns ``(set, None)`` instead of running the statistics
+    pass when they are not stored yet.
     """
+    vision = getattr(lm, "is_vision", False)
+    if images is not None and not vision:
+        raise DataError(f"'{lm.path}' is a text model (no vision encoder): calibrate it on text (--data), not on "
+                        "pictures (--images)")
+    if images is not None and data is not None:
+        raise DataError("give --data (text: the language model's layers only) or --images (pictures: every part), "
+                        "not both")
     max_pos = getattr(getattr(lm.model, "config", None), "max_position_embeddings", None)
     if max_pos and seq_len > max_pos:
         raise ValueError(f"seq_len {seq_len} exceeds the model's max_position_embeddings ({max_pos}); "
                          f"use --seq-len {max_pos} or less")
-    data = demo_text_path("calibration") if data is None else Path(data)
-    cs = load_calibration_set(data, tokenizer=lm.tokenizer, samples=samples, seq_len=seq_len, seed=seed,
-                              bilingual=bilingual)
+    if vision and data is None:
+        data = Path(images) if images is not None else DEFAULT_IMAGE_CALIBRATION
+        cs = load_image_calibration_set(lm, data, samples=samples, seq_len=seq_len, seed=seed)
+    else:
+        data = demo_text_path("calibration") if data is None else Path(data)
+        cs = load_calibration_set(data, tokenizer=lm.tokenizer, samples=samples, seq_len=seq_len, seed=seed,
+                                  bilingual=bilingual)
     ws = workspace if workspace is not None else Workspace()
     inputs = {"model": str(lm.path), "weights": model_fingerprint(lm.model), "data": str(data),
               "calibration": cs.fingerprint, "samples": samples, "seq_len": seq_len, "seed": seed,
@@ -466,21 +598,25 @@ def importance_statistics(lm, data: str | Path | None = None, workspace: Workspa
     this importance is what beats llama.cpp's reference rounding on trained models (docs/quantize.md).
     """
     ws = workspace if workspace is not None else Workspace()
-    name = "the bundled calibration text" if data is None else f"'{data}'"
+    pictures = getattr(lm, "is_vision", False) and data is None  # a VLM's importance comes from its pictures
+    name = ("the bundled demo-vl calibration pictures" if pictures else "the bundled calibration text") \
+        if data is None else f"'{data}'"
     max_pos = getattr(getattr(lm.model, "config", None), "max_position_embeddings", None) or CALIBRATE_SEQ_LEN
     if max_pos >= CALIBRATE_SEQ_LEN:  # `workbench calibrate`'s default statistics can exist only then
         cs, stats = calibrate(lm, data, samples=CALIBRATE_SAMPLES, seq_len=CALIBRATE_SEQ_LEN, workspace=ws,
                               progress=progress, compute=False)
         if stats is not None:
-            return (cs, stats), (f"importance from the workspace's calibration statistics ({len(cs)} x "
-                                 f"{CALIBRATE_SEQ_LEN} tokens of {name})")
+            size = f"{len(cs)} image + text pairs" if pictures else f"{len(cs)} x {CALIBRATE_SEQ_LEN} tokens"
+            return (cs, stats), f"importance from the workspace's calibration statistics ({size} of {name})"
     low, high = IMPORTANCE_SAMPLES
     samples = int(min(high, max(low, IMPORTANCE_BUDGET // (max(lm.parameters, 1) * IMPORTANCE_SEQ_LEN))))
     seq_len = min(IMPORTANCE_SEQ_LEN, max_pos)
     cs, stats = calibrate(lm, data, samples=samples, seq_len=seq_len, workspace=ws, progress=progress)
     how = "stored in the workspace" if stats.cached else "computed now, kept in the workspace"
-    return (cs, stats), (f"importance from {len(cs)} x {seq_len} tokens of {name} ({how}; "
-                         "`workbench calibrate` for more, --no-importance for none)")
+    size = f"{len(cs)} image + text pairs ({cs.tokens:,} tokens)" if pictures else f"{len(cs)} x {seq_len} tokens"
+    return (cs, stats), (f"importance from {size} of {name}, every part's layers ({how}; "
+                         if pictures else f"importance from {size} of {name} ({how}; ") + \
+        "`workbench calibrate` for more, --no-importance for none)"
 
 
 def reads_importance(plan, method: str | None = None) -> bool:

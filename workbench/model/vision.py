@@ -25,7 +25,7 @@ from ..evaluation.images import read_image
 from ..evaluation.vision import AnswerScores, VisionSample
 
 __all__ = ["VISION_MODEL_TYPES", "is_vision_config", "ModelPart", "model_parts", "VisionInputs",
-           "load_vision_model", "answer_scorer", "answer_text"]
+           "load_vision_model", "answer_scorer", "answer_inputs", "answer_text"]
 
 # model_type -> (transformers class, image-prompt family)
 VISION_MODEL_TYPES = {
@@ -236,24 +236,10 @@ def answer_scorer(model: nn.Module, inputs: VisionInputs, *, chat: bool = True):
     picture and prompt, built by the same ``VisionInputs`` that ``generate`` uses (chat template, image tokens,
     their 3D positions), so a score and a generated answer see one prompt. ``model`` may be the float model or a
     quantized one built from it; only the answer positions' logits are computed (``logits_to_keep``)."""
-    tok = inputs.tokenizer
 
     @torch.inference_mode()
     def score(sample: VisionSample) -> AnswerScores:
-        if not (sample.answer or "").strip():
-            raise DataError(f"{sample.where or 'a sample'}: the answer is empty; give each record a non-empty answer")
-        image = read_image(sample.image) if isinstance(sample.image, (str, Path)) else sample.image
-        feats = inputs(image, sample.prompt, chat=chat)
-        ids = feats["input_ids"]
-        answer = tok(answer_text(ids[0].tolist(), sample.answer, tok), add_special_tokens=False)["input_ids"]
-        if not answer:
-            raise DataError(f"{sample.where or 'a sample'}: the answer is empty after tokenizing; give each record "
-                            "a non-empty answer")
-        extra = torch.tensor([answer], dtype=ids.dtype)
-        feats["input_ids"] = torch.cat([ids, extra], dim=1)
-        feats["attention_mask"] = torch.ones_like(feats["input_ids"])
-        if "mm_token_type_ids" in feats:
-            feats["mm_token_type_ids"] = torch.cat([feats["mm_token_type_ids"], torch.zeros_like(extra)], dim=1)
+        feats, answer = answer_inputs(inputs, sample, chat=chat)
         device = next(model.parameters()).device  # pixels stay float32, as generate feeds them (float32 compute)
         feats = {k: v.to(device) for k, v in feats.items()}
         out = model(**feats, use_cache=False, logits_to_keep=len(answer) + 1)
@@ -261,3 +247,24 @@ def answer_scorer(model: nn.Module, inputs: VisionInputs, *, chat: bool = True):
         return AnswerScores(torch.log_softmax(logits.float().cpu(), dim=-1), torch.tensor(answer))
 
     return score
+
+
+def answer_inputs(inputs: VisionInputs, sample: VisionSample, *, chat: bool = True) -> tuple[dict, list[int]]:
+    """The model inputs of a sample's picture, prompt and answer (the answer's tokens after the prompt, as
+    ``answer_scorer`` scores them and calibration runs them), and the answer's token ids."""
+    tok = inputs.tokenizer
+    if not (sample.answer or "").strip():
+        raise DataError(f"{sample.where or 'a sample'}: the answer is empty; give each record a non-empty answer")
+    image = read_image(sample.image) if isinstance(sample.image, (str, Path)) else sample.image
+    feats = inputs(image, sample.prompt, chat=chat)
+    ids = feats["input_ids"]
+    answer = tok(answer_text(ids[0].tolist(), sample.answer, tok), add_special_tokens=False)["input_ids"]
+    if not answer:
+        raise DataError(f"{sample.where or 'a sample'}: the answer is empty after tokenizing; give each record "
+                        "a non-empty answer")
+    extra = torch.tensor([answer], dtype=ids.dtype)
+    feats["input_ids"] = torch.cat([ids, extra], dim=1)
+    feats["attention_mask"] = torch.ones_like(feats["input_ids"])
+    if "mm_token_type_ids" in feats:
+        feats["mm_token_type_ids"] = torch.cat([feats["mm_token_type_ids"], torch.zeros_like(extra)], dim=1)
+    return feats, answer

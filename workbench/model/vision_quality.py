@@ -15,7 +15,7 @@ Text perplexity says nothing about whether a model still reads its pictures; the
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from torch import nn
@@ -25,12 +25,12 @@ from ..errors import DataError, PlanError
 from ..evaluation.images import read_image_set
 from ..evaluation.vision import (answer_kl, answer_samples, capture_answer_reference, caption_samples,
                                  image_text_matching, itm_paired_difference)
-from ..quantize.plan import QuantPlan
+from ..quantize.plan import QuantPlan, VisionRecipe
 from .vision import PART_PREFIXES, answer_scorer, model_parts
 
 __all__ = ["VisionEvalSet", "VisionQuality", "VisionBaseline", "vision_eval_set", "measure_vision_baseline",
            "measure_vision_quality", "part_plan",
-           "part_prefixes", "DEFAULT_DISTRACTORS"]
+           "part_prefixes", "layer_parts", "recipe_part_plan", "part_layers", "DEFAULT_DISTRACTORS"]
 
 DEFAULT_DISTRACTORS = 3  # four captions per image: chance 25 %
 
@@ -174,6 +174,20 @@ def part_prefixes(lm, part: str) -> list[str]:
     return []
 
 
+def layer_parts(lm) -> dict[str, str]:
+    """Each quantizable layer's part (``vision encoder``, ``projector``, ``language model``), in layer order; a
+    text model's layers are all the language model's."""
+    names = [layer.name for layer in lm.layers]
+    if not getattr(lm, "is_vision", False):
+        return {n: "language model" for n in names}
+    prefixes = [(p, part.name) for part in model_parts(lm.model, names) for p in part.prefixes]
+    out = {}
+    for n in names:
+        hits = [(len(p), part) for p, part in prefixes if n == p or n.startswith(p + ".")]
+        out[n] = max(hits)[1] if hits else "language model"
+    return out
+
+
 def part_plan(lm, plan: QuantPlan, *, vision: str | None = "keep", projector: str | None = "keep") -> QuantPlan:
     """``plan`` with the vision encoder and the projector at their own precisions (``"keep"``: as ``plan`` has
     them; ``None``: left unquantized), the projector's rule added last so it wins inside the vision tower.
@@ -188,3 +202,15 @@ def part_plan(lm, plan: QuantPlan, *, vision: str | None = "keep", projector: st
         for prefix in part_prefixes(lm, part):
             plan = plan.with_override(f"{prefix}.*", precision)
     return plan
+
+
+def recipe_part_plan(lm, plan: QuantPlan, recipe: VisionRecipe) -> QuantPlan:
+    """``plan`` with the vision encoder and projector as ``recipe`` (``quantize.plan.vision_recipe``) ships them, the
+    recipe named in the plan's meta (``vision_recipe``)."""
+    out = part_plan(lm, plan, vision=recipe.vision, projector=recipe.projector)
+    return replace(out, meta={**out.meta, "vision_recipe": recipe.to_dict()})
+
+
+def part_layers(lm, parts=("vision encoder", "projector")) -> list[str]:
+    """The quantizable layers of the named parts, in layer order."""
+    return [n for n, part in layer_parts(lm).items() if part in parts]

@@ -25,7 +25,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from ..errors import PlanError
-from ..evaluation.evaluate import EvalReport, evaluate, paired_difference
+from ..evaluation.evaluate import EvalReport, paired_difference
 from ..model.load import LoadedModel
 from ..quantize.plan import DEFAULT_GROUP_SIZE, QuantPlan, fitting_precisions, get_precision
 from ..quantize.model import bits_per_weight
@@ -150,11 +150,14 @@ def check_budget(lm: LoadedModel, size: int, *, group_size=DEFAULT_GROUP_SIZE, s
 
 def plan_for_budget(lm: LoadedModel, sensitivity: SensitivityReport, *, size_bytes: int | None = None,
                     bits_per_weight: float | None = None, choices: Sequence[str] | None = DEFAULT_CHOICES,
-                    metric: str = "kl", targets: Sequence[str] = ()) -> PlanPrediction:
+                    metric: str = "kl", targets: Sequence[str] = (),
+                    fixed: Mapping[str, str] | None = None) -> PlanPrediction:
     """The plan with the least predicted damage whose size fits the budget (bytes or bits/weight).
 
     ``targets`` (names such as ``"qnn"``, ``"llama.cpp"``) keeps the plan to precisions all of them carry.
     A fixed block layout (``int4-k``'s 256-weight blocks) is a choice only for the layers whose inputs it fits.
+    ``fixed`` holds layers at given precisions outside the choice (a VLM's vision encoder as a runtime ships it);
+    their bytes count against the budget and their measured damage (when measured) in the prediction.
 
     Layers the sweep did not measure keep fp16. Raises ``PlanError`` when even the smallest
     choice for every layer does not fit, naming the smallest size that does.
@@ -163,8 +166,12 @@ def plan_for_budget(lm: LoadedModel, sensitivity: SensitivityReport, *, size_byt
     size_bytes = budget_bytes(lm, size_bytes=size_bytes, bits_per_weight=bits_per_weight)
     choices = _choices(sensitivity, choices, targets=targets)
     gs, sym = sensitivity.group_size, sensitivity.symmetric
-    measured = {layer.name for layer in sensitivity.layers}
-    fixed = {info.name: "fp16" for info in lm.layers if info.name not in measured}
+    held = {name: get_precision(p).name for name, p in (fixed or {}).items()}
+    unknown = sorted(set(held) - {info.name for info in lm.layers})
+    if unknown:
+        raise PlanError(f"fixed layer(s) {', '.join(unknown[:3])} are not quantizable layers of this model")
+    measured = {layer.name for layer in sensitivity.layers} - set(held)
+    fixed = {info.name: held.get(info.name, "fp16") for info in lm.layers if info.name not in measured}
     units = _units(lm, [n for n in (info.name for info in lm.layers) if n in measured])
     base = lm.other_bytes + lm.layer_bytes(fixed, gs, sym, names=fixed)  # norms + unmeasured layers: constant
     capacity_bytes = size_bytes - base
@@ -222,7 +229,8 @@ def plan_for_budget(lm: LoadedModel, sensitivity: SensitivityReport, *, size_byt
     plan = _plan_from_assignments(ordered, sensitivity.quantizer_settings, {"budget_bytes": int(size_bytes), "chosen_by": "plan_for_budget",
                                                       "metric": metric, "score": sensitivity.score})
     foot = plan_footprint(lm, plan)
-    pred = predict_damage(sensitivity, ordered)
+    swept = {layer.name for layer in sensitivity.layers}  # held layers the sweep measured count in the prediction
+    pred = predict_damage(sensitivity, {n: p for n, p in ordered.items() if n in swept})
     return PlanPrediction(plan, ordered, foot["size_bytes"], foot["bits_per_weight"], int(size_bytes),
                           pred["kl_divergence"], pred["perplexity"], pred["nll_delta"], time.perf_counter() - t0,
                           sensitivity.score)
@@ -293,13 +301,15 @@ def _refine_worker_state(payload: tuple) -> PlanEvaluator:
 def refine_plan(lm: LoadedModel, sensitivity: SensitivityReport, prediction: PlanPrediction,
                 evaluator: PlanEvaluator, *, trials: int = 12, per_round: int = 3,
                 choices: Sequence[str] | None = DEFAULT_CHOICES, metric: str = "kl",
-                progress: bool = False, targets: Sequence[str] = (), backend=None) -> Refinement:
+                progress: bool = False, targets: Sequence[str] = (), backend=None,
+                fixed: Mapping[str, str] | None = None) -> Refinement:
     """Greedy refinement by measured KL: the predicted damages assume layers do not interact; they do.
 
     Each round measures the ``per_round`` moves with the best predicted gain (a unit to another
     precision, paid for by lowering another unit when the budget is full) and keeps the one that
     lowers the measured KL most; it stops when no move measured helps or after ``trials`` measurements.
     A round's moves are independent: ``backend`` (``workbench.model.sweep_backends``) measures them side by side.
+    Layers in ``fixed`` (as ``plan_for_budget`` held them) are never moved.
     """
     from tqdm.auto import tqdm
 
@@ -312,7 +322,7 @@ def refine_plan(lm: LoadedModel, sensitivity: SensitivityReport, prediction: Pla
                         "(LayerVariants(lm, **sensitivity.quantizer_settings))")
     choices = _choices(sensitivity, choices, targets=targets)
     assign = dict(prediction.assignments)
-    units = _units(lm, [layer.name for layer in sensitivity.layers])
+    units = _units(lm, [layer.name for layer in sensitivity.layers if layer.name not in (fixed or {})])
     start = current = evaluator.evaluate_assignments(assign, desc="refine").kl_divergence
     moves, tried, seen = [], 0, set()
     # one object for every round: a backend holding workers (``with backend:``) reuses them for it
@@ -345,7 +355,8 @@ def refine_plan(lm: LoadedModel, sensitivity: SensitivityReport, prediction: Pla
     plan = _plan_from_assignments(ordered, sensitivity.quantizer_settings, {**prediction.plan.meta, "refined_by": "measured KL",
                                                      "refine_moves": len(moves)})
     foot = plan_footprint(lm, plan)
-    pred = predict_damage(sensitivity, ordered)
+    swept = {layer.name for layer in sensitivity.layers}
+    pred = predict_damage(sensitivity, {n: p for n, p in ordered.items() if n in swept})
     refined = PlanPrediction(plan, ordered, foot["size_bytes"], foot["bits_per_weight"], prediction.budget_bytes,
                              pred["kl_divergence"], pred["perplexity"], pred["nll_delta"],
                              prediction.seconds + time.perf_counter() - t0, sensitivity.score)
@@ -383,15 +394,15 @@ def measure_plan(lm: LoadedModel, plan: QuantPlan, evaluator: PlanEvaluator, *, 
 
     This is the real measurement: the weights evaluated are the ones exporters read, computed from
     their integer codes (``QuantizedModel.build_model``: no second float copy of the model). The
-    evaluator supplies the tokens and the reference outputs (captured once).
+    evaluator supplies the tokens and the reference outputs (captured once): a ``PlanEvaluator`` on text, a
+    ``VisionPlanEvaluator`` on a VLM's pictures.
     """
     from ..quantize import quantize_model
     t0 = time.perf_counter()
     qm = quantize_model(lm, plan, calibration=calibration, progress=progress)
     model = qm.build_model()
     del qm
-    report = evaluate(model, evaluator.ids, reference=evaluator.reference, ctx=evaluator.ctx,
-                      batch_size=evaluator.batch_size, progress=progress, desc=label)
+    report = evaluator.evaluate_model(model, progress=progress, desc=label)  # on text, or a VLM's on pictures
     del model
     foot = plan_footprint(lm, plan)
     pred_kl = pred_ppl = None

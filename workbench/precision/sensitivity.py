@@ -20,6 +20,10 @@ score it holds (``report.score``) and why.
 
 A measured sweep writes ``progress.json`` (atomically) after every trial into the workspace's
 partial directory; a killed sweep continues from the trials already done on the next call.
+
+A vision-language model is swept on pictures unless text is given (``workbench.precision.pictures``): every
+trial, vision encoder, projector and language layers alike, is the answer tokens' KL given the image on the
+same held-out questions (``images``, ``questions``), so the auto plan weighs all three parts on one scale.
 """
 from __future__ import annotations
 
@@ -39,7 +43,6 @@ from torch import nn
 
 from ..assets import demo_text_path
 from ..errors import DataError, PlanError, WorkspaceError
-from ..assets import demo_text_path
 from ..evaluation.evaluate import DEFAULT_CTX, EvalReport, ReferenceOutputs, capture_reference, evaluate
 from ..model.load import LoadedModel, stored_bytes
 from .proxy import PROXY_VERSION, decoder_blocks, proxy_scores, proxy_supported
@@ -47,12 +50,14 @@ from ..quantize.plan import DEFAULT_GROUP_SIZE, DEFAULT_SCALE_SEARCH, PRECISIONS
 from ..evaluation.textio import text_token_ids
 from ..files.workspace import Workspace, atomic_write_json, model_fingerprint, read_json_file
 from ..model.sweep_backends import LocalBackend
+from ..model.vision_quality import VisionEvalSet, vision_eval_set
+from .pictures import DEFAULT_SWEEP_QUESTIONS, VisionPlanEvaluator
 from ..quantize import layer_quantizer
 from ..quantize.layers import QuantEmbedding, QuantLinear
 
 __all__ = ["LayerVariants", "BlockReplay", "PlanEvaluator", "LayerSensitivity", "SensitivityReport", "run_sensitivity",
            "choose_score", "evaluation_tokens", "sweep_precisions", "fitting", "DEFAULT_SWEEP_TOKENS",
-           "SENSITIVITY_STEP", "SCORES", "AUTO_KL_MAX_WORK"]
+           "SENSITIVITY_STEP", "SCORES", "AUTO_KL_MAX_WORK", "VisionPlanEvaluator", "DEFAULT_SWEEP_QUESTIONS"]
 
 # the reference's log-probabilities kept across an evaluator's evaluations (one output layer per trial, not two):
 # a default 1,024-token sweep of a Qwen vocabulary holds 622 MB; a longer text rebuilds them each time
@@ -420,6 +425,11 @@ class PlanEvaluator:
                     self.replay.enabled = False
         return self.baseline
 
+    def evaluate_model(self, model: nn.Module, *, progress: bool = False, desc: str = "evaluate") -> EvalReport:
+        """``model`` (a quantized one built from the float model) on these tokens, against the reference."""
+        return evaluate(model, self.ids, reference=self.reference, ctx=self.ctx, batch_size=self.batch_size,
+                        progress=progress, desc=desc)
+
     def evaluate_assignments(self, assignments: Mapping[str, str | None], *, desc: str = "evaluate") -> EvalReport:
         """Evaluate with ``assignments`` swapped in; blocks before the first changed one are replayed."""
         ref = self.reference
@@ -500,6 +510,9 @@ class SensitivityReport:
     score_reason: str = ""
     scale_search: bool = False  # layers rounded with the scale search; reports from before it existed: off
     full_range: bool = False  # layers rounded on the 16-level symmetric grid; reports from before it existed: off
+    # "": text tokens; else what a VLM's trials answered (tokens: answer tokens; reference_perplexity: exp of
+    # the float model's mean answer-token NLL)
+    measured_on: str = ""
 
     @property
     def quantizer_settings(self) -> dict[str, object]:
@@ -539,7 +552,8 @@ class SensitivityReport:
                 "reference_perplexity": self.reference_perplexity, "seconds": self.seconds,
                 "trials_run": self.trials_run, "score": self.score, "score_reason": self.score_reason,
                 "metric": METRICS[self.score], "layers": [layer.to_dict() for layer in self.layers],
-                **({"full_range": True} if self.full_range else {})}
+                **({"full_range": True} if self.full_range else {}),
+                **({"measured_on": self.measured_on} if self.measured_on else {})}
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "SensitivityReport":
@@ -548,7 +562,8 @@ class SensitivityReport:
                        bool(d["symmetric"]), float(d["reference_perplexity"]),
                        [LayerSensitivity.from_dict(x) for x in d["layers"]], float(d.get("seconds", 0.0)),
                        int(d.get("trials_run", 0)), str(d.get("score", "kl")), str(d.get("score_reason", "")),
-                       bool(d.get("scale_search", False)), bool(d.get("full_range", False)))
+                       bool(d.get("scale_search", False)), bool(d.get("full_range", False)),
+                       str(d.get("measured_on", "")))
         except (KeyError, TypeError, ValueError) as e:
             raise WorkspaceError(f"sensitivity report is malformed (field {e}); delete it and sweep again") from None
 
@@ -686,7 +701,8 @@ def run_sensitivity(lm: LoadedModel, *, ids: torch.Tensor | None = None, text_pa
                     full_range: bool = False,
                     score: str = "auto", workspace: Workspace | None = None, force: bool = False,
                     progress: bool = True, on_trial: Callable[[str, str, dict], None] | None = None,
-                    backend=None) -> SensitivityReport:
+                    backend=None, images: VisionEvalSet | str | Path | None = None,
+                    questions: int = DEFAULT_SWEEP_QUESTIONS) -> SensitivityReport:
     """Sweep every quantizable layer x precision; cached and resumable when a ``workspace`` is given.
 
     ``ids`` (or ``text_path``, default the held-out text) is cut to ``tokens`` tokens. Pass an
@@ -698,8 +714,25 @@ def run_sensitivity(lm: LoadedModel, *, ids: torch.Tensor | None = None, text_pa
     which, and why. ``on_trial(name, precision, result)`` is called after each trial. ``backend``
     (``workbench.model.sweep_backends``) runs measured trials elsewhere, on Ray; default: this process. The
     result does not depend on it, so neither does the workspace key.
+
+    A vision-language model without ``ids`` or ``text_path`` is measured on pictures: the answer tokens' KL
+    given the image over the first ``questions`` questions of ``images`` (an image set, default the bundled
+    demo-vl held-out set), every trial measured (the proxy follows text only), in this process.
     """
-    lm.require_float("sensitivity")  # a quantized model's layers are already integers: sweep its float source
+    lm.require_float("sensitivity")
+    vision = getattr(lm, "is_vision", False)
+    if images is not None and not vision:
+        raise DataError(f"'{lm.path}' is a text model (no vision encoder): sweep it on text, drop --images")
+    pictures = isinstance(evaluator, VisionPlanEvaluator) or (
+        evaluator is None and vision and ids is None and text_path is None)
+    if images is not None and not pictures:
+        raise DataError("give text (--data) or pictures (--images) to sweep on, not both")
+    if pictures:
+        if score == "proxy":
+            raise PlanError("the Fisher proxy estimates KL on text; a sweep on pictures measures every trial: use "
+                            "--score kl or auto")
+        if backend is not None and not isinstance(backend, LocalBackend):
+            raise PlanError("a sweep on pictures runs in this process: drop --workers / --ray")  # a quantized model's layers are already integers: sweep its float source
     if precisions is None:
         precisions = sweep_precisions(evaluator.variants.symmetric if evaluator is not None else symmetric, lm.layers)
     for p in precisions:
@@ -707,6 +740,12 @@ def run_sensitivity(lm: LoadedModel, *, ids: torch.Tensor | None = None, text_pa
         if prec is None or prec.is_float:
             raise PlanError(f"sensitivity sweeps integer precisions ({', '.join(sweep_precisions())}), not '{p}'")
     precisions = tuple(get_precision(p).name for p in precisions)
+    if evaluator is None and pictures:  # a sweep uses each layer's codes once: keep none of them
+        evaluator = VisionPlanEvaluator(
+            lm, LayerVariants(lm, group_size=group_size, symmetric=symmetric, scale_search=scale_search,
+                              cache_bytes=0, full_range=full_range),
+            images if isinstance(images, VisionEvalSet) else vision_eval_set(images), questions=questions,
+            progress=progress)
     if evaluator is None:
         if ids is None:
             ids = evaluation_tokens(lm, text_path, tokens)
@@ -727,9 +766,14 @@ def run_sensitivity(lm: LoadedModel, *, ids: torch.Tensor | None = None, text_pa
         if all(get_precision(p).misfit(info.shape[1]) for info in infos):
             raise PlanError(f"cannot sweep {p} on these layers: {get_precision(p).misfit(infos[0].shape[1])}; "
                             "leave it out (the default sweep does)")
-    score, reason = choose_score(lm, len(infos) * len(precisions), len(evaluator.ids), score)
-    inputs = {"model": model_fingerprint(lm.model), "tokens": hashlib.sha256(evaluator.ids.numpy().tobytes()).hexdigest()[:16],
-              "n_tokens": int(len(evaluator.ids)), "ctx": evaluator.ctx, "precisions": list(precisions),
+    if pictures:
+        score, reason = "kl", f"measured on {evaluator.describe()}"
+        measured = {"pictures": evaluator.fingerprint, "questions": len(evaluator.questions)}
+    else:
+        score, reason = choose_score(lm, len(infos) * len(precisions), len(evaluator.ids), score)
+        measured = {"tokens": hashlib.sha256(evaluator.ids.numpy().tobytes()).hexdigest()[:16],
+                    "n_tokens": int(len(evaluator.ids)), "ctx": evaluator.ctx}
+    inputs = {"model": model_fingerprint(lm.model), **measured, "precisions": list(precisions),
               "group_size": variants.group_size, "symmetric": variants.symmetric, "layers": names, "method": "rtn"}
     if score == "proxy":  # measured sweeps keep the inputs (and cache keys) they always had
         inputs.update(score="proxy", proxy=PROXY_VERSION)
@@ -749,9 +793,10 @@ def run_sensitivity(lm: LoadedModel, *, ids: torch.Tensor | None = None, text_pa
             out.append(LayerSensitivity(info.name, info.block, info.role, tuple(info.shape), info.parameters,
                                         info.tied_to, {p: trials[_trial_key(info.name, p)]
                                                        for p in fitting(info, precisions)}))
-        return SensitivityReport(str(lm.name), precisions, int(len(evaluator.ids)), evaluator.ctx, variants.group_size,
+        n = evaluator.evaluate_baseline().tokens if pictures else int(len(evaluator.ids))
+        return SensitivityReport(str(lm.name), precisions, n, evaluator.ctx, variants.group_size,
                                  variants.symmetric, ref_ppl, out, seconds, ran, score, reason, variants.scale_search,
-                                 variants.full_range)
+                                 variants.full_range, reason.removeprefix("measured on ") if pictures else "")
 
     if workspace is None:
         return build(*measure(None))

@@ -234,9 +234,20 @@ def apply_awq_scales_(model: nn.Module, result: dict) -> nn.Module:
 # search
 def capture_block_inputs(model: nn.Module, blocks: nn.ModuleList, samples: list[torch.Tensor],
                          max_tokens: int, batch_size: int = 1):
-    """Run the model up to the first block on calibration samples; keep (hidden, kwargs) per batch."""
+    """Run the model up to the first block on calibration samples; keep (hidden, kwargs) per batch.
+
+    A sample is a 1-D tensor of token ids, or a vision-language model's inputs for one picture (a dict with
+    ``input_ids`` and pixels, from ``workbench.model.calibrate.ImageCalibrationSet``): those run whole, one at a
+    time, so the blocks see the picture's tokens as the model places them."""
     chosen, total = [], 0
+    pictures = []
     for s in samples:
+        if isinstance(s, dict):
+            n = int(s["input_ids"].shape[-1])
+            if n >= 2 and total < max_tokens:  # a picture's tokens are not cut: its pixels must match them
+                pictures.append(s)
+                total += n
+            continue
         s = s.reshape(-1).long()
         if s.numel() < 2:
             continue
@@ -244,7 +255,7 @@ def capture_block_inputs(model: nn.Module, blocks: nn.ModuleList, samples: list[
             break
         chosen.append(s[: max_tokens - total] if total + s.numel() > max_tokens else s)
         total += chosen[-1].numel()
-    if not chosen:
+    if not chosen and not pictures:
         raise PlanError("AWQ needs calibration samples with at least 2 tokens; none were given")
     by_len: dict[int, list[torch.Tensor]] = {}
     for s in chosen:
@@ -281,6 +292,11 @@ def capture_block_inputs(model: nn.Module, blocks: nn.ModuleList, samples: list[
                     model(input_ids=torch.stack(group[i:i + batch_size]).to(device), use_cache=False)
                 except _StopForward:
                     pass
+        for feats in pictures:
+            try:
+                model(**{k: v.to(device) for k, v in feats.items()}, use_cache=False)
+            except _StopForward:
+                pass
     finally:
         handle.remove()
     return units, total

@@ -376,7 +376,8 @@ def _samples_and_stats(calibration, stats):
             (calibration[1] is None or hasattr(calibration[1], "layers")):
         calibration, stats = calibration[0], calibration[1] or stats
     samples = getattr(calibration, "samples", calibration)
-    if not isinstance(samples, (list, tuple)) or not samples or not all(isinstance(s, torch.Tensor) for s in samples):
+    if not isinstance(samples, (list, tuple)) or not samples or \
+            not all(isinstance(s, (torch.Tensor, dict)) for s in samples):
         raise PlanError("AWQ and GPTQ need calibration data: pass calibration=CalibrationSet (workbench.evaluation.data."
                         "load_calibration_set) or a list of 1-D token-id tensors")
     mean_abs = None
@@ -402,6 +403,10 @@ def _samples_key(samples) -> str:
     import hashlib
     h = hashlib.sha256()
     for s in samples:
+        if isinstance(s, dict):  # a picture's inputs: pixels and token ids
+            for k in sorted(s):
+                h.update(k.encode() + s[k].contiguous().numpy().tobytes() + b"|")
+            continue
         h.update(s.reshape(-1).to(torch.int64).numpy().tobytes() + b"|")
     return h.hexdigest()[:16]
 

@@ -26,7 +26,7 @@ from ..files.workspace import hash_inputs, atomic_write_text
 __all__ = ["fitting_precisions", 
     "Precision", "PRECISIONS", "register_precision", "get_precision", "PlanRule", "QuantPlan",
     "PLAN_VERSION", "DEFAULT_GROUP_SIZE", "DEFAULT_SCALE_SEARCH", "DEFAULT_FULL_RANGE",
-    "QUANTIZER_SETTINGS",
+    "QUANTIZER_SETTINGS", "VisionRecipe", "vision_recipe", "vision_recipe_for", "VISION_RECIPE_TARGETS", "MMPROJ_TYPES",
 ]
 
 PLAN_VERSION = 1
@@ -449,3 +449,68 @@ class QuantPlan:
 def fitting_precisions(precisions, in_features: int) -> list[str]:
     """The precisions a layer of ``in_features`` inputs can take: a fixed block layout only where its blocks fit."""
     return [p for p in precisions if not get_precision(p).misfit(in_features)]
+
+
+# ---------------------------------------------------------------- vision-language recipes per runtime
+
+@dataclass(frozen=True)
+class VisionRecipe:
+    """How a runtime ships a vision-language model's vision encoder and projector (they are their own graph or file
+    on every device stack), and the language model's weights where the recipe fixes them."""
+
+    runtime: str
+    vision: str  # the vision encoder's precision
+    projector: str  # the projector's / merger's (Qwen's merger sits inside the vision graph)
+    language: str | None  # the language model's, where the recipe fixes it; None: the plan's
+    source: str
+
+    def to_dict(self) -> dict:
+        return {"runtime": self.runtime, "vision": self.vision, "projector": self.projector,
+                "language": self.language, "source": self.source}
+
+
+# deployment target -> the runtime whose VLM recipe it follows
+VISION_RECIPE_TARGETS = {"qnn": "qualcomm", "htp": "qualcomm", "ort-qdq": "qualcomm", "mnn": "mnn", "mnn-llm": "mnn",
+                         "llama.cpp": "llama.cpp"}
+MNN_INT4_VISION = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")  # llmexport's int4 block-128 visual.mnn; int8 otherwise
+MMPROJ_TYPES = {"f16": "fp16", "q8_0": "int8"}  # llama.cpp's mmproj GGUF: f16 by default, Q8_0 by llama-quantize
+
+
+def vision_recipe(target: str, model_type: str | None = None, *, mmproj: str = "f16") -> VisionRecipe:
+    """The VLM recipe of ``target`` (``qnn``, ``htp``, ``ort-qdq``, ``mnn``, ``mnn-llm``, ``llama.cpp``) for a model of
+    ``model_type`` (``qwen2_5_vl``, ``smolvlm``...). The runtimes' own choices, as their code writes them:
+
+    * Qualcomm (qai-hub-models' Qwen2.5-VL / Qwen3-VL): the vision encoder its own graph at w8a16 (int8 weights per
+      channel, 16-bit activations, min-max calibrated on ~100 images), the merger inside it; the language model w4a16.
+    * MNN (llmexport's ``visual.mnn``, weight-only): int4 in blocks of 128 for Qwen2 / 2.5 / 3-VL, int8 for SmolVLM,
+      InternVL, Gemma 3 and the rest.
+    * llama.cpp: the vision encoder and projector in one ``mmproj`` GGUF, f16 by default, ``q8_0`` by llama-quantize.
+    """
+    family = VISION_RECIPE_TARGETS.get(target)
+    if family is None:
+        raise PlanError(f"no vision-language recipe for target '{target}'; targets with one: "
+                        f"{', '.join(VISION_RECIPE_TARGETS)}")
+    if mmproj not in MMPROJ_TYPES:
+        raise PlanError(f"mmproj type must be one of {', '.join(MMPROJ_TYPES)}, got '{mmproj}'")
+    if family == "qualcomm":
+        return VisionRecipe("Qualcomm (qai-hub-models)", "int8", "int8", "int4",
+                            "vision encoder w8a16 (int8 weights per channel), language model w4a16")
+    if family == "mnn":
+        bits = "int4" if model_type in MNN_INT4_VISION else "int8"
+        return VisionRecipe("MNN (llmexport visual.mnn)", bits, bits, None,
+                            f"visual part weight-only {bits}" + (" in blocks of 128" if bits == "int4" else "") +
+                            f" for {model_type or 'this model type'}")
+    return VisionRecipe("llama.cpp (mmproj GGUF)", MMPROJ_TYPES[mmproj], MMPROJ_TYPES[mmproj], None,
+                        f"vision encoder and projector in one mmproj GGUF at {mmproj}")
+
+
+def vision_recipe_for(targets, model_type: str | None = None, *, mmproj: str = "f16") -> VisionRecipe | None:
+    """The one VLM recipe of ``targets`` (a name or several; those without a recipe are passed over): None when
+    none has one, PlanError when two ship the vision encoder differently."""
+    names = [targets] if isinstance(targets, str) else list(targets or ())
+    found = {t: vision_recipe(t, model_type, mmproj=mmproj) for t in names if t in VISION_RECIPE_TARGETS}
+    kinds = {(r.vision, r.projector) for r in found.values()}
+    if len(kinds) > 1:
+        raise PlanError("these targets ship the vision encoder differently (" + "; ".join(
+            f"{t}: vision {r.vision}, projector {r.projector}" for t, r in found.items()) + "): plan for one of them")
+    return next(iter(found.values()), None)
