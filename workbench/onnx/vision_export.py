@@ -38,6 +38,7 @@ MASK_BIAS = 100.0  # outside a window: exp(-100) is 0 in every float format, and
 # the fixed (height, width) Qualcomm's qai-hub-models compiles each family's encoder at
 QUALCOMM_IMAGE_SIZES = {"qwen2_5_vl": (336, 504), "qwen3_vl": (512, 512)}
 SUPPORTED = ("qwen2_5_vl",)
+VISION_OPSET = 20  # the first with Gelu (the projector's activation)
 
 
 @dataclass
@@ -168,12 +169,14 @@ def _block(g: GraphBuilder, policy: FloatWeights, blk, i: int, h: str, cos: str,
 
 
 def _gelu(g: GraphBuilder, x: str) -> str:
-    """Exact GELU, ``0.5 x (1 + erf(x / sqrt 2))`` (the Gelu operator needs opset 20)."""
-    erf = g.op("Erf", [g.op("Mul", [x, g.const(1 / math.sqrt(2), np.float32)])])
-    return g.op("Mul", [g.op("Mul", [x, g.const(0.5, np.float32)]), g.op("Add", [erf, g.const(1.0, np.float32)])])
+    """Exact GELU as one ONNX Gelu node (opset 20): QNN maps it to its own Gelu, where the ``Erf`` of the expanded
+    form has no QNN mapping, and onnxruntime's QDQ quantizer gives it 16-bit codes (its ``com.microsoft`` Gelu
+    it leaves in float, and everything after it)."""
+    return g.op("Gelu", [x])
 
 
-def export_vision_encoder(lm, out_dir: str | Path, *, image_size: tuple[int, int] | None = None, opset: int = 17,
+def export_vision_encoder(lm, out_dir: str | Path, *, image_size: tuple[int, int] | None = None,
+                          opset: int = VISION_OPSET,
                           check: bool = True, inline_limit: int | None = None) -> VisionExport:
     """``out_dir/vision_encoder.onnx``: ``lm``'s vision encoder and projector for pictures of ``image_size``
     (``encoder_image_size``), input ``pixel_values`` ``[patches, C*T*P*P]`` as the model's image processor makes
@@ -182,6 +185,8 @@ def export_vision_encoder(lm, out_dir: str | Path, *, image_size: tuple[int, int
     weights."""
     from onnx import TensorProto, helper
     t0 = time.perf_counter()
+    if opset < VISION_OPSET:
+        raise ValueError(f"opset {opset} has no Gelu; the vision encoder needs {VISION_OPSET} or newer")
     visual = _visual(lm)
     vc = lm.model.config.vision_config
     if str(vc.hidden_act) not in ("silu", "swish"):
@@ -223,7 +228,8 @@ def export_vision_encoder(lm, out_dir: str | Path, *, image_size: tuple[int, int
         [helper.make_tensor_value_info("pixel_values", TensorProto.FLOAT, [n, c * t * p * p])],
         [helper.make_tensor_value_info("image_embeds", TensorProto.FLOAT, [n // unit, hidden])],
         list(g.constants.values()) + [store.proto(w) for w in g.weights])
-    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], producer_name="workbench")
+    opsets = [helper.make_opsetid("", opset)] + ([helper.make_opsetid("com.microsoft", 1)] if g.ms_domain else [])
+    proto = helper.make_model(graph, opset_imports=opsets, producer_name="workbench")
     proto.ir_version = min(proto.ir_version, 10)
     path = out / VISION_FILE
     tmp = path.with_name(path.name + ".partial")
