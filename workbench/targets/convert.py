@@ -57,6 +57,7 @@ from .registry import check_precisions, check_signed_scales, get_target, registe
 from ..files.workspace import atomic_write_json
 from ..evaluation.data import load_calibration_set
 from ..model.calibrate import importance_statistics, reads_importance
+from ..model.vision_quality import part_plan
 
 __all__ = ["CONVERT_TARGETS", "ConversionReport", "PreparedModels", "ConvertJob", "prepare_models", "convert",
            "GAP_TOP1", "calibration_feeds", "default_eval_tokens", "EVAL_PARAMETER_TOKENS", "MIN_EVAL_TOKENS",
@@ -94,13 +95,19 @@ class PreparedModels:
     source: str
 
 
+# a VLM's vision encoder and projector when the plan comes from --bits: the target's own recipe (Qualcomm: w8a16)
+VISION_PRESETS = {"qnn": "int8"}
+
+
 def prepare_models(model, *, plan: QuantPlan | str | Path | None = None, bits: int | None = None,
-                   progress: bool = False, device: str = "cpu", importance: bool = True) -> PreparedModels:
+                   progress: bool = False, device: str = "cpu", importance: bool = True,
+                   vision: str | None = None) -> PreparedModels:
     """Resolve MODEL as a float model with a plan (or ``bits``), or a directory written by ``workbench quantize``.
 
     A float model is quantized as `workbench quantize` does by default: RTN's scale search weighs errors by the
     importance statistics (``calibrate.importance_statistics``) unless ``importance`` is False. The models (and
-    quantization) run on ``device``; graphs and onnxruntime stay on the CPU.
+    quantization) run on ``device``; graphs and onnxruntime stay on the CPU. ``vision``: a VLM's encoder and
+    projector at this precision when the plan comes from ``bits`` (``VISION_PRESETS``).
     """
     from ..quantize import quantize_model
     if is_quantized_dir(model):
@@ -125,6 +132,8 @@ def prepare_models(model, *, plan: QuantPlan | str | Path | None = None, bits: i
                                if not p.is_float and not p.two_level and not p.minimums)
             raise PlanError(f"--bits must be a registered integer width ({widths}), got {bits}")
         plan = QuantPlan.uniform(f"int{bits}")
+        if vision and float_lm.is_vision:
+            plan = part_plan(float_lm, plan, vision=vision, projector=vision)
     elif not isinstance(plan, QuantPlan):
         plan = QuantPlan.load(plan)
     try:
@@ -595,7 +604,8 @@ def convert(model, target: str, out_dir: str | Path, *, plan: QuantPlan | str | 
     if spec.check_setup is not None:
         spec.check_setup()
     t0 = time.perf_counter()
-    prep = prepared or prepare_models(model, plan=plan, bits=bits, progress=progress, device=device)
+    prep = prepared or prepare_models(model, plan=plan, bits=bits, progress=progress, device=device,
+                                      vision=VISION_PRESETS.get(target))
     check_precisions(spec, prep.qm.precisions)
     check_signed_scales(spec, prep.qm, regrid_command(prep, target))
     report_seconds = {"prepare": time.perf_counter() - t0}

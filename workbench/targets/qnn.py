@@ -53,8 +53,12 @@ from .ort_qdq import (FLOAT_WEIGHT_TYPE, KV_BITS_KEY, KV_TENSOR, MASK_RANGE, cau
 from .registry import OverrideFormat, Target, check_precisions, register_target
 from ..runtime.onnx_runner import OnnxCausalLM
 from .htp import (DEPART_ERROR, float_layers_refused, htp_soc, INSTALL, layer_divergence, measure_htp, qnn_available,
-                  write_htp_binaries)
+                  write_context_binaries, write_htp_binaries)
 from .htp_parts import check_chained, PARTS_FILE
+from .htp_vision import VISION_GAP_ERROR, calibration_feeds, measure_vision_encoder, vision_qdq, vision_quantized
+from .convert import ConvertJob, PreparedModels
+from ..model.text_part import language_model_view, text_part_quantized
+from ..onnx.vision_export import export_vision_encoder
 
 __all__ = ["QNN_ENCODINGS_VERSION", "QNN_LPBQ_VERSION", "DEFAULT_ACTIVATION_BITWIDTH", "RECIPE", "recipe_plan",
            "symmetric_encoding",
@@ -716,7 +720,15 @@ def _compare_layers(job, soc, prefill_qdq: Path, window, info: dict) -> None:
 
 def convert_qnn(job) -> None:
     """The static graphs with the plan's encodings and the SDK's commands, and their QDQ twin measured here;
-    with ``--soc``, compiled for that Snapdragon by onnxruntime-qnn and run on its HTP emulator."""
+    with ``--soc``, compiled for that Snapdragon by onnxruntime-qnn and run on its HTP emulator. A VLM: its vision
+    encoder as its own fixed-size graph (``htp_vision``), then its language model as a text model."""
+    if getattr(job.prep.float_lm, "is_vision", False):
+        _convert_vision_language(job)
+    else:
+        _convert_text(job)
+
+
+def _convert_text(job) -> None:
     soc, float_weights = _soc_for(job)
     job.say(f"exporting the float model to ONNX with static shapes {job.static}")
     sx = job.export_static(job.out)
@@ -735,6 +747,106 @@ def convert_qnn(job) -> None:
     measure_qdq(job, prefill_qdq, ev)
     if soc is not None:
         _run_on_htp(job, soc, sx, prefill_qdq, ev, feeds["prefill"][0])
+
+
+VISION_DIR = "vision"  # a VLM's encoder graphs, its QDQ twin and (with --soc) its context binary, in the output
+
+
+def _convert_vision_language(job) -> None:
+    """A VLM for Hexagon as Qualcomm ships one: the vision encoder (with the projector) as its own graph at one
+    picture size, QDQ at the plan's weights and 16-bit activations, compiled and scored on the HTP emulator
+    (``details.vision_encoder``); the language model then through the text path (the report's own figures and
+    ``details.htp``), its layers named as a text model's (``model.text_part``)."""
+    p = job.prep
+    soc = htp_soc(job.soc) if job.soc else None
+    out = job.out / VISION_DIR
+    job.say("exporting the vision encoder as its own fixed-size graph")
+    vx = export_vision_encoder(p.float_lm, out)
+    feeds = calibration_feeds(p.float_lm, vx)
+    job.say(f"quantizing the vision encoder to QDQ (A{job.activation_bits}, weights as the plan says), calibrated on "
+            f"{len(feeds)} pictures")
+    qdq = vision_qdq(vx, p.qm, feeds, out / "vision_encoder.qdq.onnx", activation_bits=job.activation_bits,
+                     notes=job.report.notes)
+    view = vision_quantized(p.qm, vx)
+    written = write_qnn_encodings(job.out / "quant_overrides_vision_encoder.json", view, vx, graph=vx.path,
+                                  activation_bitwidth=job.activation_bits)
+    write_calibration_raw(job.out, "vision_encoder", feeds, ["pixel_values"])
+    precisions = {}
+    for name in vx.weight_names:
+        precisions[view.precisions.get(name) or "float"] = precisions.get(view.precisions.get(name) or "float", 0) + 1
+    details = {"graph": str(vx.path), "qdq_graph": str(qdq), "image_size": list(vx.image_size),
+               "grid_thw": list(vx.grid_thw), "image_tokens": vx.output_shape[0], "input_shape": list(vx.input_shape),
+               "onnx_vs_pytorch_max_abs_diff": vx.max_abs_diff, "layer_precisions": precisions,
+               "activation_bits": job.activation_bits, "calibration_pictures": len(feeds),
+               "overrides": str(written.path)}
+    job.report.details["vision_encoder"] = details
+    on_htp = soc is not None and qnn_available()
+    if soc is not None and not on_htp:
+        job.report.notes.append(f"onnxruntime-qnn is not installed, so the vision encoder did not run on the HTP "
+                                f"({soc.label}): {INSTALL}")
+    htp_dir = out / f"htp-{soc.device}" if soc is not None else None
+    if job.evaluate_outputs:
+        details.update(measure_vision_encoder(p, vx, qdq, soc=soc if on_htp else None, out_dir=htp_dir, say=job.say))
+        _note_vision(job, details)
+    elif on_htp:
+        details["htp"] = {"soc": soc.label, "device": soc.device,
+                          **write_context_binaries({"vision_encoder": qdq}, htp_dir, soc)[0]}
+    job.say("converting the language model as a text model")
+    text = ConvertJob(PreparedModels(language_model_view(p.float_lm), language_model_view(p.sim_lm),
+                                     text_part_quantized(p.qm), p.source), job.out, job.report, job.work,
+                      text=job.text, max_tokens=job.max_tokens, ctx=job.ctx, activation_bits=job.activation_bits,
+                      accuracy_level=job.accuracy_level, static=job.static, calibration_samples=job.calibration_samples,
+                      calibration_seq_len=job.calibration_seq_len, greedy_steps=job.greedy_steps,
+                      evaluate_outputs=job.evaluate_outputs, progress=job.progress, say=job.say,
+                      owns_models=job.owns_models, soc=job.soc, split_limit_bytes=job.split_limit_bytes)
+    _convert_text(text)
+    _vision_commands(job.out, vx, job.activation_bits)
+
+
+def _note_vision(job, d: dict) -> None:
+    """The vision encoder's figures in the notes, and a gap when the HTP departs from the QDQ simulation."""
+    size = f"{d['image_size'][1]}x{d['image_size'][0]}"
+    q = d["qdq"]
+    job.report.notes.append(
+        f"vision encoder ({size} pictures, {d['image_tokens']} image tokens, weights "
+        f"{', '.join(f'{k} x{v}' for k, v in d['layer_precisions'].items())}, A{d['activation_bits']}): CPU QDQ "
+        f"embeddings cosine {q['embeddings']['vs_float']['cosine']:.4f} / relative error "
+        f"{q['embeddings']['vs_float']['relative_error']:.3f} vs float; the whole model with its embeddings: answer KL "
+        f"{q['answers']['whole_model']['answer_kl']:.5f} (the PyTorch simulation's "
+        f"{d['simulation_answers']['answer_kl']:.5f}) on {d['pictures']} pictures")
+    h = d.get("htp")
+    if not h:
+        return
+    e = h["embeddings"]
+    job.report.notes.append(
+        f"vision encoder on the HTP emulator ({h['soc']}): {Path(h['context_binary']).name} + "
+        f"{h['bytes'] / 2**20:.2f} MiB; embeddings cosine {e['vs_simulation']['cosine']:.4f} / relative error "
+        f"{e['vs_simulation']['relative_error']:.3f} vs the CPU QDQ graph, {e['vs_float']['cosine']:.4f} / "
+        f"{e['vs_float']['relative_error']:.3f} vs float; answer KL {h['answers']['whole_model']['answer_kl']:.5f} "
+        f"(whole model), {h['answers']['float_language_model']['answer_kl']:.5f} (float language model); "
+        f"{h['time']['median_ms']:.0f} ms per picture on the emulator (median after a warm-up; not a phone's time)")
+    if e["vs_simulation"]["relative_error"] > VISION_GAP_ERROR and not job.report.gap:
+        job.report.gap = (f"on the HTP emulator ({h['soc']}) the vision encoder's embeddings are "
+                          f"{e['vs_simulation']['relative_error']:.3f} off the CPU QDQ graph's (relative error > "
+                          f"{VISION_GAP_ERROR:g}): the NPU does not compute what the simulation does")
+
+
+def _vision_commands(out: Path, vx, activation_bits: int) -> None:
+    """The SDK's commands for the vision encoder, after the language model's in ``commands.sh``."""
+    n, k = vx.input_shape
+    conv = ["qnn-onnx-converter", "--input_network", f"{VISION_DIR}/{vx.path.name}", "--output_path",
+            "qnn/vision_encoder.cpp", "--input_list", "input_list_vision_encoder.txt", "--quantization_overrides",
+            "quant_overrides_vision_encoder.json", "--act_bitwidth", str(activation_bits), "--weights_bitwidth", "8",
+            "--bias_bitwidth", "32", "--use_per_channel_quantization", "--input_dim", "pixel_values", f"{n},{k}"]
+    lines = [" ".join(shlex.quote(c) for c in conv),
+             "qnn-model-lib-generator -c qnn/vision_encoder.cpp -b qnn/vision_encoder.bin -o qnn/lib "
+             "-t x86_64-linux-clang",
+             "qnn-context-binary-generator --backend $QNN_SDK_ROOT/lib/x86_64-linux-clang/libQnnHtp.so --model "
+             "qnn/lib/x86_64-linux-clang/libvision_encoder.so --binary_file vision_encoder_htp --output_dir "
+             "qnn/context", ""]
+    script = out / "commands.sh"
+    with open(script, "a", encoding="utf-8") as f:
+        f.write("# the vision encoder (pixel patches in, image embeddings out)\n" + "\n".join(lines) + "\n")
 
 
 def _write(path, lm, plan, *, quantized=None, export=None, calibration=None) -> OverrideFile:
