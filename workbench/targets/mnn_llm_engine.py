@@ -71,6 +71,7 @@ class Engines:
     def generate(self, name: str, prompt, new_tokens: int) -> dict:
         m = self.engines[name]
         m.reset()
+        m._c_obj.generate_init()  # generate() alone adds to the counters (prefill_us, decode_us) of earlier calls
         m._c_obj.generate([int(i) for i in prompt], int(new_tokens))
         return self.context(name)
 
@@ -83,6 +84,7 @@ class Engines:
         ids = [int(i) for i in m.tokenizer_encode(text)]
         try:
             if new_tokens:
+                m._c_obj.generate_init()
                 m._c_obj.generate(ids, int(new_tokens))
                 return {"ids": ids, **self.context(name)}
             out = m.forward(ids)
