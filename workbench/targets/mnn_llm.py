@@ -38,7 +38,7 @@ from ..onnx.build import (DATA_FILE, INLINE_LIMIT, DecoderSpec, FloatWeights, Gr
 from ..files.workspace import atomic_write_json
 from .common import score_in_runtime
 from .mnn_vision import (VISUAL_FILE, VISUAL_PREFIXES, PartWeights, export_visual_onnx, mrope_tables, text_view,
-                         score_vision, vision_llm_config)
+                         noise_picture, picture_timing, score_vision, vision_llm_config)
 from .mnn import mnn_weight_args, convert_to_mnn, keep_matmul_weights_float, run_mnnconvert
 from .registry import Target, register_target
 from ..files.folder_paths import folder_file, folder_json, named_paths
@@ -368,6 +368,7 @@ def write_visual_mnn(model, vq, out: Path, work: Path) -> dict:
 
 
 PATH_KEY = re.compile(r"(^|_)(model|weight|file|dir|path|config)$")  # config keys MNN joins to its base_dir
+PICTURE_PROMPT = "Describe the picture."  # the text after the picture when the profile times the picture path
 ENGINE_SCRIPT = Path(__file__).with_name("mnn_llm_engine.py")
 LIMITS = {"hidden_size": 1 << 16, "layer_nums": 1024, "max_position_embeddings": 1 << 24}  # far past any edge LM
 RUN_LIMITS = {"max_all_tokens": 1 << 24, "max_new_tokens": 1 << 24, "thread_num": 1024}  # config.json's, when given
@@ -725,6 +726,16 @@ class MnnLlm:
         ``prefill_us``, ``decode_us``) and the ids."""
         from types import SimpleNamespace
         return SimpleNamespace(**self._call("image_prompt", self._use("step"), text, int(new_tokens)))
+
+    def picture_profile(self, steps: int, repeats: int) -> dict:
+        """The engine's encoder, prefill and decode times for a prompt with one picture of the folder's own size
+        (a fixed noise picture: the encoder's cost depends on the size only), after a warm-up (``picture_timing``)."""
+        import tempfile
+        size = int(folder_json(self.files["llm_config"], "`workbench convert MODEL --target mnn-llm`")["image_size"])
+        with tempfile.TemporaryDirectory(prefix="workbench-mnn-picture-") as tmp:
+            picture = noise_picture(size, Path(tmp))
+            out = picture_timing(self, f"<img>{picture}</img>{PICTURE_PROMPT}", steps, repeats)
+        return {"image_size": size, **out}
 
     def peak_rss_added_mb(self) -> float | None:
         """The peak resident memory the engine's child added over its own start (MiB), or None off Linux."""
