@@ -44,7 +44,7 @@ from .registry import Target, register_target
 from ..files.folder_paths import folder_file, folder_json, named_paths
 from .processes import ChildCrashed, ChildEngine, ChildFailed
 
-__all__ = ["check_mnn_llm_folder", "graph_weight_bytes",
+__all__ = ["check_mnn_llm_folder", "read_mnn_weights", "graph_weight_bytes",
            "export_engine_onnx", "plan_codes_layout", "write_plan_codes", "write_tokenizer_txt", "write_mnn_llm_folder", "MnnLlm", "open_mnn_llm",
            "convert_mnn_llm", "TARGET", "FILES"]
 
@@ -191,6 +191,34 @@ def write_plan_codes(doc: dict, weight_file: str | Path, qm, bits: int, block: i
     data.flush()
     del data
     return done
+
+
+def read_mnn_weights(graph: str | Path, work: str | Path) -> dict[str, np.ndarray]:
+    """Each quantized op's weight ``{layer name: values [rows, block]}`` read back from the graph's external weight
+    file (``graph`` + ``.weight``) as MNN lays it out (``write_plan_codes``): the code buffer (dims, rows and
+    block, the code table, the codes: two 4-bit codes a byte, high nibble first, or one 8-bit code), then one
+    float32 scale per row; ``work`` holds the graph's JSON form."""
+    graph, out = Path(graph), Path(work) / (Path(graph).name + ".json")
+    run_mnnconvert(["mnnconvert", "-f", "MNN", "--modelFile", str(graph), "--JsonFile", str(out)])
+    data = np.fromfile(f"{graph}.weight", dtype=np.uint8)
+    found = {}
+    for op in json.loads(out.read_text(encoding="utf-8"))["oplists"]:
+        main = op.get("main") or {}
+        q = main.get("quanParameter")
+        if op.get("type") != "Convolution" or q is None or not main.get("external"):
+            continue
+        offset, size, alpha_bytes = (int(x) for x in main["external"][:3])
+        buf = data[offset:offset + size]
+        dims = 8 if q.get("shapeInt32") else 4
+        rows, width = (int(x) for x in buf[1:1 + dims].view(np.int32 if dims == 8 else np.uint16))
+        count = int(buf[1 + dims]) or 256
+        table = buf[2 + dims:2 + dims + count].view(np.int8).astype(np.float32)
+        codes = buf[2 + dims + count:]
+        idx = np.stack([codes >> 4, codes & 15], -1).reshape(rows, width) if q.get("aMaxOrBits") == 4 else \
+            codes.reshape(rows, width)
+        alpha = data[offset + size:offset + size + alpha_bytes].view(np.float32)
+        found[op.get("name", "").split("__matmul_converted")[0]] = table[idx] * alpha[:, None]
+    return found
 
 
 def _attention_ops(doc: dict) -> int:
@@ -364,7 +392,16 @@ def write_visual_mnn(model, vq, out: Path, work: Path) -> dict:
     os.replace(plain, out / VISUAL_FILE)
     if weight_file.is_file():
         os.replace(weight_file, out / (VISUAL_FILE + ".weight"))
-    return {"weight_bits": bits, "block": block, "plan_codes_written": written, "notes": notes}
+    info = {"weight_bits": bits, "block": block, "plan_codes_written": written, "notes": notes}
+    if direct is not None:  # read back as MNN lays it out: each value the plan's code times its scale
+        back = read_mnn_weights(out / VISUAL_FILE, work / "visual")
+        missing = [n for n in vq.weights if n not in back]
+        if missing:
+            raise WorkbenchError(f"visual.mnn holds no quantized op for {', '.join(missing[:3])}: export again")
+        info["read_back_max_abs_error"] = max(
+            float(np.abs(back[n].reshape(q.shape) - q.dequantize().float().numpy()).max()) for n, q in vq.weights.items())
+        info["read_back_layers"] = len(vq.weights)
+    return info
 
 
 PATH_KEY = re.compile(r"(^|_)(model|weight|file|dir|path|config)$")  # config keys MNN joins to its base_dir

@@ -86,7 +86,7 @@ class Engines:
             if new_tokens:
                 m._c_obj.generate_init()
                 m._c_obj.generate(ids, int(new_tokens))
-                return {"ids": ids, **self.context(name)}
+                return {"ids": ids, "tokens": [int(t) for t in m.context.output_tokens], **self.context(name)}
             out = m.forward(ids)
             if out is None:
                 raise RuntimeError("the engine gave no logits")

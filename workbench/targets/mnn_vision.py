@@ -34,7 +34,7 @@ from ..numerics.compute import float32_weight
 
 __all__ = ["VISUAL_FILE", "VISUAL_PREFIXES", "PartWeights", "VISUAL_TYPES", "text_view", "mrope_tables", "export_visual_onnx", "visual_inputs",
            "run_visual_mnn", "vision_llm_config",
-           "engine_picture", "EngineQuestion", "engine_scorer", "embedding_error", "noise_picture", "picture_timing",
+           "engine_picture", "EngineQuestion", "engine_scorer", "embedding_error", "noise_picture", "picture_timing", "greedy_answers",
            "score_vision"]
 
 VISUAL_FILE = "visual.mnn"
@@ -376,6 +376,22 @@ def picture_timing(runner, text: str, steps: int, repeats: int) -> dict:
             "decoded_tokens": int(min(r.gen_seq_len for r in runs) - 1), "runs": len(runs)}
 
 
+def greedy_answers(runner, processor, model, questions, size: int, folder: Path, new_tokens: int) -> dict:
+    """The engine's own greedy answers (its generate: prefill with the picture, then its decode positions) against
+    ``model``'s greedy answers in transformers, question by question, each up to its end-of-text token or
+    ``new_tokens`` tokens: the fraction answered the same, token for token."""
+    stop = set(processor.tokenizer.all_special_ids) | {processor.tokenizer.eos_token_id}
+    cut = lambda ts: [t for t in ts[:next((i for i, t in enumerate(ts) if t in stop), len(ts))]]  # noqa: E731
+    same = 0
+    for s in questions:
+        q = EngineQuestion(processor, s.image, s.prompt, size, folder)
+        got = cut(list(runner.image_generate(q.text, new_tokens).tokens))
+        with torch.inference_mode():
+            ref = model.generate(**q.feats, max_new_tokens=new_tokens, do_sample=False)[0, len(q.ids):].tolist()
+        same += got == cut(ref)
+    return {"questions": len(questions), "same_answer": same / max(len(questions), 1), "new_tokens": new_tokens}
+
+
 def score_vision(job, runner, *, images=None) -> dict:
     """A VL folder's picture path scored and timed in MNN's engine, into the report: the answer-token KL and
     top-1 against the float model (and against the simulation: what the engine adds) with the engine reading each
@@ -407,6 +423,8 @@ def score_vision(job, runner, *, images=None) -> dict:
     out["embeddings_vs_float"] = embedding_error(visual_file, lm.model, lm.processor, distinct, size, pictures)
     out["embeddings_vs_simulation"] = embedding_error(visual_file, prep.sim_lm.model, lm.processor, distinct, size,
                                                       pictures)
+    out["greedy_vs_simulation"] = greedy_answers(runner, lm.processor, prep.sim_lm.model, images.questions, size,
+                                                 pictures, 8)
     out["seconds"] = time.perf_counter() - t
     first = EngineQuestion(lm.processor, images.questions[0].image, images.questions[0].prompt, size, pictures)
     out["speed"] = picture_timing(runner, first.text, job.greedy_steps, 3)
@@ -415,7 +433,8 @@ def score_vision(job, runner, *, images=None) -> dict:
     report.notes.append(
         f"picture path in MNN's engine ({out['questions']} questions): answer KL {kl.kl_divergence:.4f} "
         f"+/- {kl.kl_stderr:.4f}, top-1 {kl.top1_agreement:.3f} vs float (KL {kl_sim.kl_divergence:.2g} vs the "
-        f"simulation); visual.mnn embeddings cosine {e['cosine']:.4f}, relative error {e['relative_error']:.4f}; "
+        f"simulation), greedy answers equal to the simulation's {out['greedy_vs_simulation']['same_answer']:.3f}; "
+        f"visual.mnn embeddings cosine {e['cosine']:.4f}, relative error {e['relative_error']:.4f}; "
         f"encoder {sp['encoder_ms']:.2f} ms, prefill {sp['prefill_ms']:.2f} ms ({sp['prompt_tokens']} tokens), "
         f"decode {sp['decode_tokens_per_second']:.0f} tok/s")
     return out
