@@ -173,3 +173,24 @@ def test_a_vlm_without_the_processor_or_of_another_family_is_refused(folder, tmp
     prep = folder[0]
     with pytest.raises(WorkbenchError, match="image processor"):
         write_mnn_llm_folder(prep.sim_lm, prep.qm, tmp_path / "o", tmp_path / "w")
+
+
+def test_generate_asks_the_engine_about_the_picture(folder, tmp_path, capsys):
+    """`workbench generate Y --image IMG`: the engine reads the picture at the first step and decodes through its KV
+    cache; its answer is the engine's own generate's, and another picture gets another answer."""
+    prep, out, _ = folder
+    texts = []
+    for name in ("heldout-000.png", "heldout-010.png"):
+        argv = ["generate", str(out), "--source", "demo-vl", "--image", str(HELD_OUT / name), "--prompt",
+                "What colour is the shape?", "--max-new-tokens", "4", "--json"]
+        assert main(argv) == 0
+        doc = json.loads(capsys.readouterr().out)
+        assert doc["runtime"] == "MNN-LLM" and doc["prompt_tokens"] == 21
+        runner = MnnLlm(out, threads=1)
+        try:
+            own = runner.image_generate(_picture(prep, name, tmp=tmp_path).text, 4).tokens
+        finally:
+            runner.close()
+        assert doc["tokens"] == own[:len(doc["tokens"])]
+        texts.append(doc["text"])
+    assert texts[0] != texts[1], texts

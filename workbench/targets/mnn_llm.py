@@ -37,8 +37,8 @@ from ..onnx.build import (DATA_FILE, INLINE_LIMIT, DecoderSpec, FloatWeights, Gr
                           rotary_tables)
 from ..files.workspace import atomic_write_json
 from .common import score_in_runtime
-from .mnn_vision import (VISUAL_FILE, VISUAL_PREFIXES, PartWeights, export_visual_onnx, mrope_tables, text_view,
-                         noise_picture, picture_timing, score_vision, vision_llm_config)
+from .mnn_vision import (VISUAL_FILE, VISUAL_PREFIXES, EngineQuestion, PartWeights, export_visual_onnx, mrope_tables, text_view,
+                         noise_picture, picture_timing, score_vision, source_vision_inputs, vision_llm_config)
 from .mnn import mnn_weight_args, convert_to_mnn, keep_matmul_weights_float, run_mnnconvert
 from .registry import Target, register_target
 from ..files.folder_paths import folder_file, folder_json, named_paths
@@ -764,6 +764,24 @@ class MnnLlm:
         from types import SimpleNamespace
         return SimpleNamespace(**self._call("image_prompt", self._use("step"), text, int(new_tokens)))
 
+    def picture_inputs(self, source: Path, tokenizer):
+        """The float VLM's picture-and-question preprocessing when this folder reads pictures (``visual.mnn``)."""
+        return source_vision_inputs(source, tokenizer) if self.is_visual else None
+
+    def picture_steps(self, images, image, question: str) -> tuple["_PictureRunner", list[int]]:
+        """What ``stream_tokens`` drives for a question about ``image`` (``images``: the float model's
+        ``VisionInputs``): the engine reads the picture itself at the first step; and the prompt's ids (the float
+        model's, which the engine's must equal)."""
+        import tempfile
+        size = int(folder_json(self.files["llm_config"], "`workbench convert MODEL --target mnn-llm`")["image_size"])
+        tmp = tempfile.TemporaryDirectory(prefix="workbench-mnn-picture-")
+        try:
+            q = EngineQuestion(images, image, question, size, Path(tmp.name))
+        except BaseException:
+            tmp.cleanup()
+            raise
+        return _PictureRunner(self, q, tmp), list(q.ids)
+
     def picture_profile(self, steps: int, repeats: int) -> dict:
         """The engine's encoder, prefill and decode times for a prompt with one picture of the folder's own size
         (a fixed noise picture: the encoder's cost depends on the size only), after a warm-up (``picture_timing``)."""
@@ -798,6 +816,36 @@ class _EngineSteps:
 
     def start(self, prompt: list[int]) -> np.ndarray:
         return self.lm._forward("step", prompt, reset=True)[-1]
+
+    def step(self, token: int, position: int) -> np.ndarray:
+        return self.lm._forward("step", [token])[-1]
+
+
+class _PictureRunner:
+    """One question about a picture in MNN's engine, as ``stream_tokens`` drives it (``steps``): the first step
+    hands the engine the prompt with ``<img>PATH</img>`` (it reads, encodes and places the picture), the later
+    ones one token each through its KV cache."""
+
+    def __init__(self, lm: MnnLlm, question, tmp):
+        self.lm, self.question, self.tmp = lm, question, tmp
+
+    def steps(self, total: int) -> "_PictureRunner":
+        return self
+
+    @property
+    def engine_seconds(self) -> float:
+        return self.lm.call_seconds
+
+    def start(self, prompt: list[int]) -> np.ndarray:
+        try:
+            r = self.lm._call("image_start", self.lm._use("step"), self.question.text)
+        finally:
+            self.tmp.cleanup()  # the engine has read the picture
+        if r["ids"] != self.question.ids:
+            raise WorkbenchError(f"MNN's engine made {len(r['ids'])} ids of the prompt where transformers made "
+                                 f"{len(self.question.ids)}: its tokenizer.txt or image settings are not this "
+                                 "model's; convert it again")
+        return r["logits"]
 
     def step(self, token: int, position: int) -> np.ndarray:
         return self.lm._forward("step", [token])[-1]

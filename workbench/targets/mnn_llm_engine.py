@@ -94,6 +94,20 @@ class Engines:
         finally:
             m.tokenizer_encode("")  # the picture's positions are kept until the next encode: text prompts get their own
 
+    def image_start(self, name: str, text: str):
+        """The first step of a generation with a picture: the engine reads it from ``text`` and prefills through
+        its KV cache (``forward`` steps follow); the ids and the last position's logits."""
+        import numpy as np
+        m = self.engines[name]
+        m.reset()
+        ids = [int(i) for i in m.tokenizer_encode(text)]
+        out = m.forward(ids)
+        m.tokenizer_encode("")  # later steps take the engine's decode positions, as its own generate does
+        if out is None:
+            raise RuntimeError("the engine gave no logits")
+        a = np.array(out.read(), dtype=np.float32, copy=True)
+        return {"ids": ids, "logits": a.reshape(-1, a.shape[-1])[-1]}
+
     def context(self, name: str) -> dict:
         ctx = self.engines[name].context
         return {k: getattr(ctx, k) for k in ("prompt_len", "gen_seq_len", "prefill_us", "decode_us", "vision_us")

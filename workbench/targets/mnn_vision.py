@@ -27,7 +27,7 @@ from ..errors import WorkbenchError
 from ..evaluation.images import read_image
 from ..evaluation.vision import (AnswerScores, answer_kl, capture_answer_reference, image_text_matching,
                                  itm_paired_difference)
-from ..model.vision import answer_scorer, answer_text
+from ..model.vision import VISION_MODEL_TYPES, answer_scorer, answer_text, is_vision_config, vision_inputs
 from ..model.vision_quality import measure_vision_baseline, vision_eval_set
 from ..onnx.build import INLINE_LIMIT, FloatWeights, GraphBuilder, TensorStore, apply_rotary, as_array
 from ..numerics.compute import float32_weight
@@ -35,7 +35,7 @@ from ..numerics.compute import float32_weight
 __all__ = ["VISUAL_FILE", "VISUAL_PREFIXES", "PartWeights", "VISUAL_TYPES", "text_view", "mrope_tables", "export_visual_onnx", "visual_inputs",
            "run_visual_mnn", "vision_llm_config",
            "engine_picture", "EngineQuestion", "engine_scorer", "embedding_error", "noise_picture", "picture_timing", "greedy_answers",
-           "score_vision"]
+           "score_vision", "source_vision_inputs"]
 
 VISUAL_FILE = "visual.mnn"
 VISUAL_PREFIXES = ("model.visual.",)  # the vision layers' names in the plan
@@ -438,3 +438,17 @@ def score_vision(job, runner, *, images=None) -> dict:
         f"encoder {sp['encoder_ms']:.2f} ms, prefill {sp['prefill_ms']:.2f} ms ({sp['prompt_tokens']} tokens), "
         f"decode {sp['decode_tokens_per_second']:.0f} tok/s")
     return out
+
+
+def source_vision_inputs(source: Path, tokenizer):
+    """The picture-and-question preprocessing (``VisionInputs``) of the float VLM in ``source`` (a converted
+    folder's source model), or None for a text model: what a runtime that reads pictures itself is asked with."""
+    from transformers import AutoConfig
+    try:
+        raw = json.loads((Path(source) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(raw, dict) or not is_vision_config(raw) or raw.get("model_type") not in VISION_MODEL_TYPES:
+        return None
+    config = AutoConfig.from_pretrained(source, local_files_only=True)
+    return vision_inputs(VISION_MODEL_TYPES[raw["model_type"]][1], Path(source), config, tokenizer)
