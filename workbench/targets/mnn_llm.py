@@ -148,12 +148,14 @@ def plan_codes_layout(qm) -> tuple[int, int] | None:
                       for q in qws):
         return None
     widths = {q.bits for q in qws}
-    # a layer no wider than the block is one block a row in MNN's layout too (write_plan_codes checks each)
-    blocks = {q.group_size for q in qws if q.group_size and q.group_size < q.qweight.shape[-1]}
-    if len(widths) != 1 or len(blocks) > 1 or not all(q.group_size for q in qws):
+    # a layer whose block is its whole row (per channel, or a row narrower than the plan's group: the 96-wide vision
+    # layers at g128) is one block a row in MNN's layout too, whatever the block (write_plan_codes checks each)
+    blocks = {q.effective_group_size for q in qws if q.effective_group_size < q.qweight.shape[-1]}
+    if len(widths) != 1 or len(blocks) > 1:
         return None
-    bits, block = next(iter(widths)), next(iter(blocks), max(q.group_size for q in qws))
-    return (bits, block) if bits in (4, 8) else None
+    bits = next(iter(widths))
+    block = next(iter(blocks), None) or max(q.effective_group_size for q in qws)
+    return (bits, block) if bits in (4, 8) and block else None
 
 
 def write_plan_codes(doc: dict, weight_file: str | Path, qm, bits: int, block: int) -> int:
