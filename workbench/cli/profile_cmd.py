@@ -56,6 +56,8 @@ def run(args) -> int:
         dec += (f"{bound:>8.0f}" if bound else f"{'-':>8}") + (f"{frac:>9.2f}" if frac is not None else f"{'-':>9}")
         mem = f"{p.rss_added_mb:>9.0f}" if p.rss_added_mb is not None else f"{'-':>9}"
         print(f"{p.name:<24}{p.runtime:<19}{format_bytes(p.size_bytes):>10}{cells}{dec}{mem}")
+        if p.vision:
+            print(f"  {p.vision_summary()}")
         for note in p.notes:
             print(f"  note: {note}")
         if frac is not None and frac > 1:

@@ -180,6 +180,9 @@ class TextGenerator:
             raise WorkbenchError("a question about an image must be text, not token ids")
         if isinstance(image, (str, Path)):
             image = read_image(image)
+        if hasattr(self.runner, "picture_steps"):  # a runtime that reads the picture itself (MNN-LLM's engine)
+            runner, ids = self.runner.picture_steps(self.images, image, prompt)
+            return Generation(self, ids, max_new_tokens, sampling, runner=runner)
         inputs = self.images(image, prompt)
         ids = [int(t) for t in inputs.pop("input_ids")[0]]
         inputs.pop("attention_mask", None)
@@ -351,5 +354,7 @@ def open_model(model: str | Path | LoadedModel, *, tokenizer=None, source: str |
         positions = min(positions or limit, limit)
     runtime = getattr(runner, "runtime", found.target.name)
     kind = target or (found.files[0] if found.files else found.target.name)
+    # a runtime that reads pictures itself is asked as its float model is (its chat template, its image tokens)
+    images = runner.picture_inputs(src, tokenizer) if hasattr(runner, "picture_inputs") and src is not None else None
     return TextGenerator(runner, tokenizer, folder, runtime, f"{folder.name} ({kind}, {runtime})",
-                         eos, positions, threads, src)
+                         eos, positions, threads, src, images=images)

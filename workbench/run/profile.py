@@ -51,6 +51,7 @@ class RuntimeProfile:
     peak_rss_added_mb: float | None = None  # MiB (/proc's kB / 1024); shown as rss_added_mb
     decode_bytes: int | None = None  # the decode graph and its weights: what one decode step reads at most
     notes: list[str] = field(default_factory=list)
+    vision: dict | None = None  # a VL folder's picture path: encoder_ms, prefill_ms, decode tokens/s (engine counters)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -77,7 +78,17 @@ class RuntimeProfile:
         pre = ", ".join(f"{n} tokens {ms:.1f} ms" for n, ms in self.prefill_ms.items())
         dec = f"; decode {self.decode_tokens_per_second:.0f} tok/s" if self.decode_tokens_per_second else ""
         mem = f"; +{self.rss_added_mb:.0f} MB RSS" if self.rss_added_mb is not None else ""
-        return f"{self.name} ({self.runtime}): {self.size_bytes / 1e6:.2f} MB; prefill {pre}{dec}{mem}"
+        line = f"{self.name} ({self.runtime}): {self.size_bytes / 1e6:.2f} MB; prefill {pre}{dec}{mem}"
+        return line + (f"\n  {self.vision_summary()}" if self.vision else "")
+
+    def vision_summary(self) -> str:
+        """The picture path's line: encoder, prefill with the picture's tokens, first token, decode."""
+        v = self.vision or {}
+        if not v:
+            return ""
+        return (f"with a {v['image_size']}x{v['image_size']} picture: encoder {v['encoder_ms']:.2f} ms, prefill "
+                f"{v['prefill_ms']:.2f} ms ({v['prompt_tokens']} tokens), first token {v['first_token_ms']:.2f} ms, "
+                f"decode {v['decode_tokens_per_second']:.0f} tok/s over {v['decoded_tokens']} tokens ({v['source']})")
 
 
 def parse_prompt_lengths(text: str) -> tuple[int, ...]:
@@ -191,6 +202,8 @@ def profile_runtime(name: str, path: str | Path, *, prompt_lengths: Sequence[int
                 _, kv, _ = runner.run_decode(int(prompt[i % len(prompt)]), kv, pos)
                 pos += 1
         report.decode_tokens_per_second = steps / (_median_ms(decode_run, repeats) / 1000)
+    if getattr(runner, "is_visual", False):  # a VL folder: the picture path timed by the engine's own counters
+        report.vision = runner.picture_profile(decode_steps, repeats)
     if child:
         report.peak_rss_added_mb = runner.peak_rss_added_mb()
         runner.close()

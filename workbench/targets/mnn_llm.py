@@ -37,17 +37,19 @@ from ..onnx.build import (DATA_FILE, INLINE_LIMIT, DecoderSpec, FloatWeights, Gr
                           rotary_tables)
 from ..files.workspace import atomic_write_json
 from .common import score_in_runtime
+from .mnn_vision import (VISUAL_FILE, VISUAL_PREFIXES, EngineQuestion, PartWeights, export_visual_onnx, mrope_tables, text_view,
+                         noise_picture, picture_timing, score_vision, source_vision_inputs, vision_llm_config)
 from .mnn import mnn_weight_args, convert_to_mnn, keep_matmul_weights_float, run_mnnconvert
 from .registry import Target, register_target
 from ..files.folder_paths import folder_file, folder_json, named_paths
 from .processes import ENGINE_TIMEOUT_VAR, ChildCrashed, ChildEngine, ChildFailed, ChildHung, engine_timeout
 
-__all__ = ["check_mnn_llm_folder", "graph_weight_bytes",
+__all__ = ["check_mnn_llm_folder", "read_mnn_weights", "graph_weight_bytes",
            "export_engine_onnx", "plan_codes_layout", "write_plan_codes", "write_tokenizer_txt", "write_mnn_llm_folder", "MnnLlm", "open_mnn_llm",
            "convert_mnn_llm", "TARGET", "FILES"]
 
 FILES = ("llm.mnn", "llm.mnn.weight", "embeddings_bf16.bin", "config.json", "llm_config.json", "tokenizer.txt")
-MODEL_TYPES = ("qwen2", "qwen3", "llama")  # decoders whose blocks _EngineGraph rebuilds as they compute
+MODEL_TYPES = ("qwen2", "qwen3", "llama", "qwen2_5_vl_text")  # decoders whose blocks _EngineGraph rebuilds as they compute
 TOKENIZER_MAGIC, HUGGINGFACE_BPE = 430, 3  # tokenizer.txt's header, as MNN's tokenizer.cpp reads it
 ATTENTION_DOMAIN = "LlmExporter"  # the custom op's domain, as MNN's llmexport.py writes it
 
@@ -59,11 +61,14 @@ def export_engine_onnx(model, path: str | Path, *, inline_limit: int | None = No
     named after the layer, which MNN names its op from. Returns the path and the output layer's weight initializer."""
     from onnx import TensorProto, helper
 
+    model = text_view(model)  # a VLM's language model, its layers named as in the VLM (prefix)
+    prefix = getattr(model, "prefix", "model")
     cfg = model.config
     if cfg.model_type not in MODEL_TYPES:
         raise WorkbenchError(f"mnn-llm writes {', '.join(MODEL_TYPES)} decoders, not '{cfg.model_type}'; "
                              "use the mnn target for this model")
     spec = DecoderSpec.from_model(model)
+    sections = getattr(spec.base.rotary_emb, "mrope_section", None)  # a VLM's 3-D positions: position_ids [3, seq]
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     for stale in (path, path.parent / DATA_FILE):
@@ -81,9 +86,12 @@ def export_engine_onnx(model, path: str | Path, *, inline_limit: int | None = No
     try:
         with torch.no_grad():
             h = g.reshape("input_ids", [1, -1, spec.hidden])  # [seq, 1, hidden] -> [1, seq, hidden]
-            cos, sin = (g.op("Transpose", [t], perm=[0, 2, 1, 3]) for t in rotary_tables(g, spec))  # [1, seq, 1, d]
+            if sections:
+                cos, sin = mrope_tables(g, spec.inv_freq, sections)
+            else:
+                cos, sin = (g.op("Transpose", [t], perm=[0, 2, 1, 3]) for t in rotary_tables(g, spec))  # [1, seq, 1, d]
             for i, block in enumerate(spec.base.layers):
-                p, a, m = f"model.layers.{i}", block.self_attn, block.mlp
+                p, a, m = f"{prefix}.layers.{i}", block.self_attn, block.mlp
                 hq, hkv = spec.heads_of(i)
                 g.scope = p
                 x = g.rms_norm(h, block.input_layernorm, f"{p}.input_layernorm")
@@ -108,14 +116,14 @@ def export_engine_onnx(model, path: str | Path, *, inline_limit: int | None = No
             g.scope = ""
             start = g.op("Cast", ["logits_index"], to=TensorProto.INT64)
             h = g.op("Slice", [h, start, g.const([np.iinfo(np.int64).max]), g.const([1])])  # logits_index onward
-            h = g.rms_norm(h, spec.base.norm, "model.norm")
+            h = g.rms_norm(h, spec.base.norm, f"{prefix}.norm")
             policy.lm_head(g, spec.model.get_output_embeddings(), "lm_head", h, spec.base.embed_tokens)
             g.nodes[-1].output[0] = "logits"
         store.close()
         seq = "seq_len"
         inputs = [helper.make_tensor_value_info("input_ids", TensorProto.FLOAT, [seq, 1, spec.hidden]),
                   helper.make_tensor_value_info("attention_mask", TensorProto.FLOAT, [1, 1, seq, seq]),
-                  helper.make_tensor_value_info("position_ids", TensorProto.INT32, [1, seq]),
+                  helper.make_tensor_value_info("position_ids", TensorProto.INT32, [3 if sections else 1, seq]),
                   helper.make_tensor_value_info("logits_index", TensorProto.INT32, [1])]
         outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, "logits_len", spec.vocab])]
         graph = helper.make_graph(g.nodes, "llm", inputs, outputs,
@@ -139,10 +147,14 @@ def plan_codes_layout(qm) -> tuple[int, int] | None:
     if not qws or any(q.zeros is not None or q.sub_scales is not None or q.mins is not None or q.super_block
                       for q in qws):
         return None
-    kinds = {(q.bits, q.effective_group_size) for q in qws}
-    if len(kinds) != 1:
+    widths = {q.bits for q in qws}
+    # a layer whose block is its whole row (per channel, or a row narrower than the plan's group: the 96-wide vision
+    # layers at g128) is one block a row in MNN's layout too, whatever the block (write_plan_codes checks each)
+    blocks = {q.effective_group_size for q in qws if q.effective_group_size < q.qweight.shape[-1]}
+    if len(widths) != 1 or len(blocks) > 1:
         return None
-    bits, block = next(iter(kinds))
+    bits = next(iter(widths))
+    block = next(iter(blocks), None) or max(q.effective_group_size for q in qws)
     return (bits, block) if bits in (4, 8) and block else None
 
 
@@ -167,7 +179,7 @@ def write_plan_codes(doc: dict, weight_file: str | Path, qm, bits: int, block: i
         rows, width = (int(x) for x in np.frombuffer(buf[1:1 + dims].tobytes(), np.int32 if dims == 8 else np.uint16))
         table = int(buf[1 + dims]) or 256
         header = 2 + dims + table
-        codes = qw.qweight.to(torch.int16).numpy().reshape(-1, block) + (1 << (bits - 1))
+        codes = qw.qweight.to(torch.int16).numpy().reshape(-1, qw.effective_group_size) + (1 << (bits - 1))
         flat = codes.reshape(-1).astype(np.uint8)
         packed = (flat[0::2] << 4 | flat[1::2]) if bits == 4 else flat
         if ((rows, width) != codes.shape or q.get("aMaxOrBits") != bits or alpha_bytes != 4 * rows
@@ -181,6 +193,34 @@ def write_plan_codes(doc: dict, weight_file: str | Path, qm, bits: int, block: i
     data.flush()
     del data
     return done
+
+
+def read_mnn_weights(graph: str | Path, work: str | Path) -> dict[str, np.ndarray]:
+    """Each quantized op's weight ``{layer name: values [rows, block]}`` read back from the graph's external weight
+    file (``graph`` + ``.weight``) as MNN lays it out (``write_plan_codes``): the code buffer (dims, rows and
+    block, the code table, the codes: two 4-bit codes a byte, high nibble first, or one 8-bit code), then one
+    float32 scale per row; ``work`` holds the graph's JSON form."""
+    graph, out = Path(graph), Path(work) / (Path(graph).name + ".json")
+    run_mnnconvert(["mnnconvert", "-f", "MNN", "--modelFile", str(graph), "--JsonFile", str(out)])
+    data = np.fromfile(f"{graph}.weight", dtype=np.uint8)
+    found = {}
+    for op in json.loads(out.read_text(encoding="utf-8"))["oplists"]:
+        main = op.get("main") or {}
+        q = main.get("quanParameter")
+        if op.get("type") != "Convolution" or q is None or not main.get("external"):
+            continue
+        offset, size, alpha_bytes = (int(x) for x in main["external"][:3])
+        buf = data[offset:offset + size]
+        dims = 8 if q.get("shapeInt32") else 4
+        rows, width = (int(x) for x in buf[1:1 + dims].view(np.int32 if dims == 8 else np.uint16))
+        count = int(buf[1 + dims]) or 256
+        table = buf[2 + dims:2 + dims + count].view(np.int8).astype(np.float32)
+        codes = buf[2 + dims + count:]
+        idx = np.stack([codes >> 4, codes & 15], -1).reshape(rows, width) if q.get("aMaxOrBits") == 4 else \
+            codes.reshape(rows, width)
+        alpha = data[offset + size:offset + size + alpha_bytes].view(np.float32)
+        found[op.get("name", "").split("__matmul_converted")[0]] = table[idx] * alpha[:, None]
+    return found
 
 
 def _attention_ops(doc: dict) -> int:
@@ -243,13 +283,20 @@ def _stop_ids(lm) -> list[int]:
 
 
 def write_mnn_llm_folder(sim_lm, qm, out: str | Path, work: str | Path, *, threads: int = 4,
-                         inline_limit: int | None = None) -> dict:
+                         inline_limit: int | None = None, processor=None) -> dict:
     """MNN's LLM model directory for the simulation ``sim_lm`` of ``qm``; returns what was decided (notes).
-    ``inline_limit``: the ONNX graph's weights past this many bytes go to external data (``INLINE_LIMIT``)."""
+    ``inline_limit``: the ONNX graph's weights past this many bytes go to external data (``INLINE_LIMIT``).
+    A VLM's vision encoder goes to ``visual.mnn`` beside ``llm.mnn`` (``processor``: its picture preprocessing,
+    whose size and normalisation the engine is told), each graph holding its own layers' codes."""
     out, work = Path(out), Path(work)
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
     model = sim_lm.model
+    text = text_view(model)
+    vision = text is not model
+    if vision and processor is None:
+        raise WorkbenchError("a vision-language model needs its image processor to write MNN's picture settings")
+    all_qm, qm = qm, PartWeights(qm, VISUAL_PREFIXES, keep=False) if vision else qm
     direct = plan_codes_layout(qm)
     bits, block, notes = mnn_weight_args(qm)
     if direct is not None:  # the plan's own codes and scales written into MNN's layout (any rounding method)
@@ -288,8 +335,8 @@ def write_mnn_llm_folder(sim_lm, qm, out: str | Path, work: str | Path, *, threa
     if direct is not None and written != quantized:
         raise WorkbenchError(f"found {written} of the plan's {quantized} quantized layers among MNN's ops: export again")
     rewritten = _attention_ops(doc)
-    if rewritten != len(model.model.layers):
-        raise WorkbenchError(f"MNN's converter kept {rewritten} of {len(model.model.layers)} attention ops: "
+    if rewritten != len(text.model.layers):
+        raise WorkbenchError(f"MNN's converter kept {rewritten} of {len(text.model.layers)} attention ops: "
                              "this MNN version does not carry the custom op; install the pinned MNN")
     graph_json.write_text(json.dumps(doc), encoding="utf-8")
     convert_to_mnn(graph_json, out / "llm.mnn", source="JSON")  # its ops keep their offsets into the weight file
@@ -297,23 +344,70 @@ def write_mnn_llm_folder(sim_lm, qm, out: str | Path, work: str | Path, *, threa
     emb = embed.weight.detach()
     (out / "embeddings_bf16.bin").write_bytes(emb.to(torch.bfloat16).view(torch.int16).numpy().tobytes())
     write_tokenizer_txt(sim_lm.tokenizer, out / "tokenizer.txt", _stop_ids(sim_lm))
-    cfg = model.config
+    cfg = text.config
+    visual = write_visual_mnn(model, PartWeights(all_qm, VISUAL_PREFIXES), out, work) if vision else None
     atomic_write_json(out / "llm_config.json", {
         "model_type": cfg.model_type, "hidden_size": cfg.hidden_size, "layer_nums": cfg.num_hidden_layers,
         "attention_mask": "float", "attention_type": "full", "is_visual": False, "is_audio": False,
-        "max_position_embeddings": int(getattr(cfg, "max_position_embeddings", 0) or 0)})
+        "max_position_embeddings": int(getattr(cfg, "max_position_embeddings", 0) or 0),
+        **(vision_llm_config(model, processor.image_processor) if vision else {})})
     atomic_write_json(out / "config.json", {
         "llm_model": "llm.mnn", "llm_weight": "llm.mnn.weight", "embedding_file": "embeddings_bf16.bin",
         "tokenizer_file": "tokenizer.txt", "backend_type": "cpu", "thread_num": threads, "precision": "high",
-        "memory": "high", "sampler_type": "greedy", "use_template": False, "max_new_tokens": 512})
+        "memory": "high", "sampler_type": "greedy", "use_template": False, "max_new_tokens": 512,
+        # the encoder runs when the picture is read (vision_us), not lazily inside the prefill
+        **({"visual_model": VISUAL_FILE, "async": False} if vision else {})})
+    if visual is not None:
+        notes += visual.pop("notes")
     notes.append("the token embedding is stored as bfloat16 (embeddings_bf16.bin, the engine's float embedding "
                  "format): its simulated values rounded to 8 significant bits")
-    return {"weight_bits": bits, "block": block, "plan_codes_written": written,
+    return {"weight_bits": bits, "block": block, "plan_codes_written": written, "visual": visual,
             "kept_float": kept,
             "attention_ops": rewritten, "notes": notes}
 
 
+def write_visual_mnn(model, vq, out: Path, work: Path) -> dict:
+    """``visual.mnn`` + ``visual.mnn.weight``: the VLM's vision encoder as MNN's engine calls it
+    (``mnn_vision.export_visual_onnx``), its linear layers holding the plan's codes and scales (``vq``: the
+    plan's vision layers) as ``llm.mnn`` does, or MNN's re-quantization of the simulated values where one MNN
+    block layout cannot hold the plan."""
+    onnx_path = export_visual_onnx(model, work / "visual" / "visual.onnx")
+    direct = plan_codes_layout(vq)
+    bits, block, notes = mnn_weight_args(vq)
+    if direct is not None:
+        bits, block = direct
+        notes = [f"visual.mnn: the plan's {bits}-bit codes and per-{block} float scales of the vision layers are "
+                 "written into MNN's quantized weights as they are"]
+    else:
+        notes = [f"visual.mnn: {n}" for n in notes]
+    plain = convert_to_mnn(onnx_path, work / "visual" / "plain.mnn", weight_bits=bits, block_size=block,
+                           asymmetric=True, extra=["--saveExternalData"])
+    weight_file = plain.with_name(plain.name + ".weight")
+    written = 0
+    if direct is not None:
+        graph_json = work / "visual" / "visual.json"
+        run_mnnconvert(["mnnconvert", "-f", "MNN", "--modelFile", str(plain), "--JsonFile", str(graph_json)])
+        written = write_plan_codes(json.loads(graph_json.read_text(encoding="utf-8")), weight_file, vq, bits, block)
+        if written != len(vq.weights):
+            raise WorkbenchError(f"found {written} of the plan's {len(vq.weights)} quantized vision layers among "
+                                 "MNN's ops: export again")
+    os.replace(plain, out / VISUAL_FILE)
+    if weight_file.is_file():
+        os.replace(weight_file, out / (VISUAL_FILE + ".weight"))
+    info = {"weight_bits": bits, "block": block, "plan_codes_written": written, "notes": notes}
+    if direct is not None:  # read back as MNN lays it out: each value the plan's code times its scale
+        back = read_mnn_weights(out / VISUAL_FILE, work / "visual")
+        missing = [n for n in vq.weights if n not in back]
+        if missing:
+            raise WorkbenchError(f"visual.mnn holds no quantized op for {', '.join(missing[:3])}: export again")
+        info["read_back_max_abs_error"] = max(
+            float(np.abs(back[n].reshape(q.shape) - q.dequantize().float().numpy()).max()) for n, q in vq.weights.items())
+        info["read_back_layers"] = len(vq.weights)
+    return info
+
+
 PATH_KEY = re.compile(r"(^|_)(model|weight|file|dir|path|config)$")  # config keys MNN joins to its base_dir
+PICTURE_PROMPT = "Describe the picture."  # the text after the picture when the profile times the picture path
 ENGINE_SCRIPT = Path(__file__).with_name("mnn_llm_engine.py")
 LIMITS = {"hidden_size": 1 << 16, "layer_nums": 1024, "max_position_embeddings": 1 << 24}  # far past any edge LM
 RUN_LIMITS = {"max_all_tokens": 1 << 24, "max_new_tokens": 1 << 24, "thread_num": 1024}  # config.json's, when given
@@ -474,6 +568,8 @@ def check_mnn_llm_folder(folder: str | Path) -> dict:
     vocab, _ = _read_tokenizer_header(tokenizer)
     files = {"config": config_file, "llm_config": llm_config_file, "llm_model": graph, "llm_weight": weight,
              "tokenizer_file": tokenizer}
+    if llm_config.get("is_visual"):
+        files.update(_check_visual(folder, config, config_file, llm_config, llm_config_file, vocab, named))
     tied = llm_config.get("tie_embeddings")
     if tied is not None:  # the embedding is read from llm.mnn.weight: [offset, bytes, alpha offset, alpha bytes, ...]
         parts = tied[:4] if isinstance(tied, list) else None
@@ -492,6 +588,30 @@ def check_mnn_llm_folder(folder: str | Path) -> dict:
                              f"'{tokenizer.name}'): it is truncated or not this model's; convert it again")
     files["embedding_file"] = emb
     return files
+
+
+def _check_visual(folder: Path, config: dict, config_file: Path, llm_config: dict, llm_config_file: Path, vocab: int,
+                  named) -> dict:
+    """The picture side of a VL folder (``is_visual``): ``visual.mnn`` (or ``visual_model``) inside the folder and
+    a whole graph, the weight file beside it holding what its ops read, and the image keys sane (the size a picture
+    is resized to, the image token ids within the vocabulary)."""
+    visual = named("visual_model", VISUAL_FILE, at_least=16, why="of a graph's header")
+    need = graph_weight_bytes(visual)
+    weight = visual.with_name(visual.name + ".weight")
+    if need and (not weight.is_file() or weight.stat().st_size < need):
+        have = f"holds {weight.stat().st_size:,} bytes" if weight.is_file() else "is missing"
+        raise ModelLoadError(f"'{weight}' {have}, but its graph '{visual.name}' reads {need:,} bytes of it: "
+                             "convert it again")
+    size = llm_config.get("image_size")
+    if isinstance(size, bool) or not isinstance(size, int) or not 14 <= size <= 8192:
+        raise ModelLoadError(f"'{llm_config_file}' gives image_size {size!r}: a whole number of pixels from 14 to "
+                             "8,192 is needed (the square a picture is resized to); convert it again")
+    for key in ("image_pad", "vision_start", "vision_end"):
+        value = llm_config.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < max(vocab, 1):
+            raise ModelLoadError(f"'{llm_config_file}' gives {key} {value!r}, not a token of the {vocab:,}-token "
+                                 "vocabulary: convert it again")
+    return {"visual_model": visual, **({"visual_weight": weight} if need else {})}
 
 
 class _EngineView:
@@ -633,6 +753,51 @@ class MnnLlm:
             raise WorkbenchError(f"MNN's engine stopped after {ctx.gen_seq_len} token(s); nothing was decoded")
         return ctx.decode_us / 1e6 * steps / made
 
+    @property
+    def is_visual(self) -> bool:
+        """Whether the folder holds a vision encoder (``visual.mnn``) the engine reads pictures with."""
+        return "visual_model" in self.files
+
+    def image_logits(self, text: str) -> tuple[list[int], np.ndarray]:
+        """The engine's ids and every position's logits for ``text`` with ``<img>PATH</img>`` (the engine reads,
+        encodes and places the picture itself)."""
+        r = self._call("image_prompt", self._use("score"), text, 0)
+        return r["ids"], r["logits"]
+
+    def image_generate(self, text: str, new_tokens: int):
+        """The engine's own generate of ``text`` with a picture; its context (``vision_us``: the encoder's time,
+        ``prefill_us``, ``decode_us``) and the ids."""
+        from types import SimpleNamespace
+        return SimpleNamespace(**self._call("image_prompt", self._use("step"), text, int(new_tokens)))
+
+    def picture_inputs(self, source: Path, tokenizer):
+        """The float VLM's picture-and-question preprocessing when this folder reads pictures (``visual.mnn``)."""
+        return source_vision_inputs(source, tokenizer) if self.is_visual else None
+
+    def picture_steps(self, images, image, question: str) -> tuple["_PictureRunner", list[int]]:
+        """What ``stream_tokens`` drives for a question about ``image`` (``images``: the float model's
+        ``VisionInputs``): the engine reads the picture itself at the first step; and the prompt's ids (the float
+        model's, which the engine's must equal)."""
+        import tempfile
+        size = int(folder_json(self.files["llm_config"], "`workbench convert MODEL --target mnn-llm`")["image_size"])
+        tmp = tempfile.TemporaryDirectory(prefix="workbench-mnn-picture-")
+        try:
+            q = EngineQuestion(images, image, question, size, Path(tmp.name))
+        except BaseException:
+            tmp.cleanup()
+            raise
+        return _PictureRunner(self, q, tmp), list(q.ids)
+
+    def picture_profile(self, steps: int, repeats: int) -> dict:
+        """The engine's encoder, prefill and decode times for a prompt with one picture of the folder's own size
+        (a fixed noise picture: the encoder's cost depends on the size only), after a warm-up (``picture_timing``)."""
+        import tempfile
+        size = int(folder_json(self.files["llm_config"], "`workbench convert MODEL --target mnn-llm`")["image_size"])
+        with tempfile.TemporaryDirectory(prefix="workbench-mnn-picture-") as tmp:
+            picture = noise_picture(size, Path(tmp))
+            out = picture_timing(self, f"<img>{picture}</img>{PICTURE_PROMPT}", steps, repeats)
+        return {"image_size": size, **out}
+
     def peak_rss_added_mb(self) -> float | None:
         """The peak resident memory the engine's child added over its own start (MiB), or None off Linux."""
         return self._call("peak_rss_added_mb")
@@ -662,6 +827,36 @@ class _EngineSteps:
         return self.lm._forward("step", [token])[-1]
 
 
+class _PictureRunner:
+    """One question about a picture in MNN's engine, as ``stream_tokens`` drives it (``steps``): the first step
+    hands the engine the prompt with ``<img>PATH</img>`` (it reads, encodes and places the picture), the later
+    ones one token each through its KV cache."""
+
+    def __init__(self, lm: MnnLlm, question, tmp):
+        self.lm, self.question, self.tmp = lm, question, tmp
+
+    def steps(self, total: int) -> "_PictureRunner":
+        return self
+
+    @property
+    def engine_seconds(self) -> float:
+        return self.lm.call_seconds
+
+    def start(self, prompt: list[int]) -> np.ndarray:
+        try:
+            r = self.lm._call("image_start", self.lm._use("step"), self.question.text)
+        finally:
+            self.tmp.cleanup()  # the engine has read the picture
+        if r["ids"] != self.question.ids:
+            raise WorkbenchError(f"MNN's engine made {len(r['ids'])} ids of the prompt where transformers made "
+                                 f"{len(self.question.ids)}: its tokenizer.txt or image settings are not this "
+                                 "model's; convert it again")
+        return r["logits"]
+
+    def step(self, token: int, position: int) -> np.ndarray:
+        return self.lm._forward("step", [token])[-1]
+
+
 def open_mnn_llm(folder: str | Path, *, threads: int | None = None) -> MnnLlm:
     return MnnLlm(folder, threads=threads)
 
@@ -671,7 +866,8 @@ def convert_mnn_llm(job) -> None:
     prep, report = job.prep, job.report
     job.say("writing MNN's LLM model directory")
     t = time.perf_counter()
-    info = write_mnn_llm_folder(prep.sim_lm, prep.qm, job.out, job.work / "mnn-llm")
+    info = write_mnn_llm_folder(prep.sim_lm, prep.qm, job.out, job.work / "mnn-llm",
+                                processor=getattr(prep.float_lm, "processor", None))
     report.details["seconds"]["write"] = time.perf_counter() - t
     report.notes += info.pop("notes")
     report.details["mnn_llm"] = info
@@ -679,6 +875,8 @@ def convert_mnn_llm(job) -> None:
     try:
         score_in_runtime(job, runner, "mnn-llm", job.out / "llm.mnn",
                          "the engine's own counters (context.prefill_us, context.decode_us)")
+        if runner.is_visual and job.evaluate_outputs:
+            score_vision(job, runner)
     finally:
         runner.close()
 

@@ -71,12 +71,46 @@ class Engines:
     def generate(self, name: str, prompt, new_tokens: int) -> dict:
         m = self.engines[name]
         m.reset()
+        m._c_obj.generate_init()  # generate() alone adds to the counters (prefill_us, decode_us) of earlier calls
         m._c_obj.generate([int(i) for i in prompt], int(new_tokens))
         return self.context(name)
 
+    def image_prompt(self, name: str, text: str, new_tokens: int):
+        """A prompt with ``<img>PATH</img>`` read by the engine itself (its encoder, its 3-D positions): with
+        ``new_tokens`` 0 the ids and every position's logits, else the engine's generate and its context."""
+        import numpy as np
+        m = self.engines[name]
+        m.reset()  # also zeroes vision_us
+        ids = [int(i) for i in m.tokenizer_encode(text)]
+        try:
+            if new_tokens:
+                m._c_obj.generate_init()
+                m._c_obj.generate(ids, int(new_tokens))
+                return {"ids": ids, "tokens": [int(t) for t in m.context.output_tokens], **self.context(name)}
+            out = m.forward(ids)
+            if out is None:
+                raise RuntimeError("the engine gave no logits")
+            return {"ids": ids, "logits": np.array(out.read(), dtype=np.float32, copy=True).reshape(len(ids), -1)}
+        finally:
+            m.tokenizer_encode("")  # the picture's positions are kept until the next encode: text prompts get their own
+
+    def image_start(self, name: str, text: str):
+        """The first step of a generation with a picture: the engine reads it from ``text`` and prefills through
+        its KV cache (``forward`` steps follow); the ids and the last position's logits."""
+        import numpy as np
+        m = self.engines[name]
+        m.reset()
+        ids = [int(i) for i in m.tokenizer_encode(text)]
+        out = m.forward(ids)
+        m.tokenizer_encode("")  # later steps take the engine's decode positions, as its own generate does
+        if out is None:
+            raise RuntimeError("the engine gave no logits")
+        a = np.array(out.read(), dtype=np.float32, copy=True)
+        return {"ids": ids, "logits": a.reshape(-1, a.shape[-1])[-1]}
+
     def context(self, name: str) -> dict:
         ctx = self.engines[name].context
-        return {k: getattr(ctx, k) for k in ("prompt_len", "gen_seq_len", "prefill_us", "decode_us")
+        return {k: getattr(ctx, k) for k in ("prompt_len", "gen_seq_len", "prefill_us", "decode_us", "vision_us")
                 if isinstance(getattr(ctx, k, None), (int, float))}
 
     def peak_rss_added_mb(self) -> float | None:
