@@ -58,6 +58,7 @@ def test_windowed_attention_blocks_match_pytorch(tmp_path):
     torch.manual_seed(0)
     model = Qwen2_5_VLForConditionalGeneration(cfg).eval()
     lm = SimpleNamespace(model=model, path="tiny", processor=None, layers=[])
+    assert encoder_image_size(lm) == (336, 504)  # no preprocessor to say: Qualcomm's size for Qwen2.5-VL
     vx = export_vision_encoder(lm, tmp_path, image_size=(168, 112))  # 12x8 patches: windows of unequal sizes
     assert vx.windowed_blocks == [0]
     assert vx.max_abs_diff is not None and vx.max_abs_diff < 1e-4

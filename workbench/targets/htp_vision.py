@@ -183,6 +183,8 @@ def measure_vision_encoder(prep, export: VisionExport, qdq_path: Path, *, soc: H
     emulator: embeddings against the float model and the simulations, answers of the whole model with the
     encoder's embeddings injected, time per picture. Returns the conversion's ``details.vision_encoder`` entries."""
     import onnxruntime as ort
+    if soc is not None and out_dir is None:
+        raise ValueError("measure_vision_encoder: give out_dir, where the context binary for the SoC is written")
     lm = prep.float_lm
     images, resized = fixed_size_set(images or vision_eval_set(), export.image_size)
     pictures = list(dict.fromkeys(s.image for s in images.questions))

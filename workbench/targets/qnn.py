@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import json
 import shlex
+from collections import Counter
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
@@ -771,9 +772,7 @@ def _convert_vision_language(job) -> None:
     written = write_qnn_encodings(job.out / "quant_overrides_vision_encoder.json", view, vx, graph=vx.path,
                                   activation_bitwidth=job.activation_bits)
     write_calibration_raw(job.out, "vision_encoder", feeds, ["pixel_values"])
-    precisions = {}
-    for name in vx.weight_names:
-        precisions[view.precisions.get(name) or "float"] = precisions.get(view.precisions.get(name) or "float", 0) + 1
+    precisions = dict(Counter(view.precisions.get(name) or "float" for name in vx.weight_names))
     details = {"graph": str(vx.path), "qdq_graph": str(qdq), "image_size": list(vx.image_size),
                "grid_thw": list(vx.grid_thw), "image_tokens": vx.output_shape[0], "input_shape": list(vx.input_shape),
                "onnx_vs_pytorch_max_abs_diff": vx.max_abs_diff, "layer_precisions": precisions,
