@@ -131,3 +131,10 @@ def test_cli_plan_preset_on_a_vlm_holds_qualcomms_vision_recipe(tmp_path, capsys
     assert main(["plan", "demo", "--preset", "qualcomm-w4a16", "--mmproj", "q8_0", "--out",
                  str(tmp_path / "p2.json")]) == 2
     assert "text model" in capsys.readouterr().err
+
+
+def test_cli_plan_images_on_a_text_model_is_one_line_exit_2(tmp_path, capsys):
+    assert main(["plan", "demo", "--preset", "qualcomm-w4a16", "--images", str(tmp_path), "--out",
+                 str(tmp_path / "p.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "text model" in err
