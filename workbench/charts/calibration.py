@@ -18,7 +18,8 @@ from plotly.subplots import make_subplots
 from ..model.calibrate import NEAR_ZERO_DIVISOR
 
 __all__ = ["make_layer_overview_figure", "make_channel_magnitude_figure", "make_stat_heatmap_figure",
-           "make_token_length_figure", "make_near_zero_figure", "PART_COLORS", "SORT_KEYS", "HEATMAP_STATISTICS", "layer_order"]
+           "make_token_length_figure", "make_near_zero_figure", "PART_COLORS", "SORT_KEYS", "HEATMAP_STATISTICS",
+           "layer_order"]
 
 # sort key -> (label, value of a LayerStats); larger values come first
 SORT_KEYS = {

@@ -34,7 +34,7 @@ from ..units import format_bytes
 from .common import backend_from_args, count, number, add_device_argument, add_json_flag, add_model_argument, print_json
 from .sensitivity import add_sweep_arguments, sweep
 from ..targets.qnn import RECIPE, recipe_plan
-from ..errors import PlanError
+from ..errors import DataError, PlanError
 from ..targets import get_target
 from ..targets.htp import departing_layers, htp_soc, soc_plan_changes, soc_runs
 
@@ -101,6 +101,8 @@ def run(args) -> int:
 def _evaluator(args, lm, variants):
     """What a plan is measured on: a VLM's held-out questions about pictures (all of --images' set, unless text is
     given with --data), else the held-out text cut to --eval-tokens."""
+    if args.images and not getattr(lm, "is_vision", False):
+        raise DataError(f"'{args.model}' is a text model (no vision encoder): drop --images")
     if getattr(lm, "is_vision", False) and not args.data:
         images = vision_eval_set(args.images)
         return VisionPlanEvaluator(lm, variants, images, questions=len(images.questions), progress=not args.json)

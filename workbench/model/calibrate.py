@@ -433,11 +433,14 @@ def _load_checkpoint(path: Path, n_batches: int, acc: dict, gen: torch.Generator
 
 
 @torch.inference_mode()
-def run_calibration(model: nn.Module, calib_set: CalibrationSet | ImageCalibrationSet, progress: bool = True, *, batch_size: int = 8,
+def run_calibration(model: nn.Module, calib_set: CalibrationSet | ImageCalibrationSet, progress: bool = True, *,
+                    batch_size: int = 8,
                     outlier_factor: float = OUTLIER_FACTOR, sample_budget: int = SAMPLE_BUDGET,
                     seed: int = 0, checkpoint: Path | None = None,
                     checkpoint_seconds: float | None = None) -> CalibrationStats:
     """Run every calibration sample through ``model`` and gather its linear layers' input statistics.
+
+    ``calib_set`` is text (token-id batches) or a VLM's ``ImageCalibrationSet`` (one picture's inputs a forward).
 
     The model is left exactly as it was: no weight changes, its train/eval mode restored, and
     every hook removed even if the forward raises. With ``checkpoint`` (a file path) the totals

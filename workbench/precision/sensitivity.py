@@ -719,7 +719,7 @@ def run_sensitivity(lm: LoadedModel, *, ids: torch.Tensor | None = None, text_pa
     given the image over the first ``questions`` questions of ``images`` (an image set, default the bundled
     demo-vl held-out set), every trial measured (the proxy follows text only), in this process.
     """
-    lm.require_float("sensitivity")
+    lm.require_float("sensitivity")  # a quantized model's layers are already integers: sweep its float source
     vision = getattr(lm, "is_vision", False)
     if images is not None and not vision:
         raise DataError(f"'{lm.path}' is a text model (no vision encoder): sweep it on text, drop --images")
@@ -732,7 +732,7 @@ def run_sensitivity(lm: LoadedModel, *, ids: torch.Tensor | None = None, text_pa
             raise PlanError("the Fisher proxy estimates KL on text; a sweep on pictures measures every trial: use "
                             "--score kl or auto")
         if backend is not None and not isinstance(backend, LocalBackend):
-            raise PlanError("a sweep on pictures runs in this process: drop --workers / --ray")  # a quantized model's layers are already integers: sweep its float source
+            raise PlanError("a sweep on pictures runs in this process: drop --workers / --ray")
     if precisions is None:
         precisions = sweep_precisions(evaluator.variants.symmetric if evaluator is not None else symmetric, lm.layers)
     for p in precisions:
