@@ -26,11 +26,11 @@ from ..evaluation.images import read_image_set
 from ..evaluation.vision import (answer_kl, answer_samples, capture_answer_reference, caption_samples,
                                  image_text_matching, itm_paired_difference)
 from ..quantize.plan import QuantPlan
-from .vision import PART_PREFIXES, answer_scorer, model_parts
+from .vision import PART_PREFIXES, answer_scorer, model_parts, part_of
 
 __all__ = ["VisionEvalSet", "VisionQuality", "VisionBaseline", "vision_eval_set", "measure_vision_baseline",
            "measure_vision_quality", "part_plan",
-           "part_prefixes", "DEFAULT_DISTRACTORS"]
+           "part_prefixes", "part_layers", "DEFAULT_DISTRACTORS"]
 
 DEFAULT_DISTRACTORS = 3  # four captions per image: chance 25 %
 
@@ -172,6 +172,20 @@ def part_prefixes(lm, part: str) -> list[str]:
         if p.name == part:
             return list(p.prefixes)
     return []
+
+
+def part_layers(lm) -> dict[str, list[str]]:
+    """Each part's quantizable layers by their checkpoint names, parts in ``lm.parts()`` order (a text model: one
+    part, the language model, holding every layer)."""
+    parts = lm.parts()
+    if not getattr(lm, "is_vision", False):
+        return {parts[0].name: [layer.name for layer in lm.layers]}
+    out: dict[str, list[str]] = {part.name: [] for part in parts}
+    for layer in lm.layers:
+        part = part_of(layer.name, parts)
+        if part is not None:
+            out[part].append(layer.name)
+    return out
 
 
 def part_plan(lm, plan: QuantPlan, *, vision: str | None = "keep", projector: str | None = "keep") -> QuantPlan:
