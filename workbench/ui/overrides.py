@@ -148,7 +148,9 @@ class OverridePanel(widgets.VBox):
         self.dropdowns: dict[str, LayerChoice] = {}  # by layer: the row's choice (buttons and menu)
         # a gap after each heading: "parameters" and the KL heading ran together ("parametersKL alone at int4")
         cell = "display:inline-block;font-weight:bold;font-size:11px;padding-right:8px;box-sizing:border-box"
-        header = widgets.HTML(f"<span style='{cell};width:250px'>layer</span>"
+        # the name column fits the longest name (a VLM's language_model.layers.0.self_attn.q_proj ran into the shape)
+        name_px = max(250, 7 * max((len(i.name.removeprefix("model.")) for i in lm.layers), default=0) + 12)
+        header = widgets.HTML(f"<span style='{cell};width:{name_px}px'>layer</span>"
                               f"<span style='{cell};width:80px'>shape</span>"
                               f"<span style='{cell};width:80px'>parameters</span>"
                               f"<span style='{cell};width:140px'>{kl_title} alone at {sensitivity_precision}</span>"
@@ -163,7 +165,7 @@ class OverridePanel(widgets.VBox):
             tied = " <i style='color:#999'>(tied)</i>" if info.tied_to else ""
             rows.append(widgets.HBox([
                 widgets.HTML(f"<code style='font-size:11px' title='{info.name}'>{short}</code>{tied}",
-                             layout={"width": "250px"}),
+                             layout={"width": f"{name_px}px"}),
                 widgets.HTML(f"<span style='font-size:11px'>{'x'.join(map(str, info.shape))}</span>",
                              layout={"width": "80px"}),
                 widgets.HTML(f"<span style='font-size:11px'>{info.parameters:,}</span>", layout={"width": "80px"}),
@@ -181,7 +183,7 @@ class OverridePanel(widgets.VBox):
             setter.observe(self._on_part_setter(part), names="value")
             self.part_setters[part] = setter
             body = widgets.VBox([widgets.HBox([widgets.HTML(f"<b>whole {html.escape(part)}</b>:",
-                                                            layout={"width": "250px"}), setter]),
+                                                            layout={"width": f"{name_px}px"}), setter]),
                                  widgets.HTML(header.value), *(self.rows[n] for n in names)])
             self.sections[part] = widgets.Accordion([body], selected_index=0)
             self.sections[part].add_class("workbench-part")

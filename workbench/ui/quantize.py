@@ -9,7 +9,9 @@ Every run adds a row to the results table, so RTN and AWQ, INT8 and INT4 can be 
 same held-out windows (the reference is evaluated once per panel). Given a plan, the controls start
 from the plan's method, group size and symmetry. In the app (``session=``) the plan is the session's,
 AWQ and RTN's scale search use the Calibrate tab's calibration, and each result becomes the session's quantized model
-(saved, and what Export converts).
+(saved, and what Export converts). A vision-language model is also scored on pictures (``images=``, else the image set
+field, else the bundled demo-vl held-out set): answer-token KL and top-1 against the float model, image-text matching
+of both, in words and one table row per run (``workbench.model.vision_quality``; the float side scored once per set).
 """
 from __future__ import annotations
 
@@ -268,4 +270,7 @@ def pictures_html(rows: list[dict]) -> str:
     table = ruled_table("workbench-pictures-table", "<th>model</th><th>answer-token KL (nats)</th><th>answer top-1 "
                         "agreement</th><th>image-text matching</th><th>matching vs float</th>", body)
     return (f"<div class='workbench-pictures'><b>On pictures</b> ({html.escape(last['source'])}; "
-            f"{last['seconds']:.1f} s):{words}{table}</div>")
+            f"{last['seconds']:.1f} s):{words}{table}<p style='font-size:12px;color:#5d6d7e'>Below: the language "
+            "model alone on held-out text, no picture (the text the eval tokens field sets): a check that text still "
+            "reads as before; a model trained on captions only has a high perplexity on prose, float and quantized "
+            "alike.</p></div>")
