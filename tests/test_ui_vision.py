@@ -15,6 +15,7 @@ from workbench.model.vision_quality import VisionEvalSet, measure_vision_quality
 from workbench.quantize.plan import QuantPlan
 from workbench.ui.app import WorkbenchApp
 from workbench.ui.overrides import OverridePanel
+from workbench.ui.session import report_markdown
 from workbench.ui.vision import bundled_pictures, model_words, vision_sentences
 
 RED = "color:#c0392b"
@@ -167,6 +168,8 @@ def test_quantize_reports_the_pictures_as_the_library_measures_them(vl_app):
     report = app.session.report()
     assert report["quantized"]["vision"]["answer_kl"] == panel.vision.answer_kl
     assert [p["name"] for p in report["model"]["parts"]] == ["vision encoder", "projector", "language model"]
+    markdown = report_markdown(report)  # the run's report.md says it in the same words
+    assert all(line in markdown for line in vision_sentences(report["quantized"]["vision"]))
 
 
 def test_generate_answers_about_the_chosen_picture(vl_app):
