@@ -25,7 +25,7 @@ from ..evaluation.images import read_image
 from ..evaluation.vision import AnswerScores, VisionSample
 
 __all__ = ["VISION_MODEL_TYPES", "is_vision_config", "ModelPart", "model_parts", "VisionInputs",
-           "load_vision_model", "answer_scorer", "answer_inputs", "answer_text"]
+           "load_vision_model", "answer_scorer", "answer_inputs", "answer_text", "part_of"]
 
 # model_type -> (transformers class, image-prompt family)
 VISION_MODEL_TYPES = {
@@ -72,6 +72,12 @@ def _part_of(name: str, found: dict[str, str]) -> str | None:
         if (name == prefix or name.startswith(prefix + ".")) and (best is None or len(prefix) > len(best[0])):
             best = (prefix, part)
     return best[1] if best else None
+
+
+def part_of(name: str, parts) -> str | None:
+    """The part (``ModelPart.name``) a layer or parameter ``name`` belongs to among ``parts`` (longest prefix wins:
+    the projector inside the vision tower is the projector), or None."""
+    return _part_of(name, {prefix: part.name for part in parts for prefix in part.prefixes})
 
 
 def model_parts(model: nn.Module, layer_names=()) -> list[ModelPart]:

@@ -26,11 +26,11 @@ from ..evaluation.images import read_image_set
 from ..evaluation.vision import (answer_kl, answer_samples, capture_answer_reference, caption_samples,
                                  image_text_matching, itm_paired_difference)
 from ..quantize.plan import QuantPlan, VisionRecipe
-from .vision import PART_PREFIXES, answer_scorer, model_parts
+from .vision import PART_PREFIXES, answer_scorer, model_parts, part_of
 
 __all__ = ["VisionEvalSet", "VisionQuality", "VisionBaseline", "vision_eval_set", "measure_vision_baseline",
-           "measure_vision_quality", "part_plan",
-           "part_prefixes", "layer_parts", "recipe_part_plan", "part_layers", "DEFAULT_DISTRACTORS"]
+           "measure_vision_quality", "part_plan", "part_prefixes", "layer_parts", "part_layers", "layers_in_parts",
+           "recipe_part_plan", "DEFAULT_DISTRACTORS"]
 
 DEFAULT_DISTRACTORS = 3  # four captions per image: chance 25 %
 
@@ -180,11 +180,21 @@ def layer_parts(lm) -> dict[str, str]:
     names = [layer.name for layer in lm.layers]
     if not getattr(lm, "is_vision", False):
         return {n: "language model" for n in names}
-    prefixes = [(p, part.name) for part in model_parts(lm.model, names) for p in part.prefixes]
-    out = {}
-    for n in names:
-        hits = [(len(p), part) for p, part in prefixes if n == p or n.startswith(p + ".")]
-        out[n] = max(hits)[1] if hits else "language model"
+    parts = model_parts(lm.model, names)
+    return {n: part_of(n, parts) or "language model" for n in names}
+
+
+def part_layers(lm) -> dict[str, list[str]]:
+    """Each part's quantizable layers by their checkpoint names, parts in ``lm.parts()`` order (a text model: one
+    part, the language model, holding every layer)."""
+    parts = lm.parts()
+    if not getattr(lm, "is_vision", False):
+        return {parts[0].name: [layer.name for layer in lm.layers]}
+    out: dict[str, list[str]] = {part.name: [] for part in parts}
+    for layer in lm.layers:
+        part = part_of(layer.name, parts)
+        if part is not None:
+            out[part].append(layer.name)
     return out
 
 
@@ -211,6 +221,6 @@ def recipe_part_plan(lm, plan: QuantPlan, recipe: VisionRecipe) -> QuantPlan:
     return replace(out, meta={**out.meta, "vision_recipe": recipe.to_dict()})
 
 
-def part_layers(lm, parts=("vision encoder", "projector")) -> list[str]:
+def layers_in_parts(lm, parts=("vision encoder", "projector")) -> list[str]:
     """The quantizable layers of the named parts, in layer order."""
     return [n for n, part in layer_parts(lm).items() if part in parts]

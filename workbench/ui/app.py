@@ -44,6 +44,7 @@ from .profile import ProfilePanel
 from .project import ProjectPanel
 from .quantize import QuantizePanel
 from .session import ARCHIVE_SEND_LIMIT, AppSession, SessionLabel, run_model
+from .vision import VisionPanel, model_words
 
 __all__ = ["WorkbenchApp", "TAB_TITLES", "SENSITIVITY_CHOICES", "SWEEP_PRECISIONS", "EVERY_PRECISION"]
 
@@ -70,7 +71,8 @@ class WorkbenchApp(StepPanel):
         self.eval_tokens, self.finetune_steps = eval_tokens, finetune_steps
         self.finetune_panel = self.calibrate_panel = self.override_panel = self.quantize_panel = None
         self.convert_panel = self.profile_panel = self.generate_panel = self.project_panel = None
-        self.compress_panel = None
+        self.compress_panel = self.vision_panel = None
+        self.vision_box = widgets.VBox()  # a vision-language model: its parts and the picture (ui.vision)
         self._setup()
         self.model_path = widgets.Text(value=str(model), description="model", layout={"width": "560px"},
                                        placeholder="demo, or a local Hugging Face model directory")
@@ -125,7 +127,7 @@ class WorkbenchApp(StepPanel):
         super().__init__([
             widgets.HTML("<p>Choose per-layer INT4 / INT8 / FP16, see what it costs in perplexity, KL divergence "
                          "and size, and export for a target.</p>"),
-            widgets.HBox([self.model_path, self.load_button]), self.status_line,
+            widgets.HBox([self.model_path, self.load_button]), self.status_line, self.vision_box,
             widgets.HBox([self.out_dir_text, self.download_button, self.download_link]), self.download_line,
             self.log_output, self.tabs])
 
@@ -160,10 +162,13 @@ class WorkbenchApp(StepPanel):
         if not ok:
             return None
         for panel in (self.finetune_panel, self.calibrate_panel, self.quantize_panel, self.convert_panel,
-                      self.profile_panel, self.generate_panel, self.project_panel, self.compress_panel):
+                      self.profile_panel, self.generate_panel, self.project_panel, self.compress_panel,
+                      self.vision_panel):
             if panel is not None:
                 panel.close()  # they stop observing the session
         s = self.session
+        self.vision_panel = VisionPanel(s) if lm.is_vision else None
+        self.vision_box.children = [self.vision_panel] if self.vision_panel is not None else []
         self.finetune_panel = FinetunePanel(str(lm.path), out_dir=s.out_dir / "finetuned", steps=self.finetune_steps)
         self.finetune_box.children = [self.finetune_label, self.finetune_panel, self.continue_button]
         self.calibrate_panel = CalibratePanel(lm, samples=self.samples, seq_len=self.seq_len, session=s)
@@ -185,14 +190,15 @@ class WorkbenchApp(StepPanel):
             self.tabs.set_title(i, title)
         for panel in (self.finetune_panel, self.calibrate_panel, self.quantize_panel, self.convert_panel,
                       self.profile_panel, self.generate_panel, self.project_panel, self.compress_panel,
-                      getattr(self.convert_panel, "gap_panel", None)):
+                      getattr(self.convert_panel, "gap_panel", None), self.vision_panel):
             if panel is not None:
                 self.status_group.add(panel.status_line)
         self.tabs.selected_index = 1  # Calibrate: fine-tuning is optional
         self.plan_label.value = "Quantize and Export use uniform INT4 until you press <i>Use this plan</i>"
         moved = " (a new run folder: a run holds one model's results)" if s.out_dir != before else ""
-        self.status.value = html.escape(f"loaded {lm.name}: {len(lm.layers)} quantizable layers; outputs go to "
-                                        f"{s.out_dir}{moved}")
+        self.status.value = html.escape(f"loaded {lm.name}: {len(lm.layers)} quantizable layers"
+                                        + (f"; {model_words(lm)}" if lm.is_vision else "")
+                                        + f"; outputs go to {s.out_dir}{moved}")
         return lm
 
     def run_sensitivity(self, score: str | None = None, precisions=(), frontier: bool = True):

@@ -9,7 +9,9 @@ and the prefill time under it. The two models run one after the other, so neithe
 measured while the other computes. The float model is the app session's model, else the one the
 conversion came from (its ``conversion.json``). In the app (``session=``) the choices are the
 session's conversions, its quantized model and the float model, and the latest conversion that
-runs here is chosen.
+runs here is chosen. A vision-language model (the session's) answers the prompt as a question about the
+picture chosen under Load (``session.image``), shown here; the quantized and the float model see the same
+picture.
 """
 from __future__ import annotations
 
@@ -18,18 +20,22 @@ from pathlib import Path
 
 import ipywidgets as widgets
 
-from ..errors import ModelLoadError
+from ..errors import ModelLoadError, WorkbenchError
 from ..run.generate import DEFAULT_MAX_NEW_TOKENS, Generation, TextGenerator, open_model
 from ..run.locate import locate
 from ..runtime.stream import STOP_WORDS, Sampling
 from ..model.load import LoadedModel
+from ..evaluation.images import read_image
+from ..evaluation.vision import CAPTION_PROMPT
 from .base import StepPanel
 from .session import SessionLabel
+from .vision import PREVIEW_PIXELS, bundled_questions, preview_png
 
-__all__ = ["GeneratePanel", "FLOAT", "DEFAULT_PROMPT"]
+__all__ = ["GeneratePanel", "FLOAT", "DEFAULT_PROMPT", "VISION_PROMPT"]
 
 FLOAT = "float"  # the model field's value that means the float model itself
 DEFAULT_PROMPT = "A class definition"
+VISION_PROMPT = CAPTION_PROMPT  # a vision-language model's first question: describe the picture
 KEEP_OPEN = 2  # models kept loaded between presses of Generate
 
 
@@ -99,9 +105,26 @@ class GeneratePanel(StepPanel):
         head = [widgets.HTML("<b>Generate</b>: a converted model (ONNX Runtime, MNN), a quantized or the float model "
                              "continues your prompt, token by token, with its speed; the float model continues the "
                              "same prompt beside it (this machine's CPU, one model at a time)")]
+        self.picture = widgets.Image(format="png", layout={"width": f"{PREVIEW_PIXELS // 2}px",
+                                                           "border": "1px solid #ddd"})
+        self.picture_note = widgets.HTML()
+        self.question = widgets.Dropdown(description="ask", layout={"width": "640px"})
+        self.question.observe(self._on_question, names="value")
         if session is not None:
             head.append(self._own(SessionLabel(session)))
             self._watch(session, self._on_session, ["conversions", "quantized_path", "lm"])
+            self._watch(session, self._show_picture, "image")
+        self.is_vision = session is not None and getattr(session.lm, "is_vision", False)
+        if self.is_vision:  # a question about the picture, not text to continue
+            self.question.options = [("a question the demo VLM was trained on...", "")] + \
+                [(q, q) for q in bundled_questions()]
+            if prompt == DEFAULT_PROMPT:
+                self.prompt.value = VISION_PROMPT
+            head.append(widgets.HBox([self.picture, widgets.VBox([
+                widgets.HTML("<b>the picture chosen under Load</b>: the prompt is a question about it"),
+                self.picture_note, self.question])]))
+            self.controls.append(self.question)
+            self._show_picture()
         self._refresh_choices(select_latest=model is None)
         super().__init__([
             *head, self.choice, self.model, self.prompt,
@@ -136,6 +159,22 @@ class GeneratePanel(StepPanel):
     def _on_choice(self, change) -> None:
         if change["new"] is not None:
             self.model.value = change["new"]
+
+    def _on_question(self, change) -> None:
+        if change["new"]:
+            self.prompt.value = change["new"]
+
+    def _show_picture(self, _change=None) -> None:
+        """The session's picture, small, where the question is typed."""
+        path = self.session.image
+        if path is None:
+            self.picture.value, self.picture_note.value = b"", "<i>no picture chosen: choose one under Load</i>"
+            return
+        try:
+            self.picture.value = preview_png(read_image(path))
+            self.picture_note.value = f"<code>{html.escape(path.name)}</code>"
+        except WorkbenchError as e:  # the file changed since it was chosen
+            self.picture.value, self.picture_note.value = b"", f"<span style='color:#c0392b'>{html.escape(str(e))}</span>"
 
     def _on_session(self, _change) -> None:
         """Export made a conversion (or Quantize a model): offer it, and choose the newest."""
@@ -192,6 +231,11 @@ class GeneratePanel(StepPanel):
 
     def _generate(self) -> dict[str, Generation]:
         sampling = Sampling(self.temperature.value, self.top_k.value or None, self.seed.value)
+        image = None
+        if self.is_vision:
+            if self.session.image is None:
+                raise WorkbenchError("choose a picture first (under Load): a vision-language model answers about one")
+            image = read_image(self.session.image)  # read once: both models see the same pixels
         is_float = self.model.value.strip() in ("", FLOAT)
         models = {"chosen": self._chosen_model()}
         if self.compare.value and not is_float:
@@ -205,7 +249,7 @@ class GeneratePanel(StepPanel):
         self.results = {}
         for key, model in models.items():  # one after the other: neither is timed while the other computes
             gen = model.stream(self.prompt.value, max_new_tokens=self.max_tokens.value, sampling=sampling,
-                               chat=self.chat.value)
+                               chat=self.chat.value, image=image)
             self.results[key] = gen
             for _ in gen:
                 self.columns[key].show(gen)

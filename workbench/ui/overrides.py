@@ -31,6 +31,8 @@ from ..errors import WorkbenchError
 from ..model.load import LoadedModel
 from ..quantize.plan import PlanRule, QuantPlan, get_precision
 from ..precision.sensitivity import DEFAULT_SWEEP_TOKENS, LayerVariants, PlanEvaluator, SensitivityReport, evaluation_tokens
+from ..model.vision_quality import part_layers
+from ..units import format_bytes
 from .base import CheckList, metric_words_html
 
 __all__ = ["OverridePanel", "LayerChoice", "precision_choices", "COMMON_PRECISIONS", "DAMAGE_BANDS"]
@@ -146,12 +148,15 @@ class OverridePanel(widgets.VBox):
         self.dropdowns: dict[str, LayerChoice] = {}  # by layer: the row's choice (buttons and menu)
         # a gap after each heading: "parameters" and the KL heading ran together ("parametersKL alone at int4")
         cell = "display:inline-block;font-weight:bold;font-size:11px;padding-right:8px;box-sizing:border-box"
-        header = widgets.HTML(f"<span style='{cell};width:250px'>layer</span>"
+        # the name column fits the longest name (a VLM's language_model.layers.0.self_attn.q_proj ran into the shape)
+        name_px = max(250, 7 * max((len(i.name.removeprefix("model.")) for i in lm.layers), default=0) + 12)
+        header = widgets.HTML(f"<span style='{cell};width:{name_px}px'>layer</span>"
                               f"<span style='{cell};width:80px'>shape</span>"
                               f"<span style='{cell};width:80px'>parameters</span>"
                               f"<span style='{cell};width:140px'>{kl_title} alone at {sensitivity_precision}</span>"
                               f"<span style='{cell}'>precision</span>")
         rows = [header]
+        self.rows: dict[str, widgets.HBox] = {}  # by layer: its row (a VLM's rows sit in their part's section)
         for info in lm.layers:
             choice = LayerChoice(self._value_for(info.name), options)
             choice.observe(self._on_dropdown(info.name), names="value")
@@ -160,13 +165,29 @@ class OverridePanel(widgets.VBox):
             tied = " <i style='color:#999'>(tied)</i>" if info.tied_to else ""
             rows.append(widgets.HBox([
                 widgets.HTML(f"<code style='font-size:11px' title='{info.name}'>{short}</code>{tied}",
-                             layout={"width": "250px"}),
+                             layout={"width": f"{name_px}px"}),
                 widgets.HTML(f"<span style='font-size:11px'>{'x'.join(map(str, info.shape))}</span>",
                              layout={"width": "80px"}),
                 widgets.HTML(f"<span style='font-size:11px'>{info.parameters:,}</span>", layout={"width": "80px"}),
                 widgets.HTML(_bar_html(damages.get(info.name), lo, hi), layout={"width": "140px"}),
                 choice], layout={"flex": "0 0 auto", "height": "30px", "align_items": "center"}))
-        self.table = widgets.VBox(rows)  # the whole table, no scroll box inside the page
+            self.rows[info.name] = rows[-1]
+        # a VLM: one collapsible section per part (vision encoder, projector, language model), each with a setter
+        self.part_layers = part_layers(lm) if getattr(lm, "is_vision", False) else {}
+        self.part_setters: dict[str, widgets.ToggleButtons] = {}
+        self.sections: dict[str, widgets.Accordion] = {}
+        for part, names in self.part_layers.items():
+            setter = widgets.ToggleButtons(options=[(label, v) for label, v in options if v in COMMON_PRECISIONS],
+                                           value=None, style={"button_width": "54px"}, layout={"width": "auto"},
+                                           tooltips=[f"every layer of the {part} at this precision"] * 3)
+            setter.observe(self._on_part_setter(part), names="value")
+            self.part_setters[part] = setter
+            body = widgets.VBox([widgets.HBox([widgets.HTML(f"<b>whole {html.escape(part)}</b>:",
+                                                            layout={"width": f"{name_px}px"}), setter]),
+                                 widgets.HTML(header.value), *(self.rows[n] for n in names)])
+            self.sections[part] = widgets.Accordion([body], selected_index=0)
+            self.sections[part].add_class("workbench-part")
+        self.table = widgets.VBox(list(self.sections.values()) if self.sections else rows)  # no scroll box inside
         self.legend = widgets.HTML(_legend_html(lo, hi, kl_title) if positive else "")
 
         # many layers at once, no pattern to type: layer types and a block range
@@ -212,8 +233,9 @@ class OverridePanel(widgets.VBox):
         self._controls = [self.apply_button, self.undo_button, self.evaluate_button, self.baselines_button,
                           self.save_button, self.load_button, self.pattern, self.rule_precision,
                           self.select_roles, self.select_blocks, self.select_precision, self.select_button,
-                          *self.dropdowns.values()]
+                          *self.dropdowns.values(), *self.part_setters.values()]
         self._refresh_totals()
+        self._sync_parts()
         super().__init__([
             widgets.HTML("<h3>Per-layer precision</h3>"),
             self.totals_label,
@@ -263,6 +285,51 @@ class OverridePanel(widgets.VBox):
                     dd.value = value
         finally:
             self._syncing = False
+        self._sync_parts()
+
+    def part_precision(self, part: str) -> str | None:
+        """The one precision every layer of ``part`` has in the plan, or None when they differ."""
+        values = {self._value_for(name) for name in self.part_layers[part]}
+        return values.pop() if len(values) == 1 else None
+
+    def _sync_parts(self) -> None:
+        """Each part's section title (layers, parameters, bytes, precisions) and setter follow the plan."""
+        if not self.part_layers:
+            return
+        sizes = {p.name: p for p in self.lm.parts()}
+        self._syncing = True
+        try:
+            for part, names in self.part_layers.items():
+                common = self.part_precision(part)
+                setter = self.part_setters[part]
+                if setter.value != (common if common in COMMON_PRECISIONS else None):
+                    setter.value = common if common in COMMON_PRECISIONS else None
+                mix = sorted({self._value_for(n) for n in names})
+                said = ("all " if len(mix) == 1 else "mixed ") + " / ".join(
+                    "unchanged" if v == _KEEP else v.upper() for v in mix)
+                info = sizes[part]
+                self.sections[part].set_title(0, f"{part}: {len(names)} layers, {info.parameters:,} parameters, "
+                                                 f"{format_bytes(info.bytes)}; {said}")
+        finally:
+            self._syncing = False
+
+    def _on_part_setter(self, part: str):
+        def handler(change):
+            if not self._syncing and change["new"]:
+                self.set_part(part, change["new"])
+        return handler
+
+    def set_part(self, part: str, precision: str | None) -> int:
+        """Give every layer of a VLM's ``part`` (``vision encoder``, ``projector``, ``language model``)
+        ``precision``, each by its own name: one step, undone by one Undo."""
+        if part not in self.part_layers:
+            raise KeyError(f"'{part}' is not a part of this model; parts: {', '.join(self.part_layers) or 'none'}")
+        names = self.part_layers[part]
+        plan = self.plan
+        for name in names:
+            plan = plan.with_override(name, precision)
+        self._set_plan(plan, f"{part}: {len(names)} layers -> {precision}")
+        return len(names)
 
     def set_precision(self, name: str, precision: str | None) -> None:
         """Change one layer (what its dropdown does)."""

@@ -9,7 +9,9 @@ Every run adds a row to the results table, so RTN and AWQ, INT8 and INT4 can be 
 same held-out windows (the reference is evaluated once per panel). Given a plan, the controls start
 from the plan's method, group size and symmetry. In the app (``session=``) the plan is the session's,
 AWQ and RTN's scale search use the Calibrate tab's calibration, and each result becomes the session's quantized model
-(saved, and what Export converts).
+(saved, and what Export converts). A vision-language model is also scored on pictures (``images=``, else the image set
+field, else the bundled demo-vl held-out set): answer-token KL and top-1 against the float model, image-text matching
+of both, in words and one table row per run (``workbench.model.vision_quality``; the float side scored once per set).
 """
 from __future__ import annotations
 
@@ -27,9 +29,11 @@ from ..model.calibrate import reads_importance, calibrate, importance_statistics
 from ..quantize.plan import QuantPlan, get_precision
 from ..quantize import CALIBRATED_METHODS, heldout_ids, measure_cost, measure_reference, quantize_model
 from ..files.workspace import Workspace
-from .base import StepPanel
+from ..model.vision_quality import measure_vision_baseline, measure_vision_quality, vision_eval_set
+from .base import StepPanel, ruled_table
 from .overrides import precision_choices
 from .session import SessionLabel
+from .vision import vision_sentences
 
 __all__ = ["QuantizePanel"]
 
@@ -44,8 +48,9 @@ class QuantizePanel(StepPanel):
     def __init__(self, lm: LoadedModel, *, method=FROM_PLAN, bits: int = 4, group_size=FROM_PLAN,
                  symmetric=FROM_PLAN, scale_search=FROM_PLAN, plan: QuantPlan | None = None, data=None, text=None, samples: int = 128,
                  seq_len: int = 512, ctx: int | None = None, max_tokens: int | None = None,
-                 workspace: Workspace | None = None, session=None):
+                 workspace: Workspace | None = None, session=None, images=None):
         self.session = session
+        self.vision_set = images  # a VLM: the VisionEvalSet scored (None: the image set field, default bundled)
         if session is not None:
             plan = plan or session.plan
             workspace = workspace or session.workspace
@@ -56,8 +61,10 @@ class QuantizePanel(StepPanel):
         self.text_path = text
         self.baseline = None
         self._baseline_tokens = None  # the eval-tokens setting the baseline was measured with
-        self.qm = self.cost = None
+        self.qm = self.cost = self.vision = None
         self.rows: list[dict] = []
+        self.vision_rows: list[dict] = []  # a VLM: each run's quality on pictures (VisionQuality.to_dict() + label)
+        self._vision_baseline = None  # (image set field, VisionBaseline): the float model scored once per set
         self._setup()
         start = plan or QuantPlan()
         method = start.method if method is FROM_PLAN else method
@@ -87,10 +94,17 @@ class QuantizePanel(StepPanel):
         self.run_button = widgets.Button(description="Run", button_style="primary", icon="play")
         self.run_button.on_click(lambda _: self.run())
         self.table_plot, self.error_plot = widgets.Output(), widgets.Output()
+        self.is_vision = getattr(lm, "is_vision", False)
+        self.image_set = widgets.Text(value="", description="image set", layout={"width": "640px"},
+                                      placeholder="the bundled demo-vl held-out pictures, or a folder with "
+                                                  "captions.jsonl / questions.jsonl",
+                                      tooltip="a vision-language model is scored on these pictures: answer-token KL "
+                                              "and top-1, image-text matching of the float and quantized model")
+        self.pictures = widgets.HTML()  # a VLM: what the quantized model does on pictures, in words and a table
         self.warnings = widgets.HTML()
         self.controls = [self.method, self.bits, self.group_size, self.symmetric, self.scale_search, self.full_range,
                          self.data,
-                         self.eval_tokens, self.run_button]
+                         self.eval_tokens, self.run_button, self.image_set]
         head = [widgets.HTML(f"<b>Quantize</b> {html.escape(lm.name)}: weights to integers by plan, cost measured "
                              "against the unquantized model")]
         self.calibration_note = widgets.HTML()
@@ -103,8 +117,9 @@ class QuantizePanel(StepPanel):
             *head, widgets.HBox([self.method, self.bits, self.group_size, self.symmetric, self.scale_search,
                                  self.full_range]),
             widgets.HBox([self.data, self.calibration_note]),
+            *([self.image_set] if self.is_vision else []),
             widgets.HBox([self.eval_tokens, self.run_button]), self.status_line, self.log_output, self.warnings,
-            self.table_plot, self.error_plot])
+            self.pictures, self.table_plot, self.error_plot])
 
     @staticmethod
     def _bit_options(plan: QuantPlan | None) -> list:
@@ -178,6 +193,9 @@ class QuantizePanel(StepPanel):
                                         + saved)
         self.warnings.value = "".join(f"<p style='color:#c0392b'>warning: {html.escape(w)}</p>"
                                       for w in self.cost.warnings)
+        if self.vision is not None:
+            self.vision_rows.append({"label": label, **self.vision.to_dict()})
+            self.pictures.value = pictures_html(self.vision_rows)
         self._plot("cost", make_cost_table_figure(self.rows), self.table_plot)
         self._plot("errors", make_layer_error_figure(self.qm.layers), self.error_plot)
         return self.cost
@@ -217,6 +235,42 @@ class QuantizePanel(StepPanel):
         self.qm = quantize_model(self.lm, plan, calibration=calibration, workspace=workspace)
         seconds = time.perf_counter() - t0
         self.cost = measure_cost(self.qm, self.baseline)
+        self.vision = self._measure_pictures() if self.is_vision else None
         if self.session is not None:
-            self.session.set_quantized(self.qm, self.cost)  # the session's plan becomes this one
+            self.session.set_quantized(self.qm, self.cost, vision=self.vision)  # the session's plan becomes this one
         return plan, seconds, label
+
+    def _measure_pictures(self):
+        """A VLM's quantized model on pictures against the float model, whose side is scored once per image set."""
+        where = self.image_set.value.strip()
+        if self._vision_baseline is None or self._vision_baseline[0] != where:
+            images = self.vision_set if self.vision_set is not None and not where else vision_eval_set(where or None)
+            print(f"scoring the float model on {images.describe()}", flush=True)
+            self._vision_baseline = (where, measure_vision_baseline(self.lm, images))
+            self.vision_rows = []  # rows compare on one set of pictures
+        print("scoring the quantized model on the same pictures", flush=True)
+        return measure_vision_quality(self.lm, self.qm.build_model(), baseline=self._vision_baseline[1])
+
+
+def pictures_html(rows: list[dict]) -> str:
+    """The latest run on pictures in plain words, and every run of this panel as a table (float model first)."""
+    if not rows:
+        return ""
+    last = rows[-1]
+    words = "".join(f"<p style='margin:2px 0'>{html.escape(s)}</p>" for s in vision_sentences(last))
+
+    def pm(value, err, spec, err_spec=None):
+        return "-" if value is None else f"{value:{spec}} ± {err:{err_spec or spec}}"
+    body = (f"<tr><td>float (reference)</td><td>(reference)</td><td>(reference)</td>"
+            f"<td>{pm(last['reference_itm_accuracy'], last['reference_itm_accuracy_stderr'], '.1%')}</td><td>-</td></tr>")
+    body += "".join(f"<tr><td>{html.escape(r['label'])}</td><td>{pm(r['answer_kl'], r['answer_kl_stderr'], '.5f')}</td>"
+                    f"<td>{pm(r['answer_top1'], r['answer_top1_stderr'], '.1%')}</td>"
+                    f"<td>{pm(r['itm_accuracy'], r['itm_accuracy_stderr'], '.1%')}</td>"
+                    f"<td>{pm(r['itm_difference'], r['itm_difference_stderr'], '+.1%', '.1%')}</td></tr>" for r in rows)
+    table = ruled_table("workbench-pictures-table", "<th>model</th><th>answer-token KL (nats)</th><th>answer top-1 "
+                        "agreement</th><th>image-text matching</th><th>matching vs float</th>", body)
+    return (f"<div class='workbench-pictures'><b>On pictures</b> ({html.escape(last['source'])}; "
+            f"{last['seconds']:.1f} s):{words}{table}<p style='font-size:12px;color:#5d6d7e'>Below: the language "
+            "model alone on held-out text, no picture (the text the eval tokens field sets): a check that text still "
+            "reads as before; a model trained on captions only has a high perplexity on prose, float and quantized "
+            "alike.</p></div>")

@@ -38,6 +38,7 @@ from ..precision.overrides import write_overrides
 from ..quantize.storage import weight_file_bytes
 from ..run.devices_gap import format_table, GAP_FILE
 from ..targets.convert import convert, PreparedModels
+from .vision import vision_sentences
 
 __all__ = ["AppSession", "SessionLabel", "describe_plan", "default_run_dir", "run_model", "ARCHIVE_SEND_LIMIT", "RUN_FILE"]
 
@@ -123,6 +124,8 @@ class AppSession(traitlets.HasTraits):
     out_dir = traitlets.Instance(Path)
     fingerprint = traitlets.Unicode("")  # the loaded model's (``model_fingerprint``): a run folder holds one model's files
     archive_path = traitlets.Instance(Path, allow_none=True)
+    image = traitlets.Instance(Path, allow_none=True)  # a vision-language model: the picture Generate asks about
+    vision_quality = traitlets.Any(None, allow_none=True)  # its VisionQuality: the quantized model on pictures
 
     def __init__(self, *, out_dir: str | Path | None = None, workspace: Workspace | None = None):
         self.workspace = workspace or Workspace()
@@ -150,7 +153,7 @@ class AppSession(traitlets.HasTraits):
             self.fingerprint = fingerprint
             self.calibration = self.sensitivity = self.quantized = self.quantized_path = self.cost = None
             self.conversions, self.profiles, self.host = [], [], None
-            self.archive_path = self.devices_gap = None
+            self.archive_path = self.devices_gap = self.image = self.vision_quality = None
             self.plan = QuantPlan.uniform("int4")
             self.lm = lm
         self._claim_run_dir()
@@ -161,18 +164,20 @@ class AppSession(traitlets.HasTraits):
         atomic_write_json(self.out_dir / RUN_FILE, {"model": self.lm.name, "path": str(self.lm.path),
                                                     "fingerprint": self.fingerprint})
 
-    def set_quantized(self, qm, cost=None) -> Path:
-        """Make ``qm`` the session's quantized model: save it (with its measured cost) and drop older conversions."""
+    def set_quantized(self, qm, cost=None, vision=None) -> Path:
+        """Make ``qm`` the session's quantized model: save it (with its measured cost, and a VLM's ``vision``
+        quality on pictures) and drop older conversions."""
         if self.lm is None:
             raise PlanError("load a model first")
         path = self.out_dir / "quantized" / f"{qm.method}-{qm.plan.content_hash()}"
-        report = {"plan": self.plan_info(qm.plan), **({"cost": cost.to_dict()} if cost is not None else {})}
+        report = {"plan": self.plan_info(qm.plan), **({"cost": cost.to_dict()} if cost is not None else {}),
+                  **({"vision": vision.to_dict()} if vision is not None else {})}
         qm.save(path, report=_jsonable(report))
         if cost is not None and cost.size_bytes is None:
             cost.size_bytes = weight_file_bytes(path)  # measured before saving: the size on disk is known now
         self._prepared = None
         with self.hold_trait_notifications():
-            self.quantized_path, self.cost = path, cost
+            self.quantized_path, self.cost, self.vision_quality = path, cost, vision
             self.conversions, self.profiles = [], []
             self.plan = qm.plan
             self.quantized = qm
@@ -241,7 +246,9 @@ class AppSession(traitlets.HasTraits):
         doc: dict = {"created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "versions": library_versions(),
                      "model": None if lm is None else {"name": lm.name, "path": str(lm.path),
                                                         "parameters": lm.parameters, "layers": len(lm.layers),
-                                                        "fingerprint": self.fingerprint},
+                                                        "fingerprint": self.fingerprint,
+                                                        **({"parts": [p.to_dict() for p in lm.parts()]}
+                                                           if lm.is_vision else {})},
                      "plan": None if self.plan is None else self.plan_info()}
         if self.calibration is not None:
             calib_set, stats = self.calibration
@@ -256,7 +263,9 @@ class AppSession(traitlets.HasTraits):
             doc["quantized"] = {"path": str(self.quantized_path), "method": self.quantized.method,
                                 "plan": self.plan_info(self.quantized.plan),
                                 "bits_per_weight": self.quantized.bits_per_weight,
-                                "cost": self.cost.to_dict() if self.cost is not None else None}
+                                "cost": self.cost.to_dict() if self.cost is not None else None,
+                                **({"vision": self.vision_quality.to_dict()} if self.vision_quality is not None
+                                   else {})}
         doc["conversions"] = [r.to_dict() for r in self.conversions]
         doc["profiles"] = [p.to_dict() for p in self.profiles]
         if self.host is not None:
@@ -373,6 +382,8 @@ def report_markdown(report: dict) -> str:
             lines += [f"perplexity {c['perplexity']:.3f} (float {c['reference_perplexity']:.3f}), KL "
                       f"{c['kl_divergence']:.5f} ± {c['kl_divergence_stderr']:.5f}, top-1 {c['top1_agreement']:.4f} "
                       f"on {c['tokens']:,} held-out tokens"]
+        if q.get("vision"):
+            lines += vision_sentences(q["vision"])
         lines.append("")
     if report.get("conversions"):
         lines += ["## Conversions (convert/)", "", "| target | KL | KL of simulation | top-1 vs simulation | gap |",
