@@ -29,7 +29,7 @@ from ..quantize.plan import QuantPlan, VisionRecipe
 from .vision import PART_PREFIXES, answer_scorer, model_parts, part_of
 
 __all__ = ["VisionEvalSet", "VisionQuality", "VisionBaseline", "vision_eval_set", "measure_vision_baseline",
-           "measure_vision_quality", "part_plan", "part_prefixes", "layer_parts", "part_layers", "layers_in_parts",
+           "measure_vision_quality", "part_plan", "part_prefixes", "layer_parts", "part_layers",
            "recipe_part_plan", "DEFAULT_DISTRACTORS"]
 
 DEFAULT_DISTRACTORS = 3  # four captions per image: chance 25 %
@@ -220,7 +220,3 @@ def recipe_part_plan(lm, plan: QuantPlan, recipe: VisionRecipe) -> QuantPlan:
     out = part_plan(lm, plan, vision=recipe.vision, projector=recipe.projector)
     return replace(out, meta={**out.meta, "vision_recipe": recipe.to_dict()})
 
-
-def layers_in_parts(lm, parts=("vision encoder", "projector")) -> list[str]:
-    """The quantizable layers of the named parts, in layer order."""
-    return [n for n, part in layer_parts(lm).items() if part in parts]
