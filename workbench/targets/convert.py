@@ -57,6 +57,7 @@ from .registry import check_precisions, check_signed_scales, get_target, target_
 from ..files.workspace import atomic_write_json
 from ..evaluation.data import load_calibration_set
 from ..model.calibrate import importance_statistics, reads_importance
+from ..model.vision_quality import part_plan
 
 __all__ = ["CONVERT_TARGETS", "ConversionReport", "PreparedModels", "ConvertJob", "prepare_models", "convert",
            "GAP_TOP1", "calibration_feeds", "default_eval_tokens", "EVAL_PARAMETER_TOKENS", "MIN_EVAL_TOKENS",
@@ -125,6 +126,8 @@ def prepare_models(model, *, plan: QuantPlan | str | Path | None = None, bits: i
                                if not p.is_float and not p.two_level and not p.minimums)
             raise PlanError(f"--bits must be a registered integer width ({widths}), got {bits}")
         plan = QuantPlan.uniform(f"int{bits}")
+        if getattr(float_lm, "is_vision", False):  # as `workbench quantize --bits` does: vision and projector at int8
+            plan = part_plan(float_lm, plan, vision="int8", projector="int8")
     elif not isinstance(plan, QuantPlan):
         plan = QuantPlan.load(plan)
     try:

@@ -21,13 +21,19 @@ import shlex
 import time
 from pathlib import Path
 
+import torch
+
 from ..errors import PlanError
+from ..evaluation.images import read_image
 from ..model.load import LoadedModel
+from ..model.vision_quality import vision_eval_set
 from ..quantize.plan import QuantPlan, get_precision
 from ..quantize.storage import stored_integer_layers
 from ..files.workspace import atomic_write_text
 from .common import OverrideFile, layer_precisions
 from .gguf_file import check_gguf, gguf_parameter_name, write_gguf
+from .gguf_mmproj import check_mmproj, write_mmproj
+from .llamacpp_mtmd import find_mtmd_cli, image_token_bounds, run_mtmd
 from .registry import OverrideFormat, Target, check_precisions, register_target
 
 __all__ = ["gguf_tensor_name", "llamacpp_tensor_types", "write_llamacpp_tensor_types", "read_llamacpp_tensor_types",
@@ -123,10 +129,67 @@ def read_llamacpp_tensor_types(path: str | Path, lm: LoadedModel) -> dict[str, s
     return out
 
 
+MTMD_QUESTIONS = 6  # held-out questions asked of llama.cpp's multimodal runtime, when it is found
+MTMD_TOKENS = 6  # tokens each answer may run to (the demo VLM's answers are one or two words)
+
+
+def _write_mmproj(job) -> Path:
+    """A VLM's vision encoder and projector as ``mmproj.gguf``, read back equal to the plan."""
+    qm = job.prep.qm
+    job.say("writing mmproj.gguf")
+    t0 = time.perf_counter()
+    path = write_mmproj(qm, job.out / "mmproj.gguf")
+    job.report.details.setdefault("seconds", {})["write_mmproj"] = time.perf_counter() - t0
+    check = check_mmproj(qm, path)
+    if check["max_abs_diff"] != 0.0:
+        raise PlanError(f"'{path}' does not hold the planned vision weights (largest difference "
+                        f"{check['max_abs_diff']:g}); this is a bug in the mmproj writer: please report it with the plan")
+    job.report.details.update(mmproj_check=check, mmproj_bytes=path.stat().st_size)
+    types = ", ".join(f"{n} x{c}" for n, c in sorted(check["types"].items()))
+    job.report.notes.append(f"mmproj.gguf: the vision encoder and projector in llama.cpp's clip format ({types}); all "
+                            f"{check['weights']:,} values read back by the gguf package equal the plan's "
+                            f"({check['integer_layers']} integer layers, the rest at the file's float type)")
+    return path
+
+
+def _answers_from_mtmd(job, cli: Path, model: Path, mmproj: Path) -> None:
+    """Ask llama.cpp's multimodal runtime the first held-out questions; its answers beside the simulation's
+    (greedy, transformers' generate on the workbench's quantized model) and its times, in ``details["mtmd"]``."""
+    lm, sim = job.prep.float_lm, job.prep.sim_lm.model
+    bounds = image_token_bounds(lm.processor.image_processor)
+    rows = []
+    for sample in vision_eval_set(max_questions=MTMD_QUESTIONS).questions:
+        job.say(f"llama-mtmd-cli: {Path(sample.image).name}: {sample.prompt}")
+        got = run_mtmd(cli, model, mmproj, Path(sample.image), sample.prompt, max_tokens=MTMD_TOKENS,
+                       image_tokens=bounds)
+        inputs = lm.processor(read_image(sample.image), sample.prompt)
+        with torch.inference_mode():
+            ids = sim.generate(**inputs, max_new_tokens=MTMD_TOKENS, do_sample=False)
+        mine = lm.tokenizer.decode(ids[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+        rows.append({"image": Path(sample.image).name, "question": sample.prompt, "expected": sample.answer,
+                     "llama_cpp": got.text, "workbench": mine, **got.to_dict()})
+    def first_word(t):
+        return (t.split() or [""])[0].strip(".,").lower()
+    agree = sum(first_word(r["llama_cpp"]) == first_word(r["workbench"]) for r in rows)
+    right = sum(first_word(r["llama_cpp"]) == r["expected"].split()[0].lower() for r in rows)
+    med = sorted(r["encode_ms"] for r in rows if r["encode_ms"] is not None)
+    tps = sorted(r["decode_tokens_per_second"] for r in rows if r["decode_tokens_per_second"])
+    job.report.details["mtmd"] = {"binary": str(cli), "questions": len(rows), "first_word_agreement": agree,
+                                  "correct": right, "image_tokens": bounds, "answers": rows,
+                                  "median_encode_ms": med[len(med) // 2] if med else None,
+                                  "median_decode_tokens_per_second": tps[len(tps) // 2] if tps else None}
+    job.report.notes.append(f"llama.cpp's multimodal runtime ({cli.name}) answered {len(rows)} held-out questions from "
+                            f"model.gguf + mmproj.gguf: first word equal to the workbench's answer in {agree}, right in "
+                            f"{right}; image encode median {med[len(med) // 2] if med else float('nan'):.0f} ms")
+
+
 def convert_llamacpp(job) -> None:
-    """``model.gguf`` holding the plan's integers, checked weight for weight, and ``commands.sh`` scoring it."""
+    """``model.gguf`` holding the plan's integers, checked weight for weight, and ``commands.sh`` scoring it; for a
+    VLM also ``mmproj.gguf`` (the vision part) and, where llama.cpp's multimodal CLI is found, its answers."""
     prep, out = job.prep, job.out
     qm = prep.qm
+    vision = getattr(prep.float_lm, "is_vision", False)
+    mmproj = _write_mmproj(job) if vision else None  # a VLM's vision part refused (by name) before the text is written
     job.say("writing model.gguf")
     t0 = time.perf_counter()
     path = write_gguf(qm, out / "model.gguf")
@@ -156,9 +219,21 @@ def convert_llamacpp(job) -> None:
              "# llama.cpp re-quantizing the float model itself, for comparison:",
              f"# python convert_hf_to_gguf.py {src} --outtype f16 --outfile model-f16.gguf",
              f"# \"$LLAMA_CPP/llama-quantize\" model-f16.gguf model-q4_k_m.gguf Q4_K_M", ""]
+    if mmproj is not None:
+        bounds = image_token_bounds(prep.float_lm.processor.image_processor)
+        lines[-1:-1] = ["# Ask about a picture with llama.cpp's multimodal runtime (IMAGE: a picture file):",
+                        "\"$LLAMA_CPP/llama-mtmd-cli\" -m model.gguf --mmproj mmproj.gguf --image \"${IMAGE:?set IMAGE}\" "
+                        "-p \"What colour is the shape?\" -n 8 --temp 0 --jinja"
+                        + (f" --image-min-tokens {bounds[0]} --image-max-tokens {bounds[1]}" if bounds else "")]
     script = out / "commands.sh"
     atomic_write_text(script, "\n".join(lines))
     script.chmod(0o755)
+    cli = find_mtmd_cli() if mmproj is not None else None
+    if cli is not None:
+        _answers_from_mtmd(job, cli, path, mmproj)
+    elif mmproj is not None:
+        job.report.notes.append("llama-mtmd-cli not found (set LLAMA_CPP_DIR to a llama.cpp build; docs/targets.md): "
+                                "the GGUFs are written and checked, not run")
 
 
 def _base_type(plan: QuantPlan) -> str:

@@ -1,0 +1,108 @@
+"""llama.cpp's own multimodal runtime (``llama-mtmd-cli``, its ``tools/mtmd``) answering a question about a picture
+from the workbench's ``model.gguf`` + ``mmproj.gguf``, with the times it reports.
+
+    cli = find_mtmd_cli()                  # $LLAMA_CPP_DIR (the tree, its build/bin, or a bin folder), else None
+    a = run_mtmd(cli, "Z/model.gguf", "Z/mmproj.gguf", "img.png", "What colour is the shape?", image_tokens=(4, 4))
+    a.text, a.encode_ms, a.decode_tokens_per_second
+
+llama.cpp is optional: nothing here is needed to write the GGUFs, and tests skip without the binary.
+Greedy (``--temp 0``), the prompt through the GGUF's own chat template (``--jinja``), the picture at the token
+bounds the model's image processor has (``--image-min-tokens`` / ``--image-max-tokens``: llama.cpp's Qwen-VL
+default floor of 8 tokens would resize a small picture the workbench feeds at its own size).
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from ..errors import PlanError
+from .processes import die_with_parent_fn
+
+__all__ = ["MTMD_CLI", "find_mtmd_cli", "MtmdAnswer", "run_mtmd", "image_token_bounds", "parse_mtmd_times"]
+
+MTMD_CLI = "llama-mtmd-cli"
+_ENCODE = re.compile(r"image slice encoded in (\d+(?:\.\d+)?) ms")
+_IMAGE_DECODE = re.compile(r"image decoded \(batch \d+/\d+\) in (\d+(?:\.\d+)?) ms")
+_PERF = re.compile(r"llama_perf_context_print:\s+(prompt eval|eval) time =\s*([\d.]+) ms /\s*(\d+) (?:tokens|runs)"
+                   r".*?([\d.]+|inf) tokens per second")
+
+
+def find_mtmd_cli(where: str | Path | None = None) -> Path | None:
+    """The ``llama-mtmd-cli`` binary under ``where`` or ``$LLAMA_CPP_DIR`` (the tree, its ``build/bin`` or a bin
+    folder), or None when there is none."""
+    where = where or os.environ.get("LLAMA_CPP_DIR")
+    if not where:
+        return None
+    d = Path(where).expanduser()
+    for cand in (d, d / "bin", d / "build" / "bin"):
+        if (cand / MTMD_CLI).is_file() and os.access(cand / MTMD_CLI, os.X_OK):
+            return cand / MTMD_CLI
+    return None
+
+
+def image_token_bounds(image_processor) -> tuple[int, int] | None:
+    """(fewest, most) merged image tokens a Qwen-VL image processor allows (its min / max pixels over the area one
+    token covers), as llama.cpp's ``--image-min-tokens`` / ``--image-max-tokens`` take them; None without bounds."""
+    size = getattr(image_processor, "size", None) or {}
+    lo = size.get("shortest_edge", getattr(image_processor, "min_pixels", None))
+    hi = size.get("longest_edge", getattr(image_processor, "max_pixels", None))
+    patch, merge = getattr(image_processor, "patch_size", None), getattr(image_processor, "merge_size", None)
+    if not (lo and hi and patch and merge):
+        return None
+    area = (int(patch) * int(merge)) ** 2
+    return max(1, int(lo) // area), max(1, int(hi) // area)
+
+
+@dataclass
+class MtmdAnswer:
+    """One answer of llama.cpp's multimodal runtime and the times it printed."""
+
+    text: str
+    encode_ms: float | None  # the vision encoder + projector on the picture (llama.cpp's own timer)
+    image_decode_ms: float | None  # the language model's prefill of the image tokens
+    prompt_tokens_per_second: float | None
+    decode_tokens_per_second: float | None
+    decode_tokens: int
+    seconds: float  # the whole process, load included
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def parse_mtmd_times(log: str) -> dict:
+    """The times ``llama-mtmd-cli`` prints: image encode and image-token prefill (ms), prompt and decode tok/s."""
+    enc, dec = _ENCODE.findall(log), _IMAGE_DECODE.findall(log)
+    perf = {kind: (float(ms), int(n), float(tps)) for kind, ms, n, tps in _PERF.findall(log)}
+    return {"encode_ms": float(enc[-1]) if enc else None, "image_decode_ms": float(dec[-1]) if dec else None,
+            "prompt_tokens_per_second": perf["prompt eval"][2] if "prompt eval" in perf else None,
+            "decode_tokens_per_second": perf["eval"][2] if "eval" in perf else None,
+            "decode_tokens": perf["eval"][1] if "eval" in perf else 0}
+
+
+def run_mtmd(cli: Path, model: Path, mmproj: Path, image: Path, prompt: str, *, max_tokens: int = 8,
+             threads: int = 2, image_tokens: tuple[int, int] | None = None, ctx: int = 512,
+             timeout: float = 600) -> MtmdAnswer:
+    """Ask llama.cpp's multimodal CLI about ``image``, greedily; its answer text (stdout) and times (its log)."""
+    for p in (model, mmproj, image):
+        if not Path(p).is_file():
+            raise PlanError(f"'{p}' does not exist; llama-mtmd-cli needs the model GGUF, the mmproj GGUF and a picture")
+    cmd = [str(cli), "-m", str(model), "--mmproj", str(mmproj), "--image", str(image), "-p", prompt, "-n",
+           str(max_tokens), "--temp", "0", "-t", str(threads), "-c", str(ctx), "--jinja", "--no-mmproj-offload"]
+    if image_tokens:
+        cmd += ["--image-min-tokens", str(image_tokens[0]), "--image-max-tokens", str(image_tokens[1])]
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, preexec_fn=die_with_parent_fn(),
+                           errors="replace")
+    except subprocess.TimeoutExpired:
+        raise PlanError(f"llama-mtmd-cli did not answer within {timeout:.0f} s") from None
+    seconds = time.perf_counter() - t0
+    if p.returncode != 0:
+        tail = " | ".join((p.stderr or p.stdout).strip().splitlines()[-3:])
+        raise PlanError(f"llama-mtmd-cli failed (exit {p.returncode}): {tail}")
+    times = parse_mtmd_times(p.stderr + p.stdout)
+    return MtmdAnswer(p.stdout.strip(), seconds=seconds, **times)
