@@ -25,7 +25,10 @@ import torch
 
 from ..errors import PlanError
 from ..evaluation.images import read_image
+from ..evaluation.vision import answer_kl, capture_answer_reference
 from ..model.load import LoadedModel
+from ..model.vision import answer_scorer
+from ..model.vision_feed import embedding_error, fed_answer_scorer, image_features
 from ..model.vision_quality import vision_eval_set
 from ..quantize.plan import QuantPlan, get_precision
 from ..quantize.storage import stored_integer_layers
@@ -153,34 +156,57 @@ def _write_mmproj(job) -> Path:
 
 
 def _answers_from_mtmd(job, cli: Path, model: Path, mmproj: Path) -> None:
-    """Ask llama.cpp's multimodal runtime the first held-out questions; its answers beside the simulation's
-    (greedy, transformers' generate on the workbench's quantized model) and its times, in ``details["mtmd"]``."""
+    """Ask llama.cpp's multimodal runtime the first held-out questions. Its answers beside the simulation's (greedy,
+    transformers' generate on the workbench's quantized model); its image embeddings against the float model's and
+    the simulation's; the answer-token KL (against the float model) of the simulation's language model fed
+    llama.cpp's embeddings, beside the simulation's own; its times. In ``details["mtmd"]``."""
     lm, sim = job.prep.float_lm, job.prep.sim_lm.model
     bounds = image_token_bounds(lm.processor.image_processor)
-    rows = []
-    for sample in vision_eval_set(max_questions=MTMD_QUESTIONS).questions:
+    samples = vision_eval_set(max_questions=MTMD_QUESTIONS).questions
+    rows, fed = [], {}
+    for sample in samples:
         job.say(f"llama-mtmd-cli: {Path(sample.image).name}: {sample.prompt}")
         got = run_mtmd(cli, model, mmproj, Path(sample.image), sample.prompt, max_tokens=MTMD_TOKENS,
-                       image_tokens=bounds)
+                       image_tokens=bounds, embeddings=True)
         inputs = lm.processor(read_image(sample.image), sample.prompt)
         with torch.inference_mode():
             ids = sim.generate(**inputs, max_new_tokens=MTMD_TOKENS, do_sample=False)
         mine = lm.tokenizer.decode(ids[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+        fed[str(sample.image)] = got.embeddings
         rows.append({"image": Path(sample.image).name, "question": sample.prompt, "expected": sample.answer,
-                     "llama_cpp": got.text, "workbench": mine, **got.to_dict()})
+                     "llama_cpp": got.text, "workbench": mine, **got.to_dict(),
+                     "embedding_vs_float": embedding_error(got.embeddings, image_features(lm.model, inputs)),
+                     "embedding_vs_simulation": embedding_error(got.embeddings, image_features(sim, inputs))})
+    reference = capture_answer_reference(answer_scorer(lm.model, lm.processor), samples)
+    own = answer_kl(answer_scorer(sim, lm.processor), samples, reference=reference)
+    fed_kl = answer_kl(fed_answer_scorer(sim, lm.processor, fed), samples, reference=reference)
+
     def first_word(t):
         return (t.split() or [""])[0].strip(".,").lower()
+
+    def median(key, sub=None):
+        vals = sorted(r[key][sub] if sub else r[key] for r in rows if r[key] is not None)
+        return vals[len(vals) // 2] if vals else None
     agree = sum(first_word(r["llama_cpp"]) == first_word(r["workbench"]) for r in rows)
     right = sum(first_word(r["llama_cpp"]) == r["expected"].split()[0].lower() for r in rows)
-    med = sorted(r["encode_ms"] for r in rows if r["encode_ms"] is not None)
-    tps = sorted(r["decode_tokens_per_second"] for r in rows if r["decode_tokens_per_second"])
-    job.report.details["mtmd"] = {"binary": str(cli), "questions": len(rows), "first_word_agreement": agree,
-                                  "correct": right, "image_tokens": bounds, "answers": rows,
-                                  "median_encode_ms": med[len(med) // 2] if med else None,
-                                  "median_decode_tokens_per_second": tps[len(tps) // 2] if tps else None}
-    job.report.notes.append(f"llama.cpp's multimodal runtime ({cli.name}) answered {len(rows)} held-out questions from "
-                            f"model.gguf + mmproj.gguf: first word equal to the workbench's answer in {agree}, right in "
-                            f"{right}; image encode median {med[len(med) // 2] if med else float('nan'):.0f} ms")
+    summary = {"binary": str(cli), "questions": len(rows), "first_word_agreement": agree, "correct": right,
+               "image_tokens": bounds, "median_encode_ms": median("encode_ms"),
+               "median_decode_tokens_per_second": median("decode_tokens_per_second"),
+               "median_embedding_cosine_vs_float": median("embedding_vs_float", "cosine"),
+               "median_embedding_relative_error_vs_float": median("embedding_vs_float", "relative_error"),
+               "median_embedding_relative_error_vs_simulation": median("embedding_vs_simulation", "relative_error"),
+               "answer_kl_llama_cpp_vision": fed_kl.kl_divergence, "answer_top1_llama_cpp_vision": fed_kl.top1_agreement,
+               "answer_kl_simulation": own.kl_divergence, "answer_top1_simulation": own.top1_agreement,
+               "answers": rows}
+    job.report.details["mtmd"] = summary
+    job.report.notes.append(
+        f"llama.cpp's multimodal runtime ({cli.name}) answered {len(rows)} held-out questions from model.gguf + "
+        f"mmproj.gguf: first word equal to the workbench's in {agree}, right in {right}; its image embeddings against "
+        f"the float model's: cosine {summary['median_embedding_cosine_vs_float']:.4f}, relative error "
+        f"{summary['median_embedding_relative_error_vs_float']:.4f} (median); answer KL with llama.cpp's embeddings "
+        f"feeding the workbench's quantized language model {fed_kl.kl_divergence:.4f} (its own vision part: "
+        f"{own.kl_divergence:.4f}); image encode {summary['median_encode_ms']} ms, decode "
+        f"{summary['median_decode_tokens_per_second']} tok/s (medians, llama.cpp's own timers)")
 
 
 def convert_llamacpp(job) -> None:

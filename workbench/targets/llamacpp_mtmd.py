@@ -15,14 +15,18 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+import numpy as np
 
 from ..errors import PlanError
 from .processes import die_with_parent_fn
 
-__all__ = ["MTMD_CLI", "find_mtmd_cli", "MtmdAnswer", "run_mtmd", "image_token_bounds", "parse_mtmd_times"]
+__all__ = ["MTMD_CLI", "find_mtmd_cli", "MtmdAnswer", "run_mtmd", "image_token_bounds", "parse_mtmd_times",
+           "read_embedding_dump"]
 
 MTMD_CLI = "llama-mtmd-cli"
 _ENCODE = re.compile(r"image slice encoded in (\d+(?:\.\d+)?) ms")
@@ -68,9 +72,10 @@ class MtmdAnswer:
     decode_tokens_per_second: float | None
     decode_tokens: int
     seconds: float  # the whole process, load included
+    embeddings: np.ndarray | None = field(default=None, repr=False)  # [image tokens, LM hidden]: clip's output
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {k: v for k, v in asdict(self).items() if k != "embeddings"}
 
 
 def parse_mtmd_times(log: str) -> dict:
@@ -83,10 +88,23 @@ def parse_mtmd_times(log: str) -> dict:
             "decode_tokens": perf["eval"][1] if "eval" in perf else 0}
 
 
+def read_embedding_dump(path: Path) -> np.ndarray:
+    """The image embeddings llama.cpp's clip writes where ``MTMD_DEBUG_EMBEDDINGS`` names a file: two int32
+    (tokens, width), then tokens x width float32."""
+    raw = Path(path).read_bytes()
+    n, width = np.frombuffer(raw[:8], dtype="<i4")
+    data = np.frombuffer(raw[8:], dtype="<f4")
+    if n <= 0 or width <= 0 or data.size != n * width:
+        raise PlanError(f"'{path}' is not an image-embedding dump of llama.cpp's clip ({data.size} values for "
+                        f"{n} x {width})")
+    return data.reshape(int(n), int(width)).copy()
+
+
 def run_mtmd(cli: Path, model: Path, mmproj: Path, image: Path, prompt: str, *, max_tokens: int = 8,
              threads: int = 2, image_tokens: tuple[int, int] | None = None, ctx: int = 512,
-             timeout: float = 600) -> MtmdAnswer:
-    """Ask llama.cpp's multimodal CLI about ``image``, greedily; its answer text (stdout) and times (its log)."""
+             timeout: float = 600, embeddings: bool = False) -> MtmdAnswer:
+    """Ask llama.cpp's multimodal CLI about ``image``, greedily; its answer text (stdout) and times (its log);
+    with ``embeddings``, also the image embeddings its vision encoder and projector computed (clip's own dump)."""
     for p in (model, mmproj, image):
         if not Path(p).is_file():
             raise PlanError(f"'{p}' does not exist; llama-mtmd-cli needs the model GGUF, the mmproj GGUF and a picture")
@@ -94,15 +112,22 @@ def run_mtmd(cli: Path, model: Path, mmproj: Path, image: Path, prompt: str, *, 
            str(max_tokens), "--temp", "0", "-t", str(threads), "-c", str(ctx), "--jinja", "--no-mmproj-offload"]
     if image_tokens:
         cmd += ["--image-min-tokens", str(image_tokens[0]), "--image-max-tokens", str(image_tokens[1])]
-    t0 = time.perf_counter()
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, preexec_fn=die_with_parent_fn(),
-                           errors="replace")
-    except subprocess.TimeoutExpired:
-        raise PlanError(f"llama-mtmd-cli did not answer within {timeout:.0f} s") from None
-    seconds = time.perf_counter() - t0
-    if p.returncode != 0:
-        tail = " | ".join((p.stderr or p.stdout).strip().splitlines()[-3:])
-        raise PlanError(f"llama-mtmd-cli failed (exit {p.returncode}): {tail}")
+    with tempfile.TemporaryDirectory(prefix="workbench-mtmd-") as tmp:
+        env = {**os.environ, "MTMD_DEBUG_EMBEDDINGS": str(Path(tmp) / "embd.bin")} if embeddings else None
+        t0 = time.perf_counter()
+        try:
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, preexec_fn=die_with_parent_fn(),
+                               errors="replace", env=env)
+        except subprocess.TimeoutExpired:
+            raise PlanError(f"llama-mtmd-cli did not answer within {timeout:.0f} s") from None
+        seconds = time.perf_counter() - t0
+        if p.returncode != 0:
+            tail = " | ".join((p.stderr or p.stdout).strip().splitlines()[-3:])
+            raise PlanError(f"llama-mtmd-cli failed (exit {p.returncode}): {tail}")
+        dump = Path(tmp) / "embd.bin"
+        if embeddings and not dump.is_file():
+            raise PlanError("llama-mtmd-cli wrote no image embeddings (MTMD_DEBUG_EMBEDDINGS): this llama.cpp predates "
+                            "the dump; build a 2026 llama.cpp")
+        emb = read_embedding_dump(dump) if embeddings else None
     times = parse_mtmd_times(p.stderr + p.stdout)
-    return MtmdAnswer(p.stdout.strip(), seconds=seconds, **times)
+    return MtmdAnswer(p.stdout.strip(), seconds=seconds, embeddings=emb, **times)
