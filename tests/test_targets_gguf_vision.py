@@ -110,7 +110,7 @@ def test_mtmd_times_parsed_from_its_log():
            "llama_perf_context_print:        eval time =       4.00 ms /     5 runs   (    0.80 ms per token,  1250.00 "
            "tokens per second)\n")
     t = parse_mtmd_times(log)
-    assert t == {"encode_ms": 37.0, "image_decode_ms": 3.0, "prompt_tokens_per_second": 2745.10,
+    assert t == {"encode_ms": 37.0, "encodes_ms": [37.0], "image_decode_ms": 3.0, "prompt_tokens_per_second": 2745.10,
                  "decode_tokens_per_second": 1250.0, "decode_tokens": 5}
 
 

@@ -66,13 +66,14 @@ class MtmdAnswer:
     """One answer of llama.cpp's multimodal runtime and the times it printed."""
 
     text: str
-    encode_ms: float | None  # the vision encoder + projector on the picture (llama.cpp's own timer)
+    encode_ms: float | None  # the vision encoder + projector on the (last) picture (llama.cpp's own timer)
     image_decode_ms: float | None  # the language model's prefill of the image tokens
     prompt_tokens_per_second: float | None
     decode_tokens_per_second: float | None
     decode_tokens: int
     seconds: float  # the whole process, load included
     embeddings: np.ndarray | None = field(default=None, repr=False)  # [image tokens, LM hidden]: clip's output
+    encodes_ms: list[float] = field(default_factory=list)  # every picture's encode, in order (one per --image)
 
     def to_dict(self) -> dict:
         return {k: v for k, v in asdict(self).items() if k != "embeddings"}
@@ -82,7 +83,8 @@ def parse_mtmd_times(log: str) -> dict:
     """The times ``llama-mtmd-cli`` prints: image encode and image-token prefill (ms), prompt and decode tok/s."""
     enc, dec = _ENCODE.findall(log), _IMAGE_DECODE.findall(log)
     perf = {kind: (float(ms), int(n), float(tps)) for kind, ms, n, tps in _PERF.findall(log)}
-    return {"encode_ms": float(enc[-1]) if enc else None, "image_decode_ms": float(dec[-1]) if dec else None,
+    return {"encode_ms": float(enc[-1]) if enc else None, "encodes_ms": [float(x) for x in enc],
+            "image_decode_ms": float(dec[-1]) if dec else None,
             "prompt_tokens_per_second": perf["prompt eval"][2] if "prompt eval" in perf else None,
             "decode_tokens_per_second": perf["eval"][2] if "eval" in perf else None,
             "decode_tokens": perf["eval"][1] if "eval" in perf else 0}
@@ -100,15 +102,18 @@ def read_embedding_dump(path: Path) -> np.ndarray:
     return data.reshape(int(n), int(width)).copy()
 
 
-def run_mtmd(cli: Path, model: Path, mmproj: Path, image: Path, prompt: str, *, max_tokens: int = 8,
+def run_mtmd(cli: Path, model: Path, mmproj: Path, image: Path | list[Path], prompt: str, *, max_tokens: int = 8,
              threads: int = 2, image_tokens: tuple[int, int] | None = None, ctx: int = 512,
              timeout: float = 600, embeddings: bool = False) -> MtmdAnswer:
     """Ask llama.cpp's multimodal CLI about ``image``, greedily; its answer text (stdout) and times (its log);
-    with ``embeddings``, also the image embeddings its vision encoder and projector computed (clip's own dump)."""
-    for p in (model, mmproj, image):
+    with ``embeddings``, also the image embeddings its vision encoder and projector computed (clip's own dump).
+    Several pictures (a list) go in one prompt, each encoded in turn: the later ones time a warm encoder."""
+    images = [image] if isinstance(image, (str, Path)) else list(image)
+    for p in (model, mmproj, *images):
         if not Path(p).is_file():
             raise PlanError(f"'{p}' does not exist; llama-mtmd-cli needs the model GGUF, the mmproj GGUF and a picture")
-    cmd = [str(cli), "-m", str(model), "--mmproj", str(mmproj), "--image", str(image), "-p", prompt, "-n",
+    cmd = [str(cli), "-m", str(model), "--mmproj", str(mmproj), *[a for p in images for a in ("--image", str(p))],
+           "-p", prompt, "-n",
            str(max_tokens), "--temp", "0", "-t", str(threads), "-c", str(ctx), "--jinja", "--no-mmproj-offload"]
     if image_tokens:
         cmd += ["--image-min-tokens", str(image_tokens[0]), "--image-max-tokens", str(image_tokens[1])]
