@@ -63,7 +63,7 @@ def test_q8_0_mmproj_and_q4_0_model_read_back_equal_to_the_plan(vl, q8, tmp_path
     assert not any(t.name.startswith(("v.", "mm.")) for t in r.tensors)  # the vision part is only in the mmproj
     r, f = _fields(mmproj)
     assert f["general.architecture"] == "clip" and f["general.type"] == "mmproj"
-    assert f["clip.projector_type"] == "qwen2.5vl_merger" and f["clip.vision.n_wa_pattern"] == 1
+    assert f["clip.projector_type"] == "qwen2.5vl_merger" and f["clip.vision.n_wa_pattern"] == 0  # all blocks full attention
     assert f["clip.vision.projection_dim"] == 128 and f["clip.vision.block_count"] == 3
     assert f["clip.vision.patch_size"] == 14 and f["clip.vision.spatial_merge_size"] == 2
     assert np.allclose(f["clip.vision.image_mean"], vl.processor.image_processor.image_mean)

@@ -77,6 +77,14 @@ def _check_model(lm) -> None:
                         f"{vc.temporal_patch_size}")
 
 
+def _window_pattern(vc) -> int:
+    """clip's ``n_wa_pattern``: every N-th block attends to the whole picture, the others within windows; 0 when
+    every block does (no windows at all: the same computation, and llama.cpp's clip aborts on a window mask that no
+    block reads, "Failed to get tensor window_mask", when told 1)."""
+    full = list(vc.fullatt_block_indexes)
+    return 0 if full == list(range(int(vc.depth))) else full[0] + 1
+
+
 def _eps(model) -> float:
     """The vision RMSNorms' epsilon (one value for all of them, as clip.cpp reads one)."""
     found = {float(getattr(m, "variance_epsilon", getattr(m, "eps", 0.0)))
@@ -176,7 +184,7 @@ def write_mmproj(qm, path: str | Path, *, name: str | None = None) -> Path:
         writer.add_vision_image_mean(mean)
         writer.add_vision_image_std(std)
         writer.add_vision_use_silu(True)
-        writer.add_vision_n_wa_pattern(int(vc.fullatt_block_indexes[0]) + 1)
+        writer.add_vision_n_wa_pattern(_window_pattern(vc))
         writer.add_vision_window_size(int(vc.window_size))
         writer.add_vision_spatial_merge_size(int(vc.spatial_merge_size))
         writer.add_vision_attention_layernorm_eps(eps)

@@ -6,7 +6,8 @@ from the workbench's ``model.gguf`` + ``mmproj.gguf``, with the times it reports
     a.text, a.encode_ms, a.decode_tokens_per_second
 
 llama.cpp is optional: nothing here is needed to write the GGUFs, and tests skip without the binary.
-Greedy (``--temp 0``), the prompt through the GGUF's own chat template (``--jinja``), the picture at the token
+Greedy (``--temp 0``), one thread by default (ggml's worker threads spin while they wait: on a shared 2-core machine
+two threads made the demo VLM's decode 1 tok/s where one thread gave 5,000), the prompt through the GGUF's own chat template (``--jinja``), the picture at the token
 bounds the model's image processor has (``--image-min-tokens`` / ``--image-max-tokens``: llama.cpp's Qwen-VL
 default floor of 8 tokens would resize a small picture the workbench feeds at its own size).
 """
@@ -103,7 +104,7 @@ def read_embedding_dump(path: Path) -> np.ndarray:
 
 
 def run_mtmd(cli: Path, model: Path, mmproj: Path, image: Path | list[Path], prompt: str, *, max_tokens: int = 8,
-             threads: int = 2, image_tokens: tuple[int, int] | None = None, ctx: int = 512,
+             threads: int = 1, image_tokens: tuple[int, int] | None = None, ctx: int = 512,
              timeout: float = 600, embeddings: bool = False) -> MtmdAnswer:
     """Ask llama.cpp's multimodal CLI about ``image``, greedily; its answer text (stdout) and times (its log);
     with ``embeddings``, also the image embeddings its vision encoder and projector computed (clip's own dump).
