@@ -103,7 +103,8 @@ def test_image_token_bounds_follow_the_image_processor(vl):
 
 
 def test_mtmd_times_parsed_from_its_log():
-    log = ("encoding image slice...\nimage slice encoded in 37 ms\ndecoding image batch 1/1, n_tokens_batch = 6\n"
+    log = ("encoding mtmd batch, n_chunks = 1 (done = 1, total = 3)\nmtmd batch encoding done in 37 ms\n"
+           "decoding image batch 1/1, n_tokens_batch = 6\n"
            "image decoded (batch 1/1) in 3 ms\n\n"
            "llama_perf_context_print: prompt eval time =       5.10 ms /    14 tokens (    0.36 ms per token,  2745.10 "
            "tokens per second)\n"
@@ -112,6 +113,10 @@ def test_mtmd_times_parsed_from_its_log():
     t = parse_mtmd_times(log)
     assert t == {"encode_ms": 37.0, "encodes_ms": [37.0], "image_decode_ms": 3.0, "prompt_tokens_per_second": 2745.10,
                  "decode_tokens_per_second": 1250.0, "decode_tokens": 5}
+    older = parse_mtmd_times("image slice encoded in 12 ms\nimage slice encoded in 4 ms\n"
+                             "llama_perf_context_print:        eval time =       0.00 ms /     1 runs   (    0.00 ms per "
+                             "token,      inf tokens per second)\n")
+    assert older["encodes_ms"] == [12.0, 4.0] and older["encode_ms"] == 4.0 and older["decode_tokens_per_second"] is None
 
 
 def test_find_mtmd_cli(tmp_path, monkeypatch):
@@ -128,13 +133,18 @@ def test_find_mtmd_cli(tmp_path, monkeypatch):
 
 @pytest.mark.skipif(find_mtmd_cli() is None, reason="llama-mtmd-cli not built (LLAMA_CPP_DIR)")
 def test_llama_cpp_answers_from_the_two_ggufs(vl, q8, tmp_path):
-    model, mmproj = write_gguf(q8, tmp_path / "model.gguf"), write_mmproj(q8, tmp_path / "mmproj.gguf")
+    """llama.cpp's own multimodal code loads both files and encodes the picture as the workbench does."""
+    from workbench.evaluation.images import read_image
+    from workbench.model.vision_feed import embedding_error, image_features
     from workbench.model.vision_quality import vision_eval_set
+    model, mmproj = write_gguf(q8, tmp_path / "model.gguf"), write_mmproj(q8, tmp_path / "mmproj.gguf")
     sample = vision_eval_set(max_questions=1).questions[0]
-    a = run_mtmd(find_mtmd_cli(), model, mmproj, sample.image, sample.prompt, max_tokens=4,
+    a = run_mtmd(find_mtmd_cli(), model, mmproj, sample.image, sample.prompt, max_tokens=4, embeddings=True,
                  image_tokens=image_token_bounds(vl.processor.image_processor))
     assert a.text and a.encode_ms is not None and a.decode_tokens >= 1
-    assert os.path.getsize(mmproj) > 0
+    sim = q8.build_model(vl.model)
+    err = embedding_error(a.embeddings, image_features(sim, vl.processor(read_image(sample.image), sample.prompt)))
+    assert err["cosine"] > 0.999 and err["relative_error"] < 0.02, err
 
 
 def test_convert_demo_vl_writes_both_ggufs(vl, tmp_path, monkeypatch):
@@ -150,3 +160,14 @@ def test_convert_demo_vl_writes_both_ggufs(vl, tmp_path, monkeypatch):
     assert d["mmproj_check"]["max_abs_diff"] == 0.0 and d["mmproj_check"]["types"]["Q8_0"] == 23
     assert any("llama-mtmd-cli not found" in n for n in report.notes)
     assert "llama-mtmd-cli\" -m model.gguf --mmproj mmproj.gguf" in (tmp_path / "z" / "commands.sh").read_text()
+
+
+@pytest.mark.skipif(find_mtmd_cli() is None, reason="llama-mtmd-cli not built (LLAMA_CPP_DIR)")
+def test_convert_demo_vl_runs_llama_cpp(vl, tmp_path):
+    """With llama.cpp built, convert asks its multimodal CLI the held-out questions and scores its vision output."""
+    from workbench.targets.convert import convert
+    m = convert("demo-vl", "llama.cpp", tmp_path / "z", bits=4, evaluate_outputs=False).details["mtmd"]
+    assert m["questions"] == 6 and m["first_word_agreement"] >= 4  # near-tied answers may flip on 8-bit activations
+    assert m["median_embedding_cosine_vs_float"] > 0.999 and m["median_embedding_relative_error_vs_float"] < 0.02
+    assert m["answer_kl_llama_cpp_vision"] < m["answer_kl_simulation"] + 0.01
+    assert m["warm_encode_ms"] is not None and m["decode_tokens_per_second"] > 0

@@ -181,7 +181,7 @@ def _answers_from_mtmd(job, cli: Path, model: Path, mmproj: Path) -> None:
                      "embedding_vs_simulation": embedding_error(got.embeddings, image_features(sim, inputs))})
     job.say("llama-mtmd-cli: timing the encoder on a warm process")
     timed = run_mtmd(cli, model, mmproj, [Path(samples[0].image)] * MTMD_TIMING_IMAGES, "Describe this image in one "
-                     "sentence.", max_tokens=MTMD_TIMING_TOKENS, image_tokens=bounds)
+                     "sentence.", max_tokens=MTMD_TIMING_TOKENS, image_tokens=bounds, ignore_eos=True)
     warm = sorted(timed.encodes_ms[1:])
     reference = capture_answer_reference(answer_scorer(lm.model, lm.processor), samples)
     own = answer_kl(answer_scorer(sim, lm.processor), samples, reference=reference)

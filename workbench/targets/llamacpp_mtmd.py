@@ -30,7 +30,8 @@ __all__ = ["MTMD_CLI", "find_mtmd_cli", "MtmdAnswer", "run_mtmd", "image_token_b
            "read_embedding_dump"]
 
 MTMD_CLI = "llama-mtmd-cli"
-_ENCODE = re.compile(r"image slice encoded in (\d+(?:\.\d+)?) ms")
+# one picture's encode: "mtmd batch encoding done in N ms" (2026), "image slice encoded in N ms" (2025)
+_ENCODE = re.compile(r"(?:mtmd batch encoding done|image slice encoded) in (\d+(?:\.\d+)?) ms")
 _IMAGE_DECODE = re.compile(r"image decoded \(batch \d+/\d+\) in (\d+(?:\.\d+)?) ms")
 _PERF = re.compile(r"llama_perf_context_print:\s+(prompt eval|eval) time =\s*([\d.]+) ms /\s*(\d+) (?:tokens|runs)"
                    r".*?([\d.]+|inf) tokens per second")
@@ -83,7 +84,7 @@ class MtmdAnswer:
 def parse_mtmd_times(log: str) -> dict:
     """The times ``llama-mtmd-cli`` prints: image encode and image-token prefill (ms), prompt and decode tok/s."""
     enc, dec = _ENCODE.findall(log), _IMAGE_DECODE.findall(log)
-    perf = {kind: (float(ms), int(n), float(tps)) for kind, ms, n, tps in _PERF.findall(log)}
+    perf = {kind: (float(ms), int(n), float(tps) if tps != "inf" else None) for kind, ms, n, tps in _PERF.findall(log)}
     return {"encode_ms": float(enc[-1]) if enc else None, "encodes_ms": [float(x) for x in enc],
             "image_decode_ms": float(dec[-1]) if dec else None,
             "prompt_tokens_per_second": perf["prompt eval"][2] if "prompt eval" in perf else None,
@@ -105,17 +106,21 @@ def read_embedding_dump(path: Path) -> np.ndarray:
 
 def run_mtmd(cli: Path, model: Path, mmproj: Path, image: Path | list[Path], prompt: str, *, max_tokens: int = 8,
              threads: int = 1, image_tokens: tuple[int, int] | None = None, ctx: int = 512,
-             timeout: float = 600, embeddings: bool = False) -> MtmdAnswer:
+             timeout: float = 600, embeddings: bool = False, ignore_eos: bool = False) -> MtmdAnswer:
     """Ask llama.cpp's multimodal CLI about ``image``, greedily; its answer text (stdout) and times (its log);
     with ``embeddings``, also the image embeddings its vision encoder and projector computed (clip's own dump).
-    Several pictures (a list) go in one prompt, each encoded in turn: the later ones time a warm encoder."""
+    Several pictures (a list) go in one prompt, each encoded in turn: the later ones time a warm encoder;
+    ``ignore_eos`` writes all ``max_tokens`` (a decode rate over more than the few tokens of an answer).
+    Verbose (``-v``): its times are printed at that level only."""
     images = [image] if isinstance(image, (str, Path)) else list(image)
     for p in (model, mmproj, *images):
         if not Path(p).is_file():
             raise PlanError(f"'{p}' does not exist; llama-mtmd-cli needs the model GGUF, the mmproj GGUF and a picture")
     cmd = [str(cli), "-m", str(model), "--mmproj", str(mmproj), *[a for p in images for a in ("--image", str(p))],
            "-p", prompt, "-n",
-           str(max_tokens), "--temp", "0", "-t", str(threads), "-c", str(ctx), "--jinja", "--no-mmproj-offload"]
+           str(max_tokens), "--temp", "0", "-t", str(threads), "-c", str(ctx), "--jinja", "--no-mmproj-offload", "-v"]
+    if ignore_eos:
+        cmd.append("--ignore-eos")
     if image_tokens:
         cmd += ["--image-min-tokens", str(image_tokens[0]), "--image-max-tokens", str(image_tokens[1])]
     with tempfile.TemporaryDirectory(prefix="workbench-mtmd-") as tmp:
