@@ -134,7 +134,7 @@ def read_llamacpp_tensor_types(path: str | Path, lm: LoadedModel) -> dict[str, s
 
 MTMD_QUESTIONS = 6  # held-out questions asked of llama.cpp's multimodal runtime, when it is found
 MTMD_TOKENS = 6  # tokens each answer may run to (the demo VLM's answers are one or two words)
-MTMD_TIMING_IMAGES = 4  # one picture this many times in one prompt: every encode after the first is a warm one
+MTMD_TIMING_IMAGES = 8  # one picture this many times in one prompt: every encode after the first is a warm one
 MTMD_TIMING_TOKENS = 32
 
 

@@ -37,6 +37,13 @@ _PERF = re.compile(r"llama_perf_context_print:\s+(prompt eval|eval) time =\s*([\
                    r".*?([\d.]+|inf) tokens per second")
 
 
+# llama-mtmd-cli's log goes through a writer thread that, in the 2026 build tried here, now and then stops before the
+# last lines (about 1 run in 6: the answer and the timers missing, exit status 0); a run whose log lacks the closing
+# timer line is repeated
+_WHOLE_LOG = "llama_perf_context_print:        eval time"
+ATTEMPTS = 4
+
+
 def find_mtmd_cli(where: str | Path | None = None) -> Path | None:
     """The ``llama-mtmd-cli`` binary under ``where`` or ``$LLAMA_CPP_DIR`` (the tree, its ``build/bin`` or a bin
     folder), or None when there is none."""
@@ -76,6 +83,7 @@ class MtmdAnswer:
     seconds: float  # the whole process, load included
     embeddings: np.ndarray | None = field(default=None, repr=False)  # [image tokens, LM hidden]: clip's output
     encodes_ms: list[float] = field(default_factory=list)  # every picture's encode, in order (one per --image)
+    attempts: int = 1  # runs it took to get a whole log (see run_mtmd)
 
     def to_dict(self) -> dict:
         return {k: v for k, v in asdict(self).items() if k != "embeddings"}
@@ -125,20 +133,26 @@ def run_mtmd(cli: Path, model: Path, mmproj: Path, image: Path | list[Path], pro
         cmd += ["--image-min-tokens", str(image_tokens[0]), "--image-max-tokens", str(image_tokens[1])]
     with tempfile.TemporaryDirectory(prefix="workbench-mtmd-") as tmp:
         env = {**os.environ, "MTMD_DEBUG_EMBEDDINGS": str(Path(tmp) / "embd.bin")} if embeddings else None
-        t0 = time.perf_counter()
-        try:
-            p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, preexec_fn=die_with_parent_fn(),
-                               errors="replace", env=env)
-        except subprocess.TimeoutExpired:
-            raise PlanError(f"llama-mtmd-cli did not answer within {timeout:.0f} s") from None
-        seconds = time.perf_counter() - t0
-        if p.returncode != 0:
-            tail = " | ".join((p.stderr or p.stdout).strip().splitlines()[-3:])
-            raise PlanError(f"llama-mtmd-cli failed (exit {p.returncode}): {tail}")
+        for attempt in range(1, ATTEMPTS + 1):
+            t0 = time.perf_counter()
+            try:
+                p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                                   preexec_fn=die_with_parent_fn(), errors="replace", env=env)
+            except subprocess.TimeoutExpired:
+                raise PlanError(f"llama-mtmd-cli did not answer within {timeout:.0f} s") from None
+            seconds = time.perf_counter() - t0
+            if p.returncode != 0:
+                tail = " | ".join((p.stderr or p.stdout).strip().splitlines()[-3:])
+                raise PlanError(f"llama-mtmd-cli failed (exit {p.returncode}): {tail}")
+            if _WHOLE_LOG in p.stderr:
+                break
+        else:
+            raise PlanError(f"llama-mtmd-cli exited {ATTEMPTS} times before writing its closing timers; its answer "
+                            "and times are incomplete")
         dump = Path(tmp) / "embd.bin"
         if embeddings and not dump.is_file():
             raise PlanError("llama-mtmd-cli wrote no image embeddings (MTMD_DEBUG_EMBEDDINGS): this llama.cpp predates "
                             "the dump; build a 2026 llama.cpp")
         emb = read_embedding_dump(dump) if embeddings else None
     times = parse_mtmd_times(p.stderr + p.stdout)
-    return MtmdAnswer(p.stdout.strip(), seconds=seconds, embeddings=emb, **times)
+    return MtmdAnswer(p.stdout.strip(), seconds=seconds, embeddings=emb, attempts=attempt, **times)
