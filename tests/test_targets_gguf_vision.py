@@ -63,7 +63,8 @@ def test_q8_0_mmproj_and_q4_0_model_read_back_equal_to_the_plan(vl, q8, tmp_path
     assert not any(t.name.startswith(("v.", "mm.")) for t in r.tensors)  # the vision part is only in the mmproj
     r, f = _fields(mmproj)
     assert f["general.architecture"] == "clip" and f["general.type"] == "mmproj"
-    assert f["clip.projector_type"] == "qwen2.5vl_merger" and f["clip.vision.n_wa_pattern"] == 0  # all blocks full attention
+    assert f["clip.projector_type"] == "qwen2.5vl_merger"
+    assert f["clip.vision.n_wa_pattern"] == 0  # every block attends to the whole picture: no windows
     assert f["clip.vision.projection_dim"] == 128 and f["clip.vision.block_count"] == 3
     assert f["clip.vision.patch_size"] == 14 and f["clip.vision.spatial_merge_size"] == 2
     assert np.allclose(f["clip.vision.image_mean"], vl.processor.image_processor.image_mean)
@@ -114,9 +115,10 @@ def test_mtmd_times_parsed_from_its_log():
     assert t == {"encode_ms": 37.0, "encodes_ms": [37.0], "image_decode_ms": 3.0, "prompt_tokens_per_second": 2745.10,
                  "decode_tokens_per_second": 1250.0, "decode_tokens": 5}
     older = parse_mtmd_times("image slice encoded in 12 ms\nimage slice encoded in 4 ms\n"
-                             "llama_perf_context_print:        eval time =       0.00 ms /     1 runs   (    0.00 ms per "
-                             "token,      inf tokens per second)\n")
-    assert older["encodes_ms"] == [12.0, 4.0] and older["encode_ms"] == 4.0 and older["decode_tokens_per_second"] is None
+                             "llama_perf_context_print:        eval time =       0.00 ms /     1 runs   "
+                             "(    0.00 ms per token,      inf tokens per second)\n")
+    assert older["encodes_ms"] == [12.0, 4.0] and older["encode_ms"] == 4.0
+    assert older["decode_tokens_per_second"] is None
 
 
 def test_find_mtmd_cli(tmp_path, monkeypatch):
@@ -171,3 +173,21 @@ def test_convert_demo_vl_runs_llama_cpp(vl, tmp_path):
     assert m["median_embedding_cosine_vs_float"] > 0.999 and m["median_embedding_relative_error_vs_float"] < 0.02
     assert m["answer_kl_llama_cpp_vision"] < m["answer_kl_simulation"] + 0.01
     assert m["warm_encode_ms"] is not None and m["decode_tokens_per_second"] > 0
+
+
+def test_vl_folder_missing_its_visual_part_is_refused(vl, tmp_path):
+    """A VLM folder whose weights lack the vision tower: refused in one line naming the missing tensors, no output."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from workbench.errors import ModelLoadError
+    from workbench.targets.convert import convert
+    src = tmp_path / "novis"
+    shutil.copytree(vl.path, src)
+    weights = load_file(src / "model.safetensors")
+    kept = {k: v for k, v in weights.items() if not k.startswith(("visual.", "model.visual."))}
+    save_file(kept, src / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=r"missing \(model\.visual\."):
+        convert(src, "llama.cpp", tmp_path / "z", bits=4, evaluate_outputs=False)
+    assert not (tmp_path / "z").exists()

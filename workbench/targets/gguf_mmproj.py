@@ -64,8 +64,8 @@ def _check_model(lm) -> None:
     cfg = lm.model.config
     if cfg.model_type not in MMPROJ_TYPES:
         raise PlanError(f"'{lm.path}' is a {cfg.model_type} model; the mmproj GGUF is written here for "
-                        f"{', '.join(MMPROJ_TYPES)} (Qwen2.5-VL); convert others with llama.cpp's convert_hf_to_gguf.py "
-                        "--mmproj")
+                        f"{', '.join(MMPROJ_TYPES)} (Qwen2.5-VL); convert others with llama.cpp's "
+                        "convert_hf_to_gguf.py --mmproj")
     vc = cfg.vision_config
     full = list(getattr(vc, "fullatt_block_indexes", None) or [])
     step = full[0] + 1 if full else 0

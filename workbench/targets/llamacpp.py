@@ -148,7 +148,8 @@ def _write_mmproj(job) -> Path:
     check = check_mmproj(qm, path)
     if check["max_abs_diff"] != 0.0:
         raise PlanError(f"'{path}' does not hold the planned vision weights (largest difference "
-                        f"{check['max_abs_diff']:g}); this is a bug in the mmproj writer: please report it with the plan")
+                        f"{check['max_abs_diff']:g}); this is a bug in the mmproj writer: please report it with the "
+                        "plan")
     job.report.details.update(mmproj_check=check, mmproj_bytes=path.stat().st_size)
     types = ", ".join(f"{n} x{c}" for n, c in sorted(check["types"].items()))
     job.report.notes.append(f"mmproj.gguf: the vision encoder and projector in llama.cpp's clip format ({types}); all "
@@ -203,7 +204,8 @@ def _answers_from_mtmd(job, cli: Path, model: Path, mmproj: Path) -> None:
                "median_embedding_cosine_vs_float": median("embedding_vs_float", "cosine"),
                "median_embedding_relative_error_vs_float": median("embedding_vs_float", "relative_error"),
                "median_embedding_relative_error_vs_simulation": median("embedding_vs_simulation", "relative_error"),
-               "answer_kl_llama_cpp_vision": fed_kl.kl_divergence, "answer_top1_llama_cpp_vision": fed_kl.top1_agreement,
+               "answer_kl_llama_cpp_vision": fed_kl.kl_divergence,
+               "answer_top1_llama_cpp_vision": fed_kl.top1_agreement,
                "answer_kl_simulation": own.kl_divergence, "answer_top1_simulation": own.top1_agreement,
                "answers": rows}
     job.report.details["mtmd"] = summary
@@ -256,8 +258,8 @@ def convert_llamacpp(job) -> None:
     if mmproj is not None:
         bounds = image_token_bounds(prep.float_lm.processor.image_processor)
         lines[-1:-1] = ["# Ask about a picture with llama.cpp's multimodal runtime (IMAGE: a picture file):",
-                        "\"$LLAMA_CPP/llama-mtmd-cli\" -m model.gguf --mmproj mmproj.gguf --image \"${IMAGE:?set IMAGE}\" "
-                        "-p \"What colour is the shape?\" -n 8 --temp 0 --jinja"
+                        "\"$LLAMA_CPP/llama-mtmd-cli\" -m model.gguf --mmproj mmproj.gguf "
+                        "--image \"${IMAGE:?set IMAGE}\" -p \"What colour is the shape?\" -n 8 --temp 0 --jinja"
                         + (f" --image-min-tokens {bounds[0]} --image-max-tokens {bounds[1]}" if bounds else "")]
     script = out / "commands.sh"
     atomic_write_text(script, "\n".join(lines))

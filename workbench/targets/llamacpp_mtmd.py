@@ -7,9 +7,10 @@ from the workbench's ``model.gguf`` + ``mmproj.gguf``, with the times it reports
 
 llama.cpp is optional: nothing here is needed to write the GGUFs, and tests skip without the binary.
 Greedy (``--temp 0``), one thread by default (ggml's worker threads spin while they wait: on a shared 2-core machine
-two threads made the demo VLM's decode 1 tok/s where one thread gave 5,000), the prompt through the GGUF's own chat template (``--jinja``), the picture at the token
-bounds the model's image processor has (``--image-min-tokens`` / ``--image-max-tokens``: llama.cpp's Qwen-VL
-default floor of 8 tokens would resize a small picture the workbench feeds at its own size).
+two threads made the demo VLM's decode 1 tok/s where one thread gave 5,000), the prompt through the GGUF's own
+chat template (``--jinja``), the picture at the token bounds the model's image processor has
+(``--image-min-tokens`` / ``--image-max-tokens``: llama.cpp's Qwen-VL default floor of 8 tokens would resize a small
+picture the workbench feeds at its own size).
 """
 from __future__ import annotations
 
