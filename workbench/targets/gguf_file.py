@@ -18,6 +18,9 @@ The workbench's layouts that are llama.cpp's, bit for bit:
 - any of them on the embedding (``token_embd``) and an untied output layer (``output``) too;
 - float16 / float32 layers: ``F16`` / ``F32``; norms and biases ``F32``.
 
+A Qwen2.5-VL's language model is written as llama.cpp's ``qwen2vl`` (its M-RoPE sections); its vision encoder
+and projector go to the separate mmproj GGUF (``gguf_mmproj``).
+
 Everything else (asymmetric zero points, two-level scales per channel, int2/int3/int6 with float16
 group scales) has no llama.cpp block that holds it exactly and is refused, naming the precisions
 that do. Blocks are packed here from llama.cpp's block definitions (``ggml-common.h``) and checked

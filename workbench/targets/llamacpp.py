@@ -12,7 +12,9 @@ back with the gguf package's own dequantizer and requires every weight to equal 
 So ``llama-perplexity -m model.gguf`` scores the model the workbench measured, GPTQ / AWQ / scale
 search included. ``commands.sh`` holds that command. The tensor-type file (the plan as
 ``llama-quantize`` rules, for re-quantizing a float GGUF with llama.cpp's own scales) is the
-override format.
+override format. A vision-language model (Qwen2.5-VL) also gets ``mmproj.gguf`` (``gguf_mmproj``), checked the
+same way; where ``$LLAMA_CPP_DIR`` holds ``llama-mtmd-cli``, llama.cpp's multimodal runtime answers held-out
+picture questions from the two files and its image embeddings are scored (``llamacpp_mtmd``, ``details["mtmd"]``).
 """
 from __future__ import annotations
 
