@@ -28,7 +28,7 @@ def built(tmp_path_factory):
     """The demo VLM at int4 with its encoder and projector at int8 (the qnn preset), its encoder graph and QDQ twin
     calibrated on eight pictures."""
     d = tmp_path_factory.mktemp("vision")
-    prep = prepare_models("demo-vl", bits=4, vision="int8", importance=False)
+    prep = prepare_models("demo-vl", bits=4, target="qnn", importance=False)
     vx = export_vision_encoder(prep.float_lm, d)
     feeds = calibration_feeds(prep.float_lm, vx, samples=8)
     qdq = vision_qdq(vx, prep.qm, feeds, d / "vision_encoder.qdq.onnx")

@@ -50,14 +50,14 @@ from ..numerics.memory import release_freed_memory
 from ..onnx.export import ExportResult, export_onnx
 from ..runtime.onnx_runner import OnnxCausalLM
 from ..model.load import LoadedModel, is_quantized_dir, load_model, load_quantized
-from ..quantize.plan import QuantPlan
+from ..quantize.plan import QuantPlan, vision_recipe_for
 from ..evaluation.textio import read_tokens
 from .processes import owned_tempdir
 from .registry import check_precisions, check_signed_scales, get_target, registered_targets, target_names
 from ..files.workspace import atomic_write_json
 from ..evaluation.data import load_calibration_set
 from ..model.calibrate import importance_statistics, reads_importance
-from ..model.vision_quality import part_plan
+from ..model.vision_quality import part_plan, recipe_part_plan
 
 __all__ = ["CONVERT_TARGETS", "ConversionReport", "PreparedModels", "ConvertJob", "prepare_models", "convert",
            "GAP_TOP1", "calibration_feeds", "default_eval_tokens", "EVAL_PARAMETER_TOKENS", "MIN_EVAL_TOKENS",
@@ -95,19 +95,25 @@ class PreparedModels:
     source: str
 
 
-# a VLM's vision encoder and projector when the plan comes from --bits: the target's own recipe (Qualcomm: w8a16)
-VISION_PRESETS = {"qnn": "int8"}
+def vision_bits_plan(lm, plan: QuantPlan, target: str | None) -> QuantPlan:
+    """A VLM's ``--bits`` plan with the vision encoder and projector as ``target`` ships them
+    (``quantize.plan.vision_recipe``: Qualcomm w8a16, MNN int4 / int8, llama.cpp's f16 mmproj), or at int8 as
+    `workbench quantize --bits` plans them where the target has no recipe."""
+    recipe = vision_recipe_for(target, lm.config.model_type) if target else None
+    if recipe is not None:
+        return recipe_part_plan(lm, plan, recipe)
+    return part_plan(lm, plan, vision="int8", projector="int8")
 
 
 def prepare_models(model, *, plan: QuantPlan | str | Path | None = None, bits: int | None = None,
                    progress: bool = False, device: str = "cpu", importance: bool = True,
-                   vision: str | None = None) -> PreparedModels:
+                   target: str | None = None) -> PreparedModels:
     """Resolve MODEL as a float model with a plan (or ``bits``), or a directory written by ``workbench quantize``.
 
     A float model is quantized as `workbench quantize` does by default: RTN's scale search weighs errors by the
     importance statistics (``calibrate.importance_statistics``) unless ``importance`` is False. The models (and
-    quantization) run on ``device``; graphs and onnxruntime stay on the CPU. ``vision``: a VLM's encoder and
-    projector at this precision when the plan comes from ``bits`` (``VISION_PRESETS``).
+    quantization) run on ``device``; graphs and onnxruntime stay on the CPU. A VLM's encoder and projector follow
+    ``target``'s recipe when the plan comes from ``bits`` (``vision_bits_plan``).
     """
     from ..quantize import quantize_model
     if is_quantized_dir(model):
@@ -132,8 +138,8 @@ def prepare_models(model, *, plan: QuantPlan | str | Path | None = None, bits: i
                                if not p.is_float and not p.two_level and not p.minimums)
             raise PlanError(f"--bits must be a registered integer width ({widths}), got {bits}")
         plan = QuantPlan.uniform(f"int{bits}")
-        if vision and float_lm.is_vision:
-            plan = part_plan(float_lm, plan, vision=vision, projector=vision)
+        if getattr(float_lm, "is_vision", False):
+            plan = vision_bits_plan(float_lm, plan, target)
     elif not isinstance(plan, QuantPlan):
         plan = QuantPlan.load(plan)
     try:
@@ -605,7 +611,7 @@ def convert(model, target: str, out_dir: str | Path, *, plan: QuantPlan | str | 
         spec.check_setup()
     t0 = time.perf_counter()
     prep = prepared or prepare_models(model, plan=plan, bits=bits, progress=progress, device=device,
-                                      vision=VISION_PRESETS.get(target))
+                                      target=target)
     check_precisions(spec, prep.qm.precisions)
     check_signed_scales(spec, prep.qm, regrid_command(prep, target))
     report_seconds = {"prepare": time.perf_counter() - t0}
@@ -628,7 +634,7 @@ def convert(model, target: str, out_dir: str | Path, *, plan: QuantPlan | str | 
                                 split_limit_bytes=split_limit_bytes))
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    if not report.runnable:
+    if not report.runnable and "mtmd" not in report.details:  # llama.cpp's multimodal CLI ran: its own scores are there
         report.notes.append(f"{target} cannot run here: no KL/top-1 is reported for it")
     report.files = _files(out)
     report.seconds = time.perf_counter() - t0

@@ -18,6 +18,9 @@ The workbench's layouts that are llama.cpp's, bit for bit:
 - any of them on the embedding (``token_embd``) and an untied output layer (``output``) too;
 - float16 / float32 layers: ``F16`` / ``F32``; norms and biases ``F32``.
 
+A Qwen2.5-VL's language model is written as llama.cpp's ``qwen2vl`` (its M-RoPE sections); its vision encoder
+and projector go to the separate mmproj GGUF (``gguf_mmproj``).
+
 Everything else (asymmetric zero points, two-level scales per channel, int2/int3/int6 with float16
 group scales) has no llama.cpp block that holds it exactly and is refused, naming the precisions
 that do. Blocks are packed here from llama.cpp's block definitions (``ggml-common.h``) and checked
@@ -33,13 +36,18 @@ import numpy as np
 import torch
 
 from ..errors import PlanError
+from ..model.vision import PART_PREFIXES
 from ..quantize.plan import get_precision
 from ..quantize.qtensor import QuantizedWeight
 from ..quantize.storage import float_storage, stored_integer_layers
 
-__all__ = ["ggml_type_of", "pack_blocks", "write_gguf", "check_gguf", "gguf_parameter_name", "GGUF_ARCHES"]
+__all__ = ["ggml_type_of", "pack_blocks", "write_gguf", "check_gguf", "gguf_parameter_name", "GGUF_ARCHES",
+           "in_language_model", "text_config", "BLOCK_BYTES", "gguf_package", "parameter_names"]
 
-GGUF_ARCHES = {"qwen2": "qwen2", "qwen3": "qwen3", "llama": "llama"}  # Hugging Face model_type -> GGUF architecture
+GGUF_ARCHES = {"qwen2": "qwen2", "qwen3": "qwen3", "llama": "llama",  # Hugging Face model_type -> GGUF architecture
+               "qwen2_5_vl": "qwen2vl"}  # a VLM: its language model (M-RoPE), the vision part in gguf_mmproj
+_LANGUAGE_PREFIX = "model.language_model."  # a VLM's language model, named as the text model's "model."
+_VISION_PREFIXES = tuple(f"{p}." for part in ("vision encoder", "projector") for p in PART_PREFIXES[part])
 _LEGACY = {4: "Q4_0", 5: "Q5_0", 8: "Q8_0"}  # symmetric b-bit codes with a float16 scale per 32 weights
 _LEGACY_MIN = {4: "Q4_1", 5: "Q5_1"}  # unsigned b-bit codes with a float16 scale and minimum per 32 weights
 # (bits, sub-scale bits, largest sub-scale, minimums) in 256-weight blocks
@@ -51,7 +59,7 @@ _ROLES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn
           "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
 
 
-def _gguf():
+def gguf_package():
     try:
         import gguf
     except ImportError:
@@ -172,7 +180,10 @@ def pack_blocks(qw: QuantizedWeight) -> tuple[str, np.ndarray]:
 
 def gguf_parameter_name(name: str) -> str | None:
     """The GGUF tensor name of a Hugging Face parameter (``model.layers.3.mlp.up_proj.weight`` ->
-    ``blk.3.ffn_up.weight``), as llama.cpp's converter names it; None when it has none."""
+    ``blk.3.ffn_up.weight``), as llama.cpp's converter names it; None when it has none. A VLM's language model
+    (``model.language_model.*``) is named as the text model's."""
+    if name.startswith(_LANGUAGE_PREFIX):
+        name = "model." + name.removeprefix(_LANGUAGE_PREFIX)
     if name == "model.embed_tokens.weight":
         return "token_embd.weight"
     if name == "model.norm.weight":
@@ -187,12 +198,23 @@ def gguf_parameter_name(name: str) -> str | None:
     return None
 
 
+def in_language_model(name: str) -> bool:
+    """Whether a parameter or layer belongs in the language model's GGUF (a VLM's vision encoder and projector
+    go to the mmproj GGUF instead: ``gguf_mmproj``)."""
+    return not f"{name}.".startswith(_VISION_PREFIXES)
+
+
+def text_config(config):
+    """The language model's config: a VLM keeps it under ``text_config``; a text model is its own."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def _rotary_heads(config, name: str) -> int | None:
     """The head count a llama q/k weight's rows are permuted by for llama.cpp (None: written as it is)."""
     if GGUF_ARCHES[config.model_type] != "llama":
         return None
-    heads = config.num_attention_heads
-    return heads if ".q_proj." in name else (getattr(config, "num_key_value_heads", None) or heads) \
+    heads = text_config(config).num_attention_heads
+    return heads if ".q_proj." in name else (getattr(text_config(config), "num_key_value_heads", None) or heads) \
         if ".k_proj." in name else None
 
 
@@ -254,6 +276,12 @@ def _add_hyperparameters(writer, config, arch: str, name: str) -> None:
     if rope.get("rope_type", rope.get("type", "default")) != "default":
         raise PlanError("this model scales its rotary embedding, which this GGUF writer does not carry; convert "
                         "with llama.cpp's convert_hf_to_gguf.py")
+    if arch == "qwen2vl":  # M-RoPE: the rotary pairs given to the time, height and width positions of image tokens
+        sections = list(rope.get("mrope_section") or [])
+        if not sections or len(sections) > 4 or sum(sections) * 2 != head_dim:
+            raise PlanError(f"this VLM's mrope_section {sections or 'is missing'}: llama.cpp's qwen2vl needs up to 4 "
+                            f"sections summing to half the head size ({head_dim // 2})")
+        writer.add_rope_dimension_sections(sections + [0] * (4 - len(sections)))
     writer.add_name(name)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -270,7 +298,7 @@ def _add_hyperparameters(writer, config, arch: str, name: str) -> None:
         writer.add_vocab_size(config.vocab_size)
 
 
-def _parameter_names(model, layers: set[str]) -> list[str]:
+def parameter_names(model, layers: set[str]) -> list[str]:
     """Every weight's name in model order; a quantized layer (its weight a buffer) counts as ``NAME.weight``."""
     names = []
     for mname, module in model.named_modules(remove_duplicate=False):
@@ -282,7 +310,7 @@ def _parameter_names(model, layers: set[str]) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-_BLOCK = {"Q4_0": (32, 18), "Q5_0": (32, 22), "Q8_0": (32, 34), "Q3_K": (256, 110), "Q6_K": (256, 210),
+BLOCK_BYTES = {"Q4_0": (32, 18), "Q5_0": (32, 22), "Q8_0": (32, 34), "Q3_K": (256, 110), "Q6_K": (256, 210),
           "Q4_K": (256, 144), "Q5_K": (256, 176), "Q4_1": (32, 20), "Q5_1": (32, 24)}
 
 
@@ -296,8 +324,10 @@ def _tensors(qm) -> list[tuple[str, str, tuple, np.dtype, int, object]]:
     integer = {f"{r.name}.weight": r.name for r in stored_integer_layers(qm)}
     tied = {r.name for r in qm.layers if r.tied_to and not r.untied}
     out = []
-    for name in _parameter_names(lm.model, {r.name for r in qm.layers}):
+    for name in parameter_names(lm.model, {r.name for r in qm.layers}):
         layer = name.removesuffix(".weight")
+        if not in_language_model(name):
+            continue  # a VLM's vision encoder and projector: the mmproj GGUF (gguf_mmproj.write_mmproj)
         if layer in tied:
             continue  # llama.cpp reads token_embd for a tied output layer
         target = gguf_parameter_name(name)
@@ -311,7 +341,7 @@ def _tensors(qm) -> list[tuple[str, str, tuple, np.dtype, int, object]]:
                 kind = ggml_type_of(qw)
             except PlanError as e:
                 raise PlanError(f"layer '{layer}' ({precisions.get(layer)}): {e}") from None
-            per, size = _BLOCK[kind]
+            per, size = BLOCK_BYTES[kind]
             shape = (qw.shape[0], qw.shape[1] // per * size)
 
             def make(qw=qw, rotary=rotary):
@@ -333,12 +363,12 @@ def _tensors(qm) -> list[tuple[str, str, tuple, np.dtype, int, object]]:
 
 def write_gguf(qm, path: str | Path, *, name: str | None = None) -> Path:
     """Write the quantized model ``qm`` as one GGUF llama.cpp runs (atomically: a killed run leaves no file)."""
-    gguf = _gguf()
+    gguf = gguf_package()
     lm = qm.source
-    config = lm.model.config
-    arch = GGUF_ARCHES.get(config.model_type)
+    arch = GGUF_ARCHES.get(lm.model.config.model_type)
+    config = text_config(lm.model.config)
     if arch is None:
-        raise PlanError(f"model type '{config.model_type}' is not written as GGUF here; supported: "
+        raise PlanError(f"model type '{lm.model.config.model_type}' is not written as GGUF here; supported: "
                         f"{', '.join(GGUF_ARCHES)}")
     tensors = _tensors(qm)  # every layer's block type checked before a byte is written
     out = Path(path)
@@ -371,12 +401,14 @@ def check_gguf(qm, path: str | Path) -> dict:
     Returns ``{"tensors": n, "weights": n, "max_abs_diff": x, "types": {type: count}}``; ``max_abs_diff`` is
     0.0 when the file holds exactly the weights the workbench evaluated.
     """
-    gguf = _gguf()
+    gguf = gguf_package()
     from gguf.quants import dequantize
     reader = gguf.GGUFReader(str(path))
     by_name = {t.name: t for t in reader.tensors}
     worst, count, weights, types = 0.0, 0, 0, {}
     for r in stored_integer_layers(qm):
+        if not in_language_model(r.name):
+            continue  # in the mmproj GGUF, checked by gguf_mmproj.check_mmproj
         layer, qw = r.name, qm.weights[r.name]
         target = gguf_parameter_name(f"{layer}.weight")
         t = by_name.get(target)

@@ -12,7 +12,9 @@ back with the gguf package's own dequantizer and requires every weight to equal 
 So ``llama-perplexity -m model.gguf`` scores the model the workbench measured, GPTQ / AWQ / scale
 search included. ``commands.sh`` holds that command. The tensor-type file (the plan as
 ``llama-quantize`` rules, for re-quantizing a float GGUF with llama.cpp's own scales) is the
-override format.
+override format. A vision-language model (Qwen2.5-VL) also gets ``mmproj.gguf`` (``gguf_mmproj``), checked the
+same way; where ``$LLAMA_CPP_DIR`` holds ``llama-mtmd-cli``, llama.cpp's multimodal runtime answers held-out
+picture questions from the two files and its image embeddings are scored (``llamacpp_mtmd``, ``details["mtmd"]``).
 """
 from __future__ import annotations
 
@@ -21,13 +23,22 @@ import shlex
 import time
 from pathlib import Path
 
+import torch
+
 from ..errors import PlanError
+from ..evaluation.images import read_image
+from ..evaluation.vision import answer_kl, capture_answer_reference
 from ..model.load import LoadedModel
+from ..model.vision import answer_scorer
+from ..model.vision_feed import embedding_error, fed_answer_scorer, image_features
+from ..model.vision_quality import vision_eval_set
 from ..quantize.plan import QuantPlan, get_precision
 from ..quantize.storage import stored_integer_layers
 from ..files.workspace import atomic_write_text
 from .common import OverrideFile, layer_precisions
 from .gguf_file import check_gguf, gguf_parameter_name, write_gguf
+from .gguf_mmproj import check_mmproj, write_mmproj
+from .llamacpp_mtmd import find_mtmd_cli, image_token_bounds, run_mtmd
 from .registry import OverrideFormat, Target, check_precisions, register_target
 
 __all__ = ["gguf_tensor_name", "llamacpp_tensor_types", "write_llamacpp_tensor_types", "read_llamacpp_tensor_types",
@@ -123,10 +134,100 @@ def read_llamacpp_tensor_types(path: str | Path, lm: LoadedModel) -> dict[str, s
     return out
 
 
+MTMD_QUESTIONS = 6  # held-out questions asked of llama.cpp's multimodal runtime, when it is found
+MTMD_TOKENS = 6  # tokens each answer may run to (the demo VLM's answers are one or two words)
+MTMD_TIMING_IMAGES = 8  # one picture this many times in one prompt: every encode after the first is a warm one
+MTMD_TIMING_TOKENS = 32
+
+
+def _write_mmproj(job) -> Path:
+    """A VLM's vision encoder and projector as ``mmproj.gguf``, read back equal to the plan."""
+    qm = job.prep.qm
+    job.say("writing mmproj.gguf")
+    t0 = time.perf_counter()
+    path = write_mmproj(qm, job.out / "mmproj.gguf")
+    job.report.details.setdefault("seconds", {})["write_mmproj"] = time.perf_counter() - t0
+    check = check_mmproj(qm, path)
+    if check["max_abs_diff"] != 0.0:
+        raise PlanError(f"'{path}' does not hold the planned vision weights (largest difference "
+                        f"{check['max_abs_diff']:g}); this is a bug in the mmproj writer: please report it with the "
+                        "plan")
+    job.report.details.update(mmproj_check=check, mmproj_bytes=path.stat().st_size)
+    types = ", ".join(f"{n} x{c}" for n, c in sorted(check["types"].items()))
+    job.report.notes.append(f"mmproj.gguf: the vision encoder and projector in llama.cpp's clip format ({types}); all "
+                            f"{check['weights']:,} values read back by the gguf package equal the plan's "
+                            f"({check['integer_layers']} integer layers, the rest at the file's float type)")
+    return path
+
+
+def _answers_from_mtmd(job, cli: Path, model: Path, mmproj: Path) -> None:
+    """Ask llama.cpp's multimodal runtime the first held-out questions. Its answers beside the simulation's (greedy,
+    transformers' generate on the workbench's quantized model); its image embeddings against the float model's and
+    the simulation's; the answer-token KL (against the float model) of the simulation's language model fed
+    llama.cpp's embeddings, beside the simulation's own; its times. In ``details["mtmd"]``."""
+    lm, sim = job.prep.float_lm, job.prep.sim_lm.model
+    bounds = image_token_bounds(lm.processor.image_processor)
+    samples = vision_eval_set(max_questions=MTMD_QUESTIONS).questions
+    rows, fed = [], {}
+    for sample in samples:
+        job.say(f"llama-mtmd-cli: {Path(sample.image).name}: {sample.prompt}")
+        got = run_mtmd(cli, model, mmproj, Path(sample.image), sample.prompt, max_tokens=MTMD_TOKENS,
+                       image_tokens=bounds, embeddings=True)
+        inputs = lm.processor(read_image(sample.image), sample.prompt)
+        with torch.inference_mode():
+            ids = sim.generate(**inputs, max_new_tokens=MTMD_TOKENS, do_sample=False)
+        mine = lm.tokenizer.decode(ids[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+        fed[str(sample.image)] = got.embeddings
+        rows.append({"image": Path(sample.image).name, "question": sample.prompt, "expected": sample.answer,
+                     "llama_cpp": got.text, "workbench": mine, **got.to_dict(),
+                     "embedding_vs_float": embedding_error(got.embeddings, image_features(lm.model, inputs)),
+                     "embedding_vs_simulation": embedding_error(got.embeddings, image_features(sim, inputs))})
+    job.say("llama-mtmd-cli: timing the encoder on a warm process")
+    timed = run_mtmd(cli, model, mmproj, [Path(samples[0].image)] * MTMD_TIMING_IMAGES, "Describe this image in one "
+                     "sentence.", max_tokens=MTMD_TIMING_TOKENS, image_tokens=bounds, ignore_eos=True)
+    warm = sorted(timed.encodes_ms[1:])
+    reference = capture_answer_reference(answer_scorer(lm.model, lm.processor), samples)
+    own = answer_kl(answer_scorer(sim, lm.processor), samples, reference=reference)
+    fed_kl = answer_kl(fed_answer_scorer(sim, lm.processor, fed), samples, reference=reference)
+
+    def first_word(t):
+        return (t.split() or [""])[0].strip(".,").lower()
+
+    def median(key, sub=None):
+        vals = sorted(r[key][sub] if sub else r[key] for r in rows if r[key] is not None)
+        return vals[len(vals) // 2] if vals else None
+    agree = sum(first_word(r["llama_cpp"]) == first_word(r["workbench"]) for r in rows)
+    right = sum(first_word(r["llama_cpp"]) == r["expected"].split()[0].lower() for r in rows)
+    summary = {"binary": str(cli), "questions": len(rows), "first_word_agreement": agree, "correct": right,
+               "image_tokens": bounds, "median_encode_ms": median("encode_ms"),
+               "warm_encode_ms": warm[len(warm) // 2] if warm else None, "timing_run": timed.to_dict(),
+               "decode_tokens_per_second": timed.decode_tokens_per_second,
+               "prompt_tokens_per_second": timed.prompt_tokens_per_second,
+               "median_embedding_cosine_vs_float": median("embedding_vs_float", "cosine"),
+               "median_embedding_relative_error_vs_float": median("embedding_vs_float", "relative_error"),
+               "median_embedding_relative_error_vs_simulation": median("embedding_vs_simulation", "relative_error"),
+               "answer_kl_llama_cpp_vision": fed_kl.kl_divergence,
+               "answer_top1_llama_cpp_vision": fed_kl.top1_agreement,
+               "answer_kl_simulation": own.kl_divergence, "answer_top1_simulation": own.top1_agreement,
+               "answers": rows}
+    job.report.details["mtmd"] = summary
+    job.report.notes.append(
+        f"llama.cpp's multimodal runtime ({cli.name}) answered {len(rows)} held-out questions from model.gguf + "
+        f"mmproj.gguf: first word equal to the workbench's in {agree}, right in {right}; its image embeddings against "
+        f"the float model's: cosine {summary['median_embedding_cosine_vs_float']:.4f}, relative error "
+        f"{summary['median_embedding_relative_error_vs_float']:.4f} (median); answer KL with llama.cpp's embeddings "
+        f"feeding the workbench's quantized language model {fed_kl.kl_divergence:.4f} (its own vision part: "
+        f"{own.kl_divergence:.4f}); image encode {summary['warm_encode_ms']} ms warm ({summary['median_encode_ms']} ms "
+        f"first in a process), decode {summary['decode_tokens_per_second']} tok/s (llama.cpp's own timers)")
+
+
 def convert_llamacpp(job) -> None:
-    """``model.gguf`` holding the plan's integers, checked weight for weight, and ``commands.sh`` scoring it."""
+    """``model.gguf`` holding the plan's integers, checked weight for weight, and ``commands.sh`` scoring it; for a
+    VLM also ``mmproj.gguf`` (the vision part) and, where llama.cpp's multimodal CLI is found, its answers."""
     prep, out = job.prep, job.out
     qm = prep.qm
+    vision = getattr(prep.float_lm, "is_vision", False)
+    mmproj = _write_mmproj(job) if vision else None  # a VLM's vision part refused (by name) before the text is written
     job.say("writing model.gguf")
     t0 = time.perf_counter()
     path = write_gguf(qm, out / "model.gguf")
@@ -156,9 +257,21 @@ def convert_llamacpp(job) -> None:
              "# llama.cpp re-quantizing the float model itself, for comparison:",
              f"# python convert_hf_to_gguf.py {src} --outtype f16 --outfile model-f16.gguf",
              f"# \"$LLAMA_CPP/llama-quantize\" model-f16.gguf model-q4_k_m.gguf Q4_K_M", ""]
+    if mmproj is not None:
+        bounds = image_token_bounds(prep.float_lm.processor.image_processor)
+        lines[-1:-1] = ["# Ask about a picture with llama.cpp's multimodal runtime (IMAGE: a picture file):",
+                        "\"$LLAMA_CPP/llama-mtmd-cli\" -m model.gguf --mmproj mmproj.gguf "
+                        "--image \"${IMAGE:?set IMAGE}\" -p \"What colour is the shape?\" -n 8 --temp 0 --jinja"
+                        + (f" --image-min-tokens {bounds[0]} --image-max-tokens {bounds[1]}" if bounds else "")]
     script = out / "commands.sh"
     atomic_write_text(script, "\n".join(lines))
     script.chmod(0o755)
+    cli = find_mtmd_cli() if mmproj is not None else None
+    if cli is not None:
+        _answers_from_mtmd(job, cli, path, mmproj)
+    elif mmproj is not None:
+        job.report.notes.append("llama-mtmd-cli not found (set LLAMA_CPP_DIR to a llama.cpp build; docs/targets.md): "
+                                "the GGUFs are written and checked, not run")
 
 
 def _base_type(plan: QuantPlan) -> str:
