@@ -10,14 +10,13 @@ from __future__ import annotations
 from typing import Mapping, Sequence
 
 import plotly.graph_objects as go
-from plotly.colors import qualitative
 from plotly.subplots import make_subplots
 
-from .style import KIND_COLOURS, lift_subplot_titles, linear_range, log_axis
+from .style import CATEGORY_COLOURS, KIND_COLOURS, lift_subplot_titles, linear_range, log_axis
 
 __all__ = ["make_sensitivity_figure", "make_pareto_figure", "make_difficulty_figure", "point_kind", "evaluation_of"]
 
-_PALETTE = tuple(qualitative.Plotly)  # one colour per layer type
+_PALETTE = CATEGORY_COLOURS  # one colour per layer type, none of them a judgement colour
 _METRIC_TITLES = {"kl": "KL divergence to the float model (nats/token)", "ppl_delta": "perplexity change",
                   "nll_delta": "log-perplexity change"}
 

@@ -18,14 +18,14 @@ from plotly.subplots import make_subplots
 from ..errors import WorkbenchError
 from ..run.profile import RuntimeProfile
 from ..devices.projection import Projection
-from .style import lift_subplot_titles, linear_range, log_axis
+from .style import CATEGORY_COLOURS, JUDGEMENT_COLOURS, MEASURED_COLOUR, lift_subplot_titles, linear_range, log_axis
 from ..devices.vendor_fit import VendorProjection
 
 __all__ = ["make_host_bound_figure", "make_device_figure", "make_speed_pareto_figure", "make_vendor_fit_figure", "speed_of", "pareto_optimal",
            "PLAN_COLOURS"]
 
-PLAN_COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#7f7f7f")
-NO_FIT = "#d62728"
+PLAN_COLOURS = CATEGORY_COLOURS
+NO_FIT = JUDGEMENT_COLOURS["bad"]
 
 
 def _profile(p) -> RuntimeProfile:
@@ -58,7 +58,7 @@ def make_host_bound_figure(profiles: Sequence, read_gbps: float, cache_bytes: in
         go.Bar(name=f"bound ({read_gbps:.1f} GB/s / bytes per step)", x=names, y=bounds, marker_color="#d5dbdb",
                marker_line={"color": "#566573", "width": 1},
                hovertemplate="%{x}: bound %{y:,.0f} tok/s<extra></extra>"),
-        go.Bar(name="measured", x=names, y=[p.decode_tokens_per_second for p in rows], marker_color="#2ca02c",
+        go.Bar(name="measured", x=names, y=[p.decode_tokens_per_second for p in rows], marker_color=MEASURED_COLOUR,
                text=text, textposition="outside", customdata=[p.decode_bytes / 1e6 for p in rows],
                hovertemplate="%{x}: %{y:,.0f} tok/s measured<br>%{customdata:.2f} MB read per step<extra></extra>")])
     fig.update_layout(title="Decode on this host: measured against its memory bound", barmode="group",
