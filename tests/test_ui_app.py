@@ -125,9 +125,20 @@ def test_download_packs_the_run(app, tmp_path):
     assert app.convert_panel.run("ort-int4") is not None
     app.profile_panel.prompt_lengths.value, app.profile_panel.repeats.value = "8", 1
     assert app.profile_panel.run() is not None and app.session.profiles
+    assert "KL divergence:" in app.quantize_panel.words.value  # the tables' terms said beside them
+    assert "top-1 agreement:" in app.convert_panel.table.value and "nats/token" in app.convert_panel.table.value
+    messages = []
+    app.download_link.send = lambda content, buffers=None: messages.append((content, buffers or []))
+    app.download_link.chunk_bytes = 1 << 20
     path = app.download()
     assert path is not None and app.error is None and path.parent == app.out_dir
     assert app.download_link.sent == path.name
+    # the zip crosses in 1 MB pieces between a start (its size, for the page's "receiving k of n MB") and an end
+    kinds = [m["kind"] for m, _ in messages]
+    size = path.stat().st_size
+    assert kinds == ["start"] + ["chunk"] * -(-size // (1 << 20)) + ["end"] and messages[0][0]["bytes"] == size
+    assert b"".join(b for m, bufs in messages for b in bufs) == path.read_bytes()
+    assert max(len(b) for _, bufs in messages for b in bufs) <= 1 << 20
     run = app.out_dir.name
     with zipfile.ZipFile(path) as z:
         names = set(z.namelist())

@@ -33,6 +33,7 @@ from ..quantize.plan import QuantPlan
 from ..precision.sensitivity import run_sensitivity
 from ..model.sweep_backends import backend_for, default_workers
 from ..files.workspace import Workspace
+from ..units import format_bytes
 from .base import FileDownload, StatusGroup, StatusLine, StepPanel
 from .calibrate import CalibratePanel
 from .compress import CompressPanel
@@ -260,11 +261,11 @@ class WorkbenchApp(StepPanel):
             return None
         size = path.stat().st_size
         if size <= ARCHIVE_SEND_LIMIT:
-            self.download_link.send_file(path)
-            self.download_line.html.value = html.escape(f"downloading {path.name} ({size / 1e6:.1f} MB); also kept "
+            self.download_link.send_file(path)  # in pieces: the page counts them in as they arrive
+            self.download_line.html.value = html.escape(f"downloading {path.name} ({format_bytes(size)}); also kept "
                                                         f"at {path}")
         else:
-            self.download_line.html.value = html.escape(f"{path} is {size / 1e9:.1f} GB, too big to send through "
+            self.download_line.html.value = html.escape(f"{path} is {format_bytes(size)}, too big to send through "
                                                         "the page: copy it from there")
         return path
 
