@@ -44,6 +44,11 @@ def test_in_the_app_session_quantized_and_evaluated_plans(tiny_model_dir, worksp
     assert "Jetson Nano 4GB" in panel.figures["pareto"].layout.title.text
     nano = out["uniform int8"][1]
     assert nano.unsupported_layers and "(int8)" in panel.table.value  # the Nano computes in fp16
+    # a quantized model is named by what it is, not by its folder's hash ("quantized awq-56903f2e")
+    from workbench.quantize import quantize_model
+    session.set_quantized(quantize_model(lm, QuantPlan.uniform("int8", group_size=32)))
+    plans, _ = panel.candidates()
+    assert list(plans)[0] == "quantized model (uniform INT8, RTN)" and session.quantized_path.name not in str(list(plans))
     panel.close()
 
 

@@ -233,7 +233,7 @@ def make_vendor_fit_figure(projections: Mapping[str, Sequence]) -> go.Figure:
             xs.extend(q["bytes_gb"] for q in pts)
             ys.extend(q["decode_tps"] for q in pts)
             ys.extend(q["held_out_tps"] for q in pts if q.get("held_out_tps"))
-            src = f"{key[0]}, {v.runtime} {v.precision}" + (" (borrowed)" if v.fallback else "")
+            src = f"{key[0]}, {v.runtime} {v.precision}" + (" (measured on a similar chip)" if v.fallback else "")
             fig.add_scatter(x=[q["bytes_gb"] for q in pts], y=[q["decode_tps"] for q in pts], mode="markers",
                             name=f"{device}: measured ({src})", legendgroup=device,
                             marker={"color": colour, "size": 9},

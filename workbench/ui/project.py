@@ -29,7 +29,7 @@ from ..quantize.plan import QuantPlan
 from ..devices.projection import AUTO, DEFAULT_CONTEXT, project_plans
 from ..charts.report import Candidates, projection_summary_html
 from .base import CheckList, StepPanel, ruled_style
-from .session import SessionLabel
+from .session import SessionLabel, plan_name
 
 __all__ = ["ProjectPanel", "DEFAULT_DEVICES"]
 
@@ -94,7 +94,9 @@ class ProjectPanel(StepPanel):
                 raise PlanError("load a model first")
             if s.quantized is not None:
                 cost = s.cost
-                c.add(f"quantized {s.quantized_path.name}", s.quantized.plan,
+                # by what it is, not its folder's hash ("quantized awq-56903f2e")
+                c.add(f"quantized model ({plan_name(s.quantized.plan, s.lm)}, {s.quantized.method.upper()})",
+                      s.quantized.plan,
                       None if cost is None else cost.kl_divergence, None if cost is None else cost.bits_per_weight)
             c.add("session plan", s.plan)
         for label, plan in self.fixed_plans.items():
