@@ -504,3 +504,12 @@ def test_a_refusals_command_line_example_becomes_what_to_do_in_the_app(app, monk
     monkeypatch.setattr(panel, "_convert_now", refuse)
     assert panel.run("ort-int4") is None
     assert "`workbench" not in panel.error and "in the app: a layer's precision is set in Precisions" in panel.error
+
+
+def test_the_apps_rows_wrap_rather_than_scroll(app):
+    """Issue 55.12: ipywidgets boxes scroll (overflow: auto): every layer row had a tiny scrollbar, wide rows a
+    horizontal one. The app's style makes its rows wrap; the logs keep their own scrolling (set on their layout)."""
+    from workbench.ui.app import APP_STYLE
+    assert "workbench-app" in app._dom_classes and app.children[0].value.startswith(APP_STYLE)
+    assert ".workbench-app .widget-hbox" in APP_STYLE and "overflow: visible" in APP_STYLE and "flex-wrap: wrap" in APP_STYLE
+    assert app.log_output.layout.overflow == "auto" and app.quantize_panel.log_output.layout.overflow == "auto"

@@ -56,6 +56,13 @@ EVERY_PRECISION = "every"
 SWEEP_PRECISIONS = (("INT8 and INT4", ("int8", "int4")), ("INT2 to INT8", ("int8", "int6", "int5", "int4", "int3", "int2")),
                     ("every precision", EVERY_PRECISION))
 
+# ipywidgets gives every box ``overflow: auto``: a row a pixel taller than its box (each layer row of Precisions)
+# showed a tiny scrollbar, a row wider than the page a horizontal one. In the app a row wraps instead and never
+# scrolls; a box that should scroll (the logs) sets its own overflow on its layout, which wins over this.
+APP_STYLE = ("<style>.workbench-app .widget-hbox, .workbench-app .jupyter-widget-hbox {overflow: visible; "
+             "flex-wrap: wrap} .workbench-app .widget-vbox, .workbench-app .jupyter-widget-vbox "
+             "{overflow: visible}</style>")
+
 TAB_TITLES = ("Fine-tune", "Calibrate", "Precisions", "Quantize", "Export", "Profile", "Generate", "Project",
               "Compress")
 
@@ -124,11 +131,12 @@ class WorkbenchApp(StepPanel):
         self.session.observe(self._on_plan, names="plan")
         self.session.observe(self._on_session_out_dir, names="out_dir")
         super().__init__([
-            widgets.HTML("<p>Choose per-layer INT4 / INT8 / FP16, see what it costs in perplexity, KL divergence "
-                         "and size, and export for a target.</p>"),
+            widgets.HTML(APP_STYLE + "<p>Choose per-layer INT4 / INT8 / FP16, see what it costs in perplexity, KL "
+                         "divergence and size, and export for a target.</p>"),
             widgets.HBox([self.model_path, self.load_button]), self.status_line,
             widgets.HBox([self.out_dir_text, self.download_button, self.download_link]), self.download_line,
             self.log_output, self.tabs])
+        self.add_class("workbench-app")
 
     # -- what the session holds, under the names the app has always used -----------------------------
     @property
