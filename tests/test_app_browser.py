@@ -5,8 +5,9 @@ Use this plan, quantize with AWQ, convert to ort-int4 and MNN, profile, generate
 beside the float model, project the plans onto devices, download the run and read
 the downloaded model with ``workbench eval``; then the Fine-tune tab for two steps. After every step
 the page must show the step's figures and tables, and no "Error displaying widget", no "Loading
-widget..." left behind and no Python traceback. A screenshot per step goes to
-``$WORKBENCH_TEST_ARTIFACTS`` (default ``tests/artifacts/``, git-ignored).
+widget..." left behind, no Python traceback and no box that scrolls where it should not (a layer row's tiny
+scrollbar, a stray horizontal one). A screenshot after every action and tab goes to ``$WORKBENCH_TEST_ARTIFACTS``
+(default ``tests/artifacts/``, git-ignored).
 
 Needs Debian's Chromium and the playwright package (its own browser download is not used); skipped,
 saying how to install them, where either is missing. ``.ci/run`` installs Chromium before the tests.
@@ -68,6 +69,8 @@ def served_app(tmp_path):
     log = tmp_path / "voila.log"
     env = {k: v for k, v in os.environ.items() if k not in ("JUPYTER_TOKEN", "JUPYTER_TOKEN_FILE")}
     env["WORKBENCH_WORKSPACE"] = str(tmp_path / "workspace")
+    # the kernel imports this checkout, not a copy installed into the environment (a worktree's walk tested main's)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     proc = subprocess.Popen([sys.executable, "-m", "workbench.ui.serve", "--port", str(port)], cwd=ROOT, env=env,
                             stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
     try:
