@@ -116,6 +116,14 @@ class Walk:
         self.page.wait_for_timeout(400)
         self.shot(f"pressed-{name.lower().replace(' ', '-').replace('(', '').replace(')', '')}")
 
+    def charts(self, name: str) -> None:
+        """A screenshot of each visible chart on its own: the page's screenshot shows the viewport, and Voila
+        scrolls inside the page, so charts low on a long tab (Project's) are not in it."""
+        for i, chart in enumerate(self.page.locator(".js-plotly-plot").filter(visible=True).all()):
+            chart.scroll_into_view_if_needed()
+            self.n += 1
+            chart.screenshot(path=str(self.artifacts / f"{self.n:02d}-{name}-chart{i + 1}.png"))
+
     def scrollbars(self) -> list[str]:
         """Boxes that show a scrollbar they should not: a horizontal one anywhere but a log or the page itself, a
         vertical one on a box under 60 px tall (the layer rows' tiny scrollbars)."""
@@ -345,6 +353,7 @@ def test_whole_flow_in_headless_chromium(served_app, tmp_path):
             # measurement beside each projection, the vendor's points on their own chart
             assert "nearest vendor measurement" in body and "Samsung Galaxy S25" in body and "held out" in body
             assert w.page.locator(".js-plotly-plot", has_text="Vendor measurements").filter(visible=True).count() == 1
+            w.charts("project")
             w.field("runtime").select_option(label="Qualcomm QAIRT through GenieX (qairt)")
             page.evaluate("document.querySelectorAll('details').forEach(d => d.dataset.old = '1')")
             w.click("Project")
@@ -362,6 +371,7 @@ def test_whole_flow_in_headless_chromium(served_app, tmp_path):
             w.click("Prune")
             w.wait_text(re.compile(r"heads \d+ -> \d+"))
             body = w.done("compress")
+            w.charts("compress")
             assert "parameters" in body and w.visible_charts() >= 2
 
             w.tab("Precisions")

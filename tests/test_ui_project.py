@@ -31,7 +31,10 @@ def test_in_the_app_session_quantized_and_evaluated_plans(tiny_model_dir, worksp
     points = precisions.evaluate_uniform()  # uniform INT8 and INT4, measured
     panel.close()
     panel = ProjectPanel(session=session, points=lambda: precisions.points, devices=["8gen3", "jetson-nano"])
+    # before a run: what will appear, and no empty "speed on" menu
+    assert "after Project:" in panel.waiting.value and panel.pareto_device.layout.display == "none"
     out = panel.run()
+    assert panel.waiting.value == "" and panel.pareto_device.layout.display == ""
     assert panel.error is None
     # the session's plan is the evaluated uniform INT4: one candidate, carrying that measurement
     assert list(out) == ["session plan", "uniform int8"]
