@@ -408,7 +408,7 @@ def test_whole_flow_in_headless_chromium(served_app, tmp_path):
             try:
                 w.wait_text(re.compile(r"a new run folder"), timeout=90_000)
             finally:
-                page.screenshot(path=str(ARTIFACTS / "16-second-load.png"), full_page=True)
+                w.shot("second-load")
             assert not page.get_by_text("held-out perplexity").filter(visible=True).count()  # nothing left over
             # issue 55.8: the first run's "save again" link went with its run
             expect(page.locator(".workbench-download-link").filter(visible=True)).to_have_count(0)
