@@ -128,3 +128,10 @@ def test_the_share_colour_bar_title_is_not_cut_by_the_bar_panel():
     fig = make_layer_overview_figure(stats, sort_by="order")
     bar = fig.data[0].colorbar
     assert bar.x >= 1.0 and fig.layout.margin.r >= 80  # right of both panels, with room for its title
+
+
+def test_plans_on_one_place_share_one_label():
+    """The quantized model and the plan it ran sit on one point: "2, 3" over it, not a 3 drawn over a 2."""
+    from workbench.charts.projection import _numbers_at_places
+    assert _numbers_at_places([7.1, 7.65, 7.65, 8.9], [6e-3, 5.1e-3, 5.1e-3, 6e-5], [1, 2, 3, 4]) == ["1", "2, 3", "",
+                                                                                                     "4"]

@@ -193,7 +193,8 @@ def make_speed_pareto_figure(points: Sequence, projections: Mapping[str, Sequenc
         fig.add_scatter(
             x=xs, y=ys, mode="markers+text", row=1, col=col, cliponaxis=False,
             # a number per plan (the key below names it), above the point, and its name in the hover
-            text=[str(number[r["label"]]) for r, _ in sel], textposition="top center", showlegend=False,
+            text=_numbers_at_places(xs, ys, [number[r["label"]] for r, _ in sel]), textposition="top center",
+            showlegend=False,
             name="plans",
             marker={"size": 12, "color": [r["tokens_per_second"] or lo for r, _ in sel], "colorscale": "Viridis",
                     "cmin": c_lo, "cmax": c_hi if c_hi > c_lo else c_lo + 1, "showscale": col == 3,
@@ -218,6 +219,17 @@ def make_speed_pareto_figure(points: Sequence, projections: Mapping[str, Sequenc
                             "three)", template="plotly_white", height=450 + 16 * (len(entries) // 3),
                       margin={"b": 100 + 16 * (len(entries) // 3)})
     return fig
+
+
+def _numbers_at_places(xs: Sequence[float], ys: Sequence[float], numbers: Sequence[int]) -> list[str]:
+    """The text over each point: its number, or for points drawn on one place (the quantized model and the plan it
+    ran, at one size and one KL) all their numbers over the first ("2, 3") and nothing over the rest."""
+    first: dict[tuple, int] = {}
+    text = ["" for _ in numbers]
+    for i, (x, y) in enumerate(zip(xs, ys)):
+        j = first.setdefault((round(x, 6), f"{y:.4g}"), i)
+        text[j] = f"{text[j]}, {numbers[i]}" if text[j] else str(numbers[i])
+    return text
 
 
 def make_vendor_fit_figure(projections: Mapping[str, Sequence]) -> go.Figure:
