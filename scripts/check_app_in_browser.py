@@ -4,8 +4,10 @@
 
 Runs ``tests/test_app_browser.py`` (which ``make test`` runs too when Chromium and playwright are
 there): Voila on a free loopback port, the demo model through calibrate, sweep, a layer to FP16,
-Evaluate, Use this plan, AWQ, ort-int4 and MNN, profile, download and fine-tune, with a screenshot
-per step in the artifacts folder (default tests/artifacts/) and the step times in timings.json.
+Evaluate, Use this plan, AWQ, ort-int4 and MNN, profile, generate, project, compress, download, fine-tune and a
+second model, with a screenshot after every action and tab (``NN-tab-*``, ``NN-pressed-*`` and each step's end) in
+the artifacts folder (default tests/artifacts/), the step times in timings.json and any box that scrolls where it
+should not in scrollbars.json. The served kernel imports this checkout (PYTHONPATH), not an installed copy.
 Needs Chromium (``apt-get install -y chromium``) and playwright (in requirements.txt).
 """
 from __future__ import annotations
@@ -24,7 +26,8 @@ def main() -> int:
     ap.add_argument("--artifacts", default=str(ROOT / "tests" / "artifacts"), help="screenshots and timings")
     ap.add_argument("--python", default=str(ROOT / ".venv" / "bin" / "python"), help="the project's Python")
     args = ap.parse_args()
-    env = {**os.environ, "WORKBENCH_TEST_ARTIFACTS": str(Path(args.artifacts).resolve())}
+    env = {**os.environ, "WORKBENCH_TEST_ARTIFACTS": str(Path(args.artifacts).resolve()),
+           "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
     cmd = [args.python, "-m", "pytest", str(ROOT / "tests" / "test_app_browser.py"), "-q", "-rs"]
     return subprocess.call(cmd, cwd=ROOT, env=env)
 

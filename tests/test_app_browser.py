@@ -5,8 +5,9 @@ Use this plan, quantize with AWQ, convert to ort-int4 and MNN, profile, generate
 beside the float model, project the plans onto devices, download the run and read
 the downloaded model with ``workbench eval``; then the Fine-tune tab for two steps. After every step
 the page must show the step's figures and tables, and no "Error displaying widget", no "Loading
-widget..." left behind and no Python traceback. A screenshot per step goes to
-``$WORKBENCH_TEST_ARTIFACTS`` (default ``tests/artifacts/``, git-ignored).
+widget..." left behind, no Python traceback and no box that scrolls where it should not (a layer row's tiny
+scrollbar, a stray horizontal one). A screenshot after every action and tab goes to ``$WORKBENCH_TEST_ARTIFACTS``
+(default ``tests/artifacts/``, git-ignored).
 
 Needs Debian's Chromium and the playwright package (its own browser download is not used); skipped,
 saying how to install them, where either is missing. ``.ci/run`` installs Chromium before the tests.
@@ -68,6 +69,8 @@ def served_app(tmp_path):
     log = tmp_path / "voila.log"
     env = {k: v for k, v in os.environ.items() if k not in ("JUPYTER_TOKEN", "JUPYTER_TOKEN_FILE")}
     env["WORKBENCH_WORKSPACE"] = str(tmp_path / "workspace")
+    # the kernel imports this checkout, not a copy installed into the environment (a worktree's walk tested main's)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     proc = subprocess.Popen([sys.executable, "-m", "workbench.ui.serve", "--port", str(port)], cwd=ROOT, env=env,
                             stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -93,10 +96,38 @@ class Walk:
         page.on("request", lambda r: self.requests.append(r.url))
         page.on("websocket", lambda ws: self.requests.append(ws.url))
         self.seconds: dict[str, float] = {}
+        self.stray: dict[str, list[str]] = {}  # step -> the boxes that showed a scrollbar they should not
         self._t = time.perf_counter()
+
+    def shot(self, name: str) -> None:
+        """A screenshot of the page as it is now (numbered in the walk's order): after every action, not only at a
+        step's end, so a busy state (a progress bar, a "receiving" count) is on record too."""
+        self.n += 1
+        self.page.screenshot(path=str(self.artifacts / f"{self.n:02d}-{name}.png"), full_page=True)
 
     def tab(self, title: str) -> None:
         self.page.locator(".lm-TabBar-tab", has_text=re.compile(rf"^{re.escape(title)}$")).first.click()
+        self.page.wait_for_timeout(300)  # the tab's widgets laid out
+        self.shot(f"tab-{title.lower().replace(' ', '-')}")
+
+    def click(self, name: str) -> None:
+        """Press the visible button reading ``name``; a screenshot right after (the action under way)."""
+        self.button(name).click()
+        self.page.wait_for_timeout(400)
+        self.shot(f"pressed-{name.lower().replace(' ', '-').replace('(', '').replace(')', '')}")
+
+    def charts(self, name: str) -> None:
+        """A screenshot of each visible chart on its own: the page's screenshot shows the viewport, and Voila
+        scrolls inside the page, so charts low on a long tab (Project's) are not in it."""
+        for i, chart in enumerate(self.page.locator(".js-plotly-plot").filter(visible=True).all()):
+            chart.scroll_into_view_if_needed()
+            self.n += 1
+            chart.screenshot(path=str(self.artifacts / f"{self.n:02d}-{name}-chart{i + 1}.png"))
+
+    def scrollbars(self) -> list[str]:
+        """Boxes that show a scrollbar they should not: a horizontal one anywhere but a log or the page itself, a
+        vertical one on a box under 60 px tall (the layer rows' tiny scrollbars)."""
+        return self.page.evaluate(SCROLLBARS)
 
     def field(self, label: str):
         """The visible input, select or textarea whose widget label reads ``label``."""
@@ -125,11 +156,13 @@ class Walk:
         deadline = time.time() + 60
         while "Loading widget..." in self.page.inner_text("body") and time.time() < deadline:
             time.sleep(0.5)
-        self.n += 1
-        self.page.screenshot(path=str(self.artifacts / f"{self.n:02d}-{name}.png"), full_page=True)
+        self.shot(name)
         body = self.page.inner_text("body")
         for bad in WIDGET_ERRORS + ("Loading widget...",):
             assert bad not in body, f"after '{name}' the page shows '{bad}'"
+        stray = self.scrollbars()
+        if stray:  # asserted once the walk is over, so that one finding does not cost the rest of the screenshots
+            self.stray[name] = stray
         missing = [e for e in self.console_errors if "model not found" in e]
         assert not missing, f"after '{name}': {missing[:2]}"
         outside = [u for u in self.requests if _outside(u)]
@@ -141,6 +174,22 @@ class Walk:
     def visible_charts(self) -> int:
         return self.page.locator(".js-plotly-plot").filter(visible=True).count()
 
+
+SCROLLBARS = """() => {
+    const out = [];
+    for (const el of document.querySelectorAll('.workbench-app *')) {
+        if (!el.offsetParent) continue;  // hidden (another tab)
+        const st = getComputedStyle(el);
+        if (el.closest('.jp-OutputArea, .widget-output, .jupyter-widget-output, select, textarea, .js-plotly-plot'))
+            continue;  // a log that scrolls on purpose, a menu, a chart's own layers
+        const x = ['auto', 'scroll'].includes(st.overflowX) && el.scrollWidth > el.clientWidth + 1;
+        const y = ['auto', 'scroll'].includes(st.overflowY) && el.scrollHeight > el.clientHeight + 1
+                  && el.clientHeight < 60;
+        if (x || y) out.push(`${el.className || el.tagName} ${x ? 'x' : ''}${y ? 'y' : ''}`
+                             + ` ${el.scrollWidth}x${el.scrollHeight} in ${el.clientWidth}x${el.clientHeight}`);
+    }
+    return out;
+}"""
 
 ICONS = """() => {
     const icon = document.querySelector('button i.fa');
@@ -199,19 +248,28 @@ def test_whole_flow_in_headless_chromium(served_app, tmp_path):
             body = w.done("loaded")
             assert "loaded demo: 30 quantizable layers" in body and str(workspace) in body  # outputs: the workspace
 
-            # Calibrate (small sample counts keep the walk quick)
+            # Calibrate (small sample counts keep the walk quick); before it runs, each sub-tab says what will appear
+            assert "after Run calibration: how much of the text became samples" in body and not w.visible_charts()
             w.fill("samples", 8)
             w.fill("seq len", 128)
-            w.button("Run calibration").click()
+            w.click("Run calibration")
             w.wait_text("layers over 1,024 tokens")
             expect(page.locator(".js-plotly-plot").filter(visible=True).first).to_be_visible()
             body = w.done("calibrate")
             assert "8 samples, 1,024 tokens kept" in body and w.visible_charts() >= 1
+            assert "after Run calibration" not in body
+            for sub in ("Layers", "Channels", "Heat map"):  # each chart of the calibration, as a person opens it
+                w.tab(sub)
+                expect(page.locator(".js-plotly-plot").filter(visible=True).first).to_be_visible()
+                w.done(f"calibrate-{sub.lower().replace(' ', '-')}")
+            heat = page.locator(".js-plotly-plot").filter(visible=True).first.inner_text()
+            assert "largest |x|" in heat and "max_to_median" not in heat  # words, not field names
+            w.tab("Coverage")
 
             # Precisions: the default sensitivity (the Fisher estimate) fills the chart, one layer to FP16 by its
             # row's button, Evaluate, Use this plan
             w.tab("Precisions")
-            w.button("Run sensitivity").click()
+            w.click("Run sensitivity")
             w.wait_text(re.compile(r"estimated KL \(Fisher proxy\) of 30 layers .*the chart below"))
             chart = page.locator(".js-plotly-plot").filter(visible=True).first
             expect(chart.locator(".scatterlayer .point").first).to_be_attached()  # filled as the sweep ends
@@ -220,12 +278,12 @@ def test_whole_flow_in_headless_chromium(served_app, tmp_path):
                 r"^layers\.0\.mlp\.down_proj$")))
             row.locator("button", has_text=re.compile(r"^\s*FP16\s*$")).first.click()
             expect(row.locator("button.mod-active", has_text="FP16").first).to_be_visible()
-            w.button("Evaluate").click()
+            w.click("Evaluate")
             w.wait_text(re.compile(r"perplexity \d+\.\d+ \(float"))
             chart = page.locator(".js-plotly-plot").filter(visible=True).first
             expect(chart.locator(".scatterlayer .point").first).to_be_attached()
             w.done("evaluate")
-            w.button("Use this plan").click()
+            w.click("Use this plan")
             w.wait_text("Quantize and Export use this plan")
             body = w.done("use-plan")
             plan_label = re.search(r"plan ([0-9a-f]{8}) \(RTN", body)
@@ -234,8 +292,8 @@ def test_whole_flow_in_headless_chromium(served_app, tmp_path):
             # Quantize with AWQ (calibration from the Calibrate tab)
             w.tab("Quantize")
             w.field("method").select_option(label="AWQ")
-            w.fill("eval tokens", 2048)
-            w.button("Run").click()
+            w.fill("tokens scored (0: all)", 2048)
+            w.click("Run")
             w.wait_text(re.compile(r"plan AWQ g128: \d+ integer layers"))
             body = w.done("quantize-awq")
             assert re.search(r"quantized model: .*/quantized/awq-[0-9a-f]{8}", body)
@@ -244,7 +302,7 @@ def test_whole_flow_in_headless_chromium(served_app, tmp_path):
             # Export: ort-int4, then MNN, both of that AWQ model
             w.tab("Export")
             w.fill("tokens scored (0: all)", 2048)
-            w.button("Convert").click()
+            w.click("Convert")
             status = w.wait_text(re.compile(r"ort-int4: KL \d")).inner_text()
             sim = re.search(r"simulation here: ([0-9.]+)", status)
             measured = re.search(r"Quantize tab measured this model at KL ([0-9.]+)", status)
@@ -252,7 +310,7 @@ def test_whole_flow_in_headless_chromium(served_app, tmp_path):
             assert "GAP" not in status
             w.done("convert-ort-int4")
             w.field("target").select_option(label="mnn (runs here)")
-            w.button("Convert").click()
+            w.click("Convert")
             w.wait_text(re.compile(r"mnn: KL \d"))
             table = page.locator("table").filter(visible=True).last.inner_text()
             assert "ort-int4" in table and "mnn" in table
@@ -262,7 +320,7 @@ def test_whole_flow_in_headless_chromium(served_app, tmp_path):
             w.tab("Profile")
             w.fill("prompt tokens", 16)
             w.fill("repeats", 1)
-            w.button("Profile").click()
+            w.click("Profile")
             w.wait_text("2 model(s) timed")
             body = w.done("profile")
             assert "onnxruntime" in body and "MNN" in body and w.visible_charts() >= 1
@@ -274,14 +332,14 @@ def test_whole_flow_in_headless_chromium(served_app, tmp_path):
             assert options[0].startswith("mnn: "), options  # the latest conversion is offered first
             choose.select_option(index=next(i for i, o in enumerate(options) if o.startswith("ort-int4: ")))
             w.fill("max tokens", 24)
-            w.button("Generate").click()
+            w.click("Generate")
             w.wait_text(re.compile(r"ort-int4 \(ort-int4, onnxruntime\): 24 tokens, [\d,]+\.\d tok/s"))
             body = w.done("generate")
             assert len(re.findall(r"[\d,]+\.\d tok/s", body)) >= 4 and "demo (float, PyTorch)" in body  # columns too
 
             # Project: the session's plan and the evaluated ones on the default devices; the speed chart
             w.tab("Project")
-            w.button("Project").click()
+            w.click("Project")
             w.wait_text(re.compile(r"\d plan\(s\) on 6 device\(s\)"))
             body = w.done("project")
             # the answer first: tok/s, first token, whether it fits; every device has a RAM figure or says why not
@@ -295,9 +353,10 @@ def test_whole_flow_in_headless_chromium(served_app, tmp_path):
             # measurement beside each projection, the vendor's points on their own chart
             assert "nearest vendor measurement" in body and "Samsung Galaxy S25" in body and "held out" in body
             assert w.page.locator(".js-plotly-plot", has_text="Vendor measurements").filter(visible=True).count() == 1
+            w.charts("project")
             w.field("runtime").select_option(label="Qualcomm QAIRT through GenieX (qairt)")
             page.evaluate("document.querySelectorAll('details').forEach(d => d.dataset.old = '1')")
-            w.button("Project").click()
+            w.click("Project")
             new_table = page.locator("details:not([data-old])").filter(visible=True).first
             new_table.wait_for(timeout=STEP_TIMEOUT_MS)  # the table of this run, not the last one's
             new_table.locator("summary").click()
@@ -306,11 +365,13 @@ def test_whole_flow_in_headless_chromium(served_app, tmp_path):
             assert "qairt does not run on rknpu devices" not in body and "rkllm" in body  # the board keeps its own
             # Compress: importance per head and channel, then a pruned model measured beside the plans
             w.tab("Compress")
-            w.button("Score").click()
+            w.click("Score")
             w.wait_text(re.compile(r"scored [\d,]+ tokens"))
-            w.button("Prune").click()
+            w.shot("compress-scored")
+            w.click("Prune")
             w.wait_text(re.compile(r"heads \d+ -> \d+"))
             body = w.done("compress")
+            w.charts("compress")
             assert "parameters" in body and w.visible_charts() >= 2
 
             w.tab("Precisions")
@@ -319,18 +380,22 @@ def test_whole_flow_in_headless_chromium(served_app, tmp_path):
 
             # Download the run; the model in it is one `workbench eval` reads
             with page.expect_download(timeout=STEP_TIMEOUT_MS) as dl:
-                w.button("Download run (zip)").click()
+                w.click("Download run (zip)")
             archive = tmp_path / dl.value.suggested_filename
             dl.value.save_as(archive)
             w.wait_text("downloading")
-            w.done("download")
+            body = w.done("download")
+            assert re.search(r"downloading run-[\d-]+\.zip \([\d.]+ [kMG]?B\)", body)
+            link = page.locator(".workbench-download-link").filter(visible=True)
+            expect(link).to_have_count(1)
+            assert re.match(rf"save {re.escape(archive.name)} again", link.inner_text())
 
             # Fine-tune: two steps, and the tab draws its loss curve
             w.tab("Fine-tune")
             w.fill("steps", 2)
             w.fill("batch", 2)
             w.fill("seq len", 64)
-            w.button("Fine-tune").click()
+            w.click("Fine-tune")
             w.wait_text("held-out perplexity")
             w.done("finetune")
             assert w.visible_charts() >= 1
@@ -343,13 +408,15 @@ def test_whole_flow_in_headless_chromium(served_app, tmp_path):
             try:
                 w.wait_text(re.compile(r"a new run folder"), timeout=90_000)
             finally:
-                page.screenshot(path=str(ARTIFACTS / "16-second-load.png"), full_page=True)
+                w.shot("second-load")
             assert not page.get_by_text("held-out perplexity").filter(visible=True).count()  # nothing left over
+            # issue 55.8: the first run's "save again" link went with its run
+            expect(page.locator(".workbench-download-link").filter(visible=True)).to_have_count(0)
             w.tab("Quantize")
-            w.button("Run").click()
+            w.click("Run")
             w.wait_text(re.compile(r"integer layers in"))
             with page.expect_download(timeout=STEP_TIMEOUT_MS) as dl2:
-                w.button("Download run (zip)").click()
+                w.click("Download run (zip)")
             second_archive = tmp_path / dl2.value.suggested_filename
             dl2.value.save_as(second_archive)
             w.wait_text("downloading")
@@ -359,6 +426,8 @@ def test_whole_flow_in_headless_chromium(served_app, tmp_path):
             browser.close()
     seconds = round(time.perf_counter() - t0, 1)
     (ARTIFACTS / "timings.json").write_text(json.dumps({"total": seconds, **w.seconds}, indent=1))
+    (ARTIFACTS / "scrollbars.json").write_text(json.dumps(w.stray, indent=1))
+    assert not w.stray, f"boxes that scroll where they should not (issue 55.12): {json.dumps(w.stray)[:1500]}"
 
     assert second_archive.stem != archive.stem  # another run folder
     with zipfile.ZipFile(second_archive) as z:

@@ -68,11 +68,11 @@ def test_compare_on_the_devices_in_headless_chromium(served_app):
                 tds = row.locator("td").all_inner_texts()
                 cells[row.get_attribute("data-target")] = tds
             assert list(cells) == targets
-            S = TABLE_HEADER.index("s")  # the columns by name: seconds, then peak GiB
+            S = TABLE_HEADER.index("s")  # the columns by name: seconds, then peak GB
             for t in targets:  # a KL and a top-1 for prefill, real numbers, size / time / peak where measured
                 tds = cells[t]
                 assert NUMBER.match(tds[2]) and 0 < float(tds[3]) <= 1, (t, tds)
-                assert float(tds[S]) > 0 and float(tds[S + 1]) > 0.05, (t, tds)  # seconds, peak GiB
+                assert float(tds[S]) > 0 and float(tds[S + 1]) > 0.05, (t, tds)  # seconds, peak GB
             assert NUMBER.match(cells["ort-qdq"][4]) and float(cells["ort-qdq"][8]) > 1  # decode KL; MB of graphs
             if cells["ort-qdq"][-1].startswith("GAP"):  # a flagged CPU QDQ graph is compared block by block
                 assert re.search(r"Layer-wise: .*\d\.\d", cells["ort-qdq"][-1]), cells["ort-qdq"]

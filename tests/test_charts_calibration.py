@@ -55,7 +55,7 @@ def test_channel_magnitude_marks_outliers(stats):
 def test_stat_heatmap(stats):
     fig = make_stat_heatmap_figure(stats, statistics=("abs_max", "kurtosis", "outlier_ratio"))
     heat = fig.data[0]
-    assert list(heat.x) == ["abs_max", "kurtosis", "outlier_ratio"] and len(heat.y) == 3
+    assert list(heat.x) == ["largest |x|", "kurtosis (tails)", "outlier channels"] and len(heat.y) == 3
     assert [row[0] for row in heat.z] == pytest.approx([0.0, 1.0, 7 / 19])  # abs-max 1, 20, 8 scaled to the range
     assert heat.text[1][0] == "20"
 
@@ -71,3 +71,20 @@ def test_token_length_figure():
     assert by_name["dropped: too long"] == [0, 0, 0, 0, 1]
     assert fig.data[0].x[-1] == "> 64" and "1 piece(s) dropped" in fig.layout.title.text
     assert make_token_length_figure(r.to_dict()).layout.title.text == fig.layout.title.text
+
+
+def test_stat_heatmap_columns_are_words_not_field_names(stats):
+    heat = make_stat_heatmap_figure(stats).data[0]
+    assert not [c for c in heat.x if "_" in c], list(heat.x)  # abs_max, max_to_median, near_zero_fraction
+
+
+def test_layer_overview_says_no_outliers_instead_of_an_empty_panel():
+    calm = CalibrationStats({n: layer(n, [1.0] * 8) for n in ("a", "b")}, {"tokens": 5})
+    fig = make_layer_overview_figure(calm)
+    notes = [a.text for a in fig.layout.annotations if "no outlier" in (a.text or "")]
+    assert notes == ["no outlier channels<br>in any of 2 layers"] and list(fig.layout.xaxis2.range) == [0, 1]
+
+
+def test_layer_overview_with_outliers_draws_no_such_note(stats):
+    fig = make_layer_overview_figure(stats)
+    assert not [a for a in fig.layout.annotations if "no outlier" in (a.text or "")]

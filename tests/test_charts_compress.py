@@ -36,6 +36,10 @@ def test_distill_and_table_and_pruned_points_on_the_pareto_chart():
             {"label": "pruned", "size_bytes": 8, "bits_per_weight": 16.0, "perplexity": 170.0,
              "perplexity_stderr": 9.0, "kl_divergence": 1.0, "kl_stderr": 0.03, "top1_agreement": 0.4}]
     assert list(make_compress_table_figure(rows).data[0].cells.values[3]) == ["50.00 ± 1.00", "170.00 ± 9.00"]
+    table = make_compress_table_figure(rows).data[0]
+    assert table.header.values[1] == "size" and list(table.cells.values[1]) == ["10 B", "8 B"]  # units.format_bytes
     pareto = make_pareto_figure(rows, x="size_bytes")
     assert {t.name for t in pareto.data} == {"float model", "pruned"}  # the float model is not a "custom" plan
+    # sizes in MB like everywhere else in the app (the axis read "size (bytes)" with 8,394,240)
+    assert pareto.layout.xaxis.title.text == "size (MB = 10^6 bytes)" and list(pareto.data[0].x)[0] in (8e-6, 1e-5)
     assert [t.marker.symbol for t in pareto.data if t.name == "pruned"] == ["star", "star"]

@@ -59,7 +59,10 @@ def test_speed_pareto_places_measured_plans(projections):
     fig = make_speed_pareto_figure(points, projections, "RK3588")
     speed = {label: ps[1].projected_decode_tps for label, ps in projections.items()}
     kl_vs_speed = fig.data[1]
-    assert list(kl_vs_speed.text) == ["fp16", "int8", "int4"]  # "worse int4" was never projected: no speed
+    # numbered by size ("worse int4" was never projected: no speed, so not on this panel); the key names each
+    assert list(kl_vs_speed.text) == ["4", "3", "1"]
+    key = fig.layout.annotations[-1].text
+    assert "<b>4</b> fp16" in key and "<b>1</b> int4" in key and "<b>2</b> worse int4 (not ringed)" in key
     assert list(kl_vs_speed.x) == [speed["fp16"], speed["int8"], speed["int4"]]
     assert list(fig.data[0].marker.line.width) == [3, 3, 3, 0]  # the unprojected one cannot be shown optimal
     assert "RK3588" in fig.layout.title.text
@@ -109,7 +112,10 @@ def test_speed_colours_span_a_fifth_of_the_speed_and_only_ringed_plans_are_named
     m = fig.data[2].marker
     speeds = [s for s in m.color]
     assert m.cmax - m.cmin >= 0.2 * max(speeds) * 0.99
-    assert all(t == "" or t in {"fp16", "int8", "int4"} for t in fig.data[1].text)
+    # short numbers on the points, the names once in the key (names on the points collided)
+    assert all(t in {"1", "2", "3"} for p in fig.data for t in p.text) and fig.layout.annotations[-1].yanchor == "top"
+    assert "#d62728" not in {p.marker.line.color for p in fig.data} and "#c0392b" not in {p.marker.line.color
+                                                                                          for p in fig.data}
 
 
 def test_the_share_colour_bar_title_is_not_cut_by_the_bar_panel():
@@ -122,3 +128,10 @@ def test_the_share_colour_bar_title_is_not_cut_by_the_bar_panel():
     fig = make_layer_overview_figure(stats, sort_by="order")
     bar = fig.data[0].colorbar
     assert bar.x >= 1.0 and fig.layout.margin.r >= 80  # right of both panels, with room for its title
+
+
+def test_plans_on_one_place_share_one_label():
+    """The quantized model and the plan it ran sit on one point: "2, 3" over it, not a 3 drawn over a 2."""
+    from workbench.charts.projection import _numbers_at_places
+    assert _numbers_at_places([7.1, 7.65, 7.65, 8.9], [6e-3, 5.1e-3, 5.1e-3, 6e-5], [1, 2, 3, 4]) == ["1", "2, 3", "",
+                                                                                                     "4"]

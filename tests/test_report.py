@@ -1,6 +1,7 @@
 """The run report: found from a workspace or a run folder, read from the run's own files, one offline page."""
 import html
 import json
+import re
 import shutil
 from html.parser import HTMLParser
 
@@ -91,6 +92,9 @@ def test_one_page_with_every_chart_and_nothing_loaded_from_the_network(run):
     for text in ("KL", "± ", "ort-int4", "Snapdragon 8 Gen 3", "read bandwidth", "sha256", "transformers",
                  "nearest vendor measurement", "qai-hub-models"):
         assert text in page
+    # issue 55.10: words, not field names; sizes in one convention (units.format_bytes), not "1,234,567 bytes"
+    assert "+RSS" not in page and "memory added (MB)" in page and "(borrowed)" not in page
+    assert not re.search(r"\d{1,3}(,\d{3})+ bytes", page)
     assert (app.out_dir / "report.html").read_text(encoding="utf-8").count("Plotly.newPlot(") == len(report.figures)
 
 

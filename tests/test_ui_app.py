@@ -125,9 +125,20 @@ def test_download_packs_the_run(app, tmp_path):
     assert app.convert_panel.run("ort-int4") is not None
     app.profile_panel.prompt_lengths.value, app.profile_panel.repeats.value = "8", 1
     assert app.profile_panel.run() is not None and app.session.profiles
+    assert "KL divergence:" in app.quantize_panel.words.value  # the tables' terms said beside them
+    assert "top-1 agreement:" in app.convert_panel.table.value and "nats/token" in app.convert_panel.table.value
+    messages = []
+    app.download_link.send = lambda content, buffers=None: messages.append((content, buffers or []))
+    app.download_link.chunk_bytes = 1 << 20
     path = app.download()
     assert path is not None and app.error is None and path.parent == app.out_dir
     assert app.download_link.sent == path.name
+    # the zip crosses in 1 MB pieces between a start (its size, for the page's "receiving k of n MB") and an end
+    kinds = [m["kind"] for m, _ in messages]
+    size = path.stat().st_size
+    assert kinds == ["start"] + ["chunk"] * -(-size // (1 << 20)) + ["end"] and messages[0][0]["bytes"] == size
+    assert b"".join(b for m, bufs in messages for b in bufs) == path.read_bytes()
+    assert max(len(b) for _, bufs in messages for b in bufs) <= 1 << 20
     run = app.out_dir.name
     with zipfile.ZipFile(path) as z:
         names = set(z.namelist())
@@ -493,3 +504,12 @@ def test_a_refusals_command_line_example_becomes_what_to_do_in_the_app(app, monk
     monkeypatch.setattr(panel, "_convert_now", refuse)
     assert panel.run("ort-int4") is None
     assert "`workbench" not in panel.error and "in the app: a layer's precision is set in Precisions" in panel.error
+
+
+def test_the_apps_rows_wrap_rather_than_scroll(app):
+    """Issue 55.12: ipywidgets boxes scroll (overflow: auto): every layer row had a tiny scrollbar, wide rows a
+    horizontal one. The app's style makes its rows wrap; the logs keep their own scrolling (set on their layout)."""
+    from workbench.ui.app import APP_STYLE
+    assert "workbench-app" in app._dom_classes and app.children[0].value.startswith(APP_STYLE)
+    assert ".workbench-app .widget-hbox" in APP_STYLE and "overflow: visible" in APP_STYLE and "flex-wrap: wrap" in APP_STYLE
+    assert app.log_output.layout.overflow == "auto" and app.quantize_panel.log_output.layout.overflow == "auto"

@@ -8,7 +8,11 @@ from workbench.ui.calibrate import CalibratePanel
 
 def test_run_fills_the_panel(lm, workspace):
     panel = CalibratePanel(lm, samples=3, seq_len=64, workspace=workspace)
+    # before any data each sub-tab says what will appear there, not an empty frame
+    assert all(w.value.startswith("<div class='workbench-placeholder'") and "after Run calibration" in w.value
+               for w in panel.waiting.values()) and set(panel.waiting) == {"coverage", "overview", "channels", "heatmap"}
     stats = panel.run()
+    assert not any(w.value for w in panel.waiting.values())  # the charts took their places
     assert stats is panel.stats and panel.error is None
     assert panel.calib_set.report.samples == 3
     assert "3 samples" in panel.coverage.value and "computed in" in panel.status.value

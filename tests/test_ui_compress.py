@@ -1,4 +1,6 @@
 """The Compress panel without a browser: prediction follows the sliders, Score / Prune / Distil add points."""
+import re
+
 import pytest
 
 from workbench.quantize.plan import QuantPlan
@@ -27,15 +29,24 @@ def test_score_prune_distil_put_every_model_on_the_chart(panel, monkeypatch):
     real = ui.DistillConfig
     monkeypatch.setattr(ui, "DistillConfig", lambda **kw: real(batch_size=2, seq_len=16, eval_every=2, **kw))
     assert panel.distill() is None and "prune first" in panel.error
+    # before any data the tab says what will appear, and no KL words stand without a table
+    assert "after Score: every head" in panel.waiting.value and panel.words.value == ""
     assert panel.score() is not None and {"heads", "channels"} <= set(panel.figures)
+    assert "after Score" not in panel.waiting.value and "after Prune" in panel.waiting.value
     report = panel.prune()
     assert report is not None, panel.error
     assert report["geometry_after"]["kv_heads"] == 1
     tag = f"plan {QuantPlan.uniform('int4').content_hash()}"  # no session: uniform INT4
     labels = [p["label"] for p in panel.points]
     assert labels == ["float", tag, "pruned", f"pruned + {tag}"]
+    assert panel.waiting.value == "" and "KL divergence:" in panel.words.value
+    counts = []
+    panel.status_line.count = lambda n, total, desc: counts.append((n, total, desc))
     assert panel.distill() is not None, panel.error
-    assert panel.points[-1]["label"] == f"pruned + {tag} + distilled" and panel.progress.value == 2
+    assert panel.points[-1]["label"] == f"pruned + {tag} + distilled"
+    assert max(n for n, t, d in counts if d == "distill") == 2  # the status line's bar counted the steps
+    from test_ui_finetune import bars
+    assert bars(panel) == [panel.status_line.bar]  # one bar: no "distil" bar of the panel's own beside it
     pareto = panel.figures["pareto"]
     assert any(t.name == "pruned" for t in pareto.data)  # pruned points drawn as their own kind
     assert panel.figures["distill"].data and panel.figures["table"].data
@@ -97,6 +108,10 @@ def test_quantized_points_and_qat_use_the_session_plan_and_follow_it(tiny_model_
     assert by[f"pruned + {tag}"]["bits_per_weight"] > 8  # INT8 codes and their scales, not INT4's
     title = p.figures["pareto"].layout.title.text
     assert title.count("plan ") == 1 and f"quantized by: {by[tag]['plan']}" in title  # one plan, named once
+    # a two-line title above the panels' titles: room for both (its second line sat on the left panel's title)
+    assert p.figures["pareto"].layout.margin.t >= 110 and p.figures["pareto"].layout.title.yanchor == "top"
+    assert not re.search(r"\d,\d{3} B\b", p.predicted.value) and re.search(r"[\d.]+ [kMG]B</b> at fp16",
+                                                                           p.predicted.value)  # units.format_bytes
     assert list(p.figures["table"].data[0].cells.values[-1]) == ["-", by[tag]["plan"], "-", by[tag]["plan"]]
     assert by[tag]["plan"].startswith(f"uniform INT8, plan {int8.content_hash()} (RTN")
     report = p.distill()

@@ -72,6 +72,9 @@ def test_table_marks_gaps_and_failures():
     assert out.count("<tr class='gap-row'") == 2
     assert f"</table><div class='gap-rule' style='font-size:12px;color:#566573'>{html.escape(GAP_RULE)}</div>" in out
     assert "1.5x the simulation" in GAP_RULE  # the threshold, not only the verdict
+    # issue 55.10: one convention of units (decimal, workbench.units): size in MB beside peak memory in GB, no GiB
+    assert "<th>MB</th>" in out and "<th>peak GB</th>" in out and "GiB" not in out and "MiB" not in out
+    assert "<td>1.0</td>" in out and "<td>1.07</td>" in out  # 10^6 bytes; 2^30 bytes = 1.07 GB
 
 
 def test_the_runtimes_that_time_themselves_show_their_tok_s(session, monkeypatch):

@@ -31,7 +31,10 @@ def test_in_the_app_session_quantized_and_evaluated_plans(tiny_model_dir, worksp
     points = precisions.evaluate_uniform()  # uniform INT8 and INT4, measured
     panel.close()
     panel = ProjectPanel(session=session, points=lambda: precisions.points, devices=["8gen3", "jetson-nano"])
+    # before a run: what will appear, and no empty "speed on" menu
+    assert "after Project:" in panel.waiting.value and panel.pareto_device.layout.display == "none"
     out = panel.run()
+    assert panel.waiting.value == "" and panel.pareto_device.layout.display == ""
     assert panel.error is None
     # the session's plan is the evaluated uniform INT4: one candidate, carrying that measurement
     assert list(out) == ["session plan", "uniform int8"]
@@ -44,6 +47,11 @@ def test_in_the_app_session_quantized_and_evaluated_plans(tiny_model_dir, worksp
     assert "Jetson Nano 4GB" in panel.figures["pareto"].layout.title.text
     nano = out["uniform int8"][1]
     assert nano.unsupported_layers and "(int8)" in panel.table.value  # the Nano computes in fp16
+    # a quantized model is named by what it is, not by its folder's hash ("quantized awq-56903f2e")
+    from workbench.quantize import quantize_model
+    session.set_quantized(quantize_model(lm, QuantPlan.uniform("int8", group_size=32)))
+    plans, _ = panel.candidates()
+    assert list(plans)[0] == "quantized model (uniform INT8, RTN)" and session.quantized_path.name not in str(list(plans))
     panel.close()
 
 

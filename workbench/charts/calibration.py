@@ -19,7 +19,7 @@ from ..model.calibrate import NEAR_ZERO_DIVISOR
 
 __all__ = ["make_layer_overview_figure", "make_channel_magnitude_figure", "make_stat_heatmap_figure",
            "make_token_length_figure", "make_near_zero_figure", "PART_COLORS", "SORT_KEYS", "HEATMAP_STATISTICS",
-           "layer_order"]
+           "STAT_WORDS", "layer_order"]
 
 # sort key -> (label, value of a LayerStats); larger values come first
 SORT_KEYS = {
@@ -31,6 +31,11 @@ SORT_KEYS = {
 }
 HEATMAP_STATISTICS = ("abs_max", "p99.9", "p99", "mean_abs", "std", "kurtosis", "max_to_median", "outlier_ratio",
                       "near_zero_fraction")
+# the heat map's column headings in words (the field names read "abs_max", "max_to_median", "near_zero_fraction")
+STAT_WORDS = {"abs_max": "largest |x|", "p99.9": "|x| at 99.9%", "p99": "|x| at 99%", "p50": "median |x|",
+              "mean_abs": "mean |x|", "std": "spread (std)", "kurtosis": "kurtosis (tails)",
+              "max_to_median": "max / median channel", "outlier_ratio": "outlier channels",
+              "near_zero_fraction": "near-zero share"}
 FATE_COLORS = {"sampled": "#2a9d8f", "unused": "#a8dadc", "too_short": "#f4a261", "too_long": "#e76f51",
                "empty": "#6c757d"}
 PART_COLORS = {"vision encoder": "#2a9d8f", "projector": "#e9c46a", "language model": "#264653"}
@@ -88,6 +93,10 @@ def make_layer_overview_figure(stats, sort_by: str = "outlier_ratio") -> go.Figu
                              hovertemplate="%{y}<br>|x| ~ 10^%{x:.2f}<br>share %{z:.3f}<extra></extra>"), 1, 1)
     fig.add_trace(go.Bar(x=ratios, y=labels, orientation="h", marker_color="#e76f51", hovertext=hover,
                          hoverinfo="text", name="outlier channels"), 1, 2)
+    if not any(ratios):  # an empty panel on a -1..1 axis read as broken: say there are none
+        fig.update_xaxes(range=[0, 1], row=1, col=2)
+        fig.add_annotation(text=f"no outlier channels<br>in any of {len(order)} layers", showarrow=False,
+                           xref="x2 domain", yref="y2 domain", x=0.5, y=0.5, font={"color": "#5d6d7e"})
     tick_vals = [v for v in range(math.ceil(edges[0]), math.floor(edges[-1]) + 1)]
     fig.update_xaxes(tickvals=tick_vals, ticktext=[f"1e{v}" for v in tick_vals], title_text="|x|", row=1, col=1)
     fig.update_xaxes(title_text="% of input channels", row=1, col=2)
@@ -134,7 +143,7 @@ def make_stat_heatmap_figure(stats, statistics=HEATMAP_STATISTICS, sort_by: str 
             v = row[j]
             z[i][j] = (v - lo) / (hi - lo) if hi > lo and math.isfinite(v) else 0.0
     text = [[f"{v:.3g}" for v in row] for row in raw]
-    fig = go.Figure(go.Heatmap(z=z, x=list(statistics), y=[_short(n) for n in order], text=text,
+    fig = go.Figure(go.Heatmap(z=z, x=[STAT_WORDS.get(c, c) for c in statistics], y=[_short(n) for n in order], text=text,
                                texttemplate="%{text}", colorscale="Blues", zmin=0, zmax=1,
                                colorbar=dict(title="within<br>column"),
                                hovertemplate="%{y}<br>%{x} = %{text}<extra></extra>"))

@@ -13,6 +13,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from .finetune import make_loss_figure
+from ..units import format_bytes
 from .style import lift_subplot_titles, log_axis
 
 __all__ = ["make_head_importance_figure", "make_channel_importance_figure", "make_distill_figure",
@@ -102,8 +103,8 @@ def make_distill_figure(report) -> go.Figure:
 def make_compress_table_figure(rows: Sequence[Mapping]) -> go.Figure:
     """The size / perplexity / KL table, one row per model, with standard errors, and the precision plan each
     quantized row was rounded by (``plan`` of the row; the float rows show "-")."""
-    head = ["model", "bytes", "bits/w", "perplexity", "KL vs float", "top-1", "precision plan"]
-    cells = [[r["label"] for r in rows], [f"{r['size_bytes']:,}" for r in rows],
+    head = ["model", "size", "bits/w", "perplexity", "KL vs float", "top-1", "precision plan"]
+    cells = [[r["label"] for r in rows], [format_bytes(r["size_bytes"]) for r in rows],
              [f"{r['bits_per_weight']:.2f}" if r.get("bits_per_weight") is not None else "" for r in rows],
              [f"{r['perplexity']:.2f} ± {r['perplexity_stderr']:.2f}" for r in rows],
              [f"{r['kl_divergence']:.4f} ± {r['kl_stderr']:.4f}" if r.get("kl_stderr") is not None else

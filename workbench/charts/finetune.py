@@ -26,9 +26,9 @@ def make_loss_figure(report, *, title: str | None = None, y_title: str = "cross-
     if r.get("validation"):
         vs, vl = zip(*r["validation"])
         fig.add_scatter(x=list(vs), y=list(vl), mode="lines+markers", name=validation_name,
-                        line={"color": "#d62728"})
+                        line={"color": "#9467bd"})
         if r.get("best_step") is not None:
-            fig.add_vline(x=r["best_step"], line_dash="dot", line_color="#d62728",
+            fig.add_vline(x=r["best_step"], line_dash="dot", line_color="#9467bd",
                           annotation_text=f"kept: step {r['best_step']}")
     if title is None:
         title = "LoRA fine-tuning: training loss"

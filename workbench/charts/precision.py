@@ -10,14 +10,14 @@ from __future__ import annotations
 from typing import Mapping, Sequence
 
 import plotly.graph_objects as go
-from plotly.colors import qualitative
 from plotly.subplots import make_subplots
 
-from .style import KIND_COLOURS, lift_subplot_titles, linear_range, log_axis
+from ..units import format_bytes
+from .style import CATEGORY_COLOURS, KIND_COLOURS, lift_subplot_titles, linear_range, log_axis
 
 __all__ = ["make_sensitivity_figure", "make_pareto_figure", "make_difficulty_figure", "point_kind", "evaluation_of"]
 
-_PALETTE = tuple(qualitative.Plotly)  # one colour per layer type
+_PALETTE = CATEGORY_COLOURS  # one colour per layer type, none of them a judgement colour
 _METRIC_TITLES = {"kl": "KL divergence to the float model (nats/token)", "ppl_delta": "perplexity change",
                   "nll_delta": "log-perplexity change"}
 
@@ -105,13 +105,15 @@ def make_pareto_figure(points: Sequence, x: str = "bits_per_weight") -> go.Figur
     for r in rows:
         kinds.setdefault(point_kind(r.get("label", "")), []).append(r)
     symbols = {"uniform": "square", "auto": "circle", "custom": "diamond", "pruned": "star", "float": "x-thin-open"}
-    unit = "bits/weight" if x == "bits_per_weight" else "bytes"
+    # sizes in MB (10^6 bytes, ``workbench.units``) as everywhere else in the app, not 8,394,240 bytes
+    scale = 1.0 if x == "bits_per_weight" else 1e6
     kl_values, ppl_values, x_values = [], [], []
     for kind, rs in kinds.items():
         rs = sorted(rs, key=lambda r: r[x])
-        xs = [r[x] for r in rs]
+        xs = [r[x] / scale for r in rs]
         colour = KIND_COLOURS[kind]
-        hover = [f"{r.get('label', '')}<br>{r[x]:,.2f} {unit}" for r in rs]
+        hover = [f"{r.get('label', '')}<br>" + (f"{r[x]:.2f} bits/weight" if x == "bits_per_weight"
+                                               else format_bytes(r[x])) for r in rs]
         mode = "lines+markers" if kind == "auto" else "markers"
         x_values += xs
         for col, key in ((1, "kl_divergence"), (2, "perplexity")):
@@ -132,13 +134,13 @@ def make_pareto_figure(points: Sequence, x: str = "bits_per_weight") -> go.Figur
             for col, idx in ((1, 1), (2, 2)):
                 ys = [p[idx] for p in pred]
                 (kl_values if col == 1 else ppl_values).extend(v for v in ys if v is not None)
-                fig.add_trace(go.Scatter(x=[p[0] for p in pred], y=ys, mode="markers",
+                fig.add_trace(go.Scatter(x=[p[0] / scale for p in pred], y=ys, mode="markers",
                                          name=f"{kind} (predicted)", legendgroup=f"{kind}-pred", showlegend=col == 1,
                                          hovertext=[f"{p[3]}, predicted" for p in pred],
                                          hovertemplate="%{hovertext}<br>%{y:.4g}<extra></extra>",
                                          marker={"symbol": "circle-open", "size": 13, "color": colour,
                                                  "line": {"width": 2, "color": colour}}), row=1, col=col)
-    title_x = "bits per weight" if x == "bits_per_weight" else "size (bytes)"
+    title_x = "bits per weight" if x == "bits_per_weight" else "size (MB = 10^6 bytes)"
     fig.update_xaxes(title_text=title_x, range=linear_range(x_values))
     fig.update_yaxes(title_text="KL (nats/token)", row=1, col=1, **log_axis(kl_values))
     fig.update_yaxes(title_text="perplexity", row=1, col=2, range=linear_range(ppl_values))

@@ -9,6 +9,8 @@ Every number comes from ``workbench.run.profile`` and ``workbench.devices.projec
 """
 from __future__ import annotations
 
+import html
+
 import itertools
 from typing import Mapping, Sequence
 
@@ -18,14 +20,14 @@ from plotly.subplots import make_subplots
 from ..errors import WorkbenchError
 from ..run.profile import RuntimeProfile
 from ..devices.projection import Projection
-from .style import lift_subplot_titles, linear_range, log_axis
+from .style import CATEGORY_COLOURS, JUDGEMENT_COLOURS, MEASURED_COLOUR, lift_subplot_titles, linear_range, log_axis
 from ..devices.vendor_fit import VendorProjection
 
 __all__ = ["make_host_bound_figure", "make_device_figure", "make_speed_pareto_figure", "make_vendor_fit_figure", "speed_of", "pareto_optimal",
            "PLAN_COLOURS"]
 
-PLAN_COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#7f7f7f")
-NO_FIT = "#d62728"
+PLAN_COLOURS = CATEGORY_COLOURS
+NO_FIT = JUDGEMENT_COLOURS["bad"]
 
 
 def _profile(p) -> RuntimeProfile:
@@ -58,7 +60,7 @@ def make_host_bound_figure(profiles: Sequence, read_gbps: float, cache_bytes: in
         go.Bar(name=f"bound ({read_gbps:.1f} GB/s / bytes per step)", x=names, y=bounds, marker_color="#d5dbdb",
                marker_line={"color": "#566573", "width": 1},
                hovertemplate="%{x}: bound %{y:,.0f} tok/s<extra></extra>"),
-        go.Bar(name="measured", x=names, y=[p.decode_tokens_per_second for p in rows], marker_color="#2ca02c",
+        go.Bar(name="measured", x=names, y=[p.decode_tokens_per_second for p in rows], marker_color=MEASURED_COLOUR,
                text=text, textposition="outside", customdata=[p.decode_bytes / 1e6 for p in rows],
                hovertemplate="%{x}: %{y:,.0f} tok/s measured<br>%{customdata:.2f} MB read per step<extra></extra>")])
     fig.update_layout(title="Decode on this host: measured against its memory bound", barmode="group",
@@ -176,6 +178,9 @@ def make_speed_pareto_figure(points: Sequence, projections: Mapping[str, Sequenc
     # family, not its two ends
     span = linear_range([lo, hi])
     c_lo, c_hi = (span[0], span[1]) if span else (lo, hi)
+    # each plan a number on its points, named once in a key under the panels: the names themselves collided
+    # (near-equal speeds put "uniform int4", "auto 7.78 b/w" and the quantized model's name on one spot)
+    number = {r["label"]: i + 1 for i, r in enumerate(sorted(rows, key=lambda r: r["bits_per_weight"]))}
     fig = lift_subplot_titles(make_subplots(rows=1, cols=3, subplot_titles=(
         "KL against bits/weight", "KL against projected tokens/s", "projected tokens/s against bits/weight")))
     panels = ((1, "bits_per_weight", "kl_divergence"), (2, "tokens_per_second", "kl_divergence"),
@@ -187,12 +192,14 @@ def make_speed_pareto_figure(points: Sequence, projections: Mapping[str, Sequenc
         fig.update_yaxes(**(log_axis(ys) if yk == "kl_divergence" else {"range": linear_range(ys)}), row=1, col=col)
         fig.add_scatter(
             x=xs, y=ys, mode="markers+text", row=1, col=col, cliponaxis=False,
-            # names on the ringed plans only (every name overlapped its neighbours'); every point's is in its hover
-            text=[r["label"] if b else "" for r, b in sel], textposition="top center", showlegend=False, name="plans",
+            # a number per plan (the key below names it), above the point, and its name in the hover
+            text=_numbers_at_places(xs, ys, [number[r["label"]] for r, _ in sel]), textposition="top center",
+            showlegend=False,
+            name="plans",
             marker={"size": 12, "color": [r["tokens_per_second"] or lo for r, _ in sel], "colorscale": "Viridis",
                     "cmin": c_lo, "cmax": c_hi if c_hi > c_lo else c_lo + 1, "showscale": col == 3,
                     "colorbar": {"title": "tok/s"}, "line": {"width": [3 if b else 0 for _, b in sel],
-                                                            "color": "#c0392b"}},
+                                                            "color": "#2c3e50"}},  # not red: red judges a problem
             customdata=[[r["label"], r["tokens_per_second"] or 0, r["kl_divergence"], r["bits_per_weight"]]
                         for r, _ in sel],
             hovertemplate="%{customdata[0]}<br>KL %{customdata[2]:.3g}, %{customdata[3]:.2f} bits/w<br>"
@@ -202,9 +209,27 @@ def make_speed_pareto_figure(points: Sequence, projections: Mapping[str, Sequenc
     fig.update_xaxes(title_text="bits per weight", row=1, col=3)
     fig.update_yaxes(title_text="KL (nats/token)", row=1, col=1)
     fig.update_yaxes(title_text="tokens/s", row=1, col=3)
+    ringed = {r["label"]: b for r, b in zip(rows, best)}
+    entries = [f"<b>{n}</b> {html.escape(label)}{'' if ringed[label] else ' (not ringed)'}"
+               for label, n in number.items()]
+    key = "<br>".join("   ".join(entries[i:i + 3]) for i in range(0, len(entries), 3))  # three a line
+    fig.add_annotation(text=key, showarrow=False, xref="paper", yref="paper", x=0, y=-0.3, xanchor="left",
+                       yanchor="top", align="left", font={"size": 11})
     fig.update_layout(title=f"Quality, size and projected speed on {device} (ringed: no other plan is better in all "
-                            "three)", template="plotly_white", height=420)
+                            "three)", template="plotly_white", height=450 + 16 * (len(entries) // 3),
+                      margin={"b": 100 + 16 * (len(entries) // 3)})
     return fig
+
+
+def _numbers_at_places(xs: Sequence[float], ys: Sequence[float], numbers: Sequence[int]) -> list[str]:
+    """The text over each point: its number, or for points drawn on one place (the quantized model and the plan it
+    ran, at one size and one KL) all their numbers over the first ("2, 3") and nothing over the rest."""
+    first: dict[tuple, int] = {}
+    text = ["" for _ in numbers]
+    for i, (x, y) in enumerate(zip(xs, ys)):
+        j = first.setdefault((round(x, 6), f"{y:.4g}"), i)
+        text[j] = f"{text[j]}, {numbers[i]}" if text[j] else str(numbers[i])
+    return text
 
 
 def make_vendor_fit_figure(projections: Mapping[str, Sequence]) -> go.Figure:
@@ -233,7 +258,7 @@ def make_vendor_fit_figure(projections: Mapping[str, Sequence]) -> go.Figure:
             xs.extend(q["bytes_gb"] for q in pts)
             ys.extend(q["decode_tps"] for q in pts)
             ys.extend(q["held_out_tps"] for q in pts if q.get("held_out_tps"))
-            src = f"{key[0]}, {v.runtime} {v.precision}" + (" (borrowed)" if v.fallback else "")
+            src = f"{key[0]}, {v.runtime} {v.precision}" + (" (measured on a similar chip)" if v.fallback else "")
             fig.add_scatter(x=[q["bytes_gb"] for q in pts], y=[q["decode_tps"] for q in pts], mode="markers",
                             name=f"{device}: measured ({src})", legendgroup=device,
                             marker={"color": colour, "size": 9},

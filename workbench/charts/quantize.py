@@ -9,9 +9,9 @@ from typing import Mapping, Sequence
 
 import plotly.graph_objects as go
 
-__all__ = ["make_layer_error_figure", "make_cost_table_figure", "PRECISION_COLOURS"]
+from .style import PRECISION_COLOURS, precision_colour
 
-PRECISION_COLOURS = {"int4": "#d62728", "int8": "#ff7f0e", "fp16": "#2ca02c", "fp32": "#1f77b4", None: "#7f7f7f"}
+__all__ = ["make_layer_error_figure", "make_cost_table_figure", "PRECISION_COLOURS"]
 
 
 def _as_dict(obj) -> Mapping:
@@ -30,7 +30,7 @@ def make_layer_error_figure(layers: Sequence) -> go.Figure:
         sel = [r for r in rows if r["precision"] == prec]
         fig.add_bar(
             name=prec or "unchanged", x=[r["name"] for r in sel], y=[r.get("weight_error") or 0.0 for r in sel],
-            marker_color=PRECISION_COLOURS.get(prec, "#9467bd"),
+            marker_color=precision_colour(prec),
             customdata=[[r.get("group_size") or ("per-channel" if r.get("weight_error") is not None else "-"),
                          r.get("fallback") or ""] for r in sel],
             hovertemplate="%{x}<br>relative error %{y:.4f}<br>group %{customdata[0]}<br>%{customdata[1]}"

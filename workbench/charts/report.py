@@ -476,7 +476,7 @@ def _render(record: Mapping, figures: Mapping, projections: Mapping, context: in
             f"{_e(plan.get('group_size') or 'per-channel')}, "
             f"{'symmetric' if plan.get('symmetric', True) else 'asymmetric'}")
         if info.get("bits_per_weight") is not None:
-            head += f", {info['bits_per_weight']:.2f} bits/weight, {info.get('size_bytes', 0):,} bytes"
+            head += f", {info['bits_per_weight']:.2f} bits/weight, {format_bytes(info.get('size_bytes', 0))}"
         parts.append(f"<p>{head}</p>")
         rules = plan.get("rules") or []
         if rules:
@@ -504,8 +504,8 @@ def _render(record: Mapping, figures: Mapping, projections: Mapping, context: in
     points = app.get("precision_evaluations") or []
     if points:
         parts.append("<p>Plans evaluated in Precisions (round to nearest, on the sweep's tokens):</p>")
-        parts.append(html_table(("plan", "bits/w", "bytes", "KL", "perplexity", "top-1", "tokens"), [
-            (p["label"], f"{p['bits_per_weight']:.2f}", f"{p['size_bytes']:,}", f"{p['kl_divergence']:.3e}",
+        parts.append(html_table(("plan", "bits/w", "size", "KL", "perplexity", "top-1", "tokens"), [
+            (p["label"], f"{p['bits_per_weight']:.2f}", format_bytes(p['size_bytes']), f"{p['kl_divergence']:.3e}",
              f"{p['perplexity']:.3f}", f"{p['top1_agreement']:.4f}", f"{p['tokens']:,}") for p in points]))
     if not qrows and not points:
         parts.append("<p class='note'>nothing was evaluated in this run</p>")
@@ -554,7 +554,7 @@ def _render(record: Mapping, figures: Mapping, projections: Mapping, context: in
                          _fmt(p.decode_tokens_per_second, ",.0f"), _fmt(bound, ",.0f"), _fmt(frac, ".2f"),
                          _fmt(p.rss_added_mb, ".0f")])
         parts.append(html_table(("model", "runtime", "MB", "prefill ms by prompt", "decode tok/s", "bound tok/s",
-                                 "of bound", "+RSS MB"), prow))
+                                 "share of the bound", "memory added (MB)"), prow))
     else:
         parts.append("<p class='note'>nothing was profiled in this run</p>")
     # projections

@@ -10,10 +10,12 @@ its ticks are pinned to the decades. ``workbench.charts.checks`` tests each figu
 from __future__ import annotations
 
 import math
+import re
 from typing import Iterable
 
 __all__ = ["log_axis", "lift_subplot_titles", "linear_range", "EDGE_DECADES", "MIN_RELATIVE_SPAN", "KIND_COLOURS",
-           "METRIC_WORDS"]
+           "METRIC_WORDS", "JUDGEMENT_COLOURS", "PRECISION_COLOURS", "CATEGORY_COLOURS", "MEASURED_COLOUR",
+           "precision_colour"]
 
 # what the quality figures mean, in one line each: shown beside every table and chart of them (app and report), so a
 # reader who does not know the terms is not left with "KL 3.4e-03 nats"
@@ -29,9 +31,31 @@ METRIC_WORDS = {
 
 EDGE_DECADES = 0.08  # a log axis reaches this far past its first and last labelled decade
 MIN_RELATIVE_SPAN = 0.2  # a linear axis spans at least this fraction of its largest value
+# One meaning per colour across the tabs. Green / orange / red judge: least / middling / most damage (the
+# Precisions bars), and red alone a problem (a GAP, a plan that does not fit, no vendor fit). Nothing else wears
+# them: on one tab red meant "most sensitive layer" beside a red "custom plan" point, on the next "INT4".
+JUDGEMENT_COLOURS = {"good": "#2ca02c", "middle": "#ff7f0e", "bad": "#d62728"}
 # one colour per kind of point, the same in every chart that shows that kind (Precisions, Compress, Project)
-KIND_COLOURS = {"uniform": "#1f77b4", "auto": "#2ca02c", "custom": "#d62728", "pruned": "#9467bd",
-                "quantized": "#ff7f0e", "float": "#7f7f7f"}
+KIND_COLOURS = {"uniform": "#1f77b4", "auto": "#17becf", "custom": "#e377c2", "pruned": "#9467bd",
+                "quantized": "#8c564b", "float": "#7f7f7f"}
+# a precision by its width, one blue ramp: the fewer bits, the darker (Quantize's per-layer error bars)
+PRECISION_COLOURS = {"int2": "#08306b", "int3": "#08519c", "int4": "#2171b5", "int5": "#4292c6", "int6": "#6baed6",
+                     "int8": "#9ecae1", "fp16": "#bcbddc", "fp32": "#756bb1"}
+# categories with no order (plans on the Project charts), none of them a judgement colour
+CATEGORY_COLOURS = ("#1f77b4", "#9467bd", "#17becf", "#8c564b", "#e377c2", "#bcbd22", "#7f7f7f", "#393b79",
+                    "#637939")
+MEASURED_COLOUR = "#1f77b4"  # a measured speed beside its bound or its projection
+
+
+def precision_colour(name: str | None) -> str:
+    """``PRECISION_COLOURS[name]``; a precision named otherwise (a two-level or float-minimum layout) by its
+    width's colour when the name carries one, else a grey; ``None`` (left unchanged) a light grey."""
+    if name is None:
+        return "#d9d9d9"
+    if name in PRECISION_COLOURS:
+        return PRECISION_COLOURS[name]
+    width = re.search(r"(\d+)", name)
+    return PRECISION_COLOURS.get(f"int{width.group(1)}", "#969696") if width else "#969696"
 
 
 def log_axis(values: Iterable[float], pad: float = 0.15) -> dict:

@@ -348,7 +348,7 @@ def rknn_row(m, seconds: float, peak: int) -> dict:
                           s.simulation_kl_divergence, positions=s.positions)
           for g, s in (("prefill", m.prefill), ("decode", m.decode))}
     return make_row("rknn", f"rknn-toolkit2 simulator, rk3588 {m.dtype}", **gs, bytes_=m.rknn_bytes, seconds=seconds,
-                    peak=max(peak, m.peak_rss_bytes), note=f"toolkit subprocess peak {m.peak_rss_bytes / 2**30:.2f} GiB")
+                    peak=max(peak, m.peak_rss_bytes), note=f"toolkit subprocess peak {m.peak_rss_bytes / 1e9:.2f} GB")
 
 
 def absent_row(target: str, why: str, *, error: bool = False) -> dict:
@@ -362,7 +362,7 @@ def _cell(g: dict | None, key: str, fmt: str) -> str:
 
 TABLE_HEADER = ("target", "runtime", "prefill KL", "prefill top-1", "decode KL", "decode top-1",
                 "top-1 vs sim (pre / dec)", "positions (pre / dec)", "MB", "prefill tok/s", "decode tok/s", "s",
-                "peak GiB", "gap")
+                "peak GB", "gap")  # decimal units throughout (workbench.units): MB and GB, never GiB beside MB
 
 
 # what ``gap_of`` judges a gap by, in words: shown with every table of rows (and wherever "no gap" is said)
@@ -385,7 +385,7 @@ def table_cells(r: dict) -> list[str]:
             f"{_cell(p, 'positions', ',')} / {_cell(d, 'positions', ',')}",
             "-" if r["bytes"] is None else f"{r['bytes'] / 1e6:.1f}", _tps(r, "prefill_tps"), _tps(r, "decode_tps"),
             "-" if r["seconds"] is None else f"{r['seconds']:.0f}",
-            "-" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**30:.2f}",
+            "-" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 1e9:.2f}",
             (r["gap"] or "") + (f". Layer-wise: {r['cause']}" if r.get("gap") and r.get("cause") else "")]
 
 

@@ -33,6 +33,7 @@ from ..quantize.plan import QuantPlan
 from ..precision.sensitivity import run_sensitivity
 from ..model.sweep_backends import backend_for, default_workers
 from ..files.workspace import Workspace
+from ..units import format_bytes
 from .base import FileDownload, StatusGroup, StatusLine, StepPanel
 from .calibrate import CalibratePanel
 from .compress import CompressPanel
@@ -55,6 +56,13 @@ SENSITIVITY_CHOICES = (("Quick estimate (Fisher proxy, seconds)", "proxy"), ("Me
 EVERY_PRECISION = "every"
 SWEEP_PRECISIONS = (("INT8 and INT4", ("int8", "int4")), ("INT2 to INT8", ("int8", "int6", "int5", "int4", "int3", "int2")),
                     ("every precision", EVERY_PRECISION))
+
+# ipywidgets gives every box ``overflow: auto``: a row a pixel taller than its box (each layer row of Precisions)
+# showed a tiny scrollbar, a row wider than the page a horizontal one. In the app a row wraps instead and never
+# scrolls; a box that should scroll (the logs) sets its own overflow on its layout, which wins over this.
+APP_STYLE = ("<style>.workbench-app .widget-hbox, .workbench-app .jupyter-widget-hbox {overflow: visible; "
+             "flex-wrap: wrap} .workbench-app .widget-vbox, .workbench-app .jupyter-widget-vbox "
+             "{overflow: visible}</style>")
 
 TAB_TITLES = ("Fine-tune", "Calibrate", "Precisions", "Quantize", "Export", "Profile", "Generate", "Project",
               "Compress")
@@ -125,11 +133,12 @@ class WorkbenchApp(StepPanel):
         self.session.observe(self._on_plan, names="plan")
         self.session.observe(self._on_session_out_dir, names="out_dir")
         super().__init__([
-            widgets.HTML("<p>Choose per-layer INT4 / INT8 / FP16, see what it costs in perplexity, KL divergence "
-                         "and size, and export for a target.</p>"),
+            widgets.HTML(APP_STYLE + "<p>Choose per-layer INT4 / INT8 / FP16, see what it costs in perplexity, KL "
+                         "divergence and size, and export for a target.</p>"),
             widgets.HBox([self.model_path, self.load_button]), self.status_line, self.vision_box,
             widgets.HBox([self.out_dir_text, self.download_button, self.download_link]), self.download_line,
             self.log_output, self.tabs])
+        self.add_class("workbench-app")
 
     # -- what the session holds, under the names the app has always used -----------------------------
     @property
@@ -266,11 +275,11 @@ class WorkbenchApp(StepPanel):
             return None
         size = path.stat().st_size
         if size <= ARCHIVE_SEND_LIMIT:
-            self.download_link.send_file(path)
-            self.download_line.html.value = html.escape(f"downloading {path.name} ({size / 1e6:.1f} MB); also kept "
+            self.download_link.send_file(path)  # in pieces: the page counts them in as they arrive
+            self.download_line.html.value = html.escape(f"downloading {path.name} ({format_bytes(size)}); also kept "
                                                         f"at {path}")
         else:
-            self.download_line.html.value = html.escape(f"{path} is {size / 1e9:.1f} GB, too big to send through "
+            self.download_line.html.value = html.escape(f"{path} is {format_bytes(size)}, too big to send through "
                                                         "the page: copy it from there")
         return path
 

@@ -22,7 +22,7 @@ from ..assets import demo_text_path
 from ..evaluation.data import DEFAULT_SAMPLES, DEFAULT_SEQ_LEN, CalibrationSet
 from ..model.load import LoadedModel
 from ..files.workspace import Workspace
-from .base import StepPanel
+from .base import StepPanel, placeholder_html
 from .session import SessionLabel
 
 __all__ = ["CalibratePanel"]
@@ -57,11 +57,17 @@ class CalibratePanel(StepPanel):
         self.layer.observe(lambda _: self._draw_channels(), names="value")
         self.coverage_plot, self.overview_plot, self.channel_plot, self.heatmap_plot = (
             widgets.Output() for _ in range(4))
+        # what each sub-tab will show, until Run calibration draws it
+        self.waiting = {which: widgets.HTML(placeholder_html(f"after Run calibration: {what}")) for which, what in (
+            ("coverage", "how much of the text became samples, and the token length of every piece"),
+            ("overview", "one row per layer: how its input values spread, and its share of outlier channels"),
+            ("channels", "one layer's input channels: largest and mean |x|, the outliers marked"),
+            ("heatmap", "every layer against each statistic of its input, in numbers and colour"))}
         tabs = widgets.Tab(children=[
-            widgets.VBox([self.coverage, self.coverage_plot]),
-            widgets.VBox([self.sort_by, self.overview_plot]),
-            widgets.VBox([self.layer, self.channel_plot]),
-            self.heatmap_plot])
+            widgets.VBox([self.waiting["coverage"], self.coverage, self.coverage_plot]),
+            widgets.VBox([self.sort_by, self.waiting["overview"], self.overview_plot]),
+            widgets.VBox([self.layer, self.waiting["channels"], self.channel_plot]),
+            widgets.VBox([self.waiting["heatmap"], self.heatmap_plot])])
         for i, title in enumerate(("Coverage", "Layers", "Channels", "Heat map")):
             tabs.set_title(i, title)
         self.controls = [self.data, self.samples, self.seq_len, self.seed, self.bilingual, self.run_button]
@@ -115,4 +121,5 @@ class CalibratePanel(StepPanel):
     def _plot(self, which: str, fig) -> None:
         out = {"coverage": self.coverage_plot, "overview": self.overview_plot, "channels": self.channel_plot,
                "heatmap": self.heatmap_plot}[which]
+        self.waiting[which].value = ""
         super()._plot(which, fig, out)

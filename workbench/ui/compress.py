@@ -40,8 +40,9 @@ from ..compress.prune import (HEAD_UNITS, SCORES, Geometry, PruneImportance, Pru
                      measure_point, predicted_size, prune)
 from ..precision.sensitivity import evaluation_tokens
 from ..files.workspace import Workspace
-from .base import StepPanel, metric_words_html
+from .base import StepPanel, metric_words_html, placeholder_html
 from .session import describe_plan
+from ..units import format_bytes
 from ..compress.prune import IMPORTANCE_FILE
 
 __all__ = ["CompressPanel"]
@@ -95,11 +96,14 @@ class CompressPanel(StepPanel):
         self.temperature = widgets.BoundedFloatText(value=temperature, min=0.1, max=100, step=0.5,
                                                     description="temperature", style={"description_width": "initial"})
         self.predicted = widgets.HTML()
-        self.progress = widgets.IntProgress(value=0, min=0, max=steps, description="distil", bar_style="info",
-                                            layout={"display": "none"})  # shown once a run starts
         self.score_button = widgets.Button(description="Score", icon="bar-chart",
                                            tooltip="importance of every head and MLP channel (cached)")
         self.prune_button = widgets.Button(description="Prune", button_style="primary", icon="scissors")
+        self.words = widgets.HTML()  # what KL, top-1 and perplexity mean, once the table shows them
+        self.waiting = widgets.HTML(placeholder_html(
+            "after Score: every head's and MLP channel's importance per layer; after Prune (and Distil): the "
+            "pruned model, and it quantized by the session's plan, on a size / KL / perplexity chart and table "
+            "beside the plans measured in Precisions"))
         self.distill_button = widgets.Button(description="Distil", button_style="primary", icon="graduation-cap")
         self.score_button.on_click(lambda _: self.score())
         self.prune_button.on_click(lambda _: self.prune())
@@ -121,8 +125,8 @@ class CompressPanel(StepPanel):
             widgets.HBox([self.heads, self.mlp, self.head_unit, self.score_kind]),
             widgets.HBox([self.quantize, self.plan_note]), widgets.HBox([self.steps, self.temperature]),
             self.predicted,
-            widgets.HBox([self.score_button, self.prune_button, self.distill_button]), self.progress,
-            self.status_line, self.log_output, self.pareto_plot, self.table_plot, widgets.HTML(metric_words_html()),
+            widgets.HBox([self.score_button, self.prune_button, self.distill_button]),
+            self.status_line, self.log_output, self.waiting, self.pareto_plot, self.table_plot, self.words,
             self.loss_plot, self.importance_plot,
             self.channel_plot])
         if session is not None:
@@ -195,14 +199,14 @@ class CompressPanel(StepPanel):
             return None
         g = self.geo
         fp16 = self.lm.size_bytes(precision="fp16")
-        q = f", {size['quantized_bytes']:,} B with {self._plan_tag()}" if self.quantize.value else ""
+        q = f", {format_bytes(size['quantized_bytes'])} with {self._plan_tag()}" if self.quantize.value else ""
         per_layer = ", ".join(f"{s['heads']}/{s['intermediate']}" for s in size["layers"])
         basis = "by the scores" if self.importance is not None else "spread evenly until Score"
         self.predicted.value = (f"predicted ({basis}): {size['heads_removed']:.0%} of query heads, "
                                 f"{size['kv_heads_removed']:.0%} "
                                 f"of KV heads, {size['mlp_removed']:.1%} of MLP channels removed (query heads / MLP "
                                 f"channels by layer: {per_layer}; of {g.heads}/{g.intermediate}); "
-                                f"{size['parameters']:,} parameters, <b>{size['fp16_bytes']:,} B</b> at fp16 "
+                                f"{size['parameters']:,} parameters, <b>{format_bytes(size['fp16_bytes'])}</b> at fp16 "
                                 f"({size['fp16_bytes'] / fp16 - 1:+.1%}){q}")
         return size
 
@@ -256,9 +260,13 @@ class CompressPanel(StepPanel):
             title += "<br><span style='font-size:11px'>quantized by: " + html.escape(plans[0]) + "</span>"
         elif plans:  # several: the table's last column names each (a line of them ran off the chart)
             title += "<br><span style='font-size:11px'>each quantized point's plan: the table's last column</span>"
-        pareto.update_layout(title={"text": title, "font": {"size": 13}}, margin={"t": 90})
+        # two lines of title above the panels' own titles: the top margin holds both (the second line sat on
+        # "KL divergence to the float model")
+        pareto.update_layout(title={"text": title, "font": {"size": 13}, "y": 0.98, "yanchor": "top"},
+                             margin={"t": 110 if "<br>" in title else 80}, height=460)
         self._plot("pareto", pareto, self.pareto_plot)
         self._plot("table", make_compress_table_figure(self.points), self.table_plot)
+        self.words.value, self.waiting.value = metric_words_html(), ""
 
     def _fallback_note(self, point: dict) -> str:
         """What the group-size fallback did to a quantized point's layers, in one clause (empty when nothing)."""
@@ -292,6 +300,10 @@ class CompressPanel(StepPanel):
             self.importance, score="activation" if score == "activation" else "taylor",
             kept=kept["mlp"] if kept else None, removed_by="Prune" if pruned else "these settings"),
             self.channel_plot)
+        if not self.points:  # the scores are drawn (below); what Prune will add is still to come
+            self.waiting.value = placeholder_html(
+                "after Prune (and Distil): the pruned model, and it quantized by the session's plan, on a size / KL "
+                "/ perplexity chart and table beside the plans measured in Precisions")
 
     def prune(self) -> dict | None:
         """Prune by the sliders into ``out_dir/pruned``; measure it (and it quantized) against the original."""
@@ -337,8 +349,7 @@ class CompressPanel(StepPanel):
         steps = self.steps.value
         cfg = DistillConfig(steps=steps, temperature=self.temperature.value)
         plan = self.quant_plan if self.quantize.value else None
-        self.progress.layout.display = ""
-        self.progress.max, self.progress.value, self.progress.bar_style = steps, 0, "info"
+        # the status line's bar counts the steps (the library's "distill" bar drives it); no second bar beside it
         t0 = time.perf_counter()
         first, losses = {}, []
         every = max(1, steps // 20)
@@ -346,7 +357,6 @@ class CompressPanel(StepPanel):
         def on_step(step: int, loss: float) -> None:
             first.setdefault("step", step - 1)  # a resumed run starts later
             losses.append(loss)
-            self.progress.value = step
             done = step - first["step"]
             left = (time.perf_counter() - t0) / done * (steps - step) if done else 0.0
             self.status.value = f"step {step}/{steps}, loss {loss:.4f}, about {left:.0f} s left"
@@ -363,11 +373,9 @@ class CompressPanel(StepPanel):
             return report, point
         ok, result = self._attempt("distilling...", work)
         if not ok:
-            self.progress.bar_style = "danger"
             return None
         report, point = result
         self.distill_report = report
-        self.progress.bar_style = "success"
         self._plot("distill", make_distill_figure(report), self.loss_plot)
         self._show_points()
         self.status.value = html.escape(report.summary() + self._fallback_note(point))

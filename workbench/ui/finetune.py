@@ -39,8 +39,6 @@ class FinetunePanel(StepPanel):
         self.batch_size = widgets.BoundedIntText(value=batch_size, min=1, max=1024, description="batch")
         self.seq_len = widgets.BoundedIntText(value=seq_len, min=8, max=1 << 16, description="seq len")
         self.overwrite = overwrite
-        self.progress = widgets.IntProgress(value=0, min=0, max=steps, description="steps", bar_style="info",
-                                            layout={"display": "none"})  # shown once a run starts
         self.run_button = widgets.Button(description="Fine-tune", button_style="primary", icon="play")
         self.run_button.on_click(lambda _: self.run())
         self.plot = widgets.Output()
@@ -50,7 +48,7 @@ class FinetunePanel(StepPanel):
             widgets.HTML(f"<b>Fine-tune</b> (optional) {html.escape(str(model))} with LoRA; the adapters are merged into an "
                          "ordinary model that the later steps load"),
             self.data, self.out_dir, widgets.HBox([self.steps, self.rank, self.lr]),
-            widgets.HBox([self.batch_size, self.seq_len, self.run_button]), self.progress,
+            widgets.HBox([self.batch_size, self.seq_len, self.run_button]),
             self.status_line, self.log_output, self.plot])
 
     def config(self) -> FinetuneConfig:
@@ -59,21 +57,17 @@ class FinetunePanel(StepPanel):
 
     def run(self) -> FinetuneReport | None:
         """Train, merge and save; show perplexity before -> after and the loss curve."""
-        self.progress.layout.display = ""
-        self.progress.max, self.progress.value, self.progress.bar_style = self.steps.value, 0, "info"
-
+        # the steps are counted by the status line's bar (the library's "fine-tune" bar drives it): a bar of the
+        # panel's own beside it made two bars at once
         def on_step(step: int, loss: float) -> None:
-            self.progress.value = step
             self.status.value = f"step {step}/{self.steps.value}, loss {loss:.3f}"
 
         ok, report = self._attempt("fine-tuning...", lambda: finetune_lora(
             self.model, self.data.value.strip() or None, self.out_dir.value, self.config(), overwrite=self.overwrite,
             progress=True, on_step=on_step))
         if not ok:
-            self.progress.bar_style = "danger"
             return None
         self.report = report
-        self.progress.bar_style = "success"
         self.status.value = html.escape(report.summary())
         self._plot("loss", make_loss_figure(report), self.plot)
         return report

@@ -23,7 +23,7 @@ from ..onnx.inspect import initializer_bytes_by_block
 from ..errors import PlanError
 from ..targets import TARGETS, GraphReport, inspect_graph
 from ..targets.registry import get_target, plan_reach
-from .base import StepPanel, ruled_table
+from .base import StepPanel, metric_words_html, ruled_table
 from .devices_gap import DevicesGapPanel
 from .session import SessionLabel
 
@@ -260,7 +260,7 @@ class ConvertPanel(StepPanel):
             return None
         self.reports = [r for r in self.reports if r.target != report.target] + [report]
         self.status.value = html.escape(report.summary()) + self._against_quantize_tab(report)
-        self.table.value = _conversion_rows(self.reports)
+        self.table.value = _conversion_rows(self.reports) + metric_words_html("KL", "nats", "top-1")
         self.figure = make_conversion_figure([r.to_dict() for r in self.reports], gap_rule=GAP_RULE)
         self._plot("conversions", self.figure, self.plot)
         return report

@@ -27,6 +27,7 @@ import traitlets
 
 from ..precision.autoplan import PlanPoint, plan_footprint, predict_damage, plan_for_budget
 from ..charts.precision import make_pareto_figure
+from ..charts.style import JUDGEMENT_COLOURS
 from ..errors import WorkbenchError
 from ..model.load import LoadedModel
 from ..quantize.plan import PlanRule, QuantPlan, get_precision
@@ -39,7 +40,8 @@ __all__ = ["OverridePanel", "LayerChoice", "precision_choices", "COMMON_PRECISIO
 
 COMMON_PRECISIONS = ("int4", "int8", "fp16")  # a button each; every other precision is in the row's menu
 # the bars' colours: where a layer's damage sits between the least and most sensitive layer (log scale)
-DAMAGE_BANDS = (("#2ca02c", "least sensitive 40%"), ("#ff7f0e", "middle"), ("#d62728", "most sensitive 25%"))
+DAMAGE_BANDS = ((JUDGEMENT_COLOURS["good"], "least sensitive 40%"), (JUDGEMENT_COLOURS["middle"], "middle"),
+                (JUDGEMENT_COLOURS["bad"], "most sensitive 25%"))
 
 
 def precision_choices() -> list[tuple[str, str]]:

@@ -28,8 +28,8 @@ from ..errors import PlanError
 from ..quantize.plan import QuantPlan
 from ..devices.projection import AUTO, DEFAULT_CONTEXT, project_plans
 from ..charts.report import Candidates, projection_summary_html
-from .base import CheckList, StepPanel, ruled_style
-from .session import SessionLabel
+from .base import CheckList, StepPanel, placeholder_html, ruled_style
+from .session import SessionLabel, plan_name
 
 __all__ = ["ProjectPanel", "DEFAULT_DEVICES"]
 
@@ -64,7 +64,13 @@ class ProjectPanel(StepPanel):
             tooltip="the LLM runtime on the device: its weight layout and KV cache, and the vendor measurements fitted")
         self.run_button = widgets.Button(description="Project", button_style="primary", icon="mobile-alt")
         self.run_button.on_click(lambda _: self.run())
-        self.pareto_device = widgets.Dropdown(description="speed on", options=[], layout={"width": "320px"})
+        # hidden until a projection gives it devices (an empty menu stood under the button before any run)
+        self.pareto_device = widgets.Dropdown(description="speed on", options=[],
+                                              layout={"width": "320px", "display": "none"})
+        self.waiting = widgets.HTML(placeholder_html(
+            "after Project: per plan and device the tokens/s, the first token's time and whether it fits in memory "
+            "(the rest in a details fold), then charts of speed and memory per device, the vendors' measurements "
+            "against their fit, and quality against size and speed on one device"))
         self.pareto_device.observe(lambda _: self._draw_pareto(), names="value")
         self.table = widgets.HTML()
         self.device_plot, self.pareto_plot, self.vendor_plot = widgets.Output(), widgets.Output(), widgets.Output()
@@ -77,7 +83,7 @@ class ProjectPanel(StepPanel):
             head.append(self._own(SessionLabel(session)))
         super().__init__([*head, widgets.HBox([self.devices, widgets.VBox([self.context, self.runtime,
                                                                             self.run_button])]),
-                          self.status, self.log_output, self.table, self.device_plot, self.vendor_plot,
+                          self.status, self.log_output, self.waiting, self.table, self.device_plot, self.vendor_plot,
                           self.pareto_device, self.pareto_plot])
 
     # -- what is projected ----------------------------------------------------------------------------
@@ -94,7 +100,9 @@ class ProjectPanel(StepPanel):
                 raise PlanError("load a model first")
             if s.quantized is not None:
                 cost = s.cost
-                c.add(f"quantized {s.quantized_path.name}", s.quantized.plan,
+                # by what it is, not its folder's hash ("quantized awq-56903f2e")
+                c.add(f"quantized model ({plan_name(s.quantized.plan, s.lm)}, {s.quantized.method.upper()})",
+                      s.quantized.plan,
                       None if cost is None else cost.kl_divergence, None if cost is None else cost.bits_per_weight)
             c.add("session plan", s.plan)
         for label, plan in self.fixed_plans.items():
@@ -124,6 +132,7 @@ class ProjectPanel(StepPanel):
         if not ok:
             return None
         self.projections, self.rows = result
+        self.waiting.value = ""
         self.table.value = ruled_style("projection") + projection_summary_html(self.projections)
         self._plot("devices", make_device_figure(self.projections), self.device_plot)
         self._plot("vendor", make_vendor_fit_figure(self.projections), self.vendor_plot)
@@ -131,6 +140,7 @@ class ProjectPanel(StepPanel):
         with_speed = [p.device for p in first if p.projected_decode_tps is not None]
         keep = self.pareto_device.value if self.pareto_device.value in with_speed else None
         self.pareto_device.options = with_speed
+        self.pareto_device.layout.display = "" if with_speed else "none"
         self.pareto_device.value = keep or (with_speed[0] if with_speed else None)
         self._draw_pareto()
         n = sum(len(ps) for ps in self.projections.values())

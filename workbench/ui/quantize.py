@@ -30,7 +30,7 @@ from ..quantize.plan import QuantPlan, get_precision
 from ..quantize import CALIBRATED_METHODS, heldout_ids, measure_cost, measure_reference, quantize_model
 from ..files.workspace import Workspace
 from ..model.vision_quality import measure_vision_baseline, measure_vision_quality, vision_eval_set
-from .base import StepPanel, ruled_table
+from .base import StepPanel, metric_words_html, ruled_table
 from .overrides import precision_choices
 from .session import SessionLabel
 from .vision import vision_sentences
@@ -87,8 +87,10 @@ class QuantizePanel(StepPanel):
                                                    "(llama.cpp's Q4_0 grid): lowest KL at every width on trained "
                                                    "models, about 4.6x the search time; its scales are signed, "
                                                    "so only GGUF and onnxruntime int4 hold it (docs/quantize.md)")
-        self.eval_tokens = widgets.IntText(value=max_tokens or 0, description="eval tokens",
-                                           tooltip="held-out tokens the cost is measured on; 0 = the whole text")
+        self.eval_tokens = widgets.IntText(value=max_tokens or 0, description="tokens scored (0: all)",
+                                           style={"description_width": "initial"}, layout={"width": "220px"},
+                                           tooltip="held-out tokens the cost is measured on; 0: the whole "
+                                                   "evaluation text")
         self.data = widgets.Text(value=str(data or demo_text_path("calibration")), description="calibration",
                                  placeholder="used by AWQ", layout={"width": "640px"})
         self.run_button = widgets.Button(description="Run", button_style="primary", icon="play")
@@ -102,6 +104,7 @@ class QuantizePanel(StepPanel):
                                               "and top-1, image-text matching of the float and quantized model")
         self.pictures = widgets.HTML()  # a VLM: what the quantized model does on pictures, in words and a table
         self.warnings = widgets.HTML()
+        self.words = widgets.HTML()  # what KL, top-1 and perplexity mean, once the table shows them
         self.controls = [self.method, self.bits, self.group_size, self.symmetric, self.scale_search, self.full_range,
                          self.data,
                          self.eval_tokens, self.run_button, self.image_set]
@@ -119,7 +122,7 @@ class QuantizePanel(StepPanel):
             widgets.HBox([self.data, self.calibration_note]),
             *([self.image_set] if self.is_vision else []),
             widgets.HBox([self.eval_tokens, self.run_button]), self.status_line, self.log_output, self.warnings,
-            self.pictures, self.table_plot, self.error_plot])
+            self.pictures, self.table_plot, self.words, self.error_plot])
 
     @staticmethod
     def _bit_options(plan: QuantPlan | None) -> list:
@@ -197,6 +200,7 @@ class QuantizePanel(StepPanel):
             self.vision_rows.append({"label": label, **self.vision.to_dict()})
             self.pictures.value = pictures_html(self.vision_rows)
         self._plot("cost", make_cost_table_figure(self.rows), self.table_plot)
+        self.words.value = metric_words_html("KL", "nats", "top-1", "perplexity")
         self._plot("errors", make_layer_error_figure(self.qm.layers), self.error_plot)
         return self.cost
 
