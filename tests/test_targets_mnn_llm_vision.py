@@ -59,6 +59,31 @@ def test_visual_graph_is_the_float_encoder_in_onnx_and_mnn(folder, tmp_path):
     assert pos.shape == (2, 16) and mask.shape == (2, 1, 16, 16) and sorted(order) == [0, 1, 2, 3]
 
 
+def test_windowed_blocks_and_a_non_square_picture_match_transformers(tmp_path):
+    """Qwen2.5-VL's windowed blocks (the demo VLM's are all full) on a 168 x 224 picture, whose 6 x 8 merged grid
+    leaves partial 4 x 4 windows: the window index and masks built as MNN's engine builds them give transformers'
+    embeddings (a random model of the demo VLM's shape, blocks 0 and 2 windowed)."""
+    from PIL import Image
+    from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    cfg = AutoConfig.from_pretrained(Path(__file__).resolve().parents[1] / "assets" / "demo-vl-model")
+    cfg.vision_config.fullatt_block_indexes = [1]
+    torch.manual_seed(0)
+    vlm = Qwen2_5_VLForConditionalGeneration(cfg).eval()
+    ip = Qwen2VLImageProcessorPil(patch_size=14, temporal_patch_size=2, merge_size=2, min_pixels=168 * 224,
+                                  max_pixels=168 * 224)
+    picture = Image.fromarray(np.random.default_rng(0).integers(0, 256, (168, 224, 3), dtype=np.uint8))
+    pix = ip([picture], return_tensors="pt")
+    pv, grid = pix["pixel_values"], pix["image_grid_thw"]
+    assert grid.tolist() == [[1, 12, 16]]
+    with torch.no_grad():
+        ref = vlm.model.visual(pv, grid_thw=grid).pooler_output.float().numpy()
+    convert_to_mnn(export_visual_onnx(vlm, tmp_path / "v" / "visual.onnx"), tmp_path / "visual.mnn")
+    got = run_visual_mnn(tmp_path / "visual.mnn", pv.numpy(), grid.numpy())
+    assert got.shape == ref.shape == (48, 128)
+    assert np.abs(got - ref).max() < 1e-4 * np.abs(ref).max()
+
+
 def test_folder_holds_both_graphs_with_the_plan_integers(folder, tmp_path):
     prep, out, info = folder
     cfg = json.loads((out / "config.json").read_text())
