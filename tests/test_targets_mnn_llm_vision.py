@@ -143,6 +143,8 @@ def test_picture_path_scored_and_timed_in_the_engine(folder, tmp_path):
     assert emb["pictures"] >= 4 and emb["cosine"] > 0.99 and 0 < emb["relative_error"] < 0.2
     assert got["embeddings_vs_simulation"]["relative_error"] < 1e-3
     assert got["greedy_vs_simulation"]["same_answer"] >= 0.9
+    after = got["decode_after_picture"]  # the engine's decode positions after a picture: close, not equal
+    assert after["steps"] >= 12 and after["kl_vs_prefill"] < 1e-3 and after["top1_vs_prefill"] >= 0.9
     speed = got["speed"]
     assert speed["encoder_ms"] > 0 and speed["prefill_ms"] > 0 and speed["decode_tokens_per_second"] > 0
     assert report.details["mnn_llm_vision"] is got and "picture path in MNN's engine" in report.notes[-1]

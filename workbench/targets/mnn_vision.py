@@ -34,7 +34,7 @@ from ..numerics.compute import float32_weight
 
 __all__ = ["VISUAL_FILE", "VISUAL_PREFIXES", "PartWeights", "VISUAL_TYPES", "text_view", "mrope_tables", "export_visual_onnx", "visual_inputs",
            "run_visual_mnn", "vision_llm_config",
-           "engine_picture", "EngineQuestion", "engine_scorer", "embedding_error", "noise_picture", "picture_timing", "greedy_answers",
+           "engine_picture", "EngineQuestion", "engine_scorer", "embedding_error", "noise_picture", "picture_timing", "greedy_answers", "decode_after_picture",
            "score_vision", "source_vision_inputs"]
 
 VISUAL_FILE = "visual.mnn"
@@ -392,6 +392,27 @@ def greedy_answers(runner, processor, model, questions, size: int, folder: Path,
     return {"questions": len(questions), "same_answer": same / max(len(questions), 1), "new_tokens": new_tokens}
 
 
+def decode_after_picture(runner, processor, questions, size: int, folder: Path) -> dict:
+    """The engine's decode steps after a picture against its own prefill of the same tokens, teacher-forced: each
+    answer token fed one at a time through its KV cache (its decode positions, ``all_seq_len + i``) against the
+    same tokens in one prompt (its prefill: transformers' 3-D positions, which the simulation matches). What the
+    engine's decode positions alone change: KL and top-1 of the predictions after each answer token."""
+    kls, same = [], []
+    for s in questions:
+        q = EngineQuestion(processor, s.image, s.prompt, size, folder, s.answer)
+        n = len(q.answer)
+        _, full = runner.image_logits(q.text)
+        steps, prompt = runner.picture_steps(processor, s.image, s.prompt)
+        steps.start(prompt)
+        rows = [steps.step(t, len(prompt) + i) for i, t in enumerate(q.answer)]
+        ref = torch.log_softmax(torch.from_numpy(np.ascontiguousarray(full[-n:])).float(), -1)
+        got = torch.log_softmax(torch.from_numpy(np.stack(rows)).float(), -1)
+        kls += (ref.exp() * (ref - got)).sum(-1).tolist()
+        same += (ref.argmax(-1) == got.argmax(-1)).tolist()
+    return {"questions": len(questions), "steps": len(kls), "kl_vs_prefill": float(np.mean(kls)),
+            "top1_vs_prefill": float(np.mean(same))}
+
+
 def score_vision(job, runner, *, images=None) -> dict:
     """A VL folder's picture path scored and timed in MNN's engine, into the report: the answer-token KL and
     top-1 against the float model (and against the simulation: what the engine adds) with the engine reading each
@@ -425,6 +446,7 @@ def score_vision(job, runner, *, images=None) -> dict:
                                                       pictures)
     out["greedy_vs_simulation"] = greedy_answers(runner, lm.processor, prep.sim_lm.model, images.questions, size,
                                                  pictures, 8)
+    out["decode_after_picture"] = decode_after_picture(runner, lm.processor, images.questions, size, pictures)
     out["seconds"] = time.perf_counter() - t
     first = EngineQuestion(lm.processor, images.questions[0].image, images.questions[0].prompt, size, pictures)
     out["speed"] = picture_timing(runner, first.text, job.greedy_steps, 3)
@@ -433,7 +455,8 @@ def score_vision(job, runner, *, images=None) -> dict:
     report.notes.append(
         f"picture path in MNN's engine ({out['questions']} questions): answer KL {kl.kl_divergence:.4f} "
         f"+/- {kl.kl_stderr:.4f}, top-1 {kl.top1_agreement:.3f} vs float (KL {kl_sim.kl_divergence:.2g} vs the "
-        f"simulation), greedy answers equal to the simulation's {out['greedy_vs_simulation']['same_answer']:.3f}; "
+        f"simulation), greedy answers equal to the simulation's {out['greedy_vs_simulation']['same_answer']:.3f}, "
+        f"its decode after the picture vs its prefill KL {out['decode_after_picture']['kl_vs_prefill']:.2g}; "
         f"visual.mnn embeddings cosine {e['cosine']:.4f}, relative error {e['relative_error']:.4f}; "
         f"encoder {sp['encoder_ms']:.2f} ms, prefill {sp['prefill_ms']:.2f} ms ({sp['prompt_tokens']} tokens), "
         f"decode {sp['decode_tokens_per_second']:.0f} tok/s")
