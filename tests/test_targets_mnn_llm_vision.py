@@ -196,7 +196,7 @@ def test_damaged_visual_files_and_image_keys_refused(folder, tmp_path):
         check_mnn_llm_folder(bad)
 
 
-def test_a_vlm_without_the_processor_or_of_another_family_is_refused(folder, tmp_path):
+def test_a_vlm_without_its_image_processor_is_refused(folder, tmp_path):
     prep = folder[0]
     with pytest.raises(WorkbenchError, match="image processor"):
         write_mnn_llm_folder(prep.sim_lm, prep.qm, tmp_path / "o", tmp_path / "w")
@@ -221,3 +221,10 @@ def test_generate_asks_the_engine_about_the_picture(folder, tmp_path, capsys):
         assert doc["tokens"] == own[:len(doc["tokens"])]
         texts.append(doc["text"])
     assert texts[0] != texts[1], texts
+
+
+def test_a_vlm_of_another_family_is_refused_by_name():
+    from workbench.targets.mnn_vision import text_view
+    vlm = SimpleNamespace(config=SimpleNamespace(vision_config=object(), model_type="smolvlm"))
+    with pytest.raises(WorkbenchError, match="vision part of qwen2_5_vl models, not 'smolvlm'"):
+        text_view(vlm)
