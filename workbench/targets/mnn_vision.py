@@ -40,6 +40,7 @@ __all__ = ["VISUAL_FILE", "VISUAL_PREFIXES", "PartWeights", "VISUAL_TYPES", "tex
 VISUAL_FILE = "visual.mnn"
 VISUAL_PREFIXES = ("model.visual.",)  # the vision layers' names in the plan
 VISUAL_TYPES = ("qwen2_5_vl",)  # the VLMs whose vision encoder this module writes in MNN's form
+ENGINE_IMAGE_SIZE = 420  # the square MNN's llmexport.py writes for Qwen2/2.5-VL (image_size) when the size is free
 MERGE_WINDOW = 4  # merged patches per window side: MNN's engine fixes it (vit_merger_window_size), as Qwen2.5-VL's 112 px
 
 
@@ -242,8 +243,11 @@ def vision_llm_config(vlm, image_processor) -> dict:
     square size a picture is resized to (the processor's fixed pixel count; the engine rounds it to 28), and the
     processor's normalisation as the engine applies it to 0-255 pixels (``(x - mean) * norm``)."""
     cfg, ip = vlm.config, image_processor
-    pixels = int(ip.min_pixels if getattr(ip, "min_pixels", None) else ip.size["shortest_edge"])
-    side = int(round(pixels ** 0.5))
+    size = getattr(ip, "size", None) or {}
+    lo = int(getattr(ip, "min_pixels", None) or size.get("shortest_edge") or 56 * 56)
+    hi = int(getattr(ip, "max_pixels", None) or size.get("longest_edge") or lo)
+    # a fixed pixel count (the demo VLM's) is its square; a range gets llmexport's 420 px, kept within it
+    side = int(round(lo ** 0.5)) if lo == hi else int(min(max(ENGINE_IMAGE_SIZE, lo ** 0.5), hi ** 0.5))
     mean, std = np.asarray(ip.image_mean, np.float64), np.asarray(ip.image_std, np.float64)
     return {"is_visual": True, "image_size": side, "vision_start": int(cfg.vision_start_token_id),
             "vision_end": int(cfg.vision_end_token_id), "image_pad": int(cfg.image_token_id),
