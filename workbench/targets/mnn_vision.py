@@ -12,6 +12,12 @@ row and column), ``attention_mask`` ``[2, 1, S, S]`` (0: all patches; 1: the 4 x
 replaces the ``image_pad`` tokens. The graph is written op by op (``onnx.build``) from the model's own modules,
 each linear layer's output named after the layer so the plan's codes can be written into MNN's ops by name
 (``mnn_llm.write_plan_codes``); the patch embedding, float in every plan, keeps float weights.
+
+Scoring (``score_vision``, run by ``workbench convert``): the engine gets each held-out question as the float model's
+prompt with ``<img>PATH</img>`` where its image tokens are (``EngineQuestion``), reads the picture itself, and its
+answer-token logits are scored against the float model's and the simulation's (``engine_scorer``); ``visual.mnn``
+alone is compared with the torch encoder (``embedding_error``); the engine's own counters time the picture path
+(``picture_timing``, also ``workbench profile``).
 """
 from __future__ import annotations
 
@@ -30,18 +36,17 @@ from ..evaluation.vision import (AnswerScores, answer_kl, capture_answer_referen
 from ..model.vision import VISION_MODEL_TYPES, answer_scorer, answer_text, is_vision_config, vision_inputs
 from ..model.vision_quality import measure_vision_baseline, vision_eval_set
 from ..onnx.build import INLINE_LIMIT, FloatWeights, GraphBuilder, TensorStore, apply_rotary, as_array
-from ..numerics.compute import float32_weight
 
-__all__ = ["VISUAL_FILE", "VISUAL_PREFIXES", "PartWeights", "VISUAL_TYPES", "text_view", "mrope_tables", "export_visual_onnx", "visual_inputs",
-           "run_visual_mnn", "vision_llm_config",
-           "engine_picture", "EngineQuestion", "engine_scorer", "embedding_error", "noise_picture", "picture_timing", "greedy_answers", "decode_after_picture",
-           "score_vision", "source_vision_inputs"]
+__all__ = ["VISUAL_FILE", "VISUAL_PREFIXES", "VISUAL_TYPES", "PartWeights", "TextView", "text_view", "mrope_tables",
+           "export_visual_onnx", "visual_inputs", "run_visual_mnn", "vision_llm_config", "engine_picture",
+           "EngineQuestion", "engine_scorer", "embedding_error", "noise_picture", "picture_timing", "greedy_answers",
+           "decode_after_picture", "score_vision", "source_vision_inputs"]
 
 VISUAL_FILE = "visual.mnn"
 VISUAL_PREFIXES = ("model.visual.",)  # the vision layers' names in the plan
 VISUAL_TYPES = ("qwen2_5_vl",)  # the VLMs whose vision encoder this module writes in MNN's form
 ENGINE_IMAGE_SIZE = 420  # the square MNN's llmexport.py writes for Qwen2/2.5-VL (image_size) when the size is free
-MERGE_WINDOW = 4  # merged patches per window side: MNN's engine fixes it (vit_merger_window_size), as Qwen2.5-VL's 112 px
+MERGE_WINDOW = 4  # merged patches a window side: MNN's engine fixes it (vit_merger_window_size), Qwen2.5-VL's 112 px
 
 
 class TextView:
@@ -318,9 +323,10 @@ def engine_scorer(runner, processor, size: int, folder: Path):
         q = EngineQuestion(processor, sample.image, sample.prompt, size, folder, sample.answer)
         ids, logits = runner.image_logits(q.text)
         if list(ids) != q.ids:
+            at = next((i for i, (a, b) in enumerate(zip(ids, q.ids)) if a != b), min(len(ids), len(q.ids)))
             raise WorkbenchError(f"MNN's engine made {len(ids)} ids of the prompt where transformers made "
-                                 f"{len(q.ids)} (first difference at {next((i for i, (a, b) in enumerate(zip(ids, q.ids)) if a != b), min(len(ids), len(q.ids)))}): "
-                                 "its tokenizer.txt or image settings are not this model's; convert it again")
+                                 f"{len(q.ids)} (first difference at {at}): its tokenizer.txt or image settings are "
+                                 "not this model's; convert it again")
         n = len(q.answer)
         rows = torch.from_numpy(np.ascontiguousarray(logits[-(n + 1):-1]))
         return AnswerScores(torch.log_softmax(rows.float(), dim=-1), torch.tensor(q.answer))
