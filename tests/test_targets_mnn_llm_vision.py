@@ -59,6 +59,31 @@ def test_visual_graph_is_the_float_encoder_in_onnx_and_mnn(folder, tmp_path):
     assert pos.shape == (2, 16) and mask.shape == (2, 1, 16, 16) and sorted(order) == [0, 1, 2, 3]
 
 
+def test_windowed_blocks_and_a_non_square_picture_match_transformers(tmp_path):
+    """Qwen2.5-VL's windowed blocks (the demo VLM's are all full) on a 168 x 224 picture, whose 6 x 8 merged grid
+    leaves partial 4 x 4 windows: the window index and masks built as MNN's engine builds them give transformers'
+    embeddings (a random model of the demo VLM's shape, blocks 0 and 2 windowed)."""
+    from PIL import Image
+    from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    cfg = AutoConfig.from_pretrained(Path(__file__).resolve().parents[1] / "assets" / "demo-vl-model")
+    cfg.vision_config.fullatt_block_indexes = [1]
+    torch.manual_seed(0)
+    vlm = Qwen2_5_VLForConditionalGeneration(cfg).eval()
+    ip = Qwen2VLImageProcessorPil(patch_size=14, temporal_patch_size=2, merge_size=2, min_pixels=168 * 224,
+                                  max_pixels=168 * 224)
+    picture = Image.fromarray(np.random.default_rng(0).integers(0, 256, (168, 224, 3), dtype=np.uint8))
+    pix = ip([picture], return_tensors="pt")
+    pv, grid = pix["pixel_values"], pix["image_grid_thw"]
+    assert grid.tolist() == [[1, 12, 16]]
+    with torch.no_grad():
+        ref = vlm.model.visual(pv, grid_thw=grid).pooler_output.float().numpy()
+    convert_to_mnn(export_visual_onnx(vlm, tmp_path / "v" / "visual.onnx"), tmp_path / "visual.mnn")
+    got = run_visual_mnn(tmp_path / "visual.mnn", pv.numpy(), grid.numpy())
+    assert got.shape == ref.shape == (48, 128)
+    assert np.abs(got - ref).max() < 1e-4 * np.abs(ref).max()
+
+
 def test_folder_holds_both_graphs_with_the_plan_integers(folder, tmp_path):
     prep, out, info = folder
     cfg = json.loads((out / "config.json").read_text())
@@ -118,6 +143,8 @@ def test_picture_path_scored_and_timed_in_the_engine(folder, tmp_path):
     assert emb["pictures"] >= 4 and emb["cosine"] > 0.99 and 0 < emb["relative_error"] < 0.2
     assert got["embeddings_vs_simulation"]["relative_error"] < 1e-3
     assert got["greedy_vs_simulation"]["same_answer"] >= 0.9
+    after = got["decode_after_picture"]  # the engine's decode positions after a picture: close, not equal
+    assert after["steps"] >= 12 and after["kl_vs_prefill"] < 1e-3 and after["top1_vs_prefill"] >= 0.9
     speed = got["speed"]
     assert speed["encoder_ms"] > 0 and speed["prefill_ms"] > 0 and speed["decode_tokens_per_second"] > 0
     assert report.details["mnn_llm_vision"] is got and "picture path in MNN's engine" in report.notes[-1]
@@ -169,7 +196,7 @@ def test_damaged_visual_files_and_image_keys_refused(folder, tmp_path):
         check_mnn_llm_folder(bad)
 
 
-def test_a_vlm_without_the_processor_or_of_another_family_is_refused(folder, tmp_path):
+def test_a_vlm_without_its_image_processor_is_refused(folder, tmp_path):
     prep = folder[0]
     with pytest.raises(WorkbenchError, match="image processor"):
         write_mnn_llm_folder(prep.sim_lm, prep.qm, tmp_path / "o", tmp_path / "w")
@@ -194,3 +221,10 @@ def test_generate_asks_the_engine_about_the_picture(folder, tmp_path, capsys):
         assert doc["tokens"] == own[:len(doc["tokens"])]
         texts.append(doc["text"])
     assert texts[0] != texts[1], texts
+
+
+def test_a_vlm_of_another_family_is_refused_by_name():
+    from workbench.targets.mnn_vision import text_view
+    vlm = SimpleNamespace(config=SimpleNamespace(vision_config=object(), model_type="smolvlm"))
+    with pytest.raises(WorkbenchError, match="vision part of qwen2_5_vl models, not 'smolvlm'"):
+        text_view(vlm)

@@ -19,6 +19,12 @@ asymmetric re-quantization of the simulated weights that reproduces the plan's i
 target, ``mnn_weight_args``) and its weights in their own file; the custom nodes are then rewritten as
 ``Attention`` ops in the converter's JSON form, which holds only the weights' offsets, and the plan's own
 codes and scales are written into the weight file in place. A float output layer keeps float weights.
+
+A vision-language model (Qwen2.5-VL) adds ``visual.mnn`` + ``visual.mnn.weight`` (``mnn_vision``: the encoder in the
+form MNN's ``Omni`` engine feeds, the plan's vision codes written the same way), the image keys in
+``llm_config.json`` and a language model taking 3-D positions; the engine then reads pictures itself
+(``<img>PATH</img>`` in a prompt): ``image_logits``, ``image_generate``, ``picture_steps`` (``workbench generate
+--image``) and ``picture_profile`` (``workbench profile``).
 """
 from __future__ import annotations
 
@@ -37,8 +43,9 @@ from ..onnx.build import (DATA_FILE, INLINE_LIMIT, DecoderSpec, FloatWeights, Gr
                           rotary_tables)
 from ..files.workspace import atomic_write_json
 from .common import score_in_runtime
-from .mnn_vision import (VISUAL_FILE, VISUAL_PREFIXES, EngineQuestion, PartWeights, export_visual_onnx, mrope_tables, text_view,
-                         noise_picture, picture_timing, score_vision, source_vision_inputs, vision_llm_config)
+from .mnn_vision import (VISUAL_FILE, VISUAL_PREFIXES, EngineQuestion, PartWeights, export_visual_onnx, mrope_tables,
+                         noise_picture, picture_timing, score_vision, source_vision_inputs, text_view,
+                         vision_llm_config)
 from .mnn import mnn_weight_args, convert_to_mnn, keep_matmul_weights_float, run_mnnconvert
 from .registry import Target, register_target
 from ..files.folder_paths import folder_file, folder_json, named_paths
@@ -49,7 +56,8 @@ __all__ = ["check_mnn_llm_folder", "read_mnn_weights", "graph_weight_bytes",
            "convert_mnn_llm", "TARGET", "FILES"]
 
 FILES = ("llm.mnn", "llm.mnn.weight", "embeddings_bf16.bin", "config.json", "llm_config.json", "tokenizer.txt")
-MODEL_TYPES = ("qwen2", "qwen3", "llama", "qwen2_5_vl_text")  # decoders whose blocks _EngineGraph rebuilds as they compute
+# decoders whose blocks the builder writes (qwen2_5_vl_text: a Qwen2.5-VL's language model, 3-D positions)
+MODEL_TYPES = ("qwen2", "qwen3", "llama", "qwen2_5_vl_text")
 TOKENIZER_MAGIC, HUGGINGFACE_BPE = 430, 3  # tokenizer.txt's header, as MNN's tokenizer.cpp reads it
 ATTENTION_DOMAIN = "LlmExporter"  # the custom op's domain, as MNN's llmexport.py writes it
 
@@ -400,8 +408,8 @@ def write_visual_mnn(model, vq, out: Path, work: Path) -> dict:
         missing = [n for n in vq.weights if n not in back]
         if missing:
             raise WorkbenchError(f"visual.mnn holds no quantized op for {', '.join(missing[:3])}: export again")
-        info["read_back_max_abs_error"] = max(
-            float(np.abs(back[n].reshape(q.shape) - q.dequantize().float().numpy()).max()) for n, q in vq.weights.items())
+        info["read_back_max_abs_error"] = max(float(np.abs(back[n].reshape(q.shape) - q.dequantize().float().numpy())
+                                                    .max()) for n, q in vq.weights.items())
         info["read_back_layers"] = len(vq.weights)
     return info
 

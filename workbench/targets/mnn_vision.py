@@ -12,6 +12,12 @@ row and column), ``attention_mask`` ``[2, 1, S, S]`` (0: all patches; 1: the 4 x
 replaces the ``image_pad`` tokens. The graph is written op by op (``onnx.build``) from the model's own modules,
 each linear layer's output named after the layer so the plan's codes can be written into MNN's ops by name
 (``mnn_llm.write_plan_codes``); the patch embedding, float in every plan, keeps float weights.
+
+Scoring (``score_vision``, run by ``workbench convert``): the engine gets each held-out question as the float model's
+prompt with ``<img>PATH</img>`` where its image tokens are (``EngineQuestion``), reads the picture itself, and its
+answer-token logits are scored against the float model's and the simulation's (``engine_scorer``); ``visual.mnn``
+alone is compared with the torch encoder (``embedding_error``); the engine's own counters time the picture path
+(``picture_timing``, also ``workbench profile``).
 """
 from __future__ import annotations
 
@@ -30,17 +36,17 @@ from ..evaluation.vision import (AnswerScores, answer_kl, capture_answer_referen
 from ..model.vision import VISION_MODEL_TYPES, answer_scorer, answer_text, is_vision_config, vision_inputs
 from ..model.vision_quality import measure_vision_baseline, vision_eval_set
 from ..onnx.build import INLINE_LIMIT, FloatWeights, GraphBuilder, TensorStore, apply_rotary, as_array
-from ..numerics.compute import float32_weight
 
-__all__ = ["VISUAL_FILE", "VISUAL_PREFIXES", "PartWeights", "VISUAL_TYPES", "text_view", "mrope_tables", "export_visual_onnx", "visual_inputs",
-           "run_visual_mnn", "vision_llm_config",
-           "engine_picture", "EngineQuestion", "engine_scorer", "embedding_error", "noise_picture", "picture_timing", "greedy_answers",
-           "score_vision", "source_vision_inputs"]
+__all__ = ["VISUAL_FILE", "VISUAL_PREFIXES", "VISUAL_TYPES", "PartWeights", "TextView", "text_view", "mrope_tables",
+           "export_visual_onnx", "visual_inputs", "run_visual_mnn", "vision_llm_config", "engine_picture",
+           "EngineQuestion", "engine_scorer", "embedding_error", "noise_picture", "picture_timing", "greedy_answers",
+           "decode_after_picture", "score_vision", "source_vision_inputs"]
 
 VISUAL_FILE = "visual.mnn"
 VISUAL_PREFIXES = ("model.visual.",)  # the vision layers' names in the plan
 VISUAL_TYPES = ("qwen2_5_vl",)  # the VLMs whose vision encoder this module writes in MNN's form
-MERGE_WINDOW = 4  # merged patches per window side: MNN's engine fixes it (vit_merger_window_size), as Qwen2.5-VL's 112 px
+ENGINE_IMAGE_SIZE = 420  # the square MNN's llmexport.py writes for Qwen2/2.5-VL (image_size) when the size is free
+MERGE_WINDOW = 4  # merged patches a window side: MNN's engine fixes it (vit_merger_window_size), Qwen2.5-VL's 112 px
 
 
 class TextView:
@@ -242,8 +248,11 @@ def vision_llm_config(vlm, image_processor) -> dict:
     square size a picture is resized to (the processor's fixed pixel count; the engine rounds it to 28), and the
     processor's normalisation as the engine applies it to 0-255 pixels (``(x - mean) * norm``)."""
     cfg, ip = vlm.config, image_processor
-    pixels = int(ip.min_pixels if getattr(ip, "min_pixels", None) else ip.size["shortest_edge"])
-    side = int(round(pixels ** 0.5))
+    size = getattr(ip, "size", None) or {}
+    lo = int(getattr(ip, "min_pixels", None) or size.get("shortest_edge") or 56 * 56)
+    hi = int(getattr(ip, "max_pixels", None) or size.get("longest_edge") or lo)
+    # a fixed pixel count (the demo VLM's) is its square; a range gets llmexport's 420 px, kept within it
+    side = int(round(lo ** 0.5)) if lo == hi else int(min(max(ENGINE_IMAGE_SIZE, lo ** 0.5), hi ** 0.5))
     mean, std = np.asarray(ip.image_mean, np.float64), np.asarray(ip.image_std, np.float64)
     return {"is_visual": True, "image_size": side, "vision_start": int(cfg.vision_start_token_id),
             "vision_end": int(cfg.vision_end_token_id), "image_pad": int(cfg.image_token_id),
@@ -314,9 +323,10 @@ def engine_scorer(runner, processor, size: int, folder: Path):
         q = EngineQuestion(processor, sample.image, sample.prompt, size, folder, sample.answer)
         ids, logits = runner.image_logits(q.text)
         if list(ids) != q.ids:
+            at = next((i for i, (a, b) in enumerate(zip(ids, q.ids)) if a != b), min(len(ids), len(q.ids)))
             raise WorkbenchError(f"MNN's engine made {len(ids)} ids of the prompt where transformers made "
-                                 f"{len(q.ids)} (first difference at {next((i for i, (a, b) in enumerate(zip(ids, q.ids)) if a != b), min(len(ids), len(q.ids)))}): "
-                                 "its tokenizer.txt or image settings are not this model's; convert it again")
+                                 f"{len(q.ids)} (first difference at {at}): its tokenizer.txt or image settings are "
+                                 "not this model's; convert it again")
         n = len(q.answer)
         rows = torch.from_numpy(np.ascontiguousarray(logits[-(n + 1):-1]))
         return AnswerScores(torch.log_softmax(rows.float(), dim=-1), torch.tensor(q.answer))
@@ -392,6 +402,27 @@ def greedy_answers(runner, processor, model, questions, size: int, folder: Path,
     return {"questions": len(questions), "same_answer": same / max(len(questions), 1), "new_tokens": new_tokens}
 
 
+def decode_after_picture(runner, processor, questions, size: int, folder: Path) -> dict:
+    """The engine's decode steps after a picture against its own prefill of the same tokens, teacher-forced: each
+    answer token fed one at a time through its KV cache (its decode positions, ``all_seq_len + i``) against the
+    same tokens in one prompt (its prefill: transformers' 3-D positions, which the simulation matches). What the
+    engine's decode positions alone change: KL and top-1 of the predictions after each answer token."""
+    kls, same = [], []
+    for s in questions:
+        q = EngineQuestion(processor, s.image, s.prompt, size, folder, s.answer)
+        n = len(q.answer)
+        _, full = runner.image_logits(q.text)
+        steps, prompt = runner.picture_steps(processor, s.image, s.prompt)
+        steps.start(prompt)
+        rows = [steps.step(t, len(prompt) + i) for i, t in enumerate(q.answer)]
+        ref = torch.log_softmax(torch.from_numpy(np.ascontiguousarray(full[-n:])).float(), -1)
+        got = torch.log_softmax(torch.from_numpy(np.stack(rows)).float(), -1)
+        kls += (ref.exp() * (ref - got)).sum(-1).tolist()
+        same += (ref.argmax(-1) == got.argmax(-1)).tolist()
+    return {"questions": len(questions), "steps": len(kls), "kl_vs_prefill": float(np.mean(kls)),
+            "top1_vs_prefill": float(np.mean(same))}
+
+
 def score_vision(job, runner, *, images=None) -> dict:
     """A VL folder's picture path scored and timed in MNN's engine, into the report: the answer-token KL and
     top-1 against the float model (and against the simulation: what the engine adds) with the engine reading each
@@ -425,6 +456,7 @@ def score_vision(job, runner, *, images=None) -> dict:
                                                       pictures)
     out["greedy_vs_simulation"] = greedy_answers(runner, lm.processor, prep.sim_lm.model, images.questions, size,
                                                  pictures, 8)
+    out["decode_after_picture"] = decode_after_picture(runner, lm.processor, images.questions, size, pictures)
     out["seconds"] = time.perf_counter() - t
     first = EngineQuestion(lm.processor, images.questions[0].image, images.questions[0].prompt, size, pictures)
     out["speed"] = picture_timing(runner, first.text, job.greedy_steps, 3)
@@ -433,7 +465,8 @@ def score_vision(job, runner, *, images=None) -> dict:
     report.notes.append(
         f"picture path in MNN's engine ({out['questions']} questions): answer KL {kl.kl_divergence:.4f} "
         f"+/- {kl.kl_stderr:.4f}, top-1 {kl.top1_agreement:.3f} vs float (KL {kl_sim.kl_divergence:.2g} vs the "
-        f"simulation), greedy answers equal to the simulation's {out['greedy_vs_simulation']['same_answer']:.3f}; "
+        f"simulation), greedy answers equal to the simulation's {out['greedy_vs_simulation']['same_answer']:.3f}, "
+        f"its decode after the picture vs its prefill KL {out['decode_after_picture']['kl_vs_prefill']:.2g}; "
         f"visual.mnn embeddings cosine {e['cosine']:.4f}, relative error {e['relative_error']:.4f}; "
         f"encoder {sp['encoder_ms']:.2f} ms, prefill {sp['prefill_ms']:.2f} ms ({sp['prompt_tokens']} tokens), "
         f"decode {sp['decode_tokens_per_second']:.0f} tok/s")
