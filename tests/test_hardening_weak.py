@@ -348,3 +348,56 @@ def test_a_full_disk_inside_a_workspace_step_names_its_file_and_keeps_the_partia
     assert "no space left on the disk writing" in msg and "stats.safetensors'" in msg, msg
     assert "set WORKBENCH_WORKSPACE to a folder on another disk" in msg, msg
     assert list((tmp_path / "ws" / "calibrate").glob(".partial-*/stats.safetensors"))  # a rerun resumes from it
+
+
+# -- external data leaving a graph's folder -----------------------------------------------------------------------
+
+def _graph_with_external_data(folder: Path, location: str) -> Path:
+    """A one-node graph whose weight is read from ``location`` (as a tampered export would name it)."""
+    import onnx
+    from onnx import TensorProto, helper
+    folder.mkdir(parents=True, exist_ok=True)
+    w = TensorProto(name="w", data_type=TensorProto.FLOAT, dims=[4])
+    w.data_location = TensorProto.EXTERNAL
+    for k, v in (("location", location), ("offset", "0"), ("length", "16")):
+        w.external_data.add(key=k, value=v)
+    g = helper.make_graph([helper.make_node("Add", ["x", "w"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])], [w])
+    path = folder / "model.onnx"
+    onnx.save(helper.make_model(g), str(path))
+    return path
+
+
+@pytest.mark.parametrize("where", ["dotdot", "absolute", "symlink"])
+def test_inspect_says_external_data_leaves_the_folder_and_never_opens_it(where, tmp_path):
+    import shutil
+    import subprocess
+    import sys
+    secret = tmp_path / "passwd"
+    secret.write_bytes(b"\0" * 64)
+    folder = tmp_path / "graph"
+    location = {"dotdot": "../passwd", "absolute": str(secret), "symlink": "weights.bin"}[where]
+    graph = _graph_with_external_data(folder, location)
+    if where == "symlink":
+        (folder / "weights.bin").symlink_to(secret)
+    cmd = [sys.executable, "-m", "workbench", "inspect", str(graph), "--target", "ort"]
+    log = tmp_path / "strace.log"
+    if shutil.which("strace"):
+        cmd = ["strace", "-f", "-qq", "-e", "trace=openat,open", "-o", str(log), *cmd]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, (proc.returncode, proc.stderr[-2000:])
+    assert f"names external data location of 'w' '{location}', which resolves outside its folder" in lines[0], lines
+    assert "copy it next to the graph" not in lines[0] and "in 'passwd'" not in lines[0]
+    if log.exists():
+        assert not [ln for ln in log.read_text().splitlines() if str(tmp_path) in ln and "passwd" in ln], "opened"
+
+
+def test_inspect_still_names_missing_external_data_inside_the_folder(tmp_path):
+    from workbench.errors import ModelLoadError
+    from workbench.onnx.inspect import load_onnx
+    graph = _graph_with_external_data(tmp_path / "g", "model.onnx.data")
+    with pytest.raises(ModelLoadError, match=r"keeps its weights in 'model.onnx.data', which is missing"):
+        load_onnx(graph)

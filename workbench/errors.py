@@ -4,6 +4,11 @@ from __future__ import annotations
 import errno
 import re
 
+try:
+    import resource
+except ImportError:  # not on Windows: no file-size limit to read
+    resource = None
+
 __all__ = ["WorkbenchError", "ModelLoadError", "PlanError", "DataError", "WorkspaceError", "NativeEngineError",
            "printable", "storage_failure", "storage_message"]
 
@@ -38,17 +43,17 @@ def printable(text: str) -> str:
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in " ".join(str(text).splitlines()))
 
 
-_STORAGE = {errno.ENOSPC: "No space left on device", errno.EFBIG: "File too large", errno.EDQUOT: "Disk quota exceeded"}
+_STORAGE = frozenset((errno.ENOSPC, errno.EFBIG, errno.EDQUOT))  # disk full, file too large, quota used up
 _STORAGE_TEXT = re.compile(r"No space left on device|File too large|Disk quota exceeded|StorageFull|FileTooLarge|"
                            r"os error (28|27|122)\b")
 _SHORT_WRITE = re.compile(r"\d+ requested and \d+ written")  # numpy's tofile / save on a cut write
 
 
 def _file_size_limited() -> bool:
+    """Whether this process has a file-size limit (``ulimit -f``): what a short write or EFBIG then comes from."""
     try:
-        import resource
-        return resource.getrlimit(resource.RLIMIT_FSIZE)[0] != resource.RLIM_INFINITY
-    except (ImportError, OSError, ValueError):
+        return resource is not None and resource.getrlimit(resource.RLIMIT_FSIZE)[0] != resource.RLIM_INFINITY
+    except (OSError, ValueError):
         return False
 
 

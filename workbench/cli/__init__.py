@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import re
 import logging
+import re
 import sys
 from pathlib import Path
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ModelLoadError
+from ..files.folder_paths import inside_folder
 
 __all__ = ["OpCount", "load_onnx", "operator_inventory", "fold_constants", "initializer_bytes",
            "initializer_bytes_by_block", "external_data_files", "decode_step_bytes", "SHAPE_OPS"]
@@ -22,13 +23,16 @@ __all__ = ["OpCount", "load_onnx", "operator_inventory", "fold_constants", "init
 SHAPE_OPS = ("Shape", "Size", "Range", "ConstantOfShape", "NonZero")  # run-time shape arithmetic
 
 
-def external_data_files(proto, base_dir: str | Path) -> dict[Path, int]:
-    """External-data files a graph reads, with the bytes it needs from each (largest offset + length)."""
+def external_data_files(proto, base_dir: str | Path, named_by: str | Path | None = None) -> dict[Path, int]:
+    """External-data files a graph reads, with the bytes it needs from each (largest offset + length); a location
+    leaving ``base_dir`` (absolute, ``..``, a symlink out) is ModelLoadError naming it (``named_by``: the graph)."""
     from onnx.external_data_helper import uses_external_data
     need: dict[Path, int] = {}
     for init in proto.graph.initializer:
         if uses_external_data(init):
             info = {e.key: e.value for e in init.external_data}
+            inside_folder(base_dir, info.get("location", ""), named_by or base_dir,
+                          f"external data location of '{init.name}'")
             f = Path(base_dir) / info.get("location", "")
             end = int(info.get("offset", 0)) + int(info.get("length", 0))
             need[f] = max(need.get(f, 0), end)
@@ -100,7 +104,7 @@ def load_onnx(path: str | Path, *, load_external_data: bool = False):
     if lost:
         raise ModelLoadError(f"'{p}' is incomplete: graph outputs {', '.join(lost[:3])} are produced by no node; "
                              "the file is truncated: export it again")
-    for data, needed in external_data_files(proto, p.parent).items():
+    for data, needed in external_data_files(proto, p.parent, p).items():
         have = data.stat().st_size if data.is_file() else None
         if have is None or have < needed:
             state = "is missing" if have is None else f"holds {have:,} of the {needed:,} bytes the graph reads"

@@ -596,7 +596,7 @@ def convert(model, target: str, out_dir: str | Path, *, plan: QuantPlan | str | 
     ``split_limit_bytes``: each context binary compiled for ``soc`` under this many bytes instead of the SoC's own
     context limit (``qnn``: a graph over it is split into parts).
     ``static``: fixed (SEQ, PAST) shapes for the targets that read them (default ``DEFAULT_STATIC``); ``static`` or
-    ``soc`` given to a target that reads neither is said in the report's notes.
+    ``soc`` given to a target that does not read it is said in the report's notes.
     """
     say = log or (lambda m: None)
     if target not in CONVERT_TARGETS:
