@@ -159,7 +159,7 @@ def test_convert_demo_vl_writes_both_ggufs(vl, tmp_path, monkeypatch):
     assert {"model.gguf", "mmproj.gguf", "commands.sh", "conversion.json"} <= names
     d = report.details
     assert d["gguf_check"]["max_abs_diff"] == 0.0 and d["gguf_check"]["types"] == {"Q4_0": 14}
-    assert d["mmproj_check"]["max_abs_diff"] == 0.0 and d["mmproj_check"]["types"].get("F16") == 23
+    assert d["mmproj_check"]["max_abs_diff"] == 0.0 and d["mmproj_check"]["types"].get("F16") == 25
     assert "Q8_0" not in d["mmproj_check"]["types"]
     assert any("llama-mtmd-cli not found" in n for n in report.notes)
     assert "llama-mtmd-cli\" -m model.gguf --mmproj mmproj.gguf" in (tmp_path / "z" / "commands.sh").read_text()
