@@ -21,7 +21,7 @@ from typing import Mapping
 import torch
 from torch import nn
 
-from ..errors import PlanError
+from ..errors import PlanError, WorkspaceError
 from ..numerics.memory import drop_file_pages
 from .plan import QuantPlan, get_precision
 from ..units import text_table
@@ -280,8 +280,10 @@ class QuantizedModel:
         """Bytes of all layer weights as stored (packed integers + scales + zeros, float layers), counted from the
         codes and shapes: the stored tensors (``layer_storage``) are not built, which at a 1.5 B model held a
         second copy of every weight at the end of `workbench quantize`."""
-        params = dict(self.source.model.named_parameters(remove_duplicate=False)) if self.source is not None else {}
-        params.update(self.float_overrides)
+        if self.source is None:
+            raise WorkspaceError("this QuantizedModel has no source model to take its float tensors from; "
+                                 "create it with quantize_model or load_quantized")
+        params = {**dict(self.source.model.named_parameters(remove_duplicate=False)), **self.float_overrides}
         total = 0
         for r in self.layers:
             if r.tied_to and not r.untied:
