@@ -28,7 +28,7 @@ from ..targets.convert import convert, CONVERT_TARGETS, prepare_models
 from .locate import CONVERSION_FILE, find_runnable, locate, not_runnable_here
 
 __all__ = ["RuntimeProfile", "profile_runtime", "profile_directory", "VisionProfile", "profile_vision_model",
-           "is_vision_folder", "build_candidates",
+           "is_vision_folder", "image_features", "time_vision_model", "build_candidates",
            "parse_prompt_lengths", "measure_read_bandwidth", "host_bandwidth", "last_level_cache_bytes",
            "DEFAULT_PROMPT_LENGTHS", "DEFAULT_CANDIDATES"]
 
@@ -368,6 +368,35 @@ def _profile_image(lm, size: tuple[int, int] | None):
     return image if tuple(image.size) == tuple(size) else image.resize(tuple(size))
 
 
+def image_features(model, inputs: dict):
+    """The vision encoder's (and projector's) output for a processed picture: one tensor, whatever the family."""
+    import torch
+    pixel = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask", "mm_token_type_ids")}
+    out = model.model.get_image_features(**pixel)
+    out = getattr(out, "pooler_output", out)
+    return torch.cat([t.reshape(-1, t.shape[-1]) for t in out]) if isinstance(out, (list, tuple)) else out
+
+
+def time_vision_model(model, inputs: dict, *, pad_token_id: int = 0, decode_steps: int = 16,
+                      repeats: int = 5) -> tuple[float, float, float]:
+    """(encoder ms per picture, first token ms with its tokens, decode tokens/s) of a VLM in torch, each the median
+    of ``repeats`` after a warm-up; decode is generating N+1 tokens minus generating 1."""
+    import torch
+    model.eval()
+    with torch.inference_mode():
+        encoder = _median_ms(lambda: image_features(model, inputs), repeats)
+        first = _median_ms(lambda: model(**inputs, use_cache=True), repeats)
+
+        def generate(n):
+            return model.generate(**inputs, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                  pad_token_id=pad_token_id)
+        one = _median_ms(lambda: generate(1), repeats)
+        many = _median_ms(lambda: generate(decode_steps + 1), repeats)
+    if many <= one:
+        raise WorkbenchError("profile: decode took no measurable time over the first token; raise the decode steps")
+    return encoder, first, decode_steps / ((many - one) / 1000)
+
+
 def profile_vision_model(path: str | Path, *, image_size: tuple[int, int] | None = None, decode_steps: int = 16,
                          repeats: int = 5, threads: int = 1, question: str = "What colour is the shape?"
                          ) -> VisionProfile:
@@ -388,18 +417,9 @@ def profile_vision_model(path: str | Path, *, image_size: tuple[int, int] | None
             raise WorkbenchError(f"'{path}' has no tokenizer, so no image prompt can be built: copy its tokenizer in")
         image = _profile_image(lm, image_size)
         inputs = lm.processor(image, question)
-        model = lm.model.eval()
-        pixel = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask", "mm_token_type_ids")}
-        n_image = int((inputs["input_ids"] == int(model.config.image_token_id)).sum())
-        with torch.inference_mode():
-            encoder = _median_ms(lambda: model.model.get_image_features(**pixel), repeats)
-            first = _median_ms(lambda: model(**inputs, use_cache=True), repeats)
-            gen = dict(do_sample=False, pad_token_id=lm.tokenizer.pad_token_id or 0)
-
-            def generate(n):
-                return model.generate(**inputs, max_new_tokens=n, min_new_tokens=n, **gen)
-            one = _median_ms(lambda: generate(1), repeats)
-            many = _median_ms(lambda: generate(decode_steps + 1), repeats)
+        n_image = int((inputs["input_ids"] == int(lm.model.config.image_token_id)).sum())
+        encoder, first, tps = time_vision_model(lm.model, inputs, pad_token_id=lm.tokenizer.pad_token_id or 0,
+                                                decode_steps=decode_steps, repeats=repeats)
     finally:
         torch.set_num_threads(previous)
     notes = ["torch on this CPU: ranks choices here, does not predict a device (`workbench project` does)"]
@@ -410,8 +430,6 @@ def profile_vision_model(path: str | Path, *, image_size: tuple[int, int] | None
         if resized != tuple(image.size):
             notes.append(f"the processor resizes the {image.size[0]}x{image.size[1]} picture to {resized[0]}x{resized[1]}"
                          f" (its pixel bounds and multiples of {patch * int(lm.processor.image_processor.merge_size)})")
-    if many <= one:
-        raise WorkbenchError("profile: decode took no measurable time over the first token; raise --decode-steps")
     size = sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
     return VisionProfile(Path(path).name, tuple(image.size), n_image, int(inputs["input_ids"].shape[1]), threads,
-                         repeats, encoder, first, decode_steps / ((many - one) / 1000), size, notes=notes)
+                         repeats, encoder, first, tps, size, notes=notes)
