@@ -49,6 +49,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                                     f"{HTP_WINDOWS}; the first also decoded)")
     ap.add_argument("--prompt", type=int, default=PROMPT, help=f"HTP decode after this many tokens (default {PROMPT})")
     ap.add_argument("--targets", default=",".join(TARGETS))
+    ap.add_argument("--pictures", type=int, help="a VLM: score only the first N held-out questions and captioned "
+                    "pictures (default: all)")
     ap.add_argument("--html", help="also write the chart (plotly) here")
     ap.add_argument("--work", help="folder for what the targets write (default: a temporary one)")
     add_backend_arguments(ap, "the targets")
@@ -107,7 +109,8 @@ def _vision(args, model: str, work: Path) -> int:
     t0 = time.perf_counter()
     try:
         plan = vl_plan(model, QuantPlan.load(args.plan) if args.plan else None, None if args.plan else args.bits)
-        rows = measure_vl_rows(model, plan=plan, targets=targets, work=work, log=lambda m: print(m, flush=True))
+        rows = measure_vl_rows(model, plan=plan, targets=targets, work=work, pictures=args.pictures,
+                               log=lambda m: print(m, flush=True))
     except WorkbenchError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

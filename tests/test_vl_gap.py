@@ -62,12 +62,13 @@ def test_bench_prints_the_simulation_vl_row_and_the_report_shows_it(tmp_path, ca
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     work = tmp_path / "run" / "gap"
-    assert bench.main(["--model", "demo-vl", "--bits", "4", "--targets", "simulation,htp", "--work", str(work)]) == 0
+    assert bench.main(["--model", "demo-vl", "--bits", "4", "--targets", "simulation,htp", "--pictures", "8",
+                       "--work", str(work)]) == 0
     out = capsys.readouterr().out
     assert "embedding cosine" in out and "no vision form of htp" in out
     gap = read_devices_gap(work)
     sim = gap.vl_rows[0]
-    assert sim["target"] == "simulation" and not sim["absent"]
+    assert sim["target"] == "simulation" and not sim["absent"] and sim["note"].startswith("8 questions")
     assert 0.99 < sim["embedding_cosine"] <= 1.0 and 0 < sim["embedding_rel_error"] < 0.1
     assert 0 <= sim["answer_kl"] < 0.05 and sim["answer_top1"] > 0.9 and 0.25 < sim["itm_accuracy"] <= 1
     assert sim["encoder_ms"] > 0 and sim["decode_tps"] > 0 and sim["peak_bytes"] > 0

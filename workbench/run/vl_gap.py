@@ -79,18 +79,22 @@ def embedding_error(candidate, reference) -> tuple[float, float]:
     return cos, (torch.linalg.vector_norm(c - r) / torch.linalg.vector_norm(r).clamp_min(1e-12)).item()
 
 
-def simulation_vl_measure(model: str, plan_doc: dict, work: str, *, max_questions: int | None = None,
+def simulation_vl_measure(model: str, plan_doc: dict, work: str, *, pictures: int | None = None,
                           decode_steps: int = 16, repeats: int = 3) -> dict:
-    """The PyTorch simulation of the plan against the float VLM on the held-out pictures (run in a child)."""
+    """The PyTorch simulation of the plan against the float VLM on the held-out pictures (run in a child);
+    ``pictures``: only the first N questions and N captioned pictures (a large shape on a small machine)."""
     import torch
     from ..model.load import load_model
-    from ..model.vision_quality import measure_vision_quality, vision_eval_set
+    from ..model.vision_quality import VisionEvalSet, measure_vision_quality, vision_eval_set
     from ..quantize import quantize_model
     from ..evaluation.images import read_image
     from .profile import image_features, time_vision_model
     lm = load_model(model, dtype="float32")
     plan = QuantPlan.from_dict(plan_doc)
-    images = vision_eval_set(max_questions=max_questions)
+    images = vision_eval_set()
+    if pictures is not None:
+        images = VisionEvalSet(images.questions[:pictures], images.captions[:pictures],
+                               f"{images.source} (first {pictures} questions and captions)")
     cand = quantize_model(lm, plan, progress=False).build_model().eval()
     cos, rel = [], []
     with torch.inference_mode():
@@ -131,9 +135,13 @@ def vl_plan(model: str, plan: QuantPlan | None, bits: int | None) -> QuantPlan:
 
 
 def measure_vl_rows(model: str | Path, *, plan: QuantPlan | None = None, bits: int | None = None,
-                    targets: Sequence[str] = VL_TARGETS, work: str | Path,
+                    targets: Sequence[str] = VL_TARGETS, work: str | Path, pictures: int | None = None,
                     log: Callable[[str], None] | None = None) -> list[dict]:
-    """One VL row per target in ``targets`` (each measured in a child process), in ``VL_TARGETS`` order."""
+    """One VL row per target in ``targets`` (each measured in a child process), in ``VL_TARGETS`` order;
+    ``pictures`` limits the held-out questions and captioned pictures (the simulation's; a registered target gets
+    it as ``pictures=`` when its function takes it)."""
+    import functools
+    import inspect
     from .devices_gap import in_child
     say = log or (lambda m: None)
     unknown = [t for t in targets if t not in VL_TARGETS and t not in _REGISTRY]
@@ -148,7 +156,10 @@ def measure_vl_rows(model: str | Path, *, plan: QuantPlan | None = None, bits: i
             continue
         say(f"{t} (vision): running ...")
         try:
-            m, s, peak = in_child(entry.measure, str(model), plan_doc, str(Path(work) / f"vl-{t}"))
+            fn = entry.measure
+            if pictures is not None and "pictures" in inspect.signature(fn).parameters:
+                fn = functools.partial(fn, pictures=pictures)
+            m, s, peak = in_child(fn, str(model), plan_doc, str(Path(work) / f"vl-{t}"))
             rows.append(vl_row(t, entry.runtime, m, seconds=s, peak=peak))
         except Exception as e:  # a failing target is a row saying how; the others keep theirs
             msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
