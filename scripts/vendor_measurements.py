@@ -18,6 +18,10 @@ Three sources, read as published, nothing typed in by hand:
   INT4 by jetson-containers' ``packages/llm/mlc/benchmark.sh`` (q4f16_ft, a 16-token prompt, 128 new tokens).
   Its "SmolLM2" row names no size (that script runs three), so it is left out.
 
+The vision-language models' rows (``vl_measurements``, kept apart so the text fits stay as they were) are the
+same AI Hub figures for Qwen2.5-VL-7B and Qwen3-VL-2B/4B: their language part only; AI Hub publishes no separate
+vision-encoder latency. ``--vl-only`` rewrites just those rows from the same wheel.
+
 Each row keeps its source (package, version and file, or repository, commit and path), the vendor's own model
 and device names, the workbench shape (``assets/model_shapes.json``) and device profile (``assets/devices``) it
 is projected with, or null where the workbench has no profile for that device.
@@ -60,6 +64,11 @@ QAI_MODELS = {
     "llama_v3_1_sea_lion_3_5_8b_r": "llama-3.1-8b", "llama_v3_elyza_jp_8b": "llama-3.1-8b",
     "llama_v3_taide_8b_chat": "llama-3.1-8b",
 }
+# AI Hub's vision-language models -> the workbench vision shape (assets/model_shapes.json "vision_shapes") or, where
+# it has none, the shape of the same language model. Their perf.yaml gives the language part's figures only (decode,
+# prefill tokens/s, the time-to-first-token range of text prompts): no image's encoder latency is published
+QAI_VL_MODELS = {"qwen2_5_vl_7b_instruct": "qwen2.5-7b", "qwen3_vl_2b_instruct": "qwen3-vl-2b",
+                 "qwen3_vl_4b_instruct": "qwen3-vl-4b"}
 RKNN_MODELS = {("Qwen2", "0.5B"): "qwen2-0.5b", ("Qwen3", "0.6B"): "qwen3-0.6b",
                ("TinyLLAMA", "1.1B"): "tinyllama-1.1b", ("Qwen2.5", "1.5B"): "qwen2.5-1.5b"}
 JETSON_MODELS = {"Llama 3.1 8B": "llama-3.1-8b", "Llama 3.2 3B": "llama-3.2-3b", "Qwen2.5 7B": "qwen2.5-7b"}
@@ -77,8 +86,8 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def qai_rows(wheel: Path) -> tuple[dict, list[dict]]:
-    """AI Hub's LLM measurements of the models above, one row per (model, precision, device, runtime, unit, ctx)."""
+def qai_rows(wheel: Path, models: dict[str, str] = QAI_MODELS) -> tuple[dict, list[dict]]:
+    """AI Hub's LLM measurements of ``models``, one row per (model, precision, device, runtime, unit, ctx)."""
     z = zipfile.ZipFile(wheel)
     chips = yaml.safe_load(z.read("qai_hub_models/devices_and_chipsets.yaml"))["devices"]
     version = wheel.name.split("-")[1]  # the release the wheel is (earlier ones: scripts/vendor_history.py)
@@ -87,7 +96,7 @@ def qai_rows(wheel: Path) -> tuple[dict, list[dict]]:
               "qai_hub_models/devices_and_chipsets.yaml", "publisher": "Qualcomm AI Hub"}
     rows = []
     names = set(z.namelist())
-    for model, shape in QAI_MODELS.items():
+    for model, shape in models.items():
         path = f"qai_hub_models/models/{model}/perf.yaml"
         if path not in names:
             continue  # an earlier release (scripts/vendor_history.py reads those too) may not have the model yet
@@ -217,16 +226,35 @@ def _download_wheel(where: Path) -> Path:
     return next(where.glob("qai_hub_models-*.whl"))
 
 
+def _write(doc: dict, out: Path) -> None:
+    tmp_out = out.with_suffix(".tmp")
+    tmp_out.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+    tmp_out.replace(out)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--qai-wheel", type=Path, help=f"qai-hub-models {QAI_VERSION} wheel (default: pip download it)")
-    ap.add_argument("--rknn-llm", type=Path, required=True, help=f"a clone or bare mirror of {RKNN_LLM_REPO}")
-    ap.add_argument("--jetson-ai-lab", type=Path, required=True, help=f"a clone or bare mirror of {JETSON_REPO}")
+    ap.add_argument("--vl-only", action="store_true", help="rewrite only the vision-language rows (vl_measurements) "
+                    "of the existing file from the wheel")
+    ap.add_argument("--rknn-llm", type=Path, help=f"a clone or bare mirror of {RKNN_LLM_REPO}")
+    ap.add_argument("--jetson-ai-lab", type=Path, help=f"a clone or bare mirror of {JETSON_REPO}")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args(argv)
+    if not args.vl_only and (args.rknn_llm is None or args.jetson_ai_lab is None):
+        ap.error("--rknn-llm and --jetson-ai-lab are required (or --vl-only)")
     with tempfile.TemporaryDirectory() as tmp:
         wheel = args.qai_wheel or _download_wheel(Path(tmp))
         qai_source, qai = qai_rows(wheel)
+        _, vl = qai_rows(wheel, QAI_VL_MODELS)
+    if args.vl_only:
+        doc = json.loads(args.out.read_text(encoding="utf-8"))
+        if doc["sources"]["qai-hub-models"]["sha256"] != qai_source["sha256"]:
+            raise SystemExit(f"{wheel.name} is not the wheel {args.out.name} was read from: regenerate it whole")
+        doc["vl_measurements"] = vl
+        _write(doc, args.out)
+        print(f"{len(vl)} AI Hub vision-language measurements -> {args.out}")
+        return 0
     rk_source, rk = rknn_rows(args.rknn_llm)
     nv_source, nv = jetson_rows(args.jetson_ai_lab)
     doc = {"about": "Device LLM speed and memory measured and published by the vendors, regenerated by "
@@ -234,10 +262,8 @@ def main(argv=None) -> int:
                     "(AI Hub: the low end of its time-to-first-token range; Rockchip: its TTFT); peak_mb is "
                     "Rockchip's 'memory(MB)'; `device` is the workbench profile a row is projected with.",
            "sources": {"qai-hub-models": qai_source, RKNN_LLM_REPO: rk_source, JETSON_REPO: nv_source},
-           "measurements": qai + rk + nv}
-    tmp_out = args.out.with_suffix(".tmp")
-    tmp_out.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
-    tmp_out.replace(args.out)
+           "measurements": qai + rk + nv, "vl_measurements": vl}
+    _write(doc, args.out)
     print(f"{len(qai)} AI Hub, {len(rk)} RKLLM and {len(nv)} Jetson AI Lab measurements -> {args.out}")
     return 0
 

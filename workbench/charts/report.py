@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from ..run.devices_gap import GAP_FILE, GAP_RULE, table_cells, TABLE_HEADER
+from ..run.vl_gap import VL_TABLE_HEADER, vl_table_cells
 from ..errors import WorkbenchError
 from ..model.load import is_quantized_dir
 from ..files.workspace import atomic_write_text, file_sha256, library_versions, Workspace
@@ -620,8 +621,13 @@ def _devices_gaps_html(gaps: Sequence[Mapping]) -> str:
             if r.get("gap"):
                 cells[-1] = f"<span class='gap'>GAP</span> {cells[-1]}"
             body.append("<tr class='gap-row'>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
-        parts.append(f"<table class='devices-gap'><tr>{head}</tr>{''.join(body)}</table>"
-                     f"<p class='gap-rule'>{_e(GAP_RULE)}</p>" + _words_html())
+        if g["rows"]:
+            parts.append(f"<table class='devices-gap'><tr>{head}</tr>{''.join(body)}</table>"
+                         f"<p class='gap-rule'>{_e(GAP_RULE)}</p>" + _words_html())
+        if g.get("vl_rows"):  # a VLM: each target's vision path against the float model
+            parts.append("<p>vision-language rows: image-embedding error, answer-token KL / top-1 and image-text "
+                         "matching against the float model on the held-out pictures</p>"
+                         + html_table(VL_TABLE_HEADER, [vl_table_cells(r) for r in g["vl_rows"]], "devices-gap-vl"))
     return "".join(parts)
 
 

@@ -5,13 +5,18 @@
 
 Each decode speed is also shown as a fraction of this host's bound: its read bandwidth (measured once, one
 thread, cached in the workspace) over the bytes of the decode graph, the same reading as a device
-projection's efficiency (`workbench project`).
+projection's efficiency (`workbench project`). A vision-language model folder (float, or `workbench quantize`'s
+output) is run by torch: its vision encoder per image, the first token with the image's tokens, decode tokens/s.
+
+    workbench profile assets/demo-vl-model --image 56x56
 """
 from __future__ import annotations
 
-from ..run.profile import (DEFAULT_PROMPT_LENGTHS, host_bandwidth, last_level_cache_bytes, parse_prompt_lengths,
-                       profile_directory)
+from ..run.profile import (DEFAULT_PROMPT_LENGTHS, host_bandwidth, is_vision_folder, last_level_cache_bytes,
+                           parse_prompt_lengths, profile_directory, profile_vision_model)
+from ..devices.vision_projection import parse_image_size
 from ..units import format_bytes
+from ..errors import WorkbenchError
 from .common import count, thread_count, add_json_flag, print_json
 from ..files.workspace import Workspace
 
@@ -31,10 +36,34 @@ def add_arguments(p):
                    "$WORKBENCH_WORKSPACE)")
     p.add_argument("--measure-bandwidth", action="store_true", help="measure this host's read bandwidth again "
                    "instead of using the cached figure")
+    p.add_argument("--image", help="a vision-language model's picture size WIDTHxHEIGHT (default: the size its family "
+                   "is exported at; the processor's own where it fixes the pixel count)")
     add_json_flag(p)
 
 
+def _run_vision(args) -> int:
+    vp = profile_vision_model(args.directory, image_size=parse_image_size(args.image) if args.image else None,
+                              decode_steps=args.decode_steps, repeats=args.repeats, threads=args.threads)
+    if args.json:
+        print_json({"vision_profile": vp.to_dict()})
+        return 0
+    print(f"{vp.name} ({vp.runtime}, {format_bytes(vp.size_bytes)})")
+    print(f"  image            {vp.image[0]}x{vp.image[1]}: {vp.image_tokens} image tokens in a {vp.prompt_tokens}-token prompt")
+    print(f"  vision encoder   {vp.encoder_ms:.1f} ms per image")
+    print(f"  first token      {vp.first_token_ms:.1f} ms (encoder + prefill of prompt and image tokens "
+          f"{vp.prefill_ms:.1f} ms)")
+    print(f"  decode           {vp.decode_tokens_per_second:.0f} tok/s")
+    print(f"\nmedian of {args.repeats} runs after a warm-up, {args.threads} thread(s), on this machine's CPU")
+    for n in vp.notes:
+        print(f"  note: {n}")
+    return 0
+
+
 def run(args) -> int:
+    if is_vision_folder(args.directory):
+        return _run_vision(args)
+    if args.image:
+        raise WorkbenchError(f"--image: '{args.directory}' is not a vision-language model folder")
     profiles = profile_directory(args.directory, prompt_lengths=parse_prompt_lengths(args.prompt_lengths),
                                  decode_steps=args.decode_steps, repeats=args.repeats, threads=args.threads,
                                  vocab_size=args.vocab_size)

@@ -4,6 +4,7 @@
     workbench project ./Qwen2.5-7B/config.json --device rk3588 --plan plan.json --context 2048 --json
     workbench project qwen3-1.7b --device rk3588 --bits 8 --claim-decode 22 --claim-peak-gb 1.8
     workbench project qwen3-4b --device 8elite --runtime genie --context 4096
+    workbench project qwen2.5-vl-3b --device 8elite --runtime genie --image 512x512
 
 MODEL_OR_CONFIG is a model directory, a config.json, 'demo', or a shape in assets/model_shapes.json; only
 shapes are read (no weights), so a 7B projects in seconds. A `workbench quantize` directory uses its own plan.
@@ -11,6 +12,8 @@ Decode tokens/s is bounded by bandwidth / bytes read per token. With the device'
 default its class's own: Genie on a Snapdragon, RKLLM on a Rockchip board) speed, first-token time and memory are
 fitted to the vendor's own measurements of that device and runtime, printed with the error the fit had on models
 it had not seen and the nearest measurement; --runtime none gives the bound times the practitioners' efficiency.
+A vision-language model (a VL folder or config, or a name in the shapes' "vision_shapes") adds one image's tokens to
+the prompt and its vision encoder's time to the first token (--image WxH; default the size Qualcomm's export fixes).
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from ..units import format_bytes
 from .common import count, number, add_json_flag, add_model_argument, print_json
 from ..devices.profiles import get_device
 from ..devices.projection import AUTO, check_claim, project
+from ..devices.vision_projection import parse_image_size, project_vision, vision_model
 
 HELP = "project memory, decode tokens/s and prefill time of a model and plan on a device"
 BITS = {16: "fp16", 8: "int8", 4: "int4"}
@@ -42,6 +46,10 @@ def add_arguments(p):
     p.add_argument("--ram-gb", type=number(0, low_open=True), help="RAM of your phone or board in GB, where the device profile (a "
                    "SoC's) does not know it or differs")
     p.add_argument("--prompt", type=count(1), default=128, help="prompt tokens for the prefill bound (default 128)")
+    p.add_argument("--image", help="a vision-language model's image size WIDTHxHEIGHT (default: the size Qualcomm's "
+                   "export fixes: 504x336 for Qwen2.5-VL, 512x512 for Qwen3-VL)")
+    p.add_argument("--encoder-precision", choices=("int8", "fp16"), default="int8", help="the vision encoder's "
+                   "weights (default int8: the w8a16 preset)")
     p.add_argument("--claim-decode", type=number(0, low_open=True), help="a published decode tokens/s to hold against the bound")
     p.add_argument("--claim-peak-gb", type=number(0, low_open=True), help="a published peak memory (GB) to hold against the weights")
     p.add_argument("--claim-ttft-ms", type=number(0, low_open=True), help="a published time to first token (ms)")
@@ -70,6 +78,8 @@ def run(args) -> int:
     dev = get_device(args.device)
     runtime = None if args.runtime == "none" else (args.runtime or AUTO)
     rt = runtime_for_device(dev, None if runtime == AUTO else runtime) if runtime else None
+    if args.image or vision_model(args.model) is not None:
+        return _run_vision(args, dev, runtime, rt)
     p = project(args.model, dev, plan_for(args, rt), context=args.context, prompt=args.prompt,
                 ram_gb=args.ram_gb, runtime=runtime)
     claims = check_claim(p, decode_tps=args.claim_decode, peak_gb=args.claim_peak_gb, ttft_ms=args.claim_ttft_ms)
@@ -87,6 +97,47 @@ def run(args) -> int:
 def _tps(x: float) -> str:
     """Tokens/s to one decimal, or two significant digits below 0.1 (a huge context's bound is not 0.0)."""
     return f"{x:.1f}" if x >= 0.1 else f"{x:.2g}"
+
+
+def _run_vision(args, dev, runtime, rt) -> int:
+    vp = project_vision(args.model, dev, plan_for(args, rt), image=parse_image_size(args.image) if args.image else None,
+                        context=args.context, prompt=args.prompt, runtime=runtime, ram_gb=args.ram_gb,
+                        encoder_precision=args.encoder_precision)
+    if args.json:
+        print_json(vp.to_dict())
+        return 0
+    for line in format_projection(vp.text) + format_vision(vp):
+        print(line)
+    return 0
+
+
+def _ms(x) -> str:
+    return "unknown" if x is None else f"{x:,.1f} ms"
+
+
+def format_vision(vp) -> list[str]:
+    """The image's lines under the language part's table: tokens, encoder, first token and its share."""
+    c = vp.vendor_check
+    lines = [f"  image              {vp.image[0]}x{vp.image[1]} -> {vp.resized[0]}x{vp.resized[1]}: {vp.patches:,} "
+             f"patches, {vp.image_tokens:,} image tokens (in the prompt above)",
+             f"  vision encoder     {vp.encoder_parameters / 1e6:,.0f} M parameters at {vp.encoder_precision}, "
+             f"{vp.encoder_flops / 1e9:,.0f} GFLOP per image: {_ms(vp.encoder_ms)}",
+             f"  encoder basis      {vp.basis}",
+             f"  image tokens       {_ms(vp.image_prefill_ms)} of the language part's prefill",
+             f"  first token        {_ms(vp.first_token_ms)} with the image = encoder {_ms(vp.encoder_ms)} + "
+             f"language part {_ms(vp.text_first_token_ms)}",
+             "  encoder's share    " + ("unknown" if vp.encoder_share is None else
+                                        f"{vp.encoder_share:.0%} of the first token")]
+    if c is None or not c.n:
+        lines.append("  vendor VLM check   no vendor VLM measurement of this device and runtime")
+    else:
+        errs = ", ".join(x for x in (f"first token within {c.ttft_error:.0%}" if c.ttft_error is not None else "",
+                                     f"decode within {c.decode_error:.0%}" if c.decode_error is not None else "") if x)
+        lines.append(f"  vendor VLM check   {errs} (median) on {c.n} vendor VLM measurement(s) held out of the fit "
+                     f"({', '.join(c.models)}, language part, text prompt; {c.source})")
+    lines.append("  note: no vendor publishes a vision encoder's latency: the encoder's time is projected, not fitted to "
+                 "a measured encoder")
+    return lines + [f"  note: {n}" for n in vp.notes]
 
 
 def _yes(x):

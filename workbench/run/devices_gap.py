@@ -416,6 +416,7 @@ class DevicesGap:
     windows: int  # the HTP's 128-token windows
     rows: list[dict] = field(default_factory=list)
     work_dir: str = ""
+    vl_rows: list[dict] = field(default_factory=list)  # a VLM's vision path per target (``workbench.run.vl_gap``)
     created: str = ""
     seconds: float = 0.0
     complete: bool = False  # every asked target has its row

@@ -27,7 +27,8 @@ from ..numerics.memory import reset_peak_rss, rss_mb, settled_rss_mb
 from ..targets.convert import convert, CONVERT_TARGETS, prepare_models
 from .locate import CONVERSION_FILE, find_runnable, locate, not_runnable_here
 
-__all__ = ["RuntimeProfile", "profile_runtime", "profile_directory", "build_candidates",
+__all__ = ["RuntimeProfile", "profile_runtime", "profile_directory", "VisionProfile", "profile_vision_model",
+           "is_vision_folder", "image_features", "time_vision_model", "build_candidates",
            "parse_prompt_lengths", "measure_read_bandwidth", "host_bandwidth", "last_level_cache_bytes",
            "DEFAULT_PROMPT_LENGTHS", "DEFAULT_CANDIDATES"]
 
@@ -320,3 +321,128 @@ def host_bandwidth(workspace=None, *, force: bool = False) -> dict:
         return {"read_gbps": measure_read_bandwidth(), "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     art = ws.get_or_compute(BANDWIDTH_STEP, inputs, compute, force=force)
     return {**inputs, **art.manifest["result"], "artifact": str(art.path)}
+
+
+# -- a vision-language model's folder, run by torch ----------------------------------------------------------------
+@dataclass
+class VisionProfile:
+    """One picture through a VLM here: the vision encoder per image, the first token with the image's tokens
+    (the encoder plus the prefill of prompt + image tokens), decode tokens/s after it."""
+
+    name: str
+    image: tuple[int, int]  # the picture as given to the processor (width, height)
+    image_tokens: int
+    prompt_tokens: int  # the whole prompt, image tokens included
+    threads: int
+    repeats: int
+    encoder_ms: float
+    first_token_ms: float
+    decode_tokens_per_second: float
+    size_bytes: int
+    runtime: str = "torch (CPU)"
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def prefill_ms(self) -> float:
+        """The language part's share of the first token: prompt + image tokens, after the encoder."""
+        return max(0.0, self.first_token_ms - self.encoder_ms)
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "prefill_ms": self.prefill_ms}
+
+    def summary(self) -> str:
+        return (f"{self.name} ({self.runtime}): image {self.image[0]}x{self.image[1]} -> {self.image_tokens} tokens; "
+                f"encoder {self.encoder_ms:.1f} ms; first token {self.first_token_ms:.1f} ms for {self.prompt_tokens} "
+                f"tokens; decode {self.decode_tokens_per_second:.0f} tok/s")
+
+
+def is_vision_folder(path: str | Path) -> bool:
+    """A model folder (float or `workbench quantize` output) whose config describes a vision-language model."""
+    import json
+    from ..model.vision import is_vision_config
+    cfg = Path(path) / "config.json"
+    try:
+        return cfg.is_file() and is_vision_config(json.loads(cfg.read_text(encoding="utf-8")))
+    except (OSError, ValueError):
+        return False
+
+
+def _profile_image(lm, size: tuple[int, int] | None):
+    """The first held-out demo picture at ``size`` (default: the size the model's family is exported at, or the
+    picture's own where the processor fixes the pixel count)."""
+    from ..assets import DEMO_VL_DATA_DIR
+    from ..devices.vision_projection import DEFAULT_IMAGE
+    from ..evaluation.images import read_image
+    image = read_image(sorted((DEMO_VL_DATA_DIR / "images").glob("*.png"))[0])
+    proc = lm.processor.image_processor
+    bounds = getattr(proc, "size", None) or {}
+    fixed = bounds.get("shortest_edge") is not None and bounds.get("shortest_edge") == bounds.get("longest_edge")
+    size = size or (image.size if fixed else DEFAULT_IMAGE.get(lm.model.config.model_type, image.size))
+    return image if tuple(image.size) == tuple(size) else image.resize(tuple(size))
+
+
+def image_features(model, inputs: dict):
+    """The vision encoder's (and projector's) output for a processed picture: one tensor, whatever the family."""
+    import torch
+    pixel = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask", "mm_token_type_ids")}
+    out = model.model.get_image_features(**pixel)
+    out = getattr(out, "pooler_output", out)
+    return torch.cat([t.reshape(-1, t.shape[-1]) for t in out]) if isinstance(out, (list, tuple)) else out
+
+
+def time_vision_model(model, inputs: dict, *, pad_token_id: int = 0, decode_steps: int = 16,
+                      repeats: int = 5) -> tuple[float, float, float]:
+    """(encoder ms per picture, first token ms with its tokens, decode tokens/s) of a VLM in torch, each the median
+    of ``repeats`` after a warm-up; decode is generating N+1 tokens minus generating 1."""
+    import torch
+    model.eval()
+    with torch.inference_mode():
+        encoder = _median_ms(lambda: image_features(model, inputs), repeats)
+        first = _median_ms(lambda: model(**inputs, use_cache=True), repeats)
+
+        def generate(n):
+            return model.generate(**inputs, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                  pad_token_id=pad_token_id)
+        one = _median_ms(lambda: generate(1), repeats)
+        many = _median_ms(lambda: generate(decode_steps + 1), repeats)
+    if many <= one:
+        raise WorkbenchError("profile: decode took no measurable time over the first token; raise the decode steps")
+    return encoder, first, decode_steps / ((many - one) / 1000)
+
+
+def profile_vision_model(path: str | Path, *, image_size: tuple[int, int] | None = None, decode_steps: int = 16,
+                         repeats: int = 5, threads: int = 1, question: str = "What colour is the shape?"
+                         ) -> VisionProfile:
+    """Time a VLM folder's vision encoder on one picture, the first token with its tokens, and decode, with torch
+    on this CPU, each the median of ``repeats`` after a warm-up. A folder whose weights miss the vision part is
+    refused by the loader in one line."""
+    import torch
+    from ..model.load import load_model
+    if repeats < 1 or decode_steps < 1:
+        raise WorkbenchError("profile: repeats and decode steps must be at least 1")
+    if not is_vision_folder(path):
+        raise WorkbenchError(f"'{path}' is not a vision-language model folder (its config.json has no vision_config)")
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        lm = load_model(str(path), dtype="float32")
+        if lm.processor is None:
+            raise WorkbenchError(f"'{path}' has no tokenizer, so no image prompt can be built: copy its tokenizer in")
+        image = _profile_image(lm, image_size)
+        inputs = lm.processor(image, question)
+        n_image = int((inputs["input_ids"] == int(lm.model.config.image_token_id)).sum())
+        encoder, first, tps = time_vision_model(lm.model, inputs, pad_token_id=lm.tokenizer.pad_token_id or 0,
+                                                decode_steps=decode_steps, repeats=repeats)
+    finally:
+        torch.set_num_threads(previous)
+    notes = ["torch on this CPU: ranks choices here, does not predict a device (`workbench project` does)"]
+    grid = inputs.get("image_grid_thw")
+    if grid is not None:
+        patch = int(lm.processor.image_processor.patch_size)
+        resized = (int(grid[0, 2]) * patch, int(grid[0, 1]) * patch)
+        if resized != tuple(image.size):
+            notes.append(f"the processor resizes the {image.size[0]}x{image.size[1]} picture to {resized[0]}x{resized[1]}"
+                         f" (its pixel bounds and multiples of {patch * int(lm.processor.image_processor.merge_size)})")
+    size = sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
+    return VisionProfile(Path(path).name, tuple(image.size), n_image, int(inputs["input_ids"].shape[1]), threads,
+                         repeats, encoder, first, tps, size, notes=notes)
