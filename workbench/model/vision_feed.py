@@ -3,7 +3,7 @@ workbench's, and fed to a language model in place of its own vision part, so the
 target's encoder does to the whole model.
 
     want = image_features(lm.model, inputs)                  # [image tokens, LM hidden], the model's own
-    embedding_error(got, want)                               # cosine (mean over tokens) and relative error
+    embedding_error(got, want)           # cosine (mean over tokens), relative error; or lists of pictures'
     score = fed_answer_scorer(sim_model, lm.processor, {path: got})   # a scorer for evaluation.vision.answer_kl
 """
 from __future__ import annotations
@@ -37,17 +37,30 @@ def image_features(model, inputs: dict) -> np.ndarray:
     return feats.float().cpu().numpy()
 
 
-def embedding_error(got: np.ndarray, want: np.ndarray) -> dict:
-    """``cosine``: the mean over image tokens of each token's cosine similarity; ``relative_error``:
-    ||got - want|| / ||want|| over all of them; ``max_abs_diff``."""
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    if got.shape != want.shape:
-        raise PlanError(f"the target's image embeddings are {got.shape}, the model's {want.shape}: the picture was "
-                        "cut into a different number of tokens (image size bounds differ)")
-    cos = (got * want).sum(-1) / np.maximum(np.linalg.norm(got, axis=-1) * np.linalg.norm(want, axis=-1), 1e-30)
-    return {"cosine": float(cos.mean()), "min_cosine": float(cos.min()),
-            "relative_error": float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)),
-            "max_abs_diff": float(np.abs(got - want).max())}
+def embedding_error(got, want) -> dict:
+    """How far a target's image embeddings ``got`` are from ``want``: one picture's ``[tokens, hidden]`` or a
+    sequence of pictures' (paired in order). ``cosine`` / ``cosine_min``: the mean and lowest over image tokens of
+    each token's cosine similarity; ``relative_error``: ||got - want|| / ||want|| over all tokens of all pictures,
+    ``relative_error_max``: the worst picture's; ``max_abs_diff``; ``tokens``, ``pictures``. Every target's
+    encoder (llama.cpp's clip, the HTP's graph, ``visual.mnn``) is scored by this one measure."""
+    many = isinstance(want, (list, tuple))
+    if many and (not want or len(got) != len(want)):
+        raise PlanError(f"{len(got)} pictures' image embeddings against {len(want)}: give one per picture, paired")
+    pairs = list(zip(got, want)) if many else [(got, want)]
+    cos, rel, diff, norm, worst = [], [], 0.0, 0.0, 0.0
+    for g, w in pairs:
+        g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
+        if g.shape != w.shape:
+            raise PlanError(f"the target's image embeddings are {g.shape}, the model's {w.shape}: the picture was "
+                            "cut into a different number of tokens (image size bounds differ)")
+        cos.append((g * w).sum(-1) / np.maximum(np.linalg.norm(g, axis=-1) * np.linalg.norm(w, axis=-1), 1e-30))
+        d2, n2 = float(((g - w) ** 2).sum()), float((w ** 2).sum())
+        rel.append(np.sqrt(d2 / max(n2, 1e-30)))
+        diff, norm, worst = diff + d2, norm + n2, max(worst, float(np.abs(g - w).max()))
+    cos = np.concatenate([c.reshape(-1) for c in cos])
+    return {"cosine": float(cos.mean()), "cosine_min": float(cos.min()),
+            "relative_error": float(np.sqrt(diff / max(norm, 1e-30))), "relative_error_max": float(max(rel)),
+            "max_abs_diff": worst, "tokens": int(cos.size), "pictures": len(pairs)}
 
 
 def fed_answer_scorer(model, inputs, embeddings: dict[str, np.ndarray]):
