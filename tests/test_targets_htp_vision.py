@@ -17,8 +17,9 @@ from workbench.model.vision_quality import VisionEvalSet, vision_eval_set
 from workbench.onnx.vision_export import export_vision_encoder
 from workbench.targets.convert import prepare_models
 from workbench.targets.htp import INSTALL, htp_soc, qnn_available
-from workbench.targets.htp_vision import (_Encoder, calibration_feeds, injected_encoder,
-                                          measure_vision_encoder, vision_qdq, vision_quantized)
+from workbench.model.vision_feed import injected_encoder
+from workbench.targets.htp_vision import (_Encoder, calibration_feeds, measure_vision_encoder, vision_qdq,
+                                          vision_quantized)
 
 needs_qnn = pytest.mark.skipif(not qnn_available(), reason=f"onnxruntime-qnn is not installed: {INSTALL}")
 

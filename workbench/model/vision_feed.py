@@ -5,11 +5,13 @@ target's encoder does to the whole model.
     want = image_features(lm.model, inputs)                  # [image tokens, LM hidden], the model's own
     embedding_error(got, want)           # cosine (mean over tokens), relative error; or lists of pictures'
     score = fed_answer_scorer(sim_model, lm.processor, {path: got})   # a scorer for evaluation.vision.answer_kl
+    with injected_encoder(model, lambda pixels, grid: got): ...      # the encoder replaced for any call
 """
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
-from types import SimpleNamespace
+from typing import Callable
 
 import numpy as np
 import torch
@@ -17,7 +19,7 @@ import torch
 from ..errors import PlanError
 from .vision import answer_scorer
 
-__all__ = ["image_features", "embedding_error", "fed_answer_scorer"]
+__all__ = ["image_features", "embedding_error", "injected_encoder", "fed_answer_scorer"]
 
 
 def _base(model):
@@ -63,21 +65,36 @@ def embedding_error(got, want) -> dict:
             "max_abs_diff": worst, "tokens": int(cos.size), "pictures": len(pairs)}
 
 
+@contextlib.contextmanager
+def injected_encoder(model, encode: Callable[[np.ndarray, tuple], np.ndarray]):
+    """While inside, ``model``'s vision encoder is ``encode(pixel_values, grid_thw)`` (another runtime's
+    embeddings, injected where the image tokens are); its own forward is back afterwards."""
+    from transformers.modeling_outputs import BaseModelOutputWithPooling
+    visual = _base(model).visual
+
+    def forward(pixel_values, grid_thw=None, **_kwargs):
+        grid = tuple(int(v) for v in grid_thw[0])
+        emb = encode(pixel_values.detach().float().cpu().numpy(), grid)
+        return BaseModelOutputWithPooling(last_hidden_state=None,
+                                          pooler_output=torch.from_numpy(np.asarray(emb, np.float32)).to(visual.dtype))
+    visual.forward = forward
+    try:
+        yield model
+    finally:
+        del visual.forward
+
+
 def fed_answer_scorer(model, inputs, embeddings: dict[str, np.ndarray]):
     """An ``answer_scorer`` of ``model`` whose image features are ``embeddings[str(sample.image)]`` instead of its
-    own vision part's output (the language model sees the target's embeddings; everything else is unchanged)."""
+    own vision part's output (the language model sees the target's embeddings, ``injected_encoder``; everything
+    else is unchanged)."""
     score = answer_scorer(model, inputs)
-    base = _base(model)
+    _base(model)  # a text model is refused here, not at its first question
 
     def run(sample):
         key = str(sample.image)
         if key not in embeddings:
             raise PlanError(f"no target image embeddings for '{Path(key).name}'")
-        emb = torch.as_tensor(embeddings[key])
-        base.get_image_features = lambda *a, **k: SimpleNamespace(pooler_output=(emb,))
-        try:
+        with injected_encoder(model, lambda _pixels, _grid: embeddings[key]):
             return score(sample)
-        finally:
-            del base.get_image_features
     return run
-

@@ -23,7 +23,6 @@ size. Measured on the held-out pictures:
 """
 from __future__ import annotations
 
-import contextlib
 import statistics
 import time
 from dataclasses import replace
@@ -35,7 +34,7 @@ import numpy as np
 from ..assets import DEMO_VL_DATA_DIR
 from ..errors import DataError
 from ..evaluation.images import read_image, read_image_set
-from ..model.vision_feed import embedding_error
+from ..model.vision_feed import embedding_error, injected_encoder
 from ..model.vision_quality import VisionEvalSet, measure_vision_baseline, measure_vision_quality, vision_eval_set
 from ..onnx.vision_export import VisionExport, encoder_feed, vision_embeddings
 from ..quantize.model import QuantizedModel
@@ -44,7 +43,7 @@ from .htp import HtpSoc, htp_session_options, write_context_binaries
 from .ort_qdq import lean_session, ort_overrides, quantize_qdq
 
 __all__ = ["CALIBRATION_PICTURES", "CALIBRATION_SET", "VISION_GAP_ERROR", "vision_quantized", "calibration_feeds",
-           "vision_qdq", "injected_encoder", "fixed_size_set", "measure_vision_encoder"]
+           "vision_qdq", "fixed_size_set", "measure_vision_encoder"]
 
 CALIBRATION_SET = DEMO_VL_DATA_DIR / "calibration.jsonl"
 CALIBRATION_PICTURES = 100  # Qualcomm calibrates its VLM encoders on ~100 pictures; the demo set has 64
@@ -79,26 +78,6 @@ def vision_qdq(export: VisionExport, qm, feeds: Sequence[Mapping[str, np.ndarray
     quantize_qdq(export.path, out_path, feeds, init_overrides=doc["init_overrides"], activation_bits=activation_bits,
                  quantized=view, export=export)
     return out_path
-
-
-@contextlib.contextmanager
-def injected_encoder(model, encode: Callable[[np.ndarray, tuple], np.ndarray]):
-    """While inside, ``model``'s vision encoder is ``encode(pixel_values, grid_thw)`` (another runtime's
-    embeddings, injected where the image tokens are); its own forward is back afterwards."""
-    import torch
-    from transformers.modeling_outputs import BaseModelOutputWithPooling
-    visual = model.model.visual
-
-    def forward(pixel_values, grid_thw=None, **_kwargs):
-        grid = tuple(int(v) for v in grid_thw[0])
-        emb = encode(pixel_values.detach().float().cpu().numpy(), grid)
-        return BaseModelOutputWithPooling(last_hidden_state=None,
-                                          pooler_output=torch.from_numpy(np.asarray(emb, np.float32)).to(visual.dtype))
-    visual.forward = forward
-    try:
-        yield model
-    finally:
-        del visual.forward
 
 
 def fixed_size_set(images: VisionEvalSet, size: tuple[int, int]) -> tuple[VisionEvalSet, int]:
