@@ -37,7 +37,8 @@ from ..model.vision import VISION_MODEL_TYPES, answer_scorer, answer_text, is_vi
 from ..model.text_part import language_model
 from ..model.vision_feed import embedding_error
 from ..model.vision_quality import measure_vision_baseline, vision_eval_set
-from ..onnx.build import INLINE_LIMIT, FloatWeights, GraphBuilder, TensorStore, apply_rotary, as_array
+from ..onnx.build import INLINE_LIMIT, FloatWeights, GraphBuilder, TensorStore, as_array
+from ..onnx.vision_export import gelu, vision_block
 
 __all__ = ["VISUAL_FILE", "VISUAL_PREFIXES", "VISUAL_TYPES", "PartWeights", "text_view", "mrope_tables",
            "export_visual_onnx", "visual_inputs", "run_visual_mnn", "vision_llm_config", "engine_picture",
@@ -77,12 +78,6 @@ def mrope_tables(g: GraphBuilder, inv_freq: np.ndarray, sections) -> tuple[str, 
     freqs = g.op("MatMul", [pos, g.const(select, np.float32)])  # [seq, d/2]
     emb = g.op("Concat", [freqs, freqs], axis=-1)
     return tuple(g.unsqueeze(g.op(f, [emb]), [0, 2]) for f in ("Cos", "Sin"))
-
-
-def _gelu(g: GraphBuilder, x: str) -> str:
-    """GELU (erf form, transformers' ``gelu``), in opset-17 ops MNN converts."""
-    inner = g.op("Erf", [g.op("Mul", [x, g.const(1 / np.sqrt(2.0), np.float32)])])
-    return g.op("Mul", [g.op("Mul", [x, g.const(0.5, np.float32)]), g.op("Add", [inner, g.const(1.0, np.float32)])])
 
 
 def export_visual_onnx(vlm, path: str | Path) -> Path:
@@ -129,34 +124,15 @@ def export_visual_onnx(vlm, path: str | Path) -> Path:
             freqs = g.op("Mul", [g.unsqueeze(g.op("Transpose", [pos], perm=[1, 0]), [2]), g.const(inv, np.float32)])
             freqs = g.reshape(freqs, [-1, 2 * len(inv)])  # [S, hd/2]: rows' angles, then columns'
             emb = g.op("Concat", [freqs, freqs], axis=-1)
-            cos, sin = (g.unsqueeze(g.op(f, [emb]), [0, 2]) for f in ("Cos", "Sin"))  # [1, S, 1, hd]
+            cos, sin = (g.unsqueeze(g.op(f, [emb]), [0]) for f in ("Cos", "Sin"))  # [1, S, hd]
             h = g.reshape(g.op("Gather", [g.reshape(h, [-1, 4, dim]), order], axis=0), [-1, dim])
-            masks = {i: g.unsqueeze(g.op("Gather", ["attention_mask", g.const(i)], axis=0), [0]) for i in (0, 1)}
+            masks = {i: g.op("Gather", ["attention_mask", g.const(i)], axis=0) for i in (0, 1)}  # [1, S, S]
             for i, block in enumerate(visual.blocks):
-                p = f"model.visual.blocks.{i}"
-                g.scope = p
-                x = g.rms_norm(h, block.norm1, f"{p}.norm1")
-                qkv = g.reshape(linear(block.attn.qkv, f"{p}.attn.qkv", x), [1, -1, 3, heads, hd])
-                q, k, v = (g.op("Squeeze", [g.op("Slice", [qkv, g.const([j]), g.const([j + 1]), g.const([2])]),
-                                            g.const([2])]) for j in range(3))  # [1, S, heads, hd]
-                q, k = apply_rotary(g, q, cos, sin, hd), apply_rotary(g, k, cos, sin, hd)
-                q, k, v = (g.op("Transpose", [t], perm=[0, 2, 1, 3]) for t in (q, k, v))
-                scores = g.op("Mul", [g.op("MatMul", [q, g.op("Transpose", [k], perm=[0, 1, 3, 2])]),
-                                      g.const(hd ** -0.5, np.float32)])
-                probs = g.op("Softmax", [g.op("Add", [scores, masks[0 if i in full else 1]])], axis=-1)
-                att = g.reshape(g.op("Transpose", [g.op("MatMul", [probs, v])], perm=[0, 2, 1, 3]), [-1, dim])
-                h = g.op("Add", [h, linear(block.attn.proj, f"{p}.attn.proj", att)])
-                x = g.rms_norm(h, block.norm2, f"{p}.norm2")
-                m = block.mlp
-                gate = linear(m.gate_proj, f"{p}.mlp.gate_proj", x)
-                act = g.op("Mul", [gate, g.op("Sigmoid", [gate])])
-                up = linear(m.up_proj, f"{p}.mlp.up_proj", x)
-                g.scope = p
-                h = g.op("Add", [h, linear(m.down_proj, f"{p}.mlp.down_proj", g.op("Mul", [act, up]))])
+                h = vision_block(g, linear, block, i, h, cos, sin, masks[0 if i in full else 1], -1, heads, hd)
             g.scope = "model.visual.merger"
             merger = visual.merger
             x = g.reshape(g.rms_norm(h, merger.ln_q, "model.visual.merger.ln_q"), [-1, 4 * dim])
-            x = _gelu(g, linear(merger.mlp[0], "model.visual.merger.mlp.0", x))
+            x = gelu(g, linear(merger.mlp[0], "model.visual.merger.mlp.0", x))
             g.scope = "model.visual.merger"
             x = linear(merger.mlp[2], "model.visual.merger.mlp.2", x)
             # back to raster order: out[window_index[j]] = x[j]
