@@ -143,6 +143,23 @@ def demo_run(tmp_path_factory):
 CHROMIUM = os.environ.get("WORKBENCH_CHROMIUM", "/usr/bin/chromium")
 
 
+def linear_inputs(model, feeds) -> dict[str, torch.Tensor]:
+    """Every linear layer's whole input over ``feeds`` (the model's keyword inputs, one dict a batch), gathered with
+    plain forward hooks: the reference a calibration's statistics are checked against."""
+    seen: dict[str, list[torch.Tensor]] = {}
+    handles = [m.register_forward_pre_hook(lambda mod, args, n=n: seen.setdefault(n, []).append(
+        args[0].detach().reshape(-1, args[0].shape[-1]).double().clone()))
+        for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    try:
+        with torch.no_grad():
+            for feed in feeds:
+                model(**feed, use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    return {n: torch.cat(xs) for n, xs in seen.items()}
+
+
 def browser_skips(playwright_found: bool) -> list:
     """The skip marks of a browser test: each missing piece named, with how to install it."""
     return [
