@@ -120,6 +120,16 @@ def stop_process(proc, timeout: float = 30) -> None:
         proc.kill()
 
 
+def loaded_app(root: Path, model: str, eval_tokens: int):
+    """The app on ``model`` with small sample counts, its run and workspace under ``root``, loaded."""
+    from workbench.files.workspace import Workspace
+    from workbench.ui.app import WorkbenchApp
+    app = WorkbenchApp(model, samples=4, seq_len=32, eval_tokens=eval_tokens, out_dir=root / "run",
+                       workspace=Workspace(root / "ws"))
+    assert app.load() is not None, app.error
+    return app
+
+
 @pytest.fixture(scope="session")
 def demo_run(tmp_path_factory):
     """The app's flow on the demo model, once per test session: uniform INT8/INT4 evaluated in Precisions, RTN INT4
