@@ -120,6 +120,16 @@ def stop_process(proc, timeout: float = 30) -> None:
         proc.kill()
 
 
+def loaded_app(root: Path, model: str, eval_tokens: int):
+    """The app on ``model`` with small sample counts, its run and workspace under ``root``, loaded."""
+    from workbench.files.workspace import Workspace
+    from workbench.ui.app import WorkbenchApp
+    app = WorkbenchApp(model, samples=4, seq_len=32, eval_tokens=eval_tokens, out_dir=root / "run",
+                       workspace=Workspace(root / "ws"))
+    assert app.load() is not None, app.error
+    return app
+
+
 @pytest.fixture(scope="session")
 def demo_run(tmp_path_factory):
     """The app's flow on the demo model, once per test session: uniform INT8/INT4 evaluated in Precisions, RTN INT4
@@ -141,6 +151,23 @@ def demo_run(tmp_path_factory):
 
 
 CHROMIUM = os.environ.get("WORKBENCH_CHROMIUM", "/usr/bin/chromium")
+
+
+def linear_inputs(model, feeds) -> dict[str, torch.Tensor]:
+    """Every linear layer's whole input over ``feeds`` (the model's keyword inputs, one dict a batch), gathered with
+    plain forward hooks: the reference a calibration's statistics are checked against."""
+    seen: dict[str, list[torch.Tensor]] = {}
+    handles = [m.register_forward_pre_hook(lambda mod, args, n=n: seen.setdefault(n, []).append(
+        args[0].detach().reshape(-1, args[0].shape[-1]).double().clone()))
+        for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    try:
+        with torch.no_grad():
+            for feed in feeds:
+                model(**feed, use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    return {n: torch.cat(xs) for n, xs in seen.items()}
 
 
 def browser_skips(playwright_found: bool) -> list:

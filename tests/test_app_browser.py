@@ -14,6 +14,7 @@ saying how to install them, where either is missing. ``.ci/run`` installs Chromi
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -77,6 +78,24 @@ def served_app(tmp_path):
         yield _wait_for_url(proc, log), tmp_path / "workspace"
     finally:
         stop_process(proc, 30)
+
+
+@contextlib.contextmanager
+def app_page(url: str):
+    """Headless Chromium on the served app until its first page is up: a tall page (Voila scrolls inside it, so a
+    screenshot shows the viewport) and the ``Walk`` that steps through it; the browser closes afterwards."""
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
+        try:
+            page = browser.new_page(viewport={"width": 1300, "height": 2400})
+            page.set_default_timeout(120_000)
+            w = Walk(page, ARTIFACTS)
+            page.goto(url, timeout=300_000)
+            page.locator(".lm-TabBar-tab").first.wait_for(timeout=300_000)
+            w.wait_text("quantizable layers")
+            yield page, w
+        finally:
+            browser.close()
 
 
 def _outside(url: str) -> bool:

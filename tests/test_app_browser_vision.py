@@ -12,8 +12,8 @@ import json
 import re
 import time
 
-from test_app_browser import ARTIFACTS, CHROMIUM, CHROMIUM_FLAGS, STEP_TIMEOUT_MS, Walk, browser_skips, \
-    served_app, sync_playwright  # noqa: F401 - served_app is the fixture
+from test_app_browser import ARTIFACTS, STEP_TIMEOUT_MS, app_page, browser_skips, served_app, \
+    sync_playwright  # noqa: F401 - served_app is the fixture
 
 pytestmark = browser_skips(sync_playwright is not None)
 SPEED = re.compile(r"^[\d,]+\.\d tok/s$")
@@ -38,16 +38,8 @@ def test_vision_language_walk_in_headless_chromium(served_app, tmp_path):
     bad = tmp_path / "notes.png"
     bad.write_text("this is text, not a picture")
     good = _png(tmp_path / "blue.png")
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
+    with app_page(url) as (page, w):
         try:
-            page = browser.new_page(viewport={"width": 1300, "height": 2400})
-            page.set_default_timeout(120_000)
-            w = Walk(page, ARTIFACTS)
-            page.goto(url, timeout=300_000)
-            page.locator(".lm-TabBar-tab").first.wait_for(timeout=300_000)
-            w.wait_text("quantizable layers")
-
             # Load demo-vl: the status line and the parts table name vision encoder, projector, language model
             w.fill("model", "demo-vl")
             w.button("Load").click()
@@ -122,8 +114,6 @@ def test_vision_language_walk_in_headless_chromium(served_app, tmp_path):
             page.screenshot(path=str(ARTIFACTS / "vl-failed.png"), full_page=True)
             (ARTIFACTS / "vl-failed.txt").write_text(page.inner_text("body"))
             raise
-        finally:
-            browser.close()
     saved = list((workspace / "app").glob("run-*/quantized/rtn-*/report.json"))
     assert len(saved) == 1
     vision_doc = json.loads(saved[0].read_text())["vision"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import linear_inputs
 
 import workbench.model.calibrate as calibrate_mod
 from workbench.model.calibrate import HIST_EDGES, CalibrationStats, LayerStats, calibrate, run_calibration
@@ -28,25 +29,9 @@ def calib_set(lm, calib_file):
     return load_calibration_set(calib_file, tokenizer=lm.tokenizer, samples=6, seq_len=64, min_tokens=64)
 
 
-def capture_inputs(model, calib_set, batch_size):
-    """Every linear layer's full input, gathered directly with plain hooks (the reference)."""
-    seen: dict[str, list[torch.Tensor]] = {}
-    handles = [m.register_forward_pre_hook(lambda mod, args, n=n: seen.setdefault(n, []).append(
-        args[0].detach().reshape(-1, args[0].shape[-1]).double().clone()))
-        for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
-    try:
-        with torch.no_grad():
-            for b in calib_set.batches(batch_size):
-                model(input_ids=b, use_cache=False)
-    finally:
-        for h in handles:
-            h.remove()
-    return {n: torch.cat(v) for n, v in seen.items()}
-
-
 def test_statistics_match_a_direct_computation(lm, calib_set):
     stats = run_calibration(lm.model, calib_set, progress=False, batch_size=4, sample_budget=1 << 22)
-    ref = capture_inputs(lm.model, calib_set, 4)
+    ref = linear_inputs(lm.model, ({"input_ids": b} for b in calib_set.batches(4)))
     linear_names = [n for n, m in lm.model.named_modules() if isinstance(m, torch.nn.Linear)]
     assert list(stats.layers) == linear_names  # every linear, lm_head included, in module order
     for name, x in ref.items():

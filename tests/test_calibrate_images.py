@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from conftest import linear_inputs
 
 from workbench.charts.calibration import make_near_zero_figure
 from workbench.cli import main
@@ -31,22 +32,6 @@ def pairs(vl):
     return load_image_calibration_set(vl, samples=6, seed=1)
 
 
-def _direct_inputs(model, cs: ImageCalibrationSet) -> dict[str, torch.Tensor]:
-    """Every linear layer's whole input over the pairs, gathered with plain hooks (the reference)."""
-    seen: dict[str, list[torch.Tensor]] = {}
-    handles = [m.register_forward_pre_hook(lambda mod, args, n=n: seen.setdefault(n, []).append(
-        args[0].detach().reshape(-1, args[0].shape[-1]).double().clone()))
-        for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
-    try:
-        with torch.no_grad():
-            for feats in cs.batches():
-                model(**feats, use_cache=False)
-    finally:
-        for h in handles:
-            h.remove()
-    return {n: torch.cat(xs) for n, xs in seen.items()}
-
-
 def test_every_part_gets_statistics_that_match_a_direct_computation(vl, pairs):
     assert len(pairs) == 6 and pairs.image_tokens > 0 and pairs.tokens > pairs.image_tokens
     stats = run_calibration(vl.model, pairs, progress=False, sample_budget=1 << 20)
@@ -54,7 +39,7 @@ def test_every_part_gets_statistics_that_match_a_direct_computation(vl, pairs):
     linear = [layer.name for layer in vl.layers if layer.kind == "linear"]
     assert set(stats.layers) == set(linear)
     assert {parts[n] for n in stats.layers} == {"vision encoder", "projector", "language model"}
-    direct = _direct_inputs(vl.model, pairs)
+    direct = linear_inputs(vl.model, pairs.batches())
     for name in ("model.visual.blocks.0.attn.qkv", "model.visual.merger.mlp.2",
                  "model.language_model.layers.0.mlp.down_proj"):
         x = direct[name]

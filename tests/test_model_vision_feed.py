@@ -18,10 +18,24 @@ def test_embedding_error():
     e = embedding_error(want, want)
     assert e["cosine"] == pytest.approx(1.0) and e["relative_error"] == 0.0 and e["max_abs_diff"] == 0.0
     e = embedding_error(np.array([[0.0, 1.0], [0.0, 2.0]]), want)
-    assert e["cosine"] == pytest.approx(0.5) and e["min_cosine"] == pytest.approx(0.0)
+    assert e["cosine"] == pytest.approx(0.5) and e["cosine_min"] == pytest.approx(0.0)
     assert e["relative_error"] == pytest.approx(np.sqrt(2) / np.sqrt(5))
     with pytest.raises(PlanError, match="different number of tokens"):
         embedding_error(np.zeros((3, 2)), want)
+
+
+def test_embedding_error_over_pictures():
+    """Pictures pooled: cosine over all their tokens, relative error over all, the worst picture's beside it."""
+    a = [np.array([[1.0, 0.0], [0.0, 2.0]]), np.array([[3.0, 0.0]])]
+    same = embedding_error(a, a)
+    assert same["cosine"] == pytest.approx(1.0) and same["relative_error"] == 0.0
+    assert same["tokens"] == 3 and same["pictures"] == 2
+    off = embedding_error([np.array([[0.0, 1.0], [0.0, 2.0]]), a[1]], a)
+    assert off["cosine_min"] == pytest.approx(0.0) and off["cosine"] == pytest.approx(2 / 3)
+    assert off["relative_error"] == pytest.approx(np.sqrt(2 / 14))
+    assert off["relative_error_max"] == pytest.approx(np.sqrt(2 / 5))
+    with pytest.raises(PlanError, match="one per picture"):
+        embedding_error(a[:1], a)
 
 
 def test_fed_embeddings_reach_the_language_model():

@@ -40,7 +40,7 @@ def sweep(vl, tmp_path_factory):
 
 def test_a_trial_is_the_quantized_models_answer_kl_given_the_picture(vl, evaluator):
     base = evaluator.evaluate_baseline()
-    assert base.kl_divergence == pytest.approx(0, abs=1e-9) and base.questions == 6
+    assert base.kl_divergence == pytest.approx(0, abs=1e-9) and base.samples == 6
     assert base.perplexity == pytest.approx(base.reference_perplexity)
     swapped = evaluator.evaluate_assignments({PROJECTOR: "int4"})
     assert swapped.kl_divergence > 1e-7 and swapped.tokens == base.tokens

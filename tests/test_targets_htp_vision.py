@@ -17,8 +17,9 @@ from workbench.model.vision_quality import VisionEvalSet, vision_eval_set
 from workbench.onnx.vision_export import export_vision_encoder
 from workbench.targets.convert import prepare_models
 from workbench.targets.htp import INSTALL, htp_soc, qnn_available
-from workbench.targets.htp_vision import (_Encoder, calibration_feeds, embedding_agreement, injected_encoder,
-                                          measure_vision_encoder, vision_qdq, vision_quantized)
+from workbench.model.vision_feed import injected_encoder
+from workbench.targets.htp_vision import (_Encoder, calibration_feeds, measure_vision_encoder, vision_qdq,
+                                          vision_quantized)
 
 needs_qnn = pytest.mark.skipif(not qnn_available(), reason=f"onnxruntime-qnn is not installed: {INSTALL}")
 
@@ -100,14 +101,6 @@ def test_a_grid_other_than_the_graphs_is_refused_by_name(built):
     enc = _Encoder(None, vx)
     with pytest.raises(DataError, match="6x6 patch grid reached the encoder graph built for 4x4"):
         enc(np.zeros((36, 1176), np.float32), (1, 6, 6))
-
-
-def test_embedding_agreement_measures():
-    a = [np.array([[1.0, 0.0], [0.0, 2.0]])]
-    same = embedding_agreement(a, a)
-    assert same["cosine"] == pytest.approx(1.0) and same["relative_error"] == 0.0
-    off = embedding_agreement(a, [np.array([[0.0, 1.0], [0.0, 2.0]])])
-    assert off["cosine_min"] == pytest.approx(0.0) and off["relative_error"] == pytest.approx(np.sqrt(2 / 5))
 
 
 @needs_qnn

@@ -3,6 +3,7 @@ float model, with tokens/s for each; standalone it opens any convert output; bad
 import re
 
 import pytest
+from conftest import loaded_app
 
 from workbench.assets import DEMO_MODEL_DIR
 from workbench.ui.app import TAB_TITLES, WorkbenchApp
@@ -22,11 +23,7 @@ def speed(column) -> float:
 @pytest.fixture(scope="module")
 def demo_app(tmp_path_factory):
     """The app on the demo model, quantized (RTN INT4) and converted to ort-int4 through its own tabs."""
-    from workbench.files.workspace import Workspace
-    root = tmp_path_factory.mktemp("app")
-    app = WorkbenchApp("demo", samples=4, seq_len=32, eval_tokens=256, out_dir=root / "run",
-                       workspace=Workspace(root / "ws"))
-    assert app.load() is not None, app.error
+    app = loaded_app(tmp_path_factory.mktemp("app"), "demo", 256)
     assert app.quantize_panel.run() is not None, app.quantize_panel.error
     assert app.convert_panel.run("ort-int4") is not None, app.convert_panel.error
     return app

@@ -8,7 +8,7 @@ import zlib
 from pathlib import Path
 
 import pytest
-from conftest import build_tiny_model
+from conftest import build_tiny_model, loaded_app
 
 from workbench.assets import DEMO_VL_DATA_DIR
 from workbench.model.vision_quality import VisionEvalSet, measure_vision_quality, part_layers, vision_eval_set
@@ -44,11 +44,7 @@ def small_set() -> VisionEvalSet:
 
 @pytest.fixture(scope="module")
 def vl_app(tmp_path_factory):
-    from workbench.files.workspace import Workspace
-    root = tmp_path_factory.mktemp("vlapp")
-    app = WorkbenchApp("demo-vl", samples=4, seq_len=32, eval_tokens=128, out_dir=root / "run",
-                       workspace=Workspace(root / "ws"))
-    assert app.load() is not None, app.error
+    app = loaded_app(tmp_path_factory.mktemp("vlapp"), "demo-vl", 128)
     app.quantize_panel.vision_set = small_set()
     return app
 

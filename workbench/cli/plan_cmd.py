@@ -23,10 +23,10 @@ from pathlib import Path
 
 from ..precision.autoplan import budget_bytes, check_budget, measure_plan, plan_for_budget, refine_plan
 from ..evaluation.evaluate import default_token_budget
+from ..evaluation.vision import VisionKLReport
 from ..model.load import load_model
 from ..quantize.plan import QuantPlan, get_precision
 from ..precision.sensitivity import LayerVariants, PlanEvaluator, VisionPlanEvaluator, evaluation_tokens
-from ..precision.pictures import PictureScores
 from ..model.vision_quality import layer_parts, recipe_part_plan, vision_eval_set
 from ..quantize.plan import MMPROJ_TYPES, vision_recipe_for
 from ..model.sweep_backends import default_workers
@@ -234,7 +234,7 @@ def _run_preset(args, lm, raised: list[str]) -> int:
         return 0
     print(f"{args.preset}: {format_bytes(point.size_bytes)}, {point.bits_per_weight:.2f} bits/weight; KL "
           f"{point.kl_divergence:.3e}, perplexity {point.perplexity:.3f} (float {point.reference_perplexity:.3f}, "
-          f"{point.tokens:,} {'answer tokens' if isinstance(point.report, PictureScores) else 'tokens'}), top-1 "
+          f"{point.tokens:,} {'answer tokens' if isinstance(point.report, VisionKLReport) else 'tokens'}), top-1 "
           f"agreement {point.top1_agreement:.4f}")
     for part, by in (out["parts"] or {}).items():
         print(f"  {part}: " + ", ".join(f"{n} {p}" for p, n in sorted(by.items())))

@@ -143,6 +143,15 @@ class VisionKLReport:
         return mean_stderr([x / t for x, t in zip(sums, self.sample_tokens)])
 
     @property
+    def perplexity(self) -> float:
+        """exp of the candidate's mean answer-token NLL: read where a text ``EvalReport`` is (the sweep, auto plan)."""
+        return math.exp(self.nll)
+
+    @property
+    def reference_perplexity(self) -> float:
+        return math.exp(self.reference_nll)
+
+    @property
     def kl_stderr(self) -> float:
         return self._stderr(self.sample_kl)
 

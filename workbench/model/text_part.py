@@ -18,7 +18,8 @@ from torch import nn
 from ..errors import ModelLoadError
 from .load import LoadedModel, quantizable_layers
 
-__all__ = ["LANGUAGE_PREFIX", "TEXT_PREFIX", "text_name", "language_model_view", "text_part_quantized"]
+__all__ = ["LANGUAGE_PREFIX", "TEXT_PREFIX", "text_name", "LanguageModel", "language_model", "language_model_view",
+           "text_part_quantized"]
 
 LANGUAGE_PREFIX = "model.language_model."
 TEXT_PREFIX = "model."
@@ -32,7 +33,10 @@ def text_name(name: str | None) -> str | None:
 
 
 class LanguageModel(nn.Module):
-    """The decoder and head of a VLM as a causal LM (``model``, ``lm_head``, ``config`` = the text config)."""
+    """The decoder and head of a VLM as a causal LM (``model``, ``lm_head``, ``config`` = the text config);
+    ``prefix``: its decoder's name in the VLM, for a writer that keeps the VLM's layer names (MNN's)."""
+
+    prefix = LANGUAGE_PREFIX.rstrip(".")
 
     def __init__(self, decoder: nn.Module, head: nn.Module, config):
         super().__init__()
@@ -53,19 +57,25 @@ class LanguageModel(nn.Module):
                                       past_key_values=getattr(out, "past_key_values", None))
 
 
+def language_model(model, name: str = "the model") -> LanguageModel:
+    """The language model of a VLM (a transformers model with ``model.language_model``) as a ``LanguageModel``
+    sharing its modules."""
+    decoder = getattr(getattr(model, "model", None), "language_model", None)
+    head = model.get_output_embeddings()
+    if decoder is None or head is None:
+        raise ModelLoadError(f"{name} keeps no decoder at model.language_model with a head: its language model "
+                             "cannot be converted on its own")
+    config = model.config.get_text_config()
+    if not getattr(config, "architectures", None):
+        config.architectures = [type(model).__name__]
+    return LanguageModel(decoder, head, config).eval()
+
+
 def language_model_view(lm: LoadedModel) -> LoadedModel:
     """The language model of a VLM ``lm`` as a text ``LoadedModel`` sharing its modules (a text model: itself)."""
     if not getattr(lm, "is_vision", False):
         return lm
-    decoder = getattr(getattr(lm.model, "model", None), "language_model", None)
-    head = lm.model.get_output_embeddings()
-    if decoder is None or head is None:
-        raise ModelLoadError(f"'{lm.path}' keeps no decoder at model.language_model with a head: its language model "
-                             "cannot be converted on its own")
-    config = lm.model.config.get_text_config()
-    if not getattr(config, "architectures", None):
-        config.architectures = [type(lm.model).__name__]
-    view = LanguageModel(decoder, head, config).eval()
+    view = language_model(lm.model, f"'{lm.path}'")
     return LoadedModel(view, lm.tokenizer, lm.path, f"{lm.name} (language model)", quantizable_layers(view))
 
 

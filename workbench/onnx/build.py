@@ -360,10 +360,12 @@ def rotary_tables(g: GraphBuilder, spec: DecoderSpec) -> tuple[str, str]:
     return g.unsqueeze(cos, [1]), g.unsqueeze(sin, [1])
 
 
-def apply_rotary(g: GraphBuilder, x: str, cos: str, sin: str, head_dim: int) -> str:
+def apply_rotary(g: GraphBuilder, x: str, cos: str, sin: str, head_dim: int, axis: int = 3) -> str:
+    """``x * cos + rotate_half(x) * sin`` over ``axis``, the head dimension (the text graphs' ``[B, H, S, d]``;
+    the vision encoder's ``[heads, patches, d]`` gives -1)."""
     half = head_dim // 2
-    x1 = g.op("Slice", [x, g.const([0]), g.const([half]), g.const([3])])
-    x2 = g.op("Slice", [x, g.const([half]), g.const([head_dim]), g.const([3])])
+    x1 = g.op("Slice", [x, g.const([0]), g.const([half]), g.const([axis])])
+    x2 = g.op("Slice", [x, g.const([half]), g.const([head_dim]), g.const([axis])])
     rotated = g.op("Concat", [g.op("Neg", [x2]), x1], axis=-1)
     return g.op("Add", [g.op("Mul", [x, cos]), g.op("Mul", [rotated, sin])])
 

@@ -28,10 +28,10 @@ import torch
 from ..errors import DataError, ModelLoadError
 from ..files.workspace import atomic_write_json
 from ..numerics.compute import float32_weight
-from .build import DATA_FILE, INLINE_LIMIT, FloatWeights, GraphBuilder, TensorStore, as_array
+from .build import DATA_FILE, INLINE_LIMIT, FloatWeights, GraphBuilder, TensorStore, apply_rotary, as_array
 
 __all__ = ["VisionExport", "QUALCOMM_IMAGE_SIZES", "encoder_image_size", "export_vision_encoder", "encoder_feed",
-           "vision_embeddings", "VISION_FILE", "MASK_BIAS"]
+           "vision_embeddings", "vision_block", "gelu", "VISION_FILE", "MASK_BIAS"]
 
 VISION_FILE = "vision_encoder.onnx"
 MASK_BIAS = 100.0  # outside a window: exp(-100) is 0 in every float format, and 16-bit codes keep the scores' step
@@ -134,45 +134,44 @@ def _grid_constants(visual, grid_thw: tuple[int, int, int]) -> dict:
             "windows": len(cu) - 1, "windowed": windowed if len(cu) > 2 else []}
 
 
-def _rotary(g: GraphBuilder, x: str, cos: str, sin: str, d: int) -> str:
-    """``x * cos + rotate_half(x) * sin`` over the last axis (``[heads, patches, head_dim]``)."""
-    half = d // 2
-    x1 = g.op("Slice", [x, g.const([0]), g.const([half]), g.const([-1])])
-    x2 = g.op("Slice", [x, g.const([half]), g.const([d]), g.const([-1])])
-    rotated = g.op("Concat", [g.op("Neg", [x2]), x1], axis=-1)
-    return g.op("Add", [g.op("Mul", [x, cos]), g.op("Mul", [rotated, sin])])
-
-
-def _block(g: GraphBuilder, policy: FloatWeights, blk, i: int, h: str, cos: str, sin: str, mask: str | None,
-           n: int, heads: int, d: int) -> str:
+def vision_block(g: GraphBuilder, linear, blk, i: int, h: str, cos: str, sin: str, mask: str | None, n: int,
+                 heads: int, d: int) -> str:
+    """One Qwen2.5-VL vision block on ``h`` ``[patches, dim]``: RMSNorm, attention with the 2D rotary (``cos`` /
+    ``sin`` ``[1, patches, d]``) and the additive ``mask`` (None: full attention), RMSNorm, SiLU-gated MLP.
+    ``linear(module, fqn, x)`` writes each linear layer (the weight policy's, or a target's that names the op);
+    ``n``: the patches, or -1 where the graph takes any number (MNN's)."""
     fqn = f"model.visual.blocks.{i}"
     g.scope = f"{fqn}/attn"
     x = g.rms_norm(h, blk.norm1, f"{fqn}.norm1")
-    qkv = g.reshape(policy.linear(g, blk.attn.qkv, f"{fqn}.attn.qkv", x), [n, 3, heads, d])
+    qkv = g.reshape(linear(blk.attn.qkv, f"{fqn}.attn.qkv", x), [n, 3, heads, d])
     qkv = g.op("Transpose", [qkv], perm=[1, 2, 0, 3])  # [3, heads, patches, d]
     q, k, v = (g.op("Squeeze", [g.op("Slice", [qkv, g.const([j]), g.const([j + 1]), g.const([0])]), g.const([0])])
                for j in range(3))
-    q, k = _rotary(g, q, cos, sin, d), _rotary(g, k, cos, sin, d)
+    q, k = apply_rotary(g, q, cos, sin, d, axis=-1), apply_rotary(g, k, cos, sin, d, axis=-1)
     scores = g.op("Mul", [g.op("MatMul", [q, g.op("Transpose", [k], perm=[0, 2, 1])]),
                           g.const(float(blk.attn.scaling), np.float32)])
     if mask is not None:
         scores = g.op("Add", [scores, mask])
     out = g.op("MatMul", [g.op("Softmax", [scores], axis=-1), v])
     out = g.reshape(g.op("Transpose", [out], perm=[1, 0, 2]), [n, heads * d])
-    h = g.op("Add", [h, policy.linear(g, blk.attn.proj, f"{fqn}.attn.proj", out)])
+    h = g.op("Add", [h, linear(blk.attn.proj, f"{fqn}.attn.proj", out)])
     g.scope = f"{fqn}/mlp"
     x = g.rms_norm(h, blk.norm2, f"{fqn}.norm2")
-    gate = policy.linear(g, blk.mlp.gate_proj, f"{fqn}.mlp.gate_proj", x)
-    up = policy.linear(g, blk.mlp.up_proj, f"{fqn}.mlp.up_proj", x)
+    gate = linear(blk.mlp.gate_proj, f"{fqn}.mlp.gate_proj", x)
+    up = linear(blk.mlp.up_proj, f"{fqn}.mlp.up_proj", x)
     act = g.op("Mul", [gate, g.op("Sigmoid", [gate])])  # SiLU
-    return g.op("Add", [h, policy.linear(g, blk.mlp.down_proj, f"{fqn}.mlp.down_proj", g.op("Mul", [act, up]))])
+    return g.op("Add", [h, linear(blk.mlp.down_proj, f"{fqn}.mlp.down_proj", g.op("Mul", [act, up]))])
 
 
-def _gelu(g: GraphBuilder, x: str) -> str:
-    """Exact GELU as one ONNX Gelu node (opset 20): QNN maps it to its own Gelu, where the ``Erf`` of the expanded
-    form has no QNN mapping, and onnxruntime's QDQ quantizer gives it 16-bit codes (its ``com.microsoft`` Gelu
-    it leaves in float, and everything after it)."""
-    return g.op("Gelu", [x])
+def gelu(g: GraphBuilder, x: str) -> str:
+    """Exact GELU (the projector's). From opset 20 one ONNX Gelu node: QNN maps it to its own Gelu, where the
+    ``Erf`` of the expanded form has no QNN mapping, and onnxruntime's QDQ quantizer gives it 16-bit codes (its
+    ``com.microsoft`` Gelu it leaves in float, and everything after it). Before opset 20 (MNN's converter reads
+    17) the erf form ``0.5 x (1 + erf(x / sqrt 2))``, transformers' ``gelu``."""
+    if g.opset >= 20:
+        return g.op("Gelu", [x])
+    inner = g.op("Erf", [g.op("Mul", [x, g.const(1 / np.sqrt(2.0), np.float32)])])
+    return g.op("Mul", [g.op("Mul", [x, g.const(0.5, np.float32)]), g.op("Add", [inner, g.const(1.0, np.float32)])])
 
 
 def export_vision_encoder(lm, out_dir: str | Path, *, image_size: tuple[int, int] | None = None,
@@ -213,11 +212,12 @@ def export_vision_encoder(lm, out_dir: str | Path, *, image_size: tuple[int, int
         cos, sin = g.const(const["cos"][None], np.float32), g.const(const["sin"][None], np.float32)
         mask = g.const(const["mask"], np.float32) if const["windowed"] else None
         for i, blk in enumerate(visual.blocks):
-            h = _block(g, policy, blk, i, h, cos, sin, mask if i in const["windowed"] else None, n, heads, d)
+            h = vision_block(g, lambda *a: policy.linear(g, *a), blk, i, h, cos, sin,
+                             mask if i in const["windowed"] else None, n, heads, d)
         g.scope = "model.visual.merger"
         m = visual.merger
         x = g.reshape(g.rms_norm(h, m.ln_q, "model.visual.merger.ln_q"), [n // unit, dim * unit])
-        x = _gelu(g, policy.linear(g, m.mlp[0], "model.visual.merger.mlp.0", x))
+        x = gelu(g, policy.linear(g, m.mlp[0], "model.visual.merger.mlp.0", x))
         x = policy.linear(g, m.mlp[2], "model.visual.merger.mlp.2", x)
         emb = g.op("Gather", [x, g.const(const["reverse"])], axis=0)  # back to the picture's order
     g.rename(emb, "image_embeds")

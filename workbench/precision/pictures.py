@@ -8,14 +8,14 @@ Text perplexity says nothing about whether a model still reads its pictures, and
 vision encoder or the projector at all: a sweep on text would find their layers harmless whatever their
 precision. Here every trial answers the same held-out questions about the same pictures (``vision_eval_set``:
 the bundled demo-vl set or any captioned folder), with the float model's answer distributions captured once.
-``PictureScores`` reads like the text ``EvalReport`` where the sweep and the auto plan read it (``kl_divergence``,
-``perplexity``: exp of the mean answer-token NLL, ``nll``, ``top1_agreement``, ``tokens``).
+Each plan's ``evaluation.vision.VisionKLReport`` reads like the text ``EvalReport`` where the sweep and the auto
+plan read it (``kl_divergence``, ``perplexity``: exp of the mean answer-token NLL, ``nll``, ``top1_agreement``,
+``tokens``).
 """
 from __future__ import annotations
 
 import hashlib
-import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Mapping
 
@@ -23,34 +23,13 @@ from torch import nn
 
 from ..errors import DataError, PlanError
 from ..evaluation.images import read_image
-from ..evaluation.vision import answer_kl, capture_answer_reference
+from ..evaluation.vision import VisionKLReport, answer_kl, capture_answer_reference
 from ..model.vision import answer_scorer
 from ..model.vision_quality import VisionEvalSet, vision_eval_set
 
-__all__ = ["PictureScores", "VisionPlanEvaluator", "DEFAULT_SWEEP_QUESTIONS"]
+__all__ = ["VisionPlanEvaluator", "DEFAULT_SWEEP_QUESTIONS"]
 
 DEFAULT_SWEEP_QUESTIONS = 32  # questions per trial: 0.1-0.3 s a trial on the demo VLM, enough to rank its layers
-
-
-@dataclass
-class PictureScores:
-    """A model against the float one on the answers to ``questions`` questions about their pictures."""
-
-    kl_divergence: float  # nats per answer token
-    kl_stderr: float
-    top1_agreement: float
-    nll: float  # mean answer-token NLL
-    reference_nll: float
-    tokens: int  # answer tokens
-    questions: int
-
-    @property
-    def perplexity(self) -> float:
-        return math.exp(self.nll)
-
-    @property
-    def reference_perplexity(self) -> float:
-        return math.exp(self.reference_nll)
 
 
 class VisionPlanEvaluator:
@@ -78,7 +57,7 @@ class VisionPlanEvaluator:
             h.update(s.image.tobytes() + b"|" + s.prompt.encode() + b"|" + s.answer.encode() + b"|")
         self.fingerprint = h.hexdigest()[:16]
         self._reference = None
-        self.baseline: PictureScores | None = None
+        self.baseline: VisionKLReport | None = None
 
     def describe(self) -> str:
         return f"{len(self.questions)} questions about pictures from {self.source}"
@@ -89,23 +68,21 @@ class VisionPlanEvaluator:
             self._reference = capture_answer_reference(answer_scorer(self.lm.model, self.lm.processor), self.questions)
         return self._reference
 
-    def evaluate_model(self, model: nn.Module, *, progress: bool = False, desc: str = "") -> PictureScores:
+    def evaluate_model(self, model: nn.Module, *, progress: bool = False, desc: str = "") -> VisionKLReport:
         """``model`` (the float one with layers swapped, or a quantized one built from it) on the questions."""
-        r = answer_kl(answer_scorer(model, self.lm.processor), self.questions, reference=self.reference)
-        return PictureScores(r.kl_divergence, r.kl_stderr, r.top1_agreement, r.nll, r.reference_nll, r.tokens,
-                             r.samples)
+        return answer_kl(answer_scorer(model, self.lm.processor), self.questions, reference=self.reference)
 
-    def evaluate_baseline(self) -> PictureScores:
+    def evaluate_baseline(self) -> VisionKLReport:
         """The float model itself (KL 0): the anchor every damage is relative to."""
         if self.baseline is None:
             self.baseline = self.evaluate_model(self.lm.model)
         return self.baseline
 
-    def evaluate_assignments(self, assignments: Mapping[str, str | None], *, desc: str = "evaluate") -> PictureScores:
+    def evaluate_assignments(self, assignments: Mapping[str, str | None], *, desc: str = "evaluate") -> VisionKLReport:
         with self.variants.swapped(assignments) as model:
             return self.evaluate_model(model, desc=desc)
 
-    def evaluate(self, plan) -> PictureScores:
+    def evaluate(self, plan) -> VisionKLReport:
         if not self.variants.matches(plan):
             raise PlanError(f"this evaluator caches weights made with {self.variants.describe()}; make a new one "
                             "for the plan's rounding settings")

@@ -28,6 +28,7 @@ against the ``gguf`` package's independent dequantizer in the tests and in ``che
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -41,8 +42,9 @@ from ..quantize.plan import get_precision
 from ..quantize.qtensor import QuantizedWeight
 from ..quantize.storage import float_storage, stored_integer_layers
 
-__all__ = ["ggml_type_of", "pack_blocks", "write_gguf", "check_gguf", "gguf_parameter_name", "GGUF_ARCHES",
-           "in_language_model", "text_config", "BLOCK_BYTES", "gguf_package", "parameter_names"]
+__all__ = ["ggml_type_of", "pack_blocks", "write_gguf", "gguf_writer", "write_tensors", "ggml_layer_type", "check_gguf",
+           "gguf_parameter_name", "GGUF_ARCHES", "in_language_model", "text_config", "BLOCK_BYTES", "gguf_package",
+           "parameter_names"]
 
 GGUF_ARCHES = {"qwen2": "qwen2", "qwen3": "qwen3", "llama": "llama",  # Hugging Face model_type -> GGUF architecture
                "qwen2_5_vl": "qwen2vl"}  # a VLM: its language model (M-RoPE), the vision part in gguf_mmproj
@@ -314,6 +316,17 @@ BLOCK_BYTES = {"Q4_0": (32, 18), "Q5_0": (32, 22), "Q8_0": (32, 34), "Q3_K": (25
           "Q4_K": (256, 144), "Q5_K": (256, 176), "Q4_1": (32, 20), "Q5_1": (32, 24)}
 
 
+def ggml_layer_type(qw: QuantizedWeight, layer: str, precision) -> tuple[str, int]:
+    """The ggml block type a layer's integers are written as and the bytes of one packed row; a plan that maps to
+    none is refused naming the layer and its precision."""
+    try:
+        kind = ggml_type_of(qw)
+    except PlanError as e:
+        raise PlanError(f"layer '{layer}' ({precision}): {e}") from None
+    per, size = BLOCK_BYTES[kind]
+    return kind, qw.shape[1] // per * size
+
+
 def _tensors(qm) -> list[tuple[str, str, tuple, np.dtype, int, object]]:
     """``(gguf name, ggml type, shape as written, dtype, bytes, make())`` of every tensor in model order;
     ``make()`` packs it when called, so a writer holds one tensor at a time."""
@@ -337,12 +350,8 @@ def _tensors(qm) -> list[tuple[str, str, tuple, np.dtype, int, object]]:
         rotary = _rotary_heads(lm.model.config, name)
         if name in integer:
             qw = qm.weights[integer[name]]
-            try:
-                kind = ggml_type_of(qw)
-            except PlanError as e:
-                raise PlanError(f"layer '{layer}' ({precisions.get(layer)}): {e}") from None
-            per, size = BLOCK_BYTES[kind]
-            shape = (qw.shape[0], qw.shape[1] // per * size)
+            kind, row_bytes = ggml_layer_type(qw, layer, precisions.get(layer))
+            shape = (qw.shape[0], row_bytes)
 
             def make(qw=qw, rotary=rotary):
                 data = pack_blocks(qw)[1]
@@ -371,28 +380,44 @@ def write_gguf(qm, path: str | Path, *, name: str | None = None) -> Path:
         raise PlanError(f"model type '{lm.model.config.model_type}' is not written as GGUF here; supported: "
                         f"{', '.join(GGUF_ARCHES)}")
     tensors = _tensors(qm)  # every layer's block type checked before a byte is written
+    with gguf_writer(path, arch) as writer:
+        _add_hyperparameters(writer, config, arch, name or Path(lm.path).name)
+        _add_vocabulary(writer, gguf, Path(lm.path), config.vocab_size)
+        writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        write_tensors(writer, tensors)
+    return Path(path)
+
+
+@contextlib.contextmanager
+def gguf_writer(path: str | Path, arch: str):
+    """A ``GGUFWriter`` for ``arch`` whose file appears at ``path`` only when the block inside finished (a killed
+    run leaves no file): written beside it under a hidden name, then moved."""
+    gguf = gguf_package()
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.writing")
     writer = gguf.GGUFWriter(tmp, arch)
     try:
-        _add_hyperparameters(writer, config, arch, name or Path(lm.path).name)
-        _add_vocabulary(writer, gguf, Path(lm.path), config.vocab_size)
-        writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-        for target, kind, shape, dtype, nbytes, _make in tensors:
-            raw = None if kind in ("F16", "F32") else getattr(gguf.GGMLQuantizationType, kind)
-            writer.add_tensor_info(target, shape, dtype, nbytes, raw_dtype=raw)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        for *_, make in tensors:
-            writer.write_tensor_data(make())
+        yield writer
         writer.close()
         os.replace(tmp, out)
     finally:
         writer.close()
         tmp.unlink(missing_ok=True)
-    return out
+
+
+def write_tensors(writer, tensors) -> None:
+    """``tensors`` (``(name, ggml type, shape, numpy dtype, bytes, make)``) after the key-values already added:
+    every tensor's info, the header, then each tensor's data made one at a time (no whole copy of the model held)."""
+    gguf = gguf_package()
+    for target, kind, shape, dtype, nbytes, _make in tensors:
+        raw = None if kind in ("F16", "F32") else getattr(gguf.GGMLQuantizationType, kind)
+        writer.add_tensor_info(target, shape, dtype, nbytes, raw_dtype=raw)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for *_, make in tensors:
+        writer.write_tensor_data(np.ascontiguousarray(make()))
 
 
 def check_gguf(qm, path: str | Path) -> dict:

@@ -17,7 +17,6 @@ all-float file and F32 beside integer layers, as llama.cpp's converter writes th
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +25,8 @@ import torch
 from ..errors import PlanError
 from ..quantize.plan import get_precision
 from ..quantize.storage import float_storage
-from .gguf_file import BLOCK_BYTES, ggml_type_of, gguf_package, pack_blocks, parameter_names, text_config
+from .gguf_file import (ggml_layer_type, gguf_package, gguf_writer, pack_blocks, parameter_names, text_config,
+                        write_tensors)
 
 __all__ = ["MMPROJ_TYPES", "mmproj_tensor_names", "write_mmproj", "check_mmproj"]
 
@@ -113,16 +113,12 @@ def _tensors(qm) -> list[tuple[str, str, tuple, np.dtype, object]]:
         layer = name.removesuffix(".weight")
         if name in integer:
             qw = qm.weights[integer[name]]
-            try:
-                kind = ggml_type_of(qw)
-            except PlanError as e:
-                raise PlanError(f"layer '{layer}' ({precisions.get(layer)}): {e}") from None
-            per, size = BLOCK_BYTES[kind]
+            kind, row_bytes = ggml_layer_type(qw, layer, precisions.get(layer))
             rows = qw.shape[0] // len(targets)
             for i, target in enumerate(targets):
                 def make(qw=qw, i=i, rows=rows):
                     return pack_blocks(qw)[1][i * rows:(i + 1) * rows]
-                out.append((target, kind, (rows, qw.shape[1] // per * size), np.dtype(np.uint8), make))
+                out.append((target, kind, (rows, row_bytes), np.dtype(np.uint8), make))
             continue
         t = floats[name]
         if len(targets) == 2:  # the Conv3d patch embedding [out, in, 2, p, p] as two Conv2d kernels
@@ -164,11 +160,7 @@ def write_mmproj(qm, path: str | Path, *, name: str | None = None) -> Path:
     eps = _eps(lm.model)
     kinds = [k for _, k, *_ in tensors if k not in ("F16", "F32")]
     main = max(set(kinds), key=kinds.count) if kinds else "F16"
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.writing")
-    writer = gguf.GGUFWriter(tmp, "clip")
-    try:
+    with gguf_writer(path, "clip") as writer:
         writer.add_type(gguf.GGUFType.MMPROJ)
         writer.add_name(name or f"{Path(lm.path).name} mmproj")
         writer.add_file_type(_FILE_TYPES[main])
@@ -188,21 +180,9 @@ def write_mmproj(qm, path: str | Path, *, name: str | None = None) -> Path:
         writer.add_vision_window_size(int(vc.window_size))
         writer.add_vision_spatial_merge_size(int(vc.spatial_merge_size))
         writer.add_vision_attention_layernorm_eps(eps)
-        for target, kind, shape, dtype, make in tensors:
-            nbytes = int(np.prod(shape)) * dtype.itemsize
-            raw = None if kind in ("F16", "F32") else getattr(gguf.GGMLQuantizationType, kind)
-            writer.add_tensor_info(target, shape, dtype, nbytes, raw_dtype=raw)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        for *_, make in tensors:
-            writer.write_tensor_data(np.ascontiguousarray(make()))
-        writer.close()
-        os.replace(tmp, out)
-    finally:
-        writer.close()
-        tmp.unlink(missing_ok=True)
-    return out
+        write_tensors(writer, [(target, kind, shape, dtype, int(np.prod(shape)) * dtype.itemsize, make)
+                               for target, kind, shape, dtype, make in tensors])
+    return Path(path)
 
 
 def check_mmproj(qm, path: str | Path) -> dict:

@@ -23,7 +23,6 @@ size. Measured on the held-out pictures:
 """
 from __future__ import annotations
 
-import contextlib
 import statistics
 import time
 from dataclasses import replace
@@ -35,6 +34,7 @@ import numpy as np
 from ..assets import DEMO_VL_DATA_DIR
 from ..errors import DataError
 from ..evaluation.images import read_image, read_image_set
+from ..model.vision_feed import embedding_error, injected_encoder
 from ..model.vision_quality import VisionEvalSet, measure_vision_baseline, measure_vision_quality, vision_eval_set
 from ..onnx.vision_export import VisionExport, encoder_feed, vision_embeddings
 from ..quantize.model import QuantizedModel
@@ -43,7 +43,7 @@ from .htp import HtpSoc, htp_session_options, write_context_binaries
 from .ort_qdq import lean_session, ort_overrides, quantize_qdq
 
 __all__ = ["CALIBRATION_PICTURES", "CALIBRATION_SET", "VISION_GAP_ERROR", "vision_quantized", "calibration_feeds",
-           "vision_qdq", "embedding_agreement", "injected_encoder", "fixed_size_set", "measure_vision_encoder"]
+           "vision_qdq", "fixed_size_set", "measure_vision_encoder"]
 
 CALIBRATION_SET = DEMO_VL_DATA_DIR / "calibration.jsonl"
 CALIBRATION_PICTURES = 100  # Qualcomm calibrates its VLM encoders on ~100 pictures; the demo set has 64
@@ -78,39 +78,6 @@ def vision_qdq(export: VisionExport, qm, feeds: Sequence[Mapping[str, np.ndarray
     quantize_qdq(export.path, out_path, feeds, init_overrides=doc["init_overrides"], activation_bits=activation_bits,
                  quantized=view, export=export)
     return out_path
-
-
-def embedding_agreement(reference: Sequence[np.ndarray], candidate: Sequence[np.ndarray]) -> dict:
-    """Cosine per image token (mean and lowest) and relative error ``||c - r|| / ||r||`` over all pictures."""
-    cos, diff, norm = [], 0.0, 0.0
-    for r, c in zip(reference, candidate):
-        r, c = np.asarray(r, np.float64), np.asarray(c, np.float64)
-        cos.append((r * c).sum(-1) / np.maximum(np.linalg.norm(r, axis=-1) * np.linalg.norm(c, axis=-1), 1e-30))
-        diff += float(((c - r) ** 2).sum())
-        norm += float((r ** 2).sum())
-    cos = np.concatenate(cos)
-    return {"cosine": float(cos.mean()), "cosine_min": float(cos.min()),
-            "relative_error": float(np.sqrt(diff / max(norm, 1e-30))), "tokens": int(cos.size)}
-
-
-@contextlib.contextmanager
-def injected_encoder(model, encode: Callable[[np.ndarray, tuple], np.ndarray]):
-    """While inside, ``model``'s vision encoder is ``encode(pixel_values, grid_thw)`` (another runtime's
-    embeddings, injected where the image tokens are); its own forward is back afterwards."""
-    import torch
-    from transformers.modeling_outputs import BaseModelOutputWithPooling
-    visual = model.model.visual
-
-    def forward(pixel_values, grid_thw=None, **_kwargs):
-        grid = tuple(int(v) for v in grid_thw[0])
-        emb = encode(pixel_values.detach().float().cpu().numpy(), grid)
-        return BaseModelOutputWithPooling(last_hidden_state=None,
-                                          pooler_output=torch.from_numpy(np.asarray(emb, np.float32)).to(visual.dtype))
-    visual.forward = forward
-    try:
-        yield model
-    finally:
-        del visual.forward
 
 
 def fixed_size_set(images: VisionEvalSet, size: tuple[int, int]) -> tuple[VisionEvalSet, int]:
@@ -197,9 +164,9 @@ def measure_vision_encoder(prep, export: VisionExport, qdq_path: Path, *, soc: H
     cpu = ort.InferenceSession(str(qdq_path), opts, providers=["CPUExecutionProvider"])
     qdq = [cpu.run(None, f)[0] for f in feeds]
     info: dict = {"pictures": len(feeds), "resized_pictures": resized, "source": images.source,
-                  "simulation_vs_float": embedding_agreement(floats, sims),
-                  "qdq": {"embeddings": {"vs_float": embedding_agreement(floats, qdq),
-                                         "vs_simulation": embedding_agreement(sims, qdq)},
+                  "simulation_vs_float": embedding_error(sims, floats),
+                  "qdq": {"embeddings": {"vs_float": embedding_error(qdq, floats),
+                                         "vs_simulation": embedding_error(qdq, sims)},
                           "time": _timed(cpu, feeds)}}
     say(f"scoring the answers with the QDQ encoder's embeddings on {images.describe()}")
     baseline = measure_vision_baseline(lm, images)
@@ -221,9 +188,9 @@ def measure_vision_encoder(prep, export: VisionExport, qdq_path: Path, *, soc: H
     say(f"scoring the answers with the HTP encoder's embeddings ({soc.label})")
     info["htp"] = {"soc": soc.label, "device": soc.device, "context_binary": ctx["ctx"], "bins": ctx["bin"],
                    "bytes": ctx["bytes"], "compile_seconds": compile_s,
-                   "embeddings": {"vs_simulation": embedding_agreement(qdq, outs),
-                                  "vs_workbench_simulation": embedding_agreement(sims, outs),
-                                  "vs_float": embedding_agreement(floats, outs)},
+                   "embeddings": {"vs_simulation": embedding_error(outs, qdq),
+                                  "vs_workbench_simulation": embedding_error(outs, sims),
+                                  "vs_float": embedding_error(outs, floats)},
                    "time": timing, "answers": _answers(prep, images, baseline, _Encoder(htp, export))}
     return info
 

@@ -16,8 +16,8 @@ each linear layer's output named after the layer so the plan's codes can be writ
 Scoring (``score_vision``, run by ``workbench convert``): the engine gets each held-out question as the float model's
 prompt with ``<img>PATH</img>`` where its image tokens are (``EngineQuestion``), reads the picture itself, and its
 answer-token logits are scored against the float model's and the simulation's (``engine_scorer``); ``visual.mnn``
-alone is compared with the torch encoder (``embedding_error``); the engine's own counters time the picture path
-(``picture_timing``, also ``workbench profile``).
+alone is compared with the torch encoder (``visual_embedding_error``); the engine's own counters time the picture
+path (``picture_timing``, also ``workbench profile``).
 """
 from __future__ import annotations
 
@@ -34,13 +34,16 @@ from ..evaluation.images import read_image
 from ..evaluation.vision import (AnswerScores, answer_kl, capture_answer_reference, image_text_matching,
                                  itm_paired_difference)
 from ..model.vision import VISION_MODEL_TYPES, answer_scorer, answer_text, is_vision_config, vision_inputs
+from ..model.text_part import language_model
+from ..model.vision_feed import embedding_error
 from ..model.vision_quality import measure_vision_baseline, vision_eval_set
-from ..onnx.build import INLINE_LIMIT, FloatWeights, GraphBuilder, TensorStore, apply_rotary, as_array
+from ..onnx.build import INLINE_LIMIT, FloatWeights, GraphBuilder, TensorStore, as_array
+from ..onnx.vision_export import gelu, vision_block
 
-__all__ = ["VISUAL_FILE", "VISUAL_PREFIXES", "VISUAL_TYPES", "PartWeights", "TextView", "text_view", "mrope_tables",
+__all__ = ["VISUAL_FILE", "VISUAL_PREFIXES", "VISUAL_TYPES", "PartWeights", "text_view", "mrope_tables",
            "export_visual_onnx", "visual_inputs", "run_visual_mnn", "vision_llm_config", "engine_picture",
-           "EngineQuestion", "engine_scorer", "embedding_error", "noise_picture", "picture_timing", "greedy_answers",
-           "decode_after_picture", "score_vision", "source_vision_inputs"]
+           "EngineQuestion", "engine_scorer", "visual_embedding_error", "noise_picture", "picture_timing",
+           "greedy_answers", "decode_after_picture", "score_vision", "source_vision_inputs"]
 
 VISUAL_FILE = "visual.mnn"
 VISUAL_PREFIXES = ("model.visual.",)  # the vision layers' names in the plan
@@ -49,29 +52,15 @@ ENGINE_IMAGE_SIZE = 420  # the square MNN's llmexport.py writes for Qwen2/2.5-VL
 MERGE_WINDOW = 4  # merged patches a window side: MNN's engine fixes it (vit_merger_window_size), Qwen2.5-VL's 112 px
 
 
-class TextView:
-    """A VLM's language model seen as a plain causal LM (``model.layers``, ``lm_head``, its text config), what the
-    decoder builder reads; ``prefix`` is its layers' names in the VLM (``model.language_model``)."""
-
-    def __init__(self, vlm):
-        self.vlm, self.model, self.config = vlm, vlm.model.language_model, vlm.config.text_config
-        self.prefix = "model.language_model"
-
-    def get_output_embeddings(self):
-        return self.vlm.get_output_embeddings()
-
-    def get_input_embeddings(self):
-        return self.vlm.get_input_embeddings()
-
-
 def text_view(model):
-    """``model`` itself for a causal LM; its language model (``TextView``) for a VLM this target writes."""
+    """``model`` itself for a causal LM; its language model (``model.text_part.language_model``, its layers'
+    names in the VLM under ``prefix``) for a VLM this target writes."""
     if getattr(model.config, "vision_config", None) is None:
         return model
     if model.config.model_type not in VISUAL_TYPES:
         raise WorkbenchError(f"mnn-llm writes the vision part of {', '.join(VISUAL_TYPES)} models, not "
                              f"'{model.config.model_type}'; use the mnn target for its language model")
-    return TextView(model)
+    return language_model(model)
 
 
 def mrope_tables(g: GraphBuilder, inv_freq: np.ndarray, sections) -> tuple[str, str]:
@@ -89,12 +78,6 @@ def mrope_tables(g: GraphBuilder, inv_freq: np.ndarray, sections) -> tuple[str, 
     freqs = g.op("MatMul", [pos, g.const(select, np.float32)])  # [seq, d/2]
     emb = g.op("Concat", [freqs, freqs], axis=-1)
     return tuple(g.unsqueeze(g.op(f, [emb]), [0, 2]) for f in ("Cos", "Sin"))
-
-
-def _gelu(g: GraphBuilder, x: str) -> str:
-    """GELU (erf form, transformers' ``gelu``), in opset-17 ops MNN converts."""
-    inner = g.op("Erf", [g.op("Mul", [x, g.const(1 / np.sqrt(2.0), np.float32)])])
-    return g.op("Mul", [g.op("Mul", [x, g.const(0.5, np.float32)]), g.op("Add", [inner, g.const(1.0, np.float32)])])
 
 
 def export_visual_onnx(vlm, path: str | Path) -> Path:
@@ -141,34 +124,15 @@ def export_visual_onnx(vlm, path: str | Path) -> Path:
             freqs = g.op("Mul", [g.unsqueeze(g.op("Transpose", [pos], perm=[1, 0]), [2]), g.const(inv, np.float32)])
             freqs = g.reshape(freqs, [-1, 2 * len(inv)])  # [S, hd/2]: rows' angles, then columns'
             emb = g.op("Concat", [freqs, freqs], axis=-1)
-            cos, sin = (g.unsqueeze(g.op(f, [emb]), [0, 2]) for f in ("Cos", "Sin"))  # [1, S, 1, hd]
+            cos, sin = (g.unsqueeze(g.op(f, [emb]), [0]) for f in ("Cos", "Sin"))  # [1, S, hd]
             h = g.reshape(g.op("Gather", [g.reshape(h, [-1, 4, dim]), order], axis=0), [-1, dim])
-            masks = {i: g.unsqueeze(g.op("Gather", ["attention_mask", g.const(i)], axis=0), [0]) for i in (0, 1)}
+            masks = {i: g.op("Gather", ["attention_mask", g.const(i)], axis=0) for i in (0, 1)}  # [1, S, S]
             for i, block in enumerate(visual.blocks):
-                p = f"model.visual.blocks.{i}"
-                g.scope = p
-                x = g.rms_norm(h, block.norm1, f"{p}.norm1")
-                qkv = g.reshape(linear(block.attn.qkv, f"{p}.attn.qkv", x), [1, -1, 3, heads, hd])
-                q, k, v = (g.op("Squeeze", [g.op("Slice", [qkv, g.const([j]), g.const([j + 1]), g.const([2])]),
-                                            g.const([2])]) for j in range(3))  # [1, S, heads, hd]
-                q, k = apply_rotary(g, q, cos, sin, hd), apply_rotary(g, k, cos, sin, hd)
-                q, k, v = (g.op("Transpose", [t], perm=[0, 2, 1, 3]) for t in (q, k, v))
-                scores = g.op("Mul", [g.op("MatMul", [q, g.op("Transpose", [k], perm=[0, 1, 3, 2])]),
-                                      g.const(hd ** -0.5, np.float32)])
-                probs = g.op("Softmax", [g.op("Add", [scores, masks[0 if i in full else 1]])], axis=-1)
-                att = g.reshape(g.op("Transpose", [g.op("MatMul", [probs, v])], perm=[0, 2, 1, 3]), [-1, dim])
-                h = g.op("Add", [h, linear(block.attn.proj, f"{p}.attn.proj", att)])
-                x = g.rms_norm(h, block.norm2, f"{p}.norm2")
-                m = block.mlp
-                gate = linear(m.gate_proj, f"{p}.mlp.gate_proj", x)
-                act = g.op("Mul", [gate, g.op("Sigmoid", [gate])])
-                up = linear(m.up_proj, f"{p}.mlp.up_proj", x)
-                g.scope = p
-                h = g.op("Add", [h, linear(m.down_proj, f"{p}.mlp.down_proj", g.op("Mul", [act, up]))])
+                h = vision_block(g, linear, block, i, h, cos, sin, masks[0 if i in full else 1], -1, heads, hd)
             g.scope = "model.visual.merger"
             merger = visual.merger
             x = g.reshape(g.rms_norm(h, merger.ln_q, "model.visual.merger.ln_q"), [-1, 4 * dim])
-            x = _gelu(g, linear(merger.mlp[0], "model.visual.merger.mlp.0", x))
+            x = gelu(g, linear(merger.mlp[0], "model.visual.merger.mlp.0", x))
             g.scope = "model.visual.merger"
             x = linear(merger.mlp[2], "model.visual.merger.mlp.2", x)
             # back to raster order: out[window_index[j]] = x[j]
@@ -334,22 +298,19 @@ def engine_scorer(runner, processor, size: int, folder: Path):
     return score
 
 
-def embedding_error(visual_file: Path, vlm, processor, images, size: int, folder: Path) -> dict:
+def visual_embedding_error(visual_file: Path, vlm, processor, images, size: int, folder: Path) -> dict:
     """``visual.mnn`` (MNN's module loader, the engine's patches) against ``vlm``'s vision encoder in torch on the
-    same pictures: mean cosine similarity and relative error (``|e - r| / |r|``) of the image embeddings."""
-    cos, rel = [], []
+    same pictures, by ``model.vision_feed.embedding_error``."""
+    got, want = [], []
     for image in images:
         q = EngineQuestion(processor, image, "?", size, folder)
         pv, grid = q.feats["pixel_values"], q.feats["image_grid_thw"]
         with torch.no_grad():
             ref = vlm.model.visual(pv, grid_thw=grid)
         ref = getattr(ref, "pooler_output", ref)
-        ref = ref.float().numpy().reshape(-1, ref.shape[-1])
-        got = run_visual_mnn(visual_file, pv.numpy(), grid.numpy())
-        cos.append(float((got * ref).sum() / (np.linalg.norm(got) * np.linalg.norm(ref))))
-        rel.append(float(np.linalg.norm(got - ref) / np.linalg.norm(ref)))
-    return {"pictures": len(cos), "cosine": float(np.mean(cos)), "cosine_min": float(np.min(cos)),
-            "relative_error": float(np.mean(rel)), "relative_error_max": float(np.max(rel))}
+        want.append(ref.float().numpy().reshape(-1, ref.shape[-1]))
+        got.append(run_visual_mnn(visual_file, pv.numpy(), grid.numpy()))
+    return embedding_error(got, want)
 
 
 def noise_picture(size: int, folder: Path) -> Path:
@@ -451,9 +412,9 @@ def score_vision(job, runner, *, images=None) -> dict:
                    itm_difference=diff["mean"], itm_difference_stderr=diff["stderr"], distractors=baseline.distractors)
     distinct = list(dict.fromkeys(str(q.image) for q in images.questions if isinstance(q.image, (str, Path))))
     visual_file = job.out / VISUAL_FILE
-    out["embeddings_vs_float"] = embedding_error(visual_file, lm.model, lm.processor, distinct, size, pictures)
-    out["embeddings_vs_simulation"] = embedding_error(visual_file, prep.sim_lm.model, lm.processor, distinct, size,
-                                                      pictures)
+    out["embeddings_vs_float"] = visual_embedding_error(visual_file, lm.model, lm.processor, distinct, size, pictures)
+    out["embeddings_vs_simulation"] = visual_embedding_error(visual_file, prep.sim_lm.model, lm.processor, distinct,
+                                                             size, pictures)
     out["greedy_vs_simulation"] = greedy_answers(runner, lm.processor, prep.sim_lm.model, images.questions, size,
                                                  pictures, 8)
     out["decode_after_picture"] = decode_after_picture(runner, lm.processor, images.questions, size, pictures)
