@@ -141,23 +141,22 @@ def test_cli_plan_images_on_a_text_model_is_one_line_exit_2(tmp_path, capsys):
 
 
 def test_quantize_for_a_target_takes_its_vision_recipe(tmp_path, capsys):
-    """`quantize --target` (the flag lives with the deployment targets' options): a VLM's vision parts follow the
-    target's recipe unless --vision-bits / --projector-bits are given."""
+    """`quantize --target`: a VLM's vision parts follow the target's recipe unless --vision-bits / --projector-bits
+    are given."""
     import argparse
 
     from workbench.cli import quantize as quantize_cmd
     p = argparse.ArgumentParser()
     quantize_cmd.add_arguments(p)
-    args = p.parse_args(["demo-vl", "--bits", "4", "--out", str(tmp_path / "q"), "--no-importance", "--json"])
-    args.target = "mnn"
+    args = p.parse_args(["demo-vl", "--bits", "4", "--out", str(tmp_path / "q"), "--no-importance", "--json",
+                         "--target", "mnn"])
     assert quantize_cmd.run(args) == 0
     out = json.loads(capsys.readouterr().out)
     precisions = {layer["name"]: layer["precision"] for layer in out["layers"]}
     assert precisions[PROJECTOR] == precisions[VISION] == "int4"  # MNN: int4 visual for Qwen2.5-VL
     assert out["plan"]["meta"]["vision_recipe"]["runtime"].startswith("MNN") and out["vision"]["answer_kl"] > 0
     args = p.parse_args(["demo-vl", "--bits", "4", "--out", str(tmp_path / "q2"), "--no-importance", "--json",
-                         "--vision-bits", "16"])
-    args.target = "mnn"
+                         "--vision-bits", "16", "--target", "mnn"])
     assert quantize_cmd.run(args) == 0
     precisions = {layer["name"]: layer["precision"] for layer in json.loads(capsys.readouterr().out)["layers"]}
     assert precisions[VISION] is None and precisions[PROJECTOR] is None  # asked for: left unquantized

@@ -30,8 +30,9 @@ HELD_OUT = Path(__file__).resolve().parents[1] / "assets" / "demo-vl" / "images"
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    """The demo VLM at int4 (the default plan, no importance statistics) as an mnn-llm folder."""
-    prep = prepare_models("demo-vl", bits=4, importance=False)
+    """The demo VLM at int4 with MNN's vision recipe (int4 visual.mnn for Qwen2.5-VL; no importance statistics) as an
+    mnn-llm folder."""
+    prep = prepare_models("demo-vl", bits=4, importance=False, target="mnn-llm")
     out = tmp_path_factory.mktemp("mnn-llm-vl")
     info = write_mnn_llm_folder(prep.sim_lm, prep.qm, out, tmp_path_factory.mktemp("work"),
                                 processor=prep.float_lm.processor)

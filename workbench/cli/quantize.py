@@ -200,8 +200,8 @@ def run(args) -> int:
     lm = load_model(args.model, device=args.device)
     vision = getattr(lm, "is_vision", False)
     images = None
-    # a VLM for a deployment target (--target) without --vision-bits / --projector-bits: its runtime's recipe
-    recipe = vision_recipe_for(getattr(args, "target", None), lm.config.model_type) if vision and \
+    # a VLM for deployment targets (--target, or the plan's) without --vision-bits / --projector-bits: its runtime's recipe
+    recipe = vision_recipe_for(plan.meta.get("targets"), lm.config.model_type) if vision and \
         args.vision_bits is None and args.projector_bits is None else None
     if recipe is not None:
         plan = recipe_part_plan(lm, plan, recipe)
