@@ -17,11 +17,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
+import numpy as np
+
 from ..errors import PlanError
+from ..model.vision_feed import embedding_error
 from ..quantize.plan import QuantPlan
 
 __all__ = ["VL_TARGETS", "VL_TABLE_HEADER", "VLTarget", "register_vl_target", "vl_targets", "vl_row", "absent_vl_row",
-           "embedding_error", "measure_vl_rows", "simulation_vl_measure", "format_vl_table", "vl_table_cells"]
+           "vl_measure_of", "measure_vl_rows", "simulation_vl_measure", "format_vl_table", "vl_table_cells"]
 
 # the targets a VL row is asked of: the simulation, and the targets whose vision form other modules register
 VL_TARGETS = ("simulation", "htp", "mnn-llm", "llama.cpp")
@@ -69,16 +72,6 @@ def absent_vl_row(target: str, why: str) -> dict:
             "peak_bytes": None, "absent": True}
 
 
-def embedding_error(candidate, reference) -> tuple[float, float]:
-    """(mean cosine over image tokens, relative error ||c - r|| / ||r||) of two image-embedding tensors."""
-    import torch
-    c, r = candidate.float().reshape(-1, candidate.shape[-1]), reference.float().reshape(-1, reference.shape[-1])
-    if c.shape != r.shape:
-        raise PlanError(f"image embeddings differ in shape: {tuple(c.shape)} against the float model's {tuple(r.shape)}")
-    cos = torch.nn.functional.cosine_similarity(c, r, dim=-1).mean().item()
-    return cos, (torch.linalg.vector_norm(c - r) / torch.linalg.vector_norm(r).clamp_min(1e-12)).item()
-
-
 def simulation_vl_measure(model: str, plan_doc: dict, work: str, *, pictures: int | None = None,
                           decode_steps: int = 16, repeats: int = 3) -> dict:
     """The PyTorch simulation of the plan against the float VLM on the held-out pictures (run in a child);
@@ -96,28 +89,89 @@ def simulation_vl_measure(model: str, plan_doc: dict, work: str, *, pictures: in
         images = VisionEvalSet(images.questions[:pictures], images.captions[:pictures],
                                f"{images.source} (first {pictures} questions and captions)")
     cand = quantize_model(lm, plan, progress=False).build_model().eval()
-    cos, rel = [], []
+    got, want = [], []
     with torch.inference_mode():
         for s in images.questions:
             image = read_image(s.image) if not hasattr(s.image, "size") else s.image
             inputs = lm.processor(image, s.prompt)
-            c, r = embedding_error(image_features(cand, inputs), image_features(lm.model, inputs))
-            cos.append(c)
-            rel.append(r)
+            got.append(np.asarray(image_features(cand, inputs).float()))
+            want.append(np.asarray(image_features(lm.model, inputs).float()))
+    err = embedding_error(got, want)
     q = measure_vision_quality(lm, cand, images)
     s = images.questions[0]
     inputs = lm.processor(read_image(s.image) if not hasattr(s.image, "size") else s.image, s.prompt)
     encoder, _, tps = time_vision_model(cand, inputs, pad_token_id=lm.tokenizer.pad_token_id or 0,
                                         decode_steps=decode_steps, repeats=repeats)
-    return {"embedding_cosine": sum(cos) / len(cos), "embedding_rel_error": sum(rel) / len(rel),
+    return {"embedding_cosine": err["cosine"], "embedding_rel_error": err["relative_error"],
             "answer_kl": q.answer_kl, "answer_top1": q.answer_top1, "itm_accuracy": q.itm_accuracy,
             "encoder_ms": encoder, "decode_tps": tps,
-            "note": f"{len(cos)} questions about pictures, {q.answer_tokens} answer tokens; float model's ITM "
+            "note": f"{len(got)} questions about pictures, {q.answer_tokens} answer tokens; float model's ITM "
                     f"{q.reference_itm_accuracy:.2%}; torch on this CPU" if q.reference_itm_accuracy is not None else
-                    f"{len(cos)} questions about pictures, {q.answer_tokens} answer tokens; torch on this CPU"}
+                    f"{len(got)} questions about pictures, {q.answer_tokens} answer tokens; torch on this CPU"}
 
 
 register_vl_target("simulation", "simulation (PyTorch)", simulation_vl_measure)
+
+
+def vl_measure_of(target: str, details: dict) -> dict:
+    """A VL row's figures from what ``target``'s conversion measured of its vision path (``ConversionReport.details``):
+    Hexagon's ``vision_encoder`` (the HTP encoder's embeddings feeding the quantized language model), MNN-LLM's
+    ``mnn_llm_vision`` (the engine reading the picture itself), llama.cpp's ``mtmd`` (llama-mtmd-cli's clip
+    embeddings feeding the workbench's language model). A figure the conversion did not measure stays None."""
+    if target == "htp":
+        d = details.get("vision_encoder") or {}
+        htp = d.get("htp")
+        if not htp:
+            return {"note": "the vision encoder was not run on the HTP emulator (onnxruntime-qnn missing or no --soc)"}
+        e, a = htp["embeddings"]["vs_float"], htp["answers"]["whole_model"]
+        return {"embedding_cosine": e["cosine"], "embedding_rel_error": e["relative_error"], "answer_kl": a["answer_kl"],
+                "answer_top1": a["answer_top1"], "itm_accuracy": a["itm_accuracy"], "encoder_ms": htp["time"]["median_ms"],
+                "note": f"HTP emulator ({htp['soc']}), x86 emulation times; decode: the text rows' HTP graphs"}
+    if target == "mnn-llm":
+        d = details.get("mnn_llm_vision")
+        if not d:
+            return {"note": "MNN's engine did not run the picture path"}
+        e, sp = d["embeddings_vs_float"], d["speed"]
+        return {"embedding_cosine": e["cosine"], "embedding_rel_error": e["relative_error"], "answer_kl": d["answer_kl"],
+                "answer_top1": d["answer_top1"], "itm_accuracy": d.get("itm_accuracy"), "encoder_ms": sp["encoder_ms"],
+                "decode_tps": sp["decode_tokens_per_second"], "note": "MNN.llm reading the picture; engine counters"}
+    if target == "llama.cpp":
+        d = details.get("mtmd")
+        if not d:
+            return {"note": "llama-mtmd-cli not found: set LLAMA_CPP_DIR (docs/targets.md); the GGUFs are checked only"}
+        return {"embedding_cosine": d["median_embedding_cosine_vs_float"],
+                "embedding_rel_error": d["median_embedding_relative_error_vs_float"],
+                "answer_kl": d["answer_kl_llama_cpp_vision"], "answer_top1": d["answer_top1_llama_cpp_vision"],
+                "encoder_ms": d["warm_encode_ms"], "decode_tps": d["decode_tokens_per_second"],
+                "note": f"llama-mtmd-cli on {d['questions']} questions (medians; its embeddings feed the workbench's "
+                        "language model for KL)"}
+    raise PlanError(f"no vision-language reading for target '{target}'")
+
+
+def converted_vl_measure(target: str, model: str, plan_doc: dict, work: str) -> dict:
+    """Convert ``model`` with the plan for ``target`` (its vision form included) and read the row from the report."""
+    from ..targets.convert import convert
+    htp = target == "htp"  # Hexagon's vision form comes from the qnn conversion compiled for a SoC
+    report = convert(model, "qnn" if htp else target, Path(work), plan=QuantPlan.from_dict(plan_doc),
+                     soc="8gen3" if htp else None)
+    return vl_measure_of(target, report.details)
+
+
+def htp_vl_measure(model: str, plan_doc: dict, work: str) -> dict:
+    return converted_vl_measure("htp", model, plan_doc, work)
+
+
+def mnn_llm_vl_measure(model: str, plan_doc: dict, work: str) -> dict:
+    return converted_vl_measure("mnn-llm", model, plan_doc, work)
+
+
+def llamacpp_vl_measure(model: str, plan_doc: dict, work: str) -> dict:
+    return converted_vl_measure("llama.cpp", model, plan_doc, work)
+
+
+register_vl_target("htp", "Hexagon HTP emulator (onnxruntime-qnn, 8 Gen 3)", htp_vl_measure)
+register_vl_target("mnn-llm", "MNN.llm", mnn_llm_vl_measure)
+register_vl_target("llama.cpp", "llama.cpp mtmd", llamacpp_vl_measure)
 
 
 def vl_plan(model: str, plan: QuantPlan | None, bits: int | None) -> QuantPlan:
