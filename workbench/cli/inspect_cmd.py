@@ -10,6 +10,7 @@ from __future__ import annotations
 from ..targets import TARGETS, inspect_graph
 from ..units import format_bytes
 from .common import add_json_flag, print_json
+from ..targets.htp import soc_findings
 
 HELP = "operator inventory and per-target compatibility of an ONNX graph"
 
@@ -25,7 +26,6 @@ def add_arguments(p):
 def run(args) -> int:
     report = inspect_graph(args.onnx, args.target)
     if args.soc:
-        from ..targets.htp import soc_findings
         report.findings += soc_findings(args.onnx, args.soc)
     if args.json:
         print_json(report.to_dict())

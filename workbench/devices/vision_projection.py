@@ -29,6 +29,7 @@ from ..quantize.plan import QuantPlan
 from .profiles import Device, get_device
 from .projection import AUTO, DEFAULT_CONTEXT, DEFAULT_PROMPT, Projection, project
 from .vendor_fit import VENDOR_FILE, relative_error
+from .runtimes import get_runtime
 
 __all__ = ["VisionShape", "VisionProjection", "VendorCheck", "vision_model", "image_tokens", "encoder_cost",
            "project_vision", "vendor_vl_check", "parse_image_size", "DEFAULT_IMAGE"]
@@ -207,7 +208,6 @@ def _text_shape(shape: str):
 def vendor_vl_check(device: Device, runtime: str, *, path: Path = VENDOR_FILE) -> VendorCheck:
     """Project each vendor VLM measurement of ``device`` and ``runtime`` (its language part, at its precision,
     context and prompt) with the text fit, and report the median errors: those rows were never fitted."""
-    from .runtimes import get_runtime
     rt = get_runtime(runtime)
     rows = [r for r in _vl_rows(path) if r["device"] == device.key and r["runtime"] == rt.name]
     ttft, decode, models = [], [], []

@@ -17,6 +17,7 @@ from torch import nn
 
 from ..errors import ModelLoadError
 from .load import LoadedModel, quantizable_layers
+from ..quantize.model import QuantizedModel
 
 __all__ = ["LANGUAGE_PREFIX", "TEXT_PREFIX", "text_name", "LanguageModel", "language_model", "language_model_view",
            "text_part_quantized"]
@@ -82,7 +83,6 @@ def language_model_view(lm: LoadedModel) -> LoadedModel:
 def text_part_quantized(qm):
     """The ``QuantizedModel`` ``qm`` of a VLM restricted to its language model's layers, named as in
     ``language_model_view`` (the same integers; vision layers left out)."""
-    from ..quantize.model import QuantizedModel
 
     def ours(name: str) -> bool:
         return name.startswith(LANGUAGE_PREFIX) or not name.startswith("model.")

@@ -32,6 +32,7 @@ from ..files.workspace import model_fingerprint
 from .awq import (DEFAULT_GRID, default_search_tokens, fold_awq_scales, load_awq_search, save_awq_search,
                   scaled_importance, search_awq, SEARCH_VERSION)
 from .gptq import default_gptq_tokens, search_gptq
+from .layers import QuantEmbedding, QuantLinear
 
 __all__ = ["LayerQuantReport", "QuantizedModel", "quantize_model", "resolve_group_size", "METHODS", "activation_importance",
            "CALIBRATED_METHODS", "bits_per_weight", "LayerQuantizer", "layer_quantizer", "release_layer_weight"]
@@ -236,7 +237,6 @@ class QuantizedModel:
         """
         import copy
 
-        from .layers import QuantEmbedding, QuantLinear
         model = model if model is not None else getattr(self.source, "model", None)
         if model is None:
             raise PlanError("build_model needs the model this result was made from")

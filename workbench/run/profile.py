@@ -26,6 +26,11 @@ from ..files.workspace import Workspace
 from ..numerics.memory import reset_peak_rss, rss_mb, settled_rss_mb
 from ..targets.convert import convert, CONVERT_TARGETS, prepare_models
 from .locate import CONVERSION_FILE, find_runnable, locate, not_runnable_here
+from ..assets import DEMO_VL_DATA_DIR
+from ..devices.vision_projection import DEFAULT_IMAGE
+from ..evaluation.images import read_image
+from ..model.load import load_model
+from ..model.vision import is_vision_config
 
 __all__ = ["RuntimeProfile", "profile_runtime", "profile_directory", "VisionProfile", "profile_vision_model",
            "is_vision_folder", "image_features", "time_vision_model", "build_candidates",
@@ -359,7 +364,6 @@ class VisionProfile:
 def is_vision_folder(path: str | Path) -> bool:
     """A model folder (float or `workbench quantize` output) whose config describes a vision-language model."""
     import json
-    from ..model.vision import is_vision_config
     cfg = Path(path) / "config.json"
     try:
         return cfg.is_file() and is_vision_config(json.loads(cfg.read_text(encoding="utf-8")))
@@ -370,9 +374,6 @@ def is_vision_folder(path: str | Path) -> bool:
 def _profile_image(lm, size: tuple[int, int] | None):
     """The first held-out demo picture at ``size`` (default: the size the model's family is exported at, or the
     picture's own where the processor fixes the pixel count)."""
-    from ..assets import DEMO_VL_DATA_DIR
-    from ..devices.vision_projection import DEFAULT_IMAGE
-    from ..evaluation.images import read_image
     image = read_image(sorted((DEMO_VL_DATA_DIR / "images").glob("*.png"))[0])
     proc = lm.processor.image_processor
     bounds = getattr(proc, "size", None) or {}
@@ -417,7 +418,6 @@ def profile_vision_model(path: str | Path, *, image_size: tuple[int, int] | None
     on this CPU, each the median of ``repeats`` after a warm-up. A folder whose weights miss the vision part is
     refused by the loader in one line."""
     import torch
-    from ..model.load import load_model
     if repeats < 1 or decode_steps < 1:
         raise WorkbenchError("profile: repeats and decode steps must be at least 1")
     if not is_vision_folder(path):

@@ -22,6 +22,11 @@ import numpy as np
 from ..errors import PlanError
 from ..model.vision_feed import embedding_error
 from ..quantize.plan import QuantPlan
+from ..evaluation.images import read_image
+from ..model.load import load_model
+from ..model.vision_quality import measure_vision_quality, part_plan, vision_eval_set, VisionEvalSet
+from ..targets.convert import convert
+from .profile import image_features, time_vision_model
 
 __all__ = ["VL_TARGETS", "VL_TABLE_HEADER", "VLTarget", "register_vl_target", "vl_targets", "vl_row", "absent_vl_row",
            "vl_measure_of", "measure_vl_rows", "simulation_vl_measure", "format_vl_table", "vl_table_cells"]
@@ -77,11 +82,7 @@ def simulation_vl_measure(model: str, plan_doc: dict, work: str, *, pictures: in
     """The PyTorch simulation of the plan against the float VLM on the held-out pictures (run in a child);
     ``pictures``: only the first N questions and N captioned pictures (a large shape on a small machine)."""
     import torch
-    from ..model.load import load_model
-    from ..model.vision_quality import VisionEvalSet, measure_vision_quality, vision_eval_set
     from ..quantize import quantize_model
-    from ..evaluation.images import read_image
-    from .profile import image_features, time_vision_model
     lm = load_model(model, dtype="float32")
     plan = QuantPlan.from_dict(plan_doc)
     images = vision_eval_set()
@@ -150,7 +151,6 @@ def vl_measure_of(target: str, details: dict) -> dict:
 
 def converted_vl_measure(target: str, model: str, plan_doc: dict, work: str) -> dict:
     """Convert ``model`` with the plan for ``target`` (its vision form included) and read the row from the report."""
-    from ..targets.convert import convert
     htp = target == "htp"  # Hexagon's vision form comes from the qnn conversion compiled for a SoC
     report = convert(model, "qnn" if htp else target, Path(work), plan=QuantPlan.from_dict(plan_doc),
                      soc="8gen3" if htp else None)
@@ -177,8 +177,6 @@ register_vl_target("llama.cpp", "llama.cpp mtmd", llamacpp_vl_measure)
 def vl_plan(model: str, plan: QuantPlan | None, bits: int | None) -> QuantPlan:
     """The plan a VL row measures: the given one, or ``bits`` for the language model with the vision encoder and
     projector at int8 (``workbench quantize``'s w8a16 default)."""
-    from ..model.load import load_model
-    from ..model.vision_quality import part_plan
     if plan is None and bits is None:
         raise PlanError("give a plan or bits (4 or 8) for the vision-language rows")
     lm = load_model(model, dtype="float32")
