@@ -123,7 +123,7 @@ def test_the_share_colour_bar_title_is_not_cut_by_the_bar_panel():
     import torch
     from workbench.charts.calibration import make_layer_overview_figure
     layer = SimpleNamespace(hist_counts=torch.tensor([1, 2, 3]), outlier_ratio=0.1, outlier_channels=[1], in_features=4,
-                            max_to_median=3.0, kurtosis=1.0, abs_max_value=2.0)
+                            max_to_median=3.0, kurtosis=1.0, abs_max_value=2.0, near_zero_fraction=0.0)
     stats = SimpleNamespace(hist_edges=[-2.0, -1.0, 0.0, 1.0], layers={"model.layers.0.mlp.up_proj": layer})
     fig = make_layer_overview_figure(stats, sort_by="order")
     bar = fig.data[0].colorbar

@@ -98,6 +98,8 @@ OTHER_PROGRAMS_OPTIONS = {
     "--outfile": "convert_hf_to_gguf", "--sym": "llmexport", "--path": "llmexport", "--export": "llmexport",
     "--no-deps": "pip install", "--platform": "build_rknn.py", "--port": "workbench.ui.serve",
     "--notebook": "workbench.ui.serve", "--no-browser": "voila", "--object-store-memory": "ray start",
+    "--temp": "llama-mtmd-cli", "--jinja": "llama-mtmd-cli", "--image-min-tokens": "llama-mtmd-cli",
+    "--image-max-tokens": "llama-mtmd-cli", "--ignore-eos": "llama-mtmd-cli",
 }
 
 
