@@ -145,8 +145,8 @@ def test_voila_serves_the_app_on_loopback_only(server, app_page):
     assert _listeners(server.port) == {"0100007F"}  # 127.0.0.1, and nothing else (no 0.0.0.0, no ::)
     page, _ = app_page
     assert "application/vnd.jupyter.widget-view+json" in page  # the notebook ran and left its widgets
-    # the app's own words are checked in the rendered page by the browser test (test_app_browser.py): the served
-    # HTML no longer carries the widgets' state inline since the app grew its vision-language panels
+    # the app's own words are checked on its widgets (test_ui_app.py::test_the_intro_sentence_is_said_once): the
+    # served HTML no longer carries the widgets' state inline since the app grew its vision-language panels
 
 
 @served
